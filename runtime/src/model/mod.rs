@@ -1,0 +1,44 @@
+//! Model code: Qwen3 dense and Qwen3-MoE on libtorch, loaded from a Hugging Face model folder.
+//!
+//! Contract: [`Qwen3Model::forward`] takes a *packed* batch (each sequence contributes its new
+//! tokens, with or without a KV cache) and returns logits that match transformers' forward
+//! for the same checkpoint. The same function serves the engine (cache, last-position logits)
+//! and the trainer (no cache, all positions, optional routing replay), so the two cannot
+//! drift apart (DESIGN §3, forward consistency).
+
+mod config;
+mod kv_cache;
+mod loader;
+mod moe;
+mod qwen3;
+mod rope;
+
+use std::path::PathBuf;
+
+pub use config::{Architecture, ModelConfig, MoeConfig};
+pub use kv_cache::KvCache;
+pub use loader::{load_safetensors_dir, parse_dtype, dtype_name};
+pub use qwen3::{ForwardOutput, LogitsFor, Qwen3Model, SeqInput};
+
+/// Errors of loading and running a model.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("unsupported or invalid model config: {0}")]
+    Config(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Checkpoint { path: PathBuf, message: String },
+    #[error("weight `{name}`: {message}")]
+    Weight { name: String, message: String },
+    #[error("invalid forward input: {0}")]
+    Input(String),
+    #[error(transparent)]
+    Torch(#[from] tch::TchError),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,366 @@
+//! Qwen3 and Qwen3-MoE decoder forward (transformers' `modeling_qwen3.py` /
+//! `modeling_qwen3_moe.py`), over a packed batch of variable-length sequences.
+//!
+//! Layer: `h += o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))` on `input_layernorm(h)`, then
+//! `h += mlp(post_attention_layernorm(h))`; RMSNorm computes in float32 and casts back. Weight
+//! names are the checkpoint's (`model.layers.3.self_attn.q_proj.weight`,
+//! `model.layers.0.mlp.experts.7.down_proj.weight`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+
+use super::config::ModelConfig;
+use super::kv_cache::KvCache;
+use super::loader::load_safetensors_dir;
+use super::moe::{Expert, SparseMoe};
+use super::rope::Rope;
+use super::{Error, Result};
+
+/// One sequence's part of a packed forward.
+#[derive(Debug)]
+pub struct SeqInput<'a> {
+    /// The tokens to run, following whatever `cache` already holds.
+    pub tokens: &'a [i64],
+    /// The sequence's KV cache: read as the prefix, and extended with `tokens`. `None` runs the
+    /// tokens from position 0 with no cache (the trainer's path).
+    pub cache: Option<&'a mut KvCache>,
+    /// Routing to replay for MoE layers: `[tokens.len(), sparse_layers, top_k]` expert ids.
+    pub replay: Option<&'a Tensor>,
+}
+
+/// Which positions get logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Every token of every sequence, in packed order.
+    All,
+    /// Only each sequence's last token (decoding).
+    Last,
+}
+
+#[derive(Debug)]
+pub struct ForwardOutput {
+    /// `[rows, vocab]` in the model's dtype; rows per [`LogitsFor`].
+    pub logits: Tensor,
+    /// For MoE models: `[total tokens, sparse layers, top_k]` int64 expert ids, packed order.
+    pub routed_experts: Option<Tensor>,
+}
+
+#[derive(Debug)]
+enum Mlp {
+    Dense { gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor },
+    Sparse(SparseMoe),
+}
+
+#[derive(Debug)]
+struct Layer {
+    input_layernorm: Tensor,
+    post_attention_layernorm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    mlp: Mlp,
+}
+
+/// A loaded Qwen3 or Qwen3-MoE causal LM.
+#[derive(Debug)]
+pub struct Qwen3Model {
+    cfg: ModelConfig,
+    /// Every weight by checkpoint name; the layer fields are shallow clones sharing storage, so
+    /// an in-place update here is what the forward sees.
+    params: BTreeMap<String, Tensor>,
+    embed_tokens: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    rope: Rope,
+    kind: Kind,
+    device: Device,
+}
+
+fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let xf = x.to_kind(Kind::Float);
+    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
+    (xf * (var + eps).rsqrt()).to_kind(x.kind()) * weight
+}
+
+/// Takes named weights out of the loaded map, checking each shape.
+struct WeightTaker {
+    map: BTreeMap<String, Tensor>,
+    taken: BTreeMap<String, Tensor>,
+}
+
+impl WeightTaker {
+    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let tensor = self.map.remove(name).ok_or_else(|| Error::Weight {
+            name: name.into(),
+            message: "missing from the checkpoint".into(),
+        })?;
+        let expected: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        if tensor.size() != expected {
+            return Err(Error::Weight {
+                name: name.into(),
+                message: format!("has shape {:?}, the config implies {expected:?}", tensor.size()),
+            });
+        }
+        self.taken.insert(name.to_string(), tensor.shallow_clone());
+        Ok(tensor)
+    }
+}
+
+impl Qwen3Model {
+    /// Loads `config.json` and the safetensors weights of a model folder.
+    pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let weights = load_safetensors_dir(dir, kind, device)?;
+        Self::from_weights(cfg, weights, kind, device)
+    }
+
+    /// Builds the model from named weights (checkpoint names).
+    pub fn from_weights(
+        cfg: ModelConfig,
+        weights: BTreeMap<String, Tensor>,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        let c = &cfg;
+        let (h, d) = (c.hidden_size, c.head_dim);
+        let (q_dim, kv_dim) = (c.num_attention_heads * d, c.num_key_value_heads * d);
+        let mut w = WeightTaker { map: weights, taken: BTreeMap::new() };
+        let embed_tokens = w.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let mlp = if c.is_sparse_layer(l) {
+                let moe = c.moe.as_ref().expect("sparse layers imply a MoE config");
+                let i = moe.moe_intermediate_size;
+                let experts = (0..moe.num_experts)
+                    .map(|e| {
+                        let q = format!("{p}.mlp.experts.{e}");
+                        Ok(Expert {
+                            gate_proj: w.take(&format!("{q}.gate_proj.weight"), &[i, h])?,
+                            up_proj: w.take(&format!("{q}.up_proj.weight"), &[i, h])?,
+                            down_proj: w.take(&format!("{q}.down_proj.weight"), &[h, i])?,
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Mlp::Sparse(SparseMoe {
+                    gate: w.take(&format!("{p}.mlp.gate.weight"), &[moe.num_experts, h])?,
+                    experts,
+                    top_k: moe.num_experts_per_tok as i64,
+                    norm_topk_prob: moe.norm_topk_prob,
+                })
+            } else {
+                let i = c.intermediate_size;
+                Mlp::Dense {
+                    gate_proj: w.take(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
+                    up_proj: w.take(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                    down_proj: w.take(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                }
+            };
+            layers.push(Layer {
+                input_layernorm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
+                post_attention_layernorm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                q_proj: w.take(&format!("{p}.self_attn.q_proj.weight"), &[q_dim, h])?,
+                k_proj: w.take(&format!("{p}.self_attn.k_proj.weight"), &[kv_dim, h])?,
+                v_proj: w.take(&format!("{p}.self_attn.v_proj.weight"), &[kv_dim, h])?,
+                o_proj: w.take(&format!("{p}.self_attn.o_proj.weight"), &[h, q_dim])?,
+                q_norm: w.take(&format!("{p}.self_attn.q_norm.weight"), &[d])?,
+                k_norm: w.take(&format!("{p}.self_attn.k_norm.weight"), &[d])?,
+                mlp,
+            });
+        }
+        let norm = w.take("model.norm.weight", &[h])?;
+        let lm_head = if c.tie_word_embeddings {
+            // transformers may also save the tied copy; the embedding is the one that counts.
+            w.map.remove("lm_head.weight");
+            embed_tokens.shallow_clone()
+        } else {
+            w.take("lm_head.weight", &[c.vocab_size, h])?
+        };
+        if let Some(extra) = w.map.keys().next() {
+            return Err(Error::Weight {
+                name: extra.clone(),
+                message: format!(
+                    "is in the checkpoint but not used by {:?} ({} unused weights in all); the checkpoint and config.json disagree",
+                    c.architecture,
+                    w.map.len()
+                ),
+            });
+        }
+        let rope = Rope::new(d, c.rope_theta, c.max_position_embeddings, kind, device);
+        Ok(Self { cfg, params: w.taken, embed_tokens, layers, norm, lm_head, rope, kind, device })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Every weight by checkpoint name (shallow clones: writing into one updates the model).
+    pub fn params(&self) -> &BTreeMap<String, Tensor> {
+        &self.params
+    }
+
+    /// An empty KV cache shaped for this model.
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        KvCache::new(
+            self.cfg.num_hidden_layers,
+            self.cfg.num_key_value_heads,
+            self.cfg.head_dim,
+            capacity,
+            self.kind,
+            self.device,
+        )
+    }
+
+    /// Runs a packed batch. Each sequence's new tokens attend to its cached prefix and to each
+    /// other causally; sequences never see each other.
+    pub fn forward(&self, seqs: &mut [SeqInput<'_>], logits_for: LogitsFor) -> Result<ForwardOutput> {
+        let c = &self.cfg;
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut last_rows = Vec::with_capacity(seqs.len());
+        let mut spans = Vec::with_capacity(seqs.len()); // (offset, n, past)
+        for seq in seqs.iter() {
+            let n = seq.tokens.len();
+            if n == 0 {
+                return Err(Error::Input("a sequence in the batch has no tokens to run".into()));
+            }
+            if let Some(&bad) = seq.tokens.iter().find(|&&t| t < 0 || t as usize >= c.vocab_size) {
+                return Err(Error::Input(format!("token id {bad} is outside the vocabulary (size {})", c.vocab_size)));
+            }
+            let past = seq.cache.as_ref().map_or(0, |cache| cache.len());
+            if past + n > self.rope.max_positions() {
+                return Err(Error::Input(format!(
+                    "{} positions exceed max_position_embeddings {}",
+                    past + n,
+                    self.rope.max_positions()
+                )));
+            }
+            spans.push((ids.len() as i64, n as i64, past as i64));
+            ids.extend_from_slice(seq.tokens);
+            positions.extend((past..past + n).map(|p| p as i64));
+            last_rows.push(ids.len() as i64 - 1);
+        }
+        let replay = self.packed_replay(seqs, ids.len())?;
+        let ids = Tensor::from_slice(&ids).to_device(self.device);
+        let positions = Tensor::from_slice(&positions).to_device(self.device);
+
+        let mut h = self.embed_tokens.index_select(0, &ids);
+        let mut routed = Vec::new();
+        for (l, layer) in self.layers.iter().enumerate() {
+            let x = rms_norm(&h, &layer.input_layernorm, c.rms_norm_eps);
+            h = h + self.attention(l, layer, &x, &positions, seqs, &spans);
+            let x = rms_norm(&h, &layer.post_attention_layernorm, c.rms_norm_eps);
+            let mlp_out = match &layer.mlp {
+                Mlp::Dense { gate_proj, up_proj, down_proj } => {
+                    let gate = x.linear::<Tensor>(gate_proj, None).silu();
+                    (gate * x.linear::<Tensor>(up_proj, None)).linear::<Tensor>(down_proj, None)
+                }
+                Mlp::Sparse(moe) => {
+                    let layer_replay = replay.as_ref().map(|r| r.select(1, routed.len() as i64));
+                    let (out, experts) = moe.forward(&x, layer_replay.as_ref())?;
+                    routed.push(experts);
+                    out
+                }
+            };
+            h = h + mlp_out;
+        }
+        for (seq, &(_, n, _)) in seqs.iter_mut().zip(&spans) {
+            if let Some(cache) = seq.cache.as_mut() {
+                cache.advance(n as usize);
+            }
+        }
+        let h = match logits_for {
+            LogitsFor::All => h,
+            LogitsFor::Last => h.index_select(0, &Tensor::from_slice(&last_rows).to_device(self.device)),
+        };
+        let logits = rms_norm(&h, &self.norm, c.rms_norm_eps).linear::<Tensor>(&self.lm_head, None);
+        let routed_experts = (!routed.is_empty()).then(|| Tensor::stack(&routed, 1));
+        Ok(ForwardOutput { logits, routed_experts })
+    }
+
+    /// Concatenates the sequences' replay tensors, all or none.
+    fn packed_replay(&self, seqs: &[SeqInput<'_>], total: usize) -> Result<Option<Tensor>> {
+        let given = seqs.iter().filter(|s| s.replay.is_some()).count();
+        if given == 0 {
+            return Ok(None);
+        }
+        let Some(moe) = &self.cfg.moe else {
+            return Err(Error::Input("routing replay was given for a dense model".into()));
+        };
+        if given != seqs.len() {
+            return Err(Error::Input("routing replay must be given for every sequence of a batch or none".into()));
+        }
+        let parts: Vec<&Tensor> = seqs.iter().filter_map(|s| s.replay).collect();
+        let packed = Tensor::cat(&parts, 0);
+        let expected = [total as i64, self.cfg.num_sparse_layers() as i64, moe.num_experts_per_tok as i64];
+        if packed.size() != expected {
+            return Err(Error::Input(format!(
+                "replayed routing has shape {:?} in all, expected {expected:?} (tokens, sparse layers, top_k)",
+                packed.size()
+            )));
+        }
+        Ok(Some(packed))
+    }
+
+    fn attention(
+        &self,
+        l: usize,
+        layer: &Layer,
+        x: &Tensor,
+        positions: &Tensor,
+        seqs: &mut [SeqInput<'_>],
+        spans: &[(i64, i64, i64)],
+    ) -> Tensor {
+        let c = &self.cfg;
+        let (heads, kv_heads, d) = (c.num_attention_heads as i64, c.num_key_value_heads as i64, c.head_dim as i64);
+        let tokens = x.size()[0];
+        let q = x.linear::<Tensor>(&layer.q_proj, None).view([tokens, heads, d]);
+        let k = x.linear::<Tensor>(&layer.k_proj, None).view([tokens, kv_heads, d]);
+        let v = x.linear::<Tensor>(&layer.v_proj, None).view([tokens, kv_heads, d]);
+        let q = self.rope.apply(&rms_norm(&q, &layer.q_norm, c.rms_norm_eps), positions);
+        let k = self.rope.apply(&rms_norm(&k, &layer.k_norm, c.rms_norm_eps), positions);
+
+        let mut outs = Vec::with_capacity(seqs.len());
+        for (seq, &(offset, n, past)) in seqs.iter_mut().zip(spans) {
+            let qi = q.narrow(0, offset, n).transpose(0, 1).unsqueeze(0);
+            let ki = k.narrow(0, offset, n).transpose(0, 1);
+            let vi = v.narrow(0, offset, n).transpose(0, 1);
+            let (ki, vi) = match seq.cache.as_mut() {
+                Some(cache) => cache.append(l, &ki, &vi),
+                None => (ki, vi),
+            };
+            // New tokens see the whole cached prefix and, among themselves, only earlier ones.
+            let mask = (past > 0 && n > 1).then(|| {
+                let rows = Tensor::arange(n, (Kind::Int64, self.device)).unsqueeze(1) + past;
+                let cols = Tensor::arange(past + n, (Kind::Int64, self.device)).unsqueeze(0);
+                cols.le_tensor(&rows)
+            });
+            let out = Tensor::scaled_dot_product_attention(
+                &qi,
+                &ki.unsqueeze(0),
+                &vi.unsqueeze(0),
+                mask,
+                0.0,
+                past == 0 && n > 1,
+                None,
+                true,
+            );
+            outs.push(out.squeeze_dim(0).transpose(0, 1).reshape([n, heads * d]));
+        }
+        Tensor::cat(&outs, 0).linear::<Tensor>(&layer.o_proj, None)
+    }
+}

@@ -1,0 +1,45 @@
+//! Rotary position embeddings, computed as transformers' default rope does.
+//!
+//! `inv_freq_i = 1 / theta^(2i/d)`, `angle = pos * inv_freq` (float32), `emb = [angle, angle]`;
+//! `rope(x) = x * cos(emb) + rotate_half(x) * sin(emb)` with `rotate_half([a, b]) = [-b, a]`.
+
+use tch::{Device, Kind, Tensor};
+
+/// Precomputed cos/sin tables for positions `0..max_positions`, shape `[max_positions, head_dim]`.
+#[derive(Debug)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(head_dim: usize, theta: f64, max_positions: usize, kind: Kind, device: Device) -> Self {
+        let d = head_dim as i64;
+        let exponent = Tensor::arange_start_step(0, d, 2, (Kind::Int64, Device::Cpu))
+            .to_kind(Kind::Float)
+            / (d as f64);
+        let inv_freq = Tensor::from(theta as f32).pow(&exponent).reciprocal();
+        let positions = Tensor::arange(max_positions as i64, (Kind::Float, Device::Cpu));
+        let angles = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
+        let emb = Tensor::cat(&[&angles, &angles], -1);
+        Self {
+            cos: emb.cos().to_kind(kind).to_device(device),
+            sin: emb.sin().to_kind(kind).to_device(device),
+        }
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.cos.size()[0] as usize
+    }
+
+    /// Applies the rotation to `x: [tokens, heads, head_dim]` at `positions: [tokens]`.
+    pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Tensor {
+        let cos = self.cos.index_select(0, positions).unsqueeze(1);
+        let sin = self.sin.index_select(0, positions).unsqueeze(1);
+        let half = x.size()[2] / 2;
+        let x1 = x.narrow(2, 0, half);
+        let x2 = x.narrow(2, half, half);
+        let rotated = Tensor::cat(&[&x2.neg(), &x1], 2);
+        x * cos + rotated * sin
+    }
+}

@@ -1,0 +1,75 @@
+//! Shared set-up of the libtorch tests: the tiny reference models, made once with transformers.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The Python that has torch and transformers: `MOULT_PYTHON`, else the project's `.venv`.
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("MOULT_PYTHON") {
+        return PathBuf::from(p);
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python")
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The folder holding `qwen3-tiny/` and `qwen3-moe-tiny/`, created by
+/// `tests/python/make_tiny_models.py` on first use (several test binaries may race: the one that
+/// builds writes into a private folder and renames it into place).
+pub fn tiny_models() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let script = repo_root().join("tests/python/make_tiny_models.py");
+        let digest = std::fs::read(&script).map(|b| fnv(&b)).expect("read make_tiny_models.py");
+        let base = Path::new(env!("CARGO_TARGET_TMPDIR")).to_path_buf();
+        let dir = base.join(format!("tiny-models-{digest:016x}"));
+        if dir.join("done").exists() {
+            return dir;
+        }
+        let staging = base.join(format!("tiny-models-staging-{}", std::process::id()));
+        let status = Command::new(python())
+            .arg(&script)
+            .arg(&staging)
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {} ({e}); run `bash scripts/test.sh`, which sets up the virtualenv", python().display()));
+        assert!(status.success(), "make_tiny_models.py failed");
+        std::fs::write(staging.join("done"), b"").unwrap();
+        if std::fs::rename(&staging, &dir).is_err() {
+            // Another test binary won the race; its copy is identical.
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        dir
+    })
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}
+
+pub fn dense_model() -> PathBuf {
+    tiny_models().join("qwen3-tiny")
+}
+
+pub fn moe_model() -> PathBuf {
+    tiny_models().join("qwen3-moe-tiny")
+}
+
+/// transformers' reference tensors for a model folder: (prompt ids, logits, experts) per prompt.
+pub fn reference(model_dir: &Path) -> Vec<(Vec<i64>, tch::Tensor, Option<tch::Tensor>)> {
+    let tensors: std::collections::HashMap<String, tch::Tensor> =
+        tch::Tensor::read_safetensors(model_dir.join("reference.safetensors")).unwrap().into_iter().collect();
+    (0..)
+        .map_while(|i| {
+            let prompt = tensors.get(&format!("prompt_{i}"))?;
+            Some((
+                Vec::<i64>::try_from(prompt).unwrap(),
+                tensors[&format!("logits_{i}")].shallow_clone(),
+                tensors.get(&format!("experts_{i}")).map(|t| t.shallow_clone()),
+            ))
+        })
+        .collect()
+}

@@ -1,0 +1,168 @@
+//! Numerical parity of our Qwen3 / Qwen3-MoE forward with Hugging Face transformers (libtorch).
+
+mod common;
+
+use moult_runtime::model::{LogitsFor, Qwen3Model, SeqInput};
+use tch::{Device, Kind, Tensor};
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float)).abs().max().double_value(&[])
+}
+
+/// Full (no cache) packed forward of several prompts at once, split back per prompt.
+fn full_logits(model: &Qwen3Model, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option<Tensor>) {
+    let mut seqs: Vec<SeqInput> = prompts.iter().map(|p| SeqInput { tokens: p, cache: None, replay: None }).collect();
+    let out = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap();
+    let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
+    (out.logits.split_with_sizes(&lens, 0), out.routed_experts)
+}
+
+fn check_parity(dir: &std::path::Path) {
+    let model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
+    let reference = common::reference(dir);
+    assert!(reference.len() >= 3, "reference has prompts of several lengths");
+    let prompts: Vec<Vec<i64>> = reference.iter().map(|r| r.0.clone()).collect();
+    let (logits, routed) = full_logits(&model, &prompts);
+    let mut offset = 0;
+    for (i, (prompt, hf_logits, hf_experts)) in reference.iter().enumerate() {
+        let diff = max_abs_diff(&logits[i], hf_logits);
+        assert!(diff < 1e-4, "prompt {i} (len {}): max |ours - transformers| = {diff:e}", prompt.len());
+        if let Some(hf_experts) = hf_experts {
+            let ours = routed.as_ref().unwrap().narrow(0, offset, prompt.len() as i64);
+            assert_eq!(ours.size(), hf_experts.size());
+            assert!(ours.equal(hf_experts), "prompt {i}: routed experts differ from transformers' top-k");
+        }
+        offset += prompt.len() as i64;
+    }
+}
+
+#[test]
+fn libtorch_dense_logits_match_transformers() {
+    check_parity(&common::dense_model());
+}
+
+#[test]
+fn libtorch_moe_logits_and_routing_match_transformers() {
+    check_parity(&common::moe_model());
+}
+
+/// Decoding with the KV cache, in chunks of mixed sizes and with sequences at different
+/// positions in one packed batch, gives the same logits as one full forward.
+fn check_kv_cache(dir: &std::path::Path) {
+    let model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
+    let prompts: Vec<Vec<i64>> = common::reference(dir).into_iter().map(|r| r.0).filter(|p| p.len() > 4).collect();
+    let (full, _) = full_logits(&model, &prompts);
+    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache(2)).collect();
+    // Per sequence, the chunk sizes to feed: a prefill, a multi-token continuation (the masked
+    // path), then single tokens; offset by the sequence index so the batch is ragged.
+    let mut fed = vec![0usize; prompts.len()];
+    let mut got: Vec<Vec<Tensor>> = prompts.iter().map(|_| Vec::new()).collect();
+    let mut step = 0;
+    while fed.iter().zip(&prompts).any(|(f, p)| f < &p.len()) {
+        let mut seqs = Vec::new();
+        let mut which = Vec::new();
+        for (i, (cache, prompt)) in caches.iter_mut().zip(&prompts).enumerate() {
+            if fed[i] >= prompt.len() {
+                continue;
+            }
+            let chunk = match step {
+                0 => 2 + i,
+                1 => 3,
+                _ => 1,
+            }
+            .min(prompt.len() - fed[i]);
+            seqs.push(SeqInput { tokens: &prompt[fed[i]..fed[i] + chunk], cache: Some(cache), replay: None });
+            which.push((i, chunk));
+        }
+        let out = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap();
+        let mut row = 0;
+        for (i, chunk) in which {
+            got[i].push(out.logits.narrow(0, row, chunk as i64));
+            row += chunk as i64;
+            fed[i] += chunk;
+        }
+        step += 1;
+    }
+    for (i, parts) in got.iter().enumerate() {
+        let cached = Tensor::cat(parts, 0);
+        let diff = max_abs_diff(&cached, &full[i]);
+        assert!(diff < 1e-4, "sequence {i}: KV-cache decoding differs from the full forward by {diff:e}");
+        assert_eq!(caches[i].len(), prompts[i].len());
+    }
+}
+
+#[test]
+fn libtorch_dense_kv_cache_decoding_matches_full_forward() {
+    check_kv_cache(&common::dense_model());
+}
+
+#[test]
+fn libtorch_moe_kv_cache_decoding_matches_full_forward() {
+    check_kv_cache(&common::moe_model());
+}
+
+#[test]
+fn libtorch_moe_replay_reproduces_and_overrides_routing() {
+    let dir = common::moe_model();
+    let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let (prompt, hf_logits, hf_experts) = common::reference(&dir).pop().unwrap();
+    let hf_experts = hf_experts.unwrap();
+    let run = |replay: &Tensor| {
+        let mut seqs = [SeqInput { tokens: &prompt, cache: None, replay: Some(replay) }];
+        tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap()
+    };
+    let same = run(&hf_experts);
+    assert!(max_abs_diff(&same.logits, &hf_logits) < 1e-4, "replaying the model's own routing changes nothing");
+    assert!(same.routed_experts.unwrap().equal(&hf_experts));
+
+    // A different routing (every expert id shifted by one) must change the output: the
+    // replayed experts are really used.
+    let shifted = (&hf_experts + 1).remainder(8);
+    let other = run(&shifted);
+    assert!(other.routed_experts.unwrap().equal(&shifted));
+    assert!(max_abs_diff(&other.logits, &hf_logits) > 1e-3, "replayed routing was ignored");
+
+    let bad = hf_experts.narrow(1, 0, 1);
+    let mut seqs = [SeqInput { tokens: &prompt, cache: None, replay: Some(&bad) }];
+    let err = model.forward(&mut seqs, LogitsFor::All).unwrap_err().to_string();
+    assert!(err.contains("expected"), "{err}");
+}
+
+#[test]
+fn libtorch_bf16_runs_close_to_f32() {
+    let dir = common::dense_model();
+    let f32_model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let bf16_model = Qwen3Model::load(&dir, Kind::BFloat16, Device::Cpu).unwrap();
+    let prompt = common::reference(&dir).pop().unwrap().0;
+    let (a, _) = full_logits(&f32_model, std::slice::from_ref(&prompt));
+    let (b, _) = full_logits(&bf16_model, std::slice::from_ref(&prompt));
+    assert_eq!(b[0].kind(), Kind::BFloat16);
+    let scale = a[0].abs().max().double_value(&[]);
+    let diff = max_abs_diff(&a[0], &b[0]);
+    assert!(diff < 0.05 * scale, "bf16 logits drift {diff} vs scale {scale}");
+}
+
+#[test]
+fn libtorch_checkpoint_mismatch_is_refused_by_name() {
+    let dir = common::dense_model();
+    let tmp = tempdir("mismatch");
+    std::fs::copy(dir.join("config.json"), tmp.join("config.json")).unwrap();
+    let mut weights = Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
+    weights.retain(|(name, _)| name != "model.layers.1.self_attn.k_norm.weight");
+    Tensor::write_safetensors(&weights, tmp.join("model.safetensors")).unwrap();
+    let err = Qwen3Model::load(&tmp, Kind::Float, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("model.layers.1.self_attn.k_norm.weight") && err.contains("missing"), "{err}");
+
+    weights.push(("model.layers.1.self_attn.k_norm.weight".into(), Tensor::ones([16], (Kind::Float, Device::Cpu))));
+    weights.push(("model.layers.0.self_attn.q_proj.bias".into(), Tensor::zeros([64], (Kind::Float, Device::Cpu))));
+    Tensor::write_safetensors(&weights, tmp.join("model.safetensors")).unwrap();
+    let err = Qwen3Model::load(&tmp, Kind::Float, Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("q_proj.bias") && err.contains("not used"), "{err}");
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
