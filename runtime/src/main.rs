@@ -1,1 +1,160 @@
-fn main() {}
+//! The `moult` command line.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use moult_runtime::engine::{http, EngineHandle, EngineOptions};
+use moult_runtime::model::{parse_dtype, ModelConfig, Qwen3Model};
+use tch::{Device, Kind};
+
+#[derive(Debug, Parser)]
+#[command(name = "moult", version, about = "Kubernetes-native agentic RL for LLMs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve a model with the built-in engine behind vLLM's token-in/token-out API.
+    Engine(EngineArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct EngineArgs {
+    /// A Hugging Face model folder: config.json and model.safetensors (or sharded with an index).
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Sequences decoded together in one step.
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Longest prompt + output per request [default: the model's max_position_embeddings].
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Prompt tokens processed per step; longer prompts are prefilled in chunks.
+    #[arg(long, default_value_t = 2048)]
+    max_prefill_tokens: usize,
+    /// Requests accepted beyond the running batch before new ones get 429.
+    #[arg(long, default_value_t = 4096)]
+    max_waiting: usize,
+    /// Weight dtype: auto (float32 on CPU, the checkpoint's dtype on CUDA), float32, bfloat16, float16.
+    #[arg(long, default_value = "auto")]
+    dtype: String,
+    /// cpu, cuda or cuda:N [default: cuda if available, else cpu].
+    #[arg(long)]
+    device: Option<String>,
+    /// Return the routed expert ids of MoE models (`routed_experts` in each response).
+    #[arg(long)]
+    enable_return_routed_experts: bool,
+    /// The name reported by /v1/models and in metrics labels [default: the model folder's name].
+    #[arg(long)]
+    served_model_name: Option<String>,
+}
+
+fn parse_device(text: Option<&str>) -> anyhow::Result<Device> {
+    Ok(match text {
+        None => Device::cuda_if_available(),
+        Some("cpu") => Device::Cpu,
+        Some("cuda") => Device::Cuda(0),
+        Some(other) => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => Device::Cuda(n),
+            None => bail!("--device must be cpu, cuda or cuda:N; got `{other}`"),
+        },
+    })
+}
+
+/// End-of-sequence ids from config.json and generation_config.json.
+fn eos_ids(model: &Path, cfg: &ModelConfig) -> Vec<i64> {
+    let mut ids = cfg.eos_token_ids.clone();
+    if let Ok(text) = std::fs::read_to_string(model.join("generation_config.json")) {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+            match v.get("eos_token_id") {
+                Some(serde_json::Value::Number(n)) => ids.extend(n.as_i64()),
+                Some(serde_json::Value::Array(a)) => ids.extend(a.iter().filter_map(|x| x.as_i64())),
+                _ => {}
+            }
+        }
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down: draining connections");
+}
+
+async fn engine(args: EngineArgs) -> anyhow::Result<()> {
+    let device = parse_device(args.device.as_deref())?;
+    let cfg = ModelConfig::from_dir(&args.model)?;
+    let kind = match args.dtype.as_str() {
+        "auto" if device == Device::Cpu => Kind::Float,
+        "auto" => cfg.dtype.as_deref().and_then(parse_dtype).unwrap_or(Kind::BFloat16),
+        other => parse_dtype(other)
+            .with_context(|| format!("--dtype must be auto, float32, bfloat16 or float16; got `{other}`"))?,
+    };
+    if args.max_batch == 0 || args.max_prefill_tokens == 0 {
+        bail!("--max-batch and --max-prefill-tokens must be at least 1");
+    }
+    let name = args.served_model_name.clone().unwrap_or_else(|| {
+        args.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned())
+    });
+    tracing::info!(model = %args.model.display(), ?kind, ?device, "loading");
+    let started = std::time::Instant::now();
+    let model = {
+        let dir = args.model.clone();
+        tokio::task::spawn_blocking(move || Qwen3Model::load(&dir, kind, device)).await??
+    };
+    tracing::info!(seconds = started.elapsed().as_secs_f32(), "model loaded");
+    let opts = EngineOptions {
+        max_batch: args.max_batch,
+        max_model_len: args.max_model_len.unwrap_or(cfg.max_position_embeddings),
+        max_prefill_tokens: args.max_prefill_tokens,
+        max_waiting: args.max_waiting,
+        return_routed_experts: args.enable_return_routed_experts,
+        eos_token_ids: eos_ids(&args.model, &cfg),
+    };
+    if args.enable_return_routed_experts && cfg.moe.is_none() {
+        tracing::warn!("--enable-return-routed-experts has no effect: the model is not a mixture of experts");
+    }
+    let (handle, _thread) = EngineHandle::spawn(model, name, opts);
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
+    println!("moult engine listening on http://{}", listener.local_addr()?);
+    http::serve(listener, handle, shutdown_signal()).await?;
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.command {
+        Command::Engine(args) => runtime.block_on(engine(args)),
+    }
+}

@@ -73,3 +73,64 @@ pub fn reference(model_dir: &Path) -> Vec<(Vec<i64>, tch::Tensor, Option<tch::Te
         })
         .collect()
 }
+
+use moult_runtime::engine::sampling::{processed_logprob, SamplingParams};
+use moult_runtime::engine::{http, EngineHandle, EngineOptions};
+use moult_runtime::model::{LogitsFor, Qwen3Model, SeqInput};
+
+/// A running engine server on an ephemeral loopback port.
+pub struct TestEngine {
+    pub url: String,
+    pub handle: EngineHandle,
+}
+
+pub fn engine_options() -> EngineOptions {
+    EngineOptions {
+        max_batch: 8,
+        max_model_len: 512,
+        max_prefill_tokens: 256,
+        max_waiting: 64,
+        return_routed_experts: true,
+        eos_token_ids: vec![2002],
+    }
+}
+
+/// Loads `model_dir` (f32, CPU) and serves it; the listener is bound before the URL is returned.
+pub async fn start_engine(model_dir: &Path, opts: EngineOptions) -> TestEngine {
+    let model = Qwen3Model::load(model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let (handle, _thread) = EngineHandle::spawn(model, "tiny".into(), opts);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(http::serve(listener, handle.clone(), std::future::pending()));
+    TestEngine { url, handle }
+}
+
+/// The processed logprob of each `output` token under `model`, from one full forward over
+/// prompt + output (the trainer's path), optionally replaying routing.
+pub fn reference_logprobs(
+    model: &Qwen3Model,
+    prompt: &[i64],
+    output: &[i64],
+    params: &SamplingParams,
+    replay: Option<&tch::Tensor>,
+) -> Vec<f32> {
+    let mut tokens = prompt.to_vec();
+    tokens.extend_from_slice(&output[..output.len() - 1]);
+    let mut seqs = [SeqInput { tokens: &tokens, cache: None, replay }];
+    let logits = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap().logits;
+    output
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            let row: Vec<f32> = Vec::try_from(logits.get((prompt.len() - 1 + i) as i64).to_kind(tch::Kind::Float)).unwrap();
+            processed_logprob(&row, t, params)
+        })
+        .collect()
+}
+
+/// Parses an SSE body into its `data:` payloads.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|event| event.lines().find_map(|l| l.strip_prefix("data: ")).map(str::to_string))
+        .collect()
+}

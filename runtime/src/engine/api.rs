@@ -1,0 +1,340 @@
+//! The JSON shapes of the engine API (DESIGN §4.1, vLLM's `/inference/v1/generate` and weight
+//! transfer endpoints), and the checks that turn a request into a validated job.
+//!
+//! Unknown fields are refused with their name: a misspelt `max_token` silently ignored would
+//! corrupt a training run, so the generate request and its `sampling_params` accept exactly the
+//! fields listed here.
+
+use serde::{Deserialize, Serialize};
+
+use super::sampling::SamplingParams;
+use super::ApiError;
+
+/// `POST /inference/v1/generate`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateRequest {
+    pub request_id: Option<String>,
+    pub token_ids: Vec<i64>,
+    #[serde(default)]
+    pub sampling_params: SamplingParamsJson,
+    #[serde(default)]
+    pub stream: bool,
+    /// Accepted for compatibility with clients that always send it; one model is served.
+    pub model: Option<String>,
+}
+
+/// The `sampling_params` object, as sent.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingParamsJson {
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    /// Number of top alternatives per token; `0` (or absent) reports the sampled token only.
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub stop_token_ids: Vec<i64>,
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    pub min_tokens: Option<i64>,
+    pub n: Option<i64>,
+    pub routed_experts_prompt_start: Option<i64>,
+    /// Accepted and ignored: the engine never detokenizes.
+    pub detokenize: Option<bool>,
+    pub skip_special_tokens: Option<bool>,
+}
+
+/// The most top alternatives a request may ask for, as vLLM's default `max_logprobs`.
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// A request that passed every check.
+#[derive(Debug)]
+pub struct ValidRequest {
+    pub request_id: Option<String>,
+    pub prompt: Vec<i64>,
+    pub params: SamplingParams,
+    pub stream: bool,
+    pub routed_experts_prompt_start: usize,
+}
+
+fn bad(param: &str, message: String) -> ApiError {
+    ApiError::bad_request(message).with_param(param)
+}
+
+impl GenerateRequest {
+    /// Checks every field against the model; errors name the field and what is accepted.
+    pub fn validate(self, vocab_size: usize, max_model_len: usize) -> Result<ValidRequest, ApiError> {
+        let p = self.sampling_params;
+        if self.token_ids.is_empty() {
+            return Err(bad("token_ids", "token_ids must not be empty".into()));
+        }
+        if let Some((i, &t)) = self.token_ids.iter().enumerate().find(|(_, &t)| t < 0 || t as usize >= vocab_size) {
+            return Err(bad(
+                "token_ids",
+                format!("token_ids[{i}] = {t} is outside the vocabulary: ids must be in [0, {vocab_size})"),
+            ));
+        }
+        if let Some(&t) = p.stop_token_ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
+            return Err(bad(
+                "sampling_params.stop_token_ids",
+                format!("stop token id {t} is outside the vocabulary: ids must be in [0, {vocab_size})"),
+            ));
+        }
+        let temperature = p.temperature.unwrap_or(1.0);
+        if !temperature.is_finite() || temperature < 0.0 {
+            return Err(bad(
+                "sampling_params.temperature",
+                format!("temperature must be a non-negative number (0 = greedy), got {temperature}"),
+            ));
+        }
+        let top_p = p.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(bad("sampling_params.top_p", format!("top_p must be in (0, 1], got {top_p}")));
+        }
+        let top_k = match p.top_k {
+            None | Some(0) | Some(-1) => None,
+            Some(k) if k > 0 => Some(k as usize),
+            Some(k) => {
+                return Err(bad(
+                    "sampling_params.top_k",
+                    format!("top_k must be -1 or 0 (disabled) or a positive integer, got {k}"),
+                ))
+            }
+        };
+        let top_logprobs = match p.logprobs {
+            None => 0,
+            Some(n) if (0..=MAX_TOP_LOGPROBS).contains(&n) => n as usize,
+            Some(n) => {
+                return Err(bad(
+                    "sampling_params.logprobs",
+                    format!("logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+                ))
+            }
+        };
+        if let Some(n) = p.n.filter(|&n| n != 1) {
+            return Err(bad(
+                "sampling_params.n",
+                format!("n must be 1 (send one request per sample; each gets its own seed), got {n}"),
+            ));
+        }
+        let prompt_len = self.token_ids.len();
+        if prompt_len >= max_model_len {
+            return Err(bad(
+                "token_ids",
+                format!(
+                    "This model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len}, leaving no room to generate"
+                ),
+            ));
+        }
+        let max_tokens = match p.max_tokens {
+            None => max_model_len - prompt_len,
+            Some(m) if m >= 1 => m as usize,
+            Some(m) => {
+                return Err(bad("sampling_params.max_tokens", format!("max_tokens must be at least 1, got {m}")))
+            }
+        };
+        if prompt_len + max_tokens > max_model_len {
+            return Err(bad(
+                "sampling_params.max_tokens",
+                format!(
+                    "This model's maximum context length is {max_model_len} tokens. However, you requested {} tokens ({prompt_len} in the prompt, {max_tokens} for max_tokens)",
+                    prompt_len + max_tokens
+                ),
+            ));
+        }
+        let min_tokens = match p.min_tokens {
+            None => 0,
+            Some(m) if m >= 0 && m as usize <= max_tokens => m as usize,
+            Some(m) => {
+                return Err(bad(
+                    "sampling_params.min_tokens",
+                    format!("min_tokens must be between 0 and max_tokens ({max_tokens}), got {m}"),
+                ))
+            }
+        };
+        let routed_experts_prompt_start = match p.routed_experts_prompt_start {
+            None => 0,
+            Some(s) if s >= 0 && (s as usize) < prompt_len => s as usize,
+            Some(s) => {
+                return Err(bad(
+                    "sampling_params.routed_experts_prompt_start",
+                    format!("routed_experts_prompt_start must be in [0, {prompt_len}) (the prompt length), got {s}"),
+                ))
+            }
+        };
+        if let Some(id) = &self.request_id {
+            if id.is_empty() || id.len() > 256 {
+                return Err(bad("request_id", "request_id must be 1 to 256 characters".into()));
+            }
+        }
+        Ok(ValidRequest {
+            request_id: self.request_id,
+            prompt: self.token_ids,
+            params: SamplingParams {
+                max_tokens,
+                temperature,
+                top_p,
+                top_k,
+                seed: p.seed,
+                stop_token_ids: p.stop_token_ids,
+                ignore_eos: p.ignore_eos,
+                min_tokens,
+                top_logprobs,
+            },
+            stream: self.stream,
+            routed_experts_prompt_start,
+        })
+    }
+}
+
+/// One entry of `logprobs.content`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TokenLogprob {
+    pub token_id: i64,
+    pub logprob: f32,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TopLogprob {
+    pub token_id: i64,
+    pub logprob: f32,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Logprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+/// Output tokens `[start, end)` (indices into this choice's `token_ids`, counted from the first
+/// generated token) were sampled under weight version `version`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WeightVersionSpan {
+    pub version: u64,
+    pub start: usize,
+    pub end: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Choice {
+    pub index: usize,
+    pub token_ids: Vec<i64>,
+    pub logprobs: Logprobs,
+    pub finish_reason: Option<String>,
+    #[serde(default)]
+    pub routed_experts: Option<String>,
+    pub weight_versions: Vec<WeightVersionSpan>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+/// The non-streaming response, and (with a token delta in `choices[0]`) each streamed chunk.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GenerateResponse {
+    pub request_id: String,
+    pub choices: Vec<Choice>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// `POST /inference/v1/abort_requests`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AbortRequest {
+    pub request_ids: Vec<String>,
+}
+
+/// `POST /init_weight_transfer_engine`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitWeightTransfer {
+    pub init_info: InitInfo,
+}
+
+/// Where the trainer's weight stream is. With `nccl_unique_id_b64` it is the NCCL data plane
+/// (GPU builds); otherwise the TCP data plane: the engine connects to `master_address:master_port`
+/// and announces its rank.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitInfo {
+    pub master_address: Option<String>,
+    pub master_port: Option<u16>,
+    #[serde(default)]
+    pub rank_offset: u32,
+    pub world_size: Option<u32>,
+    pub nccl_unique_id_b64: Option<String>,
+    pub packed_buffer_size_bytes: Option<u64>,
+}
+
+/// `POST /update_weights`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateWeights {
+    pub update_info: UpdateInfo,
+}
+
+/// The tensors of one bucket, in the order their bytes follow on the data plane.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct UpdateInfo {
+    pub names: Vec<String>,
+    pub dtype_names: Vec<String>,
+    pub shapes: Vec<Vec<i64>>,
+    /// Accepted for vLLM compatibility: the byte stream is always packed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packed: Option<bool>,
+}
+
+/// `POST /finish_weight_update`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinishWeightUpdate {
+    pub weight_version: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(json: serde_json::Value) -> Result<ValidRequest, String> {
+        let r: GenerateRequest = serde_json::from_value(json).map_err(|e| e.to_string())?;
+        r.validate(100, 64).map_err(|e| format!("{} {}", e.param.clone().unwrap_or_default(), e.message))
+    }
+
+    #[test]
+    fn defaults_fill_the_context() {
+        let v = req(serde_json::json!({"token_ids": [1, 2, 3]})).unwrap();
+        assert_eq!(v.params.max_tokens, 61);
+        assert_eq!(v.params.temperature, 1.0);
+        assert_eq!(v.params.top_k, None);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (serde_json::json!({"token_ids": []}), "token_ids"),
+            (serde_json::json!({"token_ids": [1, 100]}), "token_ids[1] = 100"),
+            (serde_json::json!({"token_ids": [1], "sampling_params": {"temperature": -1.0}}), "sampling_params.temperature"),
+            (serde_json::json!({"token_ids": [1], "sampling_params": {"top_p": 0.0}}), "sampling_params.top_p"),
+            (serde_json::json!({"token_ids": [1], "sampling_params": {"top_k": -3}}), "sampling_params.top_k"),
+            (serde_json::json!({"token_ids": [1], "sampling_params": {"max_tokens": 64}}), "maximum context length is 64"),
+            (serde_json::json!({"token_ids": [1], "sampling_params": {"n": 2}}), "sampling_params.n"),
+            (serde_json::json!({"token_ids": [1], "sampling_params": {"logprobs": 21}}), "sampling_params.logprobs"),
+            (serde_json::json!({"token_ids": [1], "sampling_params": {"max_token": 3}}), "unknown field `max_token`"),
+            (serde_json::json!({"token_ids": [1], "prompt": "hi"}), "unknown field `prompt`"),
+            (serde_json::json!({"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 2}}), "routed_experts_prompt_start"),
+        ];
+        for (json, needle) in cases {
+            let err = req(json.clone()).unwrap_err();
+            assert!(err.contains(needle), "{json}: {err}");
+        }
+    }
+}

@@ -1,0 +1,618 @@
+//! The engine loop: one dedicated thread owns the model, the running batch and every KV cache.
+//!
+//! Contract:
+//! - Continuous batching: each step runs one packed forward over every running sequence (a
+//!   prefill chunk for new ones, one token for decoding ones); a request that arrives joins the
+//!   next step; a request whose client went away (its event receiver dropped) or that is aborted
+//!   leaves the batch before the next step and its cache is freed.
+//! - Token identity: the ids sampled here are the output; nothing is ever re-tokenized.
+//! - Versions: every sampled token is labelled with the weight version it was sampled under.
+//!   A weight swap clears the caches of in-flight sequences, which are then recomputed under the
+//!   new weights from their tokens (prompt + generated so far), so each token after the swap is
+//!   sampled from exactly the new policy (as AReaL's interruptible generation does).
+//! - Pause: `keep` freezes the batch (new requests queue); `wait` stops admitting new requests and
+//!   pauses once in-flight ones finish; `abort` ends in-flight ones with their partial output.
+//!   While paused by `wait`/`abort`, new requests are refused with a retryable 503.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use tch::{Device, Kind, Tensor};
+use tokio::sync::{mpsc, oneshot};
+
+use super::api::{TokenLogprob, TopLogprob};
+use super::metrics::EngineMetrics;
+use super::npy::encode_routed_experts;
+use super::sampling::{sample, SamplingParams};
+use super::ApiError;
+use crate::model::{KvCache, LogitsFor, Qwen3Model, SeqInput};
+
+/// Commands queued to the engine thread. Bounded: a burst larger than this is refused with a
+/// 429 at the door rather than buffered without limit (each command is one request or call).
+const COMMAND_QUEUE: usize = 1024;
+
+/// Engine limits, from the command line.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Sequences decoded together (vLLM's `max_num_seqs`).
+    pub max_batch: usize,
+    /// Prompt plus output tokens per sequence.
+    pub max_model_len: usize,
+    /// Prompt tokens processed per step; longer prompts are prefilled in chunks.
+    pub max_prefill_tokens: usize,
+    /// Requests accepted but not yet running; more are refused with 429.
+    pub max_waiting: usize,
+    /// Return `routed_experts` for MoE models.
+    pub return_routed_experts: bool,
+    /// Ids that end generation unless `ignore_eos` (from config/generation_config).
+    pub eos_token_ids: Vec<i64>,
+}
+
+/// What the HTTP layer needs to know about the loaded model, without touching the engine thread.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub name: String,
+    pub vocab_size: usize,
+    pub max_model_len: usize,
+    pub kind: Kind,
+    pub device: Device,
+    /// Every weight: (checkpoint name, shape).
+    pub params: Vec<(String, Vec<i64>)>,
+    pub num_experts: Option<usize>,
+    pub sparse_layers: usize,
+    pub top_k: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseMode {
+    Keep,
+    Wait,
+    Abort,
+}
+
+impl PauseMode {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "keep" => Some(Self::Keep),
+            "wait" => Some(Self::Wait),
+            "abort" => Some(Self::Abort),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+        }
+    }
+}
+
+/// What a request's receiver gets, in order: its tokens, then exactly one of `Finished`,
+/// `Rejected` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    Token { logprob: TokenLogprob, version: u64 },
+    Finished { reason: FinishReason, routed_experts: Option<String> },
+    /// Refused before it ran (paused engine, duplicate id, full queue).
+    Rejected(ApiError),
+    /// The forward failed; the request ends with an internal error.
+    Failed(String),
+}
+
+/// A request handed to the engine.
+#[derive(Debug)]
+pub struct Job {
+    pub id: String,
+    pub prompt: Vec<i64>,
+    pub params: SamplingParams,
+    pub routed_experts_prompt_start: usize,
+    /// Unbounded, yet bounded in practice: a request produces at most `max_tokens + 1` events,
+    /// and the engine thread must never block on a slow client.
+    pub events: mpsc::UnboundedSender<Event>,
+}
+
+enum Command {
+    Generate(Job),
+    Abort(Vec<String>),
+    Pause(PauseMode, oneshot::Sender<()>),
+    Resume(oneshot::Sender<()>),
+    ApplyWeights { tensors: Vec<(String, Tensor)>, version: u64, done: oneshot::Sender<Result<(), String>> },
+}
+
+/// State shared with the HTTP layer for cheap reads.
+#[derive(Debug, Default)]
+pub struct EngineStatus {
+    pub paused: AtomicBool,
+    /// Set while paused or draining by `wait`/`abort`: new requests are refused.
+    pub refusing: AtomicBool,
+    pub weight_version: AtomicU64,
+}
+
+/// The async side's handle on the engine thread.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    pub status: Arc<EngineStatus>,
+    pub info: Arc<ModelInfo>,
+    pub(crate) metrics: EngineMetrics,
+}
+
+fn closed() -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine thread has stopped")
+}
+
+impl EngineHandle {
+    /// Starts the engine thread on `model`.
+    pub fn spawn(model: Qwen3Model, name: String, opts: EngineOptions) -> (Self, std::thread::JoinHandle<()>) {
+        let cfg = model.config();
+        let max_model_len = opts.max_model_len.min(cfg.max_position_embeddings);
+        let info = ModelInfo {
+            name,
+            vocab_size: cfg.vocab_size,
+            max_model_len,
+            kind: model.kind(),
+            device: model.device(),
+            params: model.params().iter().map(|(n, t)| (n.clone(), t.size())).collect(),
+            num_experts: cfg.moe.as_ref().map(|m| m.num_experts),
+            sparse_layers: cfg.num_sparse_layers(),
+            top_k: cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok),
+        };
+        let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+        let status = Arc::new(EngineStatus::default());
+        let metrics = EngineMetrics::default();
+        let handle = Self { tx, status: status.clone(), info: Arc::new(info), metrics: metrics.clone() };
+        let opts = EngineOptions { max_model_len, ..opts };
+        let engine = Engine {
+            model,
+            opts,
+            rx,
+            status,
+            metrics,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pause: PauseState::Running,
+            version: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("moult-engine".into())
+            .spawn(move || engine.run())
+            .expect("spawn the engine thread");
+        (handle, thread)
+    }
+
+    fn send(&self, cmd: Command) -> Result<(), ApiError> {
+        self.tx.try_send(cmd).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => {
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "the engine's command queue is full; retry later")
+            }
+            mpsc::error::TrySendError::Closed(_) => closed(),
+        })
+    }
+
+    /// Queues a generation; its events arrive on the returned receiver. Dropping the receiver
+    /// cancels the request.
+    pub fn generate(
+        &self,
+        id: String,
+        prompt: Vec<i64>,
+        params: SamplingParams,
+        routed_experts_prompt_start: usize,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+        if self.status.refusing.load(Ordering::Acquire) {
+            return Err(ApiError::unavailable("the engine is paused; retry after it resumes"));
+        }
+        let (events, rx) = mpsc::unbounded_channel();
+        self.send(Command::Generate(Job { id, prompt, params, routed_experts_prompt_start, events }))?;
+        Ok(rx)
+    }
+
+    pub fn abort(&self, request_ids: Vec<String>) -> Result<(), ApiError> {
+        self.send(Command::Abort(request_ids))
+    }
+
+    /// Pauses; returns once the pause took effect (for `wait`, once in-flight requests finished).
+    pub async fn pause(&self, mode: PauseMode) -> Result<(), ApiError> {
+        if mode != PauseMode::Keep {
+            self.status.refusing.store(true, Ordering::Release);
+        }
+        let (done, wait) = oneshot::channel();
+        self.send(Command::Pause(mode, done))?;
+        wait.await.map_err(|_| closed())
+    }
+
+    pub async fn resume(&self) -> Result<(), ApiError> {
+        let (done, wait) = oneshot::channel();
+        self.send(Command::Resume(done))?;
+        wait.await.map_err(|_| closed())
+    }
+
+    /// Copies new weights into the model between steps and sets the weight version.
+    pub async fn apply_weights(&self, tensors: Vec<(String, Tensor)>, version: u64) -> Result<(), ApiError> {
+        let (done, wait) = oneshot::channel();
+        self.send(Command::ApplyWeights { tensors, version, done })?;
+        wait.await.map_err(|_| closed())?.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))
+    }
+}
+
+enum PauseState {
+    Running,
+    /// `wait`: finishing accepted requests; the senders are answered once none are left.
+    Draining(Vec<oneshot::Sender<()>>),
+    Paused(PauseMode),
+}
+
+struct Sequence {
+    job: Job,
+    /// Prompt followed by every sampled token.
+    tokens: Vec<i64>,
+    prompt_len: usize,
+    cache: KvCache,
+    rng: ChaCha8Rng,
+    /// Routed expert ids, `layers * top_k` per position, for positions `0..routed_len`; the
+    /// first capture of a position is kept (the version that produced it).
+    routed: Vec<u16>,
+    routed_len: usize,
+}
+
+impl Sequence {
+    fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+struct Engine {
+    model: Qwen3Model,
+    opts: EngineOptions,
+    rx: mpsc::Receiver<Command>,
+    status: Arc<EngineStatus>,
+    metrics: EngineMetrics,
+    waiting: VecDeque<Job>,
+    running: Vec<Sequence>,
+    pause: PauseState,
+    version: u64,
+}
+
+impl Engine {
+    fn run(mut self) {
+        loop {
+            let idle = matches!(self.pause, PauseState::Paused(_)) || (self.running.is_empty() && self.waiting.is_empty());
+            if idle {
+                match self.rx.blocking_recv() {
+                    Some(cmd) => self.handle(cmd),
+                    None => break,
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.handle(cmd);
+            }
+            if matches!(self.pause, PauseState::Paused(_)) {
+                self.publish();
+                continue;
+            }
+            self.drop_cancelled();
+            self.admit();
+            if !self.running.is_empty() {
+                if let Err(e) = self.step() {
+                    tracing::error!(error = %e, "forward step failed; failing the running requests");
+                    for seq in self.running.drain(..) {
+                        let _ = seq.job.events.send(Event::Failed(e.to_string()));
+                    }
+                }
+            }
+            self.check_drained();
+            self.publish();
+        }
+        tracing::info!("engine thread exiting: every handle was dropped");
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate(job) => self.accept(job),
+            Command::Abort(ids) => {
+                let ids: std::collections::HashSet<String> = ids.into_iter().collect();
+                self.finish_where(FinishReason::Abort, |id| ids.contains(id));
+            }
+            Command::Pause(mode, done) => match mode {
+                PauseMode::Keep => self.enter_pause(PauseMode::Keep, done),
+                PauseMode::Abort => {
+                    self.finish_where(FinishReason::Abort, |_| true);
+                    self.enter_pause(PauseMode::Abort, done);
+                }
+                PauseMode::Wait => {
+                    if self.running.is_empty() && self.waiting.is_empty() {
+                        self.enter_pause(PauseMode::Wait, done);
+                    } else if let PauseState::Draining(waiters) = &mut self.pause {
+                        waiters.push(done);
+                    } else {
+                        self.pause = PauseState::Draining(vec![done]);
+                        self.status.refusing.store(true, Ordering::Release);
+                    }
+                }
+            },
+            Command::Resume(done) => {
+                if let PauseState::Draining(waiters) = std::mem::replace(&mut self.pause, PauseState::Running) {
+                    waiters.into_iter().for_each(|w| {
+                        let _ = w.send(());
+                    });
+                }
+                self.status.refusing.store(false, Ordering::Release);
+                self.status.paused.store(false, Ordering::Release);
+                let _ = done.send(());
+            }
+            Command::ApplyWeights { tensors, version, done } => {
+                let _ = done.send(self.apply_weights(tensors, version));
+            }
+        }
+    }
+
+    fn enter_pause(&mut self, mode: PauseMode, done: oneshot::Sender<()>) {
+        if let PauseState::Draining(waiters) = std::mem::replace(&mut self.pause, PauseState::Paused(mode)) {
+            waiters.into_iter().for_each(|w| {
+                let _ = w.send(());
+            });
+        }
+        self.status.refusing.store(mode != PauseMode::Keep, Ordering::Release);
+        self.status.paused.store(true, Ordering::Release);
+        let _ = done.send(());
+    }
+
+    fn check_drained(&mut self) {
+        if matches!(self.pause, PauseState::Draining(_)) && self.running.is_empty() && self.waiting.is_empty() {
+            let (done, _) = oneshot::channel();
+            self.enter_pause(PauseMode::Wait, done);
+        }
+    }
+
+    fn accept(&mut self, job: Job) {
+        let refuse = |job: Job, err: ApiError| {
+            let _ = job.events.send(Event::Rejected(err));
+        };
+        match self.pause {
+            PauseState::Paused(PauseMode::Wait | PauseMode::Abort) | PauseState::Draining(_) => {
+                return refuse(job, ApiError::unavailable("the engine is paused; retry after it resumes"));
+            }
+            _ => {}
+        }
+        if self.running.iter().map(|s| &s.job.id).chain(self.waiting.iter().map(|j| &j.id)).any(|id| *id == job.id) {
+            let msg = format!("request_id `{}` is already in flight", job.id);
+            return refuse(job, ApiError::new(StatusCode::CONFLICT, msg).with_param("request_id"));
+        }
+        if self.waiting.len() >= self.opts.max_waiting {
+            let msg = format!("{} requests are already waiting; retry later", self.waiting.len());
+            return refuse(job, ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg));
+        }
+        self.waiting.push_back(job);
+    }
+
+    fn admit(&mut self) {
+        while self.running.len() < self.opts.max_batch {
+            let Some(job) = self.waiting.pop_front() else { break };
+            if job.events.is_closed() {
+                continue;
+            }
+            self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
+            let capacity = job.prompt.len() + job.params.max_tokens;
+            let rng = match job.params.seed {
+                Some(seed) => ChaCha8Rng::seed_from_u64(seed),
+                None => ChaCha8Rng::from_entropy(),
+            };
+            self.running.push(Sequence {
+                tokens: job.prompt.clone(),
+                prompt_len: job.prompt.len(),
+                cache: self.model.new_cache(capacity.min(self.opts.max_model_len)),
+                rng,
+                routed: Vec::new(),
+                routed_len: 0,
+                job,
+            });
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let before = self.running.len();
+        self.running.retain(|s| !s.job.events.is_closed());
+        self.waiting.retain(|j| !j.events.is_closed());
+        let gone = before - self.running.len();
+        if gone > 0 {
+            tracing::debug!(gone, "dropped requests whose clients went away");
+        }
+    }
+
+    /// Ends every running or waiting request whose id matches, with its partial output.
+    fn finish_where(&mut self, reason: FinishReason, matches: impl Fn(&str) -> bool) {
+        let mut kept = Vec::with_capacity(self.running.len());
+        for seq in std::mem::take(&mut self.running) {
+            if matches(&seq.job.id) {
+                self.finish(seq, reason);
+            } else {
+                kept.push(seq);
+            }
+        }
+        self.running = kept;
+        let waiting = std::mem::take(&mut self.waiting);
+        for job in waiting {
+            if matches(&job.id) {
+                self.metrics.finished(reason);
+                let _ = job.events.send(Event::Finished { reason, routed_experts: None });
+            } else {
+                self.waiting.push_back(job);
+            }
+        }
+    }
+
+    fn finish(&self, seq: Sequence, reason: FinishReason) {
+        self.metrics.finished(reason);
+        let routed_experts = self.routed_experts_of(&seq);
+        let _ = seq.job.events.send(Event::Finished { reason, routed_experts });
+    }
+
+    fn routed_experts_of(&self, seq: &Sequence) -> Option<String> {
+        let moe = self.model.config().moe.as_ref()?;
+        if !self.opts.return_routed_experts {
+            return None;
+        }
+        let layers = self.model.config().num_sparse_layers();
+        let row = layers * moe.num_experts_per_tok;
+        // vLLM's shape: every position that went through the model, i.e. all tokens but the last.
+        let end = seq.routed_len.min(seq.tokens.len().saturating_sub(1));
+        let start = seq.job.routed_experts_prompt_start.min(end);
+        Some(encode_routed_experts(
+            &seq.routed[start * row..end * row],
+            end - start,
+            layers,
+            moe.num_experts_per_tok,
+            moe.num_experts,
+        ))
+    }
+
+    fn apply_weights(&mut self, tensors: Vec<(String, Tensor)>, version: u64) -> Result<(), String> {
+        tch::no_grad(|| {
+            for (name, tensor) in &tensors {
+                // A shallow clone shares the weight's storage: copying into it updates the model.
+                let mut param = self
+                    .model
+                    .params()
+                    .get(name)
+                    .ok_or_else(|| format!("unknown weight `{name}`"))?
+                    .shallow_clone();
+                let tensor = tensor.to_kind(param.kind()).to_device(param.device());
+                param.f_copy_(&tensor).map_err(|e| format!("weight `{name}`: {e}"))?;
+            }
+            Ok::<(), String>(())
+        })?;
+        self.version = version;
+        self.status.weight_version.store(version, Ordering::Release);
+        // Recompute in-flight sequences under the new weights from their tokens.
+        for seq in &mut self.running {
+            seq.cache.clear();
+        }
+        tracing::info!(version, tensors = tensors.len(), "weights updated");
+        Ok(())
+    }
+
+    /// One packed forward over the running batch, then sampling for every sequence whose
+    /// pending tokens were all consumed.
+    fn step(&mut self) -> crate::model::Result<()> {
+        let mut budget = self.opts.max_prefill_tokens;
+        let plan: Vec<usize> = self
+            .running
+            .iter()
+            .map(|s| {
+                let pending = s.tokens.len() - s.cache.len();
+                if pending <= 1 {
+                    return pending;
+                }
+                let n = pending.min(budget);
+                budget -= n;
+                n
+            })
+            .collect();
+        let starts: Vec<usize> = self.running.iter().map(|s| s.cache.len()).collect();
+        let mut inputs: Vec<SeqInput> = self
+            .running
+            .iter_mut()
+            .zip(&plan)
+            .filter(|(_, &n)| n > 0)
+            .map(|(s, &n)| {
+                let start = s.cache.len();
+                SeqInput { tokens: &s.tokens[start..start + n], cache: Some(&mut s.cache), replay: None }
+            })
+            .collect();
+        if inputs.is_empty() {
+            return Ok(());
+        }
+        let out = tch::no_grad(|| self.model.forward(&mut inputs, LogitsFor::Last))?;
+        drop(inputs);
+        let logits = out.logits.to_kind(Kind::Float).to_device(Device::Cpu);
+        let vocab = logits.size()[1] as usize;
+        let logits: Vec<f32> = Vec::try_from(logits.reshape([-1]))?;
+        let routed: Option<Vec<i64>> = match (&out.routed_experts, self.opts.return_routed_experts) {
+            (Some(r), true) => Some(Vec::try_from(r.to_device(Device::Cpu).reshape([-1]))?),
+            _ => None,
+        };
+        let row_len = self.model.config().num_sparse_layers() * self.model.config().moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
+
+        let mut finished = Vec::new();
+        let (mut row, mut packed_offset) = (0usize, 0usize);
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            let n = plan[i];
+            if n == 0 {
+                continue;
+            }
+            if let Some(routed) = &routed {
+                // Keep the first capture of each position.
+                for pos in starts[i]..starts[i] + n {
+                    if pos == seq.routed_len {
+                        let at = (packed_offset + pos - starts[i]) * row_len;
+                        seq.routed.extend(routed[at..at + row_len].iter().map(|&e| e as u16));
+                        seq.routed_len += 1;
+                    }
+                }
+            }
+            packed_offset += n;
+            let row_logits = &logits[row * vocab..(row + 1) * vocab];
+            row += 1;
+            if seq.cache.len() < seq.tokens.len() {
+                continue; // a prefill chunk: more prompt to go before sampling
+            }
+            let params = &seq.job.params;
+            let masked;
+            let row_logits = if seq.output_len() < params.min_tokens {
+                let mut m = row_logits.to_vec();
+                for &t in params.stop_token_ids.iter().chain(&self.opts.eos_token_ids) {
+                    m[t as usize] = f32::NEG_INFINITY;
+                }
+                masked = m;
+                &masked[..]
+            } else {
+                row_logits
+            };
+            let s = sample(row_logits, params, &mut seq.rng);
+            seq.tokens.push(s.token);
+            self.metrics.generation_tokens.inc();
+            let logprob = TokenLogprob {
+                token_id: s.token,
+                logprob: s.logprob,
+                top_logprobs: s.top.into_iter().map(|(token_id, logprob)| TopLogprob { token_id, logprob }).collect(),
+            };
+            let _ = seq.job.events.send(Event::Token { logprob, version: self.version });
+            let out_len = seq.output_len();
+            let stopped = out_len >= params.min_tokens
+                && (params.stop_token_ids.contains(&s.token)
+                    || (!params.ignore_eos && self.opts.eos_token_ids.contains(&s.token)));
+            if stopped {
+                finished.push((i, FinishReason::Stop));
+            } else if out_len >= params.max_tokens || seq.tokens.len() >= self.opts.max_model_len {
+                finished.push((i, FinishReason::Length));
+            }
+        }
+        for (i, reason) in finished.into_iter().rev() {
+            let seq = self.running.swap_remove(i);
+            self.finish(seq, reason);
+        }
+        Ok(())
+    }
+
+    fn publish(&self) {
+        self.metrics.running.set(self.running.len() as i64);
+        self.metrics.waiting.set(self.waiting.len() as i64);
+        let used: usize = self.running.iter().map(|s| s.cache.len()).sum();
+        let budget = (self.opts.max_batch * self.opts.max_model_len).max(1);
+        self.metrics.set_kv_usage(used as f64 / budget as f64);
+    }
+}

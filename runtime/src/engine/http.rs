@@ -1,0 +1,386 @@
+//! The engine's HTTP API (DESIGN §4.1): vLLM's token-in/token-out generate endpoint, pause and
+//! resume, the weight-transfer control plane, health and metrics. Every error leaves in vLLM's
+//! JSON error shape via [`ApiError`]; nothing a client sends can reach a panic.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::{mpsc, Mutex};
+
+use super::api::{
+    AbortRequest, Choice, FinishWeightUpdate, GenerateRequest, GenerateResponse, InitWeightTransfer, Logprobs,
+    UpdateWeights, Usage, WeightVersionSpan,
+};
+use super::core::{EngineHandle, Event, PauseMode};
+use super::weights::{connect, BucketLayout};
+use super::ApiError;
+use crate::model::dtype_name;
+
+/// The weight-transfer session: the data-plane connection and the tensors received so far.
+#[derive(Debug, Default)]
+struct Transfer {
+    stream: Option<tokio::net::TcpStream>,
+    updating: bool,
+    staged: Vec<(String, tch::Tensor)>,
+}
+
+struct AppState {
+    engine: EngineHandle,
+    transfer: Mutex<Transfer>,
+    registry: prometheus_client::registry::Registry,
+    next_id: AtomicU64,
+}
+
+/// The API router over a running engine.
+pub fn router(engine: EngineHandle) -> Router {
+    let registry = engine.metrics.registry(&engine.info.name);
+    let state = Arc::new(AppState { engine, transfer: Mutex::default(), registry, next_id: AtomicU64::new(0) });
+    Router::new()
+        .route("/inference/v1/generate", post(generate))
+        .route("/inference/v1/abort_requests", post(abort_requests))
+        .route("/pause", post(pause))
+        .route("/resume", post(resume))
+        .route("/is_paused", get(is_paused))
+        .route("/get_world_size", get(get_world_size))
+        .route("/init_weight_transfer_engine", post(init_weight_transfer_engine))
+        .route("/start_weight_update", post(start_weight_update))
+        .route("/update_weights", post(update_weights))
+        .route("/finish_weight_update", post(finish_weight_update))
+        .route("/weight_info", get(weight_info))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .fallback(|uri: axum::http::Uri| async move {
+            ApiError::new(StatusCode::NOT_FOUND, format!("no route for {uri}"))
+        })
+        .with_state(state)
+}
+
+/// Serves the API on an already-bound listener until `shutdown` completes.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    engine: EngineHandle,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(engine)).with_graceful_shutdown(shutdown).await
+}
+
+/// Parses a JSON body; errors name the field path (`sampling_params.max_token`).
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    match body.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') => {}
+        None => return Err(ApiError::bad_request("the request body is empty; send a JSON object")),
+        Some(_) if serde_json::from_slice::<serde_json::Value>(body).is_err() => {
+            return Err(ApiError::bad_request("malformed JSON body"))
+        }
+        Some(_) => return Err(ApiError::bad_request("the request body must be a JSON object")),
+    }
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let message = if inner.is_syntax() || inner.is_eof() {
+            format!("malformed JSON body: {inner}")
+        } else if path == "." {
+            format!("invalid request: {inner}")
+        } else {
+            format!("invalid field `{path}`: {inner}")
+        };
+        let err = ApiError::bad_request(message);
+        if path == "." { err } else { err.with_param(&path) }
+    })
+}
+
+async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+    let info = &state.engine.info;
+    let req: GenerateRequest = parse(&body)?;
+    let req = req.validate(info.vocab_size, info.max_model_len)?;
+    let id = req.request_id.unwrap_or_else(|| format!("gen-{}", state.next_id.fetch_add(1, Ordering::Relaxed)));
+    let prompt_len = req.prompt.len();
+    let mut rx = state.engine.generate(id.clone(), req.prompt, req.params, req.routed_experts_prompt_start)?;
+    // The first event says whether the engine accepted the request.
+    let first = rx.recv().await.ok_or_else(engine_gone)?;
+    if let Event::Rejected(err) = first {
+        return Err(err);
+    }
+    if req.stream {
+        Ok(Sse::new(stream_events(id, prompt_len, first, rx)).into_response())
+    } else {
+        collect(id, prompt_len, first, rx).await.map(|r| Json(r).into_response())
+    }
+}
+
+fn engine_gone() -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine dropped the request")
+}
+
+/// Extends the version spans with output token `index` sampled under `version`.
+fn push_version(spans: &mut Vec<WeightVersionSpan>, index: usize, version: u64) {
+    match spans.last_mut() {
+        Some(last) if last.version == version && last.end == index => last.end = index + 1,
+        _ => spans.push(WeightVersionSpan { version, start: index, end: index + 1 }),
+    }
+}
+
+async fn collect(
+    id: String,
+    prompt_len: usize,
+    first: Event,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+) -> Result<GenerateResponse, ApiError> {
+    let mut choice = Choice {
+        index: 0,
+        token_ids: Vec::new(),
+        logprobs: Logprobs::default(),
+        finish_reason: None,
+        routed_experts: None,
+        weight_versions: Vec::new(),
+    };
+    let mut event = Some(first);
+    loop {
+        let next = match event.take() {
+            Some(e) => Some(e),
+            None => rx.recv().await,
+        };
+        match next.ok_or_else(engine_gone)? {
+            Event::Token { logprob, version } => {
+                push_version(&mut choice.weight_versions, choice.token_ids.len(), version);
+                choice.token_ids.push(logprob.token_id);
+                choice.logprobs.content.push(logprob);
+            }
+            Event::Finished { reason, routed_experts } => {
+                choice.finish_reason = Some(reason.as_str().into());
+                choice.routed_experts = routed_experts;
+                let completion_tokens = choice.token_ids.len();
+                return Ok(GenerateResponse {
+                    request_id: id,
+                    choices: vec![choice],
+                    usage: Some(Usage { prompt_tokens: prompt_len, completion_tokens, total_tokens: prompt_len + completion_tokens }),
+                });
+            }
+            Event::Rejected(err) => return Err(err),
+            Event::Failed(message) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)),
+        }
+    }
+}
+
+/// SSE chunks: one per sampled token (`choices[0].token_ids` is the delta), a final chunk with
+/// `finish_reason`, `routed_experts` and `usage`, then `[DONE]`. Dropping the stream (the client
+/// went away) drops the receiver, which cancels the request in the engine.
+fn stream_events(
+    id: String,
+    prompt_len: usize,
+    first: Event,
+    rx: mpsc::UnboundedReceiver<Event>,
+) -> impl Stream<Item = Result<SseEvent, std::convert::Infallible>> {
+    struct S {
+        id: String,
+        rx: mpsc::UnboundedReceiver<Event>,
+        first: Option<Event>,
+        produced: usize,
+        prompt_len: usize,
+        done: bool,
+        /// The final chunk went out; `[DONE]` follows.
+        terminate: bool,
+    }
+    let state = S { id, rx, first: Some(first), produced: 0, prompt_len, done: false, terminate: false };
+    futures::stream::unfold(state, |mut s| async move {
+        if s.terminate {
+            s.terminate = false;
+            s.done = true;
+            return Some((Ok(SseEvent::default().data("[DONE]")), s));
+        }
+        if s.done {
+            return None;
+        }
+        let event = match s.first.take() {
+            Some(e) => Some(e),
+            None => s.rx.recv().await,
+        };
+        let chunk = |choice: Choice, usage: Option<Usage>| GenerateResponse { request_id: s.id.clone(), choices: vec![choice], usage };
+        let data = match event {
+            Some(Event::Token { logprob, version }) => {
+                let index = s.produced;
+                s.produced += 1;
+                let choice = Choice {
+                    index: 0,
+                    token_ids: vec![logprob.token_id],
+                    logprobs: Logprobs { content: vec![logprob] },
+                    finish_reason: None,
+                    routed_experts: None,
+                    weight_versions: vec![WeightVersionSpan { version, start: index, end: index + 1 }],
+                };
+                serde_json::to_string(&chunk(choice, None)).expect("serializable")
+            }
+            Some(Event::Finished { reason, routed_experts }) => {
+                let choice = Choice {
+                    index: 0,
+                    token_ids: Vec::new(),
+                    logprobs: Logprobs::default(),
+                    finish_reason: Some(reason.as_str().into()),
+                    routed_experts,
+                    weight_versions: Vec::new(),
+                };
+                let usage = Usage { prompt_tokens: s.prompt_len, completion_tokens: s.produced, total_tokens: s.prompt_len + s.produced };
+                s.terminate = true;
+                serde_json::to_string(&chunk(choice, Some(usage))).expect("serializable")
+            }
+            Some(Event::Rejected(err)) => {
+                s.done = true;
+                json!({"error": {"message": err.message, "code": err.status.as_u16()}}).to_string()
+            }
+            Some(Event::Failed(message)) => {
+                s.done = true;
+                json!({"error": {"message": message, "code": 500}}).to_string()
+            }
+            None => {
+                s.done = true;
+                json!({"error": {"message": "the engine dropped the request", "code": 500}}).to_string()
+            }
+        };
+        Some((Ok(SseEvent::default().data(data)), s))
+    })
+}
+
+async fn abort_requests(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+    let req: AbortRequest = parse(&body)?;
+    state.engine.abort(req.request_ids)?;
+    Ok(Json(json!({})))
+}
+
+#[derive(Debug, Deserialize)]
+struct PauseQuery {
+    mode: Option<String>,
+}
+
+async fn pause(State(state): State<Arc<AppState>>, Query(q): Query<PauseQuery>) -> Result<Json<serde_json::Value>, ApiError> {
+    // vLLM's default mode is `abort`.
+    let text = q.mode.as_deref().unwrap_or("abort");
+    let mode = PauseMode::parse(text).ok_or_else(|| {
+        ApiError::bad_request(format!("mode must be one of keep, wait, abort; got `{text}`")).with_param("mode")
+    })?;
+    state.engine.pause(mode).await?;
+    Ok(Json(json!({"status": "paused", "mode": text})))
+}
+
+async fn resume(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
+    state.engine.resume().await?;
+    Ok(Json(json!({"status": "resumed"})))
+}
+
+async fn is_paused(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    Json(json!({"is_paused": state.engine.status.paused.load(Ordering::Acquire)}))
+}
+
+async fn get_world_size() -> Json<serde_json::Value> {
+    // The built-in engine is one rank (no tensor parallelism).
+    Json(json!({"world_size": 1}))
+}
+
+async fn init_weight_transfer_engine(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+    let req: InitWeightTransfer = parse(&body)?;
+    let info = req.init_info;
+    if info.nccl_unique_id_b64.is_some() {
+        return Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "the NCCL weight-transfer data plane is not in the built-in engine yet (issue 5: weight sync); use the TCP data plane (master_address, master_port)",
+        )
+        .with_param("init_info.nccl_unique_id_b64"));
+    }
+    let (Some(address), Some(port)) = (info.master_address, info.master_port) else {
+        return Err(ApiError::bad_request("init_info needs master_address and master_port (the trainer's TCP weight stream)")
+            .with_param("init_info"));
+    };
+    let addr = format!("{address}:{port}");
+    let stream = tokio::time::timeout(std::time::Duration::from_secs(30), connect(&addr, info.rank_offset))
+        .await
+        .map_err(|_| ApiError::bad_request(format!("timed out connecting to the weight stream at {addr}")))?
+        .map_err(|e| ApiError::bad_request(format!("cannot connect to the weight stream at {addr}: {e}")))?;
+    let mut transfer = state.transfer.lock().await;
+    *transfer = Transfer { stream: Some(stream), ..Transfer::default() };
+    Ok(Json(json!({})))
+}
+
+async fn start_weight_update(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
+    let mut transfer = state.transfer.lock().await;
+    if transfer.stream.is_none() {
+        return Err(ApiError::new(StatusCode::CONFLICT, "call /init_weight_transfer_engine before /start_weight_update"));
+    }
+    transfer.updating = true;
+    transfer.staged.clear();
+    Ok(Json(json!({})))
+}
+
+async fn update_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+    let req: UpdateWeights = parse(&body)?;
+    let layout = BucketLayout::new(&req.update_info, &state.engine.info.params)
+        .map_err(|m| ApiError::bad_request(m).with_param("update_info"))?;
+    let mut transfer = state.transfer.lock().await;
+    if !transfer.updating {
+        return Err(ApiError::new(StatusCode::CONFLICT, "call /start_weight_update before /update_weights"));
+    }
+    let stream = transfer.stream.as_mut().expect("updating implies a connection");
+    let payload = match layout.read(stream).await {
+        Ok(p) => p,
+        Err(message) => {
+            // The stream position is unknown now: drop it; the trainer must re-init.
+            *transfer = Transfer::default();
+            return Err(ApiError::bad_request(message));
+        }
+    };
+    let tensors = tokio::task::spawn_blocking(move || layout.tensors(&payload))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let received = tensors.len();
+    transfer.staged.extend(tensors);
+    Ok(Json(json!({"received": received})))
+}
+
+async fn finish_weight_update(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+    let req: FinishWeightUpdate = parse(&body)?;
+    let staged = {
+        let mut transfer = state.transfer.lock().await;
+        if !transfer.updating {
+            return Err(ApiError::new(StatusCode::CONFLICT, "call /start_weight_update before /finish_weight_update"));
+        }
+        transfer.updating = false;
+        std::mem::take(&mut transfer.staged)
+    };
+    let count = staged.len();
+    state.engine.apply_weights(staged, req.weight_version).await?;
+    Ok(Json(json!({"weight_version": req.weight_version, "updated": count})))
+}
+
+async fn weight_info(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let info = &state.engine.info;
+    let params: Vec<_> = info.params.iter().map(|(name, shape)| json!({"name": name, "shape": shape})).collect();
+    Json(json!({
+        "weight_version": state.engine.status.weight_version.load(Ordering::Acquire),
+        "dtype": dtype_name(info.kind),
+        "params": params,
+    }))
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &state.registry)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let info = &state.engine.info;
+    Json(json!({"object": "list", "data": [{"id": info.name, "object": "model", "max_model_len": info.max_model_len}]}))
+}

@@ -1,0 +1,258 @@
+//! Token sampling with the log-probability of the *processed* distribution (vLLM's
+//! `--logprobs-mode processed_logprobs`).
+//!
+//! Processing order, as vLLM's sampler: `z = logits / T` (T = 1 for greedy), top-k keeps the k
+//! largest `z` (ties at the k-th value kept), top-p sorts ascending and removes tokens while the
+//! ascending cumulative probability is `<= 1 - p` (the most likely token always stays). The
+//! sampled token's logprob is `z_a - logsumexp(z_kept)`: its log-probability under exactly the
+//! distribution it was drawn from, so importance ratios against the trainer are exact.
+
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+/// Validated per-request sampling settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub max_tokens: usize,
+    /// 0 means greedy.
+    pub temperature: f64,
+    pub top_p: f64,
+    /// `None`: no top-k.
+    pub top_k: Option<usize>,
+    pub seed: Option<u64>,
+    pub stop_token_ids: Vec<i64>,
+    pub ignore_eos: bool,
+    pub min_tokens: usize,
+    /// How many top alternatives to report per token besides the sampled one.
+    pub top_logprobs: usize,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 16,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            min_tokens: 0,
+            top_logprobs: 0,
+        }
+    }
+}
+
+/// One sampled token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: i64,
+    pub logprob: f32,
+    /// The most likely tokens of the processed distribution, best first, if asked for.
+    pub top: Vec<(i64, f32)>,
+}
+
+/// The processed distribution of one row: kept token ids, their scaled logits, and the log
+/// normaliser over them.
+struct Processed {
+    kept: Vec<usize>,
+    log_z: f64,
+}
+
+fn process(z: &[f32], params: &SamplingParams) -> Processed {
+    let vocab = z.len();
+    let mut kept: Vec<usize> = (0..vocab).collect();
+    if let Some(k) = params.top_k.filter(|&k| k < vocab) {
+        let mut values: Vec<f32> = z.to_vec();
+        let (_, kth, _) = values.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
+        let threshold = *kth;
+        kept.retain(|&i| z[i] >= threshold);
+    }
+    if params.top_p < 1.0 {
+        kept.sort_by(|&a, &b| z[a].total_cmp(&z[b]));
+        let max = z[*kept.last().expect("top-k keeps at least one token")] as f64;
+        let weights: Vec<f64> = kept.iter().map(|&i| (z[i] as f64 - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut cumulative = 0.0;
+        let mut drop = 0;
+        for w in &weights[..weights.len() - 1] {
+            cumulative += w / total;
+            if cumulative <= 1.0 - params.top_p {
+                drop += 1;
+            } else {
+                break;
+            }
+        }
+        kept.drain(..drop);
+        kept.sort_unstable();
+    }
+    let max = kept.iter().map(|&i| z[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = kept.iter().map(|&i| (z[i] as f64 - max).exp()).sum();
+    Processed { kept, log_z: max + sum.ln() }
+}
+
+/// Samples one token from a row of raw logits.
+pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> Sampled {
+    let greedy = params.temperature == 0.0;
+    let inv_t = if greedy { 1.0 } else { 1.0 / params.temperature };
+    let z: Vec<f32> = logits.iter().map(|&l| (l as f64 * inv_t) as f32).collect();
+    let p = process(&z, params);
+    let token = if greedy {
+        // First index among the maxima, as torch.argmax.
+        *p.kept.iter().reduce(|best, i| if z[*i] > z[*best] { i } else { best }).expect("non-empty")
+    } else {
+        let u: f64 = rng.gen();
+        let mut cumulative = 0.0;
+        let mut chosen = *p.kept.last().expect("non-empty");
+        for &i in &p.kept {
+            cumulative += (z[i] as f64 - p.log_z).exp();
+            if u < cumulative {
+                chosen = i;
+                break;
+            }
+        }
+        chosen
+    };
+    let top = if params.top_logprobs > 0 {
+        let mut order = p.kept.clone();
+        let n = params.top_logprobs.min(order.len());
+        order.select_nth_unstable_by(n - 1, |&a, &b| z[b].total_cmp(&z[a]));
+        order.truncate(n);
+        order.sort_by(|&a, &b| z[b].total_cmp(&z[a]).then(a.cmp(&b)));
+        order.into_iter().map(|i| (i as i64, (z[i] as f64 - p.log_z) as f32)).collect()
+    } else {
+        Vec::new()
+    };
+    Sampled { token: token as i64, logprob: (z[token] as f64 - p.log_z) as f32, top }
+}
+
+/// The processed log-probability of `token` under `params`, without sampling: what the
+/// trainer-side checks recompute from a full forward.
+pub fn processed_logprob(logits: &[f32], token: i64, params: &SamplingParams) -> f32 {
+    let inv_t = if params.temperature == 0.0 { 1.0 } else { 1.0 / params.temperature };
+    let z: Vec<f32> = logits.iter().map(|&l| (l as f64 * inv_t) as f32).collect();
+    let p = process(&z, params);
+    if p.kept.binary_search(&(token as usize)).is_err() {
+        return f32::NEG_INFINITY;
+    }
+    (z[token as usize] as f64 - p.log_z) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn params(temperature: f64, top_k: Option<usize>, top_p: f64) -> SamplingParams {
+        SamplingParams { temperature, top_k, top_p, ..Default::default() }
+    }
+
+    /// Straightforward reference: softmax of the processed logits, with tokens outside the
+    /// kept set at probability zero.
+    fn reference_probs(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
+        let t = if p.temperature == 0.0 { 1.0 } else { p.temperature };
+        let z: Vec<f64> = logits.iter().map(|&l| l as f64 / t).collect();
+        let mut keep = vec![true; z.len()];
+        if let Some(k) = p.top_k {
+            let mut sorted = z.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            let kth = sorted[k.min(z.len()) - 1];
+            for (i, v) in z.iter().enumerate() {
+                keep[i] &= *v >= kth;
+            }
+        }
+        if p.top_p < 1.0 {
+            let mut idx: Vec<usize> = (0..z.len()).filter(|&i| keep[i]).collect();
+            idx.sort_by(|&a, &b| z[a].total_cmp(&z[b]));
+            let m = z[*idx.last().unwrap()];
+            let total: f64 = idx.iter().map(|&i| (z[i] - m).exp()).sum();
+            let mut cum = 0.0;
+            for &i in &idx[..idx.len() - 1] {
+                cum += (z[i] - m).exp() / total;
+                if cum <= 1.0 - p.top_p {
+                    keep[i] = false;
+                } else {
+                    break;
+                }
+            }
+        }
+        let m = z.iter().zip(&keep).filter(|(_, k)| **k).map(|(v, _)| *v).fold(f64::MIN, f64::max);
+        let w: Vec<f64> = z.iter().zip(&keep).map(|(v, k)| if *k { (v - m).exp() } else { 0.0 }).collect();
+        let s: f64 = w.iter().sum();
+        w.into_iter().map(|x| x / s).collect()
+    }
+
+    const LOGITS: [f32; 6] = [1.0, 3.0, 0.5, 3.0, -2.0, 2.0];
+
+    #[test]
+    fn logprob_is_that_of_the_processed_distribution() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for p in [params(1.0, None, 1.0), params(0.7, Some(3), 1.0), params(1.3, None, 0.8), params(0.5, Some(4), 0.6)] {
+            let probs = reference_probs(&LOGITS, &p);
+            for _ in 0..50 {
+                let s = sample(&LOGITS, &p, &mut rng);
+                let expected = probs[s.token as usize].ln();
+                assert!(probs[s.token as usize] > 0.0, "sampled a removed token under {p:?}");
+                assert!((s.logprob as f64 - expected).abs() < 1e-5, "{p:?}: {} vs {expected}", s.logprob);
+                assert!((processed_logprob(&LOGITS, s.token, &p) - s.logprob).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn empirical_frequencies_follow_the_processed_distribution() {
+        let p = params(0.9, Some(4), 0.9);
+        let probs = reference_probs(&LOGITS, &p);
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let n = 20_000;
+        let mut counts = [0usize; 6];
+        for _ in 0..n {
+            counts[sample(&LOGITS, &p, &mut rng).token as usize] += 1;
+        }
+        for (i, c) in counts.iter().enumerate() {
+            let f = *c as f64 / n as f64;
+            assert!((f - probs[i]).abs() < 0.015, "token {i}: frequency {f} vs probability {}", probs[i]);
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_ties_and_top_p_keeps_the_best() {
+        let p = params(1.0, Some(1), 1.0);
+        let probs = reference_probs(&LOGITS, &p);
+        assert!((probs[1] - 0.5).abs() < 1e-12 && (probs[3] - 0.5).abs() < 1e-12);
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let s = sample(&LOGITS, &params(1.0, None, 1e-9), &mut rng);
+        assert!(s.token == 1 || s.token == 3);
+        assert_eq!(processed_logprob(&LOGITS, 4, &params(1.0, Some(2), 1.0)), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum_with_its_logprob() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let s = sample(&LOGITS, &params(0.0, None, 1.0), &mut rng);
+        assert_eq!(s.token, 1);
+        let expected = reference_probs(&LOGITS, &params(1.0, None, 1.0))[1].ln();
+        assert!((s.logprob as f64 - expected).abs() < 1e-6);
+    }
+
+    #[test]
+    fn same_seed_same_tokens() {
+        let p = params(1.0, None, 1.0);
+        let draw = |seed| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            (0..32).map(|_| sample(&LOGITS, &p, &mut rng).token).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(42), draw(42));
+        assert_ne!(draw(42), draw(43));
+    }
+
+    #[test]
+    fn top_logprobs_are_sorted_and_include_the_best() {
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let p = SamplingParams { top_logprobs: 3, ..params(1.0, None, 1.0) };
+        let s = sample(&LOGITS, &p, &mut rng);
+        let ids: Vec<i64> = s.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 5]);
+        assert!(s.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    }
+}
