@@ -9,7 +9,11 @@ use moult_runtime::model::{parse_dtype, ModelConfig, Qwen3Model};
 use tch::{Device, Kind};
 
 #[derive(Debug, Parser)]
-#[command(name = "moult", version, about = "Kubernetes-native agentic RL for LLMs")]
+#[command(
+    name = "moult",
+    version,
+    about = "Kubernetes-native agentic RL for LLMs"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -75,7 +79,9 @@ fn eos_ids(model: &Path, cfg: &ModelConfig) -> Vec<i64> {
         if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
             match v.get("eos_token_id") {
                 Some(serde_json::Value::Number(n)) => ids.extend(n.as_i64()),
-                Some(serde_json::Value::Array(a)) => ids.extend(a.iter().filter_map(|x| x.as_i64())),
+                Some(serde_json::Value::Array(a)) => {
+                    ids.extend(a.iter().filter_map(|x| x.as_i64()))
+                }
                 _ => {}
             }
         }
@@ -109,15 +115,22 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
     let cfg = ModelConfig::from_dir(&args.model)?;
     let kind = match args.dtype.as_str() {
         "auto" if device == Device::Cpu => Kind::Float,
-        "auto" => cfg.dtype.as_deref().and_then(parse_dtype).unwrap_or(Kind::BFloat16),
-        other => parse_dtype(other)
-            .with_context(|| format!("--dtype must be auto, float32, bfloat16 or float16; got `{other}`"))?,
+        "auto" => cfg
+            .dtype
+            .as_deref()
+            .and_then(parse_dtype)
+            .unwrap_or(Kind::BFloat16),
+        other => parse_dtype(other).with_context(|| {
+            format!("--dtype must be auto, float32, bfloat16 or float16; got `{other}`")
+        })?,
     };
     if args.max_batch == 0 || args.max_prefill_tokens == 0 {
         bail!("--max-batch and --max-prefill-tokens must be at least 1");
     }
     let name = args.served_model_name.clone().unwrap_or_else(|| {
-        args.model.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned())
+        args.model
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned())
     });
     tracing::info!(model = %args.model.display(), ?kind, ?device, "loading");
     let started = std::time::Instant::now();
@@ -135,12 +148,19 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
         eos_token_ids: eos_ids(&args.model, &cfg),
     };
     if args.enable_return_routed_experts && cfg.moe.is_none() {
-        tracing::warn!("--enable-return-routed-experts has no effect: the model is not a mixture of experts");
+        tracing::warn!(
+            "--enable-return-routed-experts has no effect: the model is not a mixture of experts"
+        );
     }
     let (handle, _thread) = EngineHandle::spawn(model, name, opts);
     let addr = format!("{}:{}", args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("binding {addr}"))?;
-    println!("moult engine listening on http://{}", listener.local_addr()?);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    println!(
+        "moult engine listening on http://{}",
+        listener.local_addr()?
+    );
     http::serve(listener, handle, shutdown_signal()).await?;
     Ok(())
 }
@@ -153,7 +173,9 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     match cli.command {
         Command::Engine(args) => runtime.block_on(engine(args)),
     }

@@ -32,17 +32,27 @@ async fn generate(base: &str, body: Value) -> GenerateResponse {
 }
 
 fn params(temperature: f64, top_k: Option<usize>, top_p: f64) -> SamplingParams {
-    SamplingParams { temperature, top_k, top_p, ..Default::default() }
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        ..Default::default()
+    }
 }
 
 fn prompt(seed: i64, len: usize) -> Vec<i64> {
-    (0..len as i64).map(|i| (seed * 131 + i * 37) % 2000).collect()
+    (0..len as i64)
+        .map(|i| (seed * 131 + i * 37) % 2000)
+        .collect()
 }
 
 fn assert_close(ours: &[f32], reference: &[f32], tol: f32, what: &str) {
     assert_eq!(ours.len(), reference.len());
     for (i, (a, b)) in ours.iter().zip(reference).enumerate() {
-        assert!((a - b).abs() <= tol, "{what}: token {i}: engine {a} vs reference {b}");
+        assert!(
+            (a - b).abs() <= tol,
+            "{what}: token {i}: engine {a} vs reference {b}"
+        );
     }
 }
 
@@ -51,7 +61,12 @@ async fn libtorch_engine_logprobs_match_full_forward_under_concurrency() {
     let dir = common::dense_model();
     let engine = common::start_engine(&dir, common::engine_options()).await;
     let reference = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
-    let settings = [(0.8, Some(50), 0.9), (1.0, None, 1.0), (0.0, None, 1.0), (1.2, Some(5), 0.7)];
+    let settings = [
+        (0.8, Some(50), 0.9),
+        (1.0, None, 1.0),
+        (0.0, None, 1.0),
+        (1.2, Some(5), 0.7),
+    ];
     let futures = (0..8).map(|i| {
         let (t, k, p) = settings[i % settings.len()];
         let body = json!({
@@ -66,11 +81,24 @@ async fn libtorch_engine_logprobs_match_full_forward_under_concurrency() {
         let choice = &resp.choices[0];
         assert_eq!(choice.token_ids.len(), 24);
         assert_eq!(choice.finish_reason.as_deref(), Some("length"));
-        assert_eq!(choice.weight_versions, vec![WeightVersionSpan { version: 0, start: 0, end: 24 }]);
+        assert_eq!(
+            choice.weight_versions,
+            vec![WeightVersionSpan {
+                version: 0,
+                start: 0,
+                end: 24
+            }]
+        );
         let engine_lp: Vec<f32> = choice.logprobs.content.iter().map(|c| c.logprob).collect();
         let ids: Vec<i64> = choice.logprobs.content.iter().map(|c| c.token_id).collect();
         assert_eq!(ids, choice.token_ids);
-        let reference_lp = common::reference_logprobs(&reference, &prompt(i as i64, 3 + 7 * i), &choice.token_ids, &params(t, k, p), None);
+        let reference_lp = common::reference_logprobs(
+            &reference,
+            &prompt(i as i64, 3 + 7 * i),
+            &choice.token_ids,
+            &params(t, k, p),
+            None,
+        );
         assert_close(&engine_lp, &reference_lp, 1e-5, &format!("request {i}"));
     }
 }
@@ -87,15 +115,41 @@ async fn libtorch_moe_engine_routing_replays_to_the_same_logprobs() {
     )
     .await;
     let choice = &resp.choices[0];
-    let (shape, ids) = decode_routed_experts(choice.routed_experts.as_ref().expect("routed_experts")).unwrap();
+    let (shape, ids) =
+        decode_routed_experts(choice.routed_experts.as_ref().expect("routed_experts")).unwrap();
     let total = p.len() + choice.token_ids.len();
-    assert_eq!(shape, [total - 1, 2, 2], "(tokens - 1, sparse layers, top_k)");
-    let routing = Tensor::from_slice(&ids.iter().map(|&e| e as i64).collect::<Vec<_>>()).reshape([shape[0] as i64, 2, 2]);
+    assert_eq!(
+        shape,
+        [total - 1, 2, 2],
+        "(tokens - 1, sparse layers, top_k)"
+    );
+    let routing = Tensor::from_slice(&ids.iter().map(|&e| e as i64).collect::<Vec<_>>()).reshape([
+        shape[0] as i64,
+        2,
+        2,
+    ]);
     let engine_lp: Vec<f32> = choice.logprobs.content.iter().map(|c| c.logprob).collect();
-    let replayed = common::reference_logprobs(&reference, &p, &choice.token_ids, &params(1.0, None, 1.0), Some(&routing));
+    let replayed = common::reference_logprobs(
+        &reference,
+        &p,
+        &choice.token_ids,
+        &params(1.0, None, 1.0),
+        Some(&routing),
+    );
     assert_close(&engine_lp, &replayed, 1e-5, "with routing replay");
-    let free = common::reference_logprobs(&reference, &p, &choice.token_ids, &params(1.0, None, 1.0), None);
-    assert_close(&engine_lp, &free, 1e-5, "without replay (same weights, same routing)");
+    let free = common::reference_logprobs(
+        &reference,
+        &p,
+        &choice.token_ids,
+        &params(1.0, None, 1.0),
+        None,
+    );
+    assert_close(
+        &engine_lp,
+        &free,
+        1e-5,
+        "without replay (same weights, same routing)",
+    );
 
     // routed_experts_prompt_start trims the prompt rows, as vLLM does.
     let resp = generate(
@@ -103,15 +157,28 @@ async fn libtorch_moe_engine_routing_replays_to_the_same_logprobs() {
         json!({"token_ids": p, "sampling_params": {"max_tokens": 5, "seed": 5, "ignore_eos": true, "routed_experts_prompt_start": 4}}),
     )
     .await;
-    let (shape2, ids2) = decode_routed_experts(resp.choices[0].routed_experts.as_ref().unwrap()).unwrap();
+    let (shape2, ids2) =
+        decode_routed_experts(resp.choices[0].routed_experts.as_ref().unwrap()).unwrap();
     assert_eq!(shape2[0], p.len() + 5 - 1 - 4);
-    assert_eq!(&ids2[..], &ids[4 * 4..(4 + shape2[0]) * 4], "same seed, same routing, offset by the prompt start");
+    assert_eq!(
+        &ids2[..],
+        &ids[4 * 4..(4 + shape2[0]) * 4],
+        "same seed, same routing, offset by the prompt start"
+    );
 }
 
 async fn stream_tokens(base: &str, body: Value) -> (Vec<i64>, Vec<f32>, Value) {
-    let resp = client().post(format!("{base}/inference/v1/generate")).json(&body).send().await.unwrap();
+    let resp = client()
+        .post(format!("{base}/inference/v1/generate"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 200);
-    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
     let text = resp.text().await.unwrap();
     let data = common::sse_data(&text);
     assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
@@ -121,7 +188,12 @@ async fn stream_tokens(base: &str, body: Value) -> (Vec<i64>, Vec<f32>, Value) {
     for d in &data[..data.len() - 1] {
         let v: Value = serde_json::from_str(d).unwrap();
         let c = &v["choices"][0];
-        for (t, lp) in c["token_ids"].as_array().unwrap().iter().zip(c["logprobs"]["content"].as_array().unwrap()) {
+        for (t, lp) in c["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(c["logprobs"]["content"].as_array().unwrap())
+        {
             tokens.push(t.as_i64().unwrap());
             logprobs.push(lp["logprob"].as_f64().unwrap() as f32);
         }
@@ -133,19 +205,28 @@ async fn stream_tokens(base: &str, body: Value) -> (Vec<i64>, Vec<f32>, Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_streaming_matches_non_streaming_and_seeds_reproduce() {
     let engine = common::start_engine(&common::dense_model(), common::engine_options()).await;
-    let body = |stream: bool, seed: u64| {
-        json!({"token_ids": prompt(9, 6), "stream": stream, "sampling_params": {"max_tokens": 16, "seed": seed, "ignore_eos": true, "logprobs": 2}})
-    };
+    let body = |stream: bool, seed: u64| json!({"token_ids": prompt(9, 6), "stream": stream, "sampling_params": {"max_tokens": 16, "seed": seed, "ignore_eos": true, "logprobs": 2}});
     let once = generate(&engine.url, body(false, 77)).await;
     let twice = generate(&engine.url, body(false, 77)).await;
-    assert_eq!(once.choices[0].token_ids, twice.choices[0].token_ids, "same seed, same tokens");
+    assert_eq!(
+        once.choices[0].token_ids, twice.choices[0].token_ids,
+        "same seed, same tokens"
+    );
     assert_eq!(once.choices[0].logprobs.content[0].top_logprobs.len(), 2);
     let other = generate(&engine.url, body(false, 78)).await;
-    assert_ne!(once.choices[0].token_ids, other.choices[0].token_ids, "another seed, other tokens");
+    assert_ne!(
+        once.choices[0].token_ids, other.choices[0].token_ids,
+        "another seed, other tokens"
+    );
 
     let (tokens, logprobs, last) = stream_tokens(&engine.url, body(true, 77)).await;
     assert_eq!(tokens, once.choices[0].token_ids);
-    let expected: Vec<f32> = once.choices[0].logprobs.content.iter().map(|c| c.logprob).collect();
+    let expected: Vec<f32> = once.choices[0]
+        .logprobs
+        .content
+        .iter()
+        .map(|c| c.logprob)
+        .collect();
     assert_close(&logprobs, &expected, 1e-6, "streamed logprobs");
     assert_eq!(last["choices"][0]["finish_reason"], "length");
     assert_eq!(last["usage"]["completion_tokens"], 16);
@@ -156,7 +237,11 @@ async fn libtorch_stop_tokens_and_eos_end_generation() {
     let engine = common::start_engine(&common::dense_model(), common::engine_options()).await;
     let free = generate(&engine.url, json!({"token_ids": prompt(1, 5), "sampling_params": {"max_tokens": 12, "seed": 3, "ignore_eos": true}})).await;
     let stop_at = free.choices[0].token_ids[4];
-    let first = free.choices[0].token_ids.iter().position(|&t| t == stop_at).unwrap();
+    let first = free.choices[0]
+        .token_ids
+        .iter()
+        .position(|&t| t == stop_at)
+        .unwrap();
     let stopped = generate(
         &engine.url,
         json!({"token_ids": prompt(1, 5), "sampling_params": {"max_tokens": 12, "seed": 3, "ignore_eos": true, "stop_token_ids": [stop_at]}}),
@@ -164,7 +249,11 @@ async fn libtorch_stop_tokens_and_eos_end_generation() {
     .await;
     let c = &stopped.choices[0];
     assert_eq!(c.finish_reason.as_deref(), Some("stop"));
-    assert_eq!(c.token_ids, free.choices[0].token_ids[..=first], "the stop token is the last output token");
+    assert_eq!(
+        c.token_ids,
+        free.choices[0].token_ids[..=first],
+        "the stop token is the last output token"
+    );
 }
 
 /// Perturbed copies of every weight: the "trainer's" next version.
@@ -202,43 +291,65 @@ async fn push_weights(base: &str, tensors: Vec<(String, Tensor)>, version: u64, 
             sender.send_bucket(&bucket, 4096).unwrap();
             sender
         });
-        let (s, v) = post(&format!("{base}/update_weights"), json!({"update_info": info})).await;
+        let (s, v) = post(
+            &format!("{base}/update_weights"),
+            json!({"update_info": info}),
+        )
+        .await;
         assert_eq!(s, 200, "{v}");
         sender = send.join().unwrap();
     }
-    let (s, v) = post(&format!("{base}/finish_weight_update"), json!({"weight_version": version})).await;
+    let (s, v) = post(
+        &format!("{base}/finish_weight_update"),
+        json!({"weight_version": version}),
+    )
+    .await;
     assert_eq!(s, 200, "{v}");
 }
+
+/// A streamed response: tokens, logprobs, (version, start) spans, finish reason.
+type Streamed = (Vec<i64>, Vec<f32>, Vec<(u64, usize)>, String);
 
 /// Reads a streaming response chunk by chunk, reporting how many tokens arrived so far.
 fn spawn_stream(
     base: &str,
     body: Value,
     progress: tokio::sync::watch::Sender<usize>,
-) -> tokio::task::JoinHandle<(Vec<i64>, Vec<f32>, Vec<(u64, usize)>, String)> {
+) -> tokio::task::JoinHandle<Streamed> {
     let url = format!("{base}/inference/v1/generate");
     tokio::spawn(async move {
         let resp = client().post(url).json(&body).send().await.unwrap();
         assert_eq!(resp.status(), 200);
         let mut stream = resp.bytes_stream();
         let mut buf = String::new();
-        let (mut tokens, mut lps, mut versions, mut finish) = (Vec::new(), Vec::new(), Vec::new(), String::new());
+        let (mut tokens, mut lps, mut versions, mut finish) =
+            (Vec::new(), Vec::new(), Vec::new(), String::new());
         while let Some(chunk) = stream.next().await {
             buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
             while let Some(end) = buf.find("\n\n") {
                 let event: String = buf.drain(..end + 2).collect();
-                let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
+                let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                    continue;
+                };
                 if data == "[DONE]" {
                     continue;
                 }
                 let v: Value = serde_json::from_str(data).unwrap();
                 let c = &v["choices"][0];
-                for (t, lp) in c["token_ids"].as_array().unwrap().iter().zip(c["logprobs"]["content"].as_array().unwrap()) {
+                for (t, lp) in c["token_ids"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .zip(c["logprobs"]["content"].as_array().unwrap())
+                {
                     tokens.push(t.as_i64().unwrap());
                     lps.push(lp["logprob"].as_f64().unwrap() as f32);
                 }
                 for span in c["weight_versions"].as_array().unwrap() {
-                    versions.push((span["version"].as_u64().unwrap(), span["start"].as_u64().unwrap() as usize));
+                    versions.push((
+                        span["version"].as_u64().unwrap(),
+                        span["start"].as_u64().unwrap() as usize,
+                    ));
                 }
                 if let Some(f) = c["finish_reason"].as_str() {
                     finish = f.to_string();
@@ -277,18 +388,40 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
     }
     let (s, _) = post(&format!("{}/pause?mode=keep", engine.url), json!({})).await;
     assert_eq!(s, 200);
-    let paused: Value = client().get(format!("{}/is_paused", engine.url)).send().await.unwrap().json().await.unwrap();
+    let paused: Value = client()
+        .get(format!("{}/is_paused", engine.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(paused["is_paused"], true);
     // A request arriving while paused (keep) is queued, not refused.
     let (tx, _rx) = tokio::sync::watch::channel(0);
-    let late = spawn_stream(&engine.url, json!({"token_ids": prompt(9, 5), "stream": true, "sampling_params": {"max_tokens": 10, "seed": 9, "ignore_eos": true}}), tx);
+    let late = spawn_stream(
+        &engine.url,
+        json!({"token_ids": prompt(9, 5), "stream": true, "sampling_params": {"max_tokens": 10, "seed": 9, "ignore_eos": true}}),
+        tx,
+    );
     tokio::time::sleep(Duration::from_millis(200)).await;
     let frozen: Vec<usize> = watchers.iter().map(|w| *w.borrow()).collect();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(frozen, watchers.iter().map(|w| *w.borrow()).collect::<Vec<_>>(), "paused (keep) engines produce nothing");
+    assert_eq!(
+        frozen,
+        watchers.iter().map(|w| *w.borrow()).collect::<Vec<_>>(),
+        "paused (keep) engines produce nothing"
+    );
 
     push_weights(&engine.url, update, 1, 3).await;
-    let info: Value = client().get(format!("{}/weight_info", engine.url)).send().await.unwrap().json().await.unwrap();
+    let info: Value = client()
+        .get(format!("{}/weight_info", engine.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(info["weight_version"], 1);
     let (s, _) = post(&format!("{}/resume", engine.url), json!({})).await;
     assert_eq!(s, 200);
@@ -298,25 +431,58 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
     for (i, task) in tasks.into_iter().enumerate() {
         let (tokens, lps, versions, finish) = task.await.unwrap();
         assert_eq!(finish, "length");
-        assert_eq!(tokens.len(), max_tokens as usize, "request {i}: nothing lost");
+        assert_eq!(
+            tokens.len(),
+            max_tokens as usize,
+            "request {i}: nothing lost"
+        );
         // Versions are monotone: a prefix under 0, the rest under 1.
-        let switch = versions.iter().position(|&(v, _)| v == 1).unwrap_or(versions.len());
-        assert!(versions[..switch].iter().all(|&(v, _)| v == 0) && versions[switch..].iter().all(|&(v, _)| v == 1));
-        assert!(switch >= 3, "request {i}: tokens before the pause carry version 0");
+        let switch = versions
+            .iter()
+            .position(|&(v, _)| v == 1)
+            .unwrap_or(versions.len());
+        assert!(
+            versions[..switch].iter().all(|&(v, _)| v == 0)
+                && versions[switch..].iter().all(|&(v, _)| v == 1)
+        );
+        assert!(
+            switch >= 3,
+            "request {i}: tokens before the pause carry version 0"
+        );
         if switch < tokens.len() {
             spanning += 1;
         }
         let p_old = common::reference_logprobs(&old, &prompt(i as i64, 4 + i), &tokens, &p, None);
         let p_new = common::reference_logprobs(&new, &prompt(i as i64, 4 + i), &tokens, &p, None);
-        assert_close(&lps[..switch], &p_old[..switch], 1e-5, &format!("request {i}, version-0 tokens vs old weights"));
-        assert_close(&lps[switch..], &p_new[switch..], 1e-5, &format!("request {i}, version-1 tokens vs new weights"));
-        let moved = lps[switch..].iter().zip(&p_old[switch..]).filter(|(a, b)| (*a - *b).abs() > 1e-3).count();
-        assert!(moved > 0, "request {i}: the new weights really changed the distribution");
+        assert_close(
+            &lps[..switch],
+            &p_old[..switch],
+            1e-5,
+            &format!("request {i}, version-0 tokens vs old weights"),
+        );
+        assert_close(
+            &lps[switch..],
+            &p_new[switch..],
+            1e-5,
+            &format!("request {i}, version-1 tokens vs new weights"),
+        );
+        let moved = lps[switch..]
+            .iter()
+            .zip(&p_old[switch..])
+            .filter(|(a, b)| (*a - *b).abs() > 1e-3)
+            .count();
+        assert!(
+            moved > 0,
+            "request {i}: the new weights really changed the distribution"
+        );
     }
     assert!(spanning == n as usize, "every request spans the update");
     let (tokens, _, versions, _) = late.await.unwrap();
     assert_eq!(tokens.len(), 10);
-    assert!(versions.iter().all(|&(v, _)| v == 1), "queued while paused, sampled only under version 1");
+    assert!(
+        versions.iter().all(|&(v, _)| v == 1),
+        "queued while paused, sampled only under version 1"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -337,15 +503,27 @@ async fn libtorch_pause_abort_returns_partial_results_and_refuses_until_resume()
     for task in tasks {
         let (tokens, _, _, finish) = task.await.unwrap();
         assert_eq!(finish, "abort");
-        assert!(tokens.len() >= 2 && tokens.len() < 400, "partial output returned");
+        assert!(
+            tokens.len() >= 2 && tokens.len() < 400,
+            "partial output returned"
+        );
     }
-    let resp = client().post(format!("{}/inference/v1/generate", engine.url)).json(&json!({"token_ids": [1, 2]})).send().await.unwrap();
+    let resp = client()
+        .post(format!("{}/inference/v1/generate", engine.url))
+        .json(&json!({"token_ids": [1, 2]}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 503);
     assert!(resp.headers().contains_key("retry-after"));
     let v: Value = resp.json().await.unwrap();
     assert_eq!(v["error"]["code"], 503);
     post(&format!("{}/resume", engine.url), json!({})).await;
-    let ok = generate(&engine.url, json!({"token_ids": [1, 2], "sampling_params": {"max_tokens": 3, "ignore_eos": true}})).await;
+    let ok = generate(
+        &engine.url,
+        json!({"token_ids": [1, 2], "sampling_params": {"max_tokens": 3, "ignore_eos": true}}),
+    )
+    .await;
     assert_eq!(ok.choices[0].token_ids.len(), 3);
 }
 
@@ -353,34 +531,77 @@ async fn libtorch_pause_abort_returns_partial_results_and_refuses_until_resume()
 async fn libtorch_pause_wait_drains_in_flight_requests_first() {
     let engine = common::start_engine(&common::dense_model(), common::engine_options()).await;
     let (tx, mut rx) = tokio::sync::watch::channel(0);
-    let task = spawn_stream(&engine.url, json!({"token_ids": prompt(2, 5), "stream": true, "sampling_params": {"max_tokens": 40, "ignore_eos": true}}), tx);
+    let task = spawn_stream(
+        &engine.url,
+        json!({"token_ids": prompt(2, 5), "stream": true, "sampling_params": {"max_tokens": 40, "ignore_eos": true}}),
+        tx,
+    );
     rx.wait_for(|&k| k >= 1).await.unwrap();
     let url = engine.url.clone();
-    let pause = tokio::spawn(async move { post(&format!("{url}/pause?mode=wait"), json!({})).await });
+    let pause =
+        tokio::spawn(async move { post(&format!("{url}/pause?mode=wait"), json!({})).await });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let refused = client().post(format!("{}/inference/v1/generate", engine.url)).json(&json!({"token_ids": [1]})).send().await.unwrap();
-    assert_eq!(refused.status(), 503, "new requests are refused while draining");
+    let refused = client()
+        .post(format!("{}/inference/v1/generate", engine.url))
+        .json(&json!({"token_ids": [1]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        refused.status(),
+        503,
+        "new requests are refused while draining"
+    );
     let (tokens, _, _, finish) = task.await.unwrap();
-    assert_eq!((tokens.len(), finish.as_str()), (40, "length"), "the in-flight request finished whole");
+    assert_eq!(
+        (tokens.len(), finish.as_str()),
+        (40, "length"),
+        "the in-flight request finished whole"
+    );
     assert_eq!(pause.await.unwrap().0, 200);
-    let paused: Value = client().get(format!("{}/is_paused", engine.url)).send().await.unwrap().json().await.unwrap();
+    let paused: Value = client()
+        .get(format!("{}/is_paused", engine.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(paused["is_paused"], true);
     post(&format!("{}/resume", engine.url), json!({})).await;
-    generate(&engine.url, json!({"token_ids": [1], "sampling_params": {"max_tokens": 2}})).await;
+    generate(
+        &engine.url,
+        json!({"token_ids": [1], "sampling_params": {"max_tokens": 2}}),
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_abort_requests_ends_one_request_with_its_partial_output() {
     let engine = common::start_engine(&common::dense_model(), common::engine_options()).await;
     let (tx, mut rx) = tokio::sync::watch::channel(0);
-    let victim = spawn_stream(&engine.url, json!({"request_id": "victim", "token_ids": prompt(4, 5), "stream": true, "sampling_params": {"max_tokens": 400, "ignore_eos": true}}), tx);
+    let victim = spawn_stream(
+        &engine.url,
+        json!({"request_id": "victim", "token_ids": prompt(4, 5), "stream": true, "sampling_params": {"max_tokens": 400, "ignore_eos": true}}),
+        tx,
+    );
     let url = engine.url.clone();
-    let bystander = tokio::spawn(async move { generate(&url, json!({"token_ids": prompt(5, 5), "sampling_params": {"max_tokens": 30, "ignore_eos": true}})).await });
+    let bystander = tokio::spawn(async move {
+        generate(&url, json!({"token_ids": prompt(5, 5), "sampling_params": {"max_tokens": 30, "ignore_eos": true}})).await
+    });
     rx.wait_for(|&k| k >= 2).await.unwrap();
     // A second request with an id already in flight is refused.
-    let (s, v) = post(&format!("{}/inference/v1/generate", engine.url), json!({"request_id": "victim", "token_ids": [1]})).await;
+    let (s, v) = post(
+        &format!("{}/inference/v1/generate", engine.url),
+        json!({"request_id": "victim", "token_ids": [1]}),
+    )
+    .await;
     assert_eq!(s, 409, "{v}");
-    let (s, _) = post(&format!("{}/inference/v1/abort_requests", engine.url), json!({"request_ids": ["victim"]})).await;
+    let (s, _) = post(
+        &format!("{}/inference/v1/abort_requests", engine.url),
+        json!({"request_ids": ["victim"]}),
+    )
+    .await;
     assert_eq!(s, 200);
     let (tokens, _, _, finish) = victim.await.unwrap();
     assert_eq!(finish, "abort");
@@ -389,7 +610,14 @@ async fn libtorch_abort_requests_ends_one_request_with_its_partial_output() {
 }
 
 async fn metric(base: &str, name: &str) -> f64 {
-    let text = client().get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    let text = client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     text.lines()
         .find(|l| l.starts_with(name) && !l.starts_with('#'))
         .and_then(|l| l.rsplit(' ').next())
@@ -421,11 +649,21 @@ async fn libtorch_client_disconnect_frees_the_slot() {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        assert_eq!(running, 0.0, "stream={stream}: the abandoned request still runs");
+        assert_eq!(
+            running, 0.0,
+            "stream={stream}: the abandoned request still runs"
+        );
     }
     let generated = metric(&engine.url, "vllm:generation_tokens_total").await;
-    assert!(generated > 0.0 && generated < 1000.0, "abandoned requests stopped early ({generated} tokens)");
-    for name in ["vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total"] {
+    assert!(
+        generated > 0.0 && generated < 1000.0,
+        "abandoned requests stopped early ({generated} tokens)"
+    );
+    for name in [
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+    ] {
         metric(&engine.url, name).await;
     }
 }
@@ -441,17 +679,47 @@ async fn libtorch_bad_input_gets_4xx_naming_the_field_while_others_complete() {
     let cases: Vec<(&str, &str, &str)> = vec![
         ("{\"token_ids\": [1, 2", "malformed JSON", ""),
         ("[1, 2, 3]", "must be a JSON object", ""),
-        (r#"{"token_ids": [1, 99999]}"#, "token_ids[1] = 99999", "token_ids"),
+        (
+            r#"{"token_ids": [1, 99999]}"#,
+            "token_ids[1] = 99999",
+            "token_ids",
+        ),
         (r#"{"token_ids": [-1]}"#, "token_ids[0] = -1", "token_ids"),
-        (r#"{"token_ids": [1], "sampling_params": {"max_tokens": 600}}"#, "maximum context length is 512", "sampling_params.max_tokens"),
-        (r#"{"token_ids": [1], "sampling_params": {"temperature": -0.5}}"#, "temperature", "sampling_params.temperature"),
-        (r#"{"token_ids": [1], "sampling_params": {"max_token": 5}}"#, "unknown field `max_token`", "sampling_params"),
-        (r#"{"token_ids": [1], "sampling_params": {"top_p": 1.5}}"#, "top_p", "sampling_params.top_p"),
-        (r#"{"token_ids": [1], "sampling_params": {"seed": -4}}"#, "sampling_params.seed", "sampling_params.seed"),
+        (
+            r#"{"token_ids": [1], "sampling_params": {"max_tokens": 600}}"#,
+            "maximum context length is 512",
+            "sampling_params.max_tokens",
+        ),
+        (
+            r#"{"token_ids": [1], "sampling_params": {"temperature": -0.5}}"#,
+            "temperature",
+            "sampling_params.temperature",
+        ),
+        (
+            r#"{"token_ids": [1], "sampling_params": {"max_token": 5}}"#,
+            "unknown field `max_token`",
+            "sampling_params",
+        ),
+        (
+            r#"{"token_ids": [1], "sampling_params": {"top_p": 1.5}}"#,
+            "top_p",
+            "sampling_params.top_p",
+        ),
+        (
+            r#"{"token_ids": [1], "sampling_params": {"seed": -4}}"#,
+            "sampling_params.seed",
+            "sampling_params.seed",
+        ),
         (r#"{"token_ids": "hello"}"#, "token_ids", "token_ids"),
     ];
     for (body, needle, param) in cases {
-        let resp = client().post(&gen).header("content-type", "application/json").body(body).send().await.unwrap();
+        let resp = client()
+            .post(&gen)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
         let status = resp.status().as_u16();
         let v: Value = resp.json().await.unwrap();
         assert_eq!(status, 400, "{body}: {v}");
@@ -460,23 +728,66 @@ async fn libtorch_bad_input_gets_4xx_naming_the_field_while_others_complete() {
         assert_eq!(v["error"]["code"], 400);
         assert_eq!(v["error"]["type"], "BadRequestError");
         if !param.is_empty() {
-            assert!(v["error"]["param"].as_str().unwrap_or("").starts_with(param), "{body}: {v}");
+            assert!(
+                v["error"]["param"]
+                    .as_str()
+                    .unwrap_or("")
+                    .starts_with(param),
+                "{body}: {v}"
+            );
         }
     }
     let (s, v) = post(&format!("{}/pause?mode=sideways", engine.url), json!({})).await;
     assert_eq!(s, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("keep, wait, abort"));
-    let (s, v) = post(&format!("{}/update_weights", engine.url), json!({"update_info": {"names": ["nope"], "dtype_names": ["float32"], "shapes": [[1]]}})).await;
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("keep, wait, abort"));
+    let (s, v) = post(
+        &format!("{}/update_weights", engine.url),
+        json!({"update_info": {"names": ["nope"], "dtype_names": ["float32"], "shapes": [[1]]}}),
+    )
+    .await;
     assert_eq!(s, 400);
-    assert!(v["error"]["message"].as_str().unwrap().contains("`nope` is not a weight"), "{v}");
-    let (s, _) = post(&format!("{}/finish_weight_update", engine.url), json!({"weight_version": 3})).await;
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`nope` is not a weight"),
+        "{v}"
+    );
+    let (s, _) = post(
+        &format!("{}/finish_weight_update", engine.url),
+        json!({"weight_version": 3}),
+    )
+    .await;
     assert_eq!(s, 409, "finish without start");
-    let (s, v) = post(&format!("{}/init_weight_transfer_engine", engine.url), json!({"init_info": {"nccl_unique_id_b64": "AAAA", "rank_offset": 1, "world_size": 2}})).await;
+    let (s, v) = post(
+        &format!("{}/init_weight_transfer_engine", engine.url),
+        json!({"init_info": {"nccl_unique_id_b64": "AAAA", "rank_offset": 1, "world_size": 2}}),
+    )
+    .await;
     assert_eq!(s, 501, "{v}");
-    let resp = client().get(format!("{}/no/such/route", engine.url)).send().await.unwrap();
+    let resp = client()
+        .get(format!("{}/no/such/route", engine.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 404);
 
     let done = healthy.await.unwrap();
-    assert_eq!(done.choices[0].token_ids.len(), 64, "the healthy request was not disturbed");
-    assert_eq!(client().get(format!("{}/health", engine.url)).send().await.unwrap().status(), 200);
+    assert_eq!(
+        done.choices[0].token_ids.len(),
+        64,
+        "the healthy request was not disturbed"
+    );
+    assert_eq!(
+        client()
+            .get(format!("{}/health", engine.url))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
 }

@@ -6,12 +6,22 @@ use moult_runtime::model::{LogitsFor, Qwen3Model, SeqInput};
 use tch::{Device, Kind, Tensor};
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
-    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float)).abs().max().double_value(&[])
+    (a.to_kind(Kind::Float) - b.to_kind(Kind::Float))
+        .abs()
+        .max()
+        .double_value(&[])
 }
 
 /// Full (no cache) packed forward of several prompts at once, split back per prompt.
 fn full_logits(model: &Qwen3Model, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option<Tensor>) {
-    let mut seqs: Vec<SeqInput> = prompts.iter().map(|p| SeqInput { tokens: p, cache: None, replay: None }).collect();
+    let mut seqs: Vec<SeqInput> = prompts
+        .iter()
+        .map(|p| SeqInput {
+            tokens: p,
+            cache: None,
+            replay: None,
+        })
+        .collect();
     let out = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap();
     let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
     (out.logits.split_with_sizes(&lens, 0), out.routed_experts)
@@ -20,17 +30,30 @@ fn full_logits(model: &Qwen3Model, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option
 fn check_parity(dir: &std::path::Path) {
     let model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
     let reference = common::reference(dir);
-    assert!(reference.len() >= 3, "reference has prompts of several lengths");
+    assert!(
+        reference.len() >= 3,
+        "reference has prompts of several lengths"
+    );
     let prompts: Vec<Vec<i64>> = reference.iter().map(|r| r.0.clone()).collect();
     let (logits, routed) = full_logits(&model, &prompts);
     let mut offset = 0;
     for (i, (prompt, hf_logits, hf_experts)) in reference.iter().enumerate() {
         let diff = max_abs_diff(&logits[i], hf_logits);
-        assert!(diff < 1e-4, "prompt {i} (len {}): max |ours - transformers| = {diff:e}", prompt.len());
+        assert!(
+            diff < 1e-4,
+            "prompt {i} (len {}): max |ours - transformers| = {diff:e}",
+            prompt.len()
+        );
         if let Some(hf_experts) = hf_experts {
-            let ours = routed.as_ref().unwrap().narrow(0, offset, prompt.len() as i64);
+            let ours = routed
+                .as_ref()
+                .unwrap()
+                .narrow(0, offset, prompt.len() as i64);
             assert_eq!(ours.size(), hf_experts.size());
-            assert!(ours.equal(hf_experts), "prompt {i}: routed experts differ from transformers' top-k");
+            assert!(
+                ours.equal(hf_experts),
+                "prompt {i}: routed experts differ from transformers' top-k"
+            );
         }
         offset += prompt.len() as i64;
     }
@@ -50,7 +73,11 @@ fn libtorch_moe_logits_and_routing_match_transformers() {
 /// positions in one packed batch, gives the same logits as one full forward.
 fn check_kv_cache(dir: &std::path::Path) {
     let model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
-    let prompts: Vec<Vec<i64>> = common::reference(dir).into_iter().map(|r| r.0).filter(|p| p.len() > 4).collect();
+    let prompts: Vec<Vec<i64>> = common::reference(dir)
+        .into_iter()
+        .map(|r| r.0)
+        .filter(|p| p.len() > 4)
+        .collect();
     let (full, _) = full_logits(&model, &prompts);
     let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache(2)).collect();
     // Per sequence, the chunk sizes to feed: a prefill, a multi-token continuation (the masked
@@ -71,7 +98,11 @@ fn check_kv_cache(dir: &std::path::Path) {
                 _ => 1,
             }
             .min(prompt.len() - fed[i]);
-            seqs.push(SeqInput { tokens: &prompt[fed[i]..fed[i] + chunk], cache: Some(cache), replay: None });
+            seqs.push(SeqInput {
+                tokens: &prompt[fed[i]..fed[i] + chunk],
+                cache: Some(cache),
+                replay: None,
+            });
             which.push((i, chunk));
         }
         let out = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap();
@@ -86,7 +117,10 @@ fn check_kv_cache(dir: &std::path::Path) {
     for (i, parts) in got.iter().enumerate() {
         let cached = Tensor::cat(parts, 0);
         let diff = max_abs_diff(&cached, &full[i]);
-        assert!(diff < 1e-4, "sequence {i}: KV-cache decoding differs from the full forward by {diff:e}");
+        assert!(
+            diff < 1e-4,
+            "sequence {i}: KV-cache decoding differs from the full forward by {diff:e}"
+        );
         assert_eq!(caches[i].len(), prompts[i].len());
     }
 }
@@ -108,11 +142,18 @@ fn libtorch_moe_replay_reproduces_and_overrides_routing() {
     let (prompt, hf_logits, hf_experts) = common::reference(&dir).pop().unwrap();
     let hf_experts = hf_experts.unwrap();
     let run = |replay: &Tensor| {
-        let mut seqs = [SeqInput { tokens: &prompt, cache: None, replay: Some(replay) }];
+        let mut seqs = [SeqInput {
+            tokens: &prompt,
+            cache: None,
+            replay: Some(replay),
+        }];
         tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap()
     };
     let same = run(&hf_experts);
-    assert!(max_abs_diff(&same.logits, &hf_logits) < 1e-4, "replaying the model's own routing changes nothing");
+    assert!(
+        max_abs_diff(&same.logits, &hf_logits) < 1e-4,
+        "replaying the model's own routing changes nothing"
+    );
     assert!(same.routed_experts.unwrap().equal(&hf_experts));
 
     // A different routing (every expert id shifted by one) must change the output: the
@@ -120,11 +161,21 @@ fn libtorch_moe_replay_reproduces_and_overrides_routing() {
     let shifted = (&hf_experts + 1).remainder(8);
     let other = run(&shifted);
     assert!(other.routed_experts.unwrap().equal(&shifted));
-    assert!(max_abs_diff(&other.logits, &hf_logits) > 1e-3, "replayed routing was ignored");
+    assert!(
+        max_abs_diff(&other.logits, &hf_logits) > 1e-3,
+        "replayed routing was ignored"
+    );
 
     let bad = hf_experts.narrow(1, 0, 1);
-    let mut seqs = [SeqInput { tokens: &prompt, cache: None, replay: Some(&bad) }];
-    let err = model.forward(&mut seqs, LogitsFor::All).unwrap_err().to_string();
+    let mut seqs = [SeqInput {
+        tokens: &prompt,
+        cache: None,
+        replay: Some(&bad),
+    }];
+    let err = model
+        .forward(&mut seqs, LogitsFor::All)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("expected"), "{err}");
 }
 
@@ -139,7 +190,10 @@ fn libtorch_bf16_runs_close_to_f32() {
     assert_eq!(b[0].kind(), Kind::BFloat16);
     let scale = a[0].abs().max().double_value(&[]);
     let diff = max_abs_diff(&a[0], &b[0]);
-    assert!(diff < 0.05 * scale, "bf16 logits drift {diff} vs scale {scale}");
+    assert!(
+        diff < 0.05 * scale,
+        "bf16 logits drift {diff} vs scale {scale}"
+    );
 }
 
 #[test]
@@ -150,18 +204,35 @@ fn libtorch_checkpoint_mismatch_is_refused_by_name() {
     let mut weights = Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
     weights.retain(|(name, _)| name != "model.layers.1.self_attn.k_norm.weight");
     Tensor::write_safetensors(&weights, tmp.join("model.safetensors")).unwrap();
-    let err = Qwen3Model::load(&tmp, Kind::Float, Device::Cpu).unwrap_err().to_string();
-    assert!(err.contains("model.layers.1.self_attn.k_norm.weight") && err.contains("missing"), "{err}");
+    let err = Qwen3Model::load(&tmp, Kind::Float, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.layers.1.self_attn.k_norm.weight") && err.contains("missing"),
+        "{err}"
+    );
 
-    weights.push(("model.layers.1.self_attn.k_norm.weight".into(), Tensor::ones([16], (Kind::Float, Device::Cpu))));
-    weights.push(("model.layers.0.self_attn.q_proj.bias".into(), Tensor::zeros([64], (Kind::Float, Device::Cpu))));
+    weights.push((
+        "model.layers.1.self_attn.k_norm.weight".into(),
+        Tensor::ones([16], (Kind::Float, Device::Cpu)),
+    ));
+    weights.push((
+        "model.layers.0.self_attn.q_proj.bias".into(),
+        Tensor::zeros([64], (Kind::Float, Device::Cpu)),
+    ));
     Tensor::write_safetensors(&weights, tmp.join("model.safetensors")).unwrap();
-    let err = Qwen3Model::load(&tmp, Kind::Float, Device::Cpu).unwrap_err().to_string();
-    assert!(err.contains("q_proj.bias") && err.contains("not used"), "{err}");
+    let err = Qwen3Model::load(&tmp, Kind::Float, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("q_proj.bias") && err.contains("not used"),
+        "{err}"
+    );
 }
 
 fn tempdir(name: &str) -> std::path::PathBuf {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir

@@ -66,33 +66,53 @@ fn bad(param: &str, message: String) -> ApiError {
 
 impl GenerateRequest {
     /// Checks every field against the model; errors name the field and what is accepted.
-    pub fn validate(self, vocab_size: usize, max_model_len: usize) -> Result<ValidRequest, ApiError> {
+    pub fn validate(
+        self,
+        vocab_size: usize,
+        max_model_len: usize,
+    ) -> Result<ValidRequest, ApiError> {
         let p = self.sampling_params;
         if self.token_ids.is_empty() {
             return Err(bad("token_ids", "token_ids must not be empty".into()));
         }
-        if let Some((i, &t)) = self.token_ids.iter().enumerate().find(|(_, &t)| t < 0 || t as usize >= vocab_size) {
+        if let Some((i, &t)) = self
+            .token_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t < 0 || t as usize >= vocab_size)
+        {
             return Err(bad(
                 "token_ids",
                 format!("token_ids[{i}] = {t} is outside the vocabulary: ids must be in [0, {vocab_size})"),
             ));
         }
-        if let Some(&t) = p.stop_token_ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
+        if let Some(&t) = p
+            .stop_token_ids
+            .iter()
+            .find(|&&t| t < 0 || t as usize >= vocab_size)
+        {
             return Err(bad(
                 "sampling_params.stop_token_ids",
-                format!("stop token id {t} is outside the vocabulary: ids must be in [0, {vocab_size})"),
+                format!(
+                    "stop token id {t} is outside the vocabulary: ids must be in [0, {vocab_size})"
+                ),
             ));
         }
         let temperature = p.temperature.unwrap_or(1.0);
         if !temperature.is_finite() || temperature < 0.0 {
             return Err(bad(
                 "sampling_params.temperature",
-                format!("temperature must be a non-negative number (0 = greedy), got {temperature}"),
+                format!(
+                    "temperature must be a non-negative number (0 = greedy), got {temperature}"
+                ),
             ));
         }
         let top_p = p.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(bad("sampling_params.top_p", format!("top_p must be in (0, 1], got {top_p}")));
+            return Err(bad(
+                "sampling_params.top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
         }
         let top_k = match p.top_k {
             None | Some(0) | Some(-1) => None,
@@ -117,7 +137,9 @@ impl GenerateRequest {
         if let Some(n) = p.n.filter(|&n| n != 1) {
             return Err(bad(
                 "sampling_params.n",
-                format!("n must be 1 (send one request per sample; each gets its own seed), got {n}"),
+                format!(
+                    "n must be 1 (send one request per sample; each gets its own seed), got {n}"
+                ),
             ));
         }
         let prompt_len = self.token_ids.len();
@@ -133,7 +155,10 @@ impl GenerateRequest {
             None => max_model_len - prompt_len,
             Some(m) if m >= 1 => m as usize,
             Some(m) => {
-                return Err(bad("sampling_params.max_tokens", format!("max_tokens must be at least 1, got {m}")))
+                return Err(bad(
+                    "sampling_params.max_tokens",
+                    format!("max_tokens must be at least 1, got {m}"),
+                ))
             }
         };
         if prompt_len + max_tokens > max_model_len {
@@ -167,7 +192,10 @@ impl GenerateRequest {
         };
         if let Some(id) = &self.request_id {
             if id.is_empty() || id.len() > 256 {
-                return Err(bad("request_id", "request_id must be 1 to 256 characters".into()));
+                return Err(bad(
+                    "request_id",
+                    "request_id must be 1 to 256 characters".into(),
+                ));
             }
         }
         Ok(ValidRequest {
@@ -306,7 +334,8 @@ mod tests {
 
     fn req(json: serde_json::Value) -> Result<ValidRequest, String> {
         let r: GenerateRequest = serde_json::from_value(json).map_err(|e| e.to_string())?;
-        r.validate(100, 64).map_err(|e| format!("{} {}", e.param.clone().unwrap_or_default(), e.message))
+        r.validate(100, 64)
+            .map_err(|e| format!("{} {}", e.param.clone().unwrap_or_default(), e.message))
     }
 
     #[test]
@@ -321,16 +350,46 @@ mod tests {
     fn errors_name_the_field() {
         let cases = [
             (serde_json::json!({"token_ids": []}), "token_ids"),
-            (serde_json::json!({"token_ids": [1, 100]}), "token_ids[1] = 100"),
-            (serde_json::json!({"token_ids": [1], "sampling_params": {"temperature": -1.0}}), "sampling_params.temperature"),
-            (serde_json::json!({"token_ids": [1], "sampling_params": {"top_p": 0.0}}), "sampling_params.top_p"),
-            (serde_json::json!({"token_ids": [1], "sampling_params": {"top_k": -3}}), "sampling_params.top_k"),
-            (serde_json::json!({"token_ids": [1], "sampling_params": {"max_tokens": 64}}), "maximum context length is 64"),
-            (serde_json::json!({"token_ids": [1], "sampling_params": {"n": 2}}), "sampling_params.n"),
-            (serde_json::json!({"token_ids": [1], "sampling_params": {"logprobs": 21}}), "sampling_params.logprobs"),
-            (serde_json::json!({"token_ids": [1], "sampling_params": {"max_token": 3}}), "unknown field `max_token`"),
-            (serde_json::json!({"token_ids": [1], "prompt": "hi"}), "unknown field `prompt`"),
-            (serde_json::json!({"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 2}}), "routed_experts_prompt_start"),
+            (
+                serde_json::json!({"token_ids": [1, 100]}),
+                "token_ids[1] = 100",
+            ),
+            (
+                serde_json::json!({"token_ids": [1], "sampling_params": {"temperature": -1.0}}),
+                "sampling_params.temperature",
+            ),
+            (
+                serde_json::json!({"token_ids": [1], "sampling_params": {"top_p": 0.0}}),
+                "sampling_params.top_p",
+            ),
+            (
+                serde_json::json!({"token_ids": [1], "sampling_params": {"top_k": -3}}),
+                "sampling_params.top_k",
+            ),
+            (
+                serde_json::json!({"token_ids": [1], "sampling_params": {"max_tokens": 64}}),
+                "maximum context length is 64",
+            ),
+            (
+                serde_json::json!({"token_ids": [1], "sampling_params": {"n": 2}}),
+                "sampling_params.n",
+            ),
+            (
+                serde_json::json!({"token_ids": [1], "sampling_params": {"logprobs": 21}}),
+                "sampling_params.logprobs",
+            ),
+            (
+                serde_json::json!({"token_ids": [1], "sampling_params": {"max_token": 3}}),
+                "unknown field `max_token`",
+            ),
+            (
+                serde_json::json!({"token_ids": [1], "prompt": "hi"}),
+                "unknown field `prompt`",
+            ),
+            (
+                serde_json::json!({"token_ids": [1, 2], "sampling_params": {"routed_experts_prompt_start": 2}}),
+                "routed_experts_prompt_start",
+            ),
         ];
         for (json, needle) in cases {
             let err = req(json.clone()).unwrap_err();

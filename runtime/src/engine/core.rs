@@ -106,8 +106,14 @@ impl FinishReason {
 /// `Rejected` or `Failed`.
 #[derive(Debug)]
 pub enum Event {
-    Token { logprob: TokenLogprob, version: u64 },
-    Finished { reason: FinishReason, routed_experts: Option<String> },
+    Token {
+        logprob: TokenLogprob,
+        version: u64,
+    },
+    Finished {
+        reason: FinishReason,
+        routed_experts: Option<String>,
+    },
     /// Refused before it ran (paused engine, duplicate id, full queue).
     Rejected(ApiError),
     /// The forward failed; the request ends with an internal error.
@@ -131,7 +137,11 @@ enum Command {
     Abort(Vec<String>),
     Pause(PauseMode, oneshot::Sender<()>),
     Resume(oneshot::Sender<()>),
-    ApplyWeights { tensors: Vec<(String, Tensor)>, version: u64, done: oneshot::Sender<Result<(), String>> },
+    ApplyWeights {
+        tensors: Vec<(String, Tensor)>,
+        version: u64,
+        done: oneshot::Sender<Result<(), String>>,
+    },
 }
 
 /// State shared with the HTTP layer for cheap reads.
@@ -153,12 +163,19 @@ pub struct EngineHandle {
 }
 
 fn closed() -> ApiError {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine thread has stopped")
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the engine thread has stopped",
+    )
 }
 
 impl EngineHandle {
     /// Starts the engine thread on `model`.
-    pub fn spawn(model: Qwen3Model, name: String, opts: EngineOptions) -> (Self, std::thread::JoinHandle<()>) {
+    pub fn spawn(
+        model: Qwen3Model,
+        name: String,
+        opts: EngineOptions,
+    ) -> (Self, std::thread::JoinHandle<()>) {
         let cfg = model.config();
         let max_model_len = opts.max_model_len.min(cfg.max_position_embeddings);
         let info = ModelInfo {
@@ -167,7 +184,11 @@ impl EngineHandle {
             max_model_len,
             kind: model.kind(),
             device: model.device(),
-            params: model.params().iter().map(|(n, t)| (n.clone(), t.size())).collect(),
+            params: model
+                .params()
+                .iter()
+                .map(|(n, t)| (n.clone(), t.size()))
+                .collect(),
             num_experts: cfg.moe.as_ref().map(|m| m.num_experts),
             sparse_layers: cfg.num_sparse_layers(),
             top_k: cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok),
@@ -175,8 +196,16 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
         let status = Arc::new(EngineStatus::default());
         let metrics = EngineMetrics::default();
-        let handle = Self { tx, status: status.clone(), info: Arc::new(info), metrics: metrics.clone() };
-        let opts = EngineOptions { max_model_len, ..opts };
+        let handle = Self {
+            tx,
+            status: status.clone(),
+            info: Arc::new(info),
+            metrics: metrics.clone(),
+        };
+        let opts = EngineOptions {
+            max_model_len,
+            ..opts
+        };
         let engine = Engine {
             model,
             opts,
@@ -197,9 +226,10 @@ impl EngineHandle {
 
     fn send(&self, cmd: Command) -> Result<(), ApiError> {
         self.tx.try_send(cmd).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => {
-                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "the engine's command queue is full; retry later")
-            }
+            mpsc::error::TrySendError::Full(_) => ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "the engine's command queue is full; retry later",
+            ),
             mpsc::error::TrySendError::Closed(_) => closed(),
         })
     }
@@ -214,10 +244,18 @@ impl EngineHandle {
         routed_experts_prompt_start: usize,
     ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         if self.status.refusing.load(Ordering::Acquire) {
-            return Err(ApiError::unavailable("the engine is paused; retry after it resumes"));
+            return Err(ApiError::unavailable(
+                "the engine is paused; retry after it resumes",
+            ));
         }
         let (events, rx) = mpsc::unbounded_channel();
-        self.send(Command::Generate(Job { id, prompt, params, routed_experts_prompt_start, events }))?;
+        self.send(Command::Generate(Job {
+            id,
+            prompt,
+            params,
+            routed_experts_prompt_start,
+            events,
+        }))?;
         Ok(rx)
     }
 
@@ -242,10 +280,20 @@ impl EngineHandle {
     }
 
     /// Copies new weights into the model between steps and sets the weight version.
-    pub async fn apply_weights(&self, tensors: Vec<(String, Tensor)>, version: u64) -> Result<(), ApiError> {
+    pub async fn apply_weights(
+        &self,
+        tensors: Vec<(String, Tensor)>,
+        version: u64,
+    ) -> Result<(), ApiError> {
         let (done, wait) = oneshot::channel();
-        self.send(Command::ApplyWeights { tensors, version, done })?;
-        wait.await.map_err(|_| closed())?.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))
+        self.send(Command::ApplyWeights {
+            tensors,
+            version,
+            done,
+        })?;
+        wait.await
+            .map_err(|_| closed())?
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))
     }
 }
 
@@ -290,7 +338,8 @@ struct Engine {
 impl Engine {
     fn run(mut self) {
         loop {
-            let idle = matches!(self.pause, PauseState::Paused(_)) || (self.running.is_empty() && self.waiting.is_empty());
+            let idle = matches!(self.pause, PauseState::Paused(_))
+                || (self.running.is_empty() && self.waiting.is_empty());
             if idle {
                 match self.rx.blocking_recv() {
                     Some(cmd) => self.handle(cmd),
@@ -345,7 +394,9 @@ impl Engine {
                 }
             },
             Command::Resume(done) => {
-                if let PauseState::Draining(waiters) = std::mem::replace(&mut self.pause, PauseState::Running) {
+                if let PauseState::Draining(waiters) =
+                    std::mem::replace(&mut self.pause, PauseState::Running)
+                {
                     waiters.into_iter().for_each(|w| {
                         let _ = w.send(());
                     });
@@ -354,25 +405,36 @@ impl Engine {
                 self.status.paused.store(false, Ordering::Release);
                 let _ = done.send(());
             }
-            Command::ApplyWeights { tensors, version, done } => {
+            Command::ApplyWeights {
+                tensors,
+                version,
+                done,
+            } => {
                 let _ = done.send(self.apply_weights(tensors, version));
             }
         }
     }
 
     fn enter_pause(&mut self, mode: PauseMode, done: oneshot::Sender<()>) {
-        if let PauseState::Draining(waiters) = std::mem::replace(&mut self.pause, PauseState::Paused(mode)) {
+        if let PauseState::Draining(waiters) =
+            std::mem::replace(&mut self.pause, PauseState::Paused(mode))
+        {
             waiters.into_iter().for_each(|w| {
                 let _ = w.send(());
             });
         }
-        self.status.refusing.store(mode != PauseMode::Keep, Ordering::Release);
+        self.status
+            .refusing
+            .store(mode != PauseMode::Keep, Ordering::Release);
         self.status.paused.store(true, Ordering::Release);
         let _ = done.send(());
     }
 
     fn check_drained(&mut self) {
-        if matches!(self.pause, PauseState::Draining(_)) && self.running.is_empty() && self.waiting.is_empty() {
+        if matches!(self.pause, PauseState::Draining(_))
+            && self.running.is_empty()
+            && self.waiting.is_empty()
+        {
             let (done, _) = oneshot::channel();
             self.enter_pause(PauseMode::Wait, done);
         }
@@ -384,16 +446,31 @@ impl Engine {
         };
         match self.pause {
             PauseState::Paused(PauseMode::Wait | PauseMode::Abort) | PauseState::Draining(_) => {
-                return refuse(job, ApiError::unavailable("the engine is paused; retry after it resumes"));
+                return refuse(
+                    job,
+                    ApiError::unavailable("the engine is paused; retry after it resumes"),
+                );
             }
             _ => {}
         }
-        if self.running.iter().map(|s| &s.job.id).chain(self.waiting.iter().map(|j| &j.id)).any(|id| *id == job.id) {
+        if self
+            .running
+            .iter()
+            .map(|s| &s.job.id)
+            .chain(self.waiting.iter().map(|j| &j.id))
+            .any(|id| *id == job.id)
+        {
             let msg = format!("request_id `{}` is already in flight", job.id);
-            return refuse(job, ApiError::new(StatusCode::CONFLICT, msg).with_param("request_id"));
+            return refuse(
+                job,
+                ApiError::new(StatusCode::CONFLICT, msg).with_param("request_id"),
+            );
         }
         if self.waiting.len() >= self.opts.max_waiting {
-            let msg = format!("{} requests are already waiting; retry later", self.waiting.len());
+            let msg = format!(
+                "{} requests are already waiting; retry later",
+                self.waiting.len()
+            );
             return refuse(job, ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg));
         }
         self.waiting.push_back(job);
@@ -401,7 +478,9 @@ impl Engine {
 
     fn admit(&mut self) {
         while self.running.len() < self.opts.max_batch {
-            let Some(job) = self.waiting.pop_front() else { break };
+            let Some(job) = self.waiting.pop_front() else {
+                break;
+            };
             if job.events.is_closed() {
                 continue;
             }
@@ -448,7 +527,10 @@ impl Engine {
         for job in waiting {
             if matches(&job.id) {
                 self.metrics.finished(reason);
-                let _ = job.events.send(Event::Finished { reason, routed_experts: None });
+                let _ = job.events.send(Event::Finished {
+                    reason,
+                    routed_experts: None,
+                });
             } else {
                 self.waiting.push_back(job);
             }
@@ -458,7 +540,10 @@ impl Engine {
     fn finish(&self, seq: Sequence, reason: FinishReason) {
         self.metrics.finished(reason);
         let routed_experts = self.routed_experts_of(&seq);
-        let _ = seq.job.events.send(Event::Finished { reason, routed_experts });
+        let _ = seq.job.events.send(Event::Finished {
+            reason,
+            routed_experts,
+        });
     }
 
     fn routed_experts_of(&self, seq: &Sequence) -> Option<String> {
@@ -480,7 +565,11 @@ impl Engine {
         ))
     }
 
-    fn apply_weights(&mut self, tensors: Vec<(String, Tensor)>, version: u64) -> Result<(), String> {
+    fn apply_weights(
+        &mut self,
+        tensors: Vec<(String, Tensor)>,
+        version: u64,
+    ) -> Result<(), String> {
         tch::no_grad(|| {
             for (name, tensor) in &tensors {
                 // A shallow clone shares the weight's storage: copying into it updates the model.
@@ -491,7 +580,9 @@ impl Engine {
                     .ok_or_else(|| format!("unknown weight `{name}`"))?
                     .shallow_clone();
                 let tensor = tensor.to_kind(param.kind()).to_device(param.device());
-                param.f_copy_(&tensor).map_err(|e| format!("weight `{name}`: {e}"))?;
+                param
+                    .f_copy_(&tensor)
+                    .map_err(|e| format!("weight `{name}`: {e}"))?;
             }
             Ok::<(), String>(())
         })?;
@@ -530,7 +621,11 @@ impl Engine {
             .filter(|(_, &n)| n > 0)
             .map(|(s, &n)| {
                 let start = s.cache.len();
-                SeqInput { tokens: &s.tokens[start..start + n], cache: Some(&mut s.cache), replay: None }
+                SeqInput {
+                    tokens: &s.tokens[start..start + n],
+                    cache: Some(&mut s.cache),
+                    replay: None,
+                }
             })
             .collect();
         if inputs.is_empty() {
@@ -541,11 +636,18 @@ impl Engine {
         let logits = out.logits.to_kind(Kind::Float).to_device(Device::Cpu);
         let vocab = logits.size()[1] as usize;
         let logits: Vec<f32> = Vec::try_from(logits.reshape([-1]))?;
-        let routed: Option<Vec<i64>> = match (&out.routed_experts, self.opts.return_routed_experts) {
+        let routed: Option<Vec<i64>> = match (&out.routed_experts, self.opts.return_routed_experts)
+        {
             (Some(r), true) => Some(Vec::try_from(r.to_device(Device::Cpu).reshape([-1]))?),
             _ => None,
         };
-        let row_len = self.model.config().num_sparse_layers() * self.model.config().moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
+        let row_len = self.model.config().num_sparse_layers()
+            * self
+                .model
+                .config()
+                .moe
+                .as_ref()
+                .map_or(0, |m| m.num_experts_per_tok);
 
         let mut finished = Vec::new();
         let (mut row, mut packed_offset) = (0usize, 0usize);
@@ -559,7 +661,8 @@ impl Engine {
                 for pos in starts[i]..starts[i] + n {
                     if pos == seq.routed_len {
                         let at = (packed_offset + pos - starts[i]) * row_len;
-                        seq.routed.extend(routed[at..at + row_len].iter().map(|&e| e as u16));
+                        seq.routed
+                            .extend(routed[at..at + row_len].iter().map(|&e| e as u16));
                         seq.routed_len += 1;
                     }
                 }
@@ -588,9 +691,16 @@ impl Engine {
             let logprob = TokenLogprob {
                 token_id: s.token,
                 logprob: s.logprob,
-                top_logprobs: s.top.into_iter().map(|(token_id, logprob)| TopLogprob { token_id, logprob }).collect(),
+                top_logprobs: s
+                    .top
+                    .into_iter()
+                    .map(|(token_id, logprob)| TopLogprob { token_id, logprob })
+                    .collect(),
             };
-            let _ = seq.job.events.send(Event::Token { logprob, version: self.version });
+            let _ = seq.job.events.send(Event::Token {
+                logprob,
+                version: self.version,
+            });
             let out_len = seq.output_len();
             let stopped = out_len >= params.min_tokens
                 && (params.stop_token_ids.contains(&s.token)

@@ -19,8 +19,8 @@ use serde_json::json;
 use tokio::sync::{mpsc, Mutex};
 
 use super::api::{
-    AbortRequest, Choice, FinishWeightUpdate, GenerateRequest, GenerateResponse, InitWeightTransfer, Logprobs,
-    UpdateWeights, Usage, WeightVersionSpan,
+    AbortRequest, Choice, FinishWeightUpdate, GenerateRequest, GenerateResponse,
+    InitWeightTransfer, Logprobs, UpdateWeights, Usage, WeightVersionSpan,
 };
 use super::core::{EngineHandle, Event, PauseMode};
 use super::weights::{connect, BucketLayout};
@@ -45,7 +45,12 @@ struct AppState {
 /// The API router over a running engine.
 pub fn router(engine: EngineHandle) -> Router {
     let registry = engine.metrics.registry(&engine.info.name);
-    let state = Arc::new(AppState { engine, transfer: Mutex::default(), registry, next_id: AtomicU64::new(0) });
+    let state = Arc::new(AppState {
+        engine,
+        transfer: Mutex::default(),
+        registry,
+        next_id: AtomicU64::new(0),
+    });
     Router::new()
         .route("/inference/v1/generate", post(generate))
         .route("/inference/v1/abort_requests", post(abort_requests))
@@ -53,7 +58,10 @@ pub fn router(engine: EngineHandle) -> Router {
         .route("/resume", post(resume))
         .route("/is_paused", get(is_paused))
         .route("/get_world_size", get(get_world_size))
-        .route("/init_weight_transfer_engine", post(init_weight_transfer_engine))
+        .route(
+            "/init_weight_transfer_engine",
+            post(init_weight_transfer_engine),
+        )
         .route("/start_weight_update", post(start_weight_update))
         .route("/update_weights", post(update_weights))
         .route("/finish_weight_update", post(finish_weight_update))
@@ -73,18 +81,28 @@ pub async fn serve(
     engine: EngineHandle,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(engine)).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, router(engine))
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 /// Parses a JSON body; errors name the field path (`sampling_params.max_token`).
 fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
         Some(b'{') => {}
-        None => return Err(ApiError::bad_request("the request body is empty; send a JSON object")),
+        None => {
+            return Err(ApiError::bad_request(
+                "the request body is empty; send a JSON object",
+            ))
+        }
         Some(_) if serde_json::from_slice::<serde_json::Value>(body).is_err() => {
             return Err(ApiError::bad_request("malformed JSON body"))
         }
-        Some(_) => return Err(ApiError::bad_request("the request body must be a JSON object")),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "the request body must be a JSON object",
+            ))
+        }
     }
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
@@ -98,7 +116,11 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
             format!("invalid field `{path}`: {inner}")
         };
         let err = ApiError::bad_request(message);
-        if path == "." { err } else { err.with_param(&path) }
+        if path == "." {
+            err
+        } else {
+            err.with_param(&path)
+        }
     })
 }
 
@@ -106,9 +128,16 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
     let info = &state.engine.info;
     let req: GenerateRequest = parse(&body)?;
     let req = req.validate(info.vocab_size, info.max_model_len)?;
-    let id = req.request_id.unwrap_or_else(|| format!("gen-{}", state.next_id.fetch_add(1, Ordering::Relaxed)));
+    let id = req
+        .request_id
+        .unwrap_or_else(|| format!("gen-{}", state.next_id.fetch_add(1, Ordering::Relaxed)));
     let prompt_len = req.prompt.len();
-    let mut rx = state.engine.generate(id.clone(), req.prompt, req.params, req.routed_experts_prompt_start)?;
+    let mut rx = state.engine.generate(
+        id.clone(),
+        req.prompt,
+        req.params,
+        req.routed_experts_prompt_start,
+    )?;
     // The first event says whether the engine accepted the request.
     let first = rx.recv().await.ok_or_else(engine_gone)?;
     if let Event::Rejected(err) = first {
@@ -117,19 +146,28 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
     if req.stream {
         Ok(Sse::new(stream_events(id, prompt_len, first, rx)).into_response())
     } else {
-        collect(id, prompt_len, first, rx).await.map(|r| Json(r).into_response())
+        collect(id, prompt_len, first, rx)
+            .await
+            .map(|r| Json(r).into_response())
     }
 }
 
 fn engine_gone() -> ApiError {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine dropped the request")
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the engine dropped the request",
+    )
 }
 
 /// Extends the version spans with output token `index` sampled under `version`.
 fn push_version(spans: &mut Vec<WeightVersionSpan>, index: usize, version: u64) {
     match spans.last_mut() {
         Some(last) if last.version == version && last.end == index => last.end = index + 1,
-        _ => spans.push(WeightVersionSpan { version, start: index, end: index + 1 }),
+        _ => spans.push(WeightVersionSpan {
+            version,
+            start: index,
+            end: index + 1,
+        }),
     }
 }
 
@@ -159,18 +197,27 @@ async fn collect(
                 choice.token_ids.push(logprob.token_id);
                 choice.logprobs.content.push(logprob);
             }
-            Event::Finished { reason, routed_experts } => {
+            Event::Finished {
+                reason,
+                routed_experts,
+            } => {
                 choice.finish_reason = Some(reason.as_str().into());
                 choice.routed_experts = routed_experts;
                 let completion_tokens = choice.token_ids.len();
                 return Ok(GenerateResponse {
                     request_id: id,
                     choices: vec![choice],
-                    usage: Some(Usage { prompt_tokens: prompt_len, completion_tokens, total_tokens: prompt_len + completion_tokens }),
+                    usage: Some(Usage {
+                        prompt_tokens: prompt_len,
+                        completion_tokens,
+                        total_tokens: prompt_len + completion_tokens,
+                    }),
                 });
             }
             Event::Rejected(err) => return Err(err),
-            Event::Failed(message) => return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)),
+            Event::Failed(message) => {
+                return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message))
+            }
         }
     }
 }
@@ -194,7 +241,15 @@ fn stream_events(
         /// The final chunk went out; `[DONE]` follows.
         terminate: bool,
     }
-    let state = S { id, rx, first: Some(first), produced: 0, prompt_len, done: false, terminate: false };
+    let state = S {
+        id,
+        rx,
+        first: Some(first),
+        produced: 0,
+        prompt_len,
+        done: false,
+        terminate: false,
+    };
     futures::stream::unfold(state, |mut s| async move {
         if s.terminate {
             s.terminate = false;
@@ -208,7 +263,11 @@ fn stream_events(
             Some(e) => Some(e),
             None => s.rx.recv().await,
         };
-        let chunk = |choice: Choice, usage: Option<Usage>| GenerateResponse { request_id: s.id.clone(), choices: vec![choice], usage };
+        let chunk = |choice: Choice, usage: Option<Usage>| GenerateResponse {
+            request_id: s.id.clone(),
+            choices: vec![choice],
+            usage,
+        };
         let data = match event {
             Some(Event::Token { logprob, version }) => {
                 let index = s.produced;
@@ -216,14 +275,23 @@ fn stream_events(
                 let choice = Choice {
                     index: 0,
                     token_ids: vec![logprob.token_id],
-                    logprobs: Logprobs { content: vec![logprob] },
+                    logprobs: Logprobs {
+                        content: vec![logprob],
+                    },
                     finish_reason: None,
                     routed_experts: None,
-                    weight_versions: vec![WeightVersionSpan { version, start: index, end: index + 1 }],
+                    weight_versions: vec![WeightVersionSpan {
+                        version,
+                        start: index,
+                        end: index + 1,
+                    }],
                 };
                 serde_json::to_string(&chunk(choice, None)).expect("serializable")
             }
-            Some(Event::Finished { reason, routed_experts }) => {
+            Some(Event::Finished {
+                reason,
+                routed_experts,
+            }) => {
                 let choice = Choice {
                     index: 0,
                     token_ids: Vec::new(),
@@ -232,7 +300,11 @@ fn stream_events(
                     routed_experts,
                     weight_versions: Vec::new(),
                 };
-                let usage = Usage { prompt_tokens: s.prompt_len, completion_tokens: s.produced, total_tokens: s.prompt_len + s.produced };
+                let usage = Usage {
+                    prompt_tokens: s.prompt_len,
+                    completion_tokens: s.produced,
+                    total_tokens: s.prompt_len + s.produced,
+                };
                 s.terminate = true;
                 serde_json::to_string(&chunk(choice, Some(usage))).expect("serializable")
             }
@@ -246,14 +318,18 @@ fn stream_events(
             }
             None => {
                 s.done = true;
-                json!({"error": {"message": "the engine dropped the request", "code": 500}}).to_string()
+                json!({"error": {"message": "the engine dropped the request", "code": 500}})
+                    .to_string()
             }
         };
         Some((Ok(SseEvent::default().data(data)), s))
     })
 }
 
-async fn abort_requests(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+async fn abort_requests(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
     let req: AbortRequest = parse(&body)?;
     state.engine.abort(req.request_ids)?;
     Ok(Json(json!({})))
@@ -264,11 +340,17 @@ struct PauseQuery {
     mode: Option<String>,
 }
 
-async fn pause(State(state): State<Arc<AppState>>, Query(q): Query<PauseQuery>) -> Result<Json<serde_json::Value>, ApiError> {
+async fn pause(
+    State(state): State<Arc<AppState>>,
+    Query(q): Query<PauseQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
     // vLLM's default mode is `abort`.
     let text = q.mode.as_deref().unwrap_or("abort");
     let mode = PauseMode::parse(text).ok_or_else(|| {
-        ApiError::bad_request(format!("mode must be one of keep, wait, abort; got `{text}`")).with_param("mode")
+        ApiError::bad_request(format!(
+            "mode must be one of keep, wait, abort; got `{text}`"
+        ))
+        .with_param("mode")
     })?;
     state.engine.pause(mode).await?;
     Ok(Json(json!({"status": "paused", "mode": text})))
@@ -288,7 +370,10 @@ async fn get_world_size() -> Json<serde_json::Value> {
     Json(json!({"world_size": 1}))
 }
 
-async fn init_weight_transfer_engine(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+async fn init_weight_transfer_engine(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
     let req: InitWeightTransfer = parse(&body)?;
     let info = req.init_info;
     if info.nccl_unique_id_b64.is_some() {
@@ -299,38 +384,68 @@ async fn init_weight_transfer_engine(State(state): State<Arc<AppState>>, body: B
         .with_param("init_info.nccl_unique_id_b64"));
     }
     let (Some(address), Some(port)) = (info.master_address, info.master_port) else {
-        return Err(ApiError::bad_request("init_info needs master_address and master_port (the trainer's TCP weight stream)")
-            .with_param("init_info"));
+        return Err(ApiError::bad_request(
+            "init_info needs master_address and master_port (the trainer's TCP weight stream)",
+        )
+        .with_param("init_info"));
     };
     let addr = format!("{address}:{port}");
-    let stream = tokio::time::timeout(std::time::Duration::from_secs(30), connect(&addr, info.rank_offset))
-        .await
-        .map_err(|_| ApiError::bad_request(format!("timed out connecting to the weight stream at {addr}")))?
-        .map_err(|e| ApiError::bad_request(format!("cannot connect to the weight stream at {addr}: {e}")))?;
+    let stream = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        connect(&addr, info.rank_offset),
+    )
+    .await
+    .map_err(|_| {
+        ApiError::bad_request(format!(
+            "timed out connecting to the weight stream at {addr}"
+        ))
+    })?
+    .map_err(|e| {
+        ApiError::bad_request(format!(
+            "cannot connect to the weight stream at {addr}: {e}"
+        ))
+    })?;
     let mut transfer = state.transfer.lock().await;
-    *transfer = Transfer { stream: Some(stream), ..Transfer::default() };
+    *transfer = Transfer {
+        stream: Some(stream),
+        ..Transfer::default()
+    };
     Ok(Json(json!({})))
 }
 
-async fn start_weight_update(State(state): State<Arc<AppState>>) -> Result<Json<serde_json::Value>, ApiError> {
+async fn start_weight_update(
+    State(state): State<Arc<AppState>>,
+) -> Result<Json<serde_json::Value>, ApiError> {
     let mut transfer = state.transfer.lock().await;
     if transfer.stream.is_none() {
-        return Err(ApiError::new(StatusCode::CONFLICT, "call /init_weight_transfer_engine before /start_weight_update"));
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "call /init_weight_transfer_engine before /start_weight_update",
+        ));
     }
     transfer.updating = true;
     transfer.staged.clear();
     Ok(Json(json!({})))
 }
 
-async fn update_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+async fn update_weights(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
     let req: UpdateWeights = parse(&body)?;
     let layout = BucketLayout::new(&req.update_info, &state.engine.info.params)
         .map_err(|m| ApiError::bad_request(m).with_param("update_info"))?;
     let mut transfer = state.transfer.lock().await;
     if !transfer.updating {
-        return Err(ApiError::new(StatusCode::CONFLICT, "call /start_weight_update before /update_weights"));
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "call /start_weight_update before /update_weights",
+        ));
     }
-    let stream = transfer.stream.as_mut().expect("updating implies a connection");
+    let stream = transfer
+        .stream
+        .as_mut()
+        .expect("updating implies a connection");
     let payload = match layout.read(stream).await {
         Ok(p) => p,
         Err(message) => {
@@ -348,24 +463,39 @@ async fn update_weights(State(state): State<Arc<AppState>>, body: Bytes) -> Resu
     Ok(Json(json!({"received": received})))
 }
 
-async fn finish_weight_update(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<serde_json::Value>, ApiError> {
+async fn finish_weight_update(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
     let req: FinishWeightUpdate = parse(&body)?;
     let staged = {
         let mut transfer = state.transfer.lock().await;
         if !transfer.updating {
-            return Err(ApiError::new(StatusCode::CONFLICT, "call /start_weight_update before /finish_weight_update"));
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "call /start_weight_update before /finish_weight_update",
+            ));
         }
         transfer.updating = false;
         std::mem::take(&mut transfer.staged)
     };
     let count = staged.len();
-    state.engine.apply_weights(staged, req.weight_version).await?;
-    Ok(Json(json!({"weight_version": req.weight_version, "updated": count})))
+    state
+        .engine
+        .apply_weights(staged, req.weight_version)
+        .await?;
+    Ok(Json(
+        json!({"weight_version": req.weight_version, "updated": count}),
+    ))
 }
 
 async fn weight_info(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let info = &state.engine.info;
-    let params: Vec<_> = info.params.iter().map(|(name, shape)| json!({"name": name, "shape": shape})).collect();
+    let params: Vec<_> = info
+        .params
+        .iter()
+        .map(|(name, shape)| json!({"name": name, "shape": shape}))
+        .collect();
     Json(json!({
         "weight_version": state.engine.status.weight_version.load(Ordering::Acquire),
         "dtype": dtype_name(info.kind),
@@ -377,10 +507,19 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, ApiErro
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &state.registry)
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response())
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let info = &state.engine.info;
-    Json(json!({"object": "list", "data": [{"id": info.name, "object": "model", "max_model_len": info.max_model_len}]}))
+    Json(
+        json!({"object": "list", "data": [{"id": info.name, "object": "model", "max_model_len": info.max_model_len}]}),
+    )
 }

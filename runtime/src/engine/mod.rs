@@ -31,7 +31,11 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), param: None }
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+        }
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
@@ -80,8 +84,13 @@ impl IntoResponse for ApiError {
             }
         });
         let mut response = (self.status, axum::Json(body)).into_response();
-        if matches!(self.status, StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS) {
-            response.headers_mut().insert("retry-after", axum::http::HeaderValue::from_static("1"));
+        if matches!(
+            self.status,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+        ) {
+            response
+                .headers_mut()
+                .insert("retry-after", axum::http::HeaderValue::from_static("1"));
         }
         response
     }

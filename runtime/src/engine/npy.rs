@@ -5,10 +5,22 @@
 use base64::Engine as _;
 
 /// Encodes expert ids `[rows][layers * top_k]` (flattened row-major) as base64 `.npy`.
-pub fn encode_routed_experts(ids: &[u16], rows: usize, layers: usize, top_k: usize, num_experts: usize) -> String {
+pub fn encode_routed_experts(
+    ids: &[u16],
+    rows: usize,
+    layers: usize,
+    top_k: usize,
+    num_experts: usize,
+) -> String {
     debug_assert_eq!(ids.len(), rows * layers * top_k);
-    let (descr, width) = if num_experts <= 256 { ("|u1", 1) } else { ("<u2", 2) };
-    let dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {layers}, {top_k}), }}");
+    let (descr, width) = if num_experts <= 256 {
+        ("|u1", 1)
+    } else {
+        ("<u2", 2)
+    };
+    let dict = format!(
+        "{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {layers}, {top_k}), }}"
+    );
     // magic(6) + version(2) + header length(2) + dict + padding + '\n', a multiple of 64.
     let unpadded = 10 + dict.len() + 1;
     let header_len = dict.len() + 1 + (64 - unpadded % 64) % 64;
@@ -30,7 +42,9 @@ pub fn encode_routed_experts(ids: &[u16], rows: usize, layers: usize, top_k: usi
 
 /// Decodes what [`encode_routed_experts`] writes: `(shape, ids)`. Used by clients and tests.
 pub fn decode_routed_experts(b64: &str) -> Result<([usize; 3], Vec<u16>), String> {
-    let bytes = base64::engine::general_purpose::STANDARD.decode(b64).map_err(|e| format!("not base64: {e}"))?;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|e| format!("not base64: {e}"))?;
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err("not a .npy array".into());
     }
@@ -44,19 +58,27 @@ pub fn decode_routed_experts(b64: &str) -> Result<([usize; 3], Vec<u16>), String
     } else {
         return Err(format!("unexpected dtype in {header}"));
     };
-    let shape_text = header.split("'shape': (").nth(1).and_then(|s| s.split(')').next()).ok_or("no shape")?;
+    let shape_text = header
+        .split("'shape': (")
+        .nth(1)
+        .and_then(|s| s.split(')').next())
+        .ok_or("no shape")?;
     let dims: Vec<usize> = shape_text
         .split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
         .map(|s| s.parse().map_err(|_| format!("bad shape {shape_text}")))
         .collect::<Result<_, _>>()?;
-    let shape: [usize; 3] = dims.try_into().map_err(|_| "shape is not 3-D".to_string())?;
+    let shape: [usize; 3] = dims
+        .try_into()
+        .map_err(|_| "shape is not 3-D".to_string())?;
     let data = &bytes[10 + header_len..];
     let ids: Vec<u16> = if width == 1 {
         data.iter().map(|&b| b as u16).collect()
     } else {
-        data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+        data.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect()
     };
     if ids.len() != shape.iter().product::<usize>() {
         return Err(format!("{} values for shape {shape:?}", ids.len()));
@@ -72,7 +94,9 @@ mod tests {
     fn round_trips_and_is_64_byte_aligned() {
         let ids: Vec<u16> = (0..2 * 3 * 2).map(|i| i as u16 * 7 % 128).collect();
         let b64 = encode_routed_experts(&ids, 2, 3, 2, 128);
-        let raw = base64::engine::general_purpose::STANDARD.decode(&b64).unwrap();
+        let raw = base64::engine::general_purpose::STANDARD
+            .decode(&b64)
+            .unwrap();
         let header_len = u16::from_le_bytes([raw[8], raw[9]]) as usize;
         assert_eq!((10 + header_len) % 64, 0);
         assert_eq!(raw[10 + header_len - 1], b'\n');
@@ -81,7 +105,12 @@ mod tests {
 
         let wide: Vec<u16> = vec![300, 1, 511, 2];
         let b64 = encode_routed_experts(&wide, 1, 2, 2, 512);
-        assert!(String::from_utf8_lossy(&base64::engine::general_purpose::STANDARD.decode(&b64).unwrap()).contains("'<u2'"));
+        assert!(String::from_utf8_lossy(
+            &base64::engine::general_purpose::STANDARD
+                .decode(&b64)
+                .unwrap()
+        )
+        .contains("'<u2'"));
         assert_eq!(decode_routed_experts(&b64).unwrap(), ([1, 2, 2], wide));
     }
 }

@@ -88,18 +88,28 @@ fn process(z: &[f32], params: &SamplingParams) -> Processed {
     }
     let max = kept.iter().map(|&i| z[i]).fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = kept.iter().map(|&i| (z[i] as f64 - max).exp()).sum();
-    Processed { kept, log_z: max + sum.ln() }
+    Processed {
+        kept,
+        log_z: max + sum.ln(),
+    }
 }
 
 /// Samples one token from a row of raw logits.
 pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> Sampled {
     let greedy = params.temperature == 0.0;
-    let inv_t = if greedy { 1.0 } else { 1.0 / params.temperature };
+    let inv_t = if greedy {
+        1.0
+    } else {
+        1.0 / params.temperature
+    };
     let z: Vec<f32> = logits.iter().map(|&l| (l as f64 * inv_t) as f32).collect();
     let p = process(&z, params);
     let token = if greedy {
         // First index among the maxima, as torch.argmax.
-        *p.kept.iter().reduce(|best, i| if z[*i] > z[*best] { i } else { best }).expect("non-empty")
+        *p.kept
+            .iter()
+            .reduce(|best, i| if z[*i] > z[*best] { i } else { best })
+            .expect("non-empty")
     } else {
         let u: f64 = rng.gen();
         let mut cumulative = 0.0;
@@ -119,17 +129,28 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> 
         order.select_nth_unstable_by(n - 1, |&a, &b| z[b].total_cmp(&z[a]));
         order.truncate(n);
         order.sort_by(|&a, &b| z[b].total_cmp(&z[a]).then(a.cmp(&b)));
-        order.into_iter().map(|i| (i as i64, (z[i] as f64 - p.log_z) as f32)).collect()
+        order
+            .into_iter()
+            .map(|i| (i as i64, (z[i] as f64 - p.log_z) as f32))
+            .collect()
     } else {
         Vec::new()
     };
-    Sampled { token: token as i64, logprob: (z[token] as f64 - p.log_z) as f32, top }
+    Sampled {
+        token: token as i64,
+        logprob: (z[token] as f64 - p.log_z) as f32,
+        top,
+    }
 }
 
 /// The processed log-probability of `token` under `params`, without sampling: what the
 /// trainer-side checks recompute from a full forward.
 pub fn processed_logprob(logits: &[f32], token: i64, params: &SamplingParams) -> f32 {
-    let inv_t = if params.temperature == 0.0 { 1.0 } else { 1.0 / params.temperature };
+    let inv_t = if params.temperature == 0.0 {
+        1.0
+    } else {
+        1.0 / params.temperature
+    };
     let z: Vec<f32> = logits.iter().map(|&l| (l as f64 * inv_t) as f32).collect();
     let p = process(&z, params);
     if p.kept.binary_search(&(token as usize)).is_err() {
@@ -144,13 +165,22 @@ mod tests {
     use rand::SeedableRng;
 
     fn params(temperature: f64, top_k: Option<usize>, top_p: f64) -> SamplingParams {
-        SamplingParams { temperature, top_k, top_p, ..Default::default() }
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            ..Default::default()
+        }
     }
 
     /// Straightforward reference: softmax of the processed logits, with tokens outside the
     /// kept set at probability zero.
     fn reference_probs(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
-        let t = if p.temperature == 0.0 { 1.0 } else { p.temperature };
+        let t = if p.temperature == 0.0 {
+            1.0
+        } else {
+            p.temperature
+        };
         let z: Vec<f64> = logits.iter().map(|&l| l as f64 / t).collect();
         let mut keep = vec![true; z.len()];
         if let Some(k) = p.top_k {
@@ -176,8 +206,17 @@ mod tests {
                 }
             }
         }
-        let m = z.iter().zip(&keep).filter(|(_, k)| **k).map(|(v, _)| *v).fold(f64::MIN, f64::max);
-        let w: Vec<f64> = z.iter().zip(&keep).map(|(v, k)| if *k { (v - m).exp() } else { 0.0 }).collect();
+        let m = z
+            .iter()
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|(v, _)| *v)
+            .fold(f64::MIN, f64::max);
+        let w: Vec<f64> = z
+            .iter()
+            .zip(&keep)
+            .map(|(v, k)| if *k { (v - m).exp() } else { 0.0 })
+            .collect();
         let s: f64 = w.iter().sum();
         w.into_iter().map(|x| x / s).collect()
     }
@@ -187,13 +226,25 @@ mod tests {
     #[test]
     fn logprob_is_that_of_the_processed_distribution() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        for p in [params(1.0, None, 1.0), params(0.7, Some(3), 1.0), params(1.3, None, 0.8), params(0.5, Some(4), 0.6)] {
+        for p in [
+            params(1.0, None, 1.0),
+            params(0.7, Some(3), 1.0),
+            params(1.3, None, 0.8),
+            params(0.5, Some(4), 0.6),
+        ] {
             let probs = reference_probs(&LOGITS, &p);
             for _ in 0..50 {
                 let s = sample(&LOGITS, &p, &mut rng);
                 let expected = probs[s.token as usize].ln();
-                assert!(probs[s.token as usize] > 0.0, "sampled a removed token under {p:?}");
-                assert!((s.logprob as f64 - expected).abs() < 1e-5, "{p:?}: {} vs {expected}", s.logprob);
+                assert!(
+                    probs[s.token as usize] > 0.0,
+                    "sampled a removed token under {p:?}"
+                );
+                assert!(
+                    (s.logprob as f64 - expected).abs() < 1e-5,
+                    "{p:?}: {} vs {expected}",
+                    s.logprob
+                );
                 assert!((processed_logprob(&LOGITS, s.token, &p) - s.logprob).abs() < 1e-6);
             }
         }
@@ -211,7 +262,11 @@ mod tests {
         }
         for (i, c) in counts.iter().enumerate() {
             let f = *c as f64 / n as f64;
-            assert!((f - probs[i]).abs() < 0.015, "token {i}: frequency {f} vs probability {}", probs[i]);
+            assert!(
+                (f - probs[i]).abs() < 0.015,
+                "token {i}: frequency {f} vs probability {}",
+                probs[i]
+            );
         }
     }
 
@@ -223,7 +278,10 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let s = sample(&LOGITS, &params(1.0, None, 1e-9), &mut rng);
         assert!(s.token == 1 || s.token == 3);
-        assert_eq!(processed_logprob(&LOGITS, 4, &params(1.0, Some(2), 1.0)), f32::NEG_INFINITY);
+        assert_eq!(
+            processed_logprob(&LOGITS, 4, &params(1.0, Some(2), 1.0)),
+            f32::NEG_INFINITY
+        );
     }
 
     #[test]
@@ -240,7 +298,9 @@ mod tests {
         let p = params(1.0, None, 1.0);
         let draw = |seed| {
             let mut rng = ChaCha8Rng::seed_from_u64(seed);
-            (0..32).map(|_| sample(&LOGITS, &p, &mut rng).token).collect::<Vec<_>>()
+            (0..32)
+                .map(|_| sample(&LOGITS, &p, &mut rng).token)
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(42), draw(42));
         assert_ne!(draw(42), draw(43));
@@ -249,7 +309,10 @@ mod tests {
     #[test]
     fn top_logprobs_are_sorted_and_include_the_best() {
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let p = SamplingParams { top_logprobs: 3, ..params(1.0, None, 1.0) };
+        let p = SamplingParams {
+            top_logprobs: 3,
+            ..params(1.0, None, 1.0)
+        };
         let s = sample(&LOGITS, &p, &mut rng);
         let ids: Vec<i64> = s.top.iter().map(|t| t.0).collect();
         assert_eq!(ids, vec![1, 3, 5]);

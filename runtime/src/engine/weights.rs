@@ -27,7 +27,10 @@ pub const DEFAULT_PACKED_BUFFER_BYTES: usize = 64 << 20;
 pub fn update_info(tensors: &[(String, Tensor)]) -> UpdateInfo {
     UpdateInfo {
         names: tensors.iter().map(|(n, _)| n.clone()).collect(),
-        dtype_names: tensors.iter().map(|(_, t)| dtype_name(t.kind()).to_string()).collect(),
+        dtype_names: tensors
+            .iter()
+            .map(|(_, t)| dtype_name(t.kind()).to_string())
+            .collect(),
         shapes: tensors.iter().map(|(_, t)| t.size()).collect(),
         packed: Some(true),
     }
@@ -47,7 +50,9 @@ pub struct WeightListener {
 
 impl WeightListener {
     pub fn bind(addr: &str) -> std::io::Result<Self> {
-        Ok(Self { listener: TcpListener::bind(addr)? })
+        Ok(Self {
+            listener: TcpListener::bind(addr)?,
+        })
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -63,12 +68,20 @@ impl WeightListener {
             let mut hello = [0u8; 12];
             stream.read_exact(&mut hello)?;
             if &hello[..8] != HELLO_MAGIC {
-                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "peer is not a moult engine"));
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "peer is not a moult engine",
+                ));
             }
-            ranked.push((u32::from_le_bytes(hello[8..].try_into().expect("4 bytes")), stream));
+            ranked.push((
+                u32::from_le_bytes(hello[8..].try_into().expect("4 bytes")),
+                stream,
+            ));
         }
         ranked.sort_by_key(|(rank, _)| *rank);
-        Ok(TcpWeightSender { conns: ranked.into_iter().map(|(_, s)| s).collect() })
+        Ok(TcpWeightSender {
+            conns: ranked.into_iter().map(|(_, s)| s).collect(),
+        })
     }
 }
 
@@ -83,8 +96,15 @@ fn tensor_bytes(t: &Tensor) -> Vec<u8> {
 impl TcpWeightSender {
     /// Sends one bucket to every engine; the engines must be reading it (`POST /update_weights`
     /// with [`update_info`] of the same tensors) concurrently.
-    pub fn send_bucket(&mut self, tensors: &[(String, Tensor)], packed_buffer_bytes: usize) -> std::io::Result<()> {
-        let total: usize = tensors.iter().map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes()).sum();
+    pub fn send_bucket(
+        &mut self,
+        tensors: &[(String, Tensor)],
+        packed_buffer_bytes: usize,
+    ) -> std::io::Result<()> {
+        let total: usize = tensors
+            .iter()
+            .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
+            .sum();
         let mut header = Vec::with_capacity(16);
         header.extend_from_slice(BUCKET_MAGIC);
         header.extend_from_slice(&(total as u64).to_le_bytes());
@@ -145,7 +165,9 @@ impl BucketLayout {
         let mut total_bytes = 0;
         for ((name, dtype), shape) in info.names.iter().zip(&info.dtype_names).zip(&info.shapes) {
             let Some((_, expected)) = params.iter().find(|(p, _)| p == name) else {
-                return Err(format!("update_info.names: `{name}` is not a weight of this model"));
+                return Err(format!(
+                    "update_info.names: `{name}` is not a weight of this model"
+                ));
             };
             if shape != expected {
                 return Err(format!("update_info.shapes: `{name}` has shape {expected:?} in this model, got {shape:?}"));
@@ -156,7 +178,10 @@ impl BucketLayout {
             total_bytes += shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
             entries.push((name.clone(), shape.clone(), kind));
         }
-        Ok(Self { entries, total_bytes })
+        Ok(Self {
+            entries,
+            total_bytes,
+        })
     }
 
     pub fn total_bytes(&self) -> usize {
@@ -166,7 +191,10 @@ impl BucketLayout {
     /// Reads this bucket from the stream: header, then the payload.
     pub async fn read(&self, stream: &mut tokio::net::TcpStream) -> Result<Vec<u8>, String> {
         let mut header = [0u8; 16];
-        stream.read_exact(&mut header).await.map_err(|e| format!("reading the bucket header: {e}"))?;
+        stream
+            .read_exact(&mut header)
+            .await
+            .map_err(|e| format!("reading the bucket header: {e}"))?;
         if &header[..8] != BUCKET_MAGIC {
             return Err("the weight stream is out of sync (bad bucket magic)".into());
         }
@@ -178,7 +206,10 @@ impl BucketLayout {
             ));
         }
         let mut payload = vec![0u8; len];
-        stream.read_exact(&mut payload).await.map_err(|e| format!("reading {len} weight bytes: {e}"))?;
+        stream
+            .read_exact(&mut payload)
+            .await
+            .map_err(|e| format!("reading {len} weight bytes: {e}"))?;
         Ok(payload)
     }
 

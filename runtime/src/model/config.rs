@@ -142,7 +142,9 @@ impl ModelConfig {
             .as_ref()
             .and_then(|a| a.first().cloned())
             .or_else(|| raw.model_type.clone())
-            .ok_or_else(|| Error::Config("neither `architectures` nor `model_type` is set".into()))?;
+            .ok_or_else(|| {
+                Error::Config("neither `architectures` nor `model_type` is set".into())
+            })?;
         let architecture = match arch_name.as_str() {
             "Qwen3ForCausalLM" | "qwen3" => Architecture::Qwen3,
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Architecture::Qwen3Moe,
@@ -153,10 +155,14 @@ impl ModelConfig {
             }
         };
         if raw.attention_bias {
-            return Err(Error::Config("`attention_bias: true` is not supported".into()));
+            return Err(Error::Config(
+                "`attention_bias: true` is not supported".into(),
+            ));
         }
         if raw.use_sliding_window {
-            return Err(Error::Config("`use_sliding_window: true` is not supported".into()));
+            return Err(Error::Config(
+                "`use_sliding_window: true` is not supported".into(),
+            ));
         }
         if let Some(act) = &raw.hidden_act {
             if act != "silu" {
@@ -166,7 +172,9 @@ impl ModelConfig {
             }
         }
         if raw.quantization_config.is_some() {
-            return Err(Error::Config("quantized checkpoints (`quantization_config`) are not supported".into()));
+            return Err(Error::Config(
+                "quantized checkpoints (`quantization_config`) are not supported".into(),
+            ));
         }
         if let Some(scaling) = raw.rope_scaling.as_ref().filter(|v| !v.is_null()) {
             return Err(Error::Config(format!(
@@ -175,7 +183,10 @@ impl ModelConfig {
         }
         let mut rope_theta = raw.rope_theta;
         if let Some(params) = raw.rope_parameters.as_ref().filter(|v| !v.is_null()) {
-            let rope_type = params.get("rope_type").and_then(|v| v.as_str()).unwrap_or("default");
+            let rope_type = params
+                .get("rope_type")
+                .and_then(|v| v.as_str())
+                .unwrap_or("default");
             if rope_type != "default" {
                 return Err(Error::Config(format!(
                     "`rope_parameters.rope_type: {rope_type}` is not supported; supported: default"
@@ -187,8 +198,10 @@ impl ModelConfig {
         }
         let hidden_size = required(raw.hidden_size, "hidden_size")?;
         let num_attention_heads = required(raw.num_attention_heads, "num_attention_heads")?;
-        let num_key_value_heads =
-            required(raw.num_key_value_heads.or(Some(num_attention_heads)), "num_key_value_heads")?;
+        let num_key_value_heads = required(
+            raw.num_key_value_heads.or(Some(num_attention_heads)),
+            "num_key_value_heads",
+        )?;
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(Error::Config(format!(
                 "`num_attention_heads` ({num_attention_heads}) must be a multiple of `num_key_value_heads` ({num_key_value_heads})"
@@ -199,7 +212,9 @@ impl ModelConfig {
             None => hidden_size / num_attention_heads,
         };
         if head_dim % 2 != 0 {
-            return Err(Error::Config(format!("`head_dim` must be even for rotary embeddings, got {head_dim}")));
+            return Err(Error::Config(format!(
+                "`head_dim` must be even for rotary embeddings, got {head_dim}"
+            )));
         }
         let num_hidden_layers = required(raw.num_hidden_layers, "num_hidden_layers")?;
         let moe = match architecture {
@@ -217,7 +232,11 @@ impl ModelConfig {
                         "`num_experts` ({num_experts}) exceeds 65536, the most routed-expert ids can carry"
                     )));
                 }
-                if let Some(&bad) = raw.mlp_only_layers.iter().find(|&&l| l >= num_hidden_layers) {
+                if let Some(&bad) = raw
+                    .mlp_only_layers
+                    .iter()
+                    .find(|&&l| l >= num_hidden_layers)
+                {
                     return Err(Error::Config(format!(
                         "`mlp_only_layers` names layer {bad}, but the model has {num_hidden_layers} layers"
                     )));
@@ -225,9 +244,15 @@ impl ModelConfig {
                 Some(MoeConfig {
                     num_experts,
                     num_experts_per_tok,
-                    moe_intermediate_size: required(raw.moe_intermediate_size, "moe_intermediate_size")?,
+                    moe_intermediate_size: required(
+                        raw.moe_intermediate_size,
+                        "moe_intermediate_size",
+                    )?,
                     norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
-                    decoder_sparse_step: required(raw.decoder_sparse_step.or(Some(1)), "decoder_sparse_step")?,
+                    decoder_sparse_step: required(
+                        raw.decoder_sparse_step.or(Some(1)),
+                        "decoder_sparse_step",
+                    )?,
                     mlp_only_layers: raw.mlp_only_layers,
                 })
             }
@@ -243,10 +268,16 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
             rope_theta: rope_theta.unwrap_or(10_000.0),
-            max_position_embeddings: required(raw.max_position_embeddings, "max_position_embeddings")?,
+            max_position_embeddings: required(
+                raw.max_position_embeddings,
+                "max_position_embeddings",
+            )?,
             tie_word_embeddings: raw.tie_word_embeddings,
             dtype: raw.dtype.or(raw.torch_dtype),
-            eos_token_ids: raw.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default(),
+            eos_token_ids: raw
+                .eos_token_id
+                .map(OneOrMany::into_vec)
+                .unwrap_or_default(),
             moe,
         })
     }
@@ -265,7 +296,9 @@ impl ModelConfig {
 
     /// Number of layers whose routing is captured and replayed.
     pub fn num_sparse_layers(&self) -> usize {
-        (0..self.num_hidden_layers).filter(|&l| self.is_sparse_layer(l)).count()
+        (0..self.num_hidden_layers)
+            .filter(|&l| self.is_sparse_layer(l))
+            .count()
     }
 }
 
@@ -274,7 +307,9 @@ mod tests {
     use super::*;
 
     fn fixture(name: &str) -> String {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures").join(name);
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/fixtures")
+            .join(name);
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
     }
 
@@ -282,8 +317,14 @@ mod tests {
     fn parses_real_qwen3_configs() {
         let dense = ModelConfig::from_json(&fixture("qwen3_0.6b_config.json")).unwrap();
         assert_eq!(dense.architecture, Architecture::Qwen3);
-        assert_eq!((dense.hidden_size, dense.num_hidden_layers, dense.head_dim), (1024, 28, 128));
-        assert_eq!((dense.num_attention_heads, dense.num_key_value_heads), (16, 8));
+        assert_eq!(
+            (dense.hidden_size, dense.num_hidden_layers, dense.head_dim),
+            (1024, 28, 128)
+        );
+        assert_eq!(
+            (dense.num_attention_heads, dense.num_key_value_heads),
+            (16, 8)
+        );
         assert!(dense.tie_word_embeddings);
         assert_eq!(dense.vocab_size, 151_936);
 
@@ -299,22 +340,33 @@ mod tests {
         let base = fixture("qwen3_0.6b_config.json");
         let mut v: serde_json::Value = serde_json::from_str(&base).unwrap();
         v["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
-        let err = ModelConfig::from_json(&v.to_string()).unwrap_err().to_string();
-        assert!(err.contains("LlamaForCausalLM") && err.contains("Qwen3ForCausalLM"), "{err}");
+        let err = ModelConfig::from_json(&v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("LlamaForCausalLM") && err.contains("Qwen3ForCausalLM"),
+            "{err}"
+        );
 
         let mut v: serde_json::Value = serde_json::from_str(&base).unwrap();
         v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
-        let err = ModelConfig::from_json(&v.to_string()).unwrap_err().to_string();
+        let err = ModelConfig::from_json(&v.to_string())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("rope_scaling"), "{err}");
 
         let mut v: serde_json::Value = serde_json::from_str(&base).unwrap();
         v["use_sliding_window"] = serde_json::json!(true);
-        let err = ModelConfig::from_json(&v.to_string()).unwrap_err().to_string();
+        let err = ModelConfig::from_json(&v.to_string())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("use_sliding_window"), "{err}");
 
         let mut v: serde_json::Value = serde_json::from_str(&base).unwrap();
         v["num_key_value_heads"] = serde_json::json!(5);
-        let err = ModelConfig::from_json(&v.to_string()).unwrap_err().to_string();
+        let err = ModelConfig::from_json(&v.to_string())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("num_key_value_heads"), "{err}");
     }
 

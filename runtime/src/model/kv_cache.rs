@@ -40,7 +40,15 @@ impl KvCache {
                 v: Tensor::zeros([kv_heads, capacity as i64, head_dim], (kind, device)),
             })
             .collect();
-        Self { layers, len: 0, capacity, kv_heads, head_dim, kind, device }
+        Self {
+            layers,
+            len: 0,
+            capacity,
+            kv_heads,
+            head_dim,
+            kind,
+            device,
+        }
     }
 
     /// Tokens cached (in every layer, once a forward step completes).
@@ -54,7 +62,10 @@ impl KvCache {
 
     /// Bytes held by the buffers.
     pub fn bytes(&self) -> usize {
-        2 * self.layers.len() * self.capacity * (self.kv_heads * self.head_dim) as usize * self.kind.elt_size_in_bytes()
+        2 * self.layers.len()
+            * self.capacity
+            * (self.kv_heads * self.head_dim) as usize
+            * self.kind.elt_size_in_bytes()
     }
 
     /// Forgets every cached token (after a weight update the cache is recomputed).
@@ -72,8 +83,13 @@ impl KvCache {
         }
         for layer in &mut self.layers {
             for buf in [&mut layer.k, &mut layer.v] {
-                let bigger = Tensor::zeros([self.kv_heads, capacity as i64, self.head_dim], (self.kind, self.device));
-                bigger.narrow(1, 0, self.len as i64).copy_(&buf.narrow(1, 0, self.len as i64));
+                let bigger = Tensor::zeros(
+                    [self.kv_heads, capacity as i64, self.head_dim],
+                    (self.kind, self.device),
+                );
+                bigger
+                    .narrow(1, 0, self.len as i64)
+                    .copy_(&buf.narrow(1, 0, self.len as i64));
                 *buf = bigger;
             }
         }

@@ -56,9 +56,13 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
         path: index_path.clone(),
         message: format!("not valid JSON: {e}"),
     })?;
-    let map = index.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-        Error::Checkpoint { path: index_path.clone(), message: "has no `weight_map` object".into() }
-    })?;
+    let map = index
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::Checkpoint {
+            path: index_path.clone(),
+            message: "has no `weight_map` object".into(),
+        })?;
     let mut files: Vec<PathBuf> = map
         .values()
         .filter_map(|v| v.as_str())
@@ -70,12 +74,19 @@ fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Loads every tensor of a model folder, converted to `kind` and moved to `device`.
-pub fn load_safetensors_dir(dir: &Path, kind: Kind, device: Device) -> Result<BTreeMap<String, Tensor>> {
+pub fn load_safetensors_dir(
+    dir: &Path,
+    kind: Kind,
+    device: Device,
+) -> Result<BTreeMap<String, Tensor>> {
     let mut out = BTreeMap::new();
     for path in checkpoint_files(dir)? {
         // Read, not memory-mapped: mapping needs `unsafe`, and each shard is dropped as soon as
         // its tensors are converted, so peak memory is the model plus one shard.
-        let bytes = std::fs::read(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+        let bytes = std::fs::read(&path).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| Error::Checkpoint {
             path: path.clone(),
             message: format!("not a valid safetensors file: {e}"),
@@ -83,7 +94,10 @@ pub fn load_safetensors_dir(dir: &Path, kind: Kind, device: Device) -> Result<BT
         for (name, view) in st.tensors() {
             let src_kind = kind_of(view.dtype()).ok_or_else(|| Error::Weight {
                 name: name.clone(),
-                message: format!("dtype {:?} is not supported (float32, bfloat16, float16)", view.dtype()),
+                message: format!(
+                    "dtype {:?} is not supported (float32, bfloat16, float16)",
+                    view.dtype()
+                ),
             })?;
             let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
             let tensor = Tensor::f_from_data_size(view.data(), &shape, src_kind)?

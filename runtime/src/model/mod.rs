@@ -17,7 +17,7 @@ use std::path::PathBuf;
 
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use kv_cache::KvCache;
-pub use loader::{load_safetensors_dir, parse_dtype, dtype_name};
+pub use loader::{dtype_name, load_safetensors_dir, parse_dtype};
 pub use qwen3::{ForwardOutput, LogitsFor, Qwen3Model, SeqInput};
 
 /// Errors of loading and running a model.

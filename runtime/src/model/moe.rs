@@ -73,7 +73,8 @@ impl SparseMoe {
 
         // Group (token, slot) pairs by expert on the host: the expert loop is sequential anyway.
         let flat: Vec<i64> = Vec::try_from(ids.reshape([-1]).to_device(Device::Cpu))?;
-        let mut by_expert: Vec<(Vec<i64>, Vec<i64>)> = vec![(Vec::new(), Vec::new()); self.experts.len()];
+        let mut by_expert: Vec<(Vec<i64>, Vec<i64>)> =
+            vec![(Vec::new(), Vec::new()); self.experts.len()];
         for (pos, &e) in flat.iter().enumerate() {
             let (toks, slots) = &mut by_expert[e as usize];
             toks.push(pos as i64 / self.top_k);
@@ -86,7 +87,8 @@ impl SparseMoe {
             }
             let tok = Tensor::from_slice(toks).to_device(x.device());
             let slot = Tensor::from_slice(slots).to_device(x.device());
-            let y = expert.forward(&x.index_select(0, &tok)) * weights.index_select(0, &slot).unsqueeze(-1);
+            let y = expert.forward(&x.index_select(0, &tok))
+                * weights.index_select(0, &slot).unsqueeze(-1);
             out = out.index_add(0, &tok, &y);
         }
         Ok((out, ids))

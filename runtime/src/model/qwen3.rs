@@ -49,7 +49,11 @@ pub struct ForwardOutput {
 
 #[derive(Debug)]
 enum Mlp {
-    Dense { gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor },
+    Dense {
+        gate_proj: Tensor,
+        up_proj: Tensor,
+        down_proj: Tensor,
+    },
     Sparse(SparseMoe),
 }
 
@@ -104,7 +108,10 @@ impl WeightTaker {
         if tensor.size() != expected {
             return Err(Error::Weight {
                 name: name.into(),
-                message: format!("has shape {:?}, the config implies {expected:?}", tensor.size()),
+                message: format!(
+                    "has shape {:?}, the config implies {expected:?}",
+                    tensor.size()
+                ),
             });
         }
         self.taken.insert(name.to_string(), tensor.shallow_clone());
@@ -130,7 +137,10 @@ impl Qwen3Model {
         let c = &cfg;
         let (h, d) = (c.hidden_size, c.head_dim);
         let (q_dim, kv_dim) = (c.num_attention_heads * d, c.num_key_value_heads * d);
-        let mut w = WeightTaker { map: weights, taken: BTreeMap::new() };
+        let mut w = WeightTaker {
+            map: weights,
+            taken: BTreeMap::new(),
+        };
         let embed_tokens = w.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
@@ -164,7 +174,8 @@ impl Qwen3Model {
             };
             layers.push(Layer {
                 input_layernorm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
-                post_attention_layernorm: w.take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                post_attention_layernorm: w
+                    .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 q_proj: w.take(&format!("{p}.self_attn.q_proj.weight"), &[q_dim, h])?,
                 k_proj: w.take(&format!("{p}.self_attn.k_proj.weight"), &[kv_dim, h])?,
                 v_proj: w.take(&format!("{p}.self_attn.v_proj.weight"), &[kv_dim, h])?,
@@ -193,7 +204,17 @@ impl Qwen3Model {
             });
         }
         let rope = Rope::new(d, c.rope_theta, c.max_position_embeddings, kind, device);
-        Ok(Self { cfg, params: w.taken, embed_tokens, layers, norm, lm_head, rope, kind, device })
+        Ok(Self {
+            cfg,
+            params: w.taken,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            kind,
+            device,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -227,7 +248,14 @@ impl Qwen3Model {
 
     /// Runs a packed batch. Each sequence's new tokens attend to its cached prefix and to each
     /// other causally; sequences never see each other.
-    pub fn forward(&self, seqs: &mut [SeqInput<'_>], logits_for: LogitsFor) -> Result<ForwardOutput> {
+    // `h += x` on a tch Tensor is in place, and autograd needs the pre-residual `h` the norms
+    // saved; the residual adds stay out of place.
+    #[allow(clippy::assign_op_pattern)]
+    pub fn forward(
+        &self,
+        seqs: &mut [SeqInput<'_>],
+        logits_for: LogitsFor,
+    ) -> Result<ForwardOutput> {
         let c = &self.cfg;
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -236,10 +264,19 @@ impl Qwen3Model {
         for seq in seqs.iter() {
             let n = seq.tokens.len();
             if n == 0 {
-                return Err(Error::Input("a sequence in the batch has no tokens to run".into()));
+                return Err(Error::Input(
+                    "a sequence in the batch has no tokens to run".into(),
+                ));
             }
-            if let Some(&bad) = seq.tokens.iter().find(|&&t| t < 0 || t as usize >= c.vocab_size) {
-                return Err(Error::Input(format!("token id {bad} is outside the vocabulary (size {})", c.vocab_size)));
+            if let Some(&bad) = seq
+                .tokens
+                .iter()
+                .find(|&&t| t < 0 || t as usize >= c.vocab_size)
+            {
+                return Err(Error::Input(format!(
+                    "token id {bad} is outside the vocabulary (size {})",
+                    c.vocab_size
+                )));
             }
             let past = seq.cache.as_ref().map_or(0, |cache| cache.len());
             if past + n > self.rope.max_positions() {
@@ -265,7 +302,11 @@ impl Qwen3Model {
             h = h + self.attention(l, layer, &x, &positions, seqs, &spans);
             let x = rms_norm(&h, &layer.post_attention_layernorm, c.rms_norm_eps);
             let mlp_out = match &layer.mlp {
-                Mlp::Dense { gate_proj, up_proj, down_proj } => {
+                Mlp::Dense {
+                    gate_proj,
+                    up_proj,
+                    down_proj,
+                } => {
                     let gate = x.linear::<Tensor>(gate_proj, None).silu();
                     (gate * x.linear::<Tensor>(up_proj, None)).linear::<Tensor>(down_proj, None)
                 }
@@ -285,11 +326,16 @@ impl Qwen3Model {
         }
         let h = match logits_for {
             LogitsFor::All => h,
-            LogitsFor::Last => h.index_select(0, &Tensor::from_slice(&last_rows).to_device(self.device)),
+            LogitsFor::Last => {
+                h.index_select(0, &Tensor::from_slice(&last_rows).to_device(self.device))
+            }
         };
         let logits = rms_norm(&h, &self.norm, c.rms_norm_eps).linear::<Tensor>(&self.lm_head, None);
         let routed_experts = (!routed.is_empty()).then(|| Tensor::stack(&routed, 1));
-        Ok(ForwardOutput { logits, routed_experts })
+        Ok(ForwardOutput {
+            logits,
+            routed_experts,
+        })
     }
 
     /// Concatenates the sequences' replay tensors, all or none.
@@ -299,14 +345,22 @@ impl Qwen3Model {
             return Ok(None);
         }
         let Some(moe) = &self.cfg.moe else {
-            return Err(Error::Input("routing replay was given for a dense model".into()));
+            return Err(Error::Input(
+                "routing replay was given for a dense model".into(),
+            ));
         };
         if given != seqs.len() {
-            return Err(Error::Input("routing replay must be given for every sequence of a batch or none".into()));
+            return Err(Error::Input(
+                "routing replay must be given for every sequence of a batch or none".into(),
+            ));
         }
         let parts: Vec<&Tensor> = seqs.iter().filter_map(|s| s.replay).collect();
         let packed = Tensor::cat(&parts, 0);
-        let expected = [total as i64, self.cfg.num_sparse_layers() as i64, moe.num_experts_per_tok as i64];
+        let expected = [
+            total as i64,
+            self.cfg.num_sparse_layers() as i64,
+            moe.num_experts_per_tok as i64,
+        ];
         if packed.size() != expected {
             return Err(Error::Input(format!(
                 "replayed routing has shape {:?} in all, expected {expected:?} (tokens, sparse layers, top_k)",
@@ -326,13 +380,27 @@ impl Qwen3Model {
         spans: &[(i64, i64, i64)],
     ) -> Tensor {
         let c = &self.cfg;
-        let (heads, kv_heads, d) = (c.num_attention_heads as i64, c.num_key_value_heads as i64, c.head_dim as i64);
+        let (heads, kv_heads, d) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
         let tokens = x.size()[0];
-        let q = x.linear::<Tensor>(&layer.q_proj, None).view([tokens, heads, d]);
-        let k = x.linear::<Tensor>(&layer.k_proj, None).view([tokens, kv_heads, d]);
-        let v = x.linear::<Tensor>(&layer.v_proj, None).view([tokens, kv_heads, d]);
-        let q = self.rope.apply(&rms_norm(&q, &layer.q_norm, c.rms_norm_eps), positions);
-        let k = self.rope.apply(&rms_norm(&k, &layer.k_norm, c.rms_norm_eps), positions);
+        let q = x
+            .linear::<Tensor>(&layer.q_proj, None)
+            .view([tokens, heads, d]);
+        let k = x
+            .linear::<Tensor>(&layer.k_proj, None)
+            .view([tokens, kv_heads, d]);
+        let v = x
+            .linear::<Tensor>(&layer.v_proj, None)
+            .view([tokens, kv_heads, d]);
+        let q = self
+            .rope
+            .apply(&rms_norm(&q, &layer.q_norm, c.rms_norm_eps), positions);
+        let k = self
+            .rope
+            .apply(&rms_norm(&k, &layer.k_norm, c.rms_norm_eps), positions);
 
         let mut outs = Vec::with_capacity(seqs.len());
         for (seq, &(offset, n, past)) in seqs.iter_mut().zip(spans) {

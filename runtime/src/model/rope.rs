@@ -13,7 +13,13 @@ pub struct Rope {
 }
 
 impl Rope {
-    pub fn new(head_dim: usize, theta: f64, max_positions: usize, kind: Kind, device: Device) -> Self {
+    pub fn new(
+        head_dim: usize,
+        theta: f64,
+        max_positions: usize,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
         let d = head_dim as i64;
         let exponent = Tensor::arange_start_step(0, d, 2, (Kind::Int64, Device::Cpu))
             .to_kind(Kind::Float)

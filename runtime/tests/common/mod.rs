@@ -24,7 +24,9 @@ pub fn tiny_models() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let script = repo_root().join("tests/python/make_tiny_models.py");
-        let digest = std::fs::read(&script).map(|b| fnv(&b)).expect("read make_tiny_models.py");
+        let digest = std::fs::read(&script)
+            .map(|b| fnv(&b))
+            .expect("read make_tiny_models.py");
         let base = Path::new(env!("CARGO_TARGET_TMPDIR")).to_path_buf();
         let dir = base.join(format!("tiny-models-{digest:016x}"));
         if dir.join("done").exists() {
@@ -35,7 +37,12 @@ pub fn tiny_models() -> &'static Path {
             .arg(&script)
             .arg(&staging)
             .status()
-            .unwrap_or_else(|e| panic!("cannot run {} ({e}); run `bash scripts/test.sh`, which sets up the virtualenv", python().display()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run {} ({e}); run `bash scripts/test.sh`, which sets up the virtualenv",
+                    python().display()
+                )
+            });
         assert!(status.success(), "make_tiny_models.py failed");
         std::fs::write(staging.join("done"), b"").unwrap();
         if std::fs::rename(&staging, &dir).is_err() {
@@ -47,7 +54,9 @@ pub fn tiny_models() -> &'static Path {
 }
 
 fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
 }
 
 pub fn dense_model() -> PathBuf {
@@ -61,14 +70,19 @@ pub fn moe_model() -> PathBuf {
 /// transformers' reference tensors for a model folder: (prompt ids, logits, experts) per prompt.
 pub fn reference(model_dir: &Path) -> Vec<(Vec<i64>, tch::Tensor, Option<tch::Tensor>)> {
     let tensors: std::collections::HashMap<String, tch::Tensor> =
-        tch::Tensor::read_safetensors(model_dir.join("reference.safetensors")).unwrap().into_iter().collect();
+        tch::Tensor::read_safetensors(model_dir.join("reference.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
     (0..)
         .map_while(|i| {
             let prompt = tensors.get(&format!("prompt_{i}"))?;
             Some((
                 Vec::<i64>::try_from(prompt).unwrap(),
                 tensors[&format!("logits_{i}")].shallow_clone(),
-                tensors.get(&format!("experts_{i}")).map(|t| t.shallow_clone()),
+                tensors
+                    .get(&format!("experts_{i}"))
+                    .map(|t| t.shallow_clone()),
             ))
         })
         .collect()
@@ -101,7 +115,11 @@ pub async fn start_engine(model_dir: &Path, opts: EngineOptions) -> TestEngine {
     let (handle, _thread) = EngineHandle::spawn(model, "tiny".into(), opts);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(http::serve(listener, handle.clone(), std::future::pending()));
+    tokio::spawn(http::serve(
+        listener,
+        handle.clone(),
+        std::future::pending(),
+    ));
     TestEngine { url, handle }
 }
 
@@ -116,13 +134,24 @@ pub fn reference_logprobs(
 ) -> Vec<f32> {
     let mut tokens = prompt.to_vec();
     tokens.extend_from_slice(&output[..output.len() - 1]);
-    let mut seqs = [SeqInput { tokens: &tokens, cache: None, replay }];
-    let logits = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap().logits;
+    let mut seqs = [SeqInput {
+        tokens: &tokens,
+        cache: None,
+        replay,
+    }];
+    let logits = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All))
+        .unwrap()
+        .logits;
     output
         .iter()
         .enumerate()
         .map(|(i, &t)| {
-            let row: Vec<f32> = Vec::try_from(logits.get((prompt.len() - 1 + i) as i64).to_kind(tch::Kind::Float)).unwrap();
+            let row: Vec<f32> = Vec::try_from(
+                logits
+                    .get((prompt.len() - 1 + i) as i64)
+                    .to_kind(tch::Kind::Float),
+            )
+            .unwrap();
             processed_logprob(&row, t, params)
         })
         .collect()
@@ -131,6 +160,11 @@ pub fn reference_logprobs(
 /// Parses an SSE body into its `data:` payloads.
 pub fn sse_data(body: &str) -> Vec<String> {
     body.split("\n\n")
-        .filter_map(|event| event.lines().find_map(|l| l.strip_prefix("data: ")).map(str::to_string))
+        .filter_map(|event| {
+            event
+                .lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .map(str::to_string)
+        })
         .collect()
 }

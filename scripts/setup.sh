@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what moult needs, idempotently (each step is skipped when already done):
+#   - a Python virtualenv ($MOULT_VENV, default ./.venv) with torch (whose libtorch tch links
+#     against) and transformers (the numerical reference of the tests), all from PyPI;
+#   - the Rust build of the workspace.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$MOULT_ROOT"
+
+command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup first" >&2; exit 1; }
+command -v python3 >/dev/null || { echo "python3 not found: install Python 3.10+ first" >&2; exit 1; }
+
+REQS="$MOULT_ROOT/tests/python/requirements.txt"
+STAMP="$MOULT_VENV/.moult-requirements"
+if [ -x "$MOULT_PYTHON" ] && [ -f "$STAMP" ] && cmp -s "$REQS" "$STAMP"; then
+  echo "setup: Python virtualenv $MOULT_VENV is current"
+else
+  echo "setup: installing $MOULT_VENV (torch, transformers, safetensors, numpy; several GB on first run)"
+  [ -x "$MOULT_PYTHON" ] || python3 -m venv "$MOULT_VENV"
+  "$MOULT_PYTHON" -m pip install --quiet --disable-pip-version-check -r "$REQS"
+  cp "$REQS" "$STAMP"
+fi
+# Re-read the environment now that torch exists (LD_LIBRARY_PATH to libtorch).
+source "$MOULT_ROOT/scripts/env.sh"
