@@ -14,15 +14,15 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 /// Full (no cache) packed forward of several prompts at once, split back per prompt.
 fn full_logits(model: &Qwen3Model, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option<Tensor>) {
-    let mut seqs: Vec<SeqInput> = prompts
+    let seqs: Vec<SeqInput> = prompts
         .iter()
         .map(|p| SeqInput {
             tokens: p,
-            cache: None,
+            slot: None,
             replay: None,
         })
         .collect();
-    let out = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap();
+    let out = tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All)).unwrap();
     let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
     (out.logits.split_with_sizes(&lens, 0), out.routed_experts)
 }
@@ -70,7 +70,8 @@ fn libtorch_moe_logits_and_routing_match_transformers() {
 }
 
 /// Decoding with the KV cache, in chunks of mixed sizes and with sequences at different
-/// positions in one packed batch, gives the same logits as one full forward.
+/// positions in one packed batch, gives the same logits as one full forward; sequences that
+/// finish free their slots (moving others) without disturbing the rest.
 fn check_kv_cache(dir: &std::path::Path) {
     let model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
     let prompts: Vec<Vec<i64>> = common::reference(dir)
@@ -78,20 +79,21 @@ fn check_kv_cache(dir: &std::path::Path) {
         .map(|r| r.0)
         .filter(|p| p.len() > 4)
         .collect();
+    assert!(prompts.len() >= 3);
     let (full, _) = full_logits(&model, &prompts);
-    let mut caches: Vec<_> = prompts.iter().map(|_| model.new_cache(2)).collect();
-    // Per sequence, the chunk sizes to feed: a prefill, a multi-token continuation (the masked
-    // path), then single tokens; offset by the sequence index so the batch is ragged.
+    // Capacity 2: the cache must grow while in use.
+    let mut cache = model.new_cache(2);
+    let mut slots: Vec<Option<usize>> = prompts.iter().map(|_| Some(cache.alloc())).collect();
     let mut fed = vec![0usize; prompts.len()];
     let mut got: Vec<Vec<Tensor>> = prompts.iter().map(|_| Vec::new()).collect();
     let mut step = 0;
-    while fed.iter().zip(&prompts).any(|(f, p)| f < &p.len()) {
+    while slots.iter().any(Option::is_some) {
+        // Per sequence: a prefill, a multi-token continuation (the masked path), then single
+        // tokens (the batched decode path); offset by the sequence index so the batch is ragged.
         let mut seqs = Vec::new();
         let mut which = Vec::new();
-        for (i, (cache, prompt)) in caches.iter_mut().zip(&prompts).enumerate() {
-            if fed[i] >= prompt.len() {
-                continue;
-            }
+        for (i, prompt) in prompts.iter().enumerate() {
+            let Some(slot) = slots[i] else { continue };
             let chunk = match step {
                 0 => 2 + i,
                 1 => 3,
@@ -100,20 +102,33 @@ fn check_kv_cache(dir: &std::path::Path) {
             .min(prompt.len() - fed[i]);
             seqs.push(SeqInput {
                 tokens: &prompt[fed[i]..fed[i] + chunk],
-                cache: Some(cache),
+                slot: Some(slot),
                 replay: None,
             });
             which.push((i, chunk));
         }
-        let out = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap();
+        let out = tch::no_grad(|| model.forward(&seqs, Some(&mut cache), LogitsFor::All)).unwrap();
         let mut row = 0;
         for (i, chunk) in which {
             got[i].push(out.logits.narrow(0, row, chunk as i64));
             row += chunk as i64;
             fed[i] += chunk;
+            if fed[i] == prompts[i].len() {
+                let slot = slots[i].take().unwrap();
+                assert_eq!(cache.len(slot), prompts[i].len());
+                if let Some(moved_from) = cache.free(slot) {
+                    let moved = slots
+                        .iter_mut()
+                        .flatten()
+                        .find(|s| **s == moved_from)
+                        .unwrap();
+                    *moved = slot;
+                }
+            }
         }
         step += 1;
     }
+    assert_eq!(cache.used(), 0);
     for (i, parts) in got.iter().enumerate() {
         let cached = Tensor::cat(parts, 0);
         let diff = max_abs_diff(&cached, &full[i]);
@@ -121,7 +136,6 @@ fn check_kv_cache(dir: &std::path::Path) {
             diff < 1e-4,
             "sequence {i}: KV-cache decoding differs from the full forward by {diff:e}"
         );
-        assert_eq!(caches[i].len(), prompts[i].len());
     }
 }
 
@@ -142,12 +156,12 @@ fn libtorch_moe_replay_reproduces_and_overrides_routing() {
     let (prompt, hf_logits, hf_experts) = common::reference(&dir).pop().unwrap();
     let hf_experts = hf_experts.unwrap();
     let run = |replay: &Tensor| {
-        let mut seqs = [SeqInput {
+        let seqs = [SeqInput {
             tokens: &prompt,
-            cache: None,
+            slot: None,
             replay: Some(replay),
         }];
-        tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All)).unwrap()
+        tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All)).unwrap()
     };
     let same = run(&hf_experts);
     assert!(
@@ -167,13 +181,13 @@ fn libtorch_moe_replay_reproduces_and_overrides_routing() {
     );
 
     let bad = hf_experts.narrow(1, 0, 1);
-    let mut seqs = [SeqInput {
+    let seqs = [SeqInput {
         tokens: &prompt,
-        cache: None,
+        slot: None,
         replay: Some(&bad),
     }];
     let err = model
-        .forward(&mut seqs, LogitsFor::All)
+        .forward(&seqs, None, LogitsFor::All)
         .unwrap_err()
         .to_string();
     assert!(err.contains("expected"), "{err}");

@@ -206,6 +206,8 @@ impl EngineHandle {
             max_model_len,
             ..opts
         };
+        // Positions per slot grow by doubling as sequences need them.
+        let cache = model.new_cache(256.min(max_model_len));
         let engine = Engine {
             model,
             opts,
@@ -214,6 +216,7 @@ impl EngineHandle {
             metrics,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            cache,
             pause: PauseState::Running,
             version: 0,
         };
@@ -309,7 +312,8 @@ struct Sequence {
     /// Prompt followed by every sampled token.
     tokens: Vec<i64>,
     prompt_len: usize,
-    cache: KvCache,
+    /// This sequence's slot in the engine's KV cache.
+    slot: usize,
     rng: ChaCha8Rng,
     /// Routed expert ids, `layers * top_k` per position, for positions `0..routed_len`; the
     /// first capture of a position is kept (the version that produced it).
@@ -331,6 +335,8 @@ struct Engine {
     metrics: EngineMetrics,
     waiting: VecDeque<Job>,
     running: Vec<Sequence>,
+    /// One slot per running sequence.
+    cache: KvCache,
     pause: PauseState,
     version: u64,
 }
@@ -358,7 +364,8 @@ impl Engine {
             if !self.running.is_empty() {
                 if let Err(e) = self.step() {
                     tracing::error!(error = %e, "forward step failed; failing the running requests");
-                    for seq in self.running.drain(..) {
+                    while !self.running.is_empty() {
+                        let seq = self.remove(0);
                         let _ = seq.job.events.send(Event::Failed(e.to_string()));
                     }
                 }
@@ -485,7 +492,6 @@ impl Engine {
                 continue;
             }
             self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
-            let capacity = job.prompt.len() + job.params.max_tokens;
             let rng = match job.params.seed {
                 Some(seed) => ChaCha8Rng::seed_from_u64(seed),
                 None => ChaCha8Rng::from_entropy(),
@@ -493,7 +499,7 @@ impl Engine {
             self.running.push(Sequence {
                 tokens: job.prompt.clone(),
                 prompt_len: job.prompt.len(),
-                cache: self.model.new_cache(capacity.min(self.opts.max_model_len)),
+                slot: self.cache.alloc(),
                 rng,
                 routed: Vec::new(),
                 routed_len: 0,
@@ -502,27 +508,44 @@ impl Engine {
         }
     }
 
-    fn drop_cancelled(&mut self) {
-        let before = self.running.len();
-        self.running.retain(|s| !s.job.events.is_closed());
-        self.waiting.retain(|j| !j.events.is_closed());
-        let gone = before - self.running.len();
-        if gone > 0 {
-            tracing::debug!(gone, "dropped requests whose clients went away");
+    /// Takes a sequence out of the batch and frees its cache slot.
+    fn remove(&mut self, index: usize) -> Sequence {
+        let seq = self.running.swap_remove(index);
+        if let Some(moved_from) = self.cache.free(seq.slot) {
+            let moved = self
+                .running
+                .iter_mut()
+                .find(|s| s.slot == moved_from)
+                .expect("every used slot has a sequence");
+            moved.slot = seq.slot;
         }
+        seq
+    }
+
+    fn drop_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].job.events.is_closed() {
+                tracing::debug!(request = %self.running[i].job.id, "dropped: the client went away");
+                self.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        self.waiting.retain(|j| !j.events.is_closed());
     }
 
     /// Ends every running or waiting request whose id matches, with its partial output.
     fn finish_where(&mut self, reason: FinishReason, matches: impl Fn(&str) -> bool) {
-        let mut kept = Vec::with_capacity(self.running.len());
-        for seq in std::mem::take(&mut self.running) {
-            if matches(&seq.job.id) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if matches(&self.running[i].job.id) {
+                let seq = self.remove(i);
                 self.finish(seq, reason);
             } else {
-                kept.push(seq);
+                i += 1;
             }
         }
-        self.running = kept;
         let waiting = std::mem::take(&mut self.waiting);
         for job in waiting {
             if matches(&job.id) {
@@ -589,8 +612,8 @@ impl Engine {
         self.version = version;
         self.status.weight_version.store(version, Ordering::Release);
         // Recompute in-flight sequences under the new weights from their tokens.
-        for seq in &mut self.running {
-            seq.cache.clear();
+        for seq in &self.running {
+            self.cache.clear(seq.slot);
         }
         tracing::info!(version, tensors = tensors.len(), "weights updated");
         Ok(())
@@ -600,11 +623,17 @@ impl Engine {
     /// pending tokens were all consumed.
     fn step(&mut self) -> crate::model::Result<()> {
         let mut budget = self.opts.max_prefill_tokens;
+        let starts: Vec<usize> = self
+            .running
+            .iter()
+            .map(|s| self.cache.len(s.slot))
+            .collect();
         let plan: Vec<usize> = self
             .running
             .iter()
-            .map(|s| {
-                let pending = s.tokens.len() - s.cache.len();
+            .zip(&starts)
+            .map(|(s, &start)| {
+                let pending = s.tokens.len() - start;
                 if pending <= 1 {
                     return pending;
                 }
@@ -613,25 +642,24 @@ impl Engine {
                 n
             })
             .collect();
-        let starts: Vec<usize> = self.running.iter().map(|s| s.cache.len()).collect();
-        let mut inputs: Vec<SeqInput> = self
+        let inputs: Vec<SeqInput> = self
             .running
-            .iter_mut()
-            .zip(&plan)
-            .filter(|(_, &n)| n > 0)
-            .map(|(s, &n)| {
-                let start = s.cache.len();
-                SeqInput {
-                    tokens: &s.tokens[start..start + n],
-                    cache: Some(&mut s.cache),
-                    replay: None,
-                }
+            .iter()
+            .zip(plan.iter().zip(&starts))
+            .filter(|(_, (&n, _))| n > 0)
+            .map(|(s, (&n, &start))| SeqInput {
+                tokens: &s.tokens[start..start + n],
+                slot: Some(s.slot),
+                replay: None,
             })
             .collect();
         if inputs.is_empty() {
             return Ok(());
         }
-        let out = tch::no_grad(|| self.model.forward(&mut inputs, LogitsFor::Last))?;
+        let out = tch::no_grad(|| {
+            self.model
+                .forward(&inputs, Some(&mut self.cache), LogitsFor::Last)
+        })?;
         drop(inputs);
         let logits = out.logits.to_kind(Kind::Float).to_device(Device::Cpu);
         let vocab = logits.size()[1] as usize;
@@ -670,7 +698,7 @@ impl Engine {
             packed_offset += n;
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
             row += 1;
-            if seq.cache.len() < seq.tokens.len() {
+            if starts[i] + n < seq.tokens.len() {
                 continue; // a prefill chunk: more prompt to go before sampling
             }
             let params = &seq.job.params;
@@ -712,7 +740,7 @@ impl Engine {
             }
         }
         for (i, reason) in finished.into_iter().rev() {
-            let seq = self.running.swap_remove(i);
+            let seq = self.remove(i);
             self.finish(seq, reason);
         }
         Ok(())
@@ -721,7 +749,7 @@ impl Engine {
     fn publish(&self) {
         self.metrics.running.set(self.running.len() as i64);
         self.metrics.waiting.set(self.waiting.len() as i64);
-        let used: usize = self.running.iter().map(|s| s.cache.len()).sum();
+        let used = self.cache.total_len();
         let budget = (self.opts.max_batch * self.opts.max_model_len).max(1);
         self.metrics.set_kv_usage(used as f64 / budget as f64);
     }

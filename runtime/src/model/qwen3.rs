@@ -21,11 +21,12 @@ use super::{Error, Result};
 /// One sequence's part of a packed forward.
 #[derive(Debug)]
 pub struct SeqInput<'a> {
-    /// The tokens to run, following whatever `cache` already holds.
+    /// The tokens to run, following whatever the sequence's cache slot already holds.
     pub tokens: &'a [i64],
-    /// The sequence's KV cache: read as the prefix, and extended with `tokens`. `None` runs the
-    /// tokens from position 0 with no cache (the trainer's path).
-    pub cache: Option<&'a mut KvCache>,
+    /// The sequence's slot in the [`KvCache`] passed to [`Qwen3Model::forward`]: read as the
+    /// prefix and extended with `tokens`. `None` (with no cache) runs the tokens from position 0
+    /// (the trainer's path).
+    pub slot: Option<usize>,
     /// Routing to replay for MoE layers: `[tokens.len(), sparse_layers, top_k]` expert ids.
     pub replay: Option<&'a Tensor>,
 }
@@ -234,7 +235,7 @@ impl Qwen3Model {
         &self.params
     }
 
-    /// An empty KV cache shaped for this model.
+    /// An empty KV cache shaped for this model, with `capacity` positions per slot reserved.
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         KvCache::new(
             self.cfg.num_hidden_layers,
@@ -246,22 +247,24 @@ impl Qwen3Model {
         )
     }
 
-    /// Runs a packed batch. Each sequence's new tokens attend to its cached prefix and to each
-    /// other causally; sequences never see each other.
+    /// Runs a packed batch. Each sequence's new tokens attend to its cached prefix (if it has a
+    /// slot in `cache`) and to each other causally; sequences never see each other.
     // `h += x` on a tch Tensor is in place, and autograd needs the pre-residual `h` the norms
     // saved; the residual adds stay out of place.
     #[allow(clippy::assign_op_pattern)]
     pub fn forward(
         &self,
-        seqs: &mut [SeqInput<'_>],
+        seqs: &[SeqInput<'_>],
+        mut cache: Option<&mut KvCache>,
         logits_for: LogitsFor,
     ) -> Result<ForwardOutput> {
         let c = &self.cfg;
         let mut ids = Vec::new();
         let mut positions = Vec::new();
+        let mut token_slots = Vec::new();
         let mut last_rows = Vec::with_capacity(seqs.len());
-        let mut spans = Vec::with_capacity(seqs.len()); // (offset, n, past)
-        for seq in seqs.iter() {
+        let mut spans = Vec::with_capacity(seqs.len());
+        for seq in seqs {
             let n = seq.tokens.len();
             if n == 0 {
                 return Err(Error::Input(
@@ -278,7 +281,23 @@ impl Qwen3Model {
                     c.vocab_size
                 )));
             }
-            let past = seq.cache.as_ref().map_or(0, |cache| cache.len());
+            let past = match (seq.slot, cache.as_deref()) {
+                (None, None) => 0,
+                (Some(slot), Some(cache)) if slot < cache.used() => cache.len(slot),
+                (Some(slot), Some(_)) => {
+                    return Err(Error::Input(format!("cache slot {slot} is not allocated")))
+                }
+                (Some(_), None) => {
+                    return Err(Error::Input(
+                        "a sequence has a cache slot but no cache was given".into(),
+                    ))
+                }
+                (None, Some(_)) => {
+                    return Err(Error::Input(
+                        "with a cache, every sequence needs a slot".into(),
+                    ))
+                }
+            };
             if past + n > self.rope.max_positions() {
                 return Err(Error::Input(format!(
                     "{} positions exceed max_position_embeddings {}",
@@ -286,20 +305,45 @@ impl Qwen3Model {
                     self.rope.max_positions()
                 )));
             }
-            spans.push((ids.len() as i64, n as i64, past as i64));
+            spans.push(Span {
+                offset: ids.len() as i64,
+                n: n as i64,
+                past: past as i64,
+                slot: seq.slot,
+            });
             ids.extend_from_slice(seq.tokens);
             positions.extend((past..past + n).map(|p| p as i64));
+            token_slots.extend(std::iter::repeat_n(seq.slot.unwrap_or(0) as i64, n));
             last_rows.push(ids.len() as i64 - 1);
         }
         let replay = self.packed_replay(seqs, ids.len())?;
         let ids = Tensor::from_slice(&ids).to_device(self.device);
         let positions = Tensor::from_slice(&positions).to_device(self.device);
+        let batch = match cache.as_deref_mut() {
+            Some(cache) => {
+                cache.reserve(
+                    spans
+                        .iter()
+                        .map(|s| (s.past + s.n) as usize)
+                        .max()
+                        .unwrap_or(0),
+                );
+                Some(CachedBatch::new(cache, &spans, token_slots, self.device))
+            }
+            None => None,
+        };
 
         let mut h = self.embed_tokens.index_select(0, &ids);
         let mut routed = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let x = rms_norm(&h, &layer.input_layernorm, c.rms_norm_eps);
-            h = h + self.attention(l, layer, &x, &positions, seqs, &spans);
+            let attn = match (cache.as_deref_mut(), &batch) {
+                (Some(cache), Some(batch)) => {
+                    self.attention_cached(l, layer, &x, &positions, cache, batch, &spans)
+                }
+                _ => self.attention_uncached(layer, &x, &positions, &spans),
+            };
+            h = h + attn;
             let x = rms_norm(&h, &layer.post_attention_layernorm, c.rms_norm_eps);
             let mlp_out = match &layer.mlp {
                 Mlp::Dense {
@@ -319,9 +363,9 @@ impl Qwen3Model {
             };
             h = h + mlp_out;
         }
-        for (seq, &(_, n, _)) in seqs.iter_mut().zip(&spans) {
-            if let Some(cache) = seq.cache.as_mut() {
-                cache.advance(n as usize);
+        if let Some(cache) = cache {
+            for span in &spans {
+                cache.advance(span.slot.expect("checked above"), span.n as usize);
             }
         }
         let h = match logits_for {
@@ -370,15 +414,7 @@ impl Qwen3Model {
         Ok(Some(packed))
     }
 
-    fn attention(
-        &self,
-        l: usize,
-        layer: &Layer,
-        x: &Tensor,
-        positions: &Tensor,
-        seqs: &mut [SeqInput<'_>],
-        spans: &[(i64, i64, i64)],
-    ) -> Tensor {
+    fn qkv(&self, layer: &Layer, x: &Tensor, positions: &Tensor) -> (Tensor, Tensor, Tensor) {
         let c = &self.cfg;
         let (heads, kv_heads, d) = (
             c.num_attention_heads as i64,
@@ -401,34 +437,166 @@ impl Qwen3Model {
         let k = self
             .rope
             .apply(&rms_norm(&k, &layer.k_norm, c.rms_norm_eps), positions);
+        (q, k, v)
+    }
 
-        let mut outs = Vec::with_capacity(seqs.len());
-        for (seq, &(offset, n, past)) in seqs.iter_mut().zip(spans) {
-            let qi = q.narrow(0, offset, n).transpose(0, 1).unsqueeze(0);
-            let ki = k.narrow(0, offset, n).transpose(0, 1);
-            let vi = v.narrow(0, offset, n).transpose(0, 1);
-            let (ki, vi) = match seq.cache.as_mut() {
-                Some(cache) => cache.append(l, &ki, &vi),
-                None => (ki, vi),
-            };
-            // New tokens see the whole cached prefix and, among themselves, only earlier ones.
-            let mask = (past > 0 && n > 1).then(|| {
-                let rows = Tensor::arange(n, (Kind::Int64, self.device)).unsqueeze(1) + past;
-                let cols = Tensor::arange(past + n, (Kind::Int64, self.device)).unsqueeze(0);
-                cols.le_tensor(&rows)
-            });
-            let out = Tensor::scaled_dot_product_attention(
-                &qi,
-                &ki.unsqueeze(0),
-                &vi.unsqueeze(0),
-                mask,
-                0.0,
-                past == 0 && n > 1,
-                None,
-                true,
-            );
-            outs.push(out.squeeze_dim(0).transpose(0, 1).reshape([n, heads * d]));
-        }
+    /// Causal attention of `n` new queries `[heads, n, d]` over `past + n` keys `[kv_heads, past + n, d]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, n: i64, past: i64) -> Tensor {
+        // New tokens see the whole prefix and, among themselves, only earlier ones.
+        let mask = (past > 0 && n > 1).then(|| {
+            let rows = Tensor::arange(n, (Kind::Int64, self.device)).unsqueeze(1) + past;
+            let cols = Tensor::arange(past + n, (Kind::Int64, self.device)).unsqueeze(0);
+            cols.le_tensor(&rows)
+        });
+        let out = Tensor::scaled_dot_product_attention(
+            &q.unsqueeze(0),
+            &k.unsqueeze(0),
+            &v.unsqueeze(0),
+            mask,
+            0.0,
+            past == 0 && n > 1,
+            None,
+            true,
+        );
+        out.squeeze_dim(0).transpose(0, 1).reshape([n, -1])
+    }
+
+    /// The trainer's path: each sequence attends over its own tokens only.
+    fn attention_uncached(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        positions: &Tensor,
+        spans: &[Span],
+    ) -> Tensor {
+        let (q, k, v) = self.qkv(layer, x, positions);
+        let outs: Vec<Tensor> = spans
+            .iter()
+            .map(|s| {
+                let part = |t: &Tensor| t.narrow(0, s.offset, s.n).transpose(0, 1);
+                self.attend(&part(&q), &part(&k), &part(&v), s.n, 0)
+            })
+            .collect();
         Tensor::cat(&outs, 0).linear::<Tensor>(&layer.o_proj, None)
+    }
+
+    /// The engine's path: write the new keys/values into the cache, then one batched attention
+    /// for every decoding sequence, and one per prefilling sequence.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &self,
+        l: usize,
+        layer: &Layer,
+        x: &Tensor,
+        positions: &Tensor,
+        cache: &mut KvCache,
+        batch: &CachedBatch,
+        spans: &[Span],
+    ) -> Tensor {
+        let c = &self.cfg;
+        let (heads, kv_heads, d) = (
+            c.num_attention_heads as i64,
+            c.num_key_value_heads as i64,
+            c.head_dim as i64,
+        );
+        let (q, k, v) = self.qkv(layer, x, positions);
+        cache.write(l, &batch.token_slots, positions, &k, &v);
+        let mut out = Tensor::zeros([x.size()[0], heads * d], (x.kind(), self.device));
+        if let Some(decode) = &batch.decode {
+            // Every used slot takes part (slots are compact); rows of slots not decoding this
+            // step are computed and dropped. The query heads sharing a KV head become that head's
+            // query rows, so grouped-query attention needs no repeated keys.
+            let used = cache.used() as i64;
+            let mut qs = Tensor::zeros([used, heads, d], (x.kind(), self.device));
+            qs = qs.index_copy(0, &decode.slots, &q.index_select(0, &decode.rows));
+            let qs = qs.view([used, kv_heads, heads / kv_heads, d]);
+            let (ks, vs) = cache.prefix(l, used as usize, decode.max_len);
+            let attended = Tensor::scaled_dot_product_attention(
+                &qs,
+                &ks,
+                &vs,
+                Some(&decode.mask),
+                0.0,
+                false,
+                None,
+                false,
+            );
+            let attended = attended
+                .view([used, heads * d])
+                .index_select(0, &decode.slots);
+            let _ = out.index_copy_(0, &decode.rows, &attended);
+        }
+        for s in spans.iter().filter(|s| s.n > 1) {
+            let slot = s.slot.expect("cached spans have slots");
+            let (ks, vs) = cache.slot(l, slot, (s.past + s.n) as usize);
+            let qs = q.narrow(0, s.offset, s.n).transpose(0, 1);
+            out.narrow(0, s.offset, s.n)
+                .copy_(&self.attend(&qs, &ks, &vs, s.n, s.past));
+        }
+        out.linear::<Tensor>(&layer.o_proj, None)
+    }
+}
+
+/// Where one sequence sits in the packed batch.
+#[derive(Debug)]
+struct Span {
+    offset: i64,
+    n: i64,
+    past: i64,
+    slot: Option<usize>,
+}
+
+/// Index tensors of a cached forward, built once and shared by every layer.
+struct CachedBatch {
+    /// Cache slot of every packed token.
+    token_slots: Tensor,
+    decode: Option<DecodeBatch>,
+}
+
+/// The sequences decoding one token this step.
+struct DecodeBatch {
+    /// Their packed rows and cache slots.
+    rows: Tensor,
+    slots: Tensor,
+    /// Positions to attend over: the longest used slot after this step's writes.
+    max_len: usize,
+    /// `[used, 1, 1, max_len]`: true where a slot holds a key.
+    mask: Tensor,
+}
+
+impl CachedBatch {
+    fn new(cache: &KvCache, spans: &[Span], token_slots: Vec<i64>, device: Device) -> Self {
+        let decoding: Vec<&Span> = spans.iter().filter(|s| s.n == 1).collect();
+        let decode = (!decoding.is_empty()).then(|| {
+            // Lengths after this step's writes; a slot with nothing cached still gets one
+            // (ignored) key so its dropped row stays finite.
+            let mut lens: Vec<i64> = (0..cache.used()).map(|s| cache.len(s) as i64).collect();
+            for s in spans {
+                lens[s.slot.expect("cached spans have slots")] = s.past + s.n;
+            }
+            let lens: Vec<i64> = lens.into_iter().map(|l| l.max(1)).collect();
+            let max_len = *lens.iter().max().expect("at least one slot") as usize;
+            let lens_t = Tensor::from_slice(&lens)
+                .to_device(device)
+                .view([-1, 1, 1, 1]);
+            let mask = Tensor::arange(max_len as i64, (Kind::Int64, device))
+                .view([1, 1, 1, -1])
+                .lt_tensor(&lens_t);
+            let rows: Vec<i64> = decoding.iter().map(|s| s.offset).collect();
+            let slots: Vec<i64> = decoding
+                .iter()
+                .map(|s| s.slot.expect("cached") as i64)
+                .collect();
+            DecodeBatch {
+                rows: Tensor::from_slice(&rows).to_device(device),
+                slots: Tensor::from_slice(&slots).to_device(device),
+                max_len,
+                mask,
+            }
+        });
+        Self {
+            token_slots: Tensor::from_slice(&token_slots).to_device(device),
+            decode,
+        }
     }
 }

@@ -134,12 +134,12 @@ pub fn reference_logprobs(
 ) -> Vec<f32> {
     let mut tokens = prompt.to_vec();
     tokens.extend_from_slice(&output[..output.len() - 1]);
-    let mut seqs = [SeqInput {
+    let seqs = [SeqInput {
         tokens: &tokens,
-        cache: None,
+        slot: None,
         replay,
     }];
-    let logits = tch::no_grad(|| model.forward(&mut seqs, LogitsFor::All))
+    let logits = tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All))
         .unwrap()
         .logits;
     output

@@ -1,0 +1,286 @@
+//! Engine benchmarks, printed as tables of ratios measured in one invocation (this machine is
+//! noisy; compare within a run, never against a fixed number):
+//!
+//! 1. decode throughput of our engine vs transformers' `generate` (same model, batch, prompt);
+//! 2. per-token decode latency at context 64 vs 1024 (the KV cache keeps it nearly flat);
+//! 3. weight update over the TCP data plane vs a plain in-memory copy of the same bytes.
+//!
+//! `cargo bench -p moult-runtime --bench engine` (after `source scripts/env.sh`);
+//! `-- --quick` runs the tiny model only. Documented in docs/benchmarks.md.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use moult_runtime::engine::sampling::SamplingParams;
+use moult_runtime::engine::weights::{update_info, WeightListener};
+use moult_runtime::engine::{http, EngineHandle, EngineOptions, Event};
+use moult_runtime::model::Qwen3Model;
+use tch::{Device, Kind, Tensor};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn python() -> PathBuf {
+    std::env::var_os("MOULT_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"))
+}
+
+fn run_python(args: &[&str]) -> String {
+    let out = Command::new(python())
+        .args(args)
+        .output()
+        .expect("run python (source scripts/env.sh first)");
+    assert!(
+        out.status.success(),
+        "{args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The benchmark models, created once under cargo's target directory.
+fn models() -> (PathBuf, PathBuf) {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-models");
+    let tiny = dir.join("qwen3-tiny");
+    if !tiny.join("model.safetensors").exists() {
+        run_python(&[
+            root()
+                .join("tests/python/make_tiny_models.py")
+                .to_str()
+                .unwrap(),
+            dir.to_str().unwrap(),
+        ]);
+    }
+    let qwen = dir.join("qwen3-0.6b-random");
+    if !qwen.join("model.safetensors").exists() {
+        eprintln!("creating a Qwen3-0.6B-shaped model with random weights (transformers)...");
+        let config = root().join("../shared/fixtures/qwen3_0.6b_config.json");
+        run_python(&[
+            root()
+                .join("tests/python/make_random_model.py")
+                .to_str()
+                .unwrap(),
+            config.to_str().unwrap(),
+            qwen.to_str().unwrap(),
+        ]);
+    }
+    (tiny, qwen)
+}
+
+fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHandle<()>) {
+    let m = Qwen3Model::load(model, Kind::Float, Device::Cpu).unwrap();
+    let opts = EngineOptions {
+        max_batch,
+        max_model_len: 2048,
+        max_prefill_tokens: 2048,
+        max_waiting: 1024,
+        return_routed_experts: false,
+        eos_token_ids: vec![],
+    };
+    EngineHandle::spawn(m, "bench".into(), opts)
+}
+
+fn prompt(seed: usize, len: usize) -> Vec<i64> {
+    (0..len)
+        .map(|i| ((seed * 7919 + i * 104_729) % 2000) as i64)
+        .collect()
+}
+
+/// Runs `batch` requests at once; returns (seconds, per-request token arrival instants).
+async fn run_batch(
+    handle: &EngineHandle,
+    batch: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+) -> (f64, Vec<Vec<Instant>>) {
+    let params = SamplingParams {
+        max_tokens: new_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let mut receivers = Vec::new();
+    for i in 0..batch {
+        receivers.push(
+            handle
+                .generate(
+                    format!("b{i}-{start:?}"),
+                    prompt(i, prompt_len),
+                    params.clone(),
+                    0,
+                )
+                .unwrap(),
+        );
+    }
+    let mut arrivals = Vec::new();
+    for mut rx in receivers {
+        let mut times = Vec::new();
+        while let Some(event) = rx.recv().await {
+            match event {
+                Event::Token { .. } => times.push(Instant::now()),
+                Event::Finished { .. } => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(times.len(), new_tokens);
+        arrivals.push(times);
+    }
+    (start.elapsed().as_secs_f64(), arrivals)
+}
+
+fn throughput(rt: &tokio::runtime::Runtime, name: &str, model: &Path, new_tokens: usize) {
+    let prompt_len = 32;
+    let (handle, _t) = engine(model, 32);
+    rt.block_on(run_batch(&handle, 2, prompt_len, 4)); // warm-up
+    for batch in [1, 8, 32] {
+        let (secs, _) = rt.block_on(run_batch(&handle, batch, prompt_len, new_tokens));
+        let ours = (batch * new_tokens) as f64 / secs;
+        let line = run_python(&[
+            root()
+                .join("tests/python/bench_transformers.py")
+                .to_str()
+                .unwrap(),
+            model.to_str().unwrap(),
+            &batch.to_string(),
+            &prompt_len.to_string(),
+            &new_tokens.to_string(),
+        ]);
+        let theirs: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+        let theirs = theirs["tokens_per_s"].as_f64().unwrap();
+        println!(
+            "| {name} | {batch} | {prompt_len} | {new_tokens} | {ours:.1} | {theirs:.1} | {:.2}x |",
+            ours / theirs
+        );
+    }
+}
+
+fn latency(rt: &tokio::runtime::Runtime, name: &str, model: &Path) {
+    let (handle, _t) = engine(model, 4);
+    rt.block_on(run_batch(&handle, 1, 16, 4));
+    let new_tokens = 33;
+    let mut per_token = Vec::new();
+    for context in [64, 1024] {
+        let (_, arrivals) = rt.block_on(run_batch(&handle, 1, context, new_tokens));
+        let t = &arrivals[0];
+        // Decode steps only: from the first token (end of prefill) to the last.
+        let ms =
+            t[new_tokens - 1].duration_since(t[0]).as_secs_f64() * 1e3 / (new_tokens - 1) as f64;
+        per_token.push(ms);
+    }
+    println!(
+        "| {name} | {:.2} | {:.2} | {:.2}x |",
+        per_token[0],
+        per_token[1],
+        per_token[1] / per_token[0]
+    );
+}
+
+fn weight_update(rt: &tokio::runtime::Runtime, name: &str, model: &Path) {
+    let (handle, _t) = engine(model, 4);
+    let source = Qwen3Model::load(model, Kind::Float, Device::Cpu).unwrap();
+    let tensors: Vec<(String, Tensor)> = source
+        .params()
+        .iter()
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    let bytes: usize = tensors.iter().map(|(_, t)| t.numel() * 4).sum();
+    let client = reqwest::Client::new();
+    let secs = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(http::serve(listener, handle.clone(), std::future::pending()));
+        let weights = WeightListener::bind("127.0.0.1:0").unwrap();
+        let port = weights.local_addr().unwrap().port();
+        let accept = std::thread::spawn(move || weights.accept(1).unwrap());
+        let post = |path: &str, body: serde_json::Value| {
+            let req = client.post(format!("{base}{path}")).json(&body);
+            async move {
+                let resp = req.send().await.unwrap();
+                assert!(resp.status().is_success(), "{}", resp.text().await.unwrap());
+            }
+        };
+        post("/init_weight_transfer_engine", serde_json::json!({"init_info": {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}})).await;
+        let mut sender = accept.join().unwrap();
+        let start = Instant::now();
+        post("/start_weight_update", serde_json::json!({})).await;
+        // Buckets of about 256 MiB, as a trainer would send them.
+        let mut buckets: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
+        let mut size = 0;
+        for (n, t) in &tensors {
+            if size > 256 << 20 {
+                buckets.push(Vec::new());
+                size = 0;
+            }
+            size += t.numel() * 4;
+            buckets.last_mut().unwrap().push((n.clone(), t.shallow_clone()));
+        }
+        for bucket in buckets {
+            let info = update_info(&bucket);
+            let send = std::thread::spawn(move || {
+                sender.send_bucket(&bucket, 64 << 20).unwrap();
+                sender
+            });
+            post("/update_weights", serde_json::json!({"update_info": info})).await;
+            sender = send.join().unwrap();
+        }
+        post("/finish_weight_update", serde_json::json!({"weight_version": 1})).await;
+        start.elapsed().as_secs_f64()
+    });
+    // Baseline: one plain copy of the same number of bytes in memory.
+    let src = vec![1u8; bytes];
+    let t0 = Instant::now();
+    let dst = src.clone();
+    let copy_secs = t0.elapsed().as_secs_f64();
+    assert_eq!(dst.len(), bytes);
+    let gb = bytes as f64 / 1e9;
+    println!(
+        "| {name} | {gb:.2} | {:.2} | {:.2} | {:.2} | {:.2}x |",
+        secs,
+        gb / secs,
+        gb / copy_secs,
+        (gb / secs) / (gb / copy_secs)
+    );
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (tiny, qwen) = models();
+    println!("torch intra-op threads: {}\n", tch::get_num_threads());
+
+    println!(
+        "## Decode throughput (tokens/s, sampling at T=1, prompt {} tokens)\n",
+        32
+    );
+    println!(
+        "| model | batch | prompt | new tokens | moult | transformers | moult / transformers |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    throughput(&rt, "tiny (3 layers, d=64)", &tiny, 128);
+    if !quick {
+        throughput(&rt, "Qwen3-0.6B shape", &qwen, 32);
+    }
+
+    println!("\n## Per-token decode latency (ms/token, batch 1)\n");
+    println!("| model | context 64 | context 1024 | 1024 / 64 |");
+    println!("| --- | --- | --- | --- |");
+    latency(&rt, "tiny", &tiny);
+    if !quick {
+        latency(&rt, "Qwen3-0.6B shape", &qwen);
+    }
+
+    println!("\n## Weight update over TCP (f32, all weights, one engine)\n");
+    println!("| model | GB | seconds | TCP GB/s | memcpy GB/s | TCP / memcpy |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    weight_update(&rt, "tiny", &tiny);
+    if !quick {
+        weight_update(&rt, "Qwen3-0.6B shape", &qwen);
+    }
+}
