@@ -312,8 +312,6 @@ struct Sequence {
     /// Prompt followed by every sampled token.
     tokens: Vec<i64>,
     prompt_len: usize,
-    /// This sequence's slot in the engine's KV cache.
-    slot: usize,
     rng: ChaCha8Rng,
     /// Routed expert ids, `layers * top_k` per position, for positions `0..routed_len`; the
     /// first capture of a position is kept (the version that produced it).
@@ -334,8 +332,9 @@ struct Engine {
     status: Arc<EngineStatus>,
     metrics: EngineMetrics,
     waiting: VecDeque<Job>,
+    /// Running sequences; `running[i]` owns slot `i` of `cache` (both stay compact the same way:
+    /// removing `i` moves the last into `i`), so a step's batch is in slot order.
     running: Vec<Sequence>,
-    /// One slot per running sequence.
     cache: KvCache,
     pause: PauseState,
     version: u64,
@@ -496,10 +495,11 @@ impl Engine {
                 Some(seed) => ChaCha8Rng::seed_from_u64(seed),
                 None => ChaCha8Rng::from_entropy(),
             };
+            let slot = self.cache.alloc();
+            debug_assert_eq!(slot, self.running.len());
             self.running.push(Sequence {
                 tokens: job.prompt.clone(),
                 prompt_len: job.prompt.len(),
-                slot: self.cache.alloc(),
                 rng,
                 routed: Vec::new(),
                 routed_len: 0,
@@ -508,17 +508,12 @@ impl Engine {
         }
     }
 
-    /// Takes a sequence out of the batch and frees its cache slot.
+    /// Takes a sequence out of the batch and frees its cache slot; the last sequence and its
+    /// slot both move into the gap.
     fn remove(&mut self, index: usize) -> Sequence {
         let seq = self.running.swap_remove(index);
-        if let Some(moved_from) = self.cache.free(seq.slot) {
-            let moved = self
-                .running
-                .iter_mut()
-                .find(|s| s.slot == moved_from)
-                .expect("every used slot has a sequence");
-            moved.slot = seq.slot;
-        }
+        self.cache.free(index);
+        debug_assert_eq!(self.cache.used(), self.running.len());
         seq
     }
 
@@ -612,8 +607,8 @@ impl Engine {
         self.version = version;
         self.status.weight_version.store(version, Ordering::Release);
         // Recompute in-flight sequences under the new weights from their tokens.
-        for seq in &self.running {
-            self.cache.clear(seq.slot);
+        for slot in 0..self.running.len() {
+            self.cache.clear(slot);
         }
         tracing::info!(version, tensors = tensors.len(), "weights updated");
         Ok(())
@@ -623,10 +618,9 @@ impl Engine {
     /// pending tokens were all consumed.
     fn step(&mut self) -> crate::model::Result<()> {
         let mut budget = self.opts.max_prefill_tokens;
-        let starts: Vec<usize> = self
-            .running
-            .iter()
-            .map(|s| self.cache.len(s.slot))
+        // Sequence i is in cache slot i.
+        let starts: Vec<usize> = (0..self.running.len())
+            .map(|slot| self.cache.len(slot))
             .collect();
         let plan: Vec<usize> = self
             .running
@@ -646,10 +640,11 @@ impl Engine {
             .running
             .iter()
             .zip(plan.iter().zip(&starts))
-            .filter(|(_, (&n, _))| n > 0)
-            .map(|(s, (&n, &start))| SeqInput {
+            .enumerate()
+            .filter(|(_, (_, (&n, _)))| n > 0)
+            .map(|(slot, (s, (&n, &start)))| SeqInput {
                 tokens: &s.tokens[start..start + n],
-                slot: Some(s.slot),
+                slot: Some(slot),
                 replay: None,
             })
             .collect();

@@ -12,20 +12,19 @@
 
 use tch::{Device, Kind, Tensor};
 
+use super::qwen3::swiglu;
 use super::{Error, Result};
 
 #[derive(Debug)]
 pub(crate) struct Expert {
-    pub gate_proj: Tensor,
-    pub up_proj: Tensor,
+    /// `gate_proj` and `up_proj` stacked.
+    pub gate_up_proj: Tensor,
     pub down_proj: Tensor,
 }
 
 impl Expert {
     fn forward(&self, x: &Tensor) -> Tensor {
-        let gate = x.linear::<Tensor>(&self.gate_proj, None).silu();
-        let up = x.linear::<Tensor>(&self.up_proj, None);
-        (gate * up).linear::<Tensor>(&self.down_proj, None)
+        swiglu(x, &self.gate_up_proj, &self.down_proj)
     }
 }
 

@@ -15,7 +15,7 @@ use super::config::ModelConfig;
 use super::kv_cache::KvCache;
 use super::loader::load_safetensors_dir;
 use super::moe::{Expert, SparseMoe};
-use super::rope::Rope;
+use super::rope::{Rope, RopeAt};
 use super::{Error, Result};
 
 /// One sequence's part of a packed forward.
@@ -51,8 +51,8 @@ pub struct ForwardOutput {
 #[derive(Debug)]
 enum Mlp {
     Dense {
-        gate_proj: Tensor,
-        up_proj: Tensor,
+        /// `gate_proj` and `up_proj` stacked: one matmul instead of two.
+        gate_up_proj: Tensor,
         down_proj: Tensor,
     },
     Sparse(SparseMoe),
@@ -62,9 +62,8 @@ enum Mlp {
 struct Layer {
     input_layernorm: Tensor,
     post_attention_layernorm: Tensor,
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
+    /// `q_proj`, `k_proj` and `v_proj` stacked: one matmul instead of three.
+    qkv_proj: Tensor,
     o_proj: Tensor,
     q_norm: Tensor,
     k_norm: Tensor,
@@ -75,8 +74,9 @@ struct Layer {
 #[derive(Debug)]
 pub struct Qwen3Model {
     cfg: ModelConfig,
-    /// Every weight by checkpoint name; the layer fields are shallow clones sharing storage, so
-    /// an in-place update here is what the forward sees.
+    /// Every weight by checkpoint name. Each is the layer's tensor or a view into a stacked one
+    /// (`q_proj` is rows of `qkv_proj`), sharing storage: an in-place update here is what the
+    /// forward sees.
     params: BTreeMap<String, Tensor>,
     embed_tokens: Tensor,
     layers: Vec<Layer>,
@@ -87,10 +87,17 @@ pub struct Qwen3Model {
     device: Device,
 }
 
+/// `x / sqrt(mean(x²) + eps) * weight` over the last dimension, accumulated in float32
+/// (libtorch's fused kernel; transformers' `Qwen3RMSNorm` computes the same).
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
-    let xf = x.to_kind(Kind::Float);
-    let var = xf.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float);
-    (xf * (var + eps).rsqrt()).to_kind(x.kind()) * weight
+    x.rms_norm([x.size()[x.dim() - 1]], Some(weight), eps)
+}
+
+/// `down(silu(gate(x)) ⊙ up(x))`, with `gate` and `up` stacked in `gate_up`.
+pub(super) fn swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Tensor {
+    let gu = x.linear::<Tensor>(gate_up, None);
+    let i = gu.size()[1] / 2;
+    (gu.narrow(1, 0, i).silu() * gu.narrow(1, i, i)).linear::<Tensor>(down, None)
 }
 
 /// Takes named weights out of the loaded map, checking each shape.
@@ -117,6 +124,24 @@ impl WeightTaker {
         }
         self.taken.insert(name.to_string(), tensor.shallow_clone());
         Ok(tensor)
+    }
+
+    /// Takes several `[rows_i, cols]` weights and stacks them into one `[Σ rows_i, cols]` tensor;
+    /// each name then refers to its rows of the stack.
+    fn take_stacked(&mut self, parts: &[(String, [usize; 2])]) -> Result<Tensor> {
+        let tensors = parts
+            .iter()
+            .map(|(name, shape)| self.take(name, shape))
+            .collect::<Result<Vec<_>>>()?;
+        let stacked = Tensor::cat(&tensors, 0);
+        let mut offset = 0;
+        for (name, shape) in parts {
+            let rows = shape[0] as i64;
+            self.taken
+                .insert(name.clone(), stacked.narrow(0, offset, rows));
+            offset += rows;
+        }
+        Ok(stacked)
     }
 }
 
@@ -153,8 +178,10 @@ impl Qwen3Model {
                     .map(|e| {
                         let q = format!("{p}.mlp.experts.{e}");
                         Ok(Expert {
-                            gate_proj: w.take(&format!("{q}.gate_proj.weight"), &[i, h])?,
-                            up_proj: w.take(&format!("{q}.up_proj.weight"), &[i, h])?,
+                            gate_up_proj: w.take_stacked(&[
+                                (format!("{q}.gate_proj.weight"), [i, h]),
+                                (format!("{q}.up_proj.weight"), [i, h]),
+                            ])?,
                             down_proj: w.take(&format!("{q}.down_proj.weight"), &[h, i])?,
                         })
                     })
@@ -168,8 +195,10 @@ impl Qwen3Model {
             } else {
                 let i = c.intermediate_size;
                 Mlp::Dense {
-                    gate_proj: w.take(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?,
-                    up_proj: w.take(&format!("{p}.mlp.up_proj.weight"), &[i, h])?,
+                    gate_up_proj: w.take_stacked(&[
+                        (format!("{p}.mlp.gate_proj.weight"), [i, h]),
+                        (format!("{p}.mlp.up_proj.weight"), [i, h]),
+                    ])?,
                     down_proj: w.take(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
                 }
             };
@@ -177,9 +206,11 @@ impl Qwen3Model {
                 input_layernorm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_attention_layernorm: w
                     .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                q_proj: w.take(&format!("{p}.self_attn.q_proj.weight"), &[q_dim, h])?,
-                k_proj: w.take(&format!("{p}.self_attn.k_proj.weight"), &[kv_dim, h])?,
-                v_proj: w.take(&format!("{p}.self_attn.v_proj.weight"), &[kv_dim, h])?,
+                qkv_proj: w.take_stacked(&[
+                    (format!("{p}.self_attn.q_proj.weight"), [q_dim, h]),
+                    (format!("{p}.self_attn.k_proj.weight"), [kv_dim, h]),
+                    (format!("{p}.self_attn.v_proj.weight"), [kv_dim, h]),
+                ])?,
                 o_proj: w.take(&format!("{p}.self_attn.o_proj.weight"), &[h, q_dim])?,
                 q_norm: w.take(&format!("{p}.self_attn.q_norm.weight"), &[d])?,
                 k_norm: w.take(&format!("{p}.self_attn.k_norm.weight"), &[d])?,
@@ -328,32 +359,35 @@ impl Qwen3Model {
                         .max()
                         .unwrap_or(0),
                 );
-                Some(CachedBatch::new(cache, &spans, token_slots, self.device))
+                Some(CachedBatch::new(
+                    cache,
+                    &spans,
+                    token_slots,
+                    self.kind,
+                    self.device,
+                ))
             }
             None => None,
         };
 
+        let rope = self.rope.at(&positions);
         let mut h = self.embed_tokens.index_select(0, &ids);
         let mut routed = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let x = rms_norm(&h, &layer.input_layernorm, c.rms_norm_eps);
             let attn = match (cache.as_deref_mut(), &batch) {
                 (Some(cache), Some(batch)) => {
-                    self.attention_cached(l, layer, &x, &positions, cache, batch, &spans)
+                    self.attention_cached(l, layer, &x, &rope, &positions, cache, batch, &spans)
                 }
-                _ => self.attention_uncached(layer, &x, &positions, &spans),
+                _ => self.attention_uncached(layer, &x, &rope, &spans),
             };
             h = h + attn;
             let x = rms_norm(&h, &layer.post_attention_layernorm, c.rms_norm_eps);
             let mlp_out = match &layer.mlp {
                 Mlp::Dense {
-                    gate_proj,
-                    up_proj,
+                    gate_up_proj,
                     down_proj,
-                } => {
-                    let gate = x.linear::<Tensor>(gate_proj, None).silu();
-                    (gate * x.linear::<Tensor>(up_proj, None)).linear::<Tensor>(down_proj, None)
-                }
+                } => swiglu(&x, gate_up_proj, down_proj),
                 Mlp::Sparse(moe) => {
                     let layer_replay = replay.as_ref().map(|r| r.select(1, routed.len() as i64));
                     let (out, experts) = moe.forward(&x, layer_replay.as_ref())?;
@@ -414,30 +448,25 @@ impl Qwen3Model {
         Ok(Some(packed))
     }
 
-    fn qkv(&self, layer: &Layer, x: &Tensor, positions: &Tensor) -> (Tensor, Tensor, Tensor) {
+    fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeAt) -> (Tensor, Tensor, Tensor) {
         let c = &self.cfg;
-        let (heads, kv_heads, d) = (
-            c.num_attention_heads as i64,
-            c.num_key_value_heads as i64,
+        let (heads, kv_heads) = (c.num_attention_heads as i64, c.num_key_value_heads as i64);
+        let qkv = x.linear::<Tensor>(&layer.qkv_proj, None).view([
+            x.size()[0],
+            heads + 2 * kv_heads,
             c.head_dim as i64,
-        );
-        let tokens = x.size()[0];
-        let q = x
-            .linear::<Tensor>(&layer.q_proj, None)
-            .view([tokens, heads, d]);
-        let k = x
-            .linear::<Tensor>(&layer.k_proj, None)
-            .view([tokens, kv_heads, d]);
-        let v = x
-            .linear::<Tensor>(&layer.v_proj, None)
-            .view([tokens, kv_heads, d]);
-        let q = self
-            .rope
-            .apply(&rms_norm(&q, &layer.q_norm, c.rms_norm_eps), positions);
-        let k = self
-            .rope
-            .apply(&rms_norm(&k, &layer.k_norm, c.rms_norm_eps), positions);
-        (q, k, v)
+        ]);
+        let q = rope.apply(&rms_norm(
+            &qkv.narrow(1, 0, heads),
+            &layer.q_norm,
+            c.rms_norm_eps,
+        ));
+        let k = rope.apply(&rms_norm(
+            &qkv.narrow(1, heads, kv_heads),
+            &layer.k_norm,
+            c.rms_norm_eps,
+        ));
+        (q, k, qkv.narrow(1, heads + kv_heads, kv_heads))
     }
 
     /// Causal attention of `n` new queries `[heads, n, d]` over `past + n` keys `[kv_heads, past + n, d]`.
@@ -466,10 +495,10 @@ impl Qwen3Model {
         &self,
         layer: &Layer,
         x: &Tensor,
-        positions: &Tensor,
+        rope: &RopeAt,
         spans: &[Span],
     ) -> Tensor {
-        let (q, k, v) = self.qkv(layer, x, positions);
+        let (q, k, v) = self.qkv(layer, x, rope);
         let outs: Vec<Tensor> = spans
             .iter()
             .map(|s| {
@@ -488,6 +517,7 @@ impl Qwen3Model {
         l: usize,
         layer: &Layer,
         x: &Tensor,
+        rope: &RopeAt,
         positions: &Tensor,
         cache: &mut KvCache,
         batch: &CachedBatch,
@@ -499,31 +529,40 @@ impl Qwen3Model {
             c.num_key_value_heads as i64,
             c.head_dim as i64,
         );
-        let (q, k, v) = self.qkv(layer, x, positions);
+        let (q, k, v) = self.qkv(layer, x, rope);
         cache.write(l, &batch.token_slots, positions, &k, &v);
-        let mut out = Tensor::zeros([x.size()[0], heads * d], (x.kind(), self.device));
-        if let Some(decode) = &batch.decode {
-            // Every used slot takes part (slots are compact); rows of slots not decoding this
-            // step are computed and dropped. The query heads sharing a KV head become that head's
-            // query rows, so grouped-query attention needs no repeated keys.
-            let used = cache.used() as i64;
-            let mut qs = Tensor::zeros([used, heads, d], (x.kind(), self.device));
-            qs = qs.index_copy(0, &decode.slots, &q.index_select(0, &decode.rows));
+        // Every used slot takes part in the decode attention (slots are compact). The query heads
+        // sharing a KV head become that head's query rows, so grouped-query attention needs no
+        // repeated keys.
+        let used = cache.used() as i64;
+        let decode_attention = |decode: &DecodeBatch, qs: &Tensor| {
             let qs = qs.view([used, kv_heads, heads / kv_heads, d]);
             let (ks, vs) = cache.prefix(l, used as usize, decode.max_len);
-            let attended = Tensor::scaled_dot_product_attention(
+            Tensor::scaled_dot_product_attention(
                 &qs,
                 &ks,
                 &vs,
-                Some(&decode.mask),
+                decode.mask.as_ref(),
                 0.0,
                 false,
                 None,
                 false,
+            )
+            .view([used, heads * d])
+        };
+        if let Some(decode) = batch.decode.as_ref().filter(|d| d.identity) {
+            // The steady state: every sequence decodes, packed in slot order.
+            return decode_attention(decode, &q).linear::<Tensor>(&layer.o_proj, None);
+        }
+        let mut out = Tensor::zeros([x.size()[0], heads * d], (x.kind(), self.device));
+        if let Some(decode) = &batch.decode {
+            // Rows of slots not decoding this step are computed and dropped.
+            let qs = Tensor::zeros([used, heads, d], (x.kind(), self.device)).index_copy(
+                0,
+                &decode.slots,
+                &q.index_select(0, &decode.rows),
             );
-            let attended = attended
-                .view([used, heads * d])
-                .index_select(0, &decode.slots);
+            let attended = decode_attention(decode, &qs).index_select(0, &decode.slots);
             let _ = out.index_copy_(0, &decode.rows, &attended);
         }
         for s in spans.iter().filter(|s| s.n > 1) {
@@ -558,14 +597,23 @@ struct DecodeBatch {
     /// Their packed rows and cache slots.
     rows: Tensor,
     slots: Tensor,
+    /// Every sequence of the step decodes and row `i` is slot `i`: no gather or scatter needed.
+    identity: bool,
     /// Positions to attend over: the longest used slot after this step's writes.
     max_len: usize,
-    /// `[used, 1, 1, max_len]`: true where a slot holds a key.
-    mask: Tensor,
+    /// `[used, 1, 1, max_len]` additive mask (0 where a slot holds a key, -inf past its end);
+    /// `None` when every slot is `max_len` long.
+    mask: Option<Tensor>,
 }
 
 impl CachedBatch {
-    fn new(cache: &KvCache, spans: &[Span], token_slots: Vec<i64>, device: Device) -> Self {
+    fn new(
+        cache: &KvCache,
+        spans: &[Span],
+        token_slots: Vec<i64>,
+        kind: Kind,
+        device: Device,
+    ) -> Self {
         let decoding: Vec<&Span> = spans.iter().filter(|s| s.n == 1).collect();
         let decode = (!decoding.is_empty()).then(|| {
             // Lengths after this step's writes; a slot with nothing cached still gets one
@@ -575,22 +623,34 @@ impl CachedBatch {
                 lens[s.slot.expect("cached spans have slots")] = s.past + s.n;
             }
             let lens: Vec<i64> = lens.into_iter().map(|l| l.max(1)).collect();
-            let max_len = *lens.iter().max().expect("at least one slot") as usize;
-            let lens_t = Tensor::from_slice(&lens)
-                .to_device(device)
-                .view([-1, 1, 1, 1]);
-            let mask = Tensor::arange(max_len as i64, (Kind::Int64, device))
-                .view([1, 1, 1, -1])
-                .lt_tensor(&lens_t);
+            let max_len = *lens.iter().max().expect("at least one slot");
+            let mask = lens.iter().any(|&l| l != max_len).then(|| {
+                let lens_t = Tensor::from_slice(&lens)
+                    .to_device(device)
+                    .view([-1, 1, 1, 1]);
+                let valid = Tensor::arange(max_len, (Kind::Int64, device))
+                    .view([1, 1, 1, -1])
+                    .lt_tensor(&lens_t);
+                Tensor::zeros(valid.size(), (kind, device))
+                    .masked_fill(&valid.logical_not(), f64::NEG_INFINITY)
+            });
             let rows: Vec<i64> = decoding.iter().map(|s| s.offset).collect();
             let slots: Vec<i64> = decoding
                 .iter()
                 .map(|s| s.slot.expect("cached") as i64)
                 .collect();
+            let identity = decoding.len() == spans.len()
+                && spans.len() == cache.used()
+                && slots
+                    .iter()
+                    .zip(&rows)
+                    .enumerate()
+                    .all(|(i, (&s, &r))| s == i as i64 && r == i as i64);
             DecodeBatch {
                 rows: Tensor::from_slice(&rows).to_device(device),
                 slots: Tensor::from_slice(&slots).to_device(device),
-                max_len,
+                identity,
+                max_len: max_len as usize,
                 mask,
             }
         });

@@ -38,14 +38,27 @@ impl Rope {
         self.cos.size()[0] as usize
     }
 
-    /// Applies the rotation to `x: [tokens, heads, head_dim]` at `positions: [tokens]`.
-    pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Tensor {
-        let cos = self.cos.index_select(0, positions).unsqueeze(1);
-        let sin = self.sin.index_select(0, positions).unsqueeze(1);
+    /// The rotation at `positions: [tokens]`, to apply to every layer's queries and keys.
+    pub fn at(&self, positions: &Tensor) -> RopeAt {
+        RopeAt {
+            cos: self.cos.index_select(0, positions).unsqueeze(1),
+            sin: self.sin.index_select(0, positions).unsqueeze(1),
+        }
+    }
+}
+
+/// cos/sin rows `[tokens, 1, head_dim]` for one forward's positions.
+#[derive(Debug)]
+pub struct RopeAt {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RopeAt {
+    /// Rotates `x: [tokens, heads, head_dim]`.
+    pub fn apply(&self, x: &Tensor) -> Tensor {
         let half = x.size()[2] / 2;
-        let x1 = x.narrow(2, 0, half);
-        let x2 = x.narrow(2, half, half);
-        let rotated = Tensor::cat(&[&x2.neg(), &x1], 2);
-        x * cos + rotated * sin
+        let rotated = Tensor::cat(&[&x.narrow(2, half, half).neg(), &x.narrow(2, 0, half)], 2);
+        x * &self.cos + rotated * &self.sin
     }
 }
