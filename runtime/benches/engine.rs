@@ -79,6 +79,7 @@ fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHan
         max_waiting: 1024,
         return_routed_experts: false,
         eos_token_ids: vec![],
+        threads: None,
     };
     EngineHandle::spawn(m, "bench".into(), opts)
 }

@@ -55,6 +55,10 @@ struct EngineArgs {
     /// Return the routed expert ids of MoE models (`routed_experts` in each response).
     #[arg(long)]
     enable_return_routed_experts: bool,
+    /// libtorch intra-op threads [default: measured at start-up: one thread or all cores,
+    /// whichever decodes faster].
+    #[arg(long)]
+    threads: Option<usize>,
     /// The name reported by /v1/models and in metrics labels [default: the model folder's name].
     #[arg(long)]
     served_model_name: Option<String>,
@@ -124,8 +128,8 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
             format!("--dtype must be auto, float32, bfloat16 or float16; got `{other}`")
         })?,
     };
-    if args.max_batch == 0 || args.max_prefill_tokens == 0 {
-        bail!("--max-batch and --max-prefill-tokens must be at least 1");
+    if args.max_batch == 0 || args.max_prefill_tokens == 0 || args.threads == Some(0) {
+        bail!("--max-batch, --max-prefill-tokens and --threads must be at least 1");
     }
     let name = args.served_model_name.clone().unwrap_or_else(|| {
         args.model
@@ -146,6 +150,7 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
         max_waiting: args.max_waiting,
         return_routed_experts: args.enable_return_routed_experts,
         eos_token_ids: eos_ids(&args.model, &cfg),
+        threads: args.threads,
     };
     if args.enable_return_routed_experts && cfg.moe.is_none() {
         tracing::warn!(

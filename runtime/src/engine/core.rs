@@ -50,6 +50,9 @@ pub struct EngineOptions {
     pub return_routed_experts: bool,
     /// Ids that end generation unless `ignore_eos` (from config/generation_config).
     pub eos_token_ids: Vec<i64>,
+    /// libtorch intra-op threads of the engine thread; `None` measures at start-up whether
+    /// the model's decode steps run faster on one thread or on all of them.
+    pub threads: Option<usize>,
 }
 
 /// What the HTTP layer needs to know about the loaded model, without touching the engine thread.
@@ -342,6 +345,13 @@ struct Engine {
 
 impl Engine {
     fn run(mut self) {
+        let threads = self
+            .opts
+            .threads
+            .unwrap_or_else(|| self.calibrate_threads());
+        // Thread-local for OpenMP: this sets the engine thread's own pool.
+        tch::set_num_threads(threads as i32);
+        tracing::info!(threads, "engine intra-op threads");
         loop {
             let idle = matches!(self.pause, PauseState::Paused(_))
                 || (self.running.is_empty() && self.waiting.is_empty());
@@ -373,6 +383,45 @@ impl Engine {
             self.publish();
         }
         tracing::info!("engine thread exiting: every handle was dropped");
+    }
+
+    /// Times a decode-shaped forward (a batch of single tokens) on one thread and on all, and
+    /// returns the faster. Waking a thread pool costs tens of microseconds per operation on some
+    /// machines, which dominates small models and pays off on large ones.
+    fn calibrate_threads(&self) -> usize {
+        let all = tch::get_num_threads().max(1) as usize;
+        if all == 1 {
+            return 1;
+        }
+        let tokens: Vec<[i64; 1]> = (0..self.opts.max_batch.min(8) as i64)
+            .map(|t| [t])
+            .collect();
+        let inputs: Vec<SeqInput> = tokens
+            .iter()
+            .map(|t| SeqInput {
+                tokens: t,
+                slot: None,
+                replay: None,
+            })
+            .collect();
+        let mut time = |threads: usize| {
+            tch::set_num_threads(threads as i32);
+            (0..3)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    let _ = tch::no_grad(|| self.model.forward(&inputs, None, LogitsFor::Last));
+                    start.elapsed()
+                })
+                .min()
+                .expect("three runs")
+        };
+        let (one, many) = (time(1), time(all));
+        tracing::debug!(?one, ?many, "decode-step calibration");
+        if one <= many {
+            1
+        } else {
+            all
+        }
     }
 
     fn handle(&mut self, cmd: Command) {

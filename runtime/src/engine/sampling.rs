@@ -102,6 +102,10 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> 
     } else {
         1.0 / params.temperature
     };
+    let truncated = params.top_k.is_some_and(|k| k < logits.len()) || params.top_p < 1.0;
+    if !truncated {
+        return sample_full(logits, inv_t, greedy, params.top_logprobs, rng);
+    }
     let z: Vec<f32> = logits.iter().map(|&l| (l as f64 * inv_t) as f32).collect();
     let p = process(&z, params);
     let token = if greedy {
@@ -139,6 +143,66 @@ pub fn sample(logits: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> 
     Sampled {
         token: token as i64,
         logprob: (z[token] as f64 - p.log_z) as f32,
+        top,
+    }
+}
+
+/// [`sample`] without top-k/top-p (the usual RL setting): one pass of `exp` over the vocabulary,
+/// no index vectors.
+fn sample_full(
+    logits: &[f32],
+    inv_t: f64,
+    greedy: bool,
+    top_logprobs: usize,
+    rng: &mut ChaCha8Rng,
+) -> Sampled {
+    let (argmax, max) =
+        logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                if v > bv {
+                    (i, v)
+                } else {
+                    (bi, bv)
+                }
+            });
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&l| ((l - max) as f64 * inv_t).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let log_z = total.ln();
+    let logprob = |i: usize| ((logits[i] - max) as f64 * inv_t - log_z) as f32;
+    let token = if greedy {
+        argmax
+    } else {
+        let target = rng.gen::<f64>() * total;
+        let mut cumulative = 0.0;
+        // Only rounding at the very end can run past the last token with weight.
+        let mut chosen = weights.iter().rposition(|&w| w > 0.0).unwrap_or(argmax);
+        for (i, w) in weights.iter().enumerate() {
+            cumulative += w;
+            if target < cumulative {
+                chosen = i;
+                break;
+            }
+        }
+        chosen
+    };
+    let top = if top_logprobs > 0 {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        let n = top_logprobs.min(order.len());
+        order.select_nth_unstable_by(n - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+        order.truncate(n);
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+        order.into_iter().map(|i| (i as i64, logprob(i))).collect()
+    } else {
+        Vec::new()
+    };
+    Sampled {
+        token: token as i64,
+        logprob: logprob(token),
         top,
     }
 }
@@ -252,21 +316,23 @@ mod tests {
 
     #[test]
     fn empirical_frequencies_follow_the_processed_distribution() {
-        let p = params(0.9, Some(4), 0.9);
-        let probs = reference_probs(&LOGITS, &p);
-        let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let n = 20_000;
-        let mut counts = [0usize; 6];
-        for _ in 0..n {
-            counts[sample(&LOGITS, &p, &mut rng).token as usize] += 1;
-        }
-        for (i, c) in counts.iter().enumerate() {
-            let f = *c as f64 / n as f64;
-            assert!(
-                (f - probs[i]).abs() < 0.015,
-                "token {i}: frequency {f} vs probability {}",
-                probs[i]
-            );
+        // Truncated (top-k and top-p) and full (the single-pass path) distributions.
+        for p in [params(0.9, Some(4), 0.9), params(0.7, None, 1.0)] {
+            let probs = reference_probs(&LOGITS, &p);
+            let mut rng = ChaCha8Rng::seed_from_u64(1);
+            let n = 20_000;
+            let mut counts = [0usize; 6];
+            for _ in 0..n {
+                counts[sample(&LOGITS, &p, &mut rng).token as usize] += 1;
+            }
+            for (i, c) in counts.iter().enumerate() {
+                let f = *c as f64 / n as f64;
+                assert!(
+                    (f - probs[i]).abs() < 0.015,
+                    "{p:?} token {i}: frequency {f} vs probability {}",
+                    probs[i]
+                );
+            }
         }
     }
 

@@ -106,6 +106,7 @@ pub fn engine_options() -> EngineOptions {
         max_waiting: 64,
         return_routed_experts: true,
         eos_token_ids: vec![2002],
+        threads: Some(1),
     }
 }
 
