@@ -1,8 +1,8 @@
 """The transformers side of `cargo bench --bench engine`: decode throughput of
 `model.generate` on the same model, batch and prompt length as our engine.
 
-Usage: python bench_transformers.py MODEL_DIR BATCH PROMPT_LEN NEW_TOKENS
-Prints one JSON line: {"tokens_per_s": ..., "seconds": ...}.
+Usage: python bench_transformers.py MODEL_DIR BATCH PROMPT_LEN NEW_TOKENS [THREADS]
+Prints one JSON line: {"tokens_per_s": ..., "seconds": ..., "threads": ...}.
 """
 
 import json
@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM
 
 def main():
     model_dir, batch, prompt_len, new_tokens = sys.argv[1], *map(int, sys.argv[2:5])
+    if len(sys.argv) > 5:
+        torch.set_num_threads(int(sys.argv[5]))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -21,13 +21,14 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 use tokio::sync::{mpsc, oneshot};
 
 use super::api::{TokenLogprob, TopLogprob};
 use super::metrics::EngineMetrics;
 use super::npy::encode_routed_experts;
 use super::sampling::{sample, SamplingParams};
+use super::weights::StagedUpdate;
 use super::ApiError;
 use crate::model::{KvCache, LogitsFor, Qwen3Model, SeqInput};
 
@@ -140,10 +141,11 @@ enum Command {
     Abort(Vec<String>),
     Pause(PauseMode, oneshot::Sender<()>),
     Resume(oneshot::Sender<()>),
+    /// Applies the update and hands the (emptied) buffer back for reuse.
     ApplyWeights {
-        tensors: Vec<(String, Tensor)>,
+        update: StagedUpdate,
         version: u64,
-        done: oneshot::Sender<Result<(), String>>,
+        done: oneshot::Sender<(StagedUpdate, Result<(), String>)>,
     },
 }
 
@@ -285,21 +287,23 @@ impl EngineHandle {
         wait.await.map_err(|_| closed())
     }
 
-    /// Copies new weights into the model between steps and sets the weight version.
+    /// Copies a staged update into the model between two steps and sets the weight version.
+    /// Returns the update's buffer, emptied, for the next one.
     pub async fn apply_weights(
         &self,
-        tensors: Vec<(String, Tensor)>,
+        update: StagedUpdate,
         version: u64,
-    ) -> Result<(), ApiError> {
+    ) -> Result<StagedUpdate, ApiError> {
         let (done, wait) = oneshot::channel();
         self.send(Command::ApplyWeights {
-            tensors,
+            update,
             version,
             done,
         })?;
-        wait.await
-            .map_err(|_| closed())?
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))
+        let (mut update, result) = wait.await.map_err(|_| closed())?;
+        update.clear();
+        result.map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e))?;
+        Ok(update)
     }
 }
 
@@ -404,7 +408,7 @@ impl Engine {
                 replay: None,
             })
             .collect();
-        let mut time = |threads: usize| {
+        let time = |threads: usize| {
             tch::set_num_threads(threads as i32);
             (0..3)
                 .map(|_| {
@@ -461,11 +465,12 @@ impl Engine {
                 let _ = done.send(());
             }
             Command::ApplyWeights {
-                tensors,
+                update,
                 version,
                 done,
             } => {
-                let _ = done.send(self.apply_weights(tensors, version));
+                let result = self.apply_weights(&update, version);
+                let _ = done.send((update, result));
             }
         }
     }
@@ -632,34 +637,15 @@ impl Engine {
         ))
     }
 
-    fn apply_weights(
-        &mut self,
-        tensors: Vec<(String, Tensor)>,
-        version: u64,
-    ) -> Result<(), String> {
-        tch::no_grad(|| {
-            for (name, tensor) in &tensors {
-                // A shallow clone shares the weight's storage: copying into it updates the model.
-                let mut param = self
-                    .model
-                    .params()
-                    .get(name)
-                    .ok_or_else(|| format!("unknown weight `{name}`"))?
-                    .shallow_clone();
-                let tensor = tensor.to_kind(param.kind()).to_device(param.device());
-                param
-                    .f_copy_(&tensor)
-                    .map_err(|e| format!("weight `{name}`: {e}"))?;
-            }
-            Ok::<(), String>(())
-        })?;
+    fn apply_weights(&mut self, update: &StagedUpdate, version: u64) -> Result<(), String> {
+        update.apply(self.model.params())?;
         self.version = version;
         self.status.weight_version.store(version, Ordering::Release);
         // Recompute in-flight sequences under the new weights from their tokens.
         for slot in 0..self.running.len() {
             self.cache.clear(slot);
         }
-        tracing::info!(version, tensors = tensors.len(), "weights updated");
+        tracing::info!(version, tensors = update.len(), "weights updated");
         Ok(())
     }
 

@@ -23,7 +23,7 @@ use super::api::{
     InitWeightTransfer, Logprobs, UpdateWeights, Usage, WeightVersionSpan,
 };
 use super::core::{EngineHandle, Event, PauseMode};
-use super::weights::{connect, BucketLayout};
+use super::weights::{connect, BucketLayout, StagedUpdate};
 use super::ApiError;
 use crate::model::dtype_name;
 
@@ -32,7 +32,7 @@ use crate::model::dtype_name;
 struct Transfer {
     stream: Option<tokio::net::TcpStream>,
     updating: bool,
-    staged: Vec<(String, tch::Tensor)>,
+    staged: StagedUpdate,
 }
 
 struct AppState {
@@ -442,25 +442,14 @@ async fn update_weights(
             "call /start_weight_update before /update_weights",
         ));
     }
-    let stream = transfer
-        .stream
-        .as_mut()
-        .expect("updating implies a connection");
-    let payload = match layout.read(stream).await {
-        Ok(p) => p,
-        Err(message) => {
-            // The stream position is unknown now: drop it; the trainer must re-init.
-            *transfer = Transfer::default();
-            return Err(ApiError::bad_request(message));
-        }
-    };
-    let tensors = tokio::task::spawn_blocking(move || layout.tensors(&payload))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    let received = tensors.len();
-    transfer.staged.extend(tensors);
-    Ok(Json(json!({"received": received})))
+    let Transfer { stream, staged, .. } = &mut *transfer;
+    let stream = stream.as_mut().expect("updating implies a connection");
+    if let Err(message) = staged.receive(&layout, stream).await {
+        // The stream position is unknown now: drop it; the trainer must re-init.
+        *transfer = Transfer::default();
+        return Err(ApiError::bad_request(message));
+    }
+    Ok(Json(json!({"received": layout.total_bytes()})))
 }
 
 async fn finish_weight_update(
@@ -480,10 +469,15 @@ async fn finish_weight_update(
         std::mem::take(&mut transfer.staged)
     };
     let count = staged.len();
-    state
+    let emptied = state
         .engine
         .apply_weights(staged, req.weight_version)
         .await?;
+    // Keep the buffer for the next update unless a new one already started.
+    let mut transfer = state.transfer.lock().await;
+    if !transfer.updating {
+        transfer.staged = emptied;
+    }
     Ok(Json(
         json!({"weight_version": req.weight_version, "updated": count}),
     ))

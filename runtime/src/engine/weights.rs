@@ -4,9 +4,14 @@
 //! connects and announces its rank (`MOULTHI1`, u32 LE rank). For every `POST /update_weights`
 //! bucket the trainer sends `MOULTWT1`, the payload length as u64 LE, then the tensors' raw bytes
 //! concatenated in `names` order (the same packed stream the NCCL plane broadcasts), flushed in
-//! chunks of at most `packed_buffer_size_bytes`. The engine checks the length against the
-//! `update_info` it was given, so a desynchronised stream is detected rather than misread.
+//! chunks of `packed_buffer_size_bytes`. The engine checks the length against the `update_info`
+//! it was given, so a desynchronised stream is detected rather than misread.
+//!
+//! Updates are staged: buckets land in one byte buffer, and `finish_weight_update` copies them
+//! into the model between two engine steps, so a step never sees half a version. Both ends reuse
+//! their buffers across updates, so a steady stream of updates allocates nothing.
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 
@@ -19,9 +24,13 @@ use crate::model::{dtype_name, parse_dtype};
 pub const HELLO_MAGIC: &[u8; 8] = b"MOULTHI1";
 pub const BUCKET_MAGIC: &[u8; 8] = b"MOULTWT1";
 
-/// vLLM's default `packed_buffer_size_bytes` for packed broadcasts (1 GiB is theirs; on CPU a
-/// smaller chunk keeps memory flat without costing throughput).
+/// The sender's default flush size (vLLM's packed broadcasts default to 1 GiB on GPUs; on a CPU
+/// socket a smaller chunk keeps memory flat at the same throughput).
 pub const DEFAULT_PACKED_BUFFER_BYTES: usize = 64 << 20;
+
+/// Largest temporary tensor when copying staged bytes into the model: big weights (embeddings)
+/// are copied in row blocks of about this size, so the temporaries are reused by the allocator.
+const APPLY_CHUNK_BYTES: usize = 16 << 20;
 
 /// The `update_info` describing `tensors` in order.
 pub fn update_info(tensors: &[(String, Tensor)]) -> UpdateInfo {
@@ -34,12 +43,6 @@ pub fn update_info(tensors: &[(String, Tensor)]) -> UpdateInfo {
         shapes: tensors.iter().map(|(_, t)| t.size()).collect(),
         packed: Some(true),
     }
-}
-
-/// The trainer's end: accepted engine connections, ordered by rank.
-#[derive(Debug)]
-pub struct TcpWeightSender {
-    conns: Vec<TcpStream>,
 }
 
 /// A bound listener waiting for engines (bind first, hand out the port, then accept).
@@ -81,16 +84,17 @@ impl WeightListener {
         ranked.sort_by_key(|(rank, _)| *rank);
         Ok(TcpWeightSender {
             conns: ranked.into_iter().map(|(_, s)| s).collect(),
+            chunk: Vec::new(),
         })
     }
 }
 
-/// The raw bytes of a tensor (contiguous, on the CPU).
-fn tensor_bytes(t: &Tensor) -> Vec<u8> {
-    let t = t.to_device(Device::Cpu).contiguous();
-    let mut buf = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
-    t.copy_data_u8(&mut buf, t.numel());
-    buf
+/// The trainer's end: accepted engine connections, ordered by rank.
+#[derive(Debug)]
+pub struct TcpWeightSender {
+    conns: Vec<TcpStream>,
+    /// The packing buffer, reused across buckets.
+    chunk: Vec<u8>,
 }
 
 impl TcpWeightSender {
@@ -101,6 +105,7 @@ impl TcpWeightSender {
         tensors: &[(String, Tensor)],
         packed_buffer_bytes: usize,
     ) -> std::io::Result<()> {
+        let packed_buffer_bytes = packed_buffer_bytes.max(1);
         let total: usize = tensors
             .iter()
             .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
@@ -108,27 +113,48 @@ impl TcpWeightSender {
         let mut header = Vec::with_capacity(16);
         header.extend_from_slice(BUCKET_MAGIC);
         header.extend_from_slice(&(total as u64).to_le_bytes());
-        self.broadcast(&header)?;
-        let mut chunk = Vec::with_capacity(packed_buffer_bytes.min(total));
+        broadcast(&mut self.conns, &header)?;
+        let mut chunk = std::mem::take(&mut self.chunk);
+        chunk.clear();
         for (_, t) in tensors {
-            chunk.extend_from_slice(&tensor_bytes(t));
-            if chunk.len() >= packed_buffer_bytes {
-                self.broadcast(&chunk)?;
-                chunk.clear();
+            let t = t.to_device(Device::Cpu).contiguous();
+            let rows = if t.dim() == 0 { 1 } else { t.size()[0] };
+            let row_numel = if rows == 0 {
+                0
+            } else {
+                t.numel() / rows as usize
+            };
+            let row_bytes = row_numel * t.kind().elt_size_in_bytes();
+            let flat = if t.dim() == 0 { t.reshape([1]) } else { t };
+            let mut r = 0;
+            while r < rows {
+                // As many whole rows as fit before the flush size (at least one).
+                let space = packed_buffer_bytes.saturating_sub(chunk.len());
+                let n = ((space / row_bytes.max(1)) as i64).clamp(1, rows - r);
+                let start = chunk.len();
+                chunk.resize(start + n as usize * row_bytes, 0);
+                flat.narrow(0, r, n)
+                    .copy_data_u8(&mut chunk[start..], n as usize * row_numel);
+                r += n;
+                if chunk.len() >= packed_buffer_bytes {
+                    broadcast(&mut self.conns, &chunk)?;
+                    chunk.clear();
+                }
             }
         }
         if !chunk.is_empty() {
-            self.broadcast(&chunk)?;
+            broadcast(&mut self.conns, &chunk)?;
         }
+        self.chunk = chunk;
         Ok(())
     }
+}
 
-    fn broadcast(&mut self, bytes: &[u8]) -> std::io::Result<()> {
-        for conn in &mut self.conns {
-            conn.write_all(bytes)?;
-        }
-        Ok(())
+fn broadcast(conns: &mut [TcpStream], bytes: &[u8]) -> std::io::Result<()> {
+    for conn in conns {
+        conn.write_all(bytes)?;
     }
+    Ok(())
 }
 
 /// The engine's end: connects to the trainer and announces its rank.
@@ -143,11 +169,24 @@ pub async fn connect(addr: &str, rank: u32) -> std::io::Result<tokio::net::TcpSt
     Ok(stream)
 }
 
+/// One staged weight: where its bytes lie in [`StagedUpdate`].
+#[derive(Debug, Clone)]
+struct Entry {
+    name: String,
+    shape: Vec<i64>,
+    kind: Kind,
+    offset: usize,
+}
+
 /// A bucket's tensors, checked against the model: (name, shape, dtype) in stream order.
 #[derive(Debug)]
 pub struct BucketLayout {
     entries: Vec<(String, Vec<i64>, Kind)>,
     total_bytes: usize,
+}
+
+fn byte_len(shape: &[i64], kind: Kind) -> usize {
+    shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes()
 }
 
 impl BucketLayout {
@@ -170,12 +209,14 @@ impl BucketLayout {
                 ));
             };
             if shape != expected {
-                return Err(format!("update_info.shapes: `{name}` has shape {expected:?} in this model, got {shape:?}"));
+                return Err(format!(
+                    "update_info.shapes: `{name}` has shape {expected:?} in this model, got {shape:?}"
+                ));
             }
             let kind = parse_dtype(dtype).ok_or_else(|| {
                 format!("update_info.dtype_names: `{dtype}` for `{name}` is not one of float32, bfloat16, float16")
             })?;
-            total_bytes += shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
+            total_bytes += byte_len(shape, kind);
             entries.push((name.clone(), shape.clone(), kind));
         }
         Ok(Self {
@@ -187,9 +228,37 @@ impl BucketLayout {
     pub fn total_bytes(&self) -> usize {
         self.total_bytes
     }
+}
 
-    /// Reads this bucket from the stream: header, then the payload.
-    pub async fn read(&self, stream: &mut tokio::net::TcpStream) -> Result<Vec<u8>, String> {
+/// Buckets received since `start_weight_update`, not yet applied.
+#[derive(Debug, Default)]
+pub struct StagedUpdate {
+    bytes: Vec<u8>,
+    entries: Vec<Entry>,
+}
+
+impl StagedUpdate {
+    /// Empties the update, keeping the buffer for the next one.
+    pub fn clear(&mut self) {
+        self.bytes.clear();
+        self.entries.clear();
+    }
+
+    /// Tensors staged so far.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Reads one bucket from the stream (header, then payload) and stages it.
+    pub async fn receive(
+        &mut self,
+        layout: &BucketLayout,
+        stream: &mut tokio::net::TcpStream,
+    ) -> Result<(), String> {
         let mut header = [0u8; 16];
         stream
             .read_exact(&mut header)
@@ -199,31 +268,186 @@ impl BucketLayout {
             return Err("the weight stream is out of sync (bad bucket magic)".into());
         }
         let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes")) as usize;
-        if len != self.total_bytes {
+        if len != layout.total_bytes {
             return Err(format!(
                 "the trainer sent {len} bytes but update_info describes {} bytes",
-                self.total_bytes
+                layout.total_bytes
             ));
         }
-        let mut payload = vec![0u8; len];
-        stream
-            .read_exact(&mut payload)
+        let start = self.bytes.len();
+        self.bytes.reserve(len);
+        let read = stream
+            .take(len as u64)
+            .read_to_end(&mut self.bytes)
             .await
             .map_err(|e| format!("reading {len} weight bytes: {e}"))?;
-        Ok(payload)
+        if read != len {
+            self.bytes.truncate(start);
+            return Err(format!(
+                "the weight stream ended after {read} of {len} bytes"
+            ));
+        }
+        let mut offset = start;
+        for (name, shape, kind) in &layout.entries {
+            self.entries.push(Entry {
+                name: name.clone(),
+                shape: shape.clone(),
+                kind: *kind,
+                offset,
+            });
+            offset += byte_len(shape, *kind);
+        }
+        Ok(())
     }
 
-    /// Cuts a payload into tensors (CPU; the engine moves them to its device when applying).
-    pub fn tensors(&self, payload: &[u8]) -> Result<Vec<(String, Tensor)>, tch::TchError> {
-        let mut offset = 0;
-        self.entries
+    /// Copies every staged tensor into the model's weight of the same name (converting dtype and
+    /// device), in row blocks of at most [`APPLY_CHUNK_BYTES`].
+    pub fn apply(&self, params: &BTreeMap<String, Tensor>) -> Result<(), String> {
+        self.apply_in_blocks(params, APPLY_CHUNK_BYTES)
+    }
+
+    fn apply_in_blocks(
+        &self,
+        params: &BTreeMap<String, Tensor>,
+        block_bytes: usize,
+    ) -> Result<(), String> {
+        tch::no_grad(|| {
+            for e in &self.entries {
+                let param = params
+                    .get(&e.name)
+                    .ok_or_else(|| format!("unknown weight `{}`", e.name))?;
+                let (rows, row_shape) = match e.shape.split_first() {
+                    Some((&rows, rest)) => (rows, rest.to_vec()),
+                    None => (1, Vec::new()),
+                };
+                let row_bytes = byte_len(&row_shape, e.kind);
+                let block = ((block_bytes / row_bytes.max(1)) as i64).max(1);
+                let flat = if e.shape.is_empty() {
+                    param.reshape([1])
+                } else {
+                    param.shallow_clone()
+                };
+                let mut r = 0;
+                while r < rows {
+                    let n = block.min(rows - r);
+                    let start = e.offset + r as usize * row_bytes;
+                    let shape: Vec<i64> = std::iter::once(n)
+                        .chain(row_shape.iter().copied())
+                        .collect();
+                    let src = Tensor::f_from_data_size(
+                        &self.bytes[start..start + n as usize * row_bytes],
+                        &shape,
+                        e.kind,
+                    )
+                    .map_err(|err| format!("weight `{}`: {err}", e.name))?;
+                    flat.narrow(0, r, n)
+                        .f_copy_(&src)
+                        .map_err(|err| format!("weight `{}`: {err}", e.name))?;
+                    r += n;
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Trainer → engine over loopback: bf16 and f32 tensors of several ranks, a flush size that
+    /// splits rows across chunks, and copy blocks smaller than a tensor, land exactly.
+    #[tokio::test]
+    async fn libtorch_round_trip_through_the_tcp_plane() {
+        tch::manual_seed(0);
+        let params: BTreeMap<String, Tensor> = [
+            (
+                "a.weight",
+                Tensor::zeros([7, 5], (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "b.experts",
+                Tensor::zeros([3, 4, 2], (Kind::Float, Device::Cpu)),
+            ),
+            ("c.norm", Tensor::zeros([9], (Kind::BFloat16, Device::Cpu))),
+        ]
+        .into_iter()
+        .map(|(n, t)| (n.to_string(), t))
+        .collect();
+        let sent = vec![
+            (
+                "a.weight".to_string(),
+                Tensor::randn([7, 5], (Kind::Float, Device::Cpu)),
+            ),
+            (
+                "b.experts".to_string(),
+                Tensor::randn([3, 4, 2], (Kind::BFloat16, Device::Cpu)),
+            ),
+            (
+                "c.norm".to_string(),
+                Tensor::randn([9], (Kind::Float, Device::Cpu)),
+            ),
+        ];
+        let shapes: Vec<(String, Vec<i64>)> =
+            params.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+        let layout = BucketLayout::new(&update_info(&sent), &shapes).unwrap();
+        assert_eq!(layout.total_bytes(), 7 * 5 * 4 + 3 * 4 * 2 * 2 + 9 * 4);
+
+        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
+        let mut stream = connect(&addr, 1).await.unwrap();
+        let mut sender = accept.join().unwrap();
+        let to_send: Vec<(String, Tensor)> = sent
             .iter()
-            .map(|(name, shape, kind)| {
-                let len = shape.iter().product::<i64>() as usize * kind.elt_size_in_bytes();
-                let t = Tensor::f_from_data_size(&payload[offset..offset + len], shape, *kind)?;
-                offset += len;
-                Ok((name.clone(), t))
-            })
-            .collect()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let send = std::thread::spawn(move || sender.send_bucket(&to_send, 24).unwrap());
+        let mut staged = StagedUpdate::default();
+        staged.receive(&layout, &mut stream).await.unwrap();
+        send.join().unwrap();
+        assert_eq!(staged.len(), 3);
+        staged.apply_in_blocks(&params, 16).unwrap();
+        for (name, t) in &sent {
+            let got = &params[name];
+            assert_eq!(
+                got.kind(),
+                if name == "c.norm" {
+                    Kind::BFloat16
+                } else {
+                    Kind::Float
+                }
+            );
+            assert!(
+                got.to_kind(Kind::Float).allclose(
+                    &t.to_kind(got.kind()).to_kind(Kind::Float),
+                    0.0,
+                    0.0,
+                    false
+                ),
+                "{name}"
+            );
+        }
+
+        // A length that disagrees with update_info is caught, not misread.
+        let wrong = BucketLayout::new(&update_info(&sent[..1]), &shapes).unwrap();
+        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
+        let mut stream = connect(&addr, 1).await.unwrap();
+        let mut sender = accept.join().unwrap();
+        let all: Vec<(String, Tensor)> = sent
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        std::thread::spawn(move || sender.send_bucket(&all, 1 << 20))
+            .join()
+            .unwrap()
+            .unwrap();
+        let err = StagedUpdate::default()
+            .receive(&wrong, &mut stream)
+            .await
+            .unwrap_err();
+        assert!(err.contains("update_info describes"), "{err}");
     }
 }
