@@ -55,8 +55,7 @@ struct EngineArgs {
     /// Return the routed expert ids of MoE models (`routed_experts` in each response).
     #[arg(long)]
     enable_return_routed_experts: bool,
-    /// libtorch intra-op threads [default: measured at start-up: one thread or all cores,
-    /// whichever decodes faster].
+    /// libtorch intra-op threads [default: 1 for tiny models (hidden size < 512), else all cores].
     #[arg(long)]
     threads: Option<usize>,
     /// The name reported by /v1/models and in metrics labels [default: the model folder's name].

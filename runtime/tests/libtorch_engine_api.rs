@@ -129,6 +129,20 @@ async fn libtorch_moe_engine_routing_replays_to_the_same_logprobs() {
         2,
     ]);
     let engine_lp: Vec<f32> = choice.logprobs.content.iter().map(|c| c.logprob).collect();
+    // numpy reads it as vLLM's clients do: uint8 (8 experts), the same shape and values.
+    let npy = std::process::Command::new(common::python())
+        .args(["-c", "import base64, io, sys, numpy; a = numpy.load(io.BytesIO(base64.b64decode(sys.argv[1]))); print(a.dtype, list(a.shape), a.reshape(-1).tolist())"])
+        .arg(choice.routed_experts.as_ref().unwrap())
+        .output()
+        .unwrap();
+    let printed = String::from_utf8(npy.stdout).unwrap();
+    let expected: Vec<u16> = ids.clone();
+    assert_eq!(
+        printed.trim(),
+        format!("uint8 {:?} {:?}", shape.to_vec(), expected),
+        "{}",
+        String::from_utf8_lossy(&npy.stderr)
+    );
     let replayed = common::reference_logprobs(
         &reference,
         &p,

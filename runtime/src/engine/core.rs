@@ -51,8 +51,8 @@ pub struct EngineOptions {
     pub return_routed_experts: bool,
     /// Ids that end generation unless `ignore_eos` (from config/generation_config).
     pub eos_token_ids: Vec<i64>,
-    /// libtorch intra-op threads of the engine thread; `None` measures at start-up whether
-    /// the model's decode steps run faster on one thread or on all of them.
+    /// libtorch intra-op threads of the engine thread; `None`: one for tiny models (hidden size
+    /// under 512), all cores otherwise.
     pub threads: Option<usize>,
 }
 
@@ -349,10 +349,7 @@ struct Engine {
 
 impl Engine {
     fn run(mut self) {
-        let threads = self
-            .opts
-            .threads
-            .unwrap_or_else(|| self.calibrate_threads());
+        let threads = self.opts.threads.unwrap_or_else(|| self.default_threads());
         // Thread-local for OpenMP: this sets the engine thread's own pool.
         tch::set_num_threads(threads as i32);
         tracing::info!(threads, "engine intra-op threads");
@@ -389,42 +386,14 @@ impl Engine {
         tracing::info!("engine thread exiting: every handle was dropped");
     }
 
-    /// Times a decode-shaped forward (a batch of single tokens) on one thread and on all, and
-    /// returns the faster. Waking a thread pool costs tens of microseconds per operation on some
-    /// machines, which dominates small models and pays off on large ones.
-    fn calibrate_threads(&self) -> usize {
-        let all = tch::get_num_threads().max(1) as usize;
-        if all == 1 {
-            return 1;
-        }
-        let tokens: Vec<[i64; 1]> = (0..self.opts.max_batch.min(8) as i64)
-            .map(|t| [t])
-            .collect();
-        let inputs: Vec<SeqInput> = tokens
-            .iter()
-            .map(|t| SeqInput {
-                tokens: t,
-                slot: None,
-                replay: None,
-            })
-            .collect();
-        let time = |threads: usize| {
-            tch::set_num_threads(threads as i32);
-            (0..3)
-                .map(|_| {
-                    let start = std::time::Instant::now();
-                    let _ = tch::no_grad(|| self.model.forward(&inputs, None, LogitsFor::Last));
-                    start.elapsed()
-                })
-                .min()
-                .expect("three runs")
-        };
-        let (one, many) = (time(1), time(all));
-        tracing::debug!(?one, ?many, "decode-step calibration");
-        if one <= many {
+    /// One intra-op thread for models whose matmuls are tiny, all cores otherwise: waking a
+    /// thread pool costs tens of microseconds per operation, more than it saves on a layer a few
+    /// hundred wide (measured in docs/benchmarks.md), and far less than it saves on real models.
+    fn default_threads(&self) -> usize {
+        if self.model.config().hidden_size < 512 {
             1
         } else {
-            all
+            tch::get_num_threads().max(1) as usize
         }
     }
 

@@ -1,0 +1,117 @@
+//! The `moult engine` binary as a user starts it (libtorch): it serves, and refuses bad
+//! command lines and unsupported checkpoints with messages that name the problem.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+fn moult() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_moult"))
+}
+
+/// Starts the engine on an ephemeral port and returns it with the address it printed.
+fn spawn_engine(model: &std::path::Path) -> (Child, String) {
+    let mut child = moult()
+        .args(["engine", "--model"])
+        .arg(model)
+        .args(["--port", "0", "--threads", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let line = BufReader::new(stdout)
+        .lines()
+        .next()
+        .expect("a line")
+        .unwrap();
+    let url = line
+        .strip_prefix("moult engine listening on ")
+        .unwrap_or_else(|| panic!("unexpected: {line}"))
+        .to_string();
+    (child, url)
+}
+
+#[tokio::test]
+async fn libtorch_cli_engine_serves_generate() {
+    let (mut child, url) = spawn_engine(&common::dense_model());
+    let client = reqwest::Client::new();
+    assert_eq!(
+        client
+            .get(format!("{url}/health"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    let body = serde_json::json!({"token_ids": [2001, 273, 105], "sampling_params": {"max_tokens": 5, "seed": 1, "ignore_eos": true}});
+    let v: serde_json::Value = client
+        .post(format!("{url}/inference/v1/generate"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        v["choices"][0]["token_ids"].as_array().unwrap().len(),
+        5,
+        "{v}"
+    );
+    let models: serde_json::Value = client
+        .get(format!("{url}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "qwen3-tiny");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+fn failing(args: &[&str]) -> String {
+    let out = moult().args(args).output().unwrap();
+    assert!(!out.status.success(), "{args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn libtorch_cli_refuses_bad_arguments_and_unsupported_models() {
+    let model = common::dense_model();
+    let model = model.to_str().unwrap();
+    let err = failing(&["engine", "--model", model, "--dtype", "int4"]);
+    assert!(
+        err.contains("--dtype must be auto, float32, bfloat16 or float16"),
+        "{err}"
+    );
+    let err = failing(&["engine", "--model", model, "--device", "tpu"]);
+    assert!(
+        err.contains("--device must be cpu, cuda or cuda:N"),
+        "{err}"
+    );
+    let err = failing(&["engine", "--model", model, "--max-batch", "0"]);
+    assert!(err.contains("--max-batch"), "{err}");
+    let err = failing(&["engine", "--model", "/nonexistent/model"]);
+    assert!(err.contains("/nonexistent/model/config.json"), "{err}");
+
+    // A Llama checkpoint is refused naming the architecture.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("llama-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(common::dense_model().join("config.json")).unwrap(),
+    )
+    .unwrap();
+    config["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let err = failing(&["engine", "--model", dir.to_str().unwrap()]);
+    assert!(
+        err.contains("architecture `LlamaForCausalLM` is not supported"),
+        "{err}"
+    );
+}
