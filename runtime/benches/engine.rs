@@ -80,6 +80,7 @@ fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHan
         return_routed_experts: false,
         eos_token_ids: vec![],
         threads: None,
+        packed_weights: None,
     };
     EngineHandle::spawn(m, "bench".into(), opts)
 }

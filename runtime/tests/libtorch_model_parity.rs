@@ -27,8 +27,14 @@ fn full_logits(model: &Qwen3Model, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option
     (out.logits.split_with_sizes(&lens, 0), out.routed_experts)
 }
 
-fn check_parity(dir: &std::path::Path) {
-    let model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
+fn check_parity(dir: &std::path::Path, packed: bool) {
+    let mut model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
+    if packed {
+        assert!(
+            model.pack_for_inference(),
+            "packing is available for f32 on CPU"
+        );
+    }
     let reference = common::reference(dir);
     assert!(
         reference.len() >= 3,
@@ -61,12 +67,19 @@ fn check_parity(dir: &std::path::Path) {
 
 #[test]
 fn libtorch_dense_logits_match_transformers() {
-    check_parity(&common::dense_model());
+    check_parity(&common::dense_model(), false);
 }
 
 #[test]
 fn libtorch_moe_logits_and_routing_match_transformers() {
-    check_parity(&common::moe_model());
+    check_parity(&common::moe_model(), false);
+}
+
+/// The engine's oneDNN-packed weights compute the same logits.
+#[test]
+fn libtorch_packed_weights_logits_match_transformers() {
+    check_parity(&common::dense_model(), true);
+    check_parity(&common::moe_model(), true);
 }
 
 /// Decoding with the KV cache, in chunks of mixed sizes and with sequences at different

@@ -51,9 +51,11 @@ pub struct EngineOptions {
     pub return_routed_experts: bool,
     /// Ids that end generation unless `ignore_eos` (from config/generation_config).
     pub eos_token_ids: Vec<i64>,
-    /// libtorch intra-op threads of the engine thread; `None`: one for tiny models (hidden size
+    /// libtorch intra-op threads of the engine thread; `None`: one for small models (hidden size
     /// under 512), all cores otherwise.
     pub threads: Option<usize>,
+    /// Keep oneDNN-packed weights for the matmuls (CPU); `None`: for all but small models.
+    pub packed_weights: Option<bool>,
 }
 
 /// What the HTTP layer needs to know about the loaded model, without touching the engine thread.
@@ -349,10 +351,16 @@ struct Engine {
 
 impl Engine {
     fn run(mut self) {
-        let threads = self.opts.threads.unwrap_or_else(|| self.default_threads());
+        // Small models (hidden size under 512) are dominated by per-operation overheads: one
+        // intra-op thread (waking a pool costs tens of microseconds per operation) and dense
+        // weights (oneDNN costs ~30 µs more per call). Larger ones gain from both.
+        let small = self.model.config().hidden_size < 512;
+        let all = tch::get_num_threads().max(1) as usize;
+        let threads = self.opts.threads.unwrap_or(if small { 1 } else { all });
         // Thread-local for OpenMP: this sets the engine thread's own pool.
         tch::set_num_threads(threads as i32);
-        tracing::info!(threads, "engine intra-op threads");
+        let packed = self.opts.packed_weights.unwrap_or(!small) && self.model.pack_for_inference();
+        tracing::info!(threads, packed, "engine compute settings");
         loop {
             let idle = matches!(self.pause, PauseState::Paused(_))
                 || (self.running.is_empty() && self.waiting.is_empty());
@@ -386,17 +394,6 @@ impl Engine {
         tracing::info!("engine thread exiting: every handle was dropped");
     }
 
-    /// One intra-op thread for models whose matmuls are tiny, all cores otherwise: waking a
-    /// thread pool costs tens of microseconds per operation, more than it saves on a layer a few
-    /// hundred wide (measured in docs/benchmarks.md), and far less than it saves on real models.
-    fn default_threads(&self) -> usize {
-        if self.model.config().hidden_size < 512 {
-            1
-        } else {
-            tch::get_num_threads().max(1) as usize
-        }
-    }
-
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Generate(job) => self.accept(job),
@@ -422,6 +419,9 @@ impl Engine {
                 }
             },
             Command::Resume(done) => {
+                self.status.refusing.store(false, Ordering::Release);
+                self.status.paused.store(false, Ordering::Release);
+                // A `wait` pause still draining is cancelled: its callers are released.
                 if let PauseState::Draining(waiters) =
                     std::mem::replace(&mut self.pause, PauseState::Running)
                 {
@@ -429,8 +429,6 @@ impl Engine {
                         let _ = w.send(());
                     });
                 }
-                self.status.refusing.store(false, Ordering::Release);
-                self.status.paused.store(false, Ordering::Release);
                 let _ = done.send(());
             }
             Command::ApplyWeights {
@@ -445,6 +443,11 @@ impl Engine {
     }
 
     fn enter_pause(&mut self, mode: PauseMode, done: oneshot::Sender<()>) {
+        // The shared flags first: whoever is told "paused" must also read it.
+        self.status
+            .refusing
+            .store(mode != PauseMode::Keep, Ordering::Release);
+        self.status.paused.store(true, Ordering::Release);
         if let PauseState::Draining(waiters) =
             std::mem::replace(&mut self.pause, PauseState::Paused(mode))
         {
@@ -452,10 +455,6 @@ impl Engine {
                 let _ = w.send(());
             });
         }
-        self.status
-            .refusing
-            .store(mode != PauseMode::Keep, Ordering::Release);
-        self.status.paused.store(true, Ordering::Release);
         let _ = done.send(());
     }
 
@@ -608,6 +607,7 @@ impl Engine {
 
     fn apply_weights(&mut self, update: &StagedUpdate, version: u64) -> Result<(), String> {
         update.apply(self.model.params())?;
+        self.model.refresh_packed();
         self.version = version;
         self.status.weight_version.store(version, Ordering::Release);
         // Recompute in-flight sequences under the new weights from their tokens.

@@ -8,6 +8,7 @@
 
 mod config;
 mod kv_cache;
+mod linear;
 mod loader;
 mod moe;
 mod qwen3;

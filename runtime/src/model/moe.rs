@@ -12,14 +12,15 @@
 
 use tch::{Device, Kind, Tensor};
 
+use super::linear::Linear;
 use super::qwen3::swiglu;
 use super::{Error, Result};
 
 #[derive(Debug)]
 pub(crate) struct Expert {
     /// `gate_proj` and `up_proj` stacked.
-    pub gate_up_proj: Tensor,
-    pub down_proj: Tensor,
+    pub gate_up_proj: Linear,
+    pub down_proj: Linear,
 }
 
 impl Expert {

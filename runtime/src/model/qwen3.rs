@@ -13,6 +13,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::config::ModelConfig;
 use super::kv_cache::KvCache;
+use super::linear::Linear;
 use super::loader::load_safetensors_dir;
 use super::moe::{Expert, SparseMoe};
 use super::rope::{Rope, RopeAt};
@@ -52,8 +53,8 @@ pub struct ForwardOutput {
 enum Mlp {
     Dense {
         /// `gate_proj` and `up_proj` stacked: one matmul instead of two.
-        gate_up_proj: Tensor,
-        down_proj: Tensor,
+        gate_up_proj: Linear,
+        down_proj: Linear,
     },
     Sparse(SparseMoe),
 }
@@ -63,8 +64,8 @@ struct Layer {
     input_layernorm: Tensor,
     post_attention_layernorm: Tensor,
     /// `q_proj`, `k_proj` and `v_proj` stacked: one matmul instead of three.
-    qkv_proj: Tensor,
-    o_proj: Tensor,
+    qkv_proj: Linear,
+    o_proj: Linear,
     q_norm: Tensor,
     k_norm: Tensor,
     mlp: Mlp,
@@ -81,7 +82,7 @@ pub struct Qwen3Model {
     embed_tokens: Tensor,
     layers: Vec<Layer>,
     norm: Tensor,
-    lm_head: Tensor,
+    lm_head: Linear,
     rope: Rope,
     kind: Kind,
     device: Device,
@@ -94,10 +95,10 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
 }
 
 /// `down(silu(gate(x)) ⊙ up(x))`, with `gate` and `up` stacked in `gate_up`.
-pub(super) fn swiglu(x: &Tensor, gate_up: &Tensor, down: &Tensor) -> Tensor {
-    let gu = x.linear::<Tensor>(gate_up, None);
+pub(super) fn swiglu(x: &Tensor, gate_up: &Linear, down: &Linear) -> Tensor {
+    let gu = gate_up.forward(x);
     let i = gu.size()[1] / 2;
-    (gu.narrow(1, 0, i).silu() * gu.narrow(1, i, i)).linear::<Tensor>(down, None)
+    down.forward(&(gu.narrow(1, 0, i).silu() * gu.narrow(1, i, i)))
 }
 
 /// Takes named weights out of the loaded map, checking each shape.
@@ -178,11 +179,13 @@ impl Qwen3Model {
                     .map(|e| {
                         let q = format!("{p}.mlp.experts.{e}");
                         Ok(Expert {
-                            gate_up_proj: w.take_stacked(&[
+                            gate_up_proj: Linear::new(w.take_stacked(&[
                                 (format!("{q}.gate_proj.weight"), [i, h]),
                                 (format!("{q}.up_proj.weight"), [i, h]),
-                            ])?,
-                            down_proj: w.take(&format!("{q}.down_proj.weight"), &[h, i])?,
+                            ])?),
+                            down_proj: Linear::new(
+                                w.take(&format!("{q}.down_proj.weight"), &[h, i])?,
+                            ),
                         })
                     })
                     .collect::<Result<Vec<_>>>()?;
@@ -195,36 +198,36 @@ impl Qwen3Model {
             } else {
                 let i = c.intermediate_size;
                 Mlp::Dense {
-                    gate_up_proj: w.take_stacked(&[
+                    gate_up_proj: Linear::new(w.take_stacked(&[
                         (format!("{p}.mlp.gate_proj.weight"), [i, h]),
                         (format!("{p}.mlp.up_proj.weight"), [i, h]),
-                    ])?,
-                    down_proj: w.take(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                    ])?),
+                    down_proj: Linear::new(w.take(&format!("{p}.mlp.down_proj.weight"), &[h, i])?),
                 }
             };
             layers.push(Layer {
                 input_layernorm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_attention_layernorm: w
                     .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                qkv_proj: w.take_stacked(&[
+                qkv_proj: Linear::new(w.take_stacked(&[
                     (format!("{p}.self_attn.q_proj.weight"), [q_dim, h]),
                     (format!("{p}.self_attn.k_proj.weight"), [kv_dim, h]),
                     (format!("{p}.self_attn.v_proj.weight"), [kv_dim, h]),
-                ])?,
-                o_proj: w.take(&format!("{p}.self_attn.o_proj.weight"), &[h, q_dim])?,
+                ])?),
+                o_proj: Linear::new(w.take(&format!("{p}.self_attn.o_proj.weight"), &[h, q_dim])?),
                 q_norm: w.take(&format!("{p}.self_attn.q_norm.weight"), &[d])?,
                 k_norm: w.take(&format!("{p}.self_attn.k_norm.weight"), &[d])?,
                 mlp,
             });
         }
         let norm = w.take("model.norm.weight", &[h])?;
-        let lm_head = if c.tie_word_embeddings {
+        let lm_head = Linear::new(if c.tie_word_embeddings {
             // transformers may also save the tied copy; the embedding is the one that counts.
             w.map.remove("lm_head.weight");
             embed_tokens.shallow_clone()
         } else {
             w.take("lm_head.weight", &[c.vocab_size, h])?
-        };
+        });
         if let Some(extra) = w.map.keys().next() {
             return Err(Error::Weight {
                 name: extra.clone(),
@@ -264,6 +267,44 @@ impl Qwen3Model {
     /// Every weight by checkpoint name (shallow clones: writing into one updates the model).
     pub fn params(&self) -> &BTreeMap<String, Tensor> {
         &self.params
+    }
+
+    /// Keeps oneDNN-packed copies of the attention, MLP and LM-head weights for inference on
+    /// CPU (see [`Linear`]); returns whether it did (CPU and float32/bfloat16 only). Call
+    /// [`Qwen3Model::refresh_packed`] after writing into [`Qwen3Model::params`].
+    pub fn pack_for_inference(&mut self) -> bool {
+        if self.device != Device::Cpu || !matches!(self.kind, Kind::Float | Kind::BFloat16) {
+            return false;
+        }
+        for linear in self.dense_linears() {
+            linear.pack();
+        }
+        true
+    }
+
+    /// Re-packs the packed weights from the dense ones (after a weight update).
+    pub fn refresh_packed(&mut self) {
+        for linear in self.dense_linears().filter(|l| l.is_packed()) {
+            linear.pack();
+        }
+    }
+
+    /// The linears worth packing: every one but the MoE experts and routers, whose matmuls see
+    /// only the few tokens routed to them.
+    fn dense_linears(&mut self) -> impl Iterator<Item = &mut Linear> {
+        self.layers
+            .iter_mut()
+            .flat_map(|l| {
+                let mlp: Vec<&mut Linear> = match &mut l.mlp {
+                    Mlp::Dense {
+                        gate_up_proj,
+                        down_proj,
+                    } => vec![gate_up_proj, down_proj],
+                    Mlp::Sparse(_) => Vec::new(),
+                };
+                [&mut l.qkv_proj, &mut l.o_proj].into_iter().chain(mlp)
+            })
+            .chain(std::iter::once(&mut self.lm_head))
     }
 
     /// An empty KV cache shaped for this model, with `capacity` positions per slot reserved.
@@ -408,7 +449,9 @@ impl Qwen3Model {
                 h.index_select(0, &Tensor::from_slice(&last_rows).to_device(self.device))
             }
         };
-        let logits = rms_norm(&h, &self.norm, c.rms_norm_eps).linear::<Tensor>(&self.lm_head, None);
+        let logits = self
+            .lm_head
+            .forward(&rms_norm(&h, &self.norm, c.rms_norm_eps));
         let routed_experts = (!routed.is_empty()).then(|| Tensor::stack(&routed, 1));
         Ok(ForwardOutput {
             logits,
@@ -451,11 +494,11 @@ impl Qwen3Model {
     fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeAt) -> (Tensor, Tensor, Tensor) {
         let c = &self.cfg;
         let (heads, kv_heads) = (c.num_attention_heads as i64, c.num_key_value_heads as i64);
-        let qkv = x.linear::<Tensor>(&layer.qkv_proj, None).view([
-            x.size()[0],
-            heads + 2 * kv_heads,
-            c.head_dim as i64,
-        ]);
+        let qkv =
+            layer
+                .qkv_proj
+                .forward(x)
+                .view([x.size()[0], heads + 2 * kv_heads, c.head_dim as i64]);
         let q = rope.apply(&rms_norm(
             &qkv.narrow(1, 0, heads),
             &layer.q_norm,
@@ -506,7 +549,7 @@ impl Qwen3Model {
                 self.attend(&part(&q), &part(&k), &part(&v), s.n, 0)
             })
             .collect();
-        Tensor::cat(&outs, 0).linear::<Tensor>(&layer.o_proj, None)
+        layer.o_proj.forward(&Tensor::cat(&outs, 0))
     }
 
     /// The engine's path: write the new keys/values into the cache, then one batched attention
@@ -552,7 +595,7 @@ impl Qwen3Model {
         };
         if let Some(decode) = batch.decode.as_ref().filter(|d| d.identity) {
             // The steady state: every sequence decodes, packed in slot order.
-            return decode_attention(decode, &q).linear::<Tensor>(&layer.o_proj, None);
+            return layer.o_proj.forward(&decode_attention(decode, &q));
         }
         let mut out = Tensor::zeros([x.size()[0], heads * d], (x.kind(), self.device));
         if let Some(decode) = &batch.decode {
@@ -572,7 +615,7 @@ impl Qwen3Model {
             out.narrow(0, s.offset, s.n)
                 .copy_(&self.attend(&qs, &ks, &vs, s.n, s.past));
         }
-        out.linear::<Tensor>(&layer.o_proj, None)
+        layer.o_proj.forward(&out)
     }
 }
 

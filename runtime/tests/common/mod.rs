@@ -107,6 +107,8 @@ pub fn engine_options() -> EngineOptions {
         return_routed_experts: true,
         eos_token_ids: vec![2002],
         threads: Some(1),
+        // The packed path is the engine's on real models: test it (the trainer path is dense).
+        packed_weights: Some(true),
     }
 }
 
