@@ -6,7 +6,7 @@
 //! 3. weight update over the TCP data plane vs a plain in-memory copy of the same bytes.
 //!
 //! `cargo bench -p moult-runtime --bench engine` (after `source scripts/env.sh`);
-//! `-- --quick` runs the tiny model only. Documented in docs/benchmarks.md.
+//! `-- --quick` runs the tiny model only, `-- --large` the Qwen3-0.6B-shaped one only. Documented in docs/benchmarks.md.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -267,7 +267,15 @@ fn weight_update(rt: &tokio::runtime::Runtime, name: &str, model: &Path) {
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let (tiny_on, large_on) = match (
+        args.iter().any(|a| a == "--quick"),
+        args.iter().any(|a| a == "--large"),
+    ) {
+        (true, _) => (true, false),
+        (false, true) => (false, true),
+        (false, false) => (true, true),
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -284,16 +292,20 @@ fn main() {
         "| model | batch | prompt | new tokens | moult | transformers (best of 1 or all threads) | moult / transformers |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
-    throughput(&rt, "tiny (3 layers, d=64)", &tiny, 128);
-    if !quick {
+    if tiny_on {
+        throughput(&rt, "tiny (3 layers, d=64)", &tiny, 128);
+    }
+    if large_on {
         throughput(&rt, "Qwen3-0.6B shape", &qwen, 32);
     }
 
     println!("\n## Per-token decode latency (ms/token, batch 1)\n");
     println!("| model | context 64 | context 1024 | 1024 / 64 |");
     println!("| --- | --- | --- | --- |");
-    latency(&rt, "tiny", &tiny);
-    if !quick {
+    if tiny_on {
+        latency(&rt, "tiny", &tiny);
+    }
+    if large_on {
         latency(&rt, "Qwen3-0.6B shape", &qwen);
     }
 
@@ -302,8 +314,10 @@ fn main() {
         "| model | GB | first update s | next update s | TCP GB/s | memcpy GB/s | TCP / memcpy |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
-    weight_update(&rt, "tiny", &tiny);
-    if !quick {
+    if tiny_on {
+        weight_update(&rt, "tiny", &tiny);
+    }
+    if large_on {
         weight_update(&rt, "Qwen3-0.6B shape", &qwen);
     }
 }

@@ -35,9 +35,16 @@ impl Linear {
         }
     }
 
-    /// Makes (or refreshes) the packed copy from the dense weight.
+    /// Makes the packed copy from the dense weight.
     pub fn pack(&mut self) {
         self.packed = Some(self.weight.contiguous().to_mkldnn());
+    }
+
+    /// Rewrites an existing packed copy from the dense weight, in place (no new allocation).
+    pub fn refresh(&self) {
+        if let Some(packed) = &self.packed {
+            let _ = self.weight.contiguous().to_mkldnn_out(packed, None);
+        }
     }
 
     pub fn is_packed(&self) -> bool {

@@ -286,10 +286,10 @@ impl Qwen3Model {
         true
     }
 
-    /// Re-packs the packed weights from the dense ones (after a weight update).
+    /// Re-packs the packed weights from the dense ones (after a weight update), in place.
     pub fn refresh_packed(&mut self) {
-        for linear in self.dense_linears().filter(|l| l.is_packed()) {
-            linear.pack();
+        for linear in self.dense_linears() {
+            linear.refresh();
         }
     }
 
