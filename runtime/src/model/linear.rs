@@ -46,8 +46,4 @@ impl Linear {
             let _ = self.weight.contiguous().to_mkldnn_out(packed, None);
         }
     }
-
-    pub fn is_packed(&self) -> bool {
-        self.packed.is_some()
-    }
 }
