@@ -1,6 +1,6 @@
 //! The `moult` command line.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
@@ -79,25 +79,6 @@ fn parse_device(text: Option<&str>) -> anyhow::Result<Device> {
     })
 }
 
-/// End-of-sequence ids from config.json and generation_config.json.
-fn eos_ids(model: &Path, cfg: &ModelConfig) -> Vec<i64> {
-    let mut ids = cfg.eos_token_ids.clone();
-    if let Ok(text) = std::fs::read_to_string(model.join("generation_config.json")) {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
-            match v.get("eos_token_id") {
-                Some(serde_json::Value::Number(n)) => ids.extend(n.as_i64()),
-                Some(serde_json::Value::Array(a)) => {
-                    ids.extend(a.iter().filter_map(|x| x.as_i64()))
-                }
-                _ => {}
-            }
-        }
-    }
-    ids.sort_unstable();
-    ids.dedup();
-    ids
-}
-
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
@@ -152,7 +133,7 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
         max_prefill_tokens: args.max_prefill_tokens,
         max_waiting: args.max_waiting,
         return_routed_experts: args.enable_return_routed_experts,
-        eos_token_ids: eos_ids(&args.model, &cfg),
+        eos_token_ids: cfg.eos_token_ids.clone(),
         threads: args.threads,
         packed_weights: match args.packed_weights.as_str() {
             "auto" => None,

@@ -121,16 +121,36 @@ fn required(value: Option<usize>, field: &str) -> Result<usize> {
 
 impl ModelConfig {
     /// Reads `config.json` from a model folder.
+    /// End-of-sequence ids are those of `config.json` and, when present, of
+    /// `generation_config.json` (where Qwen3 lists `<|im_end|>` besides `<|endoftext|>`).
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| Error::Io {
             path: path.clone(),
             source,
         })?;
-        Self::from_json(&text).map_err(|e| match e {
+        let mut cfg = Self::from_json(&text).map_err(|e| match e {
             Error::Config(msg) => Error::Config(format!("{}: {msg}", path.display())),
             other => other,
-        })
+        })?;
+        let generation = dir.join("generation_config.json");
+        if let Ok(text) = std::fs::read_to_string(&generation) {
+            #[derive(Deserialize)]
+            struct GenerationConfig {
+                eos_token_id: Option<OneOrMany>,
+            }
+            let g: GenerationConfig = serde_json::from_str(&text).map_err(|e| {
+                Error::Config(format!(
+                    "{}: not valid JSON with an optional eos_token_id: {e}",
+                    generation.display()
+                ))
+            })?;
+            cfg.eos_token_ids
+                .extend(g.eos_token_id.map(OneOrMany::into_vec).unwrap_or_default());
+            cfg.eos_token_ids.sort_unstable();
+            cfg.eos_token_ids.dedup();
+        }
+        Ok(cfg)
     }
 
     /// Parses and checks the text of a `config.json`.
@@ -368,6 +388,29 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("num_key_value_heads"), "{err}");
+    }
+
+    #[test]
+    fn generation_config_adds_end_of_sequence_ids() {
+        let dir = std::env::temp_dir().join(format!("moult-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), fixture("qwen3_0.6b_config.json")).unwrap();
+        std::fs::write(
+            dir.join("generation_config.json"),
+            fixture("qwen3_0.6b_generation_config.json"),
+        )
+        .unwrap();
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        // config.json: 151645 (<|im_end|>); generation_config.json: [151645, 151643].
+        assert_eq!(cfg.eos_token_ids, vec![151_643, 151_645]);
+        std::fs::write(
+            dir.join("generation_config.json"),
+            "{\"eos_token_id\": \"x\"}",
+        )
+        .unwrap();
+        let err = ModelConfig::from_dir(&dir).unwrap_err().to_string();
+        assert!(err.contains("generation_config.json"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
