@@ -795,3 +795,45 @@ async fn libtorch_bad_input_gets_4xx_naming_the_field_while_others_complete() {
         200
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_end_of_sequence_stops_unless_ignored_or_before_min_tokens() {
+    let dir = common::dense_model();
+    let probe = common::start_engine(&dir, common::engine_options()).await;
+    let greedy = |extra: Value| {
+        let mut params = json!({"max_tokens": 5, "temperature": 0.0});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        json!({"token_ids": prompt(8, 6), "sampling_params": params})
+    };
+    let first = generate(&probe.url, greedy(json!({"ignore_eos": true})))
+        .await
+        .choices[0]
+        .token_ids[0];
+    // An engine whose end-of-sequence id is exactly the token greedy decoding picks first.
+    let opts = moult_runtime::engine::EngineOptions {
+        eos_token_ids: vec![first],
+        ..common::engine_options()
+    };
+    let engine = common::start_engine(&dir, opts).await;
+    let stopped = generate(&engine.url, greedy(json!({}))).await;
+    assert_eq!(stopped.choices[0].token_ids, vec![first]);
+    assert_eq!(stopped.choices[0].finish_reason.as_deref(), Some("stop"));
+    let ignored = generate(&engine.url, greedy(json!({"ignore_eos": true}))).await;
+    assert_eq!(
+        (
+            ignored.choices[0].token_ids.len(),
+            ignored.choices[0].finish_reason.as_deref()
+        ),
+        (5, Some("length"))
+    );
+    let held = generate(&engine.url, greedy(json!({"min_tokens": 2}))).await;
+    let c = &held.choices[0];
+    assert_ne!(
+        c.token_ids[0], first,
+        "end-of-sequence is masked before min_tokens"
+    );
+    assert!(c.token_ids.len() >= 2);
+}
