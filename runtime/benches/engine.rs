@@ -138,10 +138,15 @@ fn throughput(rt: &tokio::runtime::Runtime, name: &str, model: &Path, new_tokens
     let (handle, _t) = engine(model, 32);
     rt.block_on(run_batch(&handle, 2, prompt_len, 4)); // warm-up
     for batch in [1, 8, 32] {
-        let (secs, _) = rt.block_on(run_batch(&handle, batch, prompt_len, new_tokens));
+        let (secs, arrivals) = rt.block_on(run_batch(&handle, batch, prompt_len, new_tokens));
         let ours = (batch * new_tokens) as f64 / secs;
+        // Decode only: from the moment every request has its first token to the last token.
+        let first = arrivals.iter().map(|t| t[0]).max().unwrap();
+        let last = arrivals.iter().map(|t| t[new_tokens - 1]).max().unwrap();
+        let ours_decode =
+            (batch * (new_tokens - 1)) as f64 / last.duration_since(first).as_secs_f64();
         // transformers at its best: one intra-op thread or all (small models favour one).
-        let theirs = [1, tch::get_num_threads()]
+        let (theirs, theirs_decode) = [1, tch::get_num_threads()]
             .iter()
             .map(|threads| {
                 let line = run_python(&[
@@ -156,12 +161,18 @@ fn throughput(rt: &tokio::runtime::Runtime, name: &str, model: &Path, new_tokens
                     &threads.to_string(),
                 ]);
                 let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
-                v["tokens_per_s"].as_f64().unwrap()
+                (
+                    v["tokens_per_s"].as_f64().unwrap(),
+                    v["decode_tokens_per_s"].as_f64().unwrap(),
+                )
             })
-            .fold(0.0, f64::max);
+            .fold((0.0, 0.0), |(a, b), (c, d)| {
+                (f64::max(a, c), f64::max(b, d))
+            });
         println!(
-            "| {name} | {batch} | {prompt_len} | {new_tokens} | {ours:.1} | {theirs:.1} | {:.2}x |",
-            ours / theirs
+            "| {name} | {batch} | {prompt_len} | {new_tokens} | {ours:.1} | {theirs:.1} | {:.2}x | {ours_decode:.1} | {theirs_decode:.1} | {:.2}x |",
+            ours / theirs,
+            ours_decode / theirs_decode
         );
     }
 }
@@ -289,9 +300,9 @@ fn main() {
         32
     );
     println!(
-        "| model | batch | prompt | new tokens | moult | transformers (best of 1 or all threads) | moult / transformers |"
+        "| model | batch | prompt | new tokens | moult | transformers | ratio | moult decode | transformers decode | decode ratio |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     if tiny_on {
         throughput(&rt, "tiny (3 layers, d=64)", &tiny, 128);
     }
