@@ -117,16 +117,26 @@ async fn run_batch(
                 .unwrap(),
         );
     }
+    // One task per request, so that each token is timestamped when it arrives.
+    let tasks: Vec<_> = receivers
+        .into_iter()
+        .map(|mut rx| {
+            tokio::spawn(async move {
+                let mut times = Vec::new();
+                while let Some(event) = rx.recv().await {
+                    match event {
+                        Event::Token { .. } => times.push(Instant::now()),
+                        Event::Finished { .. } => break,
+                        other => panic!("unexpected {other:?}"),
+                    }
+                }
+                times
+            })
+        })
+        .collect();
     let mut arrivals = Vec::new();
-    for mut rx in receivers {
-        let mut times = Vec::new();
-        while let Some(event) = rx.recv().await {
-            match event {
-                Event::Token { .. } => times.push(Instant::now()),
-                Event::Finished { .. } => break,
-                other => panic!("unexpected {other:?}"),
-            }
-        }
+    for task in tasks {
+        let times = task.await.unwrap();
         assert_eq!(times.len(), new_tokens);
         arrivals.push(times);
     }
@@ -296,8 +306,7 @@ fn main() {
     println!("torch intra-op threads: {}\n", tch::get_num_threads());
 
     println!(
-        "## Decode throughput (tokens/s, sampling at T=1, prompt {} tokens)\n",
-        32
+        "## Throughput (tokens/s, T=1): end to end, and decode only (after every first token)\n"
     );
     println!(
         "| model | batch | prompt | new tokens | moult | transformers | ratio | moult decode | transformers decode | decode ratio |"
