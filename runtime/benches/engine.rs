@@ -85,6 +85,10 @@ fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHan
     EngineHandle::spawn(m, "bench".into(), opts)
 }
 
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 fn prompt(seed: usize, len: usize) -> Vec<i64> {
     (0..len)
         .map(|i| ((seed * 7919 + i * 104_729) % 2000) as i64)
@@ -156,7 +160,7 @@ fn throughput(rt: &tokio::runtime::Runtime, name: &str, model: &Path, new_tokens
         let ours_decode =
             (batch * (new_tokens - 1)) as f64 / last.duration_since(first).as_secs_f64();
         // transformers at its best: one intra-op thread or all (small models favour one).
-        let (theirs, theirs_decode) = [1, tch::get_num_threads()]
+        let (theirs, theirs_decode) = [1, cores()]
             .iter()
             .map(|threads| {
                 let line = run_python(&[
@@ -303,7 +307,7 @@ fn main() {
         .build()
         .unwrap();
     let (tiny, qwen) = models();
-    println!("torch intra-op threads: {}\n", tch::get_num_threads());
+    println!("cores: {}\n", cores());
 
     println!(
         "## Throughput (tokens/s, T=1): end to end, and decode only (after every first token)\n"

@@ -89,7 +89,8 @@ impl Engine {
         // intra-op thread (waking a pool costs tens of microseconds per operation) and dense
         // weights (oneDNN costs ~30 µs more per call). Larger ones gain from both.
         let small = self.model.config().hidden_size < 512;
-        let all = tch::get_num_threads().max(1) as usize;
+        // Not `tch::get_num_threads()`: a new thread inherits the last count any thread set.
+        let all = std::thread::available_parallelism().map_or(1, |n| n.get());
         let threads = self.opts.threads.unwrap_or(if small { 1 } else { all });
         // Thread-local for OpenMP: this sets the engine thread's own pool.
         tch::set_num_threads(threads as i32);
