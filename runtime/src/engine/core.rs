@@ -1,4 +1,6 @@
-//! The engine loop: one dedicated thread owns the model, the running batch and every KV cache.
+//! The engine's async-side handle, its requests and events. One dedicated thread (the loop in
+//! `scheduler`) owns the model, the running batch and the KV cache; everything else talks to it
+//! through [`EngineHandle`] over a bounded command queue.
 //!
 //! Contract:
 //! - Continuous batching: each step runs one packed forward over every running sequence (a
