@@ -1,0 +1,324 @@
+//! Chat templates rendered as transformers' `apply_chat_template` renders them.
+//!
+//! transformers compiles a template with jinja2 `trim_blocks` and `lstrip_blocks`, the
+//! `loopcontrols` extension, Python string methods on values, its own `tojson` (Python
+//! `json.dumps`), and the globals `raise_exception` and `strftime_now`; it passes `messages`,
+//! `tools`, `documents`, `add_generation_prompt`, the special tokens and any extra keyword
+//! (`enable_thinking`). minijinja's defaults differ on each of these, so each is set here, and
+//! the parity tests against transformers are the judge (DESIGN §4.2).
+
+use std::path::Path;
+
+use minijinja::value::{Kwargs, Serde, Value, ValueKind};
+use minijinja::{Environment, ErrorKind};
+use serde_json::{Map, Value as Json};
+
+use super::pyjson::{dumps, DumpOptions};
+
+/// Errors of loading or rendering a chat template.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("{path}: {message}")]
+    Load { path: String, message: String },
+    #[error("the chat template does not compile: {0}")]
+    Compile(#[source] minijinja::Error),
+    #[error("rendering the chat template failed: {0}")]
+    Render(#[source] minijinja::Error),
+}
+
+/// A compiled chat template with the special tokens it may reference.
+#[derive(Debug)]
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    special_tokens: Map<String, Json>,
+}
+
+/// What a render call passes besides the messages.
+#[derive(Debug, Clone, Default)]
+pub struct RenderOptions {
+    pub tools: Option<Json>,
+    pub documents: Option<Json>,
+    pub add_generation_prompt: bool,
+    /// Extra template variables (`enable_thinking`, ...).
+    pub extra: Map<String, Json>,
+}
+
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let _ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let separators = match separators {
+        None => None,
+        Some(s) if s.len() == 2 => Some((s[0].clone(), s[1].clone())),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be a pair",
+            ))
+        }
+    };
+    let opts = DumpOptions {
+        indent,
+        sort_keys: sort_keys.unwrap_or(false),
+        separators,
+    };
+    Ok(Value::from(dumps(&json, &opts)))
+}
+
+fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `strftime_now(format)`: the current UTC date and time, for the directives templates use.
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    strftime(secs, &format)
+}
+
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const DAYS: [&str; 7] = [
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+];
+
+/// Formats Unix seconds (UTC) with `%d %m %Y %y %b %B %a %A %H %M %S %j %%`.
+fn strftime(secs: i64, format: &str) -> String {
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    let cumulative = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cumulative[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let weekday = DAYS[days.rem_euclid(7) as usize];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('b') => out.push_str(&MONTHS[(month - 1) as usize][..3]),
+            Some('B') => out.push_str(MONTHS[(month - 1) as usize]),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// transformers fills `reasoning_content` (and `thinking`) from whichever reasoning field a
+/// message carries, so templates reading any of the names see it.
+fn alias_reasoning(messages: &Json) -> Json {
+    let Some(list) = messages.as_array() else {
+        return messages.clone();
+    };
+    Json::Array(
+        list.iter()
+            .map(|m| {
+                let Some(obj) = m.as_object() else {
+                    return m.clone();
+                };
+                let reasoning = ["reasoning_content", "thinking", "reasoning"]
+                    .iter()
+                    .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned());
+                match reasoning {
+                    None => m.clone(),
+                    Some(r) => {
+                        let mut out = Map::new();
+                        out.insert("thinking".into(), r.clone());
+                        for (k, v) in obj {
+                            out.insert(k.clone(), v.clone());
+                        }
+                        out.insert("reasoning_content".into(), r);
+                        Json::Object(out)
+                    }
+                }
+            })
+            .collect(),
+    )
+}
+
+/// A special token in `tokenizer_config.json`: a string or an `AddedToken` object.
+fn token_text(v: &Json) -> Option<Json> {
+    match v {
+        Json::String(_) => Some(v.clone()),
+        Json::Object(o) => o.get("content").cloned(),
+        _ => None,
+    }
+}
+
+impl ChatTemplate {
+    /// Compiles `source` with the special tokens it may reference (`bos_token`, ...).
+    pub fn new(source: &str, special_tokens: Map<String, Json>) -> Result<Self, TemplateError> {
+        let mut env = Environment::new();
+        let syntax = env
+            .syntax()
+            .to_builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(TemplateError::Compile)?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        // Python's notion: none is not iterable (minijinja iterates it as empty), and templates
+        // guard `tools | length` with `tools is iterable`.
+        env.add_test("iterable", |v: Value| {
+            matches!(
+                v.kind(),
+                ValueKind::String
+                    | ValueKind::Seq
+                    | ValueKind::Map
+                    | ValueKind::Iterable
+                    | ValueKind::Bytes
+            )
+        });
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat_template", source.to_string())
+            .map_err(TemplateError::Compile)?;
+        Ok(Self {
+            env,
+            special_tokens,
+        })
+    }
+
+    /// The template of a model folder: `chat_template.jinja` if present (as transformers saves it
+    /// today), else `chat_template` in `tokenizer_config.json` (a string, or a list of named
+    /// templates of which `default` is taken); special tokens from `tokenizer_config.json`.
+    pub fn from_model_dir(dir: &Path) -> Result<Self, TemplateError> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Map<String, Json> = match std::fs::read_to_string(&config_path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| TemplateError::Load {
+                path: config_path.display().to_string(),
+                message: format!("not a JSON object: {e}"),
+            })?,
+            Err(_) => Map::new(),
+        };
+        let special_tokens: Map<String, Json> =
+            ["bos_token", "eos_token", "pad_token", "unk_token"]
+                .iter()
+                .filter_map(|k| {
+                    config
+                        .get(*k)
+                        .and_then(token_text)
+                        .map(|v| (k.to_string(), v))
+                })
+                .collect();
+        let file = dir.join("chat_template.jinja");
+        let source = if let Ok(text) = std::fs::read_to_string(&file) {
+            text
+        } else {
+            match config.get("chat_template") {
+                Some(Json::String(s)) => s.clone(),
+                Some(Json::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                    .and_then(|t| t.get("template").and_then(Json::as_str))
+                    .map(str::to_string)
+                    .ok_or_else(|| TemplateError::Load {
+                        path: config_path.display().to_string(),
+                        message: "chat_template lists named templates but none is called `default`".into(),
+                    })?,
+                _ => {
+                    return Err(TemplateError::Load {
+                        path: dir.display().to_string(),
+                        message: "has neither chat_template.jinja nor a chat_template in tokenizer_config.json".into(),
+                    })
+                }
+            }
+        };
+        Self::new(&source, special_tokens)
+    }
+
+    /// Renders `messages` (a JSON array of message objects, as transformers takes them).
+    pub fn render(&self, messages: &Json, opts: &RenderOptions) -> Result<String, TemplateError> {
+        let mut ctx = self.special_tokens.clone();
+        for (k, v) in &opts.extra {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), alias_reasoning(messages));
+        ctx.insert("tools".into(), opts.tools.clone().unwrap_or(Json::Null));
+        ctx.insert(
+            "documents".into(),
+            opts.documents.clone().unwrap_or(Json::Null),
+        );
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Json::Bool(opts.add_generation_prompt),
+        );
+        let template = self
+            .env
+            .get_template("chat_template")
+            .map_err(TemplateError::Render)?;
+        template
+            .render(Value::from(Serde(&ctx)))
+            .map_err(TemplateError::Render)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_formats_known_dates() {
+        // 2026-11-30 08:17:19 UTC was a Monday.
+        let t = 1_796_026_639;
+        assert_eq!(strftime(t, "%d %b %Y"), "30 Nov 2026");
+        assert_eq!(
+            strftime(t, "%A %B %d, %H:%M:%S %j %%"),
+            "Monday November 30, 08:17:19 334 %"
+        );
+        assert_eq!(strftime(0, "%Y-%m-%d %a"), "1970-01-01 Thu");
+        assert_eq!(strftime(951_782_400, "%Y-%m-%d %j"), "2000-02-29 060");
+    }
+}
