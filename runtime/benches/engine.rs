@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use moult_runtime::engine::sampling::SamplingParams;
-use moult_runtime::engine::weights::{update_info, WeightListener};
+use moult_runtime::engine::weights::{update_info, WeightListener, DEFAULT_PACKED_BUFFER_BYTES};
 use moult_runtime::engine::{http, EngineHandle, EngineOptions, Event};
 use moult_runtime::model::Qwen3Model;
 use tch::{Device, Kind, Tensor};
@@ -264,7 +264,7 @@ fn weight_update(rt: &tokio::runtime::Runtime, name: &str, model: &Path) {
                     bucket.iter().map(|(n, t)| (n.clone(), t.shallow_clone())).collect();
                 let mut s = sender.take().unwrap();
                 let send = std::thread::spawn(move || {
-                    s.send_bucket(&bucket, 64 << 20).unwrap();
+                    s.send_bucket(&bucket, DEFAULT_PACKED_BUFFER_BYTES).unwrap();
                     s
                 });
                 post("/update_weights", serde_json::json!({"update_info": info})).await;

@@ -265,6 +265,16 @@ pub struct Usage {
     pub total_tokens: usize,
 }
 
+impl Usage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
 /// The non-streaming response, and (with a token delta in `choices[0]`) each streamed chunk.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct GenerateResponse {

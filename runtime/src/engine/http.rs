@@ -207,11 +207,7 @@ async fn collect(
                 return Ok(GenerateResponse {
                     request_id: id,
                     choices: vec![choice],
-                    usage: Some(Usage {
-                        prompt_tokens: prompt_len,
-                        completion_tokens,
-                        total_tokens: prompt_len + completion_tokens,
-                    }),
+                    usage: Some(Usage::new(prompt_len, completion_tokens)),
                 });
             }
             Event::Rejected(err) => return Err(err),
@@ -300,11 +296,7 @@ fn stream_events(
                     routed_experts,
                     weight_versions: Vec::new(),
                 };
-                let usage = Usage {
-                    prompt_tokens: s.prompt_len,
-                    completion_tokens: s.produced,
-                    total_tokens: s.prompt_len + s.produced,
-                };
+                let usage = Usage::new(s.prompt_len, s.produced);
                 s.terminate = true;
                 serde_json::to_string(&chunk(choice, Some(usage))).expect("serializable")
             }

@@ -83,15 +83,6 @@ impl KvCache {
         self.lens.iter().sum()
     }
 
-    /// Bytes held by the buffers.
-    pub fn bytes(&self) -> usize {
-        2 * self.layers.len()
-            * self.slot_capacity
-            * self.capacity
-            * (self.kv_heads * self.head_dim) as usize
-            * self.kind.elt_size_in_bytes()
-    }
-
     /// Takes a new, empty slot (always `used()` before the call).
     pub fn alloc(&mut self) -> usize {
         if self.lens.len() == self.slot_capacity {
