@@ -1,6 +1,8 @@
-//! The moult runtime. Today: the model code and the built-in engine, a vLLM-compatible
-//! token-in/token-out server on libtorch (DESIGN §4.1, §5).
+//! The moult runtime: the model code and the built-in engine, a vLLM-compatible
+//! token-in/token-out server on libtorch (DESIGN §4.1, §5); chat templates and tokenizers; the
+//! loopback server agents talk to, with exact token accounting (DESIGN §4.2).
 
 pub mod chat;
 pub mod engine;
+pub mod loopback;
 pub mod model;

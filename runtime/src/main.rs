@@ -23,6 +23,33 @@ struct Cli {
 enum Command {
     /// Serve a model with the built-in engine behind vLLM's token-in/token-out API.
     Engine(EngineArgs),
+    /// Serve the loopback server (OpenAI and Anthropic chat on exact tokens) against a running
+    /// engine, so an agent can be tried by hand; `GET /s/{session}/trajectory` shows what a
+    /// session recorded.
+    Chat(ChatArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ChatArgs {
+    /// The engine (or router) to generate with: the built-in engine or vLLM.
+    #[arg(long)]
+    engine: String,
+    /// The model's folder: tokenizer.json and its chat template (chat_template.jinja or
+    /// tokenizer_config.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Port on 127.0.0.1 (the loopback server never listens on other interfaces); 0 picks one.
+    #[arg(long, default_value_t = 8100)]
+    port: u16,
+    /// Sessions kept at once; more get 429 until some are deleted.
+    #[arg(long, default_value_t = 1024)]
+    max_sessions: usize,
+    /// Largest request body accepted (bytes).
+    #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_BODY_BYTES)]
+    max_body_bytes: usize,
+    /// The name answered by /v1/models [default: the model folder's name].
+    #[arg(long)]
+    served_model_name: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -115,11 +142,10 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
     if args.max_batch == 0 || args.max_prefill_tokens == 0 || args.threads == Some(0) {
         bail!("--max-batch, --max-prefill-tokens and --threads must be at least 1");
     }
-    let name = args.served_model_name.clone().unwrap_or_else(|| {
-        args.model
-            .file_name()
-            .map_or("model".into(), |n| n.to_string_lossy().into_owned())
-    });
+    let name = args
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| folder_name(&args.model));
     tracing::info!(model = %args.model.display(), ?kind, ?device, "loading");
     let started = std::time::Instant::now();
     let model = {
@@ -160,6 +186,51 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn folder_name(dir: &std::path::Path) -> String {
+    dir.file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned())
+}
+
+async fn chat(args: ChatArgs) -> anyhow::Result<()> {
+    use moult_runtime::chat::{ChatTemplate, Tokenizer};
+    use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
+    if args.max_sessions == 0 {
+        bail!("--max-sessions must be at least 1");
+    }
+    let tokenizer = Tokenizer::from_model_dir(&args.model)?;
+    let template = ChatTemplate::from_model_dir(&args.model)?;
+    let service = ChatService::new(
+        EngineClient::new(&args.engine),
+        tokenizer,
+        template,
+        ServiceOptions {
+            max_sessions: args.max_sessions,
+            model_name: args
+                .served_model_name
+                .clone()
+                .unwrap_or_else(|| folder_name(&args.model)),
+        },
+    );
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
+        .await
+        .with_context(|| format!("binding 127.0.0.1:{}", args.port))?;
+    let addr = listener.local_addr()?;
+    println!(
+        "moult chat listening on http://{addr} (engine {})",
+        args.engine
+    );
+    println!("  OpenAI:    base_url=http://{addr}/s/SESSION/v1");
+    println!("  Anthropic: base_url=http://{addr}/s/SESSION");
+    loopback::serve(
+        listener,
+        std::sync::Arc::new(service),
+        args.max_body_bytes,
+        shutdown_signal(),
+    )
+    .await?;
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -173,5 +244,6 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match cli.command {
         Command::Engine(args) => runtime.block_on(engine(args)),
+        Command::Chat(args) => runtime.block_on(chat(args)),
     }
 }

@@ -1,10 +1,21 @@
 //! Chat: rendering conversations into the text the model was trained on, and that text into token
-//! ids, exactly as Hugging Face transformers does (DESIGN §4.2). The loopback server (issue 4) builds on this.
+//! ids, exactly as Hugging Face transformers does (DESIGN §4.2); the internal chat request both
+//! protocols map onto; tool calls in model output; incremental detokenization for streaming.
 
+mod detok;
+mod messages;
 mod pyjson;
 mod template;
 mod tokenizer;
+mod tool_parser;
 
+pub use detok::DecodeStream;
+pub use messages::{
+    arguments_object, ChatRequest, ChatSampling, InvalidRequest, Message, Role, Tool, ToolCall,
+};
 pub use pyjson::{dumps as python_json_dumps, DumpOptions};
 pub use template::{ChatTemplate, RenderOptions, TemplateError};
 pub use tokenizer::{Tokenizer, TokenizerError};
+pub use tool_parser::{
+    parser_for_template, Hermes, NoTools, ParsedCall, ParsedOutput, ToolCallParser,
+};

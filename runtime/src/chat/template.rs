@@ -30,6 +30,7 @@ pub enum TemplateError {
 #[derive(Debug)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     special_tokens: Map<String, Json>,
 }
 
@@ -227,6 +228,7 @@ impl ChatTemplate {
             .map_err(TemplateError::Compile)?;
         Ok(Self {
             env,
+            source: source.to_string(),
             special_tokens,
         })
     }
@@ -277,6 +279,11 @@ impl ChatTemplate {
             }
         };
         Self::new(&source, special_tokens)
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders `messages` (a JSON array of message objects, as transformers takes them).

@@ -1,0 +1,244 @@
+//! The one internal chat request: what both the OpenAI and the Anthropic adapters produce and what
+//! the loopback server renders through the chat template (CONVENTIONS: one internal request type,
+//! thin protocol adapters onto it).
+//!
+//! Messages are kept in the shape Hugging Face chat templates read (`role`, `content`,
+//! `tool_calls: [{id, type: "function", function: {name, arguments}}]`, `tool_call_id`), with
+//! tool-call arguments as JSON objects, as vLLM hands them to templates.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value as Json};
+
+/// Who speaks a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+}
+
+/// A tool call the model made (or, in history, made earlier).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    /// The arguments object (`{}` when the model gave none).
+    pub arguments: Json,
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: Role,
+    /// Text content; `None` for an assistant message that only calls tools.
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// For `Tool` messages: the call this answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// For `Tool` messages: the tool's name, where the protocol gives it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+impl Message {
+    pub fn text(role: Role, content: impl Into<String>) -> Self {
+        Self {
+            role,
+            content: Some(content.into()),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+            reasoning_content: None,
+        }
+    }
+
+    /// The object a chat template reads.
+    pub fn to_template(&self) -> Json {
+        let mut m = Map::new();
+        m.insert("role".into(), Json::from(self.role.as_str()));
+        m.insert(
+            "content".into(),
+            Json::from(self.content.clone().unwrap_or_default()),
+        );
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<Json> = self
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    json!({"id": c.id, "type": "function",
+                           "function": {"name": c.name, "arguments": c.arguments}})
+                })
+                .collect();
+            m.insert("tool_calls".into(), Json::Array(calls));
+        }
+        if let Some(id) = &self.tool_call_id {
+            m.insert("tool_call_id".into(), Json::from(id.clone()));
+        }
+        if let Some(name) = &self.name {
+            m.insert("name".into(), Json::from(name.clone()));
+        }
+        if let Some(r) = &self.reasoning_content {
+            m.insert("reasoning_content".into(), Json::from(r.clone()));
+        }
+        Json::Object(m)
+    }
+}
+
+/// A function the model may call, as chat templates read tools:
+/// `{"type": "function", "function": {name, description, parameters}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tool {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// JSON Schema of the arguments.
+    pub parameters: Json,
+}
+
+impl Tool {
+    pub fn to_template(&self) -> Json {
+        let mut f = Map::new();
+        f.insert("name".into(), Json::from(self.name.clone()));
+        if let Some(d) = &self.description {
+            f.insert("description".into(), Json::from(d.clone()));
+        }
+        f.insert("parameters".into(), self.parameters.clone());
+        json!({"type": "function", "function": f})
+    }
+}
+
+/// Sampling settings of a chat request, protocol-neutral.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatSampling {
+    /// `None`: up to the context length.
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub seed: Option<u64>,
+    /// Stop strings: generation ends before the first occurrence.
+    pub stop: Vec<String>,
+    /// Top alternatives per token to report (OpenAI `top_logprobs`), when `logprobs` is asked.
+    pub logprobs: Option<usize>,
+}
+
+/// The internal chat request both protocols map onto.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<Message>,
+    pub tools: Vec<Tool>,
+    /// Whether tool calls in the output are parsed (`tool_choice` other than `none`).
+    pub parse_tool_calls: bool,
+    pub sampling: ChatSampling,
+    /// Samples of this turn (OpenAI `n`).
+    pub n: usize,
+    /// Extra template variables (`chat_template_kwargs`, e.g. `enable_thinking`).
+    pub template_kwargs: Map<String, Json>,
+}
+
+impl ChatRequest {
+    /// The messages as a chat template reads them.
+    pub fn template_messages(&self) -> Json {
+        Json::Array(self.messages.iter().map(Message::to_template).collect())
+    }
+
+    /// The tools as a chat template reads them, `None` when there are none.
+    pub fn template_tools(&self) -> Option<Json> {
+        (!self.tools.is_empty())
+            .then(|| Json::Array(self.tools.iter().map(Tool::to_template).collect()))
+    }
+}
+
+/// Why a chat request is refused: a message naming the field (`param`, as a JSON path).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InvalidRequest {
+    pub param: Option<String>,
+    pub message: String,
+}
+
+impl InvalidRequest {
+    pub fn new(param: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            param: Some(param.into()),
+            message: message.into(),
+        }
+    }
+}
+
+/// Parses tool-call arguments given as a JSON string (OpenAI sends them so) into an object.
+pub fn arguments_object(param: &str, text: &str) -> Result<Json, InvalidRequest> {
+    if text.trim().is_empty() {
+        return Ok(Json::Object(Map::new()));
+    }
+    match serde_json::from_str::<Json>(text) {
+        Ok(v @ Json::Object(_)) => Ok(v),
+        Ok(_) => Err(InvalidRequest::new(
+            param,
+            "tool call arguments must be a JSON object",
+        )),
+        Err(e) => Err(InvalidRequest::new(
+            param,
+            format!("tool call arguments are not valid JSON: {e}"),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_shape_of_a_tool_call_message() {
+        let m = Message {
+            role: Role::Assistant,
+            content: None,
+            tool_calls: vec![ToolCall {
+                id: "call_1".into(),
+                name: "f".into(),
+                arguments: json!({"x": 1}),
+            }],
+            tool_call_id: None,
+            name: None,
+            reasoning_content: None,
+        };
+        assert_eq!(
+            m.to_template(),
+            json!({"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]})
+        );
+    }
+
+    #[test]
+    fn arguments_must_be_an_object() {
+        assert_eq!(arguments_object("a", "").unwrap(), json!({}));
+        assert_eq!(
+            arguments_object("a", "{\"k\": 2}").unwrap(),
+            json!({"k": 2})
+        );
+        assert!(arguments_object("a", "[1]")
+            .unwrap_err()
+            .message
+            .contains("object"));
+        assert!(arguments_object("a", "{")
+            .unwrap_err()
+            .message
+            .contains("JSON"));
+    }
+}

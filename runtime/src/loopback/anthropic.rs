@@ -1,0 +1,492 @@
+//! Anthropic messages onto the internal chat request, and the answer back in the shapes the
+//! `anthropic` SDK reads: a `message` object, or the `message_start` … `message_stop` event
+//! stream (as in `shared/fixtures/anthropic_sse/`).
+
+use std::sync::Arc;
+
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+
+use serde::Deserialize;
+use serde_json::{json, Map, Value as Json};
+use tokio::sync::mpsc;
+
+use super::error::LoopbackError;
+use super::openai::async_stream;
+use super::service::{ChatService, Finish, TurnOutput, TURN_EVENT_BUFFER};
+use crate::chat::{ChatRequest, ChatSampling, InvalidRequest, Message, Role, Tool, ToolCall};
+
+const PROTOCOL: &str = "anthropic";
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MessagesRequest {
+    pub model: String,
+    pub max_tokens: i64,
+    pub messages: Vec<Json>,
+    #[serde(default)]
+    pub system: Option<Json>,
+    #[serde(default)]
+    pub tools: Option<Vec<ToolJson>>,
+    #[serde(default)]
+    pub tool_choice: Option<ToolChoice>,
+    #[serde(default)]
+    pub stop_sequences: Option<Vec<String>>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// `{"type": "enabled" | "adaptive" | "disabled"}`: the template's `enable_thinking`.
+    #[serde(default)]
+    pub thinking: Option<Json>,
+    /// Only without `format` (structured output needs constrained decoding).
+    #[serde(default)]
+    pub output_config: Option<Json>,
+    /// Accepted and ignored: bookkeeping and placement with no effect on generation.
+    #[serde(default)]
+    pub metadata: Option<Json>,
+    #[serde(default)]
+    pub service_tier: Option<Json>,
+    #[serde(default)]
+    pub cache_control: Option<Json>,
+    #[serde(default)]
+    pub container: Option<Json>,
+    #[serde(default)]
+    pub diagnostics: Option<Json>,
+    #[serde(default)]
+    pub inference_geo: Option<Json>,
+    #[serde(default)]
+    pub speed: Option<Json>,
+    #[serde(default)]
+    pub user_profile_id: Option<Json>,
+    #[serde(default)]
+    pub workspace_id: Option<Json>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ToolJson {
+    pub name: String,
+    #[serde(default)]
+    pub description: Option<String>,
+    pub input_schema: Json,
+    /// Accepted and ignored.
+    #[serde(default, rename = "type")]
+    pub _kind: Option<String>,
+    #[serde(default, rename = "cache_control")]
+    pub _cache_control: Option<Json>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ToolChoice {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub disable_parallel_tool_use: Option<bool>,
+}
+
+fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest::new(param, message)
+}
+
+/// The text of `system` or of a `tool_result`'s content: a string or text blocks.
+fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
+    match value {
+        Json::String(s) => Ok(s.clone()),
+        Json::Array(blocks) => {
+            let mut text = String::new();
+            for (j, b) in blocks.iter().enumerate() {
+                match (
+                    b.get("type").and_then(Json::as_str),
+                    b.get("text").and_then(Json::as_str),
+                ) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some(other), _) if other != "text" => {
+                        return Err(invalid(
+                            format!("{param}[{j}].type"),
+                            format!("blocks of type `{other}` are not supported here: only `text`"),
+                        ))
+                    }
+                    _ => {
+                        return Err(invalid(
+                            format!("{param}[{j}]"),
+                            "a text block needs `type: \"text\"` and a string `text`",
+                        ))
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(invalid(
+            param,
+            "must be a string or an array of text blocks",
+        )),
+    }
+}
+
+/// One Anthropic message as internal messages: tool results become `tool` messages.
+fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
+    let param = format!("messages[{i}]");
+    let role = match value.get("role").and_then(Json::as_str) {
+        Some("user") => Role::User,
+        Some("assistant") => Role::Assistant,
+        Some(other) => {
+            return Err(invalid(format!("{param}.role"), format!("unknown role `{other}`: expected user or assistant (the system prompt goes in `system`)")))
+        }
+        None => return Err(invalid(format!("{param}.role"), "a message needs a string `role`")),
+    };
+    let content = value
+        .get("content")
+        .ok_or_else(|| invalid(format!("{param}.content"), "a message needs content"))?;
+    let blocks = match content {
+        Json::String(s) => {
+            out.push(Message::text(role, s.clone()));
+            return Ok(());
+        }
+        Json::Array(blocks) => blocks,
+        _ => {
+            return Err(invalid(
+                format!("{param}.content"),
+                "content must be a string or an array of content blocks",
+            ))
+        }
+    };
+    let mut text: Option<String> = None;
+    let mut tool_calls = Vec::new();
+    let mut reasoning = None;
+    for (j, b) in blocks.iter().enumerate() {
+        let p = format!("{param}.content[{j}]");
+        let kind = b
+            .get("type")
+            .and_then(Json::as_str)
+            .ok_or_else(|| invalid(&p, "a content block needs a `type`"))?;
+        match (kind, role) {
+            ("text", _) => {
+                let t = b.get("text").and_then(Json::as_str).ok_or_else(|| {
+                    invalid(format!("{p}.text"), "a text block needs a string `text`")
+                })?;
+                text.get_or_insert_with(String::new).push_str(t);
+            }
+            ("tool_use", Role::Assistant) => {
+                let id = b
+                    .get("id")
+                    .and_then(Json::as_str)
+                    .ok_or_else(|| invalid(format!("{p}.id"), "a tool_use block needs an `id`"))?;
+                let name = b.get("name").and_then(Json::as_str).ok_or_else(|| {
+                    invalid(format!("{p}.name"), "a tool_use block needs a `name`")
+                })?;
+                let input = b
+                    .get("input")
+                    .cloned()
+                    .unwrap_or_else(|| Json::Object(Map::new()));
+                if !input.is_object() {
+                    return Err(invalid(
+                        format!("{p}.input"),
+                        "tool_use input must be an object",
+                    ));
+                }
+                tool_calls.push(ToolCall {
+                    id: id.into(),
+                    name: name.into(),
+                    arguments: input,
+                });
+            }
+            ("thinking", Role::Assistant) => {
+                reasoning = b.get("thinking").and_then(Json::as_str).map(str::to_string);
+            }
+            ("tool_result", Role::User) => {
+                let id = b.get("tool_use_id").and_then(Json::as_str).ok_or_else(|| {
+                    invalid(
+                        format!("{p}.tool_use_id"),
+                        "a tool_result block needs the `tool_use_id` it answers",
+                    )
+                })?;
+                let content = match b.get("content") {
+                    None | Some(Json::Null) => String::new(),
+                    Some(c) => blocks_text(c, &format!("{p}.content"))?,
+                };
+                out.push(Message {
+                    role: Role::Tool,
+                    content: Some(content),
+                    tool_calls: Vec::new(),
+                    tool_call_id: Some(id.into()),
+                    name: None,
+                    reasoning_content: None,
+                });
+            }
+            (other, _) => {
+                return Err(invalid(
+                    format!("{p}.type"),
+                    format!(
+                        "content blocks of type `{other}` are not supported in {} messages",
+                        role.as_str()
+                    ),
+                ))
+            }
+        }
+    }
+    if role == Role::Assistant {
+        out.push(Message {
+            role,
+            content: text,
+            tool_calls,
+            tool_call_id: None,
+            name: None,
+            reasoning_content: reasoning,
+        });
+    } else if let Some(text) = text {
+        out.push(Message::text(role, text));
+    }
+    Ok(())
+}
+
+impl MessagesRequest {
+    pub fn into_chat(self) -> Result<ChatRequest, InvalidRequest> {
+        if self.messages.is_empty() {
+            return Err(invalid("messages", "messages must not be empty"));
+        }
+        if self.max_tokens < 1 {
+            return Err(invalid(
+                "max_tokens",
+                format!("max_tokens must be at least 1, got {}", self.max_tokens),
+            ));
+        }
+        let mut messages = Vec::new();
+        if let Some(system) = &self.system {
+            messages.push(Message::text(Role::System, blocks_text(system, "system")?));
+        }
+        for (i, m) in self.messages.iter().enumerate() {
+            push_messages(m, i, &mut messages)?;
+        }
+        let tools = self
+            .tools
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| Tool {
+                name: t.name,
+                description: t.description,
+                parameters: t.input_schema,
+            })
+            .collect();
+        let parse_tool_calls = match self.tool_choice.as_ref().map(|c| c.kind.as_str()) {
+            None | Some("auto") => true,
+            Some("none") => false,
+            Some("any") | Some("tool") => {
+                return Err(invalid("tool_choice.type", "tool_choice `any` or `tool` needs constrained decoding, which the loopback server does not do: use `auto` (the default) or `none`"))
+            }
+            Some(other) => return Err(invalid("tool_choice.type", format!("unknown tool_choice type `{other}`: expected auto or none"))),
+        };
+        if let Some(t) = self.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
+            return Err(invalid(
+                "temperature",
+                format!("temperature must be between 0 and 1, got {t}"),
+            ));
+        }
+        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+            return Err(invalid(
+                "top_p",
+                format!("top_p must be in (0, 1], got {p}"),
+            ));
+        }
+        let stop = self.stop_sequences.unwrap_or_default();
+        if stop.iter().any(String::is_empty) {
+            return Err(invalid(
+                "stop_sequences",
+                "stop sequences must not be empty strings",
+            ));
+        }
+        let mut template_kwargs = Map::new();
+        if let Some(thinking) = &self.thinking {
+            let enabled = match thinking.get("type").and_then(Json::as_str) {
+                Some("enabled") | Some("adaptive") => true,
+                Some("disabled") => false,
+                _ => {
+                    return Err(invalid(
+                        "thinking.type",
+                        "thinking.type must be enabled, adaptive or disabled",
+                    ))
+                }
+            };
+            template_kwargs.insert("enable_thinking".into(), Json::Bool(enabled));
+        }
+        if self
+            .output_config
+            .as_ref()
+            .is_some_and(|c| c.get("format").is_some_and(|f| !f.is_null()))
+        {
+            return Err(invalid("output_config.format", "structured output needs constrained decoding, which the loopback server does not do"));
+        }
+        Ok(ChatRequest {
+            messages,
+            tools,
+            parse_tool_calls,
+            sampling: ChatSampling {
+                max_tokens: Some(self.max_tokens as usize),
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                seed: None,
+                stop,
+                logprobs: None,
+            },
+            n: 1,
+            template_kwargs,
+        })
+    }
+}
+
+fn stop_reason(f: &Finish) -> (&'static str, Option<&str>) {
+    match f {
+        Finish::Stop => ("end_turn", None),
+        Finish::Length => ("max_tokens", None),
+        Finish::ToolCalls => ("tool_use", None),
+        Finish::StopSequence(s) => ("stop_sequence", Some(s)),
+    }
+}
+
+/// The `message` object.
+pub fn message_json(service: &ChatService, id: &str, out: &TurnOutput) -> Json {
+    let c = &out.choices[0];
+    let mut content = Vec::new();
+    if let Some(text) = c.content.as_deref().filter(|t| !t.is_empty()) {
+        content.push(json!({"type": "text", "text": text}));
+    }
+    for call in &c.tool_calls {
+        content.push(
+            json!({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}),
+        );
+    }
+    if content.is_empty() {
+        content.push(json!({"type": "text", "text": ""}));
+    }
+    let (reason, sequence) = stop_reason(&c.finish);
+    json!({
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": service.model_name(),
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {"input_tokens": out.prompt_tokens, "output_tokens": c.completion_tokens},
+    })
+}
+
+fn event(name: &str, data: Json) -> SseEvent {
+    SseEvent::default().event(name).data(data.to_string())
+}
+
+/// `POST /s/{session}/v1/messages`.
+pub async fn messages(
+    service: Arc<ChatService>,
+    session: String,
+    req: MessagesRequest,
+) -> Response {
+    let stream = req.stream.unwrap_or(false);
+    let chat = match req.into_chat() {
+        Ok(c) => c,
+        Err(e) => return LoopbackError::Invalid(e).anthropic(),
+    };
+    let id = format!("msg_{}", super::random_id());
+    if !stream {
+        return match service.turn(&session, PROTOCOL, "toolu_", chat, None).await {
+            Ok(out) => axum::Json(message_json(&service, &id, &out)).into_response(),
+            Err(e) => e.anthropic(),
+        };
+    }
+    let (tx, mut rx) = mpsc::channel(TURN_EVENT_BUFFER);
+    let turn = {
+        let service = service.clone();
+        tokio::spawn(async move {
+            service
+                .turn(&session, PROTOCOL, "toolu_", chat, Some(tx))
+                .await
+        })
+    };
+    let frames = async_stream(move |out| async move {
+        let model = service.model_name().to_string();
+        let start = json!({"type": "message_start", "message": {
+            "id": id, "type": "message", "role": "assistant", "content": [], "model": model,
+            "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 0, "output_tokens": 0}}});
+        if out.send(event("message_start", start)).await.is_err() {
+            return;
+        }
+        let mut text_open = false;
+        while let Some(ev) = rx.recv().await {
+            if !text_open {
+                text_open = true;
+                let start = json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
+                if out.send(event("content_block_start", start)).await.is_err() {
+                    return;
+                }
+                let _ = out.send(event("ping", json!({"type": "ping"}))).await;
+            }
+            let delta = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ev.text}});
+            if out.send(event("content_block_delta", delta)).await.is_err() {
+                return;
+            }
+        }
+        let result = match turn.await {
+            Ok(r) => r,
+            Err(join) => Err(LoopbackError::Engine(
+                super::engine_client::EngineError::Stream(join.to_string()),
+            )),
+        };
+        let answer = match result {
+            Ok(a) => a,
+            Err(e) => {
+                let kind = if e.status().is_client_error() {
+                    "invalid_request_error"
+                } else {
+                    "api_error"
+                };
+                let _ = out
+                    .send(event(
+                        "error",
+                        json!({"type": "error", "error": {"type": kind, "message": e.to_string()}}),
+                    ))
+                    .await;
+                return;
+            }
+        };
+        let c = &answer.choices[0];
+        let mut index = 0;
+        if text_open {
+            let _ = out
+                .send(event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": 0}),
+                ))
+                .await;
+            index = 1;
+        }
+        for call in &c.tool_calls {
+            let start = json!({"type": "content_block_start", "index": index,
+                "content_block": {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}});
+            let _ = out.send(event("content_block_start", start)).await;
+            let delta = json!({"type": "content_block_delta", "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()}});
+            let _ = out.send(event("content_block_delta", delta)).await;
+            let _ = out
+                .send(event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": index}),
+                ))
+                .await;
+            index += 1;
+        }
+        let (reason, sequence) = stop_reason(&c.finish);
+        let delta = json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": c.completion_tokens}});
+        let _ = out.send(event("message_delta", delta)).await;
+        let _ = out
+            .send(event("message_stop", json!({"type": "message_stop"})))
+            .await;
+    });
+    Sse::new(frames).into_response()
+}

@@ -1,0 +1,336 @@
+//! A client of the engine API (DESIGN §4.1) for token-in/token-out generation: the built-in
+//! engine, vLLM or the router in front of either, all the same over HTTP.
+//!
+//! Generation always streams, so a turn sees each token as it is sampled and an abandoned turn
+//! stops the engine within a token: dropping a [`GenerationStream`] before it finished closes the
+//! connection and also sends `abort_requests`, so no engine (nor a router in between) keeps
+//! generating for nobody.
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::{Stream, StreamExt};
+use serde::Serialize;
+
+use crate::engine::api::GenerateResponse;
+
+/// Errors of talking to the engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The engine refused the request (its status and message): bad input, context too long.
+    #[error("the engine refused the request ({status}): {message}")]
+    Refused { status: u16, message: String },
+    #[error("cannot reach the engine at {url}: {source}")]
+    Unreachable {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("the engine's stream broke off: {0}")]
+    Stream(String),
+}
+
+/// `sampling_params` of a generate request.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EngineSampling {
+    /// `None`: up to the context length.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+    pub temperature: f64,
+    pub top_p: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    pub logprobs: usize,
+    pub routed_experts_prompt_start: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct GenerateBody<'a> {
+    request_id: &'a str,
+    token_ids: &'a [i64],
+    sampling_params: &'a EngineSampling,
+    stream: bool,
+}
+
+/// One event of a generation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Generated {
+    Token {
+        id: i64,
+        logprob: f32,
+        /// Top alternatives `(id, logprob)`, when asked for.
+        top: Vec<(i64, f32)>,
+        version: u64,
+    },
+    Finished {
+        /// `stop` (EOS or a stop id) or `length`.
+        reason: String,
+        routed_experts: Option<String>,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineClient {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl EngineClient {
+    pub fn new(base_url: &str) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            base: base_url.trim_end_matches('/').to_string(),
+        }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.base
+    }
+
+    /// Starts generating; the stream yields each sampled token, then `Finished`.
+    pub async fn generate(
+        &self,
+        request_id: String,
+        prompt: &[i64],
+        sampling: &EngineSampling,
+    ) -> Result<GenerationStream, EngineError> {
+        let body = GenerateBody {
+            request_id: &request_id,
+            token_ids: prompt,
+            sampling_params: sampling,
+            stream: true,
+        };
+        let url = format!("{}/inference/v1/generate", self.base);
+        let response = self
+            .http
+            .post(&url)
+            .json(&body)
+            .send()
+            .await
+            .map_err(|source| EngineError::Unreachable { url, source })?;
+        let status = response.status();
+        if !status.is_success() {
+            let text = response.text().await.unwrap_or_default();
+            let message = serde_json::from_str::<serde_json::Value>(&text)
+                .ok()
+                .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+                .unwrap_or(text);
+            return Err(EngineError::Refused {
+                status: status.as_u16(),
+                message,
+            });
+        }
+        Ok(GenerationStream {
+            body: response.bytes_stream().boxed(),
+            buffer: Vec::new(),
+            pending: VecDeque::new(),
+            finished: false,
+            abort: Some((self.clone(), request_id)),
+        })
+    }
+
+    /// `POST /inference/v1/abort_requests`; failures are logged (the request may be gone already).
+    pub async fn abort(&self, request_ids: Vec<String>) {
+        let url = format!("{}/inference/v1/abort_requests", self.base);
+        let body = serde_json::json!({ "request_ids": request_ids });
+        if let Err(e) = self.http.post(&url).json(&body).send().await {
+            tracing::debug!(error = %e, "abort_requests failed");
+        }
+    }
+}
+
+type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
+
+/// The events of one streaming generation.
+pub struct GenerationStream {
+    body: ByteStream,
+    buffer: Vec<u8>,
+    pending: VecDeque<Result<Generated, EngineError>>,
+    finished: bool,
+    /// Sent `abort_requests` on drop unless the generation finished.
+    abort: Option<(EngineClient, String)>,
+}
+
+impl std::fmt::Debug for GenerationStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GenerationStream")
+            .field("finished", &self.finished)
+            .finish()
+    }
+}
+
+impl Drop for GenerationStream {
+    fn drop(&mut self) {
+        if let Some((client, id)) = self.abort.take() {
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move { client.abort(vec![id]).await });
+            }
+        }
+    }
+}
+
+/// Parses one SSE `data:` payload of the engine's stream.
+fn parse_chunk(data: &str, out: &mut VecDeque<Result<Generated, EngineError>>) {
+    let value: serde_json::Value = match serde_json::from_str(data) {
+        Ok(v) => v,
+        Err(e) => {
+            out.push_back(Err(EngineError::Stream(format!("bad chunk {data:?}: {e}"))));
+            return;
+        }
+    };
+    if let Some(err) = value.get("error") {
+        let status = err["code"].as_u64().unwrap_or(500) as u16;
+        let message = err["message"]
+            .as_str()
+            .unwrap_or("engine error")
+            .to_string();
+        out.push_back(Err(EngineError::Refused { status, message }));
+        return;
+    }
+    let chunk: GenerateResponse = match serde_json::from_value(value) {
+        Ok(c) => c,
+        Err(e) => {
+            out.push_back(Err(EngineError::Stream(format!("bad chunk {data:?}: {e}"))));
+            return;
+        }
+    };
+    for choice in chunk.choices {
+        for (i, lp) in choice.logprobs.content.iter().enumerate() {
+            // The chunk's version spans index this choice's tokens from the first generated one.
+            let version = choice
+                .weight_versions
+                .iter()
+                .find(|s| s.start <= i + first_index(&choice) && i + first_index(&choice) < s.end)
+                .or(choice.weight_versions.last())
+                .map_or(0, |s| s.version);
+            out.push_back(Ok(Generated::Token {
+                id: lp.token_id,
+                logprob: lp.logprob,
+                top: lp
+                    .top_logprobs
+                    .iter()
+                    .map(|t| (t.token_id, t.logprob))
+                    .collect(),
+                version,
+            }));
+        }
+        if let Some(reason) = choice.finish_reason {
+            out.push_back(Ok(Generated::Finished {
+                reason,
+                routed_experts: choice.routed_experts,
+            }));
+        }
+    }
+}
+
+/// Index of a chunk's first token among the generated ones: the start of its first version span.
+fn first_index(choice: &crate::engine::api::Choice) -> usize {
+    choice.weight_versions.first().map_or(0, |s| s.start)
+}
+
+impl Stream for GenerationStream {
+    type Item = Result<Generated, EngineError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            if let Some(item) = self.pending.pop_front() {
+                if matches!(item, Ok(Generated::Finished { .. })) {
+                    self.finished = true;
+                    self.abort = None;
+                }
+                return Poll::Ready(Some(item));
+            }
+            if self.finished {
+                return Poll::Ready(None);
+            }
+            match self.body.poll_next_unpin(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => {
+                    self.finished = true;
+                    return Poll::Ready(Some(Err(EngineError::Stream(
+                        "the engine closed the stream before the request finished".into(),
+                    ))));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    self.finished = true;
+                    return Poll::Ready(Some(Err(EngineError::Stream(e.to_string()))));
+                }
+                Poll::Ready(Some(Ok(bytes))) => {
+                    let this = &mut *self;
+                    this.buffer.extend_from_slice(&bytes);
+                    while let Some(end) = find_event_end(&this.buffer) {
+                        let event: Vec<u8> = this.buffer.drain(..end).collect();
+                        let text = String::from_utf8_lossy(&event);
+                        for line in text.lines() {
+                            let Some(data) = line.strip_prefix("data:") else {
+                                continue;
+                            };
+                            let data = data.trim_start();
+                            if data != "[DONE]" {
+                                parse_chunk(data, &mut this.pending);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The end (after the blank line) of the first complete SSE event in `buf`.
+fn find_event_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(2)
+        .position(|w| w == b"\n\n")
+        .map(|i| i + 2)
+        .or_else(|| buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_become_tokens_with_their_versions() {
+        let mut out = VecDeque::new();
+        parse_chunk(
+            r#"{"request_id":"a","choices":[{"index":0,"token_ids":[7],"logprobs":{"content":[{"token_id":7,"logprob":-0.25}]},"finish_reason":null,"routed_experts":null,"weight_versions":[{"version":3,"start":5,"end":6}]}]}"#,
+            &mut out,
+        );
+        parse_chunk(
+            r#"{"request_id":"a","choices":[{"index":0,"token_ids":[],"logprobs":{"content":[]},"finish_reason":"stop","routed_experts":"AAA","weight_versions":[]}],"usage":{"prompt_tokens":1,"completion_tokens":6,"total_tokens":7}}"#,
+            &mut out,
+        );
+        parse_chunk(r#"{"error":{"message":"paused","code":503}}"#, &mut out);
+        let items: Vec<_> = out.into_iter().collect();
+        assert_eq!(
+            items[0].as_ref().unwrap(),
+            &Generated::Token {
+                id: 7,
+                logprob: -0.25,
+                top: vec![],
+                version: 3
+            }
+        );
+        assert_eq!(
+            items[1].as_ref().unwrap(),
+            &Generated::Finished {
+                reason: "stop".into(),
+                routed_experts: Some("AAA".into())
+            }
+        );
+        assert!(matches!(
+            items[2],
+            Err(EngineError::Refused { status: 503, .. })
+        ));
+    }
+
+    #[test]
+    fn events_end_at_blank_lines() {
+        assert_eq!(find_event_end(b"data: x\n\ndata: y"), Some(9));
+        assert_eq!(find_event_end(b"data: x\r\n\r\n"), Some(11));
+        assert_eq!(find_event_end(b"data: x\n"), None);
+    }
+}

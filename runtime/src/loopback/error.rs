@@ -1,0 +1,101 @@
+//! The loopback server's errors, and their one conversion into each protocol's error shape:
+//! OpenAI `{"error": {message, type, param, code}}`, Anthropic
+//! `{"type": "error", "error": {type, message}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use super::engine_client::EngineError;
+use crate::chat::{InvalidRequest, TemplateError, TokenizerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoopbackError {
+    #[error("{}", .0.message)]
+    Invalid(InvalidRequest),
+    #[error("the request body is larger than the limit of {0} bytes")]
+    TooLarge(usize),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("too many sessions: at most {0} are kept; take or delete finished ones")]
+    TooManySessions(usize),
+    #[error("the chat template cannot render this conversation: {0}")]
+    Template(#[source] TemplateError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The client went away mid-turn; nothing is answered.
+    #[error("the client disconnected")]
+    ClientGone,
+}
+
+impl From<InvalidRequest> for LoopbackError {
+    fn from(e: InvalidRequest) -> Self {
+        LoopbackError::Invalid(e)
+    }
+}
+
+impl LoopbackError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            LoopbackError::Invalid(_) | LoopbackError::Template(_) => StatusCode::BAD_REQUEST,
+            LoopbackError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            LoopbackError::NotFound(_) => StatusCode::NOT_FOUND,
+            LoopbackError::TooManySessions(_) => StatusCode::TOO_MANY_REQUESTS,
+            LoopbackError::Tokenizer(_) | LoopbackError::ClientGone => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            LoopbackError::Engine(EngineError::Refused { status, .. }) => {
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
+            }
+            LoopbackError::Engine(_) => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            LoopbackError::Invalid(e) => e.param.as_deref(),
+            _ => None,
+        }
+    }
+
+    /// This error as an OpenAI API error.
+    pub fn openai(&self) -> Response {
+        let status = self.status();
+        let kind = match status.as_u16() {
+            400 | 413 => "invalid_request_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            503 => "service_unavailable",
+            _ => "server_error",
+        };
+        let body = json!({"error": {
+            "message": self.to_string(),
+            "type": kind,
+            "param": self.param(),
+            "code": null,
+        }});
+        (status, Json(body)).into_response()
+    }
+
+    /// This error as an Anthropic API error.
+    pub fn anthropic(&self) -> Response {
+        let status = self.status();
+        let kind = match status.as_u16() {
+            400 => "invalid_request_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        };
+        let message = match self.param() {
+            Some(p) => format!("{p}: {self}"),
+            None => self.to_string(),
+        };
+        let body = json!({"type": "error", "error": {"type": kind, "message": message}});
+        (status, Json(body)).into_response()
+    }
+}

@@ -1,0 +1,168 @@
+//! The loopback server (DESIGN §4.2): what agents talk to, bound to 127.0.0.1 only.
+//!
+//! - `POST /s/{session}/v1/chat/completions`, `GET /s/{session}/v1/models`: OpenAI ([`openai`]);
+//! - `POST /s/{session}/v1/messages`: Anthropic ([`anthropic`]);
+//! - `GET /s/{session}/trajectory`: the session's recorded segments, for debugging;
+//! - `DELETE /s/{session}`: forget a session.
+//!
+//! Both protocols map onto one internal chat request; [`service`] runs a turn and [`session`]
+//! does the exact token accounting. Errors answer in each protocol's own shape ([`error`]).
+
+pub mod anthropic;
+pub mod engine_client;
+pub mod error;
+pub mod openai;
+pub mod service;
+pub mod session;
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+pub use engine_client::EngineClient;
+pub use error::LoopbackError;
+pub use service::{ChatService, ServiceOptions};
+pub use session::{Segment, Session};
+
+use crate::chat::InvalidRequest;
+
+/// Request bodies larger than this are refused with 413: long agent conversations are a few MB
+/// at most, and the server must not buffer unbounded input.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
+/// A random id for responses (`chatcmpl-…`, `msg_…`).
+pub(crate) fn random_id() -> String {
+    use rand::Rng;
+    let mut rng = rand::thread_rng();
+    (0..24)
+        .map(|_| {
+            let i = rng.gen_range(0..62);
+            (b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[i]) as char
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+struct AppState {
+    service: Arc<ChatService>,
+    max_body: usize,
+}
+
+/// Parses a JSON body; errors name the offending path (`messages[2].content`).
+fn parse<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    max_body: usize,
+) -> Result<T, LoopbackError> {
+    let body = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            LoopbackError::TooLarge(max_body)
+        } else {
+            LoopbackError::Invalid(InvalidRequest {
+                param: None,
+                message: e.body_text(),
+            })
+        }
+    })?;
+    let syntax = |e: serde_json::Error, param: Option<String>| {
+        let message = match e.classify() {
+            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+                format!("the body is not valid JSON: {e}")
+            }
+            _ => format!("invalid request: {e}"),
+        };
+        LoopbackError::Invalid(InvalidRequest { param, message })
+    };
+    let mut de = serde_json::Deserializer::from_slice(&body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        syntax(e.into_inner(), (path != ".").then_some(path))
+    })?;
+    // Trailing garbage after the JSON value is an error too.
+    de.end().map_err(|e| syntax(e, None))?;
+    Ok(value)
+}
+
+async fn openai_chat(
+    State(state): State<AppState>,
+    Path(session): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match parse::<openai::CompletionRequest>(body, state.max_body) {
+        Ok(req) => openai::chat_completions(state.service, session, req).await,
+        Err(e) => e.openai(),
+    }
+}
+
+async fn anthropic_messages(
+    State(state): State<AppState>,
+    Path(session): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match parse::<anthropic::MessagesRequest>(body, state.max_body) {
+        Ok(req) => anthropic::messages(state.service, session, req).await,
+        Err(e) => e.anthropic(),
+    }
+}
+
+async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(openai::models(&state.service))
+}
+
+async fn trajectory(State(state): State<AppState>, Path(session): Path<String>) -> Response {
+    match state.service.trajectory(&session).await {
+        Some((turns, segments)) => {
+            Json(json!({"session": session, "turns": turns, "segments": segments})).into_response()
+        }
+        None => LoopbackError::NotFound(format!("no session `{session}`")).openai(),
+    }
+}
+
+async fn delete_session(State(state): State<AppState>, Path(session): Path<String>) -> Response {
+    match state.service.take(&session).await {
+        Some(_) => StatusCode::NO_CONTENT.into_response(),
+        None => LoopbackError::NotFound(format!("no session `{session}`")).openai(),
+    }
+}
+
+async fn not_found(uri: axum::http::Uri) -> Response {
+    LoopbackError::NotFound(format!(
+        "no route {uri}: agents use /s/{{session}}/v1/chat/completions (OpenAI) or /s/{{session}}/v1/messages (Anthropic)"
+    ))
+    .openai()
+}
+
+/// The loopback server's routes.
+pub fn router(service: Arc<ChatService>, max_body: usize) -> Router {
+    let state = AppState { service, max_body };
+    Router::new()
+        .route("/s/{session}/v1/chat/completions", post(openai_chat))
+        .route("/s/{session}/v1/models", get(models))
+        .route("/s/{session}/v1/messages", post(anthropic_messages))
+        .route("/s/{session}/trajectory", get(trajectory))
+        .route("/s/{session}", axum::routing::delete(delete_session))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+/// Serves on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    service: Arc<ChatService>,
+    max_body: usize,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(service, max_body))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

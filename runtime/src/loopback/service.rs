@@ -1,0 +1,425 @@
+//! One chat turn, protocol-neutral: render the conversation with the model's chat template,
+//! account its tokens against the session ([`super::session`]), generate token-in/token-out on the
+//! engine, turn the sampled ids into text and tool calls, and record the turn once it finished.
+//!
+//! The OpenAI and Anthropic adapters call [`ChatService::turn`] with the internal request; while
+//! the turn runs, content text that is certainly final streams to them as [`TurnEvent`]s. A turn
+//! whose client went away (its event channel closed) stops its engine requests and records
+//! nothing.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures::StreamExt;
+use rand::Rng;
+use tokio::sync::mpsc;
+
+use super::engine_client::{EngineClient, EngineError, EngineSampling, Generated};
+use super::error::LoopbackError;
+use super::session::{Sampled, Segment, Session};
+use crate::chat::{
+    parser_for_template, ChatRequest, ChatTemplate, DecodeStream, NoTools, RenderOptions,
+    Tokenizer, ToolCall, ToolCallParser,
+};
+
+/// Why a sample ended, in protocol-neutral terms.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Finish {
+    /// The model ended its turn (EOS or a stop id).
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// The model called tools.
+    ToolCalls,
+    /// A stop string matched (it is not part of the content).
+    StopSequence(String),
+}
+
+/// One sampled token as reported with OpenAI `logprobs`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenInfo {
+    pub id: i64,
+    pub logprob: f32,
+    pub top: Vec<(i64, f32)>,
+}
+
+/// One sample of a finished turn, as the client sees it.
+#[derive(Debug, Clone)]
+pub struct ChoiceOutput {
+    pub content: Option<String>,
+    pub tool_calls: Vec<ToolCall>,
+    pub finish: Finish,
+    pub completion_tokens: usize,
+    pub tokens: Vec<TokenInfo>,
+}
+
+/// A finished turn: what the protocols answer, and what an identical retry is answered with.
+#[derive(Debug, Clone)]
+pub struct TurnOutput {
+    pub prompt_tokens: usize,
+    pub choices: Vec<ChoiceOutput>,
+}
+
+impl TurnOutput {
+    pub fn completion_tokens(&self) -> usize {
+        self.choices.iter().map(|c| c.completion_tokens).sum()
+    }
+}
+
+/// Content text of sample `choice` that is final and may be streamed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnEvent {
+    pub choice: usize,
+    pub text: String,
+}
+
+/// Events buffered between a turn and a slow streaming client; past that the turn waits (and the
+/// engine keeps the tokens), so a stalled client costs memory proportional to this, not to the
+/// output.
+pub const TURN_EVENT_BUFFER: usize = 256;
+
+/// Settings of a loopback server.
+#[derive(Debug, Clone)]
+pub struct ServiceOptions {
+    /// Sessions kept at once; more get 429 until some are taken or deleted.
+    pub max_sessions: usize,
+    /// The name answered by `/v1/models` and echoed in responses.
+    pub model_name: String,
+}
+
+/// The loopback server's state: model files, engine client and sessions.
+#[derive(Debug)]
+pub struct ChatService {
+    engine: EngineClient,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    tool_parser: Box<dyn ToolCallParser>,
+    opts: ServiceOptions,
+    sessions: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Session>>>>,
+    /// Engine request ids: a per-process random prefix and a counter.
+    id_prefix: String,
+    next_request: AtomicU64,
+}
+
+fn request_hash(protocol: &str, req: &ChatRequest) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    protocol.hash(&mut h);
+    serde_json::to_string(req)
+        .expect("a chat request serializes")
+        .hash(&mut h);
+    h.finish()
+}
+
+fn random_hex(n: usize) -> String {
+    let mut rng = rand::thread_rng();
+    (0..n)
+        .map(|_| char::from_digit(rng.gen_range(0..16), 16).expect("hex digit"))
+        .collect()
+}
+
+/// How many trailing bytes of `text` could be the start of one of the stop strings.
+fn partial_stop_len(text: &str, stops: &[String]) -> usize {
+    stops
+        .iter()
+        .flat_map(|s| {
+            (1..s.len())
+                .rev()
+                .filter(move |&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
+                .take(1)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+impl ChatService {
+    /// A service for the model in `model_dir` (tokenizer.json and a chat template) generating on
+    /// the engine at `engine`.
+    pub fn new(
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        opts: ServiceOptions,
+    ) -> Self {
+        let tool_parser = parser_for_template(template.source());
+        Self {
+            engine,
+            tokenizer,
+            template,
+            tool_parser,
+            opts,
+            sessions: Mutex::new(HashMap::new()),
+            id_prefix: format!("lb-{}", random_hex(8)),
+            next_request: AtomicU64::new(0),
+        }
+    }
+
+    pub fn model_name(&self) -> &str {
+        &self.opts.model_name
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    fn session(&self, id: &str) -> Result<Arc<tokio::sync::Mutex<Session>>, LoopbackError> {
+        let mut sessions = self.sessions.lock().expect("sessions lock");
+        if let Some(s) = sessions.get(id) {
+            return Ok(s.clone());
+        }
+        if sessions.len() >= self.opts.max_sessions {
+            return Err(LoopbackError::TooManySessions(self.opts.max_sessions));
+        }
+        let s = Arc::new(tokio::sync::Mutex::new(Session::default()));
+        sessions.insert(id.to_string(), s.clone());
+        Ok(s)
+    }
+
+    /// The segments recorded so far for `session` (waits for a running turn to finish).
+    pub async fn trajectory(&self, session: &str) -> Option<(usize, Vec<Segment>)> {
+        let s = self
+            .sessions
+            .lock()
+            .expect("sessions lock")
+            .get(session)
+            .cloned()?;
+        let s = s.lock().await;
+        Some((s.turns(), s.segments()))
+    }
+
+    /// Removes a session and returns its segments (the episode is over).
+    pub async fn take(&self, session: &str) -> Option<Vec<Segment>> {
+        let s = self
+            .sessions
+            .lock()
+            .expect("sessions lock")
+            .remove(session)?;
+        // A turn still running holds the other reference; wait for it to end.
+        let s = s.lock().await;
+        Some(s.segments())
+    }
+
+    /// Runs one turn of `session`. `protocol` names the answer's shape (for the retry cache);
+    /// `id_prefix` starts tool-call ids (`call_`, `toolu_`).
+    pub async fn turn(
+        &self,
+        session: &str,
+        protocol: &'static str,
+        id_prefix: &str,
+        req: ChatRequest,
+        events: Option<mpsc::Sender<TurnEvent>>,
+    ) -> Result<Arc<TurnOutput>, LoopbackError> {
+        let session = self.session(session)?;
+        let mut session = session.lock().await;
+        let hash = request_hash(protocol, &req);
+        if let Some(answer) = session.cached(hash) {
+            if let Some(tx) = &events {
+                for (i, c) in answer.choices.iter().enumerate() {
+                    if let Some(text) = c.content.clone() {
+                        tx.send(TurnEvent { choice: i, text })
+                            .await
+                            .map_err(|_| LoopbackError::ClientGone)?;
+                    }
+                }
+            }
+            return Ok(answer);
+        }
+        let rendered = self
+            .template
+            .render(
+                &req.template_messages(),
+                &RenderOptions {
+                    tools: req.template_tools(),
+                    documents: None,
+                    add_generation_prompt: true,
+                    extra: req.template_kwargs.clone(),
+                },
+            )
+            .map_err(LoopbackError::Template)?;
+        let plan = session.plan(&req.messages, rendered, |text| self.tokenizer.encode(text))?;
+        let sampling = EngineSampling {
+            max_tokens: req.sampling.max_tokens,
+            temperature: req.sampling.temperature.unwrap_or(1.0),
+            top_p: req.sampling.top_p.unwrap_or(1.0),
+            top_k: req.sampling.top_k,
+            seed: req.sampling.seed,
+            logprobs: req.sampling.logprobs.unwrap_or(0),
+            routed_experts_prompt_start: plan.routed_experts_start(),
+        };
+        let parser: &dyn ToolCallParser = if req.parse_tool_calls {
+            self.tool_parser.as_ref()
+        } else {
+            &NoTools
+        };
+        let samples = futures::future::try_join_all((0..req.n).map(|i| {
+            let mut sampling = sampling.clone();
+            sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
+            self.sample(
+                i,
+                &plan.prompt,
+                sampling,
+                &req,
+                parser,
+                id_prefix,
+                events.clone(),
+            )
+        }))
+        .await?;
+        let (records, choices): (Vec<Sampled>, Vec<ChoiceOutput>) = samples.into_iter().unzip();
+        let texts = records
+            .iter()
+            .map(|r| self.tokenizer.decode(&r.token_ids, false))
+            .collect::<Result<Vec<_>, _>>()?;
+        let answer = Arc::new(TurnOutput {
+            prompt_tokens: plan.prompt.len(),
+            choices,
+        });
+        session.commit(plan, req.messages, &records, texts);
+        session.remember(hash, answer.clone());
+        Ok(answer)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn sample(
+        &self,
+        index: usize,
+        prompt: &[i64],
+        sampling: EngineSampling,
+        req: &ChatRequest,
+        parser: &dyn ToolCallParser,
+        id_prefix: &str,
+        events: Option<mpsc::Sender<TurnEvent>>,
+    ) -> Result<(Sampled, ChoiceOutput), LoopbackError> {
+        let id = format!(
+            "{}-{}",
+            self.id_prefix,
+            self.next_request.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut stream = self.engine.generate(id, prompt, &sampling).await?;
+        let stops = &req.sampling.stop;
+        let mut record = Sampled::default();
+        let mut tokens = Vec::new();
+        let mut detok = DecodeStream::new(true);
+        let mut text = String::new();
+        let mut sent = 0;
+        let mut finish = None;
+        while let Some(event) = stream.next().await {
+            match event? {
+                Generated::Token {
+                    id,
+                    logprob,
+                    top,
+                    version,
+                } => {
+                    if events.as_ref().is_some_and(|tx| tx.is_closed()) {
+                        return Err(LoopbackError::ClientGone);
+                    }
+                    record.token_ids.push(id);
+                    record.logprobs.push(logprob);
+                    record.versions.push(version);
+                    tokens.push(TokenInfo { id, logprob, top });
+                    let before = text.len();
+                    text.push_str(&detok.step(&self.tokenizer, id)?);
+                    if !stops.is_empty() {
+                        let from =
+                            before.saturating_sub(stops.iter().map(String::len).max().unwrap_or(0));
+                        let from = (0..=from)
+                            .rev()
+                            .find(|&i| text.is_char_boundary(i))
+                            .unwrap_or(0);
+                        if let Some((at, stop)) = stops
+                            .iter()
+                            .filter_map(|s| text[from..].find(s.as_str()).map(|i| (from + i, s)))
+                            .min_by_key(|(at, _)| *at)
+                        {
+                            text.truncate(at);
+                            finish = Some(Finish::StopSequence(stop.clone()));
+                            break;
+                        }
+                    }
+                    let safe = parser
+                        .content_prefix_len(&text)
+                        .min(text.len() - partial_stop_len(&text, stops));
+                    if safe > sent {
+                        if let Some(tx) = &events {
+                            tx.send(TurnEvent {
+                                choice: index,
+                                text: text[sent..safe].to_string(),
+                            })
+                            .await
+                            .map_err(|_| LoopbackError::ClientGone)?;
+                        }
+                        sent = safe;
+                    }
+                }
+                Generated::Finished {
+                    reason,
+                    routed_experts,
+                } => {
+                    record.routed_experts = routed_experts;
+                    finish = Some(match reason.as_str() {
+                        "length" => Finish::Length,
+                        "stop" => Finish::Stop,
+                        other => {
+                            return Err(LoopbackError::Engine(EngineError::Stream(format!(
+                                "the engine ended the request with `{other}`"
+                            ))))
+                        }
+                    });
+                    break;
+                }
+            }
+        }
+        // A stop string ended it early: the rest is not generated (dropping the stream aborts it).
+        drop(stream);
+        let finish = finish.ok_or_else(|| {
+            LoopbackError::Engine(EngineError::Stream(
+                "the stream ended without a finish".into(),
+            ))
+        })?;
+        let parsed = parser.parse(&text);
+        let tool_calls: Vec<ToolCall> = parsed
+            .tool_calls
+            .into_iter()
+            .map(|c| c.with_id(format!("{id_prefix}{}", random_hex(24))))
+            .collect();
+        if let (Some(tx), Some(content)) = (&events, &parsed.content) {
+            if content.len() > sent && content.is_char_boundary(sent) {
+                tx.send(TurnEvent {
+                    choice: index,
+                    text: content[sent..].to_string(),
+                })
+                .await
+                .map_err(|_| LoopbackError::ClientGone)?;
+            }
+        }
+        let finish = match finish {
+            Finish::Stop if !tool_calls.is_empty() => Finish::ToolCalls,
+            other => other,
+        };
+        Ok((
+            record.clone(),
+            ChoiceOutput {
+                content: parsed.content,
+                tool_calls,
+                finish,
+                completion_tokens: record.token_ids.len(),
+                tokens,
+            },
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partial_stops_are_held_back() {
+        let stops = vec!["STOP".to_string(), "\n\n".to_string()];
+        assert_eq!(partial_stop_len("abc ST", &stops), 2);
+        assert_eq!(partial_stop_len("abc\n", &stops), 1);
+        assert_eq!(partial_stop_len("abc", &stops), 0);
+    }
+}

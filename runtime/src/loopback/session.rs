@@ -1,0 +1,380 @@
+//! Exact token accounting for one session (DESIGN §3 invariants 1–2, §4.2 "Segments").
+//!
+//! A session accumulates token sequences, one per segment. Each turn renders the request's
+//! messages with the chat template; the turn *continues* an open segment only when its messages
+//! extend that segment's last request (the next one being the assistant's reply) and the rendered
+//! text starts with the segment's text: the previous rendering followed by the text of the ids the
+//! engine sampled. Only the rest of the rendering is tokenized and appended (loss mask 0); the
+//! sampled ids are never retokenized. Otherwise (the agent compacted its context, or the template
+//! rewrote history, as Qwen3 does with earlier `<think>` blocks) the open segments are sealed and a
+//! new one starts from the whole rendering.
+//!
+//! A turn with `n` samples leaves `n` open candidates; the next turn continues the one whose reply
+//! the agent kept and seals the others. Planning a turn reads the session; only a turn that
+//! finished is committed, so a failed or abandoned turn leaves no trace.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use super::service::TurnOutput;
+use crate::chat::{Message, Role};
+
+/// Routed expert ids of positions `start..` of a segment, as the engine returned them (base64 of
+/// a `.npy` array of shape `(positions, layers, top_k)`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RoutedExperts {
+    pub start: usize,
+    pub data: String,
+}
+
+/// One accumulated token sequence: what the trainer receives.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Segment {
+    pub token_ids: Vec<i64>,
+    /// 1 for tokens the engine sampled, 0 for rendered prompt, observation and template tokens.
+    pub loss_mask: Vec<u8>,
+    /// The behaviour logprob of each sampled token (0 where the mask is 0).
+    pub logprobs: Vec<f32>,
+    /// The policy version that sampled each token (`None` where the mask is 0).
+    pub versions: Vec<Option<u64>>,
+    pub routed_experts: Vec<RoutedExperts>,
+    /// Turns that contributed to this segment.
+    pub turns: usize,
+}
+
+impl Segment {
+    fn push_rendered(&mut self, ids: &[i64]) {
+        self.token_ids.extend_from_slice(ids);
+        self.loss_mask.extend(std::iter::repeat_n(0, ids.len()));
+        self.logprobs.extend(std::iter::repeat_n(0.0, ids.len()));
+        self.versions.extend(std::iter::repeat_n(None, ids.len()));
+    }
+
+    fn push_sampled(&mut self, sample: &Sampled) {
+        self.token_ids.extend_from_slice(&sample.token_ids);
+        self.loss_mask
+            .extend(std::iter::repeat_n(1, sample.token_ids.len()));
+        self.logprobs.extend_from_slice(&sample.logprobs);
+        self.versions
+            .extend(sample.versions.iter().map(|&v| Some(v)));
+    }
+
+    /// Number of sampled (trainable) tokens.
+    pub fn sampled_tokens(&self) -> usize {
+        self.loss_mask.iter().filter(|&&m| m == 1).count()
+    }
+}
+
+/// What the engine produced for one sample of a turn.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Sampled {
+    pub token_ids: Vec<i64>,
+    pub logprobs: Vec<f32>,
+    pub versions: Vec<u64>,
+    /// Routed experts of positions `routed_experts_start..` (prompt and sample).
+    pub routed_experts: Option<String>,
+}
+
+#[derive(Debug)]
+struct Open {
+    segment: Segment,
+    /// The rendering the segment's tokens stand for: the last request's rendered prompt followed
+    /// by the text of the ids sampled for it.
+    text: String,
+    /// The last request's messages.
+    messages: Vec<Message>,
+}
+
+/// What a turn will send to the engine, and how it will be recorded.
+#[derive(Debug)]
+pub struct TurnPlan {
+    /// Index of the open candidate the turn continues; `None` opens a new segment.
+    continues: Option<usize>,
+    rendered: String,
+    /// Tokens of the rendering not yet in the segment (loss mask 0).
+    pub new_ids: Vec<i64>,
+    /// The whole prompt: the continued segment's tokens, then `new_ids`.
+    pub prompt: Vec<i64>,
+}
+
+impl TurnPlan {
+    /// Whether the turn continues an open segment.
+    pub fn continues(&self) -> bool {
+        self.continues.is_some()
+    }
+
+    /// The first position whose routed experts the engine should return: the earlier positions'
+    /// were recorded with earlier turns, except the last sampled token's, which only this forward
+    /// computes.
+    pub fn routed_experts_start(&self) -> usize {
+        (self.prompt.len() - self.new_ids.len()).saturating_sub(1)
+    }
+}
+
+/// A session's recorded segments and its cache of answered requests.
+#[derive(Debug, Default)]
+pub struct Session {
+    sealed: Vec<Segment>,
+    open: Vec<Open>,
+    /// Recent answers by request hash, for identical retries (bounded: `CACHED_TURNS`).
+    cache: VecDeque<(u64, Arc<TurnOutput>)>,
+    turns: usize,
+}
+
+/// Answers kept for retries: a retry comes right after its original, so a few suffice.
+const CACHED_TURNS: usize = 8;
+
+impl Session {
+    /// Plans a turn for `messages` rendered as `rendered`; `tokenize` encodes the new text only.
+    pub fn plan<E>(
+        &self,
+        messages: &[Message],
+        rendered: String,
+        tokenize: impl FnOnce(&str) -> Result<Vec<i64>, E>,
+    ) -> Result<TurnPlan, E> {
+        let continues = self.open.iter().position(|o| {
+            messages.len() > o.messages.len()
+                && messages[..o.messages.len()] == o.messages[..]
+                && messages[o.messages.len()].role == Role::Assistant
+                && rendered.starts_with(&o.text)
+        });
+        let (base_ids, base_text): (&[i64], &str) = match continues {
+            Some(i) => (&self.open[i].segment.token_ids, &self.open[i].text),
+            None => (&[], ""),
+        };
+        let new_ids = tokenize(&rendered[base_text.len()..])?;
+        let mut prompt = Vec::with_capacity(base_ids.len() + new_ids.len());
+        prompt.extend_from_slice(base_ids);
+        prompt.extend_from_slice(&new_ids);
+        Ok(TurnPlan {
+            continues,
+            rendered,
+            new_ids,
+            prompt,
+        })
+    }
+
+    /// Records a finished turn: each sample becomes an open candidate (its text is the rendering
+    /// followed by `sample_texts[i]`, the text of its ids); candidates the turn did not continue
+    /// are sealed.
+    pub fn commit(
+        &mut self,
+        plan: TurnPlan,
+        messages: Vec<Message>,
+        samples: &[Sampled],
+        sample_texts: Vec<String>,
+    ) {
+        let routed_start = plan.routed_experts_start();
+        let base = match plan.continues {
+            Some(i) => {
+                let base = self.open.swap_remove(i);
+                self.sealed.extend(self.open.drain(..).map(|o| o.segment));
+                base.segment
+            }
+            None => {
+                self.sealed.extend(self.open.drain(..).map(|o| o.segment));
+                Segment::default()
+            }
+        };
+        self.turns += 1;
+        for (sample, text) in samples.iter().zip(sample_texts) {
+            let mut segment = base.clone();
+            segment.turns += 1;
+            segment.push_rendered(&plan.new_ids);
+            segment.push_sampled(sample);
+            if let Some(data) = &sample.routed_experts {
+                segment.routed_experts.push(RoutedExperts {
+                    start: routed_start,
+                    data: data.clone(),
+                });
+            }
+            let mut full = String::with_capacity(plan.rendered.len() + text.len());
+            full.push_str(&plan.rendered);
+            full.push_str(&text);
+            self.open.push(Open {
+                segment,
+                text: full,
+                messages: messages.clone(),
+            });
+        }
+    }
+
+    /// The answer recorded for a request with this hash, if it is still cached.
+    pub fn cached(&self, hash: u64) -> Option<Arc<TurnOutput>> {
+        self.cache
+            .iter()
+            .find(|(h, _)| *h == hash)
+            .map(|(_, v)| v.clone())
+    }
+
+    pub fn remember(&mut self, hash: u64, answer: Arc<TurnOutput>) {
+        if self.cache.len() == CACHED_TURNS {
+            self.cache.pop_front();
+        }
+        self.cache.push_back((hash, answer));
+    }
+
+    /// All segments, sealed first, then the open candidates.
+    pub fn segments(&self) -> Vec<Segment> {
+        self.sealed
+            .iter()
+            .cloned()
+            .chain(self.open.iter().map(|o| o.segment.clone()))
+            .collect()
+    }
+
+    /// Consumes the session's segments (the episode is over).
+    pub fn into_segments(self) -> Vec<Segment> {
+        let mut all = self.sealed;
+        all.extend(self.open.into_iter().map(|o| o.segment));
+        all
+    }
+
+    pub fn turns(&self) -> usize {
+        self.turns
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in tokenizer: one id per character (a module-level test of the bookkeeping; the
+    /// loopback tests use the real tokenizer and template).
+    fn chars(text: &str) -> Result<Vec<i64>, ()> {
+        Ok(text.chars().map(|c| c as i64).collect())
+    }
+
+    fn user(t: &str) -> Message {
+        Message::text(Role::User, t)
+    }
+
+    fn assistant(t: &str) -> Message {
+        Message::text(Role::Assistant, t)
+    }
+
+    fn sampled(text: &str, version: u64) -> Sampled {
+        let ids: Vec<i64> = text.chars().map(|c| c as i64).collect();
+        Sampled {
+            logprobs: ids.iter().map(|_| -0.5).collect(),
+            versions: ids.iter().map(|_| version).collect(),
+            token_ids: ids,
+            routed_experts: None,
+        }
+    }
+
+    fn render(messages: &[Message]) -> String {
+        let mut s: String = messages
+            .iter()
+            .map(|m| {
+                format!(
+                    "<{}>{}|",
+                    m.role.as_str(),
+                    m.content.clone().unwrap_or_default()
+                )
+            })
+            .collect();
+        s.push_str("<assistant>");
+        s
+    }
+
+    fn turn(s: &mut Session, messages: Vec<Message>, reply: &str, version: u64) -> bool {
+        let plan = s.plan(&messages, render(&messages), chars).unwrap();
+        let continued = plan.continues();
+        let sample = sampled(&format!("{reply}|"), version);
+        s.commit(plan, messages, &[sample], vec![format!("{reply}|")]);
+        continued
+    }
+
+    #[test]
+    fn extending_turns_share_one_segment_with_exact_masks() {
+        let mut s = Session::default();
+        let m1 = vec![user("hi")];
+        assert!(!turn(&mut s, m1.clone(), "yo", 0));
+        let m2 = vec![user("hi"), assistant("yo"), user("more")];
+        assert!(turn(&mut s, m2.clone(), "ok", 1));
+        let segs = s.segments();
+        assert_eq!(segs.len(), 1);
+        let seg = &segs[0];
+        let text: String = seg
+            .token_ids
+            .iter()
+            .map(|&c| char::from_u32(c as u32).unwrap())
+            .collect();
+        assert_eq!(text, "<user>hi|<assistant>yo|<user>more|<assistant>ok|");
+        let mask: String = seg.loss_mask.iter().map(|m| m.to_string()).collect();
+        assert_eq!(mask, format!("{}111{}111", "0".repeat(20), "0".repeat(22)));
+        assert_eq!(seg.turns, 2);
+        assert_eq!(
+            seg.versions.iter().flatten().copied().collect::<Vec<_>>(),
+            vec![0, 0, 0, 1, 1, 1]
+        );
+    }
+
+    #[test]
+    fn compaction_and_rewritten_history_seal_the_segment() {
+        let mut s = Session::default();
+        turn(&mut s, vec![user("hi")], "yo", 0);
+        // The agent rewrote its reply: the rendering no longer starts with the sampled text.
+        assert!(!turn(
+            &mut s,
+            vec![user("hi"), assistant("YO"), user("x")],
+            "a",
+            0
+        ));
+        // The agent dropped history (compaction).
+        assert!(!turn(&mut s, vec![user("summary")], "b", 0));
+        assert_eq!(s.segments().len(), 3);
+        assert!(s.segments().iter().all(|g| g.turns == 1));
+    }
+
+    #[test]
+    fn the_kept_sample_continues_and_the_others_are_sealed() {
+        let mut s = Session::default();
+        let m1 = vec![user("q")];
+        let plan = s.plan(&m1, render(&m1), chars).unwrap();
+        s.commit(
+            plan,
+            m1,
+            &[sampled("a|", 0), sampled("b|", 0), sampled("c|", 0)],
+            vec!["a|".into(), "b|".into(), "c|".into()],
+        );
+        assert!(turn(
+            &mut s,
+            vec![user("q"), assistant("b"), user("next")],
+            "d",
+            0
+        ));
+        let segs = s.segments();
+        assert_eq!(segs.len(), 3);
+        assert_eq!(segs.iter().filter(|g| g.turns == 2).count(), 1);
+    }
+
+    #[test]
+    fn a_planned_turn_that_is_not_committed_leaves_no_trace() {
+        let mut s = Session::default();
+        turn(&mut s, vec![user("hi")], "yo", 0);
+        let before = s.segments();
+        let m = vec![user("other")];
+        let _abandoned = s.plan(&m, render(&m), chars).unwrap();
+        assert_eq!(s.segments(), before);
+    }
+
+    #[test]
+    fn routed_experts_tile_the_sequence() {
+        let mut s = Session::default();
+        let m1 = vec![user("hi")];
+        let p1 = s.plan(&m1, render(&m1), chars).unwrap();
+        assert_eq!(p1.routed_experts_start(), 0);
+        s.commit(p1, m1, &[sampled("yo|", 0)], vec!["yo|".into()]);
+        let m2 = vec![user("hi"), assistant("yo"), user("x")];
+        let p2 = s.plan(&m2, render(&m2), chars).unwrap();
+        // The last sampled token was never fed to the model: its routing comes with this turn.
+        assert_eq!(
+            p2.routed_experts_start(),
+            s.segments()[0].token_ids.len() - 1
+        );
+    }
+}
