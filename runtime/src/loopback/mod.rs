@@ -71,23 +71,31 @@ fn parse<T: DeserializeOwned>(
             })
         }
     })?;
-    let syntax = |e: serde_json::Error, param: Option<String>| {
-        let message = match e.classify() {
-            serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
-                format!("the body is not valid JSON: {e}")
-            }
-            _ => format!("invalid request: {e}"),
-        };
-        LoopbackError::Invalid(InvalidRequest { param, message })
-    };
-    let mut de = serde_json::Deserializer::from_slice(&body);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        syntax(e.into_inner(), (path != ".").then_some(path))
+    if let Err(e) = std::str::from_utf8(&body) {
+        return Err(LoopbackError::Invalid(InvalidRequest {
+            param: None,
+            message: format!("the body is not valid UTF-8 (at byte {})", e.valid_up_to()),
+        }));
+    }
+    let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
+        LoopbackError::Invalid(InvalidRequest {
+            param: None,
+            message: format!("the body is not valid JSON: {e}"),
+        })
     })?;
-    // Trailing garbage after the JSON value is an error too.
-    de.end().map_err(|e| syntax(e, None))?;
-    Ok(value)
+    if !value.is_object() {
+        return Err(LoopbackError::Invalid(InvalidRequest {
+            param: None,
+            message: "the body must be a JSON object".into(),
+        }));
+    }
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        LoopbackError::Invalid(InvalidRequest {
+            param: (path != ".").then_some(path),
+            message: format!("invalid request: {}", e.into_inner()),
+        })
+    })
 }
 
 async fn openai_chat(

@@ -148,25 +148,26 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
     let obj = value
         .as_object()
         .ok_or_else(|| invalid(&param, "each message must be an object"))?;
-    let role =
-        match obj.get("role").and_then(Json::as_str) {
-            Some("system") | Some("developer") => Role::System,
-            Some("user") => Role::User,
-            Some("assistant") => Role::Assistant,
-            Some("tool") => Role::Tool,
-            Some(other) => return Err(invalid(
+    let role = match obj.get("role").and_then(Json::as_str) {
+        Some("system") | Some("developer") => Role::System,
+        Some("user") => Role::User,
+        Some("assistant") => Role::Assistant,
+        Some("tool") => Role::Tool,
+        Some(other) => {
+            return Err(invalid(
                 format!("{param}.role"),
                 format!(
                     "unknown role `{other}`: expected system, developer, user, assistant or tool"
                 ),
-            )),
-            None => {
-                return Err(invalid(
-                    format!("{param}.role"),
-                    "a message needs a string `role`",
-                ))
-            }
-        };
+            ))
+        }
+        None => {
+            return Err(invalid(
+                format!("{param}.role"),
+                "a message needs a string `role`",
+            ))
+        }
+    };
     let content = content_text(
         obj.get("content").unwrap_or(&Json::Null),
         &format!("{param}.content"),

@@ -17,40 +17,61 @@ fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The folder holding `qwen3-tiny/` and `qwen3-moe-tiny/`, created by
-/// `tests/python/make_tiny_models.py` on first use (several test binaries may race: the one that
-/// builds writes into a private folder and renames it into place).
+/// The output folder of `tests/python/<script> OUT_DIR`, made on first use and cached by the
+/// content of the script and its `inputs` (several test binaries may race: the one that builds
+/// writes into a private folder and renames it into place).
+fn made_by(script: &str, inputs: &[&str]) -> PathBuf {
+    let python_dir = repo_root().join("tests/python");
+    let script = python_dir.join(script);
+    let mut bytes = std::fs::read(&script).expect("read the model script");
+    for input in inputs {
+        bytes.extend(std::fs::read(python_dir.join(input)).expect("read a script input"));
+    }
+    let digest = fnv(&bytes);
+    let stem = script.file_stem().unwrap().to_string_lossy().into_owned();
+    let base = Path::new(env!("CARGO_TARGET_TMPDIR")).to_path_buf();
+    let dir = base.join(format!("{stem}-{digest:016x}"));
+    if dir.join("done").exists() {
+        return dir;
+    }
+    let staging = base.join(format!("{stem}-staging-{}", std::process::id()));
+    let status = Command::new(python())
+        .arg(&script)
+        .arg(&staging)
+        .status()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run {} ({e}); run `bash scripts/test.sh`, which sets up the virtualenv",
+                python().display()
+            )
+        });
+    assert!(status.success(), "{} failed", script.display());
+    std::fs::write(staging.join("done"), b"").unwrap();
+    if std::fs::rename(&staging, &dir).is_err() {
+        // Another test binary won the race; its copy is identical.
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    dir
+}
+
+/// The folder holding `qwen3-tiny/` and `qwen3-moe-tiny/`, made by
+/// `tests/python/make_tiny_models.py`.
 pub fn tiny_models() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| made_by("make_tiny_models.py", &[]))
+}
+
+/// `qwen3-tiny-chat`: a tiny Qwen3 that greedily says the assistant turns of
+/// `tests/python/chat_scripts.json`, with the Qwen3 chat template and `expected.json`.
+pub fn chat_model() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let script = repo_root().join("tests/python/make_tiny_models.py");
-        let digest = std::fs::read(&script)
-            .map(|b| fnv(&b))
-            .expect("read make_tiny_models.py");
-        let base = Path::new(env!("CARGO_TARGET_TMPDIR")).to_path_buf();
-        let dir = base.join(format!("tiny-models-{digest:016x}"));
-        if dir.join("done").exists() {
-            return dir;
-        }
-        let staging = base.join(format!("tiny-models-staging-{}", std::process::id()));
-        let status = Command::new(python())
-            .arg(&script)
-            .arg(&staging)
-            .status()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run {} ({e}); run `bash scripts/test.sh`, which sets up the virtualenv",
-                    python().display()
-                )
-            });
-        assert!(status.success(), "make_tiny_models.py failed");
-        std::fs::write(staging.join("done"), b"").unwrap();
-        if std::fs::rename(&staging, &dir).is_err() {
-            // Another test binary won the race; its copy is identical.
-            let _ = std::fs::remove_dir_all(&staging);
-        }
-        dir
+        made_by(
+            "make_chat_model.py",
+            &["chat_scripts.json", "make_tiny_models.py"],
+        )
     })
+    .join("qwen3-tiny-chat")
 }
 
 fn fnv(bytes: &[u8]) -> u64 {

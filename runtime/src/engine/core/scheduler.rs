@@ -280,11 +280,17 @@ impl Engine {
             if self.running[i].job.events.is_closed() {
                 tracing::debug!(request = %self.running[i].job.id, "dropped: the client went away");
                 self.remove(i);
+                // Counted as vLLM counts a disconnected client: an aborted request.
+                self.metrics.finished(FinishReason::Abort);
             } else {
                 i += 1;
             }
         }
+        let before = self.waiting.len();
         self.waiting.retain(|j| !j.events.is_closed());
+        for _ in self.waiting.len()..before {
+            self.metrics.finished(FinishReason::Abort);
+        }
     }
 
     /// Ends every running or waiting request whose id matches, with its partial output.

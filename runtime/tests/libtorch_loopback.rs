@@ -1,0 +1,309 @@
+//! The loopback server against the built-in engine with a tiny chat model, driven by the real
+//! `openai` and `anthropic` Python SDKs (DESIGN §4.2, §8): token identity, observation tokens as
+//! transformers renders them, segments sealing on compaction and Qwen3 think-stripping, retries
+//! recorded once, protocol-shaped errors, and no engine request outliving its client.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{chat_model, dense_model, engine_options, python, start_engine};
+use moult_runtime::chat::{ChatTemplate, Tokenizer};
+use moult_runtime::loopback::{self, ChatService, EngineClient, Segment, ServiceOptions};
+use serde_json::{json, Value};
+
+/// Serves a loopback server for `model_dir`'s tokenizer and `template_dir`'s chat template
+/// against the engine at `engine_url`.
+async fn start_loopback(
+    engine_url: &str,
+    model_dir: &Path,
+    template_dir: &Path,
+    max_body: usize,
+) -> (String, Arc<ChatService>) {
+    let service = Arc::new(ChatService::new(
+        EngineClient::new(engine_url),
+        Tokenizer::from_model_dir(model_dir).unwrap(),
+        ChatTemplate::from_model_dir(template_dir).unwrap(),
+        ServiceOptions {
+            max_sessions: 64,
+            model_name: "tiny".into(),
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(loopback::serve(
+        listener,
+        service.clone(),
+        max_body,
+        std::future::pending(),
+    ));
+    (url, service)
+}
+
+fn expected_segments(name: &str) -> Vec<(Vec<i64>, Vec<u8>)> {
+    let text = std::fs::read_to_string(chat_model().join("expected.json")).unwrap();
+    let all: Value = serde_json::from_str(&text).unwrap();
+    all[name]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                serde_json::from_value(s["token_ids"].clone()).unwrap(),
+                serde_json::from_value(s["loss_mask"].clone()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Each run of sampled tokens must be exactly what the engine samples (greedy) after the tokens
+/// before it, with the same behaviour logprobs and a policy version.
+async fn assert_token_identity(engine_url: &str, segment: &Segment) {
+    let client = reqwest::Client::new();
+    let mut i = 0;
+    while i < segment.token_ids.len() {
+        if segment.loss_mask[i] == 0 {
+            i += 1;
+            continue;
+        }
+        let end = (i..segment.token_ids.len())
+            .find(|&j| segment.loss_mask[j] == 0)
+            .unwrap_or(segment.token_ids.len());
+        let body = json!({
+            "token_ids": &segment.token_ids[..i],
+            "sampling_params": {"temperature": 0.0, "max_tokens": end - i},
+        });
+        let r: Value = client
+            .post(format!("{engine_url}/inference/v1/generate"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let ids: Vec<i64> = serde_json::from_value(r["choices"][0]["token_ids"].clone()).unwrap();
+        assert_eq!(ids, segment.token_ids[i..end], "sampled ids at {i}..{end}");
+        for (k, lp) in r["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+        {
+            let want = lp["logprob"].as_f64().unwrap() as f32;
+            let got = segment.logprobs[i + k];
+            assert!(
+                (want - got).abs() < 1e-4,
+                "logprob at {}: {got} vs {want}",
+                i + k
+            );
+            assert_eq!(segment.versions[i + k], Some(0));
+        }
+        assert!(segment.versions[..i]
+            .iter()
+            .zip(&segment.loss_mask[..i])
+            .all(|(v, &m)| (m == 0) == v.is_none()));
+        i = end;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_sdk_conversations_record_exact_segments() {
+    let model = chat_model();
+    let engine = start_engine(&model, engine_options()).await;
+    let (url, service) = start_loopback(&engine.url, &model, &model, 1 << 20).await;
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/loopback_sdk_client.py");
+    let output = tokio::task::spawn_blocking(move || {
+        Command::new(python())
+            .arg(script)
+            .arg(&url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        output.status.success(),
+        "the SDK client failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let weather: Vec<_> = expected_segments("weather")
+        .into_iter()
+        .chain(expected_segments("compacted"))
+        .collect();
+    let think = expected_segments("think");
+    for proto in ["openai", "anthropic"] {
+        for mode in ["plain", "stream"] {
+            for (name, expected, turns) in [("weather", &weather, 3), ("think", &think, 2)] {
+                let session = format!("{proto}-{mode}-{name}");
+                let (recorded_turns, segments) = service.trajectory(&session).await.unwrap();
+                // `think` retried its first request: answered from cache, recorded once.
+                assert_eq!(recorded_turns, turns, "{session}: turns");
+                let got: Vec<_> = segments
+                    .iter()
+                    .map(|s| (s.token_ids.clone(), s.loss_mask.clone()))
+                    .collect();
+                // Rendered by transformers' apply_chat_template and tokenized by transformers:
+                // weather is one segment until the agent compacts; think seals when the Qwen3
+                // template drops the earlier <think> block.
+                assert_eq!(&got, expected, "{session}: segments");
+                for segment in &segments {
+                    assert_token_identity(&engine.url, segment).await;
+                }
+            }
+        }
+    }
+}
+
+async fn post_raw(url: &str, path: &str, body: Vec<u8>) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(format!("{url}{path}"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_bad_requests_get_each_protocols_error_and_the_session_survives() {
+    let model = chat_model();
+    let engine = start_engine(&model, engine_options()).await;
+    let (url, service) = start_loopback(&engine.url, &model, &model, 64 << 10).await;
+    let openai = "/s/s1/v1/chat/completions";
+    let anthropic = "/s/s1/v1/messages";
+    let big = format!(
+        r#"{{"model": "tiny", "max_tokens": 5, "messages": [{{"role": "user", "content": "{}"}}]}}"#,
+        "x".repeat(100 << 10)
+    );
+    let mut bad_utf8 =
+        br#"{"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "a"#
+            .to_vec();
+    bad_utf8.extend([0xff, 0xfe]);
+    bad_utf8.extend(br#""}]}"#);
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (openai, b"{\"messages\": [".to_vec(), 400, "not valid JSON"),
+        (openai, br#"{"messages": [{"role": "wizard", "content": "hi"}]}"#.to_vec(), 400, "messages[0].role"),
+        (openai, br#"{"messages": [{"role": "user", "content": 5}]}"#.to_vec(), 400, "messages[0].content"),
+        (openai, br#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}"#.to_vec(), 400, "image_url"),
+        (openai, br#"{"messages": [{"role": "user", "content": "hi"}], "max_tokns": 3}"#.to_vec(), 400, "max_tokns"),
+        (openai, big.clone().into_bytes(), 413, "larger than the limit"),
+        (openai, bad_utf8.clone(), 400, "UTF-8"),
+        (anthropic, b"[1, 2".to_vec(), 400, "not valid JSON"),
+        (anthropic, b"[1, 2]".to_vec(), 400, "must be a JSON object"),
+        (anthropic, br#"{"model": "tiny", "max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}"#.to_vec(), 400, "messages[0].role"),
+        (anthropic, br#"{"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}"#.to_vec(), 400, "image"),
+        (anthropic, br#"{"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": 7}]}"#.to_vec(), 400, "messages[0].content"),
+        (anthropic, big.into_bytes(), 413, "larger than the limit"),
+        (anthropic, bad_utf8, 400, "UTF-8"),
+    ];
+    for (path, body, status, needle) in cases {
+        let (got, json) = post_raw(&url, path, body).await;
+        assert_eq!(got, status, "{path}: {json}");
+        let text = json.to_string();
+        assert!(text.contains(needle), "{path}: `{needle}` not in {text}");
+        if path == openai {
+            assert!(json["error"]["message"].is_string(), "OpenAI shape: {json}");
+            assert!(json["error"]["type"].is_string(), "OpenAI shape: {json}");
+        } else {
+            assert_eq!(json["type"], "error", "Anthropic shape: {json}");
+            assert!(json["error"]["type"].is_string() && json["error"]["message"].is_string());
+        }
+    }
+    // The session is untouched and still usable.
+    let ok = json!({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0});
+    let (status, json) = post_raw(&url, openai, ok.to_string().into_bytes()).await;
+    assert_eq!(status, 200, "{json}");
+    assert_eq!(service.trajectory("s1").await.unwrap().0, 1);
+}
+
+/// The sum of a metric's samples whose labels include `label` (`key="value"`), 0 when absent.
+async fn metric(engine_url: &str, name: &str, label: &str) -> f64 {
+    let text = reqwest::get(format!("{engine_url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_a_streaming_client_that_disconnects_aborts_its_engine_request() {
+    // The random tiny model rarely says EOS: it would generate all of max_tokens.
+    let mut opts = engine_options();
+    opts.max_model_len = 4096;
+    let engine = start_engine(&dense_model(), opts).await;
+    let (url, service) = start_loopback(&engine.url, &dense_model(), &chat_model(), 1 << 20).await;
+    for (path, body) in [
+        (
+            "/s/gone/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 4000, "stream": true}),
+        ),
+        (
+            "/s/gone/v1/messages",
+            json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 4000, "stream": true}),
+        ),
+    ] {
+        let aborted_before = metric(
+            &engine.url,
+            "vllm:request_success_total",
+            "finished_reason=\"abort\"",
+        )
+        .await;
+        let mut response = reqwest::Client::new()
+            .post(format!("{url}{path}"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        // Read until the engine is surely generating, then hang up.
+        let mut seen = 0;
+        while seen < 20 {
+            let chunk = response.chunk().await.unwrap().expect("the stream goes on");
+            seen += String::from_utf8_lossy(&chunk).matches("data:").count();
+        }
+        drop(response);
+        let mut waited = 0;
+        while metric(&engine.url, "vllm:num_requests_running", "").await > 0.0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            waited += 1;
+            assert!(waited < 1200, "the engine request outlived its client");
+        }
+        let aborted = metric(
+            &engine.url,
+            "vllm:request_success_total",
+            "finished_reason=\"abort\"",
+        )
+        .await;
+        assert_eq!(
+            aborted,
+            aborted_before + 1.0,
+            "{path}: the request was not aborted"
+        );
+        assert_eq!(
+            metric(
+                &engine.url,
+                "vllm:request_success_total",
+                "finished_reason=\"length\""
+            )
+            .await,
+            0.0
+        );
+    }
+    // Nothing was recorded for the abandoned turns.
+    assert_eq!(service.trajectory("gone").await.unwrap().0, 0);
+}
