@@ -1,7 +1,9 @@
 //! The moult runtime: the model code and the built-in engine, a vLLM-compatible
 //! token-in/token-out server on libtorch (DESIGN §4.1, §5); chat templates and tokenizers; the
-//! loopback server agents talk to, with exact token accounting (DESIGN §4.2).
+//! loopback server agents talk to, with exact token accounting (DESIGN §4.2); the two agent
+//! forms and the agent pool (DESIGN §4.3).
 
+pub mod agents;
 pub mod chat;
 pub mod engine;
 pub mod loopback;

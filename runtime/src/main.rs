@@ -27,6 +27,59 @@ enum Command {
     /// engine, so an agent can be tried by hand; `GET /s/{session}/trajectory` shows what a
     /// session recorded.
     Chat(ChatArgs),
+    /// Run episodes of an agent (ChatAgent or Env) against an engine with a loopback server, and
+    /// write each episode (reward and exact token segments) as a JSON line.
+    Agents(AgentsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct AgentsArgs {
+    /// The engine (or router) to generate with.
+    #[arg(long)]
+    engine: String,
+    /// The model's folder (tokenizer and chat template).
+    #[arg(long)]
+    model: PathBuf,
+    /// The agent: a Python file (or module) exporting `AgentRunner` (a moult.ChatAgent or
+    /// moult.Env), or `builtin:NAME` for a built-in env (builtin:repeat).
+    #[arg(long, conflicts_with = "agent_cmd")]
+    agent: Option<String>,
+    /// Any program as the agent (split on whitespace); needs --form.
+    #[arg(long, requires = "form")]
+    agent_cmd: Option<String>,
+    /// The form of --agent-cmd: chat (one process per episode, its own loop) or env (JSON lines).
+    #[arg(long, value_parser = ["chat", "env"])]
+    form: Option<String>,
+    /// Tasks, one JSON value per line.
+    #[arg(long)]
+    tasks: PathBuf,
+    /// Episodes written here, one JSON object per line [default: stdout].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Episodes running at once.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Wall-clock limit per episode (30s, 2m, ...).
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    timeout: std::time::Duration,
+    /// Env form: model turns per episode.
+    #[arg(long, default_value_t = 8)]
+    max_turns: usize,
+    /// Env form: tokens per model turn.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Env form: sampling temperature.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    /// Env form: a system prompt before the first observation.
+    #[arg(long)]
+    system_prompt: Option<String>,
+    /// The Python that runs Python agents.
+    #[arg(long, default_value = "python3")]
+    python: String,
+    /// The loopback server's port on 127.0.0.1 (0 picks a free one).
+    #[arg(long, default_value_t = 0)]
+    port: u16,
 }
 
 #[derive(Debug, clap::Args)]
@@ -192,25 +245,15 @@ fn folder_name(dir: &std::path::Path) -> String {
 }
 
 async fn chat(args: ChatArgs) -> anyhow::Result<()> {
-    use moult_runtime::chat::{ChatTemplate, Tokenizer};
-    use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
     if args.max_sessions == 0 {
         bail!("--max-sessions must be at least 1");
     }
-    let tokenizer = Tokenizer::from_model_dir(&args.model)?;
-    let template = ChatTemplate::from_model_dir(&args.model)?;
-    let service = ChatService::new(
-        EngineClient::new(&args.engine),
-        tokenizer,
-        template,
-        ServiceOptions {
-            max_sessions: args.max_sessions,
-            model_name: args
-                .served_model_name
-                .clone()
-                .unwrap_or_else(|| folder_name(&args.model)),
-        },
-    );
+    let service = chat_service(
+        &args.engine,
+        &args.model,
+        args.max_sessions,
+        args.served_model_name.clone(),
+    )?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
         .await
         .with_context(|| format!("binding 127.0.0.1:{}", args.port))?;
@@ -221,13 +264,149 @@ async fn chat(args: ChatArgs) -> anyhow::Result<()> {
     );
     println!("  OpenAI:    base_url=http://{addr}/s/SESSION/v1");
     println!("  Anthropic: base_url=http://{addr}/s/SESSION");
-    loopback::serve(
+    moult_runtime::loopback::serve(
         listener,
         std::sync::Arc::new(service),
         args.max_body_bytes,
         shutdown_signal(),
     )
     .await?;
+    Ok(())
+}
+
+fn chat_service(
+    engine: &str,
+    model: &std::path::Path,
+    max_sessions: usize,
+    served_model_name: Option<String>,
+) -> anyhow::Result<moult_runtime::loopback::ChatService> {
+    use moult_runtime::chat::{ChatTemplate, Tokenizer};
+    use moult_runtime::loopback::{ChatService, EngineClient, ServiceOptions};
+    Ok(ChatService::new(
+        EngineClient::new(engine),
+        Tokenizer::from_model_dir(model)?,
+        ChatTemplate::from_model_dir(model)?,
+        ServiceOptions {
+            max_sessions,
+            model_name: served_model_name.unwrap_or_else(|| folder_name(model)),
+        },
+    ))
+}
+
+async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
+    use moult_runtime::agents::env::EnvLoopOptions;
+    use moult_runtime::agents::process::{describe_python, AgentCommand};
+    use moult_runtime::agents::{Agent, AgentPool, EpisodeStatus, PoolOptions};
+    use moult_runtime::chat::ChatSampling;
+    use std::io::Write;
+    use std::sync::Arc;
+
+    let agent = match (&args.agent, &args.agent_cmd, args.form.as_deref()) {
+        (Some(a), _, _) if a.starts_with("builtin:") => {
+            Agent::BuiltinEnv(a["builtin:".len()..].into())
+        }
+        (Some(module), _, _) => {
+            let cmd = AgentCommand::python(&args.python, module)?;
+            match describe_python(&args.python, module).await?.as_str() {
+                "chat" => Agent::Chat(cmd),
+                "env" => Agent::ExternalEnv(cmd),
+                other => bail!("{module}: AgentRunner has unknown form `{other}`"),
+            }
+        }
+        (None, Some(line), Some("chat")) => Agent::Chat(AgentCommand::parse(line)?),
+        (None, Some(line), Some("env")) => Agent::ExternalEnv(AgentCommand::parse(line)?),
+        _ => bail!("give --agent PATH|builtin:NAME, or --agent-cmd CMD with --form chat|env"),
+    };
+    let text = std::fs::read_to_string(&args.tasks)
+        .with_context(|| format!("reading --tasks {}", args.tasks.display()))?;
+    let tasks = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l)
+                .with_context(|| format!("{}:{}: not a JSON value", args.tasks.display(), i + 1))
+        })
+        .collect::<anyhow::Result<Vec<serde_json::Value>>>()?;
+    let service = Arc::new(chat_service(
+        &args.engine,
+        &args.model,
+        args.concurrency * 2,
+        None,
+    )?);
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
+        .await
+        .with_context(|| format!("binding 127.0.0.1:{}", args.port))?;
+    let loopback_url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(moult_runtime::loopback::serve(
+        listener,
+        service.clone(),
+        moult_runtime::loopback::DEFAULT_MAX_BODY_BYTES,
+        std::future::pending(),
+    ));
+    let scratch_dir = std::env::temp_dir().join(format!("moult-agents-{}", std::process::id()));
+    let pool = Arc::new(AgentPool::new(
+        service,
+        agent,
+        PoolOptions {
+            concurrency: args.concurrency,
+            timeout: args.timeout,
+            loopback_url: loopback_url.clone(),
+            env_loop: EnvLoopOptions {
+                max_turns: args.max_turns,
+                sampling: ChatSampling {
+                    max_tokens: Some(args.max_tokens),
+                    temperature: Some(args.temperature),
+                    ..ChatSampling::default()
+                },
+                system_prompt: args.system_prompt.clone(),
+                ..EnvLoopOptions::default()
+            },
+            scratch_dir: scratch_dir.clone(),
+        },
+    )?);
+    let total = tasks.len();
+    eprintln!(
+        "moult agents: {total} episodes, {} at once, loopback {loopback_url}",
+        args.concurrency
+    );
+    let mut out: Box<dyn Write> = match &args.out {
+        Some(path) => Box::new(std::io::BufWriter::new(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        )),
+        None => Box::new(std::io::stdout()),
+    };
+    let mut episodes = pool.run(tasks);
+    let (mut done, mut failed, mut reward) = (0usize, 0usize, 0.0);
+    while let Some(ep) = episodes.recv().await {
+        done += 1;
+        reward += ep.reward;
+        match ep.status {
+            EpisodeStatus::Completed => eprintln!(
+                "[{done}/{total}] episode {} reward {:.3} ({} segments, {:.1}s)",
+                ep.index,
+                ep.reward,
+                ep.segments.len(),
+                ep.seconds
+            ),
+            EpisodeStatus::Failed => {
+                failed += 1;
+                eprintln!(
+                    "[{done}/{total}] episode {} FAILED: {}",
+                    ep.index,
+                    ep.reason.as_deref().unwrap_or("")
+                );
+            }
+        }
+        serde_json::to_writer(&mut out, &ep)?;
+        out.write_all(b"\n")?;
+        out.flush()?;
+    }
+    let _ = std::fs::remove_dir_all(&scratch_dir);
+    eprintln!(
+        "moult agents: {done} episodes, {failed} failed, mean reward {:.3}",
+        if done > 0 { reward / done as f64 } else { 0.0 }
+    );
     Ok(())
 }
 
@@ -245,5 +424,6 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Engine(args) => runtime.block_on(engine(args)),
         Command::Chat(args) => runtime.block_on(chat(args)),
+        Command::Agents(args) => runtime.block_on(agents(args)),
     }
 }

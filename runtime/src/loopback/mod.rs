@@ -39,7 +39,7 @@ use crate::chat::InvalidRequest;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 
 /// A random id for responses (`chatcmpl-…`, `msg_…`).
-pub(crate) fn random_id() -> String {
+pub fn random_id() -> String {
     use rand::Rng;
     let mut rng = rand::thread_rng();
     (0..24)

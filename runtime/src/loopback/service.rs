@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
@@ -89,6 +89,13 @@ pub struct ServiceOptions {
     pub model_name: String,
 }
 
+/// A session and its cancel flag, which lives outside the lock a running turn holds.
+#[derive(Debug, Default)]
+struct SessionSlot {
+    cancelled: AtomicBool,
+    state: tokio::sync::Mutex<Session>,
+}
+
 /// The loopback server's state: model files, engine client and sessions.
 #[derive(Debug)]
 pub struct ChatService {
@@ -97,7 +104,7 @@ pub struct ChatService {
     template: ChatTemplate,
     tool_parser: Box<dyn ToolCallParser>,
     opts: ServiceOptions,
-    sessions: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Session>>>>,
+    sessions: Mutex<HashMap<String, Arc<SessionSlot>>>,
     /// Engine request ids: a per-process random prefix and a counter.
     id_prefix: String,
     next_request: AtomicU64,
@@ -163,7 +170,7 @@ impl ChatService {
         &self.tokenizer
     }
 
-    fn session(&self, id: &str) -> Result<Arc<tokio::sync::Mutex<Session>>, LoopbackError> {
+    fn session(&self, id: &str) -> Result<Arc<SessionSlot>, LoopbackError> {
         let mut sessions = self.sessions.lock().expect("sessions lock");
         if let Some(s) = sessions.get(id) {
             return Ok(s.clone());
@@ -171,32 +178,33 @@ impl ChatService {
         if sessions.len() >= self.opts.max_sessions {
             return Err(LoopbackError::TooManySessions(self.opts.max_sessions));
         }
-        let s = Arc::new(tokio::sync::Mutex::new(Session::default()));
+        let s = Arc::new(SessionSlot::default());
         sessions.insert(id.to_string(), s.clone());
         Ok(s)
     }
 
     /// The segments recorded so far for `session` (waits for a running turn to finish).
     pub async fn trajectory(&self, session: &str) -> Option<(usize, Vec<Segment>)> {
-        let s = self
+        let slot = self
             .sessions
             .lock()
             .expect("sessions lock")
             .get(session)
             .cloned()?;
-        let s = s.lock().await;
+        let s = slot.state.lock().await;
         Some((s.turns(), s.segments()))
     }
 
-    /// Removes a session and returns its segments (the episode is over).
+    /// Removes a session and returns its segments (the episode is over). A turn still running
+    /// is cancelled: it stops its engine requests at the next token and records nothing.
     pub async fn take(&self, session: &str) -> Option<Vec<Segment>> {
-        let s = self
+        let slot = self
             .sessions
             .lock()
             .expect("sessions lock")
             .remove(session)?;
-        // A turn still running holds the other reference; wait for it to end.
-        let s = s.lock().await;
+        slot.cancelled.store(true, Ordering::Relaxed);
+        let s = slot.state.lock().await;
         Some(s.segments())
     }
 
@@ -210,8 +218,11 @@ impl ChatService {
         req: ChatRequest,
         events: Option<mpsc::Sender<TurnEvent>>,
     ) -> Result<Arc<TurnOutput>, LoopbackError> {
-        let session = self.session(session)?;
-        let mut session = session.lock().await;
+        let slot = self.session(session)?;
+        let mut session = slot.state.lock().await;
+        if slot.cancelled.load(Ordering::Relaxed) {
+            return Err(LoopbackError::NotFound("the session was closed".into()));
+        }
         let hash = request_hash(protocol, &req);
         if let Some(answer) = session.cached(hash) {
             if let Some(tx) = &events {
@@ -263,6 +274,7 @@ impl ChatService {
                 parser,
                 id_prefix,
                 events.clone(),
+                &slot.cancelled,
             )
         }))
         .await?;
@@ -290,6 +302,7 @@ impl ChatService {
         parser: &dyn ToolCallParser,
         id_prefix: &str,
         events: Option<mpsc::Sender<TurnEvent>>,
+        cancelled: &AtomicBool,
     ) -> Result<(Sampled, ChoiceOutput), LoopbackError> {
         let id = format!(
             "{}-{}",
@@ -312,7 +325,9 @@ impl ChatService {
                     top,
                     version,
                 } => {
-                    if events.as_ref().is_some_and(|tx| tx.is_closed()) {
+                    if events.as_ref().is_some_and(|tx| tx.is_closed())
+                        || cancelled.load(Ordering::Relaxed)
+                    {
                         return Err(LoopbackError::ClientGone);
                     }
                     record.token_ids.push(id);

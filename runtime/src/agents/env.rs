@@ -1,0 +1,188 @@
+//! The `Env` agent form (DESIGN §4.3): a Gymnasium-shaped environment; the framework owns the LLM
+//! loop. Environments are Rust types implementing [`Env`], or external processes speaking the JSON
+//! protocol of [`super::process::ExternalEnv`].
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value as Json};
+
+use super::AgentError;
+use crate::chat::{ChatRequest, ChatSampling, Message, Role};
+use crate::loopback::ChatService;
+
+/// What `step` returns.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepResult {
+    pub observation: String,
+    #[serde(default)]
+    pub reward: f64,
+    #[serde(default)]
+    pub terminated: bool,
+    #[serde(default)]
+    pub truncated: bool,
+    #[serde(default)]
+    pub info: Map<String, Json>,
+}
+
+/// A Gymnasium-shaped environment: `reset(task) -> observation`, then `step(action)` with each
+/// model reply until `terminated` or `truncated`.
+pub trait Env: Send {
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<String, AgentError>>;
+    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult, AgentError>>;
+}
+
+/// How the framework drives an `Env`.
+#[derive(Debug, Clone)]
+pub struct EnvLoopOptions {
+    /// Model turns per episode; the episode is truncated after the last.
+    pub max_turns: usize,
+    pub sampling: ChatSampling,
+    /// A system message before the first observation.
+    pub system_prompt: Option<String>,
+    /// Extra chat-template variables (`enable_thinking`).
+    pub template_kwargs: Map<String, Json>,
+}
+
+impl Default for EnvLoopOptions {
+    fn default() -> Self {
+        Self {
+            max_turns: 8,
+            sampling: ChatSampling::default(),
+            system_prompt: None,
+            template_kwargs: Map::new(),
+        }
+    }
+}
+
+/// What an `Env` episode produced besides its segments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EnvOutcome {
+    /// The sum of the step rewards.
+    pub reward: f64,
+    pub info: Map<String, Json>,
+    pub turns: usize,
+    pub truncated: bool,
+}
+
+/// Runs one episode: the observation goes to the model as a user message, its reply to `step`,
+/// until the env says it is over or `max_turns` replies were made.
+pub async fn run_env_episode(
+    service: &ChatService,
+    session: &str,
+    env: &mut dyn Env,
+    task: &Json,
+    opts: &EnvLoopOptions,
+) -> Result<EnvOutcome, AgentError> {
+    let first = env.reset(task).await?;
+    let mut messages = Vec::new();
+    if let Some(system) = &opts.system_prompt {
+        messages.push(Message::text(Role::System, system.clone()));
+    }
+    messages.push(Message::text(Role::User, first));
+    let mut outcome = EnvOutcome {
+        reward: 0.0,
+        info: Map::new(),
+        turns: 0,
+        truncated: true,
+    };
+    while outcome.turns < opts.max_turns {
+        let request = ChatRequest {
+            messages: messages.clone(),
+            tools: Vec::new(),
+            parse_tool_calls: false,
+            sampling: opts.sampling.clone(),
+            n: 1,
+            template_kwargs: opts.template_kwargs.clone(),
+        };
+        let answer = service
+            .turn(session, "env", "call_", request, None)
+            .await
+            .map_err(|e| AgentError::Model(e.to_string()))?;
+        let reply = answer.choices[0].content.clone().unwrap_or_default();
+        outcome.turns += 1;
+        let step = env.step(&reply).await?;
+        outcome.reward += step.reward;
+        outcome.info = step.info;
+        // The reply goes back exactly as answered, so the next rendering extends the segment.
+        messages.push(Message::text(Role::Assistant, reply));
+        if step.terminated || step.truncated {
+            outcome.truncated = step.truncated;
+            return Ok(outcome);
+        }
+        messages.push(Message::text(Role::User, step.observation));
+    }
+    Ok(outcome)
+}
+
+/// A built-in environment by name (`builtin:NAME` on the command line).
+pub fn builtin(name: &str) -> Result<Box<dyn Env>, AgentError> {
+    match name {
+        "repeat" => Ok(Box::new(Repeat::default())),
+        other => Err(AgentError::Config(format!(
+            "unknown built-in env `{other}`: available: repeat"
+        ))),
+    }
+}
+
+/// `repeat`: the task names a word (`{"word": "..."}`); the model is asked to say it, and gets
+/// reward 1 and the episode ends when a reply contains it (at most `tries`, default 3, replies).
+#[derive(Debug, Default)]
+pub struct Repeat {
+    word: String,
+    tries: usize,
+    left: usize,
+}
+
+impl Env for Repeat {
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<String, AgentError>> {
+        Box::pin(async move {
+            self.word = task
+                .get("word")
+                .and_then(Json::as_str)
+                .ok_or_else(|| AgentError::Env("repeat: the task needs a string `word`".into()))?
+                .to_string();
+            self.tries = task.get("tries").and_then(Json::as_u64).unwrap_or(3) as usize;
+            self.left = self.tries;
+            Ok(format!("Say the word {}.", self.word))
+        })
+    }
+
+    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult, AgentError>> {
+        Box::pin(async move {
+            self.left = self.left.saturating_sub(1);
+            let said = action.contains(&self.word);
+            let mut info = Map::new();
+            info.insert("tries".into(), Json::from(self.tries - self.left));
+            Ok(StepResult {
+                observation: format!("No. Say the word {}.", self.word),
+                reward: if said { 1.0 } else { 0.0 },
+                terminated: said,
+                truncated: !said && self.left == 0,
+                info,
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn repeat_rewards_the_word_and_ends() {
+        let mut env = Repeat::default();
+        let obs = env
+            .reset(&serde_json::json!({"word": "apple", "tries": 2}))
+            .await
+            .unwrap();
+        assert_eq!(obs, "Say the word apple.");
+        let miss = env.step("pear").await.unwrap();
+        assert_eq!(
+            (miss.reward, miss.terminated, miss.truncated),
+            (0.0, false, false)
+        );
+        let hit = env.step("an apple!").await.unwrap();
+        assert_eq!((hit.reward, hit.terminated), (1.0, true));
+        assert!(env.reset(&serde_json::json!({})).await.is_err());
+    }
+}

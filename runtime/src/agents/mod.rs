@@ -1,0 +1,233 @@
+//! Agents (DESIGN §4.3) and the agent pool that runs their episodes.
+//!
+//! - [`env`]: the `Env` form (Gymnasium-shaped; the framework owns the LLM loop), as a Rust trait
+//!   with built-in envs;
+//! - [`process`]: agents that are programs: a `ChatAgent` process per episode (the user's own
+//!   loop against the loopback server), external envs over JSON lines, and the embedded Python
+//!   package that runs a module exporting `AgentRunner`;
+//! - [`AgentPool`]: many episodes at once under a concurrency limit and a per-episode timeout. A
+//!   crashed, failing or timed-out agent yields a failed [`Episode`] with its reason, never a stuck
+//!   pool; its session is closed, which stops its engine requests.
+
+pub mod env;
+pub mod process;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::{Map, Value as Json};
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::loopback::{ChatService, Segment};
+use env::{run_env_episode, EnvLoopOptions};
+use process::{run_chat_agent, AgentCommand, ExternalEnv};
+
+/// Why an episode failed, or a pool could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("{0}")]
+    Config(String),
+    /// The agent process crashed, exited non-zero or reported nothing.
+    #[error("{0}")]
+    Crashed(String),
+    /// The environment refused or failed a call.
+    #[error("env: {0}")]
+    Env(String),
+    /// Generating the model's reply failed.
+    #[error("model: {0}")]
+    Model(String),
+    #[error("timed out after {0:?}")]
+    TimedOut(Duration),
+}
+
+/// Which agent the pool runs.
+#[derive(Debug, Clone)]
+pub enum Agent {
+    /// A built-in Rust env, by name.
+    BuiltinEnv(String),
+    /// An env in another process (JSON lines), one process per episode.
+    ExternalEnv(AgentCommand),
+    /// The user's program, one process per episode.
+    Chat(AgentCommand),
+}
+
+/// Settings of an agent pool.
+#[derive(Debug, Clone)]
+pub struct PoolOptions {
+    /// Episodes running at once.
+    pub concurrency: usize,
+    /// Wall-clock limit of one episode.
+    pub timeout: Duration,
+    /// The loopback server's address (`http://127.0.0.1:PORT`), handed to ChatAgents.
+    pub loopback_url: String,
+    pub env_loop: EnvLoopOptions,
+    /// Where ChatAgents write their results.
+    pub scratch_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EpisodeStatus {
+    Completed,
+    Failed,
+}
+
+/// One finished episode: its reward and the exact token segments it recorded.
+#[derive(Debug, Clone, Serialize)]
+pub struct Episode {
+    pub index: usize,
+    pub session: String,
+    pub task: Json,
+    pub status: EpisodeStatus,
+    /// Why it failed (crash, timeout, env error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub reward: f64,
+    pub info: Map<String, Json>,
+    pub seconds: f64,
+    pub segments: Vec<Segment>,
+}
+
+/// Runs episodes against one loopback service.
+#[derive(Debug)]
+pub struct AgentPool {
+    service: Arc<ChatService>,
+    agent: Agent,
+    opts: PoolOptions,
+    slots: Arc<Semaphore>,
+}
+
+/// Finished episodes buffered before the consumer reads them: one per running episode is enough
+/// to never stall a finished one.
+fn episode_buffer(concurrency: usize) -> usize {
+    concurrency.max(1)
+}
+
+impl AgentPool {
+    pub fn new(
+        service: Arc<ChatService>,
+        agent: Agent,
+        opts: PoolOptions,
+    ) -> Result<Self, AgentError> {
+        if opts.concurrency == 0 {
+            return Err(AgentError::Config("concurrency must be at least 1".into()));
+        }
+        if let Agent::BuiltinEnv(name) = &agent {
+            env::builtin(name)?;
+        }
+        std::fs::create_dir_all(&opts.scratch_dir).map_err(|e| {
+            AgentError::Config(format!("cannot create {}: {e}", opts.scratch_dir.display()))
+        })?;
+        Ok(Self {
+            service,
+            slots: Arc::new(Semaphore::new(opts.concurrency)),
+            agent,
+            opts,
+        })
+    }
+
+    /// Runs every task; episodes arrive as they finish (not in task order).
+    pub fn run(self: Arc<Self>, tasks: Vec<Json>) -> mpsc::Receiver<Episode> {
+        let (tx, rx) = mpsc::channel(episode_buffer(self.opts.concurrency));
+        tokio::spawn(async move {
+            for (index, task) in tasks.into_iter().enumerate() {
+                let permit = self
+                    .slots
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .expect("the pool's semaphore is never closed");
+                let pool = self.clone();
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let episode = pool.episode(index, task).await;
+                    drop(permit);
+                    let _ = tx.send(episode).await;
+                });
+            }
+        });
+        rx
+    }
+
+    /// Runs one episode to its end, whatever happens to the agent.
+    pub async fn episode(&self, index: usize, task: Json) -> Episode {
+        let session = format!("ep{index}-{}", crate::loopback::random_id());
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(self.opts.timeout, self.play(&session, &task)).await;
+        // Closing the session cancels a turn still running (a killed agent's, a timed-out one's).
+        let segments = self.service.take(&session).await.unwrap_or_default();
+        let (status, reason, reward, info) = match outcome {
+            Ok(Ok((reward, info))) => (EpisodeStatus::Completed, None, reward, info),
+            Ok(Err(e)) => (EpisodeStatus::Failed, Some(e.to_string()), 0.0, Map::new()),
+            Err(_) => (
+                EpisodeStatus::Failed,
+                Some(AgentError::TimedOut(self.opts.timeout).to_string()),
+                0.0,
+                Map::new(),
+            ),
+        };
+        Episode {
+            index,
+            session,
+            task,
+            status,
+            reason,
+            reward,
+            info,
+            seconds: started.elapsed().as_secs_f64(),
+            segments,
+        }
+    }
+
+    async fn play(
+        &self,
+        session: &str,
+        task: &Json,
+    ) -> Result<(f64, Map<String, Json>), AgentError> {
+        match &self.agent {
+            Agent::BuiltinEnv(name) => {
+                let mut env = env::builtin(name)?;
+                let out = run_env_episode(
+                    &self.service,
+                    session,
+                    env.as_mut(),
+                    task,
+                    &self.opts.env_loop,
+                )
+                .await?;
+                Ok((out.reward, out.info))
+            }
+            Agent::ExternalEnv(cmd) => {
+                let mut env = ExternalEnv::spawn(cmd)?;
+                let out =
+                    run_env_episode(&self.service, session, &mut env, task, &self.opts.env_loop)
+                        .await?;
+                Ok((out.reward, out.info))
+            }
+            Agent::Chat(cmd) => {
+                let base = &self.opts.loopback_url;
+                let openai = format!("{base}/s/{session}/v1");
+                let anthropic = format!("{base}/s/{session}");
+                let vars: Vec<(String, String)> = [
+                    ("MOULT_SESSION_ID", session.to_string()),
+                    ("MOULT_OPENAI_BASE_URL", openai.clone()),
+                    ("MOULT_ANTHROPIC_BASE_URL", anthropic.clone()),
+                    ("MOULT_MODEL", self.service.model_name().to_string()),
+                    // Unmodified SDK clients pick these up.
+                    ("OPENAI_BASE_URL", openai),
+                    ("OPENAI_API_KEY", "moult".into()),
+                    ("ANTHROPIC_BASE_URL", anthropic),
+                    ("ANTHROPIC_API_KEY", "moult".into()),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+                let result_file = self.opts.scratch_dir.join(format!("{session}.json"));
+                let out = run_chat_agent(cmd, &vars, task, &result_file).await?;
+                Ok((out.reward, out.info))
+            }
+        }
+    }
+}

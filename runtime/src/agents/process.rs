@@ -1,0 +1,307 @@
+//! Agents that are programs: a `ChatAgent` process per episode, and external `Env`s speaking the
+//! JSON-lines protocol. Python agents run through the small `moult` package, which is embedded in
+//! this binary and written to a temporary folder on first use (so `moult agents` needs nothing
+//! installed besides Python and the agent's own dependencies).
+//!
+//! Every child is killed when its episode is dropped (timeout, pool shutdown); its stderr's tail is
+//! kept for the failure reason.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use futures::future::BoxFuture;
+use serde_json::Value as Json;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+
+use super::env::{Env, StepResult};
+use super::AgentError;
+
+const PACKAGE: [(&str, &str); 2] = [
+    (
+        "__init__.py",
+        include_str!("../../python/moult/__init__.py"),
+    ),
+    ("runner.py", include_str!("../../python/moult/runner.py")),
+];
+
+/// The folder to put on `PYTHONPATH` for `import moult`.
+pub fn python_package_dir() -> Result<&'static Path, AgentError> {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    if let Some(dir) = DIR.get() {
+        return Ok(dir);
+    }
+    let digest = PACKAGE.iter().fold(0xcbf29ce484222325u64, |h, (_, text)| {
+        text.bytes()
+            .fold(h, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+    });
+    let dir = std::env::temp_dir().join(format!("moult-python-{digest:016x}"));
+    let package = dir.join("moult");
+    std::fs::create_dir_all(&package)
+        .map_err(|e| AgentError::Config(format!("cannot create {}: {e}", package.display())))?;
+    for (name, text) in PACKAGE {
+        let path = package.join(name);
+        if std::fs::read_to_string(&path).ok().as_deref() != Some(text) {
+            // Written whole, then renamed, so concurrent pools never import half a file.
+            let staging = package.join(format!(".{name}.{}", std::process::id()));
+            std::fs::write(&staging, text)
+                .and_then(|()| std::fs::rename(&staging, &path))
+                .map_err(|e| AgentError::Config(format!("cannot write {}: {e}", path.display())))?;
+        }
+    }
+    Ok(DIR.get_or_init(|| dir))
+}
+
+/// How to start an agent program.
+#[derive(Debug, Clone)]
+pub struct AgentCommand {
+    pub program: String,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+impl AgentCommand {
+    /// `python -m moult.runner run PATH` for a Python module exporting `AgentRunner`.
+    pub fn python(python: &str, module: &str) -> Result<Self, AgentError> {
+        let package = python_package_dir()?;
+        let mut path = package.display().to_string();
+        if let Some(existing) = std::env::var_os("PYTHONPATH") {
+            path = format!("{path}:{}", existing.to_string_lossy());
+        }
+        Ok(Self {
+            program: python.to_string(),
+            args: ["-m", "moult.runner", "run", module]
+                .map(String::from)
+                .to_vec(),
+            env: vec![("PYTHONPATH".into(), path)],
+        })
+    }
+
+    /// A shell-free command line split on whitespace.
+    pub fn parse(line: &str) -> Result<Self, AgentError> {
+        let mut parts = line.split_whitespace().map(str::to_string);
+        let program = parts
+            .next()
+            .ok_or_else(|| AgentError::Config("the agent command is empty".into()))?;
+        Ok(Self {
+            program,
+            args: parts.collect(),
+            env: Vec::new(),
+        })
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(&self.program);
+        c.args(&self.args)
+            .envs(self.env.iter().cloned())
+            .kill_on_drop(true);
+        c
+    }
+}
+
+/// Asks a Python agent module which form it is (`chat` or `env`).
+pub async fn describe_python(python: &str, module: &str) -> Result<String, AgentError> {
+    let mut cmd = AgentCommand::python(python, module)?;
+    cmd.args[2] = "describe".into();
+    let out = cmd
+        .command()
+        .output()
+        .await
+        .map_err(|e| AgentError::Config(format!("cannot run `{python}`: {e}")))?;
+    if !out.status.success() {
+        return Err(AgentError::Config(format!(
+            "the agent module {module} failed to load: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The last bytes a child wrote to a pipe (bounded: a chatty agent costs no more than this).
+const TAIL_BYTES: usize = 4096;
+
+fn keep_tail(pipe: impl tokio::io::AsyncRead + Unpin + Send + 'static) -> Arc<Mutex<Vec<u8>>> {
+    let tail = Arc::new(Mutex::new(Vec::new()));
+    let sink = tail.clone();
+    tokio::spawn(async move {
+        let mut pipe = pipe;
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = pipe.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            let mut t = sink.lock().expect("tail lock");
+            t.extend_from_slice(&buf[..n]);
+            if t.len() > TAIL_BYTES {
+                let cut = t.len() - TAIL_BYTES;
+                t.drain(..cut);
+            }
+        }
+    });
+    tail
+}
+
+fn tail_text(tail: &Mutex<Vec<u8>>) -> String {
+    String::from_utf8_lossy(&tail.lock().expect("tail lock"))
+        .trim()
+        .to_string()
+}
+
+/// What a ChatAgent process reported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatOutcome {
+    pub reward: f64,
+    pub info: serde_json::Map<String, Json>,
+}
+
+/// Runs one ChatAgent episode: the program gets the loopback base URLs, the session id and the
+/// task in its environment (and the task on stdin), and writes `{"reward", "info"}` to
+/// `MOULT_RESULT_FILE`.
+pub async fn run_chat_agent(
+    cmd: &AgentCommand,
+    env: &[(String, String)],
+    task: &Json,
+    result_file: &Path,
+) -> Result<ChatOutcome, AgentError> {
+    let _ = std::fs::remove_file(result_file);
+    let mut c = cmd.command();
+    c.envs(env.iter().cloned())
+        .env("MOULT_TASK", task.to_string())
+        .env("MOULT_RESULT_FILE", result_file)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = c
+        .spawn()
+        .map_err(|e| AgentError::Crashed(format!("cannot start `{}`: {e}", cmd.program)))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        // The agent may not read its stdin: a closed pipe is not an error.
+        let _ = stdin.write_all(format!("{task}\n").as_bytes()).await;
+    }
+    let stdout = keep_tail(child.stdout.take().expect("piped"));
+    let stderr = keep_tail(child.stderr.take().expect("piped"));
+    let status = child
+        .wait()
+        .await
+        .map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}")))?;
+    let result = std::fs::read_to_string(result_file);
+    let _ = std::fs::remove_file(result_file);
+    if !status.success() {
+        let mut why = tail_text(&stderr);
+        if why.is_empty() {
+            why = tail_text(&stdout);
+        }
+        return Err(AgentError::Crashed(format!("the agent {status}: {why}")));
+    }
+    let text = result.map_err(|_| {
+        AgentError::Crashed(
+            "the agent exited without writing its result to MOULT_RESULT_FILE".into(),
+        )
+    })?;
+    let v: Json = serde_json::from_str(&text)
+        .map_err(|e| AgentError::Crashed(format!("the agent's result is not JSON: {e}")))?;
+    let reward = v.get("reward").and_then(Json::as_f64).ok_or_else(|| {
+        AgentError::Crashed(format!(
+            "the agent's result has no numeric `reward`: {text}"
+        ))
+    })?;
+    let info = v
+        .get("info")
+        .and_then(Json::as_object)
+        .cloned()
+        .unwrap_or_default();
+    Ok(ChatOutcome { reward, info })
+}
+
+/// An environment in another process, one per episode, over JSON lines on its stdin/stdout.
+#[derive(Debug)]
+pub struct ExternalEnv {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    stderr: Arc<Mutex<Vec<u8>>>,
+}
+
+impl ExternalEnv {
+    pub fn spawn(cmd: &AgentCommand) -> Result<Self, AgentError> {
+        let mut c = cmd.command();
+        c.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c
+            .spawn()
+            .map_err(|e| AgentError::Crashed(format!("cannot start `{}`: {e}", cmd.program)))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let stderr = keep_tail(child.stderr.take().expect("piped"));
+        Ok(Self {
+            child,
+            stdin,
+            stdout,
+            stderr,
+        })
+    }
+
+    async fn call(&mut self, request: Json) -> Result<Json, AgentError> {
+        let gone = |this: &Self, what: &str| {
+            AgentError::Crashed(format!(
+                "the env process {what}: {}",
+                tail_text(&this.stderr)
+            ))
+        };
+        let line = format!("{request}\n");
+        if self.stdin.write_all(line.as_bytes()).await.is_err() {
+            return Err(gone(self, "closed its input"));
+        }
+        let _ = self.stdin.flush().await;
+        let mut answer = String::new();
+        match self.stdout.read_line(&mut answer).await {
+            Ok(0) | Err(_) => return Err(gone(self, "exited")),
+            Ok(_) => {}
+        }
+        let v: Json = serde_json::from_str(&answer).map_err(|e| {
+            AgentError::Env(format!(
+                "the env answered with invalid JSON ({e}): {answer:?}"
+            ))
+        })?;
+        if let Some(err) = v.get("error") {
+            return Err(AgentError::Env(
+                err.as_str().map_or_else(|| err.to_string(), str::to_string),
+            ));
+        }
+        Ok(v)
+    }
+}
+
+impl Drop for ExternalEnv {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+    }
+}
+
+impl Env for ExternalEnv {
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<String, AgentError>> {
+        Box::pin(async move {
+            let v = self
+                .call(serde_json::json!({"method": "reset", "task": task}))
+                .await?;
+            v.get("observation")
+                .and_then(Json::as_str)
+                .map(str::to_string)
+                .ok_or_else(|| {
+                    AgentError::Env(format!("reset answered without an observation: {v}"))
+                })
+        })
+    }
+
+    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult, AgentError>> {
+        Box::pin(async move {
+            let v = self
+                .call(serde_json::json!({"method": "step", "action": action}))
+                .await?;
+            serde_json::from_value(v.clone())
+                .map_err(|e| AgentError::Env(format!("step answered {v}: {e}")))
+        })
+    }
+}

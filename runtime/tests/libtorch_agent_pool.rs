@@ -1,0 +1,229 @@
+//! The agent pool with both agent forms written in Python (the embedded `moult` package), against
+//! the built-in engine through the loopback server: ChatAgents with tool calls on the openai SDK,
+//! a Python Env, a built-in Rust env, and agents that crash, fail and hang, which the pool reports
+//! while it keeps running, with no engine request left behind.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{chat_model, dense_model, engine_options, python, start_engine};
+use moult_runtime::agents::env::EnvLoopOptions;
+use moult_runtime::agents::process::{describe_python, AgentCommand};
+use moult_runtime::agents::{Agent, AgentPool, Episode, EpisodeStatus, PoolOptions};
+use moult_runtime::chat::{ChatSampling, ChatTemplate, Tokenizer};
+use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
+use serde_json::{json, Value};
+
+fn agent_file(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/python/agents")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+async fn service(engine_url: &str, model: &Path, template: &Path) -> (String, Arc<ChatService>) {
+    let service = Arc::new(ChatService::new(
+        EngineClient::new(engine_url),
+        Tokenizer::from_model_dir(model).unwrap(),
+        ChatTemplate::from_model_dir(template).unwrap(),
+        ServiceOptions {
+            max_sessions: 64,
+            model_name: "tiny".into(),
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(loopback::serve(
+        listener,
+        service.clone(),
+        loopback::DEFAULT_MAX_BODY_BYTES,
+        std::future::pending(),
+    ));
+    (url, service)
+}
+
+fn options(url: &str, timeout: Duration, scratch: &str) -> PoolOptions {
+    PoolOptions {
+        concurrency: 2,
+        timeout,
+        loopback_url: url.to_string(),
+        env_loop: EnvLoopOptions {
+            max_turns: 4,
+            sampling: ChatSampling {
+                max_tokens: Some(60),
+                temperature: Some(0.0),
+                ..ChatSampling::default()
+            },
+            system_prompt: Some("You are terse.".into()),
+            ..EnvLoopOptions::default()
+        },
+        scratch_dir: std::env::temp_dir().join(format!("{scratch}-{}", std::process::id())),
+    }
+}
+
+async fn python_agent(file: &str) -> Agent {
+    let py = python().display().to_string();
+    let path = agent_file(file);
+    let cmd = AgentCommand::python(&py, &path).unwrap();
+    match describe_python(&py, &path).await.unwrap().as_str() {
+        "chat" => Agent::Chat(cmd),
+        "env" => Agent::ExternalEnv(cmd),
+        other => panic!("unknown form {other}"),
+    }
+}
+
+async fn run_all(pool: AgentPool, tasks: Vec<Value>) -> Vec<Episode> {
+    let mut rx = Arc::new(pool).run(tasks);
+    let mut out = Vec::new();
+    while let Some(ep) = rx.recv().await {
+        out.push(ep);
+    }
+    out.sort_by_key(|e| e.index);
+    out
+}
+
+fn expected_think() -> Vec<Vec<i64>> {
+    let all: Value =
+        serde_json::from_str(&std::fs::read_to_string(chat_model().join("expected.json")).unwrap())
+            .unwrap();
+    all["think"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| serde_json::from_value(s["token_ids"].clone()).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_both_agent_forms_run_in_the_pool() {
+    let model = chat_model();
+    let engine = start_engine(&model, engine_options()).await;
+    let (url, service) = service(&engine.url, &model, &model).await;
+
+    // ChatAgent: the user's openai-SDK program with tool calls, one process per episode.
+    let agent = python_agent("weather_agent.py").await;
+    assert!(matches!(agent, Agent::Chat(_)));
+    let pool = AgentPool::new(
+        service.clone(),
+        agent,
+        options(&url, Duration::from_secs(120), "chat"),
+    )
+    .unwrap();
+    let task = json!({"question": "What is the weather in Paris?"});
+    let episodes = run_all(pool, vec![task.clone(), task]).await;
+    for ep in &episodes {
+        assert_eq!(ep.status, EpisodeStatus::Completed, "{:?}", ep.reason);
+        assert_eq!(ep.reward, 1.0);
+        assert_eq!(ep.info["answer"], "It is sunny in Paris, 21 C.");
+        // The tool round trip extends the segment: one segment, two sampled turns.
+        assert_eq!(ep.segments.len(), 1);
+        assert_eq!(ep.segments[0].turns, 2);
+    }
+
+    // Env in Python (JSON lines): the framework owns the loop; Qwen3 drops the first reply's
+    // <think> block from history, so the episode has two segments, exactly as transformers renders.
+    let agent = python_agent("say_hi_env.py").await;
+    assert!(matches!(agent, Agent::ExternalEnv(_)));
+    let pool = AgentPool::new(
+        service.clone(),
+        agent,
+        options(&url, Duration::from_secs(120), "env"),
+    )
+    .unwrap();
+    let episodes = run_all(pool, vec![json!({"prompt": "Say hi."})]).await;
+    let ep = &episodes[0];
+    assert_eq!(ep.status, EpisodeStatus::Completed, "{:?}", ep.reason);
+    assert_eq!(ep.reward, 2.0);
+    assert_eq!(ep.info["turn"], 2);
+    let got: Vec<Vec<i64>> = ep.segments.iter().map(|s| s.token_ids.clone()).collect();
+    assert_eq!(got, expected_think());
+
+    // A built-in Rust env.
+    let pool = AgentPool::new(
+        service.clone(),
+        Agent::BuiltinEnv("repeat".into()),
+        options(&url, Duration::from_secs(120), "builtin"),
+    )
+    .unwrap();
+    let episodes = run_all(pool, vec![json!({"word": "Hi", "tries": 2})]).await;
+    assert_eq!(
+        episodes[0].status,
+        EpisodeStatus::Completed,
+        "{:?}",
+        episodes[0].reason
+    );
+    assert!(!episodes[0].segments.is_empty());
+    let err = AgentPool::new(
+        service,
+        Agent::BuiltinEnv("nope".into()),
+        options(&url, Duration::from_secs(1), "x"),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("available: repeat"), "{err}");
+}
+
+async fn running(engine_url: &str) -> f64 {
+    let text = reqwest::get(format!("{engine_url}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("vllm:num_requests_running") || l.starts_with("vllm:num_requests_waiting")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_crashed_failed_and_hung_agents_fail_alone() {
+    // The random model rarely says EOS, so the misbehaving agents' streams are still running
+    // when they crash or hang.
+    let mut opts = engine_options();
+    opts.max_model_len = 4096;
+    let engine = start_engine(&dense_model(), opts).await;
+    let (url, service) = service(&engine.url, &dense_model(), &chat_model()).await;
+    let agent = python_agent("misbehaving_agent.py").await;
+    let pool = AgentPool::new(
+        service.clone(),
+        agent,
+        options(&url, Duration::from_secs(8), "bad"),
+    )
+    .unwrap();
+    let tasks = ["crash", "hang", "fail", "ok", "ok"]
+        .map(|m| json!({"mode": m}))
+        .to_vec();
+    let episodes = run_all(pool, tasks).await;
+    let reasons: Vec<_> = episodes
+        .iter()
+        .map(|e| (e.status, e.reason.clone().unwrap_or_default()))
+        .collect();
+    assert_eq!(episodes[0].status, EpisodeStatus::Failed);
+    assert!(reasons[0].1.contains("signal"), "{reasons:?}");
+    assert_eq!(episodes[1].status, EpisodeStatus::Failed);
+    assert!(reasons[1].1.contains("timed out after 8s"), "{reasons:?}");
+    assert_eq!(episodes[2].status, EpisodeStatus::Failed);
+    assert!(reasons[2].1.contains("the agent gave up"), "{reasons:?}");
+    for ep in &episodes[3..] {
+        assert_eq!(ep.status, EpisodeStatus::Completed, "{reasons:?}");
+        assert_eq!(ep.reward, 1.0);
+        assert_eq!(ep.segments.len(), 1);
+    }
+    // The crashed agent's unfinished turn recorded nothing. (The hung one's stream may have
+    // finished into its socket buffers before the timeout: a failed episode reports it anyway.)
+    assert!(episodes[0].segments.is_empty());
+    assert!(episodes[2].segments.is_empty());
+    // No engine request outlives its agent.
+    let mut waited = 0;
+    while running(&engine.url).await > 0.0 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waited += 1;
+        assert!(waited < 1200, "engine requests leaked");
+    }
+}
