@@ -1,0 +1,653 @@
+//! The `RLRun` custom resource (`moult.dev/v1alpha1`): the contract between the user, the
+//! operator and the runtime.
+//!
+//! The schema served by the API server is derived from these types (`crdgen` writes it to
+//! `crds/rlrun.yaml`). Rules that span fields are CEL rules (`x-kubernetes-validations`) placed
+//! on the smallest object that holds every field they read, each with a message that names the
+//! fields and what to change. Defaults live in the schema too, so `kubectl get -o yaml` shows
+//! what the run will use. This module depends only on serde, schemars, k8s-openapi and kube's
+//! derive: the runtime reads the same spec without a Kubernetes client.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::core::Duration;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// API group of every moult resource.
+pub const GROUP: &str = "moult.dev";
+
+/// One asynchronous RL run: a model trained by a trainer on trajectories that an agent pool
+/// generates through a pool of inference engines.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "moult.dev",
+    version = "v1alpha1",
+    kind = "RLRun",
+    plural = "rlruns",
+    singular = "rlrun",
+    shortname = "rlr",
+    category = "moult",
+    namespaced,
+    status = "RLRunStatus",
+    derive = "PartialEq",
+    doc = "An asynchronous reinforcement-learning run of an LLM: engines, trainer, coordinator and agent pool.",
+    scale(
+        spec_replicas_path = ".spec.engines.replicas",
+        status_replicas_path = ".status.engines.replicas",
+        label_selector_path = ".status.engines.selector"
+    ),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(
+        name = "Engines",
+        type_ = "string",
+        description = "ready/desired engine replicas",
+        json_path = ".status.engines.ready"
+    ),
+    printcolumn(name = "Version", type_ = "integer", json_path = ".status.policyVersion"),
+    printcolumn(name = "Step", type_ = "integer", json_path = ".status.step"),
+    printcolumn(name = "Reward", type_ = "number", json_path = ".status.metrics.reward"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    validation = Rule::new("size(self.metadata.name) <= 40").message(
+        "RLRun names are at most 40 characters: the names of its engines, trainer and their pods add suffixes"
+    ),
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RLRunSpec {
+    /// The model to train (and to serve on the engines).
+    pub model: ModelSpec,
+    /// The agent pool that turns prompts into scored trajectories.
+    pub agent: AgentSpec,
+    /// The inference engines (vLLM, or moult's built-in engine).
+    #[serde(default)]
+    pub engines: EnginesSpec,
+    /// The trainer ranks.
+    #[serde(default)]
+    pub trainer: TrainerSpec,
+    /// Advantage estimator, loss, off-policy correction and optimizer.
+    #[serde(default)]
+    pub algorithm: AlgorithmSpec,
+    /// Sampling settings of rollouts.
+    #[serde(default)]
+    pub rollout: RolloutSpec,
+    /// Rollout routing replay (R3) for mixture-of-experts models: the training forward uses the
+    /// experts the engine routed each token to.
+    #[serde(default)]
+    pub routing_replay: bool,
+    /// Where and how often the trainer checkpoints; no checkpoints when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointSpec>,
+    /// Where the pods may run.
+    #[serde(default)]
+    pub scheduling: SchedulingSpec,
+    /// Scales every pod of the run to zero and keeps its state (for queueing systems such as
+    /// Kueue); unset it to resume.
+    #[serde(default)]
+    pub suspend: bool,
+    /// Training steps after which the run has succeeded.
+    #[schemars(range(min = 1))]
+    pub total_steps: u32,
+}
+
+/// A Hugging Face checkpoint folder (`config.json`, tokenizer, safetensors).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ModelSpec {
+    /// Path of the checkpoint folder inside the pods: under `/models` when `claimName` is set.
+    #[schemars(length(min = 1))]
+    pub path: String,
+    /// PersistentVolumeClaim holding the checkpoint, mounted read-only at `/models`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
+    /// Longest context (prompt + generation) the engines accept; the model's own when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_model_len: Option<u32>,
+}
+
+/// How an agent is written (DESIGN §4.3).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
+pub enum AgentForm {
+    /// Gymnasium-shaped `reset`/`step`; the framework owns the LLM loop.
+    #[default]
+    Env,
+    /// The user's own program owns the loop and talks to the loopback server through the OpenAI
+    /// or Anthropic API.
+    ChatAgent,
+}
+
+/// The agent pool.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.form != 'ChatAgent' || (has(self.image) && size(self.command) > 0)").message(
+    "agent.form ChatAgent runs your program: set agent.image and agent.command"
+))]
+#[x_kube(validation = Rule::new("self.form != 'Env' || has(self.env) || has(self.image)").message(
+    "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)"
+))]
+pub struct AgentSpec {
+    #[serde(default)]
+    pub form: AgentForm,
+    /// Image of the agent pods. The `moult` binary is copied into it by an init container, so
+    /// any image works. Optional for built-in environments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The agent program (ChatAgent) or external environment server (Env), run in `image`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// A built-in environment by name (Env form).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<String>,
+    /// Agent-pool pods.
+    #[serde(default = "one")]
+    #[schemars(range(min = 0))]
+    pub replicas: i32,
+    /// Concurrent sessions per agent-pool pod.
+    #[serde(default = "default_concurrency")]
+    #[schemars(range(min = 1))]
+    pub concurrency: u32,
+    /// Longest an episode may take before it is abandoned, as a Go duration ("10m", "90s").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<Duration>,
+    /// The prompts or tasks.
+    pub dataset: DatasetSpec,
+    /// CPU and memory of each agent-pool pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+}
+
+/// A JSONL file of tasks.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DatasetSpec {
+    /// Path of the file inside the pods: under `/data` when `claimName` is set.
+    #[schemars(length(min = 1))]
+    pub path: String,
+    /// PersistentVolumeClaim holding the file, mounted read-only at `/data`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
+}
+
+/// Which server the engine pods run.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
+pub enum EngineBackend {
+    /// The unmodified `vllm/vllm-openai` image.
+    #[default]
+    #[serde(rename = "vLLM")]
+    Vllm,
+    /// moult's built-in engine (`moult engine`), for small models and CPU clusters.
+    Builtin,
+}
+
+/// The engine pool.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.gpusPerEngine) || self.gpusPerEngine % self.tensorParallelSize == 0").message(
+    "engines.gpusPerEngine must be a multiple of engines.tensorParallelSize"
+))]
+#[x_kube(validation = Rule::new("self.backend != 'Builtin' || self.tensorParallelSize == 1").message(
+    "the built-in engine has no tensor parallelism: engines.tensorParallelSize must be 1 with backend Builtin"
+))]
+pub struct EnginesSpec {
+    /// Engine replicas (what `kubectl scale rlrun/NAME --replicas=N` and HPAs change).
+    #[serde(default = "one")]
+    #[schemars(range(min = 0))]
+    pub replicas: i32,
+    #[serde(default)]
+    pub backend: EngineBackend,
+    /// Engine image; `vllm/vllm-openai` at the supported version for vLLM, the moult runtime
+    /// image for the built-in engine, when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// GPUs one model copy is split across (vLLM `--tensor-parallel-size`).
+    #[serde(default = "one_u32")]
+    #[schemars(range(min = 1))]
+    pub tensor_parallel_size: u32,
+    /// GPUs requested by each engine pod; `tensorParallelSize` when absent, 0 for CPU engines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpus_per_engine: Option<u32>,
+    /// Extra command-line flags passed to the engine as they are.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extra_args: Vec<String>,
+    /// CPU and memory of each engine pod (GPUs come from `gpusPerEngine`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+}
+
+impl Default for EnginesSpec {
+    fn default() -> Self {
+        EnginesSpec {
+            replicas: 1,
+            backend: EngineBackend::default(),
+            image: None,
+            tensor_parallel_size: 1,
+            gpus_per_engine: None,
+            extra_args: Vec::new(),
+            resources: None,
+        }
+    }
+}
+
+impl EnginesSpec {
+    /// GPUs each engine pod requests.
+    pub fn gpus(&self) -> u32 {
+        self.gpus_per_engine.unwrap_or(self.tensor_parallel_size)
+    }
+}
+
+/// The trainer: `nodes` ranks, one pod each, with `gpusPerNode` GPUs.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TrainerSpec {
+    #[serde(default = "one_u32")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub nodes: u32,
+    /// GPUs per trainer pod; 0 trains on CPU.
+    #[serde(default = "default_gpus_per_node")]
+    #[schemars(range(max = 16))]
+    pub gpus_per_node: u32,
+    /// Trainer image (the moult runtime with libtorch and CUDA) when not the operator's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// CPU and memory of each trainer pod (GPUs come from `gpusPerNode`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+}
+
+impl Default for TrainerSpec {
+    fn default() -> Self {
+        TrainerSpec {
+            nodes: 1,
+            gpus_per_node: default_gpus_per_node(),
+            image: None,
+            resources: None,
+        }
+    }
+}
+
+/// Advantage estimators (DESIGN §6).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
+pub enum Estimator {
+    /// Group-normalised advantages.
+    #[default]
+    #[serde(rename = "GRPO")]
+    Grpo,
+    /// Leave-one-out baseline.
+    #[serde(rename = "RLOO")]
+    Rloo,
+    /// Batch-normalised REINFORCE++.
+    #[serde(rename = "REINFORCE++")]
+    ReinforcePlusPlus,
+    /// Advantage = teacher logprob − student logprob per token.
+    OnPolicyDistillation,
+}
+
+/// Policy losses (DESIGN §6).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
+pub enum LossKind {
+    /// PPO clip with asymmetric ε.
+    #[default]
+    #[serde(rename = "PPOClip")]
+    PpoClip,
+    /// Sequence-level geometric ratio.
+    #[serde(rename = "GSPO")]
+    Gspo,
+    /// Clipped IS-weight policy optimisation.
+    #[serde(rename = "CISPO")]
+    Cispo,
+}
+
+/// How per-token losses are averaged.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
+pub enum Aggregation {
+    #[default]
+    TokenMean,
+    SeqMean,
+}
+
+/// The policy loss.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LossSpec {
+    #[serde(default)]
+    pub kind: LossKind,
+    /// Lower clip range ε_low (ratio ≥ 1 − ε_low).
+    #[serde(default = "default_eps_low")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub eps_low: f64,
+    /// Upper clip range ε_high (ratio ≤ 1 + ε_high).
+    #[serde(default = "default_eps_high")]
+    #[schemars(range(min = 0.0))]
+    pub eps_high: f64,
+    #[serde(default)]
+    pub aggregation: Aggregation,
+}
+
+impl Default for LossSpec {
+    fn default() -> Self {
+        LossSpec {
+            kind: LossKind::default(),
+            eps_low: default_eps_low(),
+            eps_high: default_eps_high(),
+            aggregation: Aggregation::default(),
+        }
+    }
+}
+
+/// What the importance-sampling gate compares with its thresholds.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum IsLevel {
+    /// u = ρ_t per token.
+    Token,
+    /// u = Π ρ_t over the sequence.
+    Seq,
+    /// u = exp(mean log ρ_t) over the sequence.
+    Geo,
+}
+
+/// What the gate does with tokens outside the thresholds.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum IsMode {
+    /// coef_t = ρ_t if low ≤ u ≤ high, else 0.
+    Mask,
+    /// coef = clamp(u, low, high).
+    Clip,
+    /// coef = min(u, high).
+    Trunc,
+}
+
+/// Off-policy importance-sampling correction (Molt's level × mode scheme, DESIGN §6).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.level == 'Token' || self.mode == 'Mask'").message(
+    "isCorrection.level Seq and Geo are sequence-level gates: they need isCorrection.mode Mask"
+))]
+#[x_kube(validation = Rule::new("self.mode == 'Trunc' || has(self.low)").message(
+    "isCorrection.mode Mask and Clip need both isCorrection.low and isCorrection.high"
+))]
+#[x_kube(validation = Rule::new("self.mode != 'Trunc' || !has(self.low)").message(
+    "isCorrection.mode Trunc uses only isCorrection.high: remove isCorrection.low"
+))]
+#[x_kube(validation = Rule::new("!has(self.low) || self.low < self.high").message(
+    "isCorrection.low must be smaller than isCorrection.high"
+))]
+pub struct IsCorrectionSpec {
+    pub level: IsLevel,
+    pub mode: IsMode,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0))]
+    pub low: Option<f64>,
+    #[schemars(range(min = 0.0))]
+    pub high: f64,
+}
+
+/// The optimizer (AdamW).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OptimizerSpec {
+    #[serde(default = "default_lr")]
+    #[schemars(range(min = 0.0))]
+    pub learning_rate: f64,
+    #[serde(default)]
+    #[schemars(range(min = 0.0))]
+    pub weight_decay: f64,
+    /// Gradients are clipped to this global norm; no clipping when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0))]
+    pub max_grad_norm: Option<f64>,
+    /// Steps of linear learning-rate warm-up.
+    #[serde(default)]
+    pub warmup_steps: u32,
+}
+
+impl Default for OptimizerSpec {
+    fn default() -> Self {
+        OptimizerSpec {
+            learning_rate: default_lr(),
+            weight_decay: 0.0,
+            max_grad_norm: Some(1.0),
+            warmup_steps: 0,
+        }
+    }
+}
+
+/// The RL algorithm.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!(self.estimator in ['GRPO', 'RLOO']) || self.groupSize >= 2").message(
+    "GRPO and RLOO compare samples of one prompt: algorithm.groupSize must be at least 2"
+))]
+pub struct AlgorithmSpec {
+    #[serde(default)]
+    pub estimator: Estimator,
+    /// Samples per prompt.
+    #[serde(default = "default_group_size")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub group_size: u32,
+    /// Prompts (groups) per training step.
+    #[serde(default = "default_batch_size")]
+    #[schemars(range(min = 1))]
+    pub batch_size: u32,
+    /// Policy versions a trajectory's oldest token may lag behind the trainer; 0 is on-policy.
+    #[serde(default = "one_u32")]
+    #[schemars(range(max = 64))]
+    pub max_staleness: u32,
+    /// Keep unfinished generations across weight updates (pause `keep`) instead of aborting them.
+    #[serde(default = "yes")]
+    pub partial_rollout: bool,
+    #[serde(default)]
+    pub loss: LossSpec,
+    /// Off-policy correction; none when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub is_correction: Option<IsCorrectionSpec>,
+    #[serde(default)]
+    pub optimizer: OptimizerSpec,
+}
+
+impl Default for AlgorithmSpec {
+    fn default() -> Self {
+        AlgorithmSpec {
+            estimator: Estimator::default(),
+            group_size: default_group_size(),
+            batch_size: default_batch_size(),
+            max_staleness: 1,
+            partial_rollout: true,
+            loss: LossSpec::default(),
+            is_correction: None,
+            optimizer: OptimizerSpec::default(),
+        }
+    }
+}
+
+/// Sampling of rollouts.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.topP > 0.0 && self.topP <= 1.0").message(
+    "rollout.topP must be greater than 0 and at most 1"
+))]
+pub struct RolloutSpec {
+    /// Tokens generated per turn at most.
+    #[serde(default = "default_max_tokens")]
+    #[schemars(range(min = 1))]
+    pub max_tokens: u32,
+    #[serde(default = "default_temperature")]
+    #[schemars(range(min = 0.0, max = 10.0))]
+    pub temperature: f64,
+    #[serde(default = "default_top_p")]
+    pub top_p: f64,
+    /// Model turns per episode at most.
+    #[serde(default = "one_u32")]
+    #[schemars(range(min = 1))]
+    pub max_turns: u32,
+}
+
+impl Default for RolloutSpec {
+    fn default() -> Self {
+        RolloutSpec {
+            max_tokens: default_max_tokens(),
+            temperature: default_temperature(),
+            top_p: default_top_p(),
+            max_turns: 1,
+        }
+    }
+}
+
+/// Checkpoints of model, optimizer, data cursor and policy version.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointSpec {
+    /// PersistentVolumeClaim the trainer writes checkpoints to, mounted at `/checkpoints`.
+    #[schemars(length(min = 1))]
+    pub claim_name: String,
+    /// Training steps between checkpoints.
+    #[serde(default = "default_checkpoint_interval")]
+    #[schemars(range(min = 1))]
+    pub interval_steps: u32,
+}
+
+/// Placement of the run's pods.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulingSpec {
+    /// Node labels every GPU pod (engines, trainer) requires.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// Tolerations of every pod of the run.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// PriorityClass of every pod of the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Kueue LocalQueue; set as the `kueue.x-k8s.io/queue-name` label on the pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_name: Option<String>,
+}
+
+/// Lifecycle phase of a run.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum Phase {
+    /// Children created, not every pod ready yet.
+    Pending,
+    /// Every component has its pods ready.
+    Running,
+    /// Was running; some component lost ready pods.
+    Degraded,
+    /// `spec.suspend` is set: everything scaled to zero, state kept.
+    Suspended,
+    /// Reached `totalSteps` (reported by the coordinator).
+    Succeeded,
+    /// The run cannot proceed (reported by the coordinator), or its spec cannot be turned into
+    /// objects (see the conditions).
+    Failed,
+}
+
+/// Observed state; the operator owns phase, conditions and engines, the coordinator owns
+/// policy version, step, metrics and checkpoint.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RLRunStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    /// Ready, Progressing, Degraded and Suspended.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engines: Option<EngineStatus>,
+    /// Version of the weights the engines serve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy_version: Option<u64>,
+    /// Training steps done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<RunMetrics>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_checkpoint: Option<CheckpointStatus>,
+}
+
+/// Engine pods as the scale subresource reports them.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineStatus {
+    /// Engine pods that exist.
+    pub replicas: i32,
+    /// Engine pods that are ready.
+    pub ready_replicas: i32,
+    /// "ready/desired", as `kubectl get` prints it.
+    pub ready: String,
+    /// Label selector of the engine pods (for HPAs).
+    pub selector: String,
+}
+
+/// Latest training metrics.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RunMetrics {
+    /// Mean reward of the latest step's trajectories.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward: Option<f64>,
+    /// Mean generated tokens per trajectory in the latest step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_length: Option<f64>,
+    /// Fraction of tokens the IS correction masked in the latest step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub masked_fraction: Option<f64>,
+}
+
+/// The newest complete checkpoint.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointStatus {
+    pub step: u64,
+    pub path: String,
+    pub time: Time,
+}
+
+fn one() -> i32 {
+    1
+}
+fn one_u32() -> u32 {
+    1
+}
+fn yes() -> bool {
+    true
+}
+fn default_concurrency() -> u32 {
+    8
+}
+fn default_gpus_per_node() -> u32 {
+    8
+}
+fn default_eps_low() -> f64 {
+    0.2
+}
+fn default_eps_high() -> f64 {
+    0.28
+}
+fn default_lr() -> f64 {
+    1e-6
+}
+fn default_group_size() -> u32 {
+    8
+}
+fn default_batch_size() -> u32 {
+    32
+}
+fn default_max_tokens() -> u32 {
+    4096
+}
+fn default_temperature() -> f64 {
+    1.0
+}
+fn default_top_p() -> f64 {
+    1.0
+}
+fn default_checkpoint_interval() -> u32 {
+    50
+}
