@@ -17,10 +17,11 @@ use moult_runtime::chat::{ChatSampling, ChatTemplate, Tokenizer};
 use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
 use serde_json::{json, Value};
 
-fn agent_file(name: &str) -> String {
+/// A file under the repository root.
+fn agent_file(path: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/python/agents")
-        .join(name)
+        .join("..")
+        .join(path)
         .display()
         .to_string()
 }
@@ -104,29 +105,40 @@ async fn libtorch_both_agent_forms_run_in_the_pool() {
     let engine = start_engine(&model, engine_options()).await;
     let (url, service) = service(&engine.url, &model, &model).await;
 
-    // ChatAgent: the user's openai-SDK program with tool calls, one process per episode.
-    let agent = python_agent("weather_agent.py").await;
-    assert!(matches!(agent, Agent::Chat(_)));
-    let pool = AgentPool::new(
-        service.clone(),
-        agent,
-        options(&url, Duration::from_secs(120), "chat"),
-    )
-    .unwrap();
-    let task = json!({"question": "What is the weather in Paris?"});
-    let episodes = run_all(pool, vec![task.clone(), task]).await;
-    for ep in &episodes {
-        assert_eq!(ep.status, EpisodeStatus::Completed, "{:?}", ep.reason);
-        assert_eq!(ep.reward, 1.0);
-        assert_eq!(ep.info["answer"], "It is sunny in Paris, 21 C.");
-        // The tool round trip extends the segment: one segment, two sampled turns.
-        assert_eq!(ep.segments.len(), 1);
-        assert_eq!(ep.segments[0].turns, 2);
+    // ChatAgents: the user's own programs on the openai and anthropic SDKs, with tool calls,
+    // one process per episode (the examples of examples/agents/).
+    for example in ["openai_weather.py", "anthropic_weather.py"] {
+        let agent = python_agent(&format!("examples/agents/{example}")).await;
+        assert!(matches!(agent, Agent::Chat(_)));
+        let pool = AgentPool::new(
+            service.clone(),
+            agent,
+            options(&url, Duration::from_secs(120), "chat"),
+        )
+        .unwrap();
+        let task = json!({"question": "What is the weather in Paris?"});
+        let episodes = run_all(pool, vec![task.clone(), task]).await;
+        for ep in &episodes {
+            assert_eq!(
+                ep.status,
+                EpisodeStatus::Completed,
+                "{example}: {:?}",
+                ep.reason
+            );
+            assert_eq!(ep.reward, 1.0, "{example}");
+            assert_eq!(
+                ep.info["answer"], "It is sunny in Paris, 21 C.",
+                "{example}"
+            );
+            // The tool round trip extends the segment: one segment, two sampled turns.
+            assert_eq!(ep.segments.len(), 1, "{example}");
+            assert_eq!(ep.segments[0].turns, 2, "{example}");
+        }
     }
 
     // Env in Python (JSON lines): the framework owns the loop; Qwen3 drops the first reply's
     // <think> block from history, so the episode has two segments, exactly as transformers renders.
-    let agent = python_agent("say_hi_env.py").await;
+    let agent = python_agent("examples/agents/say_hi_env.py").await;
     assert!(matches!(agent, Agent::ExternalEnv(_)));
     let pool = AgentPool::new(
         service.clone(),
@@ -189,7 +201,7 @@ async fn libtorch_crashed_failed_and_hung_agents_fail_alone() {
     opts.max_model_len = 4096;
     let engine = start_engine(&dense_model(), opts).await;
     let (url, service) = service(&engine.url, &dense_model(), &chat_model()).await;
-    let agent = python_agent("misbehaving_agent.py").await;
+    let agent = python_agent("tests/python/agents/misbehaving_agent.py").await;
     let pool = AgentPool::new(
         service.clone(),
         agent,

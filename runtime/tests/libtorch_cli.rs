@@ -115,3 +115,123 @@ fn libtorch_cli_refuses_bad_arguments_and_unsupported_models() {
         "{err}"
     );
 }
+
+/// `moult chat` and `moult agents` against a `moult engine`, as the docs show them.
+#[tokio::test]
+async fn libtorch_cli_chat_and_agents_against_an_engine() {
+    let model = common::chat_model();
+    let (mut engine, engine_url) = spawn_engine(&model);
+
+    let mut chat = moult()
+        .args(["chat", "--engine", &engine_url, "--model"])
+        .arg(&model)
+        .args(["--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let line = BufReader::new(chat.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    let url = line
+        .strip_prefix("moult chat listening on ")
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("unexpected: {line}"))
+        .to_string();
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+    let client = reqwest::Client::new();
+    let models: serde_json::Value = client
+        .get(format!("{url}/s/a/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "qwen3-tiny-chat");
+    let body = serde_json::json!({"messages": [{"role": "user", "content": "Summary: Paris is sunny. Thank you!"}], "temperature": 0});
+    let r: serde_json::Value = client
+        .post(format!("{url}/s/a/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["choices"][0]["message"]["content"], "You are welcome.");
+    let t: serde_json::Value = client
+        .get(format!("{url}/s/a/trajectory"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let segment = &t["segments"][0];
+    let sampled = segment["loss_mask"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| *m == 1)
+        .count();
+    assert_eq!(
+        sampled,
+        r["usage"]["completion_tokens"].as_u64().unwrap() as usize
+    );
+    assert_eq!(
+        segment["versions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|v| v.is_number())
+            .count(),
+        sampled
+    );
+    chat.kill().unwrap();
+
+    let dir = std::env::temp_dir().join(format!("moult-cli-agents-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("episodes.jsonl");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let status = moult()
+        .args(["agents", "--engine", &engine_url, "--model"])
+        .arg(&model)
+        .arg("--agent")
+        .arg(root.join("examples/agents/say_hi_env.py"))
+        .arg("--tasks")
+        .arg(root.join("examples/agents/say_hi_tasks.jsonl"))
+        .args([
+            "--system-prompt",
+            "You are terse.",
+            "--temperature",
+            "0",
+            "--python",
+        ])
+        .arg(common::python())
+        .arg("--out")
+        .arg(&out)
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let text = std::fs::read_to_string(&out).unwrap();
+    let episode: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(episode["status"], "completed", "{episode}");
+    assert_eq!(episode["reward"], 2.0);
+    assert_eq!(episode["segments"].as_array().unwrap().len(), 2);
+
+    let bad = moult()
+        .args(["agents", "--engine", &engine_url, "--model"])
+        .arg(&model)
+        .args(["--agent", "builtin:nope", "--tasks"])
+        .arg(root.join("examples/agents/say_hi_tasks.jsonl"))
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("available: repeat"));
+    engine.kill().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -307,3 +307,151 @@ async fn libtorch_a_streaming_client_that_disconnects_aborts_its_engine_request(
     // Nothing was recorded for the abandoned turns.
     assert_eq!(service.trajectory("gone").await.unwrap().0, 0);
 }
+
+/// The text and finish reason of each choice of an OpenAI SSE stream.
+fn stream_choices(body: &str) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for data in common::sse_data(body) {
+        if data == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(&data).unwrap();
+        for c in chunk["choices"].as_array().unwrap() {
+            let i = c["index"].as_u64().unwrap() as usize;
+            if out.len() <= i {
+                out.resize(i + 1, Default::default());
+            }
+            out[i].0 += c["delta"]["content"].as_str().unwrap_or("");
+            if let Some(f) = c["finish_reason"].as_str() {
+                out[i].1 = f.to_string();
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_n_samples_and_stop_strings() {
+    let model = chat_model();
+    let engine = start_engine(&model, engine_options()).await;
+    let (url, service) = start_loopback(&engine.url, &model, &model, 1 << 20).await;
+    let client = reqwest::Client::new();
+    let hi = json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]);
+    let said = "<think>\nA greeting is asked.\n</think>\n\nHi!";
+
+    // n = 3: three candidates; the next turn continues the one the agent kept, the others seal.
+    let scripts: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/chat_scripts.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let tools = &scripts["tools"];
+    let ask = json!({"role": "user", "content": "What is the weather in Paris?"});
+    let r: Value = client
+        .post(format!("{url}/s/n/v1/chat/completions"))
+        .json(
+            &json!({"messages": [ask], "tools": tools, "n": 3, "temperature": 0, "max_tokens": 80}),
+        )
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let choices = r["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{r}");
+    assert!(
+        choices.iter().all(|c| c["finish_reason"] == "tool_calls"),
+        "{r}"
+    );
+    assert_eq!(service.trajectory("n").await.unwrap().1.len(), 3);
+    let kept = &choices[1]["message"];
+    let call_id = kept["tool_calls"][0]["id"].clone();
+    let next =
+        json!([ask, kept, {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"}]);
+    let r: Value = client
+        .post(format!("{url}/s/n/v1/chat/completions"))
+        .json(&json!({"messages": next, "tools": tools, "temperature": 0, "max_tokens": 80}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        r["choices"][0]["message"]["content"], "It is sunny in Paris, 21 C.",
+        "{r}"
+    );
+    let (turns, segments) = service.trajectory("n").await.unwrap();
+    assert_eq!(turns, 2);
+    let mut per_segment: Vec<usize> = segments.iter().map(|s| s.turns).collect();
+    per_segment.sort();
+    assert_eq!(per_segment, vec![1, 1, 2]);
+
+    // n = 2 streamed: both choices interleave in one stream.
+    let body = client
+        .post(format!("{url}/s/n2/v1/chat/completions"))
+        .json(&json!({"messages": hi, "n": 2, "temperature": 0, "max_tokens": 40, "stream": true}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let streamed = stream_choices(&body);
+    assert_eq!(
+        streamed,
+        vec![(said.to_string(), "stop".to_string()); 2],
+        "{body}"
+    );
+
+    // A stop string ends the content before it, streamed or not.
+    for stream in [false, true] {
+        let req = json!({"messages": hi, "temperature": 0, "max_tokens": 40, "stop": ["greeting"], "stream": stream});
+        let response = client
+            .post(format!("{url}/s/stop-{stream}/v1/chat/completions"))
+            .json(&req)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let (content, finish) = if stream {
+            stream_choices(&response).remove(0)
+        } else {
+            let r: Value = serde_json::from_str(&response).unwrap();
+            (
+                r["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+                r["choices"][0]["finish_reason"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            )
+        };
+        assert_eq!(
+            (content.as_str(), finish.as_str()),
+            ("<think>\nA ", "stop"),
+            "{response}"
+        );
+    }
+    // Anthropic names the stop sequence.
+    let r: Value = client
+        .post(format!("{url}/s/stop-a/v1/messages"))
+        .json(&json!({"model": "tiny", "system": "You are terse.", "max_tokens": 40, "temperature": 0,
+                      "stop_sequences": ["greeting"], "messages": [{"role": "user", "content": "Say hi."}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["stop_reason"], "stop_sequence", "{r}");
+    assert_eq!(r["stop_sequence"], "greeting", "{r}");
+    assert_eq!(r["content"][0]["text"], "<think>\nA ", "{r}");
+}
