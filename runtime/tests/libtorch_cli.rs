@@ -232,8 +232,8 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
         .output()
         .unwrap();
     assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("available: repeat"));
     engine.kill().unwrap();
     engine.wait().unwrap();
-    engine.kill().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
