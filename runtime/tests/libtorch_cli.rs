@@ -130,11 +130,9 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let line = BufReader::new(chat.stdout.take().unwrap())
-        .lines()
-        .next()
-        .unwrap()
-        .unwrap();
+    // Keep reading its stdout: `moult chat` prints more lines, and a closed pipe would kill it.
+    let mut lines = BufReader::new(chat.stdout.take().unwrap()).lines();
+    let line = lines.next().unwrap().unwrap();
     let url = line
         .strip_prefix("moult chat listening on ")
         .and_then(|rest| rest.split(' ').next())
