@@ -1,0 +1,131 @@
+//! The run's configuration and its access objects: the ConfigMap with the run config, the
+//! Secret with the internal token, the ServiceAccount and Role its pods use (limited to this
+//! run), and the NetworkPolicy that admits only the run's own pods.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicySpec,
+};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::ByteString;
+
+use super::{Ctx, InvalidSpec, RUN_LABEL, TOKEN_KEY};
+use crate::api::GROUP;
+
+/// File name of the run config inside the ConfigMap (mounted at `/etc/moult`).
+pub const CONFIG_FILE: &str = "rlrun.yaml";
+
+/// The run config: the RLRun manifest itself (name, namespace, spec), which is what
+/// `moult run` reads locally too.
+pub(crate) fn config_map(ctx: &Ctx) -> Result<ConfigMap, InvalidSpec> {
+    let manifest = serde_json::json!({
+        "apiVersion": format!("{GROUP}/v1alpha1"),
+        "kind": "RLRun",
+        "metadata": {"name": ctx.name, "namespace": ctx.namespace},
+        "spec": ctx.run.spec,
+    });
+    let yaml = serde_yaml_ng::to_string(&manifest)
+        .map_err(|e| InvalidSpec(format!("the spec cannot be written as YAML: {e}")))?;
+    Ok(ConfigMap {
+        metadata: ctx.meta("config", None),
+        data: Some(BTreeMap::from([(CONFIG_FILE.to_string(), yaml)])),
+        ..ConfigMap::default()
+    })
+}
+
+/// The token every internal endpoint of the run requires.
+pub(crate) fn token_secret(ctx: &Ctx, token: &str) -> Secret {
+    Secret {
+        metadata: ctx.meta("token", None),
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([(
+            TOKEN_KEY.to_string(),
+            ByteString(token.as_bytes().to_vec()),
+        )])),
+        ..Secret::default()
+    }
+}
+
+pub(crate) fn service_account(ctx: &Ctx) -> ServiceAccount {
+    ServiceAccount {
+        metadata: ctx.meta("", None),
+        automount_service_account_token: Some(true),
+        ..ServiceAccount::default()
+    }
+}
+
+/// What the run's pods may do: read their own RLRun and write its status (the coordinator
+/// reports step, version and metrics), and find the engine endpoints.
+pub(crate) fn role(ctx: &Ctx) -> Role {
+    let own = Some(vec![ctx.name.clone()]);
+    Role {
+        metadata: ctx.meta("", None),
+        rules: Some(vec![
+            PolicyRule {
+                api_groups: Some(vec![GROUP.into()]),
+                resources: Some(vec!["rlruns".into()]),
+                resource_names: own.clone(),
+                verbs: vec!["get".into(), "watch".into()],
+                ..PolicyRule::default()
+            },
+            PolicyRule {
+                api_groups: Some(vec![GROUP.into()]),
+                resources: Some(vec!["rlruns/status".into()]),
+                resource_names: own,
+                verbs: vec!["get".into(), "patch".into()],
+                ..PolicyRule::default()
+            },
+            PolicyRule {
+                api_groups: Some(vec!["discovery.k8s.io".into()]),
+                resources: Some(vec!["endpointslices".into()]),
+                verbs: vec!["get".into(), "list".into(), "watch".into()],
+                ..PolicyRule::default()
+            },
+        ]),
+    }
+}
+
+pub(crate) fn role_binding(ctx: &Ctx) -> RoleBinding {
+    RoleBinding {
+        metadata: ctx.meta("", None),
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "Role".into(),
+            name: ctx.name.clone(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: ctx.name.clone(),
+            namespace: Some(ctx.namespace.clone()),
+            ..Subject::default()
+        }]),
+    }
+}
+
+/// Ingress to any pod of the run only from pods of the same run.
+pub(crate) fn network_policy(ctx: &Ctx) -> NetworkPolicy {
+    let run_pods = LabelSelector {
+        match_labels: Some(BTreeMap::from([(RUN_LABEL.to_string(), ctx.name.clone())])),
+        ..LabelSelector::default()
+    };
+    NetworkPolicy {
+        metadata: ObjectMeta {
+            ..ctx.meta("internal", None)
+        },
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(run_pods.clone()),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![NetworkPolicyIngressRule {
+                from: Some(vec![NetworkPolicyPeer {
+                    pod_selector: Some(run_pods),
+                    ..NetworkPolicyPeer::default()
+                }]),
+                ports: None,
+            }]),
+            egress: None,
+        }),
+    }
+}

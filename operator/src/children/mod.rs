@@ -1,0 +1,281 @@
+//! The objects one RLRun owns, computed from its spec alone (pure functions, no client).
+//!
+//! [`desired`] returns every child with its labels and owner reference; the controller
+//! server-side-applies them and deletes labelled objects that are no longer in the list. Names
+//! are `<run>-<component>`; every child carries [`RUN_LABEL`] (the run's name) so orphans can be
+//! found by label, and pods carry [`COMPONENT_LABEL`] too.
+
+mod access;
+mod pods;
+mod workloads;
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+
+use crate::api::RLRun;
+
+/// Label holding the owning run's name, on every child and every pod.
+pub const RUN_LABEL: &str = "moult.dev/run";
+/// Label naming the role of a pod: engine, trainer, coordinator, agents.
+pub const COMPONENT_LABEL: &str = "moult.dev/component";
+/// Set on every child so that the operator watches only its own objects.
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+pub const MANAGED_BY: &str = "moult-operator";
+/// Pod-template annotation with a hash of the run config, so pods restart when it changes
+/// (but not when only replica counts or `suspend` change).
+pub const CONFIG_HASH_ANNOTATION: &str = "moult.dev/config-hash";
+/// Key of the per-run token in its Secret.
+pub const TOKEN_KEY: &str = "token";
+
+/// Ports of the run's internal endpoints.
+pub const ENGINE_PORT: i32 = 8000;
+pub const COORDINATOR_PORT: i32 = 8080;
+pub const TRAINER_RENDEZVOUS_PORT: i32 = 29500;
+
+/// Images and other operator-wide settings that are not part of an RLRun.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Images {
+    /// vLLM engines when the spec names none.
+    pub vllm: String,
+    /// The moult runtime (trainer, coordinator, built-in engine, built-in environments).
+    pub runtime: String,
+    /// The small image whose only job is to copy the `moult` binary into agent pods.
+    pub init: String,
+}
+
+impl Default for Images {
+    fn default() -> Self {
+        Images {
+            vllm: "vllm/vllm-openai:v0.33.0".into(),
+            runtime: format!("ghcr.io/moult-dev/moult:{}", env!("CARGO_PKG_VERSION")),
+            init: format!("ghcr.io/moult-dev/moult-init:{}", env!("CARGO_PKG_VERSION")),
+        }
+    }
+}
+
+/// Why a run's children cannot be built (the spec passed the schema but is unusable).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InvalidSpec(pub String);
+
+impl std::fmt::Display for InvalidSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Every object a run owns, typed.
+#[derive(Clone, Debug, Default)]
+pub struct Children {
+    pub config: ConfigMap,
+    pub token: Secret,
+    pub service_account: ServiceAccount,
+    pub role: Role,
+    pub role_binding: RoleBinding,
+    pub network_policy: NetworkPolicy,
+    pub engine_service: Service,
+    pub engines: StatefulSet,
+    pub trainer_service: Service,
+    pub trainer: StatefulSet,
+    pub coordinator_service: Service,
+    pub coordinator: Deployment,
+    pub agents: Deployment,
+}
+
+/// One child in the form the controller applies: its kind and its JSON (with apiVersion/kind).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Child {
+    pub kind: ChildKind,
+    pub name: String,
+    pub object: serde_json::Value,
+}
+
+/// The kinds a run owns; the controller lists each by label to find orphans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ChildKind {
+    ConfigMap,
+    Secret,
+    ServiceAccount,
+    Role,
+    RoleBinding,
+    NetworkPolicy,
+    Service,
+    StatefulSet,
+    Deployment,
+}
+
+impl ChildKind {
+    /// In the order they are applied: what pods need exists before the pods.
+    pub const ALL: [ChildKind; 9] = [
+        ChildKind::ConfigMap,
+        ChildKind::Secret,
+        ChildKind::ServiceAccount,
+        ChildKind::Role,
+        ChildKind::RoleBinding,
+        ChildKind::NetworkPolicy,
+        ChildKind::Service,
+        ChildKind::StatefulSet,
+        ChildKind::Deployment,
+    ];
+}
+
+impl Children {
+    /// The children as applyable JSON, in [`ChildKind::ALL`] order.
+    pub fn into_list(self) -> Vec<Child> {
+        fn child<K: Resource<DynamicType = ()> + Serialize>(kind: ChildKind, k: &K) -> Child {
+            let mut object = serde_json::to_value(k).expect("k8s-openapi objects serialize");
+            object["apiVersion"] = K::api_version(&()).into();
+            object["kind"] = K::kind(&()).into();
+            Child {
+                kind,
+                name: k.meta().name.clone().unwrap_or_default(),
+                object,
+            }
+        }
+        vec![
+            child(ChildKind::ConfigMap, &self.config),
+            child(ChildKind::Secret, &self.token),
+            child(ChildKind::ServiceAccount, &self.service_account),
+            child(ChildKind::Role, &self.role),
+            child(ChildKind::RoleBinding, &self.role_binding),
+            child(ChildKind::NetworkPolicy, &self.network_policy),
+            child(ChildKind::Service, &self.engine_service),
+            child(ChildKind::Service, &self.trainer_service),
+            child(ChildKind::Service, &self.coordinator_service),
+            child(ChildKind::StatefulSet, &self.engines),
+            child(ChildKind::StatefulSet, &self.trainer),
+            child(ChildKind::Deployment, &self.coordinator),
+            child(ChildKind::Deployment, &self.agents),
+        ]
+    }
+}
+
+/// Everything `run` should own. `token` is the run's existing internal token (kept across
+/// reconciles); a new one is generated by the caller when the Secret does not exist yet.
+pub fn desired(run: &RLRun, images: &Images, token: &str) -> Result<Children, InvalidSpec> {
+    let ctx = Ctx::new(run, images)?;
+    let config = access::config_map(&ctx)?;
+    Ok(Children {
+        token: access::token_secret(&ctx, token),
+        service_account: access::service_account(&ctx),
+        role: access::role(&ctx),
+        role_binding: access::role_binding(&ctx),
+        network_policy: access::network_policy(&ctx),
+        engine_service: workloads::engine_service(&ctx),
+        engines: workloads::engines(&ctx),
+        trainer_service: workloads::trainer_service(&ctx),
+        trainer: workloads::trainer(&ctx),
+        coordinator_service: workloads::coordinator_service(&ctx),
+        coordinator: workloads::coordinator(&ctx),
+        agents: workloads::agents(&ctx),
+        config,
+    })
+}
+
+/// Names of a run's children.
+pub fn name(run: &str, component: &str) -> String {
+    format!("{run}-{component}")
+}
+
+/// The label selector of a run's engine pods (the scale subresource's selector).
+pub fn engine_selector(run: &str) -> String {
+    format!("{COMPONENT_LABEL}=engine,{RUN_LABEL}={run}")
+}
+
+/// What every builder needs: the run, its owner reference and operator settings.
+pub(crate) struct Ctx<'a> {
+    pub run: &'a RLRun,
+    pub name: String,
+    pub namespace: String,
+    pub owner: OwnerReference,
+    pub images: &'a Images,
+    /// Hash of the spec without replica counts and `suspend`.
+    pub config_hash: String,
+}
+
+impl<'a> Ctx<'a> {
+    fn new(run: &'a RLRun, images: &'a Images) -> Result<Self, InvalidSpec> {
+        let owner = run
+            .controller_owner_ref(&())
+            .ok_or_else(|| InvalidSpec("the RLRun has no uid yet".into()))?;
+        let namespace = run
+            .namespace()
+            .ok_or_else(|| InvalidSpec("the RLRun has no namespace".into()))?;
+        let mut scaled = run.spec.clone();
+        scaled.engines.replicas = 0;
+        scaled.agent.replicas = 0;
+        scaled.suspend = false;
+        let config_hash = fnv1a(&serde_json::to_vec(&scaled).expect("the spec serializes"));
+        Ok(Ctx {
+            run,
+            name: run.name_any(),
+            namespace,
+            owner,
+            images,
+            config_hash: format!("{config_hash:016x}"),
+        })
+    }
+
+    /// Labels of every child; `component` adds the component label.
+    pub fn labels(&self, component: Option<&str>) -> BTreeMap<String, String> {
+        let mut l = BTreeMap::from([
+            (RUN_LABEL.to_string(), self.name.clone()),
+            (MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string()),
+            ("app.kubernetes.io/name".to_string(), "moult".to_string()),
+            ("app.kubernetes.io/instance".to_string(), self.name.clone()),
+        ]);
+        if let Some(c) = component {
+            l.insert(COMPONENT_LABEL.to_string(), c.to_string());
+            l.insert("app.kubernetes.io/component".to_string(), c.to_string());
+        }
+        l
+    }
+
+    /// Labels that select one component's pods (a subset of [`Ctx::labels`], immutable once set).
+    pub fn selector(&self, component: &str) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (RUN_LABEL.to_string(), self.name.clone()),
+            (COMPONENT_LABEL.to_string(), component.to_string()),
+        ])
+    }
+
+    /// Metadata of a child named `<run>-<suffix>` (or `<run>` when suffix is empty).
+    pub fn meta(&self, suffix: &str, component: Option<&str>) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(if suffix.is_empty() {
+                self.name.clone()
+            } else {
+                name(&self.name, suffix)
+            }),
+            namespace: Some(self.namespace.clone()),
+            labels: Some(self.labels(component)),
+            owner_references: Some(vec![self.owner.clone()]),
+            ..ObjectMeta::default()
+        }
+    }
+
+    /// Replicas of a scalable component: zero while suspended.
+    pub fn replicas(&self, wanted: i32) -> i32 {
+        if self.run.spec.suspend {
+            0
+        } else {
+            wanted
+        }
+    }
+}
+
+/// 64-bit FNV-1a: a stable hash (std's hashers are not stable across releases).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests;

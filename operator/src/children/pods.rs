@@ -1,0 +1,217 @@
+//! What every pod of a run shares: non-root security contexts, the run config and token,
+//! GPU requests, and placement from `spec.scheduling`.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
+    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Toleration, Volume,
+    VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use super::access::CONFIG_FILE;
+use super::{name, Ctx, CONFIG_HASH_ANNOTATION, TOKEN_KEY};
+
+/// Extended resource of NVIDIA's device plugin.
+pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// Unprivileged user every container runs as.
+const RUN_AS: i64 = 1000;
+pub const CONFIG_DIR: &str = "/etc/moult";
+pub const MODEL_DIR: &str = "/models";
+pub const DATA_DIR: &str = "/data";
+pub const CHECKPOINT_DIR: &str = "/checkpoints";
+
+/// Where the run config file is inside every pod.
+pub fn config_path() -> String {
+    format!("{CONFIG_DIR}/{CONFIG_FILE}")
+}
+
+/// A pod template for `component`: labels, config hash, service account, security context,
+/// the config and token, placement. `gpu` pods get the GPU node selector and toleration.
+pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> PodTemplateSpec {
+    let mut labels = ctx.labels(Some(component));
+    let scheduling = &ctx.run.spec.scheduling;
+    if let Some(queue) = &scheduling.queue_name {
+        labels.insert("kueue.x-k8s.io/queue-name".into(), queue.clone());
+    }
+    let mut tolerations = scheduling.tolerations.clone();
+    if gpu
+        && !tolerations
+            .iter()
+            .any(|t| t.key.as_deref() == Some(GPU_RESOURCE))
+    {
+        // Managed GPU pools taint their nodes with the resource name.
+        tolerations.push(Toleration {
+            key: Some(GPU_RESOURCE.into()),
+            operator: Some("Exists".into()),
+            effect: Some("NoSchedule".into()),
+            ..Toleration::default()
+        });
+    }
+    let mut volumes = spec.volumes.unwrap_or_default();
+    volumes.push(Volume {
+        name: "config".into(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: name(&ctx.name, "config"),
+            ..Default::default()
+        }),
+        ..Volume::default()
+    });
+    volumes.push(empty_dir("tmp", None));
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(labels),
+            annotations: Some(BTreeMap::from([(
+                CONFIG_HASH_ANNOTATION.to_string(),
+                ctx.config_hash.clone(),
+            )])),
+            ..ObjectMeta::default()
+        }),
+        spec: Some(PodSpec {
+            service_account_name: Some(ctx.name.clone()),
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(RUN_AS),
+                run_as_group: Some(RUN_AS),
+                fs_group: Some(RUN_AS),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    ..Default::default()
+                }),
+                ..PodSecurityContext::default()
+            }),
+            node_selector: (gpu && !scheduling.node_selector.is_empty())
+                .then(|| scheduling.node_selector.clone()),
+            tolerations: (!tolerations.is_empty()).then_some(tolerations),
+            priority_class_name: scheduling.priority_class_name.clone(),
+            volumes: Some(volumes),
+            ..spec
+        }),
+    }
+}
+
+/// A container with the run's config, token and a writable `/tmp`, locked down.
+pub(crate) fn container(
+    name: &str,
+    image: &str,
+    command: Vec<String>,
+    args: Vec<String>,
+) -> Container {
+    Container {
+        name: name.into(),
+        image: Some(image.into()),
+        command: (!command.is_empty()).then_some(command),
+        args: (!args.is_empty()).then_some(args),
+        security_context: Some(locked_down()),
+        volume_mounts: Some(vec![
+            mount("config", CONFIG_DIR, true),
+            mount("tmp", "/tmp", false),
+        ]),
+        ..Container::default()
+    }
+}
+
+/// The environment every moult container gets: where the config is and the token.
+pub(crate) fn moult_env(ctx: &Ctx) -> Vec<EnvVar> {
+    vec![
+        env("MOULT_CONFIG", &config_path()),
+        env("MOULT_RUN", &ctx.name),
+        env("HOME", "/tmp"),
+        EnvVar {
+            name: "MOULT_TOKEN".into(),
+            value_from: Some(EnvVarSource {
+                secret_key_ref: Some(SecretKeySelector {
+                    name: name(&ctx.name, "token"),
+                    key: TOKEN_KEY.into(),
+                    optional: Some(false),
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        },
+    ]
+}
+
+pub(crate) fn locked_down() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Capabilities::default()
+        }),
+        ..SecurityContext::default()
+    }
+}
+
+/// The user's resources with `gpus` GPUs added as a limit (extended resources are requested
+/// through limits; the API server copies them to requests).
+pub(crate) fn resources(
+    user: Option<&ResourceRequirements>,
+    gpus: u32,
+) -> Option<ResourceRequirements> {
+    let mut r = user.cloned().unwrap_or_default();
+    if gpus > 0 {
+        r.limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert(GPU_RESOURCE.into(), Quantity(gpus.to_string()));
+        if let Some(requests) = r.requests.as_mut() {
+            requests.insert(GPU_RESOURCE.into(), Quantity(gpus.to_string()));
+        }
+    }
+    (r != ResourceRequirements::default()).then_some(r)
+}
+
+pub(crate) fn env(name: &str, value: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value: Some(value.into()),
+        ..EnvVar::default()
+    }
+}
+
+pub(crate) fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        read_only: read_only.then_some(true),
+        ..VolumeMount::default()
+    }
+}
+
+pub(crate) fn empty_dir(name: &str, medium: Option<&str>) -> Volume {
+    Volume {
+        name: name.into(),
+        empty_dir: Some(EmptyDirVolumeSource {
+            medium: medium.map(Into::into),
+            ..Default::default()
+        }),
+        ..Volume::default()
+    }
+}
+
+pub(crate) fn claim(name: &str, claim_name: &str, read_only: bool) -> Volume {
+    Volume {
+        name: name.into(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: claim_name.into(),
+            read_only: read_only.then_some(true),
+        }),
+        ..Volume::default()
+    }
+}
+
+/// The model volume and mount, and the model path inside the pod.
+pub(crate) fn model(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
+    let m = &ctx.run.spec.model;
+    match &m.claim_name {
+        Some(c) => (
+            Some((claim("model", c, true), mount("model", MODEL_DIR, true))),
+            format!("{MODEL_DIR}/{}", m.path.trim_start_matches('/')),
+        ),
+        None => (None, m.path.clone()),
+    }
+}

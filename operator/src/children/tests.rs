@@ -1,0 +1,369 @@
+use k8s_openapi::api::core::v1::{Container, PodSpec};
+
+use super::*;
+use crate::api::{EngineBackend, RLRun};
+
+/// The RLRun of the cluster example, as the API server would hand it over.
+pub(crate) fn example_run() -> RLRun {
+    let text = include_str!("../../../examples/cluster/gsm8k-grpo.yaml");
+    let doc = text
+        .split("\n---\n")
+        .find(|d| d.contains("kind: RLRun"))
+        .expect("the example has an RLRun");
+    let mut run: RLRun = serde_yaml_ng::from_str(doc).expect("the example parses");
+    run.metadata.namespace = Some("research".into());
+    run.metadata.uid = Some("0b1c6a52-5d1e-4f2a-9a55-7f3a1f6c1e01".into());
+    run
+}
+
+fn build(run: &RLRun) -> Children {
+    desired(run, &Images::default(), "secret-token").expect("the example builds")
+}
+
+fn pod(spec: &Option<k8s_openapi::api::core::v1::PodTemplateSpec>) -> &PodSpec {
+    spec.as_ref()
+        .and_then(|t| t.spec.as_ref())
+        .expect("a pod spec")
+}
+
+fn main_container(p: &PodSpec) -> &Container {
+    &p.containers[0]
+}
+
+fn args(c: &Container) -> Vec<&str> {
+    c.args.iter().flatten().map(String::as_str).collect()
+}
+
+#[test]
+fn every_child_is_owned_by_the_run_as_controller_and_labelled() {
+    let run = example_run();
+    let list = build(&run).into_list();
+    assert_eq!(list.len(), 13);
+    for child in &list {
+        let meta = &child.object["metadata"];
+        let owner = &meta["ownerReferences"][0];
+        assert_eq!(owner["kind"], "RLRun", "{}", child.name);
+        assert_eq!(owner["uid"], "0b1c6a52-5d1e-4f2a-9a55-7f3a1f6c1e01");
+        assert_eq!(owner["controller"], true);
+        assert_eq!(meta["labels"][RUN_LABEL], "gsm8k-grpo");
+        assert_eq!(meta["labels"][MANAGED_BY_LABEL], MANAGED_BY);
+        assert_eq!(meta["namespace"], "research");
+        assert!(child.object["apiVersion"].is_string() && child.object["kind"].is_string());
+    }
+    let names: std::collections::BTreeSet<_> = list
+        .iter()
+        .map(|c| (c.object["kind"].as_str().unwrap(), c.name.as_str()))
+        .collect();
+    assert_eq!(
+        names.len(),
+        13,
+        "no two children share a kind and name: {names:?}"
+    );
+}
+
+#[test]
+fn vllm_engines_get_the_flags_and_gpus_moult_needs() {
+    let c = build(&example_run());
+    let sts = &c.engines.spec;
+    assert_eq!(sts.replicas, Some(4));
+    assert_eq!(sts.pod_management_policy.as_deref(), Some("Parallel"));
+    let p = pod(&Some(sts.template.clone())).clone();
+    let e = main_container(&p);
+    assert_eq!(e.image.as_deref(), Some("vllm/vllm-openai:v0.33.0"));
+    assert_eq!(
+        e.command.as_deref(),
+        Some(&["vllm".to_string(), "serve".to_string()][..])
+    );
+    let a = args(e);
+    assert_eq!(a[0], "/models/Qwen3-8B");
+    let flag = |name: &str| a.iter().position(|x| *x == name).map(|i| a[i + 1]);
+    assert_eq!(flag("--logprobs-mode"), Some("processed_logprobs"));
+    assert_eq!(flag("--tensor-parallel-size"), Some("2"));
+    assert_eq!(flag("--max-model-len"), Some("8192"));
+    assert_eq!(flag("--host"), Some("0.0.0.0"));
+    let env = e.env.as_ref().unwrap();
+    assert!(env
+        .iter()
+        .any(|v| v.name == "VLLM_SERVER_DEV_MODE" && v.value.as_deref() == Some("1")));
+    let limits = e.resources.as_ref().unwrap().limits.as_ref().unwrap();
+    assert_eq!(limits["nvidia.com/gpu"].0, "2");
+    assert_eq!(
+        e.resources.as_ref().unwrap().requests.as_ref().unwrap()["nvidia.com/gpu"].0,
+        "2"
+    );
+    assert_eq!(
+        p.node_selector.as_ref().unwrap()["nvidia.com/gpu.product"],
+        "NVIDIA-H100-80GB-HBM3"
+    );
+    assert!(p
+        .tolerations
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|t| t.key.as_deref() == Some("nvidia.com/gpu")));
+}
+
+#[test]
+fn routing_replay_asks_vllm_for_routed_experts() {
+    let mut run = example_run();
+    assert!(!args(main_container(pod(&Some(
+        build(&run).engines.spec.template
+    ))))
+    .contains(&"--enable-return-routed-experts"));
+    run.spec.routing_replay = true;
+    assert!(args(main_container(pod(&Some(
+        build(&run).engines.spec.template
+    ))))
+    .contains(&"--enable-return-routed-experts"));
+}
+
+#[test]
+fn the_builtin_engine_runs_moult_engine_without_gpus() {
+    let mut run = example_run();
+    run.spec.engines.backend = EngineBackend::Builtin;
+    run.spec.engines.tensor_parallel_size = 1;
+    run.spec.engines.gpus_per_engine = Some(0);
+    let c = build(&run);
+    let p = pod(&Some(c.engines.spec.template)).clone();
+    let e = main_container(&p);
+    assert_eq!(e.command.as_deref(), Some(&["moult".to_string()][..]));
+    assert_eq!(args(e)[..3], ["engine", "--model", "/models/Qwen3-8B"]);
+    assert!(
+        args(e).contains(&"0.0.0.0"),
+        "the engine must listen beyond loopback: {:?}",
+        args(e)
+    );
+    assert!(e
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .is_none_or(|l| !l.contains_key("nvidia.com/gpu")));
+    assert!(p.node_selector.is_none(), "CPU engines may run on any node");
+    assert!(!e
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|v| v.name == "VLLM_SERVER_DEV_MODE"));
+}
+
+#[test]
+fn trainer_ranks_find_rank_zero_through_the_headless_service() {
+    let c = build(&example_run());
+    assert_eq!(
+        c.trainer_service
+            .spec
+            .as_ref()
+            .unwrap()
+            .cluster_ip
+            .as_deref(),
+        Some("None")
+    );
+    let sts = c.trainer.spec;
+    assert_eq!(sts.service_name.as_deref(), Some("gsm8k-grpo-trainer"));
+    let p = pod(&Some(sts.template)).clone();
+    let env = main_container(&p).env.clone().unwrap();
+    let get = |n: &str| env.iter().find(|v| v.name == n).cloned().unwrap();
+    assert_eq!(
+        get("MASTER_ADDR").value.as_deref(),
+        Some("gsm8k-grpo-trainer-0.gsm8k-grpo-trainer.research.svc")
+    );
+    assert_eq!(get("WORLD_SIZE").value.as_deref(), Some("1"));
+    assert!(get("RANK")
+        .value_from
+        .unwrap()
+        .field_ref
+        .unwrap()
+        .field_path
+        .contains("pod-index"));
+    assert_eq!(
+        main_container(&p)
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref()
+            .unwrap()["nvidia.com/gpu"]
+            .0,
+        "8"
+    );
+    assert!(p.volumes.unwrap().iter().any(|v| v
+        .persistent_volume_claim
+        .as_ref()
+        .is_some_and(|c| c.claim_name == "checkpoints")));
+}
+
+#[test]
+fn every_pod_runs_as_non_root_without_capabilities() {
+    let c = build(&example_run());
+    let templates = [
+        c.engines.spec.template,
+        c.trainer.spec.template,
+        c.coordinator.spec.template,
+        c.agents.spec.template,
+    ];
+    for t in templates {
+        let p = t.spec.unwrap();
+        assert_eq!(
+            p.security_context.as_ref().unwrap().run_as_non_root,
+            Some(true)
+        );
+        for c in p
+            .containers
+            .iter()
+            .chain(p.init_containers.iter().flatten())
+        {
+            let sc = c.security_context.as_ref().unwrap();
+            assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", c.name);
+            assert_eq!(
+                sc.capabilities.as_ref().unwrap().drop.as_deref(),
+                Some(&["ALL".to_string()][..])
+            );
+            if c.name != "install-moult" {
+                assert!(
+                    c.env.iter().flatten().any(|v| v.name == "MOULT_TOKEN"),
+                    "{} gets the run token",
+                    c.name
+                );
+            }
+        }
+        assert_eq!(p.service_account_name.as_deref(), Some("gsm8k-grpo"));
+    }
+}
+
+#[test]
+fn agents_run_the_injected_moult_binary_in_the_users_image() {
+    let mut run = example_run();
+    run.spec.agent.form = crate::api::AgentForm::ChatAgent;
+    run.spec.agent.image = Some("python:3.12-slim".into());
+    run.spec.agent.command = vec!["python".into(), "agent.py".into()];
+    let p = build(&run).agents.spec.template.spec.unwrap();
+    let a = &p.containers[0];
+    assert_eq!(a.image.as_deref(), Some("python:3.12-slim"));
+    assert_eq!(
+        a.command.as_deref(),
+        Some(&["/opt/moult/bin/moult".to_string()][..])
+    );
+    assert_eq!(args(a)[args(a).len() - 3..], ["--", "python", "agent.py"]);
+    let init = &p.init_containers.as_ref().unwrap()[0];
+    assert!(init.image.as_deref().unwrap().contains("moult-init"));
+    assert!(init
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_path == "/opt/moult/bin"));
+}
+
+#[test]
+fn suspend_scales_every_workload_to_zero_and_keeps_the_rest() {
+    let mut run = example_run();
+    let running = build(&run);
+    run.spec.suspend = true;
+    let suspended = build(&run);
+    assert_eq!(suspended.engines.spec.replicas, Some(0));
+    assert_eq!(suspended.trainer.spec.replicas, Some(0));
+    assert_eq!(suspended.coordinator.spec.replicas, Some(0));
+    assert_eq!(suspended.agents.spec.replicas, Some(0));
+    assert_eq!(suspended.config, {
+        let mut c = running.config.clone();
+        c.data.as_mut().unwrap().insert(
+            "rlrun.yaml".into(),
+            suspended.config.data.as_ref().unwrap()["rlrun.yaml"].clone(),
+        );
+        c
+    });
+    assert_eq!(suspended.token, running.token);
+}
+
+#[test]
+fn scaling_engines_does_not_restart_pods_but_changing_the_algorithm_does() {
+    let mut run = example_run();
+    let hash = |c: &Children| {
+        c.engines
+            .spec
+            .template
+            .metadata
+            .as_ref()
+            .unwrap()
+            .annotations
+            .as_ref()
+            .unwrap()[CONFIG_HASH_ANNOTATION]
+            .clone()
+    };
+    let before = hash(&build(&run));
+    run.spec.engines.replicas = 7;
+    run.spec.suspend = true;
+    assert_eq!(hash(&build(&run)), before);
+    run.spec.algorithm.group_size = 16;
+    assert_ne!(hash(&build(&run)), before);
+}
+
+#[test]
+fn the_config_map_holds_the_run_manifest() {
+    let run = example_run();
+    let cm = build(&run).config;
+    let back: RLRun = serde_yaml_ng::from_str(&cm.data.unwrap()["rlrun.yaml"]).unwrap();
+    assert_eq!(back.spec, run.spec);
+    assert_eq!(back.metadata.name.as_deref(), Some("gsm8k-grpo"));
+}
+
+#[test]
+fn the_role_reaches_only_its_own_run() {
+    let role = build(&example_run()).role;
+    for rule in role.rules.unwrap() {
+        if rule.api_groups.as_deref() == Some(&["moult.dev".to_string()][..]) {
+            assert_eq!(
+                rule.resource_names.as_deref(),
+                Some(&["gsm8k-grpo".to_string()][..])
+            );
+            assert!(!rule
+                .verbs
+                .iter()
+                .any(|v| v == "list" || v == "delete" || v == "create"));
+        }
+    }
+}
+
+#[test]
+fn the_network_policy_admits_only_the_runs_pods() {
+    let np = build(&example_run()).network_policy.spec.unwrap();
+    let run_pods = np.pod_selector.unwrap().match_labels.unwrap();
+    assert_eq!(run_pods[RUN_LABEL], "gsm8k-grpo");
+    let from = &np.ingress.unwrap()[0].from.clone().unwrap()[0];
+    assert_eq!(
+        from.pod_selector
+            .as_ref()
+            .unwrap()
+            .match_labels
+            .as_ref()
+            .unwrap()[RUN_LABEL],
+        "gsm8k-grpo"
+    );
+    assert!(from.namespace_selector.is_none() && from.ip_block.is_none());
+}
+
+#[test]
+fn queue_name_and_priority_class_reach_every_pod() {
+    let mut run = example_run();
+    run.spec.scheduling.queue_name = Some("team-a".into());
+    run.spec.scheduling.priority_class_name = Some("rl-batch".into());
+    let c = build(&run);
+    for t in [c.engines.spec.template, c.agents.spec.template] {
+        assert_eq!(
+            t.metadata.unwrap().labels.unwrap()["kueue.x-k8s.io/queue-name"],
+            "team-a"
+        );
+        assert_eq!(
+            t.spec.unwrap().priority_class_name.as_deref(),
+            Some("rl-batch")
+        );
+    }
+}
+
+#[test]
+fn a_run_without_uid_is_refused_not_built_without_owner() {
+    let mut run = example_run();
+    run.metadata.uid = None;
+    assert!(desired(&run, &Images::default(), "t").is_err());
+}

@@ -1,0 +1,371 @@
+//! The run's workloads and their Services: engines (StatefulSet), trainer (StatefulSet with a
+//! headless Service for rendezvous), coordinator (Deployment + Service) and the agent pool
+//! (Deployment of the user's image with `moult` injected by an init container).
+
+use k8s_openapi::api::apps::v1::{
+    Deployment, DeploymentSpec, DeploymentStrategy, StatefulSet, StatefulSetSpec,
+};
+use k8s_openapi::api::core::v1::{
+    Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector, PodSpec,
+    Probe, Service, ServicePort, ServiceSpec,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use super::pods::{
+    claim, config_path, container, empty_dir, env, locked_down, model, moult_env, mount, resources,
+    template, CHECKPOINT_DIR, DATA_DIR,
+};
+use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, TRAINER_RENDEZVOUS_PORT};
+use crate::api::{AgentForm, EngineBackend};
+
+/// Where the init container puts the `moult` binary in agent pods.
+const MOULT_BIN_DIR: &str = "/opt/moult/bin";
+
+fn selector(ctx: &Ctx, component: &str) -> LabelSelector {
+    LabelSelector {
+        match_labels: Some(ctx.selector(component)),
+        ..LabelSelector::default()
+    }
+}
+
+fn service(ctx: &Ctx, component: &str, port: i32, headless: bool) -> Service {
+    Service {
+        metadata: ctx.meta(component, Some(component)),
+        spec: Some(ServiceSpec {
+            selector: Some(ctx.selector(component)),
+            cluster_ip: headless.then(|| "None".to_string()),
+            // Trainer ranks resolve each other before they are ready.
+            publish_not_ready_addresses: headless.then_some(true),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port,
+                target_port: Some(IntOrString::Int(port)),
+                protocol: Some("TCP".into()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+fn http_probe(path: &str, port: i32, period: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::Int(port),
+            ..Default::default()
+        }),
+        period_seconds: Some(period),
+        ..Probe::default()
+    }
+}
+
+fn container_port(port: i32) -> Option<Vec<ContainerPort>> {
+    Some(vec![ContainerPort {
+        name: Some("http".into()),
+        container_port: port,
+        protocol: Some("TCP".into()),
+        ..Default::default()
+    }])
+}
+
+/// Engines answer at `<run>-engine-<i>.<run>-engine` (the router finds them through this
+/// headless Service's EndpointSlices).
+pub(crate) fn engine_service(ctx: &Ctx) -> Service {
+    service(ctx, "engine", ENGINE_PORT, true)
+}
+
+/// The engine pool: vLLM with the flags moult needs (DESIGN §4.1), or `moult engine`.
+pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
+    let spec = &ctx.run.spec;
+    let e = &spec.engines;
+    let (model_volume, model_path) = model(ctx);
+    let (image, command, args, mut env_vars) = match e.backend {
+        EngineBackend::Vllm => {
+            let mut args = vec![
+                model_path,
+                "--host".into(),
+                "0.0.0.0".into(),
+                "--port".into(),
+                ENGINE_PORT.to_string(),
+                "--served-model-name".into(),
+                ctx.name.clone(),
+                "--tensor-parallel-size".into(),
+                e.tensor_parallel_size.to_string(),
+                // Behaviour logprobs must be those of the distribution sampled from.
+                "--logprobs-mode".into(),
+                "processed_logprobs".into(),
+            ];
+            if let Some(len) = spec.model.max_model_len {
+                args.extend(["--max-model-len".into(), len.to_string()]);
+            }
+            if spec.routing_replay {
+                args.push("--enable-return-routed-experts".into());
+            }
+            args.extend(e.extra_args.iter().cloned());
+            let image = e.image.clone().unwrap_or_else(|| ctx.images.vllm.clone());
+            // Dev mode serves /pause, /resume and the weight-transfer endpoints.
+            let env_vars = vec![env("VLLM_SERVER_DEV_MODE", "1"), env("HF_HOME", "/tmp/hf")];
+            (
+                image,
+                vec!["vllm".to_string(), "serve".to_string()],
+                args,
+                env_vars,
+            )
+        }
+        EngineBackend::Builtin => {
+            let mut args = vec![
+                "engine".to_string(),
+                "--model".into(),
+                model_path,
+                "--host".into(),
+                "0.0.0.0".into(),
+                "--port".into(),
+                ENGINE_PORT.to_string(),
+            ];
+            args.extend(e.extra_args.iter().cloned());
+            let image = e
+                .image
+                .clone()
+                .unwrap_or_else(|| ctx.images.runtime.clone());
+            (image, vec!["moult".to_string()], args, Vec::new())
+        }
+    };
+    env_vars.extend(moult_env(ctx));
+    let mut c = container("engine", &image, command, args);
+    c.env = Some(env_vars);
+    c.ports = container_port(ENGINE_PORT);
+    c.resources = resources(e.resources.as_ref(), e.gpus());
+    c.readiness_probe = Some(http_probe("/health", ENGINE_PORT, 5));
+    let mut volumes = vec![empty_dir("dshm", Some("Memory"))];
+    let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
+    // NCCL and vLLM's tensor-parallel workers share memory through /dev/shm.
+    mounts.push(mount("dshm", "/dev/shm", false));
+    if let Some((v, m)) = model_volume {
+        volumes.push(v);
+        mounts.push(m);
+    }
+    let pod = PodSpec {
+        containers: vec![c],
+        volumes: Some(volumes),
+        ..PodSpec::default()
+    };
+    StatefulSet {
+        metadata: ctx.meta("engine", Some("engine")),
+        spec: StatefulSetSpec {
+            replicas: Some(ctx.replicas(e.replicas)),
+            service_name: Some(name(&ctx.name, "engine")),
+            // Engines are independent: scale up and down all at once.
+            pod_management_policy: Some("Parallel".into()),
+            selector: selector(ctx, "engine"),
+            template: template(ctx, "engine", e.gpus() > 0, pod),
+            ..StatefulSetSpec::default()
+        },
+        ..StatefulSet::default()
+    }
+}
+
+pub(crate) fn trainer_service(ctx: &Ctx) -> Service {
+    service(ctx, "trainer", TRAINER_RENDEZVOUS_PORT, true)
+}
+
+/// The trainer ranks: rank from the pod index, world size, and rank 0's stable address.
+pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
+    let spec = &ctx.run.spec;
+    let t = &spec.trainer;
+    let image = t
+        .image
+        .clone()
+        .unwrap_or_else(|| ctx.images.runtime.clone());
+    let mut c = container(
+        "trainer",
+        &image,
+        vec!["moult".into()],
+        vec!["trainer".into(), "--config".into(), config_path()],
+    );
+    let trainer_svc = name(&ctx.name, "trainer");
+    let mut env_vars = vec![
+        EnvVar {
+            name: "RANK".into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.labels['apps.kubernetes.io/pod-index']".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..EnvVar::default()
+        },
+        env("WORLD_SIZE", &t.nodes.to_string()),
+        env("GPUS_PER_NODE", &t.gpus_per_node.to_string()),
+        env(
+            "MASTER_ADDR",
+            &format!("{trainer_svc}-0.{trainer_svc}.{}.svc", ctx.namespace),
+        ),
+        env("MASTER_PORT", &TRAINER_RENDEZVOUS_PORT.to_string()),
+        env(
+            "MOULT_COORDINATOR",
+            &format!(
+                "http://{}:{COORDINATOR_PORT}",
+                name(&ctx.name, "coordinator")
+            ),
+        ),
+    ];
+    env_vars.extend(moult_env(ctx));
+    c.env = Some(env_vars);
+    c.ports = container_port(TRAINER_RENDEZVOUS_PORT);
+    c.resources = resources(t.resources.as_ref(), t.gpus_per_node);
+    let (model_volume, _) = model(ctx);
+    let mut volumes = vec![empty_dir("dshm", Some("Memory"))];
+    let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
+    mounts.push(mount("dshm", "/dev/shm", false));
+    if let Some((v, m)) = model_volume {
+        volumes.push(v);
+        mounts.push(m);
+    }
+    if let Some(ck) = &spec.checkpoint {
+        volumes.push(claim("checkpoints", &ck.claim_name, false));
+        mounts.push(mount("checkpoints", CHECKPOINT_DIR, false));
+    }
+    let pod = PodSpec {
+        containers: vec![c],
+        volumes: Some(volumes),
+        subdomain: Some(trainer_svc.clone()),
+        ..PodSpec::default()
+    };
+    StatefulSet {
+        metadata: ctx.meta("trainer", Some("trainer")),
+        spec: StatefulSetSpec {
+            replicas: Some(ctx.replicas(t.nodes as i32)),
+            service_name: Some(trainer_svc),
+            // Ranks rendezvous with each other: start them together.
+            pod_management_policy: Some("Parallel".into()),
+            selector: selector(ctx, "trainer"),
+            template: template(ctx, "trainer", t.gpus_per_node > 0, pod),
+            ..StatefulSetSpec::default()
+        },
+        ..StatefulSet::default()
+    }
+}
+
+pub(crate) fn coordinator_service(ctx: &Ctx) -> Service {
+    service(ctx, "coordinator", COORDINATOR_PORT, false)
+}
+
+/// The coordinator: router, rollout pool and weight-sync orchestration (one replica).
+pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
+    let mut c = container(
+        "coordinator",
+        &ctx.images.runtime,
+        vec!["moult".into()],
+        vec![
+            "coordinator".into(),
+            "--config".into(),
+            config_path(),
+            "--port".into(),
+            COORDINATOR_PORT.to_string(),
+        ],
+    );
+    let mut env_vars = vec![env(
+        "MOULT_ENGINES",
+        &format!("{}.{}.svc", name(&ctx.name, "engine"), ctx.namespace),
+    )];
+    env_vars.extend(moult_env(ctx));
+    c.env = Some(env_vars);
+    c.ports = container_port(COORDINATOR_PORT);
+    c.readiness_probe = Some(http_probe("/health", COORDINATOR_PORT, 5));
+    let pod = PodSpec {
+        containers: vec![c],
+        ..PodSpec::default()
+    };
+    Deployment {
+        metadata: ctx.meta("coordinator", Some("coordinator")),
+        spec: DeploymentSpec {
+            replicas: Some(ctx.replicas(1)),
+            selector: selector(ctx, "coordinator"),
+            // Never two coordinators of one run at once.
+            strategy: Some(DeploymentStrategy {
+                type_: Some("Recreate".into()),
+                ..Default::default()
+            }),
+            template: template(ctx, "coordinator", false, pod),
+            ..DeploymentSpec::default()
+        },
+        ..Deployment::default()
+    }
+}
+
+/// The agent pool: the user's image (or the runtime's for built-in environments), with the
+/// `moult` binary copied in by an init container so that any image works.
+pub(crate) fn agents(ctx: &Ctx) -> Deployment {
+    let spec = &ctx.run.spec;
+    let a = &spec.agent;
+    let moult = format!("{MOULT_BIN_DIR}/moult");
+    let mut args = vec![
+        "agents".to_string(),
+        "--config".into(),
+        config_path(),
+        "--coordinator".into(),
+        format!(
+            "http://{}:{COORDINATOR_PORT}",
+            name(&ctx.name, "coordinator")
+        ),
+    ];
+    if !a.command.is_empty() {
+        args.push("--".into());
+        args.extend(a.command.iter().cloned());
+    }
+    let image = a
+        .image
+        .clone()
+        .unwrap_or_else(|| ctx.images.runtime.clone());
+    let mut c = container("agent", &image, vec![moult.clone()], args);
+    let mut env_vars = vec![env("MOULT_CONCURRENCY", &a.concurrency.to_string())];
+    if let AgentForm::Env = a.form {
+        if let Some(name) = &a.env {
+            env_vars.push(env("MOULT_ENV", name));
+        }
+    }
+    env_vars.extend(moult_env(ctx));
+    c.env = Some(env_vars);
+    c.resources = a.resources.clone();
+    let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
+    mounts.push(mount("moult-bin", MOULT_BIN_DIR, true));
+    let mut volumes = vec![empty_dir("moult-bin", None)];
+    if let Some(claim_name) = &a.dataset.claim_name {
+        volumes.push(claim("data", claim_name, true));
+        mounts.push(mount("data", DATA_DIR, true));
+    }
+    let (model_volume, _) = model(ctx);
+    if let Some((v, m)) = model_volume {
+        // The chat template and tokenizer come from the model folder.
+        volumes.push(v);
+        mounts.push(m);
+    }
+    let init = Container {
+        name: "install-moult".into(),
+        image: Some(ctx.images.init.clone()),
+        command: Some(vec!["cp".into(), "/moult".into(), moult]),
+        security_context: Some(locked_down()),
+        volume_mounts: Some(vec![mount("moult-bin", MOULT_BIN_DIR, false)]),
+        ..Container::default()
+    };
+    let pod = PodSpec {
+        init_containers: Some(vec![init]),
+        containers: vec![c],
+        volumes: Some(volumes),
+        ..PodSpec::default()
+    };
+    Deployment {
+        metadata: ctx.meta("agents", Some("agents")),
+        spec: DeploymentSpec {
+            replicas: Some(ctx.replicas(a.replicas)),
+            selector: selector(ctx, "agents"),
+            template: template(ctx, "agents", false, pod),
+            ..DeploymentSpec::default()
+        },
+        ..Deployment::default()
+    }
+}
