@@ -110,10 +110,18 @@ pub struct ChatService {
     next_request: AtomicU64,
 }
 
-fn request_hash(protocol: &str, req: &ChatRequest) -> u64 {
+/// A hash of a request without its messages (which retries compare separately, cheaply).
+fn request_key(protocol: &str, req: &ChatRequest) -> u64 {
     let mut h = std::hash::DefaultHasher::new();
     protocol.hash(&mut h);
-    serde_json::to_string(req)
+    let rest = (
+        &req.tools,
+        req.parse_tool_calls,
+        &req.sampling,
+        req.n,
+        &req.template_kwargs,
+    );
+    serde_json::to_string(&rest)
         .expect("a chat request serializes")
         .hash(&mut h);
     h.finish()
@@ -223,8 +231,8 @@ impl ChatService {
         if slot.cancelled.load(Ordering::Relaxed) {
             return Err(LoopbackError::NotFound("the session was closed".into()));
         }
-        let hash = request_hash(protocol, &req);
-        if let Some(answer) = session.cached(hash) {
+        let key = request_key(protocol, &req);
+        if let Some(answer) = session.cached(key, &req.messages) {
             if let Some(tx) = &events {
                 for (i, c) in answer.choices.iter().enumerate() {
                     if let Some(text) = c.content.clone() {
@@ -287,8 +295,9 @@ impl ChatService {
             prompt_tokens: plan.prompt.len(),
             choices,
         });
-        session.commit(plan, req.messages, &records, texts);
-        session.remember(hash, answer.clone());
+        let messages = Arc::new(req.messages);
+        session.commit(plan, messages.clone(), &records, texts);
+        session.remember(key, messages, answer.clone());
         Ok(answer)
     }
 

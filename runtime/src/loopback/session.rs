@@ -83,8 +83,8 @@ struct Open {
     /// The rendering the segment's tokens stand for: the last request's rendered prompt followed
     /// by the text of the ids sampled for it.
     text: String,
-    /// The last request's messages.
-    messages: Vec<Message>,
+    /// The last request's messages (shared by the candidates of one turn).
+    messages: Arc<Vec<Message>>,
 }
 
 /// What a turn will send to the engine, and how it will be recorded.
@@ -119,8 +119,16 @@ pub struct Session {
     sealed: Vec<Segment>,
     open: Vec<Open>,
     /// Recent answers by request hash, for identical retries (bounded: `CACHED_TURNS`).
-    cache: VecDeque<(u64, Arc<TurnOutput>)>,
+    cache: VecDeque<Cached>,
     turns: usize,
+}
+
+/// An answered request: a retry has the same key (everything but the messages) and messages.
+#[derive(Debug)]
+struct Cached {
+    key: u64,
+    messages: Arc<Vec<Message>>,
+    answer: Arc<TurnOutput>,
 }
 
 /// Answers kept for retries: a retry comes right after its original, so a few suffice.
@@ -162,7 +170,7 @@ impl Session {
     pub fn commit(
         &mut self,
         plan: TurnPlan,
-        messages: Vec<Message>,
+        messages: Arc<Vec<Message>>,
         samples: &[Sampled],
         sample_texts: Vec<String>,
     ) {
@@ -179,8 +187,23 @@ impl Session {
             }
         };
         self.turns += 1;
-        for (sample, text) in samples.iter().zip(sample_texts) {
-            let mut segment = base.clone();
+        // The last candidate takes the base segment and the rendering; only extra samples copy
+        // them, so a turn costs what it adds, not the context.
+        let mut base = Some(base);
+        let mut rendered = Some(plan.rendered);
+        let last = samples.len().saturating_sub(1);
+        for (i, (sample, text)) in samples.iter().zip(sample_texts).enumerate() {
+            let (mut segment, mut full) = if i == last {
+                (
+                    base.take().unwrap_or_default(),
+                    rendered.take().unwrap_or_default(),
+                )
+            } else {
+                (
+                    base.clone().unwrap_or_default(),
+                    rendered.clone().unwrap_or_default(),
+                )
+            };
             segment.turns += 1;
             segment.push_rendered(&plan.new_ids);
             segment.push_sampled(sample);
@@ -190,8 +213,6 @@ impl Session {
                     data: data.clone(),
                 });
             }
-            let mut full = String::with_capacity(plan.rendered.len() + text.len());
-            full.push_str(&plan.rendered);
             full.push_str(&text);
             self.open.push(Open {
                 segment,
@@ -201,19 +222,27 @@ impl Session {
         }
     }
 
-    /// The answer recorded for a request with this hash, if it is still cached.
-    pub fn cached(&self, hash: u64) -> Option<Arc<TurnOutput>> {
+    /// The answer recorded for an identical earlier request: same `key` (a hash of everything
+    /// but the messages) and the same messages. Messages are compared only when their count
+    /// matches, so a growing conversation never pays for the check.
+    pub fn cached(&self, key: u64, messages: &[Message]) -> Option<Arc<TurnOutput>> {
         self.cache
             .iter()
-            .find(|(h, _)| *h == hash)
-            .map(|(_, v)| v.clone())
+            .find(|c| {
+                c.key == key && c.messages.len() == messages.len() && c.messages[..] == *messages
+            })
+            .map(|c| c.answer.clone())
     }
 
-    pub fn remember(&mut self, hash: u64, answer: Arc<TurnOutput>) {
+    pub fn remember(&mut self, key: u64, messages: Arc<Vec<Message>>, answer: Arc<TurnOutput>) {
         if self.cache.len() == CACHED_TURNS {
             self.cache.pop_front();
         }
-        self.cache.push_back((hash, answer));
+        self.cache.push_back(Cached {
+            key,
+            messages,
+            answer,
+        });
     }
 
     /// All segments, sealed first, then the open candidates.
@@ -284,7 +313,12 @@ mod tests {
         let plan = s.plan(&messages, render(&messages), chars).unwrap();
         let continued = plan.continues();
         let sample = sampled(&format!("{reply}|"), version);
-        s.commit(plan, messages, &[sample], vec![format!("{reply}|")]);
+        s.commit(
+            plan,
+            Arc::new(messages),
+            &[sample],
+            vec![format!("{reply}|")],
+        );
         continued
     }
 
@@ -337,7 +371,7 @@ mod tests {
         let plan = s.plan(&m1, render(&m1), chars).unwrap();
         s.commit(
             plan,
-            m1,
+            Arc::new(m1),
             &[sampled("a|", 0), sampled("b|", 0), sampled("c|", 0)],
             vec!["a|".into(), "b|".into(), "c|".into()],
         );
@@ -368,7 +402,7 @@ mod tests {
         let m1 = vec![user("hi")];
         let p1 = s.plan(&m1, render(&m1), chars).unwrap();
         assert_eq!(p1.routed_experts_start(), 0);
-        s.commit(p1, m1, &[sampled("yo|", 0)], vec!["yo|".into()]);
+        s.commit(p1, Arc::new(m1), &[sampled("yo|", 0)], vec!["yo|".into()]);
         let m2 = vec![user("hi"), assistant("yo"), user("x")];
         let p2 = s.plan(&m2, render(&m2), chars).unwrap();
         // The last sampled token was never fed to the model: its routing comes with this turn.
