@@ -7,6 +7,10 @@
 
 pub mod api;
 pub mod children;
+#[cfg(feature = "controller")]
+pub mod controller;
+#[cfg(feature = "controller")]
+pub mod error;
 
 /// The RLRun CustomResourceDefinition as YAML, exactly as `crds/rlrun.yaml` holds it.
 pub fn crd_yaml() -> String {

@@ -1,5 +1,137 @@
-//! The operator binary (the controller lands next).
-fn main() {
-    eprintln!("moult-operator: the controller is not implemented yet");
-    std::process::exit(2);
+//! `moult-operator`: the RLRun controller, with leader election, metrics and health endpoints.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use moult_operator::children::Images;
+use moult_operator::controller::{self, leader, metrics, Settings};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "moult-operator",
+    about = "Reconciles RLRuns into engines, trainer, coordinator and agents"
+)]
+struct Args {
+    /// Watch only this namespace (all namespaces when absent).
+    #[arg(long, env = "MOULT_WATCH_NAMESPACE")]
+    namespace: Option<String>,
+    /// Reconciles at once (never two of the same run).
+    #[arg(long, default_value_t = 8)]
+    concurrency: u16,
+    /// Re-check of every run even when nothing changed, as a Go duration.
+    #[arg(long, default_value = "5m")]
+    resync: kube::core::Duration,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    metrics_addr: SocketAddr,
+    /// Elect a leader on a Lease so that only one replica writes.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    leader_election: bool,
+    #[arg(long, default_value = "moult-operator")]
+    lease_name: String,
+    /// Namespace of the Lease (the pod's own namespace in the Helm chart).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// This replica's name in the Lease (the pod name in the Helm chart).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// How long a leader that stopped renewing keeps the Lease.
+    #[arg(long, default_value = "15s")]
+    lease_duration: kube::core::Duration,
+    /// How often the leader renews the Lease.
+    #[arg(long, default_value = "5s")]
+    lease_renew: kube::core::Duration,
+    #[arg(long, env = "MOULT_VLLM_IMAGE", default_value_t = Images::default().vllm)]
+    vllm_image: String,
+    #[arg(long, env = "MOULT_RUNTIME_IMAGE", default_value_t = Images::default().runtime)]
+    runtime_image: String,
+    #[arg(long, env = "MOULT_INIT_IMAGE", default_value_t = Images::default().init)]
+    init_image: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube=warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let args = Args::parse();
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = kube::Client::try_default()
+        .await
+        .context("no Kubernetes configuration (KUBECONFIG or in-cluster)")?;
+    let metrics = Arc::new(metrics::Metrics::default());
+    let listener = metrics::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("binding {}", args.metrics_addr))?;
+    tokio::spawn(metrics::serve(listener, metrics.clone()));
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(|| format!("moult-operator-{}", std::process::id()));
+    let settings = Settings {
+        namespace: args.namespace.clone(),
+        images: Images {
+            vllm: args.vllm_image.clone(),
+            runtime: args.runtime_image.clone(),
+            init: args.init_image.clone(),
+        },
+        concurrency: args.concurrency,
+        resync: positive(args.resync, "--resync")?,
+    };
+    if !args.leader_election {
+        metrics.leader.set(1);
+        controller::run(client, settings, metrics, &identity).await;
+        return Ok(());
+    }
+    let timing = leader::Timing {
+        duration: positive(args.lease_duration, "--lease-duration")?,
+        renew: positive(args.lease_renew, "--lease-renew")?,
+    };
+    anyhow::ensure!(
+        timing.renew < timing.duration,
+        "--lease-renew must be shorter than --lease-duration"
+    );
+    let mut lock = leader::LeaseLock::new(
+        client.clone(),
+        &args.lease_namespace,
+        &args.lease_name,
+        &identity,
+        timing,
+    );
+    tracing::info!(identity = %identity, lease = %format!("{}/{}", args.lease_namespace, args.lease_name), "waiting for the lease");
+    lock.acquire().await;
+    tracing::info!(identity = %identity, "became the leader");
+    metrics.leader.set(1);
+    tokio::select! {
+        () = controller::run(client, settings, metrics.clone(), &identity) => {
+            // Shut down by a signal: hand the lease over at once.
+            if let Err(e) = lock.release().await {
+                tracing::warn!(error = %e, "cannot release the lease");
+            }
+            Ok(())
+        }
+        () = lock.hold() => {
+            metrics.leader.set(0);
+            // Another replica may be the leader now: stop writing at once.
+            anyhow::bail!("lost the lease {}/{}; exiting so that only the leader writes", args.lease_namespace, args.lease_name)
+        }
+    }
+}
+
+/// A flag's duration, refused when negative or zero.
+fn positive(d: kube::core::Duration, flag: &str) -> anyhow::Result<Duration> {
+    let std: Duration = d.into();
+    anyhow::ensure!(
+        !d.is_negative() && !std.is_zero(),
+        "{flag} must be positive, not {d}"
+    );
+    Ok(std)
 }

@@ -278,4 +278,4 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -1,0 +1,366 @@
+//! The RLRun controller: reconcile = compute the desired children → server-side apply what
+//! differs → delete orphans by label → patch status when it changed → events on transitions.
+//!
+//! RLRuns are watched through [`DeserializeGuard`], so one that does not parse is reported in
+//! its status and events and skipped; it never stalls the watch. Errors back off per object
+//! exponentially. Children are watched too (by the managed-by label), so a child deleted or
+//! edited by hand is restored.
+
+pub mod apply;
+pub mod leader;
+pub mod metrics;
+pub mod status;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Secret, Service, ServiceAccount};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
+use kube::core::error_boundary::{DeserializeGuard, InvalidObject};
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use rand::RngCore;
+use serde_json::json;
+
+use self::apply::{Live, FIELD_MANAGER};
+use self::metrics::{Metrics, ResultLabels};
+use self::status::Workloads;
+use crate::api::{Phase, RLRun, RLRunStatus};
+use crate::children::{self, ChildKind, Images, MANAGED_BY, MANAGED_BY_LABEL, TOKEN_KEY};
+use crate::error::{Context as _, Error, Result};
+
+/// Operator-wide settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Watch one namespace, or all when None.
+    pub namespace: Option<String>,
+    pub images: Images,
+    /// Reconciles running at once (never two of one run).
+    pub concurrency: u16,
+    /// Periodic re-check of a healthy run.
+    pub resync: Duration,
+}
+
+/// What every reconcile shares.
+pub struct Ctx {
+    pub client: Client,
+    pub settings: Settings,
+    pub metrics: Arc<Metrics>,
+    recorder: Recorder,
+    /// Consecutive failures per run, for exponential backoff.
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+/// Runs the controller until shutdown (SIGTERM/SIGINT).
+pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, identity: &str) {
+    let (runs, owned) = match &settings.namespace {
+        Some(ns) => (
+            Api::<DeserializeGuard<RLRun>>::namespaced(client.clone(), ns),
+            Some(ns.clone()),
+        ),
+        None => (Api::<DeserializeGuard<RLRun>>::all(client.clone()), None),
+    };
+    fn owned_api<K>(client: &Client, ns: &Option<String>) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        match ns {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        }
+    }
+    let ours = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
+    let reporter = Reporter {
+        controller: FIELD_MANAGER.into(),
+        instance: Some(identity.into()),
+    };
+    let ctx = Arc::new(Ctx {
+        recorder: Recorder::new(client.clone(), reporter),
+        client: client.clone(),
+        metrics: metrics.clone(),
+        failures: Mutex::new(HashMap::new()),
+        settings: settings.clone(),
+    });
+    metrics
+        .ready
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    Controller::new(runs, watcher::Config::default())
+        .owns(owned_api::<StatefulSet>(&client, &owned), ours.clone())
+        .owns(owned_api::<Deployment>(&client, &owned), ours.clone())
+        .owns(owned_api::<Service>(&client, &owned), ours.clone())
+        .owns(owned_api::<ConfigMap>(&client, &owned), ours.clone())
+        .owns(owned_api::<Secret>(&client, &owned), ours.clone())
+        .owns(owned_api::<ServiceAccount>(&client, &owned), ours.clone())
+        .owns(
+            owned_api::<k8s_openapi::api::rbac::v1::Role>(&client, &owned),
+            ours.clone(),
+        )
+        .owns(
+            owned_api::<k8s_openapi::api::rbac::v1::RoleBinding>(&client, &owned),
+            ours.clone(),
+        )
+        .owns(
+            owned_api::<k8s_openapi::api::networking::v1::NetworkPolicy>(&client, &owned),
+            ours,
+        )
+        .with_config(ControllerConfig::default().concurrency(settings.concurrency))
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "reconcile failed");
+            }
+        })
+        .await;
+}
+
+fn key(meta: &kube::api::ObjectMeta) -> String {
+    format!(
+        "{}/{}",
+        meta.namespace.as_deref().unwrap_or(""),
+        meta.name.as_deref().unwrap_or("")
+    )
+}
+
+async fn reconcile(guard: Arc<DeserializeGuard<RLRun>>, ctx: Arc<Ctx>) -> Result<Action> {
+    let started = std::time::Instant::now();
+    let result = match &guard.0 {
+        Ok(run) => reconcile_run(run, &ctx).await,
+        Err(invalid) => report_malformed(invalid, &ctx).await,
+    };
+    ctx.metrics
+        .reconcile_seconds
+        .observe(started.elapsed().as_secs_f64());
+    let label = if result.is_ok() { "ok" } else { "error" };
+    ctx.metrics
+        .reconciles
+        .get_or_create(&ResultLabels {
+            result: label.into(),
+        })
+        .inc();
+    if result.is_ok() {
+        ctx.failures
+            .lock()
+            .expect("not poisoned")
+            .remove(&key(guard.meta()));
+    }
+    result
+}
+
+/// Exponential backoff per run: 1 s, 2 s, 4 s, … up to 5 minutes.
+fn error_policy(guard: Arc<DeserializeGuard<RLRun>>, error: &Error, ctx: Arc<Ctx>) -> Action {
+    let k = key(guard.meta());
+    let mut failures = ctx.failures.lock().expect("not poisoned");
+    let n = failures.entry(k.clone()).or_insert(0);
+    *n = n.saturating_add(1);
+    let delay = Duration::from_secs(1u64 << (*n - 1).min(9)).min(Duration::from_secs(300));
+    tracing::warn!(run = %k, error = %error, retry_in = ?delay, "reconcile failed");
+    Action::requeue(delay)
+}
+
+async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
+    if run.meta().deletion_timestamp.is_some() {
+        // Owner references make the garbage collector delete the children.
+        return Ok(Action::await_change());
+    }
+    let ns = run.namespace().ok_or(Error::MissingMetadata("namespace"))?;
+    let name = run.name_any();
+    let live = apply::list(&ctx.client, &ns, &name).await?;
+    let token = existing_token(&live, &name).unwrap_or_else(new_token);
+    let (current, invalid) = match children::desired(run, &ctx.settings.images, &token) {
+        Ok(desired) => {
+            let synced = apply::sync(&ctx.client, &ns, desired.into_list(), live).await?;
+            ctx.metrics.write("apply", synced.applied.len());
+            ctx.metrics.write("delete", synced.deleted.len());
+            if !synced.applied.is_empty() || !synced.deleted.is_empty() {
+                tracing::info!(run = %format!("{ns}/{name}"), applied = ?synced.applied, deleted = ?synced.deleted, "synced children");
+            }
+            (synced.current, None)
+        }
+        Err(why) => (live, Some(why.0)),
+    };
+    let now = Time(Timestamp::now());
+    let new = status::compute(run, &workloads(&current, &name), invalid.as_deref(), &now);
+    if status::changed(run.status.as_ref(), &new) {
+        patch_status(run, &new, ctx).await?;
+        announce(run, &new, ctx).await;
+    }
+    Ok(Action::requeue(ctx.settings.resync))
+}
+
+fn existing_token(live: &Live, run: &str) -> Option<String> {
+    let secret = live.get(&(ChildKind::Secret, children::name(run, "token")))?;
+    let encoded = secret.data.get("data")?.get(TOKEN_KEY)?.as_str()?;
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(encoded)
+        .ok()?;
+    String::from_utf8(bytes).ok().filter(|t| !t.is_empty())
+}
+
+/// 32 random bytes, hex-encoded.
+fn new_token() -> String {
+    let mut bytes = [0u8; 32];
+    rand::thread_rng().fill_bytes(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn workloads(current: &Live, run: &str) -> Workloads {
+    fn typed<K: serde::de::DeserializeOwned>(
+        current: &Live,
+        kind: ChildKind,
+        name: String,
+    ) -> Option<K> {
+        let o = current.get(&(kind, name))?;
+        serde_json::to_value(o)
+            .ok()
+            .and_then(|v| serde_json::from_value(v).ok())
+    }
+    Workloads {
+        engines: typed(
+            current,
+            ChildKind::StatefulSet,
+            children::name(run, "engine"),
+        ),
+        trainer: typed(
+            current,
+            ChildKind::StatefulSet,
+            children::name(run, "trainer"),
+        ),
+        coordinator: typed(
+            current,
+            ChildKind::Deployment,
+            children::name(run, "coordinator"),
+        ),
+        agents: typed(
+            current,
+            ChildKind::Deployment,
+            children::name(run, "agents"),
+        ),
+    }
+}
+
+/// Server-side applies the operator's status fields (the coordinator's stay untouched).
+async fn patch_status(run: &RLRun, status: &RLRunStatus, ctx: &Ctx) -> Result<()> {
+    let api: Api<RLRun> = Api::namespaced(ctx.client.clone(), &run.namespace().unwrap_or_default());
+    let body = json!({
+        "apiVersion": RLRun::api_version(&()),
+        "kind": RLRun::kind(&()),
+        "status": status,
+    });
+    api.patch_status(
+        &run.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .context(|| format!("patching the status of {}", run.name_any()))?;
+    ctx.metrics.write("status", 1);
+    Ok(())
+}
+
+/// An event when the phase changes (Warning for Degraded and Failed).
+async fn announce(run: &RLRun, new: &RLRunStatus, ctx: &Ctx) {
+    let old = run.status.as_ref().and_then(|s| s.phase);
+    let Some(phase) = new.phase.filter(|p| Some(*p) != old) else {
+        return;
+    };
+    let message = new
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.message.clone());
+    let type_ = if matches!(phase, Phase::Degraded | Phase::Failed) {
+        EventType::Warning
+    } else {
+        EventType::Normal
+    };
+    let event = Event {
+        type_,
+        reason: format!("{phase:?}"),
+        note: message,
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &run.object_ref(&())).await {
+        tracing::warn!(error = %e, "cannot publish an event");
+    }
+}
+
+/// An RLRun that does not parse: say why in its status and events, once; never retry it until
+/// it changes.
+async fn report_malformed(invalid: &InvalidObject, ctx: &Ctx) -> Result<Action> {
+    let meta = &invalid.metadata;
+    let (Some(ns), Some(name)) = (meta.namespace.clone(), meta.name.clone()) else {
+        return Ok(Action::await_change());
+    };
+    tracing::warn!(run = %format!("{ns}/{name}"), error = %invalid.error, "skipping an RLRun that does not parse");
+    let ar = ApiResource::erase::<RLRun>(&());
+    let api: Api<DynamicObject> = Api::namespaced_with(ctx.client.clone(), &ns, &ar);
+    let message = format!("the RLRun cannot be read: {}", invalid.error);
+    let current = api
+        .get_status(&name)
+        .await
+        .context(|| format!("reading {ns}/{name}"))?;
+    let status = current.data.get("status");
+    let already = status.and_then(|s| s.get("phase")).and_then(|p| p.as_str()) == Some("Failed")
+        && status
+            .and_then(|s| s.get("conditions"))
+            .and_then(|c| c.as_array())
+            .is_some_and(|c| {
+                c.iter()
+                    .any(|c| c.get("message").and_then(|m| m.as_str()) == Some(message.as_str()))
+            });
+    if already {
+        return Ok(Action::await_change());
+    }
+    let now = Time(Timestamp::now());
+    let body = json!({
+        "apiVersion": ar.api_version, "kind": ar.kind,
+        "status": {
+            "phase": "Failed",
+            "observedGeneration": meta.generation,
+            "conditions": [
+                {"type": "Ready", "status": "False", "reason": "MalformedSpec", "message": message,
+                 "lastTransitionTime": now, "observedGeneration": meta.generation},
+                {"type": "Degraded", "status": "True", "reason": "MalformedSpec", "message": message,
+                 "lastTransitionTime": now, "observedGeneration": meta.generation},
+            ],
+        },
+    });
+    api.patch_status(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await
+    .context(|| format!("reporting {ns}/{name} as malformed"))?;
+    ctx.metrics.write("status", 1);
+    let reference = ObjectReference {
+        api_version: Some(ar.api_version.clone()),
+        kind: Some(ar.kind.clone()),
+        name: Some(name),
+        namespace: Some(ns),
+        uid: meta.uid.clone(),
+        resource_version: meta.resource_version.clone(),
+        ..ObjectReference::default()
+    };
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "MalformedSpec".into(),
+        note: Some(message.chars().take(1000).collect()),
+        action: "Reconcile".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&event, &reference).await {
+        tracing::warn!(error = %e, "cannot publish an event");
+    }
+    Ok(Action::await_change())
+}

@@ -1,0 +1,419 @@
+//! A run's status computed from its workloads (pure): phase, conditions, engine replicas.
+//!
+//! A component is ready only when its controller has seen the current spec and every desired
+//! pod is updated and ready — "Running" means the pods really are. The operator owns `phase`,
+//! `conditions`, `observedGeneration` and `engines`; the coordinator owns the rest, and this
+//! module never touches it.
+
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::ResourceExt;
+
+use crate::api::{EngineStatus, Phase, RLRun, RLRunStatus};
+use crate::children::engine_selector;
+
+/// The run's workloads as last seen (None: does not exist yet).
+#[derive(Clone, Debug, Default)]
+pub struct Workloads {
+    pub engines: Option<StatefulSet>,
+    pub trainer: Option<StatefulSet>,
+    pub coordinator: Option<Deployment>,
+    pub agents: Option<Deployment>,
+}
+
+/// Desired and ready pods of one component.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Readiness {
+    desired: i32,
+    ready: i32,
+    pods: i32,
+    settled: bool,
+}
+
+fn statefulset(s: Option<&StatefulSet>) -> Readiness {
+    let Some(s) = s else {
+        return Readiness {
+            desired: 1,
+            ready: 0,
+            pods: 0,
+            settled: false,
+        };
+    };
+    let desired = s.spec.replicas.unwrap_or(1);
+    let st = s.status.clone().unwrap_or_default();
+    let seen = st.observed_generation.unwrap_or(0) >= s.metadata.generation.unwrap_or(0);
+    let ready = st.ready_replicas.unwrap_or(0);
+    let updated = st.updated_replicas.unwrap_or(0);
+    let settled =
+        seen && st.replicas == desired && ready == desired && (desired == 0 || updated == desired);
+    Readiness {
+        desired,
+        ready,
+        pods: st.replicas,
+        settled,
+    }
+}
+
+fn deployment(d: Option<&Deployment>) -> Readiness {
+    let Some(d) = d else {
+        return Readiness {
+            desired: 1,
+            ready: 0,
+            pods: 0,
+            settled: false,
+        };
+    };
+    let desired = d.spec.replicas.unwrap_or(1);
+    let st = d.status.clone().unwrap_or_default();
+    let seen = st.observed_generation.unwrap_or(0) >= d.metadata.generation.unwrap_or(0);
+    let ready = st.ready_replicas.unwrap_or(0);
+    let pods = st.replicas.unwrap_or(0);
+    let settled =
+        seen && pods == desired && ready == desired && st.updated_replicas.unwrap_or(0) == desired;
+    Readiness {
+        desired,
+        ready,
+        pods,
+        settled,
+    }
+}
+
+/// The operator's part of the status. `invalid` is why the spec could not be turned into
+/// objects, if it could not; `now` stamps conditions whose status changes.
+pub fn compute(run: &RLRun, w: &Workloads, invalid: Option<&str>, now: &Time) -> RLRunStatus {
+    let old = run.status.clone().unwrap_or_default();
+    let generation = run.metadata.generation;
+    let name = run.name_any();
+    let parts = [
+        ("engines", statefulset(w.engines.as_ref())),
+        ("trainer", statefulset(w.trainer.as_ref())),
+        ("coordinator", deployment(w.coordinator.as_ref())),
+        ("agents", deployment(w.agents.as_ref())),
+    ];
+    let engines = parts[0].1;
+    let all_settled = parts.iter().all(|(_, r)| r.settled);
+    let waiting: Vec<String> = parts
+        .iter()
+        .filter(|(_, r)| !r.settled)
+        .map(|(n, r)| format!("{n} {}/{} ready", r.ready, r.desired))
+        .collect();
+    let was_running_here = matches!(old.phase, Some(Phase::Running | Phase::Degraded))
+        && old.observed_generation == generation;
+
+    let (phase, ready, progressing, degraded, suspended) = if let Some(why) = invalid {
+        (
+            Phase::Failed,
+            cond("Ready", false, "InvalidSpec", why),
+            cond("Progressing", false, "InvalidSpec", why),
+            cond("Degraded", true, "InvalidSpec", why),
+            cond("Suspended", run.spec.suspend, "InvalidSpec", why),
+        )
+    } else if old.phase == Some(Phase::Succeeded) {
+        (
+            Phase::Succeeded,
+            cond(
+                "Ready",
+                false,
+                "Succeeded",
+                "the run reached its total steps",
+            ),
+            cond(
+                "Progressing",
+                false,
+                "Succeeded",
+                "the run reached its total steps",
+            ),
+            cond(
+                "Degraded",
+                false,
+                "Succeeded",
+                "the run reached its total steps",
+            ),
+            cond(
+                "Suspended",
+                run.spec.suspend,
+                "Succeeded",
+                "the run reached its total steps",
+            ),
+        )
+    } else if run.spec.suspend {
+        let msg = if all_settled {
+            "every pod is stopped".to_string()
+        } else {
+            format!("stopping: {}", waiting.join(", "))
+        };
+        (
+            Phase::Suspended,
+            cond("Ready", false, "Suspended", "spec.suspend is set"),
+            cond("Progressing", !all_settled, "Suspending", &msg),
+            cond("Degraded", false, "Suspended", "spec.suspend is set"),
+            cond("Suspended", true, "Suspended", &msg),
+        )
+    } else if all_settled {
+        let msg = format!(
+            "{} engines, trainer, coordinator and agents are ready",
+            engines.ready
+        );
+        (
+            Phase::Running,
+            cond("Ready", true, "AllComponentsReady", &msg),
+            cond("Progressing", false, "AllComponentsReady", &msg),
+            cond("Degraded", false, "AllComponentsReady", &msg),
+            cond("Suspended", false, "Running", "spec.suspend is not set"),
+        )
+    } else if was_running_here {
+        let msg = format!("lost ready pods: {}", waiting.join(", "));
+        (
+            Phase::Degraded,
+            cond("Ready", false, "ComponentsNotReady", &msg),
+            cond("Progressing", true, "Recovering", &msg),
+            cond("Degraded", true, "ComponentsNotReady", &msg),
+            cond("Suspended", false, "Running", "spec.suspend is not set"),
+        )
+    } else {
+        let msg = format!("waiting for {}", waiting.join(", "));
+        (
+            Phase::Pending,
+            cond("Ready", false, "ComponentsNotReady", &msg),
+            cond("Progressing", true, "RollingOut", &msg),
+            cond("Degraded", false, "RollingOut", &msg),
+            cond("Suspended", false, "Running", "spec.suspend is not set"),
+        )
+    };
+    let conditions = [ready, progressing, degraded, suspended]
+        .into_iter()
+        .map(|c| stamp(c, &old.conditions, generation, now))
+        .collect();
+    let desired_engines = if run.spec.suspend {
+        0
+    } else {
+        run.spec.engines.replicas
+    };
+    RLRunStatus {
+        phase: Some(phase),
+        conditions,
+        observed_generation: generation,
+        engines: Some(EngineStatus {
+            replicas: engines.pods,
+            ready_replicas: engines.ready,
+            ready: format!("{}/{desired_engines}", engines.ready),
+            selector: engine_selector(&name),
+        }),
+        ..RLRunStatus::default()
+    }
+}
+
+/// True when `new` (the operator's fields) differs from what `old` holds: a status write is
+/// needed.
+pub fn changed(old: Option<&RLRunStatus>, new: &RLRunStatus) -> bool {
+    let Some(old) = old else { return true };
+    old.phase != new.phase
+        || old.conditions != new.conditions
+        || old.observed_generation != new.observed_generation
+        || old.engines != new.engines
+}
+
+struct Cond {
+    type_: &'static str,
+    status: bool,
+    reason: &'static str,
+    message: String,
+}
+
+fn cond(type_: &'static str, status: bool, reason: &'static str, message: &str) -> Cond {
+    Cond {
+        type_,
+        status,
+        reason,
+        message: message.to_string(),
+    }
+}
+
+/// A Condition that keeps its last transition time while its status stays the same.
+fn stamp(c: Cond, old: &[Condition], generation: Option<i64>, now: &Time) -> Condition {
+    let status = if c.status { "True" } else { "False" }.to_string();
+    let last_transition_time = old
+        .iter()
+        .find(|o| o.type_ == c.type_ && o.status == status)
+        .map(|o| o.last_transition_time.clone())
+        .unwrap_or_else(|| now.clone());
+    Condition {
+        type_: c.type_.into(),
+        status,
+        reason: c.reason.into(),
+        message: c.message,
+        observed_generation: generation,
+        last_transition_time,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::apps::v1::{DeploymentStatus, StatefulSetStatus};
+    use k8s_openapi::jiff::Timestamp;
+
+    use super::*;
+    use crate::children::{desired, Images};
+
+    fn run() -> RLRun {
+        let mut r = crate::children::tests::example_run();
+        r.metadata.generation = Some(3);
+        r
+    }
+
+    /// The run's workloads as the API server would report them with `ready` pods each.
+    fn workloads(r: &RLRun, ready: impl Fn(&str, i32) -> i32) -> Workloads {
+        let c = desired(r, &Images::default(), "t").unwrap();
+        let sts = |mut s: StatefulSet, n: &str| {
+            let want = s.spec.replicas.unwrap();
+            s.metadata.generation = Some(1);
+            s.status = Some(StatefulSetStatus {
+                observed_generation: Some(1),
+                replicas: want,
+                ready_replicas: Some(ready(n, want)),
+                updated_replicas: Some(want),
+                ..Default::default()
+            });
+            s
+        };
+        let dep = |mut d: Deployment, n: &str| {
+            let want = d.spec.replicas.unwrap();
+            d.metadata.generation = Some(1);
+            d.status = Some(DeploymentStatus {
+                observed_generation: Some(1),
+                replicas: Some(want),
+                ready_replicas: Some(ready(n, want)),
+                updated_replicas: Some(want),
+                ..Default::default()
+            });
+            d
+        };
+        Workloads {
+            engines: Some(sts(c.engines, "engines")),
+            trainer: Some(sts(c.trainer, "trainer")),
+            coordinator: Some(dep(c.coordinator, "coordinator")),
+            agents: Some(dep(c.agents, "agents")),
+        }
+    }
+
+    fn now() -> Time {
+        Time(Timestamp::from_second(1_800_000_000).unwrap())
+    }
+
+    fn condition<'a>(s: &'a RLRunStatus, t: &str) -> &'a Condition {
+        s.conditions.iter().find(|c| c.type_ == t).unwrap()
+    }
+
+    #[test]
+    fn running_only_when_every_pod_is_ready() {
+        let r = run();
+        let s = compute(
+            &r,
+            &workloads(&r, |n, want| if n == "engines" { want - 1 } else { want }),
+            None,
+            &now(),
+        );
+        assert_eq!(s.phase, Some(Phase::Pending));
+        assert_eq!(condition(&s, "Ready").status, "False");
+        assert!(
+            condition(&s, "Ready").message.contains("engines 3/4 ready"),
+            "{}",
+            condition(&s, "Ready").message
+        );
+        assert_eq!(s.engines.as_ref().unwrap().ready, "3/4");
+        let s = compute(&r, &workloads(&r, |_, want| want), None, &now());
+        assert_eq!(s.phase, Some(Phase::Running));
+        assert_eq!(condition(&s, "Ready").status, "True");
+        assert_eq!(condition(&s, "Progressing").status, "False");
+        assert_eq!(s.observed_generation, Some(3));
+        assert_eq!(
+            s.engines.unwrap().selector,
+            "moult.dev/component=engine,moult.dev/run=gsm8k-grpo"
+        );
+    }
+
+    #[test]
+    fn missing_workloads_are_not_ready() {
+        let r = run();
+        let s = compute(&r, &Workloads::default(), None, &now());
+        assert_eq!(s.phase, Some(Phase::Pending));
+    }
+
+    #[test]
+    fn a_running_run_that_loses_pods_is_degraded_and_keeps_transition_times() {
+        let mut r = run();
+        let s = compute(&r, &workloads(&r, |_, want| want), None, &now());
+        r.status = Some(s.clone());
+        let later = Time(Timestamp::from_second(1_800_000_100).unwrap());
+        let again = compute(&r, &workloads(&r, |_, want| want), None, &later);
+        assert!(
+            !changed(Some(&s), &again),
+            "an unchanged run needs no status write"
+        );
+        let lost = compute(
+            &r,
+            &workloads(&r, |n, want| if n == "trainer" { 0 } else { want }),
+            None,
+            &later,
+        );
+        assert_eq!(lost.phase, Some(Phase::Degraded));
+        assert_eq!(condition(&lost, "Degraded").status, "True");
+        assert_eq!(condition(&lost, "Degraded").last_transition_time, later);
+        assert_eq!(
+            condition(&lost, "Suspended").last_transition_time,
+            now(),
+            "unchanged conditions keep their time"
+        );
+    }
+
+    #[test]
+    fn a_spec_change_rolls_out_as_pending_not_degraded() {
+        let mut r = run();
+        r.status = Some(compute(&r, &workloads(&r, |_, want| want), None, &now()));
+        r.metadata.generation = Some(4);
+        let s = compute(
+            &r,
+            &workloads(&r, |n, want| if n == "engines" { 1 } else { want }),
+            None,
+            &now(),
+        );
+        assert_eq!(s.phase, Some(Phase::Pending));
+        assert_eq!(condition(&s, "Progressing").status, "True");
+    }
+
+    #[test]
+    fn suspended_runs_report_suspended_and_zero_desired_engines() {
+        let mut r = run();
+        r.spec.suspend = true;
+        let s = compute(&r, &workloads(&r, |_, want| want), None, &now());
+        assert_eq!(s.phase, Some(Phase::Suspended));
+        assert_eq!(condition(&s, "Suspended").status, "True");
+        assert_eq!(condition(&s, "Ready").status, "False");
+        assert_eq!(s.engines.unwrap().ready, "0/0");
+    }
+
+    #[test]
+    fn an_invalid_spec_fails_with_the_reason() {
+        let r = run();
+        let s = compute(
+            &r,
+            &Workloads::default(),
+            Some("engines.image is not a valid image"),
+            &now(),
+        );
+        assert_eq!(s.phase, Some(Phase::Failed));
+        assert_eq!(condition(&s, "Degraded").reason, "InvalidSpec");
+        assert!(condition(&s, "Ready").message.contains("engines.image"));
+    }
+
+    #[test]
+    fn succeeded_is_final() {
+        let mut r = run();
+        r.status = Some(RLRunStatus {
+            phase: Some(Phase::Succeeded),
+            ..Default::default()
+        });
+        let s = compute(&r, &workloads(&r, |_, want| want), None, &now());
+        assert_eq!(s.phase, Some(Phase::Succeeded));
+    }
+}
