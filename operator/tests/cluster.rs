@@ -1,0 +1,503 @@
+//! The operator against a real control plane (etcd, kube-apiserver, controller-manager,
+//! scheduler) with KWOK nodes: 4 fake 8-GPU nodes and 2 CPU nodes whose pods run.
+//! Run with `bash scripts/test-cluster.sh up` then
+//! `cargo test -p moult-operator --test cluster -- --ignored` (scripts/test.sh does both).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use support::{cluster, small_run, wait_until, Namespace, Operator};
+
+const T: Duration = Duration::from_secs(60);
+
+fn phase(ns: &Namespace, run: &str) -> String {
+    ns.get(&format!("rlrun/{run}"), "{.status.phase}")
+}
+
+fn wait_phase(ns: &Namespace, run: &str, want: &str) {
+    wait_until(T, &format!("rlrun/{run} phase {want}"), || {
+        phase(ns, run) == want
+    });
+}
+
+fn running_pods(ns: &Namespace, selector: &str) -> usize {
+    ns.kubectl(&[
+        "get",
+        "pods",
+        "-l",
+        selector,
+        "--field-selector=status.phase=Running",
+        "-o",
+        "name",
+    ])
+    .lines()
+    .count()
+}
+
+/// kind/name → resourceVersion of every child of `run` and of the run itself.
+fn versions(ns: &Namespace, run: &str) -> BTreeMap<String, String> {
+    let kinds = "configmaps,secrets,serviceaccounts,roles,rolebindings,networkpolicies,services,statefulsets,deployments";
+    let out = ns.kubectl(&[
+        "get",
+        kinds,
+        "-l",
+        &format!("moult.dev/run={run}"),
+        "-o",
+        "jsonpath={range .items[*]}{.kind}/{.metadata.name}={.metadata.resourceVersion}{\"\\n\"}{end}",
+    ]);
+    let mut v: BTreeMap<String, String> = out
+        .lines()
+        .filter_map(|l| {
+            l.split_once('=')
+                .map(|(k, rv)| (k.to_string(), rv.to_string()))
+        })
+        .collect();
+    v.insert(
+        format!("RLRun/{run}"),
+        ns.get(&format!("rlrun/{run}"), "{.metadata.resourceVersion}"),
+    );
+    v
+}
+
+/// PersistentVolumes for the example's claims (there is no provisioner in the test cluster).
+fn volumes_for_example(ns: &Namespace) {
+    let mut yaml = String::new();
+    for (claim, mode, size) in [
+        ("models", "ReadOnlyMany", "100Gi"),
+        ("datasets", "ReadOnlyMany", "10Gi"),
+        ("checkpoints", "ReadWriteOnce", "500Gi"),
+    ] {
+        yaml += &format!(
+            "---\napiVersion: v1\nkind: PersistentVolume\nmetadata: {{name: {ns}-{claim}}}\nspec:\n  capacity: {{storage: {size}}}\n  accessModes: [{mode}]\n  hostPath: {{path: /tmp/{ns}-{claim}}}\n  claimRef: {{namespace: {ns}, name: {claim}}}\n  persistentVolumeReclaimPolicy: Delete\n",
+            ns = ns.name
+        );
+    }
+    let out = ns.apply(&yaml);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_example_reaches_running_on_gpu_nodes_with_every_child_owned() {
+    let ns = Namespace::new("example");
+    let _op = Operator::start(&ns, "a");
+    volumes_for_example(&ns);
+    let started = Instant::now();
+    ns.kubectl(&["apply", "-f", support::example_path().to_str().unwrap()]);
+    wait_phase(&ns, "gsm8k-grpo", "Running");
+    eprintln!(
+        "example: Running {:.1}s after kubectl apply",
+        started.elapsed().as_secs_f64()
+    );
+
+    let uid = ns.get("rlrun/gsm8k-grpo", "{.metadata.uid}");
+    let children = versions(&ns, "gsm8k-grpo");
+    let expected = [
+        "ConfigMap/gsm8k-grpo-config",
+        "Secret/gsm8k-grpo-token",
+        "ServiceAccount/gsm8k-grpo",
+        "Role/gsm8k-grpo",
+        "RoleBinding/gsm8k-grpo",
+        "NetworkPolicy/gsm8k-grpo-internal",
+        "Service/gsm8k-grpo-engine",
+        "Service/gsm8k-grpo-trainer",
+        "Service/gsm8k-grpo-coordinator",
+        "StatefulSet/gsm8k-grpo-engine",
+        "StatefulSet/gsm8k-grpo-trainer",
+        "Deployment/gsm8k-grpo-coordinator",
+        "Deployment/gsm8k-grpo-agents",
+    ];
+    for e in expected {
+        assert!(children.contains_key(e), "{e} exists: {children:?}");
+        let (kind, name) = e.split_once('/').unwrap();
+        let owner = ns.get(
+            &format!("{}/{name}", kind.to_lowercase()),
+            "{.metadata.ownerReferences[0].uid}",
+        );
+        assert_eq!(owner, uid, "{e} is owned by the run");
+    }
+    // Engines and the trainer sit on the GPU nodes, each engine with its 2 GPUs.
+    let placed = ns.kubectl(&[
+        "get",
+        "pods",
+        "-l",
+        "moult.dev/run=gsm8k-grpo",
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.labels.moult\\.dev/component} {.spec.nodeName} {.status.phase}{\"\\n\"}{end}",
+    ]);
+    let mut per_component = BTreeMap::<String, usize>::new();
+    for line in placed.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        assert_eq!(f[2], "Running", "{line}");
+        if f[0] == "engine" || f[0] == "trainer" {
+            assert!(f[1].starts_with("gpu-"), "{line}: GPU pods go to GPU nodes");
+        }
+        *per_component.entry(f[0].to_string()).or_default() += 1;
+    }
+    assert_eq!(per_component.get("engine"), Some(&4));
+    assert_eq!(per_component.get("trainer"), Some(&1));
+    assert_eq!(per_component.get("agents"), Some(&4));
+    assert_eq!(per_component.get("coordinator"), Some(&1));
+
+    let status = |t: &str| {
+        ns.get(
+            "rlrun/gsm8k-grpo",
+            &format!("{{.status.conditions[?(@.type==\"{t}\")].status}}"),
+        )
+    };
+    assert_eq!(status("Ready"), "True");
+    assert_eq!(status("Progressing"), "False");
+    assert_eq!(status("Degraded"), "False");
+    assert_eq!(status("Suspended"), "False");
+    let table = ns.kubectl(&["get", "rlr"]);
+    let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        ["NAME", "PHASE", "ENGINES", "VERSION", "STEP", "REWARD", "AGE"]
+    );
+    let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(row[..3], ["gsm8k-grpo", "Running", "4/4"]);
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_kubectl_scale_changes_engine_pods_and_an_hpa_can_target_the_run() {
+    let ns = Namespace::new("scale");
+    let _op = Operator::start(&ns, "a");
+    assert!(ns.apply(&small_run("r", 2)).status.success());
+    wait_phase(&ns, "r", "Running");
+    let engines = "moult.dev/component=engine,moult.dev/run=r";
+    assert_eq!(running_pods(&ns, engines), 2);
+    ns.kubectl(&["scale", "rlrun/r", "--replicas=5"]);
+    wait_until(T, "5 running engines", || running_pods(&ns, engines) == 5);
+    wait_until(T, "status 5/5", || {
+        ns.get("rlrun/r", "{.status.engines.ready}") == "5/5" && phase(&ns, "r") == "Running"
+    });
+    ns.kubectl(&["scale", "rlrun/r", "--replicas=1"]);
+    wait_until(T, "1 engine", || {
+        ns.kubectl(&["get", "pods", "-l", engines, "-o", "name"])
+            .lines()
+            .count()
+            == 1
+    });
+    assert_eq!(ns.get("rlrun/r", "{.spec.engines.replicas}"), "1");
+    // The scale subresource reports the selector an HPA needs.
+    let scale = cluster().kubectl(&[
+        "get",
+        "--raw",
+        &format!(
+            "/apis/moult.dev/v1alpha1/namespaces/{}/rlruns/r/scale",
+            ns.name
+        ),
+    ]);
+    let scale: serde_json::Value = serde_json::from_slice(&scale.stdout).unwrap();
+    assert_eq!(scale["status"]["selector"], engines);
+    let hpa = r#"apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata: {name: engines}
+spec:
+  scaleTargetRef: {apiVersion: moult.dev/v1alpha1, kind: RLRun, name: r}
+  minReplicas: 1
+  maxReplicas: 6
+  metrics:
+  - type: Resource
+    resource: {name: cpu, target: {type: Utilization, averageUtilization: 80}}
+"#;
+    let out = ns.apply(hpa);
+    assert!(
+        out.status.success(),
+        "the HPA is accepted: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_invalid_manifests_are_rejected_with_their_messages() {
+    let ns = Namespace::new("invalid");
+    let base = small_run("bad", 1);
+    let cases: Vec<(String, &str)> = vec![
+        (
+            base.replace("tensorParallelSize: 2}", "tensorParallelSize: 2, gpusPerEngine: 3}"),
+            "engines.gpusPerEngine must be a multiple of engines.tensorParallelSize",
+        ),
+        (
+            base.replace("tensorParallelSize: 2}", "tensorParallelSize: 2, backend: Builtin}"),
+            "engines.tensorParallelSize must be 1 with backend Builtin",
+        ),
+        (
+            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Geo, mode: Clip, low: 0.5, high: 2}}"),
+            "isCorrection.level Seq and Geo are sequence-level gates: they need isCorrection.mode Mask",
+        ),
+        (
+            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Mask, low: 5, high: 0.5}}"),
+            "isCorrection.low must be smaller than isCorrection.high",
+        ),
+        (
+            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Mask, high: 5}}"),
+            "isCorrection.mode Mask and Clip need both isCorrection.low and isCorrection.high",
+        ),
+        (
+            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Trunc, low: 0.1, high: 2}}"),
+            "isCorrection.mode Trunc uses only isCorrection.high: remove isCorrection.low",
+        ),
+        (
+            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {estimator: GRPO, groupSize: 1}"),
+            "GRPO and RLOO compare samples of one prompt: algorithm.groupSize must be at least 2",
+        ),
+        (base.replace("totalSteps: 10", "totalSteps: 10\n  rollout: {topP: 1.5}"), "rollout.topP must be greater than 0 and at most 1"),
+        (
+            base.replace("    env: math\n", "    form: ChatAgent\n"),
+            "agent.form ChatAgent runs your program: set agent.image and agent.command",
+        ),
+        (
+            base.replace("    env: math\n", ""),
+            "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)",
+        ),
+        (
+            base.replace("name: bad", "name: this-name-is-far-too-long-for-an-rlrun-object"),
+            "RLRun names are at most 40 characters",
+        ),
+        (base.replace("totalSteps: 10", "totalSteps: 0"), "spec.totalSteps: Invalid value: 0: spec.totalSteps in body should be greater than or equal to 1"),
+        (base.replace("replicas: 1, tensor", "replicas: -1, tensor"), "spec.engines.replicas in body should be greater than or equal to 0"),
+        (
+            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {estimator: PPO}"),
+            "spec.algorithm.estimator: Unsupported value: \"PPO\": supported values: \"GRPO\", \"RLOO\", \"REINFORCE++\", \"OnPolicyDistillation\"",
+        ),
+    ];
+    assert!(cases.len() >= 10);
+    for (yaml, message) in &cases {
+        assert_ne!(yaml, &base, "the case for {message:?} changes the manifest");
+        let out = ns.apply(yaml);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "rejected: {message}");
+        assert!(
+            stderr.contains(message),
+            "the API server says {message:?}; it said: {stderr}"
+        );
+    }
+    assert!(
+        ns.apply(&base).status.success(),
+        "the base manifest itself is valid"
+    );
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_children_deleted_or_edited_by_hand_are_restored() {
+    let ns = Namespace::new("restore");
+    let _op = Operator::start(&ns, "a");
+    assert!(ns.apply(&small_run("r", 1)).status.success());
+    wait_phase(&ns, "r", "Running");
+    let cm_uid = ns.get("configmap/r-config", "{.metadata.uid}");
+    ns.kubectl(&["delete", "configmap", "r-config"]);
+    wait_until(T, "the ConfigMap to come back", || {
+        let uid = ns.get("configmap/r-config", "{.metadata.uid}");
+        !uid.is_empty() && uid != cm_uid
+    });
+    let svc_uid = ns.get("service/r-coordinator", "{.metadata.uid}");
+    ns.kubectl(&["delete", "service", "r-coordinator"]);
+    wait_until(T, "the Service to come back", || {
+        let uid = ns.get("service/r-coordinator", "{.metadata.uid}");
+        !uid.is_empty() && uid != svc_uid
+    });
+    let image = "{.spec.template.spec.containers[0].image}";
+    let want = ns.get("statefulset/r-engine", image);
+    ns.kubectl(&[
+        "set",
+        "image",
+        "statefulset/r-engine",
+        "engine=attacker/vllm:evil",
+    ]);
+    wait_until(T, "the engine image to be restored", || {
+        ns.get("statefulset/r-engine", image) == want
+    });
+    ns.kubectl(&[
+        "label",
+        "networkpolicy/r-internal",
+        "moult.dev/run-",
+        "--overwrite",
+    ]);
+    // The policy lost the label the operator finds its children by: it applies it again.
+    wait_until(T, "the NetworkPolicy label to be restored", || {
+        ns.get(
+            "networkpolicy/r-internal",
+            "{.metadata.labels.moult\\.dev/run}",
+        ) == "r"
+    });
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_restarts_make_no_duplicates_and_an_unchanged_reconcile_writes_nothing() {
+    let ns = Namespace::new("idempotent");
+    let mut first = Operator::start(&ns, "a");
+    assert!(ns.apply(&small_run("r", 2)).status.success());
+    // Kill the operator in the middle of its first reconcile (some children exist, not all).
+    wait_until(T, "a first child", || {
+        !ns.get("configmap/r-config", "{.metadata.name}").is_empty()
+    });
+    first.kill();
+    let _second = Operator::start(&ns, "b");
+    wait_phase(&ns, "r", "Running");
+    let kinds = ns.kubectl(&[
+        "get",
+        "statefulsets,deployments,services,replicasets",
+        "-l",
+        "moult.dev/run=r",
+        "-o",
+        "name",
+    ]);
+    let count = |prefix: &str| kinds.lines().filter(|l| l.starts_with(prefix)).count();
+    assert_eq!(count("statefulset.apps/"), 2, "{kinds}");
+    assert_eq!(count("deployment.apps/"), 2, "{kinds}");
+    assert_eq!(count("service/"), 3, "{kinds}");
+    assert_eq!(
+        count("replicaset.apps/"),
+        2,
+        "one ReplicaSet per Deployment: {kinds}"
+    );
+    assert_eq!(
+        running_pods(&ns, "moult.dev/component=engine,moult.dev/run=r"),
+        2
+    );
+
+    // Settle, then restart: the new operator reconciles everything and writes nothing.
+    std::thread::sleep(Duration::from_secs(2));
+    let before = versions(&ns, "r");
+    drop(_second);
+    let third = Operator::start(&ns, "c");
+    wait_until(T, "the new operator's first reconciles", || {
+        third.metric("moult_operator_reconciles_total", "result=\"ok\"") >= 1.0
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let reconciles = third.metric("moult_operator_reconciles_total", "result=\"ok\"");
+    let writes = third.metric("moult_operator_writes_total", "");
+    eprintln!("idempotence: {reconciles} reconciles of an unchanged run, {writes} writes");
+    assert_eq!(
+        writes,
+        0.0,
+        "an unchanged run needs no writes; log:\n{}",
+        third.log_text()
+    );
+    assert_eq!(versions(&ns, "r"), before, "no resourceVersion moved");
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_suspend_stops_every_pod_and_resume_keeps_the_runs_state() {
+    let ns = Namespace::new("suspend");
+    let _op = Operator::start(&ns, "a");
+    assert!(ns.apply(&small_run("r", 3)).status.success());
+    wait_phase(&ns, "r", "Running");
+    let token = ns.get("secret/r-token", "{.data.token}");
+    ns.kubectl(&[
+        "patch",
+        "rlrun/r",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"suspend":true}}"#,
+    ]);
+    wait_until(T, "no pods of the run", || {
+        ns.kubectl(&["get", "pods", "-l", "moult.dev/run=r", "-o", "name"])
+            .is_empty()
+    });
+    wait_phase(&ns, "r", "Suspended");
+    assert_eq!(
+        ns.get(
+            "rlrun/r",
+            "{.status.conditions[?(@.type==\"Suspended\")].status}"
+        ),
+        "True"
+    );
+    assert_eq!(
+        ns.get("rlrun/r", "{.spec.engines.replicas}"),
+        "3",
+        "suspend keeps the desired replicas"
+    );
+    assert_eq!(ns.get("secret/r-token", "{.data.token}"), token);
+    ns.kubectl(&[
+        "patch",
+        "rlrun/r",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"suspend":false}}"#,
+    ]);
+    wait_phase(&ns, "r", "Running");
+    assert_eq!(
+        running_pods(&ns, "moult.dev/component=engine,moult.dev/run=r"),
+        3
+    );
+    assert_eq!(
+        ns.get("secret/r-token", "{.data.token}"),
+        token,
+        "the run keeps its token"
+    );
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_deleting_the_run_garbage_collects_everything_it_owned() {
+    let ns = Namespace::new("gc");
+    let _op = Operator::start(&ns, "a");
+    assert!(ns.apply(&small_run("r", 1)).status.success());
+    wait_phase(&ns, "r", "Running");
+    assert!(versions(&ns, "r").len() > 10);
+    ns.kubectl(&["delete", "rlrun", "r", "--wait=true"]);
+    wait_until(T, "every child to be collected", || {
+        let left = ns.kubectl(&[
+            "get",
+            "configmaps,secrets,serviceaccounts,roles,rolebindings,networkpolicies,services,statefulsets,deployments,pods",
+            "-l",
+            "moult.dev/run=r",
+            "-o",
+            "name",
+        ]);
+        left.trim().is_empty()
+    });
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_only_the_leader_writes_and_a_follower_takes_over_when_it_dies() {
+    let ns = Namespace::new("leader");
+    let mut a = Operator::start(&ns, "a");
+    wait_until(T, "a to lead", || {
+        ns.get("lease/moult-operator", "{.spec.holderIdentity}") == "a"
+    });
+    let b = Operator::start(&ns, "b");
+    assert!(ns.apply(&small_run("r", 2)).status.success());
+    wait_phase(&ns, "r", "Running");
+    assert!(a.metric("moult_operator_writes_total", "") > 0.0);
+    assert_eq!(
+        b.metric("moult_operator_writes_total", ""),
+        0.0,
+        "the follower writes nothing"
+    );
+    assert_eq!(
+        b.metric("moult_operator_reconciles_total", ""),
+        0.0,
+        "the follower does not even reconcile"
+    );
+    assert_eq!(b.metric("moult_operator_leader", ""), 0.0);
+    let killed = Instant::now();
+    a.kill();
+    wait_until(Duration::from_secs(30), "b to take the lease", || {
+        ns.get("lease/moult-operator", "{.spec.holderIdentity}") == "b"
+    });
+    eprintln!(
+        "leader election: b took over {:.1}s after a was killed",
+        killed.elapsed().as_secs_f64()
+    );
+    ns.kubectl(&["scale", "rlrun/r", "--replicas=4"]);
+    wait_until(T, "b to scale the engines", || {
+        running_pods(&ns, "moult.dev/component=engine,moult.dev/run=r") == 4
+    });
+    assert!(b.metric("moult_operator_writes_total", "") > 0.0);
+}

@@ -1,0 +1,310 @@
+//! The cluster-test helper: connects to the test control plane that `scripts/test-cluster.sh up`
+//! started (real etcd, kube-apiserver, controller-manager, scheduler, KWOK), gives each test a
+//! namespace of its own and runs the real `moult-operator` binary against it.
+//!
+//! The tests that use it are `#[ignore]`d with a reason and named `cluster_*`;
+//! `scripts/test.sh` starts the control plane and runs them with `--ignored`. Without a running
+//! control plane they fail with that instruction: they never pass against a mock.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+
+pub const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+
+/// Where the control plane is.
+pub struct Cluster {
+    pub kubeconfig: PathBuf,
+    pub bin: PathBuf,
+}
+
+/// The running test control plane, with the CRD applied (once per test binary).
+pub fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let out = Command::new("bash")
+            .arg(format!("{ROOT}/scripts/test-cluster.sh"))
+            .arg("env")
+            .output()
+            .expect("bash runs");
+        assert!(out.status.success(), "scripts/test-cluster.sh env failed: {}", String::from_utf8_lossy(&out.stderr));
+        let env = String::from_utf8_lossy(&out.stdout);
+        let value = |key: &str| {
+            env.lines()
+                .find_map(|l| l.strip_prefix(&format!("export {key}=")))
+                .unwrap_or_else(|| panic!("no {key} in scripts/test-cluster.sh env"))
+                .to_string()
+        };
+        let c = Cluster { kubeconfig: value("KUBECONFIG").into(), bin: value("MOULT_K8S_BIN").into() };
+        let ready = c.kubectl(&["get", "--raw", "/readyz"]);
+        assert!(
+            ready.status.success(),
+            "the test control plane is not running; start it with `bash scripts/test-cluster.sh up` ({})",
+            String::from_utf8_lossy(&ready.stderr)
+        );
+        let crd = c.kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &format!("{ROOT}/crds/rlrun.yaml")]);
+        assert!(crd.status.success(), "applying the CRD: {}", String::from_utf8_lossy(&crd.stderr));
+        let est = c.kubectl(&["wait", "--for=condition=Established", "crd/rlruns.moult.dev", "--timeout=30s"]);
+        assert!(est.status.success(), "the CRD is not established: {}", String::from_utf8_lossy(&est.stderr));
+        c
+    })
+}
+
+impl Cluster {
+    pub fn command(&self, tool: &str) -> Command {
+        let mut c = Command::new(self.bin.join(tool));
+        c.env("KUBECONFIG", &self.kubeconfig);
+        c
+    }
+
+    pub fn kubectl(&self, args: &[&str]) -> std::process::Output {
+        self.command("kubectl")
+            .args(args)
+            .output()
+            .expect("kubectl runs")
+    }
+
+    pub async fn client(&self) -> Client {
+        let kc = Kubeconfig::read_from(&self.kubeconfig).expect("the kubeconfig reads");
+        let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+            .await
+            .expect("the kubeconfig is valid");
+        Client::try_from(config).expect("a client")
+    }
+}
+
+/// A namespace of one test's own, deleted (with everything in it) when dropped.
+pub struct Namespace {
+    pub name: String,
+}
+
+impl Namespace {
+    pub fn new(test: &str) -> Namespace {
+        let suffix = std::process::id() % 100_000;
+        let name = format!("t-{}-{suffix}", test.replace('_', "-"))
+            .chars()
+            .take(63)
+            .collect::<String>();
+        let out = cluster().kubectl(&["create", "namespace", &name]);
+        assert!(
+            out.status.success(),
+            "creating namespace {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Pods need the namespace's default ServiceAccount, which the controller-manager makes.
+        wait_until(
+            Duration::from_secs(30),
+            &format!("serviceaccount default in {name}"),
+            || {
+                cluster()
+                    .kubectl(&["get", "serviceaccount", "default", "-n", &name])
+                    .status
+                    .success()
+            },
+        );
+        Namespace { name }
+    }
+
+    /// kubectl in this namespace; panics with stderr when it fails.
+    pub fn kubectl(&self, args: &[&str]) -> String {
+        let out = self.try_kubectl(args);
+        assert!(
+            out.status.success(),
+            "kubectl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    pub fn try_kubectl(&self, args: &[&str]) -> std::process::Output {
+        let mut all = vec!["-n", self.name.as_str()];
+        all.extend_from_slice(args);
+        cluster().kubectl(&all)
+    }
+
+    /// `kubectl apply` of YAML text.
+    pub fn apply(&self, yaml: &str) -> std::process::Output {
+        use std::io::Write;
+        let mut child = cluster()
+            .command("kubectl")
+            .args(["-n", &self.name, "apply", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kubectl runs");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(yaml.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    }
+
+    /// A jsonpath of one object.
+    pub fn get(&self, object: &str, jsonpath: &str) -> String {
+        let out = self.try_kubectl(&["get", object, "-o", &format!("jsonpath={jsonpath}")]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = cluster().kubectl(&["delete", "namespace", &self.name, "--wait=false"]);
+    }
+}
+
+/// Polls `check` every 200 ms until it holds; panics naming `what` after `timeout`.
+pub fn wait_until(timeout: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A `moult-operator` process watching one namespace, killed when dropped.
+pub struct Operator {
+    pub child: Child,
+    pub log: PathBuf,
+    pub identity: String,
+}
+
+impl Operator {
+    /// Starts the operator for `ns` with short lease timings (lease in the same namespace).
+    pub fn start(ns: &Namespace, identity: &str) -> Operator {
+        let log = std::env::temp_dir().join(format!("moult-operator-{}-{identity}.log", ns.name));
+        let file = std::fs::File::create(&log).expect("the log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_moult-operator"))
+            .env("KUBECONFIG", &cluster().kubeconfig)
+            .env("RUST_LOG", "info,kube=warn")
+            .args([
+                "--namespace",
+                &ns.name,
+                "--lease-namespace",
+                &ns.name,
+                "--identity",
+                identity,
+            ])
+            .args([
+                "--metrics-addr",
+                "127.0.0.1:0",
+                "--lease-duration",
+                "4s",
+                "--lease-renew",
+                "1s",
+            ])
+            .args([
+                "--runtime-image",
+                "moult-runtime:test",
+                "--init-image",
+                "moult-init:test",
+            ])
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("the operator binary starts");
+        Operator {
+            child,
+            log,
+            identity: identity.into(),
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The address of its /metrics (from its log).
+    pub fn metrics_addr(&self) -> String {
+        let mut addr = String::new();
+        wait_until(
+            Duration::from_secs(30),
+            "the operator's metrics address",
+            || {
+                let text = self.log_text();
+                match text.split("addr=").nth(1) {
+                    Some(rest) => {
+                        addr = rest.split_whitespace().next().unwrap_or("").to_string();
+                        true
+                    }
+                    None => false,
+                }
+            },
+        );
+        addr
+    }
+
+    /// One metric's value, summed over its labels, from /metrics (0 when absent).
+    pub fn metric(&self, name: &str, labels: &str) -> f64 {
+        let body = http_get(&self.metrics_addr(), "/metrics");
+        body.lines()
+            .filter(|l| l.starts_with(name) && l.contains(labels))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM (graceful: the lease is released).
+    pub fn terminate(&mut self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A plain HTTP/1.0 GET on loopback.
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("metrics endpoint reachable");
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body
+}
+
+pub fn example_path() -> PathBuf {
+    Path::new(ROOT).join("examples/cluster/gsm8k-grpo.yaml")
+}
+
+/// A small RLRun without volumes: `engines` vLLM engines with 2 GPUs each, one 8-GPU trainer.
+pub fn small_run(name: &str, engines: i32) -> String {
+    format!(
+        r#"apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata:
+  name: {name}
+spec:
+  model: {{path: Qwen/Qwen3-0.6B}}
+  agent:
+    env: math
+    replicas: 1
+    dataset: {{path: /data/tasks.jsonl}}
+  engines: {{replicas: {engines}, tensorParallelSize: 2}}
+  trainer: {{nodes: 1, gpusPerNode: 8}}
+  totalSteps: 10
+"#
+    )
+}
