@@ -501,3 +501,186 @@ fn cluster_only_the_leader_writes_and_a_follower_takes_over_when_it_dies() {
     });
     assert!(b.metric("moult_operator_writes_total", "") > 0.0);
 }
+
+fn helm(args: &[&str]) -> String {
+    let out = cluster()
+        .command("helm")
+        .args(args)
+        .output()
+        .expect("helm runs");
+    assert!(
+        out.status.success(),
+        "helm {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_helm_install_upgrade_and_uninstall_keep_the_crd_and_the_runs() {
+    let ns = Namespace::new("helm");
+    let chart = format!("{}/charts/moult-operator", support::ROOT);
+    let n = ns.name.as_str();
+    let crd_uid = || {
+        cluster()
+            .kubectl(&[
+                "get",
+                "crd",
+                "rlruns.moult.dev",
+                "-o",
+                "jsonpath={.metadata.uid}",
+            ])
+            .stdout
+    };
+    let uid_before = crd_uid();
+    let fake_image = [
+        "--set",
+        "image.repository=moult-operator",
+        "--set",
+        "image.tag=test",
+    ];
+    let mut install = vec![
+        "install",
+        "moult",
+        chart.as_str(),
+        "-n",
+        n,
+        "--wait",
+        "--timeout",
+        "90s",
+    ];
+    install.extend(fake_image);
+    helm(&install);
+    assert_eq!(
+        ns.get("deployment/moult-moult-operator", "{.status.readyReplicas}"),
+        "2"
+    );
+
+    // The chart's RBAC is enough: the operator, acting as the chart's ServiceAccount, runs a run.
+    let sa = format!("system:serviceaccount:{n}:moult-moult-operator");
+    let _op = Operator::start_as(&ns, "chart-sa", &support::kubeconfig_as(&sa, n));
+    assert!(ns.apply(&small_run("kept", 1)).status.success());
+    wait_phase(&ns, "kept", "Running");
+
+    let mut upgrade = vec![
+        "upgrade",
+        "moult",
+        chart.as_str(),
+        "-n",
+        n,
+        "--wait",
+        "--timeout",
+        "90s",
+        "--set",
+        "replicas=3",
+    ];
+    upgrade.extend(fake_image);
+    helm(&upgrade);
+    assert_eq!(
+        ns.get("deployment/moult-moult-operator", "{.spec.replicas}"),
+        "3"
+    );
+    let args = ns.get(
+        "deployment/moult-moult-operator",
+        "{.spec.template.spec.containers[0].args}",
+    );
+    assert!(args.contains("--leader-election=true"), "{args}");
+    assert_eq!(
+        ns.get("rlrun/kept", "{.metadata.name}"),
+        "kept",
+        "the run survives the upgrade"
+    );
+
+    helm(&["uninstall", "moult", "-n", n, "--wait", "--timeout", "90s"]);
+    wait_until(T, "the operator Deployment to go", || {
+        ns.get("deployment/moult-moult-operator", "{.metadata.name}")
+            .is_empty()
+    });
+    assert_eq!(
+        crd_uid(),
+        uid_before,
+        "the CRD is the same object: never deleted"
+    );
+    assert_eq!(
+        ns.get("rlrun/kept", "{.metadata.name}"),
+        "kept",
+        "the run survives the uninstall"
+    );
+    assert_eq!(phase(&ns, "kept"), "Running");
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_a_run_the_operator_cannot_read_is_reported_and_does_not_stall_others() {
+    // A CRD newer than the operator: the API server accepts an estimator the operator does not know.
+    let ns = Namespace::new("malformed");
+    let _op = Operator::start(&ns, "a");
+    let path = "/spec/versions/0/schema/openAPIV3Schema/properties/spec/properties/algorithm/properties/estimator/enum/-";
+    let patch = format!(r#"[{{"op":"add","path":"{path}","value":"FutureEstimator"}}]"#);
+    let out = cluster().kubectl(&[
+        "patch",
+        "crd",
+        "rlruns.moult.dev",
+        "--type=json",
+        "-p",
+        &patch,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let future = small_run("future", 1).replace(
+        "totalSteps: 10",
+        "totalSteps: 10\n  algorithm: {estimator: FutureEstimator}",
+    );
+    wait_until(T, "the API server to accept the new estimator", || {
+        ns.apply(&future).status.success()
+    });
+    assert!(ns.apply(&small_run("today", 1)).status.success());
+    wait_phase(&ns, "future", "Failed");
+    // Put the CRD back as the operator generates it.
+    let restore = cluster().kubectl(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        &format!("{}/crds/rlrun.yaml", support::ROOT),
+    ]);
+    assert!(
+        restore.status.success(),
+        "{}",
+        String::from_utf8_lossy(&restore.stderr)
+    );
+    let reason = ns.get(
+        "rlrun/future",
+        "{.status.conditions[?(@.type==\"Ready\")].reason}",
+    );
+    assert_eq!(reason, "MalformedSpec");
+    let message = ns.get(
+        "rlrun/future",
+        "{.status.conditions[?(@.type==\"Ready\")].message}",
+    );
+    assert!(
+        message.contains("FutureEstimator"),
+        "the status says what is wrong: {message}"
+    );
+    wait_until(T, "a MalformedSpec event", || {
+        ns.kubectl(&[
+            "get",
+            "events",
+            "--field-selector",
+            "involvedObject.name=future",
+            "-o",
+            "jsonpath={.items[*].reason}",
+        ])
+        .contains("MalformedSpec")
+    });
+    wait_phase(&ns, "today", "Running");
+    assert!(
+        ns.get("statefulset/future-engine", "{.metadata.name}")
+            .is_empty(),
+        "nothing is built for a run that cannot be read"
+    );
+}

@@ -183,10 +183,15 @@ pub struct Operator {
 impl Operator {
     /// Starts the operator for `ns` with short lease timings (lease in the same namespace).
     pub fn start(ns: &Namespace, identity: &str) -> Operator {
+        Operator::start_as(ns, identity, &cluster().kubeconfig)
+    }
+
+    /// The same with another kubeconfig (another identity).
+    pub fn start_as(ns: &Namespace, identity: &str, kubeconfig: &Path) -> Operator {
         let log = std::env::temp_dir().join(format!("moult-operator-{}-{identity}.log", ns.name));
         let file = std::fs::File::create(&log).expect("the log file");
         let child = Command::new(env!("CARGO_BIN_EXE_moult-operator"))
-            .env("KUBECONFIG", &cluster().kubeconfig)
+            .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,kube=warn")
             .args([
                 "--namespace",
@@ -273,6 +278,20 @@ impl Drop for Operator {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A kubeconfig that acts as `user` (impersonation by the admin), written next to the real one.
+pub fn kubeconfig_as(user: &str, tag: &str) -> PathBuf {
+    let text = std::fs::read_to_string(&cluster().kubeconfig).expect("the kubeconfig");
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("client-key:"))
+        .expect("a client key");
+    let indent = &line[..line.len() - line.trim_start().len()];
+    let text = text.replace(line, &format!("{line}\n{indent}as: {user}"));
+    let path = std::env::temp_dir().join(format!("moult-kubeconfig-{tag}"));
+    std::fs::write(&path, text).unwrap();
+    path
 }
 
 /// A plain HTTP/1.0 GET on loopback.
