@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: set up (idempotent), check formatting and lints, run every test.
+# The test command: set up (idempotent), check formatting and lints, run every test, then the
+# operator's cluster tests on a real control plane (built from Go modules once, then cached).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$MOULT_ROOT"
@@ -9,3 +10,7 @@ echo "test: cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "test: cargo test"
 cargo test --workspace
+echo "test: operator cluster tests (etcd, kube-apiserver, controller-manager, scheduler, KWOK)"
+bash scripts/test-cluster.sh up >/dev/null
+trap 'bash scripts/test-cluster.sh down' EXIT
+cargo test -p moult-operator --test cluster -- --ignored
