@@ -8,6 +8,8 @@ echo "test: cargo fmt --check"
 cargo fmt --all -- --check
 echo "test: cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+echo "test: cargo clippy, runtime with the cuda feature (NCCL weight sync; builds without CUDA)"
+cargo clippy -p moult-runtime --features cuda --all-targets --quiet -- -D warnings
 echo "test: cargo test"
 cargo test --workspace
 echo "test: operator cluster tests (etcd, kube-apiserver, controller-manager, scheduler, KWOK)"

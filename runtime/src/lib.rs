@@ -8,3 +8,4 @@ pub mod chat;
 pub mod engine;
 pub mod loopback;
 pub mod model;
+pub mod weight_sync;

@@ -1,0 +1,11 @@
+//! Weight sync (DESIGN §4.1, §5): moving a new policy's weights from the trainer to every engine.
+//!
+//! - [`nccl_handshake`]: the messages of the NCCL data plane to vLLM engines (unique id as base64,
+//!   rank offsets, world size), pure and tested everywhere;
+//! - `nccl` (cargo feature `cuda`): the trainer's side of that data plane on cudarc's NCCL.
+//!
+//! The TCP data plane to built-in engines lives in [`crate::engine::weights`].
+
+#[cfg(feature = "cuda")]
+pub mod nccl;
+pub mod nccl_handshake;

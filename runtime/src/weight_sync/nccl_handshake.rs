@@ -1,0 +1,1 @@
+//! The messages of the NCCL weight-sync handshake (issue 5; being written).
