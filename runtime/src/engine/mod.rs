@@ -4,9 +4,12 @@
 //! - [`core`] owns the model on a dedicated thread: the batch, the KV caches, sampling, pause
 //!   states and weight swaps. Everything else talks to it through [`EngineHandle`].
 //! - [`http`] serves the API; [`weights`] is the weight-transfer data plane (TCP) on both ends.
-//! - [`api`] holds the wire shapes and request validation.
+//! - [`api`] holds the wire shapes and request validation; [`client`] is the other side: a
+//!   client of this API (the built-in engine, vLLM or the router), for the loopback server and
+//!   the router.
 
 pub mod api;
+pub mod client;
 pub mod core;
 pub mod http;
 mod metrics;

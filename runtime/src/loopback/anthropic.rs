@@ -434,7 +434,7 @@ pub async fn messages(
         let result = match turn.await {
             Ok(r) => r,
             Err(join) => Err(LoopbackError::Engine(
-                super::engine_client::EngineError::Stream(join.to_string()),
+                crate::engine::client::EngineError::Stream(join.to_string()),
             )),
         };
         let answer = match result {

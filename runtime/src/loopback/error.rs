@@ -7,8 +7,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use super::engine_client::EngineError;
 use crate::chat::{InvalidRequest, TemplateError, TokenizerError};
+use crate::engine::client::EngineError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoopbackError {

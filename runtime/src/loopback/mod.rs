@@ -9,7 +9,6 @@
 //! does the exact token accounting. Errors answer in each protocol's own shape ([`error`]).
 
 pub mod anthropic;
-pub mod engine_client;
 pub mod error;
 pub mod openai;
 pub mod service;
@@ -27,7 +26,7 @@ use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
-pub use engine_client::EngineClient;
+pub use crate::engine::client::EngineClient;
 pub use error::LoopbackError;
 pub use service::{ChatService, ServiceOptions};
 pub use session::{Segment, Session};

@@ -16,13 +16,13 @@ use futures::StreamExt;
 use rand::Rng;
 use tokio::sync::mpsc;
 
-use super::engine_client::{EngineClient, EngineError, EngineSampling, Generated};
 use super::error::LoopbackError;
 use super::session::{Sampled, Segment, Session};
 use crate::chat::{
     parser_for_template, ChatRequest, ChatTemplate, DecodeStream, NoTools, RenderOptions,
     Tokenizer, ToolCall, ToolCallParser,
 };
+use crate::engine::client::{EngineClient, EngineError, EngineSampling, Generated};
 
 /// Why a sample ended, in protocol-neutral terms.
 #[derive(Debug, Clone, PartialEq)]
@@ -79,6 +79,17 @@ pub struct TurnEvent {
 /// engine keeps the tokens), so a stalled client costs memory proportional to this, not to the
 /// output.
 pub const TURN_EVENT_BUFFER: usize = 256;
+
+/// What every sample of one turn shares.
+struct SampleContext<'a> {
+    session: &'a str,
+    prompt: &'a [i64],
+    req: &'a ChatRequest,
+    parser: &'a dyn ToolCallParser,
+    id_prefix: &'a str,
+    events: Option<mpsc::Sender<TurnEvent>>,
+    cancelled: &'a AtomicBool,
+}
 
 /// Settings of a loopback server.
 #[derive(Debug, Clone)]
@@ -220,13 +231,13 @@ impl ChatService {
     /// `id_prefix` starts tool-call ids (`call_`, `toolu_`).
     pub async fn turn(
         &self,
-        session: &str,
+        session_id: &str,
         protocol: &'static str,
         id_prefix: &str,
         req: ChatRequest,
         events: Option<mpsc::Sender<TurnEvent>>,
     ) -> Result<Arc<TurnOutput>, LoopbackError> {
-        let slot = self.session(session)?;
+        let slot = self.session(session_id)?;
         let mut session = slot.state.lock().await;
         if slot.cancelled.load(Ordering::Relaxed) {
             return Err(LoopbackError::NotFound("the session was closed".into()));
@@ -271,19 +282,19 @@ impl ChatService {
         } else {
             &NoTools
         };
+        let ctx = SampleContext {
+            session: session_id,
+            prompt: &plan.prompt,
+            req: &req,
+            parser,
+            id_prefix,
+            events,
+            cancelled: &slot.cancelled,
+        };
         let samples = futures::future::try_join_all((0..req.n).map(|i| {
             let mut sampling = sampling.clone();
             sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
-            self.sample(
-                i,
-                &plan.prompt,
-                sampling,
-                &req,
-                parser,
-                id_prefix,
-                events.clone(),
-                &slot.cancelled,
-            )
+            self.sample(&ctx, i, sampling)
         }))
         .await?;
         let (records, choices): (Vec<Sampled>, Vec<ChoiceOutput>) = samples.into_iter().unzip();
@@ -301,24 +312,30 @@ impl ChatService {
         Ok(answer)
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn sample(
         &self,
+        ctx: &SampleContext<'_>,
         index: usize,
-        prompt: &[i64],
         sampling: EngineSampling,
-        req: &ChatRequest,
-        parser: &dyn ToolCallParser,
-        id_prefix: &str,
-        events: Option<mpsc::Sender<TurnEvent>>,
-        cancelled: &AtomicBool,
     ) -> Result<(Sampled, ChoiceOutput), LoopbackError> {
+        let SampleContext {
+            session,
+            prompt,
+            req,
+            parser,
+            id_prefix,
+            events,
+            cancelled,
+        } = ctx;
         let id = format!(
             "{}-{}",
             self.id_prefix,
             self.next_request.fetch_add(1, Ordering::Relaxed)
         );
-        let mut stream = self.engine.generate(id, prompt, &sampling).await?;
+        let mut stream = self
+            .engine
+            .generate(id, prompt, &sampling, Some(session))
+            .await?;
         let stops = &req.sampling.stop;
         let mut record = Sampled::default();
         let mut tokens = Vec::new();

@@ -1,5 +1,6 @@
 //! A client of the engine API (DESIGN §4.1) for token-in/token-out generation: the built-in
-//! engine, vLLM or the router in front of either, all the same over HTTP.
+//! engine, vLLM or the router in front of either, all the same over HTTP. A generation may carry
+//! a session id (header [`SESSION_HEADER`]) so that a router keeps a session on one engine.
 //!
 //! Generation always streams, so a turn sees each token as it is sampled and an abandoned turn
 //! stops the engine within a token: dropping a [`GenerationStream`] before it finished closes the
@@ -48,12 +49,15 @@ pub struct EngineSampling {
 }
 
 #[derive(Debug, Clone, Serialize)]
-struct GenerateBody<'a> {
+struct GenerateBody<'a, S> {
     request_id: &'a str,
     token_ids: &'a [i64],
-    sampling_params: &'a EngineSampling,
+    sampling_params: &'a S,
     stream: bool,
 }
+
+/// The request header naming the session a generation belongs to (routers hash on it).
+pub const SESSION_HEADER: &str = "x-moult-session";
 
 /// One event of a generation.
 #[derive(Debug, Clone, PartialEq)]
@@ -90,12 +94,14 @@ impl EngineClient {
         &self.base
     }
 
-    /// Starts generating; the stream yields each sampled token, then `Finished`.
-    pub async fn generate(
+    /// Starts generating; the stream yields each sampled token, then `Finished`. `sampling` is
+    /// the `sampling_params` object ([`EngineSampling`], or the JSON a client sent).
+    pub async fn generate<S: Serialize>(
         &self,
         request_id: String,
         prompt: &[i64],
-        sampling: &EngineSampling,
+        sampling: &S,
+        session: Option<&str>,
     ) -> Result<GenerationStream, EngineError> {
         let body = GenerateBody {
             request_id: &request_id,
@@ -104,10 +110,11 @@ impl EngineClient {
             stream: true,
         };
         let url = format!("{}/inference/v1/generate", self.base);
-        let response = self
-            .http
-            .post(&url)
-            .json(&body)
+        let mut request = self.http.post(&url).json(&body);
+        if let Some(session) = session {
+            request = request.header(SESSION_HEADER, session);
+        }
+        let response = request
             .send()
             .await
             .map_err(|source| EngineError::Unreachable { url, source })?;
