@@ -8,4 +8,5 @@ pub mod chat;
 pub mod engine;
 pub mod loopback;
 pub mod model;
+pub mod router;
 pub mod weight_sync;

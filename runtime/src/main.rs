@@ -30,6 +30,26 @@ enum Command {
     /// Run episodes of an agent (ChatAgent or Env) against an engine with a loopback server, and
     /// write each episode (reward and exact token segments) as a JSON line.
     Agents(AgentsArgs),
+    /// Serve the engine API in front of a pool of engines: session-affine routing, failover of
+    /// requests from dead engines, control calls fanned out to every engine.
+    Router(RouterArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RouterArgs {
+    /// An engine (built-in or vLLM); repeat for several. More can join through POST /engines.
+    #[arg(long = "engine", required = true)]
+    engines: Vec<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8200)]
+    port: u16,
+    /// consistent-hash (session affinity with bounded load) or least-tokens.
+    #[arg(long, default_value = "consistent-hash")]
+    policy: String,
+    /// How often each engine's /health is probed.
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    health_interval: std::time::Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -410,6 +430,39 @@ async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn router(args: RouterArgs) -> anyhow::Result<()> {
+    use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
+    use std::sync::Arc;
+    let policy = policy::by_name(&args.policy).with_context(|| {
+        format!(
+            "--policy must be consistent-hash or least-tokens; got `{}`",
+            args.policy
+        )
+    })?;
+    for url in &args.engines {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            bail!("--engine must be a URL starting with http:// or https://; got `{url}`");
+        }
+    }
+    let pool = Arc::new(EnginePool::new(&args.engines));
+    tokio::spawn(pool.clone().check_health(HealthOptions {
+        interval: args.health_interval,
+        ..HealthOptions::default()
+    }));
+    let router = Arc::new(Router::new(pool, policy));
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    println!(
+        "moult router listening on http://{} ({} engines)",
+        listener.local_addr()?,
+        args.engines.len()
+    );
+    server::serve(listener, router, shutdown_signal()).await?;
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -425,5 +478,6 @@ fn main() -> anyhow::Result<()> {
         Command::Engine(args) => runtime.block_on(engine(args)),
         Command::Chat(args) => runtime.block_on(chat(args)),
         Command::Agents(args) => runtime.block_on(agents(args)),
+        Command::Router(args) => runtime.block_on(router(args)),
     }
 }

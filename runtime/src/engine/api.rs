@@ -258,6 +258,35 @@ pub struct Choice {
     pub weight_versions: Vec<WeightVersionSpan>,
 }
 
+impl Choice {
+    /// An empty choice 0, to which tokens are pushed.
+    pub fn empty() -> Self {
+        Self {
+            index: 0,
+            token_ids: Vec::new(),
+            logprobs: Logprobs::default(),
+            finish_reason: None,
+            routed_experts: None,
+            weight_versions: Vec::new(),
+        }
+    }
+
+    /// Appends a sampled token, extending the version spans.
+    pub fn push_token(&mut self, logprob: TokenLogprob, version: u64) {
+        let index = self.token_ids.len();
+        match self.weight_versions.last_mut() {
+            Some(last) if last.version == version && last.end == index => last.end = index + 1,
+            _ => self.weight_versions.push(WeightVersionSpan {
+                version,
+                start: index,
+                end: index + 1,
+            }),
+        }
+        self.token_ids.push(logprob.token_id);
+        self.logprobs.content.push(logprob);
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Usage {
     pub prompt_tokens: usize,

@@ -159,32 +159,13 @@ fn engine_gone() -> ApiError {
     )
 }
 
-/// Extends the version spans with output token `index` sampled under `version`.
-fn push_version(spans: &mut Vec<WeightVersionSpan>, index: usize, version: u64) {
-    match spans.last_mut() {
-        Some(last) if last.version == version && last.end == index => last.end = index + 1,
-        _ => spans.push(WeightVersionSpan {
-            version,
-            start: index,
-            end: index + 1,
-        }),
-    }
-}
-
 async fn collect(
     id: String,
     prompt_len: usize,
     first: Event,
     mut rx: mpsc::UnboundedReceiver<Event>,
 ) -> Result<GenerateResponse, ApiError> {
-    let mut choice = Choice {
-        index: 0,
-        token_ids: Vec::new(),
-        logprobs: Logprobs::default(),
-        finish_reason: None,
-        routed_experts: None,
-        weight_versions: Vec::new(),
-    };
+    let mut choice = Choice::empty();
     let mut event = Some(first);
     loop {
         let next = match event.take() {
@@ -193,9 +174,7 @@ async fn collect(
         };
         match next.ok_or_else(engine_gone)? {
             Event::Token { logprob, version } => {
-                push_version(&mut choice.weight_versions, choice.token_ids.len(), version);
-                choice.token_ids.push(logprob.token_id);
-                choice.logprobs.content.push(logprob);
+                choice.push_token(logprob, version);
             }
             Event::Finished {
                 reason,

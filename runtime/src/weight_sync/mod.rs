@@ -2,10 +2,12 @@
 //!
 //! - [`nccl_handshake`]: the messages of the NCCL data plane to vLLM engines (unique id as base64,
 //!   rank offsets, world size), pure and tested everywhere;
+//! - [`nccl_control`]: the engines' weight-transfer endpoints that drive that data plane;
 //! - `nccl` (cargo feature `cuda`): the trainer's side of that data plane on cudarc's NCCL.
 //!
 //! The TCP data plane to built-in engines lives in [`crate::engine::weights`].
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod nccl_control;
 pub mod nccl_handshake;

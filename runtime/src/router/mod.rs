@@ -1,0 +1,64 @@
+//! The router (DESIGN §5): one engine API in front of a pool of engines (built-in or vLLM).
+//!
+//! - [`pool`]: membership (engines join and leave while a run goes on), health and load;
+//! - [`policy`]: which healthy engine a request goes to (consistent hashing on the session with
+//!   bounded load, or least outstanding tokens);
+//! - [`generate`]: generation with failover: when an engine dies mid-generation, the request
+//!   continues on another engine from the prompt plus the tokens already generated, so no
+//!   episode is lost and every token keeps the logprob and version of the engine that sampled it;
+//! - [`server`]: the HTTP API: generate and abort routed, control calls (pause, resume, weight
+//!   transfer) fanned out to every engine, and `/engines` to inspect and change the pool.
+
+pub mod generate;
+pub mod policy;
+pub mod pool;
+pub mod server;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub use policy::{ConsistentHash, LeastOutstandingTokens, RouteRequest, RoutingPolicy};
+pub use pool::{Engine, EnginePool, HealthOptions};
+
+/// A pool of engines and the policy that spreads requests over it.
+#[derive(Debug)]
+pub struct Router {
+    pub pool: Arc<EnginePool>,
+    policy: Box<dyn RoutingPolicy>,
+    /// Requests continued on another engine after theirs failed.
+    failovers: AtomicU64,
+    next_id: AtomicU64,
+}
+
+impl Router {
+    pub fn new(pool: Arc<EnginePool>, policy: Box<dyn RoutingPolicy>) -> Self {
+        Self {
+            pool,
+            policy,
+            failovers: AtomicU64::new(0),
+            next_id: AtomicU64::new(0),
+        }
+    }
+
+    /// The healthy engine for `request`, skipping `exclude` (engines that already failed it).
+    pub fn pick(&self, request: &RouteRequest<'_>, exclude: &[String]) -> Option<Arc<Engine>> {
+        let engines: Vec<Arc<Engine>> = self
+            .pool
+            .healthy()
+            .into_iter()
+            .filter(|e| !exclude.iter().any(|x| x == e.url()))
+            .collect();
+        if engines.is_empty() {
+            return None;
+        }
+        Some(engines[self.policy.pick(request, &engines)].clone())
+    }
+
+    pub fn failovers(&self) -> u64 {
+        self.failovers.load(Ordering::Relaxed)
+    }
+
+    fn request_id(&self) -> String {
+        format!("rt-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+}

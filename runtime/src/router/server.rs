@@ -1,0 +1,472 @@
+//! The router's HTTP API: the engine API (DESIGN §4.1) in front of the pool, plus `/engines`.
+//!
+//! - `POST /inference/v1/generate`: routed by the policy (session from the `x-moult-session`
+//!   header), with failover; streamed or not, in the engine's own shapes;
+//! - `POST /inference/v1/abort_requests`: sent to every engine;
+//! - `POST /pause`, `/resume`, `/start_weight_update`, `/update_weights`,
+//!   `/finish_weight_update`: fanned out to every healthy engine; the answer is an error (502,
+//!   naming the engines) unless every engine agreed;
+//! - `POST /init_weight_transfer_engine`: fanned out with each engine's `rank_offset` placed after
+//!   the previous engines' ranks (their `/get_world_size`), so one trainer serves them all;
+//! - `GET /is_paused` (all paused), `/get_world_size` (sum), `/weight_info` (per engine),
+//!   `/health` (200 while an engine is up), `/metrics`, `/v1/models`;
+//! - `GET /engines`, `POST /engines {"url"}` (join), `DELETE /engines {"url"}` (leave).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{RawQuery, State};
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use futures::StreamExt;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use super::generate::{start, Routed, RoutedRequest};
+use super::Router;
+use crate::engine::api::{AbortRequest, Choice, GenerateResponse, Usage, WeightVersionSpan};
+use crate::engine::client::SESSION_HEADER;
+use crate::engine::ApiError;
+
+/// `POST /inference/v1/generate` as the router reads it: the engine validates the rest.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GenerateBody {
+    request_id: Option<String>,
+    token_ids: Vec<i64>,
+    #[serde(default)]
+    sampling_params: Map<String, Value>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    model: Option<String>,
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
+}
+
+async fn generate(
+    State(router): State<Arc<Router>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let body: GenerateBody = parse(&body)?;
+    let _ = body.model;
+    if body.token_ids.is_empty() {
+        return Err(ApiError::bad_request("token_ids must not be empty").with_param("token_ids"));
+    }
+    let request_id = body.request_id.unwrap_or_else(|| router.request_id());
+    let prompt_len = body.token_ids.len();
+    let req = RoutedRequest {
+        request_id: request_id.clone(),
+        prompt: body.token_ids,
+        params: body.sampling_params,
+        session: headers
+            .get(SESSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
+    };
+    let mut rx = start(router, req);
+    if !body.stream {
+        let mut choice = Choice::empty();
+        while let Some(event) = rx.recv().await {
+            match event? {
+                Routed::Token {
+                    logprob, version, ..
+                } => choice.push_token(logprob, version),
+                Routed::Finished {
+                    reason,
+                    routed_experts,
+                    completion_tokens,
+                } => {
+                    choice.finish_reason = Some(reason);
+                    choice.routed_experts = routed_experts;
+                    return Ok(Json(GenerateResponse {
+                        request_id,
+                        choices: vec![choice],
+                        usage: Some(Usage::new(prompt_len, completion_tokens)),
+                    })
+                    .into_response());
+                }
+            }
+        }
+        return Err(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "the generation ended without finishing",
+        ));
+    }
+    // The first event decides between an error status and a stream.
+    let first = rx.recv().await;
+    let first = match first {
+        Some(Err(e)) => return Err(e),
+        None => {
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "the generation ended without finishing",
+            ))
+        }
+        Some(Ok(event)) => event,
+    };
+    let stream = futures::stream::unfold((Some(first), rx, false), move |(first, mut rx, done)| {
+        let request_id = request_id.clone();
+        async move {
+            if done {
+                return None;
+            }
+            let event = match first {
+                Some(e) => Ok(e),
+                None => match rx.recv().await {
+                    Some(e) => e,
+                    None => return None,
+                },
+            };
+            let (data, finished) = match event {
+                Ok(Routed::Token {
+                    index,
+                    logprob,
+                    version,
+                }) => {
+                    let mut choice = Choice::empty();
+                    choice.token_ids.push(logprob.token_id);
+                    choice.logprobs.content.push(logprob);
+                    choice.weight_versions.push(WeightVersionSpan {
+                        version,
+                        start: index,
+                        end: index + 1,
+                    });
+                    let chunk = GenerateResponse {
+                        request_id,
+                        choices: vec![choice],
+                        usage: None,
+                    };
+                    (serde_json::to_string(&chunk).expect("serializable"), false)
+                }
+                Ok(Routed::Finished {
+                    reason,
+                    routed_experts,
+                    completion_tokens,
+                }) => {
+                    let mut choice = Choice::empty();
+                    choice.finish_reason = Some(reason);
+                    choice.routed_experts = routed_experts;
+                    let chunk = GenerateResponse {
+                        request_id,
+                        choices: vec![choice],
+                        usage: Some(Usage::new(prompt_len, completion_tokens)),
+                    };
+                    (serde_json::to_string(&chunk).expect("serializable"), true)
+                }
+                Err(e) => (
+                    json!({"error": {"message": e.message, "code": e.status.as_u16()}}).to_string(),
+                    true,
+                ),
+            };
+            let mut events = vec![Ok::<_, std::convert::Infallible>(
+                SseEvent::default().data(data),
+            )];
+            if finished {
+                events.push(Ok(SseEvent::default().data("[DONE]")));
+            }
+            Some((futures::stream::iter(events), (None, rx, finished)))
+        }
+    })
+    .flatten();
+    Ok(Sse::new(stream).into_response())
+}
+
+/// Sends the same call to every engine in `engines`; the answers in order, or an error naming
+/// the engines that failed.
+async fn fan_out(
+    http: &reqwest::Client,
+    engines: &[Arc<super::Engine>],
+    method: Method,
+    path_and_query: &str,
+    bodies: Vec<Option<Value>>,
+) -> Result<Vec<Value>, ApiError> {
+    if engines.is_empty() {
+        return Err(ApiError::unavailable("no healthy engine"));
+    }
+    let calls = engines.iter().zip(bodies).map(|(e, body)| {
+        let url = format!("{}{}", e.url(), path_and_query);
+        let mut req = http.request(method.clone(), &url);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        async move {
+            let r = req.send().await.map_err(|err| format!("{url}: {err}"))?;
+            let status = r.status();
+            let text = r.text().await.unwrap_or_default();
+            if !status.is_success() {
+                return Err(format!("{url}: {status} {text}"));
+            }
+            Ok(serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        }
+    });
+    let results = futures::future::join_all(calls).await;
+    let errors: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().cloned())
+        .collect();
+    if !errors.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "{} of {} engines failed: {}",
+                errors.len(),
+                engines.len(),
+                errors.join("; ")
+            ),
+        ));
+    }
+    Ok(results.into_iter().map(|r| r.expect("checked")).collect())
+}
+
+/// A control call sent unchanged to every healthy engine; answers with the first engine's reply.
+async fn broadcast(
+    State(router): State<Arc<Router>>,
+    method: Method,
+    uri: axum::http::Uri,
+    RawQuery(query): RawQuery,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let engines = router.pool.healthy();
+    let body: Option<Value> = if body.is_empty() {
+        None
+    } else {
+        Some(parse(&body)?)
+    };
+    let path = match query {
+        Some(q) => format!("{}?{q}", uri.path()),
+        None => uri.path().to_string(),
+    };
+    let bodies = vec![body; engines.len()];
+    let answers = fan_out(&router_http(), &engines, method, &path, bodies).await?;
+    Ok(Json(answers.into_iter().next().unwrap_or(Value::Null)))
+}
+
+fn router_http() -> reqwest::Client {
+    static HTTP: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
+    HTTP.get_or_init(reqwest::Client::new).clone()
+}
+
+async fn world_sizes(router: &Router) -> Result<Vec<u64>, ApiError> {
+    let engines = router.pool.healthy();
+    let answers = fan_out(
+        &router_http(),
+        &engines,
+        Method::GET,
+        "/get_world_size",
+        vec![None; engines.len()],
+    )
+    .await?;
+    Ok(answers
+        .iter()
+        .map(|a| a["world_size"].as_u64().unwrap_or(1))
+        .collect())
+}
+
+async fn get_world_size(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
+    let total: u64 = world_sizes(&router).await?.iter().sum();
+    Ok(Json(json!({ "world_size": total })))
+}
+
+async fn init_weight_transfer(
+    State(router): State<Arc<Router>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let body: Value = parse(&body)?;
+    let base = body["init_info"]["rank_offset"].as_u64().unwrap_or(1);
+    let sizes = world_sizes(&router).await?;
+    let engines = router.pool.healthy();
+    let mut offset = base;
+    let bodies = sizes
+        .iter()
+        .map(|size| {
+            let mut b = body.clone();
+            b["init_info"]["rank_offset"] = json!(offset);
+            offset += size;
+            Some(b)
+        })
+        .collect();
+    fan_out(
+        &router_http(),
+        &engines,
+        Method::POST,
+        "/init_weight_transfer_engine",
+        bodies,
+    )
+    .await?;
+    Ok(Json(json!({"status": "ok", "engines": engines.len()})))
+}
+
+async fn is_paused(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
+    let engines = router.pool.healthy();
+    let answers = fan_out(
+        &router_http(),
+        &engines,
+        Method::GET,
+        "/is_paused",
+        vec![None; engines.len()],
+    )
+    .await?;
+    let all = answers.iter().all(|a| a["is_paused"] == Value::Bool(true));
+    Ok(Json(json!({ "is_paused": all })))
+}
+
+async fn weight_info(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
+    let engines = router.pool.healthy();
+    let answers = fan_out(
+        &router_http(),
+        &engines,
+        Method::GET,
+        "/weight_info",
+        vec![None; engines.len()],
+    )
+    .await?;
+    let per_engine: Vec<Value> = engines
+        .iter()
+        .zip(answers)
+        .map(|(e, a)| json!({"url": e.url(), "weight_info": a}))
+        .collect();
+    Ok(Json(json!({ "engines": per_engine })))
+}
+
+async fn abort(State(router): State<Arc<Router>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let req: AbortRequest = parse(&body)?;
+    let engines = router.pool.healthy();
+    let body = json!({ "request_ids": req.request_ids });
+    // Aborting an id an engine does not know is fine; failures only mean the engine is gone.
+    let _ = fan_out(
+        &router_http(),
+        &engines,
+        Method::POST,
+        "/inference/v1/abort_requests",
+        vec![Some(body); engines.len()],
+    )
+    .await;
+    Ok(Json(json!({"status": "ok"})))
+}
+
+async fn health(State(router): State<Arc<Router>>) -> StatusCode {
+    if router.pool.healthy().is_empty() {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+async fn models(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
+    let engines = router.pool.healthy();
+    let first = engines
+        .first()
+        .ok_or_else(|| ApiError::unavailable("no healthy engine"))?;
+    let answers = fan_out(
+        &router_http(),
+        std::slice::from_ref(first),
+        Method::GET,
+        "/v1/models",
+        vec![None],
+    )
+    .await?;
+    Ok(Json(answers.into_iter().next().unwrap_or(Value::Null)))
+}
+
+async fn metrics(State(router): State<Arc<Router>>) -> String {
+    let engines = router.pool.all();
+    let healthy = engines.iter().filter(|e| e.healthy()).count();
+    let mut out = String::new();
+    out += "# HELP moult_router_engines Engines in the pool\n# TYPE moult_router_engines gauge\n";
+    out += &format!("moult_router_engines {}\n", engines.len());
+    out += "# HELP moult_router_engines_healthy Engines up\n# TYPE moult_router_engines_healthy gauge\n";
+    out += &format!("moult_router_engines_healthy {healthy}\n");
+    out += "# HELP moult_router_failovers_total Requests continued on another engine\n# TYPE moult_router_failovers_total counter\n";
+    out += &format!("moult_router_failovers_total {}\n", router.failovers());
+    out += "# HELP moult_router_requests_running Requests in flight per engine\n# TYPE moult_router_requests_running gauge\n";
+    for e in &engines {
+        out += &format!(
+            "moult_router_requests_running{{engine=\"{}\"}} {}\n",
+            e.url(),
+            e.requests()
+        );
+    }
+    out
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EngineUrl {
+    url: String,
+}
+
+async fn list_engines(State(router): State<Arc<Router>>) -> Json<Value> {
+    Json(json!({ "engines": router.pool.status() }))
+}
+
+async fn add_engine(
+    State(router): State<Arc<Router>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let req: EngineUrl = parse(&body)?;
+    if !(req.url.starts_with("http://") || req.url.starts_with("https://")) {
+        return Err(ApiError::bad_request(format!(
+            "url must start with http:// or https://, got `{}`",
+            req.url
+        ))
+        .with_param("url"));
+    }
+    let added = router.pool.add(&req.url);
+    Ok(Json(json!({ "added": added })))
+}
+
+async fn remove_engine(
+    State(router): State<Arc<Router>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let req: EngineUrl = parse(&body)?;
+    if !router.pool.remove(&req.url) {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no engine {}", req.url),
+        ));
+    }
+    Ok(Json(json!({ "removed": true })))
+}
+
+/// The router's routes.
+pub fn routes(router: Arc<Router>) -> axum::Router {
+    axum::Router::new()
+        .route("/inference/v1/generate", post(generate))
+        .route("/inference/v1/abort_requests", post(abort))
+        .route("/pause", post(broadcast))
+        .route("/resume", post(broadcast))
+        .route("/start_weight_update", post(broadcast))
+        .route("/update_weights", post(broadcast))
+        .route("/finish_weight_update", post(broadcast))
+        .route("/init_weight_transfer_engine", post(init_weight_transfer))
+        .route("/is_paused", get(is_paused))
+        .route("/get_world_size", get(get_world_size))
+        .route("/weight_info", get(weight_info))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route(
+            "/engines",
+            get(list_engines).post(add_engine).delete(remove_engine),
+        )
+        .with_state(router)
+}
+
+/// Serves the router on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Arc<Router>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, routes(router))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
