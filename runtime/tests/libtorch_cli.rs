@@ -4,34 +4,9 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 
-fn moult() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_moult"))
-}
-
-/// Starts the engine on an ephemeral port and returns it with the address it printed.
-fn spawn_engine(model: &std::path::Path) -> (Child, String) {
-    let mut child = moult()
-        .args(["engine", "--model"])
-        .arg(model)
-        .args(["--port", "0", "--threads", "1"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let line = BufReader::new(stdout)
-        .lines()
-        .next()
-        .expect("a line")
-        .unwrap();
-    let url = line
-        .strip_prefix("moult engine listening on ")
-        .unwrap_or_else(|| panic!("unexpected: {line}"))
-        .to_string();
-    (child, url)
-}
+use common::{moult, spawn_engine};
 
 #[tokio::test]
 async fn libtorch_cli_engine_serves_generate() {

@@ -1,1 +1,838 @@
-//! The trainer side of the NCCL data plane on cudarc (issue 5; being written).
+//! The trainer's side of the NCCL weight-sync data plane to vLLM engines (DESIGN §4.1), on
+//! cudarc's bindings of libcuda and libnccl, both loaded at run time (feature `cuda`).
+//!
+//! [`NcclWeightSender::connect`] asks every engine its world size, lays out the ranks (the
+//! trainer is rank 0), mints the unique id, and then enters `ncclCommInitRank` as rank 0 while
+//! `POST /init_weight_transfer_engine` runs on every engine, followed by the one-element float32
+//! all_reduce(SUM) that vLLM's communicator issues right after init (a peer that skipped it would
+//! deadlock every rank). An update is [`NcclWeightSender::start_update`], one
+//! [`NcclWeightSender::send_bucket`] per bucket (`POST /update_weights` on every engine while rank
+//! 0 broadcasts the bucket's packed chunks, cut as [`BucketPlan`] says), then
+//! [`NcclWeightSender::finish_update`]. The caller pauses and resumes the engines around it.
+//!
+//! Nothing waits forever: the communicator is non-blocking, every wait polls it with a deadline,
+//! and any failure (an engine refusing, a timeout, an NCCL error) aborts it (`ncclCommAbort`),
+//! which also frees the engines' side of a collective in progress. After a failure the sender
+//! refuses further work; connect a new one (vLLM accepts a new `init_weight_transfer_engine`).
+//!
+//! Tensors are anything implementing [`DeviceTensor`]: libtorch tensors on the sender's GPU
+//! (what the trainer holds), or [`DeviceBytes`] owned by cudarc.
+
+// FFI is the point of this module: cudarc's safe `Comm` can neither initialise without blocking
+// (a missing engine would hang `ncclCommInitRank` for ever) nor be aborted on our terms, and
+// libtorch's tensors are read through their raw device pointers. Every unsafe block says why it
+// holds.
+#![allow(unsafe_code)]
+
+use std::ffi::CStr;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+
+use super::nccl_control::{ControlTimeouts, EngineControl};
+use super::nccl_handshake::{
+    init_infos, BucketPlan, NcclSyncError, PackedWire, RankLayout, Step, TensorMeta, UniqueId,
+    NCCL_UNIQUE_ID_BYTES,
+};
+
+/// Knobs of the NCCL data plane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NcclSenderConfig {
+    /// The packed-broadcast parameters, sent to the engines at init.
+    pub wire: PackedWire,
+    /// The HTTP calls.
+    pub timeouts: ControlTimeouts,
+    /// The NCCL side: communicator init and warm-up together, and each bucket's broadcasts.
+    /// `None` takes `timeouts.transfer`.
+    pub nccl_timeout: Option<Duration>,
+}
+
+impl NcclSenderConfig {
+    fn nccl_timeout(&self) -> Duration {
+        self.nccl_timeout.unwrap_or(self.timeouts.transfer)
+    }
+}
+
+/// Whether this machine can run the NCCL data plane: libcuda and libnccl load and a GPU exists.
+/// `Err` says what is missing (GPU tests print it when they skip).
+pub fn nccl_available() -> Result<usize, String> {
+    // SAFETY: dlopen of the system's libcuda by its usual names; nothing is called yet.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("libcuda could not be loaded (no NVIDIA driver)".into());
+    }
+    // SAFETY: as above, for libnccl.
+    if !unsafe { nccl_sys::is_culib_present() } {
+        return Err("libnccl could not be loaded (set LD_LIBRARY_PATH to its directory)".into());
+    }
+    let count = CudaContext::device_count().map_err(|e| format!("cuDeviceGetCount: {e}"))?;
+    if count < 1 {
+        return Err("no CUDA device".into());
+    }
+    Ok(count as usize)
+}
+
+/// A tensor in CUDA memory that can be broadcast.
+///
+/// # Safety
+/// Once [`DeviceTensor::check`] returned `Ok`, [`DeviceTensor::device_ptr`] must be the address
+/// of [`DeviceTensor::byte_len`] bytes in the memory of CUDA device
+/// [`DeviceTensor::cuda_ordinal`] (in its primary context), holding the tensor's elements
+/// row-major, and stay valid for as long as the value lives. Writes to them may still be in
+/// flight on any stream of that device: the sender synchronises the device before reading.
+pub unsafe trait DeviceTensor: Send + 'static {
+    /// Refuses tensors that cannot be read as one contiguous block.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+    /// The dtype as vLLM names it (`getattr(torch, name)`): `bfloat16`, `float32`, ...
+    fn dtype_name(&self) -> Result<&'static str, String>;
+    fn shape(&self) -> Vec<i64>;
+    /// `None` when the tensor is not on a CUDA device.
+    fn cuda_ordinal(&self) -> Option<usize>;
+    fn device_ptr(&self) -> u64;
+    fn byte_len(&self) -> usize;
+}
+
+// SAFETY: `check` refuses undefined, non-contiguous and non-CUDA tensors, so `data_ptr` is the
+// first of `numel × element size` bytes in libtorch's allocation on that device (libtorch uses
+// the primary context), kept alive by the tensor's reference count.
+unsafe impl DeviceTensor for tch::Tensor {
+    fn check(&self) -> Result<(), String> {
+        if !self.defined() {
+            return Err("undefined tensor".into());
+        }
+        if !matches!(self.device(), tch::Device::Cuda(_)) {
+            return Err(format!("on {:?}, not a CUDA device", self.device()));
+        }
+        if !self.is_contiguous() {
+            return Err("not contiguous (send `.contiguous()`)".into());
+        }
+        Ok(())
+    }
+
+    fn dtype_name(&self) -> Result<&'static str, String> {
+        use tch::Kind;
+        Ok(match self.kind() {
+            Kind::Float => "float32",
+            Kind::BFloat16 => "bfloat16",
+            Kind::Half => "float16",
+            Kind::Double => "float64",
+            Kind::Int64 => "int64",
+            Kind::Int => "int32",
+            Kind::Int16 => "int16",
+            Kind::Int8 => "int8",
+            Kind::Uint8 => "uint8",
+            Kind::Bool => "bool",
+            Kind::Float8e4m3fn => "float8_e4m3fn",
+            Kind::Float8e5m2 => "float8_e5m2",
+            other => return Err(format!("dtype {other:?} cannot be sent to vLLM")),
+        })
+    }
+
+    fn shape(&self) -> Vec<i64> {
+        self.size()
+    }
+
+    fn cuda_ordinal(&self) -> Option<usize> {
+        match self.device() {
+            tch::Device::Cuda(i) => Some(i),
+            _ => None,
+        }
+    }
+
+    fn device_ptr(&self) -> u64 {
+        self.data_ptr() as u64
+    }
+
+    fn byte_len(&self) -> usize {
+        self.numel() * self.kind().elt_size_in_bytes()
+    }
+}
+
+/// A tensor's bytes in memory cudarc owns (for callers without libtorch, and the GPU tests).
+#[derive(Debug)]
+pub struct DeviceBytes {
+    bytes: CudaSlice<u8>,
+    dtype: &'static str,
+    shape: Vec<i64>,
+}
+
+impl DeviceBytes {
+    /// Copies `host` (the tensor's raw bytes, row-major) to `stream`'s device.
+    pub fn from_host(
+        stream: &Arc<CudaStream>,
+        host: &[u8],
+        dtype: &'static str,
+        shape: Vec<i64>,
+    ) -> Result<Self, NcclSyncError> {
+        let meta = TensorMeta {
+            name: "DeviceBytes".into(),
+            dtype: dtype.into(),
+            shape,
+        };
+        let expected = meta.byte_len()?;
+        if expected != host.len() {
+            return Err(NcclSyncError::Invalid(format!(
+                "{} bytes given for a {dtype} tensor of shape {:?} ({expected} bytes)",
+                host.len(),
+                meta.shape
+            )));
+        }
+        // cudarc cannot allocate zero bytes; an empty tensor keeps one unused byte.
+        let padded;
+        let src = if host.is_empty() {
+            padded = [0u8];
+            &padded[..]
+        } else {
+            host
+        };
+        let bytes = stream
+            .clone_htod(src)
+            .map_err(|e| cuda_error(Step::Broadcast, "copying a tensor to the GPU", e))?;
+        Ok(Self {
+            bytes,
+            dtype,
+            shape: meta.shape,
+        })
+    }
+
+    /// The bytes, copied back to the host.
+    pub fn to_host(&self) -> Result<Vec<u8>, NcclSyncError> {
+        let mut out = self
+            .bytes
+            .stream()
+            .clone_dtoh(&self.bytes)
+            .map_err(|e| cuda_error(Step::Broadcast, "copying a tensor to the host", e))?;
+        out.truncate(DeviceTensor::byte_len(self));
+        Ok(out)
+    }
+}
+
+// SAFETY: `bytes` is a live cudarc allocation of at least `byte_len` bytes on its stream's
+// device, owned by the value; cudarc allocates in the device's primary context.
+unsafe impl DeviceTensor for DeviceBytes {
+    fn dtype_name(&self) -> Result<&'static str, String> {
+        Ok(self.dtype)
+    }
+
+    fn shape(&self) -> Vec<i64> {
+        self.shape.clone()
+    }
+
+    fn cuda_ordinal(&self) -> Option<usize> {
+        Some(self.bytes.stream().context().ordinal())
+    }
+
+    fn device_ptr(&self) -> u64 {
+        let (ptr, _record) = self.bytes.device_ptr(self.bytes.stream());
+        ptr
+    }
+
+    fn byte_len(&self) -> usize {
+        TensorMeta {
+            name: String::new(),
+            dtype: self.dtype.into(),
+            shape: self.shape.clone(),
+        }
+        .byte_len()
+        .unwrap_or(0)
+    }
+}
+
+fn cuda_error(step: Step, what: &str, e: cudarc::driver::DriverError) -> NcclSyncError {
+    NcclSyncError::Nccl {
+        step,
+        message: format!("{what}: {e}"),
+    }
+}
+
+/// The trainer's end of the NCCL data plane to a set of vLLM engines.
+#[derive(Debug)]
+pub struct NcclWeightSender {
+    engines: Vec<EngineControl>,
+    layout: RankLayout,
+    config: NcclSenderConfig,
+    ordinal: usize,
+    /// `None` once a failure aborted the communicator (`broken` says why).
+    device: Option<Device>,
+    broken: String,
+}
+
+impl NcclWeightSender {
+    /// Sets up the communicator with every engine at `engine_urls`, the trainer being rank 0 on
+    /// CUDA device `device_ordinal`.
+    pub async fn connect(
+        device_ordinal: usize,
+        engine_urls: &[String],
+        config: NcclSenderConfig,
+    ) -> Result<Self, NcclSyncError> {
+        config.wire.validate()?;
+        nccl_available().map_err(|message| NcclSyncError::Nccl {
+            step: Step::CommInit,
+            message,
+        })?;
+        let http = reqwest::Client::new();
+        let engines: Vec<EngineControl> = engine_urls
+            .iter()
+            .map(|url| EngineControl::new(http.clone(), url, config.timeouts))
+            .collect();
+        let sizes = futures::future::try_join_all(engines.iter().map(|e| e.world_size())).await?;
+        let layout = RankLayout::new(&sizes)?;
+        tracing::info!(engines = ?engine_urls, ?sizes, world_size = layout.world_size(), "NCCL weight transfer: connecting");
+
+        // ncclGetUniqueId also opens rank 0's bootstrap listener, which the id points at.
+        let (ctx, id) = tokio::task::spawn_blocking(move || open(device_ordinal))
+            .await
+            .map_err(|e| panicked(Step::CommInit, e))??;
+        let infos = init_infos(&id, &layout, config.wire);
+        let cancel = Arc::new(AtomicBool::new(false));
+        let deadline = Deadline::new(config.nccl_timeout(), &engines);
+        let world_size = layout.world_size();
+        let init = {
+            let cancel = cancel.clone();
+            tokio::task::spawn_blocking(move || {
+                Device::init(ctx, &id, world_size, &deadline, &cancel)
+            })
+        };
+        let init = async { init.await.map_err(|e| panicked(Step::CommInit, e))? };
+        let posts = fan_out(
+            &cancel,
+            engines.iter().zip(&infos).map(|(e, info)| e.init(info)),
+        );
+        let (device, ()) = tokio::try_join!(init, posts)?;
+        Ok(Self {
+            engines,
+            layout,
+            config,
+            ordinal: device_ordinal,
+            device: Some(device),
+            broken: String::new(),
+        })
+    }
+
+    /// Where each engine's ranks sit.
+    pub fn layout(&self) -> &RankLayout {
+        &self.layout
+    }
+
+    pub fn engine_urls(&self) -> impl Iterator<Item = &str> {
+        self.engines.iter().map(EngineControl::url)
+    }
+
+    fn usable(&self) -> Result<(), NcclSyncError> {
+        match self.device {
+            Some(_) => Ok(()),
+            None => Err(NcclSyncError::Broken(self.broken.clone())),
+        }
+    }
+
+    /// `POST /start_weight_update` on every engine.
+    pub async fn start_update(&mut self) -> Result<(), NcclSyncError> {
+        self.usable()?;
+        let never = AtomicBool::new(false);
+        fan_out(&never, self.engines.iter().map(EngineControl::start_update)).await
+    }
+
+    /// Sends one bucket: `POST /update_weights` with its `update_info` on every engine while rank
+    /// 0 broadcasts its packed chunks. Returns once every engine has the bucket and the GPU is
+    /// done reading the tensors.
+    pub async fn send_bucket<T: DeviceTensor>(
+        &mut self,
+        tensors: Vec<(String, T)>,
+    ) -> Result<(), NcclSyncError> {
+        self.usable()?;
+        // Checked before any engine hears of the bucket.
+        let plan = bucket_plan(&tensors, self.ordinal, self.config.wire)?;
+        let info = plan.update_info();
+        let mut device = self.device.take().expect("checked by usable()");
+        let cancel = Arc::new(AtomicBool::new(false));
+        let deadline = Deadline::new(self.config.nccl_timeout(), &self.engines);
+        let broadcast = {
+            let cancel = cancel.clone();
+            tokio::task::spawn_blocking(move || {
+                let result = device.broadcast(&plan, &tensors, &deadline, &cancel);
+                // A failed collective leaves the communicator unusable: drop (abort) it here.
+                result.map(|()| device)
+            })
+        };
+        let broadcast = async { broadcast.await.map_err(|e| panicked(Step::Broadcast, e))? };
+        let posts = fan_out(
+            &cancel,
+            self.engines.iter().map(|e| e.update_weights(&info)),
+        );
+        match tokio::try_join!(broadcast, posts) {
+            Ok((device, ())) => {
+                self.device = Some(device);
+                Ok(())
+            }
+            Err(e) => {
+                // The broadcast task, if still running, sees `cancel` and aborts the comm.
+                cancel.store(true, Ordering::Release);
+                self.broken = e.to_string();
+                Err(e)
+            }
+        }
+    }
+
+    /// `POST /finish_weight_update {weight_version}` on every engine.
+    pub async fn finish_update(&mut self, weight_version: u64) -> Result<(), NcclSyncError> {
+        self.usable()?;
+        let never = AtomicBool::new(false);
+        fan_out(
+            &never,
+            self.engines.iter().map(|e| e.finish_update(weight_version)),
+        )
+        .await
+    }
+
+    /// One whole update: start, every bucket in order, finish with `weight_version`.
+    pub async fn update<T: DeviceTensor>(
+        &mut self,
+        buckets: Vec<Vec<(String, T)>>,
+        weight_version: u64,
+    ) -> Result<(), NcclSyncError> {
+        self.start_update().await?;
+        for bucket in buckets {
+            self.send_bucket(bucket).await?;
+        }
+        self.finish_update(weight_version).await
+    }
+}
+
+/// Runs `calls` concurrently; the first error raises `cancel` (so rank 0 stops waiting for a
+/// collective that engine will never join) and is returned.
+async fn fan_out<F>(
+    cancel: &AtomicBool,
+    calls: impl Iterator<Item = F>,
+) -> Result<(), NcclSyncError>
+where
+    F: Future<Output = Result<(), NcclSyncError>>,
+{
+    futures::future::try_join_all(calls.map(|call| async {
+        let result = call.await;
+        if result.is_err() {
+            cancel.store(true, Ordering::Release);
+        }
+        result
+    }))
+    .await
+    .map(drop)
+}
+
+fn panicked(step: Step, e: tokio::task::JoinError) -> NcclSyncError {
+    NcclSyncError::Nccl {
+        step,
+        message: format!("the CUDA thread failed: {e}"),
+    }
+}
+
+/// Checks every tensor and plans the bucket.
+fn bucket_plan<T: DeviceTensor>(
+    tensors: &[(String, T)],
+    ordinal: usize,
+    wire: PackedWire,
+) -> Result<BucketPlan, NcclSyncError> {
+    let mut metas = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let bad = |message: String| NcclSyncError::Tensor {
+            name: name.clone(),
+            message,
+        };
+        t.check().map_err(bad)?;
+        match t.cuda_ordinal() {
+            Some(o) if o == ordinal => {}
+            other => {
+                return Err(bad(format!(
+                    "on CUDA device {other:?}, but the sender broadcasts from device {ordinal}"
+                )))
+            }
+        }
+        let meta = TensorMeta {
+            name: name.clone(),
+            dtype: t.dtype_name().map_err(bad)?.to_string(),
+            shape: t.shape(),
+        };
+        if meta.byte_len()? != t.byte_len() {
+            return Err(bad(format!(
+                "{} bytes, but {} of shape {:?} take {}",
+                t.byte_len(),
+                meta.dtype,
+                meta.shape,
+                meta.byte_len()?
+            )));
+        }
+        metas.push(meta);
+    }
+    BucketPlan::new(metas, wire)
+}
+
+/// Opens the device's primary context and mints the unique id.
+fn open(ordinal: usize) -> Result<(Arc<CudaContext>, UniqueId), NcclSyncError> {
+    let ctx = CudaContext::new(ordinal)
+        .map_err(|e| cuda_error(Step::CommInit, &format!("opening CUDA device {ordinal}"), e))?;
+    let id = cudarc::nccl::Id::new().map_err(|e| NcclSyncError::Nccl {
+        step: Step::CommInit,
+        message: format!("ncclGetUniqueId: {:?}", e.0),
+    })?;
+    let mut bytes = [0u8; NCCL_UNIQUE_ID_BYTES];
+    for (b, c) in bytes.iter_mut().zip(id.internal()) {
+        *b = *c as u8;
+    }
+    Ok((ctx, UniqueId(bytes)))
+}
+
+/// When a wait gives up, and whom to name then.
+struct Deadline {
+    at: Instant,
+    timeout: Duration,
+    engines: String,
+}
+
+impl Deadline {
+    fn new(timeout: Duration, engines: &[EngineControl]) -> Self {
+        Self {
+            at: Instant::now() + timeout,
+            timeout,
+            engines: engines
+                .iter()
+                .map(EngineControl::url)
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+    }
+
+    fn expired(&self, step: Step) -> NcclSyncError {
+        NcclSyncError::CommTimeout {
+            step,
+            timeout: self.timeout,
+            engines: self.engines.clone(),
+        }
+    }
+}
+
+/// An NCCL communicator in non-blocking mode; dropping it aborts it.
+struct Comm {
+    raw: nccl_sys::ncclComm_t,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it do not overlap;
+// `Comm` is owned by one `Device`, which one blocking task at a time has by value.
+unsafe impl Send for Comm {}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is a communicator NCCL created and nobody else frees; after this it is
+        // never used again.
+        if let Err(e) = unsafe { nccl::comm_abort(self.raw) } {
+            tracing::warn!(error = ?e.0, "ncclCommAbort failed");
+        }
+    }
+}
+
+/// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: every field NCCL should choose is
+/// `NCCL_CONFIG_UNDEF_INT`/`_PTR`. NCCL copies at most its own `sizeof(ncclConfig_t)` of it, so
+/// a library older than these bindings (2.30) reads the fields it knows.
+fn nonblocking_config() -> nccl_sys::ncclConfig_t {
+    const UNDEF: i32 = i32::MIN;
+    nccl_sys::ncclConfig_t {
+        size: std::mem::size_of::<nccl_sys::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: 23000,
+        blocking: 0,
+        cgaClusterSize: UNDEF,
+        minCTAs: UNDEF,
+        maxCTAs: UNDEF,
+        netName: std::ptr::null(),
+        splitShare: UNDEF,
+        trafficClass: UNDEF,
+        commName: std::ptr::null(),
+        collnetEnable: UNDEF,
+        CTAPolicy: UNDEF,
+        shrinkShare: UNDEF,
+        nvlsCTAs: UNDEF,
+        nChannelsPerNetPeer: UNDEF,
+        nvlinkCentricSched: UNDEF,
+        graphUsageMode: UNDEF,
+        numRmaCtx: UNDEF,
+        maxP2pPeers: UNDEF,
+    }
+}
+
+impl Comm {
+    /// `ncclCommInitRankConfig`, non-blocking: returns at once; [`Comm::ready`] says when done.
+    fn start_init(id: &UniqueId, world_size: u32, rank: u32) -> Result<Self, NcclSyncError> {
+        let mut config = nonblocking_config();
+        let mut raw: nccl_sys::ncclComm_t = std::ptr::null_mut();
+        let id = nccl_sys::ncclUniqueId {
+            internal: id.0.map(|b| b as std::ffi::c_char),
+        };
+        // SAFETY: `raw` and `config` are valid for the call; NCCL copies the config and the id.
+        let status = unsafe {
+            nccl::comm_init_rank_config(&mut raw, world_size as i32, id, rank as i32, &mut config)
+        };
+        let comm = (!raw.is_null()).then_some(Self { raw });
+        match status {
+            Ok(_) => comm.ok_or_else(|| NcclSyncError::Nccl {
+                step: Step::CommInit,
+                message: "ncclCommInitRankConfig returned no communicator".into(),
+            }),
+            Err(e) => Err(NcclSyncError::Nccl {
+                step: Step::CommInit,
+                message: describe(comm.as_ref(), e.0),
+            }),
+        }
+    }
+
+    /// `Ok(true)` once the last call finished, `Ok(false)` while it is in progress.
+    fn ready(&self, step: Step) -> Result<bool, NcclSyncError> {
+        let mut state = nccl_sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `raw` is live; `state` is valid for the write.
+        let status = unsafe { nccl_sys::ncclCommGetAsyncError(self.raw, &mut state) };
+        let failed = |r| NcclSyncError::Nccl {
+            step,
+            message: describe(Some(self), r),
+        };
+        if status != nccl_sys::ncclResult_t::ncclSuccess {
+            return Err(failed(status));
+        }
+        match state {
+            nccl_sys::ncclResult_t::ncclSuccess => Ok(true),
+            nccl_sys::ncclResult_t::ncclInProgress => Ok(false),
+            other => Err(failed(other)),
+        }
+    }
+
+    /// Checks a call's immediate status (`ncclInProgress` is fine in non-blocking mode).
+    fn enqueued(
+        &self,
+        step: Step,
+        status: Result<nccl::NcclStatus, nccl::NcclError>,
+    ) -> Result<(), NcclSyncError> {
+        status.map(drop).map_err(|e| NcclSyncError::Nccl {
+            step,
+            message: describe(Some(self), e.0),
+        })
+    }
+}
+
+/// NCCL's name of `result`, and the communicator's last error message when there is one.
+fn describe(comm: Option<&Comm>, result: nccl_sys::ncclResult_t) -> String {
+    let mut message = format!("{result:?}");
+    if let Some(comm) = comm {
+        // SAFETY: NCCL returns a NUL-terminated string it owns (or null); it is copied at once.
+        let last = unsafe { nccl_sys::ncclGetLastError(comm.raw) };
+        if !last.is_null() {
+            // SAFETY: non-null, NUL-terminated, alive until the next NCCL call on this thread.
+            let text = unsafe { CStr::from_ptr(last) }.to_string_lossy();
+            if !text.is_empty() {
+                message.push_str(": ");
+                message.push_str(&text);
+            }
+        }
+    }
+    message
+}
+
+/// The trainer's GPU side: context, stream, communicator and the packing buffer.
+struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    comm: Comm,
+    /// Grown to the largest multi-tensor chunk and reused across buckets.
+    pack: Option<CudaSlice<u8>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("ordinal", &self.ctx.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How often a wait looks at the GPU and the communicator.
+const POLL: Duration = Duration::from_micros(200);
+
+impl Device {
+    /// Rank 0's communicator init and the warm-up all_reduce, on the calling (blocking) thread.
+    fn init(
+        ctx: Arc<CudaContext>,
+        id: &UniqueId,
+        world_size: u32,
+        deadline: &Deadline,
+        cancel: &AtomicBool,
+    ) -> Result<Self, NcclSyncError> {
+        ctx.bind_to_thread()
+            .map_err(|e| cuda_error(Step::CommInit, "binding the CUDA context", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_error(Step::CommInit, "creating a stream", e))?;
+        let comm = Comm::start_init(id, world_size, 0)?;
+        wait(&comm, Step::CommInit, deadline, cancel, || Ok(true))?;
+        let mut device = Self {
+            ctx,
+            stream,
+            comm,
+            pack: None,
+        };
+        device.warm_up(deadline, cancel)?;
+        Ok(device)
+    }
+
+    /// One float32 element, all_reduce(SUM), as vLLM's `PyNcclCommunicator` does after init.
+    fn warm_up(&mut self, deadline: &Deadline, cancel: &AtomicBool) -> Result<(), NcclSyncError> {
+        let step = Step::WarmUp;
+        let mut one = self
+            .stream
+            .alloc_zeros::<f32>(1)
+            .map_err(|e| cuda_error(step, "allocating", e))?;
+        {
+            let (ptr, _record) = one.device_ptr_mut(&self.stream);
+            // SAFETY: `ptr` is one f32 on this device, alive until the stream is drained below
+            // (`wait_stream` before `one` drops); the comm and stream are live.
+            let status = unsafe {
+                nccl::all_reduce(
+                    ptr as *const _,
+                    ptr as *mut _,
+                    1,
+                    nccl_sys::ncclDataType_t::ncclFloat32,
+                    nccl_sys::ncclRedOp_t::ncclSum,
+                    self.comm.raw,
+                    self.stream.cu_stream() as _,
+                )
+            };
+            self.comm.enqueued(step, status)?;
+        }
+        self.wait_stream(step, deadline, cancel)
+    }
+
+    /// Broadcasts a bucket's chunks from rank 0, in order.
+    fn broadcast<T: DeviceTensor>(
+        &mut self,
+        plan: &BucketPlan,
+        tensors: &[(String, T)],
+        deadline: &Deadline,
+        cancel: &AtomicBool,
+    ) -> Result<(), NcclSyncError> {
+        let step = Step::Broadcast;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error(step, "binding the CUDA context", e))?;
+        // The tensors' last writes may be on any of libtorch's streams.
+        self.ctx
+            .synchronize()
+            .map_err(|e| cuda_error(step, "waiting for the tensors' pending writes", e))?;
+        for chunk in &plan.chunks {
+            let first = chunk.tensors.start;
+            let source = if chunk.tensors.len() == 1 && !chunk.is_empty() {
+                // One tensor: broadcast straight from its memory.
+                tensors[first].1.device_ptr()
+            } else {
+                // Several (or an empty chunk): pack them, in order, into the reusable buffer.
+                // The copies queue behind the previous chunk's broadcast on the same stream.
+                let pack = self.pack_buffer(chunk.len().max(1))?;
+                for i in chunk.tensors.clone() {
+                    let at = plan.offsets[i].start - chunk.bytes.start;
+                    let len = plan.offsets[i].len();
+                    if len == 0 {
+                        continue;
+                    }
+                    // SAFETY: `pack + at .. + len` lies inside the pack buffer (the chunk's
+                    // bytes, at most its size); the source is `len` readable bytes per the
+                    // `DeviceTensor` contract (`bucket_plan` checked the length); both are on
+                    // this context and stay alive until the stream is drained at the end.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            pack + at as u64,
+                            tensors[i].1.device_ptr(),
+                            len,
+                            self.stream.cu_stream(),
+                        )
+                    }
+                    .map_err(|e| cuda_error(step, &format!("packing `{}`", tensors[i].0), e))?;
+                }
+                pack
+            };
+            // SAFETY: `source` holds the chunk's `len` bytes on this device (a tensor per the
+            // `DeviceTensor` contract, or the pack buffer) and outlives the stream drain below;
+            // rank 0 only reads it; the comm and stream are live.
+            let status = unsafe {
+                nccl::broadcast(
+                    source as *const _,
+                    source as *mut _,
+                    chunk.len(),
+                    nccl_sys::ncclDataType_t::ncclUint8,
+                    0,
+                    self.comm.raw,
+                    self.stream.cu_stream() as _,
+                )
+            };
+            self.comm.enqueued(step, status)?;
+            wait(&self.comm, step, deadline, cancel, || Ok(true))?;
+        }
+        self.wait_stream(step, deadline, cancel)
+    }
+
+    /// The packing buffer's address, grown to at least `bytes`.
+    fn pack_buffer(&mut self, bytes: usize) -> Result<u64, NcclSyncError> {
+        if self.pack.as_ref().is_none_or(|p| p.len() < bytes) {
+            // Drop the old one first so both never sit in GPU memory together.
+            self.pack = None;
+            self.pack =
+                Some(self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
+                    cuda_error(Step::Broadcast, "allocating the packing buffer", e)
+                })?);
+        }
+        let pack = self.pack.as_ref().expect("just set");
+        let (ptr, _record) = pack.device_ptr(&self.stream);
+        Ok(ptr)
+    }
+
+    /// Waits for everything queued on the stream.
+    fn wait_stream(
+        &self,
+        step: Step,
+        deadline: &Deadline,
+        cancel: &AtomicBool,
+    ) -> Result<(), NcclSyncError> {
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| cuda_error(step, "recording an event", e))?;
+        wait(&self.comm, step, deadline, cancel, || {
+            event
+                .try_is_complete()
+                .map_err(|e| cuda_error(step, "waiting for the GPU", e))
+        })
+    }
+}
+
+/// Polls until the communicator has no call in progress and `done()` holds. Fails on an NCCL
+/// error, on `cancel` (an engine failed its side), or at the deadline; the caller then drops the
+/// communicator, aborting it.
+fn wait(
+    comm: &Comm,
+    step: Step,
+    deadline: &Deadline,
+    cancel: &AtomicBool,
+    mut done: impl FnMut() -> Result<bool, NcclSyncError>,
+) -> Result<(), NcclSyncError> {
+    loop {
+        if comm.ready(step)? && done()? {
+            return Ok(());
+        }
+        if cancel.load(Ordering::Acquire) {
+            return Err(NcclSyncError::Broken(format!(
+                "an engine failed during {step}"
+            )));
+        }
+        if Instant::now() >= deadline.at {
+            return Err(deadline.expired(step));
+        }
+        std::thread::sleep(POLL);
+    }
+}

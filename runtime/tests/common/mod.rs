@@ -192,3 +192,34 @@ pub fn sse_data(body: &str) -> Vec<String> {
         })
         .collect()
 }
+
+/// The `moult` binary of this build.
+pub fn moult() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_moult"))
+}
+
+/// Starts `moult engine` (one thread) on `port` (0: any) and returns it with the address it
+/// printed. Its stdout stays open (held by a thread) so later prints never hit a closed pipe.
+pub fn spawn_engine_on(model: &Path, port: u16) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = moult()
+        .args(["engine", "--model"])
+        .arg(model)
+        .args(["--port", &port.to_string(), "--threads", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next().expect("a line").unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    let url = line
+        .strip_prefix("moult engine listening on ")
+        .unwrap_or_else(|| panic!("unexpected: {line}"))
+        .to_string();
+    (child, url)
+}
+
+pub fn spawn_engine(model: &Path) -> (std::process::Child, String) {
+    spawn_engine_on(model, 0)
+}

@@ -1,0 +1,381 @@
+//! The router in front of real `moult engine` processes (libtorch): an engine killed in the middle
+//! of generation loses no request and no token (each token's logprob matches a reference forward),
+//! sessions stick to their engine, engines join, leave, go down and come back, and control calls
+//! reach every engine.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{dense_model, reference_logprobs, spawn_engine, spawn_engine_on};
+use futures::StreamExt;
+use moult_runtime::engine::sampling::SamplingParams;
+use moult_runtime::model::Qwen3Model;
+use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
+use serde_json::{json, Value};
+
+async fn start_router(engines: &[String], policy_name: &str) -> (String, Arc<Router>) {
+    let pool = Arc::new(EnginePool::new(engines));
+    tokio::spawn(pool.clone().check_health(HealthOptions {
+        interval: Duration::from_millis(200),
+        timeout: Duration::from_millis(500),
+        failures_to_down: 2,
+    }));
+    let router = Arc::new(Router::new(pool, policy::by_name(policy_name).unwrap()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(server::serve(
+        listener,
+        router.clone(),
+        std::future::pending(),
+    ));
+    (url, router)
+}
+
+/// One streamed generation: its tokens, logprobs, versions and finish reason.
+#[derive(Debug, Default)]
+struct Streamed {
+    ids: Vec<i64>,
+    logprobs: Vec<f32>,
+    versions: Vec<u64>,
+    finish: Option<String>,
+    completion_tokens: u64,
+}
+
+fn absorb(out: &mut Streamed, data: &str) {
+    if data == "[DONE]" {
+        return;
+    }
+    let v: Value = serde_json::from_str(data).unwrap();
+    assert!(v.get("error").is_none(), "{v}");
+    let c = &v["choices"][0];
+    for (i, lp) in c["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
+        out.ids.push(lp["token_id"].as_i64().unwrap());
+        out.logprobs.push(lp["logprob"].as_f64().unwrap() as f32);
+        let span = &c["weight_versions"][0];
+        assert_eq!(
+            span["start"].as_u64().unwrap() as usize,
+            out.ids.len() - 1 - i + i
+        );
+        out.versions.push(span["version"].as_u64().unwrap());
+    }
+    if let Some(f) = c["finish_reason"].as_str() {
+        out.finish = Some(f.to_string());
+        out.completion_tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
+    let model_dir = dense_model();
+    let (mut a, a_url) = spawn_engine(&model_dir);
+    let (mut b, b_url) = spawn_engine(&model_dir);
+    // least-tokens spreads the requests over both engines.
+    let (url, router) = start_router(&[a_url.clone(), b_url.clone()], "least-tokens").await;
+    let client = reqwest::Client::new();
+    const N: usize = 4;
+    const MAX: usize = 300;
+    let prompts: Vec<Vec<i64>> = (0..N)
+        .map(|i| (0..10).map(|j| ((i * 37 + j * 11) % 2000) as i64).collect())
+        .collect();
+    let mut streams = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let body = json!({"request_id": format!("r{i}"), "token_ids": p, "stream": true,
+            "sampling_params": {"max_tokens": MAX, "temperature": 1.0, "ignore_eos": true, "seed": i}});
+        let r = client
+            .post(format!("{url}/inference/v1/generate"))
+            .header("x-moult-session", format!("s{i}"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        streams.push(r.bytes_stream());
+    }
+    // Both engines are busy with two requests each.
+    let engines: Value = client
+        .get(format!("{url}/engines"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        engines["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["requests"] == 2),
+        "{engines}"
+    );
+
+    let mut outs: Vec<Streamed> = (0..N).map(|_| Streamed::default()).collect();
+    let mut buffers = vec![String::new(); N];
+    let mut killed = false;
+    let mut done = [false; N];
+    while done.iter().any(|d| !d) {
+        for i in 0..N {
+            if done[i] {
+                continue;
+            }
+            match tokio::time::timeout(Duration::from_secs(60), streams[i].next())
+                .await
+                .unwrap()
+            {
+                Some(chunk) => {
+                    buffers[i].push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+                    while let Some(end) = buffers[i].find("\n\n") {
+                        let event: String = buffers[i].drain(..end + 2).collect();
+                        for line in event.lines() {
+                            if let Some(data) = line.strip_prefix("data: ") {
+                                absorb(&mut outs[i], data);
+                            }
+                        }
+                    }
+                }
+                None => done[i] = true,
+            }
+        }
+        if !killed && outs.iter().all(|o| o.ids.len() >= 20) {
+            a.kill().unwrap();
+            a.wait().unwrap();
+            killed = true;
+        }
+    }
+    assert!(killed);
+    assert!(
+        router.failovers() >= 1,
+        "no request was on the killed engine"
+    );
+    let model = Qwen3Model::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let params = SamplingParams {
+        max_tokens: MAX,
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: None,
+        seed: None,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        min_tokens: 0,
+        top_logprobs: 0,
+    };
+    for (i, out) in outs.iter().enumerate() {
+        assert_eq!(out.finish.as_deref(), Some("length"), "request {i}");
+        assert_eq!(out.ids.len(), MAX, "request {i}: every token, once");
+        assert_eq!(out.completion_tokens as usize, MAX);
+        assert!(out.versions.iter().all(|&v| v == 0));
+        // Each token's logprob is its probability under the model given everything before it:
+        // what the engine that sampled it reported, whichever engine that was.
+        let reference = reference_logprobs(&model, &prompts[i], &out.ids, &params, None);
+        for (k, (got, want)) in out.logprobs.iter().zip(&reference).enumerate() {
+            assert!(
+                (got - want).abs() < 1e-4,
+                "request {i} token {k}: {got} vs {want}"
+            );
+        }
+    }
+    // The dead engine is out of the pool's healthy set.
+    let engines: Value = client
+        .get(format!("{url}/engines"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let dead = engines["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["url"] == a_url.as_str())
+        .unwrap();
+    assert_eq!(dead["healthy"], false, "{engines}");
+    b.kill().unwrap();
+    b.wait().unwrap();
+}
+
+async fn success_count(engine: &str) -> f64 {
+    let text = reqwest::get(format!("{engine}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with("vllm:request_success_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+async fn engines_status(client: &reqwest::Client, url: &str) -> Vec<(String, bool)> {
+    let v: Value = client
+        .get(format!("{url}/engines"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["url"].as_str().unwrap().to_string(),
+                e["healthy"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_sessions_stick_engines_come_and_go_and_control_calls_fan_out() {
+    let model_dir = dense_model();
+    let (mut a, a_url) = spawn_engine(&model_dir);
+    let (mut b, b_url) = spawn_engine(&model_dir);
+    let (url, _router) = start_router(&[a_url.clone(), b_url.clone()], "consistent-hash").await;
+    let client = reqwest::Client::new();
+    let generate = |session: &str| {
+        let client = client.clone();
+        let url = url.clone();
+        let session = session.to_string();
+        async move {
+            let body = json!({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}});
+            let r = client
+                .post(format!("{url}/inference/v1/generate"))
+                .header("x-moult-session", session)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    // Every turn of a session lands on the same engine.
+    for _ in 0..6 {
+        generate("episode-7").await;
+    }
+    let (na, nb) = (success_count(&a_url).await, success_count(&b_url).await);
+    assert!(
+        (na, nb) == (6.0, 0.0) || (na, nb) == (0.0, 6.0),
+        "{na} {nb}"
+    );
+
+    // Control calls reach every engine.
+    let r = client
+        .post(format!("{url}/pause?mode=keep"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for e in [&a_url, &b_url] {
+        let v: Value = reqwest::get(format!("{e}/is_paused"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["is_paused"], true);
+    }
+    let v: Value = client
+        .get(format!("{url}/is_paused"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["is_paused"], true);
+    client.post(format!("{url}/resume")).send().await.unwrap();
+    let v: Value = client
+        .get(format!("{url}/get_world_size"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["world_size"], 2);
+
+    // An engine that dies is taken out; requests go to the other; it comes back on restart.
+    let port: u16 = b_url.rsplit(':').next().unwrap().parse().unwrap();
+    b.kill().unwrap();
+    b.wait().unwrap();
+    let mut waited = 0;
+    while engines_status(&client, &url)
+        .await
+        .contains(&(b_url.clone(), true))
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += 1;
+        assert!(waited < 300, "the dead engine stayed in");
+    }
+    for i in 0..4 {
+        generate(&format!("s{i}")).await;
+    }
+    let (mut b2, b2_url) = spawn_engine_on(&model_dir, port);
+    assert_eq!(b2_url, b_url);
+    let mut waited = 0;
+    while !engines_status(&client, &url)
+        .await
+        .contains(&(b_url.clone(), true))
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        waited += 1;
+        assert!(waited < 300, "the restarted engine did not come back");
+    }
+
+    // Engines join and leave through /engines.
+    let (mut c, c_url) = spawn_engine(&model_dir);
+    let r = client
+        .post(format!("{url}/engines"))
+        .json(&json!({"url": c_url}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(engines_status(&client, &url).await.len(), 3);
+    for i in 0..30 {
+        generate(&format!("spread{i}")).await;
+    }
+    assert!(
+        success_count(&c_url).await > 0.0,
+        "the new engine got no work"
+    );
+    let r = client
+        .delete(format!("{url}/engines"))
+        .json(&json!({"url": a_url}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let before = success_count(&a_url).await;
+    for i in 0..10 {
+        generate(&format!("after{i}")).await;
+    }
+    assert_eq!(
+        success_count(&a_url).await,
+        before,
+        "a removed engine got work"
+    );
+    let r = client
+        .post(format!("{url}/engines"))
+        .json(&json!({"url": "localhost:1"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    for child in [&mut a, &mut b2, &mut c] {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
