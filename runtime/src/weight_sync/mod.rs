@@ -5,9 +5,13 @@
 //! - [`nccl_control`]: the engines' weight-transfer endpoints that drive that data plane;
 //! - `nccl` (cargo feature `cuda`): the trainer's side of that data plane on cudarc's NCCL.
 //!
-//! The TCP data plane to built-in engines lives in [`crate::engine::weights`].
+//! - [`orchestrate`]: one update as the trainer side runs it: pause, transfer (TCP data plane to
+//!   built-in engines), finish with the version, resume.
+//!
+//! The TCP data plane itself lives in [`crate::engine::weights`].
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod nccl_control;
 pub mod nccl_handshake;
+pub mod orchestrate;

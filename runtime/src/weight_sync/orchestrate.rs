@@ -1,0 +1,258 @@
+//! One weight update as the trainer side runs it (DESIGN §4.1, §5): pause every engine, transfer
+//! the new weights, finish with the new version, resume.
+//!
+//! With partial rollout the pause is `keep`: requests in flight are frozen, not dropped, and after
+//! the resume they continue under the new weights; the engines' `weight_versions` spans say which
+//! tokens came from which version. Without it the pause is `wait`: in-flight requests finish under
+//! the old weights first. The target is the router (which fans every call out to its engines, with
+//! rank offsets) or a single engine: the same engine API either way.
+//!
+//! The data plane here is TCP (built-in engines): the trainer listens, each engine connects and
+//! announces its rank, and every bucket's tensors travel as one packed byte stream
+//! ([`crate::engine::weights`]). A failed update still resumes the engines, so a broken transfer
+//! never leaves a run paused.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tch::Tensor;
+
+use crate::engine::weights::{
+    update_info, TcpWeightSender, WeightListener, DEFAULT_PACKED_BUFFER_BYTES,
+};
+
+/// Why a weight sync failed: the step and what the engines said.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("weight sync, {step}: {message}")]
+    Step { step: &'static str, message: String },
+    #[error("weight sync: the data plane is not connected (call connect_tcp first)")]
+    NotConnected,
+}
+
+fn step(step: &'static str) -> impl Fn(String) -> SyncError {
+    move |message| SyncError::Step { step, message }
+}
+
+/// What one update cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SyncReport {
+    /// From the pause call to the end of the resume call: engines produced nothing meanwhile.
+    pub paused: Duration,
+    /// The transfer alone (start to finish of the weight update).
+    pub transfer: Duration,
+    pub bytes: usize,
+    pub buckets: usize,
+}
+
+/// Drives weight updates of the engines behind `target`.
+#[derive(Debug)]
+pub struct WeightSync {
+    http: reqwest::Client,
+    target: String,
+    sender: Option<TcpWeightSender>,
+    /// Tensors are grouped into buckets of about this many bytes (one `update_weights` each).
+    pub bucket_bytes: usize,
+    /// Flush size of the packed stream.
+    pub packed_buffer_bytes: usize,
+}
+
+/// A bucket of tensors: shallow copies, so they can move to the sending thread.
+type Bucket = Vec<(String, Tensor)>;
+
+fn buckets(tensors: &[(String, Tensor)], bucket_bytes: usize) -> Vec<Bucket> {
+    let mut out: Vec<Bucket> = Vec::new();
+    let mut size = 0;
+    for (name, t) in tensors {
+        let bytes = t.numel() * t.kind().elt_size_in_bytes();
+        if out.is_empty() || (size + bytes > bucket_bytes && size > 0) {
+            out.push(Vec::new());
+            size = 0;
+        }
+        size += bytes;
+        out.last_mut()
+            .expect("a bucket was pushed")
+            .push((name.clone(), t.shallow_clone()));
+    }
+    out
+}
+
+impl WeightSync {
+    /// Updates for the engines behind `target` (a router or an engine base URL).
+    pub fn new(target: &str) -> Self {
+        Self {
+            http: reqwest::Client::new(),
+            target: target.trim_end_matches('/').to_string(),
+            sender: None,
+            bucket_bytes: 256 << 20,
+            packed_buffer_bytes: DEFAULT_PACKED_BUFFER_BYTES,
+        }
+    }
+
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, String> {
+        let url = format!("{}{}", self.target, path);
+        let mut req = self.http.request(method, &url);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let r = req.send().await.map_err(|e| format!("{url}: {e}"))?;
+        let status = r.status();
+        let text = r.text().await.unwrap_or_default();
+        if !status.is_success() {
+            return Err(format!("{url}: {status} {text}"));
+        }
+        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// Opens the TCP data plane: listens on `bind` (`127.0.0.1:0`, `0.0.0.0:29500`), tells every
+    /// engine to connect to `advertise:port`, and waits for all of them (again after the engine set
+    /// changed).
+    pub async fn connect_tcp(&mut self, bind: &str, advertise: &str) -> Result<(), SyncError> {
+        let world = self
+            .call(reqwest::Method::GET, "/get_world_size", None)
+            .await
+            .map_err(step("get_world_size"))?;
+        let engines = world["world_size"].as_u64().unwrap_or(1) as usize;
+        let listener =
+            WeightListener::bind(bind).map_err(|e| step("listen")(format!("{bind}: {e}")))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| step("listen")(e.to_string()))?
+            .port();
+        let accept = tokio::task::spawn_blocking(move || listener.accept(engines));
+        let init = json!({"init_info": {"master_address": advertise, "master_port": port,
+            "rank_offset": 1, "world_size": engines + 1,
+            "packed_buffer_size_bytes": self.packed_buffer_bytes}});
+        let told = self
+            .call(
+                reqwest::Method::POST,
+                "/init_weight_transfer_engine",
+                Some(init),
+            )
+            .await;
+        if let Err(message) = told {
+            // Nobody will connect: end the accept by connecting to ourselves is not possible in
+            // general, so report; the listener thread ends when its socket times out.
+            return Err(step("init_weight_transfer_engine")(message));
+        }
+        let sender = accept
+            .await
+            .map_err(|e| step("accept")(e.to_string()))?
+            .map_err(|e| step("accept")(e.to_string()))?;
+        self.sender = Some(sender);
+        Ok(())
+    }
+
+    /// Pushes `tensors` as `version`: pause (`keep` with partial rollout, else `wait`), transfer in
+    /// buckets, finish, resume. The engines are resumed even when the transfer fails.
+    pub async fn update(
+        &mut self,
+        tensors: &[(String, Tensor)],
+        version: u64,
+        partial_rollout: bool,
+    ) -> Result<SyncReport, SyncError> {
+        if self.sender.is_none() {
+            return Err(SyncError::NotConnected);
+        }
+        let mode = if partial_rollout { "keep" } else { "wait" };
+        let paused_at = Instant::now();
+        self.call(reqwest::Method::POST, &format!("/pause?mode={mode}"), None)
+            .await
+            .map_err(step("pause"))?;
+        let transferred = self.transfer(tensors, version).await;
+        let resumed = self.call(reqwest::Method::POST, "/resume", None).await;
+        let paused = paused_at.elapsed();
+        let (transfer, bytes, buckets) = transferred?;
+        resumed.map_err(step("resume"))?;
+        Ok(SyncReport {
+            paused,
+            transfer,
+            bytes,
+            buckets,
+        })
+    }
+
+    async fn transfer(
+        &mut self,
+        tensors: &[(String, Tensor)],
+        version: u64,
+    ) -> Result<(Duration, usize, usize), SyncError> {
+        let started = Instant::now();
+        self.call(
+            reqwest::Method::POST,
+            "/start_weight_update",
+            Some(json!({})),
+        )
+        .await
+        .map_err(step("start_weight_update"))?;
+        let all = buckets(tensors, self.bucket_bytes);
+        let count = all.len();
+        let mut bytes = 0;
+        for bucket in all {
+            bytes += bucket
+                .iter()
+                .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
+                .sum::<usize>();
+            let info = update_info(&bucket);
+            let mut sender = self.sender.take().ok_or(SyncError::NotConnected)?;
+            let flush = self.packed_buffer_bytes;
+            let send = tokio::task::spawn_blocking(move || {
+                let result = sender.send_bucket(&bucket, flush);
+                (sender, result)
+            });
+            let told = self
+                .call(
+                    reqwest::Method::POST,
+                    "/update_weights",
+                    Some(json!({"update_info": info})),
+                )
+                .await;
+            let (sender, sent) = send.await.map_err(|e| step("send")(e.to_string()))?;
+            // A stream that failed mid-bucket is desynchronised: reconnect before the next update.
+            if sent.is_ok() && told.is_ok() {
+                self.sender = Some(sender);
+            }
+            sent.map_err(|e| step("send")(e.to_string()))?;
+            told.map_err(step("update_weights"))?;
+        }
+        self.call(
+            reqwest::Method::POST,
+            "/finish_weight_update",
+            Some(json!({"weight_version": version})),
+        )
+        .await
+        .map_err(step("finish_weight_update"))?;
+        Ok((started.elapsed(), bytes, count))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_group_tensors_up_to_the_size() {
+        let t = |n: i64| Tensor::zeros([n], (tch::Kind::Float, tch::Device::Cpu));
+        let tensors: Vec<(String, Tensor)> = [10, 10, 30, 5, 100]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (format!("w{i}"), t(n)))
+            .collect();
+        let b = buckets(&tensors, 80);
+        let names: Vec<Vec<&str>> = b
+            .iter()
+            .map(|b| b.iter().map(|(n, _)| n.as_str()).collect())
+            .collect();
+        // 40 + 40 bytes fill the first; a tensor larger than a bucket (w2: 120 bytes, w4) gets
+        // one of its own, and nothing joins a full one.
+        assert_eq!(
+            names,
+            vec![vec!["w0", "w1"], vec!["w2"], vec!["w3"], vec!["w4"]]
+        );
+    }
+}

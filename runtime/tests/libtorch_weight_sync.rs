@@ -1,0 +1,180 @@
+//! Partial rollout through the router (libtorch): weight updates pushed again and again to two
+//! `moult engine` processes while they generate. No request is lost, every token carries the
+//! version that produced it, and its logprob is the one a forward with that version's weights
+//! gives (so the label is not just a number: the weights really were those).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{dense_model, reference_logprobs, spawn_engine};
+use futures::StreamExt;
+use moult_runtime::engine::sampling::SamplingParams;
+use moult_runtime::model::Qwen3Model;
+use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
+use moult_runtime::weight_sync::orchestrate::WeightSync;
+use serde_json::{json, Value};
+use tch::Tensor;
+use tokio::sync::watch;
+
+/// Tokens, logprobs and per-token versions of one streamed generation.
+type Streamed = (Vec<i64>, Vec<f32>, Vec<u64>, String);
+
+fn spawn_stream(
+    url: String,
+    body: Value,
+    session: String,
+    progress: watch::Sender<usize>,
+) -> tokio::task::JoinHandle<Streamed> {
+    tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(format!("{url}/inference/v1/generate"))
+            .header("x-moult-session", session)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let mut stream = r.bytes_stream();
+        let mut buf = String::new();
+        let mut out: Streamed = Default::default();
+        while let Some(chunk) = stream.next().await {
+            buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            while let Some(end) = buf.find("\n\n") {
+                let event: String = buf.drain(..end + 2).collect();
+                let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data).unwrap();
+                assert!(v.get("error").is_none(), "{v}");
+                let c = &v["choices"][0];
+                for lp in c["logprobs"]["content"].as_array().unwrap() {
+                    out.0.push(lp["token_id"].as_i64().unwrap());
+                    out.1.push(lp["logprob"].as_f64().unwrap() as f32);
+                    out.2
+                        .push(c["weight_versions"][0]["version"].as_u64().unwrap());
+                }
+                if let Some(f) = c["finish_reason"].as_str() {
+                    out.3 = f.to_string();
+                }
+                let _ = progress.send(out.0.len());
+            }
+        }
+        out
+    })
+}
+
+/// Version `v`'s weights: the checkpoint plus noise seeded by `v`.
+fn version(base: &Qwen3Model, v: i64) -> Vec<(String, Tensor)> {
+    tch::manual_seed(v);
+    base.params()
+        .iter()
+        .map(|(name, t)| (name.clone(), t.detach() + Tensor::randn_like(t) * 0.08))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_repeated_weight_updates_under_load_label_every_token() {
+    let dir = dense_model();
+    let (mut a, a_url) = spawn_engine(&dir);
+    let (mut b, b_url) = spawn_engine(&dir);
+    let pool = Arc::new(EnginePool::new(&[a_url, b_url]));
+    tokio::spawn(pool.clone().check_health(HealthOptions::default()));
+    let router = Arc::new(Router::new(pool, policy::by_name("least-tokens").unwrap()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(server::serve(listener, router, std::future::pending()));
+
+    let base = Qwen3Model::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    const UPDATES: i64 = 3;
+    let weights: Vec<Vec<(String, Tensor)>> = (1..=UPDATES).map(|v| version(&base, v)).collect();
+
+    const N: usize = 4;
+    const MAX: usize = 1200;
+    let prompts: Vec<Vec<i64>> = (0..N)
+        .map(|i| (0..6).map(|j| ((i * 91 + j * 7) % 2000) as i64).collect())
+        .collect();
+    let mut tasks = Vec::new();
+    let mut progress = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let (tx, rx) = watch::channel(0);
+        let body = json!({"token_ids": p, "stream": true,
+            "sampling_params": {"max_tokens": MAX, "ignore_eos": true, "seed": i}});
+        tasks.push(spawn_stream(url.clone(), body, format!("s{i}"), tx));
+        progress.push(rx);
+    }
+
+    let mut sync = WeightSync::new(&url);
+    sync.bucket_bytes = 64 << 10; // several buckets per update
+    sync.connect_tcp("127.0.0.1:0", "127.0.0.1").await.unwrap();
+    let mut reports = Vec::new();
+    for (k, w) in weights.iter().enumerate() {
+        // Wait until every request has made progress under the current version.
+        let target = 20 * (k + 1);
+        for p in &mut progress {
+            tokio::time::timeout(Duration::from_secs(60), p.wait_for(|&n| n >= target))
+                .await
+                .unwrap()
+                .unwrap();
+        }
+        reports.push(sync.update(w, k as u64 + 1, true).await.unwrap());
+    }
+    assert!(reports.iter().all(|r| r.buckets > 1 && r.bytes > 0));
+
+    let params = SamplingParams {
+        max_tokens: MAX,
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: None,
+        seed: None,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+        min_tokens: 0,
+        top_logprobs: 0,
+    };
+    let models: Vec<Qwen3Model> = std::iter::once(base)
+        .chain(weights.iter().map(|w| {
+            let m = Qwen3Model::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+            tch::no_grad(|| {
+                for (name, t) in w {
+                    m.params()[name].shallow_clone().copy_(t);
+                }
+            });
+            m
+        }))
+        .collect();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let (ids, lps, versions, finish) = task.await.unwrap();
+        assert_eq!(finish, "length", "request {i}");
+        assert_eq!(ids.len(), MAX, "request {i}: nothing lost");
+        assert!(
+            versions.windows(2).all(|w| w[0] <= w[1]),
+            "request {i}: versions never go back"
+        );
+        assert_eq!(versions[0], 0);
+        assert_eq!(
+            *versions.last().unwrap(),
+            UPDATES as u64,
+            "request {i} saw every update"
+        );
+        for v in 0..=UPDATES as usize {
+            let reference = reference_logprobs(&models[v], &prompts[i], &ids, &params, None);
+            for (k, (&got, &want)) in lps.iter().zip(&reference).enumerate() {
+                if versions[k] as usize == v {
+                    assert!(
+                        (got - want).abs() < 1e-4,
+                        "request {i} token {k} (version {v}): {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+    for child in [&mut a, &mut b] {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
