@@ -12,6 +12,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+mod common;
+use common::{hammer, stub_engine};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -168,64 +171,6 @@ fn per_turn_overhead() {
     );
 }
 
-/// A stub engine: every generate request gets one token and its finish at once.
-async fn stub_engine() -> String {
-    async fn generate(
-    ) -> Sse<futures::stream::Iter<std::vec::IntoIter<Result<Event, std::convert::Infallible>>>>
-    {
-        let token = json!({"request_id": "x", "choices": [{"index": 0, "token_ids": [9707],
-            "logprobs": {"content": [{"token_id": 9707, "logprob": -0.1}]}, "finish_reason": null,
-            "routed_experts": null, "weight_versions": [{"version": 0, "start": 0, "end": 1}]}]});
-        let end = json!({"request_id": "x", "choices": [{"index": 0, "token_ids": [],
-            "logprobs": {"content": []}, "finish_reason": "length", "routed_experts": null,
-            "weight_versions": []}], "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}});
-        Sse::new(futures::stream::iter(vec![
-            Ok(Event::default().data(token.to_string())),
-            Ok(Event::default().data(end.to_string())),
-            Ok(Event::default().data("[DONE]")),
-        ]))
-    }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = Router::new().route("/inference/v1/generate", post(generate));
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
-}
-
-/// Sends every `(path, body)` to `url` from `concurrency` clients; the elapsed time.
-async fn hammer(url: String, bodies: Vec<(String, Value)>, concurrency: usize) -> Duration {
-    let client = reqwest::Client::new();
-    let bodies = Arc::new(bodies);
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let start = Instant::now();
-    let workers: Vec<_> = (0..concurrency)
-        .map(|_| {
-            let (client, url, bodies, next) =
-                (client.clone(), url.clone(), bodies.clone(), next.clone());
-            tokio::spawn(async move {
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some((path, body)) = bodies.get(i) else {
-                        break;
-                    };
-                    let r = client
-                        .post(format!("{url}{path}"))
-                        .json(body)
-                        .send()
-                        .await
-                        .unwrap();
-                    assert!(r.status().is_success(), "{path}: {}", r.status());
-                    r.bytes().await.unwrap();
-                }
-            })
-        })
-        .collect();
-    for w in workers {
-        w.await.unwrap();
-    }
-    start.elapsed()
-}
-
 async fn requests_per_second() {
     let dir = qwen3_dir();
     let engine = stub_engine().await;
@@ -270,8 +215,8 @@ async fn requests_per_second() {
         .collect();
     // Warm both paths (connections, allocator) before measuring.
     hammer(engine.clone(), direct[..200].to_vec(), 8).await;
-    let d = hammer(engine.clone(), direct, 8).await.as_secs_f64();
-    let c = hammer(lb.clone(), chat, 8).await.as_secs_f64();
+    let d = hammer(engine.clone(), direct, 8).await.0.as_secs_f64();
+    let c = hammer(lb.clone(), chat, 8).await.0.as_secs_f64();
     let (rd, rc) = (REQUESTS as f64 / d, REQUESTS as f64 / c);
     println!("| engine alone (generate, streamed) | {REQUESTS} | {d:.2} | {rd:.0} | 1.00x |");
     println!(
