@@ -16,11 +16,8 @@ use std::process::Command;
 mod common;
 use common::{hammer, stub_engine};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use axum::response::sse::{Event, Sse};
-use axum::routing::post;
-use axum::Router;
 use moult_runtime::chat::{ChatTemplate, Message, RenderOptions, Role, Tokenizer};
 use moult_runtime::loopback::session::{Sampled, Session};
 use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
