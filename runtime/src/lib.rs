@@ -8,5 +8,6 @@ pub mod chat;
 pub mod engine;
 pub mod loopback;
 pub mod model;
+pub mod rollout;
 pub mod router;
 pub mod weight_sync;

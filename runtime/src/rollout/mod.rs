@@ -1,0 +1,293 @@
+//! The streaming rollout pool (DESIGN §5, §6 "Staleness"): keeps prompt groups in flight so
+//! engines never starve, completes a group when all its samples are done, and hands finished
+//! groups to the trainer's queue, enforcing the staleness bound.
+//!
+//! - A **group** is `group_size` episodes of one task; it completes when every sample has, in any
+//!   order (slow tails carry over: the trainer takes whatever groups are done).
+//! - **Admission control**: at most `(max_staleness + 1) * batch_size` groups are generating,
+//!   queued or being trained on at once (a group holds its slot until the trainer drops it). So
+//!   the queue is bounded, and with `max_staleness` 0 generation waits for training (on-policy).
+//! - **Staleness**: a finished group whose oldest sampled token is more than `max_staleness`
+//!   versions behind the current policy is dropped (counted), never handed to the trainer.
+//! - **Failures**: a group with a failed episode is dropped whole (its reason logged and counted):
+//!   group-normalised advantages need every sample.
+//! - The **data cursor** (next task, epoch) is part of the state, so a restarted run continues
+//!   where it stopped ([`RolloutState`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::agents::{AgentPool, Episode, EpisodeStatus};
+
+/// Why the rollout pool cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum RolloutError {
+    #[error("the dataset has no tasks")]
+    EmptyDataset,
+    #[error("{0}")]
+    Options(String),
+}
+
+/// Runs one episode of a task (the agent pool, or a stand-in in unit tests).
+pub trait EpisodeRunner: Send + Sync + 'static {
+    fn run(&self, index: usize, task: Json) -> BoxFuture<'_, Episode>;
+}
+
+impl EpisodeRunner for AgentPool {
+    fn run(&self, index: usize, task: Json) -> BoxFuture<'_, Episode> {
+        Box::pin(self.episode(index, task))
+    }
+}
+
+/// Settings of the rollout pool (the RLRun's `algorithm` section).
+#[derive(Debug, Clone)]
+pub struct RolloutOptions {
+    /// Samples per task (GRPO's group).
+    pub group_size: usize,
+    /// Groups per training batch.
+    pub batch_size: usize,
+    /// How many policy versions behind a trained-on token may be.
+    pub max_staleness: u64,
+}
+
+impl RolloutOptions {
+    /// Groups in flight or queued at most: `(max_staleness + 1)` batches.
+    pub fn max_groups(&self) -> usize {
+        (self.max_staleness as usize + 1) * self.batch_size
+    }
+}
+
+/// Where the data stands: checkpointed with the run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolloutState {
+    /// The next task to start (index into the dataset).
+    pub cursor: usize,
+    /// Full passes over the dataset so far.
+    pub epoch: usize,
+}
+
+/// A finished group: `group_size` completed episodes of one task. It holds its admission slot
+/// until the trainer drops it, so groups generating, queued and being trained on together never
+/// exceed `max_groups` (with `max_staleness` 0, generation waits for training: on-policy RL).
+#[derive(Debug)]
+pub struct Group {
+    /// The task's index in the dataset and the epoch it was drawn in.
+    pub task_index: usize,
+    pub epoch: usize,
+    pub task: Json,
+    pub episodes: Vec<Episode>,
+    /// The oldest policy version among the group's sampled tokens.
+    pub oldest_version: Option<u64>,
+    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// What the pool counted so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct RolloutStats {
+    pub groups_started: u64,
+    pub groups_done: u64,
+    pub dropped_stale: u64,
+    pub dropped_failed: u64,
+}
+
+/// The oldest version that sampled any token of `episodes`.
+pub fn oldest_version(episodes: &[Episode]) -> Option<u64> {
+    episodes
+        .iter()
+        .flat_map(|e| e.segments.iter())
+        .flat_map(|s| s.versions.iter().flatten())
+        .copied()
+        .min()
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<RolloutState>,
+    stats: Mutex<RolloutStats>,
+    /// The policy version engines serve now (set by the weight sync).
+    version: AtomicU64,
+}
+
+/// The streaming rollout pool. [`RolloutPool::start`] runs it; finished groups arrive on the
+/// receiver in completion order.
+#[derive(Debug, Clone)]
+pub struct RolloutPool {
+    shared: Arc<Shared>,
+}
+
+impl RolloutPool {
+    /// Starts drawing tasks from `dataset` at `state`, running `group_size` episodes per task with
+    /// `runner`. The returned receiver is the trainer's queue.
+    pub fn start(
+        runner: Arc<dyn EpisodeRunner>,
+        dataset: Arc<Vec<Json>>,
+        opts: RolloutOptions,
+        state: RolloutState,
+        version: u64,
+    ) -> Result<(Self, mpsc::Receiver<Group>), RolloutError> {
+        if dataset.is_empty() {
+            return Err(RolloutError::EmptyDataset);
+        }
+        if opts.group_size == 0 || opts.batch_size == 0 {
+            return Err(RolloutError::Options(format!(
+                "groupSize and batchSize must be at least 1, got {} and {}",
+                opts.group_size, opts.batch_size
+            )));
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            stats: Mutex::new(RolloutStats::default()),
+            version: AtomicU64::new(version),
+        });
+        // Admission: a permit per group from its start until the trainer took it (or it was
+        // dropped), so in flight + queued never exceeds max_groups.
+        let permits = Arc::new(Semaphore::new(opts.max_groups()));
+        // The queue itself never blocks a finished group: the permits already bound it.
+        let (tx, rx) = mpsc::channel(opts.max_groups());
+        let pool = Self {
+            shared: shared.clone(),
+        };
+        tokio::spawn(async move {
+            let mut next_episode = 0usize;
+            loop {
+                let permit = match permits.clone().acquire_owned().await {
+                    Ok(p) => p,
+                    Err(_) => return,
+                };
+                if tx.is_closed() {
+                    return;
+                }
+                let (task_index, epoch) = {
+                    let mut s = shared.state.lock().expect("state lock");
+                    let at = (s.cursor, s.epoch);
+                    s.cursor += 1;
+                    if s.cursor == dataset.len() {
+                        s.cursor = 0;
+                        s.epoch += 1;
+                    }
+                    at
+                };
+                shared.stats.lock().expect("stats lock").groups_started += 1;
+                let task = dataset[task_index].clone();
+                let first = next_episode;
+                next_episode += opts.group_size;
+                let (runner, shared, tx, opts) =
+                    (runner.clone(), shared.clone(), tx.clone(), opts.clone());
+                tokio::spawn(async move {
+                    let episodes = futures::future::join_all(
+                        (0..opts.group_size).map(|k| runner.run(first + k, task.clone())),
+                    )
+                    .await;
+                    let group = Group {
+                        task_index,
+                        epoch,
+                        oldest_version: oldest_version(&episodes),
+                        task,
+                        episodes,
+                        _slot: Some(permit),
+                    };
+                    // A dropped group frees its slot at once; an admitted one when the trainer
+                    // is done with it.
+                    if let Some(group) = Self::admit(&shared, &opts, group) {
+                        let _ = tx.send(group).await;
+                    }
+                });
+            }
+        });
+        Ok((pool, rx))
+    }
+
+    /// Checks a finished group against failures and the staleness bound.
+    fn admit(shared: &Shared, opts: &RolloutOptions, group: Group) -> Option<Group> {
+        let mut stats = shared.stats.lock().expect("stats lock");
+        stats.groups_done += 1;
+        if let Some(failed) = group
+            .episodes
+            .iter()
+            .find(|e| e.status == EpisodeStatus::Failed)
+        {
+            stats.dropped_failed += 1;
+            tracing::warn!(task = group.task_index, reason = ?failed.reason, "group dropped: an episode failed");
+            return None;
+        }
+        let now = shared.version.load(Ordering::Relaxed);
+        if let Some(oldest) = group.oldest_version {
+            if now.saturating_sub(oldest) > opts.max_staleness {
+                stats.dropped_stale += 1;
+                tracing::debug!(
+                    task = group.task_index,
+                    oldest,
+                    now,
+                    "group dropped: too stale"
+                );
+                return None;
+            }
+        }
+        Some(group)
+    }
+
+    /// The engines now serve `version` (called after each weight sync).
+    pub fn set_version(&self, version: u64) {
+        self.shared.version.store(version, Ordering::Relaxed);
+    }
+
+    pub fn version(&self) -> u64 {
+        self.shared.version.load(Ordering::Relaxed)
+    }
+
+    /// The data cursor, for checkpoints.
+    pub fn state(&self) -> RolloutState {
+        *self.shared.state.lock().expect("state lock")
+    }
+
+    pub fn stats(&self) -> RolloutStats {
+        *self.shared.stats.lock().expect("stats lock")
+    }
+}
+
+/// Takes the next `batch_size` groups from the trainer's queue, dropping any that went stale
+/// while they waited (the policy moved on since they finished). `None` when the pool stopped.
+pub async fn next_batch(
+    pool: &RolloutPool,
+    queue: &mut mpsc::Receiver<Group>,
+    opts: &RolloutOptions,
+) -> Option<Vec<Group>> {
+    let mut batch = Vec::with_capacity(opts.batch_size);
+    while batch.len() < opts.batch_size {
+        let group = queue.recv().await?;
+        let now = pool.version();
+        if group
+            .oldest_version
+            .is_some_and(|o| now.saturating_sub(o) > opts.max_staleness)
+        {
+            pool.shared.stats.lock().expect("stats lock").dropped_stale += 1;
+            continue;
+        }
+        batch.push(group);
+    }
+    Some(batch)
+}
+
+/// Tally of versions in a batch (for the staleness histogram the trainer reports).
+pub fn staleness_histogram(batch: &[Group], now: u64) -> HashMap<u64, usize> {
+    let mut h = HashMap::new();
+    for g in batch {
+        for e in &g.episodes {
+            for s in &e.segments {
+                for v in s.versions.iter().flatten() {
+                    *h.entry(now.saturating_sub(*v)).or_insert(0) += 1;
+                }
+            }
+        }
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests;
