@@ -24,8 +24,8 @@ use tch::Tensor;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
     let dir = dense_model();
-    let (mut a, a_url) = spawn_engine(&dir);
-    let (mut b, b_url) = spawn_engine(&dir);
+    let (a, a_url) = spawn_engine(&dir);
+    let (b, b_url) = spawn_engine(&dir);
     let pool = Arc::new(EnginePool::new(&[a_url.clone(), b_url]));
     tokio::spawn(pool.clone().check_health(HealthOptions::default()));
     let router = Arc::new(Router::new(
