@@ -7,6 +7,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MOD="$ROOT/tests/cluster"
+# Go's official tarball installs into /usr/local/go, which not every environment puts on PATH.
+command -v go >/dev/null || export PATH="$PATH:/usr/local/go/bin"
 command -v go >/dev/null || { echo "cluster-build: go not found (Go 1.26+ is needed to build the test control plane)" >&2; exit 1; }
 KEY="$(cat "$MOD/go.mod" "$MOD/go.sum" "$MOD/cmd/etcd/main.go" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
 CACHE="${MOULT_K8S_CACHE:-$HOME/.cache/moult/k8s-bin}"
@@ -26,7 +28,7 @@ LDFLAGS="-s -w -X $VPKG.gitVersion=$K8S_VERSION -X $VPKG.gitMajor=1 -X $VPKG.git
 LDFLAGS="$LDFLAGS -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION"
 (
   cd "$MOD"
-  go build -trimpath -ldflags "$LDFLAGS" -o "$BIN.tmp/" \
+  go build -trimpath -buildvcs=false -ldflags "$LDFLAGS" -o "$BIN.tmp/" \
     k8s.io/kubernetes/cmd/kube-apiserver \
     k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kube-scheduler \
@@ -37,6 +39,8 @@ LDFLAGS="$LDFLAGS -X k8s.io/client-go/pkg/version.gitVersion=$K8S_VERSION"
 )
 for t in "${TOOLS[@]}"; do [ -x "$BIN.tmp/$t" ] || { echo "cluster-build: $t was not built" >&2; exit 1; }; done
 rm -rf "$BIN" && mv "$BIN.tmp" "$BIN"
+# Binaries of older pins are not needed any more.
+find "$CACHE" -mindepth 1 -maxdepth 1 ! -name "$KEY" -exec rm -rf {} +
 echo "built in $(( $(date +%s) - start ))s" > "$BIN/.complete"
 echo "cluster-build: done in $(( $(date +%s) - start ))s" >&2
 echo "$BIN"
