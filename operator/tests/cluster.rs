@@ -684,3 +684,34 @@ fn cluster_a_run_the_operator_cannot_read_is_reported_and_does_not_stall_others(
         "nothing is built for a run that cannot be read"
     );
 }
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_the_coordinators_status_fields_survive_reconciles_and_fill_the_columns() {
+    let ns = Namespace::new("coordinator-status");
+    let _op = Operator::start(&ns, "a");
+    assert!(ns.apply(&small_run("r", 1)).status.success());
+    wait_phase(&ns, "r", "Running");
+    // What the coordinator reports, written with a field manager of its own.
+    let report = r#"{"status":{"policyVersion":3,"step":5,"metrics":{"reward":0.75}}}"#;
+    ns.kubectl(&[
+        "patch",
+        "rlrun/r",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        report,
+    ]);
+    ns.kubectl(&["scale", "rlrun/r", "--replicas=2"]);
+    wait_until(T, "status 2/2", || {
+        ns.get("rlrun/r", "{.status.engines.ready}") == "2/2" && phase(&ns, "r") == "Running"
+    });
+    assert_eq!(ns.get("rlrun/r", "{.status.step}"), "5");
+    assert_eq!(ns.get("rlrun/r", "{.status.policyVersion}"), "3");
+    let row: Vec<String> = ns
+        .kubectl(&["get", "rlr", "r", "--no-headers"])
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    assert_eq!(row[..6], ["r", "Running", "2/2", "3", "5", "0.75"]);
+}
