@@ -155,6 +155,18 @@ fn cluster_example_reaches_running_on_gpu_nodes_with_every_child_owned() {
     assert_eq!(status("Progressing"), "False");
     assert_eq!(status("Degraded"), "False");
     assert_eq!(status("Suspended"), "False");
+    let events = ns.kubectl(&[
+        "get",
+        "events",
+        "--field-selector",
+        "involvedObject.kind=RLRun,involvedObject.name=gsm8k-grpo",
+        "-o",
+        "jsonpath={.items[*].reason}",
+    ]);
+    assert!(
+        events.contains("Pending") && events.contains("Running"),
+        "phase changes are events: {events}"
+    );
     let table = ns.kubectl(&["get", "rlr"]);
     let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
     assert_eq!(

@@ -160,9 +160,14 @@ fn error_policy(guard: Arc<DeserializeGuard<RLRun>>, error: &Error, ctx: Arc<Ctx
     let mut failures = ctx.failures.lock().expect("not poisoned");
     let n = failures.entry(k.clone()).or_insert(0);
     *n = n.saturating_add(1);
-    let delay = Duration::from_secs(1u64 << (*n - 1).min(9)).min(Duration::from_secs(300));
+    let delay = backoff(*n);
     tracing::warn!(run = %k, error = %error, retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
+}
+
+/// Delay before retrying a run that failed `failures` times in a row: 1 s doubling to 5 min.
+fn backoff(failures: u32) -> Duration {
+    Duration::from_secs(1u64 << failures.saturating_sub(1).min(9)).min(Duration::from_secs(300))
 }
 
 async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
@@ -363,4 +368,18 @@ async fn report_malformed(invalid: &InvalidObject, ctx: &Ctx) -> Result<Action> 
         tracing::warn!(error = %e, "cannot publish an event");
     }
     Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::backoff;
+
+    #[test]
+    fn backoff_doubles_from_one_second_to_five_minutes() {
+        let delays: Vec<u64> = (1..=11).map(|n| backoff(n).as_secs()).collect();
+        assert_eq!(delays, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+        assert_eq!(backoff(u32::MAX), Duration::from_secs(300));
+    }
 }
