@@ -85,3 +85,80 @@ pub fn quantile(values: &[f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
+
+fn root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// Runs a Python script of tests/python with the project's interpreter.
+pub fn run_python(args: &[&str]) {
+    let python = std::env::var_os("MOULT_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"));
+    let out = std::process::Command::new(python)
+        .args(args)
+        .output()
+        .expect("run python (source scripts/env.sh first)");
+    assert!(
+        out.status.success(),
+        "{args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The tiny random Qwen3 of the tests, made once under cargo's target directory.
+pub fn tiny_model() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-models");
+    let tiny = dir.join("qwen3-tiny");
+    if !tiny.join("model.safetensors").exists() {
+        let script = root().join("tests/python/make_tiny_models.py");
+        run_python(&[script.to_str().unwrap(), dir.to_str().unwrap()]);
+    }
+    tiny
+}
+
+/// A random model of Qwen3-0.6B's width with `layers` layers, made once.
+pub fn qwen3_width_model(layers: usize) -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("bench-models")
+        .join(format!("qwen3-0.6b-width-{layers}-layers"));
+    if !dir.join("model.safetensors").exists() {
+        let fixture = root().join("../shared/fixtures/qwen3_0.6b_config.json");
+        let mut config: Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+        config["num_hidden_layers"] = json!(layers);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.with_extension("config.json");
+        std::fs::write(&path, config.to_string()).unwrap();
+        let script = root().join("tests/python/make_random_model.py");
+        run_python(&[
+            script.to_str().unwrap(),
+            path.to_str().unwrap(),
+            dir.to_str().unwrap(),
+        ]);
+    }
+    dir
+}
+
+/// Starts a built-in engine in this process on an ephemeral port; its URL.
+pub async fn start_engine(model: &std::path::Path, threads: usize) -> String {
+    use moult_runtime::engine::{http, EngineHandle, EngineOptions};
+    let cfg = moult_runtime::model::ModelConfig::from_dir(model).unwrap();
+    let m =
+        moult_runtime::model::Qwen3Model::load(model, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let opts = EngineOptions {
+        max_batch: 64,
+        max_model_len: 2048,
+        max_prefill_tokens: 2048,
+        max_waiting: 4096,
+        return_routed_experts: false,
+        eos_token_ids: cfg.eos_token_ids.clone(),
+        threads: Some(threads),
+        packed_weights: None,
+    };
+    let (handle, _thread) = EngineHandle::spawn(m, "bench".into(), opts);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(http::serve(listener, handle, std::future::pending()));
+    url
+}

@@ -7,11 +7,14 @@
 //! client sees one uninterrupted generation whose tokens each carry the logprob and weight
 //! version of the engine that sampled them (DESIGN §3: nothing is lost, duplicated or re-sampled
 //! without record). Routed experts come from the engine that finished the request, which
-//! recomputes the routing of every earlier position. An engine's own refusal (a 4xx: bad input)
-//! is the client's answer; a client that goes away stops the engine request.
+//! recomputes the routing of every earlier position. An engine that refuses for now (503 while
+//! paused in `wait` mode, 429 when full) is asked again after a backoff; an engine's own refusal
+//! of the request (a 4xx: bad input) is the client's answer; a client that goes away stops the
+//! engine request.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use futures::StreamExt;
@@ -51,6 +54,9 @@ pub struct RoutedRequest {
 /// Events buffered between an engine stream and a slow client.
 const ROUTED_BUFFER: usize = 64;
 
+/// How long a request waits while every engine refuses it for now (503/429) before it fails.
+const BUSY_PATIENCE: Duration = Duration::from_secs(120);
+
 /// Runs `req` with failover; events arrive on the receiver. Dropping the receiver stops the
 /// engine request.
 pub fn start(router: Arc<Router>, req: RoutedRequest) -> mpsc::Receiver<Result<Routed, ApiError>> {
@@ -76,6 +82,8 @@ async fn run(
     let min_tokens = int_param(&req.params, "min_tokens");
     let mut generated: Vec<i64> = Vec::new();
     let mut failed: Vec<String> = Vec::new();
+    let mut busy_since: Option<Instant> = None;
+    let mut backoff = Duration::from_millis(20);
     loop {
         let tokens = (req.prompt.len() + max_tokens.unwrap_or(0).max(0) as usize) as u64;
         let route = RouteRequest {
@@ -137,8 +145,21 @@ async fn run(
                     message,
                 ));
             }
+            Err(EngineError::Refused { status, message }) if status == 503 || status == 429 => {
+                // Refusing for now (paused in `wait` or `abort` mode, queue full): wait and ask
+                // again, as Retry-After says; a weight sync ends such pauses within seconds.
+                if busy_since.get_or_insert_with(Instant::now).elapsed() > BUSY_PATIENCE {
+                    return Err(ApiError::unavailable(format!(
+                        "every engine refused for {BUSY_PATIENCE:?}: {message}"
+                    )));
+                }
+                drop(_load);
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
             Err(e) => {
-                // Unreachable, or refusing for now (paused without keep, overloaded): next one.
+                // Unreachable, or failing: take it out for this request and try the next one.
                 tracing::warn!(engine = %engine.url(), error = %e, "engine failed a request");
                 if matches!(e, EngineError::Unreachable { .. }) {
                     engine.mark_down();
