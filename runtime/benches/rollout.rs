@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use futures::future::BoxFuture;
 use futures::StreamExt;
 use moult_runtime::agents::{Episode, EpisodeStatus};
-use moult_runtime::engine::client::{EngineClient, EngineSampling, Generated};
+use moult_runtime::engine::client::{EngineClient, Generated};
 use moult_runtime::loopback::Segment;
 use moult_runtime::model::Qwen3Model;
 use moult_runtime::rollout::{
