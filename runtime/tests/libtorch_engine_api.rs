@@ -11,7 +11,7 @@ use moult_runtime::engine::api::{GenerateResponse, WeightVersionSpan};
 use moult_runtime::engine::npy::decode_routed_experts;
 use moult_runtime::engine::sampling::SamplingParams;
 use moult_runtime::engine::weights::{update_info, WeightListener};
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::{LogitsFor, Qwen3Model, SeqInput};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
@@ -332,8 +332,14 @@ async fn push_weights(base: &str, tensors: Vec<(String, Tensor)>, version: u64, 
     assert_eq!(s, 200, "{v}");
 }
 
-/// A streamed response: tokens, logprobs, (version, start) spans, finish reason.
-type Streamed = (Vec<i64>, Vec<f32>, Vec<(u64, usize)>, String);
+/// A streamed response: tokens, logprobs, (version, start) spans, finish reason, routed experts.
+type Streamed = (
+    Vec<i64>,
+    Vec<f32>,
+    Vec<(u64, usize)>,
+    String,
+    Option<String>,
+);
 
 /// Reads a streaming response chunk by chunk, reporting how many tokens arrived so far.
 fn spawn_stream(
@@ -347,8 +353,8 @@ fn spawn_stream(
         assert_eq!(resp.status(), 200);
         let mut stream = resp.bytes_stream();
         let mut buf = String::new();
-        let (mut tokens, mut lps, mut versions, mut finish) =
-            (Vec::new(), Vec::new(), Vec::new(), String::new());
+        let (mut tokens, mut lps, mut versions, mut finish, mut routed) =
+            (Vec::new(), Vec::new(), Vec::new(), String::new(), None);
         while let Some(chunk) = stream.next().await {
             buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
             while let Some(end) = buf.find("\n\n") {
@@ -378,11 +384,12 @@ fn spawn_stream(
                 }
                 if let Some(f) = c["finish_reason"].as_str() {
                     finish = f.to_string();
+                    routed = c["routed_experts"].as_str().map(str::to_string);
                 }
                 let _ = progress.send(tokens.len());
             }
         }
-        (tokens, lps, versions, finish)
+        (tokens, lps, versions, finish, routed)
     })
 }
 
@@ -440,7 +447,7 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
     let p = params(1.0, None, 1.0);
     let mut spanning = 0;
     for (i, task) in tasks.into_iter().enumerate() {
-        let (tokens, lps, versions, finish) = task.await.unwrap();
+        let (tokens, lps, versions, finish, routed) = task.await.unwrap();
         assert_eq!(finish, "length");
         assert_eq!(
             tokens.len(),
@@ -477,6 +484,56 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
             1e-5,
             &format!("request {i}, version-1 tokens vs new weights"),
         );
+        // Routing replay with partial rollout: each position keeps the experts of the version
+        // that first computed it (the old weights up to the last token fed before the update).
+        let (shape, ids) =
+            decode_routed_experts(routed.as_deref().expect("routed_experts")).unwrap();
+        let p_len = 4 + i;
+        let mut seq = prompt(i as i64, p_len);
+        seq.extend_from_slice(&tokens[..tokens.len() - 1]);
+        assert_eq!(shape[0], seq.len());
+        let row = shape[1] * shape[2];
+        let experts = |m: &Qwen3Model| -> Vec<Vec<i64>> {
+            let input = [SeqInput {
+                tokens: &seq,
+                slot: None,
+                replay: None,
+            }];
+            let out = tch::no_grad(|| m.forward(&input, None, LogitsFor::Last)).unwrap();
+            let t = out.routed_experts.unwrap();
+            let flat = Vec::<i64>::try_from(t.flatten(0, -1)).unwrap();
+            flat.chunks(shape[2])
+                .map(|c| {
+                    let mut c = c.to_vec();
+                    c.sort();
+                    c
+                })
+                .collect()
+        };
+        let (e_old, e_new) = (experts(&old), experts(&new));
+        let boundary = p_len + switch - 1;
+        let mut differ = 0;
+        for pos in 0..seq.len() {
+            for l in 0..shape[1] {
+                let at = pos * row + l * shape[2];
+                let mut got: Vec<i64> = ids[at..at + shape[2]]
+                    .iter()
+                    .map(|&e| i64::from(e))
+                    .collect();
+                got.sort();
+                let want = if pos < boundary {
+                    &e_old[pos * shape[1] + l]
+                } else {
+                    &e_new[pos * shape[1] + l]
+                };
+                assert_eq!(&got, want, "request {i} position {pos} layer {l}");
+                differ += usize::from(e_old[pos * shape[1] + l] != e_new[pos * shape[1] + l]);
+            }
+        }
+        assert!(
+            differ > 0,
+            "request {i}: the update changed some routing, so the check means something"
+        );
         let moved = lps[switch..]
             .iter()
             .zip(&p_old[switch..])
@@ -488,7 +545,7 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
         );
     }
     assert!(spanning == n as usize, "every request spans the update");
-    let (tokens, _, versions, _) = late.await.unwrap();
+    let (tokens, _, versions, _, _) = late.await.unwrap();
     assert_eq!(tokens.len(), 10);
     assert!(
         versions.iter().all(|&(v, _)| v == 1),
@@ -512,7 +569,7 @@ async fn libtorch_pause_abort_returns_partial_results_and_refuses_until_resume()
     let (s, _) = post(&format!("{}/pause?mode=abort", engine.url), json!({})).await;
     assert_eq!(s, 200);
     for task in tasks {
-        let (tokens, _, _, finish) = task.await.unwrap();
+        let (tokens, _, _, finish, _) = task.await.unwrap();
         assert_eq!(finish, "abort");
         assert!(
             tokens.len() >= 2 && tokens.len() < 400,
@@ -563,7 +620,7 @@ async fn libtorch_pause_wait_drains_in_flight_requests_first() {
         503,
         "new requests are refused while draining"
     );
-    let (tokens, _, _, finish) = task.await.unwrap();
+    let (tokens, _, _, finish, _) = task.await.unwrap();
     assert_eq!(
         (tokens.len(), finish.as_str()),
         (40, "length"),
@@ -607,7 +664,7 @@ async fn libtorch_abort_requests_ends_one_request_with_its_partial_output() {
     )
     .await;
     assert_eq!(s, 200);
-    let (tokens, _, _, finish) = victim.await.unwrap();
+    let (tokens, _, _, finish, _) = victim.await.unwrap();
     assert_eq!(finish, "abort");
     assert!(tokens.len() < 400);
     assert_eq!(bystander.await.unwrap().choices[0].token_ids.len(), 30);
