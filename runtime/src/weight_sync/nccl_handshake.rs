@@ -455,7 +455,7 @@ mod tests {
         let err = UniqueId::from_b64(&url_safe).unwrap_err().to_string();
         assert!(err.contains("URL-safe base64 is not accepted"), "{err}");
         // vLLM's own fixture: 128 zero bytes.
-        let zeros = "A".repeat(168) + "AA==";
+        let zeros = "A".repeat(171) + "=";
         assert_eq!(UniqueId::from_b64(&zeros).unwrap().0, [0; 128]);
     }
 
