@@ -836,3 +836,132 @@ fn wait(
         std::thread::sleep(POLL);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! What runs without a GPU: input checks and the refusal to start without CUDA. The
+    //! exchange itself is tested in `tests/gpu_nccl_weight_sync.rs`.
+
+    use super::*;
+
+    /// A tensor that only describes itself (never read: the checks fail or stop before CUDA).
+    struct Described {
+        dtype: &'static str,
+        shape: Vec<i64>,
+        ordinal: Option<usize>,
+        bytes: usize,
+    }
+
+    // SAFETY: test double; `bucket_plan` reads only the metadata, never `device_ptr`.
+    unsafe impl DeviceTensor for Described {
+        fn dtype_name(&self) -> Result<&'static str, String> {
+            Ok(self.dtype)
+        }
+        fn shape(&self) -> Vec<i64> {
+            self.shape.clone()
+        }
+        fn cuda_ordinal(&self) -> Option<usize> {
+            self.ordinal
+        }
+        fn device_ptr(&self) -> u64 {
+            unreachable!("a test double is never read")
+        }
+        fn byte_len(&self) -> usize {
+            self.bytes
+        }
+    }
+
+    fn described(shape: Vec<i64>, ordinal: Option<usize>, bytes: usize) -> Described {
+        Described {
+            dtype: "bfloat16",
+            shape,
+            ordinal,
+            bytes,
+        }
+    }
+
+    #[test]
+    fn bucket_plans_check_device_and_length_naming_the_tensor() {
+        let wire = PackedWire {
+            buffer_size_bytes: 10,
+            num_buffers: 2,
+        };
+        let ok = vec![
+            ("a".to_string(), described(vec![2, 2], Some(1), 8)),
+            ("b".to_string(), described(vec![3], Some(1), 6)),
+        ];
+        let plan = bucket_plan(&ok, 1, wire).unwrap();
+        assert_eq!(plan.total_bytes(), 14);
+        assert_eq!(plan.chunks.len(), 1);
+        assert_eq!(plan.update_info().dtype_names, ["bfloat16", "bfloat16"]);
+
+        let cases = [
+            (described(vec![2], Some(0), 4), "on CUDA device Some(0)"),
+            (described(vec![2], None, 4), "on CUDA device None"),
+            (
+                described(vec![2], Some(1), 5),
+                "5 bytes, but bfloat16 of shape [2] take 4",
+            ),
+        ];
+        for (tensor, needle) in cases {
+            let err = bucket_plan(&[("w.weight".to_string(), tensor)], 1, wire)
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with("tensor `w.weight`: "), "{err}");
+            assert!(err.contains(needle), "{err}");
+        }
+    }
+
+    #[test]
+    fn libtorch_tensors_off_the_gpu_are_refused_with_their_dtype_named() {
+        let cpu = tch::Tensor::zeros([4, 2], (tch::Kind::BFloat16, tch::Device::Cpu));
+        assert_eq!(DeviceTensor::dtype_name(&cpu).unwrap(), "bfloat16");
+        assert_eq!(DeviceTensor::byte_len(&cpu), 16);
+        assert_eq!(DeviceTensor::cuda_ordinal(&cpu), None);
+        let err = bucket_plan(
+            &[("lm_head.weight".to_string(), cpu)],
+            0,
+            PackedWire::default(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(err, "tensor `lm_head.weight`: on Cpu, not a CUDA device");
+        let kinds = [
+            (tch::Kind::Float, "float32"),
+            (tch::Kind::Half, "float16"),
+            (tch::Kind::Int64, "int64"),
+        ];
+        for (kind, name) in kinds {
+            let t = tch::Tensor::zeros([1], (kind, tch::Device::Cpu));
+            assert_eq!(DeviceTensor::dtype_name(&t).unwrap(), name);
+        }
+        let complex = tch::Tensor::zeros([1], (tch::Kind::ComplexFloat, tch::Device::Cpu));
+        assert!(DeviceTensor::dtype_name(&complex).is_err());
+    }
+
+    /// Without CUDA, `connect` says what is missing instead of panicking in cudarc's loader; with
+    /// it, an engine nobody serves fails at its first call, naming it.
+    #[tokio::test]
+    async fn connect_fails_with_the_reason_without_cuda_or_engine() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let err = NcclWeightSender::connect(0, std::slice::from_ref(&url), Default::default())
+            .await
+            .unwrap_err();
+        match nccl_available() {
+            Err(reason) => {
+                assert!(
+                    matches!(&err, NcclSyncError::Nccl { step: Step::CommInit, message } if *message == reason),
+                    "{err}"
+                );
+            }
+            Ok(_) => {
+                assert!(
+                    matches!(&err, NcclSyncError::Engine { url: u, step: Step::GetWorldSize, .. } if *u == url),
+                    "{err}"
+                );
+            }
+        }
+    }
+}
