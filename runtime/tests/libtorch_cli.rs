@@ -210,3 +210,62 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
     engine.wait().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `moult router` in front of two `moult engine`s, as docs/router.md shows it.
+#[tokio::test]
+async fn libtorch_cli_router_routes_to_its_engines() {
+    let model = common::dense_model();
+    let (mut a, a_url) = spawn_engine(&model);
+    let (mut b, b_url) = spawn_engine(&model);
+    let mut router = moult()
+        .args([
+            "router", "--engine", &a_url, "--engine", &b_url, "--port", "0",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(router.stdout.take().unwrap()).lines();
+    let line = lines.next().unwrap().unwrap();
+    let url = line
+        .strip_prefix("moult router listening on ")
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("unexpected: {line}"))
+        .to_string();
+    let client = reqwest::Client::new();
+    let body = serde_json::json!({"token_ids": [2001, 273, 105], "sampling_params": {"max_tokens": 4, "ignore_eos": true}});
+    let v: serde_json::Value = client
+        .post(format!("{url}/inference/v1/generate"))
+        .header("x-moult-session", "s")
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        v["choices"][0]["token_ids"].as_array().unwrap().len(),
+        4,
+        "{v}"
+    );
+    let engines: serde_json::Value = client
+        .get(format!("{url}/engines"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(engines["engines"].as_array().unwrap().len(), 2);
+    let bad = moult()
+        .args(["router", "--engine", "localhost:1", "--port", "0"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("must be a URL"));
+    for child in [&mut router, &mut a, &mut b] {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
