@@ -348,6 +348,10 @@ impl NcclWeightSender {
         // Checked before any engine hears of the bucket.
         let plan = bucket_plan(&tensors, self.ordinal, self.config.wire)?;
         let info = plan.update_info();
+        // Until this call returns, the device is with the broadcast task; if the caller drops
+        // this future meanwhile, the task finishes (or aborts) on its own and the sender stays
+        // unusable with this reason.
+        self.broken = "a send_bucket call was dropped before it finished".into();
         let mut device = self.device.take().expect("checked by usable()");
         let cancel = Arc::new(AtomicBool::new(false));
         let deadline = Deadline::new(self.config.nccl_timeout(), &self.engines);
@@ -367,6 +371,7 @@ impl NcclWeightSender {
         match tokio::try_join!(broadcast, posts) {
             Ok((device, ())) => {
                 self.device = Some(device);
+                self.broken.clear();
                 Ok(())
             }
             Err(e) => {
@@ -637,13 +642,14 @@ fn describe(comm: Option<&Comm>, result: nccl_sys::ncclResult_t) -> String {
     message
 }
 
-/// The trainer's GPU side: context, stream, communicator and the packing buffer.
+/// The trainer's GPU side: communicator, packing buffer, stream and context. Fields drop in this
+/// order: the abort first, so no collective still uses the buffer or the stream when they go.
 struct Device {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
     comm: Comm,
     /// Grown to the largest multi-tensor chunk and reused across buckets.
     pack: Option<CudaSlice<u8>>,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
 }
 
 impl std::fmt::Debug for Device {
