@@ -13,7 +13,8 @@
 //!
 //! Run that way on a machine that lacks what a test needs, the test fails with the reason: it
 //! never passes without having exchanged bytes. NCCL refuses two ranks of one communicator on
-//! the same GPU, so the exchange tests need two GPUs; the failure tests need one.
+//! the same GPU within one host identity ("Duplicate GPU detected"), and the stand-in engines run
+//! in this process, so the exchange test needs two GPUs; the failure tests need one.
 #![cfg(feature = "cuda")]
 
 use std::sync::{Arc, Mutex};
