@@ -945,6 +945,38 @@ mod tests {
         assert!(DeviceTensor::dtype_name(&complex).is_err());
     }
 
+    /// An engine failing its HTTP call raises the cancel flag the NCCL wait polls, so rank 0 stops
+    /// waiting for a collective that engine will not join; all succeeding leaves it down.
+    #[tokio::test]
+    async fn an_engine_failing_cancels_the_collective_wait() {
+        let refused = || NcclSyncError::Engine {
+            url: "http://e1".into(),
+            step: Step::UpdateWeights,
+            message: "HTTP 400".into(),
+        };
+        let cancel = AtomicBool::new(false);
+        let calls = vec![
+            Box::pin(std::future::pending::<Result<(), NcclSyncError>>())
+                as std::pin::Pin<Box<dyn Future<Output = _> + Send>>,
+            Box::pin(async move { Err(refused()) }),
+        ];
+        // The other engine never answers: the error must not wait for it.
+        let err = tokio::time::timeout(Duration::from_secs(5), fan_out(&cancel, calls.into_iter()))
+            .await
+            .expect("fan_out returns at the first error")
+            .unwrap_err();
+        assert!(err
+            .to_string()
+            .starts_with("engine http://e1, POST /update_weights"));
+        assert!(cancel.load(Ordering::Acquire));
+
+        let cancel = AtomicBool::new(false);
+        fan_out(&cancel, (0..3).map(|_| async { Ok(()) }))
+            .await
+            .unwrap();
+        assert!(!cancel.load(Ordering::Acquire));
+    }
+
     /// Without CUDA, `connect` says what is missing instead of panicking in cudarc's loader; with
     /// it, an engine nobody serves fails at its first call, naming it.
     #[tokio::test]
