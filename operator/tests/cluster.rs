@@ -302,7 +302,7 @@ fn cluster_invalid_manifests_are_rejected_with_their_messages() {
 
 #[test]
 #[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
-fn cluster_children_deleted_or_edited_by_hand_are_restored() {
+fn cluster_children_deleted_or_edited_by_hand_are_restored_and_follow_the_spec() {
     let ns = Namespace::new("restore");
     let _op = Operator::start(&ns, "a");
     assert!(ns.apply(&small_run("r", 1)).status.success());
@@ -329,6 +329,28 @@ fn cluster_children_deleted_or_edited_by_hand_are_restored() {
     ]);
     wait_until(T, "the engine image to be restored", || {
         ns.get("statefulset/r-engine", image) == want
+    });
+    // A field the spec no longer sets leaves the child too.
+    let cpu = "{.spec.template.spec.containers[0].resources.requests.cpu}";
+    ns.kubectl(&[
+        "patch",
+        "rlrun/r",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"engines":{"resources":{"requests":{"cpu":"3"}}}}}"#,
+    ]);
+    wait_until(T, "the engine CPU request", || {
+        ns.get("statefulset/r-engine", cpu) == "3"
+    });
+    ns.kubectl(&[
+        "patch",
+        "rlrun/r",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"engines":{"resources":null}}}"#,
+    ]);
+    wait_until(T, "the engine CPU request to go", || {
+        ns.get("statefulset/r-engine", cpu).is_empty()
     });
     ns.kubectl(&[
         "label",

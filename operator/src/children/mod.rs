@@ -31,6 +31,10 @@ pub const MANAGED_BY: &str = "moult-operator";
 /// Pod-template annotation with a hash of the run config, so pods restart when it changes
 /// (but not when only replica counts or `suspend` change).
 pub const CONFIG_HASH_ANNOTATION: &str = "moult.dev/config-hash";
+/// Annotation on every child with a hash of what the operator applied: a field dropped from the
+/// desired object changes it, so the controller re-applies (and server-side apply removes the
+/// field) even though the live object still has every desired field.
+pub const APPLIED_HASH_ANNOTATION: &str = "moult.dev/applied-hash";
 /// Key of the per-run token in its Secret.
 pub const TOKEN_KEY: &str = "token";
 
@@ -132,6 +136,17 @@ impl Children {
             let mut object = serde_json::to_value(k).expect("k8s-openapi objects serialize");
             object["apiVersion"] = K::api_version(&()).into();
             object["kind"] = K::kind(&()).into();
+            let hash = format!(
+                "{:016x}",
+                fnv1a(&serde_json::to_vec(&object).expect("JSON serializes"))
+            );
+            let meta = object["metadata"]
+                .as_object_mut()
+                .expect("objects have metadata");
+            let annotations = meta
+                .entry("annotations")
+                .or_insert_with(|| serde_json::json!({}));
+            annotations[APPLIED_HASH_ANNOTATION] = hash.into();
             Child {
                 kind,
                 name: k.meta().name.clone().unwrap_or_default(),

@@ -367,3 +367,23 @@ fn a_run_without_uid_is_refused_not_built_without_owner() {
     run.metadata.uid = None;
     assert!(desired(&run, &Images::default(), "t").is_err());
 }
+
+#[test]
+fn the_applied_hash_changes_when_a_field_leaves_the_desired_object() {
+    let mut run = example_run();
+    let hash = |run: &RLRun| {
+        let list = build(run).into_list();
+        let engines = list
+            .iter()
+            .find(|c| c.name == "gsm8k-grpo-engine" && c.kind == ChildKind::StatefulSet)
+            .unwrap();
+        engines.object["metadata"]["annotations"][APPLIED_HASH_ANNOTATION]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let with_resources = hash(&run);
+    assert_eq!(hash(&run), with_resources, "the hash is stable");
+    run.spec.engines.resources = None;
+    assert_ne!(hash(&run), with_resources);
+}

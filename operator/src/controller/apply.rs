@@ -2,9 +2,11 @@
 //! apply only what differs, delete what is no longer desired.
 //!
 //! "Differs" means some field we set is missing or has another value in the live object
-//! ([`covers`]); fields that the API server defaults or other managers own do not count. So a
-//! reconcile with nothing to change makes no write at all, and a child edited or deleted by
-//! hand is restored on the next reconcile (the watch on children triggers it).
+//! ([`covers`]); fields that the API server defaults or other managers own do not count. Every
+//! child also carries a hash of the applied object (`moult.dev/applied-hash`), so a field that
+//! left the desired object makes it differ too. So a reconcile with nothing to change makes no
+//! write at all, and a child edited or deleted by hand is restored on the next reconcile (the
+//! watch on children triggers it).
 
 use std::collections::BTreeMap;
 
