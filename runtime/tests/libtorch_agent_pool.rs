@@ -9,12 +9,14 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{chat_model, dense_model, engine_options, python, start_engine};
+use common::{
+    chat_model, dense_model, engine_options, metric, python, start_engine, start_loopback,
+};
 use moult_runtime::agents::env::EnvLoopOptions;
 use moult_runtime::agents::process::{describe_python, AgentCommand};
 use moult_runtime::agents::{Agent, AgentPool, Episode, EpisodeStatus, PoolOptions};
-use moult_runtime::chat::{ChatSampling, ChatTemplate, Tokenizer};
-use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
+use moult_runtime::chat::ChatSampling;
+use moult_runtime::loopback;
 use serde_json::{json, Value};
 
 /// A file under the repository root.
@@ -24,27 +26,6 @@ fn agent_file(path: &str) -> String {
         .join(path)
         .display()
         .to_string()
-}
-
-async fn service(engine_url: &str, model: &Path, template: &Path) -> (String, Arc<ChatService>) {
-    let service = Arc::new(ChatService::new(
-        EngineClient::new(engine_url),
-        Tokenizer::from_model_dir(model).unwrap(),
-        ChatTemplate::from_model_dir(template).unwrap(),
-        ServiceOptions {
-            max_sessions: 64,
-            model_name: "tiny".into(),
-        },
-    ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(loopback::serve(
-        listener,
-        service.clone(),
-        loopback::DEFAULT_MAX_BODY_BYTES,
-        std::future::pending(),
-    ));
-    (url, service)
 }
 
 fn options(url: &str, timeout: Duration, scratch: &str) -> PoolOptions {
@@ -103,7 +84,13 @@ fn expected_think() -> Vec<Vec<i64>> {
 async fn libtorch_both_agent_forms_run_in_the_pool() {
     let model = chat_model();
     let engine = start_engine(&model, engine_options()).await;
-    let (url, service) = service(&engine.url, &model, &model).await;
+    let (url, service) = start_loopback(
+        &engine.url,
+        &model,
+        &model,
+        loopback::DEFAULT_MAX_BODY_BYTES,
+    )
+    .await;
 
     // ChatAgents: the user's own programs on the openai and anthropic SDKs, with tool calls,
     // one process per episode (the examples of examples/agents/).
@@ -179,18 +166,8 @@ async fn libtorch_both_agent_forms_run_in_the_pool() {
 }
 
 async fn running(engine_url: &str) -> f64 {
-    let text = reqwest::get(format!("{engine_url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| {
-            l.starts_with("vllm:num_requests_running") || l.starts_with("vllm:num_requests_waiting")
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
+    metric(engine_url, "vllm:num_requests_running", "").await
+        + metric(engine_url, "vllm:num_requests_waiting", "").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -200,7 +177,13 @@ async fn libtorch_crashed_failed_and_hung_agents_fail_alone() {
     let mut opts = engine_options();
     opts.max_model_len = 4096;
     let engine = start_engine(&dense_model(), opts).await;
-    let (url, service) = service(&engine.url, &dense_model(), &chat_model()).await;
+    let (url, service) = start_loopback(
+        &engine.url,
+        &dense_model(),
+        &chat_model(),
+        loopback::DEFAULT_MAX_BODY_BYTES,
+    )
+    .await;
     let agent = python_agent("tests/python/agents/misbehaving_agent.py").await;
     let pool = AgentPool::new(
         service.clone(),

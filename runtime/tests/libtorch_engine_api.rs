@@ -332,7 +332,7 @@ async fn push_weights(base: &str, tensors: Vec<(String, Tensor)>, version: u64, 
     assert_eq!(s, 200, "{v}");
 }
 
-/// A streamed response: tokens, logprobs, (version, start) spans, finish reason, routed experts.
+/// A streamed response: tokens, logprobs, (version, index) per token, finish reason, routed experts.
 type Streamed = (
     Vec<i64>,
     Vec<f32>,
@@ -350,46 +350,17 @@ fn spawn_stream(
     let url = format!("{base}/inference/v1/generate");
     tokio::spawn(async move {
         let resp = client().post(url).json(&body).send().await.unwrap();
-        assert_eq!(resp.status(), 200);
-        let mut stream = resp.bytes_stream();
-        let mut buf = String::new();
-        let (mut tokens, mut lps, mut versions, mut finish, mut routed) =
-            (Vec::new(), Vec::new(), Vec::new(), String::new(), None);
-        while let Some(chunk) = stream.next().await {
-            buf.push_str(std::str::from_utf8(&chunk.unwrap()).unwrap());
-            while let Some(end) = buf.find("\n\n") {
-                let event: String = buf.drain(..end + 2).collect();
-                let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
-                    continue;
-                };
-                if data == "[DONE]" {
-                    continue;
-                }
-                let v: Value = serde_json::from_str(data).unwrap();
-                let c = &v["choices"][0];
-                for (t, lp) in c["token_ids"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .zip(c["logprobs"]["content"].as_array().unwrap())
-                {
-                    tokens.push(t.as_i64().unwrap());
-                    lps.push(lp["logprob"].as_f64().unwrap() as f32);
-                }
-                for span in c["weight_versions"].as_array().unwrap() {
-                    versions.push((
-                        span["version"].as_u64().unwrap(),
-                        span["start"].as_u64().unwrap() as usize,
-                    ));
-                }
-                if let Some(f) = c["finish_reason"].as_str() {
-                    finish = f.to_string();
-                    routed = c["routed_experts"].as_str().map(str::to_string);
-                }
-                let _ = progress.send(tokens.len());
-            }
-        }
-        (tokens, lps, versions, finish, routed)
+        let g = common::Generation::read(resp, |g| {
+            let _ = progress.send(g.ids.len());
+        })
+        .await;
+        let versions = g
+            .versions
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (v, i))
+            .collect();
+        (g.ids, g.logprobs, versions, g.finish, g.routed_experts)
     })
 }
 
@@ -670,22 +641,6 @@ async fn libtorch_abort_requests_ends_one_request_with_its_partial_output() {
     assert_eq!(bystander.await.unwrap().choices[0].token_ids.len(), 30);
 }
 
-async fn metric(base: &str, name: &str) -> f64 {
-    let text = client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find(|l| l.starts_with(name) && !l.starts_with('#'))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("metric {name} missing from:\n{text}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_client_disconnect_frees_the_slot() {
     let engine = common::start_engine(&common::dense_model(), common::engine_options()).await;
@@ -704,7 +659,7 @@ async fn libtorch_client_disconnect_frees_the_slot() {
         tokio::time::sleep(Duration::from_millis(400)).await;
         let mut running = 1.0;
         for _ in 0..50 {
-            running = metric(&engine.url, "vllm:num_requests_running").await;
+            running = common::metric(&engine.url, "vllm:num_requests_running", "").await;
             if running == 0.0 {
                 break;
             }
@@ -715,7 +670,7 @@ async fn libtorch_client_disconnect_frees_the_slot() {
             "stream={stream}: the abandoned request still runs"
         );
     }
-    let generated = metric(&engine.url, "vllm:generation_tokens_total").await;
+    let generated = common::metric(&engine.url, "vllm:generation_tokens_total", "").await;
     assert!(
         generated > 0.0 && generated < 1000.0,
         "abandoned requests stopped early ({generated} tokens)"
@@ -725,7 +680,7 @@ async fn libtorch_client_disconnect_frees_the_slot() {
         "vllm:kv_cache_usage_perc",
         "vllm:prompt_tokens_total",
     ] {
-        metric(&engine.url, name).await;
+        common::metric(&engine.url, name, "").await;
     }
 }
 

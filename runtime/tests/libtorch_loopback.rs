@@ -7,41 +7,13 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{chat_model, dense_model, engine_options, python, start_engine};
-use moult_runtime::chat::{ChatTemplate, Tokenizer};
-use moult_runtime::loopback::{self, ChatService, EngineClient, Segment, ServiceOptions};
+use common::{
+    chat_model, dense_model, engine_options, metric, python, start_engine, start_loopback,
+};
+use moult_runtime::loopback::Segment;
 use serde_json::{json, Value};
-
-/// Serves a loopback server for `model_dir`'s tokenizer and `template_dir`'s chat template
-/// against the engine at `engine_url`.
-async fn start_loopback(
-    engine_url: &str,
-    model_dir: &Path,
-    template_dir: &Path,
-    max_body: usize,
-) -> (String, Arc<ChatService>) {
-    let service = Arc::new(ChatService::new(
-        EngineClient::new(engine_url),
-        Tokenizer::from_model_dir(model_dir).unwrap(),
-        ChatTemplate::from_model_dir(template_dir).unwrap(),
-        ServiceOptions {
-            max_sessions: 64,
-            model_name: "tiny".into(),
-        },
-    ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(loopback::serve(
-        listener,
-        service.clone(),
-        max_body,
-        std::future::pending(),
-    ));
-    (url, service)
-}
 
 fn expected_segments(name: &str) -> Vec<(Vec<i64>, Vec<u8>)> {
     let text = std::fs::read_to_string(chat_model().join("expected.json")).unwrap();
@@ -225,20 +197,6 @@ async fn libtorch_bad_requests_get_each_protocols_error_and_the_session_survives
     let (status, json) = post_raw(&url, openai, ok.to_string().into_bytes()).await;
     assert_eq!(status, 200, "{json}");
     assert_eq!(service.trajectory("s1").await.unwrap().0, 1);
-}
-
-/// The sum of a metric's samples whose labels include `label` (`key="value"`), 0 when absent.
-async fn metric(engine_url: &str, name: &str, label: &str) -> f64 {
-    let text = reqwest::get(format!("{engine_url}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,14 +9,13 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{chat_model, dense_model, spawn_engine};
+use common::{chat_model, dense_model, spawn_engine, start_router};
 use moult_runtime::agents::env::EnvLoopOptions;
 use moult_runtime::agents::{Agent, AgentPool, PoolOptions};
 use moult_runtime::chat::{ChatSampling, ChatTemplate, Tokenizer};
 use moult_runtime::loopback::{ChatService, EngineClient, ServiceOptions};
 use moult_runtime::model::Qwen3Model;
 use moult_runtime::rollout::{next_batch, RolloutOptions, RolloutPool, RolloutState};
-use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
 use moult_runtime::weight_sync::orchestrate::WeightSync;
 use serde_json::json;
 use tch::Tensor;
@@ -26,15 +25,8 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
     let dir = dense_model();
     let (a, a_url) = spawn_engine(&dir);
     let (b, b_url) = spawn_engine(&dir);
-    let pool = Arc::new(EnginePool::new(&[a_url.clone(), b_url]));
-    tokio::spawn(pool.clone().check_health(HealthOptions::default()));
-    let router = Arc::new(Router::new(
-        pool.clone(),
-        policy::by_name("consistent-hash").unwrap(),
-    ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let router_url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(server::serve(listener, router, std::future::pending()));
+    let (router_url, router) = start_router(&[a_url.clone(), b_url], "consistent-hash").await;
+    let pool = router.pool.clone();
 
     // The random model with the Qwen3 chat template: the env is played badly, but played.
     let service = Arc::new(ChatService::new(

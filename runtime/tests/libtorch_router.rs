@@ -5,71 +5,16 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{dense_model, reference_logprobs, spawn_engine, spawn_engine_on};
+use common::{
+    dense_model, metric, reference_logprobs, spawn_engine, spawn_engine_on, start_router,
+    Generation,
+};
 use futures::StreamExt;
 use moult_runtime::engine::sampling::SamplingParams;
 use moult_runtime::model::Qwen3Model;
-use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
 use serde_json::{json, Value};
-
-async fn start_router(engines: &[String], policy_name: &str) -> (String, Arc<Router>) {
-    let pool = Arc::new(EnginePool::new(engines));
-    tokio::spawn(pool.clone().check_health(HealthOptions {
-        interval: Duration::from_millis(200),
-        timeout: Duration::from_millis(500),
-        failures_to_down: 2,
-    }));
-    let router = Arc::new(Router::new(pool, policy::by_name(policy_name).unwrap()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(server::serve(
-        listener,
-        router.clone(),
-        std::future::pending(),
-    ));
-    (url, router)
-}
-
-/// One streamed generation: its tokens, logprobs, versions and finish reason.
-#[derive(Debug, Default)]
-struct Streamed {
-    ids: Vec<i64>,
-    logprobs: Vec<f32>,
-    versions: Vec<u64>,
-    finish: Option<String>,
-    completion_tokens: u64,
-}
-
-fn absorb(out: &mut Streamed, data: &str) {
-    if data == "[DONE]" {
-        return;
-    }
-    let v: Value = serde_json::from_str(data).unwrap();
-    assert!(v.get("error").is_none(), "{v}");
-    let c = &v["choices"][0];
-    for (i, lp) in c["logprobs"]["content"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .enumerate()
-    {
-        out.ids.push(lp["token_id"].as_i64().unwrap());
-        out.logprobs.push(lp["logprob"].as_f64().unwrap() as f32);
-        let span = &c["weight_versions"][0];
-        assert_eq!(
-            span["start"].as_u64().unwrap() as usize,
-            out.ids.len() - 1 - i + i
-        );
-        out.versions.push(span["version"].as_u64().unwrap());
-    }
-    if let Some(f) = c["finish_reason"].as_str() {
-        out.finish = Some(f.to_string());
-        out.completion_tokens = v["usage"]["completion_tokens"].as_u64().unwrap();
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
@@ -116,7 +61,7 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
         "{engines}"
     );
 
-    let mut outs: Vec<Streamed> = (0..N).map(|_| Streamed::default()).collect();
+    let mut outs: Vec<Generation> = (0..N).map(|_| Generation::default()).collect();
     let mut buffers = vec![String::new(); N];
     let mut killed = false;
     let mut done = [false; N];
@@ -135,7 +80,7 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
                         let event: String = buffers[i].drain(..end + 2).collect();
                         for line in event.lines() {
                             if let Some(data) = line.strip_prefix("data: ") {
-                                absorb(&mut outs[i], data);
+                                outs[i].absorb(data);
                             }
                         }
                     }
@@ -167,7 +112,7 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
         top_logprobs: 0,
     };
     for (i, out) in outs.iter().enumerate() {
-        assert_eq!(out.finish.as_deref(), Some("length"), "request {i}");
+        assert_eq!(out.finish, "length", "request {i}");
         assert_eq!(out.ids.len(), MAX, "request {i}: every token, once");
         assert_eq!(out.completion_tokens as usize, MAX);
         assert!(out.versions.iter().all(|&v| v == 0));
@@ -202,16 +147,7 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
 }
 
 async fn success_count(engine: &str) -> f64 {
-    let text = reqwest::get(format!("{engine}/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("vllm:request_success_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
+    metric(engine, "vllm:request_success_total", "").await
 }
 
 async fn engines_status(client: &reqwest::Client, url: &str) -> Vec<(String, bool)> {

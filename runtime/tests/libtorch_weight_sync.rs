@@ -5,28 +5,22 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{dense_model, reference_logprobs, spawn_engine};
-use futures::StreamExt;
+use common::{dense_model, reference_logprobs, spawn_engine, start_router, Generation};
 use moult_runtime::engine::sampling::SamplingParams;
 use moult_runtime::model::Qwen3Model;
-use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
 use moult_runtime::weight_sync::orchestrate::WeightSync;
 use serde_json::{json, Value};
 use tch::Tensor;
 use tokio::sync::watch;
-
-/// Tokens, logprobs and per-token versions of one streamed generation.
-type Streamed = (Vec<i64>, Vec<f32>, Vec<u64>, String);
 
 fn spawn_stream(
     url: String,
     body: Value,
     session: String,
     progress: watch::Sender<usize>,
-) -> tokio::task::JoinHandle<Streamed> {
+) -> tokio::task::JoinHandle<Generation> {
     tokio::spawn(async move {
         let r = reqwest::Client::new()
             .post(format!("{url}/inference/v1/generate"))
@@ -35,36 +29,10 @@ fn spawn_stream(
             .send()
             .await
             .unwrap();
-        assert_eq!(r.status(), 200);
-        let mut stream = r.bytes_stream();
-        let mut buf = String::new();
-        let mut out: Streamed = Default::default();
-        while let Some(chunk) = stream.next().await {
-            buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
-            while let Some(end) = buf.find("\n\n") {
-                let event: String = buf.drain(..end + 2).collect();
-                let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
-                    continue;
-                };
-                if data == "[DONE]" {
-                    continue;
-                }
-                let v: Value = serde_json::from_str(data).unwrap();
-                assert!(v.get("error").is_none(), "{v}");
-                let c = &v["choices"][0];
-                for lp in c["logprobs"]["content"].as_array().unwrap() {
-                    out.0.push(lp["token_id"].as_i64().unwrap());
-                    out.1.push(lp["logprob"].as_f64().unwrap() as f32);
-                    out.2
-                        .push(c["weight_versions"][0]["version"].as_u64().unwrap());
-                }
-                if let Some(f) = c["finish_reason"].as_str() {
-                    out.3 = f.to_string();
-                }
-                let _ = progress.send(out.0.len());
-            }
-        }
-        out
+        Generation::read(r, |g| {
+            let _ = progress.send(g.ids.len());
+        })
+        .await
     })
 }
 
@@ -82,12 +50,7 @@ async fn libtorch_repeated_weight_updates_under_load_label_every_token() {
     let dir = dense_model();
     let (mut a, a_url) = spawn_engine(&dir);
     let (mut b, b_url) = spawn_engine(&dir);
-    let pool = Arc::new(EnginePool::new(&[a_url, b_url]));
-    tokio::spawn(pool.clone().check_health(HealthOptions::default()));
-    let router = Arc::new(Router::new(pool, policy::by_name("least-tokens").unwrap()));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(server::serve(listener, router, std::future::pending()));
+    let (url, _router) = start_router(&[a_url, b_url], "least-tokens").await;
 
     let base = Qwen3Model::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
     const UPDATES: i64 = 3;
@@ -148,7 +111,13 @@ async fn libtorch_repeated_weight_updates_under_load_label_every_token() {
         }))
         .collect();
     for (i, task) in tasks.into_iter().enumerate() {
-        let (ids, lps, versions, finish) = task.await.unwrap();
+        let Generation {
+            ids,
+            logprobs: lps,
+            versions,
+            finish,
+            ..
+        } = task.await.unwrap();
         assert_eq!(finish, "length", "request {i}");
         assert_eq!(ids.len(), MAX, "request {i}: nothing lost");
         assert!(

@@ -182,6 +182,27 @@ impl InvalidRequest {
     }
 }
 
+/// Checks `temperature` (0 to `max_temperature`, the protocol's bound) and `top_p` ((0, 1]).
+pub fn check_sampling(
+    temperature: Option<f64>,
+    max_temperature: f64,
+    top_p: Option<f64>,
+) -> Result<(), InvalidRequest> {
+    if let Some(t) = temperature.filter(|t| !(0.0..=max_temperature).contains(t)) {
+        return Err(InvalidRequest::new(
+            "temperature",
+            format!("temperature must be between 0 and {max_temperature}, got {t}"),
+        ));
+    }
+    if let Some(p) = top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+        return Err(InvalidRequest::new(
+            "top_p",
+            format!("top_p must be in (0, 1], got {p}"),
+        ));
+    }
+    Ok(())
+}
+
 /// Parses tool-call arguments given as a JSON string (OpenAI sends them so) into an object.
 pub fn arguments_object(param: &str, text: &str) -> Result<Json, InvalidRequest> {
     if text.trim().is_empty() {

@@ -11,7 +11,8 @@ mod tool_parser;
 
 pub use detok::DecodeStream;
 pub use messages::{
-    arguments_object, ChatRequest, ChatSampling, InvalidRequest, Message, Role, Tool, ToolCall,
+    arguments_object, check_sampling, ChatRequest, ChatSampling, InvalidRequest, Message, Role,
+    Tool, ToolCall,
 };
 pub use pyjson::{dumps as python_json_dumps, DumpOptions};
 pub use template::{ChatTemplate, RenderOptions, TemplateError};

@@ -14,7 +14,9 @@ use tokio::sync::mpsc;
 use super::error::LoopbackError;
 use super::openai::async_stream;
 use super::service::{ChatService, Finish, TurnOutput, TURN_EVENT_BUFFER};
-use crate::chat::{ChatRequest, ChatSampling, InvalidRequest, Message, Role, Tool, ToolCall};
+use crate::chat::{
+    check_sampling, ChatRequest, ChatSampling, InvalidRequest, Message, Role, Tool, ToolCall,
+};
 
 const PROTOCOL: &str = "anthropic";
 
@@ -281,18 +283,7 @@ impl MessagesRequest {
             }
             Some(other) => return Err(invalid("tool_choice.type", format!("unknown tool_choice type `{other}`: expected auto or none"))),
         };
-        if let Some(t) = self.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
-            return Err(invalid(
-                "temperature",
-                format!("temperature must be between 0 and 1, got {t}"),
-            ));
-        }
-        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
-            return Err(invalid(
-                "top_p",
-                format!("top_p must be in (0, 1], got {p}"),
-            ));
-        }
+        check_sampling(self.temperature, 1.0, self.top_p)?;
         let stop = self.stop_sequences.unwrap_or_default();
         if stop.iter().any(String::is_empty) {
             return Err(invalid(

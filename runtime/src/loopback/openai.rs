@@ -16,7 +16,8 @@ use tokio::sync::mpsc;
 use super::error::LoopbackError;
 use super::service::{ChatService, Finish, TurnEvent, TurnOutput, TURN_EVENT_BUFFER};
 use crate::chat::{
-    arguments_object, ChatRequest, ChatSampling, InvalidRequest, Message, Role, Tool, ToolCall,
+    arguments_object, check_sampling, ChatRequest, ChatSampling, InvalidRequest, Message, Role,
+    Tool, ToolCall,
 };
 
 const PROTOCOL: &str = "openai";
@@ -364,18 +365,7 @@ impl CompletionRequest {
         };
         let max_tokens = positive("max_completion_tokens", self.max_completion_tokens)?
             .or(positive("max_tokens", self.max_tokens)?);
-        if let Some(t) = self.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
-            return Err(invalid(
-                "temperature",
-                format!("temperature must be between 0 and 2, got {t}"),
-            ));
-        }
-        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
-            return Err(invalid(
-                "top_p",
-                format!("top_p must be in (0, 1], got {p}"),
-            ));
-        }
+        check_sampling(self.temperature, 2.0, self.top_p)?;
         Ok(ChatRequest {
             messages,
             tools,

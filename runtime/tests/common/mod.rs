@@ -223,3 +223,134 @@ pub fn spawn_engine_on(model: &Path, port: u16) -> (std::process::Child, String)
 pub fn spawn_engine(model: &Path) -> (std::process::Child, String) {
     spawn_engine_on(model, 0)
 }
+
+/// Serves a loopback server for `tokenizer_dir`'s tokenizer and `template_dir`'s chat template,
+/// generating on the engine (or router) at `engine_url`.
+pub async fn start_loopback(
+    engine_url: &str,
+    tokenizer_dir: &Path,
+    template_dir: &Path,
+    max_body: usize,
+) -> (String, std::sync::Arc<moult_runtime::loopback::ChatService>) {
+    use moult_runtime::chat::{ChatTemplate, Tokenizer};
+    use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
+    let service = std::sync::Arc::new(ChatService::new(
+        EngineClient::new(engine_url),
+        Tokenizer::from_model_dir(tokenizer_dir).unwrap(),
+        ChatTemplate::from_model_dir(template_dir).unwrap(),
+        ServiceOptions {
+            max_sessions: 256,
+            model_name: "tiny".into(),
+        },
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(loopback::serve(
+        listener,
+        service.clone(),
+        max_body,
+        std::future::pending(),
+    ));
+    (url, service)
+}
+
+/// Serves a router over `engines` with `policy`, probing health every 200 ms.
+pub async fn start_router(
+    engines: &[String],
+    policy: &str,
+) -> (String, std::sync::Arc<moult_runtime::router::Router>) {
+    use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
+    let pool = std::sync::Arc::new(EnginePool::new(engines));
+    tokio::spawn(pool.clone().check_health(HealthOptions {
+        interval: std::time::Duration::from_millis(200),
+        timeout: std::time::Duration::from_millis(500),
+        failures_to_down: 2,
+    }));
+    let router = std::sync::Arc::new(Router::new(pool, policy::by_name(policy).unwrap()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(server::serve(
+        listener,
+        router.clone(),
+        std::future::pending(),
+    ));
+    (url, router)
+}
+
+/// The sum of a Prometheus metric's samples at `base/metrics` whose line contains `label`
+/// (`""` for all), 0 when absent.
+pub async fn metric(base: &str, name: &str, label: &str) -> f64 {
+    let text = reqwest::get(format!("{base}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+/// A streamed engine-API generation as it arrives.
+#[derive(Debug, Default, Clone)]
+pub struct Generation {
+    pub ids: Vec<i64>,
+    pub logprobs: Vec<f32>,
+    /// The version of each token.
+    pub versions: Vec<u64>,
+    pub finish: String,
+    pub routed_experts: Option<String>,
+    pub completion_tokens: u64,
+}
+
+impl Generation {
+    /// Takes one SSE `data:` payload.
+    pub fn absorb(&mut self, data: &str) {
+        if data == "[DONE]" {
+            return;
+        }
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        let c = &v["choices"][0];
+        let spans = c["weight_versions"].as_array().unwrap();
+        for lp in c["logprobs"]["content"].as_array().unwrap() {
+            let index = self.ids.len();
+            self.ids.push(lp["token_id"].as_i64().unwrap());
+            self.logprobs.push(lp["logprob"].as_f64().unwrap() as f32);
+            let span = spans
+                .iter()
+                .find(|s| {
+                    s["start"].as_u64().unwrap() as usize <= index
+                        && index < s["end"].as_u64().unwrap() as usize
+                })
+                .unwrap_or_else(|| panic!("token {index} has no version span: {v}"));
+            self.versions.push(span["version"].as_u64().unwrap());
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            self.finish = f.to_string();
+            self.routed_experts = c["routed_experts"].as_str().map(str::to_string);
+            self.completion_tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        }
+    }
+
+    /// Reads a streaming response to its end, calling `progress` after each event.
+    pub async fn read(response: reqwest::Response, mut progress: impl FnMut(&Generation)) -> Self {
+        use futures::StreamExt;
+        assert_eq!(response.status(), 200);
+        let mut stream = response.bytes_stream();
+        let mut buf = String::new();
+        let mut out = Self::default();
+        while let Some(chunk) = stream.next().await {
+            buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            while let Some(end) = buf.find("\n\n") {
+                let event: String = buf.drain(..end + 2).collect();
+                if let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) {
+                    out.absorb(data);
+                    progress(&out);
+                }
+            }
+        }
+        out
+    }
+}
