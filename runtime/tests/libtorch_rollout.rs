@@ -78,6 +78,7 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
     let mut sync = WeightSync::new(&router_url);
     sync.connect_tcp("127.0.0.1:0", "127.0.0.1").await.unwrap();
     let mut extra = None;
+    let mut new_engine: Option<String> = None;
     for step in 1..=5u64 {
         let batch = tokio::time::timeout(
             Duration::from_secs(120),
@@ -109,15 +110,30 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
         }
         drop(batch); // trained
                      // Scale: a third engine joins after step 2; the first leaves after step 4.
+                     // The weight sync connects the data plane again by itself when the engine set changed.
         if step == 2 {
             let (c, c_url) = spawn_engine(&dir);
             pool.add(&c_url);
+            // It serves the checkpoint, not version 1: no generation until an update reaches it.
+            let mut waited = 0;
+            while pool
+                .all()
+                .iter()
+                .any(|e| e.url() == c_url && e.version().is_none())
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                waited += 1;
+                assert!(
+                    waited < 200,
+                    "the health check did not read the new engine's version"
+                );
+            }
+            assert!(pool.routable().iter().all(|e| e.url() != c_url));
+            new_engine = Some(c_url);
             extra = Some(c);
-            sync.connect_tcp("127.0.0.1:0", "127.0.0.1").await.unwrap();
         }
         if step == 4 {
             pool.remove(&a_url);
-            sync.connect_tcp("127.0.0.1:0", "127.0.0.1").await.unwrap();
         }
         tch::manual_seed(step as i64);
         let weights: Vec<(String, Tensor)> = base
@@ -128,6 +144,12 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
         let report = sync.update(&weights, step, true).await.unwrap();
         assert!(report.paused >= report.transfer);
         rollout.set_version(step);
+        if let Some(url) = &new_engine {
+            assert!(
+                pool.routable().iter().any(|e| e.url() == url),
+                "updated, so routed to"
+            );
+        }
     }
     let stats = rollout.stats();
     assert!(stats.groups_done >= 10, "{stats:?}");

@@ -364,7 +364,26 @@ pub struct UpdateInfo {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FinishWeightUpdate {
+    /// A number, or a string of one (vLLM sends its versions as strings).
+    #[serde(deserialize_with = "version_number_or_string")]
     pub weight_version: u64,
+}
+
+fn version_number_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        Number(u64),
+        Text(String),
+    }
+    match Either::deserialize(d)? {
+        Either::Number(n) => Ok(n),
+        Either::Text(s) => s.trim().parse().map_err(|_| {
+            serde::de::Error::custom(format!(
+                "weight_version must be a non-negative integer (or a string of one), got {s:?}"
+            ))
+        }),
+    }
 }
 
 #[cfg(test)]
@@ -375,6 +394,19 @@ mod tests {
         let r: GenerateRequest = serde_json::from_value(json).map_err(|e| e.to_string())?;
         r.validate(100, 64)
             .map_err(|e| format!("{} {}", e.param.clone().unwrap_or_default(), e.message))
+    }
+
+    #[test]
+    fn weight_versions_come_as_numbers_or_strings() {
+        let n: FinishWeightUpdate =
+            serde_json::from_value(serde_json::json!({"weight_version": 7})).unwrap();
+        let s: FinishWeightUpdate =
+            serde_json::from_value(serde_json::json!({"weight_version": "7"})).unwrap();
+        assert_eq!((n.weight_version, s.weight_version), (7, 7));
+        let bad = serde_json::from_value::<FinishWeightUpdate>(
+            serde_json::json!({"weight_version": "v7"}),
+        );
+        assert!(bad.unwrap_err().to_string().contains("weight_version"));
     }
 
     #[test]

@@ -40,11 +40,12 @@ impl Router {
         }
     }
 
-    /// The healthy engine for `request`, skipping `exclude` (engines that already failed it).
+    /// The engine for `request` among those up and current, skipping `exclude` (engines that
+    /// already failed it).
     pub fn pick(&self, request: &RouteRequest<'_>, exclude: &[String]) -> Option<Arc<Engine>> {
         let engines: Vec<Arc<Engine>> = self
             .pool
-            .healthy()
+            .routable()
             .into_iter()
             .filter(|e| !exclude.iter().any(|x| x == e.url()))
             .collect();

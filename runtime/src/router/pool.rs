@@ -4,9 +4,14 @@
 //! (requests and tokens outstanding) is counted by guards that requests hold, so a request that
 //! ends in any way gives its load back. Health is decided in one place: the checker marks an
 //! engine down after consecutive failed `/health` probes (or at once when a request could not
-//! reach it) and up again when a probe succeeds; routing only ever sees engines that are up.
+//! reach it) and up again when a probe succeeds.
+//!
+//! Weights too: once the pool has seen a weight update (`expected` version), an engine whose
+//! `/weight_info` reports another version (it joined, or came back, after the update) still gets
+//! control calls, so the next weight sync reaches it, but no generation until it serves the
+//! current version. Routing only ever sees engines that are up and current.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -23,6 +28,8 @@ pub struct Engine {
     failures: AtomicU64,
     requests: AtomicU64,
     tokens: AtomicU64,
+    /// The weight version it serves, as last seen (-1: not known).
+    version: AtomicI64,
 }
 
 impl Engine {
@@ -33,7 +40,17 @@ impl Engine {
             failures: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
+            version: AtomicI64::new(-1),
         }
+    }
+
+    /// The weight version it serves, if known.
+    pub fn version(&self) -> Option<u64> {
+        u64::try_from(self.version.load(Ordering::Relaxed)).ok()
+    }
+
+    pub fn set_version(&self, version: u64) {
+        self.version.store(version as i64, Ordering::Relaxed);
     }
 
     pub fn url(&self) -> &str {
@@ -102,8 +119,23 @@ impl Drop for LoadGuard {
 pub struct EngineStatus {
     pub url: String,
     pub healthy: bool,
+    /// Up and serving the pool's current weights: it gets generation requests.
+    pub routable: bool,
+    pub version: Option<u64>,
     pub requests: u64,
     pub tokens: u64,
+}
+
+/// The `weight_version` an engine's `/weight_info` reports.
+async fn weight_version(http: &reqwest::Client, url: &str, timeout: Duration) -> Option<u64> {
+    let r = http
+        .get(format!("{url}/weight_info"))
+        .timeout(timeout)
+        .send()
+        .await
+        .ok()?;
+    let v: serde_json::Value = r.json().await.ok()?;
+    v["weight_version"].as_u64()
 }
 
 /// Settings of the health checker.
@@ -126,9 +158,20 @@ impl Default for HealthOptions {
 }
 
 /// The engines of a router.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct EnginePool {
     engines: RwLock<Vec<Arc<Engine>>>,
+    /// The version of the last weight update that went out (-1: none yet).
+    expected: AtomicI64,
+}
+
+impl Default for EnginePool {
+    fn default() -> Self {
+        Self {
+            engines: RwLock::default(),
+            expected: AtomicI64::new(-1),
+        }
+    }
 }
 
 impl EnginePool {
@@ -169,9 +212,37 @@ impl EnginePool {
         self.engines.read().expect("pool lock").clone()
     }
 
-    /// The engines that are up.
+    /// The engines that are up (control calls go to all of them).
     pub fn healthy(&self) -> Vec<Arc<Engine>> {
         self.all().into_iter().filter(|e| e.healthy()).collect()
+    }
+
+    /// The version of the last weight update that went out, if any.
+    pub fn expected_version(&self) -> Option<u64> {
+        u64::try_from(self.expected.load(Ordering::Relaxed)).ok()
+    }
+
+    /// A weight update to `version` reached `engines`.
+    pub fn updated(&self, engines: &[Arc<Engine>], version: u64) {
+        self.expected.store(version as i64, Ordering::Relaxed);
+        for e in engines {
+            e.set_version(version);
+        }
+    }
+
+    fn current(&self, e: &Engine) -> bool {
+        match self.expected_version() {
+            None => true,
+            Some(v) => e.version() == Some(v),
+        }
+    }
+
+    /// The engines that are up and serve the current weights (generation goes to these).
+    pub fn routable(&self) -> Vec<Arc<Engine>> {
+        self.all()
+            .into_iter()
+            .filter(|e| e.healthy() && self.current(e))
+            .collect()
     }
 
     pub fn status(&self) -> Vec<EngineStatus> {
@@ -180,6 +251,8 @@ impl EnginePool {
             .map(|e| EngineStatus {
                 url: e.url().to_string(),
                 healthy: e.healthy(),
+                routable: e.healthy() && self.current(e),
+                version: e.version(),
                 requests: e.requests(),
                 tokens: e.tokens(),
             })
@@ -197,6 +270,12 @@ impl EnginePool {
                 .await
                 .is_ok_and(|r| r.status().is_success());
             e.probe_result(ok, opts.failures_to_down);
+            // An engine not known to serve the current weights: ask which it serves.
+            if ok && !self.current(e) {
+                if let Some(v) = weight_version(http, e.url(), opts.timeout).await {
+                    e.set_version(v);
+                }
+            }
         }))
         .await;
     }
@@ -238,6 +317,14 @@ mod tests {
         assert!(a.healthy(), "one failed probe is not enough");
         a.probe_result(false, 2);
         assert!(!a.healthy());
+        // After an update only the engines that got it are routable.
+        a.probe_result(true, 2);
+        let b = pool.all()[1].clone();
+        assert_eq!(pool.routable().len(), 2);
+        pool.updated(std::slice::from_ref(&a), 3);
+        assert_eq!(pool.routable().len(), 1);
+        b.set_version(3);
+        assert_eq!(pool.routable().len(), 2);
         assert!(pool.remove("http://b:1/"));
         assert_eq!(pool.all().len(), 1);
     }

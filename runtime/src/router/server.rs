@@ -5,7 +5,9 @@
 //! - `POST /inference/v1/abort_requests`: sent to every engine;
 //! - `POST /pause`, `/resume`, `/start_weight_update`, `/update_weights`,
 //!   `/finish_weight_update`: fanned out to every healthy engine; the answer is an error (502,
-//!   naming the engines) unless every engine agreed;
+//!   naming the engines) unless every engine agreed. After a finished update, only engines that
+//!   serve its version get generation requests (one that joins or returns later waits for the
+//!   next update);
 //! - `POST /init_weight_transfer_engine`: fanned out with each engine's `rank_offset` placed after
 //!   the previous engines' ranks (their `/get_world_size`), so one trainer serves them all;
 //! - `GET /is_paused` (all paused), `/get_world_size` (sum), `/weight_info` (per engine),
@@ -243,8 +245,18 @@ async fn broadcast(
         Some(q) => format!("{}?{q}", uri.path()),
         None => uri.path().to_string(),
     };
+    let finished_version = (uri.path() == "/finish_weight_update")
+        .then(|| {
+            let v = &body.as_ref()?["weight_version"];
+            v.as_u64().or_else(|| v.as_str()?.trim().parse().ok())
+        })
+        .flatten();
     let bodies = vec![body; engines.len()];
     let answers = fan_out(&router_http(), &engines, method, &path, bodies).await?;
+    if let Some(version) = finished_version {
+        // These engines serve `version` now; others wait for the next update to be routed to.
+        router.pool.updated(&engines, version);
+    }
     Ok(Json(answers.into_iter().next().unwrap_or(Value::Null)))
 }
 
@@ -352,7 +364,7 @@ async fn abort(State(router): State<Arc<Router>>, body: Bytes) -> Result<Json<Va
 }
 
 async fn health(State(router): State<Arc<Router>>) -> StatusCode {
-    if router.pool.healthy().is_empty() {
+    if router.pool.routable().is_empty() {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK
@@ -360,7 +372,7 @@ async fn health(State(router): State<Arc<Router>>) -> StatusCode {
 }
 
 async fn models(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
-    let engines = router.pool.healthy();
+    let engines = router.pool.routable();
     let first = engines
         .first()
         .ok_or_else(|| ApiError::unavailable("no healthy engine"))?;

@@ -51,6 +51,8 @@ pub struct WeightSync {
     http: reqwest::Client,
     target: String,
     sender: Option<TcpWeightSender>,
+    /// Where the data plane listens and what engines are told, and how many ranks connected.
+    plane: Option<(String, String, usize)>,
     /// Tensors are grouped into buckets of about this many bytes (one `update_weights` each).
     pub bucket_bytes: usize,
     /// Flush size of the packed stream.
@@ -84,6 +86,7 @@ impl WeightSync {
             http: reqwest::Client::new(),
             target: target.trim_end_matches('/').to_string(),
             sender: None,
+            plane: None,
             bucket_bytes: 256 << 20,
             packed_buffer_bytes: DEFAULT_PACKED_BUFFER_BYTES,
         }
@@ -109,15 +112,20 @@ impl WeightSync {
         Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
     }
 
-    /// Opens the TCP data plane: listens on `bind` (`127.0.0.1:0`, `0.0.0.0:29500`), tells every
-    /// engine to connect to `advertise:port`, and waits for all of them (again after the engine set
-    /// changed).
-    pub async fn connect_tcp(&mut self, bind: &str, advertise: &str) -> Result<(), SyncError> {
+    async fn world_size(&self) -> Result<usize, SyncError> {
         let world = self
             .call(reqwest::Method::GET, "/get_world_size", None)
             .await
             .map_err(step("get_world_size"))?;
-        let engines = world["world_size"].as_u64().unwrap_or(1) as usize;
+        Ok(world["world_size"].as_u64().unwrap_or(1) as usize)
+    }
+
+    /// Opens the TCP data plane: listens on `bind` (`127.0.0.1:0`, `0.0.0.0:29500`), tells every
+    /// engine to connect to `advertise:port`, and waits for all of them. [`update`](Self::update)
+    /// connects again by itself when engines joined or left since.
+    pub async fn connect_tcp(&mut self, bind: &str, advertise: &str) -> Result<(), SyncError> {
+        self.sender = None;
+        let engines = self.world_size().await?;
         let listener =
             WeightListener::bind(bind).map_err(|e| step("listen")(format!("{bind}: {e}")))?;
         let port = listener
@@ -145,6 +153,7 @@ impl WeightSync {
             .map_err(|e| step("accept")(e.to_string()))?
             .map_err(|e| step("accept")(e.to_string()))?;
         self.sender = Some(sender);
+        self.plane = Some((bind.to_string(), advertise.to_string(), engines));
         Ok(())
     }
 
@@ -156,8 +165,12 @@ impl WeightSync {
         version: u64,
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
-        if self.sender.is_none() {
+        let Some((bind, advertise, ranks)) = self.plane.clone() else {
             return Err(SyncError::NotConnected);
+        };
+        // Engines joined or left (or a failed transfer dropped the stream): connect again.
+        if self.sender.is_none() || self.world_size().await? != ranks {
+            self.connect_tcp(&bind, &advertise).await?;
         }
         let mode = if partial_rollout { "keep" } else { "wait" };
         let paused_at = Instant::now();
