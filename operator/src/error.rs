@@ -3,7 +3,7 @@
 /// What can go wrong while reconciling a run or holding the lease.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("Kubernetes API call failed: {context}")]
+    #[error("Kubernetes API call failed: {context}: {source}")]
     Kube {
         context: String,
         #[source]

@@ -49,14 +49,20 @@ pub async fn list(client: &Client, namespace: &str, run: &str) -> Result<Live> {
     let lp = ListParams::default().labels(&format!(
         "{RUN_LABEL}={run},{MANAGED_BY_LABEL}={MANAGED_BY}"
     ));
-    let mut live = Live::new();
-    for kind in ChildKind::ALL {
+    let lists = ChildKind::ALL.map(|kind| {
         let api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), namespace, &api_resource(kind));
-        let items = api
-            .list(&lp)
-            .await
-            .context(|| format!("listing the {kind:?}s of {namespace}/{run}"))?;
+        let lp = &lp;
+        async move {
+            let items = api
+                .list(lp)
+                .await
+                .context(|| format!("listing the {kind:?}s of {namespace}/{run}"))?;
+            Ok::<_, crate::error::Error>((kind, items))
+        }
+    });
+    let mut live = Live::new();
+    for (kind, items) in futures::future::try_join_all(lists).await? {
         for o in items {
             live.insert((kind, o.metadata.name.clone().unwrap_or_default()), o);
         }
@@ -74,7 +80,11 @@ pub struct Synced {
 }
 
 /// Applies every desired child that `live` does not already cover and deletes every live child
-/// that is not desired.
+/// that is not desired. Children are applied concurrently in waves: what pods need (config,
+/// token, service account, role, network policy, services), then the RoleBinding (the API server
+/// lets a binder without `bind` rights bind only a Role that exists and whose rules it holds),
+/// then the workloads. A wave's applies all finish before the first error is returned: none is
+/// cancelled half-way.
 pub async fn sync(
     client: &Client,
     namespace: &str,
@@ -82,44 +92,75 @@ pub async fn sync(
     mut live: Live,
 ) -> Result<Synced> {
     let mut out = Synced::default();
-    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    let mut waves: [Vec<Child>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for child in desired {
         let key = (child.kind, child.name.clone());
-        let current = live.remove(&key);
-        if let Some(cur) = &current {
+        if let Some(cur) = live.remove(&key) {
             // Listed items carry no apiVersion/kind; compare the rest.
             let mut want = child.object.clone();
             if let Some(o) = want.as_object_mut() {
                 o.remove("apiVersion");
                 o.remove("kind");
             }
-            let cur_json = serde_json::to_value(cur).expect("objects serialize");
+            let cur_json = serde_json::to_value(&cur).expect("objects serialize");
             if covers(&cur_json, &want) {
-                out.current.insert(key, cur.clone());
+                out.current.insert(key, cur);
                 continue;
             }
         }
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(client.clone(), namespace, &api_resource(child.kind));
-        let applied = api
-            .patch(&child.name, &pp, &Patch::Apply(&child.object))
-            .await
-            .context(|| format!("applying {:?} {namespace}/{}", child.kind, child.name))?;
-        out.applied.push(format!("{:?}/{}", child.kind, child.name));
-        out.current.insert(key, applied);
+        let wave = match child.kind {
+            ChildKind::RoleBinding => 1,
+            ChildKind::StatefulSet | ChildKind::Deployment => 2,
+            _ => 0,
+        };
+        waves[wave].push(child);
     }
-    for ((kind, name), _) in live {
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(client.clone(), namespace, &api_resource(kind));
-        match api.delete(&name, &DeleteParams::background()).await {
-            Ok(_) => out.deleted.push(format!("{kind:?}/{name}")),
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            Err(e) => {
-                return Err(e)
-                    .context(|| format!("deleting the orphan {kind:?} {namespace}/{name}"))
+    let pp = PatchParams::apply(FIELD_MANAGER).force();
+    for wave in waves {
+        let applies = wave.into_iter().map(|child| {
+            let api: Api<DynamicObject> =
+                Api::namespaced_with(client.clone(), namespace, &api_resource(child.kind));
+            let pp = &pp;
+            async move {
+                let applied = api
+                    .patch(&child.name, pp, &Patch::Apply(&child.object))
+                    .await
+                    .context(|| format!("applying {:?} {namespace}/{}", child.kind, child.name))?;
+                Ok::<_, crate::error::Error>((child.kind, child.name, applied))
+            }
+        });
+        let mut first_error = None;
+        for result in futures::future::join_all(applies).await {
+            match result {
+                Ok((kind, name, applied)) => {
+                    out.applied.push(format!("{kind:?}/{name}"));
+                    out.current.insert((kind, name), applied);
+                }
+                Err(e) => first_error = first_error.or(Some(e)),
             }
         }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
     }
+    let deletes = live.into_keys().map(|(kind, name)| {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), namespace, &api_resource(kind));
+        async move {
+            match api.delete(&name, &DeleteParams::background()).await {
+                Ok(_) => Ok(Some(format!("{kind:?}/{name}"))),
+                Err(kube::Error::Api(e)) if e.code == 404 => Ok(None),
+                Err(e) => {
+                    Err(e).context(|| format!("deleting the orphan {kind:?} {namespace}/{name}"))
+                }
+            }
+        }
+    });
+    out.deleted = futures::future::try_join_all(deletes)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect();
     Ok(out)
 }
 
