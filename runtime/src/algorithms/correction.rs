@@ -1,0 +1,93 @@
+//! Off-policy (importance-sampling) correction between the behaviour policy μ that sampled and
+//! π_old the trainer recomputes, Molt's level × mode scheme (DESIGN §6).
+//!
+//! With ρ_t = π_old(a_t)/μ(a_t) and a level's statistic u:
+//! - level `token`: u_t = ρ_t; `seq`: u = Π_t ρ_t; `geo`: u = exp(mean_t log ρ_t);
+//! - mode `mask`: coef_t = ρ_t if low ≤ u ≤ high else 0 (for seq/geo a sequence-level gate in
+//!   front of the token weights); `clip`: coef_t = clamp(u, low, high); `trunc`:
+//!   coef_t = min(u, high).
+//!
+//! `seq` and `geo` only with `mask` (the configuration refuses the others). Typical: geo + mask
+//! [0.99, 1.01]; token + trunc C = 2; token + mask [0.5, 5] (IcePop).
+
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use super::{masked_mean, masked_sum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Level {
+    Token,
+    Seq,
+    Geo,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Mask,
+    Clip,
+    Trunc,
+}
+
+/// An IS correction: level, mode and thresholds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Correction {
+    pub level: Level,
+    pub mode: Mode,
+    /// Lower threshold (mask and clip).
+    pub low: f64,
+    pub high: f64,
+}
+
+impl Correction {
+    /// Refuses combinations DESIGN §6 rules out, naming what is accepted.
+    pub fn validate(&self) -> Result<(), String> {
+        if matches!(self.level, Level::Seq | Level::Geo) && self.mode != Mode::Mask {
+            return Err(format!(
+                "IS level {:?} is a sequence-level gate and works only with mode mask, got {:?}",
+                self.level, self.mode
+            )
+            .to_lowercase());
+        }
+        if self.low.partial_cmp(&self.high) != Some(std::cmp::Ordering::Less) {
+            return Err(format!(
+                "IS thresholds need low < high, got low {} and high {}",
+                self.low, self.high
+            ));
+        }
+        if self.low < 0.0 {
+            return Err(format!("IS threshold low must be ≥ 0, got {}", self.low));
+        }
+        Ok(())
+    }
+
+    /// The per-token coefficients `[batch, time]` (0 where `mask` is 0), from
+    /// `log_rho` = log π_old(a_t) − log μ(a_t).
+    pub fn coefficients(&self, log_rho: &Tensor, mask: &Tensor) -> Tensor {
+        let rho = log_rho.exp();
+        let coef = match (self.level, self.mode) {
+            (Level::Token, Mode::Mask) => {
+                let keep = rho.ge(self.low).logical_and(&rho.le(self.high));
+                &rho * keep.to_kind(rho.kind())
+            }
+            (Level::Token, Mode::Clip) => rho.clamp(self.low, self.high),
+            (Level::Token, Mode::Trunc) => rho.clamp_max(self.high),
+            (Level::Seq | Level::Geo, _) => {
+                // The sequence statistic u, in log space: Σ log ρ (seq) or mean log ρ (geo).
+                let log_u = match self.level {
+                    Level::Seq => masked_sum(log_rho, mask),
+                    _ => masked_mean(log_rho, mask),
+                };
+                let keep = log_u
+                    .ge(self.low.ln())
+                    .logical_and(&log_u.le(self.high.ln()))
+                    .to_kind(rho.kind())
+                    .unsqueeze(-1);
+                &rho * keep
+            }
+        };
+        coef * mask
+    }
+}
