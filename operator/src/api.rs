@@ -128,6 +128,9 @@ pub enum AgentForm {
 #[x_kube(validation = Rule::new("self.form != 'Env' || has(self.env) || has(self.image)").message(
     "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)"
 ))]
+#[x_kube(validation = Rule::new("!has(self.timeout) || self.timeout.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$')").message(
+    "agent.timeout must be a duration such as 90s, 10m or 1h30m"
+))]
 pub struct AgentSpec {
     #[serde(default)]
     pub form: AgentForm,

@@ -269,6 +269,10 @@ fn cluster_invalid_manifests_are_rejected_with_their_messages() {
             "agent.form ChatAgent runs your program: set agent.image and agent.command",
         ),
         (
+            base.replace("    env: math\n", "    env: math\n    timeout: ten minutes\n"),
+            "agent.timeout must be a duration such as 90s, 10m or 1h30m",
+        ),
+        (
             base.replace("    env: math\n", ""),
             "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)",
         ),
