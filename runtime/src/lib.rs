@@ -11,4 +11,5 @@ pub mod loopback;
 pub mod model;
 pub mod rollout;
 pub mod router;
+pub mod trainer;
 pub mod weight_sync;
