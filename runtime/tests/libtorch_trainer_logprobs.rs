@@ -12,8 +12,12 @@ use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
-/// (prompt + output tokens, behaviour logprobs, routed experts) for a few engine generations.
-async fn sample(url: &str, temperature: f64) -> Vec<(Vec<i64>, usize, Vec<f32>, Option<String>)> {
+/// One engine generation: prompt + output tokens, prompt length, behaviour logprobs, routed
+/// experts.
+type Sample = (Vec<i64>, usize, Vec<f32>, Option<String>);
+
+/// A few engine generations.
+async fn sample(url: &str, temperature: f64) -> Vec<Sample> {
     let client = reqwest::Client::new();
     let mut out = Vec::new();
     for i in 0..3i64 {
@@ -48,12 +52,7 @@ async fn sample(url: &str, temperature: f64) -> Vec<(Vec<i64>, usize, Vec<f32>, 
     out
 }
 
-fn check(
-    model: &Qwen3Model,
-    samples: &[(Vec<i64>, usize, Vec<f32>, Option<String>)],
-    temperature: f64,
-    replay: bool,
-) {
+fn check(model: &Qwen3Model, samples: &[Sample], temperature: f64, replay: bool) {
     let replays: Vec<Option<Tensor>> = samples
         .iter()
         .map(|(tokens, _, _, routed)| {
@@ -110,7 +109,7 @@ async fn libtorch_trainer_logprobs_equal_the_engines_behaviour_logprobs() {
     let samples = sample(&engine.url, 1.0).await;
     let params = model.params();
     let w = params.values().next().unwrap();
-    w.shallow_clone().set_requires_grad(true);
+    let _ = w.shallow_clone().set_requires_grad(true);
     let seqs: Vec<Scored> = samples
         .iter()
         .map(|(t, _, _, _)| Scored {
