@@ -654,3 +654,14 @@ fn default_top_p() -> f64 {
 fn default_checkpoint_interval() -> u32 {
     50
 }
+
+#[cfg(feature = "validate")]
+impl RLRun {
+    /// The CRD's CEL rules evaluated here, with the API server's messages: what `kubectl apply`
+    /// would refuse, for a manifest that never meets an API server (local runs). Each error
+    /// names the field path and the rule's message.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        kube::core::cel::validate_cel(self)
+            .map_err(|errors| errors.into_iter().map(|e| e.to_string()).collect())
+    }
+}

@@ -234,61 +234,9 @@ spec:
 fn cluster_invalid_manifests_are_rejected_with_their_messages() {
     let ns = Namespace::new("invalid");
     let base = small_run("bad", 1);
-    let cases: Vec<(String, &str)> = vec![
-        (
-            base.replace("tensorParallelSize: 2}", "tensorParallelSize: 2, gpusPerEngine: 3}"),
-            "engines.gpusPerEngine must be a multiple of engines.tensorParallelSize",
-        ),
-        (
-            base.replace("tensorParallelSize: 2}", "tensorParallelSize: 2, backend: Builtin}"),
-            "engines.tensorParallelSize must be 1 with backend Builtin",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Geo, mode: Clip, low: 0.5, high: 2}}"),
-            "isCorrection.level Seq and Geo are sequence-level gates: they need isCorrection.mode Mask",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Mask, low: 5, high: 0.5}}"),
-            "isCorrection.low must be smaller than isCorrection.high",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Mask, high: 5}}"),
-            "isCorrection.mode Mask and Clip need both isCorrection.low and isCorrection.high",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Trunc, low: 0.1, high: 2}}"),
-            "isCorrection.mode Trunc uses only isCorrection.high: remove isCorrection.low",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {estimator: GRPO, groupSize: 1}"),
-            "GRPO and RLOO compare samples of one prompt: algorithm.groupSize must be at least 2",
-        ),
-        (base.replace("totalSteps: 10", "totalSteps: 10\n  rollout: {topP: 1.5}"), "rollout.topP must be greater than 0 and at most 1"),
-        (
-            base.replace("    env: math\n", "    form: ChatAgent\n"),
-            "agent.form ChatAgent runs your program: set agent.image and agent.command",
-        ),
-        (
-            base.replace("    env: math\n", "    env: math\n    timeout: ten minutes\n"),
-            "agent.timeout must be a duration such as 90s, 10m or 1h30m",
-        ),
-        (
-            base.replace("    env: math\n", ""),
-            "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)",
-        ),
-        (
-            base.replace("name: bad", "name: this-name-is-far-too-long-for-an-rlrun-object"),
-            "RLRun names are at most 40 characters",
-        ),
-        (base.replace("totalSteps: 10", "totalSteps: 0"), "spec.totalSteps: Invalid value: 0: spec.totalSteps in body should be greater than or equal to 1"),
-        (base.replace("replicas: 1, tensor", "replicas: -1, tensor"), "spec.engines.replicas in body should be greater than or equal to 0"),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {estimator: PPO}"),
-            "spec.algorithm.estimator: Unsupported value: \"PPO\": supported values: \"GRPO\", \"RLOO\", \"REINFORCE++\", \"OnPolicyDistillation\"",
-        ),
-    ];
+    let cases = support::invalid_cases(&base);
     assert!(cases.len() >= 10);
-    for (yaml, message) in &cases {
+    for (yaml, message, _) in &cases {
         assert_ne!(yaml, &base, "the case for {message:?} changes the manifest");
         let out = ns.apply(yaml);
         let stderr = String::from_utf8_lossy(&out.stderr);
