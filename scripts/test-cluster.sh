@@ -37,6 +37,7 @@ stop() {
 certs() {
   local d="$DIR/pki"
   [ -f "$d/admin.crt" ] && return 0
+  command -v openssl >/dev/null || { log "openssl is needed to make the cluster's certificates (apt-get install openssl)"; exit 1; }
   mkdir -p "$d"
   (
     cd "$d"
