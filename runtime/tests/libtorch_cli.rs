@@ -3,10 +3,9 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 
-use common::{moult, spawn_engine};
+use common::{moult, spawn_engine, spawn_moult};
 
 #[tokio::test]
 async fn libtorch_cli_engine_serves_generate() {
@@ -97,22 +96,18 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
     let model = common::chat_model();
     let (mut engine, engine_url) = spawn_engine(&model);
 
-    let mut chat = moult()
-        .args(["chat", "--engine", &engine_url, "--model"])
-        .arg(&model)
-        .args(["--port", "0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Keep reading its stdout: `moult chat` prints more lines, and a closed pipe would kill it.
-    let mut lines = BufReader::new(chat.stdout.take().unwrap()).lines();
-    let line = lines.next().unwrap().unwrap();
-    let url = line
-        .strip_prefix("moult chat listening on ")
-        .and_then(|rest| rest.split(' ').next())
-        .unwrap_or_else(|| panic!("unexpected: {line}"))
-        .to_string();
+    let (mut chat, url) = spawn_moult(
+        &[
+            "chat".as_ref(),
+            "--engine".as_ref(),
+            engine_url.as_ref(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--port".as_ref(),
+            "0".as_ref(),
+        ],
+        "moult chat listening on",
+    );
     assert!(url.starts_with("http://127.0.0.1:"), "{url}");
     let client = reqwest::Client::new();
     let models: serde_json::Value = client
@@ -217,21 +212,18 @@ async fn libtorch_cli_router_routes_to_its_engines() {
     let model = common::dense_model();
     let (mut a, a_url) = spawn_engine(&model);
     let (mut b, b_url) = spawn_engine(&model);
-    let mut router = moult()
-        .args([
-            "router", "--engine", &a_url, "--engine", &b_url, "--port", "0",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(router.stdout.take().unwrap()).lines();
-    let line = lines.next().unwrap().unwrap();
-    let url = line
-        .strip_prefix("moult router listening on ")
-        .and_then(|rest| rest.split(' ').next())
-        .unwrap_or_else(|| panic!("unexpected: {line}"))
-        .to_string();
+    let (mut router, url) = spawn_moult(
+        &[
+            "router".as_ref(),
+            "--engine".as_ref(),
+            a_url.as_ref(),
+            "--engine".as_ref(),
+            b_url.as_ref(),
+            "--port".as_ref(),
+            "0".as_ref(),
+        ],
+        "moult router listening on",
+    );
     let client = reqwest::Client::new();
     let body = serde_json::json!({"token_ids": [2001, 273, 105], "sampling_params": {"max_tokens": 4, "ignore_eos": true}});
     let v: serde_json::Value = client

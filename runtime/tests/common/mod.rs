@@ -198,14 +198,13 @@ pub fn moult() -> Command {
     Command::new(env!("CARGO_BIN_EXE_moult"))
 }
 
-/// Starts `moult engine` (one thread) on `port` (0: any) and returns it with the address it
-/// printed. Its stdout stays open (held by a thread) so later prints never hit a closed pipe.
-pub fn spawn_engine_on(model: &Path, port: u16) -> (std::process::Child, String) {
+/// Starts `moult ARGS` and waits for its first line, `BANNER http://ADDR ...`; returns the child
+/// and the URL. Its stdout stays open (a thread drains it) so later prints never hit a closed
+/// pipe.
+pub fn spawn_moult(args: &[&std::ffi::OsStr], banner: &str) -> (std::process::Child, String) {
     use std::io::{BufRead, BufReader};
     let mut child = moult()
-        .args(["engine", "--model"])
-        .arg(model)
-        .args(["--port", &port.to_string(), "--threads", "1"])
+        .args(args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -214,10 +213,26 @@ pub fn spawn_engine_on(model: &Path, port: u16) -> (std::process::Child, String)
     let line = lines.next().expect("a line").unwrap();
     std::thread::spawn(move || for _ in lines {});
     let url = line
-        .strip_prefix("moult engine listening on ")
-        .unwrap_or_else(|| panic!("unexpected: {line}"))
+        .strip_prefix(banner)
+        .and_then(|rest| rest.trim_start().split(' ').next())
+        .unwrap_or_else(|| panic!("expected `{banner} URL`, got: {line}"))
         .to_string();
     (child, url)
+}
+
+/// Starts `moult engine` (one thread) on `port` (0: any); the child and its URL.
+pub fn spawn_engine_on(model: &Path, port: u16) -> (std::process::Child, String) {
+    let port = port.to_string();
+    let args: Vec<&std::ffi::OsStr> = vec![
+        "engine".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--port".as_ref(),
+        port.as_ref(),
+        "--threads".as_ref(),
+        "1".as_ref(),
+    ];
+    spawn_moult(&args, "moult engine listening on")
 }
 
 pub fn spawn_engine(model: &Path) -> (std::process::Child, String) {
