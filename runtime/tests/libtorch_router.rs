@@ -99,6 +99,8 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
         router.failovers() >= 1,
         "no request was on the killed engine"
     );
+    assert!(metric(&url, "moult_router_failovers_total", "").await >= 1.0);
+    assert_eq!(metric(&url, "moult_router_engines_healthy", "").await, 1.0);
     let model = Qwen3Model::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
     let params = SamplingParams {
         max_tokens: MAX,

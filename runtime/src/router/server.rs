@@ -387,25 +387,62 @@ async fn models(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiErr
     Ok(Json(answers.into_iter().next().unwrap_or(Value::Null)))
 }
 
-async fn metrics(State(router): State<Arc<Router>>) -> String {
+#[derive(Debug, Clone, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+struct EngineLabel {
+    engine: String,
+}
+
+/// Prometheus metrics, read from the pool at scrape time.
+async fn metrics(State(router): State<Arc<Router>>) -> Result<String, ApiError> {
+    use prometheus_client::metrics::counter::Counter;
+    use prometheus_client::metrics::family::Family;
+    use prometheus_client::metrics::gauge::Gauge;
     let engines = router.pool.all();
-    let healthy = engines.iter().filter(|e| e.healthy()).count();
-    let mut out = String::new();
-    out += "# HELP moult_router_engines Engines in the pool\n# TYPE moult_router_engines gauge\n";
-    out += &format!("moult_router_engines {}\n", engines.len());
-    out += "# HELP moult_router_engines_healthy Engines up\n# TYPE moult_router_engines_healthy gauge\n";
-    out += &format!("moult_router_engines_healthy {healthy}\n");
-    out += "# HELP moult_router_failovers_total Requests continued on another engine\n# TYPE moult_router_failovers_total counter\n";
-    out += &format!("moult_router_failovers_total {}\n", router.failovers());
-    out += "# HELP moult_router_requests_running Requests in flight per engine\n# TYPE moult_router_requests_running gauge\n";
+    let mut registry = prometheus_client::registry::Registry::default();
+    let count = |n: usize| {
+        let g: Gauge = Gauge::default();
+        g.set(n as i64);
+        g
+    };
+    registry.register(
+        "moult_router_engines",
+        "Engines in the pool",
+        count(engines.len()),
+    );
+    registry.register(
+        "moult_router_engines_healthy",
+        "Engines up",
+        count(engines.iter().filter(|e| e.healthy()).count()),
+    );
+    registry.register(
+        "moult_router_engines_routable",
+        "Engines up and serving the current weights",
+        count(router.pool.routable().len()),
+    );
+    let failovers: Counter = Counter::default();
+    failovers.inc_by(router.failovers());
+    registry.register(
+        "moult_router_failovers",
+        "Requests continued on another engine",
+        failovers,
+    );
+    let running = Family::<EngineLabel, Gauge>::default();
     for e in &engines {
-        out += &format!(
-            "moult_router_requests_running{{engine=\"{}\"}} {}\n",
-            e.url(),
-            e.requests()
-        );
+        running
+            .get_or_create(&EngineLabel {
+                engine: e.url().to_string(),
+            })
+            .set(e.requests() as i64);
     }
-    out
+    registry.register(
+        "moult_router_requests_running",
+        "Requests in flight per engine",
+        running,
+    );
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    Ok(text)
 }
 
 #[derive(Debug, Deserialize)]
