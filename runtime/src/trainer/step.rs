@@ -1,0 +1,161 @@
+//! The policy loss of one batch (DESIGN §6), composed from the pure functions of
+//! [`crate::algorithms`]: recompute log-probabilities, weigh each token by the IS correction
+//! between the behaviour policy and π_old, apply the chosen loss, aggregate.
+
+use serde::{Deserialize, Serialize};
+use tch::{Kind, Tensor};
+
+use super::logprobs::{token_logprobs, Scored};
+use crate::algorithms::correction::Correction;
+use crate::algorithms::losses::{aggregate, cispo, gspo, ppo_clip, Aggregation};
+use crate::model::Qwen3Model;
+
+/// One trajectory segment as the trainer consumes it.
+#[derive(Debug)]
+pub struct TrainSample<'a> {
+    pub tokens: &'a [i64],
+    /// 1 where the engine sampled the token.
+    pub loss_mask: &'a [u8],
+    /// The engine's logprob of each token (0 where the mask is 0).
+    pub behaviour_logprobs: &'a [f32],
+    /// The sequence's advantage (GRPO, RLOO, ...), broadcast to its sampled tokens.
+    pub advantage: f64,
+    pub replay: Option<&'a Tensor>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossKind {
+    Ppo,
+    Gspo,
+    Cispo,
+}
+
+/// How the loss is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossConfig {
+    pub kind: LossKind,
+    pub eps_low: f64,
+    pub eps_high: f64,
+    pub aggregation: Aggregation,
+    /// IS correction between behaviour and π_old; `None` trusts the behaviour policy.
+    pub correction: Option<Correction>,
+    /// The sampling temperature the engine used (logprobs are taken at it).
+    pub temperature: f64,
+}
+
+/// What one loss computation reports (the step's metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LossMetrics {
+    pub loss: f64,
+    /// Mean |log ρ| over sampled tokens: how far the engine is from the trainer.
+    pub mean_abs_log_rho: f64,
+    /// Fraction of sampled tokens whose IS coefficient is 0.
+    pub masked_fraction: f64,
+    pub tokens: f64,
+}
+
+fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> Vec<T> {
+    rows.flat_map(|mut r| {
+        r.resize(width, pad);
+        r
+    })
+    .collect()
+}
+
+/// π_old: the sampled tokens' logprobs under the current weights, without gradient, computed
+/// once at the start of a batch.
+pub fn old_logprobs(
+    model: &Qwen3Model,
+    samples: &[TrainSample<'_>],
+    temperature: f64,
+) -> crate::model::Result<Tensor> {
+    let seqs: Vec<Scored<'_>> = samples
+        .iter()
+        .map(|s| Scored {
+            tokens: s.tokens,
+            replay: s.replay,
+        })
+        .collect();
+    tch::no_grad(|| token_logprobs(model, &seqs, temperature))
+}
+
+/// The loss (with gradient) of `samples` given their π_old logprobs `logp_old`, and metrics.
+pub fn policy_loss(
+    model: &Qwen3Model,
+    samples: &[TrainSample<'_>],
+    logp_old: &Tensor,
+    cfg: &LossConfig,
+) -> crate::model::Result<(Tensor, LossMetrics)> {
+    let seqs: Vec<Scored<'_>> = samples
+        .iter()
+        .map(|s| Scored {
+            tokens: s.tokens,
+            replay: s.replay,
+        })
+        .collect();
+    let logp = token_logprobs(model, &seqs, cfg.temperature)?;
+    let (b, width) = (samples.len() as i64, logp.size()[1]);
+    let device = logp.device();
+    let mask = Tensor::from_slice(&padded(
+        samples
+            .iter()
+            .map(|s| s.loss_mask.iter().map(|&m| f32::from(m)).collect()),
+        width as usize,
+        0.0f32,
+    ))
+    .view([b, width])
+    .to_device(device);
+    let behaviour = Tensor::from_slice(&padded(
+        samples.iter().map(|s| s.behaviour_logprobs.to_vec()),
+        width as usize,
+        0.0f32,
+    ))
+    .view([b, width])
+    .to_device(device);
+    let adv_seq = Tensor::from_slice(
+        &samples
+            .iter()
+            .map(|s| s.advantage as f32)
+            .collect::<Vec<_>>(),
+    )
+    .to_device(device);
+    let adv_tok = adv_seq.unsqueeze(1) * &mask;
+    let log_rho = (logp_old - &behaviour) * &mask;
+    let coef = match &cfg.correction {
+        Some(c) => c.coefficients(&log_rho, &mask),
+        None => mask.shallow_clone(),
+    };
+    let per_token_or_seq = match cfg.kind {
+        LossKind::Ppo => {
+            let l = ppo_clip(&logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
+            aggregate(&l, &mask, cfg.aggregation)
+        }
+        LossKind::Cispo => {
+            let l = cispo(&logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
+            aggregate(&l, &mask, cfg.aggregation)
+        }
+        LossKind::Gspo => gspo(
+            &logp,
+            logp_old,
+            &adv_seq,
+            &coef,
+            &mask,
+            cfg.eps_low,
+            cfg.eps_high,
+        )
+        .mean(Kind::Float),
+    };
+    let tokens = mask.sum(Kind::Float).double_value(&[]);
+    let metrics = LossMetrics {
+        loss: per_token_or_seq.double_value(&[]),
+        mean_abs_log_rho: (log_rho.abs() * &mask).sum(Kind::Float).double_value(&[])
+            / tokens.max(1.0),
+        masked_fraction: ((coef.eq(0.0).to_kind(Kind::Float) * &mask)
+            .sum(Kind::Float)
+            .double_value(&[]))
+            / tokens.max(1.0),
+        tokens,
+    };
+    Ok((per_token_or_seq, metrics))
+}
