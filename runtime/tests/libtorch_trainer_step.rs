@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::dense_model;
+use common::{dense_model, moe_model};
 use moult_runtime::algorithms::correction::{Correction, Level, Mode};
 use moult_runtime::algorithms::losses::Aggregation;
 use moult_runtime::model::Qwen3Model;
@@ -41,16 +41,10 @@ fn sampled_mean(model: &Qwen3Model, seqs: &[(Vec<i64>, Vec<u8>)]) -> Vec<f64> {
 fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
     for kind in [LossKind::Ppo, LossKind::Gspo, LossKind::Cispo] {
         let model = Qwen3Model::load(&dense_model(), Kind::Float, Device::Cpu).unwrap();
-        // Leaf weights only (stacked projections are exposed as views).
         let params: Vec<Tensor> = model
-            .params()
-            .iter()
-            .filter(|(n, _)| {
-                !["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
-                    .iter()
-                    .any(|p| n.contains(p))
-            })
-            .map(|(_, t)| t.shallow_clone().set_requires_grad(true))
+            .trainable()
+            .into_iter()
+            .map(|t| t.set_requires_grad(true))
             .collect();
         let prompt: Vec<i64> = vec![2001, 273, 105, 94, 50, 253];
         let good: Vec<i64> = prompt.iter().copied().chain([76, 435, 25, 295]).collect();
@@ -131,5 +125,29 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
             before[1],
             after[1]
         );
+    }
+}
+
+#[test]
+fn libtorch_trainable_tensors_cover_every_named_weight_once() {
+    for dir in [dense_model(), moe_model()] {
+        let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+        let elements: i64 = model.trainable().iter().map(|t| t.numel() as i64).sum();
+        let params = model.params();
+        let named: i64 = params.values().map(|t| t.numel() as i64).sum();
+        // A tied LM head is the embedding's storage, named twice but trained once.
+        let tied = params
+            .get("lm_head.weight")
+            .filter(|h| h.data_ptr() == params["model.embed_tokens.weight"].data_ptr());
+        let expected = named - tied.map_or(0, |h| h.numel() as i64);
+        assert_eq!(elements, expected, "{}", dir.display());
+        let mut ptrs: Vec<usize> = model
+            .trainable()
+            .iter()
+            .map(|t| t.data_ptr() as usize)
+            .collect();
+        ptrs.sort();
+        ptrs.dedup();
+        assert_eq!(ptrs.len(), model.trainable().len(), "each storage once");
     }
 }

@@ -273,6 +273,46 @@ impl Qwen3Model {
         &self.params
     }
 
+    /// The tensors that own the weights' storage, each once: what an optimizer updates. Stacked
+    /// projections appear as their stacks (the checkpoint names of [`Qwen3Model::params`] are
+    /// views into them), a tied LM head once.
+    pub fn trainable(&self) -> Vec<Tensor> {
+        let mut out = vec![self.embed_tokens.shallow_clone(), self.norm.shallow_clone()];
+        for l in &self.layers {
+            out.extend(
+                [
+                    &l.input_layernorm,
+                    &l.post_attention_layernorm,
+                    &l.q_norm,
+                    &l.k_norm,
+                    &l.qkv_proj.weight,
+                    &l.o_proj.weight,
+                ]
+                .map(Tensor::shallow_clone),
+            );
+            match &l.mlp {
+                Mlp::Dense {
+                    gate_up_proj,
+                    down_proj,
+                } => out.extend([
+                    gate_up_proj.weight.shallow_clone(),
+                    down_proj.weight.shallow_clone(),
+                ]),
+                Mlp::Sparse(moe) => {
+                    out.push(moe.gate.shallow_clone());
+                    for e in &moe.experts {
+                        out.push(e.gate_up_proj.weight.shallow_clone());
+                        out.push(e.down_proj.weight.shallow_clone());
+                    }
+                }
+            }
+        }
+        if self.lm_head.weight.data_ptr() != self.embed_tokens.data_ptr() {
+            out.push(self.lm_head.weight.shallow_clone());
+        }
+        out
+    }
+
     /// Keeps oneDNN-packed copies of the attention, MLP and LM-head weights for inference on
     /// CPU (see [`Linear`]); returns whether it did (CPU and float32/bfloat16 only). Call
     /// [`Qwen3Model::refresh_packed`] after writing into [`Qwen3Model::params`].
