@@ -21,28 +21,14 @@ async fn libtorch_cli_engine_serves_generate() {
         200
     );
     let body = serde_json::json!({"token_ids": [2001, 273, 105], "sampling_params": {"max_tokens": 5, "seed": 1, "ignore_eos": true}});
-    let v: serde_json::Value = client
-        .post(format!("{url}/inference/v1/generate"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value =
+        common::post_json(&format!("{url}/inference/v1/generate"), &body).await;
     assert_eq!(
         v["choices"][0]["token_ids"].as_array().unwrap().len(),
         5,
         "{v}"
     );
-    let models: serde_json::Value = client
-        .get(format!("{url}/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: serde_json::Value = common::get_json(&format!("{url}/v1/models")).await;
     assert_eq!(models["data"][0]["id"], "qwen3-tiny");
     child.kill().unwrap();
     child.wait().unwrap();
@@ -109,35 +95,13 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
         "moult chat listening on",
     );
     assert!(url.starts_with("http://127.0.0.1:"), "{url}");
-    let client = reqwest::Client::new();
-    let models: serde_json::Value = client
-        .get(format!("{url}/s/a/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models: serde_json::Value = common::get_json(&format!("{url}/s/a/v1/models")).await;
     assert_eq!(models["data"][0]["id"], "qwen3-tiny-chat");
     let body = serde_json::json!({"messages": [{"role": "user", "content": "Summary: Paris is sunny. Thank you!"}], "temperature": 0});
-    let r: serde_json::Value = client
-        .post(format!("{url}/s/a/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r: serde_json::Value =
+        common::post_json(&format!("{url}/s/a/v1/chat/completions"), &body).await;
     assert_eq!(r["choices"][0]["message"]["content"], "You are welcome.");
-    let t: serde_json::Value = client
-        .get(format!("{url}/s/a/trajectory"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let t: serde_json::Value = common::get_json(&format!("{url}/s/a/trajectory")).await;
     let segment = &t["segments"][0];
     let sampled = segment["loss_mask"]
         .as_array()
@@ -241,14 +205,7 @@ async fn libtorch_cli_router_routes_to_its_engines() {
         4,
         "{v}"
     );
-    let engines: serde_json::Value = client
-        .get(format!("{url}/engines"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let engines: serde_json::Value = common::get_json(&format!("{url}/engines")).await;
     assert_eq!(engines["engines"].as_array().unwrap().len(), 2);
     let bad = moult()
         .args(["router", "--engine", "localhost:1", "--port", "0"])

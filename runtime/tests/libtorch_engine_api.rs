@@ -25,17 +25,6 @@ async fn post(url: &str, body: Value) -> (u16, Value) {
     (status, resp.json().await.unwrap_or(Value::Null))
 }
 
-async fn get_json(url: &str) -> Value {
-    client()
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 async fn generate(base: &str, body: Value) -> GenerateResponse {
     let (status, v) = post(&format!("{base}/inference/v1/generate"), body).await;
     assert_eq!(status, 200, "{v}");
@@ -391,7 +380,7 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
     }
     let (s, _) = post(&format!("{}/pause?mode=keep", engine.url), json!({})).await;
     assert_eq!(s, 200);
-    let paused: Value = get_json(&format!("{}/is_paused", engine.url)).await;
+    let paused: Value = common::get_json(&format!("{}/is_paused", engine.url)).await;
     assert_eq!(paused["is_paused"], true);
     // A request arriving while paused (keep) is queued, not refused.
     let (tx, _rx) = tokio::sync::watch::channel(0);
@@ -410,7 +399,7 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
     );
 
     push_weights(&engine.url, update, 1, 3).await;
-    let info: Value = get_json(&format!("{}/weight_info", engine.url)).await;
+    let info: Value = common::get_json(&format!("{}/weight_info", engine.url)).await;
     assert_eq!(info["weight_version"], 1);
     let (s, _) = post(&format!("{}/resume", engine.url), json!({})).await;
     assert_eq!(s, 200);
@@ -598,7 +587,7 @@ async fn libtorch_pause_wait_drains_in_flight_requests_first() {
         "the in-flight request finished whole"
     );
     assert_eq!(pause.await.unwrap().0, 200);
-    let paused: Value = get_json(&format!("{}/is_paused", engine.url)).await;
+    let paused: Value = common::get_json(&format!("{}/is_paused", engine.url)).await;
     assert_eq!(paused["is_paused"], true);
     post(&format!("{}/resume", engine.url), json!({})).await;
     generate(

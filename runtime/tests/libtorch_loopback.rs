@@ -34,7 +34,6 @@ fn expected_segments(name: &str) -> Vec<(Vec<i64>, Vec<u8>)> {
 /// Each run of sampled tokens must be exactly what the engine samples (greedy) after the tokens
 /// before it, with the same behaviour logprobs and a policy version.
 async fn assert_token_identity(engine_url: &str, segment: &Segment) {
-    let client = reqwest::Client::new();
     let mut i = 0;
     while i < segment.token_ids.len() {
         if segment.loss_mask[i] == 0 {
@@ -48,15 +47,8 @@ async fn assert_token_identity(engine_url: &str, segment: &Segment) {
             "token_ids": &segment.token_ids[..i],
             "sampling_params": {"temperature": 0.0, "max_tokens": end - i},
         });
-        let r: Value = client
-            .post(format!("{engine_url}/inference/v1/generate"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let r: Value =
+            common::post_json(&format!("{engine_url}/inference/v1/generate"), &body).await;
         let ids: Vec<i64> = serde_json::from_value(r["choices"][0]["token_ids"].clone()).unwrap();
         assert_eq!(ids, segment.token_ids[i..end], "sampled ids at {i}..{end}");
         for (k, lp) in r["choices"][0]["logprobs"]["content"]
@@ -329,15 +321,11 @@ async fn libtorch_n_samples_and_stop_strings() {
     let call_id = kept["tool_calls"][0]["id"].clone();
     let next =
         json!([ask, kept, {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"}]);
-    let r: Value = client
-        .post(format!("{url}/s/n/v1/chat/completions"))
-        .json(&json!({"messages": next, "tools": tools, "temperature": 0, "max_tokens": 80}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r: Value = common::post_json(
+        &format!("{url}/s/n/v1/chat/completions"),
+        &json!({"messages": next, "tools": tools, "temperature": 0, "max_tokens": 80}),
+    )
+    .await;
     assert_eq!(
         r["choices"][0]["message"]["content"], "It is sunny in Paris, 21 C.",
         "{r}"

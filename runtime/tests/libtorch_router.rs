@@ -44,14 +44,7 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
         streams.push(r.bytes_stream());
     }
     // Both engines are busy with two requests each.
-    let engines: Value = client
-        .get(format!("{url}/engines"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let engines: Value = common::get_json(&format!("{url}/engines")).await;
     assert!(
         engines["engines"]
             .as_array()
@@ -129,14 +122,7 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
         }
     }
     // The dead engine is out of the pool's healthy set.
-    let engines: Value = client
-        .get(format!("{url}/engines"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let engines: Value = common::get_json(&format!("{url}/engines")).await;
     let dead = engines["engines"]
         .as_array()
         .unwrap()
@@ -152,15 +138,8 @@ async fn success_count(engine: &str) -> f64 {
     metric(engine, "vllm:request_success_total", "").await
 }
 
-async fn engines_status(client: &reqwest::Client, url: &str) -> Vec<(String, bool)> {
-    let v: Value = client
-        .get(format!("{url}/engines"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+async fn engines_status(url: &str) -> Vec<(String, bool)> {
+    let v: Value = common::get_json(&format!("{url}/engines")).await;
     v["engines"]
         .as_array()
         .unwrap()
@@ -224,24 +203,10 @@ async fn libtorch_sessions_stick_engines_come_and_go_and_control_calls_fan_out()
             .unwrap();
         assert_eq!(v["is_paused"], true);
     }
-    let v: Value = client
-        .get(format!("{url}/is_paused"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = common::get_json(&format!("{url}/is_paused")).await;
     assert_eq!(v["is_paused"], true);
     client.post(format!("{url}/resume")).send().await.unwrap();
-    let v: Value = client
-        .get(format!("{url}/get_world_size"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = common::get_json(&format!("{url}/get_world_size")).await;
     assert_eq!(v["world_size"], 2);
 
     // An engine that dies is taken out; requests go to the other; it comes back on restart.
@@ -249,10 +214,7 @@ async fn libtorch_sessions_stick_engines_come_and_go_and_control_calls_fan_out()
     b.kill().unwrap();
     b.wait().unwrap();
     let mut waited = 0;
-    while engines_status(&client, &url)
-        .await
-        .contains(&(b_url.clone(), true))
-    {
+    while engines_status(&url).await.contains(&(b_url.clone(), true)) {
         tokio::time::sleep(Duration::from_millis(100)).await;
         waited += 1;
         assert!(waited < 300, "the dead engine stayed in");
@@ -263,10 +225,7 @@ async fn libtorch_sessions_stick_engines_come_and_go_and_control_calls_fan_out()
     let (mut b2, b2_url) = spawn_engine_on(&model_dir, port);
     assert_eq!(b2_url, b_url);
     let mut waited = 0;
-    while !engines_status(&client, &url)
-        .await
-        .contains(&(b_url.clone(), true))
-    {
+    while !engines_status(&url).await.contains(&(b_url.clone(), true)) {
         tokio::time::sleep(Duration::from_millis(100)).await;
         waited += 1;
         assert!(waited < 300, "the restarted engine did not come back");
@@ -281,7 +240,7 @@ async fn libtorch_sessions_stick_engines_come_and_go_and_control_calls_fan_out()
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
-    assert_eq!(engines_status(&client, &url).await.len(), 3);
+    assert_eq!(engines_status(&url).await.len(), 3);
     for i in 0..30 {
         generate(&format!("spread{i}")).await;
     }

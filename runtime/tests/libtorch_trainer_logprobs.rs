@@ -18,20 +18,11 @@ type Sample = (Vec<i64>, usize, Vec<f32>, Option<String>);
 
 /// A few engine generations.
 async fn sample(url: &str, temperature: f64) -> Vec<Sample> {
-    let client = reqwest::Client::new();
     let mut out = Vec::new();
     for i in 0..3i64 {
         let prompt: Vec<i64> = (0..(5 + 3 * i)).map(|j| (i * 97 + j * 13) % 2000).collect();
         let body = json!({"token_ids": prompt, "sampling_params": {"max_tokens": 12 + 4 * i, "temperature": temperature, "seed": i, "ignore_eos": true}});
-        let v: Value = client
-            .post(format!("{url}/inference/v1/generate"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v: Value = common::post_json(&format!("{url}/inference/v1/generate"), &body).await;
         let c = &v["choices"][0];
         let ids: Vec<i64> = serde_json::from_value(c["token_ids"].clone()).unwrap();
         let lps: Vec<f32> = c["logprobs"]["content"]

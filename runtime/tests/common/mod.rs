@@ -369,3 +369,21 @@ impl Generation {
         out
     }
 }
+
+/// POSTs `body` as JSON and returns the JSON answer (any status).
+pub async fn post_json(url: &str, body: &serde_json::Value) -> serde_json::Value {
+    reqwest::Client::new()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// GETs `url` and returns the JSON answer.
+pub async fn get_json(url: &str) -> serde_json::Value {
+    reqwest::get(url).await.unwrap().json().await.unwrap()
+}
