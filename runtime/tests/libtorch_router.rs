@@ -97,14 +97,8 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
     let model = Qwen3Model::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
     let params = SamplingParams {
         max_tokens: MAX,
-        temperature: 1.0,
-        top_p: 1.0,
-        top_k: None,
-        seed: None,
-        stop_token_ids: vec![],
         ignore_eos: true,
-        min_tokens: 0,
-        top_logprobs: 0,
+        ..SamplingParams::default()
     };
     for (i, out) in outs.iter().enumerate() {
         assert_eq!(out.finish, "length", "request {i}");

@@ -90,14 +90,8 @@ async fn libtorch_repeated_weight_updates_under_load_label_every_token() {
 
     let params = SamplingParams {
         max_tokens: MAX,
-        temperature: 1.0,
-        top_p: 1.0,
-        top_k: None,
-        seed: None,
-        stop_token_ids: vec![],
         ignore_eos: true,
-        min_tokens: 0,
-        top_logprobs: 0,
+        ..SamplingParams::default()
     };
     let models: Vec<Qwen3Model> = std::iter::once(base)
         .chain(weights.iter().map(|w| {
