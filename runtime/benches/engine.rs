@@ -9,7 +9,6 @@
 //! `-- --quick` runs the tiny model only, `-- --large` the Qwen3-0.6B-shaped one only. Documented in docs/benchmarks.md.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use moult_runtime::engine::sampling::SamplingParams;
@@ -18,28 +17,8 @@ use moult_runtime::engine::{http, EngineHandle, EngineOptions, Event};
 use moult_runtime::model::Qwen3Model;
 use tch::{Device, Kind, Tensor};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> PathBuf {
-    std::env::var_os("MOULT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(".venv/bin/python"))
-}
-
-fn run_python(args: &[&str]) -> String {
-    let out = Command::new(python())
-        .args(args)
-        .output()
-        .expect("run python (source scripts/env.sh first)");
-    assert!(
-        out.status.success(),
-        "{args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
+mod common;
+use common::{root, run_python};
 
 /// The benchmark models, created once under cargo's target directory.
 fn models() -> (PathBuf, PathBuf) {

@@ -11,10 +11,9 @@
 //! Qwen3's tokenizer.json with transformers once). Documented in docs/benchmarks.md.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 mod common;
-use common::{hammer, stub_engine};
+use common::{hammer, root, run_python, stub_engine};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -22,16 +21,6 @@ use moult_runtime::chat::{ChatTemplate, Message, RenderOptions, Role, Tokenizer}
 use moult_runtime::loopback::session::{Sampled, Session};
 use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
 use serde_json::{json, Value};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn python() -> PathBuf {
-    std::env::var_os("MOULT_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join(".venv/bin/python"))
-}
 
 /// A folder with Qwen3's tokenizer.json (built by transformers from the fixtures) and its chat
 /// template.
@@ -41,14 +30,15 @@ fn qwen3_dir() -> PathBuf {
         std::fs::create_dir_all(&dir).unwrap();
         let texts = dir.join("texts.json");
         std::fs::write(&texts, "[]").unwrap();
-        let status = Command::new(python())
-            .arg(root().join("tests/python/encode_with_qwen3_tokenizer.py"))
-            .arg(&dir)
-            .arg(&texts)
-            .arg(dir.join("ids.json"))
-            .status()
-            .expect("run python (source scripts/env.sh first)");
-        assert!(status.success());
+        run_python(&[
+            root()
+                .join("tests/python/encode_with_qwen3_tokenizer.py")
+                .to_str()
+                .unwrap(),
+            dir.to_str().unwrap(),
+            texts.to_str().unwrap(),
+            dir.join("ids.json").to_str().unwrap(),
+        ]);
     }
     dir
 }

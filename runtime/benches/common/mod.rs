@@ -86,12 +86,13 @@ pub fn quantile(values: &[f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
-fn root() -> std::path::PathBuf {
+/// The repository root.
+pub fn root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// Runs a Python script of tests/python with the project's interpreter.
-pub fn run_python(args: &[&str]) {
+/// Runs Python (the project's interpreter) with `args`; its stdout.
+pub fn run_python(args: &[&str]) -> String {
     let python = std::env::var_os("MOULT_PYTHON")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| root().join(".venv/bin/python"));
@@ -104,6 +105,7 @@ pub fn run_python(args: &[&str]) {
         "{args:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8(out.stdout).unwrap()
 }
 
 /// The tiny random Qwen3 of the tests, made once under cargo's target directory.
