@@ -11,5 +11,6 @@ pub mod loopback;
 pub mod model;
 pub mod rollout;
 pub mod router;
+pub mod run;
 pub mod trainer;
 pub mod weight_sync;

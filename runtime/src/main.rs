@@ -33,6 +33,38 @@ enum Command {
     /// Serve the engine API in front of a pool of engines: session-affine routing, failover of
     /// requests from dead engines, control calls fanned out to every engine.
     Router(RouterArgs),
+    /// Run RL from an RLRun manifest on this machine: built-in engines behind the router, the
+    /// agent pool, the rollout pool, the trainer and weight sync, all local. Writes
+    /// metrics.jsonl, reward.svg, summary.json and checkpoints to --out; resumes from the newest
+    /// checkpoint there.
+    Run(RunArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// The RLRun manifest (the same YAML `kubectl apply` takes); relative paths in it are
+    /// relative to its folder.
+    manifest: PathBuf,
+    /// Where metrics, the reward plot, the summary and checkpoints go [default: runs/<name>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Synchronous RL, for comparison: generation waits for training (staleness 0) and weight
+    /// updates wait for running requests (no partial rollout).
+    #[arg(long)]
+    sync: bool,
+    /// cpu, cuda or cuda:N [default: cuda if the manifest's trainer has GPUs and one is here,
+    /// else cpu].
+    #[arg(long)]
+    device: Option<String>,
+    /// Fixes the task order and libtorch's generator.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Train this many steps in all instead of the manifest's spec.totalSteps.
+    #[arg(long)]
+    steps: Option<u64>,
+    /// No progress line per step.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -463,6 +495,83 @@ async fn router(args: RouterArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    use moult_runtime::run::{self, config, RunOptions};
+    let manifest = config::read_manifest(&args.manifest)?;
+    let dir = args
+        .manifest
+        .parent()
+        .map_or_else(|| PathBuf::from("."), PathBuf::from);
+    let gpus = manifest.spec.trainer.gpus_per_node > 0;
+    let mut cfg = config::RunConfig::new(manifest, &dir)?;
+    if let Some(steps) = args.steps {
+        if steps == 0 {
+            bail!("--steps must be at least 1");
+        }
+        cfg.total_steps = steps;
+        cfg.trainer.schedule.total_steps = steps;
+    }
+    if args.sync {
+        cfg = cfg.synchronous();
+    }
+    let device = match args.device.as_deref() {
+        Some(d) => parse_device(Some(d))?,
+        None if gpus => Device::cuda_if_available(),
+        None => Device::Cpu,
+    };
+    tch::manual_seed(args.seed as i64);
+    let out = args.out.unwrap_or_else(|| run::default_out(&cfg.name));
+    eprintln!(
+        "moult run: {} ({} steps, {} tasks, {} engine(s), {}, {} mode) -> {}",
+        cfg.name,
+        cfg.total_steps,
+        cfg.tasks.len(),
+        cfg.engines,
+        match device {
+            Device::Cpu => "CPU".to_string(),
+            other => format!("{other:?}"),
+        },
+        if args.sync {
+            "synchronous"
+        } else {
+            "asynchronous"
+        },
+        out.display()
+    );
+    let summary = run::run(
+        cfg,
+        RunOptions {
+            out: out.clone(),
+            device,
+            seed: args.seed,
+            progress: !args.quiet,
+        },
+        shutdown_signal(),
+    )
+    .await?;
+    let reward = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.3}"));
+    eprintln!(
+        "moult run: {} {} at step {}/{} (version {}) after {:.0}s: reward {} -> {} (mean of the last 5 steps)",
+        summary.name,
+        if summary.interrupted { "stopped" } else { "finished" },
+        summary.steps,
+        summary.total_steps,
+        summary.policy_version,
+        summary.seconds,
+        reward(summary.first_reward),
+        reward(summary.final_reward),
+    );
+    eprintln!(
+        "  metrics {0}/metrics.jsonl, plot {0}/reward.svg, summary {0}/summary.json{1}",
+        out.display(),
+        summary
+            .last_checkpoint
+            .as_ref()
+            .map_or(String::new(), |c| format!(", checkpoint {}", c.display()))
+    );
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -479,5 +588,6 @@ fn main() -> anyhow::Result<()> {
         Command::Chat(args) => runtime.block_on(chat(args)),
         Command::Agents(args) => runtime.block_on(agents(args)),
         Command::Router(args) => runtime.block_on(router(args)),
+        Command::Run(args) => runtime.block_on(run(args)),
     }
 }

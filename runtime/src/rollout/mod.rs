@@ -184,6 +184,10 @@ impl RolloutPool {
                         (0..opts.group_size).map(|k| runner.run(first + k, task.clone())),
                     )
                     .await;
+                    if tx.is_closed() {
+                        // The run is over: whatever happened to these episodes is moot.
+                        return;
+                    }
                     let group = Group {
                         task_index,
                         epoch,

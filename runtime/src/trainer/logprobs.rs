@@ -22,6 +22,27 @@ pub fn token_logprobs(
     seqs: &[Scored<'_>],
     temperature: f64,
 ) -> crate::model::Result<Tensor> {
+    Ok(scored(model, seqs, temperature, false)?.0)
+}
+
+/// [`token_logprobs`] and, without gradient, the entropy of each position's next-token
+/// distribution `H[i, t] = −Σ_v π(v | tokens_i[..t]) log π(v | tokens_i[..t])` (aligned like the
+/// logprobs: `H[i, t]` is the entropy of the distribution `tokens_i[t]` was drawn from).
+pub fn token_logprobs_and_entropy(
+    model: &Qwen3Model,
+    seqs: &[Scored<'_>],
+    temperature: f64,
+) -> crate::model::Result<(Tensor, Tensor)> {
+    let (logp, entropy) = scored(model, seqs, temperature, true)?;
+    Ok((logp, entropy.expect("asked for")))
+}
+
+fn scored(
+    model: &Qwen3Model,
+    seqs: &[Scored<'_>],
+    temperature: f64,
+    with_entropy: bool,
+) -> crate::model::Result<(Tensor, Option<Tensor>)> {
     let inputs: Vec<SeqInput<'_>> = seqs
         .iter()
         .map(|s| SeqInput {
@@ -33,6 +54,7 @@ pub fn token_logprobs(
     let logits = model.forward(&inputs, None, LogitsFor::All)?.logits;
     let width = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i64;
     let mut rows = Vec::with_capacity(seqs.len());
+    let mut entropies = Vec::new();
     let mut offset = 0i64;
     for s in seqs {
         let n = s.tokens.len() as i64;
@@ -43,8 +65,15 @@ pub fn token_logprobs(
         let picked = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
         let zero = Tensor::zeros([1], (Kind::Float, logp.device()));
         let pad = Tensor::zeros([width - n], (Kind::Float, logp.device()));
+        if with_entropy {
+            let h = tch::no_grad(|| {
+                -(logp.exp() * &logp).sum_dim_intlist([-1i64].as_slice(), false, Kind::Float)
+            });
+            entropies.push(Tensor::cat(&[&zero, &h, &pad], 0));
+        }
         rows.push(Tensor::cat(&[zero, picked, pad], 0));
         offset += n;
     }
-    Ok(Tensor::stack(&rows, 0))
+    let entropy = with_entropy.then(|| Tensor::stack(&entropies, 0));
+    Ok((Tensor::stack(&rows, 0), entropy))
 }

@@ -1,8 +1,10 @@
-//! The trainer (DESIGN §5, issue 6; being built): one trainable policy. Today: recomputing the
-//! sampled tokens' log-probabilities with gradient ([`logprobs`]) and the optimizer step
-//! ([`optim`]: AdamW, gradient clipping, learning-rate schedule), and the policy loss of a batch
-//! ([`step`]) composed from the estimators, IS corrections and losses of [`crate::algorithms`].
+//! The trainer (DESIGN §5): one trainable policy. Recomputing the sampled tokens'
+//! log-probabilities with gradient ([`logprobs`]), the policy loss of a batch ([`step`]) composed
+//! from the estimators, IS corrections and losses of [`crate::algorithms`], the optimizer
+//! ([`optim`]: AdamW, gradient clipping, learning-rate schedule), and the whole step with
+//! micro-batching and gradient accumulation ([`train`]).
 
 pub mod logprobs;
 pub mod optim;
 pub mod step;
+pub mod train;

@@ -34,6 +34,18 @@ impl AdamW {
         self.step
     }
 
+    /// The moments `(m, v)` per parameter (empty before the first step), for checkpoints.
+    pub fn moments(&self) -> &[(Tensor, Tensor)] {
+        &self.state
+    }
+
+    /// Continues from a checkpoint: `steps` taken and the moments per parameter (in the order
+    /// the parameters are given to [`AdamW::step`]).
+    pub fn restore(&mut self, steps: i64, moments: Vec<(Tensor, Tensor)>) {
+        self.step = steps;
+        self.state = moments;
+    }
+
     /// One update of `params` (each with `.grad()` filled) at learning rate `lr`.
     pub fn step(&mut self, params: &[Tensor], lr: f64) {
         if self.state.is_empty() {

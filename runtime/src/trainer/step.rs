@@ -5,9 +5,10 @@
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use super::logprobs::{token_logprobs, Scored};
+use super::logprobs::{token_logprobs, token_logprobs_and_entropy, Scored};
 use crate::algorithms::correction::Correction;
-use crate::algorithms::losses::{aggregate, cispo, gspo, ppo_clip, Aggregation};
+use crate::algorithms::losses::{aggregate, cispo, gspo, kl_k3, ppo_clip, Aggregation};
+use crate::algorithms::masked_mean;
 use crate::model::Qwen3Model;
 
 /// One trajectory segment as the trainer consumes it.
@@ -52,7 +53,23 @@ pub struct LossMetrics {
     pub mean_abs_log_rho: f64,
     /// Fraction of sampled tokens whose IS coefficient is 0.
     pub masked_fraction: f64,
+    /// Mean entropy of the policy's next-token distribution over sampled tokens.
+    pub entropy: f64,
+    /// Mean k3 KL to the reference policy over sampled tokens (0 without a KL penalty).
+    pub kl: f64,
     pub tokens: f64,
+}
+
+/// What a loss may take beyond each sample's sequence advantage. Tensors are `[batch, width]`
+/// with `width` the longest sample's length (as [`token_logprobs`] pads).
+#[derive(Debug, Default)]
+pub struct LossExtras<'a> {
+    /// Per-token advantages (on-policy distillation) in place of the samples' `advantage`; GSPO
+    /// takes their masked mean per sequence.
+    pub token_advantages: Option<&'a Tensor>,
+    /// A KL penalty `coef · k3(π_θ, π_ref)` (aggregated like the loss) against these reference
+    /// logprobs.
+    pub kl: Option<(f64, &'a Tensor)>,
 }
 
 fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> Vec<T> {
@@ -87,6 +104,17 @@ pub fn policy_loss(
     logp_old: &Tensor,
     cfg: &LossConfig,
 ) -> crate::model::Result<(Tensor, LossMetrics)> {
+    policy_loss_with(model, samples, logp_old, cfg, &LossExtras::default())
+}
+
+/// [`policy_loss`] with per-token advantages and/or a KL penalty.
+pub fn policy_loss_with(
+    model: &Qwen3Model,
+    samples: &[TrainSample<'_>],
+    logp_old: &Tensor,
+    cfg: &LossConfig,
+    extras: &LossExtras<'_>,
+) -> crate::model::Result<(Tensor, LossMetrics)> {
     let seqs: Vec<Scored<'_>> = samples
         .iter()
         .map(|s| Scored {
@@ -94,7 +122,7 @@ pub fn policy_loss(
             replay: s.replay,
         })
         .collect();
-    let logp = token_logprobs(model, &seqs, cfg.temperature)?;
+    let (logp, entropy) = token_logprobs_and_entropy(model, &seqs, cfg.temperature)?;
     let (b, width) = (samples.len() as i64, logp.size()[1]);
     let device = logp.device();
     let mask = Tensor::from_slice(&padded(
@@ -120,7 +148,16 @@ pub fn policy_loss(
             .collect::<Vec<_>>(),
     )
     .to_device(device);
-    let adv_tok = adv_seq.unsqueeze(1) * &mask;
+    let (adv_seq, adv_tok) = match extras.token_advantages {
+        Some(per_token) => {
+            let adv_tok = per_token.to_device(device) * &mask;
+            (masked_mean(&adv_tok, &mask), adv_tok)
+        }
+        None => {
+            let adv_tok = adv_seq.unsqueeze(1) * &mask;
+            (adv_seq, adv_tok)
+        }
+    };
     let log_rho = (logp_old - &behaviour) * &mask;
     let coef = match &cfg.correction {
         Some(c) => c.coefficients(&log_rho, &mask),
@@ -146,6 +183,15 @@ pub fn policy_loss(
         )
         .mean(Kind::Float),
     };
+    let (per_token_or_seq, kl) = match extras.kl {
+        Some((coef, logp_ref)) => {
+            let k3 = kl_k3(&logp, &logp_ref.to_device(device)) * &mask;
+            let kl = aggregate(&k3, &mask, cfg.aggregation);
+            let mean_kl = aggregate(&k3, &mask, Aggregation::TokenMean).double_value(&[]);
+            (per_token_or_seq + kl * coef, mean_kl)
+        }
+        None => (per_token_or_seq, 0.0),
+    };
     let tokens = mask.sum(Kind::Float).double_value(&[]);
     let metrics = LossMetrics {
         loss: per_token_or_seq.double_value(&[]),
@@ -155,6 +201,8 @@ pub fn policy_loss(
             .sum(Kind::Float)
             .double_value(&[]))
             / tokens.max(1.0),
+        entropy: (entropy * &mask).sum(Kind::Float).double_value(&[]) / tokens.max(1.0),
+        kl,
         tokens,
     };
     Ok((per_token_or_seq, metrics))

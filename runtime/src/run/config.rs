@@ -1,0 +1,293 @@
+//! From an RLRun manifest (the operator's own types, so a run reads the same locally and on a
+//! cluster) to the settings of each part of a local run. Relative paths (model, dataset, the
+//! agent's files) are taken from the manifest's folder. Every refusal names the field.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use moult_operator::api::{
+    AgentForm, Aggregation as SpecAggregation, Estimator, IsLevel, IsMode, LossKind as SpecLoss,
+    RLRun,
+};
+use serde_json::Value as Json;
+
+use super::RunError;
+use crate::agents::env::EnvLoopOptions;
+use crate::agents::process::AgentCommand;
+use crate::agents::Agent;
+use crate::algorithms::correction::{Correction, Level, Mode};
+use crate::algorithms::losses::Aggregation;
+use crate::chat::ChatSampling;
+use crate::rollout::RolloutOptions;
+use crate::trainer::optim::{Decay, LrSchedule};
+use crate::trainer::step::{LossConfig, LossKind};
+use crate::trainer::train::TrainerOptions;
+
+/// Everything a local run needs, resolved from the manifest.
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    pub run: RLRun,
+    pub name: String,
+    pub model_dir: PathBuf,
+    pub tasks: Vec<Json>,
+    pub agent: Agent,
+    pub concurrency: usize,
+    pub episode_timeout: Duration,
+    pub env_loop: EnvLoopOptions,
+    pub rollout: RolloutOptions,
+    pub partial_rollout: bool,
+    pub estimator: Estimator,
+    pub trainer: TrainerOptions,
+    pub engines: usize,
+    pub total_steps: u64,
+    /// Steps between checkpoints; `None`: no checkpoints (the manifest has no `checkpoint`).
+    pub checkpoint_every: Option<u64>,
+    pub routing_replay: bool,
+}
+
+fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
+    RunError::Manifest(format!("{field}: {why}"))
+}
+
+/// Resolves `path` against the manifest's folder.
+fn beside(manifest_dir: &Path, path: &str) -> PathBuf {
+    let p = Path::new(path);
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        manifest_dir.join(p)
+    }
+}
+
+/// Reads and checks an RLRun manifest (YAML, one document: the RLRun; other documents, such as
+/// PersistentVolumeClaims, are skipped).
+pub fn read_manifest(path: &Path) -> Result<RLRun, RunError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| RunError::Manifest(format!("cannot read {}: {e}", path.display())))?;
+    let mut found = None;
+    for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+        let value: serde_json::Value = serde::Deserialize::deserialize(doc)
+            .map_err(|e| RunError::Manifest(format!("{}: not YAML: {e}", path.display())))?;
+        if value.get("kind").and_then(Json::as_str) != Some("RLRun") {
+            continue;
+        }
+        let run: RLRun = serde_path_to_error::deserialize(value).map_err(|e| {
+            RunError::Manifest(format!("{}: {}: {}", path.display(), e.path(), e.inner()))
+        })?;
+        found = Some(run);
+    }
+    let run = found.ok_or_else(|| {
+        RunError::Manifest(format!("{}: no document has `kind: RLRun`", path.display()))
+    })?;
+    run.validate().map_err(|errors| {
+        RunError::Manifest(format!("{}: {}", path.display(), errors.join("; ")))
+    })?;
+    Ok(run)
+}
+
+/// The agent the manifest names. A `command` whose program is Python and whose first argument is
+/// a `.py` file (or `-m module`) runs through moult's runner (`AgentRunner`), any other command as
+/// it is (speaking the Env JSON-lines protocol, or a ChatAgent program).
+fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
+    let spec = &run.spec.agent;
+    if let Some(env) = &spec.env {
+        if spec.command.is_empty() {
+            crate::agents::env::builtin(env).map_err(|e| bad("spec.agent.env", e))?;
+            return Ok(Agent::BuiltinEnv(env.clone()));
+        }
+    }
+    let Some((program, args)) = spec.command.split_first() else {
+        return Err(bad(
+            "spec.agent.command",
+            "a local run needs the agent's command (or agent.env for a built-in environment)",
+        ));
+    };
+    let is_python = Path::new(program)
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("python"));
+    let cmd = match args {
+        [file] if is_python && file.ends_with(".py") => {
+            let path = beside(dir, file);
+            if !path.is_file() {
+                return Err(bad(
+                    "spec.agent.command",
+                    format!("{} does not exist", path.display()),
+                ));
+            }
+            AgentCommand::python(program, &path.to_string_lossy())
+        }
+        [flag, module] if is_python && flag == "-m" => AgentCommand::python(program, module),
+        // Arguments naming files beside the manifest are made absolute (the command does not
+        // run in the manifest's folder).
+        _ => Ok(AgentCommand {
+            program: program.clone(),
+            args: args
+                .iter()
+                .map(|a| match beside(dir, a) {
+                    p if !Path::new(a).is_absolute() && p.exists() => p.display().to_string(),
+                    _ => a.clone(),
+                })
+                .collect(),
+            env: Vec::new(),
+        }),
+    }
+    .map_err(|e| bad("spec.agent.command", e))?;
+    Ok(match spec.form {
+        AgentForm::Env => Agent::ExternalEnv(cmd),
+        AgentForm::ChatAgent => Agent::Chat(cmd),
+    })
+}
+
+fn read_tasks(path: &Path) -> Result<Vec<Json>, RunError> {
+    let field = "spec.agent.dataset.path";
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| bad(field, format!("cannot read {}: {e}", path.display())))?;
+    let tasks = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| {
+                bad(
+                    field,
+                    format!("{}:{}: not a JSON value: {e}", path.display(), i + 1),
+                )
+            })
+        })
+        .collect::<Result<Vec<Json>, _>>()?;
+    if tasks.is_empty() {
+        return Err(bad(field, format!("{} has no tasks", path.display())));
+    }
+    Ok(tasks)
+}
+
+impl RunConfig {
+    /// The settings of a local run of `run`, whose manifest is in `dir`.
+    pub fn new(run: RLRun, dir: &Path) -> Result<Self, RunError> {
+        let spec = &run.spec;
+        let name = run.metadata.name.clone().unwrap_or_else(|| "run".into());
+        let model_dir = beside(dir, &spec.model.path);
+        if !model_dir.join("config.json").is_file() {
+            return Err(bad(
+                "spec.model.path",
+                format!(
+                    "{} is not a model folder (no config.json)",
+                    model_dir.display()
+                ),
+            ));
+        }
+        let tasks = read_tasks(&beside(dir, &spec.agent.dataset.path))?;
+        let algo = &spec.algorithm;
+        if spec.rollout.temperature <= 0.0 {
+            return Err(bad(
+                "spec.rollout.temperature",
+                "training needs sampling: give a temperature above 0 (1.0 is usual)",
+            ));
+        }
+        let correction = algo
+            .is_correction
+            .as_ref()
+            .map(|c| {
+                let correction = Correction {
+                    level: match c.level {
+                        IsLevel::Token => Level::Token,
+                        IsLevel::Seq => Level::Seq,
+                        IsLevel::Geo => Level::Geo,
+                    },
+                    mode: match c.mode {
+                        IsMode::Mask => Mode::Mask,
+                        IsMode::Clip => Mode::Clip,
+                        IsMode::Trunc => Mode::Trunc,
+                    },
+                    low: c.low.unwrap_or(0.0),
+                    high: c.high,
+                };
+                correction
+                    .validate()
+                    .map(|()| correction)
+                    .map_err(|e| bad("spec.algorithm.isCorrection", e))
+            })
+            .transpose()?;
+        if spec.engines.replicas < 1 {
+            return Err(bad(
+                "spec.engines.replicas",
+                "a local run needs at least 1 engine",
+            ));
+        }
+        let total_steps = u64::from(spec.total_steps);
+        let opt = &algo.optimizer;
+        Ok(Self {
+            name,
+            model_dir,
+            tasks,
+            agent: agent(&run, dir)?,
+            concurrency: spec.agent.concurrency.max(1) as usize,
+            episode_timeout: spec
+                .agent
+                .timeout
+                .map_or(Duration::from_secs(600), Duration::from),
+            env_loop: EnvLoopOptions {
+                max_turns: spec.rollout.max_turns as usize,
+                sampling: ChatSampling {
+                    max_tokens: Some(spec.rollout.max_tokens as usize),
+                    temperature: Some(spec.rollout.temperature),
+                    top_p: Some(spec.rollout.top_p),
+                    ..ChatSampling::default()
+                },
+                ..EnvLoopOptions::default()
+            },
+            rollout: RolloutOptions {
+                group_size: algo.group_size as usize,
+                batch_size: algo.batch_size as usize,
+                max_staleness: u64::from(algo.max_staleness),
+            },
+            partial_rollout: algo.partial_rollout,
+            estimator: algo.estimator,
+            trainer: TrainerOptions {
+                loss: LossConfig {
+                    kind: match algo.loss.kind {
+                        SpecLoss::PpoClip => LossKind::Ppo,
+                        SpecLoss::Gspo => LossKind::Gspo,
+                        SpecLoss::Cispo => LossKind::Cispo,
+                    },
+                    eps_low: algo.loss.eps_low,
+                    eps_high: algo.loss.eps_high,
+                    aggregation: match algo.loss.aggregation {
+                        SpecAggregation::TokenMean => Aggregation::TokenMean,
+                        SpecAggregation::SeqMean => Aggregation::SeqMean,
+                    },
+                    correction,
+                    temperature: spec.rollout.temperature,
+                },
+                schedule: LrSchedule {
+                    peak: opt.learning_rate,
+                    warmup_steps: u64::from(opt.warmup_steps),
+                    total_steps,
+                    decay: Decay::Constant,
+                    min_ratio: 1.0,
+                },
+                weight_decay: opt.weight_decay,
+                max_grad_norm: opt.max_grad_norm,
+                micro_batch_tokens: 8192,
+                kl_coef: 0.0,
+            },
+            engines: spec.engines.replicas as usize,
+            total_steps,
+            checkpoint_every: spec
+                .checkpoint
+                .as_ref()
+                .map(|c| u64::from(c.interval_steps.max(1))),
+            routing_replay: spec.routing_replay,
+            run,
+        })
+    }
+
+    /// Synchronous RL for comparison (`--sync`): generation waits for training (staleness 0)
+    /// and weight updates wait for running requests instead of keeping them.
+    pub fn synchronous(mut self) -> Self {
+        self.rollout.max_staleness = 0;
+        self.partial_rollout = false;
+        self
+    }
+}

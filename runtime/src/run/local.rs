@@ -1,0 +1,145 @@
+//! The serving side of a local run, every role as tasks of this process on loopback ports: the
+//! built-in engines, the router in front of them, the loopback server the agents talk to, and the
+//! agent pool. The same HTTP APIs as on a cluster, so a local run exercises the real paths.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tch::{Device, Kind};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::config::RunConfig;
+use super::RunError;
+use crate::agents::{AgentPool, PoolOptions};
+use crate::chat::{ChatTemplate, Tokenizer};
+use crate::engine::{http, EngineHandle, EngineOptions};
+use crate::loopback::{ChatService, EngineClient, ServiceOptions};
+use crate::model::{ModelConfig, Qwen3Model};
+use crate::router::{policy, server, EnginePool, HealthOptions, Router};
+
+/// The running serving side; dropping it stops every server.
+#[derive(Debug)]
+pub struct Stack {
+    /// The router's base URL: generation and weight updates go through it.
+    pub router_url: String,
+    pub agents: Arc<AgentPool>,
+    stop: watch::Sender<bool>,
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn bind() -> Result<(TcpListener, String), RunError> {
+    let listener = TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .map_err(|e| RunError::Setup(format!("binding 127.0.0.1: {e}")))?;
+    let url = format!(
+        "http://{}",
+        listener
+            .local_addr()
+            .map_err(|e| RunError::Setup(e.to_string()))?
+    );
+    Ok((listener, url))
+}
+
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Starts one built-in engine on `model_dir`.
+async fn engine(
+    model_dir: &Path,
+    device: Device,
+    opts: EngineOptions,
+    stop: watch::Receiver<bool>,
+) -> Result<String, RunError> {
+    let dir = model_dir.to_path_buf();
+    let model = tokio::task::spawn_blocking(move || Qwen3Model::load(&dir, Kind::Float, device))
+        .await
+        .map_err(|e| RunError::Setup(e.to_string()))??;
+    let name = model_dir
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    let (handle, _thread) = EngineHandle::spawn(model, name, opts);
+    let (listener, url) = bind().await?;
+    tokio::spawn(http::serve(listener, handle, stopped(stop)));
+    Ok(url)
+}
+
+impl Stack {
+    pub async fn start(cfg: &RunConfig, device: Device, scratch: &Path) -> Result<Self, RunError> {
+        let (stop, stop_rx) = watch::channel(false);
+        let model_cfg = ModelConfig::from_dir(&cfg.model_dir)?;
+        let opts = EngineOptions {
+            // Every running episode's turn fits in one decoding batch.
+            max_batch: cfg.concurrency.clamp(1, 256),
+            max_model_len: cfg
+                .run
+                .spec
+                .model
+                .max_model_len
+                .map_or(model_cfg.max_position_embeddings, |n| n as usize),
+            max_prefill_tokens: 2048,
+            max_waiting: 4096,
+            return_routed_experts: cfg.routing_replay && model_cfg.moe.is_some(),
+            eos_token_ids: model_cfg.eos_token_ids.clone(),
+            threads: None,
+            packed_weights: None,
+        };
+        let mut urls = Vec::new();
+        for _ in 0..cfg.engines {
+            urls.push(engine(&cfg.model_dir, device, opts.clone(), stop_rx.clone()).await?);
+        }
+        let pool = Arc::new(EnginePool::new(&urls));
+        tokio::spawn(pool.clone().check_health(HealthOptions::default()));
+        let router = Arc::new(Router::new(
+            pool,
+            policy::by_name("consistent-hash").expect("a known policy"),
+        ));
+        let (listener, router_url) = bind().await?;
+        tokio::spawn(server::serve(listener, router, stopped(stop_rx.clone())));
+
+        let service = Arc::new(ChatService::new(
+            EngineClient::new(&router_url),
+            Tokenizer::from_model_dir(&cfg.model_dir)
+                .map_err(|e| RunError::Setup(e.to_string()))?,
+            ChatTemplate::from_model_dir(&cfg.model_dir)
+                .map_err(|e| RunError::Setup(e.to_string()))?,
+            ServiceOptions {
+                // Sessions of running episodes, plus those closing.
+                max_sessions: cfg.concurrency * 2,
+                model_name: cfg.name.clone(),
+            },
+        ));
+        let (listener, loopback_url) = bind().await?;
+        tokio::spawn(crate::loopback::serve(
+            listener,
+            service.clone(),
+            crate::loopback::DEFAULT_MAX_BODY_BYTES,
+            stopped(stop_rx),
+        ));
+        let agents = Arc::new(
+            AgentPool::new(
+                service,
+                cfg.agent.clone(),
+                PoolOptions {
+                    concurrency: cfg.concurrency,
+                    timeout: cfg.episode_timeout,
+                    loopback_url,
+                    env_loop: cfg.env_loop.clone(),
+                    scratch_dir: scratch.to_path_buf(),
+                },
+            )
+            .map_err(|e| RunError::Setup(e.to_string()))?,
+        );
+        Ok(Self {
+            router_url,
+            agents,
+            stop,
+        })
+    }
+}

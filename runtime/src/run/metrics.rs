@@ -1,0 +1,253 @@
+//! What a run reports: one JSON object per training step in `<out>/metrics.jsonl`, a progress
+//! line per step on stderr, and at the end the reward curve (`reward.svg`) and a summary.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::RunError;
+
+/// One training step, as a line of `metrics.jsonl`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    /// The version the step produced (what engines serve after its weight sync).
+    pub policy_version: u64,
+    pub reward_mean: f64,
+    pub reward_std: f64,
+    pub episodes: usize,
+    pub advantage_mean: f64,
+    pub advantage_std: f64,
+    pub loss: f64,
+    /// Mean |log ρ| = |log π_old − log μ| over sampled tokens (engine/trainer mismatch and
+    /// staleness together).
+    pub mean_abs_log_rho: f64,
+    /// Sampled tokens the IS correction gave weight 0.
+    pub masked_fraction: f64,
+    pub entropy: f64,
+    pub kl: f64,
+    pub grad_norm: f64,
+    pub learning_rate: f64,
+    /// Sampled tokens by how many versions behind the policy that trained on them they were.
+    pub staleness: BTreeMap<u64, usize>,
+    pub staleness_mean: f64,
+    pub sequences: usize,
+    pub sampled_tokens: usize,
+    pub response_tokens_mean: f64,
+    /// Sampled tokens of the batch per second of this step's wall time.
+    pub tokens_per_second: f64,
+    pub step_seconds: f64,
+    pub train_seconds: f64,
+    pub sync_seconds: f64,
+    pub dropped_stale: u64,
+    pub dropped_failed: u64,
+    /// Seconds since the run (this process) started.
+    pub elapsed_seconds: f64,
+}
+
+/// `metrics.jsonl`, appended one line per step.
+#[derive(Debug)]
+pub struct MetricsLog {
+    path: PathBuf,
+    records: Vec<StepRecord>,
+}
+
+impl MetricsLog {
+    /// Opens `<out>/metrics.jsonl`, keeping only steps up to `resume_step` (a resumed run trains
+    /// the later ones again, so each step appears once).
+    pub fn open(out: &Path, resume_step: u64) -> Result<Self, RunError> {
+        let path = out.join("metrics.jsonl");
+        let records: Vec<StepRecord> = match std::fs::read_to_string(&path) {
+            Ok(text) => text
+                .lines()
+                .filter_map(|l| serde_json::from_str::<StepRecord>(l).ok())
+                .filter(|r| r.step <= resume_step)
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let mut text = Vec::new();
+        for r in &records {
+            serde_json::to_writer(&mut text, r).expect("records serialize");
+            text.push(b'\n');
+        }
+        super::checkpoint::write_atomic(&path, &text)?;
+        Ok(Self { path, records })
+    }
+
+    pub fn push(&mut self, record: StepRecord) -> Result<(), RunError> {
+        let mut line = serde_json::to_vec(&record).expect("records serialize");
+        line.push(b'\n');
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.path)
+            .and_then(|mut f| f.write_all(&line))
+            .map_err(|e| RunError::Io(format!("writing {}: {e}", self.path.display())))?;
+        self.records.push(record);
+        Ok(())
+    }
+
+    pub fn records(&self) -> &[StepRecord] {
+        &self.records
+    }
+}
+
+fn clock(d: Duration) -> String {
+    let s = d.as_secs();
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+    } else {
+        format!("{}m{:02}s", s / 60, s % 60)
+    }
+}
+
+/// The progress line of a step: step, reward, version, staleness, tokens/s, ETA.
+pub fn progress_line(r: &StepRecord, total: u64, eta: Option<Duration>) -> String {
+    format!(
+        "step {:>4}/{total} | reward {:.3} | version {} | staleness {:.2} | {:.0} tok/s | |log ρ| {:.4} | grad {:.3} | {:.1}s/step | ETA {}",
+        r.step,
+        r.reward_mean,
+        r.policy_version,
+        r.staleness_mean,
+        r.tokens_per_second,
+        r.mean_abs_log_rho,
+        r.grad_norm,
+        r.step_seconds,
+        eta.map_or_else(|| "-".into(), clock),
+    )
+}
+
+/// The reward curve as an SVG image: mean reward per step, with its ±std band.
+pub fn reward_svg(records: &[StepRecord], title: &str) -> String {
+    let (w, h, left, right, top, bottom) = (720.0, 400.0, 60.0, 20.0, 40.0, 50.0);
+    let steps: Vec<f64> = records.iter().map(|r| r.step as f64).collect();
+    let (x0, x1) = (
+        steps.first().copied().unwrap_or(0.0),
+        steps.last().copied().unwrap_or(1.0).max(1.0),
+    );
+    let lo = records
+        .iter()
+        .map(|r| r.reward_mean - r.reward_std)
+        .fold(f64::INFINITY, f64::min)
+        .min(0.0);
+    let hi = records
+        .iter()
+        .map(|r| r.reward_mean + r.reward_std)
+        .fold(f64::NEG_INFINITY, f64::max)
+        .max(1.0);
+    let x = |s: f64| left + (s - x0) / (x1 - x0).max(1.0) * (w - left - right);
+    let y = |v: f64| top + (hi - v) / (hi - lo).max(1e-9) * (h - top - bottom);
+    let line = |f: &dyn Fn(&StepRecord) -> f64| -> String {
+        records
+            .iter()
+            .map(|r| format!("{:.1},{:.1}", x(r.step as f64), y(f(r))))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let band = {
+        let upper = line(&|r| r.reward_mean + r.reward_std);
+        let lower: Vec<String> = records
+            .iter()
+            .rev()
+            .map(|r| {
+                format!(
+                    "{:.1},{:.1}",
+                    x(r.step as f64),
+                    y(r.reward_mean - r.reward_std)
+                )
+            })
+            .collect();
+        format!("{upper} {}", lower.join(" "))
+    };
+    let mut svg = format!(
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
+<rect width="100%" height="100%" fill="white"/>
+<text x="{tx}" y="24" text-anchor="middle" font-size="15">{title}</text>
+<polygon points="{band}" fill="#4c78a8" fill-opacity="0.15"/>
+<polyline points="{mean}" fill="none" stroke="#4c78a8" stroke-width="2"/>
+"##,
+        tx = w / 2.0,
+        title = title.replace('&', "&amp;").replace('<', "&lt;"),
+        mean = line(&|r| r.reward_mean),
+    );
+    for k in 0..=4 {
+        let v = lo + (hi - lo) * k as f64 / 4.0;
+        svg += &format!(
+            "<line x1=\"{left}\" x2=\"{:.1}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{v:.2}</text>\n",
+            w - right,
+            left - 6.0,
+            y(v) + 4.0,
+            yy = y(v),
+        );
+    }
+    for k in 0..=4 {
+        let s = x0 + (x1 - x0) * k as f64 / 4.0;
+        svg += &format!(
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{s:.0}</text>\n",
+            x(s),
+            h - bottom + 18.0
+        );
+    }
+    svg += &format!(
+        "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">step</text>\n<text x=\"16\" y=\"{:.1}\" transform=\"rotate(-90 16 {:.1})\" text-anchor=\"middle\">reward (mean ± std)</text>\n</svg>\n",
+        (left + w - right) / 2.0,
+        h - 12.0,
+        h / 2.0,
+        h / 2.0
+    );
+    svg
+}
+
+/// Mean of the last `n` steps' mean reward.
+pub fn recent_reward(records: &[StepRecord], n: usize) -> Option<f64> {
+    let tail = &records[records.len().saturating_sub(n)..];
+    (!tail.is_empty()).then(|| tail.iter().map(|r| r.reward_mean).sum::<f64>() / tail.len() as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(step: u64, reward: f64) -> StepRecord {
+        StepRecord {
+            step,
+            policy_version: step,
+            reward_mean: reward,
+            ..StepRecord::default()
+        }
+    }
+
+    #[test]
+    fn a_resumed_log_keeps_only_checkpointed_steps() {
+        let out = std::env::temp_dir().join(format!("moult-metrics-test-{}", std::process::id()));
+        std::fs::create_dir_all(&out).unwrap();
+        let mut log = MetricsLog::open(&out, 0).unwrap();
+        for s in 1..=5 {
+            log.push(record(s, s as f64 / 10.0)).unwrap();
+        }
+        let log = MetricsLog::open(&out, 3).unwrap();
+        let steps: Vec<u64> = log.records().iter().map(|r| r.step).collect();
+        assert_eq!(steps, vec![1, 2, 3]);
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        assert_eq!(text.lines().count(), 3);
+        assert!((recent_reward(log.records(), 2).unwrap() - 0.25).abs() < 1e-12);
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+
+    #[test]
+    fn the_reward_plot_is_an_svg_with_one_point_per_step() {
+        let records: Vec<StepRecord> = (1..=10).map(|s| record(s, s as f64 / 10.0)).collect();
+        let svg = reward_svg(&records, "demo <run>");
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("demo &lt;run>"));
+        let points = svg
+            .lines()
+            .find(|l| l.starts_with("<polyline"))
+            .unwrap()
+            .matches(',')
+            .count();
+        assert_eq!(points, 10);
+    }
+}

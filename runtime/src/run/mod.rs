@@ -1,0 +1,342 @@
+//! `moult run`: a whole RL run from one RLRun manifest on this machine (DESIGN §1, "locally").
+//! Built-in engines behind the router, the loopback server and agent pool ([`local`]), the
+//! streaming rollout pool, the trainer, and weight sync over loopback TCP.
+//!
+//! The loop ([`run`]) reads on one screen: take a batch of finished groups → advantages →
+//! train → publish the new weights (pause/keep, transfer, resume) → log → checkpoint. Generation
+//! never stops for training: the rollout pool keeps up to `maxStaleness + 1` batches in flight,
+//! so episodes for the next step run while this one trains (`--sync` turns that off for
+//! comparison).
+
+pub mod checkpoint;
+pub mod config;
+pub mod local;
+pub mod metrics;
+pub mod samples;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::Serialize;
+use tch::{Device, Kind};
+
+use crate::model::Qwen3Model;
+use crate::rollout::{next_batch, staleness_histogram, RolloutPool, RolloutState};
+use crate::trainer::train::Trainer;
+use crate::weight_sync::orchestrate::WeightSync;
+use checkpoint::CheckpointMeta;
+use config::RunConfig;
+use metrics::{MetricsLog, StepRecord};
+
+/// Why a run stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The manifest (or a file it names) is unusable; the message names the field.
+    #[error("{0}")]
+    Manifest(String),
+    #[error("setting up: {0}")]
+    Setup(String),
+    #[error(transparent)]
+    Model(#[from] crate::model::Error),
+    #[error("weight sync: {0}")]
+    Sync(#[from] crate::weight_sync::orchestrate::SyncError),
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    #[error("{0}")]
+    Io(String),
+}
+
+/// How `moult run` runs the manifest.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Metrics, plot, summary and checkpoints go here.
+    pub out: PathBuf,
+    /// Where the trainer and engines compute.
+    pub device: Device,
+    /// Fixes the task order (and, with the data cursor, every later epoch's).
+    pub seed: u64,
+    /// Print a progress line per step.
+    pub progress: bool,
+}
+
+/// What a finished (or interrupted) run reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub name: String,
+    pub steps: u64,
+    pub total_steps: u64,
+    pub policy_version: u64,
+    /// Mean reward of the first step this process trained, and of the last five steps.
+    pub first_reward: Option<f64>,
+    pub final_reward: Option<f64>,
+    pub seconds: f64,
+    pub resumed_from: Option<u64>,
+    pub last_checkpoint: Option<PathBuf>,
+    pub interrupted: bool,
+}
+
+/// The dataset in the run's fixed order (a seeded shuffle, so a resumed run's cursor means the
+/// same task).
+fn ordered(tasks: &[serde_json::Value], seed: u64) -> Vec<serde_json::Value> {
+    let mut tasks = tasks.to_vec();
+    tasks.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    tasks
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, RunError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RunError::Setup(format!("a compute thread failed: {e}")))
+}
+
+/// Runs `cfg` to its `totalSteps` (resuming from the newest checkpoint under
+/// `<out>/checkpoints`), or until `shutdown` resolves.
+pub async fn run(
+    cfg: RunConfig,
+    opts: RunOptions,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<Summary, RunError> {
+    let started = Instant::now();
+    let out = &opts.out;
+    std::fs::create_dir_all(out)
+        .map_err(|e| RunError::Io(format!("creating {}: {e}", out.display())))?;
+    let ckpt_root = out.join("checkpoints");
+    let resume = checkpoint::latest(&ckpt_root)?;
+    let (mut step, mut version, state, seed) = match &resume {
+        Some((_, m)) => (m.step, m.policy_version, m.rollout, m.seed),
+        None => (0, 0, RolloutState::default(), opts.seed),
+    };
+    if step >= cfg.total_steps {
+        eprintln!("moult run: {} already finished ({step} steps)", cfg.name);
+    }
+
+    // The trainer: from the checkpoint's weights and moments, or the model folder.
+    let weights_dir = resume
+        .as_ref()
+        .map_or(cfg.model_dir.clone(), |(d, _)| d.clone());
+    let device = opts.device;
+    let mut trainer = {
+        let (dir, trainer_opts) = (weights_dir.clone(), cfg.trainer.clone());
+        blocking(move || -> Result<Trainer, RunError> {
+            let model = Qwen3Model::load(&dir, Kind::Float, device)?;
+            Trainer::new(model, None, trainer_opts).map_err(RunError::Setup)
+        })
+        .await??
+    };
+    if let Some((dir, meta)) = &resume {
+        let moments = checkpoint::load_moments(dir, device)?;
+        trainer
+            .restore(meta.step, moments)
+            .map_err(RunError::Checkpoint)?;
+        eprintln!(
+            "moult run: resuming {} from {} (step {}, version {})",
+            cfg.name,
+            dir.display(),
+            meta.step,
+            meta.policy_version
+        );
+    }
+
+    let scratch = out.join("scratch");
+    let stack = local::Stack::start(&cfg, device, &scratch).await?;
+    let mut sync = WeightSync::new(&stack.router_url);
+    sync.connect_tcp("127.0.0.1:0", "127.0.0.1").await?;
+    if resume.is_some() {
+        // The engines loaded the original model: bring them to the checkpoint's version.
+        sync.update(&trainer.weights(), version, false).await?;
+    }
+    let dataset = Arc::new(ordered(&cfg.tasks, seed));
+    let (pool, mut queue) = RolloutPool::start(
+        stack.agents.clone(),
+        dataset,
+        cfg.rollout.clone(),
+        state,
+        version,
+    )
+    .map_err(|e| RunError::Setup(e.to_string()))?;
+    let mut log = MetricsLog::open(out, step)?;
+    let first_step = step;
+    let mut last_checkpoint = resume.as_ref().map(|(d, _)| d.clone());
+    let mut step_started = Instant::now();
+    tokio::pin!(shutdown);
+    let mut interrupted = false;
+
+    while step < cfg.total_steps {
+        // 1. A batch of finished groups (generated while the previous step trained).
+        let batch = tokio::select! {
+            b = next_batch(&pool, &mut queue, &cfg.rollout) => b,
+            () = &mut shutdown => { interrupted = true; break; }
+        };
+        let Some(batch) = batch else {
+            return Err(RunError::Setup("the rollout pool stopped".into()));
+        };
+        // 2. Advantages, and the exact token segments as trainer samples.
+        let advantages = samples::advantages(cfg.estimator, &batch)?;
+        let train_samples = samples::samples(&batch, &advantages, cfg.routing_replay)?;
+        let staleness: BTreeMap<u64, usize> =
+            staleness_histogram(&batch, version).into_iter().collect();
+        // 3. One optimizer step, on a compute thread.
+        let train_started = Instant::now();
+        let (t, stats) = blocking(move || {
+            let stats = trainer.step(&train_samples);
+            (trainer, stats)
+        })
+        .await?;
+        trainer = t;
+        let stats = stats?;
+        let train_seconds = train_started.elapsed().as_secs_f64();
+        step += 1;
+        version = trainer.steps();
+        // 4. Publish: engines pause (keeping their requests), take the weights, resume.
+        let sync_started = Instant::now();
+        sync.update(&trainer.weights(), version, cfg.partial_rollout)
+            .await?;
+        pool.set_version(version);
+        let sync_seconds = sync_started.elapsed().as_secs_f64();
+        // 5. Log.
+        let record = step_record(
+            &batch,
+            &advantages,
+            &stats,
+            staleness,
+            StepTimes {
+                step: step_started.elapsed().as_secs_f64(),
+                train: train_seconds,
+                sync: sync_seconds,
+                elapsed: started.elapsed().as_secs_f64(),
+            },
+            (step, version),
+            pool.stats(),
+        );
+        drop(batch); // frees the groups' admission slots: generation goes on
+        step_started = Instant::now();
+        if opts.progress {
+            let done = step - first_step;
+            let eta = Duration::from_secs_f64(
+                started.elapsed().as_secs_f64() / done as f64 * (cfg.total_steps - step) as f64,
+            );
+            eprintln!(
+                "{}",
+                metrics::progress_line(&record, cfg.total_steps, Some(eta))
+            );
+        }
+        log.push(record)?;
+        // 6. Checkpoint.
+        if cfg
+            .checkpoint_every
+            .is_some_and(|every| step % every == 0 || step == cfg.total_steps)
+        {
+            let meta = CheckpointMeta {
+                step,
+                policy_version: version,
+                rollout: pool.state(),
+                seed,
+            };
+            let (root, model_dir) = (ckpt_root.clone(), cfg.model_dir.clone());
+            let (t, saved) = blocking(move || {
+                let saved = checkpoint::save(&root, &model_dir, &trainer, &meta);
+                (trainer, saved)
+            })
+            .await?;
+            trainer = t;
+            last_checkpoint = Some(saved?);
+        }
+    }
+    // Stop drawing tasks before the servers go, so episodes in flight end quietly.
+    drop(queue);
+    drop(stack);
+    let records = log.records();
+    let trained: Vec<StepRecord> = records
+        .iter()
+        .filter(|r| r.step > first_step)
+        .cloned()
+        .collect();
+    let svg = metrics::reward_svg(records, &format!("{}: reward per step", cfg.name));
+    std::fs::write(out.join("reward.svg"), svg)
+        .map_err(|e| RunError::Io(format!("writing reward.svg: {e}")))?;
+    let summary = Summary {
+        name: cfg.name.clone(),
+        steps: step,
+        total_steps: cfg.total_steps,
+        policy_version: version,
+        first_reward: trained.first().map(|r| r.reward_mean),
+        final_reward: metrics::recent_reward(records, 5),
+        seconds: started.elapsed().as_secs_f64(),
+        resumed_from: resume.map(|(_, m)| m.step),
+        last_checkpoint,
+        interrupted,
+    };
+    checkpoint::write_atomic(
+        &out.join("summary.json"),
+        &serde_json::to_vec_pretty(&summary).expect("summary serializes"),
+    )?;
+    Ok(summary)
+}
+
+struct StepTimes {
+    step: f64,
+    train: f64,
+    sync: f64,
+    elapsed: f64,
+}
+
+fn step_record(
+    batch: &[crate::rollout::Group],
+    advantages: &[Vec<f64>],
+    stats: &crate::trainer::train::StepStats,
+    staleness: BTreeMap<u64, usize>,
+    times: StepTimes,
+    (step, version): (u64, u64),
+    rollout: crate::rollout::RolloutStats,
+) -> StepRecord {
+    let rewards: Vec<f64> = batch
+        .iter()
+        .flat_map(|g| g.episodes.iter().map(|e| e.reward))
+        .collect();
+    let (reward_mean, reward_std) = samples::mean_std(&rewards);
+    let (advantage_mean, advantage_std) = samples::mean_std(&advantages.concat());
+    let stale_tokens: usize = staleness.values().sum();
+    StepRecord {
+        step,
+        policy_version: version,
+        reward_mean,
+        reward_std,
+        episodes: rewards.len(),
+        advantage_mean,
+        advantage_std,
+        loss: stats.loss,
+        mean_abs_log_rho: stats.mean_abs_log_rho,
+        masked_fraction: stats.masked_fraction,
+        entropy: stats.entropy,
+        kl: stats.kl,
+        grad_norm: stats.grad_norm,
+        learning_rate: stats.learning_rate,
+        staleness_mean: staleness
+            .iter()
+            .map(|(k, n)| *k as f64 * *n as f64)
+            .sum::<f64>()
+            / stale_tokens.max(1) as f64,
+        staleness,
+        sequences: stats.sequences,
+        sampled_tokens: stats.sampled_tokens,
+        response_tokens_mean: stats.sampled_tokens as f64 / rewards.len().max(1) as f64,
+        tokens_per_second: stats.sampled_tokens as f64 / times.step.max(1e-9),
+        step_seconds: times.step,
+        train_seconds: times.train,
+        sync_seconds: times.sync,
+        dropped_stale: rollout.dropped_stale,
+        dropped_failed: rollout.dropped_failed,
+        elapsed_seconds: times.elapsed,
+    }
+}
+
+/// `<out>` of a run by default: `runs/<name>`.
+pub fn default_out(name: &str) -> PathBuf {
+    Path::new("runs").join(name)
+}

@@ -1,0 +1,121 @@
+//! From finished groups to the trainer's samples: rewards to advantages (the estimator), and
+//! each episode's segments to [`Sample`]s carrying the exact tokens, loss mask, behaviour
+//! logprobs and, with routing replay, the routed experts.
+
+use moult_operator::api::Estimator;
+use tch::Tensor;
+
+use super::RunError;
+use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
+use crate::engine::npy::decode_routed_experts;
+use crate::loopback::Segment;
+use crate::rollout::Group;
+use crate::trainer::train::Sample;
+
+/// Summary statistics of a list of numbers: (mean, population std).
+pub fn mean_std(xs: &[f64]) -> (f64, f64) {
+    if xs.is_empty() {
+        return (0.0, 0.0);
+    }
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+    (mean, var.sqrt())
+}
+
+/// Each episode's advantage, per group, from the groups' rewards.
+pub fn advantages(estimator: Estimator, batch: &[Group]) -> Result<Vec<Vec<f64>>, RunError> {
+    let g = batch.first().map_or(0, |b| b.episodes.len());
+    if batch.iter().any(|b| b.episodes.len() != g) {
+        return Err(RunError::Setup(
+            "groups of unequal size in one batch".into(),
+        ));
+    }
+    let rewards: Vec<f64> = batch
+        .iter()
+        .flat_map(|b| b.episodes.iter().map(|e| e.reward))
+        .collect();
+    let r = Tensor::from_slice(&rewards).view([batch.len() as i64, g as i64]);
+    let a = match estimator {
+        Estimator::Grpo => grpo(&r, true, 1e-6),
+        Estimator::Rloo => rloo(&r),
+        Estimator::ReinforcePlusPlus => reinforce_pp(&r, 1e-6),
+        Estimator::OnPolicyDistillation => {
+            return Err(RunError::Manifest(
+                "spec.algorithm.estimator: OnPolicyDistillation needs a teacher, which local runs do not serve yet (issue 6)".into(),
+            ))
+        }
+    };
+    let flat: Vec<f64> = Vec::try_from(a.flatten(0, -1)).expect("advantages are doubles");
+    Ok(flat.chunks(g.max(1)).map(<[f64]>::to_vec).collect())
+}
+
+/// The routing to replay for `segment`, `[tokens, sparse_layers, top_k]`: the engine's chunks
+/// tile positions `0..tokens-1` (the last token was never fed to the model; its row repeats the
+/// one before, and no loss reads it).
+pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
+    if segment.routed_experts.is_empty() {
+        return Ok(None);
+    }
+    let mut rows = Vec::new();
+    let mut next = 0usize;
+    for chunk in &segment.routed_experts {
+        if chunk.start != next {
+            return Err(RunError::Setup(format!(
+                "routed experts cover positions from {next} but a chunk starts at {}",
+                chunk.start
+            )));
+        }
+        let (shape, ids) = decode_routed_experts(&chunk.data).map_err(RunError::Setup)?;
+        let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
+        rows.push(Tensor::from_slice(&ids).view([
+            shape[0] as i64,
+            shape[1] as i64,
+            shape[2] as i64,
+        ]));
+        next += shape[0];
+    }
+    let mut t = Tensor::cat(&rows, 0);
+    let len = segment.token_ids.len();
+    if next + 1 == len {
+        let last = t.get(next as i64 - 1).unsqueeze(0);
+        t = Tensor::cat(&[t, last], 0);
+    } else if next != len {
+        return Err(RunError::Setup(format!(
+            "routed experts cover {next} positions of a {len}-token segment"
+        )));
+    }
+    Ok(Some(t))
+}
+
+/// The batch as trainer samples: every segment with sampled tokens, with its episode's
+/// advantage.
+pub fn samples(
+    batch: &[Group],
+    advantages: &[Vec<f64>],
+    routing_replay: bool,
+) -> Result<Vec<Sample>, RunError> {
+    let mut out = Vec::new();
+    for (group, adv) in batch.iter().zip(advantages) {
+        for (episode, &a) in group.episodes.iter().zip(adv) {
+            for seg in &episode.segments {
+                if seg.sampled_tokens() == 0 {
+                    continue;
+                }
+                out.push(Sample {
+                    tokens: seg.token_ids.clone(),
+                    loss_mask: seg.loss_mask.clone(),
+                    behaviour_logprobs: seg.logprobs.clone(),
+                    advantage: a,
+                    token_advantages: None,
+                    replay: if routing_replay {
+                        replay_tensor(seg)?
+                    } else {
+                        None
+                    },
+                });
+            }
+        }
+    }
+    Ok(out)
+}

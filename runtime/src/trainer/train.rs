@@ -1,0 +1,303 @@
+//! One training step over a batch of trajectory segments: π_old once, then the loss in
+//! micro-batches whose gradients accumulate, gradient clipping, one AdamW step at the scheduled
+//! learning rate. The result is exactly the step on the whole batch at once: each micro-batch's
+//! loss is weighed by its share of the batch (tokens for token-mean, sequences for
+//! sequence-mean and GSPO).
+
+use std::time::Instant;
+
+use serde::Serialize;
+use tch::Tensor;
+
+use super::logprobs::{token_logprobs, Scored};
+use super::optim::{clip_grad_norm, AdamW, LrSchedule};
+use super::step::{old_logprobs, policy_loss_with, LossConfig, LossExtras, LossKind, TrainSample};
+use crate::algorithms::losses::Aggregation;
+use crate::model::Qwen3Model;
+
+/// One trajectory segment with its advantage, owned (what the run hands the trainer).
+#[derive(Debug)]
+pub struct Sample {
+    pub tokens: Vec<i64>,
+    pub loss_mask: Vec<u8>,
+    pub behaviour_logprobs: Vec<f32>,
+    /// The sequence's advantage.
+    pub advantage: f64,
+    /// Per-token advantages (on-policy distillation), `tokens.len()` long; replace `advantage`.
+    pub token_advantages: Option<Vec<f32>>,
+    /// MoE routing to replay, `[tokens.len(), sparse_layers, top_k]`.
+    pub replay: Option<Tensor>,
+}
+
+impl Sample {
+    fn view(&self) -> TrainSample<'_> {
+        TrainSample {
+            tokens: &self.tokens,
+            loss_mask: &self.loss_mask,
+            behaviour_logprobs: &self.behaviour_logprobs,
+            advantage: self.advantage,
+            replay: self.replay.as_ref(),
+        }
+    }
+
+    fn sampled(&self) -> usize {
+        self.loss_mask.iter().filter(|&&m| m == 1).count()
+    }
+}
+
+/// How the trainer trains.
+#[derive(Debug, Clone)]
+pub struct TrainerOptions {
+    pub loss: LossConfig,
+    pub schedule: LrSchedule,
+    pub weight_decay: f64,
+    /// Gradients are clipped to this global norm.
+    pub max_grad_norm: Option<f64>,
+    /// Tokens (sampled or not) per forward/backward; gradients accumulate over the batch. Bounds
+    /// activation memory independently of the batch size.
+    pub micro_batch_tokens: usize,
+    /// Weight of the k3 KL penalty to the reference (initial) policy; 0 for none.
+    pub kl_coef: f64,
+}
+
+/// What one step did (the step's metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StepStats {
+    pub loss: f64,
+    pub mean_abs_log_rho: f64,
+    pub masked_fraction: f64,
+    pub entropy: f64,
+    pub kl: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub learning_rate: f64,
+    pub sequences: usize,
+    /// Sampled (trained-on) tokens.
+    pub sampled_tokens: usize,
+    /// Every token forwarded.
+    pub tokens: usize,
+    pub micro_batches: usize,
+    pub seconds: f64,
+}
+
+/// The trainable policy with its optimizer.
+#[derive(Debug)]
+pub struct Trainer {
+    model: Qwen3Model,
+    params: Vec<Tensor>,
+    optimizer: AdamW,
+    /// The frozen initial policy, when a KL penalty needs it.
+    reference: Option<Qwen3Model>,
+    opts: TrainerOptions,
+    steps: u64,
+}
+
+/// Splits `samples` into consecutive runs of at most `budget` tokens (a longer sample alone).
+fn micro_batches(samples: &[Sample], budget: usize) -> Vec<&[Sample]> {
+    let mut out = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, s) in samples.iter().enumerate() {
+        if i > start && tokens + s.tokens.len() > budget {
+            out.push(&samples[start..i]);
+            (start, tokens) = (i, 0);
+        }
+        tokens += s.tokens.len();
+    }
+    if start < samples.len() {
+        out.push(&samples[start..]);
+    }
+    out
+}
+
+fn padded_rows(rows: &[&[f32]], width: i64) -> Tensor {
+    let flat: Vec<f32> = rows
+        .iter()
+        .flat_map(|r| {
+            let mut r = r.to_vec();
+            r.resize(width as usize, 0.0);
+            r
+        })
+        .collect();
+    Tensor::from_slice(&flat).view([rows.len() as i64, width])
+}
+
+impl Trainer {
+    /// Trains `model` (its weights get gradients) from optimizer step `steps` on; `reference`
+    /// is needed when `opts.kl_coef` > 0.
+    pub fn new(
+        model: Qwen3Model,
+        reference: Option<Qwen3Model>,
+        opts: TrainerOptions,
+    ) -> Result<Self, String> {
+        if opts.kl_coef > 0.0 && reference.is_none() {
+            return Err("a KL penalty needs the reference model".into());
+        }
+        if opts.micro_batch_tokens == 0 {
+            return Err("micro_batch_tokens must be at least 1".into());
+        }
+        let params = model
+            .trainable()
+            .into_iter()
+            .map(|t| t.set_requires_grad(true))
+            .collect();
+        Ok(Self {
+            model,
+            params,
+            optimizer: AdamW::new((0.9, 0.999), 1e-8, opts.weight_decay),
+            reference,
+            opts,
+            steps: 0,
+        })
+    }
+
+    pub fn model(&self) -> &Qwen3Model {
+        &self.model
+    }
+
+    /// Optimizer steps taken (the policy version this trainer holds).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The optimizer's moments, in [`Qwen3Model::trainable`] order (for checkpoints).
+    pub fn moments(&self) -> &[(Tensor, Tensor)] {
+        self.optimizer.moments()
+    }
+
+    /// Continues from a checkpoint taken after `steps` steps.
+    pub fn restore(&mut self, steps: u64, moments: Vec<(Tensor, Tensor)>) -> Result<(), String> {
+        if !moments.is_empty() && moments.len() != self.params.len() {
+            return Err(format!(
+                "the checkpoint has optimizer moments for {} tensors, the model {}",
+                moments.len(),
+                self.params.len()
+            ));
+        }
+        self.optimizer.restore(steps as i64, moments);
+        self.steps = steps;
+        Ok(())
+    }
+
+    /// One optimizer step on `samples`.
+    pub fn step(&mut self, samples: &[Sample]) -> crate::model::Result<StepStats> {
+        let started = Instant::now();
+        let cfg = self.opts.loss;
+        let parts = micro_batches(samples, self.opts.micro_batch_tokens);
+        let total_sampled: usize = samples.iter().map(Sample::sampled).sum();
+        let share = |part: &[Sample]| match (cfg.kind, cfg.aggregation) {
+            (LossKind::Gspo, _) | (_, Aggregation::SeqMean) => {
+                part.len() as f64 / samples.len().max(1) as f64
+            }
+            (_, Aggregation::TokenMean) => {
+                part.iter().map(Sample::sampled).sum::<usize>() as f64 / total_sampled.max(1) as f64
+            }
+        };
+        // π_old for every micro-batch before any weight moves.
+        let mut olds = Vec::with_capacity(parts.len());
+        for part in &parts {
+            let views: Vec<TrainSample<'_>> = part.iter().map(Sample::view).collect();
+            olds.push(old_logprobs(&self.model, &views, cfg.temperature)?);
+        }
+        let mut stats = StepStats {
+            sequences: samples.len(),
+            sampled_tokens: total_sampled,
+            tokens: samples.iter().map(|s| s.tokens.len()).sum(),
+            micro_batches: parts.len(),
+            ..StepStats::default()
+        };
+        for (part, old) in parts.iter().zip(&olds) {
+            let views: Vec<TrainSample<'_>> = part.iter().map(Sample::view).collect();
+            let width = old.size()[1];
+            let token_advantages = part.iter().all(|s| s.token_advantages.is_some()).then(|| {
+                let rows: Vec<&[f32]> = part
+                    .iter()
+                    .map(|s| s.token_advantages.as_deref().expect("checked"))
+                    .collect();
+                padded_rows(&rows, width)
+            });
+            let reference = match (&self.reference, self.opts.kl_coef > 0.0) {
+                (Some(reference), true) => {
+                    let seqs: Vec<Scored<'_>> = part
+                        .iter()
+                        .map(|s| Scored {
+                            tokens: &s.tokens,
+                            replay: s.replay.as_ref(),
+                        })
+                        .collect();
+                    Some(tch::no_grad(|| {
+                        token_logprobs(reference, &seqs, cfg.temperature)
+                    })?)
+                }
+                _ => None,
+            };
+            let extras = LossExtras {
+                token_advantages: token_advantages.as_ref(),
+                kl: reference.as_ref().map(|r| (self.opts.kl_coef, r)),
+            };
+            let (loss, m) = policy_loss_with(&self.model, &views, old, &cfg, &extras)?;
+            let w = share(part);
+            (loss * w).backward();
+            // Token-weighted means of the per-token metrics.
+            let t = m.tokens / total_sampled.max(1) as f64;
+            stats.loss += m.loss * w;
+            stats.mean_abs_log_rho += m.mean_abs_log_rho * t;
+            stats.masked_fraction += m.masked_fraction * t;
+            stats.entropy += m.entropy * t;
+            stats.kl += m.kl * t;
+        }
+        stats.grad_norm = match self.opts.max_grad_norm {
+            Some(max) => clip_grad_norm(&self.params, max),
+            None => clip_grad_norm(&self.params, f64::INFINITY),
+        };
+        stats.learning_rate = self.opts.schedule.at(self.steps + 1);
+        self.optimizer.step(&self.params, stats.learning_rate);
+        for p in &self.params {
+            let mut g = p.grad();
+            if g.defined() {
+                let _ = g.zero_();
+            }
+        }
+        self.steps += 1;
+        stats.seconds = started.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+
+    /// The weights to publish, by checkpoint name, detached from autograd (they share storage
+    /// with the model: publish them before the next step).
+    pub fn weights(&self) -> Vec<(String, Tensor)> {
+        self.model
+            .params()
+            .iter()
+            .map(|(n, t)| (n.clone(), t.detach()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(len: usize) -> Sample {
+        Sample {
+            tokens: vec![1; len],
+            loss_mask: vec![1; len],
+            behaviour_logprobs: vec![0.0; len],
+            advantage: 0.0,
+            token_advantages: None,
+            replay: None,
+        }
+    }
+
+    #[test]
+    fn micro_batches_respect_the_token_budget_and_keep_order() {
+        let samples: Vec<Sample> = [3, 4, 2, 9, 1, 1].iter().map(|&n| sample(n)).collect();
+        let lens: Vec<Vec<usize>> = micro_batches(&samples, 7)
+            .iter()
+            .map(|p| p.iter().map(|s| s.tokens.len()).collect())
+            .collect();
+        // 9 exceeds the budget alone: it gets a micro-batch of its own.
+        assert_eq!(lens, vec![vec![3, 4], vec![2], vec![9], vec![1, 1]]);
+        assert_eq!(micro_batches(&samples, 100).len(), 1);
+        assert!(micro_batches(&[], 10).is_empty());
+    }
+}
