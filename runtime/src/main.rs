@@ -62,6 +62,9 @@ struct RunArgs {
     /// Train this many steps in all instead of the manifest's spec.totalSteps.
     #[arg(long)]
     steps: Option<u64>,
+    /// Checkpoint every N steps instead of the manifest's spec.checkpoint.intervalSteps.
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
     /// No progress line per step.
     #[arg(long)]
     quiet: bool,
@@ -510,6 +513,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         cfg.total_steps = steps;
         cfg.trainer.schedule.total_steps = steps;
+    }
+    if let Some(every) = args.checkpoint_every {
+        if every == 0 {
+            bail!("--checkpoint-every must be at least 1");
+        }
+        cfg.checkpoint_every = Some(every);
     }
     if args.sync {
         cfg = cfg.synchronous();

@@ -21,6 +21,19 @@ pub use kv_cache::KvCache;
 pub use loader::{dtype_name, load_safetensors_dir, parse_dtype};
 pub use qwen3::{ForwardOutput, LogitsFor, Qwen3Model, SeqInput};
 
+/// libtorch intra-op threads for computing with a model: one for small models (hidden size under
+/// 512), whose operations are too small to gain from a pool (waking one costs tens of
+/// microseconds per operation, and its spinning threads starve the other roles of a local run),
+/// all cores otherwise. Set it on each compute thread: OpenMP's count is per thread, and a new
+/// thread inherits whatever count was set last.
+pub fn compute_threads(cfg: &ModelConfig) -> usize {
+    if cfg.hidden_size < 512 {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
+
 /// Errors of loading and running a model.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

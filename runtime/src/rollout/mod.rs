@@ -119,6 +119,8 @@ struct Shared {
 #[derive(Debug, Clone)]
 pub struct RolloutPool {
     shared: Arc<Shared>,
+    /// The task that draws tasks; it owns every group's task, so aborting it stops them all.
+    driver: Arc<Mutex<Option<tokio::task::AbortHandle>>>,
 }
 
 impl RolloutPool {
@@ -152,10 +154,14 @@ impl RolloutPool {
         let (tx, rx) = mpsc::channel(opts.max_groups());
         let pool = Self {
             shared: shared.clone(),
+            driver: Arc::new(Mutex::new(None)),
         };
-        tokio::spawn(async move {
+        let driver = tokio::spawn(async move {
             let mut next_episode = 0usize;
+            // Dropping the set (when this task is aborted) aborts every running group.
+            let mut groups = tokio::task::JoinSet::new();
             loop {
+                while groups.try_join_next().is_some() {}
                 let permit = match permits.clone().acquire_owned().await {
                     Ok(p) => p,
                     Err(_) => return,
@@ -179,7 +185,7 @@ impl RolloutPool {
                 next_episode += opts.group_size;
                 let (runner, shared, tx, opts) =
                     (runner.clone(), shared.clone(), tx.clone(), opts.clone());
-                tokio::spawn(async move {
+                groups.spawn(async move {
                     let episodes = futures::future::join_all(
                         (0..opts.group_size).map(|k| runner.run(first + k, task.clone())),
                     )
@@ -204,6 +210,7 @@ impl RolloutPool {
                 });
             }
         });
+        *pool.driver.lock().expect("driver lock") = Some(driver.abort_handle());
         Ok((pool, rx))
     }
 
@@ -234,6 +241,14 @@ impl RolloutPool {
             }
         }
         Some(group)
+    }
+
+    /// Stops drawing tasks and abandons the episodes in flight (their agents are killed and
+    /// their engine requests aborted): the end of a run.
+    pub fn stop(&self) {
+        if let Some(driver) = self.driver.lock().expect("driver lock").take() {
+            driver.abort();
+        }
     }
 
     /// The engines now serve `version` (called after each weight sync).

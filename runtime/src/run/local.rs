@@ -71,6 +71,16 @@ async fn engine(
 }
 
 impl Stack {
+    /// Ends the serving side in order: engines abort what they still run (so nothing waits on
+    /// a stream that will never finish), then every server stops.
+    pub async fn shutdown(self) {
+        let _ = reqwest::Client::new()
+            .post(format!("{}/pause?mode=abort", self.router_url))
+            .timeout(std::time::Duration::from_secs(5))
+            .send()
+            .await;
+    }
+
     pub async fn start(cfg: &RunConfig, device: Device, scratch: &Path) -> Result<Self, RunError> {
         let (stop, stop_rx) = watch::channel(false);
         let model_cfg = ModelConfig::from_dir(&cfg.model_dir)?;

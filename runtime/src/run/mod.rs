@@ -248,9 +248,10 @@ pub async fn run(
             last_checkpoint = Some(saved?);
         }
     }
-    // Stop drawing tasks before the servers go, so episodes in flight end quietly.
+    // Abandon the episodes in flight before the servers go, so they end quietly.
+    pool.stop();
     drop(queue);
-    drop(stack);
+    stack.shutdown().await;
     let records = log.records();
     let trained: Vec<StepRecord> = records
         .iter()

@@ -90,6 +90,7 @@ pub struct Trainer {
     reference: Option<Qwen3Model>,
     opts: TrainerOptions,
     steps: u64,
+    threads: usize,
 }
 
 /// Splits `samples` into consecutive runs of at most `budget` tokens (a longer sample alone).
@@ -141,6 +142,7 @@ impl Trainer {
             .map(|t| t.set_requires_grad(true))
             .collect();
         Ok(Self {
+            threads: crate::model::compute_threads(model.config()),
             model,
             params,
             optimizer: AdamW::new((0.9, 0.999), 1e-8, opts.weight_decay),
@@ -181,6 +183,8 @@ impl Trainer {
     /// One optimizer step on `samples`.
     pub fn step(&mut self, samples: &[Sample]) -> crate::model::Result<StepStats> {
         let started = Instant::now();
+        // Steps run on whichever compute thread is free: set its pool each time.
+        tch::set_num_threads(self.threads as i32);
         let cfg = self.opts.loss;
         let parts = micro_batches(samples, self.opts.micro_batch_tokens);
         let total_sampled: usize = samples.iter().map(Sample::sampled).sum();

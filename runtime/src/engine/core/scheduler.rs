@@ -86,12 +86,13 @@ impl Engine {
 
     pub(super) fn run(mut self) {
         // Small models (hidden size under 512) are dominated by per-operation overheads: one
-        // intra-op thread (waking a pool costs tens of microseconds per operation) and dense
-        // weights (oneDNN costs ~30 µs more per call). Larger ones gain from both.
+        // intra-op thread and dense weights (oneDNN costs ~30 µs more per call). Larger ones
+        // gain from both.
         let small = self.model.config().hidden_size < 512;
-        // Not `tch::get_num_threads()`: a new thread inherits the last count any thread set.
-        let all = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = self.opts.threads.unwrap_or(if small { 1 } else { all });
+        let threads = self
+            .opts
+            .threads
+            .unwrap_or_else(|| crate::model::compute_threads(self.model.config()));
         // Thread-local for OpenMP: this sets the engine thread's own pool.
         tch::set_num_threads(threads as i32);
         let packed = self.opts.packed_weights.unwrap_or(!small) && self.model.pack_for_inference();
