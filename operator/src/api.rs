@@ -423,6 +423,9 @@ impl Default for OptimizerSpec {
 #[x_kube(validation = Rule::new("!(self.estimator in ['GRPO', 'RLOO']) || self.groupSize >= 2").message(
     "GRPO and RLOO compare samples of one prompt: algorithm.groupSize must be at least 2"
 ))]
+#[x_kube(validation = Rule::new("self.estimator != 'OnPolicyDistillation' || has(self.teacher)").message(
+    "algorithm.estimator OnPolicyDistillation learns from a teacher: set algorithm.teacher.path"
+))]
 pub struct AlgorithmSpec {
     #[serde(default)]
     pub estimator: Estimator,
@@ -448,6 +451,23 @@ pub struct AlgorithmSpec {
     pub is_correction: Option<IsCorrectionSpec>,
     #[serde(default)]
     pub optimizer: OptimizerSpec,
+    /// The teacher of on-policy distillation (estimator OnPolicyDistillation): it scores every
+    /// token the student sampled, and the advantage is its logprob minus the student's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher: Option<TeacherSpec>,
+}
+
+/// A teacher model for on-policy distillation: a Hugging Face folder with the student's
+/// tokenizer.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TeacherSpec {
+    /// Path of the checkpoint folder inside the pods: under `/models` when `claimName` is set.
+    #[schemars(length(min = 1))]
+    pub path: String,
+    /// PersistentVolumeClaim holding the checkpoint, mounted read-only at `/models`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
 }
 
 impl Default for AlgorithmSpec {
@@ -461,6 +481,7 @@ impl Default for AlgorithmSpec {
             loss: LossSpec::default(),
             is_correction: None,
             optimizer: OptimizerSpec::default(),
+            teacher: None,
         }
     }
 }

@@ -43,6 +43,8 @@ pub struct RunConfig {
     /// Steps between checkpoints; `None`: no checkpoints (the manifest has no `checkpoint`).
     pub checkpoint_every: Option<u64>,
     pub routing_replay: bool,
+    /// The teacher of on-policy distillation.
+    pub teacher_dir: Option<PathBuf>,
 }
 
 fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
@@ -279,6 +281,19 @@ impl RunConfig {
                 .as_ref()
                 .map(|c| u64::from(c.interval_steps.max(1))),
             routing_replay: spec.routing_replay,
+            teacher_dir: match (&algo.teacher, algo.estimator) {
+                (Some(t), Estimator::OnPolicyDistillation) => {
+                    let dir = beside(dir, &t.path);
+                    if !dir.join("config.json").is_file() {
+                        return Err(bad(
+                            "spec.algorithm.teacher.path",
+                            format!("{} is not a model folder (no config.json)", dir.display()),
+                        ));
+                    }
+                    Some(dir)
+                }
+                _ => None,
+            },
             run,
         })
     }

@@ -29,6 +29,9 @@ pub struct StepRecord {
     pub masked_fraction: f64,
     pub entropy: f64,
     pub kl: f64,
+    /// On-policy distillation: mean per-token reverse KL to the teacher, log μ − log π_teacher.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher_kl: Option<f64>,
     pub grad_norm: f64,
     pub learning_rate: f64,
     /// Sampled tokens by how many versions behind the policy that trained on them they were.

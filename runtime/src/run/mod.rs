@@ -143,6 +143,22 @@ pub async fn run(
         );
     }
 
+    let mut teacher = match &cfg.teacher_dir {
+        Some(dir) => {
+            let dir = dir.clone();
+            let student_vocab = trainer.model().config().vocab_size;
+            let teacher = blocking(move || Qwen3Model::load(&dir, Kind::Float, device)).await??;
+            if teacher.config().vocab_size != student_vocab {
+                return Err(RunError::Manifest(format!(
+                    "spec.algorithm.teacher.path: the teacher's vocabulary ({}) is not the student's ({student_vocab}): they must share a tokenizer",
+                    teacher.config().vocab_size
+                )));
+            }
+            Some(teacher)
+        }
+        None => None,
+    };
+
     let scratch = out.join("scratch");
     let stack = local::Stack::start(&cfg, device, &scratch).await?;
     let mut sync = WeightSync::new(&stack.router_url);
@@ -178,7 +194,22 @@ pub async fn run(
         };
         // 2. Advantages, and the exact token segments as trainer samples.
         let advantages = samples::advantages(cfg.estimator, &batch)?;
-        let train_samples = samples::samples(&batch, &advantages, cfg.routing_replay)?;
+        let mut train_samples = samples::samples(&batch, &advantages, cfg.routing_replay)?;
+        // The teacher (and the trainer below) move to a compute thread and back.
+        let teacher_kl = match teacher.take() {
+            Some(t) => {
+                let temperature = cfg.trainer.loss.temperature;
+                let (t, scored, kl) = blocking(move || {
+                    let kl = samples::distill(&t, &mut train_samples, temperature);
+                    (t, train_samples, kl)
+                })
+                .await?;
+                teacher = Some(t);
+                train_samples = scored;
+                Some(kl?)
+            }
+            None => None,
+        };
         let staleness: BTreeMap<u64, usize> =
             staleness_histogram(&batch, version).into_iter().collect();
         // 3. One optimizer step, on a compute thread.
@@ -214,6 +245,10 @@ pub async fn run(
             (step, version),
             pool.stats(),
         );
+        let record = StepRecord {
+            teacher_kl,
+            ..record
+        };
         drop(batch); // frees the groups' admission slots: generation goes on
         step_started = Instant::now();
         if opts.progress {
@@ -318,6 +353,7 @@ fn step_record(
         kl: stats.kl,
         grad_norm: stats.grad_norm,
         learning_rate: stats.learning_rate,
+        teacher_kl: None,
         staleness_mean: staleness
             .iter()
             .map(|(k, n)| *k as f64 * *n as f64)

@@ -9,7 +9,9 @@ use super::RunError;
 use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
 use crate::engine::npy::decode_routed_experts;
 use crate::loopback::Segment;
+use crate::model::Qwen3Model;
 use crate::rollout::Group;
+use crate::trainer::logprobs::{token_logprobs, Scored};
 use crate::trainer::train::Sample;
 
 /// Summary statistics of a list of numbers: (mean, population std).
@@ -40,14 +42,54 @@ pub fn advantages(estimator: Estimator, batch: &[Group]) -> Result<Vec<Vec<f64>>
         Estimator::Grpo => grpo(&r, true, 1e-6),
         Estimator::Rloo => rloo(&r),
         Estimator::ReinforcePlusPlus => reinforce_pp(&r, 1e-6),
-        Estimator::OnPolicyDistillation => {
-            return Err(RunError::Manifest(
-                "spec.algorithm.estimator: OnPolicyDistillation needs a teacher, which local runs do not serve yet (issue 6)".into(),
-            ))
-        }
+        // Per token, from the teacher ([`distill`]); the sequence advantage is unused.
+        Estimator::OnPolicyDistillation => r.zeros_like(),
     };
     let flat: Vec<f64> = Vec::try_from(a.flatten(0, -1)).expect("advantages are doubles");
     Ok(flat.chunks(g.max(1)).map(<[f64]>::to_vec).collect())
+}
+
+/// On-policy distillation: each sampled token's advantage is the teacher's logprob of it minus
+/// the student's behaviour logprob, `A_t = log π_teacher(a_t) − log μ(a_t)`
+/// ([`crate::algorithms::advantages::distillation`]), scored by `teacher` at `temperature`.
+/// Returns the mean per-token reverse KL estimate `mean_t (log μ − log π_teacher)`.
+pub fn distill(
+    teacher: &Qwen3Model,
+    samples: &mut [Sample],
+    temperature: f64,
+) -> Result<f64, RunError> {
+    let mut kl_sum = 0.0;
+    let mut count = 0usize;
+    for chunk in samples.chunks_mut(16) {
+        let seqs: Vec<Scored<'_>> = chunk
+            .iter()
+            .map(|s| Scored {
+                tokens: &s.tokens,
+                replay: None,
+            })
+            .collect();
+        let teacher_lp = tch::no_grad(|| token_logprobs(teacher, &seqs, temperature))?;
+        for (i, s) in chunk.iter_mut().enumerate() {
+            let row: Vec<f32> = Vec::try_from(teacher_lp.get(i as i64))
+                .map_err(|e: tch::TchError| RunError::Setup(e.to_string()))?;
+            let mask = Tensor::from_slice(&s.loss_mask).to_kind(tch::Kind::Float);
+            let adv = crate::algorithms::advantages::distillation(
+                &Tensor::from_slice(&row[..s.tokens.len()]),
+                &Tensor::from_slice(&s.behaviour_logprobs),
+                &mask,
+            );
+            let adv: Vec<f32> =
+                Vec::try_from(adv).map_err(|e: tch::TchError| RunError::Setup(e.to_string()))?;
+            for (a, &m) in adv.iter().zip(&s.loss_mask) {
+                if m == 1 {
+                    kl_sum -= f64::from(*a);
+                    count += 1;
+                }
+            }
+            s.token_advantages = Some(adv);
+        }
+    }
+    Ok(kl_sum / count.max(1) as f64)
 }
 
 /// The routing to replay for `segment`, `[tokens, sparse_layers, top_k]`: the engine's chunks
