@@ -161,3 +161,50 @@ pub fn samples(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::npy::encode_routed_experts;
+    use crate::loopback::session::RoutedExperts;
+
+    fn chunk(start: usize, rows: usize, first_id: u16) -> RoutedExperts {
+        let ids: Vec<u16> = (0..rows as u16 * 2).map(|i| first_id + i).collect();
+        RoutedExperts {
+            start,
+            data: encode_routed_experts(&ids, rows, 1, 2, 64),
+        }
+    }
+
+    fn segment(len: usize, chunks: Vec<RoutedExperts>) -> Segment {
+        Segment {
+            token_ids: vec![1; len],
+            loss_mask: vec![0; len],
+            logprobs: vec![0.0; len],
+            versions: vec![None; len],
+            routed_experts: chunks,
+            turns: 1,
+        }
+    }
+
+    #[test]
+    fn replay_tiles_the_engine_chunks_and_pads_the_last_token() {
+        // Two turns: positions 0..4 from the first request, 4..6 from the second; 7 tokens.
+        let seg = segment(7, vec![chunk(0, 4, 0), chunk(4, 2, 8)]);
+        let t = replay_tensor(&seg).unwrap().unwrap();
+        assert_eq!(t.size(), vec![7, 1, 2]);
+        let ids: Vec<i64> = Vec::try_from(t.flatten(0, -1)).unwrap();
+        assert_eq!(ids, vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 10, 11]);
+        assert!(replay_tensor(&segment(7, vec![])).unwrap().is_none());
+        // A gap or a short cover is an error, never a silently misaligned replay.
+        assert!(replay_tensor(&segment(7, vec![chunk(0, 4, 0), chunk(5, 1, 8)])).is_err());
+        assert!(replay_tensor(&segment(9, vec![chunk(0, 4, 0)])).is_err());
+    }
+
+    #[test]
+    fn mean_std_is_the_population_one() {
+        assert_eq!(mean_std(&[]), (0.0, 0.0));
+        let (m, s) = mean_std(&[1.0, 3.0]);
+        assert_eq!((m, s), (2.0, 1.0));
+    }
+}
