@@ -1,7 +1,8 @@
 //! The agent pool with both agent forms written in Python (the embedded `moult` package), against
 //! the built-in engine through the loopback server: ChatAgents with tool calls on the openai SDK,
-//! a Python Env, a built-in Rust env, and agents that crash, fail and hang, which the pool reports
-//! while it keeps running, with no engine request left behind.
+//! a Python Env, a built-in Rust env, env processes reused across completed episodes only, and
+//! agents that crash, fail and hang, which the pool reports while it keeps running, with no
+//! engine request left behind.
 
 mod common;
 
@@ -163,6 +164,73 @@ async fn libtorch_both_agent_forms_run_in_the_pool() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("available: repeat"), "{err}");
+}
+
+/// Whether a process is gone (or a zombie left to be reaped).
+fn dead(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        stat.rsplit(") ").next().unwrap_or("").starts_with('Z')
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_env_processes_are_reused_after_completed_episodes_only() {
+    let model = chat_model();
+    let engine = start_engine(&model, engine_options()).await;
+    let (url, service) = start_loopback(
+        &engine.url,
+        &model,
+        &model,
+        loopback::DEFAULT_MAX_BODY_BYTES,
+    )
+    .await;
+    let agent = python_agent("tests/python/agents/pid_env.py").await;
+    let mut opts = options(&url, Duration::from_secs(120), "reuse");
+    // One at a time: the episodes run in task order, each after the previous one finished.
+    opts.concurrency = 1;
+    let pool = AgentPool::new(service, agent, opts).unwrap();
+    let modes = ["ok", "ok", "ok", "fail", "ok", "exit", "ok", "ok"];
+    let episodes = run_all(pool, modes.map(|m| json!({"mode": m})).to_vec()).await;
+    let pids: Vec<Option<u64>> = episodes
+        .iter()
+        .map(|e| e.info.get("pid").and_then(Value::as_u64))
+        .collect();
+    let status: Vec<_> = episodes.iter().map(|e| (e.status, &e.reason)).collect();
+    for (i, ep) in episodes.iter().enumerate() {
+        let want = if i == 3 {
+            EpisodeStatus::Failed
+        } else {
+            EpisodeStatus::Completed
+        };
+        assert_eq!(ep.status, want, "episode {i}: {status:?}");
+    }
+    let pid = |i: usize| pids[i].unwrap_or_else(|| panic!("episode {i} has no pid: {pids:?}"));
+    // Completed episodes hand their process to the next one ...
+    assert_eq!((pid(1), pid(2)), (pid(0), pid(0)), "{pids:?}");
+    // ... which raised (episode 3): that process is killed and the next episode gets a new one.
+    assert_ne!(pid(4), pid(0), "{pids:?}");
+    assert_eq!(pid(5), pid(4), "{pids:?}");
+    // A process that exited after its episode (5) is replaced when its next reset finds it gone.
+    assert_ne!(pid(6), pid(5), "{pids:?}");
+    assert_eq!(pid(7), pid(6), "{pids:?}");
+    assert!(
+        episodes[3]
+            .reason
+            .as_deref()
+            .unwrap_or("")
+            .contains("the env gave up"),
+        "{status:?}"
+    );
+    let mut waited = 0;
+    while !dead(pid(0)) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waited += 1;
+        assert!(
+            waited < 100,
+            "the failed episode's env process {} still runs",
+            pid(0)
+        );
+    }
 }
 
 async fn running(engine_url: &str) -> f64 {

@@ -7,13 +7,15 @@
 //!   package that runs a module exporting `AgentRunner`;
 //! - [`AgentPool`]: many episodes at once under a concurrency limit and a per-episode timeout. A
 //!   crashed, failing or timed-out agent yields a failed [`Episode`] with its reason, never a stuck
-//!   pool; its session is closed, which stops its engine requests.
+//!   pool; its session is closed, which stops its engine requests. An external env process whose
+//!   episode completed serves a later one (`reset` starts it), which saves starting an
+//!   interpreter per episode; one whose episode failed or timed out is killed, never reused.
 
 pub mod env;
 pub mod process;
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -47,7 +49,7 @@ pub enum AgentError {
 pub enum Agent {
     /// A built-in Rust env, by name.
     BuiltinEnv(String),
-    /// An env in another process (JSON lines), one process per episode.
+    /// An env in another process (JSON lines); a process serves episodes one after another.
     ExternalEnv(AgentCommand),
     /// The user's program, one process per episode.
     Chat(AgentCommand),
@@ -97,6 +99,9 @@ pub struct AgentPool {
     agent: Agent,
     opts: PoolOptions,
     slots: Arc<Semaphore>,
+    /// External env processes whose last episode completed, ready for the next one. At most
+    /// `concurrency`: a pool keeps no more processes than it runs episodes at once.
+    idle_envs: Mutex<Vec<ExternalEnv>>,
 }
 
 /// Finished episodes buffered before the consumer reads them: one per running episode is enough
@@ -123,6 +128,7 @@ impl AgentPool {
         Ok(Self {
             service,
             slots: Arc::new(Semaphore::new(opts.concurrency)),
+            idle_envs: Mutex::new(Vec::new()),
             agent,
             opts,
         })
@@ -200,10 +206,22 @@ impl AgentPool {
                 Ok((out.reward, out.info))
             }
             Agent::ExternalEnv(cmd) => {
-                let mut env = ExternalEnv::spawn(cmd)?;
+                let idle = self.idle_envs.lock().expect("idle envs lock").pop();
+                let mut env = match idle {
+                    Some(env) => env,
+                    None => ExternalEnv::spawn(cmd)?,
+                };
+                // An error or a timeout drops (kills) the process here; only a completed episode
+                // hands it back.
                 let out =
                     run_env_episode(&self.service, session, &mut env, task, &self.opts.env_loop)
                         .await?;
+                {
+                    let mut idle = self.idle_envs.lock().expect("idle envs lock");
+                    if idle.len() < self.opts.concurrency {
+                        idle.push(env);
+                    }
+                }
                 Ok((out.reward, out.info))
             }
             Agent::Chat(cmd) => {

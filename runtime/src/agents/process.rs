@@ -4,7 +4,8 @@
 //! installed besides Python and the agent's own dependencies).
 //!
 //! Every child is killed when its episode is dropped (timeout, pool shutdown); its stderr's tail is
-//! kept for the failure reason.
+//! kept for the failure reason. An external env process may serve many episodes: each `reset`
+//! starts the next one.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -214,13 +215,17 @@ pub async fn run_chat_agent(
     Ok(ChatOutcome { reward, info })
 }
 
-/// An environment in another process, one per episode, over JSON lines on its stdin/stdout.
+/// An environment in another process, over JSON lines on its stdin/stdout. It serves episodes
+/// one after another: each `reset` starts a new one.
 #[derive(Debug)]
 pub struct ExternalEnv {
+    cmd: AgentCommand,
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
     stderr: Arc<Mutex<Vec<u8>>>,
+    /// Episodes started in this process.
+    episodes: usize,
 }
 
 impl ExternalEnv {
@@ -236,10 +241,12 @@ impl ExternalEnv {
         let stdout = BufReader::new(child.stdout.take().expect("piped"));
         let stderr = keep_tail(child.stderr.take().expect("piped"));
         Ok(Self {
+            cmd: cmd.clone(),
             child,
             stdin,
             stdout,
             stderr,
+            episodes: 0,
         })
     }
 
@@ -283,9 +290,18 @@ impl Drop for ExternalEnv {
 impl Env for ExternalEnv {
     fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<String, AgentError>> {
         Box::pin(async move {
-            let v = self
-                .call(serde_json::json!({"method": "reset", "task": task}))
-                .await?;
+            let request = serde_json::json!({"method": "reset", "task": task});
+            // A failure's reason quotes this episode's stderr, not an earlier one's.
+            self.stderr.lock().expect("tail lock").clear();
+            let v = match self.call(request.clone()).await {
+                // A program written to serve one episode may have exited after it: start afresh.
+                Err(AgentError::Crashed(_)) if self.episodes > 0 => {
+                    *self = Self::spawn(&self.cmd)?;
+                    self.call(request).await?
+                }
+                answer => answer?,
+            };
+            self.episodes += 1;
             v.get("observation")
                 .and_then(Json::as_str)
                 .map(str::to_string)
