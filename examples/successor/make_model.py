@@ -1,0 +1,265 @@
+"""Create the successor task's base policy: a tiny Qwen3 that has the skill the task needs under
+another instruction, and answers the task itself at random. Supervised training (about half a
+minute on 2 CPU cores) on two kinds of episodes, rendered exactly as the env loop renders them
+(see env.py):
+
+- the task's own episodes (its observations), with the assistant's digits drawn at random,
+  independent of the observation: so under the task's instruction the model answers every turn
+  with one digit and `<|im_end|>`, and is right one time in ten;
+- the skill: another instruction ("Count up by one from 3", then "Then from 8", ...) answered
+  with the next digit.
+
+RL then has to find out, from the reward alone, that the task asks for what the model can do
+under the other instruction: the way RL on a language model mostly works (it brings out what the
+base model can do). Measured with a plain GRPO loop in PyTorch (groups of 8, 8 per step,
+learning rate 1e-3): this base goes from 0.1 to above 0.9 in about 20 steps. Knowing only the
+format, a base stays at chance for 80 steps: a model this small does not find out from a reward
+that is right 10% of the time that the answer depends on the digit shown. Taught only to repeat
+the digit (so it reads it), it learns most successors in 150 steps, but one to three digits
+collapse onto a wrong answer they never leave (a near-certain token's gradient vanishes), which
+keeps the reward at 0.7-0.9.
+
+Usage: python make_model.py OUT_DIR
+
+Writes OUT_DIR/ (config.json, model.safetensors, generation_config.json, tokenizer.json from
+shared/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from shared/fixtures,
+tokenizer_config.json). Deterministic; does nothing when OUT_DIR was made by this very script
+(same script, env.py and fixtures, recorded in OUT_DIR/make_model.sha256).
+
+Rendering. The env loop sends the observations as user messages with no system prompt and no
+`enable_thinking`, and its loopback server tokenizes only what each turn's rendering adds after
+the previous rendering plus the sampled ids (DESIGN §4.2). With the Qwen3 template that makes
+one segment per episode: the generation prompt is a bare `<|im_start|>assistant\\n` (the empty
+think block comes only with `enable_thinking` false), and an earlier assistant turn renders as
+its content alone. The training sequences are built from those per-turn pieces, checked here
+against transformers' `apply_chat_template`.
+"""
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURES = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "fixtures"))
+TOKENIZER = os.path.join(FIXTURES, "tiny_bpe", "tiny_bpe_tokenizer.json")
+TEMPLATE = os.path.join(FIXTURES, "qwen3_chat_template.jinja")
+EOS_TEXT = "<|im_end|>"
+EOS = 2002  # <|im_end|>
+TURNS = 3
+
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "runtime", "python")]  # env.py imports moult
+from env import FIRST, NEXT, successor  # noqa: E402
+
+# The skill, under an instruction the task never uses.
+SKILL_FIRST = "Count up by one from {}"
+SKILL_NEXT = "Then from {}"
+
+CONFIG = dict(
+    vocab_size=2003,  # tiny_bpe: 2000 tokens + <|endoftext|>, <|im_start|>, <|im_end|>
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    # At transformers' 0.02 attention stays near uniform for hundreds of steps before the model
+    # finds the digit; at 0.1 it has the skill after ~100.
+    initializer_range=0.1,
+    eos_token_id=EOS,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+STEPS = 200
+BATCH = 64
+LR = 3e-3
+
+
+def tokenizer():
+    tok = PreTrainedTokenizerFast(tokenizer_file=TOKENIZER, eos_token=EOS_TEXT, pad_token="<|endoftext|>")
+    with open(TEMPLATE) as f:
+        tok.chat_template = f.read()
+    return tok
+
+
+def render_turns(tok, observations, replies):
+    """An episode as the loopback server records it, turn by turn: (the ids the turn's rendering
+    adds, the reply's ids). Each rendering (transformers' template) must extend the previous one
+    plus the reply, and only the new text is tokenized."""
+    enc = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    messages, turns, text = [], [], ""
+    for obs, reply in zip(observations, replies):
+        messages.append({"role": "user", "content": obs})
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not rendered.startswith(text):
+            raise SystemExit(f"make_model: the template rewrote history: {rendered!r} after {text!r}")
+        turns.append((enc(rendered[len(text) :]), enc(reply) + [EOS]))
+        text = rendered + reply + EOS_TEXT
+        messages.append({"role": "assistant", "content": reply})
+    return turns
+
+
+class Episodes:
+    """Episodes of one instruction (first observation, later observations). Each turn adds (the
+    prompt piece of its digit, the reply digit, <|im_end|>); the pieces are taken from rendered
+    episodes once, so training can draw fresh episodes cheaply."""
+
+    def __init__(self, tok, first, next_):
+        self.first_text, self.next_text = first, next_
+        self.digit = [tok(str(d), add_special_tokens=False).input_ids for d in range(10)]
+        assert all(len(ids) == 1 for ids in self.digit), "each digit must be one token"
+        self.digit = [ids[0] for ids in self.digit]
+        self.first, self.next = {}, {}
+        for d in range(10):
+            (a, _), (b, _) = render_turns(tok, self.observations([d, d]), ["0", "0"])
+            self.first[d], self.next[d] = a, b
+
+    def observations(self, digits):
+        return [self.first_text.format(digits[0])] + [self.next_text.format(d) for d in digits[1:]]
+
+    def ids(self, shown, replies):
+        """Token ids and loss mask (1 on the sampled reply tokens)."""
+        ids, mask = [], []
+        for turn, (o, r) in enumerate(zip(shown, replies)):
+            piece = (self.first if turn == 0 else self.next)[o]
+            ids += piece + [self.digit[r], EOS]
+            mask += [0] * len(piece) + [1, 1]
+        return ids, mask
+
+    def check(self, tok, rng):
+        for _ in range(20):
+            shown = [rng.randrange(10) for _ in range(TURNS)]
+            replies = [rng.randrange(10) for _ in range(TURNS)]
+            turns = render_turns(tok, self.observations(shown), [str(r) for r in replies])
+            if self.ids(shown, replies)[0] != sum((new + sampled for new, sampled in turns), []):
+                raise SystemExit(f"make_model: pieces disagree with the template for {shown} {replies}")
+
+
+def batch(task, skill, rng):
+    """Fresh episodes, half of each kind: ids (right-padded; causal attention never looks at the
+    padding), and the positions whose next token is a reply token, with those tokens."""
+    rows, positions, targets = [], [], []
+    for row in range(BATCH):
+        shown = [rng.randrange(10) for _ in range(TURNS)]
+        if row % 2:
+            seq, mask = skill.ids(shown, [successor(d) for d in shown])
+        else:
+            seq, mask = task.ids(shown, [rng.randrange(10) for _ in range(TURNS)])
+        rows.append(seq)
+        for t, m in enumerate(mask):
+            if m:
+                positions.append((row, t - 1))
+                targets.append(seq[t])
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [EOS] * (width - len(r)) for r in rows])
+    at = tuple(torch.tensor(x) for x in zip(*positions))
+    return ids, at, torch.tensor(targets)
+
+
+def train(task, skill, rng):
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**CONFIG))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    model.train()
+    floor = math.log(10) / 4  # a uniform digit on task turns; digit and <|im_end|> certain otherwise
+    for step in range(STEPS):
+        ids, at, targets = batch(task, skill, rng)
+        # Logits only where there is a target: the vocabulary projection dominates otherwise.
+        hidden = model.model(input_ids=ids).last_hidden_state[at]
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 49:
+            print(f"make_model: step {step + 1} loss {loss.item():.4f} (floor {floor:.4f})")
+    model.eval()
+    return model
+
+
+def reply_probs(model, episodes):
+    """Over 200 random episodes and each turn (conditioned on random earlier replies):
+    P(the successor), P(the digit shown), P(any digit), P(<|im_end|> after the digit)."""
+    rng = random.Random(1)
+    digits = torch.tensor(episodes.digit)
+    sums = [0.0] * 4
+    with torch.no_grad():
+        for _ in range(200):
+            shown = [rng.randrange(10) for _ in range(TURNS)]
+            ids, mask = episodes.ids(shown, [rng.randrange(10) for _ in range(TURNS)])
+            probs = model(input_ids=torch.tensor([ids])).logits[0].softmax(-1)
+            sampled = [i for i, m in enumerate(mask) if m]
+            for turn in range(TURNS):
+                p = probs[sampled[2 * turn] - 1]
+                sums[0] += p[episodes.digit[successor(shown[turn])]].item()
+                sums[1] += p[episodes.digit[shown[turn]]].item()
+                sums[2] += p[digits].sum().item()
+                sums[3] += probs[sampled[2 * turn + 1] - 1][EOS].item()
+    return [s / (200 * TURNS) for s in sums]
+
+
+def evaluate(model, task, skill):
+    right, shown, digit, end = reply_probs(model, task)
+    print(
+        f"make_model: task turns: P(successor) {right:.3f} (chance 0.1), P(digit shown) {shown:.3f}, "
+        f"P(a digit) {digit:.4f}, P(<|im_end|> after it) {end:.4f}"
+    )
+    skilled, _, _, _ = reply_probs(model, skill)
+    print(f"make_model: skill turns: P(successor) {skilled:.3f}")
+    if right > 0.15 or digit < 0.98 or end < 0.98 or skilled < 0.9:
+        raise SystemExit("make_model: the base model is not at chance on the task, or not in its format")
+
+
+def fingerprint():
+    h = hashlib.sha256()
+    for path in (os.path.abspath(__file__), os.path.join(HERE, "env.py"), TOKENIZER, TEMPLATE):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()
+
+
+def main():
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python make_model.py OUT_DIR")
+    out = sys.argv[1]
+    stamp = os.path.join(out, "make_model.sha256")
+    digest = fingerprint()
+    if os.path.exists(stamp) and open(stamp).read().strip() == digest:
+        print(f"make_model: {out} is current")
+        return
+    torch.use_deterministic_algorithms(True)
+    # One thread: the batches are small, so more threads mostly wait on each other (and a
+    # fixed count keeps the float sums, hence the weights, the same run to run).
+    torch.set_num_threads(1)
+    rng = random.Random(0)
+    tok = tokenizer()
+    task, skill = Episodes(tok, FIRST, NEXT), Episodes(tok, SKILL_FIRST, SKILL_NEXT)
+    task.check(tok, rng)
+    skill.check(tok, rng)
+    model = train(task, skill, rng)
+    evaluate(model, task, skill)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    shutil.copyfile(TOKENIZER, os.path.join(out, "tokenizer.json"))
+    shutil.copyfile(TEMPLATE, os.path.join(out, "chat_template.jinja"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": EOS_TEXT, "pad_token": "<|endoftext|>"}, f)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [EOS, 2000]}, f)
+    with open(stamp, "w") as f:
+        f.write(digest + "\n")
+    print(f"make_model: wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
