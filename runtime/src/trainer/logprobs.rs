@@ -52,28 +52,36 @@ fn scored(
         })
         .collect();
     let logits = model.forward(&inputs, None, LogitsFor::All)?.logits;
+    let device = logits.device();
     let width = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i64;
-    let mut rows = Vec::with_capacity(seqs.len());
-    let mut entropies = Vec::new();
+    // One pass over the packed rows, not one per sequence: row r of sequence i (at packed row
+    // `offset + r`) predicts its token r + 1, which lands at `[i, r + 1]` of the padded output.
+    let (mut rows, mut next, mut at) = (Vec::new(), Vec::new(), Vec::new());
     let mut offset = 0i64;
-    for s in seqs {
+    for (i, s) in seqs.iter().enumerate() {
         let n = s.tokens.len() as i64;
-        // Rows 0..n-1 predict tokens 1..n.
-        let seq_logits = logits.narrow(0, offset, n - 1).to_kind(Kind::Float);
-        let logp = (seq_logits / temperature).log_softmax(-1, Kind::Float);
-        let next = Tensor::from_slice(&s.tokens[1..]).to_device(logp.device());
-        let picked = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
-        let zero = Tensor::zeros([1], (Kind::Float, logp.device()));
-        let pad = Tensor::zeros([width - n], (Kind::Float, logp.device()));
-        if with_entropy {
-            let h = tch::no_grad(|| {
-                -(logp.exp() * &logp).sum_dim_intlist([-1i64].as_slice(), false, Kind::Float)
-            });
-            entropies.push(Tensor::cat(&[&zero, &h, &pad], 0));
+        for r in 0..n - 1 {
+            rows.push(offset + r);
+            next.push(s.tokens[r as usize + 1]);
+            at.push(i as i64 * width + r + 1);
         }
-        rows.push(Tensor::cat(&[zero, picked, pad], 0));
         offset += n;
     }
-    let entropy = with_entropy.then(|| Tensor::stack(&entropies, 0));
-    Ok((Tensor::stack(&rows, 0), entropy))
+    let index = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+    let (rows, next, at) = (index(&rows), index(&next), index(&at));
+    let logp = (logits.index_select(0, &rows).to_kind(Kind::Float) / temperature)
+        .log_softmax(-1, Kind::Float);
+    let picked = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
+    let padded = |values: &Tensor| {
+        Tensor::zeros([seqs.len() as i64 * width], (Kind::Float, device))
+            .index_add(0, &at, values)
+            .view([seqs.len() as i64, width])
+    };
+    let entropy = with_entropy.then(|| {
+        tch::no_grad(|| {
+            let h = -(logp.exp() * &logp).sum_dim_intlist([-1i64].as_slice(), false, Kind::Float);
+            padded(&h)
+        })
+    });
+    Ok((padded(&picked), entropy))
 }
