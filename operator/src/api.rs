@@ -56,6 +56,9 @@ pub const GROUP: &str = "moult.dev";
     ),
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.judge) || self.algorithm.estimator != 'OnPolicyDistillation'").message(
+    "algorithm.estimator OnPolicyDistillation takes its advantages from the teacher, not from rewards: remove judge or pick GRPO, RLOO or REINFORCE++"
+))]
 pub struct RLRunSpec {
     /// The model to train (and to serve on the engines).
     pub model: ModelSpec,
@@ -70,6 +73,10 @@ pub struct RLRunSpec {
     /// Advantage estimator, loss, off-policy correction and optimizer.
     #[serde(default)]
     pub algorithm: AlgorithmSpec,
+    /// An LLM judge that scores each episode's final reply with a prompt; its score replaces or
+    /// joins the agent's own reward (`judge.weight`, `judge.agentWeight`). No judge when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judge: Option<JudgeSpec>,
     /// Sampling settings of rollouts.
     #[serde(default)]
     pub rollout: RolloutSpec,
@@ -470,6 +477,47 @@ pub struct TeacherSpec {
     pub claim_name: Option<String>,
 }
 
+/// LLM-as-judge rewards: a judge model (served by an engine of its own) reads a prompt made
+/// from the task and the agent's final reply and answers with a score. Each episode's reward is
+/// `agentWeight` × (the agent's own reward) + `weight` × (the judge's score).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.prompt.contains('{response}')").message(
+    "judge.prompt must contain {response}: the judge has to see the agent's reply"
+))]
+#[x_kube(validation = Rule::new("self.weight > 0.0 || self.agentWeight > 0.0").message(
+    "judge.weight and judge.agentWeight are both 0: every reward would be 0; raise one of them"
+))]
+pub struct JudgeSpec {
+    /// Path of the judge's checkpoint folder (a Hugging Face folder with its own tokenizer and
+    /// chat template) inside the pods: under `/models` when `claimName` is set.
+    #[schemars(length(min = 1))]
+    pub path: String,
+    /// PersistentVolumeClaim holding the judge's checkpoint, mounted read-only at `/models`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim_name: Option<String>,
+    /// What the judge is asked, as one user message. Placeholders: `{response}` (the agent's
+    /// final reply text, required), `{task}` (the task as JSON) and `{task.FIELD}` (a top-level
+    /// field of the task: a string as it is, anything else as JSON). The judge answers with a
+    /// number (the first one in its reply, clamped to [0, 1]) or with yes/no (1/0); any other
+    /// answer scores 0.
+    #[schemars(length(min = 1))]
+    pub prompt: String,
+    /// Weight of the judge's score in the reward.
+    #[serde(default = "default_weight")]
+    #[schemars(range(min = 0.0))]
+    pub weight: f64,
+    /// Weight of the agent's own reward (the environment's or the agent program's); 0 trains on
+    /// the judge alone (the agent's reward is still reported in the metrics).
+    #[serde(default = "default_weight")]
+    #[schemars(range(min = 0.0))]
+    pub agent_weight: f64,
+    /// Tokens the judge may generate for its answer.
+    #[serde(default = "default_judge_max_tokens")]
+    #[schemars(range(min = 1, max = 4096))]
+    pub max_tokens: u32,
+}
+
 impl Default for AlgorithmSpec {
     fn default() -> Self {
         AlgorithmSpec {
@@ -675,6 +723,12 @@ fn default_top_p() -> f64 {
 fn default_checkpoint_interval() -> u32 {
     50
 }
+fn default_weight() -> f64 {
+    1.0
+}
+fn default_judge_max_tokens() -> u32 {
+    8
+}
 
 #[cfg(feature = "validate")]
 impl RLRun {
@@ -684,5 +738,75 @@ impl RLRun {
     pub fn validate(&self) -> Result<(), Vec<String>> {
         kube::core::cel::validate_cel(self)
             .map_err(|errors| errors.into_iter().map(|e| e.to_string()).collect())
+    }
+}
+
+#[cfg(all(test, feature = "validate"))]
+mod judge_tests {
+    use super::*;
+
+    fn run(judge: &str, estimator: &str) -> RLRun {
+        let yaml = format!(
+            "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: judged, namespace: local}}
+spec:
+  model: {{path: /models/policy}}
+  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
+  algorithm: {{estimator: {estimator}, teacher: {{path: /models/teacher}}}}
+  judge: {judge}
+  totalSteps: 1
+"
+        );
+        serde_yaml_ng::from_str(&yaml).unwrap()
+    }
+
+    fn refused(run: &RLRun, message: &str) -> bool {
+        run.validate()
+            .expect_err(message)
+            .iter()
+            .any(|e| e.contains(message))
+    }
+
+    #[test]
+    fn a_judge_defaults_its_weights_and_validates() {
+        let r = run(
+            "{path: judge, prompt: 'Is {response} right for {task.n}?'}",
+            "GRPO",
+        );
+        let judge = r.spec.judge.as_ref().unwrap();
+        assert_eq!(
+            (judge.weight, judge.agent_weight, judge.max_tokens),
+            (1.0, 1.0, 8)
+        );
+        assert_eq!(r.validate(), Ok(()));
+    }
+
+    #[test]
+    fn judge_rules_refuse_with_messages_naming_the_fields() {
+        let no_response = run("{path: judge, prompt: 'Is it right?'}", "GRPO");
+        assert!(refused(
+            &no_response,
+            "judge.prompt must contain {response}"
+        ));
+        let zero = run(
+            "{path: judge, prompt: '{response}', weight: 0, agentWeight: 0}",
+            "GRPO",
+        );
+        assert!(refused(
+            &zero,
+            "judge.weight and judge.agentWeight are both 0"
+        ));
+        let distill = run(
+            "{path: judge, prompt: '{response}'}",
+            "OnPolicyDistillation",
+        );
+        assert!(refused(&distill, "remove judge or pick GRPO"));
+        // Training on the judge alone, or only logging its score, is fine.
+        let alone = run(
+            "{path: judge, prompt: '{response}', agentWeight: 0}",
+            "GRPO",
+        );
+        assert_eq!(alone.validate(), Ok(()));
     }
 }

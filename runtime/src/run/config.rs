@@ -11,6 +11,7 @@ use moult_operator::api::{
 };
 use serde_json::Value as Json;
 
+use super::judge::{self, JudgeOptions};
 use super::RunError;
 use crate::agents::env::EnvLoopOptions;
 use crate::agents::process::AgentCommand;
@@ -45,6 +46,8 @@ pub struct RunConfig {
     pub routing_replay: bool,
     /// The teacher of on-policy distillation.
     pub teacher_dir: Option<PathBuf>,
+    /// LLM-as-judge rewards (`spec.judge`).
+    pub judge: Option<JudgeOptions>,
 }
 
 fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
@@ -141,6 +144,42 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
     })
 }
 
+/// The judge of `spec.judge`: its model folder exists, and every task has the fields its prompt
+/// reads.
+fn judge(run: &RLRun, dir: &Path, tasks: &[Json]) -> Result<Option<JudgeOptions>, RunError> {
+    let Some(spec) = &run.spec.judge else {
+        return Ok(None);
+    };
+    let model_dir = beside(dir, &spec.path);
+    if !model_dir.join("config.json").is_file() {
+        return Err(bad(
+            "spec.judge.path",
+            format!(
+                "{} is not a model folder (no config.json)",
+                model_dir.display()
+            ),
+        ));
+    }
+    for field in judge::task_fields(&spec.prompt) {
+        if let Some(i) = tasks.iter().position(|t| t.get(&field).is_none()) {
+            return Err(bad(
+                "spec.judge.prompt",
+                format!(
+                    "it reads {{task.{field}}}, but task {} of spec.agent.dataset.path has no field `{field}`",
+                    i + 1
+                ),
+            ));
+        }
+    }
+    Ok(Some(JudgeOptions {
+        model_dir,
+        prompt: spec.prompt.clone(),
+        weight: spec.weight,
+        agent_weight: spec.agent_weight,
+        max_tokens: spec.max_tokens as usize,
+    }))
+}
+
 fn read_tasks(path: &Path) -> Result<Vec<Json>, RunError> {
     let field = "spec.agent.dataset.path";
     let text = std::fs::read_to_string(path)
@@ -180,6 +219,7 @@ impl RunConfig {
             ));
         }
         let tasks = read_tasks(&beside(dir, &spec.agent.dataset.path))?;
+        let judge = judge(&run, dir, &tasks)?;
         let algo = &spec.algorithm;
         if spec.rollout.temperature <= 0.0 {
             return Err(bad(
@@ -294,6 +334,7 @@ impl RunConfig {
                 }
                 _ => None,
             },
+            judge,
             run,
         })
     }

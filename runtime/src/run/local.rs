@@ -1,6 +1,8 @@
 //! The serving side of a local run, every role as tasks of this process on loopback ports: the
 //! built-in engines, the router in front of them, the loopback server the agents talk to, and the
-//! agent pool. The same HTTP APIs as on a cluster, so a local run exercises the real paths.
+//! agent pool; with `spec.judge`, one more engine on the judge model with a chat service of its
+//! own (the judge's tokenizer and template). The same HTTP APIs as on a cluster, so a local run
+//! exercises the real paths.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,6 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::config::RunConfig;
+use super::judge::{Judge, JudgeOptions};
 use super::RunError;
 use crate::agents::{AgentPool, PoolOptions};
 use crate::chat::{ChatTemplate, Tokenizer};
@@ -24,6 +27,8 @@ pub struct Stack {
     /// The router's base URL: generation and weight updates go through it.
     pub router_url: String,
     pub agents: Arc<AgentPool>,
+    /// The judge of LLM-as-judge rewards, when the run has one.
+    pub judge: Option<Judge>,
     stop: watch::Sender<bool>,
 }
 
@@ -68,6 +73,49 @@ async fn engine(
     let (listener, url) = bind().await?;
     tokio::spawn(http::serve(listener, handle, stopped(stop)));
     Ok(url)
+}
+
+/// Starts the judge: a built-in engine on its model (outside the router, so weight updates
+/// never reach it) and a chat service with its tokenizer and template. `episodes`: how many
+/// replies a step judges at once.
+async fn judge(
+    opts: &JudgeOptions,
+    policy_dir: &Path,
+    episodes: usize,
+    device: Device,
+    stop: watch::Receiver<bool>,
+) -> Result<Judge, RunError> {
+    let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
+    let model_cfg = ModelConfig::from_dir(&opts.model_dir)?;
+    let engine_opts = EngineOptions {
+        // A step's replies are judged in one decoding batch.
+        max_batch: episodes.clamp(1, 256),
+        max_model_len: model_cfg.max_position_embeddings,
+        max_prefill_tokens: 2048,
+        max_waiting: 4096,
+        return_routed_experts: false,
+        eos_token_ids: model_cfg.eos_token_ids.clone(),
+        threads: None,
+        packed_weights: None,
+    };
+    let url = engine(&opts.model_dir, device, engine_opts, stop).await?;
+    let service = ChatService::new(
+        EngineClient::new(&url),
+        Tokenizer::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
+        ChatTemplate::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
+        ServiceOptions {
+            // One session per reply of a step, each taken as soon as it is answered.
+            max_sessions: episodes.max(1),
+            model_name: "judge".into(),
+        },
+    );
+    let policy_tokenizer =
+        Tokenizer::from_model_dir(policy_dir).map_err(|e| RunError::Setup(e.to_string()))?;
+    Ok(Judge::new(
+        Arc::new(service),
+        policy_tokenizer,
+        opts.clone(),
+    ))
 }
 
 impl Stack {
@@ -130,8 +178,15 @@ impl Stack {
             listener,
             service.clone(),
             crate::loopback::DEFAULT_MAX_BODY_BYTES,
-            stopped(stop_rx),
+            stopped(stop_rx.clone()),
         ));
+        let judge = match &cfg.judge {
+            Some(opts) => {
+                let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
+                Some(judge(opts, &cfg.model_dir, episodes, device, stop_rx).await?)
+            }
+            None => None,
+        };
         let agents = Arc::new(
             AgentPool::new(
                 service,
@@ -149,6 +204,7 @@ impl Stack {
         Ok(Self {
             router_url,
             agents,
+            judge,
             stop,
         })
     }

@@ -32,6 +32,22 @@ pub struct StepRecord {
     /// On-policy distillation: mean per-token reverse KL to the teacher, log μ − log π_teacher.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub teacher_kl: Option<f64>,
+    /// LLM-as-judge rewards: mean of the agents' own rewards (the environment's or the agent
+    /// program's, before the judge's score was mixed in; `reward_mean` is the mixed reward).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_reward_mean: Option<f64>,
+    /// LLM-as-judge rewards: mean judge score in [0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judge_score_mean: Option<f64>,
+    /// LLM-as-judge rewards: judge answers with no number and no yes/no (scored 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judge_unparsed: Option<usize>,
+    /// LLM-as-judge rewards: judge requests that failed (scored 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judge_failed: Option<usize>,
+    /// LLM-as-judge rewards: seconds the step waited for the judge's verdicts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub judge_seconds: Option<f64>,
     pub grad_norm: f64,
     pub learning_rate: f64,
     /// Sampled tokens by how many versions behind the policy that trained on them they were.
@@ -106,10 +122,15 @@ fn clock(d: Duration) -> String {
     }
 }
 
-/// The progress line of a step: step, reward, version, staleness, tokens/s, ETA.
+/// The progress line of a step: step, reward (with a judge: the agent's own reward and the
+/// judge's score too), version, staleness, tokens/s, ETA.
 pub fn progress_line(r: &StepRecord, total: u64, eta: Option<Duration>) -> String {
+    let judged = match (r.agent_reward_mean, r.judge_score_mean) {
+        (Some(agent), Some(judge)) => format!(" (agent {agent:.3}, judge {judge:.3})"),
+        _ => String::new(),
+    };
     format!(
-        "step {:>4}/{total} | reward {:.3} | version {} | staleness {:.2} | {:.0} tok/s | |log ρ| {:.4} | grad {:.3} | {:.1}s/step | ETA {}",
+        "step {:>4}/{total} | reward {:.3}{judged} | version {} | staleness {:.2} | {:.0} tok/s | |log ρ| {:.4} | grad {:.3} | {:.1}s/step | ETA {}",
         r.step,
         r.reward_mean,
         r.policy_version,

@@ -2,14 +2,15 @@
 //! Built-in engines behind the router, the loopback server and agent pool ([`local`]), the
 //! streaming rollout pool, the trainer, and weight sync over loopback TCP.
 //!
-//! The loop ([`run`]) reads on one screen: take a batch of finished groups → advantages →
-//! train → publish the new weights (pause/keep, transfer, resume) → log → checkpoint. Generation
-//! never stops for training: the rollout pool keeps up to `maxStaleness + 1` batches in flight,
-//! so episodes for the next step run while this one trains (`--sync` turns that off for
-//! comparison).
+//! The loop ([`run`]) reads on one screen: take a batch of finished groups → (with a judge, its
+//! scores as rewards, [`judge`]) → advantages → train → publish the new weights (pause/keep,
+//! transfer, resume) → log → checkpoint. Generation never stops for training: the rollout pool
+//! keeps up to `maxStaleness + 1` batches in flight, so episodes for the next step run while this
+//! one trains (`--sync` turns that off for comparison).
 
 pub mod checkpoint;
 pub mod config;
+pub mod judge;
 pub mod local;
 pub mod metrics;
 pub mod samples;
@@ -73,6 +74,11 @@ pub struct Summary {
     /// Mean reward of the first step this process trained, and of the last five steps.
     pub first_reward: Option<f64>,
     pub final_reward: Option<f64>,
+    /// With a judge: the same two means of the agents' own rewards (before the judge's score).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_agent_reward: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub final_agent_reward: Option<f64>,
     pub seconds: f64,
     pub resumed_from: Option<u64>,
     pub last_checkpoint: Option<PathBuf>,
@@ -189,8 +195,13 @@ pub async fn run(
             b = next_batch(&pool, &mut queue, &cfg.rollout) => b,
             () = &mut shutdown => { interrupted = true; break; }
         };
-        let Some(batch) = batch else {
+        let Some(mut batch) = batch else {
             return Err(RunError::Setup("the rollout pool stopped".into()));
+        };
+        // With a judge, every reply of the batch is scored at once and the rewards mixed.
+        let judged = match &stack.judge {
+            Some(judge) => Some(judge.score_batch(&mut batch, step + 1).await?),
+            None => None,
         };
         // 2. Advantages, and the exact token segments as trainer samples.
         let advantages = samples::advantages(cfg.estimator, &batch)?;
@@ -247,6 +258,11 @@ pub async fn run(
         );
         let record = StepRecord {
             teacher_kl,
+            agent_reward_mean: judged.map(|j| j.agent_reward_mean),
+            judge_score_mean: judged.map(|j| j.judge_score_mean),
+            judge_unparsed: judged.map(|j| j.unparsed),
+            judge_failed: judged.map(|j| j.failed),
+            judge_seconds: judged.map(|j| j.seconds),
             ..record
         };
         drop(batch); // frees the groups' admission slots: generation goes on
@@ -303,6 +319,8 @@ pub async fn run(
         policy_version: version,
         first_reward: trained.first().map(|r| r.reward_mean),
         final_reward: metrics::recent_reward(records, 5),
+        first_agent_reward: trained.first().and_then(|r| r.agent_reward_mean),
+        final_agent_reward: recent_agent_reward(records, 5),
         seconds: started.elapsed().as_secs_f64(),
         resumed_from: resume.map(|(_, m)| m.step),
         last_checkpoint,
@@ -313,6 +331,17 @@ pub async fn run(
         &serde_json::to_vec_pretty(&summary).expect("summary serializes"),
     )?;
     Ok(summary)
+}
+
+/// Mean agent reward (before the judge) of the last `n` steps that recorded one.
+fn recent_agent_reward(records: &[StepRecord], n: usize) -> Option<f64> {
+    let recent: Vec<f64> = records
+        .iter()
+        .rev()
+        .filter_map(|r| r.agent_reward_mean)
+        .take(n)
+        .collect();
+    (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64)
 }
 
 struct StepTimes {
@@ -354,6 +383,11 @@ fn step_record(
         grad_norm: stats.grad_norm,
         learning_rate: stats.learning_rate,
         teacher_kl: None,
+        agent_reward_mean: None,
+        judge_score_mean: None,
+        judge_unparsed: None,
+        judge_failed: None,
+        judge_seconds: None,
         staleness_mean: staleness
             .iter()
             .map(|(k, n)| *k as f64 * *n as f64)

@@ -1,0 +1,387 @@
+//! LLM-as-judge rewards (DESIGN §6): a judge model, served by a built-in engine of its own behind
+//! its own [`ChatService`] (its own tokenizer and chat template), reads a prompt made from the
+//! task and the episode's final reply and answers with a score.
+//!
+//! Contract: every episode of a batch is judged concurrently, and its reward becomes
+//! `agentWeight · (its own reward) + weight · (judge score)`. The final reply is the last run of
+//! sampled tokens (loss mask 1) of the episode's last segment, decoded with the policy's
+//! tokenizer, special tokens skipped. The score is the first number of the judge's answer,
+//! clamped to [0, 1], or yes/no (1/0), whichever comes first; an answer with neither scores 0 and
+//! is counted (`judge_unparsed`), a request that failed scores 0 and is counted (`judge_failed`).
+//! A batch in which every request failed stops the run: the judge is broken, and training on
+//! all-zero scores would only hide it.
+
+use std::sync::Arc;
+
+use serde_json::Value as Json;
+
+use super::RunError;
+use crate::chat::{ChatRequest, ChatSampling, Message, Role, Tokenizer};
+use crate::loopback::session::Segment;
+use crate::loopback::ChatService;
+use crate::rollout::Group;
+
+/// The judge settings of a run (from `spec.judge`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JudgeOptions {
+    pub model_dir: std::path::PathBuf,
+    pub prompt: String,
+    pub weight: f64,
+    pub agent_weight: f64,
+    pub max_tokens: usize,
+}
+
+/// A judge ready to score: its chat service and the policy's tokenizer (to read replies).
+#[derive(Debug)]
+pub struct Judge {
+    service: Arc<ChatService>,
+    policy_tokenizer: Tokenizer,
+    opts: JudgeOptions,
+}
+
+/// What judging a batch found, for the step's metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct JudgeStats {
+    /// Mean of the agents' own rewards (before the judge's score was mixed in).
+    pub agent_reward_mean: f64,
+    pub judge_score_mean: f64,
+    /// Answers with no number and no yes/no.
+    pub unparsed: usize,
+    /// Requests that failed (scored 0).
+    pub failed: usize,
+    /// Wall time of judging the batch.
+    pub seconds: f64,
+}
+
+/// One placeholder of a judge prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Placeholder {
+    Response,
+    Task,
+    TaskField(String),
+}
+
+/// The placeholders of `template` with their byte ranges, in order. A placeholder is `{response}`,
+/// `{task}` or `{task.FIELD}` (FIELD of letters, digits, `_` and `-`); any other brace is text.
+fn placeholders(template: &str) -> Vec<(std::ops::Range<usize>, Placeholder)> {
+    let mut found = Vec::new();
+    let mut from = 0;
+    while let Some(open) = template[from..].find('{').map(|i| from + i) {
+        let Some(close) = template[open..].find('}').map(|i| open + i) else {
+            break;
+        };
+        let inner = &template[open + 1..close];
+        let field_ok = |f: &str| {
+            !f.is_empty()
+                && f.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        };
+        let placeholder = match inner {
+            "response" => Some(Placeholder::Response),
+            "task" => Some(Placeholder::Task),
+            _ => inner
+                .strip_prefix("task.")
+                .filter(|f| field_ok(f))
+                .map(|f| Placeholder::TaskField(f.to_string())),
+        };
+        match placeholder {
+            Some(p) => {
+                found.push((open..close + 1, p));
+                from = close + 1;
+            }
+            // Not a placeholder (e.g. a JSON example in the prompt): go on after this brace.
+            None => from = open + 1,
+        }
+    }
+    found
+}
+
+/// The task fields a prompt reads (`{task.FIELD}`), to check the dataset before a run starts.
+pub fn task_fields(template: &str) -> Vec<String> {
+    placeholders(template)
+        .into_iter()
+        .filter_map(|(_, p)| match p {
+            Placeholder::TaskField(f) => Some(f),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The judge's prompt for one episode: `{task}` → the task as JSON, `{task.FIELD}` → that
+/// top-level field (a string as it is, anything else as JSON), `{response}` → the reply. One
+/// pass over the template, so text the reply brings in (say, a literal `{task}`) stays as it is.
+/// Refused: a `{task.FIELD}` the task lacks (the message names the field).
+pub fn fill_prompt(template: &str, task: &Json, response: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(template.len() + response.len());
+    let mut at = 0;
+    for (range, p) in placeholders(template) {
+        out.push_str(&template[at..range.start]);
+        match p {
+            Placeholder::Response => out.push_str(response),
+            Placeholder::Task => out.push_str(&task.to_string()),
+            Placeholder::TaskField(f) => match task.get(&f) {
+                Some(Json::String(s)) => out.push_str(s),
+                Some(v) => out.push_str(&v.to_string()),
+                None => return Err(format!("{{task.{f}}}: the task has no field `{f}`: {task}")),
+            },
+        }
+        at = range.end;
+    }
+    out.push_str(&template[at..]);
+    Ok(out)
+}
+
+/// The judge's score in its answer: the first number (clamped to [0, 1]) or the first word
+/// yes/no (1/0), whichever comes first; `None` when there is neither. Text up to a closing
+/// `</think>` is the judge's reasoning and not read.
+pub fn parse_score(answer: &str) -> Option<f64> {
+    let answer = answer.rsplit_once("</think>").map_or(answer, |(_, a)| a);
+    let bytes = answer.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        if c.is_ascii_digit() || (c == b'.' && bytes.get(i + 1).is_some_and(u8::is_ascii_digit)) {
+            let negative = i > 0 && bytes[i - 1] == b'-';
+            let mut end = i;
+            while end < bytes.len() && bytes[end].is_ascii_digit() {
+                end += 1;
+            }
+            if end + 1 < bytes.len() && bytes[end] == b'.' && bytes[end + 1].is_ascii_digit() {
+                end += 1;
+                while end < bytes.len() && bytes[end].is_ascii_digit() {
+                    end += 1;
+                }
+            }
+            let text = &answer[i..end];
+            let value: f64 = text.parse().ok()?;
+            let value = if negative { -value } else { value };
+            return Some(value.clamp(0.0, 1.0));
+        }
+        if c.is_ascii_alphabetic() {
+            let mut end = i;
+            while end < bytes.len() && bytes[end].is_ascii_alphabetic() {
+                end += 1;
+            }
+            match answer[i..end].to_ascii_lowercase().as_str() {
+                "yes" => return Some(1.0),
+                "no" => return Some(0.0),
+                _ => {}
+            }
+            i = end;
+            continue;
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The token ids of the episode's final reply: the last run of sampled tokens (loss mask 1) of
+/// its last segment; empty when it sampled nothing.
+pub fn final_reply_ids(segments: &[Segment]) -> &[i64] {
+    let Some(last) = segments.last() else {
+        return &[];
+    };
+    let mask = &last.loss_mask;
+    let Some(end) = mask.iter().rposition(|&m| m == 1).map(|i| i + 1) else {
+        return &[];
+    };
+    let start = mask[..end]
+        .iter()
+        .rposition(|&m| m != 1)
+        .map_or(0, |i| i + 1);
+    &last.token_ids[start..end]
+}
+
+/// One episode's verdict.
+enum Verdict {
+    Score(f64),
+    Unparsed,
+    Failed,
+}
+
+impl Judge {
+    pub fn new(service: Arc<ChatService>, policy_tokenizer: Tokenizer, opts: JudgeOptions) -> Self {
+        Self {
+            service,
+            policy_tokenizer,
+            opts,
+        }
+    }
+
+    /// Asks the judge about one reply (one user message, greedy, `maxTokens`).
+    async fn verdict(&self, session: String, prompt: String) -> Verdict {
+        let request = ChatRequest {
+            messages: vec![Message::text(Role::User, prompt)],
+            tools: Vec::new(),
+            parse_tool_calls: false,
+            sampling: ChatSampling {
+                max_tokens: Some(self.opts.max_tokens),
+                temperature: Some(0.0),
+                ..ChatSampling::default()
+            },
+            n: 1,
+            template_kwargs: serde_json::Map::new(),
+        };
+        let answer = self
+            .service
+            .turn(&session, "judge", "call_", request, None)
+            .await;
+        // The judge's own trajectory is not trained on: drop the session either way.
+        let _ = self.service.take(&session).await;
+        match answer {
+            Ok(answer) => {
+                let text = answer.choices[0].content.clone().unwrap_or_default();
+                match parse_score(&text) {
+                    Some(score) => Verdict::Score(score),
+                    None => {
+                        tracing::debug!(session, answer = text, "judge: no score in the answer");
+                        Verdict::Unparsed
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(session, error = %e, "judge: the request failed; scored 0");
+                Verdict::Failed
+            }
+        }
+    }
+
+    /// Judges every episode of `batch` concurrently and replaces each reward with
+    /// `agentWeight · reward + weight · score`. `step` makes the judge's session ids unique.
+    pub async fn score_batch(
+        &self,
+        batch: &mut [Group],
+        step: u64,
+    ) -> Result<JudgeStats, RunError> {
+        let started = std::time::Instant::now();
+        let mut asks = Vec::new();
+        for (g, group) in batch.iter().enumerate() {
+            for (e, episode) in group.episodes.iter().enumerate() {
+                let ids = final_reply_ids(&episode.segments);
+                let reply = self
+                    .policy_tokenizer
+                    .decode(ids, true)
+                    .map_err(|e| RunError::Setup(format!("judge: decoding a reply: {e}")))?;
+                let prompt = fill_prompt(&self.opts.prompt, &group.task, &reply)
+                    .map_err(|e| RunError::Manifest(format!("spec.judge.prompt: {e}")))?;
+                asks.push(self.verdict(format!("judge-{step}-{g}-{e}"), prompt));
+            }
+        }
+        let verdicts = futures::future::join_all(asks).await;
+        let mut stats = JudgeStats::default();
+        let n = verdicts.len();
+        let episodes = batch.iter_mut().flat_map(|g| g.episodes.iter_mut());
+        for (episode, verdict) in episodes.zip(verdicts) {
+            let score = match verdict {
+                Verdict::Score(s) => s,
+                Verdict::Unparsed => {
+                    stats.unparsed += 1;
+                    0.0
+                }
+                Verdict::Failed => {
+                    stats.failed += 1;
+                    0.0
+                }
+            };
+            stats.agent_reward_mean += episode.reward;
+            stats.judge_score_mean += score;
+            episode.reward = self.opts.agent_weight * episode.reward + self.opts.weight * score;
+        }
+        if n > 0 && stats.failed == n {
+            return Err(RunError::Setup(format!(
+                "judge: all {n} requests of step {step} failed (see the warnings above)"
+            )));
+        }
+        stats.agent_reward_mean /= n.max(1) as f64;
+        stats.judge_score_mean /= n.max(1) as f64;
+        stats.seconds = started.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn prompts_fill_task_fields_task_json_and_the_response() {
+        let task = json!({"digit": 3, "name": "succ", "numbers": [3]});
+        let p = fill_prompt(
+            "Digit: {task.digit}. Name: {task.name}. Numbers: {task.numbers}. Task: {task}. Answer: {response}.",
+            &task,
+            "4",
+        )
+        .unwrap();
+        assert_eq!(
+            p,
+            r#"Digit: 3. Name: succ. Numbers: [3]. Task: {"digit":3,"name":"succ","numbers":[3]}. Answer: 4."#
+        );
+    }
+
+    #[test]
+    fn a_reply_with_placeholders_is_not_expanded_and_other_braces_stay() {
+        let task = json!({"secret": "x"});
+        let p = fill_prompt(
+            r#"Reply as {"score": N}. {response} {task.secret} {unknown} {task.}"#,
+            &task,
+            "{task.secret} {task}",
+        )
+        .unwrap();
+        assert_eq!(
+            p,
+            r#"Reply as {"score": N}. {task.secret} {task} x {unknown} {task.}"#
+        );
+    }
+
+    #[test]
+    fn a_missing_task_field_is_refused_by_name() {
+        let err = fill_prompt("{task.digit}: {response}", &json!({"n": 1}), "4").unwrap_err();
+        assert!(err.contains("no field `digit`"), "{err}");
+        assert_eq!(
+            task_fields("{task.digit} {task} {task.a-b} {response}"),
+            ["digit", "a-b"]
+        );
+    }
+
+    #[test]
+    fn scores_are_the_first_number_clamped_or_yes_no() {
+        let cases: &[(&str, Option<f64>)] = &[
+            ("yes", Some(1.0)),
+            ("No.", Some(0.0)),
+            ("YES, it is", Some(1.0)),
+            ("0.75", Some(0.75)),
+            ("Score: .5", Some(0.5)),
+            ("7 out of 10, yes", Some(1.0)),
+            ("-2", Some(0.0)),
+            ("no, 1", Some(0.0)),
+            ("1 - no", Some(1.0)),
+            ("<think>maybe 0.2 or no</think> yes", Some(1.0)),
+            // Words that merely contain yes/no do not count.
+            ("I know nothing; yesterday", None),
+            ("", None),
+            ("maybe", None),
+        ];
+        for (answer, want) in cases {
+            assert_eq!(parse_score(answer), *want, "{answer:?}");
+        }
+    }
+
+    fn segment(ids: &[i64], mask: &[u8]) -> Segment {
+        Segment {
+            token_ids: ids.to_vec(),
+            loss_mask: mask.to_vec(),
+            ..Segment::default()
+        }
+    }
+
+    #[test]
+    fn the_final_reply_is_the_last_sampled_run_of_the_last_segment() {
+        let first = segment(&[1, 2, 3], &[0, 1, 1]);
+        let last = segment(&[10, 11, 12, 13, 14, 15, 16], &[0, 1, 1, 0, 1, 1, 0]);
+        assert_eq!(final_reply_ids(&[first.clone(), last]), [14, 15]);
+        assert_eq!(final_reply_ids(&[segment(&[5, 6], &[1, 1])]), [5, 6]);
+        assert!(final_reply_ids(&[first, segment(&[7], &[0])]).is_empty());
+        assert!(final_reply_ids(&[]).is_empty());
+    }
+}
