@@ -334,6 +334,11 @@ pub struct LossSpec {
     pub eps_high: f64,
     #[serde(default)]
     pub aggregation: Aggregation,
+    /// Weight of a KL penalty to the initial policy (the k3 estimator per sampled token,
+    /// aggregated like the loss); 0 for none.
+    #[serde(default)]
+    #[schemars(range(min = 0.0))]
+    pub kl_coef: f64,
 }
 
 impl Default for LossSpec {
@@ -343,6 +348,7 @@ impl Default for LossSpec {
             eps_low: default_eps_low(),
             eps_high: default_eps_high(),
             aggregation: Aggregation::default(),
+            kl_coef: 0.0,
         }
     }
 }

@@ -312,7 +312,7 @@ impl RunConfig {
                 weight_decay: opt.weight_decay,
                 max_grad_norm: opt.max_grad_norm,
                 micro_batch_tokens: 8192,
-                kl_coef: 0.0,
+                kl_coef: algo.loss.kl_coef,
             },
             engines: spec.engines.replicas as usize,
             total_steps,

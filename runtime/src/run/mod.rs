@@ -129,9 +129,14 @@ pub async fn run(
     let device = opts.device;
     let mut trainer = {
         let (dir, trainer_opts) = (weights_dir.clone(), cfg.trainer.clone());
+        // A KL penalty is to the initial policy: the model folder's weights, frozen.
+        let reference = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
         blocking(move || -> Result<Trainer, RunError> {
             let model = Qwen3Model::load(&dir, Kind::Float, device)?;
-            Trainer::new(model, None, trainer_opts).map_err(RunError::Setup)
+            let reference = reference
+                .map(|d| Qwen3Model::load(&d, Kind::Float, device))
+                .transpose()?;
+            Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)
         })
         .await??
     };
