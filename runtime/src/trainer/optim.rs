@@ -3,7 +3,7 @@
 //! names), not a `tch::nn::VarStore`.
 
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 /// AdamW (Loshchilov & Hutter 2019), as `torch.optim.AdamW` computes it:
 /// `θ ← θ − lr·λ·θ`; `m ← β1 m + (1 − β1) g`; `v ← β2 v + (1 − β2) g²`;
@@ -73,10 +73,14 @@ impl AdamW {
                 if self.weight_decay != 0.0 {
                     let _ = p.g_mul_scalar_(1.0 - lr * self.weight_decay);
                 }
-                let _ = m.g_mul_scalar_(b1).g_add_(&(&g * (1.0 - b1)));
-                let _ = v.g_mul_scalar_(b2).g_add_(&(&g * &g * (1.0 - b2)));
-                let denom = (&*v / bias2).sqrt() + self.eps;
-                let _ = p.g_sub_(&((&*m / bias1) / denom * lr));
+                let _ = m.lerp_(&g, 1.0 - b1);
+                let _ = v.lerp_(&(&g * &g), 1.0 - b2);
+                let mut denom = v.sqrt();
+                let _ = denom
+                    .g_div_scalar_(bias2.sqrt())
+                    .g_add_scalar_(self.eps)
+                    .g_div_scalar_(-lr / bias1);
+                let _ = p.addcdiv_(m, &denom);
             }
         });
     }
@@ -89,12 +93,7 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
         .iter()
         .filter_map(|p| {
             let g = p.grad();
-            g.defined().then(|| {
-                g.to_kind(Kind::Double)
-                    .square()
-                    .sum(Kind::Double)
-                    .double_value(&[])
-            })
+            g.defined().then(|| g.norm().double_value(&[]).powi(2))
         })
         .sum();
     let norm = squares.sqrt();
@@ -153,7 +152,7 @@ impl LrSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tch::Device;
+    use tch::{Device, Kind};
 
     /// torch.optim.AdamW on one scalar, written out.
     fn reference(theta0: f64, grads: &[f64], lr: f64, b1: f64, b2: f64, eps: f64, wd: f64) -> f64 {
