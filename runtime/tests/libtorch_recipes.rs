@@ -56,10 +56,13 @@ fn mean(xs: &[f64]) -> f64 {
 }
 
 /// A ChatAgent in Python with the openai SDK calls tools through the loopback server; GRPO
-/// teaches the model which tool call pays (examples/chat-tools/README.md).
+/// teaches the model which tool call pays (examples/chat-tools/README.md). Opt-in: 40 steps take
+/// about 5 minutes on 2 cores (most of it starting Python processes that import openai), and at
+/// 20 steps the margin was too noisy for CI (one run rose by only 0.19 where others rose by 0.48).
 #[test]
+#[ignore = "about 5 minutes; run with `cargo test -p moult-runtime --test libtorch_recipes -- --ignored`"]
 fn libtorch_chat_tools_recipe_improves() {
-    let steps = rewards(&recipe("chat-tools"), "chat-tools", 20);
+    let steps = rewards(&recipe("chat-tools"), "chat-tools", 40);
     let first = mean(&steps[..3]);
     let last = mean(&steps[steps.len() - 3..]);
     eprintln!("chat-tools reward: first 3 steps {first:.3}, last 3 steps {last:.3}");
