@@ -372,17 +372,7 @@ async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
         (None, Some(line), Some("env")) => Agent::ExternalEnv(AgentCommand::parse(line)?),
         _ => bail!("give --agent PATH|builtin:NAME, or --agent-cmd CMD with --form chat|env"),
     };
-    let text = std::fs::read_to_string(&args.tasks)
-        .with_context(|| format!("reading --tasks {}", args.tasks.display()))?;
-    let tasks = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str(l)
-                .with_context(|| format!("{}:{}: not a JSON value", args.tasks.display(), i + 1))
-        })
-        .collect::<anyhow::Result<Vec<serde_json::Value>>>()?;
+    let tasks = moult_runtime::run::config::read_jsonl(&args.tasks, "--tasks")?;
     let service = Arc::new(chat_service(
         &args.engine,
         &args.model,

@@ -180,12 +180,12 @@ fn judge(run: &RLRun, dir: &Path, tasks: &[Json]) -> Result<Option<JudgeOptions>
     }))
 }
 
-fn read_tasks(path: &Path) -> Result<Vec<Json>, RunError> {
-    let field = "spec.agent.dataset.path";
+/// Tasks, one JSON value per line of `path` (blank lines skipped); errors name `field`, the
+/// manifest field or command-line flag that gave the path.
+pub fn read_jsonl(path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| bad(field, format!("cannot read {}: {e}", path.display())))?;
-    let tasks = text
-        .lines()
+    text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
@@ -196,7 +196,12 @@ fn read_tasks(path: &Path) -> Result<Vec<Json>, RunError> {
                 )
             })
         })
-        .collect::<Result<Vec<Json>, _>>()?;
+        .collect()
+}
+
+fn read_tasks(path: &Path) -> Result<Vec<Json>, RunError> {
+    let field = "spec.agent.dataset.path";
+    let tasks = read_jsonl(path, field)?;
     if tasks.is_empty() {
         return Err(bad(field, format!("{} has no tasks", path.display())));
     }
