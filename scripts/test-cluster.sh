@@ -95,6 +95,18 @@ wait_for() {
   return 1
 }
 
+# KWOK's pod IPs (--cidr below) made local addresses of this machine, so that the cluster
+# end-to-end test can run pods' containers as processes bound to their pod IPs, and the
+# EndpointSlices the API server holds point at them. Needs root (CAP_NET_ADMIN); without it
+# only that test cannot run.
+POD_CIDR=10.244.0.0/16
+pod_network() {
+  ip route show table local 2>/dev/null | grep -q "^local $POD_CIDR " && return 0
+  if ! ip route add local "$POD_CIDR" dev lo 2>/dev/null; then
+    log "could not route $POD_CIDR to loopback (needs root): the runtime's cluster end-to-end test will fail"
+  fi
+}
+
 up() {
   BIN="$(bash "$ROOT/scripts/cluster-build.sh" | tail -n 1)"
   mkdir -p "$DIR"
@@ -131,7 +143,8 @@ up() {
     --authorization-kubeconfig "$DIR/kubeconfig" --leader-elect=false --secure-port 0 --v 1
   launch kwok --kubeconfig "$DIR/kubeconfig" --config "$ROOT/tests/cluster/kwok-stages.yaml" \
     --manage-all-nodes=false --manage-nodes-with-annotation-selector kwok.x-k8s.io/node=fake \
-    --cidr 10.244.0.0/16 --node-ip 10.240.0.1 --node-lease-duration-seconds 40
+    --cidr "$POD_CIDR" --node-ip 10.240.0.1 --node-lease-duration-seconds 40
+  pod_network
   local k=("$BIN/kubectl" --kubeconfig "$DIR/kubeconfig")
   "${k[@]}" apply -f "$ROOT/tests/cluster/nodes.yaml" >/dev/null
   wait_for "nodes Ready" 240 "${k[@]}" wait --for=condition=Ready node --all --timeout=1s

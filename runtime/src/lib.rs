@@ -4,6 +4,7 @@
 //! forms and the agent pool (DESIGN §4.3).
 
 pub mod agents;
+pub mod auth;
 pub mod algorithms;
 pub mod chat;
 pub mod engine;

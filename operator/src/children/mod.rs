@@ -42,6 +42,8 @@ pub const TOKEN_KEY: &str = "token";
 pub const ENGINE_PORT: i32 = 8000;
 pub const COORDINATOR_PORT: i32 = 8080;
 pub const TRAINER_RENDEZVOUS_PORT: i32 = 29500;
+/// Health and Prometheus metrics of the roles that serve nothing else (trainer, agents).
+pub const METRICS_PORT: i32 = 9090;
 
 /// Images and other operator-wide settings that are not part of an RLRun.
 #[derive(Clone, Debug, PartialEq)]

@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
-    ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext, Toleration, Volume,
-    VolumeMount,
+    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec,
+    PodTemplateSpec, ResourceRequirements, SeccompProfile, SecretKeySelector, SecurityContext,
+    Toleration, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -201,6 +201,33 @@ pub(crate) fn claim(name: &str, claim_name: &str, read_only: bool) -> Volume {
             read_only: read_only.then_some(true),
         }),
         ..Volume::default()
+    }
+}
+
+/// An environment variable from a field of the pod (`status.podIP`, ...).
+pub(crate) fn field_env(name: &str, field_path: &str) -> EnvVar {
+    EnvVar {
+        name: name.into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: field_path.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+/// The dataset volume and mount (read-only), and the task file's path inside the pod.
+pub(crate) fn dataset(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
+    let d = &ctx.run.spec.agent.dataset;
+    match &d.claim_name {
+        Some(c) => (
+            Some((claim("data", c, true), mount("data", DATA_DIR, true))),
+            format!("{DATA_DIR}/{}", d.path.trim_start_matches('/')),
+        ),
+        None => (None, d.path.clone()),
     }
 }
 

@@ -6,17 +6,16 @@ use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, StatefulSet, StatefulSetSpec,
 };
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector, PodSpec,
-    Probe, Service, ServicePort, ServiceSpec,
+    Container, ContainerPort, HTTPGetAction, PodSpec, Probe, Service, ServicePort, ServiceSpec,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pods::{
-    claim, config_path, container, empty_dir, env, locked_down, model, moult_env, mount, resources,
-    template, CHECKPOINT_DIR, DATA_DIR,
+    claim, config_path, container, dataset, empty_dir, env, field_env, locked_down, model,
+    moult_env, mount, resources, template, CHECKPOINT_DIR,
 };
-use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, TRAINER_RENDEZVOUS_PORT};
+use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, TRAINER_RENDEZVOUS_PORT};
 use crate::api::{AgentForm, EngineBackend};
 
 /// Where the init container puts the `moult` binary in agent pods.
@@ -62,13 +61,17 @@ fn http_probe(path: &str, port: i32, period: i32) -> Probe {
     }
 }
 
-fn container_port(port: i32) -> Option<Vec<ContainerPort>> {
-    Some(vec![ContainerPort {
-        name: Some("http".into()),
+fn port(name: &str, port: i32) -> ContainerPort {
+    ContainerPort {
+        name: Some(name.into()),
         container_port: port,
         protocol: Some("TCP".into()),
         ..Default::default()
-    }])
+    }
+}
+
+fn container_port(p: i32) -> Option<Vec<ContainerPort>> {
+    Some(vec![port("http", p)])
 }
 
 /// Engines answer at `<run>-engine-<i>.<run>-engine` (the router finds them through this
@@ -183,21 +186,21 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
         "trainer",
         &image,
         vec!["moult".into()],
-        vec!["trainer".into(), "--config".into(), config_path()],
+        vec![
+            "trainer".into(),
+            "--config".into(),
+            config_path(),
+            "--metrics-addr".into(),
+            format!("0.0.0.0:{METRICS_PORT}"),
+        ],
     );
     let trainer_svc = name(&ctx.name, "trainer");
+    let (model_volume, model_path) = model(ctx);
     let mut env_vars = vec![
-        EnvVar {
-            name: "RANK".into(),
-            value_from: Some(EnvVarSource {
-                field_ref: Some(ObjectFieldSelector {
-                    field_path: "metadata.labels['apps.kubernetes.io/pod-index']".into(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..EnvVar::default()
-        },
+        field_env("RANK", "metadata.labels['apps.kubernetes.io/pod-index']"),
+        // Engines connect to this address for the weight stream.
+        field_env("POD_IP", "status.podIP"),
+        env("MOULT_MODEL", &model_path),
         env("WORLD_SIZE", &t.nodes.to_string()),
         env("GPUS_PER_NODE", &t.gpus_per_node.to_string()),
         env(
@@ -213,11 +216,17 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
             ),
         ),
     ];
+    if spec.checkpoint.is_some() {
+        env_vars.push(env("MOULT_CHECKPOINTS", CHECKPOINT_DIR));
+    }
     env_vars.extend(moult_env(ctx));
     c.env = Some(env_vars);
-    c.ports = container_port(TRAINER_RENDEZVOUS_PORT);
+    c.ports = Some(vec![
+        port("rendezvous", TRAINER_RENDEZVOUS_PORT),
+        port("metrics", METRICS_PORT),
+    ]);
+    c.liveness_probe = Some(http_probe("/health", METRICS_PORT, 10));
     c.resources = resources(t.resources.as_ref(), t.gpus_per_node);
-    let (model_volume, _) = model(ctx);
     let mut volumes = vec![empty_dir("dshm", Some("Memory"))];
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     mounts.push(mount("dshm", "/dev/shm", false));
@@ -264,20 +273,32 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
             "coordinator".into(),
             "--config".into(),
             config_path(),
+            "--host".into(),
+            "0.0.0.0".into(),
             "--port".into(),
             COORDINATOR_PORT.to_string(),
         ],
     );
-    let mut env_vars = vec![env(
-        "MOULT_ENGINES",
-        &format!("{}.{}.svc", name(&ctx.name, "engine"), ctx.namespace),
-    )];
+    let (data_volume, tasks_path) = dataset(ctx);
+    let mut env_vars = vec![
+        // The engines' Service: the coordinator follows its EndpointSlices.
+        env("MOULT_ENGINES", &name(&ctx.name, "engine")),
+        // The coordinator draws the tasks (it owns the data cursor).
+        env("MOULT_TASKS", &tasks_path),
+    ];
     env_vars.extend(moult_env(ctx));
     c.env = Some(env_vars);
     c.ports = container_port(COORDINATOR_PORT);
     c.readiness_probe = Some(http_probe("/health", COORDINATOR_PORT, 5));
+    c.liveness_probe = Some(http_probe("/health", COORDINATOR_PORT, 10));
+    let mut volumes = Vec::new();
+    if let Some((v, m)) = data_volume {
+        volumes.push(v);
+        c.volume_mounts.get_or_insert_with(Vec::new).push(m);
+    }
     let pod = PodSpec {
         containers: vec![c],
+        volumes: Some(volumes),
         ..PodSpec::default()
     };
     Deployment {
@@ -307,6 +328,8 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
         "agents".to_string(),
         "--config".into(),
         config_path(),
+        "--metrics-addr".into(),
+        format!("0.0.0.0:{METRICS_PORT}"),
         "--coordinator".into(),
         format!(
             "http://{}:{COORDINATOR_PORT}",
@@ -322,7 +345,12 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
         .clone()
         .unwrap_or_else(|| ctx.images.runtime.clone());
     let mut c = container("agent", &image, vec![moult.clone()], args);
-    let mut env_vars = vec![env("MOULT_CONCURRENCY", &a.concurrency.to_string())];
+    let (model_volume, model_path) = model(ctx);
+    let mut env_vars = vec![
+        env("MOULT_CONCURRENCY", &a.concurrency.to_string()),
+        // The tokenizer and chat template of the loopback server.
+        env("MOULT_MODEL", &model_path),
+    ];
     if let AgentForm::Env = a.form {
         if let Some(name) = &a.env {
             env_vars.push(env("MOULT_ENV", name));
@@ -330,15 +358,12 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     }
     env_vars.extend(moult_env(ctx));
     c.env = Some(env_vars);
+    c.ports = Some(vec![port("metrics", METRICS_PORT)]);
+    c.liveness_probe = Some(http_probe("/health", METRICS_PORT, 10));
     c.resources = a.resources.clone();
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     mounts.push(mount("moult-bin", MOULT_BIN_DIR, true));
     let mut volumes = vec![empty_dir("moult-bin", None)];
-    if let Some(claim_name) = &a.dataset.claim_name {
-        volumes.push(claim("data", claim_name, true));
-        mounts.push(mount("data", DATA_DIR, true));
-    }
-    let (model_volume, _) = model(ctx);
     if let Some((v, m)) = model_volume {
         // The chat template and tokenizer come from the model folder.
         volumes.push(v);

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 use tokio::sync::{mpsc, Semaphore};
 
@@ -69,7 +69,7 @@ pub struct PoolOptions {
     pub scratch_dir: PathBuf,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EpisodeStatus {
     Completed,
@@ -77,7 +77,7 @@ pub enum EpisodeStatus {
 }
 
 /// One finished episode: its reward and the exact token segments it recorded.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Episode {
     pub index: usize,
     pub session: String,
@@ -87,6 +87,7 @@ pub struct Episode {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     pub reward: f64,
+    #[serde(default)]
     pub info: Map<String, Json>,
     pub seconds: f64,
     pub segments: Vec<Segment>,

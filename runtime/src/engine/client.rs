@@ -85,7 +85,7 @@ pub struct EngineClient {
 impl EngineClient {
     pub fn new(base_url: &str) -> Self {
         Self {
-            http: reqwest::Client::new(),
+            http: crate::auth::client(),
             base: base_url.trim_end_matches('/').to_string(),
         }
     }

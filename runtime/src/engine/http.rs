@@ -81,7 +81,7 @@ pub async fn serve(
     engine: EngineHandle,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(engine))
+    axum::serve(listener, crate::auth::protect(router(engine)))
         .with_graceful_shutdown(shutdown)
         .await
 }

@@ -1,7 +1,8 @@
 //! The TCP weight-transfer data plane, both ends (DESIGN §4.1).
 //!
 //! The trainer (rank 0) listens; each engine, told where by `POST /init_weight_transfer_engine`,
-//! connects and announces its rank (`MOULTHI1`, u32 LE rank). For every `POST /update_weights`
+//! connects and announces its rank and the run's token (`MOULTHI1`, u32 LE rank, u16 LE length,
+//! the token's bytes; see [`crate::auth`]: a peer without the trainer's token is refused). For every `POST /update_weights`
 //! bucket the trainer sends `MOULTWT1`, the payload length as u64 LE, then the tensors' raw bytes
 //! concatenated in `names` order (the same packed stream the NCCL plane broadcasts), flushed in
 //! chunks of `packed_buffer_size_bytes`. The engine checks the length against the `update_info`
@@ -74,6 +75,16 @@ impl WeightListener {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
                     "peer is not a moult engine",
+                ));
+            }
+            let mut len = [0u8; 2];
+            stream.read_exact(&mut len)?;
+            let mut token = vec![0u8; usize::from(u16::from_le_bytes(len))];
+            stream.read_exact(&mut token)?;
+            if token != crate::auth::token().unwrap_or_default().as_bytes() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "a peer of the weight stream did not present the run's token",
                 ));
             }
             ranked.push((
@@ -162,9 +173,14 @@ pub async fn connect(addr: &str, rank: u32) -> std::io::Result<tokio::net::TcpSt
     use tokio::io::AsyncWriteExt;
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
-    let mut hello = Vec::with_capacity(12);
+    let token = crate::auth::token().unwrap_or_default().as_bytes();
+    let len = u16::try_from(token.len())
+        .map_err(|_| std::io::Error::other("the run's token is longer than 65535 bytes"))?;
+    let mut hello = Vec::with_capacity(14 + token.len());
     hello.extend_from_slice(HELLO_MAGIC);
     hello.extend_from_slice(&rank.to_le_bytes());
+    hello.extend_from_slice(&len.to_le_bytes());
+    hello.extend_from_slice(token);
     stream.write_all(&hello).await?;
     Ok(stream)
 }

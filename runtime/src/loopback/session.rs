@@ -16,21 +16,21 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::service::TurnOutput;
 use crate::chat::{Message, Role};
 
 /// Routed expert ids of positions `start..` of a segment, as the engine returned them (base64 of
 /// a `.npy` array of shape `(positions, layers, top_k)`).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RoutedExperts {
     pub start: usize,
     pub data: String,
 }
 
 /// One accumulated token sequence: what the trainer receives.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Segment {
     pub token_ids: Vec<i64>,
     /// 1 for tokens the engine sampled, 0 for rendered prompt, observation and template tokens.

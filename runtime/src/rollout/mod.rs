@@ -75,7 +75,7 @@ pub struct RolloutState {
 /// A finished group: `group_size` completed episodes of one task. It holds its admission slot
 /// until the trainer drops it, so groups generating, queued and being trained on together never
 /// exceed `max_groups` (with `max_staleness` 0, generation waits for training: on-policy RL).
-#[derive(Debug)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Group {
     /// The task's index in the dataset and the epoch it was drawn in.
     pub task_index: usize,
@@ -84,6 +84,9 @@ pub struct Group {
     pub episodes: Vec<Episode>,
     /// The oldest policy version among the group's sampled tokens.
     pub oldest_version: Option<u64>,
+    /// Not sent: a group that crossed the network (to a trainer pod) is a copy; its slot stays
+    /// with the coordinator's original.
+    #[serde(skip)]
     _slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 

@@ -282,7 +282,7 @@ impl EnginePool {
 
     /// Probes forever, every `interval` (spawn it; it ends when the pool is dropped).
     pub async fn check_health(self: Arc<Self>, opts: HealthOptions) {
-        let http = reqwest::Client::new();
+        let http = crate::auth::client();
         let weak = Arc::downgrade(&self);
         drop(self);
         loop {

@@ -262,7 +262,7 @@ async fn broadcast(
 
 fn router_http() -> reqwest::Client {
     static HTTP: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
-    HTTP.get_or_init(reqwest::Client::new).clone()
+    HTTP.get_or_init(crate::auth::client).clone()
 }
 
 async fn world_sizes(router: &Router) -> Result<Vec<u64>, ApiError> {
@@ -515,7 +515,7 @@ pub async fn serve(
     router: Arc<Router>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, routes(router))
+    axum::serve(listener, crate::auth::protect(routes(router)))
         .with_graceful_shutdown(shutdown)
         .await
 }

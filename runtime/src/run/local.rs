@@ -122,7 +122,7 @@ impl Stack {
     /// Ends the serving side in order: engines abort what they still run (so nothing waits on
     /// a stream that will never finish), then every server stops.
     pub async fn shutdown(self) {
-        let _ = reqwest::Client::new()
+        let _ = crate::auth::client()
             .post(format!("{}/pause?mode=abort", self.router_url))
             .timeout(std::time::Duration::from_secs(5))
             .send()

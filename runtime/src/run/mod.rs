@@ -122,53 +122,9 @@ pub async fn run(
         eprintln!("moult run: {} already finished ({step} steps)", cfg.name);
     }
 
-    // The trainer: from the checkpoint's weights and moments, or the model folder.
-    let weights_dir = resume
-        .as_ref()
-        .map_or(cfg.model_dir.clone(), |(d, _)| d.clone());
     let device = opts.device;
-    let mut trainer = {
-        let (dir, trainer_opts) = (weights_dir.clone(), cfg.trainer.clone());
-        // A KL penalty is to the initial policy: the model folder's weights, frozen.
-        let reference = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
-        blocking(move || -> Result<Trainer, RunError> {
-            let model = Qwen3Model::load(&dir, Kind::Float, device)?;
-            let reference = reference
-                .map(|d| Qwen3Model::load(&d, Kind::Float, device))
-                .transpose()?;
-            Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)
-        })
-        .await??
-    };
-    if let Some((dir, meta)) = &resume {
-        let moments = checkpoint::load_moments(dir, device)?;
-        trainer
-            .restore(meta.step, moments)
-            .map_err(RunError::Checkpoint)?;
-        eprintln!(
-            "moult run: resuming {} from {} (step {}, version {})",
-            cfg.name,
-            dir.display(),
-            meta.step,
-            meta.policy_version
-        );
-    }
-
-    let mut teacher = match &cfg.teacher_dir {
-        Some(dir) => {
-            let dir = dir.clone();
-            let student_vocab = trainer.model().config().vocab_size;
-            let teacher = blocking(move || Qwen3Model::load(&dir, Kind::Float, device)).await??;
-            if teacher.config().vocab_size != student_vocab {
-                return Err(RunError::Manifest(format!(
-                    "spec.algorithm.teacher.path: the teacher's vocabulary ({}) is not the student's ({student_vocab}): they must share a tokenizer",
-                    teacher.config().vocab_size
-                )));
-            }
-            Some(teacher)
-        }
-        None => None,
-    };
+    let mut trainer = load_trainer(&cfg, resume.as_ref(), device).await?;
+    let mut teacher = load_teacher(&cfg, &trainer, device).await?;
 
     let scratch = out.join("scratch");
     let stack = local::Stack::start(&cfg, device, &scratch).await?;
@@ -208,45 +164,26 @@ pub async fn run(
             Some(judge) => Some(judge.score_batch(&mut batch, step + 1).await?),
             None => None,
         };
-        // 2. Advantages, and the exact token segments as trainer samples.
-        let advantages = samples::advantages(cfg.estimator, &batch)?;
-        let mut train_samples = samples::samples(&batch, &advantages, cfg.routing_replay)?;
-        // The teacher (and the trainer below) move to a compute thread and back.
-        let teacher_kl = match teacher.take() {
-            Some(t) => {
-                let temperature = cfg.trainer.loss.temperature;
-                let (t, scored, kl) = blocking(move || {
-                    let kl = samples::distill(&t, &mut train_samples, temperature);
-                    (t, train_samples, kl)
-                })
-                .await?;
-                teacher = Some(t);
-                train_samples = scored;
-                Some(kl?)
-            }
-            None => None,
-        };
+        // 2. Advantages, the exact token segments as samples, one optimizer step.
         let staleness: BTreeMap<u64, usize> =
             staleness_histogram(&batch, version).into_iter().collect();
-        // 3. One optimizer step, on a compute thread.
-        let train_started = Instant::now();
-        let (t, stats) = blocking(move || {
-            let stats = trainer.step(&train_samples);
-            (trainer, stats)
-        })
-        .await?;
-        trainer = t;
-        let stats = stats?;
-        let train_seconds = train_started.elapsed().as_secs_f64();
+        let learned;
+        (trainer, teacher, learned) = learn(&cfg, trainer, teacher, &batch).await?;
+        let Learned {
+            advantages,
+            stats,
+            teacher_kl,
+            train_seconds,
+        } = learned;
         step += 1;
         version = trainer.steps();
-        // 4. Publish: engines pause (keeping their requests), take the weights, resume.
+        // 3. Publish: engines pause (keeping their requests), take the weights, resume.
         let sync_started = Instant::now();
         sync.update(&trainer.weights(), version, cfg.partial_rollout)
             .await?;
         pool.set_version(version);
         let sync_seconds = sync_started.elapsed().as_secs_f64();
-        // 5. Log.
+        // 4. Log.
         let record = step_record(
             &batch,
             &advantages,
@@ -283,7 +220,7 @@ pub async fn run(
             );
         }
         log.push(record)?;
-        // 6. Checkpoint.
+        // 5. Checkpoint.
         if cfg
             .checkpoint_every
             .is_some_and(|every| step % every == 0 || step == cfg.total_steps)
@@ -294,13 +231,8 @@ pub async fn run(
                 rollout: pool.state(),
                 seed,
             };
-            let (root, model_dir) = (ckpt_root.clone(), cfg.model_dir.clone());
-            let (t, saved) = blocking(move || {
-                let saved = checkpoint::save(&root, &model_dir, &trainer, &meta);
-                (trainer, saved)
-            })
-            .await?;
-            trainer = t;
+            let saved;
+            (trainer, saved) = save_checkpoint(&ckpt_root, &cfg, trainer, meta).await?;
             last_checkpoint = Some(saved?);
         }
     }
@@ -338,6 +270,124 @@ pub async fn run(
     Ok(summary)
 }
 
+/// The trainer: from the checkpoint's weights and moments (`resume`), or the model folder.
+pub(crate) async fn load_trainer(
+    cfg: &RunConfig,
+    resume: Option<&(PathBuf, CheckpointMeta)>,
+    device: Device,
+) -> Result<Trainer, RunError> {
+    let dir = resume.map_or(cfg.model_dir.clone(), |(d, _)| d.clone());
+    let trainer_opts = cfg.trainer.clone();
+    // A KL penalty is to the initial policy: the model folder's weights, frozen.
+    let reference = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
+    let mut trainer = blocking(move || -> Result<Trainer, RunError> {
+        let model = Qwen3Model::load(&dir, Kind::Float, device)?;
+        let reference = reference
+            .map(|d| Qwen3Model::load(&d, Kind::Float, device))
+            .transpose()?;
+        Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)
+    })
+    .await??;
+    if let Some((dir, meta)) = resume {
+        let moments = checkpoint::load_moments(dir, device)?;
+        trainer
+            .restore(meta.step, moments)
+            .map_err(RunError::Checkpoint)?;
+        eprintln!(
+            "moult: resuming {} from {} (step {}, version {})",
+            cfg.name,
+            dir.display(),
+            meta.step,
+            meta.policy_version
+        );
+    }
+    Ok(trainer)
+}
+
+/// The teacher of on-policy distillation, if the run has one; it must share the student's
+/// vocabulary.
+pub(crate) async fn load_teacher(
+    cfg: &RunConfig,
+    student: &Trainer,
+    device: Device,
+) -> Result<Option<Qwen3Model>, RunError> {
+    let Some(dir) = cfg.teacher_dir.clone() else {
+        return Ok(None);
+    };
+    let student_vocab = student.model().config().vocab_size;
+    let teacher = blocking(move || Qwen3Model::load(&dir, Kind::Float, device)).await??;
+    if teacher.config().vocab_size != student_vocab {
+        return Err(RunError::Manifest(format!(
+            "spec.algorithm.teacher.path: the teacher's vocabulary ({}) is not the student's ({student_vocab}): they must share a tokenizer",
+            teacher.config().vocab_size
+        )));
+    }
+    Ok(Some(teacher))
+}
+
+/// Saves a checkpoint of `trainer` under `root` on a compute thread; the trainer comes back
+/// whether or not the save worked.
+pub(crate) async fn save_checkpoint(
+    root: &Path,
+    cfg: &RunConfig,
+    trainer: Trainer,
+    meta: CheckpointMeta,
+) -> Result<(Trainer, Result<PathBuf, RunError>), RunError> {
+    let (root, model_dir) = (root.to_path_buf(), cfg.model_dir.clone());
+    blocking(move || {
+        let saved = checkpoint::save(&root, &model_dir, &trainer, &meta);
+        (trainer, saved)
+    })
+    .await
+}
+
+/// What one optimizer step on a batch produced.
+pub(crate) struct Learned {
+    pub advantages: Vec<Vec<f64>>,
+    pub stats: crate::trainer::train::StepStats,
+    pub teacher_kl: Option<f64>,
+    pub train_seconds: f64,
+}
+
+/// Advantages, the exact token segments as trainer samples, the teacher's scores (distillation),
+/// and one optimizer step. The trainer and teacher move to a compute thread and back.
+pub(crate) async fn learn(
+    cfg: &RunConfig,
+    mut trainer: Trainer,
+    teacher: Option<Qwen3Model>,
+    batch: &[crate::rollout::Group],
+) -> Result<(Trainer, Option<Qwen3Model>, Learned), RunError> {
+    let advantages = samples::advantages(cfg.estimator, batch)?;
+    let mut train_samples = samples::samples(batch, &advantages, cfg.routing_replay)?;
+    let (teacher, teacher_kl) = match teacher {
+        Some(t) => {
+            let temperature = cfg.trainer.loss.temperature;
+            let (t, scored, kl) = blocking(move || {
+                let kl = samples::distill(&t, &mut train_samples, temperature);
+                (t, train_samples, kl)
+            })
+            .await?;
+            train_samples = scored;
+            (Some(t), Some(kl?))
+        }
+        None => (None, None),
+    };
+    let started = Instant::now();
+    let (trainer, stats) = blocking(move || {
+        let stats = trainer.step(&train_samples);
+        (trainer, stats)
+    })
+    .await?;
+    let stats = stats?;
+    let learned = Learned {
+        advantages,
+        stats,
+        teacher_kl,
+        train_seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok((trainer, teacher, learned))
+}
+
 /// Mean agent reward (before the judge) of the last `n` steps that recorded one.
 fn recent_agent_reward(records: &[StepRecord], n: usize) -> Option<f64> {
     let recent: Vec<f64> = records
@@ -349,14 +399,14 @@ fn recent_agent_reward(records: &[StepRecord], n: usize) -> Option<f64> {
     (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64)
 }
 
-struct StepTimes {
-    step: f64,
-    train: f64,
-    sync: f64,
-    elapsed: f64,
+pub(crate) struct StepTimes {
+    pub step: f64,
+    pub train: f64,
+    pub sync: f64,
+    pub elapsed: f64,
 }
 
-fn step_record(
+pub(crate) fn step_record(
     batch: &[crate::rollout::Group],
     advantages: &[Vec<f64>],
     stats: &crate::trainer::train::StepStats,

@@ -275,7 +275,7 @@ impl NcclWeightSender {
             step: Step::CommInit,
             message,
         })?;
-        let http = reqwest::Client::new();
+        let http = crate::auth::client();
         let engines: Vec<EngineControl> = engine_urls
             .iter()
             .map(|url| EngineControl::new(http.clone(), url, config.timeouts))

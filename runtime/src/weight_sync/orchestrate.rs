@@ -83,7 +83,7 @@ impl WeightSync {
     /// Updates for the engines behind `target` (a router or an engine base URL).
     pub fn new(target: &str) -> Self {
         Self {
-            http: reqwest::Client::new(),
+            http: crate::auth::client(),
             target: target.trim_end_matches('/').to_string(),
             sender: None,
             plane: None,
