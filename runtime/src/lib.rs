@@ -4,9 +4,10 @@
 //! forms and the agent pool (DESIGN §4.3).
 
 pub mod agents;
-pub mod auth;
 pub mod algorithms;
+pub mod auth;
 pub mod chat;
+pub mod cluster;
 pub mod engine;
 pub mod loopback;
 pub mod model;

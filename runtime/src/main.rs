@@ -28,8 +28,15 @@ enum Command {
     /// session recorded.
     Chat(ChatArgs),
     /// Run episodes of an agent (ChatAgent or Env) against an engine with a loopback server, and
-    /// write each episode (reward and exact token segments) as a JSON line.
+    /// write each episode (reward and exact token segments) as a JSON line; or, with --config and
+    /// --coordinator, be an agent pod of a cluster run (lease episodes, run them, return them).
     Agents(AgentsArgs),
+    /// The coordinator of a cluster run (in its pod): the router over the engines of the run's
+    /// Service, the rollout pool over the agent pods, the trainer's batches and the RLRun status.
+    Coordinator(CoordinatorArgs),
+    /// The trainer of a cluster run (in its pod): batches from the coordinator, weights to the
+    /// engines, checkpoints on MOULT_CHECKPOINTS; resumes from the newest checkpoint.
+    Trainer(TrainerArgs),
     /// Serve the engine API in front of a pool of engines: session-affine routing, failover of
     /// requests from dead engines, control calls fanned out to every engine.
     Router(RouterArgs),
@@ -71,6 +78,33 @@ struct RunArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct CoordinatorArgs {
+    /// The run config (the RLRun manifest the operator mounts).
+    #[arg(long, env = "MOULT_CONFIG")]
+    config: PathBuf,
+    #[arg(long, default_value = "0.0.0.0")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Fixes the task order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Debug, clap::Args)]
+struct TrainerArgs {
+    /// The run config (the RLRun manifest the operator mounts).
+    #[arg(long, env = "MOULT_CONFIG")]
+    config: PathBuf,
+    /// Where /health and /metrics listen.
+    #[arg(long, default_value = "0.0.0.0:9090")]
+    metrics_addr: String,
+    /// cpu, cuda or cuda:N [default: cuda if the run's trainer has GPUs and one is here, else cpu].
+    #[arg(long)]
+    device: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
 struct RouterArgs {
     /// An engine (built-in or vLLM); repeat for several. More can join through POST /engines.
     #[arg(long = "engine", required = true)]
@@ -89,12 +123,24 @@ struct RouterArgs {
 
 #[derive(Debug, clap::Args)]
 struct AgentsArgs {
+    /// Agent pod of a cluster run: the run config (the RLRun manifest the operator mounts).
+    #[arg(long, requires = "coordinator", conflicts_with_all = ["engine", "tasks", "agent", "agent_cmd"])]
+    config: Option<PathBuf>,
+    /// Agent pod of a cluster run: the coordinator's URL (leases, and generation via its router).
+    #[arg(long, requires = "config")]
+    coordinator: Option<String>,
+    /// Agent pod of a cluster run: where /health and /metrics listen.
+    #[arg(long, default_value = "0.0.0.0:9090", requires = "config")]
+    metrics_addr: String,
+    /// Agent pod of a cluster run: the agent's command (instead of the manifest's).
+    #[arg(last = true, requires = "config")]
+    command: Vec<String>,
     /// The engine (or router) to generate with.
-    #[arg(long)]
-    engine: String,
+    #[arg(long, required_unless_present = "config")]
+    engine: Option<String>,
     /// The model's folder (tokenizer and chat template).
-    #[arg(long)]
-    model: PathBuf,
+    #[arg(long, required_unless_present = "config")]
+    model: Option<PathBuf>,
     /// The agent: a Python file (or module) exporting `AgentRunner` (a moult.ChatAgent or
     /// moult.Env), or `builtin:NAME` for a built-in env (builtin:repeat).
     #[arg(long, conflicts_with = "agent_cmd")]
@@ -106,8 +152,8 @@ struct AgentsArgs {
     #[arg(long, value_parser = ["chat", "env"])]
     form: Option<String>,
     /// Tasks, one JSON value per line.
-    #[arg(long)]
-    tasks: PathBuf,
+    #[arg(long, required_unless_present = "config")]
+    tasks: Option<PathBuf>,
     /// Episodes written here, one JSON object per line [default: stdout].
     #[arg(long)]
     out: Option<PathBuf>,
@@ -350,6 +396,22 @@ fn chat_service(
 
 async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
     use moult_runtime::agents::env::EnvLoopOptions;
+    if let (Some(config), Some(coordinator)) = (&args.config, &args.coordinator) {
+        use moult_runtime::cluster::agents::{run, AgentsProcessOptions};
+        return Ok(run(
+            AgentsProcessOptions {
+                config: config.clone(),
+                coordinator: coordinator.clone(),
+                command: args.command.clone(),
+                metrics_addr: args.metrics_addr.clone(),
+            },
+            shutdown_signal(),
+        )
+        .await?);
+    }
+    let (Some(engine), Some(model), Some(tasks)) = (&args.engine, &args.model, &args.tasks) else {
+        bail!("give --engine, --model and --tasks (or --config and --coordinator in an agent pod)");
+    };
     use moult_runtime::agents::process::{describe_python, AgentCommand};
     use moult_runtime::agents::{Agent, AgentPool, EpisodeStatus, PoolOptions};
     use moult_runtime::chat::ChatSampling;
@@ -372,13 +434,8 @@ async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
         (None, Some(line), Some("env")) => Agent::ExternalEnv(AgentCommand::parse(line)?),
         _ => bail!("give --agent PATH|builtin:NAME, or --agent-cmd CMD with --form chat|env"),
     };
-    let tasks = moult_runtime::run::config::read_jsonl(&args.tasks, "--tasks")?;
-    let service = Arc::new(chat_service(
-        &args.engine,
-        &args.model,
-        args.concurrency * 2,
-        None,
-    )?);
+    let tasks = moult_runtime::run::config::read_jsonl(tasks, "--tasks")?;
+    let service = Arc::new(chat_service(engine, model, args.concurrency * 2, None)?);
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
         .await
         .with_context(|| format!("binding 127.0.0.1:{}", args.port))?;
@@ -452,6 +509,50 @@ async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
         "moult agents: {done} episodes, {failed} failed, mean reward {:.3}",
         if done > 0 { reward / done as f64 } else { 0.0 }
     );
+    Ok(())
+}
+
+async fn coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
+    use moult_runtime::cluster::coordinator::{run, CoordinatorOptions};
+    run(
+        CoordinatorOptions {
+            config: args.config,
+            host: args.host,
+            port: args.port,
+            seed: args.seed,
+            poll: std::time::Duration::from_secs(20),
+        },
+        shutdown_signal(),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn trainer(args: TrainerArgs) -> anyhow::Result<()> {
+    use moult_runtime::cluster::trainer::{run, TrainerProcessOptions};
+    let device = match args.device.as_deref() {
+        Some(d) => parse_device(Some(d))?,
+        None => {
+            let gpus = moult_runtime::run::config::read_manifest(&args.config)?
+                .spec
+                .trainer
+                .gpus_per_node;
+            if gpus > 0 {
+                Device::cuda_if_available()
+            } else {
+                Device::Cpu
+            }
+        }
+    };
+    run(
+        TrainerProcessOptions {
+            config: args.config,
+            metrics_addr: args.metrics_addr,
+            device,
+        },
+        shutdown_signal(),
+    )
+    .await?;
     Ok(())
 }
 
@@ -587,6 +688,8 @@ fn main() -> anyhow::Result<()> {
         Command::Chat(args) => runtime.block_on(chat(args)),
         Command::Agents(args) => runtime.block_on(agents(args)),
         Command::Router(args) => runtime.block_on(router(args)),
+        Command::Coordinator(args) => runtime.block_on(coordinator(args)),
+        Command::Trainer(args) => runtime.block_on(trainer(args)),
         Command::Run(args) => runtime.block_on(run(args)),
     }
 }

@@ -290,7 +290,6 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
     c.env = Some(env_vars);
     c.ports = container_port(COORDINATOR_PORT);
     c.readiness_probe = Some(http_probe("/health", COORDINATOR_PORT, 5));
-    c.liveness_probe = Some(http_probe("/health", COORDINATOR_PORT, 10));
     let mut volumes = Vec::new();
     if let Some((v, m)) = data_volume {
         volumes.push(v);

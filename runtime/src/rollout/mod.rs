@@ -91,7 +91,7 @@ pub struct Group {
 }
 
 /// What the pool counted so far.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RolloutStats {
     pub groups_started: u64,
     pub groups_done: u64,
@@ -281,6 +281,19 @@ pub async fn next_batch(
     opts: &RolloutOptions,
 ) -> Option<Vec<Group>> {
     let mut batch = Vec::with_capacity(opts.batch_size);
+    fill_batch(pool, queue, opts, &mut batch).await?;
+    Some(batch)
+}
+
+/// [`next_batch`] into `batch`, which may hold groups already: every group taken is in `batch`
+/// at once, so the future can be cancelled (a deadline) and called again without losing any.
+/// `None` when the pool stopped.
+pub async fn fill_batch(
+    pool: &RolloutPool,
+    queue: &mut mpsc::Receiver<Group>,
+    opts: &RolloutOptions,
+    batch: &mut Vec<Group>,
+) -> Option<()> {
     while batch.len() < opts.batch_size {
         let group = queue.recv().await?;
         let now = pool.version();
@@ -293,7 +306,19 @@ pub async fn next_batch(
         }
         batch.push(group);
     }
-    Some(batch)
+    // Groups taken earlier may have gone stale meanwhile.
+    let before = batch.len();
+    let now = pool.version();
+    batch.retain(|g| {
+        g.oldest_version
+            .is_none_or(|o| now.saturating_sub(o) <= opts.max_staleness)
+    });
+    if batch.len() < before {
+        pool.shared.stats.lock().expect("stats lock").dropped_stale +=
+            (before - batch.len()) as u64;
+        return Box::pin(fill_batch(pool, queue, opts, batch)).await;
+    }
+    Some(())
 }
 
 /// Tally of versions in a batch (for the staleness histogram the trainer reports).

@@ -394,11 +394,20 @@ struct EngineLabel {
 
 /// Prometheus metrics, read from the pool at scrape time.
 async fn metrics(State(router): State<Arc<Router>>) -> Result<String, ApiError> {
+    let mut registry = prometheus_client::registry::Registry::default();
+    register_metrics(&router, &mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry)
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    Ok(text)
+}
+
+/// The router's metrics (engines, health, load, failovers), added to `registry`.
+pub fn register_metrics(router: &Router, registry: &mut prometheus_client::registry::Registry) {
     use prometheus_client::metrics::counter::Counter;
     use prometheus_client::metrics::family::Family;
     use prometheus_client::metrics::gauge::Gauge;
     let engines = router.pool.all();
-    let mut registry = prometheus_client::registry::Registry::default();
     let count = |n: usize| {
         let g: Gauge = Gauge::default();
         g.set(n as i64);
@@ -439,10 +448,6 @@ async fn metrics(State(router): State<Arc<Router>>) -> Result<String, ApiError> 
         "Requests in flight per engine",
         running,
     );
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, &registry)
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    Ok(text)
 }
 
 #[derive(Debug, Deserialize)]
@@ -487,6 +492,18 @@ async fn remove_engine(
 
 /// The router's routes.
 pub fn routes(router: Arc<Router>) -> axum::Router {
+    api_routes(router.clone()).merge(
+        axum::Router::new()
+            .route("/health", get(health))
+            .route("/metrics", get(metrics))
+            .with_state(router),
+    )
+}
+
+/// The router's routes but `/health` (which says whether any engine is routable) and `/metrics`:
+/// for a server that is healthy by other rules and has metrics of its own, such as the coordinator
+/// of a cluster run.
+pub fn api_routes(router: Arc<Router>) -> axum::Router {
     axum::Router::new()
         .route("/inference/v1/generate", post(generate))
         .route("/inference/v1/abort_requests", post(abort))
@@ -499,8 +516,6 @@ pub fn routes(router: Arc<Router>) -> axum::Router {
         .route("/is_paused", get(is_paused))
         .route("/get_world_size", get(get_world_size))
         .route("/weight_info", get(weight_info))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
         .route(
             "/engines",

@@ -31,7 +31,8 @@ pub struct RunConfig {
     pub name: String,
     pub model_dir: PathBuf,
     pub tasks: Vec<Json>,
-    pub agent: Agent,
+    /// The agent (`None` in a pod that runs no episodes).
+    pub agent: Option<Agent>,
     pub concurrency: usize,
     pub episode_timeout: Duration,
     pub env_loop: EnvLoopOptions,
@@ -208,23 +209,67 @@ fn read_tasks(path: &Path) -> Result<Vec<Json>, RunError> {
     Ok(tasks)
 }
 
+/// Where a process finds the files a manifest names.
+#[derive(Debug, Clone)]
+pub struct Sources {
+    /// Relative paths of the agent's command are taken from here.
+    pub dir: PathBuf,
+    /// The model folder, if this process needs it (checked to be one).
+    pub model_dir: Option<PathBuf>,
+    /// The task file, if this process draws tasks (read and checked).
+    pub tasks: Option<PathBuf>,
+    /// Whether this process runs episodes (the agent's command is checked).
+    pub agent: bool,
+}
+
+impl Sources {
+    /// Everything beside the manifest in `dir`: a local run.
+    pub fn beside_manifest(run: &RLRun, dir: &Path) -> Self {
+        Self {
+            dir: dir.to_path_buf(),
+            model_dir: Some(beside(dir, &run.spec.model.path)),
+            tasks: Some(beside(dir, &run.spec.agent.dataset.path)),
+            agent: true,
+        }
+    }
+}
+
 impl RunConfig {
     /// The settings of a local run of `run`, whose manifest is in `dir`.
     pub fn new(run: RLRun, dir: &Path) -> Result<Self, RunError> {
+        let sources = Sources::beside_manifest(&run, dir);
+        Self::from_sources(run, &sources)
+    }
+
+    /// The settings of `run` for a process that has the files `sources` names (a pod of a cluster
+    /// run has only its role's: the model, or the tasks). What it lacks is left empty.
+    pub fn from_sources(run: RLRun, sources: &Sources) -> Result<Self, RunError> {
         let spec = &run.spec;
+        let dir = sources.dir.as_path();
         let name = run.metadata.name.clone().unwrap_or_else(|| "run".into());
-        let model_dir = beside(dir, &spec.model.path);
-        if !model_dir.join("config.json").is_file() {
-            return Err(bad(
-                "spec.model.path",
-                format!(
-                    "{} is not a model folder (no config.json)",
-                    model_dir.display()
-                ),
-            ));
-        }
-        let tasks = read_tasks(&beside(dir, &spec.agent.dataset.path))?;
-        let judge = judge(&run, dir, &tasks)?;
+        let model_dir = match &sources.model_dir {
+            Some(model_dir) => {
+                if !model_dir.join("config.json").is_file() {
+                    return Err(bad(
+                        "spec.model.path",
+                        format!(
+                            "{} is not a model folder (no config.json)",
+                            model_dir.display()
+                        ),
+                    ));
+                }
+                model_dir.clone()
+            }
+            None => PathBuf::from(&spec.model.path),
+        };
+        let tasks = match &sources.tasks {
+            Some(path) => read_tasks(path)?,
+            None => Vec::new(),
+        };
+        let judge = match &sources.tasks {
+            Some(_) => judge(&run, dir, &tasks)?,
+            None => None,
+        };
         let algo = &spec.algorithm;
         if spec.rollout.temperature <= 0.0 {
             return Err(bad(
@@ -268,7 +313,7 @@ impl RunConfig {
             name,
             model_dir,
             tasks,
-            agent: agent(&run, dir)?,
+            agent: sources.agent.then(|| agent(&run, dir)).transpose()?,
             concurrency: spec.agent.concurrency.max(1) as usize,
             episode_timeout: spec
                 .agent

@@ -190,7 +190,9 @@ impl Stack {
         let agents = Arc::new(
             AgentPool::new(
                 service,
-                cfg.agent.clone(),
+                cfg.agent
+                    .clone()
+                    .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?,
                 PoolOptions {
                     concurrency: cfg.concurrency,
                     timeout: cfg.episode_timeout,

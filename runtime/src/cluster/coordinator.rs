@@ -1,0 +1,469 @@
+//! `moult coordinator`: the hub of a cluster run. It serves, on one port, the engine API of the
+//! router (agents generate through it, the trainer's weight updates fan out through it) and the
+//! coordinator API of [`super::protocol`]; it runs the rollout pool (data cursor, admission,
+//! staleness) over the agent pods ([`super::remote`]); and it reports to the RLRun's status.
+//!
+//! Steps: the batch of step N is formed from finished groups and kept until the trainer commits
+//! N (a trainer that restarts asks again and gets the same groups), then its groups are dropped,
+//! which frees their admission slots. A trainer that resumed from an older checkpoint says so in
+//! its hello and the step count follows it.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::{mpsc, watch};
+
+use super::protocol::{
+    CheckpointRef, Commit, CoordinatorStatus, Episode, Hello, HelloReply, Version,
+};
+use super::remote::RemoteAgents;
+use super::status::Report;
+use crate::rollout::{fill_batch, Group, RolloutPool, RolloutState};
+use crate::router::{policy, server, EnginePool, HealthOptions, Router};
+use crate::run::config::{RunConfig, Sources};
+use crate::run::{metrics, RunError};
+
+/// How `moult coordinator` runs.
+#[derive(Debug, Clone)]
+pub struct CoordinatorOptions {
+    pub config: PathBuf,
+    pub host: String,
+    pub port: u16,
+    /// Fixes the task order.
+    pub seed: u64,
+    /// How long a lease or batch request waits for work before answering "none yet".
+    pub poll: Duration,
+}
+
+/// The trainer's side of the coordinator.
+#[derive(Debug)]
+struct Train {
+    queue: mpsc::Receiver<Group>,
+    /// Steps the trainer committed.
+    committed: u64,
+    /// The newest policy version number handed out.
+    issued: u64,
+    /// The groups of step `committed + 1`, kept until it is committed.
+    pending: Vec<Group>,
+    hellos: u64,
+}
+
+#[derive(Debug)]
+struct Coordinator {
+    cfg: RunConfig,
+    pool: RolloutPool,
+    agents: Arc<RemoteAgents>,
+    router: Arc<Router>,
+    train: tokio::sync::Mutex<Train>,
+    /// What `GET /v1/status` shows (kept apart from `train`, which a batch request holds while
+    /// it waits).
+    status: Mutex<CoordinatorStatus>,
+    reports: watch::Sender<Report>,
+    poll: Duration,
+    started: Instant,
+}
+
+type Shared = State<Arc<Coordinator>>;
+
+fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
+    (
+        status,
+        Json(json!({"error": {"message": message.to_string(), "code": status.as_u16()}})),
+    )
+        .into_response()
+}
+
+/// The dataset in the run's fixed order.
+fn ordered(tasks: &[serde_json::Value], seed: u64) -> Vec<serde_json::Value> {
+    let mut tasks = tasks.to_vec();
+    tasks.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    tasks
+}
+
+impl Coordinator {
+    fn status(&self) -> CoordinatorStatus {
+        let mut s = self.status.lock().expect("status lock").clone();
+        let remote = self.agents.stats();
+        s.rollout = self.pool.stats();
+        s.policy_version = self.pool.version();
+        s.episodes_waiting = remote.waiting;
+        s.episodes_leased = remote.leased;
+        s.leases_expired = remote.expired;
+        s.episodes_returned = remote.returned;
+        s.episodes_ignored = remote.ignored;
+        s
+    }
+
+    /// The engines serve `version` now.
+    fn published(&self, version: u64) {
+        self.pool.set_version(version);
+        let mut report = self.reports.borrow().clone();
+        report.policy_version = version;
+        self.reports.send_replace(report);
+    }
+}
+
+async fn lease(State(c): Shared) -> Response {
+    match c.agents.lease(c.poll).await {
+        Some(lease) => Json(lease).into_response(),
+        None => StatusCode::NO_CONTENT.into_response(),
+    }
+}
+
+async fn episode(State(c): Shared, UrlPath(lease): UrlPath<u64>, body: String) -> Response {
+    let episode: Episode = match serde_json::from_str(&body) {
+        Ok(e) => e,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("not an episode: {e}")),
+    };
+    Json(json!({"accepted": c.agents.complete(lease, episode)})).into_response()
+}
+
+async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
+    let mut t = c.train.lock().await;
+    t.hellos += 1;
+    if t.hellos > 1 {
+        tracing::warn!(
+            step = hello.step,
+            committed = t.committed,
+            "the trainer restarted; it resumes from step {}",
+            hello.step
+        );
+        c.status.lock().expect("status lock").trainer_restarts += 1;
+    }
+    t.committed = hello.step;
+    c.status.lock().expect("status lock").step = hello.step;
+    // Weights other than the engines' (a checkpoint, or the model after updates went out) are
+    // published under a new version, so versions only increase.
+    let publish_as = (t.issued > 0 || hello.step > 0).then(|| {
+        t.issued += 1;
+        t.issued
+    });
+    Json(HelloReply { publish_as }).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct BatchQuery {
+    step: u64,
+}
+
+async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
+    let mut guard = c.train.lock().await;
+    let t = &mut *guard;
+    if q.step != t.committed + 1 {
+        return error(
+            StatusCode::CONFLICT,
+            format!(
+                "step {} is not next: {} steps are committed, ask for step {}",
+                q.step,
+                t.committed,
+                t.committed + 1
+            ),
+        );
+    }
+    match tokio::time::timeout(
+        c.poll,
+        fill_batch(&c.pool, &mut t.queue, &c.cfg.rollout, &mut t.pending),
+    )
+    .await
+    {
+        Err(_) => return StatusCode::NO_CONTENT.into_response(),
+        Ok(None) => return error(StatusCode::SERVICE_UNAVAILABLE, "the rollout pool stopped"),
+        Ok(Some(())) => {}
+    }
+    let state: RolloutState = c.pool.state();
+    Json(json!({
+        "step": q.step,
+        "groups": &t.pending,
+        "version": c.pool.version(),
+        "rollout": state,
+        "stats": c.pool.stats(),
+    }))
+    .into_response()
+}
+
+async fn version(State(c): Shared) -> Response {
+    let mut t = c.train.lock().await;
+    t.issued += 1;
+    Json(Version { version: t.issued }).into_response()
+}
+
+async fn published(State(c): Shared, Json(v): Json<Version>) -> Response {
+    c.published(v.version);
+    Json(json!({})).into_response()
+}
+
+async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
+    let mut t = c.train.lock().await;
+    if commit.step <= t.committed {
+        // A retried commit whose answer was lost.
+        return Json(json!({"committed": t.committed})).into_response();
+    }
+    if commit.step != t.committed + 1 {
+        return error(
+            StatusCode::CONFLICT,
+            format!(
+                "step {} cannot be committed after step {}",
+                commit.step, t.committed
+            ),
+        );
+    }
+    t.committed = commit.step;
+    // Its groups are done with: their admission slots go back to generation.
+    t.pending.clear();
+    drop(t);
+    c.published(commit.version);
+    let r = &commit.record;
+    {
+        let mut s = c.status.lock().expect("status lock");
+        s.step = commit.step;
+        s.reward = Some(r.reward_mean);
+        if commit.checkpoint.is_some() {
+            s.last_checkpoint.clone_from(&commit.checkpoint);
+        }
+    }
+    let mut report = c.reports.borrow().clone();
+    report.step = commit.step;
+    report.policy_version = commit.version;
+    report.metrics = moult_operator::api::RunMetrics {
+        reward: Some(r.reward_mean),
+        response_length: Some(r.response_tokens_mean),
+        masked_fraction: Some(r.masked_fraction),
+    };
+    if let Some(CheckpointRef { step, path }) = &commit.checkpoint {
+        report.checkpoint = Some((
+            *step,
+            path.clone(),
+            Time(k8s_openapi::jiff::Timestamp::now()),
+        ));
+    }
+    c.reports.send_replace(report);
+    let done = commit.step;
+    let eta = (done > 0).then(|| {
+        Duration::from_secs_f64(
+            c.started.elapsed().as_secs_f64() / done as f64
+                * c.cfg.total_steps.saturating_sub(done) as f64,
+        )
+    });
+    eprintln!(
+        "{}",
+        metrics::progress_line(r, c.cfg.total_steps, eta.filter(|_| done > 1))
+    );
+    Json(json!({"committed": commit.step})).into_response()
+}
+
+async fn status(State(c): Shared) -> Json<CoordinatorStatus> {
+    Json(c.status())
+}
+
+async fn health() -> &'static str {
+    "ok"
+}
+
+async fn prometheus(State(c): Shared) -> Response {
+    use prometheus_client::metrics::gauge::Gauge;
+    let mut registry = prometheus_client::registry::Registry::default();
+    server::register_metrics(&c.router, &mut registry);
+    let s = c.status();
+    let gauge = |v: u64| {
+        let g: Gauge = Gauge::default();
+        g.set(v as i64);
+        g
+    };
+    for (name, help, value) in [
+        ("moult_step", "Training steps committed", s.step),
+        (
+            "moult_policy_version",
+            "Policy version the engines serve",
+            s.policy_version,
+        ),
+        (
+            "moult_episodes_waiting",
+            "Episodes waiting for an agent pod",
+            s.episodes_waiting as u64,
+        ),
+        (
+            "moult_episodes_leased",
+            "Episodes an agent pod is running",
+            s.episodes_leased as u64,
+        ),
+        (
+            "moult_leases_expired",
+            "Episodes run again because their agent pod went silent",
+            s.leases_expired,
+        ),
+        (
+            "moult_groups_dropped_stale",
+            "Groups dropped for staleness",
+            s.rollout.dropped_stale,
+        ),
+        (
+            "moult_groups_dropped_failed",
+            "Groups dropped because an episode failed",
+            s.rollout.dropped_failed,
+        ),
+        (
+            "moult_trainer_restarts",
+            "Times the trainer started again",
+            s.trainer_restarts,
+        ),
+    ] {
+        registry.register(name, help, gauge(value));
+    }
+    let mut text = String::new();
+    match prometheus_client::encoding::text::encode(&mut text, &registry) {
+        Ok(()) => text.into_response(),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+/// The run's namespace: the manifest's, else the pod's (`POD_NAMESPACE`), else `default`.
+fn namespace(cfg: &RunConfig) -> String {
+    cfg.run
+        .metadata
+        .namespace
+        .clone()
+        .or_else(|| std::env::var("POD_NAMESPACE").ok())
+        .unwrap_or_else(|| "default".into())
+}
+
+/// A Kubernetes client from the pod's service account (or `KUBECONFIG`), if there is one.
+async fn kube_client() -> Option<kube::Client> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    match kube::Client::try_default().await {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::info!("no Kubernetes API ({e}): the RLRun's status will not be written");
+            None
+        }
+    }
+}
+
+/// Runs the coordinator until `shutdown` resolves.
+pub async fn run(
+    opts: CoordinatorOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    let (run, config_dir) = super::manifest(&opts.config)?;
+    let tasks = super::env_path("MOULT_TASKS")
+        .unwrap_or_else(|| config_dir.join(&run.spec.agent.dataset.path));
+    let cfg = super::pod_config(
+        run,
+        &Sources {
+            dir: config_dir,
+            model_dir: None,
+            tasks: Some(tasks),
+            agent: false,
+        },
+    )?;
+    let engines = super::env_var("MOULT_ENGINES")?;
+    let client = kube_client().await;
+    let ns = namespace(&cfg);
+
+    // The router, over the engines of the Service (or a fixed list).
+    let pool = Arc::new(EnginePool::default());
+    if engines.starts_with("http://") || engines.starts_with("https://") {
+        for url in engines.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+            pool.add(url);
+        }
+    } else {
+        let client = client.clone().ok_or_else(|| {
+            RunError::Setup(format!(
+                "MOULT_ENGINES names the Service `{engines}`, whose EndpointSlices need the Kubernetes API (run in the pod, or set KUBECONFIG), or give engine URLs"
+            ))
+        })?;
+        tokio::spawn(super::discovery::follow(
+            client,
+            ns.clone(),
+            engines.clone(),
+            pool.clone(),
+        ));
+    }
+    tokio::spawn(pool.clone().check_health(HealthOptions::default()));
+    let router = Arc::new(Router::new(
+        pool,
+        policy::by_name("consistent-hash").expect("a known policy"),
+    ));
+
+    // The rollout pool over the agent pods.
+    let lease_time = cfg.episode_timeout + Duration::from_secs(60);
+    let agents = Arc::new(RemoteAgents::new(lease_time));
+    let dataset = Arc::new(ordered(&cfg.tasks, opts.seed));
+    let (pool, queue) = RolloutPool::start(
+        agents.clone(),
+        dataset,
+        cfg.rollout.clone(),
+        RolloutState::default(),
+        0,
+    )
+    .map_err(|e| RunError::Setup(e.to_string()))?;
+
+    let (reports, report_rx) = watch::channel(Report::default());
+    if let Some(client) = client {
+        let name = cfg.name.clone();
+        tokio::spawn(super::status::write_reports(client, ns, name, report_rx));
+    }
+    let total_steps = cfg.total_steps;
+    let coordinator = Arc::new(Coordinator {
+        pool: pool.clone(),
+        agents,
+        router: router.clone(),
+        train: tokio::sync::Mutex::new(Train {
+            queue,
+            committed: 0,
+            issued: 0,
+            pending: Vec::new(),
+            hellos: 0,
+        }),
+        status: Mutex::new(CoordinatorStatus {
+            total_steps,
+            ..CoordinatorStatus::default()
+        }),
+        reports,
+        poll: opts.poll,
+        started: Instant::now(),
+        cfg,
+    });
+    let app = server::api_routes(router).merge(
+        axum::Router::new()
+            .route("/health", get(health))
+            .route("/metrics", get(prometheus))
+            .route("/v1/status", get(status))
+            .route("/v1/agents/lease", post(lease))
+            .route("/v1/agents/episodes/{lease}", post(episode))
+            .route("/v1/trainer/hello", post(hello))
+            .route("/v1/trainer/batch", get(batch))
+            .route("/v1/trainer/version", post(version))
+            .route("/v1/trainer/published", post(published))
+            .route("/v1/trainer/commit", post(commit))
+            .with_state(coordinator.clone()),
+    );
+    let addr = format!("{}:{}", opts.host, opts.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| RunError::Setup(format!("binding {addr}: {e}")))?;
+    eprintln!(
+        "moult coordinator: {} ({} steps, {} tasks) on http://{addr}, engines from {engines}",
+        coordinator.cfg.name,
+        total_steps,
+        coordinator.cfg.tasks.len()
+    );
+    let served = axum::serve(
+        listener,
+        crate::auth::protect(app).layer(axum::extract::DefaultBodyLimit::max(512 << 20)),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await;
+    pool.stop();
+    served.map_err(|e| RunError::Io(format!("serving {addr}: {e}")))
+}

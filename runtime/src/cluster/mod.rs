@@ -1,0 +1,139 @@
+//! Cluster mode (DESIGN §1, §5, §7): each role of a run as its own process, in the pods the
+//! operator makes, wired over the network with the run's token ([`crate::auth`]).
+//!
+//! - `moult coordinator` ([`coordinator`]): the router in front of the engines it finds through
+//!   the engine Service's EndpointSlices ([`discovery`]), the rollout pool and its data cursor,
+//!   the queue of episodes the agent pods lease ([`remote`]), the batches the trainer takes, the
+//!   issue of policy versions, and the RLRun's status ([`status`]).
+//! - `moult trainer` ([`trainer`]): takes batch N, trains, publishes the weights to the engines
+//!   through the coordinator's router (pause, TCP weight stream, resume), checkpoints, commits
+//!   step N. Restarted, it resumes from its newest checkpoint and republishes.
+//! - `moult agents` ([`agents`]): leases episodes, runs them with the agent pool against its own
+//!   loopback server (which generates through the coordinator's router), returns them.
+//! - `moult engine`: the built-in engine (or vLLM), unchanged.
+//!
+//! The wire types are in [`protocol`]. What crosses the network is never lost or doubled: a
+//! batch stays with the coordinator until the trainer commits its step (a restarted trainer gets
+//! the same groups again), an episode's lease is re-queued when its agent pod goes silent and a
+//! late answer to an expired lease is ignored, and every call is retried until its peer is back.
+
+pub mod agents;
+pub mod coordinator;
+pub mod discovery;
+pub mod protocol;
+pub mod remote;
+pub mod status;
+pub mod trainer;
+
+use std::path::{Path, PathBuf};
+
+use moult_operator::api::RLRun;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::run::config::{read_manifest, RunConfig, Sources};
+use crate::run::RunError;
+
+/// A required environment variable; the error names it and who sets it.
+pub(crate) fn env_var(name: &str) -> Result<String, RunError> {
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+        .ok_or_else(|| {
+            RunError::Setup(format!(
+                "{name} is not set: the operator sets it in the pod spec (set it by hand to run this role outside a cluster)"
+            ))
+        })
+}
+
+/// An optional path from the environment.
+pub(crate) fn env_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os(name)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// The manifest at `config` and its folder.
+pub(crate) fn manifest(config: &Path) -> Result<(RLRun, PathBuf), RunError> {
+    let dir = config
+        .parent()
+        .map_or_else(|| PathBuf::from("."), PathBuf::from);
+    Ok((read_manifest(config)?, dir))
+}
+
+/// The run config of a pod: the manifest the operator mounted (`--config`), with the files of
+/// this pod's role. LLM-as-judge is refused here: its model is not served on clusters yet.
+pub fn pod_config(run: RLRun, sources: &Sources) -> Result<RunConfig, RunError> {
+    if run.spec.judge.is_some() {
+        return Err(RunError::Manifest(
+            "spec.judge: LLM-as-judge rewards run under `moult run` only so far; a cluster run does not serve the judge model yet".into(),
+        ));
+    }
+    RunConfig::from_sources(run, sources)
+}
+
+/// Retries `f` until it succeeds, waiting 0.5 s doubling to 10 s between tries and logging each
+/// failure as `what`; for calls to a peer that may be restarting.
+pub(crate) async fn retry<T, E: std::fmt::Display, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut wait = Duration::from_millis(500);
+    let mut tries = 0u32;
+    loop {
+        match f().await {
+            Ok(v) => return v,
+            Err(e) => {
+                tries += 1;
+                // The first failures of a peer that is starting are expected: keep quiet.
+                if tries > 2 {
+                    tracing::warn!(tries, "{what}: {e}; retrying in {wait:?}");
+                }
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+}
+
+/// The `/health` and `/metrics` server of a role that serves nothing else (trainer, agents).
+pub(crate) async fn serve_health(
+    addr: &str,
+    metrics: Arc<dyn Fn() -> String + Send + Sync>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    use axum::routing::get;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| RunError::Setup(format!("--metrics-addr {addr}: {e}")))?;
+    let app = axum::Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(move || async move { metrics() }));
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, crate::auth::protect(app))
+            .with_graceful_shutdown(shutdown)
+            .await;
+    });
+    Ok(())
+}
+
+/// A POST of `body` as JSON to `url` that must answer 2xx; the JSON answer (`Null` if empty).
+pub(crate) async fn post_json<B: serde::Serialize>(
+    http: &reqwest::Client,
+    url: &str,
+    body: &B,
+) -> Result<serde_json::Value, String> {
+    let r = http
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    let status = r.status();
+    let text = r.text().await.map_err(|e| format!("{url}: {e}"))?;
+    if !status.is_success() {
+        return Err(format!("{url}: {status}: {text}"));
+    }
+    Ok(serde_json::from_str(&text).unwrap_or(serde_json::Value::Null))
+}

@@ -1,0 +1,100 @@
+//! What the roles of a cluster run say to the coordinator (JSON over HTTP, with the run's token).
+//!
+//! | call | from | what |
+//! | --- | --- | --- |
+//! | `POST /v1/agents/lease` | agents | the next episode to run ([`Lease`]); 204 after a wait with none |
+//! | `POST /v1/agents/episodes/{lease}` | agents | the finished [`Episode`]; `{"accepted": false}` for an expired lease |
+//! | `POST /v1/trainer/hello` | trainer | ([`Hello`]) the step it resumed at; answers the version to publish its weights as |
+//! | `GET /v1/trainer/batch?step=N` | trainer | the groups of step N ([`TrainBatch`]); 204 while not ready; the same batch until N is committed |
+//! | `POST /v1/trainer/version` | trainer | a new policy version number ([`Version`]) for the weights about to go out |
+//! | `POST /v1/trainer/published` | trainer | ([`Version`]) the engines serve this version now |
+//! | `POST /v1/trainer/commit` | trainer | ([`Commit`]) step N done: metrics, version, checkpoint |
+//! | `GET /v1/status` | anyone with the token | [`CoordinatorStatus`] |
+//!
+//! Policy versions are issued by the coordinator, one per publication, so they only increase even
+//! when a restarted trainer publishes its checkpoint's weights again.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+
+pub use crate::agents::Episode;
+use crate::rollout::{Group, RolloutState, RolloutStats};
+use crate::run::metrics::StepRecord;
+
+/// An episode for an agent pod to run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Lease {
+    pub lease: u64,
+    /// The episode's index in the run (names its session).
+    pub index: usize,
+    pub task: Json,
+}
+
+/// What the trainer says when it starts.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Hello {
+    /// The step of the checkpoint it resumed from (0: none).
+    pub step: u64,
+}
+
+/// The answer to [`Hello`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HelloReply {
+    /// Publish your weights as this version before training (`None`: the engines already serve
+    /// them, a fresh run).
+    pub publish_as: Option<u64>,
+}
+
+/// A policy version number.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Version {
+    pub version: u64,
+}
+
+/// The groups of one training step.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TrainBatch {
+    pub step: u64,
+    pub groups: Vec<Group>,
+    /// The version the engines served when the batch was handed out (staleness is counted from it).
+    pub version: u64,
+    /// The data cursor after these groups were drawn (checkpointed with the step).
+    pub rollout: RolloutState,
+    pub stats: RolloutStats,
+}
+
+/// A checkpoint the trainer wrote.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CheckpointRef {
+    pub step: u64,
+    pub path: String,
+}
+
+/// Step N is trained and published.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Commit {
+    pub step: u64,
+    pub version: u64,
+    pub record: StepRecord,
+    pub checkpoint: Option<CheckpointRef>,
+}
+
+/// `GET /v1/status`: where the run stands, as the coordinator sees it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CoordinatorStatus {
+    pub step: u64,
+    pub total_steps: u64,
+    pub policy_version: u64,
+    pub reward: Option<f64>,
+    pub last_checkpoint: Option<CheckpointRef>,
+    pub rollout: RolloutStats,
+    /// Episodes waiting for an agent, and leased to one.
+    pub episodes_waiting: usize,
+    pub episodes_leased: usize,
+    /// Leases that expired (their agent went silent) and were run again.
+    pub leases_expired: u64,
+    /// Episodes returned, and answers to unknown (expired or repeated) leases ignored.
+    pub episodes_returned: u64,
+    pub episodes_ignored: u64,
+    pub trainer_restarts: u64,
+}

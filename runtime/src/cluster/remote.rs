@@ -1,0 +1,241 @@
+//! The agent pods as the rollout pool's [`EpisodeRunner`]: episodes wait in a queue, agent pods
+//! lease them, and return them finished.
+//!
+//! A lease lasts the episode timeout plus a margin; one that runs out (its pod died, or lost the
+//! coordinator) goes back to the front of the queue under a new lease number, and an answer that
+//! arrives later for the old number is ignored, so an episode is neither lost nor counted twice.
+//! An episode whose group was abandoned (the run ended) is skipped, not leased.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use serde_json::Value as Json;
+use tokio::sync::{oneshot, Notify};
+
+use super::protocol::Lease;
+use crate::agents::{Episode, EpisodeStatus};
+use crate::rollout::EpisodeRunner;
+
+#[derive(Debug)]
+struct Work {
+    index: usize,
+    task: Json,
+    reply: oneshot::Sender<Episode>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    next_lease: u64,
+    waiting: VecDeque<Work>,
+    leased: HashMap<u64, (Work, Instant)>,
+    expired: u64,
+    returned: u64,
+    ignored: u64,
+}
+
+/// Counts of the queue, for status and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RemoteStats {
+    pub waiting: usize,
+    pub leased: usize,
+    pub expired: u64,
+    pub returned: u64,
+    pub ignored: u64,
+}
+
+/// Episodes for agent pods to lease.
+#[derive(Debug)]
+pub struct RemoteAgents {
+    queue: Mutex<Queue>,
+    ready: Notify,
+    lease_time: Duration,
+}
+
+impl RemoteAgents {
+    /// `lease_time`: how long an agent pod has for an episode before it is given to another.
+    pub fn new(lease_time: Duration) -> Self {
+        Self {
+            queue: Mutex::new(Queue::default()),
+            ready: Notify::new(),
+            lease_time,
+        }
+    }
+
+    /// Moves leases that ran out back to the front of the queue.
+    fn reap(&self, q: &mut Queue, now: Instant) {
+        let expired: Vec<u64> = q
+            .leased
+            .iter()
+            .filter(|(_, (_, deadline))| *deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            let (work, _) = q.leased.remove(&id).expect("listed above");
+            tracing::warn!(
+                lease = id,
+                episode = work.index,
+                "an agent did not return its episode in time: running it again"
+            );
+            q.expired += 1;
+            q.waiting.push_front(work);
+            self.ready.notify_one();
+        }
+    }
+
+    fn try_lease(&self) -> Option<Lease> {
+        let mut q = self.queue.lock().expect("queue lock");
+        let now = Instant::now();
+        self.reap(&mut q, now);
+        while let Some(work) = q.waiting.pop_front() {
+            if work.reply.is_closed() {
+                continue; // its group was abandoned
+            }
+            q.next_lease += 1;
+            let lease = Lease {
+                lease: q.next_lease,
+                index: work.index,
+                task: work.task.clone(),
+            };
+            q.leased.insert(lease.lease, (work, now + self.lease_time));
+            return Some(lease);
+        }
+        None
+    }
+
+    /// The next episode to run, waiting up to `wait` for one.
+    pub async fn lease(&self, wait: Duration) -> Option<Lease> {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(lease) = self.try_lease() {
+                return Some(lease);
+            }
+            // Wake up for new work, an expiring lease, or the end of the wait.
+            let tick = deadline.min(tokio::time::Instant::now() + Duration::from_secs(1));
+            tokio::select! {
+                () = &mut notified => {}
+                () = tokio::time::sleep_until(tick) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return self.try_lease();
+                    }
+                }
+            }
+        }
+    }
+
+    /// An agent pod returns the episode of `lease`; false if the lease is unknown (it expired and
+    /// went to another pod, or was answered already): the answer is ignored.
+    pub fn complete(&self, lease: u64, mut episode: Episode) -> bool {
+        let mut q = self.queue.lock().expect("queue lock");
+        let Some((work, _)) = q.leased.remove(&lease) else {
+            q.ignored += 1;
+            return false;
+        };
+        q.returned += 1;
+        episode.index = work.index;
+        let _ = work.reply.send(episode);
+        true
+    }
+
+    pub fn stats(&self) -> RemoteStats {
+        let q = self.queue.lock().expect("queue lock");
+        RemoteStats {
+            waiting: q.waiting.len(),
+            leased: q.leased.len(),
+            expired: q.expired,
+            returned: q.returned,
+            ignored: q.ignored,
+        }
+    }
+}
+
+impl EpisodeRunner for RemoteAgents {
+    fn run(&self, index: usize, task: Json) -> BoxFuture<'_, Episode> {
+        let (reply, answer) = oneshot::channel();
+        {
+            let mut q = self.queue.lock().expect("queue lock");
+            q.waiting.push_back(Work {
+                index,
+                task: task.clone(),
+                reply,
+            });
+        }
+        self.ready.notify_one();
+        Box::pin(async move {
+            answer.await.unwrap_or_else(|_| Episode {
+                index,
+                session: String::new(),
+                task,
+                status: EpisodeStatus::Failed,
+                reason: Some("the coordinator dropped the episode".into()),
+                reward: 0.0,
+                info: serde_json::Map::new(),
+                seconds: 0.0,
+                segments: Vec::new(),
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn finished(reward: f64) -> Episode {
+        Episode {
+            index: 999,
+            session: "s".into(),
+            task: Json::Null,
+            status: EpisodeStatus::Completed,
+            reason: None,
+            reward,
+            info: serde_json::Map::new(),
+            seconds: 0.1,
+            segments: Vec::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_expired_lease_is_run_again_and_its_late_answer_ignored() {
+        let agents = Arc::new(RemoteAgents::new(Duration::from_millis(200)));
+        let runner = agents.clone();
+        let episode = tokio::spawn(async move { runner.run(7, serde_json::json!({"q": 1})).await });
+        let first = agents.lease(Duration::from_secs(2)).await.expect("work");
+        assert_eq!((first.index, first.task["q"].as_i64()), (7, Some(1)));
+        assert!(agents.lease(Duration::from_millis(50)).await.is_none());
+        // The first agent goes silent: after the lease time the episode goes to another.
+        let second = agents
+            .lease(Duration::from_secs(2))
+            .await
+            .expect("re-leased");
+        assert_eq!(second.index, 7);
+        assert_ne!(second.lease, first.lease);
+        assert!(!agents.complete(first.lease, finished(0.0)), "late answer");
+        assert!(agents.complete(second.lease, finished(1.0)));
+        assert!(!agents.complete(second.lease, finished(1.0)), "repeat");
+        let ep = episode.await.unwrap();
+        assert_eq!((ep.index, ep.reward), (7, 1.0));
+        let s = agents.stats();
+        assert_eq!((s.expired, s.returned, s.ignored), (1, 1, 2));
+        assert_eq!((s.waiting, s.leased), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn abandoned_episodes_are_not_leased() {
+        let agents = Arc::new(RemoteAgents::new(Duration::from_secs(60)));
+        let runner = agents.clone();
+        let abandoned = tokio::spawn(async move { runner.run(1, Json::Null).await });
+        tokio::task::yield_now().await;
+        while agents.stats().waiting == 0 {
+            tokio::task::yield_now().await;
+        }
+        abandoned.abort();
+        let _ = abandoned.await;
+        assert!(agents.lease(Duration::from_millis(50)).await.is_none());
+    }
+}

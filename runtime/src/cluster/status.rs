@@ -1,0 +1,102 @@
+//! The coordinator's part of the RLRun's status (the operator owns phase, conditions and
+//! engines): step, policy version, headline metrics and the last checkpoint, written by
+//! server-side apply under the field manager `moult-coordinator`, with RBAC that allows only its
+//! own RLRun's status. Writes happen off the training path: the newest report replaces one not yet
+//! written, so a slow API server never holds up a step.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client, Resource};
+use moult_operator::api::{CheckpointStatus, RLRun, RunMetrics};
+use serde_json::json;
+use tokio::sync::watch;
+
+/// The field manager of the coordinator's status writes.
+pub const FIELD_MANAGER: &str = "moult-coordinator";
+
+/// One report of where the run stands.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Report {
+    pub step: u64,
+    pub policy_version: u64,
+    pub metrics: RunMetrics,
+    /// Step and path of the newest checkpoint, and when the coordinator heard of it.
+    pub checkpoint: Option<(u64, String, Time)>,
+}
+
+/// The status patch of `report` (only the coordinator's fields).
+pub fn patch_body(report: &Report) -> serde_json::Value {
+    let mut status = json!({
+        "policyVersion": report.policy_version,
+        "step": report.step,
+        "metrics": report.metrics,
+    });
+    if let Some((step, path, time)) = &report.checkpoint {
+        status["lastCheckpoint"] = serde_json::to_value(CheckpointStatus {
+            step: *step,
+            path: path.clone(),
+            time: time.clone(),
+        })
+        .expect("a checkpoint status serializes");
+    }
+    json!({
+        "apiVersion": RLRun::api_version(&()),
+        "kind": RLRun::kind(&()),
+        "status": status,
+    })
+}
+
+/// Writes the newest report to the RLRun `name` in `namespace` whenever one arrives.
+pub async fn write_reports(
+    client: Client,
+    namespace: String,
+    name: String,
+    mut reports: watch::Receiver<Report>,
+) {
+    let api: Api<RLRun> = Api::namespaced(client, &namespace);
+    let params = PatchParams::apply(FIELD_MANAGER).force();
+    while reports.changed().await.is_ok() {
+        let report = reports.borrow_and_update().clone();
+        let body = patch_body(&report);
+        let mut wait = std::time::Duration::from_millis(500);
+        loop {
+            match api.patch_status(&name, &params, &Patch::Apply(&body)).await {
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::warn!(run = %name, "writing the RLRun's status: {e}; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(std::time::Duration::from_secs(10));
+                    // A newer report supersedes this one.
+                    if reports.has_changed().unwrap_or(false) {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_patch_holds_only_the_coordinators_fields() {
+        let body = patch_body(&Report {
+            step: 3,
+            policy_version: 4,
+            metrics: RunMetrics {
+                reward: Some(0.5),
+                response_length: Some(12.0),
+                masked_fraction: None,
+            },
+            checkpoint: None,
+        });
+        assert_eq!(body["kind"], "RLRun");
+        let status = body["status"].as_object().unwrap();
+        let keys: Vec<&str> = status.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["policyVersion", "step", "metrics"]);
+        assert_eq!(status["metrics"]["reward"], 0.5);
+        assert!(status["metrics"].get("maskedFraction").is_none());
+    }
+}

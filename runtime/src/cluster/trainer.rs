@@ -1,0 +1,344 @@
+//! `moult trainer`: one trainer rank of a cluster run. It resumes from the newest checkpoint on
+//! its volume (`MOULT_CHECKPOINTS`), says hello to the coordinator (`MOULT_COORDINATOR`), and
+//! then for each step: takes the batch, trains ([`crate::run::learn`], the same code as
+//! `moult run`), publishes the weights to the engines through the coordinator's router under a
+//! version the coordinator issues (pause, the TCP weight stream from `POD_IP`, resume), writes
+//! `metrics.jsonl` and checkpoints beside its checkpoints, and commits the step.
+//!
+//! A killed trainer loses at most the steps since its last checkpoint: restarted, it loads that
+//! checkpoint, publishes those weights under a new version (versions only increase), and trains
+//! on. Every call to the coordinator is retried until it answers.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tch::Device;
+
+use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, TrainBatch, Version};
+use super::{env_path, env_var, post_json, retry};
+use crate::rollout::staleness_histogram;
+use crate::run::checkpoint::{self, CheckpointMeta};
+use crate::run::config::Sources;
+use crate::run::metrics::MetricsLog;
+use crate::run::{learn, load_teacher, load_trainer, save_checkpoint, step_record, Learned};
+use crate::run::{RunError, StepTimes};
+use crate::trainer::train::Trainer;
+use crate::weight_sync::orchestrate::WeightSync;
+
+/// How `moult trainer` runs.
+#[derive(Debug, Clone)]
+pub struct TrainerProcessOptions {
+    pub config: PathBuf,
+    /// `/health` and `/metrics` listen here.
+    pub metrics_addr: String,
+    pub device: Device,
+}
+
+fn parse_env(name: &str, default: u64) -> Result<u64, RunError> {
+    match std::env::var(name) {
+        Ok(v) if !v.trim().is_empty() => v
+            .trim()
+            .parse()
+            .map_err(|_| RunError::Setup(format!("{name} must be a whole number; got `{v}`"))),
+        _ => Ok(default),
+    }
+}
+
+/// Talks to the coordinator.
+struct Coordinator {
+    http: reqwest::Client,
+    url: String,
+}
+
+impl Coordinator {
+    async fn post<B: serde::Serialize, R: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> R {
+        let url = format!("{}{path}", self.url);
+        retry(&format!("POST {url}"), || async {
+            let v = post_json(&self.http, &url, body).await?;
+            serde_json::from_value::<R>(v).map_err(|e| format!("{url}: unexpected answer: {e}"))
+        })
+        .await
+    }
+
+    /// The batch of `step`; `None` if the coordinator does not expect that step (it restarted):
+    /// say hello again.
+    async fn batch(&self, step: u64) -> Option<TrainBatch> {
+        let url = format!("{}/v1/trainer/batch?step={step}", self.url);
+        loop {
+            let answer = retry(&format!("GET {url}"), || async {
+                let r = self
+                    .http
+                    .get(&url)
+                    .send()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let status = r.status();
+                let bytes = r.bytes().await.map_err(|e| e.to_string())?;
+                Ok::<_, String>((status, bytes))
+            })
+            .await;
+            match answer.0 {
+                reqwest::StatusCode::NO_CONTENT => continue,
+                reqwest::StatusCode::CONFLICT => {
+                    tracing::warn!("{url}: {}", String::from_utf8_lossy(&answer.1));
+                    return None;
+                }
+                s if s.is_success() => match serde_json::from_slice(&answer.1) {
+                    Ok(batch) => return Some(batch),
+                    Err(e) => tracing::warn!("{url}: not a batch: {e}; asking again"),
+                },
+                s => tracing::warn!("{url}: {s}: {}", String::from_utf8_lossy(&answer.1)),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// Waits until at least one engine is behind the router.
+    async fn engines(&self) -> usize {
+        let url = format!("{}/get_world_size", self.url);
+        let mut logged = false;
+        loop {
+            let world = async {
+                let r = self.http.get(&url).send().await.ok()?;
+                let v: serde_json::Value = r.json().await.ok()?;
+                v["world_size"].as_u64()
+            }
+            .await;
+            match world {
+                Some(n) if n > 0 => return n as usize,
+                _ if !logged => {
+                    eprintln!("moult trainer: waiting for engines behind {}", self.url);
+                    logged = true;
+                }
+                _ => {}
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+}
+
+/// Publishes `trainer`'s weights as `version`, retrying (engines come and go: a failed update
+/// resumes them, and the next try connects the weight stream again).
+async fn publish(
+    sync: &mut WeightSync,
+    trainer: &Trainer,
+    version: u64,
+    partial_rollout: bool,
+) -> Result<f64, RunError> {
+    let started = Instant::now();
+    let mut tries = 0;
+    loop {
+        match sync
+            .update(&trainer.weights(), version, partial_rollout)
+            .await
+        {
+            Ok(_) => return Ok(started.elapsed().as_secs_f64()),
+            Err(e) if tries < 20 => {
+                tries += 1;
+                tracing::warn!(version, tries, "publishing the weights: {e}; trying again");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Runs the trainer until the run's last step, then idles until `shutdown` (so that a pod
+/// restart policy does not start it over).
+pub async fn run(
+    opts: TrainerProcessOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    let (manifest, config_dir) = super::manifest(&opts.config)?;
+    let model_dir =
+        env_path("MOULT_MODEL").unwrap_or_else(|| config_dir.join(&manifest.spec.model.path));
+    let cfg = super::pod_config(
+        manifest,
+        &Sources {
+            dir: config_dir,
+            model_dir: Some(model_dir),
+            tasks: None,
+            agent: false,
+        },
+    )?;
+    let world = parse_env("WORLD_SIZE", 1)?;
+    let rank = parse_env("RANK", 0)?;
+    if world != 1 || rank != 0 {
+        return Err(RunError::Manifest(format!(
+            "spec.trainer.nodes: the trainer runs as one rank so far (this pod is rank {rank} of {world}); sharded multi-rank training over NCCL is not built yet: set spec.trainer.nodes to 1"
+        )));
+    }
+    let coordinator = Coordinator {
+        http: crate::auth::client(),
+        url: env_var("MOULT_COORDINATOR")?
+            .trim_end_matches('/')
+            .to_string(),
+    };
+    let pod_ip = std::env::var("POD_IP").unwrap_or_else(|_| "127.0.0.1".into());
+    // Checkpoints and metrics of this run, on the checkpoint volume.
+    let out = env_path("MOULT_CHECKPOINTS").map(|root| root.join(&cfg.name));
+    let ckpt_root = out.as_ref().map(|o| o.join("checkpoints"));
+    let resume = match &ckpt_root {
+        Some(root) => checkpoint::latest(root)?,
+        None => None,
+    };
+    let mut step = resume.as_ref().map_or(0, |(_, m)| m.step);
+
+    let gauges = Arc::new((AtomicU64::new(step), AtomicU64::new(0)));
+    let metrics = {
+        let g = gauges.clone();
+        Arc::new(move || {
+            format!(
+                "# HELP moult_trainer_step Training steps done.\n# TYPE moult_trainer_step gauge\nmoult_trainer_step {}\n# HELP moult_trainer_policy_version Version of the weights last published.\n# TYPE moult_trainer_policy_version gauge\nmoult_trainer_policy_version {}\n# EOF\n",
+                g.0.load(Ordering::Relaxed),
+                g.1.load(Ordering::Relaxed)
+            )
+        })
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut stopped = stop_rx.clone();
+    super::serve_health(&opts.metrics_addr, metrics, async move {
+        let _ = stopped.wait_for(|s| *s).await;
+    })
+    .await?;
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let shutdown = {
+        let mut rx = stop_rx;
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    tokio::pin!(shutdown);
+
+    let mut trainer = load_trainer(&cfg, resume.as_ref(), opts.device).await?;
+    let mut teacher = load_teacher(&cfg, &trainer, opts.device).await?;
+    eprintln!(
+        "moult trainer: {} from step {step} of {}; coordinator {}",
+        cfg.name, cfg.total_steps, coordinator.url
+    );
+
+    let mut sync = WeightSync::new(&coordinator.url);
+    let engines = coordinator.engines().await;
+    let mut wait = Duration::from_millis(500);
+    while let Err(e) = sync.connect_tcp(&format!("{pod_ip}:0"), &pod_ip).await {
+        tracing::warn!("connecting the weight stream: {e}; retrying in {wait:?}");
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(10));
+    }
+    eprintln!("moult trainer: weight stream to {engines} engine(s) from {pod_ip}");
+
+    let mut log = match &out {
+        Some(out) => {
+            std::fs::create_dir_all(out)
+                .map_err(|e| RunError::Io(format!("creating {}: {e}", out.display())))?;
+            Some(MetricsLog::open(out, step)?)
+        }
+        None => None,
+    };
+    let started = Instant::now();
+    let mut hello_needed = true;
+    while step < cfg.total_steps {
+        if hello_needed {
+            let reply: HelloReply = coordinator.post("/v1/trainer/hello", &Hello { step }).await;
+            if let Some(version) = reply.publish_as {
+                publish(&mut sync, &trainer, version, false).await?;
+                let _: serde_json::Value = coordinator
+                    .post("/v1/trainer/published", &Version { version })
+                    .await;
+                gauges.1.store(version, Ordering::Relaxed);
+                eprintln!(
+                    "moult trainer: engines serve the weights of step {step} as version {version}"
+                );
+            }
+            hello_needed = false;
+        }
+        let step_started = Instant::now();
+        let batch = tokio::select! {
+            b = coordinator.batch(step + 1) => b,
+            () = &mut shutdown => return Ok(()),
+        };
+        let Some(batch) = batch else {
+            hello_needed = true;
+            continue;
+        };
+        let staleness: BTreeMap<u64, usize> = staleness_histogram(&batch.groups, batch.version)
+            .into_iter()
+            .collect();
+        let learned;
+        (trainer, teacher, learned) = learn(&cfg, trainer, teacher, &batch.groups).await?;
+        let Learned {
+            advantages,
+            stats,
+            teacher_kl,
+            train_seconds,
+        } = learned;
+        let Version { version } = coordinator.post("/v1/trainer/version", &()).await;
+        let sync_seconds = publish(&mut sync, &trainer, version, cfg.partial_rollout).await?;
+        step += 1;
+        let mut record = step_record(
+            &batch.groups,
+            &advantages,
+            &stats,
+            staleness,
+            StepTimes {
+                step: step_started.elapsed().as_secs_f64(),
+                train: train_seconds,
+                sync: sync_seconds,
+                elapsed: started.elapsed().as_secs_f64(),
+            },
+            (step, version),
+            batch.stats,
+        );
+        record.teacher_kl = teacher_kl;
+        if let Some(log) = &mut log {
+            log.push(record.clone())?;
+        }
+        let mut saved = None;
+        if let (Some(root), Some(every)) = (&ckpt_root, cfg.checkpoint_every) {
+            if step % every == 0 || step == cfg.total_steps {
+                let meta = CheckpointMeta {
+                    step,
+                    policy_version: version,
+                    rollout: batch.rollout,
+                    seed: 0,
+                };
+                let result;
+                (trainer, result) = save_checkpoint(root, &cfg, trainer, meta).await?;
+                let dir = result?;
+                saved = Some(CheckpointRef {
+                    step,
+                    path: dir.display().to_string(),
+                });
+            }
+        }
+        let _: serde_json::Value = coordinator
+            .post(
+                "/v1/trainer/commit",
+                &Commit {
+                    step,
+                    version,
+                    record,
+                    checkpoint: saved,
+                },
+            )
+            .await;
+        gauges.0.store(step, Ordering::Relaxed);
+        gauges.1.store(version, Ordering::Relaxed);
+    }
+    eprintln!(
+        "moult trainer: {} finished its {} steps",
+        cfg.name, cfg.total_steps
+    );
+    shutdown.await;
+    Ok(())
+}
