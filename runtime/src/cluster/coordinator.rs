@@ -209,7 +209,8 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
         // A retried commit whose answer was lost.
         return Json(json!({"committed": t.committed})).into_response();
     }
-    if commit.step != t.committed + 1 {
+    // A coordinator that started after the trainer (it restarted) takes the trainer's count.
+    if commit.step != t.committed + 1 && t.hellos > 0 {
         return error(
             StatusCode::CONFLICT,
             format!(
@@ -247,6 +248,7 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
             Time(k8s_openapi::jiff::Timestamp::now()),
         ));
     }
+    report.succeeded = commit.step >= c.cfg.total_steps;
     c.reports.send_replace(report);
     let done = commit.step;
     let eta = (done > 0).then(|| {

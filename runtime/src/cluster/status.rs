@@ -1,5 +1,6 @@
 //! The coordinator's part of the RLRun's status (the operator owns phase, conditions and
-//! engines): step, policy version, headline metrics and the last checkpoint, written by
+//! engines): step, policy version, headline metrics and the last checkpoint, and the phase
+//! `Succeeded` once the last step is committed, written by
 //! server-side apply under the field manager `moult-coordinator`, with RBAC that allows only its
 //! own RLRun's status. Writes happen off the training path: the newest report replaces one not yet
 //! written, so a slow API server never holds up a step.
@@ -22,6 +23,8 @@ pub struct Report {
     pub metrics: RunMetrics,
     /// Step and path of the newest checkpoint, and when the coordinator heard of it.
     pub checkpoint: Option<(u64, String, Time)>,
+    /// The last step is committed: the run's phase becomes `Succeeded` (which the operator keeps).
+    pub succeeded: bool,
 }
 
 /// The status patch of `report` (only the coordinator's fields).
@@ -31,6 +34,9 @@ pub fn patch_body(report: &Report) -> serde_json::Value {
         "step": report.step,
         "metrics": report.metrics,
     });
+    if report.succeeded {
+        status["phase"] = json!("Succeeded");
+    }
     if let Some((step, path, time)) = &report.checkpoint {
         status["lastCheckpoint"] = serde_json::to_value(CheckpointStatus {
             step: *step,
@@ -91,6 +97,7 @@ mod tests {
                 masked_fraction: None,
             },
             checkpoint: None,
+            succeeded: false,
         });
         assert_eq!(body["kind"], "RLRun");
         let status = body["status"].as_object().unwrap();
