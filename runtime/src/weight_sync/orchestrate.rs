@@ -178,6 +178,11 @@ impl WeightSync {
             .await
             .map_err(step("pause"))?;
         let transferred = self.transfer(tensors, version).await;
+        if transferred.is_err() {
+            // An engine may have been replaced (same address and count, but a fresh process
+            // without the weight stream): the next update connects every engine again.
+            self.sender = None;
+        }
         let resumed = self.call(reqwest::Method::POST, "/resume", None).await;
         let paused = paused_at.elapsed();
         let (transfer, bytes, buckets) = transferred?;

@@ -1,0 +1,410 @@
+//! Cluster mode end to end, on the real test control plane: the real operator turns an RLRun into
+//! pods, and the local kubelet ([`support::kubelet`]) runs each pod's containers as processes of
+//! the real `moult` binary, exactly as the pod specs say (command, args, environment, mounts,
+//! the pod's IP; the pod's ServiceAccount for the Kubernetes API). The run trains the main recipe
+//! (examples/successor); the test checks that the RLRun's status shows step, version and reward
+//! advancing, that a request without the run's token is refused, that a new engine from
+//! `kubectl scale` joins and gets work, that a killed engine whose pod is deleted is replaced
+//! without losing an episode, that a killed trainer resumes from its checkpoint with versions
+//! still increasing, and that scaling down drains an engine without losing an episode.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use support::kubelet::{Kubelet, KubeletOptions};
+use support::{cluster, Namespace, Operator, ROOT};
+
+const RUN: &str = "succ";
+const TOKEN_HEADER: &str = "authorization";
+
+fn recipe() -> PathBuf {
+    Path::new(ROOT).join("examples/successor")
+}
+
+/// The successor recipe as a cluster run: paths in "the image" (this machine), two built-in
+/// engines, checkpoints every 2 steps on a claim, and more steps than the test waits for.
+fn run_yaml() -> String {
+    let r = recipe();
+    let r = r.display();
+    format!(
+        r#"apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata:
+  name: {RUN}
+spec:
+  model: {{path: {r}/model}}
+  agent:
+    form: Env
+    image: local
+    command: [python, {r}/env.py]
+    concurrency: 64
+    timeout: 1m
+    dataset: {{path: {r}/tasks.jsonl}}
+  engines: {{backend: Builtin, replicas: 2}}
+  trainer: {{gpusPerNode: 0}}
+  algorithm:
+    estimator: GRPO
+    groupSize: 8
+    batchSize: 8
+    maxStaleness: 1
+    optimizer: {{learningRate: 1.0e-3, maxGradNorm: 1.0}}
+  rollout: {{maxTokens: 4, temperature: 1.0, maxTurns: 3}}
+  checkpoint: {{claimName: checkpoints, intervalSteps: 2}}
+  totalSteps: 500
+"#
+    )
+}
+
+fn ensure_model() {
+    let dir = recipe();
+    let status = std::process::Command::new(
+        std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into()),
+    )
+    .arg(dir.join("make_model.py"))
+    .arg(dir.join("model"))
+    .status()
+    .expect("run make_model.py");
+    assert!(status.success(), "make_model.py failed");
+}
+
+/// The RLRun's status.
+fn status(ns: &Namespace) -> Value {
+    let text = ns.kubectl(&["get", "rlrun", RUN, "-o", "json"]);
+    let run: Value = serde_json::from_str(&text).expect("kubectl prints JSON");
+    run["status"].clone()
+}
+
+fn step_of(s: &Value) -> u64 {
+    s["step"].as_u64().unwrap_or(0)
+}
+
+/// Polls the run's status until `check` holds, with the logs of every role on failure.
+fn wait_status(
+    ns: &Namespace,
+    kubelet: &Kubelet,
+    timeout: Duration,
+    what: &str,
+    mut check: impl FnMut(&Value) -> bool,
+) -> Value {
+    let started = Instant::now();
+    loop {
+        let s = status(ns);
+        if check(&s) {
+            return s;
+        }
+        if started.elapsed() > timeout {
+            panic!(
+                "timed out after {timeout:?} waiting for {what}; status: {s}\n--- coordinator\n{}\n--- trainer\n{}\n--- agents\n{}\n--- engines\n{}",
+                kubelet.logs_tail(&format!("{RUN}-coordinator"), 30),
+                kubelet.logs_tail(&format!("{RUN}-trainer"), 30),
+                kubelet.logs_tail(&format!("{RUN}-agents"), 20),
+                kubelet.logs_tail(&format!("{RUN}-engine"), 20),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The IP of a pod.
+fn pod_ip(ns: &Namespace, pod: &str) -> String {
+    ns.kubectl(&["get", "pod", pod, "-o", "jsonpath={.status.podIP}"])
+}
+
+fn token(ns: &Namespace) -> String {
+    let b64 = ns.kubectl(&[
+        "get",
+        "secret",
+        &format!("{RUN}-token"),
+        "-o",
+        "jsonpath={.data.token}",
+    ]);
+    use base64::Engine as _;
+    String::from_utf8(
+        base64::engine::general_purpose::STANDARD
+            .decode(b64.trim())
+            .expect("base64"),
+    )
+    .expect("a UTF-8 token")
+}
+
+/// The coordinator's `/v1/status`.
+async fn coordinator_status(http: &reqwest::Client, base: &str, token: &str) -> Value {
+    http.get(format!("{base}/v1/status"))
+        .header(TOKEN_HEADER, format!("Bearer {token}"))
+        .send()
+        .await
+        .expect("the coordinator answers")
+        .json()
+        .await
+        .expect("JSON")
+}
+
+/// Successful generate requests an engine served (its own metrics).
+async fn engine_requests(http: &reqwest::Client, url: &str) -> f64 {
+    let Ok(r) = http.get(format!("{url}/metrics")).send().await else {
+        return 0.0;
+    };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with("vllm:request_success_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_trains_survives_restarts_and_scales() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    ensure_model();
+    let c = cluster();
+    let ns = Namespace::new("cluster-run");
+    let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
+    let _ = std::fs::remove_dir_all(&root);
+    let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
+    let operator = Operator::start(&ns, "e2e");
+    let moult = PathBuf::from(env!("CARGO_BIN_EXE_moult"));
+    let kubelet = Kubelet::start(
+        c.client().await,
+        &ns.name,
+        KubeletOptions {
+            root: root.join("kubelet"),
+            binaries: BTreeMap::from([
+                ("moult".to_string(), moult.clone()),
+                ("/opt/moult/bin/moult".to_string(), moult),
+            ]),
+            claims: BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
+            env: vec![("RUST_LOG".into(), "info,kube=warn".into())],
+            kubeconfig: Some(c.kubeconfig.clone()),
+        },
+    )
+    .await;
+
+    // Apply, then the first reward in the status.
+    let applied = Instant::now();
+    ns.apply(&run_yaml());
+    let first = wait_status(
+        &ns,
+        &kubelet,
+        Duration::from_secs(300),
+        "a first reward",
+        |s| s["metrics"]["reward"].is_number(),
+    );
+    let to_first_reward = applied.elapsed();
+    let s = wait_status(&ns, &kubelet, Duration::from_secs(300), "3 steps", |s| {
+        step_of(s) >= 3
+    });
+    assert!(s["policyVersion"].as_u64().unwrap() >= 3, "status: {s}");
+    println!(
+        "apply -> first reward in status: {:.1} s (step {}, reward {})",
+        to_first_reward.as_secs_f64(),
+        first["step"],
+        first["metrics"]["reward"]
+    );
+
+    let http = reqwest::Client::new();
+    let token = token(&ns);
+    let coordinator = format!("http://{}:8080", pod_ip_of(&ns, "coordinator"));
+
+    // The run's token guards internal endpoints (but not probes and metrics).
+    for (url, method) in [
+        (format!("{coordinator}/v1/status"), reqwest::Method::GET),
+        (format!("{coordinator}/pause"), reqwest::Method::POST),
+        (
+            format!(
+                "http://{}:8000/pause",
+                pod_ip(&ns, &format!("{RUN}-engine-0"))
+            ),
+            reqwest::Method::POST,
+        ),
+    ] {
+        let r = http.request(method.clone(), &url).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{method} {url} without the token");
+        let r = http
+            .request(method.clone(), &url)
+            .header(TOKEN_HEADER, "Bearer not-the-token")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "{method} {url} with a wrong token");
+    }
+    let health = http
+        .get(format!("{coordinator}/health"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200, "probes need no token");
+    let st = coordinator_status(&http, &coordinator, &token).await;
+    assert!(
+        st["step"].as_u64().unwrap() >= 3,
+        "coordinator status: {st}"
+    );
+
+    // kubectl scale: a third engine joins the router and gets work.
+    ns.kubectl(&["scale", &format!("rlrun/{RUN}"), "--replicas=3"]);
+    let third = format!("{RUN}-engine-2");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let third_url = loop {
+        let ip = pod_ip(&ns, &third);
+        if !ip.is_empty() {
+            let url = format!("http://{ip}:8000");
+            if engine_requests(&http, &url).await > 0.0 {
+                break url;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the third engine got no request; engines: {}\n{}",
+            router_engines(&http, &coordinator, &token).await,
+            kubelet.logs_tail(&format!("{RUN}-coordinator"), 30)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    println!("scaled to 3: {third} ({third_url}) serves requests");
+
+    // Kill an engine process and delete its pod: the StatefulSet makes a new pod, the kubelet
+    // runs it, and no episode is lost (its requests fail over to the other engines).
+    let before = coordinator_status(&http, &coordinator, &token).await;
+    let victim = format!("{RUN}-engine-1");
+    let old_uid = kubelet
+        .processes()
+        .into_iter()
+        .find(|p| p.pod == victim)
+        .expect("engine-1 runs")
+        .uid;
+    kubelet.kill(&victim);
+    ns.kubectl(&["delete", "pod", &victim, "--wait=false"]);
+    let step_at_kill = step_of(&status(&ns));
+    wait_status(
+        &ns,
+        &kubelet,
+        Duration::from_secs(300),
+        "3 steps after the engine kill",
+        |s| step_of(s) >= step_at_kill + 3,
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !kubelet
+        .processes()
+        .iter()
+        .any(|p| p.pod == victim && p.running && p.uid != old_uid)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the replaced engine pod never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let after = coordinator_status(&http, &coordinator, &token).await;
+    assert_eq!(
+        after["rollout"]["dropped_failed"], before["rollout"]["dropped_failed"],
+        "an episode failed when the engine died: {after}"
+    );
+    println!(
+        "engine killed at step {step_at_kill}: replaced, run at step {}, failed groups {}",
+        after["step"], after["rollout"]["dropped_failed"]
+    );
+
+    // Kill the trainer: it restarts from its last checkpoint (every 2 steps), republishes under a
+    // new version, and trains on; versions only increase.
+    let s = status(&ns);
+    let (step_at_kill, version_at_kill) = (step_of(&s), s["policyVersion"].as_u64().unwrap());
+    kubelet.kill(&format!("{RUN}-trainer-0"));
+    let s = wait_status(
+        &ns,
+        &kubelet,
+        Duration::from_secs(300),
+        "the trainer to come back and pass its old step",
+        |s| step_of(s) > step_at_kill,
+    );
+    assert!(
+        s["policyVersion"].as_u64().unwrap() > version_at_kill,
+        "versions went back after the trainer restart: {version_at_kill} -> {s}"
+    );
+    let st = coordinator_status(&http, &coordinator, &token).await;
+    assert_eq!(st["trainer_restarts"], 1, "{st}");
+    let trainer_log = std::fs::read_to_string(
+        kubelet
+            .log_path(&format!("{RUN}-trainer-0"))
+            .expect("a trainer log"),
+    )
+    .unwrap();
+    assert!(
+        trainer_log.contains("resuming succ from"),
+        "the trainer did not resume from a checkpoint:\n{trainer_log}"
+    );
+    assert!(
+        checkpoints
+            .join(RUN)
+            .join("checkpoints/latest.json")
+            .is_file(),
+        "no checkpoint on the claim"
+    );
+    println!(
+        "trainer killed at step {step_at_kill} (version {version_at_kill}): resumed, now step {} version {}",
+        s["step"], s["policyVersion"]
+    );
+
+    // Scale down: engine-2 drains (its pod gets SIGTERM, the router stops sending to it) and no
+    // episode is lost.
+    let before = coordinator_status(&http, &coordinator, &token).await;
+    ns.kubectl(&["scale", &format!("rlrun/{RUN}"), "--replicas=2"]);
+    let step_at_scale = step_of(&status(&ns));
+    wait_status(
+        &ns,
+        &kubelet,
+        Duration::from_secs(300),
+        "3 steps after scaling down",
+        |s| step_of(s) >= step_at_scale + 3,
+    );
+    let engines = router_engines(&http, &coordinator, &token).await;
+    assert_eq!(
+        engines["engines"].as_array().map(Vec::len),
+        Some(2),
+        "the router still has the removed engine: {engines}"
+    );
+    let after = coordinator_status(&http, &coordinator, &token).await;
+    assert_eq!(
+        after["rollout"]["dropped_failed"], before["rollout"]["dropped_failed"],
+        "an episode failed when scaling down: {after}"
+    );
+    let s = status(&ns);
+    println!(
+        "scaled down to 2 at step {step_at_scale}: now step {}, version {}, reward {}; kubectl get rlr:\n{}",
+        s["step"],
+        s["policyVersion"],
+        s["metrics"]["reward"],
+        ns.kubectl(&["get", "rlr", RUN])
+    );
+
+    ns.kubectl(&["delete", "rlrun", RUN, "--wait=false"]);
+    kubelet.shutdown().await;
+    drop(operator);
+}
+
+/// The coordinator pod's IP.
+fn pod_ip_of(ns: &Namespace, component: &str) -> String {
+    ns.kubectl(&[
+        "get",
+        "pod",
+        "-l",
+        &format!("moult.dev/run={RUN},moult.dev/component={component}"),
+        "-o",
+        "jsonpath={.items[0].status.podIP}",
+    ])
+}
+
+/// The router's engines (`GET /engines` on the coordinator).
+async fn router_engines(http: &reqwest::Client, coordinator: &str, token: &str) -> Value {
+    http.get(format!("{coordinator}/engines"))
+        .header(TOKEN_HEADER, format!("Bearer {token}"))
+        .send()
+        .await
+        .expect("the coordinator answers")
+        .json()
+        .await
+        .unwrap_or(Value::Null)
+}
