@@ -101,6 +101,10 @@ wait_for() {
 # only that test cannot run.
 POD_CIDR=10.244.0.0/16
 pod_network() {
+  if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing iproute2 (the ip command)"
+    apt-get install -y -qq iproute2 >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iproute2 >/dev/null 2>&1; } || true
+  fi
   ip route show table local 2>/dev/null | grep -q "^local $POD_CIDR " && return 0
   if ! ip route add local "$POD_CIDR" dev lo 2>/dev/null; then
     log "could not route $POD_CIDR to loopback (needs root): the runtime's cluster end-to-end test will fail"

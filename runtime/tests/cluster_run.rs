@@ -238,6 +238,28 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
         .await
         .unwrap();
     assert_eq!(health.status(), 200, "probes need no token");
+    // Every role's metrics, where the operator's probes and ports point.
+    for (url, metric) in [
+        (format!("{coordinator}/metrics"), "moult_step "),
+        (
+            format!("http://{}:9090/metrics", pod_ip_of(&ns, "trainer")),
+            "moult_trainer_step ",
+        ),
+        (
+            format!("http://{}:9090/metrics", pod_ip_of(&ns, "agents")),
+            "moult_agents_episodes_total{status=\"completed\"} ",
+        ),
+        (
+            format!("http://{}:8000/metrics", pod_ip(&ns, &format!("{RUN}-engine-0"))),
+            "vllm:num_requests_running",
+        ),
+    ] {
+        let text = http.get(&url).send().await.unwrap().text().await.unwrap();
+        assert!(text.contains(metric), "{url} has no {metric}:\n{text}");
+        let health = url.replace("/metrics", "/health");
+        let r = http.get(&health).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{health}");
+    }
     let st = coordinator_status(&http, &coordinator, &token).await;
     assert!(
         st["step"].as_u64().unwrap() >= 3,

@@ -1,0 +1,235 @@
+//! Cluster mode's per-step overhead: the main recipe (examples/successor) run by `moult run` (every
+//! role in one process) and by the cluster roles as separate processes (`moult engine`,
+//! `moult coordinator`, `moult trainer`, `moult agents`) talking HTTP and the TCP weight stream
+//! with the run's token, as they do in the operator's pods: the same manifest, steps and
+//! binary, one after the other, compared as ratios (this machine is noisy).
+//!
+//! `cargo bench -p moult-runtime --bench cluster` (after `source scripts/env.sh`); `-- --quick`
+//! for fewer steps. Documented in docs/benchmarks.md. What the Kubernetes side adds (apply to
+//! first reward in the RLRun's status) is measured by the cluster end-to-end test.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+fn metrics(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("metrics lines are JSON"))
+        .collect()
+}
+
+struct Outcome {
+    /// From start to the last step's record.
+    seconds: f64,
+    /// From start to the first step's record (start-up, first batch, first step).
+    first_step: f64,
+    steps: Vec<Value>,
+}
+
+fn moult() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_moult"))
+}
+
+fn single_process(manifest: &Path, out: &Path, steps: u64) -> Outcome {
+    let _ = std::fs::remove_dir_all(out);
+    let started = Instant::now();
+    let mut child = moult()
+        .arg("run")
+        .arg(manifest)
+        .arg("--out")
+        .arg(out)
+        .args(["--steps", &steps.to_string(), "--seed", "0", "--quiet"])
+        .spawn()
+        .expect("run moult");
+    let outcome = follow(&out.join("metrics.jsonl"), steps, started, &mut []);
+    assert!(child.wait().unwrap().success(), "moult run failed");
+    outcome
+}
+
+/// Waits until `metrics` holds `steps` records, noting when the first arrived.
+fn follow(metrics_path: &Path, steps: u64, started: Instant, children: &mut [Child]) -> Outcome {
+    let mut first_step = None;
+    loop {
+        let records = metrics(metrics_path);
+        if first_step.is_none() && !records.is_empty() {
+            first_step = Some(started.elapsed().as_secs_f64());
+        }
+        if records.len() as u64 >= steps {
+            return Outcome {
+                seconds: started.elapsed().as_secs_f64(),
+                first_step: first_step.unwrap_or_default(),
+                steps: records,
+            };
+        }
+        for c in children.iter_mut() {
+            if let Some(status) = c.try_wait().unwrap() {
+                panic!("a cluster role exited early: {status}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn roles(manifest: &Path, recipe: &Path, dir: &Path, steps: u64) -> Outcome {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    let (engine, coordinator) = (free_port(), free_port());
+    let engine_url = format!("http://127.0.0.1:{engine}");
+    let coordinator_url = format!("http://127.0.0.1:{coordinator}");
+    let log = |name: &str| Stdio::from(std::fs::File::create(dir.join(name)).unwrap());
+    let token = [("MOULT_TOKEN", "bench-token"), ("MOULT_RUN", "successor")];
+    let started = Instant::now();
+    let mut children = vec![
+        moult()
+            .args(["engine", "--model"])
+            .arg(recipe.join("model"))
+            .args(["--port", &engine.to_string()])
+            .envs(token)
+            .stdout(Stdio::null())
+            .stderr(log("engine.log"))
+            .spawn()
+            .unwrap(),
+        moult()
+            .arg("coordinator")
+            .arg("--config")
+            .arg(manifest)
+            .args(["--host", "127.0.0.1", "--port", &coordinator.to_string()])
+            .envs(token)
+            .env("MOULT_ENGINES", &engine_url)
+            .env("MOULT_TASKS", recipe.join("tasks.jsonl"))
+            .stderr(log("coordinator.log"))
+            .spawn()
+            .unwrap(),
+        moult()
+            .arg("trainer")
+            .arg("--config")
+            .arg(manifest)
+            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .envs(token)
+            .env("MOULT_MODEL", recipe.join("model"))
+            .env("MOULT_COORDINATOR", &coordinator_url)
+            .env("POD_IP", "127.0.0.1")
+            .env("MOULT_CHECKPOINTS", dir.join("checkpoints"))
+            .stderr(log("trainer.log"))
+            .spawn()
+            .unwrap(),
+        moult()
+            .arg("agents")
+            .arg("--config")
+            .arg(manifest)
+            .args(["--coordinator", &coordinator_url])
+            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .envs(token)
+            .env("MOULT_MODEL", recipe.join("model"))
+            .stderr(log("agents.log"))
+            .spawn()
+            .unwrap(),
+    ];
+    let metrics_path = dir.join("checkpoints/successor/metrics.jsonl");
+    let outcome = follow(&metrics_path, steps, started, &mut children);
+    for c in &mut children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    outcome
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let steps: u64 = if quick { 15 } else { 40 };
+    let recipe = common::root().join("examples/successor");
+    let model = recipe.join("model");
+    common::run_python(&[
+        recipe.join("make_model.py").to_str().unwrap(),
+        model.to_str().unwrap(),
+    ]);
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-cluster");
+    std::fs::create_dir_all(&dir).unwrap();
+    // One manifest for both, with absolute paths and this many steps (the trainer reads
+    // totalSteps from it; `moult run` gets --steps too).
+    let manifest = std::fs::read_to_string(recipe.join("rlrun.yaml"))
+        .unwrap()
+        .replace("path: model", &format!("path: {}", model.display()))
+        .replace(
+            "path: tasks.jsonl",
+            &format!("path: {}", recipe.join("tasks.jsonl").display()),
+        )
+        .replace(
+            "command: [\"python\", \"env.py\"]",
+            &format!(
+                "command: [\"python\", \"{}\"]",
+                recipe.join("env.py").display()
+            ),
+        )
+        .replace("totalSteps: 60", &format!("totalSteps: {steps}"))
+        .replace("intervalSteps: 10", &format!("intervalSteps: {steps}"));
+    let manifest_path = dir.join("rlrun.yaml");
+    std::fs::write(&manifest_path, manifest).unwrap();
+
+    let single = single_process(&manifest_path, &dir.join("single"), steps);
+    let split = roles(&manifest_path, &recipe, &dir.join("roles"), steps);
+    // Steady state: the mean step time after the first three (start-up and warm-up).
+    let per_step = |o: &Outcome| {
+        let s: Vec<f64> = o.steps[3..]
+            .iter()
+            .map(|r| r["step_seconds"].as_f64().unwrap())
+            .collect();
+        s.iter().sum::<f64>() / s.len() as f64
+    };
+    let sync = |o: &Outcome| {
+        o.steps[3..]
+            .iter()
+            .map(|r| r["sync_seconds"].as_f64().unwrap())
+            .sum::<f64>()
+            / (o.steps.len() - 3) as f64
+    };
+    let reward = |o: &Outcome| {
+        let tail = &o.steps[o.steps.len().saturating_sub(5)..];
+        let last = tail
+            .iter()
+            .map(|r| r["reward_mean"].as_f64().unwrap())
+            .sum::<f64>()
+            / tail.len() as f64;
+        format!(
+            "{:.3} -> {last:.3}",
+            o.steps[0]["reward_mean"].as_f64().unwrap()
+        )
+    };
+    println!(
+        "cluster roles as processes vs moult run, {steps} steps of examples/successor (1 engine)"
+    );
+    println!("| mode | wall s | to first step s | s/step (after 3) | weight sync s/step | reward: first -> last 5 |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (name, o) in [
+        ("moult run (one process)", &single),
+        ("cluster roles (4 processes, HTTP + token)", &split),
+    ] {
+        println!(
+            "| {name} | {:.1} | {:.1} | {:.3} | {:.3} | {} |",
+            o.seconds,
+            o.first_step,
+            per_step(o),
+            sync(o),
+            reward(o)
+        );
+    }
+    println!(
+        "cluster mode's step time: {:.2}x moult run's ({:+.0} ms per step)",
+        per_step(&split) / per_step(&single),
+        (per_step(&split) - per_step(&single)) * 1000.0
+    );
+}
