@@ -92,30 +92,11 @@ fn time_to(steps: &[Value], target: f64) -> Option<f64> {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let steps = if quick { 20 } else { 60 };
-    let recipe = common::root().join("examples/successor");
-    let model = recipe.join("model");
-    common::run_python(&[
-        recipe.join("make_model.py").to_str().unwrap(),
-        model.to_str().unwrap(),
-    ]);
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-async-sync");
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("tasks.jsonl"), long_tail_tasks(512, 7)).unwrap();
-    let manifest = std::fs::read_to_string(recipe.join("rlrun.yaml"))
-        .unwrap()
-        .replace("path: model", &format!("path: {}", model.display()))
-        .replace(
-            "path: tasks.jsonl",
-            &format!("path: {}", dir.join("tasks.jsonl").display()),
-        )
-        .replace(
-            "command: [\"python\", \"env.py\"]",
-            &format!(
-                "command: [\"python\", \"{}\"]",
-                recipe.join("env.py").display()
-            ),
-        )
-        .replace("maxTurns: 3", "maxTurns: 16");
+    let (_, manifest) = common::successor_manifest(Some(&dir.join("tasks.jsonl")));
+    let manifest = manifest.replace("maxTurns: 3", "maxTurns: 16");
     let manifest_path = dir.join("rlrun.yaml");
     std::fs::write(&manifest_path, manifest).unwrap();
 

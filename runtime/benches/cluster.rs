@@ -151,30 +151,12 @@ fn roles(manifest: &Path, recipe: &Path, dir: &Path, steps: u64) -> Outcome {
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let steps: u64 = if quick { 15 } else { 40 };
-    let recipe = common::root().join("examples/successor");
-    let model = recipe.join("model");
-    common::run_python(&[
-        recipe.join("make_model.py").to_str().unwrap(),
-        model.to_str().unwrap(),
-    ]);
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-cluster");
     std::fs::create_dir_all(&dir).unwrap();
-    // One manifest for both, with absolute paths and this many steps (the trainer reads
-    // totalSteps from it; `moult run` gets --steps too).
-    let manifest = std::fs::read_to_string(recipe.join("rlrun.yaml"))
-        .unwrap()
-        .replace("path: model", &format!("path: {}", model.display()))
-        .replace(
-            "path: tasks.jsonl",
-            &format!("path: {}", recipe.join("tasks.jsonl").display()),
-        )
-        .replace(
-            "command: [\"python\", \"env.py\"]",
-            &format!(
-                "command: [\"python\", \"{}\"]",
-                recipe.join("env.py").display()
-            ),
-        )
+    // One manifest for both, with this many steps (the trainer reads totalSteps from it;
+    // `moult run` gets --steps too).
+    let (recipe, manifest) = common::successor_manifest(None);
+    let manifest = manifest
         .replace("totalSteps: 60", &format!("totalSteps: {steps}"))
         .replace("intervalSteps: 10", &format!("intervalSteps: {steps}"));
     let manifest_path = dir.join("rlrun.yaml");

@@ -132,9 +132,9 @@ fn token(ns: &Namespace) -> String {
     .expect("a UTF-8 token")
 }
 
-/// The coordinator's `/v1/status`.
-async fn coordinator_status(http: &reqwest::Client, base: &str, token: &str) -> Value {
-    http.get(format!("{base}/v1/status"))
+/// A GET of the coordinator's API, with the token.
+async fn get_json(http: &reqwest::Client, url: &str, token: &str) -> Value {
+    http.get(url)
         .header(TOKEN_HEADER, format!("Bearer {token}"))
         .send()
         .await
@@ -142,6 +142,11 @@ async fn coordinator_status(http: &reqwest::Client, base: &str, token: &str) -> 
         .json()
         .await
         .expect("JSON")
+}
+
+/// The coordinator's `/v1/status`.
+async fn coordinator_status(http: &reqwest::Client, base: &str, token: &str) -> Value {
+    get_json(http, &format!("{base}/v1/status"), token).await
 }
 
 /// Successful generate requests an engine served (its own metrics).
@@ -250,7 +255,10 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
             "moult_agents_episodes_total{status=\"completed\"} ",
         ),
         (
-            format!("http://{}:8000/metrics", pod_ip(&ns, &format!("{RUN}-engine-0"))),
+            format!(
+                "http://{}:8000/metrics",
+                pod_ip(&ns, &format!("{RUN}-engine-0"))
+            ),
             "vllm:num_requests_running",
         ),
     ] {
@@ -421,12 +429,5 @@ fn pod_ip_of(ns: &Namespace, component: &str) -> String {
 
 /// The router's engines (`GET /engines` on the coordinator).
 async fn router_engines(http: &reqwest::Client, coordinator: &str, token: &str) -> Value {
-    http.get(format!("{coordinator}/engines"))
-        .header(TOKEN_HEADER, format!("Bearer {token}"))
-        .send()
-        .await
-        .expect("the coordinator answers")
-        .json()
-        .await
-        .unwrap_or(Value::Null)
+    get_json(http, &format!("{coordinator}/engines"), token).await
 }

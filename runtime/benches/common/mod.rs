@@ -164,3 +164,28 @@ pub async fn start_engine(model: &std::path::Path, threads: usize) -> String {
     tokio::spawn(http::serve(listener, handle, std::future::pending()));
     url
 }
+
+/// The main recipe (examples/successor): its base model made (if not current) and its manifest
+/// with absolute paths (model, env.py, and `tasks` or the recipe's own task file), so that it
+/// runs from anywhere. Returns the recipe folder and the manifest text.
+pub fn successor_manifest(tasks: Option<&std::path::Path>) -> (std::path::PathBuf, String) {
+    let recipe = root().join("examples/successor");
+    let model = recipe.join("model");
+    run_python(&[
+        recipe.join("make_model.py").to_str().unwrap(),
+        model.to_str().unwrap(),
+    ]);
+    let tasks = tasks.map_or_else(|| recipe.join("tasks.jsonl"), std::path::Path::to_path_buf);
+    let manifest = std::fs::read_to_string(recipe.join("rlrun.yaml"))
+        .unwrap()
+        .replace("path: model", &format!("path: {}", model.display()))
+        .replace("path: tasks.jsonl", &format!("path: {}", tasks.display()))
+        .replace(
+            "command: [\"python\", \"env.py\"]",
+            &format!(
+                "command: [\"python\", \"{}\"]",
+                recipe.join("env.py").display()
+            ),
+        );
+    (recipe, manifest)
+}

@@ -23,7 +23,7 @@ use crate::rollout::staleness_histogram;
 use crate::run::checkpoint::{self, CheckpointMeta};
 use crate::run::config::Sources;
 use crate::run::metrics::MetricsLog;
-use crate::run::{learn, load_teacher, load_trainer, save_checkpoint, step_record, Learned};
+use crate::run::{learn, load_teacher, load_trainer, save_checkpoint, step_record};
 use crate::run::{RunError, StepTimes};
 use crate::trainer::train::Trainer;
 use crate::weight_sync::orchestrate::WeightSync;
@@ -276,30 +276,21 @@ pub async fn run(
             .collect();
         let learned;
         (trainer, teacher, learned) = learn(&cfg, trainer, teacher, &batch.groups).await?;
-        let Learned {
-            advantages,
-            stats,
-            teacher_kl,
-            train_seconds,
-        } = learned;
         let Version { version } = coordinator.post("/v1/trainer/version", &()).await;
         let sync_seconds = publish(&mut sync, &trainer, version, cfg.partial_rollout).await?;
         step += 1;
-        let mut record = step_record(
+        let record = step_record(
             &batch.groups,
-            &advantages,
-            &stats,
+            &learned,
             staleness,
             StepTimes {
                 step: step_started.elapsed().as_secs_f64(),
-                train: train_seconds,
                 sync: sync_seconds,
                 elapsed: started.elapsed().as_secs_f64(),
             },
             (step, version),
             batch.stats,
         );
-        record.teacher_kl = teacher_kl;
         if let Some(log) = &mut log {
             log.push(record.clone())?;
         }

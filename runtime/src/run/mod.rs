@@ -169,12 +169,6 @@ pub async fn run(
             staleness_histogram(&batch, version).into_iter().collect();
         let learned;
         (trainer, teacher, learned) = learn(&cfg, trainer, teacher, &batch).await?;
-        let Learned {
-            advantages,
-            stats,
-            teacher_kl,
-            train_seconds,
-        } = learned;
         step += 1;
         version = trainer.steps();
         // 3. Publish: engines pause (keeping their requests), take the weights, resume.
@@ -186,12 +180,10 @@ pub async fn run(
         // 4. Log.
         let record = step_record(
             &batch,
-            &advantages,
-            &stats,
+            &learned,
             staleness,
             StepTimes {
                 step: step_started.elapsed().as_secs_f64(),
-                train: train_seconds,
                 sync: sync_seconds,
                 elapsed: started.elapsed().as_secs_f64(),
             },
@@ -199,7 +191,6 @@ pub async fn run(
             pool.stats(),
         );
         let record = StepRecord {
-            teacher_kl,
             agent_reward_mean: judged.map(|j| j.agent_reward_mean),
             judge_score_mean: judged.map(|j| j.judge_score_mean),
             judge_unparsed: judged.map(|j| j.unparsed),
@@ -401,15 +392,14 @@ fn recent_agent_reward(records: &[StepRecord], n: usize) -> Option<f64> {
 
 pub(crate) struct StepTimes {
     pub step: f64,
-    pub train: f64,
     pub sync: f64,
     pub elapsed: f64,
 }
 
+/// The metrics record of a step: the batch, what training it produced, and the times.
 pub(crate) fn step_record(
     batch: &[crate::rollout::Group],
-    advantages: &[Vec<f64>],
-    stats: &crate::trainer::train::StepStats,
+    learned: &Learned,
     staleness: BTreeMap<u64, usize>,
     times: StepTimes,
     (step, version): (u64, u64),
@@ -420,6 +410,12 @@ pub(crate) fn step_record(
         .flat_map(|g| g.episodes.iter().map(|e| e.reward))
         .collect();
     let (reward_mean, reward_std) = samples::mean_std(&rewards);
+    let Learned {
+        advantages,
+        stats,
+        teacher_kl,
+        train_seconds,
+    } = learned;
     let (advantage_mean, advantage_std) = samples::mean_std(&advantages.concat());
     let stale_tokens: usize = staleness.values().sum();
     StepRecord {
@@ -437,7 +433,7 @@ pub(crate) fn step_record(
         kl: stats.kl,
         grad_norm: stats.grad_norm,
         learning_rate: stats.learning_rate,
-        teacher_kl: None,
+        teacher_kl: *teacher_kl,
         agent_reward_mean: None,
         judge_score_mean: None,
         judge_unparsed: None,
@@ -454,7 +450,7 @@ pub(crate) fn step_record(
         response_tokens_mean: stats.sampled_tokens as f64 / rewards.len().max(1) as f64,
         tokens_per_second: stats.sampled_tokens as f64 / times.step.max(1e-9),
         step_seconds: times.step,
-        train_seconds: times.train,
+        train_seconds: *train_seconds,
         sync_seconds: times.sync,
         dropped_stale: rollout.dropped_stale,
         dropped_failed: rollout.dropped_failed,
