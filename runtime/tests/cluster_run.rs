@@ -6,7 +6,8 @@
 //! advancing, that a request without the run's token is refused, that a new engine from
 //! `kubectl scale` joins and gets work, that a killed engine whose pod is deleted is replaced
 //! without losing an episode, that a killed trainer resumes from its checkpoint with versions
-//! still increasing, and that scaling down drains an engine without losing an episode.
+//! still increasing, that a killed coordinator goes on from the run's status, and that scaling
+//! down drains an engine without losing an episode.
 
 mod support;
 
@@ -378,6 +379,35 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
         s["step"], s["policyVersion"]
     );
 
+    // Kill the coordinator: it restarts (the pod's restart policy) and goes on from the run's
+    // status; the trainer and the agents reconnect, and versions keep increasing.
+    let s = status(&ns);
+    let (step_at_kill, version_at_kill) = (step_of(&s), s["policyVersion"].as_u64().unwrap());
+    let coordinator_pod = ns.kubectl(&[
+        "get",
+        "pod",
+        "-l",
+        &format!("moult.dev/run={RUN},moult.dev/component=coordinator"),
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
+    ]);
+    kubelet.kill(&coordinator_pod);
+    let s = wait_status(
+        &ns,
+        &kubelet,
+        Duration::from_secs(300),
+        "3 steps after the coordinator restart",
+        |s| step_of(s) >= step_at_kill + 3,
+    );
+    assert!(
+        s["policyVersion"].as_u64().unwrap() > version_at_kill,
+        "versions went back after the coordinator restart: {version_at_kill} -> {s}"
+    );
+    println!(
+        "coordinator killed at step {step_at_kill} (version {version_at_kill}): restarted, now step {} version {}",
+        s["step"], s["policyVersion"]
+    );
+
     // Scale down: engine-2 drains (its pod gets SIGTERM, the router stops sending to it) and no
     // episode is lost.
     let before = coordinator_status(&http, &coordinator, &token).await;
@@ -413,6 +443,8 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     ns.kubectl(&["delete", "rlrun", RUN, "--wait=false"]);
     kubelet.shutdown().await;
     drop(operator);
+    // Kept when the test fails (the logs of every role are there), removed when it passes.
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 /// The coordinator pod's IP.

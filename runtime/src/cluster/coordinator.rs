@@ -410,7 +410,21 @@ pub async fn run(
     )
     .map_err(|e| RunError::Setup(e.to_string()))?;
 
-    let (reports, report_rx) = watch::channel(Report::default());
+    // A coordinator that restarted goes on from what the run's status says (versions only
+    // increase); the trainer tells it its step.
+    let previous = match &client {
+        Some(client) => super::status::read(client.clone(), &ns, &cfg.name).await,
+        None => Report::default(),
+    };
+    if previous.policy_version > 0 {
+        eprintln!(
+            "moult coordinator: the run's status says step {}, version {}: going on from there",
+            previous.step, previous.policy_version
+        );
+    }
+    pool.set_version(previous.policy_version);
+    let (issued, committed) = (previous.policy_version, previous.step);
+    let (reports, report_rx) = watch::channel(previous);
     if let Some(client) = client {
         let name = cfg.name.clone();
         tokio::spawn(super::status::write_reports(client, ns, name, report_rx));
@@ -422,13 +436,14 @@ pub async fn run(
         router: router.clone(),
         train: tokio::sync::Mutex::new(Train {
             queue,
-            committed: 0,
-            issued: 0,
+            committed,
+            issued,
             pending: Vec::new(),
             hellos: 0,
         }),
         status: Mutex::new(CoordinatorStatus {
             total_steps,
+            step: committed,
             ..CoordinatorStatus::default()
         }),
         reports,

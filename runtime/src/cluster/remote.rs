@@ -4,6 +4,7 @@
 //! A lease lasts the episode timeout plus a margin; one that runs out (its pod died, or lost the
 //! coordinator) goes back to the front of the queue under a new lease number, and an answer that
 //! arrives later for the old number is ignored, so an episode is neither lost nor counted twice.
+//! Lease numbers start at random, so answers meant for a previous coordinator are ignored too.
 //! An episode whose group was abandoned (the run ended) is skipped, not leased.
 
 use std::collections::{HashMap, VecDeque};
@@ -57,7 +58,12 @@ impl RemoteAgents {
     /// `lease_time`: how long an agent pod has for an episode before it is given to another.
     pub fn new(lease_time: Duration) -> Self {
         Self {
-            queue: Mutex::new(Queue::default()),
+            // Lease numbers start at random, so that an answer to a lease of a coordinator that
+            // restarted since never matches one of this coordinator's.
+            queue: Mutex::new(Queue {
+                next_lease: rand::random::<u64>() >> 2,
+                ..Queue::default()
+            }),
             ready: Notify::new(),
             lease_time,
         }

@@ -52,6 +52,28 @@ pub fn patch_body(report: &Report) -> serde_json::Value {
     })
 }
 
+/// The coordinator's part of the RLRun's status as it stands (a coordinator that restarted goes
+/// on from it); empty if there is none or it cannot be read.
+pub async fn read(client: Client, namespace: &str, name: &str) -> Report {
+    let api: Api<RLRun> = Api::namespaced(client, namespace);
+    match api.get_status(name).await {
+        Ok(run) => {
+            let s = run.status.unwrap_or_default();
+            Report {
+                step: s.step.unwrap_or(0),
+                policy_version: s.policy_version.unwrap_or(0),
+                metrics: s.metrics.unwrap_or_default(),
+                checkpoint: s.last_checkpoint.map(|c| (c.step, c.path, c.time)),
+                succeeded: false,
+            }
+        }
+        Err(e) => {
+            tracing::warn!(run = %name, "reading the RLRun's status: {e}");
+            Report::default()
+        }
+    }
+}
+
 /// Writes the newest report to the RLRun `name` in `namespace` whenever one arrives.
 pub async fn write_reports(
     client: Client,
