@@ -89,6 +89,10 @@ struct CoordinatorArgs {
     /// Fixes the task order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// How long an episode's lease lasts unless its agent pod renews it (agent pods renew every
+    /// few seconds): a pod that dies loses its episodes to other pods after this long.
+    #[arg(long, env = "MOULT_LEASE_TIME", default_value = "30s", value_parser = humantime::parse_duration)]
+    lease_time: std::time::Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -521,6 +525,7 @@ async fn coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
             port: args.port,
             seed: args.seed,
             poll: std::time::Duration::from_secs(20),
+            lease_time: args.lease_time,
         },
         shutdown_signal(),
     )

@@ -6,8 +6,9 @@
 //! advancing, that a request without the run's token is refused, that a new engine from
 //! `kubectl scale` joins and gets work, that a killed engine whose pod is deleted is replaced
 //! without losing an episode, that a killed trainer resumes from its checkpoint with versions
-//! still increasing, that a killed coordinator goes on from the run's status, and that scaling
-//! down drains an engine without losing an episode.
+//! still increasing, that a killed coordinator goes on from the run's status, that the episodes
+//! of a killed agent process run again elsewhere, and that scaling down drains an engine without
+//! losing an episode.
 
 mod support;
 
@@ -184,7 +185,11 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
                 ("/opt/moult/bin/moult".to_string(), moult),
             ]),
             claims: BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
-            env: vec![("RUST_LOG".into(), "info,kube=warn".into())],
+            env: vec![
+                ("RUST_LOG".into(), "info,kube=warn".into()),
+                // Leases of a dead agent process expire after this (30 s by default).
+                ("MOULT_LEASE_TIME".into(), "6s".into()),
+            ],
             kubeconfig: Some(c.kubeconfig.clone()),
         },
     )
@@ -406,6 +411,54 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     println!(
         "coordinator killed at step {step_at_kill} (version {version_at_kill}): restarted, now step {} version {}",
         s["step"], s["policyVersion"]
+    );
+
+    // Kill the agent pod's process: the leases of its running episodes are no longer renewed,
+    // expire (after MOULT_LEASE_TIME, 6 s here) and go to the restarted process; the run goes on.
+    let step_at_kill = step_of(&status(&ns));
+    let agents_pod = ns.kubectl(&[
+        "get",
+        "pod",
+        "-l",
+        &format!("moult.dev/run={RUN},moult.dev/component=agents"),
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
+    ]);
+    // Kill it while it holds leases (generation pauses while admission waits for the trainer).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let held = loop {
+        let held = coordinator_status(&http, &coordinator, &token).await["episodes_leased"]
+            .as_u64()
+            .unwrap();
+        if held > 0 {
+            kubelet.kill(&agents_pod);
+            break held;
+        }
+        assert!(Instant::now() < deadline, "no episode was ever leased");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let st = loop {
+        let st = coordinator_status(&http, &coordinator, &token).await;
+        if st["leases_expired"].as_u64().unwrap() > 0 {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{held} episodes were leased to the killed process, none expired: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    wait_status(
+        &ns,
+        &kubelet,
+        Duration::from_secs(300),
+        "3 steps after the agents restart",
+        |s| step_of(s) >= step_at_kill + 3,
+    );
+    println!(
+        "agents killed at step {step_at_kill} holding {held} leases: {} expired and ran again, run at step {}",
+        st["leases_expired"], st["step"]
     );
 
     // Scale down: engine-2 drains (its pod gets SIGTERM, the router stops sending to it) and no

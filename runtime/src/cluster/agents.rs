@@ -5,7 +5,9 @@
 //! coordinator, running it with the agent pool (the same [`AgentPool`] as `moult run`: the
 //! manifest's agent, or COMMAND when given) and returning it. A coordinator that is away is
 //! waited for; an episode whose answer cannot be delivered is retried until the coordinator
-//! takes it (or says the lease expired, when it went to another pod).
+//! takes it (or says the lease expired, when it went to another pod). The leases of running
+//! episodes are renewed every 5 s; a pod that is stopped (SIGTERM) leases nothing more and
+//! finishes and returns its running episodes for up to 25 s.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,6 +21,11 @@ use crate::chat::{ChatTemplate, Tokenizer};
 use crate::loopback::{ChatService, EngineClient, ServiceOptions};
 use crate::run::config::Sources;
 use crate::run::RunError;
+
+/// How often the leases of running episodes are renewed (well within the coordinator's lease time).
+const RENEW_EVERY: Duration = Duration::from_secs(5);
+/// How long a stopping pod finishes its running episodes (within Kubernetes' default 30 s grace).
+const DRAIN_FOR: Duration = Duration::from_secs(25);
 
 /// How `moult agents` runs in a pod.
 #[derive(Debug, Clone)]
@@ -135,17 +142,50 @@ pub async fn run(
         concurrency, cfg.name
     );
     let http = crate::auth::client();
+    // The leases of the episodes running here, renewed every few seconds so that the coordinator
+    // knows this pod is alive (and gives them to another pod soon after it is not).
+    let held = Arc::new(std::sync::Mutex::new(
+        std::collections::BTreeSet::<u64>::new(),
+    ));
+    let renewer = {
+        let (http, url, held) = (
+            http.clone(),
+            format!("{coordinator}/v1/agents/renew"),
+            held.clone(),
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(RENEW_EVERY).await;
+                let leases: Vec<u64> = held.lock().expect("lease set").iter().copied().collect();
+                if leases.is_empty() {
+                    continue;
+                }
+                if let Err(e) =
+                    post_json(&http, &url, &serde_json::json!({ "leases": leases })).await
+                {
+                    tracing::warn!("renewing {} leases: {e}", leases.len());
+                }
+            }
+        })
+    };
+    let draining = tokio::sync::watch::channel(false);
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
-        let (pool, http, coordinator, counts) = (
+        let (pool, http, coordinator, counts, held) = (
             pool.clone(),
             http.clone(),
             coordinator.clone(),
             counts.clone(),
+            held.clone(),
         );
+        let mut draining = draining.1.clone();
         workers.spawn(async move {
             loop {
-                let lease = next_lease(&http, &coordinator).await;
+                let lease = tokio::select! {
+                    lease = next_lease(&http, &coordinator) => lease,
+                    _ = draining.wait_for(|d| *d) => return,
+                };
+                held.lock().expect("lease set").insert(lease.lease);
                 counts.running.fetch_add(1, Ordering::Relaxed);
                 let episode = pool.episode(lease.index, lease.task).await;
                 counts.running.fetch_sub(1, Ordering::Relaxed);
@@ -159,6 +199,7 @@ pub async fn run(
                     post_json(&http, &url, &episode)
                 })
                 .await;
+                held.lock().expect("lease set").remove(&lease.lease);
                 if answer["accepted"] == false {
                     tracing::warn!(
                         episode = lease.index,
@@ -166,12 +207,27 @@ pub async fn run(
                         lease.index
                     );
                 }
+                if *draining.borrow() {
+                    return;
+                }
             }
         });
     }
     shutdown.await;
-    // Episodes in flight are abandoned: their leases expire and other pods run them.
+    // Drain: lease nothing more, finish and return the episodes running (for a while; what is
+    // still running then is abandoned, and its leases expire and go to other pods).
+    let _ = draining.0.send(true);
+    let running = counts.running.load(Ordering::Relaxed);
+    eprintln!("moult agents: stopping; finishing {running} running episodes");
+    let drained = tokio::time::timeout(DRAIN_FOR, async {
+        while workers.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        eprintln!("moult agents: episodes still running after {DRAIN_FOR:?}: abandoned");
+    }
     workers.shutdown().await;
+    renewer.abort();
     let _ = stop_tx.send(true);
     Ok(())
 }

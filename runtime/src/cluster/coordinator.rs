@@ -44,6 +44,8 @@ pub struct CoordinatorOptions {
     pub seed: u64,
     /// How long a lease or batch request waits for work before answering "none yet".
     pub poll: Duration,
+    /// How long an episode's lease lasts unless its agent pod renews it.
+    pub lease_time: Duration,
 }
 
 /// The trainer's side of the coordinator.
@@ -127,6 +129,15 @@ async fn episode(State(c): Shared, UrlPath(lease): UrlPath<u64>, body: String) -
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("not an episode: {e}")),
     };
     Json(json!({"accepted": c.agents.complete(lease, episode)})).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct Leases {
+    leases: Vec<u64>,
+}
+
+async fn renew(State(c): Shared, Json(l): Json<Leases>) -> Response {
+    Json(json!({"unknown": c.agents.renew(&l.leases)})).into_response()
 }
 
 async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
@@ -398,8 +409,7 @@ pub async fn run(
     ));
 
     // The rollout pool over the agent pods.
-    let lease_time = cfg.episode_timeout + Duration::from_secs(60);
-    let agents = Arc::new(RemoteAgents::new(lease_time));
+    let agents = Arc::new(RemoteAgents::new(opts.lease_time));
     let dataset = Arc::new(ordered(&cfg.tasks, opts.seed));
     let (pool, queue) = RolloutPool::start(
         agents.clone(),
@@ -457,6 +467,7 @@ pub async fn run(
             .route("/metrics", get(prometheus))
             .route("/v1/status", get(status))
             .route("/v1/agents/lease", post(lease))
+            .route("/v1/agents/renew", post(renew))
             .route("/v1/agents/episodes/{lease}", post(episode))
             .route("/v1/trainer/hello", post(hello))
             .route("/v1/trainer/batch", get(batch))

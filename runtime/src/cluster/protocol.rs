@@ -3,6 +3,7 @@
 //! | call | from | what |
 //! | --- | --- | --- |
 //! | `POST /v1/agents/lease` | agents | the next episode to run ([`Lease`]); 204 after a wait with none |
+//! | `POST /v1/agents/renew` | agents | `{"leases": [...]}` still running: they last another lease time; answers `{"unknown": [...]}` |
 //! | `POST /v1/agents/episodes/{lease}` | agents | the finished [`Episode`]; `{"accepted": false}` for an expired lease |
 //! | `POST /v1/trainer/hello` | trainer | ([`Hello`]) the step it resumed at; answers the version to publish its weights as |
 //! | `GET /v1/trainer/batch?step=N` | trainer | the groups of step N ([`TrainBatch`]); 204 while not ready; the same batch until N is committed |

@@ -1,7 +1,8 @@
 //! The agent pods as the rollout pool's [`EpisodeRunner`]: episodes wait in a queue, agent pods
 //! lease them, and return them finished.
 //!
-//! A lease lasts the episode timeout plus a margin; one that runs out (its pod died, or lost the
+//! A lease lasts a short time (30 s by default) and the agent pod renews the leases of the episodes
+//! it runs every few seconds ([`RemoteAgents::renew`]); one that runs out (its pod died, or lost the
 //! coordinator) goes back to the front of the queue under a new lease number, and an answer that
 //! arrives later for the old number is ignored, so an episode is neither lost nor counted twice.
 //! Lease numbers start at random, so answers meant for a previous coordinator are ignored too.
@@ -55,7 +56,7 @@ pub struct RemoteAgents {
 }
 
 impl RemoteAgents {
-    /// `lease_time`: how long an agent pod has for an episode before it is given to another.
+    /// `lease_time`: how long a lease lasts unless its agent pod renews it.
     pub fn new(lease_time: Duration) -> Self {
         Self {
             // Lease numbers start at random, so that an answer to a lease of a coordinator that
@@ -131,6 +132,24 @@ impl RemoteAgents {
                 }
             }
         }
+    }
+
+    /// An agent pod still runs the episodes of `leases`: they last another lease time. Returns the
+    /// leases it does not hold (any more): their episodes went to another pod, so it may stop them.
+    pub fn renew(&self, leases: &[u64]) -> Vec<u64> {
+        let mut q = self.queue.lock().expect("queue lock");
+        let deadline = Instant::now() + self.lease_time;
+        leases
+            .iter()
+            .filter(|id| match q.leased.get_mut(id) {
+                Some((_, d)) => {
+                    *d = deadline;
+                    false
+                }
+                None => true,
+            })
+            .copied()
+            .collect()
     }
 
     /// An agent pod returns the episode of `lease`; false if the lease is unknown (it expired and
@@ -229,6 +248,24 @@ mod tests {
         let s = agents.stats();
         assert_eq!((s.expired, s.returned, s.ignored), (1, 1, 2));
         assert_eq!((s.waiting, s.leased), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn renewed_leases_outlive_the_lease_time() {
+        let agents = Arc::new(RemoteAgents::new(Duration::from_millis(300)));
+        let runner = agents.clone();
+        let episode = tokio::spawn(async move { runner.run(3, Json::Null).await });
+        let lease = agents.lease(Duration::from_secs(2)).await.expect("work");
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            assert!(agents.renew(&[lease.lease]).is_empty());
+        }
+        // 750 ms after leasing, renewed: nobody else got it.
+        assert!(agents.lease(Duration::from_millis(50)).await.is_none());
+        assert_eq!(agents.renew(&[lease.lease + 1]), [lease.lease + 1]);
+        assert!(agents.complete(lease.lease, finished(1.0)));
+        assert_eq!(episode.await.unwrap().reward, 1.0);
+        assert_eq!(agents.stats().expired, 0);
     }
 
     #[tokio::test]
