@@ -23,6 +23,7 @@ pub const CONFIG_DIR: &str = "/etc/moult";
 pub const MODEL_DIR: &str = "/models";
 pub const DATA_DIR: &str = "/data";
 pub const CHECKPOINT_DIR: &str = "/checkpoints";
+pub const TEACHER_DIR: &str = "/teacher";
 
 /// Where the run config file is inside every pod.
 pub fn config_path() -> String {
@@ -229,6 +230,21 @@ pub(crate) fn dataset(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
         ),
         None => (None, d.path.clone()),
     }
+}
+
+/// The teacher's volume and mount (on-policy distillation), and its path inside the pod.
+pub(crate) fn teacher(ctx: &Ctx) -> Option<(Option<(Volume, VolumeMount)>, String)> {
+    let t = ctx.run.spec.algorithm.teacher.as_ref()?;
+    Some(match &t.claim_name {
+        Some(c) => (
+            Some((
+                claim("teacher", c, true),
+                mount("teacher", TEACHER_DIR, true),
+            )),
+            format!("{TEACHER_DIR}/{}", t.path.trim_start_matches('/')),
+        ),
+        None => (None, t.path.clone()),
+    })
 }
 
 /// The model volume and mount, and the model path inside the pod.

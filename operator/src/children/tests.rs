@@ -194,6 +194,36 @@ fn trainer_ranks_find_rank_zero_through_the_headless_service() {
 }
 
 #[test]
+fn the_trainer_mounts_the_teacher_of_distillation() {
+    let mut run = example_run();
+    run.spec.algorithm.estimator = crate::api::Estimator::OnPolicyDistillation;
+    run.spec.algorithm.teacher = Some(crate::api::TeacherSpec {
+        path: "Qwen3-32B".into(),
+        claim_name: Some("teachers".into()),
+    });
+    let c = build(&run);
+    let template = Some(c.trainer.spec.template);
+    let p = pod(&template);
+    let env = main_container(p).env.clone().unwrap();
+    let teacher = env.iter().find(|e| e.name == "MOULT_TEACHER").unwrap();
+    assert_eq!(teacher.value.as_deref(), Some("/teacher/Qwen3-32B"));
+    assert!(p.volumes.as_ref().unwrap().iter().any(|v| v
+        .persistent_volume_claim
+        .as_ref()
+        .is_some_and(|c| c.claim_name == "teachers" && c.read_only == Some(true))));
+    assert!(main_container(p)
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_path == "/teacher"));
+    // Without distillation there is no teacher anywhere.
+    let plain = Some(build(&example_run()).trainer.spec.template);
+    let env = main_container(pod(&plain)).env.clone().unwrap();
+    assert!(!env.iter().any(|e| e.name == "MOULT_TEACHER"));
+}
+
+#[test]
 fn every_pod_runs_as_non_root_without_capabilities() {
     let c = build(&example_run());
     let templates = [

@@ -13,7 +13,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pods::{
     claim, config_path, container, dataset, empty_dir, env, field_env, locked_down, model,
-    moult_env, mount, resources, template, CHECKPOINT_DIR,
+    moult_env, mount, resources, teacher, template, CHECKPOINT_DIR,
 };
 use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, TRAINER_RENDEZVOUS_PORT};
 use crate::api::{AgentForm, EngineBackend};
@@ -219,6 +219,11 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
     if spec.checkpoint.is_some() {
         env_vars.push(env("MOULT_CHECKPOINTS", CHECKPOINT_DIR));
     }
+    let teacher = teacher(ctx);
+    if let Some((_, path)) = &teacher {
+        // On-policy distillation: the trainer scores samples with the teacher.
+        env_vars.push(env("MOULT_TEACHER", path));
+    }
     env_vars.extend(moult_env(ctx));
     c.env = Some(env_vars);
     c.ports = Some(vec![
@@ -237,6 +242,10 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
     if let Some(ck) = &spec.checkpoint {
         volumes.push(claim("checkpoints", &ck.claim_name, false));
         mounts.push(mount("checkpoints", CHECKPOINT_DIR, false));
+    }
+    if let Some((Some((v, m)), _)) = teacher {
+        volumes.push(v);
+        mounts.push(m);
     }
     let pod = PodSpec {
         containers: vec![c],

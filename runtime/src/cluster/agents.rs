@@ -65,6 +65,7 @@ pub async fn run(
             model_dir: Some(model_dir.clone()),
             tasks: None,
             agent: true,
+            teacher: None,
         },
     )?;
     let concurrency = match std::env::var("MOULT_CONCURRENCY") {

@@ -377,6 +377,7 @@ pub async fn run(
             model_dir: None,
             tasks: Some(tasks),
             agent: false,
+            teacher: None,
         },
     )?;
     let engines = super::env_var("MOULT_ENGINES")?;

@@ -159,6 +159,13 @@ pub async fn run(
     let (manifest, config_dir) = super::manifest(&opts.config)?;
     let model_dir =
         env_path("MOULT_MODEL").unwrap_or_else(|| config_dir.join(&manifest.spec.model.path));
+    // The teacher of distillation, where the operator mounted it.
+    let teacher = manifest
+        .spec
+        .algorithm
+        .teacher
+        .as_ref()
+        .map(|t| env_path("MOULT_TEACHER").unwrap_or_else(|| config_dir.join(&t.path)));
     let cfg = super::pod_config(
         manifest,
         &Sources {
@@ -166,6 +173,7 @@ pub async fn run(
             model_dir: Some(model_dir),
             tasks: None,
             agent: false,
+            teacher,
         },
     )?;
     let world = parse_env("WORLD_SIZE", 1)?;

@@ -220,6 +220,9 @@ pub struct Sources {
     pub tasks: Option<PathBuf>,
     /// Whether this process runs episodes (the agent's command is checked).
     pub agent: bool,
+    /// The teacher of on-policy distillation, if this process scores with it (checked to be a
+    /// model folder); `None`: the run's teacher is not this process's business.
+    pub teacher: Option<PathBuf>,
 }
 
 impl Sources {
@@ -230,6 +233,12 @@ impl Sources {
             model_dir: Some(beside(dir, &run.spec.model.path)),
             tasks: Some(beside(dir, &run.spec.agent.dataset.path)),
             agent: true,
+            teacher: run
+                .spec
+                .algorithm
+                .teacher
+                .as_ref()
+                .map(|t| beside(dir, &t.path)),
         }
     }
 }
@@ -371,16 +380,15 @@ impl RunConfig {
                 .as_ref()
                 .map(|c| u64::from(c.interval_steps.max(1))),
             routing_replay: spec.routing_replay,
-            teacher_dir: match (&algo.teacher, algo.estimator) {
-                (Some(t), Estimator::OnPolicyDistillation) => {
-                    let dir = beside(dir, &t.path);
+            teacher_dir: match (&sources.teacher, algo.estimator) {
+                (Some(dir), Estimator::OnPolicyDistillation) => {
                     if !dir.join("config.json").is_file() {
                         return Err(bad(
                             "spec.algorithm.teacher.path",
                             format!("{} is not a model folder (no config.json)", dir.display()),
                         ));
                     }
-                    Some(dir)
+                    Some(dir.clone())
                 }
                 _ => None,
             },
