@@ -21,6 +21,7 @@ pub mod agents;
 pub mod coordinator;
 pub mod discovery;
 pub mod protocol;
+mod publish;
 pub mod remote;
 pub mod status;
 pub mod trainer;

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use tch::Device;
 
 use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, TrainBatch, Version};
+use super::publish::Publisher;
 use super::{env_path, env_var, post_json, retry};
 use crate::rollout::staleness_histogram;
 use crate::run::checkpoint::{self, CheckpointMeta};
@@ -26,7 +27,6 @@ use crate::run::metrics::MetricsLog;
 use crate::run::{learn, load_teacher, load_trainer, save_checkpoint, step_record};
 use crate::run::{RunError, StepTimes};
 use crate::trainer::train::Trainer;
-use crate::weight_sync::orchestrate::WeightSync;
 
 /// How `moult trainer` runs.
 #[derive(Debug, Clone)]
@@ -125,9 +125,9 @@ impl Coordinator {
 }
 
 /// Publishes `trainer`'s weights as `version`, retrying (engines come and go: a failed update
-/// resumes them, and the next try connects the weight stream again).
+/// resumes them, and the next try connects the weight path again).
 async fn publish(
-    sync: &mut WeightSync,
+    publisher: &mut Publisher,
     trainer: &Trainer,
     version: u64,
     partial_rollout: bool,
@@ -135,17 +135,21 @@ async fn publish(
     let started = Instant::now();
     let mut tries = 0;
     loop {
-        match sync
+        match publisher
             .update(&trainer.weights(), version, partial_rollout)
             .await
         {
-            Ok(_) => return Ok(started.elapsed().as_secs_f64()),
+            Ok(()) => return Ok(started.elapsed().as_secs_f64()),
             Err(e) if tries < 20 => {
                 tries += 1;
                 tracing::warn!(version, tries, "publishing the weights: {e}; trying again");
                 tokio::time::sleep(Duration::from_secs(2)).await;
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                return Err(RunError::Setup(format!(
+                    "publishing the weights as version {version}: {e}"
+                )))
+            }
         }
     }
 }
@@ -235,15 +239,10 @@ pub async fn run(
         cfg.name, cfg.total_steps, coordinator.url
     );
 
-    let mut sync = WeightSync::new(&coordinator.url);
     let engines = coordinator.engines().await;
-    let mut wait = Duration::from_millis(500);
-    while let Err(e) = sync.connect_tcp(&format!("{pod_ip}:0"), &pod_ip).await {
-        tracing::warn!("connecting the weight stream: {e}; retrying in {wait:?}");
-        tokio::time::sleep(wait).await;
-        wait = (wait * 2).min(Duration::from_secs(10));
-    }
-    eprintln!("moult trainer: weight stream to {engines} engine(s) from {pod_ip}");
+    let backend = cfg.run.spec.engines.backend;
+    let mut sync = Publisher::connect(&coordinator.url, backend, opts.device, &pod_ip).await?;
+    eprintln!("moult trainer: weights to {engines} {backend:?} engine(s) from {pod_ip}");
 
     let mut log = match &out {
         Some(out) => {

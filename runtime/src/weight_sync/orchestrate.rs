@@ -60,9 +60,9 @@ pub struct WeightSync {
 }
 
 /// A bucket of tensors: shallow copies, so they can move to the sending thread.
-type Bucket = Vec<(String, Tensor)>;
+pub(crate) type Bucket = Vec<(String, Tensor)>;
 
-fn buckets(tensors: &[(String, Tensor)], bucket_bytes: usize) -> Vec<Bucket> {
+pub(crate) fn buckets(tensors: &[(String, Tensor)], bucket_bytes: usize) -> Vec<Bucket> {
     let mut out: Vec<Bucket> = Vec::new();
     let mut size = 0;
     for (name, t) in tensors {
