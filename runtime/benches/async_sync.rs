@@ -42,14 +42,6 @@ fn long_tail_tasks(n: usize, seed: u64) -> String {
     out
 }
 
-fn metrics(out: &Path) -> Vec<Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("metrics lines are JSON"))
-        .collect()
-}
-
 struct Outcome {
     seconds: f64,
     steps: Vec<Value>,
@@ -73,7 +65,7 @@ fn run(manifest: &Path, out: &Path, steps: u64, sync: bool) -> Outcome {
     assert!(status.success(), "moult run failed");
     Outcome {
         seconds: started.elapsed().as_secs_f64(),
-        steps: metrics(out),
+        steps: common::metrics_records(&out.join("metrics.jsonl")),
     }
 }
 

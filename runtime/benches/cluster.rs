@@ -16,14 +16,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-fn metrics(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("metrics lines are JSON"))
-        .collect()
-}
-
 struct Outcome {
     /// From start to the last step's record.
     seconds: f64,
@@ -56,7 +48,7 @@ fn single_process(manifest: &Path, out: &Path, steps: u64) -> Outcome {
 fn follow(metrics_path: &Path, steps: u64, started: Instant, children: &mut [Child]) -> Outcome {
     let mut first_step = None;
     loop {
-        let records = metrics(metrics_path);
+        let records = common::metrics_records(metrics_path);
         if first_step.is_none() && !records.is_empty() {
             first_step = Some(started.elapsed().as_secs_f64());
         }

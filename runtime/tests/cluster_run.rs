@@ -388,14 +388,7 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     // status; the trainer and the agents reconnect, and versions keep increasing.
     let s = status(&ns);
     let (step_at_kill, version_at_kill) = (step_of(&s), s["policyVersion"].as_u64().unwrap());
-    let coordinator_pod = ns.kubectl(&[
-        "get",
-        "pod",
-        "-l",
-        &format!("moult.dev/run={RUN},moult.dev/component=coordinator"),
-        "-o",
-        "jsonpath={.items[0].metadata.name}",
-    ]);
+    let coordinator_pod = pod_name_of(&ns, "coordinator");
     kubelet.kill(&coordinator_pod);
     let s = wait_status(
         &ns,
@@ -416,14 +409,7 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     // Kill the agent pod's process: the leases of its running episodes are no longer renewed,
     // expire (after MOULT_LEASE_TIME, 6 s here) and go to the restarted process; the run goes on.
     let step_at_kill = step_of(&status(&ns));
-    let agents_pod = ns.kubectl(&[
-        "get",
-        "pod",
-        "-l",
-        &format!("moult.dev/run={RUN},moult.dev/component=agents"),
-        "-o",
-        "jsonpath={.items[0].metadata.name}",
-    ]);
+    let agents_pod = pod_name_of(&ns, "agents");
     // Kill it while it holds leases (generation pauses while admission waits for the trainer).
     let deadline = Instant::now() + Duration::from_secs(120);
     let held = loop {
@@ -500,16 +486,26 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// The coordinator pod's IP.
-fn pod_ip_of(ns: &Namespace, component: &str) -> String {
+/// A field of the (first) pod of a component of the run.
+fn pod_field(ns: &Namespace, component: &str, field: &str) -> String {
     ns.kubectl(&[
         "get",
         "pod",
         "-l",
         &format!("moult.dev/run={RUN},moult.dev/component={component}"),
         "-o",
-        "jsonpath={.items[0].status.podIP}",
+        &format!("jsonpath={{.items[0].{field}}}"),
     ])
+}
+
+/// The IP of a component's pod.
+fn pod_ip_of(ns: &Namespace, component: &str) -> String {
+    pod_field(ns, component, "status.podIP")
+}
+
+/// The name of a component's pod.
+fn pod_name_of(ns: &Namespace, component: &str) -> String {
+    pod_field(ns, component, "metadata.name")
 }
 
 /// The router's engines (`GET /engines` on the coordinator).

@@ -189,3 +189,12 @@ pub fn successor_manifest(tasks: Option<&std::path::Path>) -> (std::path::PathBu
         );
     (recipe, manifest)
 }
+
+/// The records of a `metrics.jsonl` (none if it does not exist yet).
+pub fn metrics_records(path: &std::path::Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("metrics lines are JSON"))
+        .collect()
+}
