@@ -389,6 +389,7 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     let s = status(&ns);
     let (step_at_kill, version_at_kill) = (step_of(&s), s["policyVersion"].as_u64().unwrap());
     let coordinator_pod = pod_name_of(&ns, "coordinator");
+    let data_before = coordinator_status(&http, &coordinator, &token).await["data"].clone();
     kubelet.kill(&coordinator_pod);
     let s = wait_status(
         &ns,
@@ -400,6 +401,15 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     assert!(
         s["policyVersion"].as_u64().unwrap() > version_at_kill,
         "versions went back after the coordinator restart: {version_at_kill} -> {s}"
+    );
+    // The data cursor went on from where the trainer's last batch left it (at most 16 groups
+    // behind the old coordinator's), not from the start: 3 steps later it is past where it was
+    // (256 tasks: no epoch ends in this test).
+    let data_after = coordinator_status(&http, &coordinator, &token).await["data"].clone();
+    let position = |d: &Value| d["epoch"].as_u64().unwrap() * 256 + d["cursor"].as_u64().unwrap();
+    assert!(
+        position(&data_after) >= position(&data_before),
+        "the data cursor started over: {data_before} -> {data_after}"
     );
     println!(
         "coordinator killed at step {step_at_kill} (version {version_at_kill}): restarted, now step {} version {}",

@@ -99,6 +99,7 @@ impl Coordinator {
         let remote = self.agents.stats();
         s.rollout = self.pool.stats();
         s.policy_version = self.pool.version();
+        s.data = self.pool.state();
         s.episodes_waiting = remote.waiting;
         s.episodes_leased = remote.leased;
         s.leases_expired = remote.expired;
@@ -154,6 +155,15 @@ async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
     }
     t.committed = hello.step;
     c.status.lock().expect("status lock").step = hello.step;
+    // The first hello this coordinator hears, from a trainer that has been training: this
+    // coordinator restarted, and the trainer knows where the data stood.
+    if let (1, Some(rollout)) = (t.hellos, hello.rollout) {
+        eprintln!(
+            "moult coordinator: the trainer says the data stood at task {} of epoch {}: going on from there",
+            rollout.cursor, rollout.epoch
+        );
+        c.pool.seek(rollout);
+    }
     // Weights other than the engines' (a checkpoint, or the model after updates went out) are
     // published under a new version, so versions only increase.
     let publish_as = (t.issued > 0 || hello.step > 0).then(|| {
@@ -171,6 +181,14 @@ struct BatchQuery {
 async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     let mut guard = c.train.lock().await;
     let t = &mut *guard;
+    if t.hellos == 0 {
+        // This coordinator (re)started after the trainer: it must hear the trainer's step and
+        // data cursor first.
+        return error(
+            StatusCode::CONFLICT,
+            "this coordinator has not heard the trainer's hello: POST /v1/trainer/hello first",
+        );
+    }
     if q.step != t.committed + 1 {
         return error(
             StatusCode::CONFLICT,
@@ -247,10 +265,12 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     let mut report = c.reports.borrow().clone();
     report.step = commit.step;
     report.policy_version = commit.version;
+    // Four decimals: what `kubectl get rlr` prints (and all a status needs).
+    let round = |x: f64| Some((x * 1e4).round() / 1e4);
     report.metrics = moult_operator::api::RunMetrics {
-        reward: Some(r.reward_mean),
-        response_length: Some(r.response_tokens_mean),
-        masked_fraction: Some(r.masked_fraction),
+        reward: round(r.reward_mean),
+        response_length: round(r.response_tokens_mean),
+        masked_fraction: round(r.masked_fraction),
     };
     if let Some(CheckpointRef { step, path }) = &commit.checkpoint {
         report.checkpoint = Some((

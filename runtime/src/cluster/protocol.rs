@@ -6,7 +6,7 @@
 //! | `POST /v1/agents/renew` | agents | `{"leases": [...]}` still running: they last another lease time; answers `{"unknown": [...]}` |
 //! | `POST /v1/agents/episodes/{lease}` | agents | the finished [`Episode`]; `{"accepted": false}` for an expired lease |
 //! | `POST /v1/trainer/hello` | trainer | ([`Hello`]) the step it resumed at; answers the version to publish its weights as |
-//! | `GET /v1/trainer/batch?step=N` | trainer | the groups of step N ([`TrainBatch`]); 204 while not ready; the same batch until N is committed |
+//! | `GET /v1/trainer/batch?step=N` | trainer | the groups of step N ([`TrainBatch`]); 204 while not ready; the same batch until N is committed; 409 if N is not next or no hello was heard yet (say hello again) |
 //! | `POST /v1/trainer/version` | trainer | a new policy version number ([`Version`]) for the weights about to go out |
 //! | `POST /v1/trainer/published` | trainer | ([`Version`]) the engines serve this version now |
 //! | `POST /v1/trainer/commit` | trainer | ([`Commit`]) step N done: metrics, version, checkpoint |
@@ -36,6 +36,10 @@ pub struct Lease {
 pub struct Hello {
     /// The step of the checkpoint it resumed from (0: none).
     pub step: u64,
+    /// Where the data stood at its last batch (or checkpoint): a coordinator that restarted
+    /// (and so lost its cursor) continues from there.
+    #[serde(default)]
+    pub rollout: Option<RolloutState>,
 }
 
 /// The answer to [`Hello`].
@@ -88,6 +92,8 @@ pub struct CoordinatorStatus {
     pub policy_version: u64,
     pub reward: Option<f64>,
     pub last_checkpoint: Option<CheckpointRef>,
+    /// The data cursor: the next task to draw, and the epoch.
+    pub data: RolloutState,
     pub rollout: RolloutStats,
     /// Episodes waiting for an agent, and leased to one.
     pub episodes_waiting: usize,

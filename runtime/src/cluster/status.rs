@@ -127,5 +127,20 @@ mod tests {
         assert_eq!(keys, ["policyVersion", "step", "metrics"]);
         assert_eq!(status["metrics"]["reward"], 0.5);
         assert!(status["metrics"].get("maskedFraction").is_none());
+        // After the last step: the phase too, and the checkpoint.
+        let time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
+        let done = patch_body(&Report {
+            step: 9,
+            policy_version: 9,
+            metrics: RunMetrics::default(),
+            checkpoint: Some((9, "/checkpoints/r/step-000009".into(), time)),
+            succeeded: true,
+        });
+        assert_eq!(done["status"]["phase"], "Succeeded");
+        assert_eq!(done["status"]["lastCheckpoint"]["step"], 9);
+        assert_eq!(
+            done["status"]["lastCheckpoint"]["path"],
+            "/checkpoints/r/step-000009"
+        );
     }
 }

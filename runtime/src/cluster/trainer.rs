@@ -202,6 +202,8 @@ pub async fn run(
         None => None,
     };
     let mut step = resume.as_ref().map_or(0, |(_, m)| m.step);
+    // Where the data stood at the last batch (or the checkpoint), for a coordinator that restarts.
+    let mut data = resume.as_ref().map(|(_, m)| m.rollout);
 
     let gauges = Arc::new((AtomicU64::new(step), AtomicU64::new(0)));
     let metrics = {
@@ -256,7 +258,15 @@ pub async fn run(
     let mut hello_needed = true;
     while step < cfg.total_steps {
         if hello_needed {
-            let reply: HelloReply = coordinator.post("/v1/trainer/hello", &Hello { step }).await;
+            let reply: HelloReply = coordinator
+                .post(
+                    "/v1/trainer/hello",
+                    &Hello {
+                        step,
+                        rollout: data,
+                    },
+                )
+                .await;
             if let Some(version) = reply.publish_as {
                 publish(&mut sync, &trainer, version, false).await?;
                 let _: serde_json::Value = coordinator
@@ -278,6 +288,7 @@ pub async fn run(
             hello_needed = true;
             continue;
         };
+        data = Some(batch.rollout);
         let staleness: BTreeMap<u64, usize> = staleness_histogram(&batch.groups, batch.version)
             .into_iter()
             .collect();

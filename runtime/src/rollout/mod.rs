@@ -268,6 +268,12 @@ impl RolloutPool {
         *self.shared.state.lock().expect("state lock")
     }
 
+    /// Moves the data cursor: the next group is drawn at `state` (groups already drawn run on).
+    /// For a coordinator that restarted and learns from the trainer where the data stood.
+    pub fn seek(&self, state: RolloutState) {
+        *self.shared.state.lock().expect("state lock") = state;
+    }
+
     pub fn stats(&self) -> RolloutStats {
         *self.shared.stats.lock().expect("stats lock")
     }
