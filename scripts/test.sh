@@ -10,6 +10,13 @@ echo "test: cargo clippy"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 echo "test: cargo clippy, runtime with the cuda feature (NCCL weight sync; builds without CUDA)"
 cargo clippy -p moult-runtime --features cuda --all-targets --quiet -- -D warnings
+echo "test: the agent-pod build of moult (no libtorch: what the init image copies into agent pods)"
+cargo clippy -p moult-runtime --no-default-features --lib --bins --quiet -- -D warnings
+cargo build -p moult-runtime --no-default-features --bin moult --quiet
+# Kept apart: the default build below writes the same path. The cluster test runs agent pods on it.
+TARGET="${CARGO_TARGET_DIR:-$MOULT_ROOT/target}"
+cp "$TARGET/debug/moult" "$TARGET/moult-no-torch"
+export MOULT_AGENT_BIN="$TARGET/moult-no-torch"
 echo "test: cargo test"
 cargo test --workspace
 echo "test: operator cluster tests (etcd, kube-apiserver, controller-manager, scheduler, KWOK)"

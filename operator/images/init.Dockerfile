@@ -1,8 +1,7 @@
 # The init image of agent pods: one file, /moult, that an init container copies into a shared
 # volume so that the user's agent image (any distribution) can run `moult agents`.
-# It needs a self-contained agent-side `moult` (static musl, no libtorch); the runtime crate does
-# not offer a libtorch-free build yet, so this image cannot be built until it does (see
-# docs/operator.md, "Images"). Build from the repository root:
+# It is the agent-side `moult`: static (musl) and without libtorch (`--no-default-features`: the
+# roles that only move data; see docs/operator.md, "Images"). Build from the repository root:
 #   docker build -f operator/images/init.Dockerfile -t ghcr.io/moult-dev/moult-init:0.1.0 .
 FROM rust:1.95.0-bookworm AS build
 RUN rustup target add x86_64-unknown-linux-musl && apt-get update && apt-get install -y musl-tools

@@ -4,15 +4,19 @@
 //! forms and the agent pool (DESIGN §4.3).
 
 pub mod agents;
+#[cfg(feature = "torch")]
 pub mod algorithms;
 pub mod auth;
 pub mod chat;
 pub mod cluster;
 pub mod engine;
 pub mod loopback;
+#[cfg(feature = "torch")]
 pub mod model;
 pub mod rollout;
 pub mod router;
 pub mod run;
+#[cfg(feature = "torch")]
 pub mod trainer;
+#[cfg(feature = "torch")]
 pub mod weight_sync;

@@ -4,8 +4,11 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+#[cfg(feature = "torch")]
 use moult_runtime::engine::{http, EngineHandle, EngineOptions};
+#[cfg(feature = "torch")]
 use moult_runtime::model::{parse_dtype, ModelConfig, Qwen3Model};
+#[cfg(feature = "torch")]
 use tch::{Device, Kind};
 
 #[derive(Debug, Parser)]
@@ -252,6 +255,7 @@ struct EngineArgs {
     served_model_name: Option<String>,
 }
 
+#[cfg(feature = "torch")]
 fn parse_device(text: Option<&str>) -> anyhow::Result<Device> {
     Ok(match text {
         None => Device::cuda_if_available(),
@@ -283,6 +287,7 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: draining connections");
 }
 
+#[cfg(feature = "torch")]
 async fn engine(args: EngineArgs) -> anyhow::Result<()> {
     let device = parse_device(args.device.as_deref())?;
     let cfg = ModelConfig::from_dir(&args.model)?;
@@ -533,6 +538,7 @@ async fn coordinator(args: CoordinatorArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "torch")]
 async fn trainer(args: TrainerArgs) -> anyhow::Result<()> {
     use moult_runtime::cluster::trainer::{run, TrainerProcessOptions};
     let device = match args.device.as_deref() {
@@ -594,6 +600,7 @@ async fn router(args: RouterArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "torch")]
 async fn run(args: RunArgs) -> anyhow::Result<()> {
     use moult_runtime::run::{self, config, RunOptions};
     let manifest = config::read_manifest(&args.manifest)?;
@@ -677,6 +684,15 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `moult` built without libtorch (`--no-default-features`: the agent pods' build) has the roles
+/// that only move data; the others say so.
+#[cfg(not(feature = "torch"))]
+fn without_torch(command: &str) -> anyhow::Result<()> {
+    bail!(
+        "`moult {command}` needs libtorch, and this moult was built without it (the agent-pod build, --no-default-features): use the runtime image's moult"
+    )
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -689,12 +705,21 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     match cli.command {
+        #[cfg(feature = "torch")]
         Command::Engine(args) => runtime.block_on(engine(args)),
+        #[cfg(not(feature = "torch"))]
+        Command::Engine(_) => without_torch("engine"),
         Command::Chat(args) => runtime.block_on(chat(args)),
         Command::Agents(args) => runtime.block_on(agents(args)),
         Command::Router(args) => runtime.block_on(router(args)),
         Command::Coordinator(args) => runtime.block_on(coordinator(args)),
+        #[cfg(feature = "torch")]
         Command::Trainer(args) => runtime.block_on(trainer(args)),
+        #[cfg(not(feature = "torch"))]
+        Command::Trainer(_) => without_torch("trainer"),
+        #[cfg(feature = "torch")]
         Command::Run(args) => runtime.block_on(run(args)),
+        #[cfg(not(feature = "torch"))]
+        Command::Run(_) => without_torch("run"),
     }
 }

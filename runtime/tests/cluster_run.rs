@@ -175,6 +175,21 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
     let operator = Operator::start(&ns, "e2e");
     let moult = PathBuf::from(env!("CARGO_BIN_EXE_moult"));
+    // Agent pods get what their init container copies in: the moult built without libtorch
+    // (scripts/test.sh builds it and sets MOULT_AGENT_BIN); else the full one.
+    let agent_moult = match std::env::var_os("MOULT_AGENT_BIN") {
+        Some(bin) => {
+            let bin = PathBuf::from(bin);
+            assert!(
+                bin.is_file(),
+                "MOULT_AGENT_BIN {} is missing",
+                bin.display()
+            );
+            println!("agent pods run {}", bin.display());
+            bin
+        }
+        None => moult.clone(),
+    };
     let kubelet = Kubelet::start(
         c.client().await,
         &ns.name,
@@ -182,7 +197,7 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
             root: root.join("kubelet"),
             binaries: BTreeMap::from([
                 ("moult".to_string(), moult.clone()),
-                ("/opt/moult/bin/moult".to_string(), moult),
+                ("/opt/moult/bin/moult".to_string(), agent_moult),
             ]),
             claims: BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
             env: vec![

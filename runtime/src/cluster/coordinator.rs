@@ -18,8 +18,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use rand::seq::SliceRandom;
-use rand::SeedableRng;
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
@@ -84,13 +82,6 @@ fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
         Json(json!({"error": {"message": message.to_string(), "code": status.as_u16()}})),
     )
         .into_response()
-}
-
-/// The dataset in the run's fixed order.
-fn ordered(tasks: &[serde_json::Value], seed: u64) -> Vec<serde_json::Value> {
-    let mut tasks = tasks.to_vec();
-    tasks.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
-    tasks
 }
 
 impl Coordinator {
@@ -431,7 +422,7 @@ pub async fn run(
 
     // The rollout pool over the agent pods.
     let agents = Arc::new(RemoteAgents::new(opts.lease_time));
-    let dataset = Arc::new(ordered(&cfg.tasks, opts.seed));
+    let dataset = Arc::new(crate::run::ordered(&cfg.tasks, opts.seed));
     let (pool, queue) = RolloutPool::start(
         agents.clone(),
         dataset,

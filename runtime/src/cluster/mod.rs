@@ -21,9 +21,11 @@ pub mod agents;
 pub mod coordinator;
 pub mod discovery;
 pub mod protocol;
+#[cfg(feature = "torch")]
 mod publish;
 pub mod remote;
 pub mod status;
+#[cfg(feature = "torch")]
 pub mod trainer;
 
 use std::path::{Path, PathBuf};

@@ -10,17 +10,22 @@
 
 pub mod api;
 pub mod client;
+#[cfg(feature = "torch")]
 pub mod core;
+#[cfg(feature = "torch")]
 pub mod http;
+#[cfg(feature = "torch")]
 mod metrics;
 pub mod npy;
 pub mod sampling;
+#[cfg(feature = "torch")]
 pub mod weights;
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
+#[cfg(feature = "torch")]
 pub use self::core::{EngineHandle, EngineOptions, Event, FinishReason, ModelInfo, PauseMode};
 
 /// An error answered to an API client, in vLLM's JSON error shape:

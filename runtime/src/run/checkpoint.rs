@@ -13,12 +13,12 @@
 //! then does `latest.json` (itself written and renamed) point at it. A run killed at any moment
 //! leaves the previous checkpoint intact.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
+use super::files::{io, sync_file, write_atomic};
 use super::RunError;
 use crate::rollout::RolloutState;
 use crate::trainer::train::Trainer;
@@ -47,24 +47,6 @@ pub struct CheckpointMeta {
     pub rollout: RolloutState,
     /// The run's seed: with the cursor it fixes the task order of every later epoch.
     pub seed: u64,
-}
-
-fn io(what: &str, path: &Path, e: impl std::fmt::Display) -> RunError {
-    RunError::Checkpoint(format!("{what} {}: {e}", path.display()))
-}
-
-fn sync_file(path: &Path) -> Result<(), RunError> {
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| io("syncing", path, e))
-}
-
-/// Writes `text` to `path` atomically (temporary file, sync, rename).
-pub(crate) fn write_atomic(path: &Path, text: &[u8]) -> Result<(), RunError> {
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, text).map_err(|e| io("writing", &tmp, e))?;
-    sync_file(&tmp)?;
-    std::fs::rename(&tmp, path).map_err(|e| io("renaming", &tmp, e))
 }
 
 fn step_dir(root: &Path, step: u64) -> PathBuf {

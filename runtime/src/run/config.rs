@@ -5,10 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use moult_operator::api::{
-    AgentForm, Aggregation as SpecAggregation, Estimator, IsLevel, IsMode, LossKind as SpecLoss,
-    RLRun,
-};
+use moult_operator::api::{AgentForm, Estimator, RLRun};
+#[cfg(feature = "torch")]
+use moult_operator::api::{Aggregation as SpecAggregation, IsLevel, IsMode, LossKind as SpecLoss};
 use serde_json::Value as Json;
 
 use super::judge::{self, JudgeOptions};
@@ -16,12 +15,17 @@ use super::RunError;
 use crate::agents::env::EnvLoopOptions;
 use crate::agents::process::AgentCommand;
 use crate::agents::Agent;
+#[cfg(feature = "torch")]
 use crate::algorithms::correction::{Correction, Level, Mode};
+#[cfg(feature = "torch")]
 use crate::algorithms::losses::Aggregation;
 use crate::chat::ChatSampling;
 use crate::rollout::RolloutOptions;
+#[cfg(feature = "torch")]
 use crate::trainer::optim::{Decay, LrSchedule};
+#[cfg(feature = "torch")]
 use crate::trainer::step::{LossConfig, LossKind};
+#[cfg(feature = "torch")]
 use crate::trainer::train::TrainerOptions;
 
 /// Everything a local run needs, resolved from the manifest.
@@ -39,6 +43,8 @@ pub struct RunConfig {
     pub rollout: RolloutOptions,
     pub partial_rollout: bool,
     pub estimator: Estimator,
+    /// The trainer's settings (only in builds that train).
+    #[cfg(feature = "torch")]
     pub trainer: TrainerOptions,
     pub engines: usize,
     pub total_steps: u64,
@@ -243,6 +249,66 @@ impl Sources {
     }
 }
 
+/// The trainer's settings from the manifest: loss, IS correction (checked), schedule, optimizer.
+#[cfg(feature = "torch")]
+fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunError> {
+    let spec = &run.spec;
+    let algo = &spec.algorithm;
+    let opt = &algo.optimizer;
+    let correction = algo
+        .is_correction
+        .as_ref()
+        .map(|c| {
+            let correction = Correction {
+                level: match c.level {
+                    IsLevel::Token => Level::Token,
+                    IsLevel::Seq => Level::Seq,
+                    IsLevel::Geo => Level::Geo,
+                },
+                mode: match c.mode {
+                    IsMode::Mask => Mode::Mask,
+                    IsMode::Clip => Mode::Clip,
+                    IsMode::Trunc => Mode::Trunc,
+                },
+                low: c.low.unwrap_or(0.0),
+                high: c.high,
+            };
+            correction
+                .validate()
+                .map(|()| correction)
+                .map_err(|e| bad("spec.algorithm.isCorrection", e))
+        })
+        .transpose()?;
+    Ok(TrainerOptions {
+        loss: LossConfig {
+            kind: match algo.loss.kind {
+                SpecLoss::PpoClip => LossKind::Ppo,
+                SpecLoss::Gspo => LossKind::Gspo,
+                SpecLoss::Cispo => LossKind::Cispo,
+            },
+            eps_low: algo.loss.eps_low,
+            eps_high: algo.loss.eps_high,
+            aggregation: match algo.loss.aggregation {
+                SpecAggregation::TokenMean => Aggregation::TokenMean,
+                SpecAggregation::SeqMean => Aggregation::SeqMean,
+            },
+            correction,
+            temperature: spec.rollout.temperature,
+        },
+        schedule: LrSchedule {
+            peak: opt.learning_rate,
+            warmup_steps: u64::from(opt.warmup_steps),
+            total_steps,
+            decay: Decay::Constant,
+            min_ratio: 1.0,
+        },
+        weight_decay: opt.weight_decay,
+        max_grad_norm: opt.max_grad_norm,
+        micro_batch_tokens: 8192,
+        kl_coef: algo.loss.kl_coef,
+    })
+}
+
 impl RunConfig {
     /// The settings of a local run of `run`, whose manifest is in `dir`.
     pub fn new(run: RLRun, dir: &Path) -> Result<Self, RunError> {
@@ -286,30 +352,6 @@ impl RunConfig {
                 "training needs sampling: give a temperature above 0 (1.0 is usual)",
             ));
         }
-        let correction = algo
-            .is_correction
-            .as_ref()
-            .map(|c| {
-                let correction = Correction {
-                    level: match c.level {
-                        IsLevel::Token => Level::Token,
-                        IsLevel::Seq => Level::Seq,
-                        IsLevel::Geo => Level::Geo,
-                    },
-                    mode: match c.mode {
-                        IsMode::Mask => Mode::Mask,
-                        IsMode::Clip => Mode::Clip,
-                        IsMode::Trunc => Mode::Trunc,
-                    },
-                    low: c.low.unwrap_or(0.0),
-                    high: c.high,
-                };
-                correction
-                    .validate()
-                    .map(|()| correction)
-                    .map_err(|e| bad("spec.algorithm.isCorrection", e))
-            })
-            .transpose()?;
         if spec.engines.replicas < 1 {
             return Err(bad(
                 "spec.engines.replicas",
@@ -317,7 +359,6 @@ impl RunConfig {
             ));
         }
         let total_steps = u64::from(spec.total_steps);
-        let opt = &algo.optimizer;
         Ok(Self {
             name,
             model_dir,
@@ -345,34 +386,8 @@ impl RunConfig {
             },
             partial_rollout: algo.partial_rollout,
             estimator: algo.estimator,
-            trainer: TrainerOptions {
-                loss: LossConfig {
-                    kind: match algo.loss.kind {
-                        SpecLoss::PpoClip => LossKind::Ppo,
-                        SpecLoss::Gspo => LossKind::Gspo,
-                        SpecLoss::Cispo => LossKind::Cispo,
-                    },
-                    eps_low: algo.loss.eps_low,
-                    eps_high: algo.loss.eps_high,
-                    aggregation: match algo.loss.aggregation {
-                        SpecAggregation::TokenMean => Aggregation::TokenMean,
-                        SpecAggregation::SeqMean => Aggregation::SeqMean,
-                    },
-                    correction,
-                    temperature: spec.rollout.temperature,
-                },
-                schedule: LrSchedule {
-                    peak: opt.learning_rate,
-                    warmup_steps: u64::from(opt.warmup_steps),
-                    total_steps,
-                    decay: Decay::Constant,
-                    min_ratio: 1.0,
-                },
-                weight_decay: opt.weight_decay,
-                max_grad_norm: opt.max_grad_norm,
-                micro_batch_tokens: 8192,
-                kl_coef: algo.loss.kl_coef,
-            },
+            #[cfg(feature = "torch")]
+            trainer: trainer_options(&run, total_steps)?,
             engines: spec.engines.replicas as usize,
             total_steps,
             checkpoint_every: spec

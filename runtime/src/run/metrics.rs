@@ -92,7 +92,7 @@ impl MetricsLog {
             serde_json::to_writer(&mut text, r).expect("records serialize");
             text.push(b'\n');
         }
-        super::checkpoint::write_atomic(&path, &text)?;
+        super::files::write_atomic(&path, &text)?;
         Ok(Self { path, records })
     }
 

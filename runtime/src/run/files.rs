@@ -1,0 +1,25 @@
+//! Files written so that a crash never leaves half of one: write a temporary file, sync it,
+//! rename it over the old one.
+
+use std::fs::File;
+use std::path::Path;
+
+use super::RunError;
+
+pub(crate) fn io(what: &str, path: &Path, e: impl std::fmt::Display) -> RunError {
+    RunError::Checkpoint(format!("{what} {}: {e}", path.display()))
+}
+
+pub(crate) fn sync_file(path: &Path) -> Result<(), RunError> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| io("syncing", path, e))
+}
+
+/// Writes `text` to `path` atomically (temporary file, sync, rename).
+pub(crate) fn write_atomic(path: &Path, text: &[u8]) -> Result<(), RunError> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, text).map_err(|e| io("writing", &tmp, e))?;
+    sync_file(&tmp)?;
+    std::fs::rename(&tmp, path).map_err(|e| io("renaming", &tmp, e))
+}
