@@ -7,6 +7,9 @@
 //! transfer, resume) → log → checkpoint. Generation never stops for training: the rollout pool
 //! keeps up to `maxStaleness + 1` batches in flight, so episodes for the next step run while this
 //! one trains (`--sync` turns that off for comparison).
+//!
+//! Without the `torch` feature (the agent-pod build) only what pods that do not train need is
+//! here: the manifest's settings ([`config`]), metrics records ([`metrics`]) and [`judge`].
 
 #[cfg(feature = "torch")]
 pub mod checkpoint;
