@@ -224,6 +224,12 @@ impl<'a> Ctx<'a> {
         let namespace = run
             .namespace()
             .ok_or_else(|| InvalidSpec("the RLRun has no namespace".into()))?;
+        if run.spec.judge.is_some() {
+            // Refused here, with the reason in the status, rather than by crash-looping pods.
+            return Err(InvalidSpec(
+                "spec.judge: LLM-as-judge rewards run under `moult run` only so far; the operator does not serve the judge model on a cluster yet (remove spec.judge to run here)".into(),
+            ));
+        }
         let mut scaled = run.spec.clone();
         scaled.engines.replicas = 0;
         scaled.agent.replicas = 0;

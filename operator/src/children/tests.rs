@@ -224,6 +224,22 @@ fn the_trainer_mounts_the_teacher_of_distillation() {
 }
 
 #[test]
+fn a_judge_run_is_refused_with_the_field_named() {
+    let mut run = example_run();
+    run.spec.judge = Some(
+        serde_json::from_value(serde_json::json!({
+            "path": "judge", "prompt": "Is {reply} right? Answer yes or no."
+        }))
+        .unwrap(),
+    );
+    let err = desired(&run, &Images::default(), "t")
+        .err()
+        .expect("refused")
+        .0;
+    assert!(err.starts_with("spec.judge:"), "{err}");
+}
+
+#[test]
 fn every_pod_runs_as_non_root_without_capabilities() {
     let c = build(&example_run());
     let templates = [
