@@ -232,10 +232,9 @@ fn a_judge_run_is_refused_with_the_field_named() {
         }))
         .unwrap(),
     );
-    let err = desired(&run, &Images::default(), "t")
-        .err()
-        .expect("refused")
-        .0;
+    let Err(InvalidSpec(err)) = desired(&run, &Images::default(), "t") else {
+        panic!("a judge run was built");
+    };
     assert!(err.starts_with("spec.judge:"), "{err}");
 }
 
