@@ -15,6 +15,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use crate::engine::ApiError;
+
 /// The environment variable that holds the token.
 pub const TOKEN_ENV: &str = "MOULT_TOKEN";
 
@@ -75,16 +77,15 @@ async fn check(request: Request, next: Next) -> Response {
             if !open(request.uri().path())
                 && !authorized(request.headers().get(header::AUTHORIZATION), t) =>
         {
-            (
+            let mut response = ApiError::new(
                 StatusCode::UNAUTHORIZED,
-                [(header::WWW_AUTHENTICATE, "Bearer")],
-                axum::Json(serde_json::json!({"error": {
-                    "message": format!("this endpoint needs the run's token: send `Authorization: Bearer ${TOKEN_ENV}`"),
-                    "type": "unauthorized",
-                    "code": 401,
-                }})),
+                format!("this endpoint needs the run's token: send `Authorization: Bearer ${TOKEN_ENV}`"),
             )
-                .into_response()
+            .into_response();
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            response
         }
         _ => next.run(request).await,
     }

@@ -27,6 +27,7 @@ use super::protocol::{
 };
 use super::remote::RemoteAgents;
 use super::status::Report;
+use crate::engine::ApiError;
 use crate::rollout::{fill_batch, Group, RolloutPool, RolloutState};
 use crate::router::{policy, server, EnginePool, HealthOptions, Router};
 use crate::run::config::{RunConfig, Sources};
@@ -76,12 +77,9 @@ struct Coordinator {
 
 type Shared = State<Arc<Coordinator>>;
 
+/// An error in the engine API's shape (the coordinator serves that API too).
 fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
-    (
-        status,
-        Json(json!({"error": {"message": message.to_string(), "code": status.as_u16()}})),
-    )
-        .into_response()
+    ApiError::new(status, message.to_string()).into_response()
 }
 
 impl Coordinator {

@@ -63,6 +63,7 @@ impl ApiError {
     fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY => "BadRequestError",
+            StatusCode::UNAUTHORIZED => "AuthenticationError",
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::CONFLICT => "ConflictError",
             StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
