@@ -10,23 +10,18 @@ shared/fixtures/tiny_bpe, the Qwen3 chat template, tokenizer_config.json, genera
 Deterministic; skips the work when OUT_DIR was made by this very script (make_teacher.sha256).
 """
 
-import hashlib
-import json
 import os
 import random
-import shutil
 import sys
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "fixtures"))
-TOKENIZER = os.path.join(FIXTURES, "tiny_bpe", "tiny_bpe_tokenizer.json")
-TEMPLATE = os.path.join(FIXTURES, "qwen3_chat_template.jinja")
+sys.path.insert(0, os.path.join(HERE, ".."))  # tiny_qwen3: what the recipes' model scripts share
+import tiny_qwen3  # noqa: E402
+from tiny_qwen3 import EOS, tokenizer  # noqa: E402
 ENV = os.path.join(HERE, "..", "successor", "env.py")
-EOS_TEXT = "<|im_end|>"
-EOS = 2002
 TURNS = 3
 STEPS = 300
 
@@ -52,13 +47,6 @@ CONFIG = dict(
 )
 
 
-def tokenizer():
-    tok = PreTrainedTokenizerFast(tokenizer_file=TOKENIZER, eos_token=EOS_TEXT, pad_token="<|endoftext|>")
-    with open(TEMPLATE) as f:
-        tok.chat_template = f.read()
-    return tok
-
-
 def episode(tok, digits):
     """Token ids of a whole episode with the right answers, and the positions of the answers'
     tokens (each answer digit and its <|im_end|>): an answer starts where the rendering of the
@@ -75,22 +63,15 @@ def episode(tok, digits):
 
 
 def fingerprint():
-    h = hashlib.sha256()
-    for path in (os.path.abspath(__file__), ENV, TOKENIZER, TEMPLATE):
-        with open(path, "rb") as f:
-            h.update(f.read())
-    h.update(torch.__version__.encode())
-    return h.hexdigest()
+    return tiny_qwen3.fingerprint([os.path.abspath(__file__), ENV])
 
 
 def main():
     if len(sys.argv) != 2:
         raise SystemExit("usage: python make_teacher.py OUT_DIR")
     out = sys.argv[1]
-    stamp = os.path.join(out, "make_teacher.sha256")
     digest = fingerprint()
-    if os.path.exists(stamp) and open(stamp).read().strip() == digest:
-        print(f"make_teacher: {out} is current")
+    if tiny_qwen3.is_current(out, "make_teacher", digest):
         return
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -121,17 +102,7 @@ def main():
     print(f"make_teacher: greedy answers right {right}/30")
     if right < 29:
         raise SystemExit("make_teacher: the teacher did not learn the task")
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    shutil.copyfile(TOKENIZER, os.path.join(out, "tokenizer.json"))
-    shutil.copyfile(TEMPLATE, os.path.join(out, "chat_template.jinja"))
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": EOS_TEXT, "pad_token": "<|endoftext|>"}, f)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [EOS, 2000]}, f)
-    with open(stamp, "w") as f:
-        f.write(digest + "\n")
-    print(f"make_teacher: wrote {out}")
+    tiny_qwen3.save(model, out, "make_teacher", digest)
 
 
 if __name__ == "__main__":

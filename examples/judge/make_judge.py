@@ -18,25 +18,20 @@ tokenizer_config.json). Deterministic; skips the work when OUT_DIR was made by t
 for the same prompt (script, fixtures and prompt recorded in OUT_DIR/make_judge.sha256).
 """
 
-import hashlib
-import json
 import math
 import os
 import random
-import shutil
 import sys
 
 import torch
 import yaml
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "fixtures"))
-TOKENIZER = os.path.join(FIXTURES, "tiny_bpe", "tiny_bpe_tokenizer.json")
-TEMPLATE = os.path.join(FIXTURES, "qwen3_chat_template.jinja")
+sys.path.insert(0, os.path.join(HERE, ".."))  # tiny_qwen3: what the recipes' model scripts share
+import tiny_qwen3  # noqa: E402
+from tiny_qwen3 import EOS, tokenizer  # noqa: E402
 MANIFEST = os.path.join(HERE, "rlrun.yaml")
-EOS_TEXT = "<|im_end|>"
-EOS = 2002  # <|im_end|>
 
 CONFIG = dict(
     vocab_size=2003,  # tiny_bpe: 2000 tokens + <|endoftext|>, <|im_start|>, <|im_end|>
@@ -77,13 +72,6 @@ def fill(prompt, digit, answer):
     # moult fills the placeholders in one pass; these two do not occur in a digit or an answer
     # made here, so replacing one after the other is the same.
     return prompt.replace("{task.digit}", str(digit)).replace("{response}", answer)
-
-
-def tokenizer():
-    tok = PreTrainedTokenizerFast(tokenizer_file=TOKENIZER, eos_token=EOS_TEXT, pad_token="<|endoftext|>")
-    with open(TEMPLATE) as f:
-        tok.chat_template = f.read()
-    return tok
 
 
 class Encoder:
@@ -208,13 +196,7 @@ def evaluate(model, enc):
 
 
 def fingerprint(prompt):
-    h = hashlib.sha256()
-    for path in (os.path.abspath(__file__), TOKENIZER, TEMPLATE):
-        with open(path, "rb") as f:
-            h.update(f.read())
-    h.update(prompt.encode())
-    h.update(torch.__version__.encode())
-    return h.hexdigest()
+    return tiny_qwen3.fingerprint([os.path.abspath(__file__)], prompt.encode())
 
 
 def main():
@@ -222,10 +204,8 @@ def main():
         raise SystemExit("usage: python make_judge.py OUT_DIR")
     out = sys.argv[1]
     prompt = judge_prompt()
-    stamp = os.path.join(out, "make_judge.sha256")
     digest = fingerprint(prompt)
-    if os.path.exists(stamp) and open(stamp).read().strip() == digest:
-        print(f"make_judge: {out} is current")
+    if tiny_qwen3.is_current(out, "make_judge", digest):
         return
     torch.use_deterministic_algorithms(True)
     # One thread: the batches are small, and a fixed count keeps the float sums (hence the
@@ -236,17 +216,7 @@ def main():
     print(f"make_judge: chance is ln 2 = {math.log(2):.4f} on the first verdict token")
     model = train(enc, rng)
     evaluate(model, enc)
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    shutil.copyfile(TOKENIZER, os.path.join(out, "tokenizer.json"))
-    shutil.copyfile(TEMPLATE, os.path.join(out, "chat_template.jinja"))
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": EOS_TEXT, "pad_token": "<|endoftext|>"}, f)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [EOS, 2000]}, f)
-    with open(stamp, "w") as f:
-        f.write(digest + "\n")
-    print(f"make_judge: wrote {out}")
+    tiny_qwen3.save(model, out, "make_judge", digest)
 
 
 if __name__ == "__main__":

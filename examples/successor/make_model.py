@@ -35,23 +35,18 @@ its content alone. The training sequences are built from those per-turn pieces, 
 against transformers' `apply_chat_template`.
 """
 
-import hashlib
-import json
 import math
 import os
 import random
-import shutil
 import sys
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "fixtures"))
-TOKENIZER = os.path.join(FIXTURES, "tiny_bpe", "tiny_bpe_tokenizer.json")
-TEMPLATE = os.path.join(FIXTURES, "qwen3_chat_template.jinja")
-EOS_TEXT = "<|im_end|>"
-EOS = 2002  # <|im_end|>
+sys.path.insert(0, os.path.join(HERE, ".."))  # tiny_qwen3: what the recipes' model scripts share
+import tiny_qwen3  # noqa: E402
+from tiny_qwen3 import EOS, EOS_TEXT, tokenizer  # noqa: E402
 TURNS = 3
 
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "runtime", "python")]  # env.py imports moult
@@ -83,13 +78,6 @@ CONFIG = dict(
 STEPS = 200
 BATCH = 64
 LR = 3e-3
-
-
-def tokenizer():
-    tok = PreTrainedTokenizerFast(tokenizer_file=TOKENIZER, eos_token=EOS_TEXT, pad_token="<|endoftext|>")
-    with open(TEMPLATE) as f:
-        tok.chat_template = f.read()
-    return tok
 
 
 def render_turns(tok, observations, replies):
@@ -220,22 +208,15 @@ def evaluate(model, task, skill):
 
 
 def fingerprint():
-    h = hashlib.sha256()
-    for path in (os.path.abspath(__file__), os.path.join(HERE, "env.py"), TOKENIZER, TEMPLATE):
-        with open(path, "rb") as f:
-            h.update(f.read())
-    h.update(torch.__version__.encode())
-    return h.hexdigest()
+    return tiny_qwen3.fingerprint([os.path.abspath(__file__), os.path.join(HERE, "env.py")])
 
 
 def main():
     if len(sys.argv) != 2:
         raise SystemExit("usage: python make_model.py OUT_DIR")
     out = sys.argv[1]
-    stamp = os.path.join(out, "make_model.sha256")
     digest = fingerprint()
-    if os.path.exists(stamp) and open(stamp).read().strip() == digest:
-        print(f"make_model: {out} is current")
+    if tiny_qwen3.is_current(out, "make_model", digest):
         return
     torch.use_deterministic_algorithms(True)
     # One thread: the batches are small, so more threads mostly wait on each other (and a
@@ -248,17 +229,7 @@ def main():
     skill.check(tok, rng)
     model = train(task, skill, rng)
     evaluate(model, task, skill)
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    shutil.copyfile(TOKENIZER, os.path.join(out, "tokenizer.json"))
-    shutil.copyfile(TEMPLATE, os.path.join(out, "chat_template.jinja"))
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": EOS_TEXT, "pad_token": "<|endoftext|>"}, f)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [EOS, 2000]}, f)
-    with open(stamp, "w") as f:
-        f.write(digest + "\n")
-    print(f"make_model: wrote {out}")
+    tiny_qwen3.save(model, out, "make_model", digest)
 
 
 if __name__ == "__main__":
