@@ -241,7 +241,8 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     // Its groups are done with: their admission slots go back to generation.
     t.pending.clear();
     drop(t);
-    c.published(commit.version);
+    // The engines serve the step's version now; the report below carries it with the step.
+    c.pool.set_version(commit.version);
     let r = &commit.record;
     {
         let mut s = c.status.lock().expect("status lock");
