@@ -1,6 +1,6 @@
 """What the recipes' model scripts share (successor/make_model.py, distill/make_teacher.py,
 judge/make_judge.py, chat-tools/make_model.py): the tiny BPE tokenizer and the Qwen3 chat
-template from shared/fixtures, the fingerprint that makes a script do nothing when its output is
+template from tests/fixtures, the fingerprint that makes a script do nothing when its output is
 current, and the model folder every script writes (a servable Hugging Face folder).
 
 A script imports it with its parent folder on sys.path:
@@ -15,7 +15,7 @@ import shutil
 import torch
 from transformers import PreTrainedTokenizerFast
 
-FIXTURES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "fixtures"))
+FIXTURES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"))
 TOKENIZER = os.path.join(FIXTURES, "tiny_bpe", "tiny_bpe_tokenizer.json")
 TEMPLATE = os.path.join(FIXTURES, "qwen3_chat_template.jinja")
 EOS_TEXT = "<|im_end|>"

@@ -9,13 +9,12 @@ reward of about 0.2); RL has to learn to call a tool, and `weather` among them.
 Usage: python make_model.py OUT_DIR
 
 Writes OUT_DIR/ (config.json, model.safetensors, generation_config.json, tokenizer.json from
-shared/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from shared/fixtures,
+tests/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from tests/fixtures,
 tokenizer_config.json). Deterministic; skips the work when OUT_DIR was made by this very script
 (same script, agent, tasks and fixtures, recorded in OUT_DIR/make_model.sha256).
 
 Rendering. The loopback server renders each request with the chat template and tokenizes only
-what the rendering adds after the previous rendering and the text of the sampled ids (DESIGN
-§4.2). With the Qwen3 template and tools an episode is one segment:
+what the rendering adds after the previous rendering and the text of the sampled ids (docs/loopback.md). With the Qwen3 template and tools an episode is one segment:
 
     [system: # Tools ... <tools>...</tools> ...][user: question][assistant\n]   rendered whole
     <tool_call>\n{"name": "weather", "arguments": {}}\n</tool_call><|im_end|>     sampled

@@ -6,7 +6,7 @@ examples/successor/env.py as user messages, no system prompt), with the right an
 Usage: python make_teacher.py OUT_DIR
 
 Writes a Hugging Face folder (config.json, model.safetensors, tokenizer.json from
-shared/fixtures/tiny_bpe, the Qwen3 chat template, tokenizer_config.json, generation_config.json).
+tests/fixtures/tiny_bpe, the Qwen3 chat template, tokenizer_config.json, generation_config.json).
 Deterministic; skips the work when OUT_DIR was made by this very script (make_teacher.sha256).
 """
 

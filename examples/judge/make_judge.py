@@ -13,7 +13,7 @@ At the end the judge answers all 100 pairs greedily (as `moult run` asks it, tem
 the script prints its accuracy; it fails unless every pair is right.
 
 Writes OUT_DIR/ (config.json, model.safetensors, generation_config.json, tokenizer.json from
-shared/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from shared/fixtures,
+tests/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from tests/fixtures,
 tokenizer_config.json). Deterministic; skips the work when OUT_DIR was made by this very script
 for the same prompt (script, fixtures and prompt recorded in OUT_DIR/make_judge.sha256).
 """

@@ -22,13 +22,13 @@ keeps the reward at 0.7-0.9.
 Usage: python make_model.py OUT_DIR
 
 Writes OUT_DIR/ (config.json, model.safetensors, generation_config.json, tokenizer.json from
-shared/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from shared/fixtures,
+tests/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from tests/fixtures,
 tokenizer_config.json). Deterministic; does nothing when OUT_DIR was made by this very script
 (same script, env.py and fixtures, recorded in OUT_DIR/make_model.sha256).
 
 Rendering. The env loop sends the observations as user messages with no system prompt and no
 `enable_thinking`, and its loopback server tokenizes only what each turn's rendering adds after
-the previous rendering plus the sampled ids (DESIGN §4.2). With the Qwen3 template that makes
+the previous rendering plus the sampled ids (docs/loopback.md). With the Qwen3 template that makes
 one segment per episode: the generation prompt is a bare `<|im_start|>assistant\\n` (the empty
 think block comes only with `enable_thinking` false), and an earlier assistant turn renders as
 its content alone. The training sequences are built from those per-turn pieces, checked here

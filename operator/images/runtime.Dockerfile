@@ -1,6 +1,6 @@
 # The runtime image: the `moult` binary with libtorch and CUDA, for engines (built-in backend),
 # trainer and coordinator pods. tch links against the libtorch inside the PyPI torch wheel
-# (tch 0.26 <-> torch 2.13.0, DESIGN §8); the Linux wheel brings CUDA through the nvidia-* wheels.
+# (tch 0.26 <-> torch 2.13.0, docs/architecture.md#testing-against-real-things); the Linux wheel brings CUDA through the nvidia-* wheels.
 # Build from the repository root:
 #   docker build -f operator/images/runtime.Dockerfile -t ghcr.io/moult-dev/moult:0.1.0 .
 FROM python:3.12.12-slim-bookworm AS torch

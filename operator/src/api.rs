@@ -115,7 +115,7 @@ pub struct ModelSpec {
     pub max_model_len: Option<u32>,
 }
 
-/// How an agent is written (DESIGN §4.3).
+/// How an agent is written (docs/agents.md).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
 pub enum AgentForm {
     /// Gymnasium-shaped `reset`/`step`; the framework owns the LLM loop.
@@ -278,7 +278,7 @@ impl Default for TrainerSpec {
     }
 }
 
-/// Advantage estimators (DESIGN §6).
+/// Advantage estimators (docs/algorithms.md).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
 pub enum Estimator {
     /// Group-normalised advantages.
@@ -295,7 +295,7 @@ pub enum Estimator {
     OnPolicyDistillation,
 }
 
-/// Policy losses (DESIGN §6).
+/// Policy losses (docs/algorithms.md).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
 pub enum LossKind {
     /// PPO clip with asymmetric ε.
@@ -375,7 +375,7 @@ pub enum IsMode {
     Trunc,
 }
 
-/// Off-policy importance-sampling correction (Molt's level × mode scheme, DESIGN §6).
+/// Off-policy importance-sampling correction (Molt's level × mode scheme, docs/algorithms.md).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.level == 'Token' || self.mode == 'Mask'").message(

@@ -36,7 +36,7 @@ fn models() -> (PathBuf, PathBuf) {
     let qwen = dir.join("qwen3-0.6b-random");
     if !qwen.join("model.safetensors").exists() {
         eprintln!("creating a Qwen3-0.6B-shaped model with random weights (transformers)...");
-        let config = root().join("../shared/fixtures/qwen3_0.6b_config.json");
+        let config = root().join("tests/fixtures/qwen3_0.6b_config.json");
         run_python(&[
             root()
                 .join("tests/python/make_random_model.py")

@@ -1,4 +1,4 @@
-//! The per-run token of a cluster run (DESIGN §7: internal endpoints need it).
+//! The per-run token of a cluster run (docs/operator.md: internal endpoints need it).
 //!
 //! The operator puts a random token in a Secret and every pod of the run gets it as
 //! `MOULT_TOKEN`. When it is set, every HTTP server of the process (engine, router, coordinator,

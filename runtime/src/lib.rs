@@ -1,7 +1,7 @@
 //! The moult runtime: the model code and the built-in engine, a vLLM-compatible
-//! token-in/token-out server on libtorch (DESIGN §4.1, §5); chat templates and tokenizers; the
-//! loopback server agents talk to, with exact token accounting (DESIGN §4.2); the two agent
-//! forms and the agent pool (DESIGN §4.3).
+//! token-in/token-out server on libtorch (docs/engine.md); chat templates and tokenizers; the
+//! loopback server agents talk to, with exact token accounting (docs/loopback.md); the two agent
+//! forms and the agent pool (docs/agents.md).
 
 pub mod agents;
 #[cfg(feature = "torch")]

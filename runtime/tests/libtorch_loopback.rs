@@ -1,5 +1,5 @@
 //! The loopback server against the built-in engine with a tiny chat model, driven by the real
-//! `openai` and `anthropic` Python SDKs (DESIGN §4.2, §8): token identity, observation tokens as
+//! `openai` and `anthropic` Python SDKs (docs/loopback.md): token identity, observation tokens as
 //! transformers renders them, segments sealing on compaction and Qwen3 think-stripping, retries
 //! recorded once, protocol-shaped errors, and no engine request outliving its client.
 

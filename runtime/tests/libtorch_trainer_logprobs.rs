@@ -1,4 +1,4 @@
-//! Forward consistency (DESIGN §3 invariant 3) on the trainer's side: the log-probabilities the
+//! Forward consistency (docs/architecture.md#the-three-invariants) on the trainer's side: the log-probabilities the
 //! trainer recomputes for sampled tokens, in one packed, differentiable forward, equal the
 //! behaviour logprobs the engine reported (dense, and MoE with routing replayed), and gradients
 //! reach the weights; without routing replay, a MoE forward that routes a token differently
@@ -253,7 +253,7 @@ async fn libtorch_trainer_replays_moe_routing_to_the_engines_logprobs() {
     tch::no_grad(|| check(&model, &samples, 1.0, true));
 }
 
-/// DESIGN §3 invariant 3, measured: without replay, engine and trainer logprobs differ wherever
+/// docs/architecture.md#the-three-invariants, measured: without replay, engine and trainer logprobs differ wherever
 /// the two forwards route a token differently; replaying the engine's routing removes it. With
 /// the tiny MoE model as it is, float32 rounding never flips a routing (both forwards agree
 /// without replay); with near-tied routers (see [`near_tied_moe`]) it does, and the test fails

@@ -1,5 +1,5 @@
 //! The Hermes tool-call parser on real model output: the streams vLLM produced for Qwen3-0.6B with
-//! tools (`../shared/fixtures/vllm_recorded/`, captured by Dynamo with its expected parse). The
+//! tools (`tests/fixtures/vllm_recorded/`, captured by Dynamo with its expected parse). The
 //! concatenated text must yield the recorded tool calls, and streaming it delta by delta must never
 //! send any part of a `<tool_call>` block as content.
 
@@ -9,7 +9,7 @@ use moult_runtime::chat::{Hermes, ToolCallParser};
 use serde_json::Value;
 
 fn recordings() -> Vec<(String, Value)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/vllm_recorded");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vllm_recorded");
     let mut out: Vec<(String, Value)> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())

@@ -1,5 +1,5 @@
 //! Chat-template rendering matches transformers' `apply_chat_template` renderer byte for byte,
-//! for every real template in `../shared/fixtures` over conversations with system prompts,
+//! for every real template in `tests/fixtures` over conversations with system prompts,
 //! multi-turn history, tools and tool calls, reasoning, and non-ASCII text (needs the Python
 //! virtualenv with transformers).
 
@@ -65,7 +65,7 @@ const TEMPLATES: [&str; 8] = [
 ];
 
 fn fixtures() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
 
 #[test]

@@ -18,7 +18,7 @@ fn transformers_qwen3_tokenizer_encodes_identically() {
     let model = dir.join("model");
     std::fs::copy(
         Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/fixtures/qwen3_tokenizer_config.json"),
+            .join("../tests/fixtures/qwen3_tokenizer_config.json"),
         dir.join("tokenizer_config.json"),
     )
     .unwrap();

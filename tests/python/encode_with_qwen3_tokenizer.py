@@ -14,7 +14,7 @@ import tempfile
 from transformers import AutoTokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "fixtures"))
+FIXTURES = os.path.normpath(os.path.join(HERE, "..", "fixtures"))
 
 
 def main():

@@ -6,10 +6,10 @@ engine and know what must come back.
 Usage: python make_chat_model.py OUT_DIR
 
 Writes OUT_DIR/qwen3-tiny-chat/ (config.json, model.safetensors, tokenizer.json from
-shared/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from shared/fixtures,
+tests/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from tests/fixtures,
 tokenizer_config.json, generation_config.json) and OUT_DIR/qwen3-tiny-chat/expected.json: for
 each conversation, the segments the loopback server must record, rendered with transformers'
-`apply_chat_template` and tokenized with transformers' tokenizer (DESIGN §4.2 accounting: a turn
+`apply_chat_template` and tokenized with transformers' tokenizer (docs/loopback.md accounting: a turn
 continues the segment when its rendering starts with the previous rendering plus the sampled
 text; only the new text is tokenized).
 """
@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "fixtures"))
+FIXTURES = os.path.normpath(os.path.join(HERE, "..", "fixtures"))
 EOS = 2002  # <|im_end|>
 EOS_TEXT = "<|im_end|>"
 

@@ -4,7 +4,7 @@ reference logits our forward must reproduce.
 Usage: python make_tiny_models.py OUT_DIR
 
 Writes OUT_DIR/{qwen3-tiny,qwen3-moe-tiny}/ (config.json, safetensors weights (the MoE one sharded), tokenizer files from
-shared/fixtures/tiny_bpe) and OUT_DIR/<model>/reference.safetensors with, for each prompt i,
+tests/fixtures/tiny_bpe) and OUT_DIR/<model>/reference.safetensors with, for each prompt i,
 `prompt_i` (int64 ids) and `logits_i` (float32, [len, vocab]); for the MoE model also
 `experts_i` ([len, sparse_layers, top_k] int64, transformers' top-k routing).
 """
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-FIXTURES = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "fixtures"))
+FIXTURES = os.path.normpath(os.path.join(HERE, "..", "fixtures"))
 VOCAB = 2003  # tiny_bpe: 2000 tokens + <|endoftext|>, <|im_start|>, <|im_end|>
 EOS = 2002  # <|im_end|>
 PROMPT_LENGTHS = [1, 5, 17, 40]

@@ -80,7 +80,7 @@ pub(crate) fn engine_service(ctx: &Ctx) -> Service {
     service(ctx, "engine", ENGINE_PORT, true)
 }
 
-/// The engine pool: vLLM with the flags moult needs (DESIGN §4.1), or `moult engine`.
+/// The engine pool: vLLM with the flags moult needs (docs/engine.md), or `moult engine`.
 pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
     let spec = &ctx.run.spec;
     let e = &spec.engines;

@@ -125,7 +125,7 @@ pub fn qwen3_width_model(layers: usize) -> std::path::PathBuf {
         .join("bench-models")
         .join(format!("qwen3-0.6b-width-{layers}-layers"));
     if !dir.join("model.safetensors").exists() {
-        let fixture = root().join("../shared/fixtures/qwen3_0.6b_config.json");
+        let fixture = root().join("tests/fixtures/qwen3_0.6b_config.json");
         let mut config: Value =
             serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
         config["num_hidden_layers"] = json!(layers);

@@ -1,4 +1,4 @@
-//! The `Env` agent form (DESIGN §4.3): a Gymnasium-shaped environment; the framework owns the LLM
+//! The `Env` agent form (docs/agents.md): a Gymnasium-shaped environment; the framework owns the LLM
 //! loop. Environments are Rust types implementing [`Env`], or external processes speaking the JSON
 //! protocol of [`super::process::ExternalEnv`].
 

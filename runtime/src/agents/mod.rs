@@ -1,4 +1,4 @@
-//! Agents (DESIGN §4.3) and the agent pool that runs their episodes.
+//! Agents (docs/agents.md) and the agent pool that runs their episodes.
 //!
 //! - [`env`]: the `Env` form (Gymnasium-shaped; the framework owns the LLM loop), as a Rust trait
 //!   with built-in envs;

@@ -1,4 +1,4 @@
-//! Advantage estimators (DESIGN §6). Rewards are per sequence; an advantage per sequence is
+//! Advantage estimators (docs/algorithms.md). Rewards are per sequence; an advantage per sequence is
 //! broadcast to its tokens by the loss.
 
 use tch::Tensor;

@@ -1,5 +1,5 @@
 //! Off-policy (importance-sampling) correction between the behaviour policy μ that sampled and
-//! π_old the trainer recomputes, Molt's level × mode scheme (DESIGN §6).
+//! π_old the trainer recomputes, Molt's level × mode scheme (docs/algorithms.md).
 //!
 //! With ρ_t = π_old(a_t)/μ(a_t) and a level's statistic u:
 //! - level `token`: u_t = ρ_t; `seq`: u = Π_t ρ_t; `geo`: u = exp(mean_t log ρ_t);
@@ -42,7 +42,7 @@ pub struct Correction {
 }
 
 impl Correction {
-    /// Refuses combinations DESIGN §6 rules out, naming what is accepted.
+    /// Refuses combinations docs/algorithms.md rules out, naming what is accepted.
     pub fn validate(&self) -> Result<(), String> {
         if matches!(self.level, Level::Seq | Level::Geo) && self.mode != Mode::Mask {
             return Err(format!(

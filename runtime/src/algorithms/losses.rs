@@ -1,4 +1,4 @@
-//! Policy losses (DESIGN §6). Inputs are `[batch, time]`: `logp` the current policy's
+//! Policy losses (docs/algorithms.md). Inputs are `[batch, time]`: `logp` the current policy's
 //! log-probabilities of the sampled tokens (with gradient), `logp_old` π_old's (no gradient),
 //! `advantages` per token (a sequence's advantage repeated over its tokens, or per-token ones),
 //! `coef` the IS-correction coefficients ([`super::correction`], no gradient), and `mask`.

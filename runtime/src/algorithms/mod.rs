@@ -1,5 +1,5 @@
-//! The RL algorithms of DESIGN §6 as pure functions over tensors, each with its formula, each
-//! tested against a plain loop over numbers (`tests.rs`). The trainer (issue 6) composes them.
+//! The RL algorithms (docs/algorithms.md) as pure functions over tensors, each with its formula, each
+//! tested against a plain loop over numbers (`tests.rs`). The trainer composes them.
 //!
 //! Notation: μ the behaviour (engine) policy, π_old the trainer's recomputation at batch start,
 //! π_θ the current policy; ρ_t = π_old(a_t)/μ(a_t), r_t = π_θ(a_t)/π_old(a_t). Per-token tensors

@@ -1,5 +1,5 @@
 //! Chat: rendering conversations into the text the model was trained on, and that text into token
-//! ids, exactly as Hugging Face transformers does (DESIGN §4.2); the internal chat request both
+//! ids, exactly as Hugging Face transformers does (docs/loopback.md); the internal chat request both
 //! protocols map onto; tool calls in model output; incremental detokenization for streaming.
 
 mod detok;

@@ -5,7 +5,7 @@
 //! `json.dumps`), and the globals `raise_exception` and `strftime_now`; it passes `messages`,
 //! `tools`, `documents`, `add_generation_prompt`, the special tokens and any extra keyword
 //! (`enable_thinking`). minijinja's defaults differ on each of these, so each is set here, and
-//! the parity tests against transformers are the judge (DESIGN §4.2).
+//! the parity tests against transformers are the judge (docs/loopback.md).
 
 use std::path::Path;
 

@@ -1,4 +1,4 @@
-//! Cluster mode (DESIGN §1, §5, §7): each role of a run as its own process, in the pods the
+//! Cluster mode (docs/architecture.md): each role of a run as its own process, in the pods the
 //! operator makes, wired over the network with the run's token ([`crate::auth`]).
 //!
 //! - `moult coordinator` ([`coordinator`]): the router in front of the engines it finds through

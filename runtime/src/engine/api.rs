@@ -1,4 +1,4 @@
-//! The JSON shapes of the engine API (DESIGN §4.1, vLLM's `/inference/v1/generate` and weight
+//! The JSON shapes of the engine API (docs/engine.md, vLLM's `/inference/v1/generate` and weight
 //! transfer endpoints), and the checks that turn a request into a validated job.
 //!
 //! Unknown fields are refused with their name: a misspelt `max_token` silently ignored would

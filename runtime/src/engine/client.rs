@@ -1,4 +1,4 @@
-//! A client of the engine API (DESIGN §4.1) for token-in/token-out generation: the built-in
+//! A client of the engine API (docs/engine.md) for token-in/token-out generation: the built-in
 //! engine, vLLM or the router in front of either, all the same over HTTP. A generation may carry
 //! a session id (header [`SESSION_HEADER`]) so that a router keeps a session on one engine.
 //!

@@ -1,4 +1,4 @@
-//! The engine's HTTP API (DESIGN §4.1): vLLM's token-in/token-out generate endpoint, pause and
+//! The engine's HTTP API (docs/engine.md): vLLM's token-in/token-out generate endpoint, pause and
 //! resume, the weight-transfer control plane, health and metrics. Every error leaves in vLLM's
 //! JSON error shape via [`ApiError`]; nothing a client sends can reach a panic.
 
@@ -350,7 +350,7 @@ async fn init_weight_transfer_engine(
     if info.nccl_unique_id_b64.is_some() {
         return Err(ApiError::new(
             StatusCode::NOT_IMPLEMENTED,
-            "the NCCL weight-transfer data plane is not in the built-in engine yet (issue 5: weight sync); use the TCP data plane (master_address, master_port)",
+            "the built-in engine takes weights over TCP only (init_info.master_address, master_port); the NCCL data plane is for vLLM engines on GPUs (docs/weight-sync.md)",
         )
         .with_param("init_info.nccl_unique_id_b64"));
     }

@@ -1,5 +1,5 @@
 //! The built-in engine: continuous-batching generation on libtorch behind vLLM's own HTTP API
-//! (DESIGN §4.1, §5), so that it and an unmodified vLLM server are interchangeable.
+//! (docs/engine.md), so that it and an unmodified vLLM server are interchangeable.
 //!
 //! - [`core`] owns the model on a dedicated thread: the batch, the KV caches, sampling, pause
 //!   states and weight swaps. Everything else talks to it through [`EngineHandle`].

@@ -1,4 +1,4 @@
-//! The TCP weight-transfer data plane, both ends (DESIGN §4.1).
+//! The TCP weight-transfer data plane, both ends (docs/engine.md).
 //!
 //! The trainer (rank 0) listens; each engine, told where by `POST /init_weight_transfer_engine`,
 //! connects and announces its rank and the run's token (`MOULTHI1`, u32 LE rank, u16 LE length,

@@ -1,6 +1,6 @@
 //! Anthropic messages onto the internal chat request, and the answer back in the shapes the
 //! `anthropic` SDK reads: a `message` object, or the `message_start` … `message_stop` event
-//! stream (as in `shared/fixtures/anthropic_sse/`).
+//! stream (as in `tests/fixtures/anthropic_sse/`).
 
 use std::sync::Arc;
 

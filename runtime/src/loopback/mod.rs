@@ -1,4 +1,4 @@
-//! The loopback server (DESIGN §4.2): what agents talk to, bound to 127.0.0.1 only.
+//! The loopback server (docs/loopback.md): what agents talk to, bound to 127.0.0.1 only.
 //!
 //! - `POST /s/{session}/v1/chat/completions`, `GET /s/{session}/v1/models`: OpenAI ([`openai`]);
 //! - `POST /s/{session}/v1/messages`: Anthropic ([`anthropic`]);

@@ -1,4 +1,4 @@
-//! Exact token accounting for one session (DESIGN §3 invariants 1–2, §4.2 "Segments").
+//! Exact token accounting for one session (docs/architecture.md, invariants 1 and 2; docs/loopback.md, segments).
 //!
 //! A session accumulates token sequences, one per segment. Each turn renders the request's
 //! messages with the chat template; the turn *continues* an open segment only when its messages

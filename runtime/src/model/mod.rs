@@ -4,7 +4,7 @@
 //! tokens, with or without a KV cache) and returns logits that match transformers' forward
 //! for the same checkpoint. The same function serves the engine (cache, last-position logits)
 //! and the trainer (no cache, all positions, optional routing replay), so the two cannot
-//! drift apart (DESIGN §3, forward consistency).
+//! drift apart (docs/architecture.md#the-three-invariants, forward consistency).
 
 mod config;
 mod kv_cache;

@@ -4,7 +4,7 @@
 //! experts by `p`, gate weights `p_i` over the chosen experts, renormalised to sum to one when
 //! `norm_topk_prob`. Output: `Σ_i g_i · down_i(silu(gate_i(x)) ⊙ up_i(x))`.
 //!
-//! Replay (DESIGN §6, R3): the chosen experts come from the caller instead of the top-k, while
+//! Replay (docs/algorithms.md, R3): the chosen experts come from the caller instead of the top-k, while
 //! the gate weights are still computed from the current router logits, so the router keeps
 //! receiving gradients: `g_i = 1[i ∈ R]·exp(s_i) / Σ_j 1[j ∈ R]·exp(s_j)` when `norm_topk_prob`
 //! (Qwen3-MoE's setting), and `g_i = softmax(s)_i` over all experts otherwise, exactly the

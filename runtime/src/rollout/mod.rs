@@ -1,4 +1,4 @@
-//! The streaming rollout pool (DESIGN §5, §6 "Staleness"): keeps prompt groups in flight so
+//! The streaming rollout pool (docs/architecture.md): keeps prompt groups in flight so
 //! engines never starve, completes a group when all its samples are done, and hands finished
 //! groups to the trainer's queue, enforcing the staleness bound.
 //!

@@ -5,7 +5,7 @@
 //! request continues on another healthy engine from the original prompt plus every token
 //! generated so far, with `max_tokens` and `min_tokens` reduced by what is already there. The
 //! client sees one uninterrupted generation whose tokens each carry the logprob and weight
-//! version of the engine that sampled them (DESIGN §3: nothing is lost, duplicated or re-sampled
+//! version of the engine that sampled them (docs/architecture.md#the-three-invariants: nothing is lost, duplicated or re-sampled
 //! without record). Routed experts come from the engine that finished the request, which
 //! recomputes the routing of every earlier position. An engine that refuses for now (503 while
 //! paused in `wait` mode, 429 when full) is asked again after a backoff; an engine's own refusal

@@ -1,4 +1,4 @@
-//! The router (DESIGN §5): one engine API in front of a pool of engines (built-in or vLLM).
+//! The router (docs/architecture.md): one engine API in front of a pool of engines (built-in or vLLM).
 //!
 //! - [`pool`]: membership (engines join and leave while a run goes on), health and load;
 //! - [`policy`]: which healthy engine a request goes to (consistent hashing on the session with

@@ -1,4 +1,4 @@
-//! The router's HTTP API: the engine API (DESIGN §4.1) in front of the pool, plus `/engines`.
+//! The router's HTTP API: the engine API (docs/engine.md) in front of the pool, plus `/engines`.
 //!
 //! - `POST /inference/v1/generate`: routed by the policy (session from the `x-moult-session`
 //!   header), with failover; streamed or not, in the engine's own shapes;

@@ -1,4 +1,4 @@
-//! LLM-as-judge rewards (DESIGN §6): a judge model, served by a built-in engine of its own behind
+//! LLM-as-judge rewards (docs/algorithms.md): a judge model, served by a built-in engine of its own behind
 //! its own [`ChatService`] (its own tokenizer and chat template), reads a prompt made from the
 //! task and the episode's final reply and answers with a score.
 //!

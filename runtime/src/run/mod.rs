@@ -1,4 +1,4 @@
-//! `moult run`: a whole RL run from one RLRun manifest on this machine (DESIGN §1, "locally").
+//! `moult run`: a whole RL run from one RLRun manifest on this machine (docs/architecture.md, "locally").
 //! Built-in engines behind the router, the loopback server and agent pool ([`local`]), the
 //! streaming rollout pool, the trainer, and weight sync over loopback TCP.
 //!

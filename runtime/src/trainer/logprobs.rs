@@ -1,5 +1,5 @@
 //! Recomputing the log-probabilities of sampled tokens under the trainer's weights (π_old at the
-//! start of a batch, π_θ while training), with gradient, in one packed forward (DESIGN §3
+//! start of a batch, π_θ while training), with gradient, in one packed forward (docs/architecture.md#the-three-invariants
 //! invariant 3: the same model code as the engine, MoE routing replayed from the engine).
 
 use tch::{Kind, Tensor};

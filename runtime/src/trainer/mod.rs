@@ -1,4 +1,4 @@
-//! The trainer (DESIGN §5): one trainable policy. Recomputing the sampled tokens'
+//! The trainer (docs/architecture.md): one trainable policy. Recomputing the sampled tokens'
 //! log-probabilities with gradient ([`logprobs`]), the policy loss of a batch ([`step`]) composed
 //! from the estimators, IS corrections and losses of [`crate::algorithms`], the optimizer
 //! ([`optim`]: AdamW, gradient clipping, learning-rate schedule), and the whole step with

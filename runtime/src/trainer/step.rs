@@ -1,4 +1,4 @@
-//! The policy loss of one batch (DESIGN §6), composed from the pure functions of
+//! The policy loss of one batch (docs/algorithms.md), composed from the pure functions of
 //! [`crate::algorithms`]: recompute log-probabilities, weigh each token by the IS correction
 //! between the behaviour policy and π_old, apply the chosen loss, aggregate.
 

@@ -1,4 +1,4 @@
-//! Weight sync (DESIGN §4.1, §5): moving a new policy's weights from the trainer to every engine.
+//! Weight sync (docs/engine.md): moving a new policy's weights from the trainer to every engine.
 //!
 //! - [`nccl_handshake`]: the messages of the NCCL data plane to vLLM engines (unique id as base64,
 //!   rank offsets, world size), pure and tested everywhere;

@@ -1,4 +1,4 @@
-//! The trainer's side of the NCCL weight-sync data plane to vLLM engines (DESIGN §4.1), on
+//! The trainer's side of the NCCL weight-sync data plane to vLLM engines (docs/engine.md), on
 //! cudarc's bindings of libcuda and libnccl, both loaded at run time (feature `cuda`).
 //!
 //! [`NcclWeightSender::connect`] asks every engine its world size, lays out the ranks (the

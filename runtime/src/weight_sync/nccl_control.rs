@@ -1,5 +1,5 @@
 //! The HTTP half of the NCCL weight-sync data plane: the weight-transfer endpoints of one engine
-//! (DESIGN §4.1, vLLM's `vllm/entrypoints/serve/dev/rlhf/api_router.py`), each call bounded by a
+//! (docs/engine.md, vLLM's `vllm/entrypoints/serve/dev/rlhf/api_router.py`), each call bounded by a
 //! timeout and failing with an error that names the engine and the step.
 //!
 //! Always compiled, so the exact requests the trainer sends are tested against a recording

@@ -1,4 +1,4 @@
-//! The messages and plans of the NCCL weight-sync data plane to vLLM engines (DESIGN §4.1), pure
+//! The messages and plans of the NCCL weight-sync data plane to vLLM engines (docs/engine.md), pure
 //! and tested without GPUs. The trainer is rank 0 of one NCCL communicator with every engine's
 //! ranks; it mints the unique id and hands it to each engine in `init_info`.
 //!

@@ -1,4 +1,4 @@
-//! One weight update as the trainer side runs it (DESIGN §4.1, §5): pause every engine, transfer
+//! One weight update as the trainer side runs it (docs/engine.md): pause every engine, transfer
 //! the new weights, finish with the new version, resume.
 //!
 //! With partial rollout the pause is `keep`: requests in flight are frozen, not dropped, and after
