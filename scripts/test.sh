@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), check formatting and lints, run every test, then the
-# operator's cluster tests on a real control plane (built from Go modules once, then cached).
+# operator's cluster tests on a real control plane (built from Go modules once, then cached), and
+# last the main job in a copy of the tracked files alone (scripts/fresh-clone.sh).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$MOULT_ROOT"
+# A real vLLM (CPU build, its own virtualenv) for the tests that judge moult against it.
+MOULT_VLLM_PYTHON="$(bash scripts/setup-vllm.sh | tail -n 1)"
+export MOULT_VLLM_PYTHON
 echo "test: cargo fmt --check"
 cargo fmt --all -- --check
 echo "test: cargo clippy"
@@ -26,3 +30,5 @@ cargo test -p moult-operator --test cluster -- --ignored
 echo "test: cluster mode end to end (the operator's pods run as local processes of moult)"
 cargo build -p moult-operator --bin moult-operator
 cargo test -p moult-runtime --test cluster_kubelet --test cluster_run -- --ignored
+echo "test: a copy of the tracked files alone runs the main job (README's first command)"
+bash scripts/fresh-clone.sh

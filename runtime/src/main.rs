@@ -18,6 +18,10 @@ use tch::{Device, Kind};
     about = "Kubernetes-native agentic RL for LLMs"
 )]
 struct Cli {
+    /// Log to the console too (INFO and up, or what RUST_LOG says): `moult run` otherwise shows
+    /// its progress and warnings only, and logs to <out>/moult.log.
+    #[arg(short, long, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -75,7 +79,7 @@ struct RunArgs {
     /// Checkpoint every N steps instead of the manifest's spec.checkpoint.intervalSteps.
     #[arg(long)]
     checkpoint_every: Option<u64>,
-    /// No progress line per step.
+    /// No progress line per step and no status line (warnings still show).
     #[arg(long)]
     quiet: bool,
 }
@@ -601,8 +605,8 @@ async fn router(args: RouterArgs) -> anyhow::Result<()> {
 }
 
 #[cfg(feature = "torch")]
-async fn run(args: RunArgs) -> anyhow::Result<()> {
-    use moult_runtime::run::{self, config, RunOptions};
+async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
+    use moult_runtime::run::{self, config, console::Console, RunOptions};
     let manifest = config::read_manifest(&args.manifest)?;
     let dir = args
         .manifest
@@ -633,6 +637,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     tch::manual_seed(args.seed as i64);
     let out = args.out.unwrap_or_else(|| run::default_out(&cfg.name));
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     eprintln!(
         "moult run: {} ({} steps, {} tasks, {} engine(s), {}, {} mode) -> {}",
         cfg.name,
@@ -650,17 +655,24 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         },
         out.display()
     );
+    let log = out.join("moult.log");
+    let console = Console::new(cfg.total_steps, !args.quiet);
+    init_run_logging(&log, &console, verbose)?;
     let summary = run::run(
         cfg,
         RunOptions {
             out: out.clone(),
             device,
             seed: args.seed,
-            progress: !args.quiet,
+            console: console.clone(),
         },
         shutdown_signal(),
     )
-    .await?;
+    .await;
+    console.finish();
+    let summary = summary.inspect_err(|_| {
+        eprintln!("moult run: failed; the full log is {}", log.display());
+    })?;
     let reward = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.3}"));
     eprintln!(
         "moult run: {} {} at step {}/{} (version {}) after {:.0}s: reward {} -> {} (mean of the last 5 steps)",
@@ -674,7 +686,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         reward(summary.final_reward),
     );
     eprintln!(
-        "  metrics {0}/metrics.jsonl, plot {0}/reward.svg, summary {0}/summary.json{1}",
+        "  metrics {0}/metrics.jsonl, plot {0}/reward.svg, summary {0}/summary.json, log {0}/moult.log{1}",
         out.display(),
         summary
             .last_checkpoint
@@ -693,14 +705,58 @@ fn without_torch(command: &str) -> anyhow::Result<()> {
     )
 }
 
-fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+/// What the log keeps: RUST_LOG, else INFO and up.
+fn log_filter() -> tracing_subscriber::EnvFilter {
+    tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into())
+}
+
+/// `moult run`'s log: all of it to `file`; to the console (through the status line) warnings
+/// only, unless `verbose` or RUST_LOG asks for more.
+#[cfg(feature = "torch")]
+fn init_run_logging(
+    file: &std::path::Path,
+    console: &moult_runtime::run::console::Console,
+    verbose: bool,
+) -> anyhow::Result<()> {
+    use tracing_subscriber::{fmt, prelude::*, EnvFilter};
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(file)
+        .with_context(|| format!("opening the log {}", file.display()))?;
+    let loud = verbose || std::env::var_os("RUST_LOG").is_some();
+    let on_console = if loud {
+        log_filter()
+    } else {
+        EnvFilter::new("warn")
+    };
+    tracing_subscriber::registry()
+        .with(
+            fmt::layer()
+                .with_writer(std::sync::Mutex::new(log))
+                .with_ansi(false)
+                .with_filter(log_filter()),
         )
-        .with_writer(std::io::stderr)
+        .with(
+            fmt::layer()
+                .with_writer(console.writer())
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_filter(on_console),
+        )
         .init();
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // `moult run` sets up its log once it knows its output folder.
+    if !matches!(cli.command, Command::Run(_)) {
+        tracing_subscriber::fmt()
+            .with_env_filter(log_filter())
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    let verbose = cli.verbose;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -718,8 +774,11 @@ fn main() -> anyhow::Result<()> {
         #[cfg(not(feature = "torch"))]
         Command::Trainer(_) => without_torch("trainer"),
         #[cfg(feature = "torch")]
-        Command::Run(args) => runtime.block_on(run(args)),
+        Command::Run(args) => runtime.block_on(run(args, verbose)),
         #[cfg(not(feature = "torch"))]
-        Command::Run(_) => without_torch("run"),
+        Command::Run(_) => {
+            let _ = verbose;
+            without_torch("run")
+        }
     }
 }

@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::api::{Api, DeleteParams};
 
 use support::kubelet::{Kubelet, KubeletOptions, ProcessInfo};
-use support::{cluster, eventually, Namespace, Operator};
+use support::{cluster, eventually, repository, Namespace, Operator};
 
 const RUN: &str = "kl";
 
@@ -154,6 +154,7 @@ async fn cluster_kubelet_runs_the_operators_pod_specs() {
             claims: [("checkpoints".to_string(), checkpoints.clone())].into(),
             env: Vec::new(),
             kubeconfig: Some(cluster().kubeconfig.clone()),
+            image: vec![repository()],
         },
     )
     .await;

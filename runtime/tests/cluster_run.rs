@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use support::kubelet::{Kubelet, KubeletOptions};
-use support::{cluster, Namespace, Operator, ROOT};
+use support::{cluster, repository, Namespace, Operator, ROOT};
 
 const RUN: &str = "succ";
 const TOKEN_HEADER: &str = "authorization";
@@ -206,6 +206,8 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
                 ("MOULT_LEASE_TIME".into(), "6s".into()),
             ],
             kubeconfig: Some(c.kubeconfig.clone()),
+            // The recipe's model and tasks are in the repository, wherever it was cloned.
+            image: vec![repository()],
         },
     )
     .await;

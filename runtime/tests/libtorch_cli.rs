@@ -74,6 +74,18 @@ fn libtorch_cli_refuses_bad_arguments_and_unsupported_models() {
         err.contains("architecture `LlamaForCausalLM` is not supported"),
         "{err}"
     );
+
+    // `moult run` says it cannot serve a manifest with vLLM engines, rather than serving it with
+    // built-in ones.
+    let recipe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/successor");
+    let text = std::fs::read_to_string(recipe.join("rlrun.yaml")).unwrap();
+    assert!(text.contains("backend: Builtin"));
+    let manifest = recipe.join(format!(".vllm-{}.yaml", std::process::id()));
+    std::fs::write(&manifest, text.replace("backend: Builtin", "backend: vLLM")).unwrap();
+    let err = failing(&["run", manifest.to_str().unwrap()]);
+    std::fs::remove_file(&manifest).unwrap();
+    assert!(err.contains("spec.engines.backend"), "{err}");
+    assert!(err.contains("docs/vllm.md"), "{err}");
 }
 
 /// `moult chat` and `moult agents` against a `moult engine`, as the docs show them.

@@ -59,7 +59,7 @@ pub struct Images {
 impl Default for Images {
     fn default() -> Self {
         Images {
-            vllm: "vllm/vllm-openai:v0.33.0".into(),
+            vllm: "vllm/vllm-openai:v0.32.0".into(),
             runtime: format!("ghcr.io/moult-dev/moult:{}", env!("CARGO_PKG_VERSION")),
             init: format!("ghcr.io/moult-dev/moult-init:{}", env!("CARGO_PKG_VERSION")),
         }

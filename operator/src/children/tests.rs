@@ -69,7 +69,7 @@ fn vllm_engines_get_the_flags_and_gpus_moult_needs() {
     assert_eq!(sts.pod_management_policy.as_deref(), Some("Parallel"));
     let p = pod(&Some(sts.template.clone())).clone();
     let e = main_container(&p);
-    assert_eq!(e.image.as_deref(), Some("vllm/vllm-openai:v0.33.0"));
+    assert_eq!(e.image.as_deref(), Some("vllm/vllm-openai:v0.32.0"));
     assert_eq!(
         e.command.as_deref(),
         Some(&["vllm".to_string(), "serve".to_string()][..])

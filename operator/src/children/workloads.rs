@@ -100,6 +100,11 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
                 // Behaviour logprobs must be those of the distribution sampled from.
                 "--logprobs-mode".into(),
                 "processed_logprobs".into(),
+                // The token-in/token-out generate endpoint answers 403 without it.
+                "--enable-scale-out".into(),
+                // The weight-transfer routes need a transfer engine: NCCL from the trainer.
+                "--weight-transfer-config".into(),
+                r#"{"backend":"nccl"}"#.into(),
             ];
             if let Some(len) = spec.model.max_model_len {
                 args.extend(["--max-model-len".into(), len.to_string()]);

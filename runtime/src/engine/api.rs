@@ -240,22 +240,50 @@ pub struct Logprobs {
 
 /// Output tokens `[start, end)` (indices into this choice's `token_ids`, counted from the first
 /// generated token) were sampled under weight version `version`.
+///
+/// vLLM reports versions as strings: the number moult set at the last update, or `"default"`
+/// for the weights it started with, which are version 0.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 pub struct WeightVersionSpan {
+    #[serde(deserialize_with = "span_version")]
     pub version: u64,
     pub start: usize,
     pub end: usize,
 }
 
+/// A choice of a generate response or of a streamed chunk. Read from the built-in engine, the
+/// router and vLLM alike: vLLM sends `null` for `weight_versions` in every chunk but the last,
+/// `null` for `logprobs` when none were asked for, and fields moult does not use (`rank`,
+/// `stop_reason`, `sampling_mask`, ...), which are ignored.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Choice {
+    #[serde(default)]
     pub index: usize,
     pub token_ids: Vec<i64>,
+    #[serde(default, deserialize_with = "null_as_default")]
     pub logprobs: Logprobs,
     pub finish_reason: Option<String>,
     #[serde(default)]
     pub routed_experts: Option<String>,
+    #[serde(default, deserialize_with = "null_as_default")]
     pub weight_versions: Vec<WeightVersionSpan>,
+}
+
+/// `null` (or absent, with `#[serde(default)]`) as the type's default.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+/// A span's version: a number, a string of one, or vLLM's `"default"` (version 0).
+fn span_version<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    match NumberOrText::deserialize(d)? {
+        NumberOrText::Text(s) if s == "default" => Ok(0),
+        other => other.version("weight_versions[].version"),
+    }
 }
 
 impl Choice {
@@ -370,19 +398,38 @@ pub struct FinishWeightUpdate {
 }
 
 fn version_number_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Either {
-        Number(u64),
-        Text(String),
+    NumberOrText::deserialize(d)?.version("weight_version")
+}
+
+/// A weight version as an engine reports it (`/weight_info`'s `weight_version`, a span's
+/// `version`): a number, a string of one, or vLLM's `"default"` for the weights it started with
+/// (version 0). `None` for anything else.
+pub fn reported_version(v: &serde_json::Value) -> Option<u64> {
+    match v {
+        serde_json::Value::String(s) if s == "default" => Some(0),
+        serde_json::Value::String(s) => s.trim().parse().ok(),
+        other => other.as_u64(),
     }
-    match Either::deserialize(d)? {
-        Either::Number(n) => Ok(n),
-        Either::Text(s) => s.trim().parse().map_err(|_| {
-            serde::de::Error::custom(format!(
-                "weight_version must be a non-negative integer (or a string of one), got {s:?}"
-            ))
-        }),
+}
+
+/// A policy version as JSON: a number, or a string of one (vLLM's versions are strings).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum NumberOrText {
+    Number(u64),
+    Text(String),
+}
+
+impl NumberOrText {
+    fn version<E: serde::de::Error>(self, field: &str) -> Result<u64, E> {
+        match self {
+            NumberOrText::Number(n) => Ok(n),
+            NumberOrText::Text(s) => s.trim().parse().map_err(|_| {
+                E::custom(format!(
+                    "{field} must be a non-negative integer (or a string of one), got {s:?}"
+                ))
+            }),
+        }
     }
 }
 
@@ -394,6 +441,57 @@ mod tests {
         let r: GenerateRequest = serde_json::from_value(json).map_err(|e| e.to_string())?;
         r.validate(100, 64)
             .map_err(|e| format!("{} {}", e.param.clone().unwrap_or_default(), e.message))
+    }
+
+    #[test]
+    fn vllm_responses_parse_with_string_versions_and_null_fields() {
+        // As vLLM 0.32 answers (recorded in tests/fixtures/vllm_cpu/): the final chunk of a stream that
+        // crossed a weight update, and an intermediate chunk.
+        let last: GenerateResponse = serde_json::from_value(serde_json::json!({
+            "request_id": "generate-tokens-abc", "usage": null, "output_mode": "tokens",
+            "choices": [{"index": 0, "finish_reason": "length", "stop_reason": null,
+                "token_ids": [7, 8], "routed_experts": null, "sampling_mask": null,
+                "weight_versions": [{"version": "default", "start": 0, "end": 275},
+                                    {"version": "1", "start": 275, "end": 277}],
+                "logprobs": {"content": [
+                    {"token_id": 7, "logprob": -1.5, "rank": 3,
+                     "top_logprobs": [{"token_id": 7, "logprob": -1.5, "rank": 3}]},
+                    {"token_id": 8, "logprob": -0.5, "rank": 1, "top_logprobs": []}]}}]
+        }))
+        .unwrap();
+        let c = &last.choices[0];
+        assert_eq!(
+            c.weight_versions,
+            [
+                WeightVersionSpan { version: 0, start: 0, end: 275 },
+                WeightVersionSpan { version: 1, start: 275, end: 277 }
+            ]
+        );
+        assert_eq!(c.logprobs.content[0].top_logprobs[0].token_id, 7);
+        let middle: GenerateResponse = serde_json::from_value(serde_json::json!({
+            "request_id": "generate-tokens-abc",
+            "choices": [{"index": 0, "finish_reason": null, "token_ids": [7],
+                "weight_versions": null, "logprobs": null}]
+        }))
+        .unwrap();
+        assert!(middle.choices[0].weight_versions.is_empty());
+        assert!(middle.choices[0].logprobs.content.is_empty());
+        let bad = serde_json::from_value::<GenerateResponse>(serde_json::json!({
+            "request_id": "x",
+            "choices": [{"token_ids": [], "finish_reason": null,
+                "weight_versions": [{"version": "v2", "start": 0, "end": 1}]}]
+        }));
+        assert!(bad.unwrap_err().to_string().contains("weight_versions[].version"));
+    }
+
+    #[test]
+    fn reported_versions_read_vllms_strings() {
+        use serde_json::json;
+        assert_eq!(reported_version(&json!("default")), Some(0));
+        assert_eq!(reported_version(&json!("12")), Some(12));
+        assert_eq!(reported_version(&json!(12)), Some(12));
+        assert_eq!(reported_version(&json!("v12")), None);
+        assert_eq!(reported_version(&json!(null)), None);
     }
 
     #[test]

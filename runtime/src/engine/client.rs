@@ -6,6 +6,12 @@
 //! stops the engine within a token: dropping a [`GenerationStream`] before it finished closes the
 //! connection and also sends `abort_requests`, so no engine (nor a router in between) keeps
 //! generating for nobody.
+//!
+//! A token is handed on only once its policy version is known. The built-in engine and the router
+//! put version spans in every chunk; vLLM sends them only with the last chunk of a stream (the
+//! others carry `weight_versions: null`), so tokens from vLLM are held until then and released
+//! with the versions that produced them (docs/engine.md, "vLLM"). A stream that breaks off first
+//! releases nothing it held: the router continues the request from the tokens it did release.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -14,7 +20,7 @@ use std::task::{Context, Poll};
 use futures::{Stream, StreamExt};
 use serde::Serialize;
 
-use crate::engine::api::GenerateResponse;
+use crate::engine::api::{Choice, GenerateResponse, TokenLogprob};
 
 /// Errors of talking to the engine.
 #[derive(Debug, thiserror::Error)]
@@ -133,6 +139,7 @@ impl EngineClient {
         Ok(GenerationStream {
             body: response.bytes_stream().boxed(),
             buffer: Vec::new(),
+            chunks: ChunkParser::default(),
             pending: VecDeque::new(),
             finished: false,
             abort: Some((self.clone(), request_id)),
@@ -155,9 +162,11 @@ type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<bytes::Bytes>> + Sen
 pub struct GenerationStream {
     body: ByteStream,
     buffer: Vec<u8>,
+    chunks: ChunkParser,
     pending: VecDeque<Result<Generated, EngineError>>,
     finished: bool,
-    /// Sent `abort_requests` on drop unless the generation finished.
+    /// Sent `abort_requests` on drop unless the generation finished (with the id the engine
+    /// reports once it does: vLLM prefixes the id it was given).
     abort: Option<(EngineClient, String)>,
 }
 
@@ -172,6 +181,7 @@ impl std::fmt::Debug for GenerationStream {
 impl Drop for GenerationStream {
     fn drop(&mut self) {
         if let Some((client, id)) = self.abort.take() {
+            let id = self.chunks.engine_request_id.take().unwrap_or(id);
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move { client.abort(vec![id]).await });
             }
@@ -179,52 +189,93 @@ impl Drop for GenerationStream {
     }
 }
 
-/// Parses one SSE `data:` payload of the engine's stream.
-fn parse_chunk(data: &str, out: &mut VecDeque<Result<Generated, EngineError>>) {
-    let value: serde_json::Value = match serde_json::from_str(data) {
-        Ok(v) => v,
-        Err(e) => {
-            out.push_back(Err(EngineError::Stream(format!("bad chunk {data:?}: {e}"))));
+/// Turns the SSE `data:` payloads of one generation into [`Generated`] events, holding tokens
+/// back until a chunk says which versions produced them.
+#[derive(Debug, Default)]
+struct ChunkParser {
+    /// Tokens received without version spans yet: `(stream index, logprob entry)`.
+    held: Vec<(usize, TokenLogprob)>,
+    /// Tokens received so far in this stream.
+    received: usize,
+    /// The version of the last span seen (for tokens a stream never labels).
+    last_version: Option<u64>,
+    /// The request id as the engine reports it.
+    engine_request_id: Option<String>,
+}
+
+impl ChunkParser {
+    /// Parses one payload, appending what it completes to `out`.
+    fn chunk(&mut self, data: &str, out: &mut VecDeque<Result<Generated, EngineError>>) {
+        let value: serde_json::Value = match serde_json::from_str(data) {
+            Ok(v) => v,
+            Err(e) => {
+                out.push_back(Err(EngineError::Stream(format!("bad chunk {data:?}: {e}"))));
+                return;
+            }
+        };
+        if let Some(err) = value.get("error") {
+            let status = err["code"].as_u64().unwrap_or(500) as u16;
+            let message = err["message"]
+                .as_str()
+                .unwrap_or("engine error")
+                .to_string();
+            out.push_back(Err(EngineError::Refused { status, message }));
             return;
         }
-    };
-    if let Some(err) = value.get("error") {
-        let status = err["code"].as_u64().unwrap_or(500) as u16;
-        let message = err["message"]
-            .as_str()
-            .unwrap_or("engine error")
-            .to_string();
-        out.push_back(Err(EngineError::Refused { status, message }));
-        return;
+        let chunk: GenerateResponse = match serde_json::from_value(value) {
+            Ok(c) => c,
+            Err(e) => {
+                out.push_back(Err(EngineError::Stream(format!("bad chunk {data:?}: {e}"))));
+                return;
+            }
+        };
+        if self.engine_request_id.is_none() {
+            self.engine_request_id = Some(chunk.request_id);
+        }
+        for choice in chunk.choices {
+            self.choice(choice, out);
+        }
     }
-    let chunk: GenerateResponse = match serde_json::from_value(value) {
-        Ok(c) => c,
-        Err(e) => {
-            out.push_back(Err(EngineError::Stream(format!("bad chunk {data:?}: {e}"))));
-            return;
-        }
-    };
-    for choice in chunk.choices {
-        for (i, lp) in choice.logprobs.content.iter().enumerate() {
-            // The chunk's version spans index this choice's tokens from the first generated one.
-            let version = choice
-                .weight_versions
-                .iter()
-                .find(|s| s.start <= i + first_index(&choice) && i + first_index(&choice) < s.end)
-                .or(choice.weight_versions.last())
-                .map_or(0, |s| s.version);
-            out.push_back(Ok(Generated::Token {
-                id: lp.token_id,
-                logprob: lp.logprob,
-                top: lp
-                    .top_logprobs
+
+    fn choice(&mut self, choice: Choice, out: &mut VecDeque<Result<Generated, EngineError>>) {
+        let first = self.received;
+        self.received += choice.logprobs.content.len();
+        self.held.extend(
+            choice
+                .logprobs
+                .content
+                .into_iter()
+                .enumerate()
+                .map(|(i, lp)| (first + i, lp)),
+        );
+        let spans = &choice.weight_versions;
+        if let Some(end) = spans.iter().map(|s| s.end).max() {
+            // The spans count from the first generated token of the request; this chunk's
+            // tokens end at the last span's end, which places every token this stream received.
+            let base = end.saturating_sub(self.received);
+            for (i, lp) in self.held.drain(..) {
+                let at = base + i;
+                let version = spans
                     .iter()
-                    .map(|t| (t.token_id, t.logprob))
-                    .collect(),
-                version,
-            }));
+                    .find(|s| s.start <= at && at < s.end)
+                    .or(spans.last())
+                    .map_or(0, |s| s.version);
+                out.push_back(Ok(token(lp, version)));
+            }
+            self.last_version = spans.last().map(|s| s.version);
         }
         if let Some(reason) = choice.finish_reason {
+            if !self.held.is_empty() {
+                // An engine that never labelled these tokens: the last version it named, if any.
+                tracing::warn!(
+                    tokens = self.held.len(),
+                    "the engine finished a stream without weight_versions for its tokens"
+                );
+                let version = self.last_version.unwrap_or(0);
+                for (_, lp) in self.held.drain(..) {
+                    out.push_back(Ok(token(lp, version)));
+                }
+            }
             out.push_back(Ok(Generated::Finished {
                 reason,
                 routed_experts: choice.routed_experts,
@@ -233,9 +284,17 @@ fn parse_chunk(data: &str, out: &mut VecDeque<Result<Generated, EngineError>>) {
     }
 }
 
-/// Index of a chunk's first token among the generated ones: the start of its first version span.
-fn first_index(choice: &crate::engine::api::Choice) -> usize {
-    choice.weight_versions.first().map_or(0, |s| s.start)
+fn token(lp: TokenLogprob, version: u64) -> Generated {
+    Generated::Token {
+        id: lp.token_id,
+        logprob: lp.logprob,
+        top: lp
+            .top_logprobs
+            .iter()
+            .map(|t| (t.token_id, t.logprob))
+            .collect(),
+        version,
+    }
 }
 
 impl Stream for GenerationStream {
@@ -277,7 +336,7 @@ impl Stream for GenerationStream {
                             };
                             let data = data.trim_start();
                             if data != "[DONE]" {
-                                parse_chunk(data, &mut this.pending);
+                                this.chunks.chunk(data, &mut this.pending);
                             }
                         }
                     }
@@ -299,18 +358,123 @@ fn find_event_end(buf: &[u8]) -> Option<usize> {
 mod tests {
     use super::*;
 
+    /// Every event of a recorded SSE body, through the parser the stream uses.
+    fn parse_sse(body: &str) -> Vec<Result<Generated, EngineError>> {
+        let mut parser = ChunkParser::default();
+        let mut out = VecDeque::new();
+        for data in body.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if data != "[DONE]" {
+                parser.chunk(data, &mut out);
+            }
+        }
+        out.into_iter().collect()
+    }
+
+    fn fixture(name: &str) -> String {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/vllm_cpu")
+            .join(name);
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    }
+
+    #[test]
+    fn a_real_vllm_stream_across_a_weight_update_labels_each_token_with_its_version() {
+        // vLLM 0.32 (CPU) streamed 1500 tokens, paused with `keep` after 275, reloaded weights,
+        // set version "1" and resumed; only the last chunk carries the spans.
+        let events = parse_sse(&fixture("partial_rollout_stream.sse"));
+        let versions: Vec<u64> = events
+            .iter()
+            .filter_map(|e| match e.as_ref().unwrap() {
+                Generated::Token { version, .. } => Some(*version),
+                Generated::Finished { .. } => None,
+            })
+            .collect();
+        assert_eq!(versions.len(), 1500);
+        assert!(versions[..275].iter().all(|&v| v == 0), "\"default\" is version 0");
+        assert!(versions[275..].iter().all(|&v| v == 1));
+        assert!(matches!(
+            events.last().unwrap().as_ref().unwrap(),
+            Generated::Finished { reason, .. } if reason == "length"
+        ));
+    }
+
+    #[test]
+    fn a_real_vllm_stream_gives_the_same_tokens_as_its_non_streaming_answer() {
+        let events = parse_sse(&fixture("generate_stream.sse"));
+        let streamed: Vec<(i64, f32, u64)> = events
+            .iter()
+            .filter_map(|e| match e.as_ref().unwrap() {
+                Generated::Token {
+                    id, logprob, version, ..
+                } => Some((*id, *logprob, *version)),
+                Generated::Finished { .. } => None,
+            })
+            .collect();
+        let whole: GenerateResponse = serde_json::from_str(&fixture("generate.json")).unwrap();
+        let c = &whole.choices[0];
+        let expected: Vec<(i64, f32, u64)> = c
+            .logprobs
+            .content
+            .iter()
+            .map(|lp| (lp.token_id, lp.logprob, 0))
+            .collect();
+        assert_eq!(streamed, expected, "same seed, same tokens and logprobs");
+        assert_eq!(c.token_ids.len(), 6);
+    }
+
+    #[test]
+    fn a_real_vllm_error_inside_a_stream_is_the_engines_refusal() {
+        let events = parse_sse(&fixture("error_in_stream.sse"));
+        match &events[..] {
+            [Err(EngineError::Refused { status, message })] => {
+                assert_eq!(*status, 400);
+                assert!(message.contains("out of vocabulary"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn held_tokens_of_a_stream_that_never_labels_them_take_the_last_version_seen() {
+        let mut parser = ChunkParser::default();
+        let mut out = VecDeque::new();
+        parser.chunk(
+            r#"{"request_id":"a","choices":[{"token_ids":[1],"logprobs":{"content":[{"token_id":1,"logprob":-1.0}]},"finish_reason":null,"weight_versions":[{"version":"4","start":0,"end":1}]}]}"#,
+            &mut out,
+        );
+        parser.chunk(
+            r#"{"request_id":"a","choices":[{"token_ids":[2],"logprobs":{"content":[{"token_id":2,"logprob":-2.0}]},"finish_reason":null,"weight_versions":null}]}"#,
+            &mut out,
+        );
+        assert_eq!(out.len(), 1, "the unlabelled token waits");
+        parser.chunk(
+            r#"{"request_id":"a","choices":[{"token_ids":[],"logprobs":null,"finish_reason":"abort","weight_versions":null}]}"#,
+            &mut out,
+        );
+        let versions: Vec<u64> = out
+            .iter()
+            .filter_map(|e| match e.as_ref().unwrap() {
+                Generated::Token { version, .. } => Some(*version),
+                Generated::Finished { .. } => None,
+            })
+            .collect();
+        assert_eq!(versions, [4, 4]);
+        assert_eq!(parser.engine_request_id.as_deref(), Some("a"));
+    }
+
     #[test]
     fn chunks_become_tokens_with_their_versions() {
+        let mut parser = ChunkParser::default();
         let mut out = VecDeque::new();
-        parse_chunk(
+        parser.chunk(
             r#"{"request_id":"a","choices":[{"index":0,"token_ids":[7],"logprobs":{"content":[{"token_id":7,"logprob":-0.25}]},"finish_reason":null,"routed_experts":null,"weight_versions":[{"version":3,"start":5,"end":6}]}]}"#,
             &mut out,
         );
-        parse_chunk(
+        parser.chunk(
             r#"{"request_id":"a","choices":[{"index":0,"token_ids":[],"logprobs":{"content":[]},"finish_reason":"stop","routed_experts":"AAA","weight_versions":[]}],"usage":{"prompt_tokens":1,"completion_tokens":6,"total_tokens":7}}"#,
             &mut out,
         );
-        parse_chunk(r#"{"error":{"message":"paused","code":503}}"#, &mut out);
+        parser.chunk(r#"{"error":{"message":"paused","code":503}}"#, &mut out);
         let items: Vec<_> = out.into_iter().collect();
         assert_eq!(
             items[0].as_ref().unwrap(),

@@ -135,7 +135,7 @@ async fn weight_version(http: &reqwest::Client, url: &str, timeout: Duration) ->
         .await
         .ok()?;
     let v: serde_json::Value = r.json().await.ok()?;
-    v["weight_version"].as_u64()
+    crate::engine::api::reported_version(&v["weight_version"])
 }
 
 /// Settings of the health checker.

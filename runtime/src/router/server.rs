@@ -4,10 +4,11 @@
 //!   header), with failover; streamed or not, in the engine's own shapes;
 //! - `POST /inference/v1/abort_requests`: sent to every engine;
 //! - `POST /pause`, `/resume`, `/start_weight_update`, `/update_weights`,
-//!   `/finish_weight_update`: fanned out to every healthy engine; the answer is an error (502,
-//!   naming the engines) unless every engine agreed. After a finished update, only engines that
-//!   serve its version get generation requests (one that joins or returns later waits for the
-//!   next update);
+//!   `/finish_weight_update`, and vLLM's `/collective_rpc` and `/update_weight_version` (an
+//!   update from a folder): fanned out to every healthy engine; the answer is an error (502,
+//!   naming the engines) unless every engine agreed. After a finished update (or a new version
+//!   set), only engines that serve its version get generation requests (one that joins or
+//!   returns later waits for the next update);
 //! - `POST /init_weight_transfer_engine`: fanned out with each engine's `rank_offset` placed after
 //!   the previous engines' ranks (their `/get_world_size`), so one trainer serves them all;
 //! - `GET /is_paused` (all paused), `/get_world_size` (sum), `/weight_info` (per engine),
@@ -245,12 +246,15 @@ async fn broadcast(
         Some(q) => format!("{}?{q}", uri.path()),
         None => uri.path().to_string(),
     };
-    let finished_version = (uri.path() == "/finish_weight_update")
-        .then(|| {
-            let v = &body.as_ref()?["weight_version"];
-            v.as_u64().or_else(|| v.as_str()?.trim().parse().ok())
-        })
-        .flatten();
+    // The version engines serve once the call succeeded: the NCCL/TCP transports finish with it,
+    // vLLM's reload from a folder sets it with `update_weight_version`.
+    let field = match uri.path() {
+        "/finish_weight_update" => Some("weight_version"),
+        "/update_weight_version" => Some("new_version"),
+        _ => None,
+    };
+    let finished_version = field
+        .and_then(|f| crate::engine::api::reported_version(&body.as_ref()?[f]));
     let bodies = vec![body; engines.len()];
     let answers = fan_out(&router_http(), &engines, method, &path, bodies).await?;
     if let Some(version) = finished_version {
@@ -512,6 +516,9 @@ pub fn api_routes(router: Arc<Router>) -> axum::Router {
         .route("/start_weight_update", post(broadcast))
         .route("/update_weights", post(broadcast))
         .route("/finish_weight_update", post(broadcast))
+        // vLLM's update from a folder: `reload_weights` through collective_rpc, then the version.
+        .route("/collective_rpc", post(broadcast))
+        .route("/update_weight_version", post(broadcast))
         .route("/init_weight_transfer_engine", post(init_weight_transfer))
         .route("/is_paused", get(is_paused))
         .route("/get_world_size", get(get_world_size))

@@ -10,6 +10,7 @@ use serde::Serialize;
 use tch::{Device, Kind};
 
 use super::checkpoint::{self, CheckpointMeta};
+use super::console::Console;
 use super::config::RunConfig;
 use super::metrics::{self, MetricsLog, StepRecord};
 use super::{local, ordered, samples, RunError};
@@ -27,8 +28,8 @@ pub struct RunOptions {
     pub device: Device,
     /// Fixes the task order (and, with the data cursor, every later epoch's).
     pub seed: u64,
-    /// Print a progress line per step.
-    pub progress: bool,
+    /// Where progress lines and the status line go.
+    pub console: Console,
 }
 
 /// What a finished (or interrupted) run reports.
@@ -77,14 +78,31 @@ pub async fn run(
         Some((_, m)) => (m.step, m.policy_version, m.rollout, m.seed),
         None => (0, 0, RolloutState::default(), opts.seed),
     };
+    let console = &opts.console;
     if step >= cfg.total_steps {
-        eprintln!("moult run: {} already finished ({step} steps)", cfg.name);
+        console.line(&format!(
+            "moult run: {} already finished ({step} steps)",
+            cfg.name
+        ));
     }
+    console.set_step(step);
+    let _ticker = AbortOnDrop(console.tick());
 
     let device = opts.device;
+    console.phase("loading the model");
     let mut trainer = load_trainer(&cfg, resume.as_ref(), device).await?;
+    if let Some((dir, meta)) = &resume {
+        console.line(&format!(
+            "moult run: resuming {} from {} (step {}, version {})",
+            cfg.name,
+            dir.display(),
+            meta.step,
+            meta.policy_version
+        ));
+    }
     let mut teacher = load_teacher(&cfg, &trainer, device).await?;
 
+    console.phase("starting engines and agents");
     let scratch = out.join("scratch");
     let stack = local::Stack::start(&cfg, device, &scratch).await?;
     let mut sync = WeightSync::new(&stack.router_url);
@@ -112,7 +130,7 @@ pub async fn run(
     while step < cfg.total_steps {
         // 1. A batch of finished groups (generated while the previous step trained).
         let batch = tokio::select! {
-            b = next_batch(&pool, &mut queue, &cfg.rollout) => b,
+            b = watch_generation(console, &pool, next_batch(&pool, &mut queue, &cfg.rollout)) => b,
             () = &mut shutdown => { interrupted = true; break; }
         };
         let Some(mut batch) = batch else {
@@ -120,9 +138,13 @@ pub async fn run(
         };
         // With a judge, every reply of the batch is scored at once and the rewards mixed.
         let judged = match &stack.judge {
-            Some(judge) => Some(judge.score_batch(&mut batch, step + 1).await?),
+            Some(judge) => {
+                console.phase("judging the batch");
+                Some(judge.score_batch(&mut batch, step + 1).await?)
+            }
             None => None,
         };
+        console.phase("training");
         // 2. Advantages, the exact token segments as samples, one optimizer step.
         let staleness: BTreeMap<u64, usize> =
             staleness_histogram(&batch, version).into_iter().collect();
@@ -131,6 +153,7 @@ pub async fn run(
         step += 1;
         version = trainer.steps();
         // 3. Publish: engines pause (keeping their requests), take the weights, resume.
+        console.phase("weight sync");
         let sync_started = Instant::now();
         sync.update(&trainer.weights(), version, cfg.partial_rollout)
             .await?;
@@ -159,16 +182,16 @@ pub async fn run(
         };
         drop(batch); // frees the groups' admission slots: generation goes on
         step_started = Instant::now();
-        if opts.progress {
-            let done = step - first_step;
-            let eta = Duration::from_secs_f64(
-                started.elapsed().as_secs_f64() / done as f64 * (cfg.total_steps - step) as f64,
-            );
-            eprintln!(
-                "{}",
-                metrics::progress_line(&record, cfg.total_steps, Some(eta))
-            );
-        }
+        let done = step - first_step;
+        let eta = Duration::from_secs_f64(
+            started.elapsed().as_secs_f64() / done as f64 * (cfg.total_steps - step) as f64,
+        );
+        console.line(&metrics::progress_line(
+            &record,
+            cfg.total_steps,
+            Some(eta),
+        ));
+        console.set_step(step);
         log.push(record)?;
         // 5. Checkpoint.
         if cfg
@@ -181,11 +204,13 @@ pub async fn run(
                 rollout: pool.state(),
                 seed,
             };
+            console.phase("saving a checkpoint");
             let saved;
             (trainer, saved) = save_checkpoint(&ckpt_root, &cfg, trainer, meta).await?;
             last_checkpoint = Some(saved?);
         }
     }
+    console.phase("stopping");
     // Abandon the episodes in flight before the servers go, so they end quietly.
     pool.stop();
     drop(queue);
@@ -220,6 +245,36 @@ pub async fn run(
     Ok(summary)
 }
 
+/// Awaits `batch` while the console says how many groups finished since the wait began.
+async fn watch_generation<T>(
+    console: &Console,
+    pool: &RolloutPool,
+    batch: impl std::future::Future<Output = T>,
+) -> T {
+    let before = pool.stats().groups_done;
+    console.phase("generating episodes");
+    tokio::pin!(batch);
+    let mut every = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            out = &mut batch => return out,
+            _ = every.tick() => {
+                let done = pool.stats().groups_done - before;
+                console.detail(format!("generating episodes: {done} groups finished"));
+            }
+        }
+    }
+}
+
+/// Aborts a background task when dropped (the console's ticker ends with the run).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The trainer: from the checkpoint's weights and moments (`resume`), or the model folder.
 pub(crate) async fn load_trainer(
     cfg: &RunConfig,
@@ -243,13 +298,6 @@ pub(crate) async fn load_trainer(
         trainer
             .restore(meta.step, moments)
             .map_err(RunError::Checkpoint)?;
-        eprintln!(
-            "moult: resuming {} from {} (step {}, version {})",
-            cfg.name,
-            dir.display(),
-            meta.step,
-            meta.policy_version
-        );
     }
     Ok(trainer)
 }

@@ -14,6 +14,7 @@
 #[cfg(feature = "torch")]
 pub mod checkpoint;
 pub mod config;
+pub mod console;
 #[cfg(feature = "torch")]
 mod driver;
 pub(crate) mod files;

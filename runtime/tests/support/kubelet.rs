@@ -105,6 +105,10 @@ pub struct KubeletOptions {
     /// The cluster admin's kubeconfig: when set, every pod acts as its ServiceAccount through a
     /// `KUBECONFIG` of its own (see the module doc).
     pub kubeconfig: Option<PathBuf>,
+    /// Local folders that stand for files baked into the image (the repository's recipes and
+    /// models): a path under one of them is never rewritten into a volume, even where a volume
+    /// is mounted above it (a clone under `/tmp` stays visible though pods mount `/tmp`).
+    pub image: Vec<PathBuf>,
 }
 
 /// One container of one pod, as [`Kubelet::processes`] reports it.

@@ -21,6 +21,14 @@ use kube::{Client, Config};
 
 pub const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 
+/// The repository's folder, as the paths built from [`ROOT`] start.
+pub fn repository() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the runtime crate is inside the repository")
+        .to_path_buf()
+}
+
 /// Where the control plane is: its kubeconfig and the folder holding `kubectl`.
 pub struct Cluster {
     pub kubeconfig: PathBuf,

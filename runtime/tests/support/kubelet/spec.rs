@@ -64,13 +64,14 @@ pub(super) async fn prepare(
             return Err(Problem::Fatal(why));
         };
         let mounts = mounts(c, &volumes);
+        let image = &shared.opts.image;
         let mut local = |text: &str| {
-            let text = rewrite_paths(text, &mounts).replace("0.0.0.0", ip);
+            let text = rewrite_paths(text, &mounts, image).replace("0.0.0.0", ip);
             network.rewrite(&text, &mut pending)
         };
         let program = match shared.opts.binaries.get(first) {
             Some(p) => p.clone(),
-            None => PathBuf::from(rewrite_paths(&expand(first, &vars), &mounts)),
+            None => PathBuf::from(rewrite_paths(&expand(first, &vars), &mounts, image)),
         };
         let args = command[1..]
             .iter()
@@ -363,24 +364,33 @@ fn is_path_char(c: char) -> bool {
     c.is_alphanumeric() || "._-/~+@%".contains(c)
 }
 
+/// Whether `rest` starts with the whole path `path` (followed by `/` or the end of the path).
+fn starts_with_path(rest: &str, path: &str) -> bool {
+    rest.starts_with(path)
+        && rest[path.len()..]
+            .chars()
+            .next()
+            .is_none_or(|c| c == '/' || !is_path_char(c))
+}
+
 /// Every whole-prefix occurrence of a mountPath in `text` -> its local folder, in one pass (a
 /// replacement is never rewritten again, even when the local folder lies under another
-/// mountPath such as `/tmp`). `mounts` come longest first.
-fn rewrite_paths(text: &str, mounts: &[(String, PathBuf)]) -> String {
+/// mountPath such as `/tmp`), except paths under an `image` folder, which stay as they are.
+/// `mounts` come longest first.
+fn rewrite_paths(text: &str, mounts: &[(String, PathBuf)], image: &[PathBuf]) -> String {
     let mut out = String::with_capacity(text.len());
     let mut prev: Option<char> = None;
     let mut i = 0;
     while i < text.len() {
         let rest = &text[i..];
-        let hit = prev.is_none_or(|c| !is_path_char(c)).then(|| {
-            mounts.iter().find(|(path, _)| {
-                rest.starts_with(path.as_str())
-                    && rest[path.len()..]
-                        .chars()
-                        .next()
-                        .is_none_or(|c| c == '/' || !is_path_char(c))
-            })
-        });
+        let at_start = prev.is_none_or(|c| !is_path_char(c));
+        let in_image = || {
+            image
+                .iter()
+                .any(|dir| starts_with_path(rest, &dir.to_string_lossy()))
+        };
+        let hit = (at_start && !in_image())
+            .then(|| mounts.iter().find(|(path, _)| starts_with_path(rest, path)));
         if let Some((path, local)) = hit.flatten() {
             out.push_str(&local.to_string_lossy());
             i += path.len();
@@ -652,7 +662,31 @@ mod tests {
             ("http://h/tmp", "http://h/tmp"),
         ];
         for (text, want) in cases {
-            assert_eq!(rewrite_paths(text, &mounts), want, "{text}");
+            assert_eq!(rewrite_paths(text, &mounts, &[]), want, "{text}");
+        }
+    }
+
+    #[test]
+    fn paths_in_the_image_are_not_hidden_by_a_volume_mounted_above_them() {
+        let mounts = vec![(
+            "/tmp".to_string(),
+            PathBuf::from("/tmp/k/pods/p/volumes/tmp"),
+        )];
+        let image = [PathBuf::from("/tmp/clone")];
+        let cases = [
+            (
+                "--model=/tmp/clone/runtime/../examples/m",
+                "--model=/tmp/clone/runtime/../examples/m",
+            ),
+            ("/tmp/clone", "/tmp/clone"),
+            ("/tmp/clone2/x", "/tmp/k/pods/p/volumes/tmp/clone2/x"),
+            (
+                "/tmp/x:/tmp/clone/y",
+                "/tmp/k/pods/p/volumes/tmp/x:/tmp/clone/y",
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(rewrite_paths(text, &mounts, &image), want, "{text}");
         }
     }
 

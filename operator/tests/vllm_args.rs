@@ -1,0 +1,99 @@
+//! The vLLM engine pods' command line, judged by the pinned vLLM itself: every flag the operator
+//! generates goes through vLLM's own argument parser and validation (tests/python/
+//! vllm_check_args.py, run by the vLLM virtualenv of scripts/setup-vllm.sh), so a flag that
+//! vLLM renamed, dropped or refuses fails here and not on a user's GPU node.
+//!
+//! Needs `MOULT_VLLM_PYTHON` (scripts/test.sh sets it); without it the tests fail with the
+//! command that installs vLLM.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use moult_operator::api::{EngineBackend, RLRun};
+use moult_operator::children::{desired, Images};
+
+fn vllm_python() -> PathBuf {
+    let python = std::env::var_os("MOULT_VLLM_PYTHON").unwrap_or_else(|| {
+        panic!(
+            "MOULT_VLLM_PYTHON is not set: install the pinned vLLM with `bash scripts/setup-vllm.sh` \
+             and set it to the python that prints (scripts/test.sh does both)"
+        )
+    });
+    PathBuf::from(python)
+}
+
+fn example_run() -> RLRun {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/cluster/gsm8k-grpo.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let doc = text
+        .split("\n---\n")
+        .find(|d| d.contains("kind: RLRun"))
+        .expect("the example has an RLRun");
+    let mut run: RLRun = serde_yaml_ng::from_str(doc).expect("the example parses");
+    run.metadata.namespace = Some("research".into());
+    run.metadata.uid = Some("0b1c6a52-5d1e-4f2a-9a55-7f3a1f6c1e01".into());
+    run
+}
+
+/// The engine container's command and arguments, as the operator makes them.
+fn engine_command(run: &RLRun) -> (Vec<String>, Vec<String>) {
+    let children = desired(run, &Images::default(), "token").expect("the run builds");
+    let pod = children.engines.spec.unwrap().template.spec.unwrap();
+    let c = &pod.containers[0];
+    (
+        c.command.clone().unwrap_or_default(),
+        c.args.clone().unwrap_or_default(),
+    )
+}
+
+/// vLLM's verdict on `args` (what follows `vllm serve`): Ok, or its message.
+fn vllm_accepts(args: &[String]) -> Result<(), String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/vllm_check_args.py");
+    let out = Command::new(vllm_python())
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("the vLLM python runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+        Ok(())
+    } else {
+        Err(stderr.lines().rev().take(3).collect::<Vec<_>>().join(" | "))
+    }
+}
+
+#[test]
+fn vllm_accepts_the_engine_command_line_the_operator_generates() {
+    let mut run = example_run();
+    run.spec.engines.backend = EngineBackend::Vllm;
+    for replay in [false, true] {
+        run.spec.routing_replay = replay;
+        let (command, args) = engine_command(&run);
+        assert_eq!(command, ["vllm", "serve"], "the image's own entrypoint");
+        for needed in [
+            "--enable-scale-out",
+            "--weight-transfer-config",
+            "--logprobs-mode",
+        ] {
+            assert!(args.iter().any(|a| a == needed), "{needed} in {args:?}");
+        }
+        assert_eq!(
+            args.iter().any(|a| a == "--enable-return-routed-experts"),
+            replay
+        );
+        if let Err(why) = vllm_accepts(&args) {
+            panic!("vLLM refuses the operator's engine command line {args:?}: {why}");
+        }
+    }
+}
+
+#[test]
+fn vllm_refuses_a_flag_it_does_not_know_so_the_check_can_fail() {
+    let mut run = example_run();
+    run.spec.engines.backend = EngineBackend::Vllm;
+    run.spec.engines.extra_args = vec!["--no-such-flag".into(), "1".into()];
+    let (_, args) = engine_command(&run);
+    let why = vllm_accepts(&args).expect_err("an unknown flag must be refused");
+    assert!(why.contains("--no-such-flag"), "{why}");
+}
