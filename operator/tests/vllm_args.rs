@@ -38,7 +38,7 @@ fn example_run() -> RLRun {
 /// The engine container's command and arguments, as the operator makes them.
 fn engine_command(run: &RLRun) -> (Vec<String>, Vec<String>) {
     let children = desired(run, &Images::default(), "token").expect("the run builds");
-    let pod = children.engines.spec.unwrap().template.spec.unwrap();
+    let pod = children.engines.spec.template.spec.unwrap();
     let c = &pod.containers[0];
     (
         c.command.clone().unwrap_or_default(),
