@@ -17,8 +17,7 @@ fn transformers_qwen3_tokenizer_encodes_identically() {
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("model");
     std::fs::copy(
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/qwen3_tokenizer_config.json"),
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/qwen3_tokenizer_config.json"),
         dir.join("tokenizer_config.json"),
     )
     .unwrap();

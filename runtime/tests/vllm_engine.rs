@@ -7,6 +7,8 @@
 //! Needs `MOULT_VLLM_PYTHON` (scripts/test.sh sets it). Each test starts its own vLLM server
 //! (about a minute on two cores) and stops it, with its child processes, when it ends.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -66,12 +68,20 @@ impl Vllm {
             .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
             .arg(model)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--enable-scale-out", "--logprobs-mode", "processed_logprobs"])
+            .args([
+                "--enable-scale-out",
+                "--logprobs-mode",
+                "processed_logprobs",
+            ])
             // CPU: float32 as the model was saved, a small KV cache (the default reserves most of
             // the machine's memory), no graph compilation (a minute of start-up).
             .args(["--dtype", "float32", "--kv-cache-memory-bytes", "268435456"])
             .args(["--enforce-eager", "--max-model-len", "2048"])
             .env("VLLM_SERVER_DEV_MODE", "1")
+            // One OpenMP thread, not pinned: vLLM's CPU build otherwise binds spinning threads to
+            // every core, starving whatever else runs (the test, the router, the trainer).
+            .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            .env("OMP_NUM_THREADS", "1")
             .stdout(out.try_clone().unwrap())
             .stderr(out)
             .process_group(0)
@@ -91,7 +101,10 @@ impl Vllm {
                 }
             }
             if let Ok(Some(status)) = vllm.child.try_wait() {
-                panic!("vLLM exited ({status}) before serving:\n{}", vllm.log_tail());
+                panic!(
+                    "vLLM exited ({status}) before serving:\n{}",
+                    vllm.log_tail()
+                );
             }
             assert!(
                 started.elapsed() < Duration::from_secs(600),
@@ -100,7 +113,11 @@ impl Vllm {
             );
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
-        println!("vLLM serves {} after {:.0?}", model.display(), started.elapsed());
+        println!(
+            "vLLM serves {} after {:.0?}",
+            model.display(),
+            started.elapsed()
+        );
         vllm
     }
 
@@ -113,9 +130,16 @@ impl Vllm {
 
 impl Drop for Vllm {
     fn drop(&mut self) {
-        // The whole group: the API server and the engine-core processes it started.
+        // The whole group: the API server and the engine-core processes it started. `--` matters:
+        // procps' kill reads `-TERM -PGID` without it as a signal to every process.
         let group = format!("-{}", self.child.id());
-        let _ = Command::new("kill").args(["-TERM", &group]).status();
+        let kill = |signal: &str| {
+            let _ = Command::new("kill")
+                .args([signal, "--", &group])
+                .stderr(Stdio::null())
+                .status();
+        };
+        kill("-TERM");
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             if matches!(self.child.try_wait(), Ok(Some(_))) {
@@ -123,7 +147,7 @@ impl Drop for Vllm {
             }
             std::thread::sleep(Duration::from_millis(200));
         }
-        let _ = Command::new("kill").args(["-KILL", &group]).status();
+        kill("-KILL");
         let _ = self.child.wait();
     }
 }
@@ -136,7 +160,10 @@ async fn router(engines: &[String]) -> (String, Arc<Router>) {
         timeout: Duration::from_secs(10),
         failures_to_down: 3,
     }));
-    let router = Arc::new(Router::new(pool, policy::by_name("consistent-hash").unwrap()));
+    let router = Arc::new(Router::new(
+        pool,
+        policy::by_name("consistent-hash").unwrap(),
+    ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(server::serve(
@@ -334,13 +361,18 @@ async fn vllm_sampled_tokens_recompute_to_vllms_logprobs_in_moults_trainer() {
         }
         let gap = largest_gap(&dir, &samples, temperature);
         println!("{name}: largest |moult − vLLM| logprob gap {gap:.2e}");
-        assert!(gap < 1e-4, "{name}: moult's trainer and vLLM disagree by {gap}");
+        assert!(
+            gap < 1e-4,
+            "{name}: moult's trainer and vLLM disagree by {gap}"
+        );
     }
 }
 
-/// Tokens vLLM generated so far (its own counter).
-async fn generation_tokens(url: &str) -> f64 {
-    let text = reqwest::get(format!("{url}/metrics"))
+/// Tokens an engine generated so far (its own counter).
+async fn generation_tokens(http: &reqwest::Client, url: &str) -> f64 {
+    let text = http
+        .get(format!("{url}/metrics"))
+        .send()
         .await
         .unwrap()
         .text()
@@ -371,16 +403,34 @@ async fn update_from_folder(router: &str, folder: &Path, version: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_partial_rollout_across_three_folder_updates_labels_every_token_with_its_weights() {
     let models = vllm_models();
+    let vllm = Vllm::start(&models.join("qwen3-tiny"), "partial").await;
+    partial_rollout_across_folder_updates(&vllm.url, &models).await;
+}
+
+/// The same endpoints on the built-in engine: the same partial rollout, the same checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builtin_engine_partial_rollout_across_three_folder_updates_labels_every_token() {
+    let models = vllm_models();
+    let (mut child, url) = common::spawn_engine_on(&models.join("qwen3-tiny"), 0);
+    partial_rollout_across_folder_updates(&url, &models).await;
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// A long greedy generation through the router, with three updates from folders while it runs:
+/// each token carries the version of the weights that produced it.
+async fn partial_rollout_across_folder_updates(engine: &str, models: &Path) {
     // Version k is served from folders[k]: two different sets of weights, alternating.
     let (a, b) = (models.join("qwen3-tiny"), models.join("qwen3-tiny-v2"));
     let folders = [&a, &b, &a, &b];
-    let vllm = Vllm::start(&a, "partial").await;
-    let (url, _router) = router(std::slice::from_ref(&vllm.url)).await;
+    let (url, _router) = router(&[engine.to_string()]).await;
     let prompt = vec![5, 17, 99, 300, 2001];
-    let greedy = |n: usize| json!({"max_tokens": n, "temperature": 0, "ignore_eos": true, "logprobs": 0});
+    let greedy =
+        |n: usize| json!({"max_tokens": n, "temperature": 0, "ignore_eos": true, "logprobs": 0});
     const TOTAL: usize = 1800;
 
-    let before = generation_tokens(&vllm.url).await;
+    let http = reqwest::Client::new();
+    let before = generation_tokens(&http, engine).await;
     let stream = {
         let (client, prompt) = (EngineClient::new(&url), prompt.clone());
         tokio::spawn(async move { generate(&client, "long", &prompt, &greedy(TOTAL)).await })
@@ -388,9 +438,9 @@ async fn vllm_partial_rollout_across_three_folder_updates_labels_every_token_wit
     // An update after every 300 tokens or so, while the request runs.
     for (version, folder) in folders.iter().enumerate().skip(1) {
         let deadline = Instant::now() + Duration::from_secs(300);
-        while generation_tokens(&vllm.url).await < before + 300.0 * version as f64 {
+        while generation_tokens(&http, engine).await < before + 300.0 * version as f64 {
             assert!(Instant::now() < deadline, "vLLM stopped generating");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         update_from_folder(&url, folder, version as u64).await;
     }
@@ -416,13 +466,23 @@ async fn vllm_partial_rollout_across_three_folder_updates_labels_every_token_wit
         update_from_folder(&url, folders[version as usize], 100 + version).await;
         let mut context = prompt.clone();
         context.extend(tokens[..start].iter().map(|t| t.0));
-        let fresh = direct(&vllm.url, &context, &greedy(end - start)).await;
-        let want = fresh["choices"][0]["logprobs"]["content"].as_array().unwrap();
+        let fresh = direct(engine, &context, &greedy(end - start)).await;
+        let want = fresh["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap();
         assert_eq!(want.len(), end - start);
         for (k, (got, want)) in tokens[start..end].iter().zip(want).enumerate() {
-            assert_eq!(got.0, want["token_id"].as_i64().unwrap(), "version {version} token {k}");
+            assert_eq!(
+                got.0,
+                want["token_id"].as_i64().unwrap(),
+                "version {version} token {k}"
+            );
             let lp = want["logprob"].as_f64().unwrap() as f32;
-            assert!((got.1 - lp).abs() < 1e-4, "version {version} token {k}: {} vs {lp}", got.1);
+            assert!(
+                (got.1 - lp).abs() < 1e-4,
+                "version {version} token {k}: {} vs {lp}",
+                got.1
+            );
         }
     }
 }

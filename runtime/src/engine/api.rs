@@ -397,6 +397,27 @@ pub struct FinishWeightUpdate {
     pub weight_version: u64,
 }
 
+/// `POST /collective_rpc`: vLLM's call of a method on every worker. The built-in engine has one:
+/// `reload_weights` with `kwargs.weights_path`, a weight update from a folder.
+#[derive(Debug, Deserialize)]
+pub struct CollectiveRpc {
+    pub method: String,
+    #[serde(default)]
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+/// `POST /update_weight_version`: the version of the weights now loaded.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateWeightVersion {
+    #[serde(deserialize_with = "new_version_number_or_string")]
+    pub new_version: u64,
+}
+
+fn new_version_number_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    NumberOrText::deserialize(d)?.version("new_version")
+}
+
 fn version_number_or_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     NumberOrText::deserialize(d)?.version("weight_version")
 }
@@ -463,8 +484,16 @@ mod tests {
         assert_eq!(
             c.weight_versions,
             [
-                WeightVersionSpan { version: 0, start: 0, end: 275 },
-                WeightVersionSpan { version: 1, start: 275, end: 277 }
+                WeightVersionSpan {
+                    version: 0,
+                    start: 0,
+                    end: 275
+                },
+                WeightVersionSpan {
+                    version: 1,
+                    start: 275,
+                    end: 277
+                }
             ]
         );
         assert_eq!(c.logprobs.content[0].top_logprobs[0].token_id, 7);
@@ -481,7 +510,10 @@ mod tests {
             "choices": [{"token_ids": [], "finish_reason": null,
                 "weight_versions": [{"version": "v2", "start": 0, "end": 1}]}]
         }));
-        assert!(bad.unwrap_err().to_string().contains("weight_versions[].version"));
+        assert!(bad
+            .unwrap_err()
+            .to_string()
+            .contains("weight_versions[].version"));
     }
 
     #[test]

@@ -390,7 +390,10 @@ mod tests {
             })
             .collect();
         assert_eq!(versions.len(), 1500);
-        assert!(versions[..275].iter().all(|&v| v == 0), "\"default\" is version 0");
+        assert!(
+            versions[..275].iter().all(|&v| v == 0),
+            "\"default\" is version 0"
+        );
         assert!(versions[275..].iter().all(|&v| v == 1));
         assert!(matches!(
             events.last().unwrap().as_ref().unwrap(),
@@ -405,7 +408,10 @@ mod tests {
             .iter()
             .filter_map(|e| match e.as_ref().unwrap() {
                 Generated::Token {
-                    id, logprob, version, ..
+                    id,
+                    logprob,
+                    version,
+                    ..
                 } => Some((*id, *logprob, *version)),
                 Generated::Finished { .. } => None,
             })

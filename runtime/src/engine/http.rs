@@ -19,8 +19,8 @@ use serde_json::json;
 use tokio::sync::{mpsc, Mutex};
 
 use super::api::{
-    AbortRequest, Choice, FinishWeightUpdate, GenerateRequest, GenerateResponse,
-    InitWeightTransfer, Logprobs, UpdateWeights, Usage, WeightVersionSpan,
+    AbortRequest, Choice, CollectiveRpc, FinishWeightUpdate, GenerateRequest, GenerateResponse,
+    InitWeightTransfer, Logprobs, UpdateWeightVersion, UpdateWeights, Usage, WeightVersionSpan,
 };
 use super::core::{EngineHandle, Event, PauseMode};
 use super::weights::{connect, BucketLayout, StagedUpdate};
@@ -65,6 +65,8 @@ pub fn router(engine: EngineHandle) -> Router {
         .route("/start_weight_update", post(start_weight_update))
         .route("/update_weights", post(update_weights))
         .route("/finish_weight_update", post(finish_weight_update))
+        .route("/collective_rpc", post(collective_rpc))
+        .route("/update_weight_version", post(update_weight_version))
         .route("/weight_info", get(weight_info))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
@@ -451,6 +453,56 @@ async fn finish_weight_update(
     }
     Ok(Json(
         json!({"weight_version": req.weight_version, "updated": count}),
+    ))
+}
+
+/// vLLM's weight update from a folder, step one: `reload_weights` loads every safetensors file of
+/// `kwargs.weights_path` into the model (between two steps, like any update; the version is
+/// unchanged until `/update_weight_version`).
+async fn collective_rpc(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let req: CollectiveRpc = parse(&body)?;
+    if req.method != "reload_weights" {
+        return Err(ApiError::bad_request(format!(
+            "the built-in engine's collective_rpc has one method, reload_weights; got {:?}",
+            req.method
+        ))
+        .with_param("method"));
+    }
+    let Some(dir) = req.kwargs.get("weights_path").and_then(|v| v.as_str()) else {
+        return Err(ApiError::bad_request(
+            "reload_weights needs kwargs.weights_path: a folder of safetensors",
+        )
+        .with_param("kwargs.weights_path"));
+    };
+    let dir = std::path::PathBuf::from(dir);
+    let params = state.engine.info.params.clone();
+    let staged = tokio::task::spawn_blocking(move || {
+        let mut staged = StagedUpdate::default();
+        staged.load_folder(&dir, &params).map(|()| staged)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+    .map_err(|m| ApiError::bad_request(m).with_param("kwargs.weights_path"))?;
+    let version = state.engine.status.weight_version.load(Ordering::Acquire);
+    state.engine.apply_weights(staged, version).await?;
+    Ok(Json(json!({"results": [null]})))
+}
+
+/// vLLM's weight update from a folder, step two: the version the loaded weights are.
+async fn update_weight_version(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let req: UpdateWeightVersion = parse(&body)?;
+    state
+        .engine
+        .apply_weights(StagedUpdate::default(), req.new_version)
+        .await?;
+    Ok(Json(
+        json!({"success": true, "new_version": req.new_version.to_string()}),
     ))
 }
 

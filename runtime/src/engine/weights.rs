@@ -269,6 +269,68 @@ impl StagedUpdate {
         self.entries.is_empty()
     }
 
+    /// Stages every tensor of the `*.safetensors` files in `dir` (a weight update from a folder,
+    /// vLLM's `reload_weights`). Each tensor must be a weight of this model (`params`) with its
+    /// shape, in float32, bfloat16 or float16; errors name the file and tensor.
+    pub fn load_folder(
+        &mut self,
+        dir: &std::path::Path,
+        params: &[(String, Vec<i64>)],
+    ) -> Result<(), String> {
+        use safetensors::{Dtype, SafeTensors};
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .map_err(|e| format!("reading {}: {e}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(format!("{} holds no .safetensors file", dir.display()));
+        }
+        let shapes: BTreeMap<&str, &Vec<i64>> =
+            params.iter().map(|(n, s)| (n.as_str(), s)).collect();
+        self.clear();
+        for file in &files {
+            let bytes =
+                std::fs::read(file).map_err(|e| format!("reading {}: {e}", file.display()))?;
+            let st = SafeTensors::deserialize(&bytes)
+                .map_err(|e| format!("{}: not a safetensors file: {e}", file.display()))?;
+            for (name, view) in st.tensors() {
+                let Some(expected) = shapes.get(name.as_str()) else {
+                    return Err(format!(
+                        "{}: `{name}` is not a weight of this model",
+                        file.display()
+                    ));
+                };
+                let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+                if &&shape != expected {
+                    return Err(format!(
+                        "{}: `{name}` has shape {expected:?} in this model, got {shape:?}",
+                        file.display()
+                    ));
+                }
+                let kind = match view.dtype() {
+                    Dtype::F32 => Kind::Float,
+                    Dtype::BF16 => Kind::BFloat16,
+                    Dtype::F16 => Kind::Half,
+                    other => return Err(format!(
+                        "{}: `{name}` is {other:?}; weights must be float32, bfloat16 or float16",
+                        file.display()
+                    )),
+                };
+                let offset = self.bytes.len();
+                self.bytes.extend_from_slice(view.data());
+                self.entries.push(Entry {
+                    name,
+                    shape,
+                    kind,
+                    offset,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Reads one bucket from the stream (header, then payload) and stages it.
     pub async fn receive(
         &mut self,

@@ -253,8 +253,8 @@ async fn broadcast(
         "/update_weight_version" => Some("new_version"),
         _ => None,
     };
-    let finished_version = field
-        .and_then(|f| crate::engine::api::reported_version(&body.as_ref()?[f]));
+    let finished_version =
+        field.and_then(|f| crate::engine::api::reported_version(&body.as_ref()?[f]));
     let bodies = vec![body; engines.len()];
     let answers = fan_out(&router_http(), &engines, method, &path, bodies).await?;
     if let Some(version) = finished_version {

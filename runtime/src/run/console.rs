@@ -209,7 +209,11 @@ mod tests {
         }
         console.phase("training");
         console.refresh();
-        assert_eq!(console.phase.lock().unwrap().notes, 0, "too early for a note");
+        assert_eq!(
+            console.phase.lock().unwrap().notes,
+            0,
+            "too early for a note"
+        );
         console.phase.lock().unwrap().since = Instant::now() - QUIET_NOTE_EVERY * 2;
         console.refresh();
         console.refresh();

@@ -10,8 +10,8 @@ use serde::Serialize;
 use tch::{Device, Kind};
 
 use super::checkpoint::{self, CheckpointMeta};
-use super::console::Console;
 use super::config::RunConfig;
+use super::console::Console;
 use super::metrics::{self, MetricsLog, StepRecord};
 use super::{local, ordered, samples, RunError};
 use crate::model::Qwen3Model;
@@ -186,11 +186,7 @@ pub async fn run(
         let eta = Duration::from_secs_f64(
             started.elapsed().as_secs_f64() / done as f64 * (cfg.total_steps - step) as f64,
         );
-        console.line(&metrics::progress_line(
-            &record,
-            cfg.total_steps,
-            Some(eta),
-        ));
+        console.line(&metrics::progress_line(&record, cfg.total_steps, Some(eta)));
         console.set_step(step);
         log.push(record)?;
         // 5. Checkpoint.
