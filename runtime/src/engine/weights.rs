@@ -313,10 +313,12 @@ impl StagedUpdate {
                     Dtype::F32 => Kind::Float,
                     Dtype::BF16 => Kind::BFloat16,
                     Dtype::F16 => Kind::Half,
-                    other => return Err(format!(
+                    other => {
+                        return Err(format!(
                         "{}: `{name}` is {other:?}; weights must be float32, bfloat16 or float16",
                         file.display()
-                    )),
+                    ))
+                    }
                 };
                 let offset = self.bytes.len();
                 self.bytes.extend_from_slice(view.data());
