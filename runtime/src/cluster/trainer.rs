@@ -24,7 +24,7 @@ use crate::rollout::staleness_histogram;
 use crate::run::checkpoint::{self, CheckpointMeta};
 use crate::run::config::Sources;
 use crate::run::metrics::MetricsLog;
-use crate::run::{learn, load_teacher, load_trainer, save_checkpoint, step_record};
+use crate::run::{learn, load_teacher, load_trainer, resume_note, save_checkpoint, step_record};
 use crate::run::{RunError, StepTimes};
 use crate::trainer::train::Trainer;
 
@@ -235,6 +235,9 @@ pub async fn run(
     tokio::pin!(shutdown);
 
     let mut trainer = load_trainer(&cfg, resume.as_ref(), opts.device).await?;
+    if let Some(resume) = &resume {
+        eprintln!("moult trainer: {}", resume_note(&cfg, resume));
+    }
     let mut teacher = load_teacher(&cfg, &trainer, opts.device).await?;
     eprintln!(
         "moult trainer: {} from step {step} of {}; coordinator {}",

@@ -91,14 +91,8 @@ pub async fn run(
     let device = opts.device;
     console.phase("loading the model");
     let mut trainer = load_trainer(&cfg, resume.as_ref(), device).await?;
-    if let Some((dir, meta)) = &resume {
-        console.line(&format!(
-            "moult run: resuming {} from {} (step {}, version {})",
-            cfg.name,
-            dir.display(),
-            meta.step,
-            meta.policy_version
-        ));
+    if let Some(resume) = &resume {
+        console.line(&format!("moult run: {}", resume_note(&cfg, resume)));
     }
     let mut teacher = load_teacher(&cfg, &trainer, device).await?;
 
@@ -239,6 +233,17 @@ pub async fn run(
         &serde_json::to_vec_pretty(&summary).expect("summary serializes"),
     )?;
     Ok(summary)
+}
+
+/// What a process resuming from a checkpoint says.
+pub(crate) fn resume_note(cfg: &RunConfig, (dir, meta): &(PathBuf, CheckpointMeta)) -> String {
+    format!(
+        "resuming {} from {} (step {}, version {})",
+        cfg.name,
+        dir.display(),
+        meta.step,
+        meta.policy_version
+    )
 }
 
 /// Awaits `batch` while the console says how many groups finished since the wait began.

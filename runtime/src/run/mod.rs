@@ -32,7 +32,7 @@ use rand::SeedableRng;
 
 #[cfg(feature = "torch")]
 pub(crate) use driver::{
-    learn, load_teacher, load_trainer, save_checkpoint, step_record, StepTimes,
+    learn, load_teacher, load_trainer, resume_note, save_checkpoint, step_record, StepTimes,
 };
 #[cfg(feature = "torch")]
 pub use driver::{run, RunOptions, Summary};
