@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use moult_runtime::engine::client::{EngineClient, Generated};
-use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
+use moult_runtime::router::{HealthOptions, Router};
 use serde_json::{json, Value};
 
 fn vllm_python() -> PathBuf {
@@ -154,24 +154,12 @@ impl Drop for Vllm {
 
 /// moult's router in front of `engines`, with health probes patient enough for a busy CPU.
 async fn router(engines: &[String]) -> (String, Arc<Router>) {
-    let pool = Arc::new(EnginePool::new(engines));
-    tokio::spawn(pool.clone().check_health(HealthOptions {
+    let health = HealthOptions {
         interval: Duration::from_millis(500),
         timeout: Duration::from_secs(10),
         failures_to_down: 3,
-    }));
-    let router = Arc::new(Router::new(
-        pool,
-        policy::by_name("consistent-hash").unwrap(),
-    ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(server::serve(
-        listener,
-        router.clone(),
-        std::future::pending(),
-    ));
-    (url, router)
+    };
+    common::start_router_with(engines, "consistent-hash", health).await
 }
 
 /// `(token, logprob, version)` of a whole generation through `client`, and its finish reason.
@@ -369,19 +357,8 @@ async fn vllm_sampled_tokens_recompute_to_vllms_logprobs_in_moults_trainer() {
 }
 
 /// Tokens an engine generated so far (its own counter).
-async fn generation_tokens(http: &reqwest::Client, url: &str) -> f64 {
-    let text = http
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.starts_with("vllm:generation_tokens_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+async fn generation_tokens(url: &str) -> f64 {
+    common::metric(url, "vllm:generation_tokens_total", "").await
 }
 
 /// One weight update from a folder through the router: pause (keep), reload, version, resume.
@@ -429,8 +406,7 @@ async fn partial_rollout_across_folder_updates(engine: &str, models: &Path) {
         |n: usize| json!({"max_tokens": n, "temperature": 0, "ignore_eos": true, "logprobs": 0});
     const TOTAL: usize = 1800;
 
-    let http = reqwest::Client::new();
-    let before = generation_tokens(&http, engine).await;
+    let before = generation_tokens(engine).await;
     let stream = {
         let (client, prompt) = (EngineClient::new(&url), prompt.clone());
         tokio::spawn(async move { generate(&client, "long", &prompt, &greedy(TOTAL)).await })
@@ -438,7 +414,7 @@ async fn partial_rollout_across_folder_updates(engine: &str, models: &Path) {
     // An update after every 300 tokens or so, while the request runs.
     for (version, folder) in folders.iter().enumerate().skip(1) {
         let deadline = Instant::now() + Duration::from_secs(300);
-        while generation_tokens(&http, engine).await < before + 300.0 * version as f64 {
+        while generation_tokens(engine).await < before + 300.0 * version as f64 {
             assert!(Instant::now() < deadline, "vLLM stopped generating");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

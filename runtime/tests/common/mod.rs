@@ -274,13 +274,23 @@ pub async fn start_router(
     engines: &[String],
     policy: &str,
 ) -> (String, std::sync::Arc<moult_runtime::router::Router>) {
-    use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
-    let pool = std::sync::Arc::new(EnginePool::new(engines));
-    tokio::spawn(pool.clone().check_health(HealthOptions {
+    let health = moult_runtime::router::HealthOptions {
         interval: std::time::Duration::from_millis(200),
         timeout: std::time::Duration::from_millis(500),
         failures_to_down: 2,
-    }));
+    };
+    start_router_with(engines, policy, health).await
+}
+
+/// Serves a router over `engines` with `policy`, probing health as `health` says.
+pub async fn start_router_with(
+    engines: &[String],
+    policy: &str,
+    health: moult_runtime::router::HealthOptions,
+) -> (String, std::sync::Arc<moult_runtime::router::Router>) {
+    use moult_runtime::router::{policy, server, EnginePool, Router};
+    let pool = std::sync::Arc::new(EnginePool::new(engines));
+    tokio::spawn(pool.clone().check_health(health));
     let router = std::sync::Arc::new(Router::new(pool, policy::by_name(policy).unwrap()));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
