@@ -16,12 +16,8 @@ fn parse(yaml: &str) -> Result<RLRun, String> {
 #[test]
 fn the_base_manifest_and_the_cluster_example_are_valid() {
     assert_eq!(parse(&small_run("ok", 1)).unwrap().validate(), Ok(()));
-    let example = std::fs::read_to_string(support::example_path()).unwrap();
-    let doc = example
-        .split("\n---\n")
-        .find(|d| d.contains("kind: RLRun"))
-        .unwrap();
-    assert_eq!(parse(doc).unwrap().validate(), Ok(()));
+    let doc = support::example_run_yaml();
+    assert_eq!(parse(&doc).unwrap().validate(), Ok(()));
 }
 
 #[test]

@@ -6,6 +6,8 @@
 //! Needs `MOULT_VLLM_PYTHON` (scripts/test.sh sets it); without it the tests fail with the
 //! command that installs vLLM.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -23,13 +25,8 @@ fn vllm_python() -> PathBuf {
 }
 
 fn example_run() -> RLRun {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/cluster/gsm8k-grpo.yaml");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let doc = text
-        .split("\n---\n")
-        .find(|d| d.contains("kind: RLRun"))
-        .expect("the example has an RLRun");
-    let mut run: RLRun = serde_yaml_ng::from_str(doc).expect("the example parses");
+    let doc = support::example_run_yaml();
+    let mut run: RLRun = serde_yaml_ng::from_str(&doc).expect("the example parses");
     run.metadata.namespace = Some("research".into());
     run.metadata.uid = Some("0b1c6a52-5d1e-4f2a-9a55-7f3a1f6c1e01".into());
     run

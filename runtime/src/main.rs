@@ -756,7 +756,6 @@ fn main() -> anyhow::Result<()> {
             .with_writer(std::io::stderr)
             .init();
     }
-    let verbose = cli.verbose;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -774,11 +773,8 @@ fn main() -> anyhow::Result<()> {
         #[cfg(not(feature = "torch"))]
         Command::Trainer(_) => without_torch("trainer"),
         #[cfg(feature = "torch")]
-        Command::Run(args) => runtime.block_on(run(args, verbose)),
+        Command::Run(args) => runtime.block_on(run(args, cli.verbose)),
         #[cfg(not(feature = "torch"))]
-        Command::Run(_) => {
-            let _ = verbose;
-            without_torch("run")
-        }
+        Command::Run(_) => without_torch("run"),
     }
 }

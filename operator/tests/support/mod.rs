@@ -309,6 +309,15 @@ pub fn example_path() -> PathBuf {
     Path::new(ROOT).join("examples/cluster/gsm8k-grpo.yaml")
 }
 
+/// The RLRun document of the cluster example (the file also holds the claims it needs).
+pub fn example_run_yaml() -> String {
+    let text = std::fs::read_to_string(example_path()).unwrap();
+    text.split("\n---\n")
+        .find(|d| d.contains("kind: RLRun"))
+        .expect("the example has an RLRun")
+        .to_string()
+}
+
 /// A small RLRun without volumes: `engines` vLLM engines with 2 GPUs each, one 8-GPU trainer.
 pub fn small_run(name: &str, engines: i32) -> String {
     format!(

@@ -278,12 +278,14 @@ where
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
-/// A span's version: a number, a string of one, or vLLM's `"default"` (version 0).
+/// A span's version, as [`reported_version`] reads it.
 fn span_version<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    match NumberOrText::deserialize(d)? {
-        NumberOrText::Text(s) if s == "default" => Ok(0),
-        other => other.version("weight_versions[].version"),
-    }
+    let v = serde_json::Value::deserialize(d)?;
+    reported_version(&v).ok_or_else(|| {
+        serde::de::Error::custom(format!(
+            "weight_versions[].version must be a non-negative integer, a string of one or \"default\", got {v}"
+        ))
+    })
 }
 
 impl Choice {

@@ -193,10 +193,8 @@ impl Drop for GenerationStream {
 /// back until a chunk says which versions produced them.
 #[derive(Debug, Default)]
 struct ChunkParser {
-    /// Tokens received without version spans yet: `(stream index, logprob entry)`.
-    held: Vec<(usize, TokenLogprob)>,
-    /// Tokens received so far in this stream.
-    received: usize,
+    /// The latest tokens of the stream, received without version spans yet.
+    held: Vec<TokenLogprob>,
     /// The version of the last span seen (for tokens a stream never labels).
     last_version: Option<u64>,
     /// The request id as the engine reports it.
@@ -238,23 +236,14 @@ impl ChunkParser {
     }
 
     fn choice(&mut self, choice: Choice, out: &mut VecDeque<Result<Generated, EngineError>>) {
-        let first = self.received;
-        self.received += choice.logprobs.content.len();
-        self.held.extend(
-            choice
-                .logprobs
-                .content
-                .into_iter()
-                .enumerate()
-                .map(|(i, lp)| (first + i, lp)),
-        );
+        self.held.extend(choice.logprobs.content);
         let spans = &choice.weight_versions;
         if let Some(end) = spans.iter().map(|s| s.end).max() {
-            // The spans count from the first generated token of the request; this chunk's
-            // tokens end at the last span's end, which places every token this stream received.
-            let base = end.saturating_sub(self.received);
-            for (i, lp) in self.held.drain(..) {
-                let at = base + i;
+            // The spans count from the first generated token of the request, and the held tokens
+            // are the stream's latest: they end where the last span ends.
+            let start = end.saturating_sub(self.held.len());
+            for (i, lp) in self.held.drain(..).enumerate() {
+                let at = start + i;
                 let version = spans
                     .iter()
                     .find(|s| s.start <= at && at < s.end)
@@ -272,7 +261,7 @@ impl ChunkParser {
                     "the engine finished a stream without weight_versions for its tokens"
                 );
                 let version = self.last_version.unwrap_or(0);
-                for (_, lp) in self.held.drain(..) {
+                for lp in self.held.drain(..) {
                     out.push_back(Ok(token(lp, version)));
                 }
             }

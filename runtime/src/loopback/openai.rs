@@ -605,19 +605,11 @@ where
     // One frame in flight is enough: the producer waits for the client either way.
     let (tx, rx) = mpsc::channel(1);
     let task = tokio::spawn(f(tx));
-    let guard = AbortOnDrop(task);
+    // The producer ends when the client's stream is dropped.
+    let guard = crate::AbortOnDrop(task);
     futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
         rx.recv().await.map(|ev| (Ok(ev), (rx, guard)))
     })
-}
-
-/// Aborts the producer task when the client's stream is dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// `GET /v1/models`.

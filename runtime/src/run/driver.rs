@@ -86,7 +86,8 @@ pub async fn run(
         ));
     }
     console.set_step(step);
-    let _ticker = AbortOnDrop(console.tick());
+    // The status line's ticker ends with the run.
+    let _ticker = crate::AbortOnDrop(console.tick());
 
     let device = opts.device;
     console.phase("loading the model");
@@ -264,15 +265,6 @@ async fn watch_generation<T>(
                 console.detail(format!("generating episodes: {done} groups finished"));
             }
         }
-    }
-}
-
-/// Aborts a background task when dropped (the console's ticker ends with the run).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -348,14 +348,17 @@ impl Engine {
     }
 
     fn apply_weights(&mut self, update: &StagedUpdate, version: u64) -> Result<(), String> {
-        update.apply(self.model.params())?;
-        self.model.refresh_packed();
+        // A version alone (`/update_weight_version` after a reload) changes no weight.
+        if !update.is_empty() {
+            update.apply(self.model.params())?;
+            self.model.refresh_packed();
+            // Recompute in-flight sequences under the new weights from their tokens.
+            for slot in 0..self.running.len() {
+                self.cache.clear(slot);
+            }
+        }
         self.version = version;
         self.status.weight_version.store(version, Ordering::Release);
-        // Recompute in-flight sequences under the new weights from their tokens.
-        for slot in 0..self.running.len() {
-            self.cache.clear(slot);
-        }
         tracing::info!(version, tensors = update.len(), "weights updated");
         Ok(())
     }
