@@ -19,7 +19,11 @@ the digit (so it reads it), it learns most successors in 150 steps, but one to t
 collapse onto a wrong answer they never leave (a near-certain token's gradient vanishes), which
 keeps the reward at 0.7-0.9.
 
-Usage: python make_model.py OUT_DIR
+Usage: python make_model.py OUT_DIR [--head-dim 32]
+
+`--head-dim 32` makes the same model with two heads of 32 instead of four of 16 (one key/value
+head instead of two): vLLM's CPU attention refuses head_dim 16, so the recipe's vLLM variant
+(rlrun-vllm.yaml) serves this one.
 
 Writes OUT_DIR/ (config.json, model.safetensors, generation_config.json, tokenizer.json from
 tests/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from tests/fixtures,
@@ -207,15 +211,24 @@ def evaluate(model, task, skill):
         raise SystemExit("make_model: the base model is not at chance on the task, or not in its format")
 
 
-def fingerprint():
-    return tiny_qwen3.fingerprint([os.path.abspath(__file__), os.path.join(HERE, "env.py")])
+def fingerprint(head_dim):
+    return tiny_qwen3.fingerprint(
+        [os.path.abspath(__file__), os.path.join(HERE, "env.py")], f"head_dim={head_dim}".encode()
+    )
 
 
 def main():
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python make_model.py OUT_DIR")
-    out = sys.argv[1]
-    digest = fingerprint()
+    args = sys.argv[1:]
+    head_dim = 16
+    if len(args) == 3 and args[1] == "--head-dim" and args[2] in ("16", "32"):
+        head_dim = int(args[2])
+        args = args[:1]
+    if len(args) != 1:
+        raise SystemExit("usage: python make_model.py OUT_DIR [--head-dim 16|32]")
+    out = args[0]
+    if head_dim == 32:
+        CONFIG.update(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    digest = fingerprint(head_dim)
     if tiny_qwen3.is_current(out, "make_model", digest):
         return
     torch.use_deterministic_algorithms(True)

@@ -201,6 +201,12 @@ pub enum EngineBackend {
 #[x_kube(validation = Rule::new("self.backend != 'Builtin' || self.tensorParallelSize == 1").message(
     "the built-in engine has no tensor parallelism: engines.tensorParallelSize must be 1 with backend Builtin"
 ))]
+#[x_kube(validation = Rule::new("!has(self.weightTransfer) || self.weightTransfer.transport != 'Nccl' || self.backend == 'vLLM'").message(
+    "engines.weightTransfer.transport Nccl is for vLLM engines: the built-in engine takes weights over Tcp or Filesystem"
+))]
+#[x_kube(validation = Rule::new("!has(self.weightTransfer) || self.weightTransfer.transport != 'Tcp' || self.backend == 'Builtin'").message(
+    "engines.weightTransfer.transport Tcp is the built-in engine's weight stream: vLLM engines take weights over Nccl or Filesystem"
+))]
 pub struct EnginesSpec {
     /// Engine replicas (what `kubectl scale rlrun/NAME --replicas=N` and HPAs change).
     #[serde(default = "one")]
@@ -225,6 +231,40 @@ pub struct EnginesSpec {
     /// CPU and memory of each engine pod (GPUs come from `gpusPerEngine`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
+    /// How new weights reach the engines after each step: NCCL for vLLM and the TCP stream for
+    /// the built-in engine when absent (docs/weight-sync.md, "Weight transports").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_transfer: Option<WeightTransferSpec>,
+}
+
+/// How the trainer's weights travel to the engines.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum WeightTransport {
+    /// NCCL broadcast from the trainer's GPU to vLLM engines' GPUs (vLLM's weight-transfer
+    /// engine).
+    Nccl,
+    /// moult's packed TCP stream from the trainer to built-in engines.
+    Tcp,
+    /// The trainer writes safetensors to a folder every engine reads (a ReadWriteMany volume on a
+    /// cluster, a directory locally); engines reload from it. Works with vLLM (CPU or GPU) and
+    /// the built-in engine.
+    Filesystem,
+}
+
+/// The weight path of a run.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("self.transport == 'Filesystem' || !has(self.claimName)").message(
+    "engines.weightTransfer.claimName is the folder of the Filesystem transport: remove it or set transport Filesystem"
+))]
+pub struct WeightTransferSpec {
+    pub transport: WeightTransport,
+    /// Filesystem transport on a cluster: a ReadWriteMany PersistentVolumeClaim mounted at
+    /// `/weights` in the trainer (read-write) and every engine (read-only). `moult run` uses a
+    /// folder under its `--out` instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub claim_name: Option<String>,
 }
 
 impl Default for EnginesSpec {
@@ -237,6 +277,7 @@ impl Default for EnginesSpec {
             gpus_per_engine: None,
             extra_args: Vec::new(),
             resources: None,
+            weight_transfer: None,
         }
     }
 }
@@ -245,6 +286,16 @@ impl EnginesSpec {
     /// GPUs each engine pod requests.
     pub fn gpus(&self) -> u32 {
         self.gpus_per_engine.unwrap_or(self.tensor_parallel_size)
+    }
+
+    /// The weight transport the run uses: the spec's, or the backend's own (NCCL for vLLM, the
+    /// TCP stream for the built-in engine).
+    pub fn transport(&self) -> WeightTransport {
+        match (&self.weight_transfer, self.backend) {
+            (Some(w), _) => w.transport,
+            (None, EngineBackend::Vllm) => WeightTransport::Nccl,
+            (None, EngineBackend::Builtin) => WeightTransport::Tcp,
+        }
     }
 }
 
@@ -814,5 +865,64 @@ spec:
             "GRPO",
         );
         assert_eq!(alone.validate(), Ok(()));
+    }
+}
+
+#[cfg(all(test, feature = "validate"))]
+mod weight_transfer_tests {
+    use super::*;
+
+    fn run(engines: &str) -> RLRun {
+        let yaml = format!(
+            "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: transfer, namespace: local}}
+spec:
+  model: {{path: /models/policy}}
+  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
+  engines: {engines}
+  totalSteps: 1
+"
+        );
+        serde_yaml_ng::from_str(&yaml).unwrap()
+    }
+
+    #[test]
+    fn each_backend_has_its_own_transport_by_default() {
+        assert_eq!(
+            run("{backend: vLLM}").spec.engines.transport(),
+            WeightTransport::Nccl
+        );
+        assert_eq!(
+            run("{backend: Builtin}").spec.engines.transport(),
+            WeightTransport::Tcp
+        );
+        let fs = run("{backend: vLLM, weightTransfer: {transport: Filesystem, claimName: w}}");
+        assert_eq!(fs.spec.engines.transport(), WeightTransport::Filesystem);
+        assert_eq!(fs.validate(), Ok(()));
+    }
+
+    #[test]
+    fn transports_an_engine_cannot_take_are_refused_naming_the_field() {
+        for (engines, message) in [
+            (
+                "{backend: Builtin, weightTransfer: {transport: Nccl}}",
+                "engines.weightTransfer.transport Nccl is for vLLM engines",
+            ),
+            (
+                "{backend: vLLM, weightTransfer: {transport: Tcp}}",
+                "engines.weightTransfer.transport Tcp is the built-in engine's weight stream",
+            ),
+            (
+                "{backend: Builtin, weightTransfer: {transport: Tcp, claimName: w}}",
+                "engines.weightTransfer.claimName is the folder of the Filesystem transport",
+            ),
+        ] {
+            let errors = run(engines).validate().expect_err(engines);
+            assert!(
+                errors.iter().any(|e| e.contains(message)),
+                "{engines}: {errors:?}"
+            );
+        }
     }
 }

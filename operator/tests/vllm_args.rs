@@ -86,6 +86,34 @@ fn vllm_accepts_the_engine_command_line_the_operator_generates() {
 }
 
 #[test]
+fn vllm_accepts_the_command_line_of_the_filesystem_transport_and_of_moult_run() {
+    use moult_operator::api::{WeightTransferSpec, WeightTransport};
+    use moult_operator::children::vllm_args;
+    let mut run = example_run();
+    run.spec.engines.weight_transfer = Some(WeightTransferSpec {
+        transport: WeightTransport::Filesystem,
+        claim_name: Some("rl-weights".into()),
+    });
+    let (_, args) = engine_command(&run);
+    assert!(
+        !args.iter().any(|a| a == "--weight-transfer-config"),
+        "{args:?}"
+    );
+    if let Err(why) = vllm_accepts(&args) {
+        panic!("vLLM refuses the Filesystem transport's command line {args:?}: {why}");
+    }
+    // `moult run`'s vLLM processes: the same arguments on a loopback port.
+    let local = vllm_args(&run.spec, "/models/Qwen3-8B", "127.0.0.1", 41234, "local");
+    assert_eq!(
+        local[..5],
+        ["/models/Qwen3-8B", "--host", "127.0.0.1", "--port", "41234"]
+    );
+    if let Err(why) = vllm_accepts(&local) {
+        panic!("vLLM refuses moult run's command line {local:?}: {why}");
+    }
+}
+
+#[test]
 fn vllm_refuses_a_flag_it_does_not_know_so_the_check_can_fail() {
     let mut run = example_run();
     run.spec.engines.backend = EngineBackend::Vllm;

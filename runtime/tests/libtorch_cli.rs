@@ -75,8 +75,8 @@ fn libtorch_cli_refuses_bad_arguments_and_unsupported_models() {
         "{err}"
     );
 
-    // `moult run` says it cannot serve a manifest with vLLM engines, rather than serving it with
-    // built-in ones.
+    // `moult run` says it cannot publish to vLLM engines over NCCL (vLLM's default transport)
+    // before it spends a minute starting them, naming the field to change.
     let recipe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/successor");
     let text = std::fs::read_to_string(recipe.join("rlrun.yaml")).unwrap();
     assert!(text.contains("backend: Builtin"));
@@ -84,7 +84,11 @@ fn libtorch_cli_refuses_bad_arguments_and_unsupported_models() {
     std::fs::write(&manifest, text.replace("backend: Builtin", "backend: vLLM")).unwrap();
     let err = failing(&["run", manifest.to_str().unwrap()]);
     std::fs::remove_file(&manifest).unwrap();
-    assert!(err.contains("spec.engines.backend"), "{err}");
+    assert!(
+        err.contains("spec.engines.weightTransfer.transport"),
+        "{err}"
+    );
+    assert!(err.contains("transport: Filesystem"), "{err}");
     assert!(err.contains("docs/vllm.md"), "{err}");
 }
 

@@ -121,6 +121,15 @@ impl Vllm {
         vllm
     }
 
+    /// SIGKILL to the whole group, as an OOM kill or a lost node would end it.
+    fn kill(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.child.id())])
+            .stderr(Stdio::null())
+            .status();
+        let _ = self.child.wait();
+    }
+
     fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
@@ -461,4 +470,101 @@ async fn partial_rollout_across_folder_updates(engine: &str, models: &Path) {
             );
         }
     }
+}
+
+/// Which engine served a request: the one whose generation counter moved.
+async fn served_by(engines: &[&Vllm], before: &[f64]) -> usize {
+    let mut moved = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        if generation_tokens(&e.url).await > before[i] {
+            moved.push(i);
+        }
+    }
+    assert_eq!(moved.len(), 1, "exactly one engine served the request");
+    moved[0]
+}
+
+/// The router in front of two vLLM engines: a session's requests stick to one engine, and when
+/// one engine is SIGKILLed in the middle of generations every request still returns its full
+/// length, continued on the other, each token's logprob that of a reference forward of its
+/// prefix (moult's trainer on the same weights).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_vllm_engines_behind_the_router_keep_sessions_and_survive_a_sigkill() {
+    let models = vllm_models();
+    let dir = models.join("qwen3-tiny");
+    let (a, b) = tokio::join!(Vllm::start(&dir, "pair-a"), Vllm::start(&dir, "pair-b"));
+    let mut engines = [a, b];
+    let urls: Vec<String> = engines.iter().map(|e| e.url.clone()).collect();
+    let (url, _router) = router(&urls).await;
+    let client = EngineClient::new(&url);
+    let prompt = |s: i64| -> Vec<i64> { (0..6).map(|j| (s * 131 + j * 17) % 2000).collect() };
+
+    // Stickiness: two requests of each session land on the same engine, and the sessions spread.
+    let short = json!({"max_tokens": 4, "temperature": 1.0, "logprobs": 0, "ignore_eos": true});
+    let mut homes = Vec::new();
+    for session in 0..8 {
+        let mut served = Vec::new();
+        for turn in 0..2 {
+            let refs: Vec<&Vllm> = engines.iter().collect();
+            let mut before = Vec::new();
+            for e in &refs {
+                before.push(generation_tokens(&e.url).await);
+            }
+            let id = format!("s{session}");
+            let (tokens, _) = generate(&client, &id, &prompt(session * 2 + turn), &short).await;
+            assert_eq!(tokens.len(), 4);
+            served.push(served_by(&refs, &before).await);
+        }
+        assert_eq!(served[0], served[1], "session {session} moved");
+        homes.push(served[0]);
+    }
+    assert!(homes.contains(&0) && homes.contains(&1), "{homes:?}");
+
+    // Failover: eight long generations, one engine killed while they run.
+    const LEN: usize = 256;
+    let long = json!({"max_tokens": LEN, "temperature": 1.0, "logprobs": 0, "ignore_eos": true});
+    let mut runs = Vec::new();
+    for session in 0..8i64 {
+        let (client, p, sampling) = (EngineClient::new(&url), prompt(100 + session), long.clone());
+        runs.push(tokio::spawn(async move {
+            let (tokens, reason) =
+                generate(&client, &format!("long{session}"), &p, &sampling).await;
+            (p, tokens, reason)
+        }));
+    }
+    let counts = || async {
+        let mut c = Vec::new();
+        for e in &urls {
+            c.push(generation_tokens(e).await);
+        }
+        c
+    };
+    let before = counts().await;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    // The engine with more of the work dies once the generations are well under way.
+    let victim = loop {
+        let now = counts().await;
+        let moved: Vec<f64> = now.iter().zip(&before).map(|(n, b)| n - b).collect();
+        if moved[0] + moved[1] >= 400.0 {
+            break usize::from(moved[1] > moved[0]);
+        }
+        assert!(Instant::now() < deadline, "the engines did not generate");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    engines[victim].kill();
+    let mut samples = Vec::new();
+    for run in runs {
+        let (p, tokens, reason) = run.await.unwrap();
+        assert_eq!((tokens.len(), reason.as_str()), (LEN, "length"));
+        let mut all = p.clone();
+        all.extend(tokens.iter().map(|t| t.0));
+        let lps: Vec<f32> = tokens.iter().map(|t| t.1).collect();
+        samples.push((all, p.len(), lps, Value::Null));
+    }
+    let gap = largest_gap(&dir, &samples, 1.0);
+    println!("after the SIGKILL: largest |logprob − reference| {gap:.2e}");
+    assert!(
+        gap < 1e-4,
+        "a continued request's logprobs are off by {gap}"
+    );
 }

@@ -9,6 +9,8 @@ mod access;
 mod pods;
 mod workloads;
 
+pub use workloads::vllm_args;
+
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
@@ -229,6 +231,14 @@ impl<'a> Ctx<'a> {
             return Err(InvalidSpec(
                 "spec.judge: LLM-as-judge rewards run under `moult run` only so far; the operator does not serve the judge model on a cluster yet (remove spec.judge to run here)".into(),
             ));
+        }
+        if let Some(w) = &run.spec.engines.weight_transfer {
+            if w.transport == crate::api::WeightTransport::Filesystem && w.claim_name.is_none() {
+                // The schema cannot ask for it: `moult run` uses the same spec with a local folder.
+                return Err(InvalidSpec(
+                    "spec.engines.weightTransfer.claimName: the Filesystem transport on a cluster needs a ReadWriteMany PersistentVolumeClaim that the trainer and every engine mount (docs/weight-sync.md, \"Weight transports\")".into(),
+                ));
+            }
         }
         let mut scaled = run.spec.clone();
         scaled.engines.replicas = 0;

@@ -14,6 +14,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::access::CONFIG_FILE;
 use super::{name, Ctx, CONFIG_HASH_ANNOTATION, TOKEN_KEY};
+use crate::api::WeightTransport;
 
 /// Extended resource of NVIDIA's device plugin.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -23,6 +24,9 @@ pub const CONFIG_DIR: &str = "/etc/moult";
 pub const MODEL_DIR: &str = "/models";
 pub const DATA_DIR: &str = "/data";
 pub const CHECKPOINT_DIR: &str = "/checkpoints";
+/// Where the Filesystem weight transport's volume is mounted (trainer and engines alike: the
+/// trainer names folders by this path when it tells the engines to reload).
+pub const WEIGHTS_DIR: &str = "/weights";
 pub const TEACHER_DIR: &str = "/teacher";
 
 /// Where the run config file is inside every pod.
@@ -248,6 +252,20 @@ pub(crate) fn teacher(ctx: &Ctx) -> Option<(Option<(Volume, VolumeMount)>, Strin
 }
 
 /// The model volume and mount, and the model path inside the pod.
+/// The Filesystem weight transport's ReadWriteMany claim, mounted at [`WEIGHTS_DIR`]: read-only
+/// in engines, writable in the trainer.
+pub(crate) fn weights(ctx: &Ctx, read_only: bool) -> Option<(Volume, VolumeMount)> {
+    let w = ctx.run.spec.engines.weight_transfer.as_ref()?;
+    if w.transport != WeightTransport::Filesystem {
+        return None;
+    }
+    let c = w.claim_name.as_ref()?;
+    Some((
+        claim("weights", c, read_only),
+        mount("weights", WEIGHTS_DIR, read_only),
+    ))
+}
+
 pub(crate) fn model(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
     let m = &ctx.run.spec.model;
     match &m.claim_name {

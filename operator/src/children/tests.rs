@@ -432,3 +432,67 @@ fn the_applied_hash_changes_when_a_field_leaves_the_desired_object() {
     run.spec.engines.resources = None;
     assert_ne!(hash(&run), with_resources);
 }
+
+fn mounts(c: &Container) -> Vec<(&str, &str, bool)> {
+    c.volume_mounts
+        .iter()
+        .flatten()
+        .map(|m| {
+            (
+                m.name.as_str(),
+                m.mount_path.as_str(),
+                m.read_only == Some(true),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_filesystem_transport_mounts_its_claim_in_trainer_and_engines() {
+    use crate::api::{WeightTransferSpec, WeightTransport};
+    let mut run = example_run();
+    // NCCL (vLLM's default) needs vLLM's weight-transfer engine; nothing is mounted.
+    let nccl = build(&run);
+    let e = pod(&Some(nccl.engines.spec.template.clone())).clone();
+    assert!(args(main_container(&e)).contains(&"--weight-transfer-config"));
+    assert!(!mounts(main_container(&e)).iter().any(|m| m.0 == "weights"));
+
+    run.spec.engines.weight_transfer = Some(WeightTransferSpec {
+        transport: WeightTransport::Filesystem,
+        claim_name: Some("rl-weights".into()),
+    });
+    let c = build(&run);
+    let e = pod(&Some(c.engines.spec.template.clone())).clone();
+    let t = pod(&Some(c.trainer.spec.template.clone())).clone();
+    // Engines reload from the folder through /collective_rpc: no NCCL transfer engine.
+    assert!(!args(main_container(&e)).contains(&"--weight-transfer-config"));
+    assert!(mounts(main_container(&e)).contains(&("weights", "/weights", true)));
+    assert!(mounts(main_container(&t)).contains(&("weights", "/weights", false)));
+    for p in [&e, &t] {
+        let claim = p
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "weights")
+            .and_then(|v| v.persistent_volume_claim.as_ref())
+            .expect("the weights volume is the claim");
+        assert_eq!(claim.claim_name, "rl-weights");
+    }
+    let env = main_container(&t).env.clone().unwrap();
+    assert!(env
+        .iter()
+        .any(|v| v.name == "MOULT_WEIGHTS_DIR" && v.value.as_deref() == Some("/weights")));
+
+    // Without a claim a cluster has no shared folder: refused, naming the field.
+    run.spec
+        .engines
+        .weight_transfer
+        .as_mut()
+        .unwrap()
+        .claim_name = None;
+    let err = desired(&run, &Images::default(), "t").unwrap_err();
+    assert!(
+        err.0.starts_with("spec.engines.weightTransfer.claimName:"),
+        "{err}"
+    );
+}

@@ -13,10 +13,10 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pods::{
     claim, config_path, container, dataset, empty_dir, env, field_env, locked_down, model,
-    moult_env, mount, resources, teacher, template, CHECKPOINT_DIR,
+    moult_env, mount, resources, teacher, template, weights, CHECKPOINT_DIR, WEIGHTS_DIR,
 };
 use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, TRAINER_RENDEZVOUS_PORT};
-use crate::api::{AgentForm, EngineBackend};
+use crate::api::{AgentForm, EngineBackend, RLRunSpec, WeightTransport};
 
 /// Where the init container puts the `moult` binary in agent pods.
 const MOULT_BIN_DIR: &str = "/opt/moult/bin";
@@ -87,32 +87,7 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
     let (model_volume, model_path) = model(ctx);
     let (image, command, args, mut env_vars) = match e.backend {
         EngineBackend::Vllm => {
-            let mut args = vec![
-                model_path,
-                "--host".into(),
-                "0.0.0.0".into(),
-                "--port".into(),
-                ENGINE_PORT.to_string(),
-                "--served-model-name".into(),
-                ctx.name.clone(),
-                "--tensor-parallel-size".into(),
-                e.tensor_parallel_size.to_string(),
-                // Behaviour logprobs must be those of the distribution sampled from.
-                "--logprobs-mode".into(),
-                "processed_logprobs".into(),
-                // The token-in/token-out generate endpoint answers 403 without it.
-                "--enable-scale-out".into(),
-                // The weight-transfer routes need a transfer engine: NCCL from the trainer.
-                "--weight-transfer-config".into(),
-                r#"{"backend":"nccl"}"#.into(),
-            ];
-            if let Some(len) = spec.model.max_model_len {
-                args.extend(["--max-model-len".into(), len.to_string()]);
-            }
-            if spec.routing_replay {
-                args.push("--enable-return-routed-experts".into());
-            }
-            args.extend(e.extra_args.iter().cloned());
+            let args = vllm_args(spec, &model_path, "0.0.0.0", ENGINE_PORT as u16, &ctx.name);
             let image = e.image.clone().unwrap_or_else(|| ctx.images.vllm.clone());
             // Dev mode serves /pause, /resume and the weight-transfer endpoints.
             let env_vars = vec![env("VLLM_SERVER_DEV_MODE", "1"), env("HF_HOME", "/tmp/hf")];
@@ -155,6 +130,10 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
         volumes.push(v);
         mounts.push(m);
     }
+    if let Some((v, m)) = weights(ctx, true) {
+        volumes.push(v);
+        mounts.push(m);
+    }
     let pod = PodSpec {
         containers: vec![c],
         volumes: Some(volumes),
@@ -173,6 +152,51 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
         },
         ..StatefulSet::default()
     }
+}
+
+/// The command-line arguments of a vLLM engine (after `vllm serve`) on `model_path`, listening
+/// on `host:port`: every flag the RL API needs (docs/vllm.md), then `engines.extraArgs`. `moult
+/// run` starts its vLLM processes with the same arguments.
+pub fn vllm_args(
+    spec: &RLRunSpec,
+    model_path: &str,
+    host: &str,
+    port: u16,
+    served_name: &str,
+) -> Vec<String> {
+    let e = &spec.engines;
+    let mut args = vec![
+        model_path.to_string(),
+        "--host".into(),
+        host.into(),
+        "--port".into(),
+        port.to_string(),
+        "--served-model-name".into(),
+        served_name.into(),
+        "--tensor-parallel-size".into(),
+        e.tensor_parallel_size.to_string(),
+        // Behaviour logprobs must be those of the distribution sampled from.
+        "--logprobs-mode".into(),
+        "processed_logprobs".into(),
+        // The token-in/token-out generate endpoint answers 403 without it.
+        "--enable-scale-out".into(),
+    ];
+    if e.transport() == WeightTransport::Nccl {
+        // The weight-transfer routes need a transfer engine: NCCL from the trainer. (The
+        // Filesystem transport reloads through `/collective_rpc` and needs none.)
+        args.extend([
+            "--weight-transfer-config".into(),
+            r#"{"backend":"nccl"}"#.into(),
+        ]);
+    }
+    if let Some(len) = spec.model.max_model_len {
+        args.extend(["--max-model-len".into(), len.to_string()]);
+    }
+    if spec.routing_replay {
+        args.push("--enable-return-routed-experts".into());
+    }
+    args.extend(e.extra_args.iter().cloned());
+    args
 }
 
 pub(crate) fn trainer_service(ctx: &Ctx) -> Service {
@@ -224,6 +248,11 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
     if spec.checkpoint.is_some() {
         env_vars.push(env("MOULT_CHECKPOINTS", CHECKPOINT_DIR));
     }
+    let weights = weights(ctx, false);
+    if weights.is_some() {
+        // The Filesystem transport: new weights go here, where every engine reads them.
+        env_vars.push(env("MOULT_WEIGHTS_DIR", WEIGHTS_DIR));
+    }
     let teacher = teacher(ctx);
     if let Some((_, path)) = &teacher {
         // On-policy distillation: the trainer scores samples with the teacher.
@@ -249,6 +278,10 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
         mounts.push(mount("checkpoints", CHECKPOINT_DIR, false));
     }
     if let Some((Some((v, m)), _)) = teacher {
+        volumes.push(v);
+        mounts.push(m);
+    }
+    if let Some((v, m)) = weights {
         volumes.push(v);
         mounts.push(m);
     }

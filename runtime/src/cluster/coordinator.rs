@@ -72,6 +72,8 @@ struct Coordinator {
     status: Mutex<CoordinatorStatus>,
     reports: watch::Sender<Report>,
     poll: Duration,
+    /// The seed of the task order (the trainer checkpoints it with each step).
+    seed: u64,
     started: Instant,
 }
 
@@ -206,6 +208,7 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         "version": c.pool.version(),
         "rollout": state,
         "stats": c.pool.stats(),
+        "seed": c.seed,
     }))
     .into_response()
 }
@@ -469,6 +472,7 @@ pub async fn run(
         }),
         reports,
         poll: opts.poll,
+        seed: opts.seed,
         started: Instant::now(),
         cfg,
     });

@@ -22,7 +22,6 @@ pub mod coordinator;
 pub mod discovery;
 pub mod protocol;
 #[cfg(feature = "torch")]
-mod publish;
 pub mod remote;
 pub mod status;
 #[cfg(feature = "torch")]

@@ -66,6 +66,9 @@ pub struct TrainBatch {
     /// The data cursor after these groups were drawn (checkpointed with the step).
     pub rollout: RolloutState,
     pub stats: RolloutStats,
+    /// The seed of the coordinator's task order (checkpointed with the step).
+    #[serde(default)]
+    pub seed: u64,
 }
 
 /// A checkpoint the trainer wrote.

@@ -1,15 +1,15 @@
 //! `moult trainer`: one trainer rank of a cluster run. It resumes from the newest checkpoint on
 //! its volume (`MOULT_CHECKPOINTS`), says hello to the coordinator (`MOULT_COORDINATOR`), and
-//! then for each step: takes the batch, trains ([`crate::run::learn`], the same code as
-//! `moult run`), publishes the weights to the engines through the coordinator's router under a
-//! version the coordinator issues (pause, the TCP weight stream from `POD_IP`, resume), writes
-//! `metrics.jsonl` and checkpoints beside its checkpoints, and commits the step.
+//! then for each step: takes the batch and hands it to the [`Learner`] (the same code as `moult
+//! run`), which trains, publishes the weights to the engines through the coordinator's router
+//! under a version the coordinator issues (over the run's weight transport: the TCP stream from
+//! `POD_IP`, the shared folder at `MOULT_WEIGHTS_DIR`, or NCCL), writes `metrics.jsonl` and
+//! checkpoints beside its checkpoints; then it commits the step.
 //!
 //! A killed trainer loses at most the steps since its last checkpoint: restarted, it loads that
 //! checkpoint, publishes those weights under a new version (versions only increase), and trains
 //! on. Every call to the coordinator is retried until it answers.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -18,15 +18,12 @@ use std::time::{Duration, Instant};
 use tch::Device;
 
 use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, TrainBatch, Version};
-use super::publish::Publisher;
 use super::{env_path, env_var, post_json, retry};
-use crate::rollout::staleness_histogram;
-use crate::run::checkpoint::{self, CheckpointMeta};
 use crate::run::config::Sources;
-use crate::run::metrics::MetricsLog;
-use crate::run::{learn, load_teacher, load_trainer, resume_note, save_checkpoint, step_record};
-use crate::run::{RunError, StepTimes};
-use crate::trainer::train::Trainer;
+use crate::run::console::Console;
+use crate::run::learner::{Batch, Learner};
+use crate::run::RunError;
+use crate::weight_sync::publish::{engine_kind, PublishOptions};
 
 /// How `moult trainer` runs.
 #[derive(Debug, Clone)]
@@ -124,36 +121,6 @@ impl Coordinator {
     }
 }
 
-/// Publishes `trainer`'s weights as `version`, retrying (engines come and go: a failed update
-/// resumes them, and the next try connects the weight path again).
-async fn publish(
-    publisher: &mut Publisher,
-    trainer: &Trainer,
-    version: u64,
-    partial_rollout: bool,
-) -> Result<f64, RunError> {
-    let started = Instant::now();
-    let mut tries = 0;
-    loop {
-        match publisher
-            .update(&trainer.weights(), version, partial_rollout)
-            .await
-        {
-            Ok(()) => return Ok(started.elapsed().as_secs_f64()),
-            Err(e) if tries < 20 => {
-                tries += 1;
-                tracing::warn!(version, tries, "publishing the weights: {e}; trying again");
-                tokio::time::sleep(Duration::from_secs(2)).await;
-            }
-            Err(e) => {
-                return Err(RunError::Setup(format!(
-                    "publishing the weights as version {version}: {e}"
-                )))
-            }
-        }
-    }
-}
-
 /// Runs the trainer until the run's last step, then idles until `shutdown` (so that a pod
 /// restart policy does not start it over).
 pub async fn run(
@@ -197,15 +164,7 @@ pub async fn run(
     // Checkpoints and metrics of this run, on the checkpoint volume.
     let out = env_path("MOULT_CHECKPOINTS").map(|root| root.join(&cfg.name));
     let ckpt_root = out.as_ref().map(|o| o.join("checkpoints"));
-    let resume = match &ckpt_root {
-        Some(root) => checkpoint::latest(root)?,
-        None => None,
-    };
-    let mut step = resume.as_ref().map_or(0, |(_, m)| m.step);
-    // Where the data stood at the last batch (or the checkpoint), for a coordinator that restarts.
-    let mut data = resume.as_ref().map(|(_, m)| m.rollout);
-
-    let gauges = Arc::new((AtomicU64::new(step), AtomicU64::new(0)));
+    let gauges = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
     let metrics = {
         let g = gauges.clone();
         Arc::new(move || {
@@ -234,30 +193,58 @@ pub async fn run(
     };
     tokio::pin!(shutdown);
 
-    let mut trainer = load_trainer(&cfg, resume.as_ref(), opts.device).await?;
-    if let Some(resume) = &resume {
-        eprintln!("moult trainer: {}", resume_note(&cfg, resume));
+    let mut learner = Learner::load(cfg.clone(), ckpt_root, opts.device, Console::hidden()).await?;
+    if let Some(note) = learner.resume_note() {
+        eprintln!("moult trainer: {note}");
     }
-    let mut teacher = load_teacher(&cfg, &trainer, opts.device).await?;
+    // The engines hold weights for as long as a cluster needs: keep trying while they come back.
+    learner.publish_tries = 20;
+    let mut step = learner.step();
+    // Where the data stood at the last batch (or the checkpoint), for a coordinator that restarts.
+    let mut data = learner.resumed().map(|(_, m)| m.rollout);
+
+    gauges.0.store(step, Ordering::Relaxed);
     eprintln!(
         "moult trainer: {} from step {step} of {}; coordinator {}",
         cfg.name, cfg.total_steps, coordinator.url
     );
 
     let engines = coordinator.engines().await;
-    let backend = cfg.run.spec.engines.backend;
-    let mut sync = Publisher::connect(&coordinator.url, backend, opts.device, &pod_ip).await?;
-    eprintln!("moult trainer: weights to {engines} {backend:?} engine(s) from {pod_ip}");
-
-    let mut log = match &out {
-        Some(out) => {
-            std::fs::create_dir_all(out)
-                .map_err(|e| RunError::Io(format!("creating {}: {e}", out.display())))?;
-            Some(MetricsLog::open(out, step)?)
-        }
-        None => None,
+    let engines_spec = &cfg.run.spec.engines;
+    let model_cfg = crate::model::ModelConfig::from_dir(&cfg.model_dir)?;
+    let publish = PublishOptions {
+        target: coordinator.url.clone(),
+        backend: engines_spec.backend,
+        transport: engines_spec.transport(),
+        device: opts.device,
+        host: pod_ip.clone(),
+        // The Filesystem transport's volume, by the path engines mount it under too.
+        folder: env_path("MOULT_WEIGHTS_DIR").map(|root| root.join(&cfg.name)),
+        engine_kind: engine_kind(
+            engines_spec.backend,
+            &engines_spec.extra_args,
+            model_cfg.dtype.as_deref(),
+        )?,
     };
-    let started = Instant::now();
+    let mut wait = Duration::from_millis(500);
+    loop {
+        match learner.connect(&publish).await {
+            Ok(()) => break,
+            Err(e @ RunError::Manifest(_)) => return Err(e),
+            Err(e) => {
+                tracing::warn!("connecting the weight path: {e}; retrying in {wait:?}");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+    eprintln!(
+        "moult trainer: weights to {engines} {:?} engine(s) over {:?}",
+        engines_spec.backend, publish.transport
+    );
+    if let Some(out) = &out {
+        learner.log_to(out)?;
+    }
     let mut hello_needed = true;
     while step < cfg.total_steps {
         if hello_needed {
@@ -271,7 +258,7 @@ pub async fn run(
                 )
                 .await;
             if let Some(version) = reply.publish_as {
-                publish(&mut sync, &trainer, version, false).await?;
+                learner.publish(version, false).await?;
                 let _: serde_json::Value = coordinator
                     .post("/v1/trainer/published", &Version { version })
                     .await;
@@ -292,54 +279,37 @@ pub async fn run(
             continue;
         };
         data = Some(batch.rollout);
-        let staleness: BTreeMap<u64, usize> = staleness_histogram(&batch.groups, batch.version)
-            .into_iter()
-            .collect();
-        let learned;
-        (trainer, teacher, learned) = learn(&cfg, trainer, teacher, &batch.groups).await?;
-        let Version { version } = coordinator.post("/v1/trainer/version", &()).await;
-        let sync_seconds = publish(&mut sync, &trainer, version, cfg.partial_rollout).await?;
-        step += 1;
-        let record = step_record(
-            &batch.groups,
-            &learned,
-            staleness,
-            StepTimes {
-                step: step_started.elapsed().as_secs_f64(),
-                sync: sync_seconds,
-                elapsed: started.elapsed().as_secs_f64(),
-            },
-            (step, version),
-            batch.stats,
-        );
-        if let Some(log) = &mut log {
-            log.push(record.clone())?;
-        }
-        let mut saved = None;
-        if let (Some(root), Some(every)) = (&ckpt_root, cfg.checkpoint_every) {
-            if step % every == 0 || step == cfg.total_steps {
-                let meta = CheckpointMeta {
-                    step,
-                    policy_version: version,
+        let trained = learner
+            .train(
+                Batch {
+                    groups: &batch.groups,
+                    served: batch.version,
+                    stats: batch.stats,
                     rollout: batch.rollout,
-                    seed: 0,
-                };
-                let result;
-                (trainer, result) = save_checkpoint(root, &cfg, trainer, meta).await?;
-                let dir = result?;
-                saved = Some(CheckpointRef {
-                    step,
-                    path: dir.display().to_string(),
-                });
-            }
-        }
+                    seed: batch.seed,
+                    judged: None,
+                    started: step_started,
+                },
+                // The coordinator numbers versions (they only increase, across restarts).
+                |_| async {
+                    let Version { version } = coordinator.post("/v1/trainer/version", &()).await;
+                    version
+                },
+            )
+            .await?;
+        step = learner.step();
+        let version = trained.record.policy_version;
+        let saved = trained.checkpoint.map(|dir| CheckpointRef {
+            step,
+            path: dir.display().to_string(),
+        });
         let _: serde_json::Value = coordinator
             .post(
                 "/v1/trainer/commit",
                 &Commit {
                     step,
                     version,
-                    record,
+                    record: trained.record,
                     checkpoint: saved,
                 },
             )

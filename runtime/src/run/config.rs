@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun};
+use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
 #[cfg(feature = "torch")]
 use moult_operator::api::{Aggregation as SpecAggregation, IsLevel, IsMode, LossKind as SpecLoss};
 use serde_json::Value as Json;
@@ -312,13 +312,16 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
 impl RunConfig {
     /// The settings of a local run of `run`, whose manifest is in `dir`.
     pub fn new(run: RLRun, dir: &Path) -> Result<Self, RunError> {
-        if run.spec.engines.backend == EngineBackend::Vllm {
-            // Rather than serving the run with engines it did not ask for.
+        let engines = &run.spec.engines;
+        if engines.backend == EngineBackend::Vllm
+            && engines.transport() != WeightTransport::Filesystem
+        {
+            // Found out now rather than after a minute of starting vLLM.
             return Err(bad(
-                "spec.engines.backend",
-                "moult run serves with its built-in engine only (set backend: Builtin); vLLM \
-                 engines serve runs on a cluster, and moult run cannot publish weights to them \
-                 yet (docs/vllm.md)",
+                "spec.engines.weightTransfer.transport",
+                "moult run publishes to vLLM engines through the Filesystem transport (set \
+                 weightTransfer: {transport: Filesystem}); NCCL from moult run is not built yet \
+                 (docs/vllm.md)",
             ));
         }
         let sources = Sources::beside_manifest(&run, dir);

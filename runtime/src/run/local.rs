@@ -1,5 +1,5 @@
 //! The serving side of a local run, every role as tasks of this process on loopback ports: the
-//! built-in engines, the router in front of them, the loopback server the agents talk to, and the
+//! built-in engines (or vLLM processes, [`super::vllm`]), the router in front of them, the loopback server the agents talk to, and the
 //! agent pool; with `spec.judge`, one more engine on the judge model with a chat service of its
 //! own (the judge's tokenizer and template). The same HTTP APIs as on a cluster, so a local run
 //! exercises the real paths.
@@ -12,7 +12,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::config::RunConfig;
+use super::console::Console;
 use super::judge::{Judge, JudgeOptions};
+use super::vllm::VllmProcess;
 use super::RunError;
 use crate::agents::{AgentPool, PoolOptions};
 use crate::chat::{ChatTemplate, Tokenizer};
@@ -20,8 +22,10 @@ use crate::engine::{http, EngineHandle, EngineOptions};
 use crate::loopback::{ChatService, EngineClient, ServiceOptions};
 use crate::model::{ModelConfig, Qwen3Model};
 use crate::router::{policy, server, EnginePool, HealthOptions, Router};
+use crate::weight_sync::publish::{engine_kind, PublishOptions};
+use moult_operator::api::EngineBackend;
 
-/// The running serving side; dropping it stops every server.
+/// The running serving side; dropping it stops every server (and the vLLM processes).
 #[derive(Debug)]
 pub struct Stack {
     /// The router's base URL: generation and weight updates go through it.
@@ -29,6 +33,8 @@ pub struct Stack {
     pub agents: Arc<AgentPool>,
     /// The judge of LLM-as-judge rewards, when the run has one.
     pub judge: Option<Judge>,
+    /// vLLM engines this run started (`engines.backend: vLLM`), held until the stack drops.
+    _vllm: Vec<VllmProcess>,
     stop: watch::Sender<bool>,
 }
 
@@ -129,7 +135,37 @@ impl Stack {
             .await;
     }
 
-    pub async fn start(cfg: &RunConfig, device: Device, scratch: &Path) -> Result<Self, RunError> {
+    /// How the trainer publishes to these engines: through the router, over the run's
+    /// transport; the Filesystem transport writes under `<out>/weights`.
+    pub fn publish_options(
+        &self,
+        cfg: &RunConfig,
+        out: &Path,
+        device: Device,
+    ) -> Result<PublishOptions, RunError> {
+        let engines = &cfg.run.spec.engines;
+        let model_cfg = ModelConfig::from_dir(&cfg.model_dir)?;
+        Ok(PublishOptions {
+            target: self.router_url.clone(),
+            backend: engines.backend,
+            transport: engines.transport(),
+            device,
+            host: "127.0.0.1".into(),
+            folder: Some(out.join("weights")),
+            engine_kind: engine_kind(
+                engines.backend,
+                &engines.extra_args,
+                model_cfg.dtype.as_deref(),
+            )?,
+        })
+    }
+
+    pub async fn start(
+        cfg: &RunConfig,
+        device: Device,
+        scratch: &Path,
+        console: &Console,
+    ) -> Result<Self, RunError> {
         let (stop, stop_rx) = watch::channel(false);
         let model_cfg = ModelConfig::from_dir(&cfg.model_dir)?;
         let opts = EngineOptions {
@@ -149,11 +185,32 @@ impl Stack {
             packed_weights: None,
         };
         let mut urls = Vec::new();
-        for _ in 0..cfg.engines {
-            urls.push(engine(&cfg.model_dir, device, opts.clone(), stop_rx.clone()).await?);
+        let mut vllm = Vec::new();
+        for index in 0..cfg.engines {
+            match cfg.run.spec.engines.backend {
+                EngineBackend::Builtin => {
+                    urls.push(engine(&cfg.model_dir, device, opts.clone(), stop_rx.clone()).await?);
+                }
+                EngineBackend::Vllm => {
+                    let logs = scratch.parent().unwrap_or(scratch);
+                    let process = VllmProcess::start(cfg, index, device, logs, console).await?;
+                    urls.push(process.url.clone());
+                    vllm.push(process);
+                }
+            }
         }
         let pool = Arc::new(EnginePool::new(&urls));
-        tokio::spawn(pool.clone().check_health(HealthOptions::default()));
+        let health = match cfg.run.spec.engines.backend {
+            EngineBackend::Builtin => HealthOptions::default(),
+            // vLLM answers /health from its API server process, which a busy CPU (the trainer,
+            // the agents) can hold up for seconds.
+            EngineBackend::Vllm => HealthOptions {
+                timeout: std::time::Duration::from_secs(10),
+                failures_to_down: 3,
+                ..HealthOptions::default()
+            },
+        };
+        tokio::spawn(pool.clone().check_health(health));
         let router = Arc::new(Router::new(
             pool,
             policy::by_name("consistent-hash").expect("a known policy"),
@@ -207,6 +264,7 @@ impl Stack {
             router_url,
             agents,
             judge,
+            _vllm: vllm,
             stop,
         })
     }

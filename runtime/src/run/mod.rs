@@ -20,20 +20,20 @@ mod driver;
 pub(crate) mod files;
 pub mod judge;
 #[cfg(feature = "torch")]
+pub(crate) mod learner;
+#[cfg(feature = "torch")]
 pub mod local;
 pub mod metrics;
 #[cfg(feature = "torch")]
 pub mod samples;
+#[cfg(feature = "torch")]
+pub mod vllm;
 
 use std::path::{Path, PathBuf};
 
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-#[cfg(feature = "torch")]
-pub(crate) use driver::{
-    learn, load_teacher, load_trainer, resume_note, save_checkpoint, step_record, StepTimes,
-};
 #[cfg(feature = "torch")]
 pub use driver::{run, RunOptions, Summary};
 

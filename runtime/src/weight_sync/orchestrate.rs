@@ -30,7 +30,7 @@ pub enum SyncError {
     NotConnected,
 }
 
-fn step(step: &'static str) -> impl Fn(String) -> SyncError {
+pub(crate) fn step(step: &'static str) -> impl Fn(String) -> SyncError {
     move |message| SyncError::Step { step, message }
 }
 
@@ -48,8 +48,7 @@ pub struct SyncReport {
 /// Drives weight updates of the engines behind `target`.
 #[derive(Debug)]
 pub struct WeightSync {
-    http: reqwest::Client,
-    target: String,
+    control: Control,
     sender: Option<TcpWeightSender>,
     /// Where the data plane listens and what engines are told, and how many ranks connected.
     plane: Option<(String, String, usize)>,
@@ -57,6 +56,82 @@ pub struct WeightSync {
     pub bucket_bytes: usize,
     /// Flush size of the packed stream.
     pub packed_buffer_bytes: usize,
+}
+
+/// The engine API's control calls (pause, resume, the weight-update routes) to a router, a
+/// coordinator (whose router fans them out) or one engine; every transport drives updates with it.
+#[derive(Debug, Clone)]
+pub struct Control {
+    http: reqwest::Client,
+    target: String,
+}
+
+impl Control {
+    pub fn new(target: &str) -> Self {
+        Self {
+            http: crate::auth::client(),
+            target: target.trim_end_matches('/').to_string(),
+        }
+    }
+
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+
+    /// `method path` with an optional JSON body; the answer's JSON (`null` when it has none), or
+    /// the URL, status and body of a refusal.
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, String> {
+        let url = format!("{}{}", self.target, path);
+        let mut req = self.http.request(method, &url);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let r = req.send().await.map_err(|e| format!("{url}: {e}"))?;
+        let status = r.status();
+        let text = r.text().await.unwrap_or_default();
+        if !status.is_success() {
+            return Err(format!("{url}: {status} {text}"));
+        }
+        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Result<Value, String> {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// Pauses every engine: `keep` freezes requests in flight (partial rollout), `wait` lets
+    /// them finish under the old weights first.
+    pub async fn pause(&self, partial_rollout: bool) -> Result<(), SyncError> {
+        let mode = if partial_rollout { "keep" } else { "wait" };
+        self.call(reqwest::Method::POST, &format!("/pause?mode={mode}"), None)
+            .await
+            .map(drop)
+            .map_err(step("pause"))
+    }
+
+    pub async fn resume(&self) -> Result<(), SyncError> {
+        self.call(reqwest::Method::POST, "/resume", None)
+            .await
+            .map(drop)
+            .map_err(step("resume"))
+    }
+
+    /// Tells every engine, and the router in front of them (which then routes only to engines
+    /// that have it), the version they now serve.
+    pub async fn set_version(&self, version: u64) -> Result<(), SyncError> {
+        self.post(
+            "/update_weight_version",
+            json!({"new_version": version.to_string()}),
+        )
+        .await
+        .map(drop)
+        .map_err(step("update_weight_version"))
+    }
 }
 
 /// A bucket of tensors: shallow copies, so they can move to the sending thread.
@@ -83,8 +158,7 @@ impl WeightSync {
     /// Updates for the engines behind `target` (a router or an engine base URL).
     pub fn new(target: &str) -> Self {
         Self {
-            http: crate::auth::client(),
-            target: target.trim_end_matches('/').to_string(),
+            control: Control::new(target),
             sender: None,
             plane: None,
             bucket_bytes: 256 << 20,
@@ -98,18 +172,7 @@ impl WeightSync {
         path: &str,
         body: Option<Value>,
     ) -> Result<Value, String> {
-        let url = format!("{}{}", self.target, path);
-        let mut req = self.http.request(method, &url);
-        if let Some(body) = body {
-            req = req.json(&body);
-        }
-        let r = req.send().await.map_err(|e| format!("{url}: {e}"))?;
-        let status = r.status();
-        let text = r.text().await.unwrap_or_default();
-        if !status.is_success() {
-            return Err(format!("{url}: {status} {text}"));
-        }
-        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
+        self.control.call(method, path, body).await
     }
 
     async fn world_size(&self) -> Result<usize, SyncError> {
@@ -172,21 +235,20 @@ impl WeightSync {
         if self.sender.is_none() || self.world_size().await? != ranks {
             self.connect_tcp(&bind, &advertise).await?;
         }
-        let mode = if partial_rollout { "keep" } else { "wait" };
         let paused_at = Instant::now();
-        self.call(reqwest::Method::POST, &format!("/pause?mode={mode}"), None)
-            .await
-            .map_err(step("pause"))?;
+        self.control.pause(partial_rollout).await?;
         let transferred = self.transfer(tensors, version).await;
         if transferred.is_err() {
             // An engine may have been replaced (same address and count, but a fresh process
             // without the weight stream): the next update connects every engine again.
             self.sender = None;
         }
-        let resumed = self.call(reqwest::Method::POST, "/resume", None).await;
+        // The built-in engine stages a transfer and swaps only at its finish: after a failed
+        // one it still holds the previous weights whole, so resuming is safe.
+        let resumed = self.control.resume().await;
         let paused = paused_at.elapsed();
         let (transfer, bytes, buckets) = transferred?;
-        resumed.map_err(step("resume"))?;
+        resumed?;
         Ok(SyncReport {
             paused,
             transfer,

@@ -1,0 +1,433 @@
+//! The learner: the training side of a run, one implementation for `moult run` ([`super::run`])
+//! and `moult trainer` (the cluster's trainer pod). It loads the policy (from the newest
+//! checkpoint, or the model folder), and for each batch of finished groups: advantages → the exact
+//! token segments as samples → (distillation: the teacher's scores) → one optimizer step →
+//! publish the weights to the engines under the next version ([`Publisher`], whatever the
+//! transport) → the step's metrics record → `metrics.jsonl` → a checkpoint when one is due.
+//!
+//! What differs between the two callers stays with them: where batches come from (the local
+//! rollout pool, or the coordinator), who numbers versions (the trainer's step count, or the
+//! coordinator), and how often a failed publish is tried again (locally never: the engines are
+//! this process's; on a cluster engines come and go).
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tch::{Device, Kind};
+
+use super::checkpoint::{self, CheckpointMeta};
+use super::config::RunConfig;
+use super::console::Console;
+use super::judge::JudgeStats;
+use super::metrics::{MetricsLog, StepRecord};
+use super::{samples, RunError};
+use crate::model::Qwen3Model;
+use crate::rollout::{staleness_histogram, Group, RolloutState, RolloutStats};
+use crate::trainer::train::Trainer;
+use crate::weight_sync::publish::{PublishOptions, Publisher};
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, RunError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RunError::Setup(format!("a compute thread failed: {e}")))
+}
+
+/// One batch to learn from, with what its step record and checkpoint say about it.
+pub(crate) struct Batch<'a> {
+    pub groups: &'a [Group],
+    /// The version the engines served when the batch was handed out (staleness counts from it).
+    pub served: u64,
+    /// The rollout pool's counters, for the record.
+    pub stats: RolloutStats,
+    /// Where the data stood after these groups were drawn (checkpointed with the step).
+    pub rollout: RolloutState,
+    /// The seed of the task order (checkpointed, so a resumed run draws the same tasks).
+    pub seed: u64,
+    /// The judge's verdict on the batch, when the run has one.
+    pub judged: Option<JudgeStats>,
+    /// When the step began (waiting for the batch included).
+    pub started: Instant,
+}
+
+/// What one step produced.
+pub(crate) struct Trained {
+    pub record: StepRecord,
+    /// The checkpoint written after this step, if one was due.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// The training side of a run.
+pub(crate) struct Learner {
+    cfg: RunConfig,
+    /// `None` only while it computes on a blocking thread.
+    trainer: Option<Trainer>,
+    teacher: Option<Qwen3Model>,
+    publisher: Option<Publisher>,
+    log: Option<MetricsLog>,
+    ckpt_root: Option<PathBuf>,
+    resume: Option<(PathBuf, CheckpointMeta)>,
+    console: Console,
+    step: u64,
+    started: Instant,
+    /// How many times a failed publish is tried (with a pause between tries).
+    pub publish_tries: usize,
+}
+
+impl Learner {
+    /// The policy of a run whose checkpoints live under `ckpt_root`: from the newest one there,
+    /// or the model folder; the teacher of distillation too.
+    pub async fn load(
+        cfg: RunConfig,
+        ckpt_root: Option<PathBuf>,
+        device: Device,
+        console: Console,
+    ) -> Result<Self, RunError> {
+        let resume = match &ckpt_root {
+            Some(root) => checkpoint::latest(root)?,
+            None => None,
+        };
+        let trainer = load_trainer(&cfg, resume.as_ref(), device).await?;
+        let teacher = load_teacher(&cfg, &trainer, device).await?;
+        Ok(Self {
+            step: resume.as_ref().map_or(0, |(_, m)| m.step),
+            cfg,
+            trainer: Some(trainer),
+            teacher,
+            publisher: None,
+            log: None,
+            ckpt_root,
+            resume,
+            console,
+            started: Instant::now(),
+            publish_tries: 1,
+        })
+    }
+
+    /// The checkpoint this learner resumed from.
+    pub fn resumed(&self) -> Option<&(PathBuf, CheckpointMeta)> {
+        self.resume.as_ref()
+    }
+
+    /// What a process resuming from a checkpoint says ("resuming NAME from DIR (step S, ...)").
+    pub fn resume_note(&self) -> Option<String> {
+        self.resume.as_ref().map(|r| resume_note(&self.cfg, r))
+    }
+
+    /// Steps trained so far (the checkpoint's, when resumed).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Opens the weight path to the engines.
+    pub async fn connect(&mut self, opts: &PublishOptions) -> Result<(), RunError> {
+        self.publisher = Some(Publisher::connect(opts).await?);
+        Ok(())
+    }
+
+    /// Writes every step record to `<out>/metrics.jsonl` from now on.
+    pub fn log_to(&mut self, out: &Path) -> Result<(), RunError> {
+        std::fs::create_dir_all(out)
+            .map_err(|e| RunError::Io(format!("creating {}: {e}", out.display())))?;
+        self.log = Some(MetricsLog::open(out, self.step)?);
+        Ok(())
+    }
+
+    pub fn records(&self) -> &[StepRecord] {
+        self.log.as_ref().map_or(&[], |l| l.records())
+    }
+
+    fn trainer(&self) -> &Trainer {
+        self.trainer
+            .as_ref()
+            .expect("the trainer is back from its compute thread")
+    }
+
+    /// Publishes the current weights as `version` (pause `keep` with `partial_rollout`), trying
+    /// [`publish_tries`](Self::publish_tries) times; returns the seconds it took.
+    pub async fn publish(&mut self, version: u64, partial_rollout: bool) -> Result<f64, RunError> {
+        let started = Instant::now();
+        let weights = self.trainer().weights();
+        let publisher = self
+            .publisher
+            .as_mut()
+            .ok_or_else(|| RunError::Setup("the weight path is not connected".into()))?;
+        let mut tries = 0;
+        loop {
+            match publisher.update(&weights, version, partial_rollout).await {
+                Ok(_) => return Ok(started.elapsed().as_secs_f64()),
+                Err(e) if tries + 1 < self.publish_tries => {
+                    tries += 1;
+                    tracing::warn!(version, tries, "publishing the weights: {e}; trying again");
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// One step on `batch`: learn, publish under the version `next_version` gives (called once
+    /// the optimizer step is done, with the trainer), record, log, and checkpoint when due.
+    pub async fn train<F, Fut>(
+        &mut self,
+        batch: Batch<'_>,
+        next_version: F,
+    ) -> Result<Trained, RunError>
+    where
+        F: FnOnce(&Trainer) -> Fut,
+        Fut: Future<Output = u64>,
+    {
+        self.console.phase("training");
+        let staleness: BTreeMap<u64, usize> = staleness_histogram(batch.groups, batch.served)
+            .into_iter()
+            .collect();
+        let trainer = self.trainer.take().expect("the trainer is here");
+        let (trainer, teacher, learned) =
+            learn(&self.cfg, trainer, self.teacher.take(), batch.groups).await?;
+        self.trainer = Some(trainer);
+        self.teacher = teacher;
+        let version = next_version(self.trainer()).await;
+        self.console.phase("weight sync");
+        let sync = self.publish(version, self.cfg.partial_rollout).await?;
+        self.step += 1;
+        let record = step_record(
+            batch.groups,
+            &learned,
+            staleness,
+            StepTimes {
+                step: batch.started.elapsed().as_secs_f64(),
+                sync,
+                elapsed: self.started.elapsed().as_secs_f64(),
+            },
+            (self.step, version),
+            batch.stats,
+        );
+        let judged = batch.judged;
+        let record = StepRecord {
+            agent_reward_mean: judged.map(|j| j.agent_reward_mean),
+            judge_score_mean: judged.map(|j| j.judge_score_mean),
+            judge_unparsed: judged.map(|j| j.unparsed),
+            judge_failed: judged.map(|j| j.failed),
+            judge_seconds: judged.map(|j| j.seconds),
+            ..record
+        };
+        if let Some(log) = &mut self.log {
+            log.push(record.clone())?;
+        }
+        let step = self.step;
+        let due = self
+            .cfg
+            .checkpoint_every
+            .is_some_and(|every| step % every == 0 || step == self.cfg.total_steps);
+        let checkpoint = match (&self.ckpt_root, due) {
+            (Some(root), true) => {
+                self.console.phase("saving a checkpoint");
+                let meta = CheckpointMeta {
+                    step,
+                    policy_version: version,
+                    rollout: batch.rollout,
+                    seed: batch.seed,
+                };
+                let trainer = self.trainer.take().expect("the trainer is here");
+                let (trainer, saved) = save_checkpoint(root, &self.cfg, trainer, meta).await?;
+                self.trainer = Some(trainer);
+                Some(saved?)
+            }
+            _ => None,
+        };
+        Ok(Trained { record, checkpoint })
+    }
+}
+
+/// What a process resuming from a checkpoint says.
+fn resume_note(cfg: &RunConfig, (dir, meta): &(PathBuf, CheckpointMeta)) -> String {
+    format!(
+        "resuming {} from {} (step {}, version {})",
+        cfg.name,
+        dir.display(),
+        meta.step,
+        meta.policy_version
+    )
+}
+
+/// The trainer: from the checkpoint's weights and moments (`resume`), or the model folder.
+async fn load_trainer(
+    cfg: &RunConfig,
+    resume: Option<&(PathBuf, CheckpointMeta)>,
+    device: Device,
+) -> Result<Trainer, RunError> {
+    let dir = resume.map_or(cfg.model_dir.clone(), |(d, _)| d.clone());
+    let trainer_opts = cfg.trainer.clone();
+    // A KL penalty is to the initial policy: the model folder's weights, frozen.
+    let reference = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
+    let mut trainer = blocking(move || -> Result<Trainer, RunError> {
+        let model = Qwen3Model::load(&dir, Kind::Float, device)?;
+        let reference = reference
+            .map(|d| Qwen3Model::load(&d, Kind::Float, device))
+            .transpose()?;
+        Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)
+    })
+    .await??;
+    if let Some((dir, meta)) = resume {
+        let moments = checkpoint::load_moments(dir, device)?;
+        trainer
+            .restore(meta.step, moments)
+            .map_err(RunError::Checkpoint)?;
+    }
+    Ok(trainer)
+}
+
+/// The teacher of on-policy distillation, if the run has one; it must share the student's
+/// vocabulary.
+async fn load_teacher(
+    cfg: &RunConfig,
+    student: &Trainer,
+    device: Device,
+) -> Result<Option<Qwen3Model>, RunError> {
+    let Some(dir) = cfg.teacher_dir.clone() else {
+        return Ok(None);
+    };
+    let student_vocab = student.model().config().vocab_size;
+    let teacher = blocking(move || Qwen3Model::load(&dir, Kind::Float, device)).await??;
+    if teacher.config().vocab_size != student_vocab {
+        return Err(RunError::Manifest(format!(
+            "spec.algorithm.teacher.path: the teacher's vocabulary ({}) is not the student's ({student_vocab}): they must share a tokenizer",
+            teacher.config().vocab_size
+        )));
+    }
+    Ok(Some(teacher))
+}
+
+/// Saves a checkpoint of `trainer` under `root` on a compute thread; the trainer comes back
+/// whether or not the save worked.
+async fn save_checkpoint(
+    root: &Path,
+    cfg: &RunConfig,
+    trainer: Trainer,
+    meta: CheckpointMeta,
+) -> Result<(Trainer, Result<PathBuf, RunError>), RunError> {
+    let (root, model_dir) = (root.to_path_buf(), cfg.model_dir.clone());
+    blocking(move || {
+        let saved = checkpoint::save(&root, &model_dir, &trainer, &meta);
+        (trainer, saved)
+    })
+    .await
+}
+
+/// What one optimizer step on a batch produced.
+struct Learned {
+    advantages: Vec<Vec<f64>>,
+    stats: crate::trainer::train::StepStats,
+    teacher_kl: Option<f64>,
+    train_seconds: f64,
+}
+
+/// Advantages, the exact token segments as trainer samples, the teacher's scores (distillation),
+/// and one optimizer step. The trainer and teacher move to a compute thread and back.
+async fn learn(
+    cfg: &RunConfig,
+    mut trainer: Trainer,
+    teacher: Option<Qwen3Model>,
+    batch: &[Group],
+) -> Result<(Trainer, Option<Qwen3Model>, Learned), RunError> {
+    let advantages = samples::advantages(cfg.estimator, batch)?;
+    let mut train_samples = samples::samples(batch, &advantages, cfg.routing_replay)?;
+    let (teacher, teacher_kl) = match teacher {
+        Some(t) => {
+            let temperature = cfg.trainer.loss.temperature;
+            let (t, scored, kl) = blocking(move || {
+                let kl = samples::distill(&t, &mut train_samples, temperature);
+                (t, train_samples, kl)
+            })
+            .await?;
+            train_samples = scored;
+            (Some(t), Some(kl?))
+        }
+        None => (None, None),
+    };
+    let started = Instant::now();
+    let (trainer, stats) = blocking(move || {
+        let stats = trainer.step(&train_samples);
+        (trainer, stats)
+    })
+    .await?;
+    let stats = stats?;
+    let learned = Learned {
+        advantages,
+        stats,
+        teacher_kl,
+        train_seconds: started.elapsed().as_secs_f64(),
+    };
+    Ok((trainer, teacher, learned))
+}
+
+struct StepTimes {
+    step: f64,
+    sync: f64,
+    elapsed: f64,
+}
+
+/// The metrics record of a step: the batch, what training it produced, and the times.
+fn step_record(
+    batch: &[Group],
+    learned: &Learned,
+    staleness: BTreeMap<u64, usize>,
+    times: StepTimes,
+    (step, version): (u64, u64),
+    rollout: RolloutStats,
+) -> StepRecord {
+    let rewards: Vec<f64> = batch
+        .iter()
+        .flat_map(|g| g.episodes.iter().map(|e| e.reward))
+        .collect();
+    let (reward_mean, reward_std) = samples::mean_std(&rewards);
+    let Learned {
+        advantages,
+        stats,
+        teacher_kl,
+        train_seconds,
+    } = learned;
+    let (advantage_mean, advantage_std) = samples::mean_std(&advantages.concat());
+    let stale_tokens: usize = staleness.values().sum();
+    StepRecord {
+        step,
+        policy_version: version,
+        reward_mean,
+        reward_std,
+        episodes: rewards.len(),
+        advantage_mean,
+        advantage_std,
+        loss: stats.loss,
+        mean_abs_log_rho: stats.mean_abs_log_rho,
+        masked_fraction: stats.masked_fraction,
+        entropy: stats.entropy,
+        kl: stats.kl,
+        grad_norm: stats.grad_norm,
+        learning_rate: stats.learning_rate,
+        teacher_kl: *teacher_kl,
+        agent_reward_mean: None,
+        judge_score_mean: None,
+        judge_unparsed: None,
+        judge_failed: None,
+        judge_seconds: None,
+        staleness_mean: staleness
+            .iter()
+            .map(|(k, n)| *k as f64 * *n as f64)
+            .sum::<f64>()
+            / stale_tokens.max(1) as f64,
+        staleness,
+        sequences: stats.sequences,
+        sampled_tokens: stats.sampled_tokens,
+        response_tokens_mean: stats.sampled_tokens as f64 / rewards.len().max(1) as f64,
+        tokens_per_second: stats.sampled_tokens as f64 / times.step.max(1e-9),
+        step_seconds: times.step,
+        train_seconds: *train_seconds,
+        sync_seconds: times.sync,
+        dropped_stale: rollout.dropped_stale,
+        dropped_failed: rollout.dropped_failed,
+        elapsed_seconds: times.elapsed,
+    }
+}

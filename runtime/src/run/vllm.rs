@@ -1,0 +1,176 @@
+//! vLLM engines for `moult run` (docs/vllm.md, "moult run with vLLM"): each one a `python -m
+//! vllm.entrypoints.openai.api_server` process with the same flags the operator gives vLLM pods
+//! ([`moult_operator::children::vllm_args`]), on a loopback port, in a process group of its own
+//! (vLLM starts engine-core children) that is stopped as a whole when the run ends.
+//!
+//! Which Python has vLLM: `MOULT_VLLM_PYTHON`, else `python3` on the `PATH`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tch::Device;
+
+use super::config::RunConfig;
+use super::console::Console;
+use super::RunError;
+
+/// How long vLLM may take to serve (it imports torch, loads the model, profiles memory).
+const START_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The Python that runs vLLM.
+pub fn python() -> PathBuf {
+    std::env::var_os("MOULT_VLLM_PYTHON")
+        .filter(|p| !p.is_empty())
+        .map_or_else(|| PathBuf::from("python3"), PathBuf::from)
+}
+
+/// A vLLM server this process started; dropping it stops the server and its children.
+#[derive(Debug)]
+pub struct VllmProcess {
+    child: Child,
+    pub url: String,
+    log: PathBuf,
+}
+
+/// A free loopback port (vLLM binds its own socket, so the port is only likely to stay free).
+fn free_port() -> Result<u16, RunError> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| RunError::Setup(format!("finding a free port for vLLM: {e}")))
+}
+
+/// The last `n` lines of `path`.
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+impl VllmProcess {
+    /// Starts engine `index` of `cfg` and waits until it serves; its output goes to
+    /// `<logs>/vllm-<index>.log`.
+    pub async fn start(
+        cfg: &RunConfig,
+        index: usize,
+        device: Device,
+        logs: &Path,
+        console: &Console,
+    ) -> Result<Self, RunError> {
+        use std::os::unix::process::CommandExt;
+        let port = free_port()?;
+        let model = cfg.model_dir.display().to_string();
+        let args = moult_operator::children::vllm_args(
+            &cfg.run.spec,
+            &model,
+            "127.0.0.1",
+            port,
+            &cfg.name,
+        );
+        std::fs::create_dir_all(logs)
+            .map_err(|e| RunError::Io(format!("creating {}: {e}", logs.display())))?;
+        let log = logs.join(format!("vllm-{index}.log"));
+        let out = std::fs::File::create(&log)
+            .map_err(|e| RunError::Io(format!("creating {}: {e}", log.display())))?;
+        let err = out
+            .try_clone()
+            .map_err(|e| RunError::Io(format!("{}: {e}", log.display())))?;
+        let python = python();
+        let mut command = Command::new(&python);
+        command
+            .args(["-m", "vllm.entrypoints.openai.api_server"])
+            .args(&args)
+            // Serves /pause, /resume and /collective_rpc.
+            .env("VLLM_SERVER_DEV_MODE", "1")
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0);
+        if device == Device::Cpu {
+            // vLLM's CPU build binds spinning OpenMP threads to every core otherwise, starving
+            // the trainer and the agents that share the machine.
+            for (name, value) in [
+                ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                ("OMP_NUM_THREADS", "1"),
+            ] {
+                if std::env::var_os(name).is_none() {
+                    command.env(name, value);
+                }
+            }
+        }
+        let child = command.spawn().map_err(|e| {
+            RunError::Setup(format!(
+                "spec.engines.backend vLLM: starting {}: {e} (set MOULT_VLLM_PYTHON to a Python with vLLM installed: docs/vllm.md)",
+                python.display()
+            ))
+        })?;
+        let mut vllm = VllmProcess {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            log,
+        };
+        console.phase(format!(
+            "starting vLLM engine {index} (about a minute on a CPU; log: {})",
+            vllm.log.display()
+        ));
+        vllm.wait_until_serving().await?;
+        Ok(vllm)
+    }
+
+    async fn wait_until_serving(&mut self) -> Result<(), RunError> {
+        let http = reqwest::Client::new();
+        let started = Instant::now();
+        loop {
+            let health = http
+                .get(format!("{}/health", self.url))
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await;
+            if health.is_ok_and(|r| r.status().is_success()) {
+                tracing::info!(url = %self.url, "vLLM serves after {:.0?}", started.elapsed());
+                return Ok(());
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(RunError::Setup(format!(
+                    "vLLM exited ({status}) before serving; the end of {}:\n{}",
+                    self.log.display(),
+                    tail(&self.log, 20)
+                )));
+            }
+            if started.elapsed() > START_TIMEOUT {
+                return Err(RunError::Setup(format!(
+                    "vLLM did not serve within {START_TIMEOUT:?}; the end of {}:\n{}",
+                    self.log.display(),
+                    tail(&self.log, 20)
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// Sends `signal` (`-TERM`, `-KILL`) to the process group this child leads. `--` matters:
+    /// procps' kill reads `-TERM -PGID` without it as a signal to every process.
+    fn signal(&self, signal: &str) {
+        let _ = Command::new("kill")
+            .args([signal, "--", &format!("-{}", self.child.id())])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+impl Drop for VllmProcess {
+    fn drop(&mut self) {
+        // The API server and the engine-core processes it started: the whole group.
+        self.signal("-TERM");
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.signal("-KILL");
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,335 @@
+//! One publisher: how a trainer's new weights reach the engines after a step, whatever the
+//! transport (docs/weight-sync.md, "Weight transports"). `moult run` and `moult trainer` both publish
+//! through [`Publisher`]; each update is pause → transfer → version → resume, through the router
+//! (locally) or the coordinator's router (on a cluster), which fans the control calls out to every
+//! engine and learns the version, so engines that missed an update are not routed to.
+//!
+//! - [`WeightTransport::Tcp`]: moult's packed TCP stream to built-in engines ([`WeightSync`]).
+//! - [`WeightTransport::Filesystem`]: safetensors in a shared folder, reloaded by the engines
+//!   ([`FolderPublisher`]); vLLM (CPU or GPU) and the built-in engine.
+//! - [`WeightTransport::Nccl`]: NCCL from the trainer's GPU to vLLM engines (cargo feature
+//!   `cuda`; not yet run on a GPU from here, docs/vllm.md).
+
+use std::path::PathBuf;
+
+use moult_operator::api::{EngineBackend, WeightTransport};
+use tch::{Device, Kind, Tensor};
+
+use super::folder::FolderPublisher;
+use super::orchestrate::{SyncError, SyncReport, WeightSync};
+use crate::run::RunError;
+
+/// Where and how a trainer publishes.
+#[derive(Debug, Clone)]
+pub struct PublishOptions {
+    /// The router or coordinator in front of the engines.
+    pub target: String,
+    pub backend: EngineBackend,
+    pub transport: WeightTransport,
+    /// The trainer's device (NCCL sends from its GPU).
+    pub device: Device,
+    /// TCP: the host the trainer listens on and tells engines to connect to.
+    pub host: String,
+    /// Filesystem: the folder new weights go to, by the path engines read it under.
+    pub folder: Option<PathBuf>,
+    /// The dtype engines hold weights in (what the Filesystem and NCCL transports send).
+    pub engine_kind: Kind,
+}
+
+/// The weight path of a trainer.
+#[derive(Debug)]
+pub enum Publisher {
+    Tcp(WeightSync),
+    Filesystem(FolderPublisher),
+    #[cfg(feature = "cuda")]
+    Nccl(Box<nccl::NcclPublisher>),
+}
+
+impl Publisher {
+    /// The weight path `opts` asks for. Errors are [`RunError::Manifest`] (naming the spec field)
+    /// when the combination cannot work, [`RunError::Setup`] when the engines could not be
+    /// reached (worth trying again).
+    pub async fn connect(opts: &PublishOptions) -> Result<Self, RunError> {
+        match opts.transport {
+            WeightTransport::Tcp => {
+                let mut sync = WeightSync::new(&opts.target);
+                sync.connect_tcp(&format!("{}:0", opts.host), &opts.host)
+                    .await
+                    .map_err(|e| RunError::Setup(e.to_string()))?;
+                Ok(Self::Tcp(sync))
+            }
+            WeightTransport::Filesystem => {
+                let folder = opts.folder.clone().ok_or_else(|| {
+                    RunError::Manifest(
+                        "spec.engines.weightTransfer.claimName: the Filesystem transport needs a folder that the trainer and every engine share (MOULT_WEIGHTS_DIR, where the operator mounts the claim)".into(),
+                    )
+                })?;
+                Ok(Self::Filesystem(FolderPublisher::new(
+                    &opts.target,
+                    folder,
+                    opts.engine_kind,
+                )))
+            }
+            WeightTransport::Nccl => Self::nccl(opts),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn nccl(opts: &PublishOptions) -> Result<Self, RunError> {
+        match opts.device {
+            Device::Cuda(ordinal) => Ok(Self::Nccl(Box::new(nccl::NcclPublisher::new(
+                &opts.target,
+                ordinal,
+                opts.engine_kind,
+            )))),
+            other => Err(RunError::Manifest(format!(
+                "spec.engines.weightTransfer.transport: NCCL sends weights from a trainer on a GPU; this trainer runs on {other:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)"
+            ))),
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn nccl(_: &PublishOptions) -> Result<Self, RunError> {
+        Err(RunError::Manifest(
+            "spec.engines.weightTransfer.transport: NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)".into(),
+        ))
+    }
+
+    /// Pushes `weights` as `version` (pause `keep` with partial rollout, else `wait`).
+    pub async fn update(
+        &mut self,
+        weights: &[(String, Tensor)],
+        version: u64,
+        partial_rollout: bool,
+    ) -> Result<SyncReport, SyncError> {
+        match self {
+            Self::Tcp(sync) => sync.update(weights, version, partial_rollout).await,
+            Self::Filesystem(folder) => folder.update(weights, version, partial_rollout).await,
+            #[cfg(feature = "cuda")]
+            Self::Nccl(p) => p.update(weights, version, partial_rollout).await,
+        }
+    }
+}
+
+/// The dtype weights are sent to the engines in: float32 for the built-in engine (it computes in
+/// float32); for vLLM its `--dtype` among `extra_args`, else (`auto`) the checkpoint's own
+/// (`model_dtype`), else float32. vLLM converts what it loads to its parameters' dtype, so this
+/// decides the bytes moved per update, not what the engine computes with.
+pub fn engine_kind(
+    backend: EngineBackend,
+    extra_args: &[String],
+    model_dtype: Option<&str>,
+) -> Result<Kind, RunError> {
+    if backend == EngineBackend::Builtin {
+        return Ok(Kind::Float);
+    }
+    let flag = extra_args
+        .iter()
+        .position(|a| a == "--dtype")
+        .and_then(|i| extra_args.get(i + 1))
+        .map(String::as_str)
+        .or_else(|| extra_args.iter().find_map(|a| a.strip_prefix("--dtype=")));
+    let name = match flag {
+        Some("auto") | None => model_dtype.unwrap_or("float32"),
+        Some(d) => d,
+    };
+    match name {
+        "float32" | "float" => Ok(Kind::Float),
+        "bfloat16" => Ok(Kind::BFloat16),
+        "float16" | "half" => Ok(Kind::Half),
+        other => Err(RunError::Manifest(format!(
+            "spec.engines.extraArgs: --dtype {other} is not one moult can send weights in (float32, bfloat16, float16, auto)"
+        ))),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod nccl {
+    use tch::{Kind, Tensor};
+
+    use crate::weight_sync::nccl::{NcclSenderConfig, NcclWeightSender};
+    use crate::weight_sync::orchestrate::{buckets, step, Control, SyncError, SyncReport};
+
+    /// Bytes per `update_weights` call.
+    const BUCKET_BYTES: usize = 256 << 20;
+
+    /// The NCCL weight path to the engines the coordinator (or router) lists.
+    #[derive(Debug)]
+    pub struct NcclPublisher {
+        control: Control,
+        ordinal: usize,
+        kind: Kind,
+        sender: Option<NcclWeightSender>,
+        urls: Vec<String>,
+        /// An update failed after the engines began loading: they stay paused (they may hold
+        /// half-replaced weights) until an update completes.
+        held: bool,
+    }
+
+    impl NcclPublisher {
+        pub fn new(target: &str, ordinal: usize, kind: Kind) -> Self {
+            Self {
+                control: Control::new(target),
+                ordinal,
+                kind,
+                sender: None,
+                urls: Vec::new(),
+                held: false,
+            }
+        }
+
+        /// The engines up behind the router.
+        async fn engines(&self) -> Result<Vec<String>, SyncError> {
+            let list = self
+                .control
+                .call(reqwest::Method::GET, "/engines", None)
+                .await
+                .map_err(step("engines"))?;
+            let mut urls: Vec<String> = list["engines"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|e| e["healthy"].as_bool() == Some(true))
+                .filter_map(|e| e["url"].as_str().map(String::from))
+                .collect();
+            urls.sort();
+            if urls.is_empty() {
+                return Err(step("engines")("no engine is up behind the router".into()));
+            }
+            Ok(urls)
+        }
+
+        pub async fn update(
+            &mut self,
+            weights: &[(String, Tensor)],
+            version: u64,
+            partial_rollout: bool,
+        ) -> Result<SyncReport, SyncError> {
+            let urls = self.engines().await?;
+            if self.sender.is_none() || urls != self.urls {
+                self.sender = None;
+                let sender =
+                    NcclWeightSender::connect(self.ordinal, &urls, NcclSenderConfig::default())
+                        .await
+                        .map_err(|e| step("connect")(e.to_string()))?;
+                self.sender = Some(sender);
+                self.urls = urls;
+            }
+            // In the engines' dtype: vLLM copies what it receives into its parameters.
+            let kind = self.kind;
+            let converted: Vec<(String, Tensor)> = weights
+                .iter()
+                .map(|(n, t)| (n.clone(), t.to_kind(kind).contiguous()))
+                .collect();
+            let bytes = converted
+                .iter()
+                .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
+                .sum();
+            let all = buckets(&converted, BUCKET_BYTES);
+            let count = all.len();
+            let paused_at = std::time::Instant::now();
+            self.control.pause(partial_rollout).await?;
+            self.held = true;
+            let sender = self.sender.as_mut().expect("connected above");
+            let sent = sender.update(all, version).await;
+            if let Err(e) = sent {
+                // A failed sender refuses further work: connect again next time. The engines
+                // stay paused: resuming them would serve half-loaded weights.
+                self.sender = None;
+                return Err(step("nccl")(format!(
+                    "{e} (engines stay paused until an update completes)"
+                )));
+            }
+            let transfer = paused_at.elapsed();
+            // The router learns the version (engines that missed it are not routed to).
+            self.control.set_version(version).await?;
+            self.control.resume().await?;
+            self.held = false;
+            Ok(SyncReport {
+                paused: paused_at.elapsed(),
+                transfer,
+                bytes,
+                buckets: count,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(transport: WeightTransport) -> PublishOptions {
+        PublishOptions {
+            target: "http://127.0.0.1:1".into(),
+            backend: EngineBackend::Vllm,
+            transport,
+            device: Device::Cpu,
+            host: "127.0.0.1".into(),
+            folder: None,
+            engine_kind: Kind::Float,
+        }
+    }
+
+    #[tokio::test]
+    async fn nccl_without_a_gpu_is_refused_naming_the_field() {
+        let err = Publisher::connect(&opts(WeightTransport::Nccl))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("spec.engines.weightTransfer.transport:"),
+            "{err}"
+        );
+        // Without the feature the build is the reason; with it, the CPU trainer.
+        let why = if cfg!(feature = "cuda") {
+            "gpusPerNode"
+        } else {
+            "--features cuda"
+        };
+        assert!(err.contains(why), "{err}");
+    }
+
+    #[tokio::test]
+    async fn the_filesystem_transport_needs_a_folder() {
+        let err = Publisher::connect(&opts(WeightTransport::Filesystem))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("spec.engines.weightTransfer.claimName:"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn engines_get_weights_in_their_own_dtype() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let vllm = EngineBackend::Vllm;
+        assert_eq!(
+            engine_kind(EngineBackend::Builtin, &[], Some("bfloat16")).unwrap(),
+            Kind::Float
+        );
+        assert_eq!(
+            engine_kind(vllm, &[], Some("bfloat16")).unwrap(),
+            Kind::BFloat16
+        );
+        assert_eq!(engine_kind(vllm, &[], None).unwrap(), Kind::Float);
+        assert_eq!(
+            engine_kind(vllm, &args(&["--dtype", "float32"]), Some("bfloat16")).unwrap(),
+            Kind::Float
+        );
+        assert_eq!(
+            engine_kind(vllm, &args(&["--dtype=half"]), None).unwrap(),
+            Kind::Half
+        );
+        assert_eq!(
+            engine_kind(vllm, &args(&["--dtype", "auto"]), Some("float16")).unwrap(),
+            Kind::Half
+        );
+        let err = engine_kind(vllm, &args(&["--dtype", "fp8"]), None)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("spec.engines.extraArgs"), "{err}");
+    }
+}
