@@ -1,5 +1,6 @@
 //! Partial rollout through the router (libtorch): weight updates pushed again and again to two
-//! `moult engine` processes while they generate. No request is lost, every token carries the
+//! `moult engine` processes while they generate, over the TCP stream and through a folder
+//! (the Filesystem transport). No request is lost, every token carries the
 //! version that produced it, and its logprob is the one a forward with that version's weights
 //! gives (so the label is not just a number: the weights really were those).
 
@@ -10,7 +11,8 @@ use std::time::Duration;
 use common::{dense_model, reference_logprobs, spawn_engine, start_router, Generation};
 use moult_runtime::engine::sampling::SamplingParams;
 use moult_runtime::model::Qwen3Model;
-use moult_runtime::weight_sync::orchestrate::WeightSync;
+use moult_operator::api::{EngineBackend, WeightTransport};
+use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
 use serde_json::{json, Value};
 use tch::Tensor;
 use tokio::sync::watch;
@@ -47,6 +49,17 @@ fn version(base: &Qwen3Model, v: i64) -> Vec<(String, Tensor)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_repeated_weight_updates_under_load_label_every_token() {
+    updates_under_load(WeightTransport::Tcp).await;
+}
+
+/// The same through the Filesystem transport: safetensors in a folder, reloaded by each engine
+/// between pause and resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_filesystem_weight_updates_under_load_label_every_token() {
+    updates_under_load(WeightTransport::Filesystem).await;
+}
+
+async fn updates_under_load(transport: WeightTransport) {
     let dir = dense_model();
     let (mut a, a_url) = spawn_engine(&dir);
     let (mut b, b_url) = spawn_engine(&dir);
@@ -71,9 +84,21 @@ async fn libtorch_repeated_weight_updates_under_load_label_every_token() {
         progress.push(rx);
     }
 
-    let mut sync = WeightSync::new(&url);
-    sync.bucket_bytes = 64 << 10; // several buckets per update
-    sync.connect_tcp("127.0.0.1:0", "127.0.0.1").await.unwrap();
+    let folder = std::env::temp_dir().join(format!("moult-fs-sync-{}", std::process::id()));
+    let mut sync = Publisher::connect(&PublishOptions {
+        target: url.clone(),
+        backend: EngineBackend::Builtin,
+        transport,
+        device: tch::Device::Cpu,
+        host: "127.0.0.1".into(),
+        folder: Some(folder.clone()),
+        engine_kind: tch::Kind::Float,
+    })
+    .await
+    .unwrap();
+    if let Publisher::Tcp(tcp) = &mut sync {
+        tcp.bucket_bytes = 64 << 10; // several buckets per update
+    }
     let mut reports = Vec::new();
     for (k, w) in weights.iter().enumerate() {
         // Wait until every request has made progress under the current version.
@@ -86,7 +111,15 @@ async fn libtorch_repeated_weight_updates_under_load_label_every_token() {
         }
         reports.push(sync.update(w, k as u64 + 1, true).await.unwrap());
     }
-    assert!(reports.iter().all(|r| r.buckets > 1 && r.bytes > 0));
+    let buckets = if transport == WeightTransport::Tcp { 2 } else { 1 };
+    assert!(reports.iter().all(|r| r.buckets >= buckets && r.bytes > 0));
+    if transport == WeightTransport::Filesystem {
+        // One folder left: the newest version's.
+        let left: Vec<_> = std::fs::read_dir(&folder).unwrap().collect();
+        assert_eq!(left.len(), 1);
+        assert!(folder.join(format!("v{UPDATES}/model.safetensors")).is_file());
+        std::fs::remove_dir_all(&folder).unwrap();
+    }
 
     let params = SamplingParams {
         max_tokens: MAX,

@@ -61,13 +61,16 @@ impl VllmProcess {
         use std::os::unix::process::CommandExt;
         let port = free_port()?;
         let model = cfg.model_dir.display().to_string();
-        let args = moult_operator::children::vllm_args(
+        let mut args = moult_operator::children::vllm_args(
             &cfg.run.spec,
             &model,
             "127.0.0.1",
             port,
             &cfg.name,
         );
+        // `vllm serve MODEL` takes the model as its first argument; the API server module (what
+        // runs here: the console script of vLLM's CPU wheel does not start) wants `--model`.
+        args.insert(0, "--model".into());
         std::fs::create_dir_all(logs)
             .map_err(|e| RunError::Io(format!("creating {}: {e}", logs.display())))?;
         let log = logs.join(format!("vllm-{index}.log"));
