@@ -9,9 +9,9 @@ mod common;
 use std::time::Duration;
 
 use common::{dense_model, reference_logprobs, spawn_engine, start_router, Generation};
+use moult_operator::api::{EngineBackend, WeightTransport};
 use moult_runtime::engine::sampling::SamplingParams;
 use moult_runtime::model::Qwen3Model;
-use moult_operator::api::{EngineBackend, WeightTransport};
 use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
 use serde_json::{json, Value};
 use tch::Tensor;
@@ -111,13 +111,19 @@ async fn updates_under_load(transport: WeightTransport) {
         }
         reports.push(sync.update(w, k as u64 + 1, true).await.unwrap());
     }
-    let buckets = if transport == WeightTransport::Tcp { 2 } else { 1 };
+    let buckets = if transport == WeightTransport::Tcp {
+        2
+    } else {
+        1
+    };
     assert!(reports.iter().all(|r| r.buckets >= buckets && r.bytes > 0));
     if transport == WeightTransport::Filesystem {
         // One folder left: the newest version's.
         let left: Vec<_> = std::fs::read_dir(&folder).unwrap().collect();
         assert_eq!(left.len(), 1);
-        assert!(folder.join(format!("v{UPDATES}/model.safetensors")).is_file());
+        assert!(folder
+            .join(format!("v{UPDATES}/model.safetensors"))
+            .is_file());
         std::fs::remove_dir_all(&folder).unwrap();
     }
 

@@ -21,7 +21,6 @@ pub mod agents;
 pub mod coordinator;
 pub mod discovery;
 pub mod protocol;
-#[cfg(feature = "torch")]
 pub mod remote;
 pub mod status;
 #[cfg(feature = "torch")]

@@ -1,6 +1,7 @@
 //! `moult run`: a whole RL run from one RLRun manifest on this machine (docs/architecture.md, "locally").
-//! Built-in engines behind the router, the loopback server and agent pool ([`local`]), the
-//! streaming rollout pool, the trainer, and weight sync over loopback TCP.
+//! Built-in engines (or vLLM processes, [`vllm`]) behind the router, the loopback server and agent
+//! pool ([`local`]), the streaming rollout pool, and the learner (`learner`, shared with the
+//! cluster's trainer pod): the trainer and weight sync over the run's transport.
 //!
 //! The loop ([`run`]) reads on one screen: take a batch of finished groups → (with a judge, its
 //! scores as rewards, [`judge`]) → advantages → train → publish the new weights (pause/keep,

@@ -128,11 +128,9 @@ impl FolderPublisher {
 
         let paused_at = Instant::now();
         self.control.pause(partial_rollout).await?;
-        let reloaded = self.reload(&dir).await;
-        if let Err(e) = reloaded {
-            // Engines may hold part of the new weights: leave them paused (docs/engine.md).
-            return Err(e);
-        }
+        // An engine that failed may hold part of the new weights: no resume then, the engines
+        // stay paused (docs/weight-sync.md, "Weight transports").
+        self.reload(&dir).await?;
         let transfer = paused_at.elapsed();
         let versioned = self.control.set_version(version).await;
         let resumed = self.control.resume().await;
