@@ -29,6 +29,6 @@ trap 'bash scripts/test-cluster.sh down' EXIT
 cargo test -p moult-operator --test cluster -- --ignored
 echo "test: cluster mode end to end (the operator's pods run as local processes of moult)"
 cargo build -p moult-operator --bin moult-operator
-cargo test -p moult-runtime --test cluster_kubelet --test cluster_run -- --ignored
+cargo test -p moult-runtime --test cluster_kubelet --test cluster_run -- --ignored --test-threads 1
 echo "test: a copy of the tracked files alone runs the main job (README's first command)"
 bash scripts/fresh-clone.sh

@@ -75,8 +75,8 @@ fn ensure_model() {
 }
 
 /// The RLRun's status.
-fn status(ns: &Namespace) -> Value {
-    let text = ns.kubectl(&["get", "rlrun", RUN, "-o", "json"]);
+fn status(ns: &Namespace, run: &str) -> Value {
+    let text = ns.kubectl(&["get", "rlrun", run, "-o", "json"]);
     let run: Value = serde_json::from_str(&text).expect("kubectl prints JSON");
     run["status"].clone()
 }
@@ -87,7 +87,7 @@ fn step_of(s: &Value) -> u64 {
 
 /// Polls the run's status until `check` holds, with the logs of every role on failure.
 fn wait_status(
-    ns: &Namespace,
+    (ns, run): (&Namespace, &str),
     kubelet: &Kubelet,
     timeout: Duration,
     what: &str,
@@ -95,17 +95,17 @@ fn wait_status(
 ) -> Value {
     let started = Instant::now();
     loop {
-        let s = status(ns);
+        let s = status(ns, run);
         if check(&s) {
             return s;
         }
         if started.elapsed() > timeout {
             panic!(
                 "timed out after {timeout:?} waiting for {what}; status: {s}\n--- coordinator\n{}\n--- trainer\n{}\n--- agents\n{}\n--- engines\n{}",
-                kubelet.logs_tail(&format!("{RUN}-coordinator"), 30),
-                kubelet.logs_tail(&format!("{RUN}-trainer"), 30),
-                kubelet.logs_tail(&format!("{RUN}-agents"), 20),
-                kubelet.logs_tail(&format!("{RUN}-engine"), 20),
+                kubelet.logs_tail(&format!("{run}-coordinator"), 30),
+                kubelet.logs_tail(&format!("{run}-trainer"), 30),
+                kubelet.logs_tail(&format!("{run}-agents"), 20),
+                kubelet.logs_tail(&format!("{run}-engine"), 20),
             );
         }
         std::thread::sleep(Duration::from_millis(500));
@@ -117,11 +117,11 @@ fn pod_ip(ns: &Namespace, pod: &str) -> String {
     ns.kubectl(&["get", "pod", pod, "-o", "jsonpath={.status.podIP}"])
 }
 
-fn token(ns: &Namespace) -> String {
+fn token(ns: &Namespace, run: &str) -> String {
     let b64 = ns.kubectl(&[
         "get",
         "secret",
-        &format!("{RUN}-token"),
+        &format!("{run}-token"),
         "-o",
         "jsonpath={.data.token}",
     ]);
@@ -216,16 +216,20 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     let applied = Instant::now();
     ns.apply(&run_yaml());
     let first = wait_status(
-        &ns,
+        (&ns, RUN),
         &kubelet,
         Duration::from_secs(300),
         "a first reward",
         |s| s["metrics"]["reward"].is_number(),
     );
     let to_first_reward = applied.elapsed();
-    let s = wait_status(&ns, &kubelet, Duration::from_secs(300), "3 steps", |s| {
-        step_of(s) >= 3
-    });
+    let s = wait_status(
+        (&ns, RUN),
+        &kubelet,
+        Duration::from_secs(300),
+        "3 steps",
+        |s| step_of(s) >= 3,
+    );
     assert!(s["policyVersion"].as_u64().unwrap() >= 3, "status: {s}");
     println!(
         "apply -> first reward in status: {:.1} s (step {}, reward {})",
@@ -235,7 +239,7 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     );
 
     let http = reqwest::Client::new();
-    let token = token(&ns);
+    let token = token(&ns, RUN);
     let coordinator = format!("http://{}:8080", pod_ip_of(&ns, "coordinator"));
 
     // The run's token guards internal endpoints (but not probes and metrics).
@@ -331,9 +335,9 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
         .uid;
     kubelet.kill(&victim);
     ns.kubectl(&["delete", "pod", &victim, "--wait=false"]);
-    let step_at_kill = step_of(&status(&ns));
+    let step_at_kill = step_of(&status(&ns, RUN));
     wait_status(
-        &ns,
+        (&ns, RUN),
         &kubelet,
         Duration::from_secs(300),
         "3 steps after the engine kill",
@@ -363,11 +367,11 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
 
     // Kill the trainer: it restarts from its last checkpoint (every 2 steps), republishes under a
     // new version, and trains on; versions only increase.
-    let s = status(&ns);
+    let s = status(&ns, RUN);
     let (step_at_kill, version_at_kill) = (step_of(&s), s["policyVersion"].as_u64().unwrap());
     kubelet.kill(&format!("{RUN}-trainer-0"));
     let s = wait_status(
-        &ns,
+        (&ns, RUN),
         &kubelet,
         Duration::from_secs(300),
         "the trainer to come back and pass its old step",
@@ -403,13 +407,13 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
 
     // Kill the coordinator: it restarts (the pod's restart policy) and goes on from the run's
     // status; the trainer and the agents reconnect, and versions keep increasing.
-    let s = status(&ns);
+    let s = status(&ns, RUN);
     let (step_at_kill, version_at_kill) = (step_of(&s), s["policyVersion"].as_u64().unwrap());
     let coordinator_pod = pod_name_of(&ns, "coordinator");
     let data_before = coordinator_status(&http, &coordinator, &token).await["data"].clone();
     kubelet.kill(&coordinator_pod);
     let s = wait_status(
-        &ns,
+        (&ns, RUN),
         &kubelet,
         Duration::from_secs(300),
         "3 steps after the coordinator restart",
@@ -435,7 +439,7 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
 
     // Kill the agent pod's process: the leases of its running episodes are no longer renewed,
     // expire (after MOULT_LEASE_TIME, 6 s here) and go to the restarted process; the run goes on.
-    let step_at_kill = step_of(&status(&ns));
+    let step_at_kill = step_of(&status(&ns, RUN));
     let agents_pod = pod_name_of(&ns, "agents");
     // Kill it while it holds leases (generation pauses while admission waits for the trainer).
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -463,7 +467,7 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     wait_status(
-        &ns,
+        (&ns, RUN),
         &kubelet,
         Duration::from_secs(300),
         "3 steps after the agents restart",
@@ -478,9 +482,9 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     // episode is lost.
     let before = coordinator_status(&http, &coordinator, &token).await;
     ns.kubectl(&["scale", &format!("rlrun/{RUN}"), "--replicas=2"]);
-    let step_at_scale = step_of(&status(&ns));
+    let step_at_scale = step_of(&status(&ns, RUN));
     wait_status(
-        &ns,
+        (&ns, RUN),
         &kubelet,
         Duration::from_secs(300),
         "3 steps after scaling down",
@@ -497,7 +501,7 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
         after["rollout"]["dropped_failed"], before["rollout"]["dropped_failed"],
         "an episode failed when scaling down: {after}"
     );
-    let s = status(&ns);
+    let s = status(&ns, RUN);
     println!(
         "scaled down to 2 at step {step_at_scale}: now step {}, version {}, reward {}; kubectl get rlr:\n{}",
         s["step"],
@@ -513,13 +517,18 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// A field of the (first) pod of a component of the run.
+/// A field of the (first) pod of a component of run `RUN`.
 fn pod_field(ns: &Namespace, component: &str, field: &str) -> String {
+    pod_field_of(ns, RUN, component, field)
+}
+
+/// A field of the (first) pod of a component of `run`.
+fn pod_field_of(ns: &Namespace, run: &str, component: &str, field: &str) -> String {
     ns.kubectl(&[
         "get",
         "pod",
         "-l",
-        &format!("moult.dev/run={RUN},moult.dev/component={component}"),
+        &format!("moult.dev/run={run},moult.dev/component={component}"),
         "-o",
         &format!("jsonpath={{.items[0].{field}}}"),
     ])
@@ -538,4 +547,206 @@ fn pod_name_of(ns: &Namespace, component: &str) -> String {
 /// The router's engines (`GET /engines` on the coordinator).
 async fn router_engines(http: &reqwest::Client, coordinator: &str, token: &str) -> Value {
     get_json(http, &format!("{coordinator}/engines"), token).await
+}
+
+/// The successor recipe with vLLM engine pods: the operator's unmodified vLLM container command
+/// (`vllm serve MODEL ...`, the image's `vllm` mapped to the pinned CPU build in its virtualenv
+/// through tests/python/vllm_serve.py) and the Filesystem weight transport, a shared folder
+/// standing for the ReadWriteMany claim that the trainer and every engine mount.
+fn vllm_run_yaml() -> String {
+    let r = recipe();
+    let r = r.display();
+    format!(
+        r#"apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata:
+  name: {VLLM_RUN}
+spec:
+  model: {{path: {r}/model-hd32}}
+  agent:
+    form: Env
+    image: local
+    command: [python, {r}/env.py]
+    concurrency: 64
+    timeout: 1m
+    dataset: {{path: {r}/tasks.jsonl}}
+  engines:
+    backend: vLLM
+    replicas: 1
+    gpusPerEngine: 0
+    weightTransfer: {{transport: Filesystem, claimName: weights}}
+    extraArgs: ["--dtype", "float32", "--kv-cache-memory-bytes", "268435456", "--enforce-eager"]
+  trainer: {{gpusPerNode: 0}}
+  algorithm:
+    estimator: GRPO
+    groupSize: 8
+    batchSize: 8
+    maxStaleness: 1
+    optimizer: {{learningRate: 1.0e-3, maxGradNorm: 1.0}}
+  rollout: {{maxTokens: 4, temperature: 1.0, maxTurns: 3}}
+  totalSteps: 500
+"#
+    )
+}
+
+const VLLM_RUN: &str = "succ-vllm";
+
+/// Healthy engines behind the coordinator's router.
+async fn healthy_engines(http: &reqwest::Client, coordinator: &str, token: &str) -> usize {
+    let engines = router_engines(http, coordinator, token).await;
+    engines["engines"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["healthy"].as_bool() == Some(true))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_with_vllm_engine_pods_trains_replaces_and_scales() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let vllm_python = std::env::var_os("MOULT_VLLM_PYTHON").expect(
+        "MOULT_VLLM_PYTHON is not set: install the pinned vLLM with `bash scripts/setup-vllm.sh` \
+         (scripts/test.sh sets it)",
+    );
+    let dir = recipe();
+    let made = std::process::Command::new(
+        std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into()),
+    )
+    .arg(dir.join("make_model.py"))
+    .arg(dir.join("model-hd32"))
+    .args(["--head-dim", "32"])
+    .status()
+    .expect("run make_model.py");
+    assert!(made.success(), "make_model.py --head-dim 32 failed");
+    let c = cluster();
+    let ns = Namespace::new("cluster-vllm");
+    let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
+    let _ = std::fs::remove_dir_all(&root);
+    let weights = ns.bound_claim("weights", &root.join("claims/weights"));
+    // The image's `vllm` command: the pinned CPU build, the operator's arguments as they are.
+    let vllm = root.join("bin/vllm");
+    std::fs::create_dir_all(vllm.parent().unwrap()).unwrap();
+    std::fs::write(
+        &vllm,
+        format!(
+            "#!/bin/sh\nexec '{}' '{}' \"$@\"\n",
+            PathBuf::from(&vllm_python).display(),
+            Path::new(ROOT).join("tests/python/vllm_serve.py").display()
+        ),
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&vllm, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let operator = Operator::start(&ns, "e2e-vllm");
+    let moult = PathBuf::from(env!("CARGO_BIN_EXE_moult"));
+    let kubelet = Kubelet::start(
+        c.client().await,
+        &ns.name,
+        KubeletOptions {
+            root: root.join("kubelet"),
+            binaries: BTreeMap::from([
+                ("moult".to_string(), moult.clone()),
+                ("/opt/moult/bin/moult".to_string(), moult),
+                ("vllm".to_string(), vllm),
+            ]),
+            claims: BTreeMap::from([("weights".to_string(), weights.clone())]),
+            env: vec![
+                ("RUST_LOG".into(), "info,kube=warn".into()),
+                // vLLM's CPU build: one unpinned OpenMP thread (docs/vllm.md).
+                ("VLLM_CPU_OMP_THREADS_BIND".into(), "nobind".into()),
+                ("OMP_NUM_THREADS".into(), "1".into()),
+            ],
+            kubeconfig: Some(c.kubeconfig.clone()),
+            image: vec![repository()],
+        },
+    )
+    .await;
+
+    ns.apply(&vllm_run_yaml());
+    let s = wait_status(
+        (&ns, VLLM_RUN),
+        &kubelet,
+        Duration::from_secs(600),
+        "3 steps on vLLM",
+        |s| step_of(s) >= 3,
+    );
+    println!(
+        "vLLM run: step {}, version {}, reward {}",
+        s["step"], s["policyVersion"], s["metrics"]["reward"]
+    );
+    // The trainer published through the shared folder: one version folder, the newest.
+    let published: Vec<String> = std::fs::read_dir(weights.join(VLLM_RUN))
+        .expect("the trainer writes under <claim>/<run>")
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('v'))
+        .collect();
+    assert_eq!(published.len(), 1, "{published:?}");
+
+    let http = reqwest::Client::new();
+    let token = token(&ns, VLLM_RUN);
+    let coordinator = format!(
+        "http://{}:8080",
+        pod_field_of(&ns, VLLM_RUN, "coordinator", "status.podIP")
+    );
+
+    // A killed vLLM engine whose pod is deleted is replaced, and the run goes on.
+    let victim = format!("{VLLM_RUN}-engine-0");
+    let old_uid = kubelet
+        .processes()
+        .into_iter()
+        .find(|p| p.pod == victim)
+        .expect("engine-0 runs")
+        .uid;
+    kubelet.kill(&victim);
+    ns.kubectl(&["delete", "pod", &victim, "--wait=false"]);
+    let step_at_kill = step_of(&status(&ns, VLLM_RUN));
+    wait_status(
+        (&ns, VLLM_RUN),
+        &kubelet,
+        Duration::from_secs(600),
+        "3 steps after the vLLM engine was killed",
+        |s| step_of(s) >= step_at_kill + 3,
+    );
+    assert!(
+        kubelet
+            .processes()
+            .iter()
+            .any(|p| p.pod == victim && p.running && p.uid != old_uid),
+        "the replaced engine pod does not run"
+    );
+    println!("vLLM engine killed at step {step_at_kill}: replaced, the run went on");
+
+    // kubectl scale adds a vLLM engine: two healthy engines behind the router, and the run goes on.
+    ns.kubectl(&["scale", &format!("rlrun/{VLLM_RUN}"), "--replicas=2"]);
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while healthy_engines(&http, &coordinator, &token).await < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the second vLLM engine never became healthy: {}\n{}",
+            router_engines(&http, &coordinator, &token).await,
+            kubelet.logs_tail(&format!("{VLLM_RUN}-engine-1"), 30)
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let step_at_scale = step_of(&status(&ns, VLLM_RUN));
+    let s = wait_status(
+        (&ns, VLLM_RUN),
+        &kubelet,
+        Duration::from_secs(600),
+        "2 steps with two vLLM engines",
+        |s| step_of(s) >= step_at_scale + 2,
+    );
+    println!(
+        "scaled to 2 vLLM engines at step {step_at_scale}: now step {}, version {}",
+        s["step"], s["policyVersion"]
+    );
+
+    ns.kubectl(&["delete", "rlrun", VLLM_RUN, "--wait=false"]);
+    kubelet.shutdown().await;
+    drop(operator);
+    let _ = std::fs::remove_dir_all(&root);
 }

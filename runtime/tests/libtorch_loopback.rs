@@ -6,121 +6,16 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
-use common::{
-    chat_model, dense_model, engine_options, metric, python, start_engine, start_loopback,
-};
-use moult_runtime::loopback::Segment;
+use common::{chat_model, dense_model, engine_options, metric, start_engine, start_loopback};
 use serde_json::{json, Value};
-
-fn expected_segments(name: &str) -> Vec<(Vec<i64>, Vec<u8>)> {
-    let text = std::fs::read_to_string(chat_model().join("expected.json")).unwrap();
-    let all: Value = serde_json::from_str(&text).unwrap();
-    all[name]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            (
-                serde_json::from_value(s["token_ids"].clone()).unwrap(),
-                serde_json::from_value(s["loss_mask"].clone()).unwrap(),
-            )
-        })
-        .collect()
-}
-
-/// Each run of sampled tokens must be exactly what the engine samples (greedy) after the tokens
-/// before it, with the same behaviour logprobs and a policy version.
-async fn assert_token_identity(engine_url: &str, segment: &Segment) {
-    let mut i = 0;
-    while i < segment.token_ids.len() {
-        if segment.loss_mask[i] == 0 {
-            i += 1;
-            continue;
-        }
-        let end = (i..segment.token_ids.len())
-            .find(|&j| segment.loss_mask[j] == 0)
-            .unwrap_or(segment.token_ids.len());
-        let body = json!({
-            "token_ids": &segment.token_ids[..i],
-            "sampling_params": {"temperature": 0.0, "max_tokens": end - i},
-        });
-        let r: Value =
-            common::post_json(&format!("{engine_url}/inference/v1/generate"), &body).await;
-        let ids: Vec<i64> = serde_json::from_value(r["choices"][0]["token_ids"].clone()).unwrap();
-        assert_eq!(ids, segment.token_ids[i..end], "sampled ids at {i}..{end}");
-        for (k, lp) in r["choices"][0]["logprobs"]["content"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .enumerate()
-        {
-            let want = lp["logprob"].as_f64().unwrap() as f32;
-            let got = segment.logprobs[i + k];
-            assert!(
-                (want - got).abs() < 1e-4,
-                "logprob at {}: {got} vs {want}",
-                i + k
-            );
-            assert_eq!(segment.versions[i + k], Some(0));
-        }
-        assert!(segment.versions[..i]
-            .iter()
-            .zip(&segment.loss_mask[..i])
-            .all(|(v, &m)| (m == 0) == v.is_none()));
-        i = end;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_sdk_conversations_record_exact_segments() {
     let model = chat_model();
     let engine = start_engine(&model, engine_options()).await;
-    let (url, service) = start_loopback(&engine.url, &model, &model, 1 << 20).await;
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/loopback_sdk_client.py");
-    let output = tokio::task::spawn_blocking(move || {
-        Command::new(python())
-            .arg(script)
-            .arg(&url)
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
-    assert!(
-        output.status.success(),
-        "the SDK client failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let weather: Vec<_> = expected_segments("weather")
-        .into_iter()
-        .chain(expected_segments("compacted"))
-        .collect();
-    let think = expected_segments("think");
-    for proto in ["openai", "anthropic"] {
-        for mode in ["plain", "stream"] {
-            for (name, expected, turns) in [("weather", &weather, 3), ("think", &think, 2)] {
-                let session = format!("{proto}-{mode}-{name}");
-                let (recorded_turns, segments) = service.trajectory(&session).await.unwrap();
-                // `think` retried its first request: answered from cache, recorded once.
-                assert_eq!(recorded_turns, turns, "{session}: turns");
-                let got: Vec<_> = segments
-                    .iter()
-                    .map(|s| (s.token_ids.clone(), s.loss_mask.clone()))
-                    .collect();
-                // Rendered by transformers' apply_chat_template and tokenized by transformers:
-                // weather is one segment until the agent compacts; think seals when the Qwen3
-                // template drops the earlier <think> block.
-                assert_eq!(&got, expected, "{session}: segments");
-                for segment in &segments {
-                    assert_token_identity(&engine.url, segment).await;
-                }
-            }
-        }
-    }
+    common::sdk_conversations_record_exact_segments(&engine.url, &engine.url, &model).await;
 }
 
 async fn post_raw(url: &str, path: &str, body: Vec<u8>) -> (u16, Value) {

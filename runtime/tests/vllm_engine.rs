@@ -1,8 +1,9 @@
 //! moult against a real vLLM (the pinned CPU build, scripts/setup-vllm.sh): the router and the
 //! engine client read vLLM's own streams (string versions, `null` spans mid-stream, prefixed
-//! request ids), tokens and logprobs through the router are vLLM's own, and a weight update from
-//! a folder, through the router, in the middle of a stream labels every token with the version
-//! that produced it.
+//! request ids), tokens and logprobs through the router are vLLM's own, a weight update from a
+//! folder, through the router, in the middle of a stream labels every token with the version
+//! that produced it, two engines keep sessions and survive a SIGKILL, and the loopback server
+//! records what vLLM sampled for the real openai and anthropic SDKs.
 //!
 //! Needs `MOULT_VLLM_PYTHON` (scripts/test.sh sets it). Each test starts its own vLLM server
 //! (about a minute on two cores) and stops it, with its child processes, when it ends.
@@ -10,23 +11,23 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use moult_runtime::engine::client::{EngineClient, Generated};
 use moult_runtime::router::{HealthOptions, Router};
+use moult_runtime::run::vllm::{free_port, VllmProcess};
 use serde_json::{json, Value};
 
 fn vllm_python() -> PathBuf {
-    let python = std::env::var_os("MOULT_VLLM_PYTHON").unwrap_or_else(|| {
-        panic!(
-            "MOULT_VLLM_PYTHON is not set: install the pinned vLLM with `bash scripts/setup-vllm.sh` \
-             and set it to the python that prints (scripts/test.sh does both)"
-        )
-    });
-    PathBuf::from(python)
+    assert!(
+        std::env::var_os("MOULT_VLLM_PYTHON").is_some(),
+        "MOULT_VLLM_PYTHON is not set: install the pinned vLLM with `bash scripts/setup-vllm.sh` \
+         and set it to the python that prints (scripts/test.sh does both)"
+    );
+    moult_runtime::run::vllm::python()
 }
 
 /// The tiny models both engines serve (made once by the vLLM virtualenv's transformers).
@@ -44,120 +45,47 @@ fn vllm_models() -> PathBuf {
     dir
 }
 
-/// A vLLM server process (and its engine-core children, in its own process group).
-struct Vllm {
-    child: Child,
-    url: String,
-    log: PathBuf,
-}
+/// A vLLM server (the pinned CPU build) on `model` with the flags the operator gives it (minus
+/// NCCL, which needs a GPU), on one unpinned OpenMP thread; stopped with its children on drop.
+struct Vllm;
 
 impl Vllm {
-    /// Starts vLLM on `model` with the flags the operator gives it (minus NCCL, which needs a
-    /// GPU), and waits until it serves.
-    async fn start(model: &Path, name: &str) -> Vllm {
-        use std::os::unix::process::CommandExt;
-        // vLLM binds its own socket; a port the OS just handed out is the best we can do.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+    async fn start(model: &Path, name: &str) -> VllmProcess {
+        let port = free_port().unwrap();
         let log = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("vllm-{name}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let child = Command::new(vllm_python())
-            .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
-            .arg(model)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args([
-                "--enable-scale-out",
-                "--logprobs-mode",
-                "processed_logprobs",
-            ])
-            // CPU: float32 as the model was saved, a small KV cache (the default reserves most of
-            // the machine's memory), no graph compilation (a minute of start-up).
-            .args(["--dtype", "float32", "--kv-cache-memory-bytes", "268435456"])
-            .args(["--enforce-eager", "--max-model-len", "2048"])
-            .env("VLLM_SERVER_DEV_MODE", "1")
-            // One OpenMP thread, not pinned: vLLM's CPU build otherwise binds spinning threads to
-            // every core, starving whatever else runs (the test, the router, the trainer).
-            .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-            .env("OMP_NUM_THREADS", "1")
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .process_group(0)
-            .spawn()
-            .expect("vLLM starts");
-        let mut vllm = Vllm {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            log,
-        };
-        let http = reqwest::Client::new();
+        let args: Vec<String> = [
+            "--model",
+            &model.display().to_string(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--enable-scale-out",
+            "--logprobs-mode",
+            "processed_logprobs",
+            // CPU: float32 as the model was saved, a small KV cache (the default reserves most
+            // of the machine's memory), no graph compilation (a minute of start-up).
+            "--dtype",
+            "float32",
+            "--kv-cache-memory-bytes",
+            "268435456",
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         let started = Instant::now();
-        loop {
-            if let Ok(r) = http.get(format!("{}/health", vllm.url)).send().await {
-                if r.status().is_success() {
-                    break;
-                }
-            }
-            if let Ok(Some(status)) = vllm.child.try_wait() {
-                panic!(
-                    "vLLM exited ({status}) before serving:\n{}",
-                    vllm.log_tail()
-                );
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(600),
-                "vLLM did not serve within 10 minutes:\n{}",
-                vllm.log_tail()
-            );
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
+        let vllm = VllmProcess::spawn(&args, port, &log, Some(1))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         println!(
             "vLLM serves {} after {:.0?}",
             model.display(),
             started.elapsed()
         );
         vllm
-    }
-
-    /// SIGKILL to the whole group, as an OOM kill or a lost node would end it.
-    fn kill(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-KILL", "--", &format!("-{}", self.child.id())])
-            .stderr(Stdio::null())
-            .status();
-        let _ = self.child.wait();
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-}
-
-impl Drop for Vllm {
-    fn drop(&mut self) {
-        // The whole group: the API server and the engine-core processes it started. `--` matters:
-        // procps' kill reads `-TERM -PGID` without it as a signal to every process.
-        let group = format!("-{}", self.child.id());
-        let kill = |signal: &str| {
-            let _ = Command::new("kill")
-                .args([signal, "--", &group])
-                .stderr(Stdio::null())
-                .status();
-        };
-        kill("-TERM");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        kill("-KILL");
-        let _ = self.child.wait();
     }
 }
 
@@ -473,7 +401,7 @@ async fn partial_rollout_across_folder_updates(engine: &str, models: &Path) {
 }
 
 /// Which engine served a request: the one whose generation counter moved.
-async fn served_by(engines: &[&Vllm], before: &[f64]) -> usize {
+async fn served_by(engines: &[&VllmProcess], before: &[f64]) -> usize {
     let mut moved = Vec::new();
     for (i, e) in engines.iter().enumerate() {
         if generation_tokens(&e.url).await > before[i] {
@@ -505,7 +433,7 @@ async fn two_vllm_engines_behind_the_router_keep_sessions_and_survive_a_sigkill(
     for session in 0..8 {
         let mut served = Vec::new();
         for turn in 0..2 {
-            let refs: Vec<&Vllm> = engines.iter().collect();
+            let refs: Vec<&VllmProcess> = engines.iter().collect();
             let mut before = Vec::new();
             for e in &refs {
                 before.push(generation_tokens(&e.url).await);
@@ -567,4 +495,15 @@ async fn two_vllm_engines_behind_the_router_keep_sessions_and_survive_a_sigkill(
         gap < 1e-4,
         "a continued request's logprobs are off by {gap}"
     );
+}
+
+/// The loopback server with the real `openai` and `anthropic` SDKs, generating through the router
+/// on vLLM: every recorded segment is token-identical to what vLLM samples, with vLLM's logprobs
+/// (the same scripted conversations and checks as on the built-in engine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_conversations_through_the_router_on_vllm_record_vllms_tokens() {
+    let model = common::chat_model_hd32();
+    let vllm = Vllm::start(&model, "sdk").await;
+    let (url, _router) = router(std::slice::from_ref(&vllm.url)).await;
+    common::sdk_conversations_record_exact_segments(&url, &vllm.url, &model).await;
 }

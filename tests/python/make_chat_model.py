@@ -3,7 +3,10 @@ exactly the assistant turns of chat_scripts.json, so the loopback-server tests c
 multi-turn conversations (tool calls, Qwen3 thinking) through the real SDKs and the built-in
 engine and know what must come back.
 
-Usage: python make_chat_model.py OUT_DIR
+Usage: python make_chat_model.py OUT_DIR [--head-dim 32]
+
+`--head-dim 32` makes the model with two attention heads of 32 (one key/value head) instead of
+four of 16: vLLM's CPU attention refuses 16, so the tests that drive the SDKs through vLLM use it.
 
 Writes OUT_DIR/qwen3-tiny-chat/ (config.json, model.safetensors, tokenizer.json from
 tests/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from tests/fixtures,
@@ -100,9 +103,9 @@ def greedy_ok(model, samples):
     return True
 
 
-def train(samples, seed=7):
+def train(samples, config, seed=7):
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**COMMON, tie_word_embeddings=True))
+    model = Qwen3ForCausalLM(Qwen3Config(**config, tie_word_embeddings=True))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     width = max(len(p) + len(t) for p, t in samples)
     ids = torch.full((len(samples), width), 0, dtype=torch.long)
@@ -128,7 +131,13 @@ def train(samples, seed=7):
 
 
 def main():
-    out = os.path.join(sys.argv[1], "qwen3-tiny-chat")
+    args = sys.argv[1:]
+    config = dict(COMMON)
+    if args[1:] == ["--head-dim", "32"]:
+        config.update(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    elif len(args) != 1:
+        raise SystemExit("usage: python make_chat_model.py OUT_DIR [--head-dim 32]")
+    out = os.path.join(args[0], "qwen3-tiny-chat")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(HERE, "chat_scripts.json")) as f:
         script = json.load(f)
@@ -138,7 +147,7 @@ def main():
         s, segments = conversation_samples(tok, script, conv)
         samples += s
         expected[name] = segments
-    model = train(samples)
+    model = train(samples, config)
     model.save_pretrained(out, safe_serialization=True)
     shutil.copy(os.path.join(FIXTURES, "tiny_bpe", "tiny_bpe_tokenizer.json"), os.path.join(out, "tokenizer.json"))
     shutil.copy(os.path.join(FIXTURES, "qwen3_chat_template.jinja"), os.path.join(out, "chat_template.jinja"))

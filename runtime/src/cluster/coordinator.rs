@@ -416,7 +416,10 @@ pub async fn run(
             pool.clone(),
         ));
     }
-    tokio::spawn(pool.clone().check_health(HealthOptions::default()));
+    tokio::spawn(
+        pool.clone()
+            .check_health(HealthOptions::for_backend(cfg.run.spec.engines.backend)),
+    );
     let router = Arc::new(Router::new(
         pool,
         policy::by_name("consistent-hash").expect("a known policy"),

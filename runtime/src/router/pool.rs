@@ -147,6 +147,22 @@ pub struct HealthOptions {
     pub failures_to_down: u64,
 }
 
+impl HealthOptions {
+    /// The probes for `backend`'s engines: vLLM answers `/health` from its API server process,
+    /// which a busy machine (a CPU shared with the trainer and agents) can hold up for seconds,
+    /// so it gets a longer timeout and one more failure before it is marked down.
+    pub fn for_backend(backend: moult_operator::api::EngineBackend) -> Self {
+        match backend {
+            moult_operator::api::EngineBackend::Builtin => Self::default(),
+            moult_operator::api::EngineBackend::Vllm => Self {
+                timeout: Duration::from_secs(10),
+                failures_to_down: 3,
+                ..Self::default()
+            },
+        }
+    }
+}
+
 impl Default for HealthOptions {
     fn default() -> Self {
         Self {

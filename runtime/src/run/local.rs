@@ -200,17 +200,10 @@ impl Stack {
             }
         }
         let pool = Arc::new(EnginePool::new(&urls));
-        let health = match cfg.run.spec.engines.backend {
-            EngineBackend::Builtin => HealthOptions::default(),
-            // vLLM answers /health from its API server process, which a busy CPU (the trainer,
-            // the agents) can hold up for seconds.
-            EngineBackend::Vllm => HealthOptions {
-                timeout: std::time::Duration::from_secs(10),
-                failures_to_down: 3,
-                ..HealthOptions::default()
-            },
-        };
-        tokio::spawn(pool.clone().check_health(health));
+        tokio::spawn(
+            pool.clone()
+                .check_health(HealthOptions::for_backend(cfg.run.spec.engines.backend)),
+        );
         let router = Arc::new(Router::new(
             pool,
             policy::by_name("consistent-hash").expect("a known policy"),

@@ -33,8 +33,9 @@ pub struct VllmProcess {
     log: PathBuf,
 }
 
-/// A free loopback port (vLLM binds its own socket, so the port is only likely to stay free).
-fn free_port() -> Result<u16, RunError> {
+/// A free loopback port for [`VllmProcess::spawn`] (vLLM binds its own socket, so the port is
+/// only likely to stay free).
+pub fn free_port() -> Result<u16, RunError> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -58,7 +59,6 @@ impl VllmProcess {
         logs: &Path,
         console: &Console,
     ) -> Result<Self, RunError> {
-        use std::os::unix::process::CommandExt;
         let port = free_port()?;
         let model = cfg.model_dir.display().to_string();
         let mut args = moult_operator::children::vllm_args(
@@ -74,7 +74,25 @@ impl VllmProcess {
         std::fs::create_dir_all(logs)
             .map_err(|e| RunError::Io(format!("creating {}: {e}", logs.display())))?;
         let log = logs.join(format!("vllm-{index}.log"));
-        let out = std::fs::File::create(&log)
+        console.phase(format!(
+            "starting vLLM engine {index} (about a minute on a CPU; log: {})",
+            log.display()
+        ));
+        let cpu_threads = (device == Device::Cpu).then_some(1);
+        Self::spawn(&args, port, &log, cpu_threads).await
+    }
+
+    /// Starts `python -m vllm.entrypoints.openai.api_server ARGS` (which must listen on
+    /// 127.0.0.1:`port`) with its output in `log`, and waits until it serves. `cpu_threads`: on a
+    /// CPU, vLLM's OpenMP threads, unpinned (unless the environment sets them).
+    pub async fn spawn(
+        args: &[String],
+        port: u16,
+        log: &Path,
+        cpu_threads: Option<usize>,
+    ) -> Result<Self, RunError> {
+        use std::os::unix::process::CommandExt;
+        let out = std::fs::File::create(log)
             .map_err(|e| RunError::Io(format!("creating {}: {e}", log.display())))?;
         let err = out
             .try_clone()
@@ -83,19 +101,20 @@ impl VllmProcess {
         let mut command = Command::new(&python);
         command
             .args(["-m", "vllm.entrypoints.openai.api_server"])
-            .args(&args)
+            .args(args)
             // Serves /pause, /resume and /collective_rpc.
             .env("VLLM_SERVER_DEV_MODE", "1")
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
             .process_group(0);
-        if device == Device::Cpu {
+        if let Some(threads) = cpu_threads {
             // vLLM's CPU build binds spinning OpenMP threads to every core otherwise, starving
             // the trainer and the agents that share the machine.
+            let threads = threads.to_string();
             for (name, value) in [
                 ("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                ("OMP_NUM_THREADS", "1"),
+                ("OMP_NUM_THREADS", threads.as_str()),
             ] {
                 if std::env::var_os(name).is_none() {
                     command.env(name, value);
@@ -111,12 +130,8 @@ impl VllmProcess {
         let mut vllm = VllmProcess {
             child,
             url: format!("http://127.0.0.1:{port}"),
-            log,
+            log: log.to_path_buf(),
         };
-        console.phase(format!(
-            "starting vLLM engine {index} (about a minute on a CPU; log: {})",
-            vllm.log.display()
-        ));
         vllm.wait_until_serving().await?;
         Ok(vllm)
     }
@@ -150,6 +165,12 @@ impl VllmProcess {
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+    }
+
+    /// SIGKILL to the whole group, as an OOM kill or a lost node would end it.
+    pub fn kill(&mut self) {
+        self.signal("-KILL");
+        let _ = self.child.wait();
     }
 
     /// Sends `signal` (`-TERM`, `-KILL`) to the process group this child leads. `--` matters:

@@ -21,11 +21,20 @@ fn repo_root() -> PathBuf {
 /// content of the script and its `inputs` (several test binaries may race: the one that builds
 /// writes into a private folder and renames it into place).
 fn made_by(script: &str, inputs: &[&str]) -> PathBuf {
+    made_by_with(script, inputs, &[])
+}
+
+/// [`made_by`] with `args` after `OUT_DIR` (they are part of the cache key).
+fn made_by_with(script: &str, inputs: &[&str], args: &[&str]) -> PathBuf {
     let python_dir = repo_root().join("tests/python");
     let script = python_dir.join(script);
     let mut bytes = std::fs::read(&script).expect("read the model script");
     for input in inputs {
         bytes.extend(std::fs::read(python_dir.join(input)).expect("read a script input"));
+    }
+    for arg in args {
+        bytes.extend(arg.as_bytes());
+        bytes.push(0);
     }
     let digest = fnv(&bytes);
     let stem = script.file_stem().unwrap().to_string_lossy().into_owned();
@@ -38,6 +47,7 @@ fn made_by(script: &str, inputs: &[&str]) -> PathBuf {
     let status = Command::new(python())
         .arg(&script)
         .arg(&staging)
+        .args(args)
         .status()
         .unwrap_or_else(|e| {
             panic!(
@@ -59,6 +69,19 @@ fn made_by(script: &str, inputs: &[&str]) -> PathBuf {
 pub fn tiny_models() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| made_by("make_tiny_models.py", &[]))
+}
+
+/// [`chat_model`] with attention heads of 32 dimensions, which vLLM's CPU build serves.
+pub fn chat_model_hd32() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        made_by_with(
+            "make_chat_model.py",
+            &["chat_scripts.json", "make_tiny_models.py"],
+            &["--head-dim", "32"],
+        )
+    })
+    .join("qwen3-tiny-chat")
 }
 
 /// `qwen3-tiny-chat`: a tiny Qwen3 that greedily says the assistant turns of
@@ -396,4 +419,117 @@ pub async fn post_json(url: &str, body: &serde_json::Value) -> serde_json::Value
 /// GETs `url` and returns the JSON answer.
 pub async fn get_json(url: &str) -> serde_json::Value {
     reqwest::get(url).await.unwrap().json().await.unwrap()
+}
+
+pub fn expected_segments(model: &Path, name: &str) -> Vec<(Vec<i64>, Vec<u8>)> {
+    let text = std::fs::read_to_string(model.join("expected.json")).unwrap();
+    let all: serde_json::Value = serde_json::from_str(&text).unwrap();
+    all[name]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                serde_json::from_value(s["token_ids"].clone()).unwrap(),
+                serde_json::from_value(s["loss_mask"].clone()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Each run of sampled tokens must be exactly what the engine samples (greedy) after the tokens
+/// before it, with the same behaviour logprobs and a policy version.
+pub async fn assert_token_identity(engine_url: &str, segment: &moult_runtime::loopback::Segment) {
+    let mut i = 0;
+    while i < segment.token_ids.len() {
+        if segment.loss_mask[i] == 0 {
+            i += 1;
+            continue;
+        }
+        let end = (i..segment.token_ids.len())
+            .find(|&j| segment.loss_mask[j] == 0)
+            .unwrap_or(segment.token_ids.len());
+        let body = serde_json::json!({
+            "token_ids": &segment.token_ids[..i],
+            "sampling_params": {"temperature": 0.0, "max_tokens": end - i, "logprobs": 0},
+        });
+        let r: serde_json::Value =
+            post_json(&format!("{engine_url}/inference/v1/generate"), &body).await;
+        let ids: Vec<i64> = serde_json::from_value(r["choices"][0]["token_ids"].clone()).unwrap();
+        assert_eq!(ids, segment.token_ids[i..end], "sampled ids at {i}..{end}");
+        for (k, lp) in r["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+        {
+            let want = lp["logprob"].as_f64().unwrap() as f32;
+            let got = segment.logprobs[i + k];
+            assert!(
+                (want - got).abs() < 1e-4,
+                "logprob at {}: {got} vs {want}",
+                i + k
+            );
+            assert_eq!(segment.versions[i + k], Some(0));
+        }
+        assert!(segment.versions[..i]
+            .iter()
+            .zip(&segment.loss_mask[..i])
+            .all(|(v, &m)| (m == 0) == v.is_none()));
+        i = end;
+    }
+}
+
+/// The real `openai` and `anthropic` SDKs (tests/python/loopback_sdk_client.py) drive the scripted
+/// conversations through a loopback server on `generate_url` (an engine or a router), with the
+/// chat `model`'s tokenizer and template: every session's segments are what transformers renders
+/// and tokenizes (`expected.json`), and every sampled run is exactly what the engine at
+/// `engine_url` samples greedily after it, with its logprobs and version 0.
+pub async fn sdk_conversations_record_exact_segments(
+    generate_url: &str,
+    engine_url: &str,
+    model: &Path,
+) {
+    let (url, service) = start_loopback(generate_url, model, model, 1 << 20).await;
+    let script = repo_root().join("tests/python/loopback_sdk_client.py");
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python())
+            .arg(script)
+            .arg(&url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        output.status.success(),
+        "the SDK client failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let weather: Vec<_> = expected_segments(model, "weather")
+        .into_iter()
+        .chain(expected_segments(model, "compacted"))
+        .collect();
+    let think = expected_segments(model, "think");
+    for proto in ["openai", "anthropic"] {
+        for mode in ["plain", "stream"] {
+            for (name, expected, turns) in [("weather", &weather, 3), ("think", &think, 2)] {
+                let session = format!("{proto}-{mode}-{name}");
+                let (recorded_turns, segments) = service.trajectory(&session).await.unwrap();
+                // `think` retried its first request: answered from cache, recorded once.
+                assert_eq!(recorded_turns, turns, "{session}: turns");
+                let got: Vec<_> = segments
+                    .iter()
+                    .map(|s| (s.token_ids.clone(), s.loss_mask.clone()))
+                    .collect();
+                // Rendered by transformers' apply_chat_template and tokenized by transformers:
+                // weather is one segment until the agent compacts; think seals when the Qwen3
+                // template drops the earlier <think> block.
+                assert_eq!(&got, expected, "{session}: segments");
+                for segment in &segments {
+                    assert_token_identity(engine_url, segment).await;
+                }
+            }
+        }
+    }
 }
