@@ -10,7 +10,7 @@
 //!    and through a folder (the Filesystem transport).
 //!
 //! `cargo bench -p moult-runtime --bench rollout` (after `source scripts/env.sh`); `-- --quick`
-//! runs part 1 only. Documented in docs/benchmarks.md.
+//! runs part 1 only, `-- --weight-sync` part 2 only. Documented in docs/benchmarks.md.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -155,6 +155,7 @@ async fn run(max_staleness: u64, steps: usize, train: Duration) -> RunResult {
         group_size: 4,
         batch_size: 4,
         max_staleness,
+        limits: Default::default(),
     };
     let (rollout, mut queue) = RolloutPool::start(
         runner,
@@ -331,7 +332,10 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(utilisation());
+    let sync_only = std::env::args().any(|a| a == "--weight-sync");
+    if !sync_only {
+        rt.block_on(utilisation());
+    }
     if !quick {
         rt.block_on(weight_sync_rate());
     }

@@ -3,11 +3,17 @@
 //! decode throughput for a batch of requests submitted together, the same model, prompts and
 //! sampling on both, over the same token-in/token-out HTTP API, one engine at a time.
 //!
+//! With `--router`, the router's overhead instead: one vLLM engine answered directly, through
+//! `moult router` and through `vllm-router` (PyPI, installed beside vLLM by
+//! scripts/setup-vllm.sh), the same requests: added latency (p50/p99, requests one at a time)
+//! and requests/s with 16 clients at once.
+//!
 //! `MOULT_VLLM_PYTHON=... cargo bench -p moult-runtime --bench vllm` (after `source
 //! scripts/env.sh`; scripts/setup-vllm.sh prints the python); `-- --large` adds the Qwen3-0.6B
-//! shape. Documented in docs/benchmarks.md.
+//! shape; `-- --router` measures the routers. Documented in docs/benchmarks.md.
 
-use std::time::Instant;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use moult_runtime::run::vllm::{free_port, VllmProcess};
 use serde_json::json;
@@ -56,14 +62,8 @@ async fn throughput(url: &str, batch: usize, new_tokens: usize) -> f64 {
     (batch * new_tokens) as f64 / started.elapsed().as_secs_f64()
 }
 
-async fn compare(name: &str, model: &std::path::Path, threads: usize, new_tokens: usize) {
-    let batches = [1usize, 8, 32];
-    let builtin = start_engine(model, threads).await;
-    throughput(&builtin, 1, 8).await; // warm-up
-    let mut ours = Vec::new();
-    for &b in &batches {
-        ours.push(throughput(&builtin, b, new_tokens).await);
-    }
+/// vLLM serving `model` on a free port with `threads` unpinned intra-op threads.
+async fn start_vllm(model: &std::path::Path, threads: usize) -> VllmProcess {
     let port = free_port().unwrap();
     let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-vllm.log");
     let args: Vec<String> = [
@@ -88,10 +88,21 @@ async fn compare(name: &str, model: &std::path::Path, threads: usize, new_tokens
     .iter()
     .map(|s| s.to_string())
     .collect();
-    // The same intra-op threads as the built-in engine, unpinned.
-    let vllm = VllmProcess::spawn(&args, port, &log, Some(threads))
+    VllmProcess::spawn(&args, port, &log, Some(threads))
         .await
-        .unwrap();
+        .unwrap()
+}
+
+async fn compare(name: &str, model: &std::path::Path, threads: usize, new_tokens: usize) {
+    let batches = [1usize, 8, 32];
+    let builtin = start_engine(model, threads).await;
+    throughput(&builtin, 1, 8).await; // warm-up
+    let mut ours = Vec::new();
+    for &b in &batches {
+        ours.push(throughput(&builtin, b, new_tokens).await);
+    }
+    // The same intra-op threads as the built-in engine, unpinned.
+    let vllm = start_vllm(model, threads).await;
     throughput(&vllm.url, 1, 8).await;
     for (k, &b) in batches.iter().enumerate() {
         let theirs = throughput(&vllm.url, b, new_tokens).await;
@@ -104,8 +115,141 @@ async fn compare(name: &str, model: &std::path::Path, threads: usize, new_tokens
     drop(vllm);
 }
 
+/// One short generation (8 tokens, greedy) through `url`; panics unless it answered in full.
+async fn short_request(http: &reqwest::Client, url: &str, i: usize) {
+    let prompt: Vec<i64> = (0..16).map(|j| ((i * 131 + j * 7) % 2000) as i64).collect();
+    let body = json!({"token_ids": prompt, "sampling_params": {"max_tokens": 8,
+        "temperature": 0.0, "ignore_eos": true}});
+    let r = http
+        .post(format!("{url}/inference/v1/generate"))
+        .header("x-moult-session", format!("s{}", i % 8))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{url}: {}", r.status());
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        v["choices"][0]["token_ids"].as_array().map_or(0, Vec::len),
+        8,
+        "{v}"
+    );
+}
+
+/// (p50, p99) latency in ms of `n` requests one at a time, and requests/s of 16 clients sending
+/// `n` in all.
+async fn latency_and_rate(url: &str, n: usize) -> (f64, f64, f64) {
+    let http = reqwest::Client::new();
+    for i in 0..10 {
+        short_request(&http, url, i).await; // warm-up
+    }
+    let mut ms = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = Instant::now();
+        short_request(&http, url, i).await;
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    ms.sort_by(f64::total_cmp);
+    let pct = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
+    let started = Instant::now();
+    let clients = (0..16).map(|c| {
+        let http = http.clone();
+        async move {
+            for k in 0..n / 16 {
+                short_request(&http, url, c * 1000 + k).await;
+            }
+        }
+    });
+    futures::future::join_all(clients).await;
+    let rate = (n / 16 * 16) as f64 / started.elapsed().as_secs_f64();
+    (pct(0.5), pct(0.99), rate)
+}
+
+/// A router process; killed on drop.
+struct RouterProcess(Child);
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn wait_healthy(url: &str) {
+    for _ in 0..600 {
+        if let Ok(r) = reqwest::get(format!("{url}/health")).await {
+            if r.status().is_success() {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{url} did not become healthy");
+}
+
+async fn routers() {
+    let vllm = start_vllm(&tiny_vllm_model(), 1).await;
+    let moult_port = free_port().unwrap();
+    let moult = RouterProcess(
+        Command::new(env!("CARGO_BIN_EXE_moult"))
+            .args([
+                "router",
+                "--engine",
+                &vllm.url,
+                "--port",
+                &moult_port.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let moult_url = format!("http://127.0.0.1:{moult_port}");
+    // vllm-router sits beside vLLM's python in the same virtualenv.
+    let python = moult_runtime::run::vllm::python();
+    let vllm_router_bin = python.with_file_name("vllm-router");
+    let theirs_port = free_port().unwrap();
+    let theirs = RouterProcess(
+        Command::new(&vllm_router_bin)
+            .args(["--worker-urls", &vllm.url, "--host", "127.0.0.1", "--port"])
+            .arg(theirs_port.to_string())
+            .args(["--policy", "consistent_hash", "--log-level", "warning"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{}: {e} (scripts/setup-vllm.sh installs vllm-router)",
+                    vllm_router_bin.display()
+                )
+            }),
+    );
+    let theirs_url = format!("http://127.0.0.1:{theirs_port}");
+    wait_healthy(&moult_url).await;
+    wait_healthy(&theirs_url).await;
+    const N: usize = 320;
+    let direct = latency_and_rate(&vllm.url, N).await;
+    let rows = [
+        ("moult router", latency_and_rate(&moult_url, N).await),
+        ("vllm-router 0.1.17", latency_and_rate(&theirs_url, N).await),
+    ];
+    println!(
+        "| direct to vLLM | {:.2} | {:.2} | - | - | {:.1} | 1.00x |",
+        direct.0, direct.1, direct.2
+    );
+    for (name, (p50, p99, rate)) in rows {
+        println!(
+            "| {name} | {p50:.2} | {p99:.2} | {:+.2} | {:+.2} | {rate:.1} | {:.2}x |",
+            p50 - direct.0,
+            p99 - direct.1,
+            rate / direct.2
+        );
+    }
+    drop((moult, theirs, vllm));
+}
+
 fn main() {
     let large = std::env::args().any(|a| a == "--large");
+    let router = std::env::args().any(|a| a == "--router");
     println!(
         "cores: {}\n",
         std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -115,6 +259,15 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    if router {
+        println!("## Router overhead in front of one vLLM engine (8-token greedy generations)\n");
+        println!("| path | p50 ms | p99 ms | added p50 ms | added p99 ms | requests/s (16 clients) | vs direct |");
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        rt.block_on(routers());
+        println!();
+        rt.shutdown_timeout(Duration::from_secs(2));
+        return;
+    }
     println!("## Decode throughput: built-in engine vs vLLM (CPU build), tokens/s end to end\n");
     println!("| model | batch | new tokens | moult | vLLM | moult / vLLM |");
     println!("| --- | --- | --- | --- | --- | --- |");
@@ -128,6 +281,6 @@ fn main() {
         rt.block_on(compare("Qwen3-0.6B shape", &qwen3_width_model(28), 2, 32));
     }
     println!();
-    rt.shutdown_timeout(std::time::Duration::from_secs(2));
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    rt.shutdown_timeout(Duration::from_secs(2));
+    std::thread::sleep(Duration::from_millis(300));
 }

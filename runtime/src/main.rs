@@ -130,6 +130,10 @@ struct RouterArgs {
     /// How often each engine's /health is probed.
     #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
     health_interval: std::time::Duration,
+    /// How long a request waits for a healthy engine when none is up (engines loading or
+    /// restarting) before it fails with 503; 0s fails at once.
+    #[arg(long, default_value = "0s", value_parser = humantime::parse_duration)]
+    engine_patience: std::time::Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -590,7 +594,7 @@ async fn router(args: RouterArgs) -> anyhow::Result<()> {
         interval: args.health_interval,
         ..HealthOptions::default()
     }));
-    let router = Arc::new(Router::new(pool, policy));
+    let router = Arc::new(Router::new(pool, policy).with_engine_patience(args.engine_patience));
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await

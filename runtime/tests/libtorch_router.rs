@@ -270,3 +270,57 @@ async fn libtorch_sessions_stick_engines_come_and_go_and_control_calls_fan_out()
         child.wait().unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_requests_wait_for_an_engine_when_none_is_up() {
+    let generate = |url: String| async move {
+        let body = json!({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}});
+        reqwest::Client::new()
+            .post(format!("{url}/inference/v1/generate"))
+            .header("x-moult-session", "early")
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    };
+    let health = moult_runtime::router::HealthOptions {
+        interval: Duration::from_millis(200),
+        timeout: Duration::from_millis(500),
+        failures_to_down: 2,
+    };
+    // Without patience, no engine means 503 at once.
+    let (impatient, _r) =
+        common::start_router_with(&[], "consistent-hash", health.clone(), Duration::ZERO).await;
+    let r = generate(impatient).await;
+    assert_eq!(r.status(), 503);
+    assert!(r.text().await.unwrap().contains("no healthy engine"));
+
+    // With patience, a request sent before any engine is up waits for the first to join.
+    let (url, _router) =
+        common::start_router_with(&[], "consistent-hash", health, Duration::from_secs(300)).await;
+    let waiting = tokio::spawn(generate(url.clone()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!waiting.is_finished(), "the request did not wait");
+    let (mut a, a_url) = spawn_engine(&dense_model());
+    let r = reqwest::Client::new()
+        .post(format!("{url}/engines"))
+        .json(&json!({"url": a_url}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = tokio::time::timeout(Duration::from_secs(120), waiting)
+        .await
+        .expect("the waiting request went on once the engine was up")
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v["choices"][0]["token_ids"].as_array().unwrap().len(),
+        2,
+        "{v}"
+    );
+    assert_eq!(success_count(&a_url).await, 1.0);
+    a.kill().unwrap();
+    a.wait().unwrap();
+}

@@ -151,3 +151,63 @@ fn libtorch_trainable_tensors_cover_every_named_weight_once() {
         assert_eq!(ptrs.len(), model.trainable().len(), "each storage once");
     }
 }
+
+/// A NaN in the batch (here the advantage; a NaN reward becomes one) makes the loss and every
+/// gradient NaN: the step is skipped, the weights stay finite and unchanged, and the next good
+/// batch trains as usual.
+#[test]
+fn libtorch_a_non_finite_loss_skips_the_update_and_keeps_the_weights_finite() {
+    use moult_runtime::trainer::optim::{Decay, LrSchedule};
+    use moult_runtime::trainer::train::{Sample, Trainer, TrainerOptions};
+    let model = Qwen3Model::load(&dense_model(), Kind::Float, Device::Cpu).unwrap();
+    let opts = TrainerOptions {
+        loss: LossConfig {
+            kind: LossKind::Ppo,
+            eps_low: 0.2,
+            eps_high: 0.28,
+            aggregation: Aggregation::TokenMean,
+            correction: None,
+            temperature: 1.0,
+        },
+        schedule: LrSchedule {
+            peak: 1e-2,
+            warmup_steps: 0,
+            total_steps: 10,
+            decay: Decay::Constant,
+            min_ratio: 1.0,
+        },
+        weight_decay: 0.0,
+        max_grad_norm: Some(1.0),
+        micro_batch_tokens: 1024,
+        kl_coef: 0.0,
+    };
+    let mut trainer = Trainer::new(model, None, opts).unwrap();
+    let batch = |advantage: f64| {
+        vec![Sample {
+            tokens: vec![2001, 273, 105, 94, 76, 435],
+            loss_mask: vec![0, 0, 0, 0, 1, 1],
+            behaviour_logprobs: vec![0.0, 0.0, 0.0, 0.0, -3.0, -3.0],
+            advantage,
+            token_advantages: None,
+            replay: None,
+        }]
+    };
+    let snapshot =
+        |t: &Trainer| -> Vec<Tensor> { t.weights().iter().map(|(_, w)| w.copy()).collect() };
+    let before = snapshot(&trainer);
+    let stats = trainer.step(&batch(f64::NAN)).unwrap();
+    assert!(stats.skipped, "{stats:?}");
+    let after = snapshot(&trainer);
+    for (b, a) in before.iter().zip(&after) {
+        assert!(bool::try_from(a.isfinite().all()).unwrap(), "a NaN weight");
+        assert!(a.equal(b), "a skipped step changed a weight");
+    }
+    // The gradients were cleared: the next good step moves the weights, and stays finite.
+    let stats = trainer.step(&batch(1.0)).unwrap();
+    assert!(!stats.skipped && stats.grad_norm.is_finite(), "{stats:?}");
+    let moved = snapshot(&trainer);
+    assert!(moved.iter().zip(&after).any(|(m, a)| !m.equal(a)));
+    assert!(moved
+        .iter()
+        .all(|m| bool::try_from(m.isfinite().all()).unwrap()));
+}

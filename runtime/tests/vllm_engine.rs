@@ -96,7 +96,7 @@ async fn router(engines: &[String]) -> (String, Arc<Router>) {
         timeout: Duration::from_secs(10),
         failures_to_down: 3,
     };
-    common::start_router_with(engines, "consistent-hash", health).await
+    common::start_router_with(engines, "consistent-hash", health, Duration::ZERO).await
 }
 
 /// `(token, logprob, version)` of a whole generation through `client`, and its finish reason.

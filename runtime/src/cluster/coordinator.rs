@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::extract::{Path as UrlPath, Query, State};
+use axum::extract::{DefaultBodyLimit, Path as UrlPath, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -108,6 +108,13 @@ impl Coordinator {
     }
 }
 
+/// The largest request bodies the coordinator reads, per route: an episode (a long multi-turn
+/// trajectory with MoE routing data is tens of MiB), a generate request through the router (a long
+/// context's token ids), and everything else (leases, versions, step records).
+const EPISODE_BODY_LIMIT: usize = 256 << 20;
+const ROUTER_BODY_LIMIT: usize = 32 << 20;
+const CONTROL_BODY_LIMIT: usize = 1 << 20;
+
 async fn lease(State(c): Shared) -> Response {
     match c.agents.lease(c.poll).await {
         Some(lease) => Json(lease).into_response(),
@@ -146,6 +153,9 @@ async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
     }
     t.committed = hello.step;
     c.status.lock().expect("status lock").step = hello.step;
+    if let Some(vocab_size) = hello.vocab_size {
+        c.pool.set_vocab_size(vocab_size);
+    }
     // The first hello this coordinator hears, from a trainer that has been training: this
     // coordinator restarted, and the trainer knows where the data stood.
     if let (1, Some(rollout)) = (t.hellos, hello.rollout) {
@@ -339,6 +349,11 @@ async fn prometheus(State(c): Shared) -> Response {
             s.rollout.dropped_failed,
         ),
         (
+            "moult_groups_dropped_invalid",
+            "Groups dropped because an episode was malformed",
+            s.rollout.dropped_invalid,
+        ),
+        (
             "moult_trainer_restarts",
             "Times the trainer started again",
             s.trainer_restarts,
@@ -420,10 +435,14 @@ pub async fn run(
         pool.clone()
             .check_health(HealthOptions::for_backend(cfg.run.spec.engines.backend)),
     );
-    let router = Arc::new(Router::new(
-        pool,
-        policy::by_name("consistent-hash").expect("a known policy"),
-    ));
+    // Episodes wait for the engines (which may still be loading the model) instead of failing.
+    let router = Arc::new(
+        Router::new(
+            pool,
+            policy::by_name("consistent-hash").expect("a known policy"),
+        )
+        .with_engine_patience(crate::router::RUN_ENGINE_PATIENCE),
+    );
 
     // The rollout pool over the agent pods.
     let agents = Arc::new(RemoteAgents::new(opts.lease_time));
@@ -479,21 +498,27 @@ pub async fn run(
         started: Instant::now(),
         cfg,
     });
-    let app = server::api_routes(router).merge(
-        axum::Router::new()
-            .route("/health", get(health))
-            .route("/metrics", get(prometheus))
-            .route("/v1/status", get(status))
-            .route("/v1/agents/lease", post(lease))
-            .route("/v1/agents/renew", post(renew))
-            .route("/v1/agents/episodes/{lease}", post(episode))
-            .route("/v1/trainer/hello", post(hello))
-            .route("/v1/trainer/batch", get(batch))
-            .route("/v1/trainer/version", post(version))
-            .route("/v1/trainer/published", post(published))
-            .route("/v1/trainer/commit", post(commit))
-            .with_state(coordinator.clone()),
-    );
+    let app = server::api_routes(router)
+        .layer(DefaultBodyLimit::max(ROUTER_BODY_LIMIT))
+        .merge(
+            axum::Router::new()
+                .route("/health", get(health))
+                .route("/metrics", get(prometheus))
+                .route("/v1/status", get(status))
+                .route("/v1/agents/lease", post(lease))
+                .route("/v1/agents/renew", post(renew))
+                .route(
+                    "/v1/agents/episodes/{lease}",
+                    post(episode).layer(DefaultBodyLimit::max(EPISODE_BODY_LIMIT)),
+                )
+                .route("/v1/trainer/hello", post(hello))
+                .route("/v1/trainer/batch", get(batch))
+                .route("/v1/trainer/version", post(version))
+                .route("/v1/trainer/published", post(published))
+                .route("/v1/trainer/commit", post(commit))
+                .layer(DefaultBodyLimit::max(CONTROL_BODY_LIMIT))
+                .with_state(coordinator.clone()),
+        );
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
@@ -504,12 +529,9 @@ pub async fn run(
         total_steps,
         coordinator.cfg.tasks.len()
     );
-    let served = axum::serve(
-        listener,
-        crate::auth::protect(app).layer(axum::extract::DefaultBodyLimit::max(512 << 20)),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await;
+    let served = axum::serve(listener, crate::auth::protect(app))
+        .with_graceful_shutdown(shutdown)
+        .await;
     pool.stop();
     served.map_err(|e| RunError::Io(format!("serving {addr}: {e}")))
 }

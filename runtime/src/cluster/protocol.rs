@@ -40,6 +40,10 @@ pub struct Hello {
     /// (and so lost its cursor) continues from there.
     #[serde(default)]
     pub rollout: Option<RolloutState>,
+    /// The policy's vocabulary size: the coordinator (which has no model folder) refuses
+    /// episodes with token ids outside it from then on (docs/security.md, "Bad data").
+    #[serde(default)]
+    pub vocab_size: Option<usize>,
 }
 
 /// The answer to [`Hello`].

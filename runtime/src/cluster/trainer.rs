@@ -25,6 +25,9 @@ use crate::run::learner::{Batch, Learner};
 use crate::run::RunError;
 use crate::weight_sync::publish::{engine_kind, PublishOptions};
 
+/// How often the trainer looks for an engine that missed the last weight update.
+const BEHIND_POLL: Duration = Duration::from_secs(5);
+
 /// How `moult trainer` runs.
 #[derive(Debug, Clone)]
 pub struct TrainerProcessOptions {
@@ -94,6 +97,29 @@ impl Coordinator {
                 s => tracing::warn!("{url}: {s}: {}", String::from_utf8_lossy(&answer.1)),
             }
             tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+
+    /// Returns once an engine is up behind the router but serves other weights than the last
+    /// update sent (it joined, or was replaced, after that update): the router sends it no
+    /// generation until an update reaches it, so with no other engine the run would wait for a
+    /// batch that never comes. Polls every [`BEHIND_POLL`].
+    async fn engine_behind(&self) {
+        let url = format!("{}/engines", self.url);
+        loop {
+            tokio::time::sleep(BEHIND_POLL).await;
+            let behind = async {
+                let v: serde_json::Value =
+                    self.http.get(&url).send().await.ok()?.json().await.ok()?;
+                let engines = v["engines"].as_array()?;
+                Some(engines.iter().any(|e| {
+                    e["healthy"].as_bool() == Some(true) && e["routable"].as_bool() == Some(false)
+                }))
+            }
+            .await;
+            if behind == Some(true) {
+                return;
+            }
         }
     }
 
@@ -246,6 +272,8 @@ pub async fn run(
         learner.log_to(out)?;
     }
     let mut hello_needed = true;
+    // The version of the last update this trainer sent (none yet: the engines' own weights).
+    let mut published: Option<u64> = None;
     while step < cfg.total_steps {
         if hello_needed {
             let reply: HelloReply = coordinator
@@ -254,11 +282,13 @@ pub async fn run(
                     &Hello {
                         step,
                         rollout: data,
+                        vocab_size: cfg.rollout.limits.vocab_size,
                     },
                 )
                 .await;
             if let Some(version) = reply.publish_as {
                 learner.publish(version, false).await?;
+                published = Some(version);
                 let _: serde_json::Value = coordinator
                     .post("/v1/trainer/published", &Version { version })
                     .await;
@@ -272,6 +302,18 @@ pub async fn run(
         let step_started = Instant::now();
         let batch = tokio::select! {
             b = coordinator.batch(step + 1) => b,
+            // An engine that missed the last update (a replaced pod, a scale-up): send it the
+            // current weights again under the same version, then wait for the batch again.
+            () = coordinator.engine_behind(), if published.is_some() => {
+                let version = published.expect("checked by the guard");
+                match learner.publish(version, false).await {
+                    Ok(_) => eprintln!(
+                        "moult trainer: an engine that joined after version {version} has it now"
+                    ),
+                    Err(e) => tracing::warn!(version, "bringing a new engine up to date: {e}"),
+                }
+                continue;
+            }
             () = &mut shutdown => return Ok(()),
         };
         let Some(batch) = batch else {
@@ -316,6 +358,7 @@ pub async fn run(
             .await;
         gauges.0.store(step, Ordering::Relaxed);
         gauges.1.store(version, Ordering::Relaxed);
+        published = Some(version);
     }
     eprintln!(
         "moult trainer: {} finished its {} steps",

@@ -80,7 +80,12 @@ pub fn decode_routed_experts(b64: &str) -> Result<([usize; 3], Vec<u16>), String
             .map(|c| u16::from_le_bytes([c[0], c[1]]))
             .collect()
     };
-    if ids.len() != shape.iter().product::<usize>() {
+    // A shape whose product overflows holds no real array: refuse it rather than wrap.
+    let values = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| format!("shape {shape:?} is too large"))?;
+    if ids.len() != values {
         return Err(format!("{} values for shape {shape:?}", ids.len()));
     }
     Ok((shape, ids))

@@ -10,7 +10,8 @@
 //! - **Staleness**: a finished group whose oldest sampled token is more than `max_staleness`
 //!   versions behind the current policy is dropped (counted), never handed to the trainer.
 //! - **Failures**: a group with a failed episode is dropped whole (its reason logged and counted):
-//!   group-normalised advantages need every sample.
+//!   group-normalised advantages need every sample. So is a group with an episode that fails
+//!   [`validate::check`] (malformed data from agent code), counted apart.
 //! - The **data cursor** (next task, epoch) is part of the state, so a restarted run continues
 //!   where it stopped ([`RolloutState`]).
 
@@ -24,6 +25,9 @@ use serde_json::Value as Json;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::agents::{AgentPool, Episode, EpisodeStatus};
+
+pub mod validate;
+pub use validate::EpisodeLimits;
 
 /// Why the rollout pool cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +58,8 @@ pub struct RolloutOptions {
     pub batch_size: usize,
     /// How many policy versions behind a trained-on token may be.
     pub max_staleness: u64,
+    /// What every finished episode is checked against ([`validate::check`]).
+    pub limits: EpisodeLimits,
 }
 
 impl RolloutOptions {
@@ -97,6 +103,9 @@ pub struct RolloutStats {
     pub groups_done: u64,
     pub dropped_stale: u64,
     pub dropped_failed: u64,
+    /// Groups dropped because an episode was malformed ([`validate::check`]).
+    #[serde(default)]
+    pub dropped_invalid: u64,
 }
 
 /// The oldest version that sampled any token of `episodes`.
@@ -115,6 +124,8 @@ struct Shared {
     stats: Mutex<RolloutStats>,
     /// The policy version engines serve now (set by the weight sync).
     version: AtomicU64,
+    /// What episodes are checked against (the vocabulary may be learned after the start).
+    limits: Mutex<EpisodeLimits>,
 }
 
 /// The streaming rollout pool. [`RolloutPool::start`] runs it; finished groups arrive on the
@@ -149,6 +160,7 @@ impl RolloutPool {
             state: Mutex::new(state),
             stats: Mutex::new(RolloutStats::default()),
             version: AtomicU64::new(version),
+            limits: Mutex::new(opts.limits),
         });
         // Admission: a permit per group from its start until the trainer took it (or it was
         // dropped), so in flight + queued never exceeds max_groups.
@@ -217,8 +229,9 @@ impl RolloutPool {
         Ok((pool, rx))
     }
 
-    /// Checks a finished group against failures and the staleness bound.
+    /// Checks a finished group against failures, malformed episodes and the staleness bound.
     fn admit(shared: &Shared, opts: &RolloutOptions, group: Group) -> Option<Group> {
+        let limits = *shared.limits.lock().expect("limits lock");
         let mut stats = shared.stats.lock().expect("stats lock");
         stats.groups_done += 1;
         if let Some(failed) = group
@@ -231,6 +244,15 @@ impl RolloutPool {
             return None;
         }
         let now = shared.version.load(Ordering::Relaxed);
+        if let Some(reason) = group
+            .episodes
+            .iter()
+            .find_map(|e| validate::check(e, &limits, now).err())
+        {
+            stats.dropped_invalid += 1;
+            tracing::warn!(task = group.task_index, %reason, "group dropped: a malformed episode");
+            return None;
+        }
         if let Some(oldest) = group.oldest_version {
             if now.saturating_sub(oldest) > opts.max_staleness {
                 stats.dropped_stale += 1;
@@ -252,6 +274,12 @@ impl RolloutPool {
         if let Some(driver) = self.driver.lock().expect("driver lock").take() {
             driver.abort();
         }
+    }
+
+    /// Token ids of later episodes must be below `vocab_size` (a coordinator learns it from the
+    /// trainer, which has the model).
+    pub fn set_vocab_size(&self, vocab_size: usize) {
+        self.shared.limits.lock().expect("limits lock").vocab_size = Some(vocab_size);
     }
 
     /// The engines now serve `version` (called after each weight sync).

@@ -28,6 +28,8 @@ impl EpisodeRunner for FakeRunner {
             tokio::time::sleep(Duration::from_millis(ms)).await;
             self.running.fetch_sub(1, Ordering::SeqCst);
             let failed = task["fail"].as_bool().unwrap_or(false) && index % 2 == 1;
+            // A task may name a token id to put in its episodes (outside the vocabulary: bad).
+            let token = task["token"].as_i64().unwrap_or(3);
             Episode {
                 index,
                 session: format!("s{index}"),
@@ -42,7 +44,7 @@ impl EpisodeRunner for FakeRunner {
                 info: Map::new(),
                 seconds: 0.0,
                 segments: vec![Segment {
-                    token_ids: vec![1, 2, 3],
+                    token_ids: vec![1, 2, token],
                     loss_mask: vec![0, 1, 1],
                     logprobs: vec![0.0, -0.1, -0.2],
                     versions: vec![None, Some(v), Some(v)],
@@ -59,6 +61,7 @@ fn opts(group_size: usize, batch_size: usize, max_staleness: u64) -> RolloutOpti
         group_size,
         batch_size,
         max_staleness,
+        limits: Default::default(),
     }
 }
 
@@ -156,6 +159,27 @@ async fn a_group_with_a_failed_episode_is_dropped_whole() {
         "only the healthy task's groups"
     );
     assert!(pool.stats().dropped_failed >= 1);
+}
+
+#[tokio::test]
+async fn a_group_with_a_malformed_episode_is_dropped_and_the_rest_go_on() {
+    let runner = Arc::new(FakeRunner::default());
+    let data = Arc::new(vec![json!({"ms": 2, "token": 1000}), json!({"ms": 2})]);
+    let mut o = opts(2, 3, 1);
+    o.limits.vocab_size = Some(1000);
+    let (pool, mut queue) =
+        RolloutPool::start(runner, data, o.clone(), RolloutState::default(), 0).unwrap();
+    let batch = next_batch(&pool, &mut queue, &o).await.unwrap();
+    assert!(
+        batch.iter().all(|g| g.task_index == 1),
+        "only well-formed groups"
+    );
+    let stats = pool.stats();
+    assert!(stats.dropped_invalid >= 1, "{stats:?}");
+    assert_eq!(
+        stats.dropped_failed, 0,
+        "malformed is counted apart from failed"
+    );
 }
 
 #[tokio::test]

@@ -56,6 +56,8 @@ const ROUTED_BUFFER: usize = 64;
 
 /// How long a request waits while every engine refuses it for now (503/429) before it fails.
 const BUSY_PATIENCE: Duration = Duration::from_secs(120);
+/// How often a request waiting for a healthy engine looks again.
+const ENGINE_POLL: Duration = Duration::from_millis(250);
 
 /// Runs `req` with failover; events arrive on the receiver. Dropping the receiver stops the
 /// engine request.
@@ -67,6 +69,27 @@ pub fn start(router: Arc<Router>, req: RoutedRequest) -> mpsc::Receiver<Result<R
         }
     });
     rx
+}
+
+/// The engine for `route`; when none is healthy, polls for one for up to the router's
+/// engine patience (engines still loading, or all restarting), so that such a gap delays the
+/// request instead of failing it. None when the patience ran out or the client went away.
+async fn pick_patiently(
+    router: &Router,
+    route: &RouteRequest<'_>,
+    failed: &[String],
+    tx: &mpsc::Sender<Result<Routed, ApiError>>,
+) -> Option<Arc<super::Engine>> {
+    let since = Instant::now();
+    loop {
+        if let Some(engine) = router.pick(route, failed) {
+            return Some(engine);
+        }
+        if since.elapsed() >= router.engine_patience() || tx.is_closed() {
+            return None;
+        }
+        tokio::time::sleep(ENGINE_POLL).await;
+    }
 }
 
 fn int_param(params: &Map<String, Json>, name: &str) -> Option<i64> {
@@ -90,7 +113,7 @@ async fn run(
             session: req.session.as_deref(),
             tokens,
         };
-        let Some(engine) = router.pick(&route, &failed) else {
+        let Some(engine) = pick_patiently(router, &route, &failed, tx).await else {
             return Err(ApiError::unavailable(if failed.is_empty() {
                 "no healthy engine".to_string()
             } else {

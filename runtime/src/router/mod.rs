@@ -16,9 +16,14 @@ pub mod server;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 pub use policy::{ConsistentHash, LeastOutstandingTokens, RouteRequest, RoutingPolicy};
 pub use pool::{Engine, EnginePool, HealthOptions};
+
+/// How long a run's requests wait for a healthy engine (in the coordinator and `moult run`):
+/// long enough for a large model to load on a fresh engine pod.
+pub const RUN_ENGINE_PATIENCE: Duration = Duration::from_secs(30 * 60);
 
 /// A pool of engines and the policy that spreads requests over it.
 #[derive(Debug)]
@@ -28,6 +33,9 @@ pub struct Router {
     /// Requests continued on another engine after theirs failed.
     failovers: AtomicU64,
     next_id: AtomicU64,
+    /// How long a request waits for an engine when none is healthy (engines still loading, or
+    /// all restarting) before it is refused with 503; zero refuses at once.
+    engine_patience: Duration,
 }
 
 impl Router {
@@ -37,7 +45,19 @@ impl Router {
             policy,
             failovers: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
+            engine_patience: Duration::ZERO,
         }
+    }
+
+    /// Requests wait up to `patience` for a healthy engine instead of failing at once when
+    /// there is none (docs/router.md#health-and-membership).
+    pub fn with_engine_patience(mut self, patience: Duration) -> Self {
+        self.engine_patience = patience;
+        self
+    }
+
+    pub fn engine_patience(&self) -> Duration {
+        self.engine_patience
     }
 
     /// The engine for `request` among those up and current, skipping `exclude` (engines that

@@ -9,16 +9,19 @@
 //!   ([`CheckpointMeta`]);
 //! - `latest.json`: which step folder is the newest complete one.
 //!
-//! Writes are atomic: the folder is written under a temporary name, synced, renamed, and only
-//! then does `latest.json` (itself written and renamed) point at it. A run killed at any moment
-//! leaves the previous checkpoint intact.
+//! Writes are atomic: the folder is written under a temporary name, synced, renamed (and the
+//! rename synced), and only then does `latest.json` (itself written and renamed) point at it. A
+//! run killed at any moment leaves the previous checkpoint intact. A save that fails (a full
+//! disk) removes its partial folder, prunes older checkpoints down to the newest and tries once
+//! more; the newest complete checkpoint is never deleted. When `latest.json` names a folder that
+//! is gone or incomplete, [`latest`] falls back to the newest complete `step-*` folder.
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use super::files::{io, sync_file, write_atomic};
+use super::files::{io, sync_dir, sync_file, write_atomic};
 use super::RunError;
 use crate::rollout::RolloutState;
 use crate::trainer::train::Trainer;
@@ -54,18 +57,42 @@ fn step_dir(root: &Path, step: u64) -> PathBuf {
 }
 
 /// Writes a checkpoint of `trainer` (whose model came from `model_dir`) under `root`; returns
-/// its folder.
+/// its folder. A failed write (a full disk) is tried once more after pruning older checkpoints
+/// down to the newest complete one.
 pub fn save(
     root: &Path,
     model_dir: &Path,
     trainer: &Trainer,
     meta: &CheckpointMeta,
 ) -> Result<PathBuf, RunError> {
+    let tmp = root.join(format!(".step-{:06}.tmp{}", meta.step, std::process::id()));
+    match write(root, &tmp, model_dir, trainer, meta) {
+        Ok(dir) => Ok(dir),
+        Err(first) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            let Some(newest) = latest_step(root) else {
+                return Err(first);
+            };
+            tracing::warn!("{first}; pruning older checkpoints and trying again");
+            prune_to(root, newest, 1);
+            write(root, &tmp, model_dir, trainer, meta).inspect_err(|_| {
+                let _ = std::fs::remove_dir_all(&tmp);
+            })
+        }
+    }
+}
+
+fn write(
+    root: &Path,
+    tmp: &Path,
+    model_dir: &Path,
+    trainer: &Trainer,
+    meta: &CheckpointMeta,
+) -> Result<PathBuf, RunError> {
     std::fs::create_dir_all(root).map_err(|e| io("creating", root, e))?;
     let dir = step_dir(root, meta.step);
-    let tmp = root.join(format!(".step-{:06}.tmp{}", meta.step, std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| io("creating", &tmp, e))?;
+    let _ = std::fs::remove_dir_all(tmp);
+    std::fs::create_dir_all(tmp).map_err(|e| io("creating", tmp, e))?;
     let weights = trainer.weights();
     let model_file = tmp.join("model.safetensors");
     Tensor::write_safetensors(&weights, &model_file).map_err(|e| io("writing", &model_file, e))?;
@@ -94,12 +121,14 @@ pub fn save(
         serde_json::to_vec_pretty(meta).expect("meta serializes"),
     )
     .map_err(|e| io("writing", &meta_file, e))?;
-    for entry in std::fs::read_dir(&tmp).map_err(|e| io("listing", &tmp, e))? {
-        let path = entry.map_err(|e| io("listing", &tmp, e))?.path();
+    for entry in std::fs::read_dir(tmp).map_err(|e| io("listing", tmp, e))? {
+        let path = entry.map_err(|e| io("listing", tmp, e))?.path();
         sync_file(&path)?;
     }
+    sync_dir(tmp)?;
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::rename(&tmp, &dir).map_err(|e| io("renaming", &tmp, e))?;
+    std::fs::rename(tmp, &dir).map_err(|e| io("renaming", tmp, e))?;
+    sync_dir(root)?;
     let pointer = serde_json::json!({"step": meta.step, "path": dir.file_name().map(|n| n.to_string_lossy().into_owned())});
     write_atomic(&root.join("latest.json"), pointer.to_string().as_bytes())?;
     prune(root, meta.step);
@@ -109,6 +138,11 @@ pub fn save(
 /// Deletes all but the newest [`KEEP`] complete checkpoints (never `latest`), and leftovers of
 /// interrupted writes.
 fn prune(root: &Path, latest: u64) {
+    prune_to(root, latest, KEEP);
+}
+
+/// [`prune`] keeping `keep` checkpoints (`latest` among them).
+fn prune_to(root: &Path, latest: u64, keep: usize) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };
@@ -123,13 +157,15 @@ fn prune(root: &Path, latest: u64) {
     }
     steps.sort_unstable();
     steps.retain(|&s| s != latest);
-    let drop = steps.len().saturating_sub(KEEP - 1);
+    let drop = steps.len().saturating_sub(keep.saturating_sub(1));
     for step in &steps[..drop] {
         let _ = std::fs::remove_dir_all(step_dir(root, *step));
     }
 }
 
-/// The newest complete checkpoint under `root`, if any.
+/// The newest complete checkpoint under `root`, if any: the one `latest.json` names, or, when
+/// that folder is gone or incomplete (deleted by hand, a disk that lost it), the newest complete
+/// `step-*` folder, with a warning.
 pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError> {
     let pointer = root.join("latest.json");
     let text = match std::fs::read_to_string(&pointer) {
@@ -137,17 +173,74 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(io("reading", &pointer, e)),
     };
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| io("parsing", &pointer, e))?;
-    let name = v["path"]
-        .as_str()
-        .ok_or_else(|| io("reading", &pointer, "no `path`"))?;
-    let dir = root.join(name);
+    let named = serde_json::from_str::<serde_json::Value>(&text)
+        .map_err(|e| io("parsing", &pointer, e).to_string())
+        .and_then(|v| {
+            let name = v["path"]
+                .as_str()
+                .ok_or_else(|| format!("{}: no `path`", pointer.display()))?;
+            complete(&root.join(name))
+        });
+    match named {
+        Ok(found) => Ok(Some(found)),
+        Err(why) => {
+            let fallback = step_folders(root)
+                .into_iter()
+                .rev()
+                .find_map(|step| complete(&step_dir(root, step)).ok());
+            match &fallback {
+                Some((dir, _)) => tracing::warn!(
+                    "{why}; resuming from {}, the newest complete checkpoint",
+                    dir.display()
+                ),
+                None => {
+                    return Err(RunError::Checkpoint(format!(
+                        "{why}, and no other complete checkpoint is under {}",
+                        root.display()
+                    )))
+                }
+            }
+            Ok(fallback)
+        }
+    }
+}
+
+/// The checkpoint in `dir` if it is complete (its metadata and both tensor files).
+fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), String> {
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        if !dir.join(file).is_file() {
+            return Err(format!("{} has no {file}", dir.display()));
+        }
+    }
     let meta_file = dir.join("moult.json");
     let meta: CheckpointMeta = std::fs::read(&meta_file)
-        .map_err(|e| io("reading", &meta_file, e))
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| io("parsing", &meta_file, e)))?;
-    Ok(Some((dir, meta)))
+        .map_err(|e| io("reading", &meta_file, e).to_string())
+        .and_then(|b| {
+            serde_json::from_slice(&b).map_err(|e| io("parsing", &meta_file, e).to_string())
+        })?;
+    Ok((dir.to_path_buf(), meta))
+}
+
+/// The steps of the `step-*` folders under `root`, ascending.
+fn step_folders(root: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .strip_prefix("step-")
+                .and_then(|s| s.parse().ok())
+        })
+        .collect();
+    steps.sort_unstable();
+    steps
+}
+
+/// The step of the newest complete checkpoint under `root`.
+fn latest_step(root: &Path) -> Option<u64> {
+    latest(root).ok().flatten().map(|(_, meta)| meta.step)
 }
 
 /// The optimizer moments of the checkpoint in `dir`, in trainable-tensor order.
@@ -174,6 +267,48 @@ pub fn load_moments(dir: &Path, device: tch::Device) -> Result<Vec<(Tensor, Tens
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A complete-looking checkpoint folder for `step` (the tensor files are not read here).
+    fn fake_checkpoint(root: &Path, step: u64) {
+        let dir = step_dir(root, step);
+        std::fs::create_dir_all(&dir).unwrap();
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            std::fs::write(dir.join(file), b"x").unwrap();
+        }
+        let meta = CheckpointMeta {
+            step,
+            policy_version: step,
+            rollout: RolloutState::default(),
+            seed: 7,
+        };
+        std::fs::write(dir.join("moult.json"), serde_json::to_vec(&meta).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_pointer_to_a_missing_or_incomplete_step_falls_back_to_the_newest_complete_one() {
+        let root = std::env::temp_dir().join(format!("moult-ckpt-latest-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        assert!(latest(&root).unwrap().is_none(), "no checkpoint yet");
+        fake_checkpoint(&root, 5);
+        fake_checkpoint(&root, 10);
+        let point_at = |step: u64| {
+            let pointer = serde_json::json!({"step": step, "path": format!("step-{step:06}")});
+            write_atomic(&root.join("latest.json"), pointer.to_string().as_bytes()).unwrap();
+        };
+        point_at(10);
+        assert_eq!(latest(&root).unwrap().unwrap().1.step, 10);
+        // The step it names was deleted.
+        point_at(15);
+        assert_eq!(latest(&root).unwrap().unwrap().1.step, 10);
+        // The newest folder lost a file: the one before.
+        std::fs::remove_file(step_dir(&root, 10).join("optimizer.safetensors")).unwrap();
+        assert_eq!(latest(&root).unwrap().unwrap().1.step, 5);
+        // Nothing complete at all is an error that says why.
+        std::fs::remove_dir_all(step_dir(&root, 5)).unwrap();
+        let err = latest(&root).unwrap_err().to_string();
+        assert!(err.contains("no other complete checkpoint"), "{err}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn prune_keeps_the_newest_and_clears_interrupted_writes() {

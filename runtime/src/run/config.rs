@@ -20,7 +20,7 @@ use crate::algorithms::correction::{Correction, Level, Mode};
 #[cfg(feature = "torch")]
 use crate::algorithms::losses::Aggregation;
 use crate::chat::ChatSampling;
-use crate::rollout::RolloutOptions;
+use crate::rollout::{EpisodeLimits, RolloutOptions};
 #[cfg(feature = "torch")]
 use crate::trainer::optim::{Decay, LrSchedule};
 #[cfg(feature = "torch")]
@@ -371,6 +371,10 @@ impl RunConfig {
             ));
         }
         let total_steps = u64::from(spec.total_steps);
+        // Episodes are checked against the policy's vocabulary where this process has the model.
+        let limits = EpisodeLimits {
+            vocab_size: crate::rollout::validate::vocab_size(&model_dir),
+        };
         Ok(Self {
             name,
             model_dir,
@@ -395,6 +399,7 @@ impl RunConfig {
                 group_size: algo.group_size as usize,
                 batch_size: algo.batch_size as usize,
                 max_staleness: u64::from(algo.max_staleness),
+                limits,
             },
             partial_rollout: algo.partial_rollout,
             estimator: algo.estimator,

@@ -371,6 +371,15 @@ struct StepTimes {
 }
 
 /// The metrics record of a step: the batch, what training it produced, and the times.
+/// `x`, or 0 when it is NaN or infinite (a record holds JSON numbers only).
+fn finite_or_zero(x: f64) -> f64 {
+    if x.is_finite() {
+        x
+    } else {
+        0.0
+    }
+}
+
 fn step_record(
     batch: &[Group],
     learned: &Learned,
@@ -400,12 +409,13 @@ fn step_record(
         episodes: rewards.len(),
         advantage_mean,
         advantage_std,
-        loss: stats.loss,
+        loss: finite_or_zero(stats.loss),
         mean_abs_log_rho: stats.mean_abs_log_rho,
         masked_fraction: stats.masked_fraction,
         entropy: stats.entropy,
         kl: stats.kl,
-        grad_norm: stats.grad_norm,
+        grad_norm: finite_or_zero(stats.grad_norm),
+        update_skipped: stats.skipped,
         learning_rate: stats.learning_rate,
         teacher_kl: *teacher_kl,
         agent_reward_mean: None,
@@ -428,6 +438,7 @@ fn step_record(
         sync_seconds: times.sync,
         dropped_stale: rollout.dropped_stale,
         dropped_failed: rollout.dropped_failed,
+        dropped_invalid: rollout.dropped_invalid,
         elapsed_seconds: times.elapsed,
     }
 }

@@ -204,10 +204,13 @@ impl Stack {
             pool.clone()
                 .check_health(HealthOptions::for_backend(cfg.run.spec.engines.backend)),
         );
-        let router = Arc::new(Router::new(
-            pool,
-            policy::by_name("consistent-hash").expect("a known policy"),
-        ));
+        let router = Arc::new(
+            Router::new(
+                pool,
+                policy::by_name("consistent-hash").expect("a known policy"),
+            )
+            .with_engine_patience(crate::router::RUN_ENGINE_PATIENCE),
+        );
         let (listener, router_url) = bind().await?;
         tokio::spawn(server::serve(listener, router, stopped(stop_rx.clone())));
 

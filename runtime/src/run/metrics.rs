@@ -49,6 +49,10 @@ pub struct StepRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub judge_seconds: Option<f64>,
     pub grad_norm: f64,
+    /// The loss or gradient norm was not finite, so the step did not change the weights (`loss`
+    /// and `grad_norm` are then recorded as 0: JSON has no NaN).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub update_skipped: bool,
     pub learning_rate: f64,
     /// Sampled tokens by how many versions behind the policy that trained on them they were.
     pub staleness: BTreeMap<u64, usize>,
@@ -63,6 +67,9 @@ pub struct StepRecord {
     pub sync_seconds: f64,
     pub dropped_stale: u64,
     pub dropped_failed: u64,
+    /// Groups dropped because an episode was malformed (docs/security.md, "Bad data").
+    #[serde(default)]
+    pub dropped_invalid: u64,
     /// Seconds since the run (this process) started.
     pub elapsed_seconds: f64,
 }
@@ -85,7 +92,9 @@ impl MetricsLog {
                 .filter_map(|l| serde_json::from_str::<StepRecord>(l).ok())
                 .filter(|r| r.step <= resume_step)
                 .collect(),
-            Err(_) => Vec::new(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            // Anything else (permissions, I/O): stop rather than write the log anew, empty.
+            Err(e) => return Err(super::files::io("reading", &path, e)),
         };
         let mut text = Vec::new();
         for r in &records {
@@ -140,7 +149,11 @@ pub fn progress_line(r: &StepRecord, total: u64, eta: Option<Duration>) -> Strin
         r.grad_norm,
         r.step_seconds,
         eta.map_or_else(|| "-".into(), clock),
-    )
+    ) + if r.update_skipped {
+        " | update skipped: non-finite loss or gradient"
+    } else {
+        ""
+    }
 }
 
 /// The reward curve as an SVG image: mean reward per step, with its ±std band.

@@ -78,6 +78,9 @@ pub struct StepStats {
     pub tokens: usize,
     pub micro_batches: usize,
     pub seconds: f64,
+    /// The loss or the gradient norm was not finite (NaN or infinite): the weights were left as
+    /// they were instead of becoming NaN.
+    pub skipped: bool,
 }
 
 /// The trainable policy with its optimizer.
@@ -254,7 +257,19 @@ impl Trainer {
             None => clip_grad_norm(&self.params, f64::INFINITY),
         };
         stats.learning_rate = self.opts.schedule.at(self.steps + 1);
-        self.optimizer.step(&self.params, stats.learning_rate);
+        // One non-finite value (an overflow, a NaN that got into the batch) would make every
+        // weight NaN through AdamW, and the engines would serve them: skip the update instead
+        // (docs/security.md, "Bad data").
+        stats.skipped = !(stats.loss.is_finite() && stats.grad_norm.is_finite());
+        if stats.skipped {
+            tracing::warn!(
+                loss = stats.loss,
+                grad_norm = stats.grad_norm,
+                "a non-finite loss or gradient: the step leaves the weights as they were"
+            );
+        } else {
+            self.optimizer.step(&self.params, stats.learning_rate);
+        }
         for p in &self.params {
             let mut g = p.grad();
             if g.defined() {

@@ -302,19 +302,23 @@ pub async fn start_router(
         timeout: std::time::Duration::from_millis(500),
         failures_to_down: 2,
     };
-    start_router_with(engines, policy, health).await
+    start_router_with(engines, policy, health, std::time::Duration::ZERO).await
 }
 
-/// Serves a router over `engines` with `policy`, probing health as `health` says.
+/// Serves a router over `engines` with `policy`, probing health as `health` says; requests
+/// wait up to `engine_patience` for a healthy engine.
 pub async fn start_router_with(
     engines: &[String],
     policy: &str,
     health: moult_runtime::router::HealthOptions,
+    engine_patience: std::time::Duration,
 ) -> (String, std::sync::Arc<moult_runtime::router::Router>) {
     use moult_runtime::router::{policy, server, EnginePool, Router};
     let pool = std::sync::Arc::new(EnginePool::new(engines));
     tokio::spawn(pool.clone().check_health(health));
-    let router = std::sync::Arc::new(Router::new(pool, policy::by_name(policy).unwrap()));
+    let router = std::sync::Arc::new(
+        Router::new(pool, policy::by_name(policy).unwrap()).with_engine_patience(engine_patience),
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(server::serve(

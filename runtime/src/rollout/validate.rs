@@ -1,0 +1,274 @@
+//! The checks a finished episode passes before its group may reach the trainer
+//! (docs/security.md, "Bad data"). Episodes come from agent code and, on clusters, from agent
+//! pods: untrusted input. One malformed episode the trainer cannot use (a token id outside the
+//! vocabulary, fields of different lengths, a NaN) would otherwise stop the trainer, and since a
+//! batch is served again until it is committed, stop it at every restart.
+
+use std::path::Path;
+
+use crate::agents::{Episode, EpisodeStatus};
+use crate::engine::npy::decode_routed_experts;
+use crate::loopback::Segment;
+
+/// The largest logprob accepted for a sampled token: 0 up to float rounding.
+const MAX_LOGPROB: f32 = 1e-3;
+
+/// What an episode is checked against.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EpisodeLimits {
+    /// Token ids must be below this (the policy's `vocab_size`); unchecked when unknown.
+    pub vocab_size: Option<usize>,
+}
+
+/// The policy's vocabulary size from `<model_dir>/config.json` (`vocab_size`, or
+/// `text_config.vocab_size` for multimodal configs); `None` when there is no readable config.
+pub fn vocab_size(model_dir: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(model_dir.join("config.json")).ok()?;
+    let cfg: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let n = cfg["vocab_size"]
+        .as_u64()
+        .or_else(|| cfg["text_config"]["vocab_size"].as_u64())?;
+    usize::try_from(n).ok()
+}
+
+/// Why `episode` may not be trained on, if it may not. Failed episodes are not checked (their
+/// group is dropped anyway). `now` is the version the engines serve as far as the rollout knows:
+/// a token may carry at most `now + 1` (engines resume on a new version a moment before the
+/// rollout hears of it), so a made-up version from far ahead cannot dodge the staleness bound.
+pub fn check(episode: &Episode, limits: &EpisodeLimits, now: u64) -> Result<(), String> {
+    if episode.status == EpisodeStatus::Failed {
+        return Ok(());
+    }
+    if !episode.reward.is_finite() {
+        return Err(format!("reward {} is not a finite number", episode.reward));
+    }
+    for (k, segment) in episode.segments.iter().enumerate() {
+        check_segment(segment, limits, now).map_err(|e| format!("segment {k}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), String> {
+    let len = s.token_ids.len();
+    for (field, n) in [
+        ("loss_mask", s.loss_mask.len()),
+        ("logprobs", s.logprobs.len()),
+        ("versions", s.versions.len()),
+    ] {
+        if n != len {
+            return Err(format!("{field} has {n} entries for {len} token_ids"));
+        }
+    }
+    let newest = now.saturating_add(1);
+    for (i, &t) in s.token_ids.iter().enumerate() {
+        let in_vocab = usize::try_from(t).is_ok_and(|t| limits.vocab_size.is_none_or(|v| t < v));
+        if !in_vocab {
+            return Err(format!(
+                "token id {t} at position {i} is outside the vocabulary (size {})",
+                limits
+                    .vocab_size
+                    .map_or_else(|| "unknown".into(), |v| v.to_string())
+            ));
+        }
+        match s.loss_mask[i] {
+            0 => {}
+            1 => {
+                let lp = s.logprobs[i];
+                if !lp.is_finite() || lp > MAX_LOGPROB {
+                    return Err(format!(
+                        "sampled token at position {i} has logprob {lp}: a log-probability is finite and at most 0"
+                    ));
+                }
+                match s.versions[i] {
+                    None => {
+                        return Err(format!(
+                            "sampled token at position {i} has no policy version"
+                        ))
+                    }
+                    Some(v) if v > newest => {
+                        return Err(format!(
+                            "sampled token at position {i} claims policy version {v}; the engines serve {now}"
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+            m => return Err(format!("loss_mask {m} at position {i}: it is 0 or 1")),
+        }
+    }
+    check_routed_experts(s)
+}
+
+/// Routing chunks tile positions `0..` contiguously, each a well-formed `[rows, layers, top_k]`
+/// array of one layout, covering the segment or all of it but its last token.
+fn check_routed_experts(s: &Segment) -> Result<(), String> {
+    if s.routed_experts.is_empty() {
+        return Ok(());
+    }
+    let mut next = 0usize;
+    let mut layout: Option<[usize; 2]> = None;
+    for chunk in &s.routed_experts {
+        if chunk.start != next {
+            return Err(format!(
+                "routed experts cover positions from {next} but a chunk starts at {}",
+                chunk.start
+            ));
+        }
+        let (shape, _) = decode_routed_experts(&chunk.data)
+            .map_err(|e| format!("routed experts at {}: {e}", chunk.start))?;
+        let this = [shape[1], shape[2]];
+        if *layout.get_or_insert(this) != this {
+            return Err(format!(
+                "routed experts at {} are [{}, {}] per token, earlier chunks {:?}",
+                chunk.start, shape[1], shape[2], layout
+            ));
+        }
+        next = next.saturating_add(shape[0]);
+    }
+    let len = s.token_ids.len();
+    if next != len && next.saturating_add(1) != len {
+        return Err(format!(
+            "routed experts cover {next} positions of a {len}-token segment"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::npy::encode_routed_experts;
+    use crate::loopback::session::RoutedExperts;
+
+    fn segment() -> Segment {
+        Segment {
+            token_ids: vec![5, 6, 7, 8],
+            loss_mask: vec![0, 0, 1, 1],
+            logprobs: vec![0.0, 0.0, -0.5, -1.25],
+            versions: vec![None, None, Some(3), Some(4)],
+            routed_experts: Vec::new(),
+            turns: 1,
+        }
+    }
+
+    fn episode(segment: Segment) -> Episode {
+        Episode {
+            index: 0,
+            session: "s".into(),
+            task: serde_json::json!({}),
+            status: EpisodeStatus::Completed,
+            reason: None,
+            reward: 1.0,
+            info: Default::default(),
+            seconds: 0.1,
+            segments: vec![segment],
+        }
+    }
+
+    const LIMITS: EpisodeLimits = EpisodeLimits {
+        vocab_size: Some(100),
+    };
+
+    fn verdict(s: Segment) -> Result<(), String> {
+        check(&episode(s), &LIMITS, 4)
+    }
+
+    #[test]
+    fn a_well_formed_episode_passes() {
+        assert_eq!(verdict(segment()), Ok(()));
+        // One version ahead of the rollout: an engine that resumed on the new weights first.
+        let mut s = segment();
+        s.versions[3] = Some(5);
+        assert_eq!(verdict(s), Ok(()));
+        // Unknown vocabulary: any non-negative id.
+        let mut s = segment();
+        s.token_ids[0] = 1 << 40;
+        assert_eq!(check(&episode(s), &EpisodeLimits::default(), 4), Ok(()));
+    }
+
+    #[test]
+    fn each_kind_of_malformed_episode_is_refused_with_its_reason() {
+        type Spoil = fn(&mut Episode);
+        let cases: [(&str, Spoil); 11] = [
+            ("outside the vocabulary", |e| {
+                e.segments[0].token_ids[1] = 100
+            }),
+            ("outside the vocabulary", |e| {
+                e.segments[0].token_ids[1] = -1
+            }),
+            ("loss_mask has 3 entries", |e| {
+                e.segments[0].loss_mask.pop();
+            }),
+            ("logprobs has 5 entries", |e| {
+                e.segments[0].logprobs.push(0.0)
+            }),
+            ("versions has 3 entries", |e| {
+                e.segments[0].versions.pop();
+            }),
+            ("it is 0 or 1", |e| e.segments[0].loss_mask[0] = 2),
+            ("has logprob NaN", |e| e.segments[0].logprobs[2] = f32::NAN),
+            ("has logprob 0.5", |e| e.segments[0].logprobs[2] = 0.5),
+            ("no policy version", |e| e.segments[0].versions[2] = None),
+            ("claims policy version 18446744073709551615", |e| {
+                e.segments[0].versions[2] = Some(u64::MAX)
+            }),
+            ("reward NaN", |e| e.reward = f64::NAN),
+        ];
+        for (why, spoil) in cases {
+            let mut e = episode(segment());
+            spoil(&mut e);
+            let err = check(&e, &LIMITS, 4).expect_err(why);
+            assert!(err.contains(why), "{why}: {err}");
+        }
+        let mut e = episode(segment());
+        e.reward = f64::INFINITY;
+        assert!(check(&e, &LIMITS, 4).is_err());
+        // A failed episode is not looked at: its group is dropped whatever it holds.
+        e.status = EpisodeStatus::Failed;
+        assert_eq!(check(&e, &LIMITS, 4), Ok(()));
+    }
+
+    #[test]
+    fn routed_experts_must_tile_the_segment_in_one_layout() {
+        let chunk = |start, rows, layers| RoutedExperts {
+            start,
+            data: encode_routed_experts(&vec![1; rows * layers * 2], rows, layers, 2, 8),
+        };
+        let with = |chunks: Vec<RoutedExperts>| {
+            let mut s = segment();
+            s.routed_experts = chunks;
+            verdict(s)
+        };
+        // All positions but the last (never fed to the model), or all of them.
+        assert_eq!(with(vec![chunk(0, 2, 3), chunk(2, 1, 3)]), Ok(()));
+        assert_eq!(with(vec![chunk(0, 4, 3)]), Ok(()));
+        assert!(with(vec![chunk(0, 2, 3), chunk(3, 1, 3)])
+            .unwrap_err()
+            .contains("a chunk starts at 3"));
+        assert!(with(vec![chunk(0, 2, 3), chunk(2, 1, 2)])
+            .unwrap_err()
+            .contains("per token"));
+        assert!(with(vec![chunk(0, 1, 3)])
+            .unwrap_err()
+            .contains("cover 1 positions of a 4-token segment"));
+        let garbage = RoutedExperts {
+            start: 0,
+            data: "not base64!".into(),
+        };
+        assert!(with(vec![garbage]).unwrap_err().contains("not base64"));
+    }
+
+    #[test]
+    fn a_shape_that_overflows_is_refused_not_wrapped() {
+        use base64::Engine as _;
+        let header =
+            "{'descr': '|u1', 'fortran_order': False, 'shape': (18446744073709551615, 2, 2), }";
+        let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+        bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        bytes.extend_from_slice(header.as_bytes());
+        let data = base64::engine::general_purpose::STANDARD.encode(&bytes);
+        let mut s = segment();
+        s.routed_experts = vec![RoutedExperts { start: 0, data }];
+        assert!(verdict(s).unwrap_err().contains("too large"));
+    }
+}
