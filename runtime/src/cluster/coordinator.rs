@@ -29,7 +29,7 @@ use super::remote::RemoteAgents;
 use super::status::Report;
 use crate::engine::ApiError;
 use crate::rollout::{fill_batch, Group, RolloutPool, RolloutState};
-use crate::router::{policy, server, EnginePool, HealthOptions, Router};
+use crate::router::{server, EnginePool, Router};
 use crate::run::config::{RunConfig, Sources};
 use crate::run::{metrics, RunError};
 
@@ -431,18 +431,7 @@ pub async fn run(
             pool.clone(),
         ));
     }
-    tokio::spawn(
-        pool.clone()
-            .check_health(HealthOptions::for_backend(cfg.run.spec.engines.backend)),
-    );
-    // Episodes wait for the engines (which may still be loading the model) instead of failing.
-    let router = Arc::new(
-        Router::new(
-            pool,
-            policy::by_name("consistent-hash").expect("a known policy"),
-        )
-        .with_engine_patience(crate::router::RUN_ENGINE_PATIENCE),
-    );
+    let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
 
     // The rollout pool over the agent pods.
     let agents = Arc::new(RemoteAgents::new(opts.lease_time));

@@ -25,6 +25,24 @@ pub use pool::{Engine, EnginePool, HealthOptions};
 /// long enough for a large model to load on a fresh engine pod.
 pub const RUN_ENGINE_PATIENCE: Duration = Duration::from_secs(30 * 60);
 
+/// The router of a run (the coordinator's, `moult run`'s) over `pool`: sessions stick to an
+/// engine (consistent hash), engines are health-checked as `backend`'s need, and requests wait
+/// up to [`RUN_ENGINE_PATIENCE`] for an engine while none is up (engines still loading the model)
+/// instead of failing. Spawns the health checks: call it inside the runtime.
+pub fn for_run(pool: Arc<EnginePool>, backend: moult_operator::api::EngineBackend) -> Arc<Router> {
+    tokio::spawn(
+        pool.clone()
+            .check_health(HealthOptions::for_backend(backend)),
+    );
+    Arc::new(
+        Router::new(
+            pool,
+            policy::by_name("consistent-hash").expect("a known policy"),
+        )
+        .with_engine_patience(RUN_ENGINE_PATIENCE),
+    )
+}
+
 /// A pool of engines and the policy that spreads requests over it.
 #[derive(Debug)]
 pub struct Router {

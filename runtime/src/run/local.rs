@@ -21,7 +21,7 @@ use crate::chat::{ChatTemplate, Tokenizer};
 use crate::engine::{http, EngineHandle, EngineOptions};
 use crate::loopback::{ChatService, EngineClient, ServiceOptions};
 use crate::model::{ModelConfig, Qwen3Model};
-use crate::router::{policy, server, EnginePool, HealthOptions, Router};
+use crate::router::{server, EnginePool};
 use crate::weight_sync::publish::{engine_kind, PublishOptions};
 use moult_operator::api::EngineBackend;
 
@@ -200,17 +200,7 @@ impl Stack {
             }
         }
         let pool = Arc::new(EnginePool::new(&urls));
-        tokio::spawn(
-            pool.clone()
-                .check_health(HealthOptions::for_backend(cfg.run.spec.engines.backend)),
-        );
-        let router = Arc::new(
-            Router::new(
-                pool,
-                policy::by_name("consistent-hash").expect("a known policy"),
-            )
-            .with_engine_patience(crate::router::RUN_ENGINE_PATIENCE),
-        );
+        let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
         let (listener, router_url) = bind().await?;
         tokio::spawn(server::serve(listener, router, stopped(stop_rx.clone())));
 
