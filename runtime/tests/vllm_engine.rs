@@ -188,6 +188,33 @@ async fn vllm_through_the_router_gives_vllms_own_tokens_logprobs_and_versions() 
         routed.iter().all(|&(_, _, v)| v == 0),
         "vLLM's \"default\" weights are version 0"
     );
+    // A client that asks for no logprobs (vLLM then sends none) still gets every token, through
+    // the router's non-streaming answer, with the logprobs the router asked vLLM for.
+    let mut plain = sampling.clone();
+    plain.as_object_mut().unwrap().remove("logprobs");
+    let answer = post(
+        &format!("{url}/inference/v1/generate"),
+        json!({"token_ids": prompt, "sampling_params": plain}),
+    )
+    .await;
+    let tokens: Vec<i64> = answer["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect();
+    assert_eq!(
+        tokens,
+        expected.iter().map(|&(t, _)| t).collect::<Vec<_>>(),
+        "{answer}"
+    );
+    assert_eq!(
+        answer["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .len(),
+        24
+    );
     assert_eq!(choice["weight_versions"][0]["version"], "default");
 
     // The router reads vLLM's string versions from /weight_info.

@@ -236,6 +236,15 @@ impl ChunkParser {
     }
 
     fn choice(&mut self, choice: Choice, out: &mut VecDeque<Result<Generated, EngineError>>) {
+        // Tokens are recorded with their logprobs: a chunk whose logprobs do not cover its
+        // tokens (vLLM sends none unless `sampling_params.logprobs` is set) would lose them.
+        let (tokens, logprobs) = (choice.token_ids.len(), choice.logprobs.content.len());
+        if logprobs != tokens {
+            out.push_back(Err(EngineError::Stream(format!(
+                "a chunk carries {tokens} token ids but {logprobs} logprobs: set sampling_params.logprobs (0 or more)"
+            ))));
+            return;
+        }
         self.held.extend(choice.logprobs.content);
         let spans = &choice.weight_versions;
         if let Some(end) = spans.iter().map(|s| s.end).max() {
@@ -455,6 +464,23 @@ mod tests {
             .collect();
         assert_eq!(versions, [4, 4]);
         assert_eq!(parser.engine_request_id.as_deref(), Some("a"));
+    }
+
+    #[test]
+    fn tokens_without_logprobs_are_an_error_not_a_silent_loss() {
+        // vLLM's chunk when `sampling_params.logprobs` was not set.
+        let mut parser = ChunkParser::default();
+        let mut out = VecDeque::new();
+        parser.chunk(
+            r#"{"request_id":"a","choices":[{"index":0,"finish_reason":null,"token_ids":[1729],"routed_experts":null,"weight_versions":null,"logprobs":null}]}"#,
+            &mut out,
+        );
+        match &out.iter().collect::<Vec<_>>()[..] {
+            [Err(EngineError::Stream(message))] => {
+                assert!(message.contains("sampling_params.logprobs"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

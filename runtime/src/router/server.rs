@@ -64,10 +64,16 @@ async fn generate(
     }
     let request_id = body.request_id.unwrap_or_else(|| router.request_id());
     let prompt_len = body.token_ids.len();
+    // Every routed token carries its logprob (the built-in engine always sends them; vLLM only
+    // when asked): ask for them when the client did not (docs/router.md, "The engine API").
+    let mut params = body.sampling_params;
+    if params.get("logprobs").is_none_or(Value::is_null) {
+        params.insert("logprobs".into(), Value::from(0));
+    }
     let req = RoutedRequest {
         request_id: request_id.clone(),
         prompt: body.token_ids,
-        params: body.sampling_params,
+        params,
         session: headers
             .get(SESSION_HEADER)
             .and_then(|v| v.to_str().ok())
