@@ -118,8 +118,9 @@ async fn compare(name: &str, model: &std::path::Path, threads: usize, new_tokens
 /// One short generation (8 tokens, greedy) through `url`; panics unless it answered in full.
 async fn short_request(http: &reqwest::Client, url: &str, i: usize) {
     let prompt: Vec<i64> = (0..16).map(|j| ((i * 131 + j * 7) % 2000) as i64).collect();
+    // With logprobs, as every RL client asks (and `moult router` asks for them anyway).
     let body = json!({"token_ids": prompt, "sampling_params": {"max_tokens": 8,
-        "temperature": 0.0, "ignore_eos": true}});
+        "temperature": 0.0, "ignore_eos": true, "logprobs": 0}});
     let r = http
         .post(format!("{url}/inference/v1/generate"))
         .header("x-moult-session", format!("s{}", i % 8))
@@ -136,33 +137,48 @@ async fn short_request(http: &reqwest::Client, url: &str, i: usize) {
     );
 }
 
-/// (p50, p99) latency in ms of `n` requests one at a time, and requests/s of 16 clients sending
-/// `n` in all.
-async fn latency_and_rate(url: &str, n: usize) -> (f64, f64, f64) {
+/// For each of `urls`: (p50, p99) latency in ms of `n` requests one at a time, and requests/s of
+/// 16 clients sending `n` in all. The paths take turns (request by request for latency, block by
+/// block for the rate, twice), so this machine's drift weighs on all of them alike.
+async fn latency_and_rate(urls: &[&str], n: usize) -> Vec<(f64, f64, f64)> {
     let http = reqwest::Client::new();
-    for i in 0..10 {
-        short_request(&http, url, i).await; // warm-up
-    }
-    let mut ms = Vec::with_capacity(n);
-    for i in 0..n {
-        let t = Instant::now();
-        short_request(&http, url, i).await;
-        ms.push(t.elapsed().as_secs_f64() * 1e3);
-    }
-    ms.sort_by(f64::total_cmp);
-    let pct = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
-    let started = Instant::now();
-    let clients = (0..16).map(|c| {
-        let http = http.clone();
-        async move {
-            for k in 0..n / 16 {
-                short_request(&http, url, c * 1000 + k).await;
-            }
+    for url in urls {
+        for i in 0..10 {
+            short_request(&http, url, i).await; // warm-up
         }
-    });
-    futures::future::join_all(clients).await;
-    let rate = (n / 16 * 16) as f64 / started.elapsed().as_secs_f64();
-    (pct(0.5), pct(0.99), rate)
+    }
+    let mut ms = vec![Vec::with_capacity(n); urls.len()];
+    for i in 0..n {
+        for (k, url) in urls.iter().enumerate() {
+            let t = Instant::now();
+            short_request(&http, url, i).await;
+            ms[k].push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let mut seconds = vec![0.0; urls.len()];
+    for _round in 0..2 {
+        for (k, url) in urls.iter().enumerate() {
+            let started = Instant::now();
+            let clients = (0..16).map(|c| {
+                let http = http.clone();
+                async move {
+                    for j in 0..n / 32 {
+                        short_request(&http, url, c * 1000 + j).await;
+                    }
+                }
+            });
+            futures::future::join_all(clients).await;
+            seconds[k] += started.elapsed().as_secs_f64();
+        }
+    }
+    ms.iter_mut()
+        .zip(&seconds)
+        .map(|(ms, s)| {
+            ms.sort_by(f64::total_cmp);
+            let pct = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
+            (pct(0.5), pct(0.99), (n / 32 * 32) as f64 / s)
+        })
+        .collect()
 }
 
 /// A router process; killed on drop.
@@ -227,10 +243,11 @@ async fn routers() {
     wait_healthy(&moult_url).await;
     wait_healthy(&theirs_url).await;
     const N: usize = 320;
-    let direct = latency_and_rate(&vllm.url, N).await;
+    let measured = latency_and_rate(&[&vllm.url, &moult_url, &theirs_url], N).await;
+    let direct = measured[0];
     let rows = [
-        ("moult router", latency_and_rate(&moult_url, N).await),
-        ("vllm-router 0.1.17", latency_and_rate(&theirs_url, N).await),
+        ("moult router", measured[1]),
+        ("vllm-router 0.1.17", measured[2]),
     ];
     println!(
         "| direct to vLLM | {:.2} | {:.2} | - | - | {:.1} | 1.00x |",
