@@ -283,21 +283,20 @@ async fn libtorch_requests_wait_for_an_engine_when_none_is_up() {
             .await
             .unwrap()
     };
-    let health = moult_runtime::router::HealthOptions {
-        interval: Duration::from_millis(200),
-        timeout: Duration::from_millis(500),
-        failures_to_down: 2,
-    };
     // Without patience, no engine means 503 at once.
-    let (impatient, _r) =
-        common::start_router_with(&[], "consistent-hash", health.clone(), Duration::ZERO).await;
+    let (impatient, _r) = start_router(&[], "consistent-hash").await;
     let r = generate(impatient).await;
     assert_eq!(r.status(), 503);
     assert!(r.text().await.unwrap().contains("no healthy engine"));
 
     // With patience, a request sent before any engine is up waits for the first to join.
-    let (url, _router) =
-        common::start_router_with(&[], "consistent-hash", health, Duration::from_secs(300)).await;
+    let (url, _router) = common::start_router_with(
+        &[],
+        "consistent-hash",
+        common::quick_health(),
+        Duration::from_secs(300),
+    )
+    .await;
     let waiting = tokio::spawn(generate(url.clone()));
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(!waiting.is_finished(), "the request did not wait");

@@ -146,16 +146,12 @@ fn prune_to(root: &Path, latest: u64, keep: usize) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };
-    let mut steps: Vec<u64> = Vec::new();
     for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(".step-") {
+        if entry.file_name().to_string_lossy().starts_with(".step-") {
             let _ = std::fs::remove_dir_all(entry.path());
-        } else if let Some(step) = name.strip_prefix("step-").and_then(|s| s.parse().ok()) {
-            steps.push(step);
         }
     }
-    steps.sort_unstable();
+    let mut steps = step_folders(root);
     steps.retain(|&s| s != latest);
     let drop = steps.len().saturating_sub(keep.saturating_sub(1));
     for step in &steps[..drop] {

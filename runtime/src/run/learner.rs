@@ -370,7 +370,6 @@ struct StepTimes {
     elapsed: f64,
 }
 
-/// The metrics record of a step: the batch, what training it produced, and the times.
 /// `x`, or 0 when it is NaN or infinite (a record holds JSON numbers only).
 fn finite_or_zero(x: f64) -> f64 {
     if x.is_finite() {
@@ -380,6 +379,7 @@ fn finite_or_zero(x: f64) -> f64 {
     }
 }
 
+/// The metrics record of a step: the batch, what training it produced, and the times.
 fn step_record(
     batch: &[Group],
     learned: &Learned,

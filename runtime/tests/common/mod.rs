@@ -292,17 +292,21 @@ pub async fn start_loopback(
     (url, service)
 }
 
+/// Health probes every 200 ms (the tests' routers notice an engine's coming and going quickly).
+pub fn quick_health() -> moult_runtime::router::HealthOptions {
+    moult_runtime::router::HealthOptions {
+        interval: std::time::Duration::from_millis(200),
+        timeout: std::time::Duration::from_millis(500),
+        failures_to_down: 2,
+    }
+}
+
 /// Serves a router over `engines` with `policy`, probing health every 200 ms.
 pub async fn start_router(
     engines: &[String],
     policy: &str,
 ) -> (String, std::sync::Arc<moult_runtime::router::Router>) {
-    let health = moult_runtime::router::HealthOptions {
-        interval: std::time::Duration::from_millis(200),
-        timeout: std::time::Duration::from_millis(500),
-        failures_to_down: 2,
-    };
-    start_router_with(engines, policy, health, std::time::Duration::ZERO).await
+    start_router_with(engines, policy, quick_health(), std::time::Duration::ZERO).await
 }
 
 /// Serves a router over `engines` with `policy`, probing health as `health` says; requests
