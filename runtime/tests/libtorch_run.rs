@@ -70,11 +70,18 @@ fn libtorch_run_learns_the_main_recipe() {
         last >= first + 0.4,
         "the reward rose well above its start: {first:.3} -> {last:.3}"
     );
+    assert_eq!(steps[0]["staleness"], serde_json::json!({"0": steps[0]["sampled_tokens"]}));
     for (i, r) in steps.iter().enumerate() {
         assert_eq!(r["step"].as_u64(), Some(i as u64 + 1));
         assert_eq!(r["policy_version"].as_u64(), Some(i as u64 + 1));
-        // Engine and trainer agree (forward consistency): |log ρ| is staleness, not mismatch.
-        assert!(r["mean_abs_log_rho"].as_f64().unwrap() < 0.5, "{r}");
+        // Engine and trainer agree (forward consistency): on tokens sampled by the policy being
+        // trained (staleness 0, the first step of an asynchronous run) |log ρ| is rounding only.
+        // On stale tokens it measures how far one update moved the policy, which is largest
+        // while the reward climbs (0.3–0.6 seen): bounded loosely, it still catches a mismatch
+        // (a wrong template or weights give several nats).
+        let log_rho = r["mean_abs_log_rho"].as_f64().unwrap();
+        let on_policy = r["staleness"].as_object().unwrap().keys().all(|k| k == "0");
+        assert!(log_rho < if on_policy { 1e-4 } else { 1.5 }, "{r}");
     }
     let summary: Value =
         serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
