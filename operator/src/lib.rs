@@ -9,6 +9,7 @@ pub mod api;
 pub mod children;
 #[cfg(feature = "controller")]
 pub mod controller;
+pub mod credentials;
 #[cfg(feature = "controller")]
 pub mod error;
 

@@ -169,6 +169,9 @@ async fn requests_per_second() {
         ServiceOptions {
             max_sessions: REQUESTS + 1,
             model_name: "bench".into(),
+            registered_sessions: false,
+            session_idle: None,
+            max_turns: moult_runtime::loopback::DEFAULT_MAX_TURNS,
         },
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -1,12 +1,15 @@
-//! The per-run token of a cluster run (docs/operator.md: internal endpoints need it).
+//! The credentials of a cluster run (docs/security.md says who holds which, and what each opens).
 //!
-//! The operator puts a random token in a Secret and every pod of the run gets it as
-//! `MOULT_TOKEN`. When it is set, every HTTP server of the process (engine, router, coordinator,
-//! the trainer's and agents' metrics) refuses requests without `Authorization: Bearer <token>`
-//! (401), except `GET /health` and `GET /metrics`, which kubelet probes and Prometheus call
-//! without credentials; and every HTTP client of the process sends it. The weight stream's TCP
-//! handshake carries it too ([`crate::engine::weights`]). Without `MOULT_TOKEN` (a local run on
-//! loopback) nothing is checked.
+//! The operator puts a random token in a Secret. The coordinator, trainer and engines get it as
+//! `MOULT_TOKEN` (the run token); agent pods get only `MOULT_AGENT_TOKEN`, the agent credential
+//! derived from it ([`moult_operator::credentials::agent_credential`]). When a process has the
+//! run token, every HTTP server of it refuses requests without `Authorization: Bearer <run
+//! token>` (401), except `GET /health` and `GET /metrics`, which kubelet probes and Prometheus
+//! call without credentials; the coordinator also takes the agent credential on the routes an
+//! agent needs ([`AGENT_ROUTES`]: leasing and returning episodes, generating) and refuses it
+//! everywhere else (403). Every HTTP client of the process sends the process's credential. The
+//! weight stream's TCP handshake carries the run token too ([`crate::engine::weights`]). Without
+//! either variable (a local run on loopback) nothing is checked.
 
 use std::sync::OnceLock;
 
@@ -17,26 +20,58 @@ use axum::response::{IntoResponse, Response};
 
 use crate::engine::ApiError;
 
-/// The environment variable that holds the token.
+/// The environment variable that holds the run token.
 pub const TOKEN_ENV: &str = "MOULT_TOKEN";
+/// The environment variable that holds the agent credential (agent pods only).
+pub const AGENT_TOKEN_ENV: &str = "MOULT_AGENT_TOKEN";
 
-/// The run's token, if this process has one (read once).
+/// Every environment variable that holds a credential: agent code never inherits these.
+pub const CREDENTIAL_ENVS: [&str; 2] = [TOKEN_ENV, AGENT_TOKEN_ENV];
+
+/// The routes (method and path) the agent credential opens on the coordinator: what `moult
+/// agents` calls. A path ending in `/` takes one more segment (the lease id).
+pub const AGENT_ROUTES: [(&str, &str); 5] = [
+    ("POST", "/v1/agents/lease"),
+    ("POST", "/v1/agents/renew"),
+    ("POST", "/v1/agents/episodes/"),
+    ("POST", "/inference/v1/generate"),
+    ("POST", "/inference/v1/abort_requests"),
+];
+
+fn read_env(name: &str) -> Option<String> {
+    std::env::var(name)
+        .ok()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+}
+
+/// The run token, if this process has one (read once).
 pub fn token() -> Option<&'static str> {
     static TOKEN: OnceLock<Option<String>> = OnceLock::new();
-    TOKEN
-        .get_or_init(|| {
-            std::env::var(TOKEN_ENV)
-                .ok()
-                .map(|t| t.trim().to_string())
-                .filter(|t| !t.is_empty())
+    TOKEN.get_or_init(|| read_env(TOKEN_ENV)).as_deref()
+}
+
+/// The agent credential: derived from the run token where this process has it, else the one
+/// given to an agent pod (read once).
+pub fn agent_token() -> Option<&'static str> {
+    static AGENT: OnceLock<Option<String>> = OnceLock::new();
+    AGENT
+        .get_or_init(|| match token() {
+            Some(t) => Some(moult_operator::credentials::agent_credential(t)),
+            None => read_env(AGENT_TOKEN_ENV),
         })
         .as_deref()
 }
 
-/// An HTTP client that sends the run's token with every request (when there is one).
+/// What this process's HTTP clients send: the run token, or the agent credential in an agent pod.
+fn client_credential() -> Option<&'static str> {
+    token().or_else(agent_token)
+}
+
+/// An HTTP client that sends this process's credential with every request (when there is one).
 pub fn client_builder() -> reqwest::ClientBuilder {
     let builder = reqwest::Client::builder();
-    match token().and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
+    match client_credential().and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
         Some(mut value) => {
             value.set_sensitive(true);
             let mut headers = reqwest::header::HeaderMap::new();
@@ -59,6 +94,23 @@ fn open(path: &str) -> bool {
     matches!(path, "/health" | "/metrics")
 }
 
+/// Whether the agent credential opens `method path`.
+fn agent_route(method: &str, path: &str) -> bool {
+    AGENT_ROUTES.iter().any(|(m, p)| {
+        *m == method
+            && match p.strip_suffix('/') {
+                // One more segment, and a plain one: no `..` or empty segment to walk elsewhere.
+                Some(prefix) => path
+                    .strip_prefix(prefix)
+                    .and_then(|rest| rest.strip_prefix('/'))
+                    .is_some_and(|id| {
+                        !id.is_empty() && !id.contains('/') && id != ".." && id != "."
+                    }),
+                None => path == *p,
+            }
+    })
+}
+
 /// Whether `header` (an `Authorization` value) carries `token`, compared in constant time.
 fn authorized(header: Option<&HeaderValue>, token: &str) -> bool {
     let Some(given) = header
@@ -71,29 +123,83 @@ fn authorized(header: Option<&HeaderValue>, token: &str) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn check(request: Request, next: Next) -> Response {
-    match token() {
-        Some(t)
-            if !open(request.uri().path())
-                && !authorized(request.headers().get(header::AUTHORIZATION), t) =>
-        {
-            let mut response = ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                format!("this endpoint needs the run's token: send `Authorization: Bearer ${TOKEN_ENV}`"),
-            )
-            .into_response();
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+/// Who may call which route of a server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Policy {
+    /// The run token only (engines, the trainer's and agents' metrics servers, a router).
+    Run,
+    /// The run token, and the agent credential on [`AGENT_ROUTES`] (the coordinator).
+    RunAndAgents,
+}
+
+/// What a request with `authorization` may do under `policy`, given the run token `run` and
+/// the agent credential `agent`: `None` to serve it, or the refusal.
+fn decide(
+    policy: Policy,
+    run: &str,
+    agent: Option<&str>,
+    method: &str,
+    path: &str,
+    authorization: Option<&HeaderValue>,
+) -> Option<(StatusCode, String)> {
+    if open(path) || authorized(authorization, run) {
+        return None;
+    }
+    if agent.is_some_and(|agent| authorized(authorization, agent)) {
+        if policy == Policy::RunAndAgents && agent_route(method, path) {
+            return None;
+        }
+        return Some((
+            StatusCode::FORBIDDEN,
+            format!(
+                "the agent credential does not open {method} {path}: agents may lease and return \
+                 episodes and generate, nothing else (docs/security.md)"
+            ),
+        ));
+    }
+    Some((
+        StatusCode::UNAUTHORIZED,
+        format!("this endpoint needs the run's token: send `Authorization: Bearer ${TOKEN_ENV}`"),
+    ))
+}
+
+async fn check(policy: Policy, request: Request, next: Next) -> Response {
+    let Some(run) = token() else {
+        return next.run(request).await;
+    };
+    let refusal = decide(
+        policy,
+        run,
+        agent_token(),
+        request.method().as_str(),
+        request.uri().path(),
+        request.headers().get(header::AUTHORIZATION),
+    );
+    match refusal {
+        None => next.run(request).await,
+        Some((status, message)) => {
+            let mut response = ApiError::new(status, message).into_response();
+            if status == StatusCode::UNAUTHORIZED {
+                response
+                    .headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
             response
         }
-        _ => next.run(request).await,
     }
 }
 
-/// `routes` with the token check in front (a no-op without a token).
+/// `routes` with the run-token check in front (a no-op in a process without the run token).
 pub fn protect(routes: axum::Router) -> axum::Router {
-    routes.layer(axum::middleware::from_fn(check))
+    routes.layer(axum::middleware::from_fn(|r, n| check(Policy::Run, r, n)))
+}
+
+/// [`protect`], with the agent credential accepted on [`AGENT_ROUTES`]: the coordinator's
+/// server.
+pub fn protect_for_agents(routes: axum::Router) -> axum::Router {
+    routes.layer(axum::middleware::from_fn(|r, n| {
+        check(Policy::RunAndAgents, r, n)
+    }))
 }
 
 #[cfg(test)]
@@ -109,5 +215,73 @@ mod tests {
         assert!(!authorized(Some(&h("Basic s3cret")), "s3cret"));
         assert!(!authorized(None, "s3cret"));
         assert!(open("/health") && open("/metrics") && !open("/pause"));
+    }
+
+    #[test]
+    fn the_agent_credential_opens_the_agent_routes_of_the_coordinator_only() {
+        let agent = moult_operator::credentials::agent_credential("s3cret");
+        let bearer = |t: &str| HeaderValue::from_str(&format!("Bearer {t}")).unwrap();
+        let decide = |policy, method, path, t: &str| {
+            decide(
+                policy,
+                "s3cret",
+                Some(&agent),
+                method,
+                path,
+                Some(&bearer(t)),
+            )
+            .map(|r| r.0)
+        };
+        use Policy::*;
+        for (method, path) in [
+            ("POST", "/v1/agents/lease"),
+            ("POST", "/v1/agents/renew"),
+            ("POST", "/v1/agents/episodes/lease-7"),
+            ("POST", "/inference/v1/generate"),
+            ("POST", "/inference/v1/abort_requests"),
+        ] {
+            assert_eq!(decide(RunAndAgents, method, path, &agent), None, "{path}");
+            assert_eq!(decide(RunAndAgents, method, path, "s3cret"), None, "{path}");
+            // Engines and routers of their own take the run token alone.
+            assert_eq!(
+                decide(Run, method, path, &agent),
+                Some(StatusCode::FORBIDDEN),
+                "{path}"
+            );
+        }
+        for (method, path) in [
+            ("POST", "/engines"),
+            ("GET", "/engines"),
+            ("DELETE", "/engines"),
+            ("POST", "/pause"),
+            ("POST", "/resume"),
+            ("POST", "/update_weights"),
+            ("POST", "/init_weight_transfer_engine"),
+            ("POST", "/collective_rpc"),
+            ("POST", "/update_weight_version"),
+            ("POST", "/v1/trainer/commit"),
+            ("GET", "/v1/trainer/batch"),
+            ("POST", "/v1/trainer/hello"),
+            ("GET", "/v1/status"),
+            ("GET", "/v1/agents/lease"),
+            ("POST", "/v1/agents/episodes/"),
+            ("POST", "/v1/agents/episodes/../../engines"),
+            ("POST", "/v1/agents/episodes/a/b"),
+            ("POST", "/v1/agents/episodes/.."),
+            ("POST", "/v1/agents/lease/"),
+            ("POST", "/inference/v1/generate/../../pause"),
+        ] {
+            assert_eq!(
+                decide(RunAndAgents, method, path, &agent),
+                Some(StatusCode::FORBIDDEN),
+                "{method} {path}"
+            );
+            assert_eq!(decide(RunAndAgents, method, path, "s3cret"), None);
+            assert_eq!(
+                decide(RunAndAgents, method, path, "guess"),
+                Some(StatusCode::UNAUTHORIZED)
+            );
+        }
+        assert_eq!(decide(RunAndAgents, "GET", "/health", "guess"), None);
     }
 }

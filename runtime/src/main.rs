@@ -210,9 +210,15 @@ struct ChatArgs {
     /// Port on 127.0.0.1 (the loopback server never listens on other interfaces); 0 picks one.
     #[arg(long, default_value_t = 8100)]
     port: u16,
-    /// Sessions kept at once; more get 429 until some are deleted.
+    /// Sessions kept at once; more get 429 until some are deleted or expire.
     #[arg(long, default_value_t = 1024)]
     max_sessions: usize,
+    /// A session unused this long is dropped when a new session needs room ("0s": never).
+    #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+    session_idle: std::time::Duration,
+    /// Turns one session may take; more get 429.
+    #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_TURNS)]
+    max_turns: usize,
     /// Largest request body accepted (bytes).
     #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
@@ -366,11 +372,22 @@ async fn chat(args: ChatArgs) -> anyhow::Result<()> {
     if args.max_sessions == 0 {
         bail!("--max-sessions must be at least 1");
     }
+    if args.max_turns == 0 {
+        bail!("--max-turns must be at least 1");
+    }
     let service = chat_service(
         &args.engine,
         &args.model,
-        args.max_sessions,
-        args.served_model_name.clone(),
+        moult_runtime::loopback::ServiceOptions {
+            max_sessions: args.max_sessions,
+            model_name: args
+                .served_model_name
+                .clone()
+                .unwrap_or_else(|| folder_name(&args.model)),
+            registered_sessions: false,
+            session_idle: (!args.session_idle.is_zero()).then_some(args.session_idle),
+            max_turns: args.max_turns,
+        },
     )?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
         .await
@@ -395,19 +412,15 @@ async fn chat(args: ChatArgs) -> anyhow::Result<()> {
 fn chat_service(
     engine: &str,
     model: &std::path::Path,
-    max_sessions: usize,
-    served_model_name: Option<String>,
+    opts: moult_runtime::loopback::ServiceOptions,
 ) -> anyhow::Result<moult_runtime::loopback::ChatService> {
     use moult_runtime::chat::{ChatTemplate, Tokenizer};
-    use moult_runtime::loopback::{ChatService, EngineClient, ServiceOptions};
+    use moult_runtime::loopback::{ChatService, EngineClient};
     Ok(ChatService::new(
         EngineClient::new(engine),
         Tokenizer::from_model_dir(model)?,
         ChatTemplate::from_model_dir(model)?,
-        ServiceOptions {
-            max_sessions,
-            model_name: served_model_name.unwrap_or_else(|| folder_name(model)),
-        },
+        opts,
     ))
 }
 
@@ -452,7 +465,11 @@ async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
         _ => bail!("give --agent PATH|builtin:NAME, or --agent-cmd CMD with --form chat|env"),
     };
     let tasks = moult_runtime::run::config::read_jsonl(tasks, "--tasks")?;
-    let service = Arc::new(chat_service(engine, model, args.concurrency * 2, None)?);
+    let service = Arc::new(chat_service(
+        engine,
+        model,
+        moult_runtime::loopback::ServiceOptions::pool(args.concurrency * 2, folder_name(model)),
+    )?);
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
         .await
         .with_context(|| format!("binding 127.0.0.1:{}", args.port))?;

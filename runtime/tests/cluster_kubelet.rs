@@ -45,7 +45,7 @@ spec:
 const STAND_IN: &str = r#"#!/usr/bin/env bash
 {
   printf 'arg=%s\n' "$@"
-  for v in MOULT_TOKEN POD_IP MOULT_CONFIG MOULT_MODEL MOULT_CHECKPOINTS MOULT_COORDINATOR \
+  for v in MOULT_TOKEN MOULT_AGENT_TOKEN POD_IP MOULT_CONFIG MOULT_MODEL MOULT_CHECKPOINTS MOULT_COORDINATOR \
            MOULT_ENGINES MASTER_ADDR RANK HOME KUBECONFIG; do
     [ -n "${!v+x}" ] && printf 'env %s=%s\n' "$v" "${!v}"
   done
@@ -202,12 +202,26 @@ async fn cluster_kubelet_runs_the_operators_pod_specs() {
         .get(&format!("{RUN}-token"))
         .await
         .unwrap();
-    let token = String::from_utf8(secret.data.unwrap()["token"].0.clone()).unwrap();
+    let data = secret.data.unwrap();
+    let key = |k: &str| String::from_utf8(data[k].0.clone()).unwrap();
+    let (token, agent_token) = (key("token"), key("agent-token"));
     for (pod, (info, report, _)) in &reports {
-        assert_eq!(
+        // Agent pods run untrusted code: they hold the agent credential alone and no API
+        // credential; only the coordinator talks to the API server.
+        let agents = pod.ends_with("-agents");
+        let credentials = (
             report.env.get("MOULT_TOKEN"),
-            Some(&token),
-            "{pod}: MOULT_TOKEN"
+            report.env.get("MOULT_AGENT_TOKEN"),
+        );
+        if agents {
+            assert_eq!(credentials, (None, Some(&agent_token)), "{pod}");
+        } else {
+            assert_eq!(credentials, (Some(&token), None), "{pod}");
+        }
+        assert_eq!(
+            report.env.contains_key("KUBECONFIG"),
+            pod.ends_with("-coordinator"),
+            "{pod}: KUBECONFIG"
         );
         let config = report.env.get("MOULT_CONFIG").expect("MOULT_CONFIG");
         assert_config_file(config, pod);

@@ -172,6 +172,94 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
     assert_eq!(episode["reward"], 2.0);
     assert_eq!(episode["segments"].as_array().unwrap().len(), 2);
 
+    // Agent code is untrusted: it gets no credential from moult's environment (not even one
+    // MOULT_AGENT_PASS_ENV names), and the pool's variables and what the pass list names
+    // only; what it starts dies with its episode; another session's URL is a 404; a task too
+    // large for an environment variable reaches it through MOULT_TASK_FILE.
+    let tasks = dir.join("big_task.jsonl");
+    let padding = "x".repeat(200_000);
+    std::fs::write(
+        &tasks,
+        format!("{}\n", serde_json::json!({ "padding": padding })),
+    )
+    .unwrap();
+    let hostile_out = dir.join("hostile.jsonl");
+    let status = moult()
+        .args(["agents", "--engine", &engine_url, "--model"])
+        .arg(&model)
+        .arg("--agent")
+        .arg(root.join("tests/python/agents/hostile_agent.py"))
+        .arg("--tasks")
+        .arg(&tasks)
+        .arg("--python")
+        .arg(common::python())
+        .arg("--out")
+        .arg(&hostile_out)
+        .env("MOULT_TOKEN", "run-secret")
+        .env("MOULT_AGENT_TOKEN", "agent-secret")
+        .env("MOULT_AGENT_PASS_ENV", "MOULT_TOKEN, PASSED_ON")
+        .env("PASSED_ON", "yes")
+        .env("WITHHELD", "no")
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let text = std::fs::read_to_string(&hostile_out).unwrap();
+    let episode: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(episode["status"], "completed", "{episode}");
+    let info = &episode["info"];
+    let env: Vec<&str> = info["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    for name in [
+        "MOULT_TOKEN",
+        "MOULT_AGENT_TOKEN",
+        "WITHHELD",
+        "CARGO_MANIFEST_DIR",
+    ] {
+        assert!(!env.contains(&name), "{name} reached the agent: {env:?}");
+    }
+    for name in [
+        "PATH",
+        "PASSED_ON",
+        "MOULT_SESSION_ID",
+        "MOULT_TASK_FILE",
+        "OPENAI_BASE_URL",
+    ] {
+        assert!(env.contains(&name), "{name} is missing: {env:?}");
+    }
+    let values = info["values"].as_array().unwrap();
+    assert!(
+        !values.iter().any(|v| {
+            let v = v.as_str().unwrap();
+            v.contains("run-secret") || v.contains("agent-secret")
+        }),
+        "a credential reached the agent"
+    );
+    assert_eq!(info["forged_status"], 404, "{info}");
+    assert_eq!(info["task_in_env"], false);
+    assert_eq!(info["task_len"], 200_000);
+    let leftover = info["leftover_pid"].as_u64().unwrap();
+    let gone = || {
+        std::fs::read_to_string(format!("/proc/{leftover}/stat")).map_or(true, |stat| {
+            stat.rsplit(") ").next().unwrap_or("").starts_with('Z')
+        })
+    };
+    // SIGKILL was sent when the episode ended; its delivery takes a moment.
+    for _ in 0..100 {
+        if gone() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        gone(),
+        "the agent's leftover process {leftover} outlived its episode"
+    );
+
     let bad = moult()
         .args(["agents", "--engine", &engine_url, "--model"])
         .arg(&model)

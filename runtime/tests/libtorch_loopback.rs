@@ -86,6 +86,69 @@ async fn libtorch_bad_requests_get_each_protocols_error_and_the_session_survives
     assert_eq!(service.trajectory("s1").await.unwrap().0, 1);
 }
 
+/// The agent pool's sessions: registered by the pool, so a request under any other id (a
+/// leftover agent process's, after its episode was taken) is a 404 and makes nothing; a session
+/// takes at most `max_turns` turns. Sessions made on first use (`moult chat`) expire when idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_unknown_sessions_get_404_and_sessions_are_bounded() {
+    use moult_runtime::loopback::ServiceOptions;
+    let model = chat_model();
+    let engine = start_engine(&model, engine_options()).await;
+    let mut opts = ServiceOptions::pool(4, "tiny");
+    opts.max_turns = 2;
+    let (url, service) =
+        common::start_loopback_with(&engine.url, &model, &model, 1 << 20, opts).await;
+    let turn = json!({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0});
+    let chat = |s: &str| format!("/s/{s}/v1/chat/completions");
+    let (status, body) = post_raw(&url, &chat("made-up"), turn.to_string().into_bytes()).await;
+    assert_eq!(status, 404, "{body}");
+    assert!(body.to_string().contains("no session made-up"), "{body}");
+    assert!(service.trajectory("made-up").await.is_none());
+
+    service.open("ep1").unwrap();
+    // Distinct turns (the same request again would be a retry, answered from the session).
+    let nth = |i: usize| json!({"messages": [{"role": "user", "content": format!("Say hi {i}.")}], "max_tokens": 2, "temperature": 0});
+    for i in 0..2 {
+        let (status, body) = post_raw(&url, &chat("ep1"), nth(i).to_string().into_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let (status, body) = post_raw(&url, &chat("ep1"), nth(2).to_string().into_bytes()).await;
+    assert_eq!(status, 429, "{body}");
+    assert!(body.to_string().contains("its 2 turns"), "{body}");
+    assert!(!service.take("ep1").await.unwrap().is_empty());
+    // The episode is over: its agent's late requests make no session again.
+    let (status, _) = post_raw(&url, &chat("ep1"), turn.to_string().into_bytes()).await;
+    assert_eq!(status, 404);
+    assert!(service.trajectory("ep1").await.is_none());
+
+    // Sessions made on first use: one unused for longer than `session_idle` goes when a new one
+    // is made; one in use stays.
+    let opts = ServiceOptions {
+        max_sessions: 2,
+        model_name: "tiny".into(),
+        registered_sessions: false,
+        session_idle: Some(Duration::from_secs(1)),
+        max_turns: 8,
+    };
+    let (url, service) =
+        common::start_loopback_with(&engine.url, &model, &model, 1 << 20, opts).await;
+    for s in ["old", "fresh"] {
+        let (status, body) = post_raw(&url, &chat(s), turn.to_string().into_bytes()).await;
+        assert_eq!(status, 200, "{body}");
+        if s == "old" {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        }
+    }
+    let (status, body) = post_raw(&url, &chat("new"), turn.to_string().into_bytes()).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        service.trajectory("old").await.is_none(),
+        "the idle session expired"
+    );
+    assert!(service.trajectory("fresh").await.is_some());
+    assert!(service.trajectory("new").await.is_some());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_a_streaming_client_that_disconnects_aborts_its_engine_request() {
     // An engine with no EOS: the random tiny model would otherwise end some streams early

@@ -33,10 +33,7 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
         EngineClient::new(&router_url),
         Tokenizer::from_model_dir(&dir).unwrap(),
         ChatTemplate::from_model_dir(&chat_model()).unwrap(),
-        ServiceOptions {
-            max_sessions: 256,
-            model_name: "tiny".into(),
-        },
+        ServiceOptions::pool(256, "tiny"),
     ));
     let agents = Arc::new(
         AgentPool::new(

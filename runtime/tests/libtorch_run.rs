@@ -70,7 +70,10 @@ fn libtorch_run_learns_the_main_recipe() {
         last >= first + 0.4,
         "the reward rose well above its start: {first:.3} -> {last:.3}"
     );
-    assert_eq!(steps[0]["staleness"], serde_json::json!({"0": steps[0]["sampled_tokens"]}));
+    assert_eq!(
+        steps[0]["staleness"],
+        serde_json::json!({"0": steps[0]["sampled_tokens"]})
+    );
     for (i, r) in steps.iter().enumerate() {
         assert_eq!(r["step"].as_u64(), Some(i as u64 + 1));
         assert_eq!(r["policy_version"].as_u64(), Some(i as u64 + 1));

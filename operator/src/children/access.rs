@@ -12,7 +12,7 @@ use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::ByteString;
 
-use super::{Ctx, InvalidSpec, RUN_LABEL, TOKEN_KEY};
+use super::{Ctx, InvalidSpec, AGENT_TOKEN_KEY, RUN_LABEL, TOKEN_KEY};
 use crate::api::GROUP;
 
 /// File name of the run config inside the ConfigMap (mounted at `/etc/moult`).
@@ -36,15 +36,17 @@ pub(crate) fn config_map(ctx: &Ctx) -> Result<ConfigMap, InvalidSpec> {
     })
 }
 
-/// The token every internal endpoint of the run requires.
+/// The token every internal endpoint of the run requires, and the agent credential derived from
+/// it (which opens only what agents need, docs/security.md).
 pub(crate) fn token_secret(ctx: &Ctx, token: &str) -> Secret {
+    let agent = crate::credentials::agent_credential(token);
     Secret {
         metadata: ctx.meta("token", None),
         type_: Some("Opaque".into()),
-        data: Some(BTreeMap::from([(
-            TOKEN_KEY.to_string(),
-            ByteString(token.as_bytes().to_vec()),
-        )])),
+        data: Some(BTreeMap::from([
+            (TOKEN_KEY.to_string(), ByteString(token.as_bytes().to_vec())),
+            (AGENT_TOKEN_KEY.to_string(), ByteString(agent.into_bytes())),
+        ])),
         ..Secret::default()
     }
 }

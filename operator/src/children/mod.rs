@@ -39,6 +39,8 @@ pub const CONFIG_HASH_ANNOTATION: &str = "moult.dev/config-hash";
 pub const APPLIED_HASH_ANNOTATION: &str = "moult.dev/applied-hash";
 /// Key of the per-run token in its Secret.
 pub const TOKEN_KEY: &str = "token";
+/// Key of the agent credential (derived from the token, docs/security.md) in the same Secret.
+pub const AGENT_TOKEN_KEY: &str = "agent-token";
 
 /// Ports of the run's internal endpoints.
 pub const ENGINE_PORT: i32 = 8000;

@@ -13,7 +13,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::access::CONFIG_FILE;
-use super::{name, Ctx, CONFIG_HASH_ANNOTATION, TOKEN_KEY};
+use super::{name, Ctx, AGENT_TOKEN_KEY, CONFIG_HASH_ANNOTATION, TOKEN_KEY};
 use crate::api::WeightTransport;
 
 /// Extended resource of NVIDIA's device plugin.
@@ -77,6 +77,9 @@ pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> 
         }),
         spec: Some(PodSpec {
             service_account_name: Some(ctx.name.clone()),
+            // Only the coordinator calls the API server (engine discovery, status); no other
+            // pod, and above all no agent pod, holds an API credential.
+            automount_service_account_token: Some(component == "coordinator"),
             security_context: Some(PodSecurityContext {
                 run_as_non_root: Some(true),
                 run_as_user: Some(RUN_AS),
@@ -119,18 +122,31 @@ pub(crate) fn container(
     }
 }
 
-/// The environment every moult container gets: where the config is and the token.
-pub(crate) fn moult_env(ctx: &Ctx) -> Vec<EnvVar> {
+/// Which credential a pod holds (docs/security.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Credential {
+    /// The run token (`MOULT_TOKEN`): coordinator, trainer, engines.
+    Run,
+    /// The agent credential alone (`MOULT_AGENT_TOKEN`): agent pods, which run untrusted code.
+    Agent,
+}
+
+/// The environment every moult container gets: where the config is and its credential.
+pub(crate) fn moult_env(ctx: &Ctx, credential: Credential) -> Vec<EnvVar> {
+    let (variable, key) = match credential {
+        Credential::Run => ("MOULT_TOKEN", TOKEN_KEY),
+        Credential::Agent => ("MOULT_AGENT_TOKEN", AGENT_TOKEN_KEY),
+    };
     vec![
         env("MOULT_CONFIG", &config_path()),
         env("MOULT_RUN", &ctx.name),
         env("HOME", "/tmp"),
         EnvVar {
-            name: "MOULT_TOKEN".into(),
+            name: variable.into(),
             value_from: Some(EnvVarSource {
                 secret_key_ref: Some(SecretKeySelector {
                     name: name(&ctx.name, "token"),
-                    key: TOKEN_KEY.into(),
+                    key: key.into(),
                     optional: Some(false),
                 }),
                 ..EnvVarSource::default()

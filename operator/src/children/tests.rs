@@ -264,15 +264,57 @@ fn every_pod_runs_as_non_root_without_capabilities() {
                 sc.capabilities.as_ref().unwrap().drop.as_deref(),
                 Some(&["ALL".to_string()][..])
             );
-            if c.name != "install-moult" {
-                assert!(
-                    c.env.iter().flatten().any(|v| v.name == "MOULT_TOKEN"),
-                    "{} gets the run token",
-                    c.name
-                );
-            }
         }
         assert_eq!(p.service_account_name.as_deref(), Some("gsm8k-grpo"));
+    }
+}
+
+/// The key of the token Secret that `variable` of `c` is read from, if any.
+fn secret_key(c: &k8s_openapi::api::core::v1::Container, variable: &str) -> Option<String> {
+    let v = c.env.iter().flatten().find(|v| v.name == variable)?;
+    let selector = v.value_from.as_ref()?.secret_key_ref.as_ref()?;
+    assert_eq!(selector.name, "gsm8k-grpo-token");
+    Some(selector.key.clone())
+}
+
+#[test]
+fn agent_pods_hold_the_agent_credential_alone_and_no_api_credential() {
+    let c = build(&example_run());
+    let secret = c.token.data.as_ref().unwrap();
+    assert_eq!(secret["token"].0, b"secret-token");
+    assert_eq!(
+        secret["agent-token"].0,
+        crate::credentials::agent_credential("secret-token").into_bytes()
+    );
+    for (component, t) in [
+        ("engines", c.engines.spec.template),
+        ("trainer", c.trainer.spec.template),
+        ("coordinator", c.coordinator.spec.template),
+        ("agents", c.agents.spec.template),
+    ] {
+        let p = t.spec.unwrap();
+        let main = &p.containers[0];
+        let (run, agent) = (
+            secret_key(main, "MOULT_TOKEN"),
+            secret_key(main, "MOULT_AGENT_TOKEN"),
+        );
+        if component == "agents" {
+            assert_eq!((run, agent.as_deref()), (None, Some("agent-token")));
+            for init in p.init_containers.iter().flatten() {
+                assert!(init.env.iter().flatten().all(|v| v.value_from.is_none()));
+            }
+        } else {
+            assert_eq!(
+                (run.as_deref(), agent),
+                (Some("token"), None),
+                "{component}"
+            );
+        }
+        assert_eq!(
+            p.automount_service_account_token,
+            Some(component == "coordinator"),
+            "{component}: only the coordinator calls the API server"
+        );
     }
 }
 

@@ -13,7 +13,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pods::{
     claim, config_path, container, dataset, empty_dir, env, field_env, locked_down, model,
-    moult_env, mount, resources, teacher, template, weights, CHECKPOINT_DIR, WEIGHTS_DIR,
+    moult_env, mount, resources, teacher, template, weights, Credential, CHECKPOINT_DIR,
+    WEIGHTS_DIR,
 };
 use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, TRAINER_RENDEZVOUS_PORT};
 use crate::api::{AgentForm, EngineBackend, RLRunSpec, WeightTransport};
@@ -116,7 +117,7 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
             (image, vec!["moult".to_string()], args, Vec::new())
         }
     };
-    env_vars.extend(moult_env(ctx));
+    env_vars.extend(moult_env(ctx, Credential::Run));
     let mut c = container("engine", &image, command, args);
     c.env = Some(env_vars);
     c.ports = container_port(ENGINE_PORT);
@@ -258,7 +259,7 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
         // On-policy distillation: the trainer scores samples with the teacher.
         env_vars.push(env("MOULT_TEACHER", path));
     }
-    env_vars.extend(moult_env(ctx));
+    env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);
     c.ports = Some(vec![
         port("rendezvous", TRAINER_RENDEZVOUS_PORT),
@@ -333,7 +334,7 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
         // The coordinator draws the tasks (it owns the data cursor).
         env("MOULT_TASKS", &tasks_path),
     ];
-    env_vars.extend(moult_env(ctx));
+    env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);
     c.ports = container_port(COORDINATOR_PORT);
     c.readiness_probe = Some(http_probe("/health", COORDINATOR_PORT, 5));
@@ -402,7 +403,7 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
             env_vars.push(env("MOULT_ENV", name));
         }
     }
-    env_vars.extend(moult_env(ctx));
+    env_vars.extend(moult_env(ctx, Credential::Agent));
     c.env = Some(env_vars);
     c.ports = Some(vec![port("metrics", METRICS_PORT)]);
     c.liveness_probe = Some(http_probe("/health", METRICS_PORT, 10));

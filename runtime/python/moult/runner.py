@@ -43,7 +43,12 @@ def load(path):
 
 
 def run_chat(agent):
-    task = json.loads(os.environ.get("MOULT_TASK", "null"))
+    task_file = os.environ.get("MOULT_TASK_FILE")
+    if task_file:
+        with open(task_file) as f:
+            task = json.load(f)
+    else:
+        task = json.loads(os.environ.get("MOULT_TASK", "null"))
     result = agent.run(task, moult.Context.from_environ())
     if isinstance(result, (int, float)):
         result = moult.Result(reward=float(result))

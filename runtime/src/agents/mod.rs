@@ -162,7 +162,12 @@ impl AgentPool {
     pub async fn episode(&self, index: usize, task: Json) -> Episode {
         let session = format!("ep{index}-{}", crate::loopback::random_id());
         let started = Instant::now();
-        let outcome = tokio::time::timeout(self.opts.timeout, self.play(&session, &task)).await;
+        let outcome = match self.service.open(&session) {
+            Ok(()) => tokio::time::timeout(self.opts.timeout, self.play(&session, &task)).await,
+            Err(e) => Ok(Err(AgentError::Crashed(format!(
+                "the loopback session could not be opened: {e}"
+            )))),
+        };
         // Closing the session cancels a turn still running (a killed agent's, a timed-out one's).
         let segments = self.service.take(&session).await.unwrap_or_default();
         let (status, reason, reward, info) = match outcome {

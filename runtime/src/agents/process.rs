@@ -3,9 +3,12 @@
 //! this binary and written to a temporary folder on first use (so `moult agents` needs nothing
 //! installed besides Python and the agent's own dependencies).
 //!
-//! Every child is killed when its episode is dropped (timeout, pool shutdown); its stderr's tail is
-//! kept for the failure reason. An external env process may serve many episodes: each `reset`
-//! starts the next one.
+//! Agent code is untrusted (docs/security.md): every child starts with a cleared environment
+//! ([`agent_environment`]: no credential, only what programs need to run), in a process group of
+//! its own, and the whole group is killed when its episode is dropped (timeout, pool shutdown) or
+//! its process has answered, so nothing an agent started outlives it. Its stderr's tail is kept
+//! for the failure reason. An external env process may serve many episodes: each `reset` starts
+//! the next one; its answers are read a bounded line at a time.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -54,6 +57,95 @@ pub fn python_package_dir() -> Result<&'static Path, AgentError> {
     Ok(DIR.get_or_init(|| dir))
 }
 
+/// Variables of moult's own environment that agent programs get (all others are withheld: the
+/// run's credentials above all): what finding programs, libraries, locales and certificates
+/// needs. Names listed in `MOULT_AGENT_PASS_ENV` (comma-separated) are passed too.
+const PASSED_ENV: [&str; 22] = [
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "SHELL",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "TERM",
+    "TMPDIR",
+    "LD_LIBRARY_PATH",
+    "VIRTUAL_ENV",
+    "CONDA_PREFIX",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "NO_PROXY",
+    "no_proxy",
+];
+/// Prefixes of passed variables: locales, and Python's own settings.
+const PASSED_PREFIXES: [&str; 2] = ["LC_", "PYTHON"];
+/// The variable that names more variables to pass.
+pub const PASS_ENV_VAR: &str = "MOULT_AGENT_PASS_ENV";
+
+/// The environment an agent program starts with, from `vars` (this process's environment):
+/// [`PASSED_ENV`], [`PASSED_PREFIXES`] and what [`PASS_ENV_VAR`] names, never a credential.
+pub fn agent_environment(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
+    let vars: Vec<(String, String)> = vars.collect();
+    let extra: Vec<String> = vars
+        .iter()
+        .find(|(k, _)| k == PASS_ENV_VAR)
+        .map(|(_, v)| {
+            v.split(',')
+                .map(|n| n.trim().to_string())
+                .filter(|n| !n.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    vars.into_iter()
+        .filter(|(k, _)| {
+            !crate::auth::CREDENTIAL_ENVS.contains(&k.as_str())
+                && (PASSED_ENV.contains(&k.as_str())
+                    || PASSED_PREFIXES.iter().any(|p| k.starts_with(p))
+                    || extra.contains(k))
+        })
+        .collect()
+}
+
+/// A child in a process group of its own (its pid is the group's id): dropping it kills the
+/// whole group, whatever the child started, even once the child itself has exited.
+#[derive(Debug)]
+struct Group {
+    child: Child,
+    /// Kept from the start: `Child::id` forgets the pid once the child has been waited for.
+    pgid: Option<nix::unistd::Pid>,
+}
+
+impl Group {
+    fn spawn(mut c: Command, program: &str) -> Result<Self, AgentError> {
+        let child = c
+            .process_group(0)
+            .spawn()
+            .map_err(|e| AgentError::Crashed(format!("cannot start `{program}`: {e}")))?;
+        let pgid = child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .map(nix::unistd::Pid::from_raw);
+        Ok(Self { child, pgid })
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.pgid {
+            // ESRCH (the group is gone already) is the common case, not an error.
+            let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+        }
+        let _ = self.child.start_kill();
+    }
+}
+
 /// How to start an agent program.
 #[derive(Debug, Clone)]
 pub struct AgentCommand {
@@ -95,6 +187,8 @@ impl AgentCommand {
     fn command(&self) -> Command {
         let mut c = Command::new(&self.program);
         c.args(&self.args)
+            .env_clear()
+            .envs(agent_environment(std::env::vars()))
             .envs(self.env.iter().cloned())
             .kill_on_drop(true);
         c
@@ -118,6 +212,21 @@ pub async fn describe_python(python: &str, module: &str) -> Result<String, Agent
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
+
+/// The largest task also given in `MOULT_TASK` (larger ones only in `MOULT_TASK_FILE`).
+const TASK_ENV_BYTES: usize = 64 << 10;
+
+/// Removes a file when dropped (the episode's task file, however the episode ends).
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The longest line an env process may answer with (an observation, as JSON).
+const ENV_LINE_BYTES: usize = 16 << 20;
 
 /// The last bytes a child wrote to a pipe (bounded: a chatty agent costs no more than this).
 const TAIL_BYTES: usize = 4096;
@@ -166,19 +275,36 @@ pub async fn run_chat_agent(
     result_file: &Path,
 ) -> Result<ChatOutcome, AgentError> {
     let _ = std::fs::remove_file(result_file);
+    let task_text = task.to_string();
+    // The task goes in a file (an environment variable's size is limited by the kernel), and in
+    // `MOULT_TASK` too when it is small.
+    let task_file = result_file.with_extension("task.json");
+    std::fs::write(&task_file, &task_text).map_err(|e| {
+        AgentError::Crashed(format!(
+            "cannot write the task to {}: {e}",
+            task_file.display()
+        ))
+    })?;
+    let _task_file = RemoveOnDrop(task_file.clone());
     let mut c = cmd.command();
     c.envs(env.iter().cloned())
-        .env("MOULT_TASK", task.to_string())
+        .env("MOULT_TASK_FILE", &task_file)
         .env("MOULT_RESULT_FILE", result_file)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = c
-        .spawn()
-        .map_err(|e| AgentError::Crashed(format!("cannot start `{}`: {e}", cmd.program)))?;
+    if task_text.len() <= TASK_ENV_BYTES {
+        c.env("MOULT_TASK", &task_text);
+    }
+    let mut group = Group::spawn(c, &cmd.program)?;
+    let child = &mut group.child;
     if let Some(mut stdin) = child.stdin.take() {
-        // The agent may not read its stdin: a closed pipe is not an error.
-        let _ = stdin.write_all(format!("{task}\n").as_bytes()).await;
+        // The agent may not read its stdin: written aside (a task larger than the pipe's buffer
+        // would block here otherwise), and a closed pipe is not an error.
+        let line = format!("{task_text}\n");
+        tokio::spawn(async move {
+            let _ = stdin.write_all(line.as_bytes()).await;
+        });
     }
     let stdout = keep_tail(child.stdout.take().expect("piped"));
     let stderr = keep_tail(child.stderr.take().expect("piped"));
@@ -186,6 +312,8 @@ pub async fn run_chat_agent(
         .wait()
         .await
         .map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}")))?;
+    // Whatever the agent left running goes with it.
+    drop(group);
     let result = std::fs::read_to_string(result_file);
     let _ = std::fs::remove_file(result_file);
     if !status.success() {
@@ -220,7 +348,8 @@ pub async fn run_chat_agent(
 #[derive(Debug)]
 pub struct ExternalEnv {
     cmd: AgentCommand,
-    child: Child,
+    /// Held for its drop: the process group dies with the env.
+    _child: Group,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
     stderr: Arc<Mutex<Vec<u8>>>,
@@ -234,15 +363,14 @@ impl ExternalEnv {
         c.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let mut child = c
-            .spawn()
-            .map_err(|e| AgentError::Crashed(format!("cannot start `{}`: {e}", cmd.program)))?;
+        let mut group = Group::spawn(c, &cmd.program)?;
+        let child = &mut group.child;
         let stdin = child.stdin.take().expect("piped");
         let stdout = BufReader::new(child.stdout.take().expect("piped"));
         let stderr = keep_tail(child.stderr.take().expect("piped"));
         Ok(Self {
             cmd: cmd.clone(),
-            child,
+            _child: group,
             stdin,
             stdout,
             stderr,
@@ -262,11 +390,22 @@ impl ExternalEnv {
             return Err(gone(self, "closed its input"));
         }
         let _ = self.stdin.flush().await;
-        let mut answer = String::new();
-        match self.stdout.read_line(&mut answer).await {
+        let mut answer = Vec::new();
+        match (&mut self.stdout)
+            .take(ENV_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut answer)
+            .await
+        {
             Ok(0) | Err(_) => return Err(gone(self, "exited")),
+            Ok(_) if answer.len() > ENV_LINE_BYTES => {
+                return Err(AgentError::Env(format!(
+                    "the env answered with a line over {} MiB",
+                    ENV_LINE_BYTES >> 20
+                )))
+            }
             Ok(_) => {}
         }
+        let answer = String::from_utf8_lossy(&answer);
         let v: Json = serde_json::from_str(&answer).map_err(|e| {
             AgentError::Env(format!(
                 "the env answered with invalid JSON ({e}): {answer:?}"
@@ -278,12 +417,6 @@ impl ExternalEnv {
             ));
         }
         Ok(v)
-    }
-}
-
-impl Drop for ExternalEnv {
-    fn drop(&mut self) {
-        let _ = self.child.start_kill();
     }
 }
 
@@ -319,5 +452,31 @@ impl Env for ExternalEnv {
             serde_json::from_value(v.clone())
                 .map_err(|e| AgentError::Env(format!("step answered {v}: {e}")))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn agents_get_a_cleared_environment_without_credentials() {
+        let vars = [
+            ("PATH", "/usr/bin"),
+            ("LC_ALL", "C.UTF-8"),
+            ("PYTHONPATH", "/x"),
+            ("MOULT_TOKEN", "run-secret"),
+            ("MOULT_AGENT_TOKEN", "agent-secret"),
+            ("KUBECONFIG", "/k"),
+            ("AWS_SECRET_ACCESS_KEY", "s"),
+            ("SERPAPI_KEY", "k"),
+            // Naming a credential does not pass it.
+            (PASS_ENV_VAR, "SERPAPI_KEY, MOULT_TOKEN,,MOULT_AGENT_TOKEN"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let env = agent_environment(vars.into_iter());
+        let names: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["PATH", "LC_ALL", "PYTHONPATH", "SERPAPI_KEY"]);
+        assert!(agent_environment(std::iter::empty()).is_empty());
     }
 }

@@ -87,10 +87,7 @@ pub async fn run(
         EngineClient::new(&coordinator),
         Tokenizer::from_model_dir(&model_dir).map_err(|e| setup(&e))?,
         ChatTemplate::from_model_dir(&model_dir).map_err(|e| setup(&e))?,
-        ServiceOptions {
-            max_sessions: concurrency * 2,
-            model_name: cfg.name.clone(),
-        },
+        ServiceOptions::pool(concurrency * 2, cfg.name.clone()),
     ));
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
         .await

@@ -518,7 +518,7 @@ pub async fn run(
         total_steps,
         coordinator.cfg.tasks.len()
     );
-    let served = axum::serve(listener, crate::auth::protect(app))
+    let served = axum::serve(listener, crate::auth::protect_for_agents(app))
         .with_graceful_shutdown(shutdown)
         .await;
     pool.stop();

@@ -20,6 +20,8 @@ pub enum LoopbackError {
     NotFound(String),
     #[error("too many sessions: at most {0} are kept; take or delete finished ones")]
     TooManySessions(usize),
+    #[error("this session has taken its {0} turns, the most one session may take")]
+    TurnLimit(usize),
     #[error("the chat template cannot render this conversation: {0}")]
     Template(#[source] TemplateError),
     #[error(transparent)]
@@ -43,7 +45,9 @@ impl LoopbackError {
             LoopbackError::Invalid(_) | LoopbackError::Template(_) => StatusCode::BAD_REQUEST,
             LoopbackError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             LoopbackError::NotFound(_) => StatusCode::NOT_FOUND,
-            LoopbackError::TooManySessions(_) => StatusCode::TOO_MANY_REQUESTS,
+            LoopbackError::TooManySessions(_) | LoopbackError::TurnLimit(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             LoopbackError::Tokenizer(_) | LoopbackError::ClientGone => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use rand::Rng;
@@ -19,8 +20,8 @@ use tokio::sync::mpsc;
 use super::error::LoopbackError;
 use super::session::{Sampled, Segment, Session};
 use crate::chat::{
-    parser_for_template, ChatRequest, ChatTemplate, DecodeStream, NoTools, RenderOptions,
-    Tokenizer, ToolCall, ToolCallParser,
+    parser_for_template, ChatRequest, ChatTemplate, DecodeStream, InvalidRequest, NoTools,
+    RenderOptions, Tokenizer, ToolCall, ToolCallParser,
 };
 use crate::engine::client::{EngineClient, EngineError, EngineSampling, Generated};
 
@@ -94,17 +95,62 @@ struct SampleContext<'a> {
 /// Settings of a loopback server.
 #[derive(Debug, Clone)]
 pub struct ServiceOptions {
-    /// Sessions kept at once; more get 429 until some are taken or deleted.
+    /// Sessions kept at once; more get 429 until some are taken, deleted or expire.
     pub max_sessions: usize,
     /// The name answered by `/v1/models` and echoed in responses.
     pub model_name: String,
+    /// Whether sessions exist only once opened with [`ChatService::open`] (the agent pool's:
+    /// a request for any other session, such as a leftover agent process's after its episode
+    /// ended, gets 404). Otherwise a session is made on its first request (`moult chat`).
+    pub registered_sessions: bool,
+    /// A session unused for this long is dropped when a new one is made.
+    pub session_idle: Option<Duration>,
+    /// Turns one session may take; more get 429.
+    pub max_turns: usize,
 }
 
-/// A session and its cancel flag, which lives outside the lock a running turn holds.
-#[derive(Debug, Default)]
+impl ServiceOptions {
+    /// The agent pool's settings: registered sessions (the pool takes each when its episode
+    /// ends), at most `max_sessions` at once and [`DEFAULT_MAX_TURNS`] turns each.
+    pub fn pool(max_sessions: usize, model_name: impl Into<String>) -> Self {
+        Self {
+            max_sessions,
+            model_name: model_name.into(),
+            registered_sessions: true,
+            session_idle: None,
+            max_turns: DEFAULT_MAX_TURNS,
+        }
+    }
+}
+
+/// Turns a session may take unless configured otherwise.
+pub const DEFAULT_MAX_TURNS: usize = 1024;
+
+/// A session, its cancel flag (which lives outside the lock a running turn holds) and when it
+/// was last used.
+#[derive(Debug)]
 struct SessionSlot {
     cancelled: AtomicBool,
     state: tokio::sync::Mutex<Session>,
+    used: Mutex<Instant>,
+}
+
+impl SessionSlot {
+    fn new() -> Self {
+        Self {
+            cancelled: AtomicBool::new(false),
+            state: tokio::sync::Mutex::new(Session::default()),
+            used: Mutex::new(Instant::now()),
+        }
+    }
+
+    fn touch(&self) {
+        *self.used.lock().expect("session use lock") = Instant::now();
+    }
+
+    fn idle(&self) -> Duration {
+        self.used.lock().expect("session use lock").elapsed()
+    }
 }
 
 /// The loopback server's state: model files, engine client and sessions.
@@ -189,15 +235,53 @@ impl ChatService {
         &self.tokenizer
     }
 
+    /// The session `id`: made here unless sessions are registered ([`Self::open`]).
     fn session(&self, id: &str) -> Result<Arc<SessionSlot>, LoopbackError> {
         let mut sessions = self.sessions.lock().expect("sessions lock");
         if let Some(s) = sessions.get(id) {
+            s.touch();
             return Ok(s.clone());
+        }
+        if self.opts.registered_sessions {
+            return Err(LoopbackError::NotFound(format!(
+                "no session {id}: sessions are opened by the agent pool for an episode and end \
+                 with it"
+            )));
+        }
+        self.insert(&mut sessions, id)
+    }
+
+    /// Opens session `id` for an episode (the agent pool, before it starts the agent).
+    pub fn open(&self, id: &str) -> Result<(), LoopbackError> {
+        let mut sessions = self.sessions.lock().expect("sessions lock");
+        if sessions.contains_key(id) {
+            return Err(LoopbackError::Invalid(InvalidRequest::new(
+                "session",
+                format!("session {id} is open already"),
+            )));
+        }
+        self.insert(&mut sessions, id).map(drop)
+    }
+
+    fn insert(
+        &self,
+        sessions: &mut HashMap<String, Arc<SessionSlot>>,
+        id: &str,
+    ) -> Result<Arc<SessionSlot>, LoopbackError> {
+        if let Some(idle) = self.opts.session_idle {
+            // Sessions nobody used for `idle` are dropped, with any turn of theirs still running.
+            sessions.retain(|_, s| {
+                let keep = s.idle() < idle;
+                if !keep {
+                    s.cancelled.store(true, Ordering::Relaxed);
+                }
+                keep
+            });
         }
         if sessions.len() >= self.opts.max_sessions {
             return Err(LoopbackError::TooManySessions(self.opts.max_sessions));
         }
-        let s = Arc::new(SessionSlot::default());
+        let s = Arc::new(SessionSlot::new());
         sessions.insert(id.to_string(), s.clone());
         Ok(s)
     }
@@ -241,6 +325,9 @@ impl ChatService {
         let mut session = slot.state.lock().await;
         if slot.cancelled.load(Ordering::Relaxed) {
             return Err(LoopbackError::NotFound("the session was closed".into()));
+        }
+        if session.turns() >= self.opts.max_turns {
+            return Err(LoopbackError::TurnLimit(self.opts.max_turns));
         }
         let key = request_key(protocol, &req);
         if let Some(answer) = session.cached(key, &req.messages) {
@@ -309,6 +396,8 @@ impl ChatService {
         let messages = Arc::new(req.messages);
         session.commit(plan, messages.clone(), &records, texts);
         session.remember(key, messages, answer.clone());
+        // Idle time counts from the end of the last turn.
+        slot.touch();
         Ok(answer)
     }
 

@@ -222,10 +222,14 @@ impl Judge {
             n: 1,
             template_kwargs: serde_json::Map::new(),
         };
-        let answer = self
-            .service
-            .turn(&session, "judge", "call_", request, None)
-            .await;
+        let answer = match self.service.open(&session) {
+            Ok(()) => {
+                self.service
+                    .turn(&session, "judge", "call_", request, None)
+                    .await
+            }
+            Err(e) => Err(e),
+        };
         // The judge's own trajectory is not trained on: drop the session either way.
         let _ = self.service.take(&session).await;
         match answer {

@@ -109,11 +109,8 @@ async fn judge(
         EngineClient::new(&url),
         Tokenizer::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
         ChatTemplate::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
-        ServiceOptions {
-            // One session per reply of a step, each taken as soon as it is answered.
-            max_sessions: episodes.max(1),
-            model_name: "judge".into(),
-        },
+        // One session per reply of a step, each taken as soon as it is answered.
+        ServiceOptions::pool(episodes.max(1), "judge"),
     );
     let policy_tokenizer =
         Tokenizer::from_model_dir(policy_dir).map_err(|e| RunError::Setup(e.to_string()))?;
@@ -210,11 +207,8 @@ impl Stack {
                 .map_err(|e| RunError::Setup(e.to_string()))?,
             ChatTemplate::from_model_dir(&cfg.model_dir)
                 .map_err(|e| RunError::Setup(e.to_string()))?,
-            ServiceOptions {
-                // Sessions of running episodes, plus those closing.
-                max_sessions: cfg.concurrency * 2,
-                model_name: cfg.name.clone(),
-            },
+            // Sessions of running episodes, plus those closing.
+            ServiceOptions::pool(cfg.concurrency * 2, cfg.name.clone()),
         ));
         let (listener, loopback_url) = bind().await?;
         tokio::spawn(crate::loopback::serve(

@@ -263,23 +263,39 @@ pub fn spawn_engine(model: &Path) -> (std::process::Child, String) {
 }
 
 /// Serves a loopback server for `tokenizer_dir`'s tokenizer and `template_dir`'s chat template,
-/// generating on the engine (or router) at `engine_url`.
+/// generating on the engine (or router) at `engine_url`; sessions are made on first use, as in
+/// `moult chat`.
 pub async fn start_loopback(
     engine_url: &str,
     tokenizer_dir: &Path,
     template_dir: &Path,
     max_body: usize,
 ) -> (String, std::sync::Arc<moult_runtime::loopback::ChatService>) {
+    let opts = moult_runtime::loopback::ServiceOptions {
+        max_sessions: 256,
+        model_name: "tiny".into(),
+        registered_sessions: false,
+        session_idle: None,
+        max_turns: moult_runtime::loopback::DEFAULT_MAX_TURNS,
+    };
+    start_loopback_with(engine_url, tokenizer_dir, template_dir, max_body, opts).await
+}
+
+/// [`start_loopback`] with `opts`.
+pub async fn start_loopback_with(
+    engine_url: &str,
+    tokenizer_dir: &Path,
+    template_dir: &Path,
+    max_body: usize,
+    opts: moult_runtime::loopback::ServiceOptions,
+) -> (String, std::sync::Arc<moult_runtime::loopback::ChatService>) {
     use moult_runtime::chat::{ChatTemplate, Tokenizer};
-    use moult_runtime::loopback::{self, ChatService, EngineClient, ServiceOptions};
+    use moult_runtime::loopback::{self, ChatService, EngineClient};
     let service = std::sync::Arc::new(ChatService::new(
         EngineClient::new(engine_url),
         Tokenizer::from_model_dir(tokenizer_dir).unwrap(),
         ChatTemplate::from_model_dir(template_dir).unwrap(),
-        ServiceOptions {
-            max_sessions: 256,
-            model_name: "tiny".into(),
-        },
+        opts,
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
