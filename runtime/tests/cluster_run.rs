@@ -118,12 +118,17 @@ fn pod_ip(ns: &Namespace, pod: &str) -> String {
 }
 
 fn token(ns: &Namespace, run: &str) -> String {
+    secret_key(ns, run, "token")
+}
+
+/// A key of the run's token Secret (`token`, `agent-token`).
+fn secret_key(ns: &Namespace, run: &str, key: &str) -> String {
     let b64 = ns.kubectl(&[
         "get",
         "secret",
         &format!("{run}-token"),
         "-o",
-        "jsonpath={.data.token}",
+        &format!("jsonpath={{.data.{key}}}"),
     ]);
     use base64::Engine as _;
     String::from_utf8(
@@ -264,6 +269,54 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
             .unwrap();
         assert_eq!(r.status(), 401, "{method} {url} with a wrong token");
     }
+    // The agent credential (what agent pods hold) opens leasing, returning and generating on
+    // the coordinator, and nothing of the trainer's, the router's control or an engine's.
+    let agent = secret_key(&ns, RUN, "agent-token");
+    let engine_0 = format!("http://{}:8000", pod_ip(&ns, &format!("{RUN}-engine-0")));
+    for (url, method) in [
+        (format!("{coordinator}/engines"), reqwest::Method::POST),
+        (format!("{coordinator}/engines"), reqwest::Method::GET),
+        (format!("{coordinator}/pause"), reqwest::Method::POST),
+        (
+            format!("{coordinator}/update_weights"),
+            reqwest::Method::POST,
+        ),
+        (
+            format!("{coordinator}/init_weight_transfer_engine"),
+            reqwest::Method::POST,
+        ),
+        (
+            format!("{coordinator}/v1/trainer/commit"),
+            reqwest::Method::POST,
+        ),
+        (
+            format!("{coordinator}/v1/trainer/batch?step=1"),
+            reqwest::Method::GET,
+        ),
+        (format!("{coordinator}/v1/status"), reqwest::Method::GET),
+        (format!("{engine_0}/pause"), reqwest::Method::POST),
+        (
+            format!("{engine_0}/inference/v1/generate"),
+            reqwest::Method::POST,
+        ),
+    ] {
+        let r = http
+            .request(method.clone(), &url)
+            .header(TOKEN_HEADER, format!("Bearer {agent}"))
+            .json(&serde_json::json!({}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403, "{method} {url} with the agent credential");
+    }
+    let lease = http
+        .post(format!("{coordinator}/v1/agents/renew"))
+        .header(TOKEN_HEADER, format!("Bearer {agent}"))
+        .json(&serde_json::json!({"leases": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(lease.status(), 200, "agents may renew their leases");
     let health = http
         .get(format!("{coordinator}/health"))
         .send()
