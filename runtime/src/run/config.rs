@@ -313,6 +313,13 @@ impl RunConfig {
     /// The settings of a local run of `run`, whose manifest is in `dir`.
     pub fn new(run: RLRun, dir: &Path) -> Result<Self, RunError> {
         let engines = &run.spec.engines;
+        if engines.replicas < 1 {
+            // A cluster run may be scaled to zero engines; a local one would wait forever.
+            return Err(bad(
+                "spec.engines.replicas",
+                "a local run needs at least 1 engine",
+            ));
+        }
         if engines.backend == EngineBackend::Vllm
             && engines.transport() != WeightTransport::Filesystem
         {
@@ -357,19 +364,10 @@ impl RunConfig {
             Some(_) => judge(&run, dir, &tasks)?,
             None => None,
         };
+        // What the spec alone decides (rollout.temperature > 0, the flags of engines.extraArgs,
+        // ...) was checked by `read_manifest` through `RLRun::validate`: the CRD's own rules, so
+        // the API server refuses the same manifests (docs/operator.md, "One validation").
         let algo = &spec.algorithm;
-        if spec.rollout.temperature <= 0.0 {
-            return Err(bad(
-                "spec.rollout.temperature",
-                "training needs sampling: give a temperature above 0 (1.0 is usual)",
-            ));
-        }
-        if spec.engines.replicas < 1 {
-            return Err(bad(
-                "spec.engines.replicas",
-                "a local run needs at least 1 engine",
-            ));
-        }
         let total_steps = u64::from(spec.total_steps);
         // Episodes are checked against the policy's vocabulary where this process has the model.
         let limits = EpisodeLimits {
