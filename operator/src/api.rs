@@ -353,6 +353,8 @@ impl EnginesSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TrainerSpec {
+    /// Trainer ranks, one pod each. Only 1 runs so far: the operator reports more as an invalid
+    /// spec before it creates any pod (docs/cluster.md, "Not yet").
     #[serde(default = "one_u32")]
     #[schemars(range(min = 1, max = 1024))]
     pub nodes: u32,

@@ -224,6 +224,16 @@ fn the_trainer_mounts_the_teacher_of_distillation() {
 }
 
 #[test]
+fn a_multi_rank_trainer_is_refused_with_the_field_named_before_any_pod() {
+    let mut run = example_run();
+    run.spec.trainer.nodes = 2;
+    let Err(InvalidSpec(err)) = desired(&run, &Images::default(), "t") else {
+        panic!("a two-rank trainer was built");
+    };
+    assert!(err.starts_with("spec.trainer.nodes:"), "{err}");
+}
+
+#[test]
 fn a_judge_run_is_refused_with_the_field_named() {
     let mut run = example_run();
     run.spec.judge = Some(
