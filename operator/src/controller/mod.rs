@@ -316,7 +316,7 @@ async fn announce(run: &RLRun, new: &RLRunStatus, ctx: &Ctx) {
         let event = Event {
             type_: EventType::Warning,
             reason: reason.into(),
-            note: Some(message.chars().take(1000).collect()),
+            note: Some(note(message)),
             action: "Reconcile".into(),
             secondary: None,
         };
@@ -340,13 +340,26 @@ async fn announce(run: &RLRun, new: &RLRunStatus, ctx: &Ctx) {
     let event = Event {
         type_,
         reason: format!("{phase:?}"),
-        note: message,
+        note: message.as_deref().map(note),
         action: "Reconcile".into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&event, &run.object_ref(&())).await {
         tracing::warn!(error = %e, "cannot publish an event");
     }
+}
+
+/// An event's note: at most 1 kB (the API server refuses longer ones), cut at a character.
+fn note(message: &str) -> String {
+    const MAX: usize = 1000;
+    if message.len() <= MAX {
+        return message.to_string();
+    }
+    let mut end = MAX - "…".len();
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &message[..end])
 }
 
 /// The cause in a status (a Degraded condition whose reason is one of [`causes::Reason`]), as
@@ -421,7 +434,7 @@ async fn report_malformed(invalid: &InvalidObject, ctx: &Ctx) -> Result<Action> 
     let event = Event {
         type_: EventType::Warning,
         reason: "MalformedSpec".into(),
-        note: Some(message.chars().take(1000).collect()),
+        note: Some(note(&message)),
         action: "Reconcile".into(),
         secondary: None,
     };
@@ -436,6 +449,14 @@ mod tests {
     use std::time::Duration;
 
     use super::backoff;
+
+    #[test]
+    fn event_notes_fit_the_api_servers_kilobyte() {
+        assert_eq!(super::note("short"), "short");
+        let long = "é".repeat(2000);
+        let n = super::note(&long);
+        assert!(n.len() <= 1000 && n.ends_with('…'), "{}", n.len());
+    }
 
     #[test]
     fn backoff_doubles_from_one_second_to_five_minutes() {
