@@ -209,31 +209,34 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         }
         Err(why) => (live, Some(why.0)),
     };
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let pods = pods
-        .list(&ListParams::default().labels(&format!(
-            "{RUN_LABEL}={name},{MANAGED_BY_LABEL}={MANAGED_BY}"
-        )))
-        .await
-        .context(|| format!("listing the pods of {ns}/{name}"))?
-        .items;
     let now = Time(Timestamp::now());
-    let workloads = workloads(&current, &name, pods);
+    let workloads = workloads(&current, &name, pods(ctx, &ns, &name).await?);
     let new = status::compute(run, &workloads, invalid.as_deref(), &now);
-    ctx.metrics.retain_runs(
-        &ctx.runs
-            .state()
-            .iter()
-            .map(|r| key(r.meta()))
-            .collect::<Vec<_>>(),
-    );
-    ctx.metrics
-        .observe_run(&ns, &name, new.phase, &status::components(&workloads));
+    observe(ctx, &ns, &name, &new, &workloads);
     if status::changed(run.status.as_ref(), &new) {
         patch_status(run, &new, ctx).await?;
         announce(run, &new, ctx).await;
     }
     Ok(Action::requeue(ctx.settings.resync))
+}
+
+/// The run's pods (where the causes of a component that is not ready are read).
+async fn pods(ctx: &Ctx, ns: &str, run: &str) -> Result<Vec<Pod>> {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let selector = format!("{RUN_LABEL}={run},{MANAGED_BY_LABEL}={MANAGED_BY}");
+    Ok(api
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .context(|| format!("listing the pods of {ns}/{run}"))?
+        .items)
+}
+
+/// The run's gauges from its new status, and none for runs that are gone.
+fn observe(ctx: &Ctx, ns: &str, run: &str, new: &RLRunStatus, workloads: &Workloads) {
+    let existing: Vec<String> = ctx.runs.state().iter().map(|r| key(r.meta())).collect();
+    ctx.metrics.retain_runs(&existing);
+    ctx.metrics
+        .observe_run(ns, run, new.phase, &status::components(workloads));
 }
 
 fn existing_token(live: &Live, run: &str) -> Option<String> {
