@@ -51,6 +51,20 @@ pub const GROUP: &str = "moult.dev";
     printcolumn(name = "Step", type_ = "integer", json_path = ".status.step"),
     printcolumn(name = "Reward", type_ = "number", json_path = ".status.metrics.reward"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        description = "why the run is not ready (docs/operator.md, \"Why is my run stuck\")",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].reason",
+        priority = "1"
+    ),
+    printcolumn(
+        name = "Message",
+        type_ = "string",
+        description = "the Ready condition's message: per component, what keeps it from ready",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].message",
+        priority = "1"
+    ),
     validation = Rule::new("size(self.metadata.name) <= 40").message(
         "RLRun names are at most 40 characters: the names of its engines, trainer and their pods add suffixes"
     ),
@@ -58,6 +72,9 @@ pub const GROUP: &str = "moult.dev";
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("!has(self.judge) || self.algorithm.estimator != 'OnPolicyDistillation'").message(
     "algorithm.estimator OnPolicyDistillation takes its advantages from the teacher, not from rewards: remove judge or pick GRPO, RLOO or REINFORCE++"
+))]
+#[x_kube(validation = Rule::new("self.engines.backend != 'vLLM' || (has(self.engines.weightTransfer) && self.engines.weightTransfer.transport != 'Nccl') || self.trainer.gpusPerNode > 0").message(
+    "engines.weightTransfer.transport Nccl (vLLM's default) sends weights from the trainer's GPU: give trainer.gpusPerNode, or set engines.weightTransfer.transport Filesystem for a CPU trainer (docs/weight-sync.md)"
 ))]
 pub struct RLRunSpec {
     /// The model to train (and to serve on the engines).
@@ -207,6 +224,12 @@ pub enum EngineBackend {
 #[x_kube(validation = Rule::new("!has(self.weightTransfer) || self.weightTransfer.transport != 'Tcp' || self.backend == 'Builtin'").message(
     "engines.weightTransfer.transport Tcp is the built-in engine's weight stream: vLLM engines take weights over Nccl or Filesystem"
 ))]
+#[x_kube(validation = Rule::new(RESERVED_ENGINE_FLAGS_RULE).message(
+    "engines.extraArgs cannot set a flag moult sets itself (--host, --port, --model, --served-model-name, --tensor-parallel-size/-tp, --logprobs-mode, --enable-scale-out, --weight-transfer-config, --max-model-len, --enable-return-routed-experts): use engines.tensorParallelSize, model.maxModelLen, routingReplay or engines.weightTransfer instead (docs/vllm.md)"
+))]
+#[x_kube(validation = Rule::new(ENGINE_DTYPE_RULE).message(
+    "engines.extraArgs --dtype must be auto, float32, bfloat16 or float16 (or float, half): moult sends weights to vLLM in that dtype (docs/vllm.md)"
+))]
 pub struct EnginesSpec {
     /// Engine replicas (what `kubectl scale rlrun/NAME --replicas=N` and HPAs change).
     #[serde(default = "one")]
@@ -225,8 +248,10 @@ pub struct EnginesSpec {
     /// GPUs requested by each engine pod; `tensorParallelSize` when absent, 0 for CPU engines.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpus_per_engine: Option<u32>,
-    /// Extra command-line flags passed to the engine as they are.
+    /// Extra command-line flags passed to the engine as they are. Flags moult sets itself are
+    /// refused (see `RESERVED_ENGINE_FLAGS` and docs/vllm.md).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 128), inner(length(max = 2048)))]
     pub extra_args: Vec<String>,
     /// CPU and memory of each engine pod (GPUs come from `gpusPerEngine`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -267,6 +292,31 @@ pub struct WeightTransferSpec {
     pub claim_name: Option<String>,
 }
 
+/// Flags of the engine command line that moult sets itself (`children::vllm_args`, and `moult
+/// engine`'s `--model`, `--host`, `--port`): `engines.extraArgs` may not repeat them, as a flag,
+/// `--flag=value`, vLLM's underscore spelling or a JSON sub-key (`--flag.key`).
+pub const RESERVED_ENGINE_FLAGS: &[&str] = &[
+    "--host",
+    "--port",
+    "--model",
+    "--served-model-name",
+    "--tensor-parallel-size",
+    "-tp",
+    "--logprobs-mode",
+    "--enable-scale-out",
+    "--weight-transfer-config",
+    "--max-model-len",
+    "--enable-return-routed-experts",
+];
+
+/// The CEL rule refusing [`RESERVED_ENGINE_FLAGS`] in `engines.extraArgs` (a test checks that
+/// the two name the same flags).
+const RESERVED_ENGINE_FLAGS_RULE: &str = "!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('^(--(host|port|model|served[-_]model[-_]name|tensor[-_]parallel[-_]size|logprobs[-_]mode|enable[-_]scale[-_]out|weight[-_]transfer[-_]config|max[-_]model[-_]len|enable[-_]return[-_]routed[-_]experts)|-tp)([=.].*)?$'))";
+
+/// The CEL rule on vLLM's `--dtype` among `engines.extraArgs` (both `--dtype X` and
+/// `--dtype=X`): only the dtypes the trainer can send weights in.
+const ENGINE_DTYPE_RULE: &str = "self.backend != 'vLLM' || !has(self.extraArgs) || (!self.extraArgs.exists(a, a.startsWith('--dtype=') && !a.matches('^--dtype=(auto|float32|float|bfloat16|float16|half)$')) && (!('--dtype' in self.extraArgs) || (self.extraArgs.indexOf('--dtype') + 1 < size(self.extraArgs) && self.extraArgs[self.extraArgs.indexOf('--dtype') + 1] in ['auto', 'float32', 'float', 'bfloat16', 'float16', 'half'])))";
+
 impl Default for EnginesSpec {
     fn default() -> Self {
         EnginesSpec {
@@ -303,6 +353,8 @@ impl EnginesSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TrainerSpec {
+    /// Trainer ranks, one pod each. Only 1 runs so far: the operator reports more as an invalid
+    /// spec before it creates any pod (docs/cluster.md, "Not yet").
     #[serde(default = "one_u32")]
     #[schemars(range(min = 1, max = 1024))]
     pub nodes: u32,
@@ -440,6 +492,9 @@ pub enum IsMode {
 ))]
 #[x_kube(validation = Rule::new("!has(self.low) || self.low < self.high").message(
     "isCorrection.low must be smaller than isCorrection.high"
+))]
+#[x_kube(validation = Rule::new("self.high > 0.0").message(
+    "isCorrection.high must be greater than 0"
 ))]
 pub struct IsCorrectionSpec {
     pub level: IsLevel,
@@ -596,6 +651,9 @@ impl Default for AlgorithmSpec {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = Rule::new("self.topP > 0.0 && self.topP <= 1.0").message(
     "rollout.topP must be greater than 0 and at most 1"
+))]
+#[x_kube(validation = Rule::new("self.temperature > 0.0").message(
+    "rollout.temperature must be greater than 0: training samples from the policy (1.0 is usual)"
 ))]
 pub struct RolloutSpec {
     /// Tokens generated per turn at most.
@@ -785,17 +843,6 @@ fn default_weight() -> f64 {
 }
 fn default_judge_max_tokens() -> u32 {
     8
-}
-
-#[cfg(feature = "validate")]
-impl RLRun {
-    /// The CRD's CEL rules evaluated here, with the API server's messages: what `kubectl apply`
-    /// would refuse, for a manifest that never meets an API server (local runs). Each error
-    /// names the field path and the rule's message.
-    pub fn validate(&self) -> Result<(), Vec<String>> {
-        kube::core::cel::validate_cel(self)
-            .map_err(|errors| errors.into_iter().map(|e| e.to_string()).collect())
-    }
 }
 
 #[cfg(all(test, feature = "validate"))]

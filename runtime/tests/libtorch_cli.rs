@@ -79,17 +79,27 @@ fn libtorch_cli_refuses_bad_arguments_and_unsupported_models() {
     // before it spends a minute starting them, naming the field to change.
     let recipe = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/successor");
     let text = std::fs::read_to_string(recipe.join("rlrun.yaml")).unwrap();
-    assert!(text.contains("backend: Builtin"));
+    assert!(text.contains("backend: Builtin") && text.contains("gpusPerNode: 0"));
     let manifest = recipe.join(format!(".vllm-{}.yaml", std::process::id()));
-    std::fs::write(&manifest, text.replace("backend: Builtin", "backend: vLLM")).unwrap();
+    // A GPU trainer: NCCL could work on a cluster, not from `moult run`.
+    let vllm = text.replace("backend: Builtin", "backend: vLLM");
+    std::fs::write(&manifest, vllm.replace("gpusPerNode: 0", "gpusPerNode: 1")).unwrap();
     let err = failing(&["run", manifest.to_str().unwrap()]);
-    std::fs::remove_file(&manifest).unwrap();
     assert!(
         err.contains("spec.engines.weightTransfer.transport"),
         "{err}"
     );
     assert!(err.contains("transport: Filesystem"), "{err}");
     assert!(err.contains("docs/vllm.md"), "{err}");
+    // A CPU trainer: NCCL cannot work anywhere, and the CRD's own rule says so (the API server
+    // refuses the same manifest).
+    std::fs::write(&manifest, vllm).unwrap();
+    let err = failing(&["run", manifest.to_str().unwrap()]);
+    std::fs::remove_file(&manifest).unwrap();
+    assert!(
+        err.contains("engines.weightTransfer.transport Nccl (vLLM's default) sends weights from the trainer's GPU"),
+        "{err}"
+    );
 }
 
 /// `moult chat` and `moult agents` against a `moult engine`, as the docs show them.

@@ -234,6 +234,14 @@ impl<'a> Ctx<'a> {
                 "spec.judge: LLM-as-judge rewards run under `moult run` only so far; the operator does not serve the judge model on a cluster yet (remove spec.judge to run here)".into(),
             ));
         }
+        if run.spec.trainer.nodes > 1 {
+            // The trainer refuses it too; said here before any GPU pod crash-loops on it. (A
+            // status exception rather than a CEL rule: the CRD keeps the multi-rank contract.)
+            return Err(InvalidSpec(format!(
+                "spec.trainer.nodes: the trainer runs as one rank so far ({} asked); sharded multi-rank training over NCCL is not built yet (docs/cluster.md, \"Not yet\"): set spec.trainer.nodes to 1",
+                run.spec.trainer.nodes
+            )));
+        }
         if let Some(w) = &run.spec.engines.weight_transfer {
             if w.transport == crate::api::WeightTransport::Filesystem && w.claim_name.is_none() {
                 // The schema cannot ask for it: `moult run` uses the same spec with a local folder.

@@ -101,6 +101,11 @@ pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> 
     }
 }
 
+/// How every container's termination message is made: the tail of its log when it wrote no
+/// message file, so that a crash's last words (moult prints its fatal error last) reach the
+/// pod's status and from there the run's conditions (docs/operator.md, "Why is my run stuck").
+pub const TERMINATION_MESSAGE_POLICY: &str = "FallbackToLogsOnError";
+
 /// A container with the run's config, token and a writable `/tmp`, locked down.
 pub(crate) fn container(
     name: &str,
@@ -118,6 +123,7 @@ pub(crate) fn container(
             mount("config", CONFIG_DIR, true),
             mount("tmp", "/tmp", false),
         ]),
+        termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.into()),
         ..Container::default()
     }
 }

@@ -224,6 +224,16 @@ fn the_trainer_mounts_the_teacher_of_distillation() {
 }
 
 #[test]
+fn a_multi_rank_trainer_is_refused_with_the_field_named_before_any_pod() {
+    let mut run = example_run();
+    run.spec.trainer.nodes = 2;
+    let Err(InvalidSpec(err)) = desired(&run, &Images::default(), "t") else {
+        panic!("a two-rank trainer was built");
+    };
+    assert!(err.starts_with("spec.trainer.nodes:"), "{err}");
+}
+
+#[test]
 fn a_judge_run_is_refused_with_the_field_named() {
     let mut run = example_run();
     run.spec.judge = Some(
@@ -537,4 +547,94 @@ fn the_filesystem_transport_mounts_its_claim_in_trainer_and_engines() {
         err.0.starts_with("spec.engines.weightTransfer.claimName:"),
         "{err}"
     );
+}
+
+#[test]
+fn every_container_reports_its_last_log_lines_when_it_fails() {
+    let c = build(&example_run());
+    for t in [
+        c.engines.spec.template,
+        c.trainer.spec.template,
+        c.coordinator.spec.template,
+        c.agents.spec.template,
+    ] {
+        let p = t.spec.unwrap();
+        for c in p
+            .containers
+            .iter()
+            .chain(p.init_containers.iter().flatten())
+        {
+            assert_eq!(
+                c.termination_message_policy.as_deref(),
+                Some("FallbackToLogsOnError"),
+                "{}",
+                c.name
+            );
+        }
+    }
+}
+
+/// Every flag the operator puts on an engine's command line (vLLM's with every option on, and
+/// the built-in engine's) is refused in `engines.extraArgs`, in each spelling vLLM takes.
+#[cfg(feature = "validate")]
+#[test]
+fn every_flag_moult_sets_on_an_engine_is_refused_in_extra_args() {
+    use crate::api::RESERVED_ENGINE_FLAGS;
+    let mut run = example_run();
+    run.spec.routing_replay = true;
+    run.spec.model.max_model_len = Some(4096);
+    let mut set: Vec<String> = vllm_args(&run.spec, "/m", "0.0.0.0", 8000, "r")
+        .into_iter()
+        .filter(|a| a.starts_with('-'))
+        .collect();
+    let mut builtin = example_run();
+    builtin.spec.engines.backend = EngineBackend::Builtin;
+    builtin.spec.engines.tensor_parallel_size = 1;
+    builtin.spec.engines.weight_transfer = None;
+    let engine = build(&builtin).engines.spec.template.spec.unwrap();
+    set.extend(
+        args(&engine.containers[0])
+            .into_iter()
+            .filter(|a| a.starts_with('-'))
+            .map(String::from),
+    );
+    for flag in &set {
+        assert!(
+            RESERVED_ENGINE_FLAGS.contains(&flag.as_str()),
+            "{flag} is set by moult but not in RESERVED_ENGINE_FLAGS"
+        );
+    }
+    let refused = |extra: Vec<String>| {
+        let mut r = example_run();
+        r.spec.engines.extra_args = extra;
+        r.validate().is_err()
+    };
+    for flag in RESERVED_ENGINE_FLAGS {
+        let underscored = format!("--{}", flag.trim_start_matches('-').replace('-', "_"));
+        for form in [
+            vec![flag.to_string(), "1".into()],
+            vec![format!("{flag}=1")],
+            vec![format!("{flag}.key"), "1".into()],
+            vec![underscored.clone(), "1".into()],
+        ] {
+            if flag.starts_with("--") || !form[0].starts_with("--") {
+                assert!(refused(form.clone()), "{form:?} is refused");
+            }
+        }
+    }
+    for fine in [
+        vec!["--enforce-eager".to_string()],
+        vec!["--dtype".into(), "bfloat16".into()],
+        vec!["--hosts-file".into(), "x".into()],
+        vec!["--max-num-seqs=8".into()],
+    ] {
+        assert!(!refused(fine.clone()), "{fine:?} is accepted");
+    }
+    for bad in [
+        vec!["--dtype".to_string(), "int8".into()],
+        vec!["--dtype=fp8".into()],
+        vec!["--dtype".into()],
+    ] {
+        assert!(refused(bad.clone()), "{bad:?} is refused");
+    }
 }

@@ -14,7 +14,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::pods::{
     claim, config_path, container, dataset, empty_dir, env, field_env, locked_down, model,
     moult_env, mount, resources, teacher, template, weights, Credential, CHECKPOINT_DIR,
-    WEIGHTS_DIR,
+    TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
 };
 use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, TRAINER_RENDEZVOUS_PORT};
 use crate::api::{AgentForm, EngineBackend, RLRunSpec, WeightTransport};
@@ -422,6 +422,7 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
         command: Some(vec!["cp".into(), "/moult".into(), moult]),
         security_context: Some(locked_down()),
         volume_mounts: Some(vec![mount("moult-bin", MOULT_BIN_DIR, false)]),
+        termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.into()),
         ..Container::default()
     };
     let pod = PodSpec {

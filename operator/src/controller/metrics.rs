@@ -1,8 +1,14 @@
 //! The operator's Prometheus metrics and its `/metrics`, `/healthz` and `/readyz` endpoints.
+//!
+//! Besides the reconciler's own (reconciles, writes, durations, leadership), each run has gauges
+//! of its phase, its components' ready and desired pods, and what blocks a component (docs/
+//! operator.md, "Metrics"): enough to alert on a run that is stuck. A run's series go when the
+//! run is gone (at the next reconcile of any run).
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -14,6 +20,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+use super::causes::Reason;
+use super::status::Component;
+use crate::api::Phase;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
@@ -27,6 +37,40 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    pub namespace: String,
+    pub run: String,
+    pub phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ComponentLabels {
+    pub namespace: String,
+    pub run: String,
+    /// engines, trainer, coordinator or agents.
+    pub component: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BlockedLabels {
+    pub namespace: String,
+    pub run: String,
+    pub component: String,
+    /// A cause of docs/operator.md, "Why is my run stuck" (Unschedulable, CrashLoopBackOff, ...).
+    pub reason: String,
+}
+
+const PHASES: [Phase; 6] = [
+    Phase::Pending,
+    Phase::Running,
+    Phase::Degraded,
+    Phase::Suspended,
+    Phase::Succeeded,
+    Phase::Failed,
+];
+const COMPONENTS: [&str; 4] = ["engines", "trainer", "coordinator", "agents"];
+
 /// Every metric the operator exports.
 pub struct Metrics {
     pub registry: Registry,
@@ -36,6 +80,14 @@ pub struct Metrics {
     pub reconcile_seconds: Histogram,
     /// 1 while this replica holds the lease (or runs without leader election).
     pub leader: Gauge,
+    /// 1 for a run's current phase, 0 for the others.
+    pub run_phase: Family<PhaseLabels, Gauge>,
+    pub ready_pods: Family<ComponentLabels, Gauge>,
+    pub desired_pods: Family<ComponentLabels, Gauge>,
+    /// 1 for the cause that keeps a component from ready, 0 for the other causes.
+    pub blocked: Family<BlockedLabels, Gauge>,
+    /// Runs (namespace, name) with series, to drop those of deleted runs.
+    runs: Mutex<HashSet<(String, String)>>,
     /// Set once the controller runs; `/readyz` answers 200 from then on.
     pub ready: AtomicBool,
 }
@@ -47,6 +99,30 @@ impl Default for Metrics {
         let writes = Family::<WriteLabels, Counter>::default();
         let reconcile_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         let leader = Gauge::default();
+        let run_phase = Family::<PhaseLabels, Gauge>::default();
+        let ready_pods = Family::<ComponentLabels, Gauge>::default();
+        let desired_pods = Family::<ComponentLabels, Gauge>::default();
+        let blocked = Family::<BlockedLabels, Gauge>::default();
+        registry.register(
+            "run_phase",
+            "1 for the phase each RLRun is in, 0 for the others",
+            run_phase.clone(),
+        );
+        registry.register(
+            "run_ready_pods",
+            "Ready pods of each component of each RLRun",
+            ready_pods.clone(),
+        );
+        registry.register(
+            "run_desired_pods",
+            "Desired pods of each component of each RLRun",
+            desired_pods.clone(),
+        );
+        registry.register(
+            "run_blocked",
+            "1 when a component of an RLRun is kept from ready by this reason (Unschedulable, ImagePullFailed, ContainerCannotStart, OOMKilled, CrashLoopBackOff)",
+            blocked.clone(),
+        );
         registry.register("reconciles", "Reconciles by result", reconciles.clone());
         registry.register(
             "writes",
@@ -69,6 +145,11 @@ impl Default for Metrics {
             writes,
             reconcile_seconds,
             leader,
+            run_phase,
+            ready_pods,
+            desired_pods,
+            blocked,
+            runs: Mutex::new(HashSet::new()),
             ready: AtomicBool::new(false),
         }
     }
@@ -79,6 +160,91 @@ impl Metrics {
         self.writes
             .get_or_create(&WriteLabels { verb: verb.into() })
             .inc_by(n as u64);
+    }
+
+    /// Sets the gauges of one run from its phase and components.
+    pub fn observe_run(
+        &self,
+        namespace: &str,
+        run: &str,
+        phase: Option<Phase>,
+        components: &[Component],
+    ) {
+        self.runs
+            .lock()
+            .expect("not poisoned")
+            .insert((namespace.into(), run.into()));
+        for p in PHASES {
+            self.run_phase
+                .get_or_create(&PhaseLabels {
+                    namespace: namespace.into(),
+                    run: run.into(),
+                    phase: format!("{p:?}"),
+                })
+                .set(i64::from(phase == Some(p)));
+        }
+        for c in components {
+            let labels = ComponentLabels {
+                namespace: namespace.into(),
+                run: run.into(),
+                component: c.name.into(),
+            };
+            self.ready_pods
+                .get_or_create(&labels)
+                .set(i64::from(c.ready));
+            self.desired_pods
+                .get_or_create(&labels)
+                .set(i64::from(c.desired));
+            for reason in Reason::ALL {
+                self.blocked
+                    .get_or_create(&BlockedLabels {
+                        namespace: namespace.into(),
+                        run: run.into(),
+                        component: c.name.into(),
+                        reason: reason.as_str().into(),
+                    })
+                    .set(i64::from(
+                        c.cause.as_ref().is_some_and(|cause| cause.reason == reason),
+                    ));
+            }
+        }
+    }
+
+    /// Drops the series of runs not among `existing` ("namespace/name" keys).
+    pub fn retain_runs(&self, existing: &[String]) {
+        let mut runs = self.runs.lock().expect("not poisoned");
+        let gone: Vec<(String, String)> = runs
+            .iter()
+            .filter(|(ns, name)| !existing.contains(&format!("{ns}/{name}")))
+            .cloned()
+            .collect();
+        for (namespace, run) in gone {
+            for p in PHASES {
+                self.run_phase.remove(&PhaseLabels {
+                    namespace: namespace.clone(),
+                    run: run.clone(),
+                    phase: format!("{p:?}"),
+                });
+            }
+            for component in COMPONENTS {
+                let labels = ComponentLabels {
+                    namespace: namespace.clone(),
+                    run: run.clone(),
+                    component: component.into(),
+                };
+                self.ready_pods.remove(&labels);
+                self.desired_pods.remove(&labels);
+                for reason in Reason::ALL {
+                    self.blocked.remove(&BlockedLabels {
+                        namespace: namespace.clone(),
+                        run: run.clone(),
+                        component: component.into(),
+                        reason: reason.as_str().into(),
+                    });
+                }
+            }
+            runs.remove(&(namespace, run));
+        }
     }
 
     pub fn encode(&self) -> String {
@@ -119,4 +285,54 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
     let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics, /healthz and /readyz");
     Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controller::causes::Cause;
+
+    fn component(name: &'static str, ready: i32, cause: Option<Reason>) -> Component {
+        Component {
+            name,
+            desired: 2,
+            ready,
+            pods: 2,
+            settled: ready == 2,
+            cause: cause.map(|reason| Cause {
+                reason,
+                pod: format!("r-{name}-0"),
+                message: "m".into(),
+            }),
+        }
+    }
+
+    #[test]
+    fn a_runs_phase_readiness_and_cause_are_gauges_that_go_with_the_run() {
+        let m = Metrics::default();
+        m.observe_run(
+            "ns",
+            "r",
+            Some(Phase::Pending),
+            &[
+                component("engines", 0, Some(Reason::Unschedulable)),
+                component("trainer", 2, None),
+            ],
+        );
+        let text = m.encode();
+        for line in [
+            "moult_operator_run_phase{namespace=\"ns\",run=\"r\",phase=\"Pending\"} 1",
+            "moult_operator_run_phase{namespace=\"ns\",run=\"r\",phase=\"Running\"} 0",
+            "moult_operator_run_ready_pods{namespace=\"ns\",run=\"r\",component=\"engines\"} 0",
+            "moult_operator_run_desired_pods{namespace=\"ns\",run=\"r\",component=\"engines\"} 2",
+            "moult_operator_run_blocked{namespace=\"ns\",run=\"r\",component=\"engines\",reason=\"Unschedulable\"} 1",
+            "moult_operator_run_blocked{namespace=\"ns\",run=\"r\",component=\"trainer\",reason=\"Unschedulable\"} 0",
+        ] {
+            assert!(text.contains(line), "{line} in:\n{text}");
+        }
+        m.retain_runs(&["ns/r".into()]);
+        assert!(m.encode().contains("run=\"r\""));
+        m.retain_runs(&[]);
+        assert!(!m.encode().contains("run=\"r\""), "{}", m.encode());
+    }
 }

@@ -4,9 +4,12 @@
 //! RLRuns are watched through [`DeserializeGuard`], so one that does not parse is reported in
 //! its status and events and skipped; it never stalls the watch. Errors back off per object
 //! exponentially. Children are watched too (by the managed-by label), so a child deleted or
-//! edited by hand is restored.
+//! edited by hand is restored; and so are the run's pods (by the same label, mapped to their
+//! run by the run label), so that a pod the scheduler cannot place or a container that crashes
+//! shows in the run's status within seconds ([`causes`]).
 
 pub mod apply;
+pub mod causes;
 pub mod leader;
 pub mod metrics;
 pub mod status;
@@ -17,13 +20,16 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
-use k8s_openapi::api::core::v1::{ConfigMap, ObjectReference, Secret, Service, ServiceAccount};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ObjectReference, Pod, Secret, Service, ServiceAccount,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
+use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
 use kube::core::error_boundary::{DeserializeGuard, InvalidObject};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use rand::RngCore;
@@ -33,7 +39,9 @@ use self::apply::{Live, FIELD_MANAGER};
 use self::metrics::{Metrics, ResultLabels};
 use self::status::Workloads;
 use crate::api::{Phase, RLRun, RLRunStatus};
-use crate::children::{self, ChildKind, Images, MANAGED_BY, MANAGED_BY_LABEL, TOKEN_KEY};
+use crate::children::{
+    self, ChildKind, Images, MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, TOKEN_KEY,
+};
 use crate::error::{Context as _, Error, Result};
 
 /// Operator-wide settings.
@@ -56,6 +64,8 @@ pub struct Ctx {
     recorder: Recorder,
     /// Consecutive failures per run, for exponential backoff.
     failures: Mutex<HashMap<String, u32>>,
+    /// The runs that exist (the controller's cache): per-run metrics of the others are dropped.
+    runs: Store<DeserializeGuard<RLRun>>,
 }
 
 /// Runs the controller until shutdown (SIGTERM/SIGINT).
@@ -81,17 +91,25 @@ pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, iden
         controller: FIELD_MANAGER.into(),
         instance: Some(identity.into()),
     };
+    let controller = Controller::new(runs, watcher::Config::default());
     let ctx = Arc::new(Ctx {
         recorder: Recorder::new(client.clone(), reporter),
         client: client.clone(),
         metrics: metrics.clone(),
         failures: Mutex::new(HashMap::new()),
         settings: settings.clone(),
+        runs: controller.store(),
     });
     metrics
         .ready
         .store(true, std::sync::atomic::Ordering::Relaxed);
-    Controller::new(runs, watcher::Config::default())
+    controller
+        // Pods belong to StatefulSets and ReplicaSets, not to the run: found by its label.
+        .watches(owned_api::<Pod>(&client, &owned), ours.clone(), |pod| {
+            let run = pod.labels().get(RUN_LABEL)?.clone();
+            let ns = pod.namespace()?;
+            Some(ObjectRef::<DeserializeGuard<RLRun>>::new(&run).within(&ns))
+        })
         .owns(owned_api::<StatefulSet>(&client, &owned), ours.clone())
         .owns(owned_api::<Deployment>(&client, &owned), ours.clone())
         .owns(owned_api::<Service>(&client, &owned), ours.clone())
@@ -192,12 +210,33 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         Err(why) => (live, Some(why.0)),
     };
     let now = Time(Timestamp::now());
-    let new = status::compute(run, &workloads(&current, &name), invalid.as_deref(), &now);
+    let workloads = workloads(&current, &name, pods(ctx, &ns, &name).await?);
+    let new = status::compute(run, &workloads, invalid.as_deref(), &now);
+    observe(ctx, &ns, &name, &new, &workloads);
     if status::changed(run.status.as_ref(), &new) {
         patch_status(run, &new, ctx).await?;
         announce(run, &new, ctx).await;
     }
     Ok(Action::requeue(ctx.settings.resync))
+}
+
+/// The run's pods (where the causes of a component that is not ready are read).
+async fn pods(ctx: &Ctx, ns: &str, run: &str) -> Result<Vec<Pod>> {
+    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let selector = format!("{RUN_LABEL}={run},{MANAGED_BY_LABEL}={MANAGED_BY}");
+    Ok(api
+        .list(&ListParams::default().labels(&selector))
+        .await
+        .context(|| format!("listing the pods of {ns}/{run}"))?
+        .items)
+}
+
+/// The run's gauges from its new status, and none for runs that are gone.
+fn observe(ctx: &Ctx, ns: &str, run: &str, new: &RLRunStatus, workloads: &Workloads) {
+    let existing: Vec<String> = ctx.runs.state().iter().map(|r| key(r.meta())).collect();
+    ctx.metrics.retain_runs(&existing);
+    ctx.metrics
+        .observe_run(ns, run, new.phase, &status::components(workloads));
 }
 
 fn existing_token(live: &Live, run: &str) -> Option<String> {
@@ -217,7 +256,7 @@ fn new_token() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn workloads(current: &Live, run: &str) -> Workloads {
+fn workloads(current: &Live, run: &str, pods: Vec<Pod>) -> Workloads {
     fn typed<K: serde::de::DeserializeOwned>(
         current: &Live,
         kind: ChildKind,
@@ -249,6 +288,7 @@ fn workloads(current: &Live, run: &str) -> Workloads {
             ChildKind::Deployment,
             children::name(run, "agents"),
         ),
+        pods,
     }
 }
 
@@ -271,10 +311,23 @@ async fn patch_status(run: &RLRun, status: &RLRunStatus, ctx: &Ctx) -> Result<()
     Ok(())
 }
 
-/// An event when the phase changes (Warning for Degraded and Failed).
+/// Events: when the phase changes (Warning for Degraded and Failed), and a Warning when the
+/// cause that keeps the run from ready changes (reason: the cause, note: the message).
 async fn announce(run: &RLRun, new: &RLRunStatus, ctx: &Ctx) {
-    let old = run.status.as_ref().and_then(|s| s.phase);
-    let Some(phase) = new.phase.filter(|p| Some(*p) != old) else {
+    let old = run.status.as_ref();
+    if let Some((reason, message)) = cause(new).filter(|c| old.and_then(cause) != Some(*c)) {
+        let event = Event {
+            type_: EventType::Warning,
+            reason: reason.into(),
+            note: Some(note(message)),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(e) = ctx.recorder.publish(&event, &run.object_ref(&())).await {
+            tracing::warn!(error = %e, "cannot publish an event");
+        }
+    }
+    let Some(phase) = new.phase.filter(|p| Some(*p) != old.and_then(|s| s.phase)) else {
         return;
     };
     let message = new
@@ -290,13 +343,37 @@ async fn announce(run: &RLRun, new: &RLRunStatus, ctx: &Ctx) {
     let event = Event {
         type_,
         reason: format!("{phase:?}"),
-        note: message,
+        note: message.as_deref().map(note),
         action: "Reconcile".into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&event, &run.object_ref(&())).await {
         tracing::warn!(error = %e, "cannot publish an event");
     }
+}
+
+/// An event's note: at most 1 kB (the API server refuses longer ones), cut at a character.
+fn note(message: &str) -> String {
+    const MAX: usize = 1000;
+    if message.len() <= MAX {
+        return message.to_string();
+    }
+    let mut end = MAX - "…".len();
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &message[..end])
+}
+
+/// The cause in a status (a Degraded condition whose reason is one of [`causes::Reason`]), as
+/// reason and message.
+fn cause(status: &RLRunStatus) -> Option<(&str, &str)> {
+    status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Degraded" && c.status == "True")
+        .filter(|c| causes::Reason::ALL.iter().any(|r| r.as_str() == c.reason))
+        .map(|c| (c.reason.as_str(), c.message.as_str()))
 }
 
 /// An RLRun that does not parse: say why in its status and events, once; never retry it until
@@ -360,7 +437,7 @@ async fn report_malformed(invalid: &InvalidObject, ctx: &Ctx) -> Result<Action> 
     let event = Event {
         type_: EventType::Warning,
         reason: "MalformedSpec".into(),
-        note: Some(message.chars().take(1000).collect()),
+        note: Some(note(&message)),
         action: "Reconcile".into(),
         secondary: None,
     };
@@ -375,6 +452,14 @@ mod tests {
     use std::time::Duration;
 
     use super::backoff;
+
+    #[test]
+    fn event_notes_fit_the_api_servers_kilobyte() {
+        assert_eq!(super::note("short"), "short");
+        let long = "é".repeat(2000);
+        let n = super::note(&long);
+        assert!(n.len() <= 1000 && n.ends_with('…'), "{}", n.len());
+    }
 
     #[test]
     fn backoff_doubles_from_one_second_to_five_minutes() {

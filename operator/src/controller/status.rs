@@ -1,24 +1,70 @@
-//! A run's status computed from its workloads (pure): phase, conditions, engine replicas.
+//! A run's status computed from its workloads and their pods (pure): phase, conditions, engine
+//! replicas.
 //!
 //! A component is ready only when its controller has seen the current spec and every desired
-//! pod is updated and ready — "Running" means the pods really are. The operator owns `phase`,
+//! pod is updated and ready — "Running" means the pods really are. A component that is not ready
+//! and has a pod that will not become ready by waiting ([`causes`]: unschedulable, image pull,
+//! crash loop, OOM kill) makes the run Degraded with that cause as the conditions' reason and,
+//! per component, in their message. The operator owns `phase`,
 //! `conditions`, `observedGeneration` and `engines`; the coordinator owns the rest, and this
 //! module never touches it.
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
 
+use super::causes::{self, Cause};
 use crate::api::{EngineStatus, Phase, RLRun, RLRunStatus};
 use crate::children::engine_selector;
 
-/// The run's workloads as last seen (None: does not exist yet).
+/// The run's workloads as last seen (None: does not exist yet), and its pods.
 #[derive(Clone, Debug, Default)]
 pub struct Workloads {
     pub engines: Option<StatefulSet>,
     pub trainer: Option<StatefulSet>,
     pub coordinator: Option<Deployment>,
     pub agents: Option<Deployment>,
+    pub pods: Vec<Pod>,
+}
+
+/// One component as the status and the metrics report it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Component {
+    /// engines, trainer, coordinator or agents.
+    pub name: &'static str,
+    pub desired: i32,
+    pub ready: i32,
+    /// Pods that exist.
+    pub pods: i32,
+    /// Every desired pod updated and ready.
+    pub settled: bool,
+    /// Why it is not ready (None when settled, or only starting).
+    pub cause: Option<Cause>,
+}
+
+/// The four components of a run, in the order the status names them.
+pub fn components(w: &Workloads) -> [Component; 4] {
+    let component = |name, pod_label, r: Readiness| Component {
+        name,
+        desired: r.desired,
+        ready: r.ready,
+        pods: r.pods,
+        settled: r.settled,
+        cause: (!r.settled)
+            .then(|| causes::first(&w.pods, pod_label))
+            .flatten(),
+    };
+    [
+        component("engines", "engine", statefulset(w.engines.as_ref())),
+        component("trainer", "trainer", statefulset(w.trainer.as_ref())),
+        component(
+            "coordinator",
+            "coordinator",
+            deployment(w.coordinator.as_ref()),
+        ),
+        component("agents", "agents", deployment(w.agents.as_ref())),
+    ]
 }
 
 /// Desired and ready pods of one component.
@@ -84,19 +130,22 @@ pub fn compute(run: &RLRun, w: &Workloads, invalid: Option<&str>, now: &Time) ->
     let old = run.status.clone().unwrap_or_default();
     let generation = run.metadata.generation;
     let name = run.name_any();
-    let parts = [
-        ("engines", statefulset(w.engines.as_ref())),
-        ("trainer", statefulset(w.trainer.as_ref())),
-        ("coordinator", deployment(w.coordinator.as_ref())),
-        ("agents", deployment(w.agents.as_ref())),
-    ];
-    let engines = parts[0].1;
-    let all_settled = parts.iter().all(|(_, r)| r.settled);
+    let parts = components(w);
+    let engines = &parts[0];
+    let all_settled = parts.iter().all(|c| c.settled);
     let waiting: Vec<String> = parts
         .iter()
-        .filter(|(_, r)| !r.settled)
-        .map(|(n, r)| format!("{n} {}/{} ready", r.ready, r.desired))
+        .filter(|c| !c.settled)
+        .map(|c| match &c.cause {
+            Some(cause) => format!("{} {}/{} ready ({cause})", c.name, c.ready, c.desired),
+            None => format!("{} {}/{} ready", c.name, c.ready, c.desired),
+        })
         .collect();
+    // The first component's cause names the conditions' reason.
+    let stuck = parts
+        .iter()
+        .find_map(|c| c.cause.as_ref())
+        .map(|c| c.reason.as_str());
     let was_running_here = matches!(old.phase, Some(Phase::Running | Phase::Degraded))
         && old.observed_generation == generation;
 
@@ -159,6 +208,23 @@ pub fn compute(run: &RLRun, w: &Workloads, invalid: Option<&str>, now: &Time) ->
             cond("Ready", true, "AllComponentsReady", &msg),
             cond("Progressing", false, "AllComponentsReady", &msg),
             cond("Degraded", false, "AllComponentsReady", &msg),
+            cond("Suspended", false, "Running", "spec.suspend is not set"),
+        )
+    } else if let Some(reason) = stuck {
+        let msg = if was_running_here {
+            format!("lost ready pods: {}", waiting.join(", "))
+        } else {
+            format!("waiting for {}", waiting.join(", "))
+        };
+        (
+            if was_running_here {
+                Phase::Degraded
+            } else {
+                Phase::Pending
+            },
+            cond("Ready", false, reason, &msg),
+            cond("Progressing", false, reason, &msg),
+            cond("Degraded", true, reason, &msg),
             cond("Suspended", false, "Running", "spec.suspend is not set"),
         )
     } else if was_running_here {
@@ -293,7 +359,19 @@ mod tests {
             trainer: Some(sts(c.trainer, "trainer")),
             coordinator: Some(dep(c.coordinator, "coordinator")),
             agents: Some(dep(c.agents, "agents")),
+            pods: Vec::new(),
         }
+    }
+
+    /// A pod of `component` that the scheduler cannot place.
+    fn unschedulable(name: &str, component: &str, message: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "labels": {"moult.dev/component": component}},
+            "status": {"phase": "Pending", "conditions": [{
+                "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message
+            }]},
+        }))
+        .unwrap()
     }
 
     fn now() -> Time {
@@ -404,6 +482,74 @@ mod tests {
         assert_eq!(s.phase, Some(Phase::Failed));
         assert_eq!(condition(&s, "Degraded").reason, "InvalidSpec");
         assert!(condition(&s, "Ready").message.contains("engines.image"));
+    }
+
+    #[test]
+    fn a_pod_that_cannot_run_names_its_cause_per_component_and_clears_when_fixed() {
+        let mut r = run();
+        let mut w = workloads(&r, |n, want| if n == "agents" { want } else { 0 });
+        w.pods = vec![
+            unschedulable(
+                "gsm8k-grpo-engine-0",
+                "engine",
+                "0/6 nodes are available: persistentvolumeclaim \"models\" not found.",
+            ),
+            unschedulable(
+                "gsm8k-grpo-trainer-0",
+                "trainer",
+                "0/6 nodes are available: 6 Insufficient nvidia.com/gpu.",
+            ),
+        ];
+        let s = compute(&r, &w, None, &now());
+        assert_eq!(s.phase, Some(Phase::Pending));
+        for t in ["Ready", "Progressing", "Degraded"] {
+            assert_eq!(condition(&s, t).reason, "Unschedulable", "{t}");
+        }
+        assert_eq!(condition(&s, "Degraded").status, "True");
+        let msg = &condition(&s, "Ready").message;
+        assert!(
+            msg.contains("engines 0/4 ready (Unschedulable: pod gsm8k-grpo-engine-0: 0/6 nodes are available: persistentvolumeclaim \"models\" not found.)"),
+            "{msg}"
+        );
+        assert!(msg.contains("Insufficient nvidia.com/gpu"), "{msg}");
+        assert!(
+            msg.ends_with("coordinator 0/1 ready"),
+            "no cause, no parentheses: {msg}"
+        );
+        // Fixed: the pods run, the cause goes, and an unchanged run needs no write.
+        r.status = Some(s);
+        let s = compute(&r, &workloads(&r, |_, want| want), None, &now());
+        assert_eq!(s.phase, Some(Phase::Running));
+        assert_eq!(condition(&s, "Degraded").status, "False");
+        r.status = Some(s.clone());
+        let again = compute(&r, &workloads(&r, |_, want| want), None, &now());
+        assert!(!changed(Some(&s), &again));
+    }
+
+    #[test]
+    fn a_running_run_whose_pod_crash_loops_is_degraded_with_the_cause() {
+        let mut r = run();
+        r.status = Some(compute(&r, &workloads(&r, |_, want| want), None, &now()));
+        let mut w = workloads(&r, |n, want| if n == "trainer" { 0 } else { want });
+        w.pods = vec![serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "gsm8k-grpo-trainer-0", "labels": {"moult.dev/component": "trainer"}},
+            "status": {"containerStatuses": [{
+                "name": "trainer", "image": "x", "imageID": "", "ready": false, "restartCount": 2,
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {"exitCode": 1, "message": "Error: CUDA out of memory"}}
+            }]},
+        }))
+        .unwrap()];
+        let s = compute(&r, &w, None, &now());
+        assert_eq!(s.phase, Some(Phase::Degraded));
+        assert_eq!(condition(&s, "Degraded").reason, "CrashLoopBackOff");
+        assert!(
+            condition(&s, "Degraded")
+                .message
+                .contains("Error: CUDA out of memory"),
+            "{}",
+            condition(&s, "Degraded").message
+        );
     }
 
     #[test]

@@ -338,79 +338,68 @@ spec:
     )
 }
 
-/// Where a rule lives: a CEL rule (also checked client-side by `RLRun::validate`) or the
-/// OpenAPI schema (ranges, enums; only the API server checks those).
+/// Where a rule lives: a CEL rule, or the OpenAPI schema (ranges, enums). `RLRun::validate`
+/// checks both, as the runtime does before it runs anything.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Rule {
     Cel,
     Schema,
 }
 
-/// Invalid variants of `base` (a [`small_run`]) and the message the API server must give.
-pub fn invalid_cases(base: &str) -> Vec<(String, &'static str, Rule)> {
-    let cases: Vec<(String, &str)> = vec![
-        (
-            base.replace("tensorParallelSize: 2}", "tensorParallelSize: 2, gpusPerEngine: 3}"),
-            "engines.gpusPerEngine must be a multiple of engines.tensorParallelSize",
-        ),
-        (
-            base.replace("tensorParallelSize: 2}", "tensorParallelSize: 2, backend: Builtin}"),
-            "engines.tensorParallelSize must be 1 with backend Builtin",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Geo, mode: Clip, low: 0.5, high: 2}}"),
-            "isCorrection.level Seq and Geo are sequence-level gates: they need isCorrection.mode Mask",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Mask, low: 5, high: 0.5}}"),
-            "isCorrection.low must be smaller than isCorrection.high",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Mask, high: 5}}"),
-            "isCorrection.mode Mask and Clip need both isCorrection.low and isCorrection.high",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {isCorrection: {level: Token, mode: Trunc, low: 0.1, high: 2}}"),
-            "isCorrection.mode Trunc uses only isCorrection.high: remove isCorrection.low",
-        ),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {estimator: GRPO, groupSize: 1}"),
-            "GRPO and RLOO compare samples of one prompt: algorithm.groupSize must be at least 2",
-        ),
-        (base.replace("totalSteps: 10", "totalSteps: 10\n  rollout: {topP: 1.5}"), "rollout.topP must be greater than 0 and at most 1"),
-        (
-            base.replace("    env: math\n", "    form: ChatAgent\n"),
-            "agent.form ChatAgent runs your program: set agent.image and agent.command",
-        ),
-        (
-            base.replace("    env: math\n", "    env: math\n    timeout: ten minutes\n"),
-            "agent.timeout must be a duration such as 90s, 10m or 1h30m",
-        ),
-        (
-            base.replace("    env: math\n", ""),
-            "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)",
-        ),
-        (
-            base.replace("name: bad", "name: this-name-is-far-too-long-for-an-rlrun-object"),
-            "RLRun names are at most 40 characters",
-        ),
-        (base.replace("totalSteps: 10", "totalSteps: 0"), "spec.totalSteps: Invalid value: 0: spec.totalSteps in body should be greater than or equal to 1"),
-        (base.replace("replicas: 1, tensor", "replicas: -1, tensor"), "spec.engines.replicas in body should be greater than or equal to 0"),
-        (
-            base.replace("totalSteps: 10", "totalSteps: 10\n  algorithm: {estimator: PPO}"),
+/// One manifest the API server and the runtime must both refuse.
+pub struct Invalid {
+    pub yaml: String,
+    /// The field path both name ("spec.rollout"); empty for a rule on the whole object.
+    pub field: &'static str,
+    /// What the API server says, and the runtime too.
+    pub message: &'static str,
+    pub rule: Rule,
+}
+
+/// Invalid variants of `base` (a [`small_run`]) and what the API server must say.
+pub fn invalid_cases(base: &str) -> Vec<Invalid> {
+    let spec = |extra: &str| base.replace("totalSteps: 10", &format!("totalSteps: 10\n  {extra}"));
+    let engines = |extra: &str| {
+        base.replace(
+            "tensorParallelSize: 2}",
+            &format!("tensorParallelSize: 2, {extra}}}"),
+        )
+    };
+    let case = |yaml: String, field, message, rule| Invalid {
+        yaml,
+        field,
+        message,
+        rule,
+    };
+    use Rule::{Cel, Schema};
+    vec![
+        case(engines("gpusPerEngine: 3"), "spec.engines", "engines.gpusPerEngine must be a multiple of engines.tensorParallelSize", Cel),
+        case(engines("backend: Builtin"), "spec.engines", "engines.tensorParallelSize must be 1 with backend Builtin", Cel),
+        case(engines(r#"extraArgs: ["--port", "9999"]"#), "spec.engines", "engines.extraArgs cannot set a flag moult sets itself", Cel),
+        case(engines(r#"extraArgs: ["--served-model-name=other"]"#), "spec.engines", "engines.extraArgs cannot set a flag moult sets itself", Cel),
+        case(engines(r#"extraArgs: ["--tensor_parallel_size", "4"]"#), "spec.engines", "engines.extraArgs cannot set a flag moult sets itself", Cel),
+        case(engines(r#"extraArgs: ["--dtype", "int8"]"#), "spec.engines", "engines.extraArgs --dtype must be auto, float32, bfloat16 or float16", Cel),
+        case(spec("algorithm: {isCorrection: {level: Geo, mode: Clip, low: 0.5, high: 2}}"), "spec.algorithm.isCorrection", "isCorrection.level Seq and Geo are sequence-level gates: they need isCorrection.mode Mask", Cel),
+        case(spec("algorithm: {isCorrection: {level: Token, mode: Mask, low: 5, high: 0.5}}"), "spec.algorithm.isCorrection", "isCorrection.low must be smaller than isCorrection.high", Cel),
+        case(spec("algorithm: {isCorrection: {level: Token, mode: Mask, high: 5}}"), "spec.algorithm.isCorrection", "isCorrection.mode Mask and Clip need both isCorrection.low and isCorrection.high", Cel),
+        case(spec("algorithm: {isCorrection: {level: Token, mode: Trunc, low: 0.1, high: 2}}"), "spec.algorithm.isCorrection", "isCorrection.mode Trunc uses only isCorrection.high: remove isCorrection.low", Cel),
+        case(spec("algorithm: {isCorrection: {level: Token, mode: Trunc, high: 0}}"), "spec.algorithm.isCorrection", "isCorrection.high must be greater than 0", Cel),
+        case(spec("algorithm: {estimator: GRPO, groupSize: 1}"), "spec.algorithm", "GRPO and RLOO compare samples of one prompt: algorithm.groupSize must be at least 2", Cel),
+        case(spec("rollout: {topP: 1.5}"), "spec.rollout", "rollout.topP must be greater than 0 and at most 1", Cel),
+        case(spec("rollout: {temperature: 0}"), "spec.rollout", "rollout.temperature must be greater than 0", Cel),
+        case(base.replace("gpusPerNode: 8", "gpusPerNode: 0"), "spec", "engines.weightTransfer.transport Nccl (vLLM's default) sends weights from the trainer's GPU", Cel),
+        case(base.replace("    env: math\n", "    form: ChatAgent\n"), "spec.agent", "agent.form ChatAgent runs your program: set agent.image and agent.command", Cel),
+        case(base.replace("    env: math\n", "    env: math\n    timeout: ten minutes\n"), "spec.agent", "agent.timeout must be a duration such as 90s, 10m or 1h30m", Cel),
+        case(base.replace("    env: math\n", ""), "spec.agent", "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)", Cel),
+        case(base.replace("name: bad", "name: this-name-is-far-too-long-for-an-rlrun-object"), "", "RLRun names are at most 40 characters", Cel),
+        case(base.replace("totalSteps: 10", "totalSteps: 0"), "spec.totalSteps", "spec.totalSteps: Invalid value: 0: spec.totalSteps in body should be greater than or equal to 1", Schema),
+        case(base.replace("replicas: 1, tensor", "replicas: -1, tensor"), "spec.engines.replicas", "spec.engines.replicas in body should be greater than or equal to 0", Schema),
+        case(spec("rollout: {temperature: 11}"), "spec.rollout.temperature", "spec.rollout.temperature in body should be less than or equal to 10", Schema),
+        case(
+            spec("algorithm: {estimator: PPO}"),
+            "spec.algorithm.estimator",
             "spec.algorithm.estimator: Unsupported value: \"PPO\": supported values: \"GRPO\", \"RLOO\", \"REINFORCE++\", \"OnPolicyDistillation\"",
+            Schema,
         ),
-    ];
-    let n = cases.len();
-    cases
-        .into_iter()
-        .enumerate()
-        .map(|(i, (yaml, message))| {
-            (
-                yaml,
-                message,
-                if i + 3 >= n { Rule::Schema } else { Rule::Cel },
-            )
-        })
-        .collect()
+    ]
 }

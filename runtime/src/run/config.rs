@@ -313,6 +313,13 @@ impl RunConfig {
     /// The settings of a local run of `run`, whose manifest is in `dir`.
     pub fn new(run: RLRun, dir: &Path) -> Result<Self, RunError> {
         let engines = &run.spec.engines;
+        if engines.replicas < 1 {
+            // A cluster run may be scaled to zero engines; a local one would wait forever.
+            return Err(bad(
+                "spec.engines.replicas",
+                "a local run needs at least 1 engine",
+            ));
+        }
         if engines.backend == EngineBackend::Vllm
             && engines.transport() != WeightTransport::Filesystem
         {
@@ -357,19 +364,10 @@ impl RunConfig {
             Some(_) => judge(&run, dir, &tasks)?,
             None => None,
         };
+        // What the spec alone decides (rollout.temperature > 0, the flags of engines.extraArgs,
+        // ...) was checked by `read_manifest` through `RLRun::validate`: the CRD's own rules, so
+        // the API server refuses the same manifests (docs/operator.md, "One validation").
         let algo = &spec.algorithm;
-        if spec.rollout.temperature <= 0.0 {
-            return Err(bad(
-                "spec.rollout.temperature",
-                "training needs sampling: give a temperature above 0 (1.0 is usual)",
-            ));
-        }
-        if spec.engines.replicas < 1 {
-            return Err(bad(
-                "spec.engines.replicas",
-                "a local run needs at least 1 engine",
-            ));
-        }
         let total_steps = u64::from(spec.total_steps);
         // Episodes are checked against the policy's vocabulary where this process has the model.
         let limits = EpisodeLimits {
@@ -435,5 +433,67 @@ impl RunConfig {
         self.rollout.max_staleness = 0;
         self.partial_rollout = false;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `manifest` written to a file of its own and read as `moult run` and every pod read it.
+    fn read(name: &str, spec: &str) -> Result<RLRun, RunError> {
+        let path =
+            std::env::temp_dir().join(format!("moult-config-{name}-{}.yaml", std::process::id()));
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: r}}
+spec:
+  model: {{path: model}}
+  agent: {{env: repeat, dataset: {{path: tasks.jsonl}}}}
+{spec}"
+            ),
+        )
+        .unwrap();
+        let run = read_manifest(&path);
+        let _ = std::fs::remove_file(&path);
+        run
+    }
+
+    /// The refusals the API server makes (operator/tests/support's table), made here too with
+    /// the same field and message: one set of rules, the CRD's.
+    #[test]
+    fn a_manifest_the_api_server_refuses_is_refused_with_the_same_field() {
+        assert!(read("ok", "  totalSteps: 1\n").is_ok());
+        for (name, spec, field, message) in [
+            (
+                "temperature",
+                "  rollout: {temperature: 0}\n  totalSteps: 1\n",
+                "spec.rollout",
+                "rollout.temperature must be greater than 0",
+            ),
+            (
+                "port",
+                "  engines: {extraArgs: [\"--port\", \"9999\"]}\n  totalSteps: 1\n",
+                "spec.engines",
+                "engines.extraArgs cannot set a flag moult sets itself",
+            ),
+            (
+                "steps",
+                "  totalSteps: 0\n",
+                "spec.totalSteps",
+                "spec.totalSteps in body should be greater than or equal to 1",
+            ),
+        ] {
+            let Err(RunError::Manifest(e)) = read(name, spec) else {
+                panic!("{name}: refused as a manifest error");
+            };
+            assert!(
+                e.contains(&format!("{field}: ")) && e.contains(message),
+                "{name}: {e}"
+            );
+        }
     }
 }

@@ -1,0 +1,159 @@
+//! `RLRun::validate`: what the API server would refuse, checked where there is no API server
+//! (`moult run`, and every pod of a cluster run reading its manifest), so that a spec is judged
+//! by one set of rules in both places.
+//!
+//! Two parts, both read from the generated CRD (`crd_json`): the OpenAPI schema's ranges,
+//! lengths, item counts and enums, with the API server's wording ("spec.totalSteps in body should
+//! be greater than or equal to 1"); and the CEL rules (`x-kubernetes-validations`), evaluated by
+//! kube's CEL interpreter with each rule's message. Every error names the field path.
+
+use serde_json::Value;
+
+use crate::api::RLRun;
+
+impl RLRun {
+    /// The CRD's schema and CEL rules evaluated here, with the API server's messages: what
+    /// `kubectl apply` would refuse, for a manifest that never meets an API server. Each error
+    /// names the field path.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let crd = crate::crd_json();
+        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        let object = serde_json::to_value(self).expect("an RLRun serializes");
+        let mut errors = Vec::new();
+        if let Some(spec) = object.get("spec") {
+            schema_errors(&schema["properties"]["spec"], spec, "spec", &mut errors);
+        }
+        if let Err(cel) = kube::core::cel::validate_cel(self) {
+            errors.extend(cel.into_iter().map(|e| e.to_string()));
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+/// The schema keywords the API server checks beyond types (serde has checked the types):
+/// minimum, maximum, minLength, maxLength, maxItems and enum, recursively.
+fn schema_errors(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
+    let number = |key: &str| schema.get(key).and_then(Value::as_f64);
+    if let Some(v) = value.as_f64() {
+        if let Some(min) = number("minimum").filter(|min| v < *min) {
+            errors.push(format!(
+                "{path}: Invalid value: {}: {path} in body should be greater than or equal to {}",
+                show(v),
+                show(min)
+            ));
+        }
+        if let Some(max) = number("maximum").filter(|max| v > *max) {
+            errors.push(format!(
+                "{path}: Invalid value: {}: {path} in body should be less than or equal to {}",
+                show(v),
+                show(max)
+            ));
+        }
+    }
+    if let Some(s) = value.as_str() {
+        let chars = s.chars().count() as f64;
+        if let Some(min) = number("minLength").filter(|min| chars < *min) {
+            errors.push(format!(
+                "{path}: Invalid value: {s:?}: {path} in body should be at least {} chars long",
+                show(min)
+            ));
+        }
+        if let Some(max) = number("maxLength").filter(|max| chars > *max) {
+            errors.push(format!(
+                "{path}: Too long: may not be more than {} bytes",
+                show(max)
+            ));
+        }
+        if let Some(allowed) = schema.get("enum").and_then(Value::as_array) {
+            if !allowed.iter().any(|a| a.as_str() == Some(s)) {
+                let list: Vec<String> = allowed.iter().map(|a| a.to_string()).collect();
+                errors.push(format!(
+                    "{path}: Unsupported value: {s:?}: supported values: {}",
+                    list.join(", ")
+                ));
+            }
+        }
+    }
+    match value {
+        Value::Object(fields) => {
+            for (key, v) in fields {
+                let sub = schema
+                    .get("properties")
+                    .and_then(|p| p.get(key))
+                    .or_else(|| schema.get("additionalProperties").filter(|a| a.is_object()));
+                if let Some(sub) = sub {
+                    schema_errors(sub, v, &format!("{path}.{key}"), errors);
+                }
+            }
+        }
+        Value::Array(items) => {
+            if let Some(max) = number("maxItems").filter(|max| items.len() as f64 > *max) {
+                errors.push(format!(
+                    "{path}: Too many: {}: must have at most {} items",
+                    items.len(),
+                    show(max)
+                ));
+            }
+            if let Some(sub) = schema.get("items") {
+                for (i, v) in items.iter().enumerate() {
+                    schema_errors(sub, v, &format!("{path}[{i}]"), errors);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A number as the API server prints it: whole numbers without a fraction.
+fn show(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e15 {
+        format!("{}", x as i64)
+    } else {
+        x.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(spec: &str) -> RLRun {
+        serde_yaml_ng::from_str(&format!(
+            "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: r, namespace: local}}
+spec:
+  model: {{path: /models/policy}}
+  agent: {{env: repeat, dataset: {{path: tasks.jsonl}}}}
+{spec}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn schema_ranges_and_lengths_are_refused_with_the_api_servers_words() {
+        assert_eq!(run("  totalSteps: 3\n").validate(), Ok(()));
+        let errors =
+            run("  totalSteps: 0\n  rollout: {temperature: 11}\n  checkpoint: {claimName: ''}\n")
+                .validate()
+                .unwrap_err();
+        for want in [
+            "spec.totalSteps: Invalid value: 0: spec.totalSteps in body should be greater than or equal to 1",
+            "spec.rollout.temperature in body should be less than or equal to 10",
+            "spec.checkpoint.claimName in body should be at least 1 chars long",
+        ] {
+            assert!(errors.iter().any(|e| e.contains(want)), "{want} among {errors:?}");
+        }
+    }
+
+    #[test]
+    fn show_prints_whole_numbers_without_a_fraction() {
+        assert_eq!(show(10.0), "10");
+        assert_eq!(show(0.5), "0.5");
+        assert_eq!(show(-1.0), "-1");
+    }
+}
