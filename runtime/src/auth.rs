@@ -70,7 +70,10 @@ fn client_credential() -> Option<&'static str> {
 
 /// An HTTP client that sends this process's credential with every request (when there is one).
 pub fn client_builder() -> reqwest::ClientBuilder {
-    let builder = reqwest::Client::builder();
+    // A peer that does not accept a connection in this long is down, not slow. (Requests have
+    // no overall timeout here: generation streams and weight updates may rightly take minutes;
+    // callers that know better set one per request.)
+    let builder = reqwest::Client::builder().connect_timeout(std::time::Duration::from_secs(10));
     match client_credential().and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
         Some(mut value) => {
             value.set_sensitive(true);

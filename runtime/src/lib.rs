@@ -16,6 +16,7 @@ pub mod model;
 pub mod rollout;
 pub mod router;
 pub mod run;
+pub mod serve;
 #[cfg(feature = "torch")]
 pub mod trainer;
 #[cfg(feature = "torch")]

@@ -518,9 +518,8 @@ pub async fn run(
         total_steps,
         coordinator.cfg.tasks.len()
     );
-    let served = axum::serve(listener, crate::auth::protect_for_agents(app))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let served =
+        crate::serve::serve(listener, crate::auth::protect_for_agents(app), shutdown).await;
     pool.stop();
     served.map_err(|e| RunError::Io(format!("serving {addr}: {e}")))
 }

@@ -112,9 +112,7 @@ pub(crate) async fn serve_health(
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(move || async move { metrics() }));
     tokio::spawn(async move {
-        let _ = axum::serve(listener, crate::auth::protect(app))
-            .with_graceful_shutdown(shutdown)
-            .await;
+        let _ = crate::serve::serve(listener, crate::auth::protect(app), shutdown).await;
     });
     Ok(())
 }

@@ -83,9 +83,7 @@ pub async fn serve(
     engine: EngineHandle,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, crate::auth::protect(router(engine)))
-        .with_graceful_shutdown(shutdown)
-        .await
+    crate::serve::serve(listener, crate::auth::protect(router(engine)), shutdown).await
 }
 
 /// Parses a JSON body; errors name the field path (`sampling_params.max_token`).

@@ -169,7 +169,5 @@ pub async fn serve(
     max_body: usize,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(service, max_body))
-        .with_graceful_shutdown(shutdown)
-        .await
+    crate::serve::serve(listener, router(service, max_body), shutdown).await
 }

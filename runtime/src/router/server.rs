@@ -543,7 +543,5 @@ pub async fn serve(
     router: Arc<Router>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, crate::auth::protect(routes(router)))
-        .with_graceful_shutdown(shutdown)
-        .await
+    crate::serve::serve(listener, crate::auth::protect(routes(router)), shutdown).await
 }
