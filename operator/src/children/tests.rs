@@ -638,3 +638,35 @@ fn every_flag_moult_sets_on_an_engine_is_refused_in_extra_args() {
         assert!(refused(bad.clone()), "{bad:?} is refused");
     }
 }
+
+#[test]
+fn engines_are_restarted_when_their_health_fails_after_a_long_load() {
+    for backend in [
+        crate::api::EngineBackend::Builtin,
+        crate::api::EngineBackend::Vllm,
+    ] {
+        let mut run = example_run();
+        run.spec.engines.backend = backend;
+        let p = build(&run).engines.spec.template.spec.unwrap();
+        let c = &p.containers[0];
+        let path = |probe: &Option<k8s_openapi::api::core::v1::Probe>| {
+            probe
+                .as_ref()
+                .unwrap()
+                .http_get
+                .as_ref()
+                .unwrap()
+                .path
+                .clone()
+        };
+        for probe in [&c.readiness_probe, &c.liveness_probe, &c.startup_probe] {
+            assert_eq!(path(probe).as_deref(), Some("/health"), "{backend:?}");
+        }
+        let startup = c.startup_probe.as_ref().unwrap();
+        let patience = startup.failure_threshold.unwrap() * startup.period_seconds.unwrap();
+        assert!(
+            patience >= 30 * 60,
+            "{backend:?}: a large model loads for up to 30 minutes"
+        );
+    }
+}

@@ -123,6 +123,16 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
     c.ports = container_port(ENGINE_PORT);
     c.resources = resources(e.resources.as_ref(), e.gpus());
     c.readiness_probe = Some(http_probe("/health", ENGINE_PORT, 5));
+    // Both servers answer /health only once the model is loaded (up to 30 minutes for a large
+    // one), and 503 once their engine has died: restart it then.
+    c.startup_probe = Some(Probe {
+        failure_threshold: Some(180),
+        ..http_probe("/health", ENGINE_PORT, 10)
+    });
+    c.liveness_probe = Some(Probe {
+        failure_threshold: Some(3),
+        ..http_probe("/health", ENGINE_PORT, 10)
+    });
     let mut volumes = vec![empty_dir("dshm", Some("Memory"))];
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     // NCCL and vLLM's tensor-parallel workers share memory through /dev/shm.

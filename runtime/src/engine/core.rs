@@ -223,6 +223,12 @@ impl EngineHandle {
         (handle, thread)
     }
 
+    /// Whether the engine thread still runs (a panic in it, such as libtorch running out of
+    /// memory, ends it and drops its command queue).
+    pub fn alive(&self) -> bool {
+        !self.tx.is_closed()
+    }
+
     fn send(&self, cmd: Command) -> Result<(), ApiError> {
         self.tx.try_send(cmd).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => ApiError::new(

@@ -68,13 +68,23 @@ pub fn router(engine: EngineHandle) -> Router {
         .route("/collective_rpc", post(collective_rpc))
         .route("/update_weight_version", post(update_weight_version))
         .route("/weight_info", get(weight_info))
-        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
         .fallback(|uri: axum::http::Uri| async move {
             ApiError::new(StatusCode::NOT_FOUND, format!("no route for {uri}"))
         })
         .with_state(state)
+}
+
+/// `GET /health`: 200 while the engine thread runs, 503 once it has stopped (so a liveness
+/// probe restarts the pod, and routers stop sending to it).
+async fn health(State(s): State<Arc<AppState>>) -> Response {
+    if s.engine.alive() {
+        StatusCode::OK.into_response()
+    } else {
+        ApiError::unavailable("the engine thread has stopped; see the engine's log").into_response()
+    }
 }
 
 /// Serves the API on an already-bound listener until `shutdown` completes.
