@@ -15,6 +15,7 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
 
 use tch::{Device, Kind, Tensor};
 use tokio::io::AsyncReadExt;
@@ -46,16 +47,31 @@ pub fn update_info(tensors: &[(String, Tensor)]) -> UpdateInfo {
     }
 }
 
+/// How long the trainer waits for every engine to connect.
+pub const ACCEPT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a connected peer has to send its hello (magic, rank, token).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long either end waits without progress (a write that takes no bytes, a read that gets
+/// none) before the update fails: a silent or stuck peer cannot stall weight sync.
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// A bound listener waiting for engines (bind first, hand out the port, then accept).
 #[derive(Debug)]
 pub struct WeightListener {
     listener: TcpListener,
+    /// [`ACCEPT_TIMEOUT`], [`HANDSHAKE_TIMEOUT`], [`STALL_TIMEOUT`] (shorter in tests).
+    pub accept_timeout: Duration,
+    pub handshake_timeout: Duration,
+    pub stall_timeout: Duration,
 }
 
 impl WeightListener {
     pub fn bind(addr: &str) -> std::io::Result<Self> {
         Ok(Self {
             listener: TcpListener::bind(addr)?,
+            accept_timeout: ACCEPT_TIMEOUT,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+            stall_timeout: STALL_TIMEOUT,
         })
     }
 
@@ -63,14 +79,46 @@ impl WeightListener {
         self.listener.local_addr()
     }
 
-    /// Waits for `engines` connections and orders them by announced rank.
+    /// Waits (at most [`ACCEPT_TIMEOUT`]) for `engines` connections and orders them by announced
+    /// rank. A peer that connects and says nothing for [`HANDSHAKE_TIMEOUT`] fails the accept.
     pub fn accept(self, engines: usize) -> std::io::Result<TcpWeightSender> {
+        let deadline = Instant::now() + self.accept_timeout;
+        self.listener.set_nonblocking(true)?;
         let mut ranked = Vec::with_capacity(engines);
-        for _ in 0..engines {
-            let (mut stream, _) = self.listener.accept()?;
+        while ranked.len() < engines {
+            let mut stream = match self.listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!(
+                                "{} of {engines} engines connected to the weight stream within {:?}",
+                                ranked.len(),
+                                self.accept_timeout
+                            ),
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            stream.set_nonblocking(false)?;
             stream.set_nodelay(true)?;
+            stream.set_read_timeout(Some(self.handshake_timeout))?;
+            let timeout = self.handshake_timeout;
+            let silent = move |e: std::io::Error| match e.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                    std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("a peer of the weight stream sent no hello within {timeout:?}"),
+                    )
+                }
+                _ => e,
+            };
             let mut hello = [0u8; 12];
-            stream.read_exact(&mut hello)?;
+            stream.read_exact(&mut hello).map_err(silent)?;
             if &hello[..8] != HELLO_MAGIC {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
@@ -78,15 +126,18 @@ impl WeightListener {
                 ));
             }
             let mut len = [0u8; 2];
-            stream.read_exact(&mut len)?;
+            stream.read_exact(&mut len).map_err(silent)?;
             let mut token = vec![0u8; usize::from(u16::from_le_bytes(len))];
-            stream.read_exact(&mut token)?;
+            stream.read_exact(&mut token).map_err(silent)?;
             if token != crate::auth::token().unwrap_or_default().as_bytes() {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::PermissionDenied,
                     "a peer of the weight stream did not present the run's token",
                 ));
             }
+            stream.set_read_timeout(None)?;
+            // A write that moves no bytes for this long (an engine that stopped reading) fails.
+            stream.set_write_timeout(Some(self.stall_timeout))?;
             ranked.push((
                 u32::from_le_bytes(hello[8..].try_into().expect("4 bytes")),
                 stream,
@@ -183,6 +234,39 @@ pub async fn connect(addr: &str, rank: u32) -> std::io::Result<tokio::net::TcpSt
     hello.extend_from_slice(token);
     stream.write_all(&hello).await?;
     Ok(stream)
+}
+
+/// Fills `buf` from `stream`, failing when a read gets no bytes for `stall` or the stream ends.
+async fn read_within(
+    stream: &mut tokio::net::TcpStream,
+    buf: &mut [u8],
+    stall: Duration,
+) -> std::io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let n = tokio::time::timeout(stall, stream.read(&mut buf[filled..]))
+            .await
+            .map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the trainer sent nothing for {stall:?} ({filled} of {} bytes read)",
+                        buf.len()
+                    ),
+                )
+            })??;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "the weight stream ended after {filled} of {} bytes",
+                    buf.len()
+                ),
+            ));
+        }
+        filled += n;
+    }
+    Ok(())
 }
 
 /// One staged weight: where its bytes lie in [`StagedUpdate`].
@@ -333,15 +417,25 @@ impl StagedUpdate {
         Ok(())
     }
 
-    /// Reads one bucket from the stream (header, then payload) and stages it.
+    /// Reads one bucket from the stream (header, then payload) and stages it; fails when the
+    /// trainer sends nothing for [`STALL_TIMEOUT`].
     pub async fn receive(
         &mut self,
         layout: &BucketLayout,
         stream: &mut tokio::net::TcpStream,
     ) -> Result<(), String> {
+        self.receive_within(layout, stream, STALL_TIMEOUT).await
+    }
+
+    /// [`Self::receive`] with another stall timeout (tests).
+    pub async fn receive_within(
+        &mut self,
+        layout: &BucketLayout,
+        stream: &mut tokio::net::TcpStream,
+        stall: Duration,
+    ) -> Result<(), String> {
         let mut header = [0u8; 16];
-        stream
-            .read_exact(&mut header)
+        read_within(stream, &mut header, stall)
             .await
             .map_err(|e| format!("reading the bucket header: {e}"))?;
         if &header[..8] != BUCKET_MAGIC {
@@ -355,17 +449,10 @@ impl StagedUpdate {
             ));
         }
         let start = self.bytes.len();
-        self.bytes.reserve(len);
-        let read = stream
-            .take(len as u64)
-            .read_to_end(&mut self.bytes)
-            .await
-            .map_err(|e| format!("reading {len} weight bytes: {e}"))?;
-        if read != len {
+        self.bytes.resize(start + len, 0);
+        if let Err(e) = read_within(stream, &mut self.bytes[start..], stall).await {
             self.bytes.truncate(start);
-            return Err(format!(
-                "the weight stream ended after {read} of {len} bytes"
-            ));
+            return Err(format!("reading {len} weight bytes: {e}"));
         }
         let mut offset = start;
         for (name, shape, kind) in &layout.entries {
@@ -529,5 +616,70 @@ mod tests {
             .await
             .unwrap_err();
         assert!(err.contains("update_info describes"), "{err}");
+    }
+
+    /// A peer that connects and says nothing, or a trainer that stops mid-bucket, fails the
+    /// transfer within its timeout; the next connection works.
+    #[tokio::test]
+    async fn a_silent_peer_fails_the_transfer_within_its_timeout() {
+        use tokio::io::AsyncWriteExt;
+        let mut listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        listener.handshake_timeout = Duration::from_millis(200);
+        let addr = listener.local_addr().unwrap().to_string();
+        let accept = std::thread::spawn(move || listener.accept(1));
+        let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let err = accept.join().unwrap().unwrap_err();
+        assert!(err.to_string().contains("sent no hello within"), "{err}");
+
+        // Nobody connects at all.
+        let mut listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        listener.accept_timeout = Duration::from_millis(200);
+        let err = listener.accept(2).unwrap_err();
+        assert!(
+            err.to_string().contains("0 of 2 engines connected"),
+            "{err}"
+        );
+
+        // The trainer sends a header and stalls: the engine's read fails, and the next update
+        // on a fresh stream goes through.
+        let sent = vec![(
+            "w".to_string(),
+            Tensor::randn([4, 4], (Kind::Float, Device::Cpu)),
+        )];
+        let shapes = vec![("w".to_string(), vec![4, 4])];
+        let layout = BucketLayout::new(&update_info(&sent), &shapes).unwrap();
+        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
+        let mut stream = connect(&addr, 1).await.unwrap();
+        let mut sender = accept.join().unwrap();
+        let mut header = BUCKET_MAGIC.to_vec();
+        header.extend_from_slice(&(layout.total_bytes() as u64).to_le_bytes());
+        header.extend_from_slice(&[0u8; 10]);
+        sender.conns[0].write_all(&header).unwrap();
+        let started = Instant::now();
+        let mut staged = StagedUpdate::default();
+        let err = staged
+            .receive_within(&layout, &mut stream, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(err.contains("sent nothing for"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        assert_eq!(staged.len(), 0, "nothing half-staged");
+
+        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
+        let mut stream = connect(&addr, 1).await.unwrap();
+        let mut sender = accept.join().unwrap();
+        let to_send: Vec<(String, Tensor)> = sent
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
+            .collect();
+        let send = std::thread::spawn(move || sender.send_bucket(&to_send, 1 << 20).unwrap());
+        staged.receive(&layout, &mut stream).await.unwrap();
+        send.join().unwrap();
+        assert_eq!(staged.len(), 1);
+        let _ = stream.shutdown().await;
     }
 }
