@@ -47,7 +47,7 @@ const STAND_IN: &str = r#"#!/usr/bin/env bash
   printf 'arg=%s\n' "$@"
   for v in MOULT_TOKEN MOULT_AGENT_TOKEN POD_IP MOULT_CONFIG MOULT_MODEL MOULT_CHECKPOINTS MOULT_COORDINATOR \
            MOULT_ENGINES MASTER_ADDR RANK HOME KUBECONFIG; do
-    [ -n "${!v+x}" ] && printf 'env %s=%s\n' "$v" "${!v}"
+    if [ -n "${!v+x}" ]; then printf 'env %s=%s\n' "$v" "${!v}"; fi
   done
 } > report.tmp && mv report.tmp report.txt
 trap 'echo TERM >> report.txt; sleep 1; exit 0' TERM
