@@ -522,6 +522,15 @@ impl StagedUpdate {
 mod tests {
     use super::*;
 
+    /// One engine (rank 1) connected to a trainer's listener on loopback.
+    async fn plane() -> (tokio::net::TcpStream, TcpWeightSender) {
+        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
+        let stream = connect(&addr, 1).await.unwrap();
+        (stream, accept.join().unwrap())
+    }
+
     /// Trainer → engine over loopback: bf16 and f32 tensors of several ranks, a flush size that
     /// splits rows across chunks, and copy blocks smaller than a tensor, land exactly.
     #[tokio::test]
@@ -560,11 +569,7 @@ mod tests {
         let layout = BucketLayout::new(&update_info(&sent), &shapes).unwrap();
         assert_eq!(layout.total_bytes(), 7 * 5 * 4 + 3 * 4 * 2 * 2 + 9 * 4);
 
-        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
-        let mut stream = connect(&addr, 1).await.unwrap();
-        let mut sender = accept.join().unwrap();
+        let (mut stream, mut sender) = plane().await;
         let to_send: Vec<(String, Tensor)> = sent
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
@@ -598,11 +603,7 @@ mod tests {
 
         // A length that disagrees with update_info is caught, not misread.
         let wrong = BucketLayout::new(&update_info(&sent[..1]), &shapes).unwrap();
-        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
-        let mut stream = connect(&addr, 1).await.unwrap();
-        let mut sender = accept.join().unwrap();
+        let (mut stream, mut sender) = plane().await;
         let all: Vec<(String, Tensor)> = sent
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
@@ -648,11 +649,7 @@ mod tests {
         )];
         let shapes = vec![("w".to_string(), vec![4, 4])];
         let layout = BucketLayout::new(&update_info(&sent), &shapes).unwrap();
-        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
-        let mut stream = connect(&addr, 1).await.unwrap();
-        let mut sender = accept.join().unwrap();
+        let (mut stream, mut sender) = plane().await;
         let mut header = BUCKET_MAGIC.to_vec();
         header.extend_from_slice(&(layout.total_bytes() as u64).to_le_bytes());
         header.extend_from_slice(&[0u8; 10]);
@@ -667,11 +664,7 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(10));
         assert_eq!(staged.len(), 0, "nothing half-staged");
 
-        let listener = WeightListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let accept = std::thread::spawn(move || listener.accept(1).unwrap());
-        let mut stream = connect(&addr, 1).await.unwrap();
-        let mut sender = accept.join().unwrap();
+        let (mut stream, mut sender) = plane().await;
         let to_send: Vec<(String, Tensor)> = sent
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
