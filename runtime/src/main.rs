@@ -362,21 +362,15 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
     // The process ends with its engine thread: a server whose engine is gone would only answer
     // errors (docs/security.md).
     let died = tokio::task::spawn_blocking(move || thread.join());
-    let (thread_gone, gone) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let _ = died.await;
-        let _ = thread_gone.send(());
-    });
-    let stopped_by_thread = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = stopped_by_thread.clone();
     let shutdown = async move {
         tokio::select! {
             () = shutdown_signal() => {}
-            _ = gone => flag.store(true, std::sync::atomic::Ordering::Release),
+            _ = died => {}
         }
     };
+    let engine = handle.clone();
     http::serve(listener, handle, shutdown).await?;
-    if stopped_by_thread.load(std::sync::atomic::Ordering::Acquire) {
+    if !engine.alive() {
         bail!("the engine's compute thread stopped (its error is above); exiting so that the engine is restarted");
     }
     Ok(())
