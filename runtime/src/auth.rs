@@ -72,8 +72,9 @@ fn client_credential() -> Option<&'static str> {
 /// An HTTP client that sends this process's credential with every request (when there is one).
 pub fn client_builder() -> reqwest::ClientBuilder {
     // A peer that does not accept a connection in this long is down, not slow. (Requests have
-    // no overall timeout here: generation streams and weight updates may rightly take minutes;
-    // callers that know better set one per request.)
+    // no overall timeout here: generation streams and weight updates may rightly take minutes,
+    // and are bounded by their callers, docs/security.md; clients whose calls are short set
+    // one, as agents and the trainer do for the coordinator.)
     let builder = reqwest::Client::builder().connect_timeout(std::time::Duration::from_secs(10));
     match client_credential().and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
         Some(mut value) => {

@@ -219,6 +219,9 @@ struct ChatArgs {
     /// Turns one session may take; more get 429.
     #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_TURNS)]
     max_turns: usize,
+    /// Tokens one session may record over all its segments; a turn after that gets 429.
+    #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_SESSION_TOKENS)]
+    max_session_tokens: usize,
     /// Largest request body accepted (bytes).
     #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
@@ -388,6 +391,9 @@ async fn chat(args: ChatArgs) -> anyhow::Result<()> {
     if args.max_turns == 0 {
         bail!("--max-turns must be at least 1");
     }
+    if args.max_session_tokens == 0 {
+        bail!("--max-session-tokens must be at least 1");
+    }
     let service = chat_service(
         &args.engine,
         &args.model,
@@ -400,6 +406,7 @@ async fn chat(args: ChatArgs) -> anyhow::Result<()> {
             registered_sessions: false,
             session_idle: (!args.session_idle.is_zero()).then_some(args.session_idle),
             max_turns: args.max_turns,
+            max_session_tokens: args.max_session_tokens,
         },
     )?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
@@ -782,6 +789,10 @@ fn init_run_logging(
 }
 
 fn main() -> anyhow::Result<()> {
+    // As a container's PID 1, supervise a second `moult` and reap what is orphaned.
+    if let Some(code) = moult_runtime::init::supervise_if_first()? {
+        std::process::exit(code);
+    }
     let cli = Cli::parse();
     // `moult run` sets up its log once it knows its output folder.
     if !matches!(cli.command, Command::Run(_)) {

@@ -185,7 +185,8 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
     // Agent code is untrusted: it gets no credential from moult's environment (not even one
     // MOULT_AGENT_PASS_ENV names), and the pool's variables and what the pass list names
     // only; what it starts dies with its episode; another session's URL is a 404; a task too
-    // large for an environment variable reaches it through MOULT_TASK_FILE.
+    // large for an environment variable reaches it through MOULT_TASK_FILE. `moult` runs as a
+    // container's PID 1 would (MOULT_INIT=1): orphans of agent code are handed to it and reaped.
     let tasks = dir.join("big_task.jsonl");
     let padding = "x".repeat(200_000);
     std::fs::write(
@@ -194,7 +195,7 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
     )
     .unwrap();
     let hostile_out = dir.join("hostile.jsonl");
-    let status = moult()
+    let mut supervisor = moult()
         .args(["agents", "--engine", &engine_url, "--model"])
         .arg(&model)
         .arg("--agent")
@@ -210,10 +211,12 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
         .env("MOULT_AGENT_PASS_ENV", "MOULT_TOKEN, PASSED_ON")
         .env("PASSED_ON", "yes")
         .env("WITHHELD", "no")
+        .env("MOULT_INIT", "1")
         .stderr(Stdio::null())
-        .status()
+        .spawn()
         .unwrap();
-    assert!(status.success());
+    let supervisor_pid = supervisor.id();
+    assert!(supervisor.wait().unwrap().success());
     let text = std::fs::read_to_string(&hostile_out).unwrap();
     let episode: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     assert_eq!(episode["status"], "completed", "{episode}");
@@ -250,6 +253,11 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
         "a credential reached the agent"
     );
     assert_eq!(info["forged_status"], 404, "{info}");
+    assert_eq!(
+        info["escaped_parent"], supervisor_pid,
+        "the orphan went to the supervising moult: {info}"
+    );
+    assert_eq!(info["escaped_state"], "reaped", "{info}");
     assert_eq!(info["task_in_env"], false);
     assert_eq!(info["task_len"], 200_000);
     let leftover = info["leftover_pid"].as_u64().unwrap();

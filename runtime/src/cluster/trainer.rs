@@ -181,7 +181,7 @@ pub async fn run(
         )));
     }
     let coordinator = Coordinator {
-        http: crate::auth::client(),
+        http: super::coordinator_client(),
         url: env_var("MOULT_COORDINATOR")?
             .trim_end_matches('/')
             .to_string(),
