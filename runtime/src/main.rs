@@ -38,6 +38,10 @@ enum Command {
     /// write each episode (reward and exact token segments) as a JSON line; or, with --config and
     /// --coordinator, be an agent pod of a cluster run (lease episodes, run them, return them).
     Agents(AgentsArgs),
+    /// Start agent programs for `moult agents` in a container that holds no credential (the
+    /// sandbox container of a cluster run's agent pods; docs/security.md): `moult agents` with
+    /// MOULT_AGENT_SANDBOX=SOCKET starts every agent program here instead of as its own child.
+    Sandbox(SandboxArgs),
     /// The coordinator of a cluster run (in its pod): the router over the engines of the run's
     /// Service, the rollout pool over the agent pods, the trainer's batches and the RLRun status.
     Coordinator(CoordinatorArgs),
@@ -196,6 +200,13 @@ struct AgentsArgs {
     /// The loopback server's port on 127.0.0.1 (0 picks a free one).
     #[arg(long, default_value_t = 0)]
     port: u16,
+}
+
+#[derive(Debug, clap::Args)]
+struct SandboxArgs {
+    /// The Unix socket to listen on (in a folder shared with the `moult agents` container).
+    #[arg(long)]
+    socket: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -811,6 +822,12 @@ fn main() -> anyhow::Result<()> {
         Command::Engine(_) => without_torch("engine"),
         Command::Chat(args) => runtime.block_on(chat(args)),
         Command::Agents(args) => runtime.block_on(agents(args)),
+        Command::Sandbox(args) => runtime.block_on(async move {
+            eprintln!("moult sandbox listening on {}", args.socket.display());
+            moult_runtime::agents::sandbox::serve(&args.socket)
+                .await
+                .with_context(|| format!("serving the agent sandbox on {}", args.socket.display()))
+        }),
         Command::Router(args) => runtime.block_on(router(args)),
         Command::Coordinator(args) => runtime.block_on(coordinator(args)),
         #[cfg(feature = "torch")]

@@ -72,6 +72,7 @@ class AgentRunner(moult.ChatAgent):
                 "env": sorted(os.environ),
                 "values": sorted(os.environ.values()),
                 "leftover_pid": leftover.pid,
+                "parent_pid": os.getppid(),
                 "escaped_parent": adopted_by[1] if adopted_by else None,
                 "escaped_state": after[0] if after else "reaped",
                 "forged_status": status_of(
