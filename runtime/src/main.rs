@@ -738,6 +738,12 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
         reward(summary.final_reward),
     );
     eprintln!(
+        "  engines busy {:.0}% of the time (paused {:.1}s for weight sync), trainer busy {:.0}%",
+        100.0 * summary.engine_busy_fraction,
+        summary.engine_paused_seconds,
+        100.0 * summary.trainer_busy_fraction,
+    );
+    eprintln!(
         "  metrics {0}/metrics.jsonl, plot {0}/reward.svg, summary {0}/summary.json, log {0}/moult.log{1}",
         out.display(),
         summary

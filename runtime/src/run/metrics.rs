@@ -72,6 +72,17 @@ pub struct StepRecord {
     pub dropped_invalid: u64,
     /// Seconds since the run (this process) started.
     pub elapsed_seconds: f64,
+    /// Fraction of the step's wall-clock in which the engines had work (requests in flight,
+    /// not paused), over all engines (docs/metrics.md).
+    #[serde(default)]
+    pub engine_busy_fraction: f64,
+    /// Fraction of the step's wall-clock in which the trainer computed (advantages, the
+    /// teacher's scores, the optimizer step).
+    #[serde(default)]
+    pub trainer_busy_fraction: f64,
+    /// Seconds of the step the engines sat paused for weight sync.
+    #[serde(default)]
+    pub engine_paused_seconds: f64,
 }
 
 /// `metrics.jsonl`, appended one line per step.
