@@ -221,7 +221,7 @@ impl Default for HealthOptions {
     }
 }
 
-/// How busy a pool's engines have been since it started (docs/metrics.md): cumulative, so
+/// How busy a pool's engines have been since it started (docs/run.md, "How busy engines and trainer were"): cumulative, so
 /// that the difference of two readings covers the time between them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Activity {

@@ -46,7 +46,7 @@ pub struct Summary {
     pub seconds: f64,
     /// Over the steps this process trained, weighted by their wall-clock: the fraction of time
     /// the engines had work, the fraction the trainer computed, and the seconds engines sat
-    /// paused for weight sync (docs/metrics.md).
+    /// paused for weight sync (docs/run.md, "How busy engines and trainer were").
     pub engine_busy_fraction: f64,
     pub trainer_busy_fraction: f64,
     pub engine_paused_seconds: f64,

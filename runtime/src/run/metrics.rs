@@ -73,7 +73,7 @@ pub struct StepRecord {
     /// Seconds since the run (this process) started.
     pub elapsed_seconds: f64,
     /// Fraction of the step's wall-clock in which the engines had work (requests in flight,
-    /// not paused), over all engines (docs/metrics.md).
+    /// not paused), over all engines (docs/run.md, "How busy engines and trainer were").
     #[serde(default)]
     pub engine_busy_fraction: f64,
     /// Fraction of the step's wall-clock in which the trainer computed (advantages, the
