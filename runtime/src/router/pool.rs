@@ -221,8 +221,9 @@ impl Default for HealthOptions {
     }
 }
 
-/// How busy a pool's engines have been since it started (docs/run.md, "How busy engines and trainer were"): cumulative, so
-/// that the difference of two readings covers the time between them.
+/// How busy a pool's engines have been since it started (docs/run.md, "How busy engines and
+/// trainer were"): cumulative, so that the difference of two readings covers the time between
+/// them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Activity {
     /// Engines in the pool now.
