@@ -119,7 +119,8 @@ fn assert_busy_fractions(r: &Value) {
 
 /// In a synchronous run engines and trainer take turns: the engines generated during every step,
 /// and were idle while the trainer computed, so the two busy fractions never add up to more
-/// than the step (a coarse check of both, independent of how each is measured).
+/// than the step (a coarse check of both, independent of how each is measured). The run's
+/// TensorBoard events hold the same numbers as its metrics.jsonl.
 #[test]
 fn libtorch_run_sync_engines_are_idle_while_the_trainer_trains() {
     let manifest = recipe();
@@ -143,6 +144,39 @@ fn libtorch_run_sync_engines_are_idle_while_the_trainer_trains() {
             engines + trainer <= 1.05,
             "engines and trainer overlapped in a synchronous run: {r}"
         );
+    }
+    // TensorBoard's own reader finds every number of metrics.jsonl under its name, per step.
+    let read = Command::new(common::python())
+        .arg(repo().join("tests/python/read_tensorboard.py"))
+        .arg(out.join("tensorboard"))
+        .output()
+        .unwrap();
+    assert!(
+        read.status.success(),
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    let scalars: serde_json::Map<String, Value> = serde_json::from_slice(&read.stdout).unwrap();
+    for r in &steps {
+        let step = r["step"].as_u64().unwrap();
+        for (field, value) in r.as_object().unwrap() {
+            let Some(x) = value.as_f64() else { continue };
+            if field == "step" {
+                continue;
+            }
+            let points = scalars[field]
+                .as_array()
+                .unwrap_or_else(|| panic!("{field}"));
+            let point = points
+                .iter()
+                .find(|p| p[0].as_u64() == Some(step))
+                .unwrap_or_else(|| panic!("{field} has no step {step}: {points:?}"));
+            let got = point[1].as_f64().unwrap();
+            assert!(
+                (got - x).abs() <= 1e-6 * x.abs().max(1.0),
+                "{field} at step {step}: {got} in TensorBoard, {x} in metrics.jsonl"
+            );
+        }
     }
     let summary: Value =
         serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();

@@ -85,11 +85,14 @@ pub struct StepRecord {
     pub engine_paused_seconds: f64,
 }
 
-/// `metrics.jsonl`, appended one line per step.
+/// `metrics.jsonl`, appended one line per step, and the same numbers as TensorBoard events under
+/// `<out>/tensorboard/`.
 #[derive(Debug)]
 pub struct MetricsLog {
     path: PathBuf,
     records: Vec<StepRecord>,
+    /// `None` when the event file could not be made (said once; `metrics.jsonl` goes on).
+    tensorboard: Option<super::tensorboard::EventWriter>,
 }
 
 impl MetricsLog {
@@ -113,7 +116,14 @@ impl MetricsLog {
             text.push(b'\n');
         }
         super::files::write_atomic(&path, &text)?;
-        Ok(Self { path, records })
+        let tensorboard = super::tensorboard::EventWriter::create(&out.join("tensorboard"))
+            .inspect_err(|e| tracing::warn!("no TensorBoard events for this run: {e}"))
+            .ok();
+        Ok(Self {
+            path,
+            records,
+            tensorboard,
+        })
     }
 
     pub fn push(&mut self, record: StepRecord) -> Result<(), RunError> {
@@ -124,6 +134,16 @@ impl MetricsLog {
             .open(&self.path)
             .and_then(|mut f| f.write_all(&line))
             .map_err(|e| RunError::Io(format!("writing {}: {e}", self.path.display())))?;
+        if let Some(tb) = &mut self.tensorboard {
+            let value = serde_json::to_value(&record).expect("records serialize");
+            if let Err(e) = tb.scalars(record.step, &super::tensorboard::scalars_of(&value)) {
+                tracing::warn!(
+                    "writing {}: {e}; no more TensorBoard events",
+                    tb.path().display()
+                );
+                self.tensorboard = None;
+            }
+        }
         self.records.push(record);
         Ok(())
     }
