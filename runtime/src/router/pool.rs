@@ -34,21 +34,17 @@ pub struct Engine {
     busy: Mutex<BusyClock>,
 }
 
-/// An engine's busy time: it runs while the engine has requests in flight and is not paused
-/// (requests held through a pause are in flight, but the engine does nothing with them).
+/// Time accumulated over the intervals in which something held.
 #[derive(Debug, Default)]
-struct BusyClock {
-    in_flight: u64,
-    paused: bool,
+struct Stopwatch {
     since: Option<Instant>,
     total: Duration,
 }
 
-impl BusyClock {
-    /// Starts or stops the clock as the state now says.
-    fn settle(&mut self) {
-        let busy = self.in_flight > 0 && !self.paused;
-        match (busy, self.since) {
+impl Stopwatch {
+    /// Runs from now while `on`, stops (adding the interval) when not.
+    fn set(&mut self, on: bool) {
+        match (on, self.since) {
             (true, None) => self.since = Some(Instant::now()),
             (false, Some(since)) => {
                 self.total += since.elapsed();
@@ -58,8 +54,28 @@ impl BusyClock {
         }
     }
 
+    fn running(&self) -> bool {
+        self.since.is_some()
+    }
+
     fn seconds(&self) -> f64 {
         (self.total + self.since.map_or(Duration::ZERO, |s| s.elapsed())).as_secs_f64()
+    }
+}
+
+/// An engine's busy time: it runs while the engine has requests in flight and is not paused
+/// (requests held through a pause are in flight, but the engine does nothing with them).
+#[derive(Debug, Default)]
+struct BusyClock {
+    in_flight: u64,
+    paused: bool,
+    watch: Stopwatch,
+}
+
+impl BusyClock {
+    /// Starts or stops the clock as the state now says.
+    fn settle(&mut self) {
+        self.watch.set(self.in_flight > 0 && !self.paused);
     }
 }
 
@@ -82,7 +98,7 @@ impl Engine {
 
     /// Seconds this engine has had requests in flight while not paused.
     pub fn busy_seconds(&self) -> f64 {
-        self.busy().seconds()
+        self.busy().watch.seconds()
     }
 
     /// The weight version it serves, if known.
@@ -238,8 +254,7 @@ pub struct Activity {
 /// When the pool was paused, and for how long in all.
 #[derive(Debug, Default)]
 struct PauseClock {
-    since: Option<Instant>,
-    total: Duration,
+    watch: Stopwatch,
     /// Busy seconds of engines that left the pool.
     retired_busy: f64,
 }
@@ -282,7 +297,7 @@ impl EnginePool {
         tracing::info!(engine = %url, "engine joined");
         let engine = Engine::new(url);
         // One that joins during a pause gets the pause too (the next resume reaches it).
-        engine.busy().paused = self.pause_clock().since.is_some();
+        engine.busy().paused = self.pause_clock().watch.running();
         engines.push(Arc::new(engine));
         true
     }
@@ -314,15 +329,8 @@ impl EnginePool {
     /// The engines were told to pause (`true`) or resume: their busy clocks stop or restart,
     /// and the pool's pause clock runs while paused.
     pub fn set_paused(&self, paused: bool) {
-        let mut clock = self.pause_clock();
-        match (paused, clock.since) {
-            (true, None) => clock.since = Some(Instant::now()),
-            (false, Some(since)) => {
-                clock.total += since.elapsed();
-                clock.since = None;
-            }
-            _ => {}
-        }
+        // Not held while taking the engines' lock (`add` takes them in the other order).
+        self.pause_clock().watch.set(paused);
         for e in self.all() {
             let mut busy = e.busy();
             busy.paused = paused;
@@ -338,8 +346,7 @@ impl EnginePool {
             engines: engines.len(),
             busy_seconds: clock.retired_busy
                 + engines.iter().map(|e| e.busy_seconds()).sum::<f64>(),
-            paused_seconds: (clock.total + clock.since.map_or(Duration::ZERO, |s| s.elapsed()))
-                .as_secs_f64(),
+            paused_seconds: clock.watch.seconds(),
         }
     }
 
