@@ -11,7 +11,7 @@
 //! every run reports how busy its engines and trainer were.
 //!
 //! `cargo bench -p moult-runtime --bench async_sync` (after `source scripts/env.sh`);
-//! `-- --quick` for fewer steps. All runs use the same manifest, tasks and binary, one after the
+//! `-- --quick` for fewer steps, `-- --steps N` for N. All runs use the same manifest, tasks and binary, one after the
 //! other; the table compares them as ratios (this machine is noisy). Documented in
 //! docs/benchmarks.md.
 
@@ -114,8 +114,14 @@ fn time_weighted(o: &Outcome, field: &str) -> f64 {
 }
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let steps: u64 = if quick { 20 } else { 60 };
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    // `--steps N` for a smoke test of the bench itself.
+    let steps: u64 = args
+        .iter()
+        .position(|a| a == "--steps")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .unwrap_or(if quick { 20 } else { 60 });
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-async-sync");
     std::fs::create_dir_all(&dir).unwrap();
     let tasks = dir.join("tasks.jsonl");
