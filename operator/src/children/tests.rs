@@ -621,12 +621,34 @@ fn every_flag_moult_sets_on_an_engine_is_refused_in_extra_args() {
                 assert!(refused(form.clone()), "{form:?} is refused");
             }
         }
+        // argparse's abbreviations: every prefix with a character after the dashes.
+        let dashes = if flag.starts_with("--") { 2 } else { 1 };
+        for end in dashes + 1..flag.len() {
+            let abbreviation = &flag[..end];
+            assert!(
+                refused(vec![abbreviation.to_string(), "1".into()]),
+                "{abbreviation} (abbreviating {flag}) is refused"
+            );
+            assert!(refused(vec![format!("{abbreviation}=1")]));
+        }
     }
+    // The message names the flag that the refused argument abbreviates.
+    let mut r = example_run();
+    r.spec.engines.extra_args = vec!["--served_model".into(), "x".into()];
+    let errors = r.validate().unwrap_err();
+    assert!(
+        errors.iter().any(|e| e.contains(
+            "engines.extraArgs cannot set a flag moult sets itself: --served-model-name"
+        )),
+        "{errors:?}"
+    );
     for fine in [
         vec!["--enforce-eager".to_string()],
         vec!["--dtype".into(), "bfloat16".into()],
         vec!["--hosts-file".into(), "x".into()],
         vec!["--max-num-seqs=8".into()],
+        vec!["--model-impl".into(), "transformers".into()],
+        vec!["--".into(), "-".into(), "-1".into()],
     ] {
         assert!(!refused(fine.clone()), "{fine:?} is accepted");
     }
