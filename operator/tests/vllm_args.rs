@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use moult_operator::api::{EngineBackend, RLRun};
-use moult_operator::children::{desired, Images};
+use moult_operator::children::{desired, Config};
 
 fn vllm_python() -> PathBuf {
     let python = std::env::var_os("MOULT_VLLM_PYTHON").unwrap_or_else(|| {
@@ -34,7 +34,7 @@ fn example_run() -> RLRun {
 
 /// The engine container's command and arguments, as the operator makes them.
 fn engine_command(run: &RLRun) -> (Vec<String>, Vec<String>) {
-    let children = desired(run, &Images::default(), "token").expect("the run builds");
+    let children = desired(run, &Config::default(), "token").expect("the run builds");
     let pod = children.engines.spec.template.spec.unwrap();
     let c = &pod.containers[0];
     (

@@ -8,6 +8,10 @@
 
 #![allow(dead_code)]
 
+pub mod matrix;
+pub mod netpol;
+pub mod runs;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -189,16 +193,36 @@ impl Operator {
 
     /// The same with another kubeconfig (another identity).
     pub fn start_as(ns: &Namespace, identity: &str, kubeconfig: &Path) -> Operator {
-        let log = std::env::temp_dir().join(format!("moult-operator-{}-{identity}.log", ns.name));
+        Operator::launch(identity, kubeconfig, &ns.name, &ns.name, &[])
+    }
+
+    /// The operator for `ns` with more flags.
+    pub fn start_with(ns: &Namespace, identity: &str, flags: &[&str]) -> Operator {
+        Operator::launch(identity, &cluster().kubeconfig, &ns.name, &ns.name, flags)
+    }
+
+    /// An operator acting with `kubeconfig`, watching `watch` (comma-separated namespaces), its
+    /// Lease in `lease_ns`, with `flags` added.
+    pub fn launch(
+        identity: &str,
+        kubeconfig: &Path,
+        watch: &str,
+        lease_ns: &str,
+        flags: &[&str],
+    ) -> Operator {
+        let log = std::env::temp_dir().join(format!(
+            "moult-operator-{}-{identity}.log",
+            watch.replace(',', "+")
+        ));
         let file = std::fs::File::create(&log).expect("the log file");
         let child = Command::new(env!("CARGO_BIN_EXE_moult-operator"))
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,kube=warn")
             .args([
                 "--namespace",
-                &ns.name,
+                watch,
                 "--lease-namespace",
-                &ns.name,
+                lease_ns,
                 "--identity",
                 identity,
             ])
@@ -216,6 +240,7 @@ impl Operator {
                 "--init-image",
                 "moult-init:test",
             ])
+            .args(flags)
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
