@@ -163,6 +163,7 @@ pub enum AgentForm {
 #[x_kube(validation = Rule::new("self.form != 'Env' || has(self.env) || has(self.image)").message(
     "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)"
 ))]
+#[x_kube(validation = resources_rule("agent.resources"))]
 #[x_kube(validation = Rule::new("!has(self.timeout) || self.timeout.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$')").message(
     "agent.timeout must be a duration such as 90s, 10m or 1h30m"
 ))]
@@ -252,6 +253,7 @@ pub enum EngineBackend {
 #[x_kube(validation = Rule::new(engine_flags::reserved_flags_rule()).message(
     Message::Expression(engine_flags::reserved_flags_message())
 ))]
+#[x_kube(validation = resources_rule("engines.resources"))]
 #[x_kube(validation = Rule::new(engine_flags::ENGINE_DTYPE_RULE).message(
     "engines.extraArgs --dtype must be auto, float32, bfloat16 or float16 (or float, half): moult sends weights to vLLM in that dtype (docs/vllm.md)"
 ))]
@@ -353,8 +355,9 @@ impl EnginesSpec {
 }
 
 /// The trainer: `nodes` ranks, one pod each, with `gpusPerNode` GPUs.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = resources_rule("trainer.resources"))]
 pub struct TrainerSpec {
     /// Trainer ranks, one pod each. Only 1 runs so far: the operator reports more as an invalid
     /// spec before it creates any pod (docs/cluster.md, "Not yet").
@@ -746,6 +749,22 @@ const LABEL_KEY: &str =
     "^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$";
 /// A label value (possibly empty).
 const LABEL_VALUE: &str = "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$";
+
+/// The rule that the `resources` of the struct it is on (`field`) hold quantities: the CRD takes
+/// any string there (Kubernetes' own schema of a quantity has no pattern), a pod does not.
+fn resources_rule(field: &str) -> Rule {
+    let all = |part: &str| {
+        format!("(!has(self.resources.{part}) || self.resources.{part}.all(k, isQuantity(string(self.resources.{part}[k]))))")
+    };
+    Rule::new(format!(
+        "!has(self.resources) || ({} && {})",
+        all("limits"),
+        all("requests")
+    ))
+    .message(Message::Message(format!(
+        "{field} limits and requests must be quantities, such as 500m, 4 or 16Gi"
+    )))
+}
 
 /// The rule that `field` (the `claimName` of the struct it is on) names a PersistentVolumeClaim.
 fn claim_rule(field: &str) -> Rule {

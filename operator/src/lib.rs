@@ -39,14 +39,22 @@ pub const DEFAULT_MAX_LENGTH: u64 = 1024;
 /// Most items of a list, and most keys of a map, of the spec that have no bound of their own.
 pub const DEFAULT_MAX_ITEMS: u64 = 64;
 
+/// Longest quantity (an int-or-string: `500m`, `16Gi`).
+pub const QUANTITY_MAX_LENGTH: u64 = 64;
+
 /// Bounds every string, list and map of the spec that the types leave unbounded: the API server
 /// refuses a spec that floods a field (docs/operator.md), and CEL rules over bounded fields stay
-/// within the API server's cost budget. Quantities (int-or-string) and enums are left alone.
+/// within the API server's cost budget. Enums are left alone.
 fn default_bounds(v: &mut serde_json::Value) {
     let serde_json::Value::Object(map) = v else {
         return;
     };
-    let int_or_string = map.get("x-kubernetes-int-or-string") == Some(&true.into());
+    if map.get("x-kubernetes-int-or-string") == Some(&true.into()) {
+        // A quantity: far shorter than any name.
+        map.entry("maxLength")
+            .or_insert_with(|| QUANTITY_MAX_LENGTH.into());
+        return;
+    }
     match map.get("type").and_then(|t| t.as_str()) {
         Some("string") if !map.contains_key("enum") && !map.contains_key("format") => {
             map.entry("maxLength")
@@ -65,9 +73,6 @@ fn default_bounds(v: &mut serde_json::Value) {
                 .or_insert_with(|| DEFAULT_MAX_ITEMS.into());
         }
         _ => {}
-    }
-    if int_or_string {
-        return;
     }
     for key in ["properties"] {
         if let Some(serde_json::Value::Object(props)) = map.get_mut(key) {

@@ -144,6 +144,12 @@ spec:
     #[test]
     fn schema_ranges_and_lengths_are_refused_with_the_api_servers_words() {
         assert_eq!(run("  totalSteps: 3\n").validate(), Ok(()));
+        // Quantities as numbers or strings, as Kubernetes takes them.
+        assert_eq!(
+            run("  totalSteps: 3\n  engines: {resources: {limits: {cpu: 8, memory: 1.5Gi}, requests: {cpu: '500m'}}}\n")
+                .validate(),
+            Ok(())
+        );
         let errors =
             run("  totalSteps: 0\n  rollout: {temperature: 11}\n  checkpoint: {claimName: ''}\n")
                 .validate()

@@ -282,6 +282,31 @@ data: {owner: someone else}
     assert_eq!(version("configmap/r-lookalike"), before[2]);
 }
 
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_a_child_the_api_server_refuses_fails_the_run_with_its_message_until_the_spec_is_fixed() {
+    let ns = Namespace::new("refused");
+    let _op = Operator::start(&ns, "a");
+    // A toleration's effect: the CRD holds Kubernetes' own schema of a toleration, which takes
+    // any string; a pod template does not. (The stand-in for whatever the CRD does not check.)
+    let bad = small_run("r", 1).replace(
+        "totalSteps: 10",
+        "totalSteps: 10\n  scheduling: {tolerations: [{key: team, operator: Exists, effect: Sometimes}]}",
+    );
+    assert!(ns.apply(&bad).status.success());
+    wait_phase(&ns, "r", "Failed");
+    assert_eq!(condition(&ns, "r", "Ready", "reason"), "InvalidSpec");
+    let message = condition(&ns, "r", "Ready", "message");
+    assert!(
+        message.starts_with(
+            "the API server refused an object made from the spec: StatefulSet r-engine:"
+        ) && message.contains("Sometimes"),
+        "{message}"
+    );
+    assert!(ns.apply(&small_run("r", 1)).status.success());
+    wait_phase(&ns, "r", "Running");
+}
+
 fn helm(args: &[&str]) -> String {
     let out = cluster()
         .command("helm")

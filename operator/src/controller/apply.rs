@@ -151,6 +151,9 @@ pub struct Synced {
     /// Desired children whose names objects the run does not control hold; when there are any,
     /// nothing was applied or deleted.
     pub conflicts: Vec<Conflict>,
+    /// A child the API server refused as invalid (`Kind name: its message`): nothing more was
+    /// applied, nothing deleted.
+    pub refused: Option<String>,
 }
 
 /// Applies every desired child that the run's own children do not already cover and deletes every
@@ -238,23 +241,37 @@ pub async fn sync(
             async move {
                 let applied = api
                     .patch(&child.name, pp, &Patch::Apply(&child.object))
-                    .await
-                    .context(|| format!("applying {:?} {namespace}/{}", child.kind, child.name))?;
-                Ok::<_, crate::error::Error>((child.kind, child.name, applied))
+                    .await;
+                (child.kind, child.name, applied)
             }
         });
         let mut first_error = None;
-        for result in futures::future::join_all(applies).await {
+        for (kind, name, result) in futures::future::join_all(applies).await {
             match result {
-                Ok((kind, name, applied)) => {
+                Ok(applied) => {
                     out.applied.push(format!("{kind:?}/{name}"));
                     out.current.insert((kind, name), applied);
                 }
-                Err(e) => first_error = first_error.or(Some(e)),
+                // The API server's validation refused what the spec made: the spec's doing,
+                // reported in the status (retrying cannot help).
+                Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
+                    out.refused
+                        .get_or_insert_with(|| format!("{kind:?} {name}: {}", e.message));
+                }
+                Err(source) => {
+                    first_error = first_error.or(Some(crate::error::Error::Kube {
+                        context: format!("applying {kind:?} {namespace}/{name}"),
+                        source,
+                    }));
+                }
             }
         }
         if let Some(e) = first_error {
             return Err(e);
+        }
+        if out.refused.is_some() {
+            out.current.append(&mut live);
+            return Ok(out);
         }
     }
     // Only what the run controls is left in `live`; the uid precondition makes sure the object

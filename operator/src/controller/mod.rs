@@ -230,10 +230,17 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
             if !synced.applied.is_empty() || !synced.deleted.is_empty() {
                 tracing::info!(run = %format!("{ns}/{name}"), applied = ?synced.applied, deleted = ?synced.deleted, "synced children");
             }
-            let refusal = (!synced.conflicts.is_empty()).then(|| {
+            let refusal = if !synced.conflicts.is_empty() {
                 tracing::warn!(run = %format!("{ns}/{name}"), conflicts = ?synced.conflicts, "children's names are taken: nothing applied");
-                Refusal::conflicts(&synced.conflicts)
-            });
+                Some(Refusal::conflicts(&synced.conflicts))
+            } else {
+                synced.refused.map(|why| {
+                    tracing::warn!(run = %format!("{ns}/{name}"), refused = %why, "the API server refused a child");
+                    Refusal::InvalidSpec(format!(
+                        "the API server refused an object made from the spec: {why}"
+                    ))
+                })
+            };
             (synced.current, refusal)
         }
         Err(why) => (listed.owned, Some(Refusal::InvalidSpec(why.0))),

@@ -433,6 +433,8 @@ pub fn invalid_cases(base: &str) -> Vec<Invalid> {
         case(base.replace("model: {path: Qwen/Qwen3-0.6B}", "model: {path: Qwen/Qwen3-0.6B, claimName: My_Models}"), "spec.model", "model.claimName must name a PersistentVolumeClaim", Cel),
         case(spec("scheduling: {tolerations: [{operator: Exists}]}"), "spec.scheduling", "scheduling.tolerations must each name a taint key", Cel),
         case(spec("scheduling: {tolerations: [{key: node-role.kubernetes.io/control-plane, operator: Exists}]}"), "spec.scheduling", "scheduling.tolerations must each name a taint key, and none of node-role.kubernetes.io/", Cel),
+        case(engines("resources: {limits: {cpu: lots}}"), "spec.engines", "engines.resources limits and requests must be quantities", Cel),
+        case(agent("resources: {requests: {memory: 1.5 GB}}"), "spec.agent", "agent.resources limits and requests must be quantities", Cel),
         case(spec("scheduling: {priorityClassName: system-node-critical}"), "spec.scheduling", "scheduling.priorityClassName must name a PriorityClass", Cel),
         case(spec("scheduling: {queueName: team a}"), "spec.scheduling", "scheduling.queueName becomes a label value", Cel),
         case(spec("scheduling: {nodeSelector: {'gpu type': a100}}"), "spec.scheduling", "scheduling.nodeSelector must map label keys", Cel),
