@@ -129,27 +129,27 @@ async fn watch(
     let concurrency = ctx.settings.concurrency;
     controller
         // Pods belong to StatefulSets and ReplicaSets, not to the run: found by its label.
-        .watches(owned_api::<Pod>(&client, &owned), ours.clone(), |pod| {
+        .watches(owned_api::<Pod>(client, &owned), ours.clone(), |pod| {
             let run = pod.labels().get(RUN_LABEL)?.clone();
             let ns = pod.namespace()?;
             Some(ObjectRef::<DeserializeGuard<RLRun>>::new(&run).within(&ns))
         })
-        .owns(owned_api::<StatefulSet>(&client, &owned), ours.clone())
-        .owns(owned_api::<Deployment>(&client, &owned), ours.clone())
-        .owns(owned_api::<Service>(&client, &owned), ours.clone())
-        .owns(owned_api::<ConfigMap>(&client, &owned), ours.clone())
-        .owns(owned_api::<Secret>(&client, &owned), ours.clone())
-        .owns(owned_api::<ServiceAccount>(&client, &owned), ours.clone())
+        .owns(owned_api::<StatefulSet>(client, &owned), ours.clone())
+        .owns(owned_api::<Deployment>(client, &owned), ours.clone())
+        .owns(owned_api::<Service>(client, &owned), ours.clone())
+        .owns(owned_api::<ConfigMap>(client, &owned), ours.clone())
+        .owns(owned_api::<Secret>(client, &owned), ours.clone())
+        .owns(owned_api::<ServiceAccount>(client, &owned), ours.clone())
         .owns(
-            owned_api::<k8s_openapi::api::rbac::v1::Role>(&client, &owned),
+            owned_api::<k8s_openapi::api::rbac::v1::Role>(client, &owned),
             ours.clone(),
         )
         .owns(
-            owned_api::<k8s_openapi::api::rbac::v1::RoleBinding>(&client, &owned),
+            owned_api::<k8s_openapi::api::rbac::v1::RoleBinding>(client, &owned),
             ours.clone(),
         )
         .owns(
-            owned_api::<k8s_openapi::api::networking::v1::NetworkPolicy>(&client, &owned),
+            owned_api::<k8s_openapi::api::networking::v1::NetworkPolicy>(client, &owned),
             ours,
         )
         .with_config(ControllerConfig::default().concurrency(concurrency))
