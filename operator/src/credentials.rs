@@ -16,14 +16,21 @@ const AGENT_LABEL: &[u8] = b"moult agent credential v1";
 
 /// The agent credential of the run whose token is `run_token` (64 lowercase hex digits).
 pub fn agent_credential(run_token: &str) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(run_token.trim().as_bytes())
-        .expect("HMAC takes a key of any length");
-    mac.update(AGENT_LABEL);
-    mac.finalize()
-        .into_bytes()
+    mac(run_token, &[AGENT_LABEL])
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+/// HMAC-SHA256 keyed by the run token (trimmed, as the Secret's value is read) of `parts`
+/// concatenated: the agent credential, and the proofs of the weight stream's handshake.
+pub fn mac(run_token: &str, parts: &[&[u8]]) -> [u8; 32] {
+    let mut mac = Hmac::<Sha256>::new_from_slice(run_token.trim().as_bytes())
+        .expect("HMAC takes a key of any length");
+    for part in parts {
+        mac.update(part);
+    }
+    mac.finalize().into_bytes().into()
 }
 
 #[cfg(test)]

@@ -1,21 +1,25 @@
-//! Asynchronous vs synchronous RL, end to end (`moult run` vs `moult run --sync`), wall-clock to
+//! Asynchronous vs synchronous RL, end to end (maxStaleness 1 and 2 with partial rollout vs 0), wall-clock to
 //! the same reward on a workload with long-tailed episode lengths: the main recipe
 //! (examples/successor) with tasks whose number of turns is long-tailed (most episodes take 1–3
 //! turns, a few up to 16), as agentic episodes are. Synchronous RL waits for the slowest episode
 //! of every batch and leaves the engine idle while training; asynchronous RL keeps generating
 //! the next batch meanwhile (maxStaleness 1, partial rollout).
 //!
+//! The roles run as separate processes (the cluster's `moult engine`, `moult coordinator`,
+//! `moult trainer`, `moult agents`), first pinned to separate CPUs, engine on one and trainer on
+//! the other, as generation and training on separate devices are, then not pinned, for contrast;
+//! every run reports how busy its engines and trainer were.
+//!
 //! `cargo bench -p moult-runtime --bench async_sync` (after `source scripts/env.sh`);
-//! `-- --quick` for fewer steps. Both runs use the same seed, manifest and binary, one after the
+//! `-- --quick` for fewer steps. All runs use the same manifest, tasks and binary, one after the
 //! other; the table compares them as ratios (this machine is noisy). Documented in
 //! docs/benchmarks.md.
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::time::Instant;
+use std::path::PathBuf;
 
+use common::{Outcome, Pinning};
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
@@ -42,33 +46,6 @@ fn long_tail_tasks(n: usize, seed: u64) -> String {
     out
 }
 
-struct Outcome {
-    seconds: f64,
-    steps: Vec<Value>,
-}
-
-fn run(manifest: &Path, out: &Path, steps: u64, sync: bool) -> Outcome {
-    let _ = std::fs::remove_dir_all(out);
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_moult"));
-    cmd.arg("run").arg(manifest).arg("--out").arg(out).args([
-        "--steps",
-        &steps.to_string(),
-        "--seed",
-        "1",
-        "--quiet",
-    ]);
-    if sync {
-        cmd.arg("--sync");
-    }
-    let started = Instant::now();
-    let status = cmd.status().expect("run moult");
-    assert!(status.success(), "moult run failed");
-    Outcome {
-        seconds: started.elapsed().as_secs_f64(),
-        steps: common::metrics_records(&out.join("metrics.jsonl")),
-    }
-}
-
 /// Seconds (the run's own clock) until the mean reward of 3 consecutive steps reaches `target`.
 fn time_to(steps: &[Value], target: f64) -> Option<f64> {
     steps.windows(3).find_map(|w| {
@@ -81,19 +58,98 @@ fn time_to(steps: &[Value], target: f64) -> Option<f64> {
     })
 }
 
+/// How a run overlaps generation and training.
+struct Mode {
+    name: &'static str,
+    max_staleness: u32,
+    partial_rollout: bool,
+}
+
+const MODES: [Mode; 3] = [
+    Mode {
+        name: "async, maxStaleness 1, partial rollout",
+        max_staleness: 1,
+        partial_rollout: true,
+    },
+    Mode {
+        name: "async, maxStaleness 2, partial rollout",
+        max_staleness: 2,
+        partial_rollout: true,
+    },
+    Mode {
+        name: "sync (maxStaleness 0, no partial rollout)",
+        max_staleness: 0,
+        partial_rollout: false,
+    },
+];
+
+/// The engine on CPU 0, the trainer on CPU 1, as two devices would hold them; the coordinator
+/// and the agents beside the engine (see docs/benchmarks.md for why).
+const PINNED: Pinning = Pinning {
+    engine: "0",
+    trainer: "1",
+    rest: "0",
+};
+
+fn mean_of(o: &Outcome, field: &str) -> f64 {
+    o.steps
+        .iter()
+        .map(|r| r[field].as_f64().unwrap_or(0.0))
+        .sum::<f64>()
+        / o.steps.len().max(1) as f64
+}
+
+/// The mean of `field` over the steps, each weighted by its wall-clock.
+fn time_weighted(o: &Outcome, field: &str) -> f64 {
+    let total: f64 = o
+        .steps
+        .iter()
+        .map(|r| r["step_seconds"].as_f64().unwrap())
+        .sum();
+    o.steps
+        .iter()
+        .map(|r| r[field].as_f64().unwrap_or(0.0) * r["step_seconds"].as_f64().unwrap())
+        .sum::<f64>()
+        / total.max(1e-9)
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    let steps = if quick { 20 } else { 60 };
+    let steps: u64 = if quick { 20 } else { 60 };
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-async-sync");
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("tasks.jsonl"), long_tail_tasks(512, 7)).unwrap();
-    let (_, manifest) = common::successor_manifest(Some(&dir.join("tasks.jsonl")));
-    let manifest = manifest.replace("maxTurns: 3", "maxTurns: 16");
-    let manifest_path = dir.join("rlrun.yaml");
-    std::fs::write(&manifest_path, manifest).unwrap();
-
-    let a = run(&manifest_path, &dir.join("async"), steps, false);
-    let s = run(&manifest_path, &dir.join("sync"), steps, true);
+    let tasks = dir.join("tasks.jsonl");
+    std::fs::write(&tasks, long_tail_tasks(512, 7)).unwrap();
+    let (recipe, manifest) = common::successor_manifest(Some(&tasks));
+    let manifest = manifest
+        .replace("maxTurns: 3", "maxTurns: 16")
+        .replace("totalSteps: 60", &format!("totalSteps: {steps}"))
+        .replace("intervalSteps: 10", &format!("intervalSteps: {steps}"));
+    let mut runs = Vec::new();
+    for (pinning, pinned) in [(Some(PINNED), "pinned"), (None, "not pinned")] {
+        for mode in &MODES {
+            let text = manifest.replace(
+                "maxStaleness: 1",
+                &format!(
+                    "maxStaleness: {}\n    partialRollout: {}",
+                    mode.max_staleness, mode.partial_rollout
+                ),
+            );
+            let name = format!("{}-{}", mode.max_staleness, pinned.replace(' ', "-"));
+            let path = dir.join(format!("rlrun-{name}.yaml"));
+            std::fs::write(&path, text).unwrap();
+            eprintln!("running {} ({pinned}) ...", mode.name);
+            let outcome = common::run_roles(
+                &path,
+                &recipe.join("model"),
+                &tasks,
+                &dir.join(&name),
+                steps,
+                pinning,
+            );
+            runs.push((mode, pinned, outcome));
+        }
+    }
     let last = |o: &Outcome| {
         let tail = &o.steps[o.steps.len().saturating_sub(5)..];
         tail.iter()
@@ -102,41 +158,54 @@ fn main() {
             / tail.len() as f64
     };
     let first = |o: &Outcome| o.steps[0]["reward_mean"].as_f64().unwrap();
-    // The target: halfway from the start to the lower of the two final rewards.
-    let target = (first(&a).max(first(&s)) + last(&a).min(last(&s))) / 2.0;
+    // The target: halfway from the highest start to the lowest final reward of all runs.
+    let start = runs
+        .iter()
+        .map(|(_, _, o)| first(o))
+        .fold(f64::MIN, f64::max);
+    let end = runs
+        .iter()
+        .map(|(_, _, o)| last(o))
+        .fold(f64::MAX, f64::min);
+    let target = (start + end) / 2.0;
     let per_step = |o: &Outcome| {
         o.steps.last().unwrap()["elapsed_seconds"].as_f64().unwrap() / o.steps.len() as f64
     };
-    let staleness = |o: &Outcome| {
-        o.steps
-            .iter()
-            .map(|r| r["staleness_mean"].as_f64().unwrap())
-            .sum::<f64>()
-            / o.steps.len() as f64
-    };
-    println!("async vs sync RL, {steps} steps of examples/successor with long-tailed turns (1-16, P(k) ~ 1/k^2)");
-    println!("| mode | wall s | s/step | reward: first -> last 5 | time to reward {target:.2} | mean staleness |");
-    println!("| --- | --- | --- | --- | --- | --- |");
-    for (name, o) in [
-        ("async (maxStaleness 1, partial rollout)", &a),
-        ("sync (--sync)", &s),
-    ] {
+    println!("async vs sync RL, cluster roles as processes, {steps} steps of examples/successor with long-tailed turns (1-16, P(k) ~ 1/k^2)");
+    println!("| mode | CPUs | s/step | reward: first -> last 5 | time to reward {target:.2} | engines busy | trainer busy | paused s/step | mean staleness |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for (mode, pinned, o) in &runs {
         println!(
-            "| {name} | {:.0} | {:.2} | {:.3} -> {:.3} | {} | {:.2} |",
-            o.seconds,
+            "| {} | {pinned} | {:.2} | {:.3} -> {:.3} | {} | {:.2} | {:.2} | {:.3} | {:.2} |",
+            mode.name,
             per_step(o),
             first(o),
             last(o),
             time_to(&o.steps, target).map_or("not reached".into(), |t| format!("{t:.0} s")),
-            staleness(o)
+            time_weighted(o, "engine_busy_fraction"),
+            time_weighted(o, "trainer_busy_fraction"),
+            mean_of(o, "engine_paused_seconds"),
+            mean_of(o, "staleness_mean"),
         );
     }
-    println!(
-        "speed-up per step: {:.2}x; to reward {target:.2}: {}",
-        per_step(&s) / per_step(&a),
-        match (time_to(&a.steps, target), time_to(&s.steps, target)) {
-            (Some(ta), Some(ts)) => format!("{:.2}x", ts / ta),
-            _ => "n/a (a run did not reach it)".into(),
+    for pinned in ["pinned", "not pinned"] {
+        let of = |staleness: u32| {
+            runs.iter()
+                .find(|(m, p, _)| m.max_staleness == staleness && *p == pinned)
+                .map(|(_, _, o)| o)
+                .unwrap()
+        };
+        let sync = of(0);
+        for staleness in [1, 2] {
+            let a = of(staleness);
+            println!(
+                "{pinned}: async (maxStaleness {staleness}) vs sync: {:.2}x per step; to reward {target:.2}: {}",
+                per_step(sync) / per_step(a),
+                match (time_to(&a.steps, target), time_to(&sync.steps, target)) {
+                    (Some(ta), Some(ts)) => format!("{:.2}x", ts / ta),
+                    _ => "n/a (a run did not reach it)".into(),
+                }
+            );
         }
-    );
+    }
 }

@@ -11,18 +11,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Instant;
 
-use serde_json::Value;
-
-struct Outcome {
-    /// From start to the last step's record.
-    seconds: f64,
-    /// From start to the first step's record (start-up, first batch, first step).
-    first_step: f64,
-    steps: Vec<Value>,
-}
+use common::Outcome;
 
 fn moult() -> Command {
     Command::new(env!("CARGO_BIN_EXE_moult"))
@@ -39,104 +31,8 @@ fn single_process(manifest: &Path, out: &Path, steps: u64) -> Outcome {
         .args(["--steps", &steps.to_string(), "--seed", "0", "--quiet"])
         .spawn()
         .expect("run moult");
-    let outcome = follow(&out.join("metrics.jsonl"), steps, started, &mut []);
+    let outcome = common::follow(&out.join("metrics.jsonl"), steps, started, &mut []);
     assert!(child.wait().unwrap().success(), "moult run failed");
-    outcome
-}
-
-/// Waits until `metrics` holds `steps` records, noting when the first arrived.
-fn follow(metrics_path: &Path, steps: u64, started: Instant, children: &mut [Child]) -> Outcome {
-    let mut first_step = None;
-    loop {
-        let records = common::metrics_records(metrics_path);
-        if first_step.is_none() && !records.is_empty() {
-            first_step = Some(started.elapsed().as_secs_f64());
-        }
-        if records.len() as u64 >= steps {
-            return Outcome {
-                seconds: started.elapsed().as_secs_f64(),
-                first_step: first_step.unwrap_or_default(),
-                steps: records,
-            };
-        }
-        for c in children.iter_mut() {
-            if let Some(status) = c.try_wait().unwrap() {
-                panic!("a cluster role exited early: {status}");
-            }
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn roles(manifest: &Path, recipe: &Path, dir: &Path, steps: u64) -> Outcome {
-    let _ = std::fs::remove_dir_all(dir);
-    std::fs::create_dir_all(dir).unwrap();
-    let (engine, coordinator) = (free_port(), free_port());
-    let engine_url = format!("http://127.0.0.1:{engine}");
-    let coordinator_url = format!("http://127.0.0.1:{coordinator}");
-    let log = |name: &str| Stdio::from(std::fs::File::create(dir.join(name)).unwrap());
-    let token = [("MOULT_TOKEN", "bench-token"), ("MOULT_RUN", "successor")];
-    let started = Instant::now();
-    let mut children = vec![
-        moult()
-            .args(["engine", "--model"])
-            .arg(recipe.join("model"))
-            .args(["--port", &engine.to_string()])
-            .envs(token)
-            .stdout(Stdio::null())
-            .stderr(log("engine.log"))
-            .spawn()
-            .unwrap(),
-        moult()
-            .arg("coordinator")
-            .arg("--config")
-            .arg(manifest)
-            .args(["--host", "127.0.0.1", "--port", &coordinator.to_string()])
-            .envs(token)
-            .env("MOULT_ENGINES", &engine_url)
-            .env("MOULT_TASKS", recipe.join("tasks.jsonl"))
-            .stderr(log("coordinator.log"))
-            .spawn()
-            .unwrap(),
-        moult()
-            .arg("trainer")
-            .arg("--config")
-            .arg(manifest)
-            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
-            .envs(token)
-            .env("MOULT_MODEL", recipe.join("model"))
-            .env("MOULT_COORDINATOR", &coordinator_url)
-            .env("POD_IP", "127.0.0.1")
-            .env("MOULT_CHECKPOINTS", dir.join("checkpoints"))
-            .stderr(log("trainer.log"))
-            .spawn()
-            .unwrap(),
-        moult()
-            .arg("agents")
-            .arg("--config")
-            .arg(manifest)
-            .args(["--coordinator", &coordinator_url])
-            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
-            .envs(token)
-            .env("MOULT_MODEL", recipe.join("model"))
-            .stderr(log("agents.log"))
-            .spawn()
-            .unwrap(),
-    ];
-    let metrics_path = dir.join("checkpoints/successor/metrics.jsonl");
-    let outcome = follow(&metrics_path, steps, started, &mut children);
-    for c in &mut children {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
     outcome
 }
 
@@ -155,7 +51,14 @@ fn main() {
     std::fs::write(&manifest_path, manifest).unwrap();
 
     let single = single_process(&manifest_path, &dir.join("single"), steps);
-    let split = roles(&manifest_path, &recipe, &dir.join("roles"), steps);
+    let split = common::run_roles(
+        &manifest_path,
+        &recipe.join("model"),
+        &recipe.join("tasks.jsonl"),
+        &dir.join("roles"),
+        steps,
+        None,
+    );
     // Steady state: the mean step time after the first three (start-up and warm-up).
     let per_step = |o: &Outcome| {
         let s: Vec<f64> = o.steps[3..]

@@ -167,11 +167,8 @@ async fn requests_per_second() {
         Tokenizer::from_model_dir(&dir).unwrap(),
         ChatTemplate::from_model_dir(&dir).unwrap(),
         ServiceOptions {
-            max_sessions: REQUESTS + 1,
-            model_name: "bench".into(),
             registered_sessions: false,
-            session_idle: None,
-            max_turns: moult_runtime::loopback::DEFAULT_MAX_TURNS,
+            ..ServiceOptions::pool(REQUESTS + 1, "bench")
         },
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

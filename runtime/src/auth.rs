@@ -8,7 +8,8 @@
 //! call without credentials; the coordinator also takes the agent credential on the routes an
 //! agent needs ([`AGENT_ROUTES`]: leasing and returning episodes, generating) and refuses it
 //! everywhere else (403). Every HTTP client of the process sends the process's credential. The
-//! weight stream's TCP handshake carries the run token too ([`crate::engine::weights`]). Without
+//! weight stream's TCP handshake proves the run token both ways without sending it
+//! ([`crate::engine::weights`]). Without
 //! either variable (a local run on loopback) nothing is checked.
 
 use std::sync::OnceLock;
@@ -71,8 +72,9 @@ fn client_credential() -> Option<&'static str> {
 /// An HTTP client that sends this process's credential with every request (when there is one).
 pub fn client_builder() -> reqwest::ClientBuilder {
     // A peer that does not accept a connection in this long is down, not slow. (Requests have
-    // no overall timeout here: generation streams and weight updates may rightly take minutes;
-    // callers that know better set one per request.)
+    // no overall timeout here: generation streams and weight updates may rightly take minutes,
+    // and are bounded by their callers, docs/security.md; clients whose calls are short set
+    // one, as agents and the trainer do for the coordinator.)
     let builder = reqwest::Client::builder().connect_timeout(std::time::Duration::from_secs(10));
     match client_credential().and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
         Some(mut value) => {
@@ -122,7 +124,11 @@ fn authorized(header: Option<&HeaderValue>, token: &str) -> bool {
     else {
         return false;
     };
-    let (a, b) = (given.trim().as_bytes(), token.as_bytes());
+    same_secret(given.trim().as_bytes(), token.as_bytes())
+}
+
+/// Whether two secrets (or proofs of one) are equal, compared in constant time.
+pub(crate) fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

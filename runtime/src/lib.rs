@@ -10,6 +10,7 @@ pub mod auth;
 pub mod chat;
 pub mod cluster;
 pub mod engine;
+pub mod init;
 pub mod loopback;
 #[cfg(feature = "torch")]
 pub mod model;

@@ -38,6 +38,10 @@ enum Command {
     /// write each episode (reward and exact token segments) as a JSON line; or, with --config and
     /// --coordinator, be an agent pod of a cluster run (lease episodes, run them, return them).
     Agents(AgentsArgs),
+    /// Start agent programs for `moult agents` in a container that holds no credential (the
+    /// sandbox container of a cluster run's agent pods; docs/security.md): `moult agents` with
+    /// MOULT_AGENT_SANDBOX=SOCKET starts every agent program here instead of as its own child.
+    Sandbox(SandboxArgs),
     /// The coordinator of a cluster run (in its pod): the router over the engines of the run's
     /// Service, the rollout pool over the agent pods, the trainer's batches and the RLRun status.
     Coordinator(CoordinatorArgs),
@@ -199,6 +203,13 @@ struct AgentsArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct SandboxArgs {
+    /// The Unix socket to listen on (in a folder shared with the `moult agents` container).
+    #[arg(long)]
+    socket: PathBuf,
+}
+
+#[derive(Debug, clap::Args)]
 struct ChatArgs {
     /// The engine (or router) to generate with: the built-in engine or vLLM.
     #[arg(long)]
@@ -219,6 +230,9 @@ struct ChatArgs {
     /// Turns one session may take; more get 429.
     #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_TURNS)]
     max_turns: usize,
+    /// Tokens one session may record over all its segments; a turn after that gets 429.
+    #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_SESSION_TOKENS)]
+    max_session_tokens: usize,
     /// Largest request body accepted (bytes).
     #[arg(long, default_value_t = moult_runtime::loopback::DEFAULT_MAX_BODY_BYTES)]
     max_body_bytes: usize,
@@ -388,6 +402,9 @@ async fn chat(args: ChatArgs) -> anyhow::Result<()> {
     if args.max_turns == 0 {
         bail!("--max-turns must be at least 1");
     }
+    if args.max_session_tokens == 0 {
+        bail!("--max-session-tokens must be at least 1");
+    }
     let service = chat_service(
         &args.engine,
         &args.model,
@@ -400,6 +417,7 @@ async fn chat(args: ChatArgs) -> anyhow::Result<()> {
             registered_sessions: false,
             session_idle: (!args.session_idle.is_zero()).then_some(args.session_idle),
             max_turns: args.max_turns,
+            max_session_tokens: args.max_session_tokens,
         },
     )?;
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", args.port))
@@ -720,6 +738,12 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
         reward(summary.final_reward),
     );
     eprintln!(
+        "  engines busy {:.0}% of the time (paused {:.1}s for weight sync), trainer busy {:.0}%",
+        100.0 * summary.engine_busy_fraction,
+        summary.engine_paused_seconds,
+        100.0 * summary.trainer_busy_fraction,
+    );
+    eprintln!(
         "  metrics {0}/metrics.jsonl, plot {0}/reward.svg, summary {0}/summary.json, log {0}/moult.log{1}",
         out.display(),
         summary
@@ -782,6 +806,10 @@ fn init_run_logging(
 }
 
 fn main() -> anyhow::Result<()> {
+    // As a container's PID 1, supervise a second `moult` and reap what is orphaned.
+    if let Some(code) = moult_runtime::init::supervise_if_first()? {
+        std::process::exit(code);
+    }
     let cli = Cli::parse();
     // `moult run` sets up its log once it knows its output folder.
     if !matches!(cli.command, Command::Run(_)) {
@@ -800,6 +828,12 @@ fn main() -> anyhow::Result<()> {
         Command::Engine(_) => without_torch("engine"),
         Command::Chat(args) => runtime.block_on(chat(args)),
         Command::Agents(args) => runtime.block_on(agents(args)),
+        Command::Sandbox(args) => runtime.block_on(async move {
+            eprintln!("moult sandbox listening on {}", args.socket.display());
+            moult_runtime::agents::sandbox::serve(&args.socket)
+                .await
+                .with_context(|| format!("serving the agent sandbox on {}", args.socket.display()))
+        }),
         Command::Router(args) => runtime.block_on(router(args)),
         Command::Coordinator(args) => runtime.block_on(coordinator(args)),
         #[cfg(feature = "torch")]

@@ -182,93 +182,30 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
     assert_eq!(episode["reward"], 2.0);
     assert_eq!(episode["segments"].as_array().unwrap().len(), 2);
 
-    // Agent code is untrusted: it gets no credential from moult's environment (not even one
-    // MOULT_AGENT_PASS_ENV names), and the pool's variables and what the pass list names
-    // only; what it starts dies with its episode; another session's URL is a 404; a task too
-    // large for an environment variable reaches it through MOULT_TASK_FILE.
-    let tasks = dir.join("big_task.jsonl");
-    let padding = "x".repeat(200_000);
-    std::fs::write(
-        &tasks,
-        format!("{}\n", serde_json::json!({ "padding": padding })),
+    hostile_agent(&engine_url, &model, &dir, None).await;
+    // The same through a sandbox, as a cluster's agent pod runs agent code: in a second process
+    // that holds no credential, started by `moult sandbox`.
+    let socket = dir.join("sandbox.sock");
+    let mut sandbox = moult()
+        .args(["sandbox", "--socket"])
+        .arg(&socket)
+        .env_remove("MOULT_TOKEN")
+        .env_remove("MOULT_AGENT_TOKEN")
+        .env("MOULT_INIT", "1")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    while !socket.exists() {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    hostile_agent(&engine_url, &model, &dir, Some((&socket, sandbox.id()))).await;
+    // SIGTERM goes on to the supervised sandbox, and both end.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(sandbox.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
-    let hostile_out = dir.join("hostile.jsonl");
-    let status = moult()
-        .args(["agents", "--engine", &engine_url, "--model"])
-        .arg(&model)
-        .arg("--agent")
-        .arg(root.join("tests/python/agents/hostile_agent.py"))
-        .arg("--tasks")
-        .arg(&tasks)
-        .arg("--python")
-        .arg(common::python())
-        .arg("--out")
-        .arg(&hostile_out)
-        .env("MOULT_TOKEN", "run-secret")
-        .env("MOULT_AGENT_TOKEN", "agent-secret")
-        .env("MOULT_AGENT_PASS_ENV", "MOULT_TOKEN, PASSED_ON")
-        .env("PASSED_ON", "yes")
-        .env("WITHHELD", "no")
-        .stderr(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let text = std::fs::read_to_string(&hostile_out).unwrap();
-    let episode: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
-    assert_eq!(episode["status"], "completed", "{episode}");
-    let info = &episode["info"];
-    let env: Vec<&str> = info["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_str().unwrap())
-        .collect();
-    for name in [
-        "MOULT_TOKEN",
-        "MOULT_AGENT_TOKEN",
-        "WITHHELD",
-        "CARGO_MANIFEST_DIR",
-    ] {
-        assert!(!env.contains(&name), "{name} reached the agent: {env:?}");
-    }
-    for name in [
-        "PATH",
-        "PASSED_ON",
-        "MOULT_SESSION_ID",
-        "MOULT_TASK_FILE",
-        "OPENAI_BASE_URL",
-    ] {
-        assert!(env.contains(&name), "{name} is missing: {env:?}");
-    }
-    let values = info["values"].as_array().unwrap();
-    assert!(
-        !values.iter().any(|v| {
-            let v = v.as_str().unwrap();
-            v.contains("run-secret") || v.contains("agent-secret")
-        }),
-        "a credential reached the agent"
-    );
-    assert_eq!(info["forged_status"], 404, "{info}");
-    assert_eq!(info["task_in_env"], false);
-    assert_eq!(info["task_len"], 200_000);
-    let leftover = info["leftover_pid"].as_u64().unwrap();
-    let gone = || {
-        std::fs::read_to_string(format!("/proc/{leftover}/stat")).map_or(true, |stat| {
-            stat.rsplit(") ").next().unwrap_or("").starts_with('Z')
-        })
-    };
-    // SIGKILL was sent when the episode ended; its delivery takes a moment.
-    for _ in 0..100 {
-        if gone() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    assert!(
-        gone(),
-        "the agent's leftover process {leftover} outlived its episode"
-    );
+    assert!(!sandbox.wait().unwrap().success());
 
     let bad = moult()
         .args(["agents", "--engine", &engine_url, "--model"])
@@ -330,5 +267,132 @@ async fn libtorch_cli_router_routes_to_its_engines() {
     for child in [&mut router, &mut a, &mut b] {
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+}
+
+/// Runs `tests/python/agents/hostile_agent.py` for one episode under `moult agents` (as a PID 1
+/// would, `MOULT_INIT=1`), directly or through the sandbox `(socket, pid)`, and checks what
+/// it found.
+async fn hostile_agent(
+    engine_url: &str,
+    model: &std::path::Path,
+    dir: &std::path::Path,
+    sandbox: Option<(&std::path::Path, u32)>,
+) {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    // Agent code is untrusted: it gets no credential from moult's environment (not even one
+    // MOULT_AGENT_PASS_ENV names), and the pool's variables and what the pass list names
+    // only; what it starts dies with its episode; another session's URL is a 404; a task too
+    // large for an environment variable reaches it through MOULT_TASK_FILE. `moult` runs as a
+    // container's PID 1 would (MOULT_INIT=1): orphans of agent code are handed to it and reaped.
+    let tasks = dir.join("big_task.jsonl");
+    let padding = "x".repeat(200_000);
+    std::fs::write(
+        &tasks,
+        format!("{}\n", serde_json::json!({ "padding": padding })),
+    )
+    .unwrap();
+    let hostile_out = dir.join("hostile.jsonl");
+    let mut agents = moult();
+    if let Some((socket, _)) = sandbox {
+        agents.env("MOULT_AGENT_SANDBOX", socket);
+    }
+    let mut supervisor = agents
+        .args(["agents", "--engine", engine_url, "--model"])
+        .arg(model)
+        .arg("--agent")
+        .arg(root.join("tests/python/agents/hostile_agent.py"))
+        .arg("--tasks")
+        .arg(&tasks)
+        .arg("--python")
+        .arg(common::python())
+        .arg("--out")
+        .arg(&hostile_out)
+        .env("MOULT_TOKEN", "run-secret")
+        .env("MOULT_AGENT_TOKEN", "agent-secret")
+        .env("MOULT_AGENT_PASS_ENV", "MOULT_TOKEN, PASSED_ON")
+        .env("PASSED_ON", "yes")
+        .env("WITHHELD", "no")
+        .env("MOULT_INIT", "1")
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let supervisor_pid = supervisor.id();
+    assert!(supervisor.wait().unwrap().success());
+    let text = std::fs::read_to_string(&hostile_out).unwrap();
+    let episode: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(episode["status"], "completed", "{episode}");
+    let info = &episode["info"];
+    let env: Vec<&str> = info["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    for name in [
+        "MOULT_TOKEN",
+        "MOULT_AGENT_TOKEN",
+        "WITHHELD",
+        "CARGO_MANIFEST_DIR",
+    ] {
+        assert!(!env.contains(&name), "{name} reached the agent: {env:?}");
+    }
+    for name in [
+        "PATH",
+        "PASSED_ON",
+        "MOULT_SESSION_ID",
+        "MOULT_TASK_FILE",
+        "OPENAI_BASE_URL",
+    ] {
+        assert!(env.contains(&name), "{name} is missing: {env:?}");
+    }
+    let values = info["values"].as_array().unwrap();
+    assert!(
+        !values.iter().any(|v| {
+            let v = v.as_str().unwrap();
+            v.contains("run-secret") || v.contains("agent-secret")
+        }),
+        "a credential reached the agent"
+    );
+    assert_eq!(info["forged_status"], 404, "{info}");
+    assert_eq!(info["task_in_env"], false);
+    assert_eq!(info["task_len"], 200_000);
+    let leftover = info["leftover_pid"].as_u64().unwrap();
+    let gone = || {
+        std::fs::read_to_string(format!("/proc/{leftover}/stat")).map_or(true, |stat| {
+            stat.rsplit(") ").next().unwrap_or("").starts_with('Z')
+        })
+    };
+    // SIGKILL was sent when the episode ended; its delivery takes a moment.
+    for _ in 0..100 {
+        if gone() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        gone(),
+        "the agent's leftover process {leftover} outlived its episode"
+    );
+    // Orphans go to the supervising moult of the process that started the agent (the sandbox's,
+    // when there is one), which reaps them.
+    let reaper = sandbox.map_or(supervisor_pid, |(_, pid)| pid);
+    assert_eq!(info["escaped_parent"], reaper, "{info}");
+    assert_eq!(info["escaped_state"], "reaped", "{info}");
+    if let Some((_, sandbox_pid)) = sandbox {
+        // The agent was started by the sandbox (the supervised `moult sandbox`), not by
+        // `moult agents`.
+        let parent = info["parent_pid"].as_u64().unwrap();
+        let stat = std::fs::read_to_string(format!("/proc/{parent}/stat")).unwrap();
+        let grandparent: u32 = stat
+            .rsplit(") ")
+            .next()
+            .unwrap()
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(grandparent, sandbox_pid, "{stat}");
     }
 }

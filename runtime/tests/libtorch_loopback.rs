@@ -88,7 +88,7 @@ async fn libtorch_bad_requests_get_each_protocols_error_and_the_session_survives
 
 /// The agent pool's sessions: registered by the pool, so a request under any other id (a
 /// leftover agent process's, after its episode was taken) is a 404 and makes nothing; a session
-/// takes at most `max_turns` turns. Sessions made on first use (`moult chat`) expire when idle.
+/// takes at most `max_turns` turns and records at most `max_session_tokens`. Sessions made on first use (`moult chat`) expire when idle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_unknown_sessions_get_404_and_sessions_are_bounded() {
     use moult_runtime::loopback::ServiceOptions;
@@ -121,6 +121,21 @@ async fn libtorch_unknown_sessions_get_404_and_sessions_are_bounded() {
     assert_eq!(status, 404);
     assert!(service.trajectory("ep1").await.is_none());
 
+    // A session that has recorded its token allowance gets 429 on its next turn.
+    let mut opts = ServiceOptions::pool(4, "tiny");
+    opts.max_session_tokens = 8;
+    let (url, service) =
+        common::start_loopback_with(&engine.url, &model, &model, 1 << 20, opts).await;
+    service.open("ep2").unwrap();
+    let (status, body) = post_raw(&url, &chat("ep2"), nth(0).to_string().into_bytes()).await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = post_raw(&url, &chat("ep2"), nth(1).to_string().into_bytes()).await;
+    assert_eq!(status, 429, "{body}");
+    assert!(
+        body.to_string().contains("limit of 8 recorded tokens"),
+        "{body}"
+    );
+
     // Sessions made on first use: one unused for longer than `session_idle` goes when a new one
     // is made; one in use stays.
     let opts = ServiceOptions {
@@ -129,6 +144,7 @@ async fn libtorch_unknown_sessions_get_404_and_sessions_are_bounded() {
         registered_sessions: false,
         session_idle: Some(Duration::from_secs(1)),
         max_turns: 8,
+        max_session_tokens: 1 << 20,
     };
     let (url, service) =
         common::start_loopback_with(&engine.url, &model, &model, 1 << 20, opts).await;

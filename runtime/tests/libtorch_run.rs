@@ -85,12 +85,105 @@ fn libtorch_run_learns_the_main_recipe() {
         let log_rho = r["mean_abs_log_rho"].as_f64().unwrap();
         let on_policy = r["staleness"].as_object().unwrap().keys().all(|k| k == "0");
         assert!(log_rho < if on_policy { 1e-4 } else { 1.5 }, "{r}");
+        assert_busy_fractions(r);
     }
     let summary: Value =
         serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["steps"], 40);
     let svg = std::fs::read_to_string(out.join("reward.svg")).unwrap();
     assert!(svg.starts_with("<svg"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Every step says how busy engines and trainer were: fractions in [0, 1], paused seconds
+/// within the step.
+fn assert_busy_fractions(r: &Value) {
+    let field = |name: &str| {
+        r[name]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{name} missing: {r}"))
+    };
+    for name in ["engine_busy_fraction", "trainer_busy_fraction"] {
+        assert!((0.0..=1.0).contains(&field(name)), "{name}: {r}");
+    }
+    let paused = field("engine_paused_seconds");
+    assert!(
+        paused >= 0.0 && paused <= field("step_seconds") + 0.5,
+        "{r}"
+    );
+    assert!(
+        field("trainer_busy_fraction") > 0.0,
+        "the trainer computed: {r}"
+    );
+}
+
+/// In a synchronous run engines and trainer take turns: the engines generated during every step,
+/// and were idle while the trainer computed, so the two busy fractions never add up to more
+/// than the step (a coarse check of both, independent of how each is measured). The run's
+/// TensorBoard events hold the same numbers as its metrics.jsonl.
+#[test]
+fn libtorch_run_sync_engines_are_idle_while_the_trainer_trains() {
+    let manifest = recipe();
+    let out = out_dir("sync-busy");
+    let status = common::moult()
+        .arg("run")
+        .arg(&manifest)
+        .args(["--out".as_ref(), out.as_os_str()])
+        .args(["--steps", "4", "--seed", "1", "--sync", "--quiet"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let steps = metrics(&out);
+    assert_eq!(steps.len(), 4);
+    for r in &steps {
+        assert_busy_fractions(r);
+        let engines = r["engine_busy_fraction"].as_f64().unwrap();
+        let trainer = r["trainer_busy_fraction"].as_f64().unwrap();
+        assert!(engines > 0.0, "the engines generated the step's batch: {r}");
+        assert!(
+            engines + trainer <= 1.05,
+            "engines and trainer overlapped in a synchronous run: {r}"
+        );
+    }
+    // TensorBoard's own reader finds every number of metrics.jsonl under its name, per step.
+    let read = Command::new(common::python())
+        .arg(repo().join("tests/python/read_tensorboard.py"))
+        .arg(out.join("tensorboard"))
+        .output()
+        .unwrap();
+    assert!(
+        read.status.success(),
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    let scalars: serde_json::Map<String, Value> = serde_json::from_slice(&read.stdout).unwrap();
+    for r in &steps {
+        let step = r["step"].as_u64().unwrap();
+        for (field, value) in r.as_object().unwrap() {
+            let Some(x) = value.as_f64() else { continue };
+            if field == "step" {
+                continue;
+            }
+            let points = scalars[field]
+                .as_array()
+                .unwrap_or_else(|| panic!("{field}"));
+            let point = points
+                .iter()
+                .find(|p| p[0].as_u64() == Some(step))
+                .unwrap_or_else(|| panic!("{field} has no step {step}: {points:?}"));
+            let got = point[1].as_f64().unwrap();
+            assert!(
+                (got - x).abs() <= 1e-6 * x.abs().max(1.0),
+                "{field} at step {step}: {got} in TensorBoard, {x} in metrics.jsonl"
+            );
+        }
+    }
+    let summary: Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    for name in ["engine_busy_fraction", "trainer_busy_fraction"] {
+        let f = summary[name].as_f64().unwrap();
+        assert!(f > 0.0 && f <= 1.0, "{name}: {summary}");
+    }
     let _ = std::fs::remove_dir_all(&out);
 }
 

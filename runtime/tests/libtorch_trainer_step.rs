@@ -157,31 +157,8 @@ fn libtorch_trainable_tensors_cover_every_named_weight_once() {
 /// batch trains as usual.
 #[test]
 fn libtorch_a_non_finite_loss_skips_the_update_and_keeps_the_weights_finite() {
-    use moult_runtime::trainer::optim::{Decay, LrSchedule};
-    use moult_runtime::trainer::train::{Sample, Trainer, TrainerOptions};
-    let model = Qwen3Model::load(&dense_model(), Kind::Float, Device::Cpu).unwrap();
-    let opts = TrainerOptions {
-        loss: LossConfig {
-            kind: LossKind::Ppo,
-            eps_low: 0.2,
-            eps_high: 0.28,
-            aggregation: Aggregation::TokenMean,
-            correction: None,
-            temperature: 1.0,
-        },
-        schedule: LrSchedule {
-            peak: 1e-2,
-            warmup_steps: 0,
-            total_steps: 10,
-            decay: Decay::Constant,
-            min_ratio: 1.0,
-        },
-        weight_decay: 0.0,
-        max_grad_norm: Some(1.0),
-        micro_batch_tokens: 1024,
-        kl_coef: 0.0,
-    };
-    let mut trainer = Trainer::new(model, None, opts).unwrap();
+    use moult_runtime::trainer::train::{Sample, Trainer};
+    let mut trainer = tiny_trainer();
     let batch = |advantage: f64| {
         vec![Sample {
             tokens: vec![2001, 273, 105, 94, 76, 435],
@@ -210,4 +187,118 @@ fn libtorch_a_non_finite_loss_skips_the_update_and_keeps_the_weights_finite() {
     assert!(moved
         .iter()
         .all(|m| bool::try_from(m.isfinite().all()).unwrap()));
+}
+
+/// A PPO trainer of the tiny dense model with a constant learning rate.
+fn tiny_trainer() -> moult_runtime::trainer::train::Trainer {
+    use moult_runtime::trainer::optim::{Decay, LrSchedule};
+    use moult_runtime::trainer::train::{Trainer, TrainerOptions};
+    let model = Qwen3Model::load(&dense_model(), Kind::Float, Device::Cpu).unwrap();
+    let opts = TrainerOptions {
+        loss: LossConfig {
+            kind: LossKind::Ppo,
+            eps_low: 0.2,
+            eps_high: 0.28,
+            aggregation: Aggregation::TokenMean,
+            correction: None,
+            temperature: 1.0,
+        },
+        schedule: LrSchedule {
+            peak: 1e-2,
+            warmup_steps: 0,
+            total_steps: 10,
+            decay: Decay::Constant,
+            min_ratio: 1.0,
+        },
+        weight_decay: 0.0,
+        max_grad_norm: Some(1.0),
+        micro_batch_tokens: 1024,
+        kl_coef: 0.0,
+    };
+    Trainer::new(model, None, opts).unwrap()
+}
+
+/// A tmpfs of `bytes` mounted at a fresh folder for the life of the value (needs root, as CI and
+/// the developer machines have; `None` where mounting is not allowed).
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(bytes: u64) -> Option<Self> {
+        let dir = std::env::temp_dir().join(format!("moult-tmpfs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        mounted.then_some(Self(dir))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+fn folder_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum()
+}
+
+/// A disk that fills up while a checkpoint is written: the save prunes older checkpoints and
+/// succeeds; when even that leaves no room, it fails without touching the newest complete
+/// checkpoint, which a restart then resumes from, and leaves no partial folder behind.
+#[test]
+fn libtorch_a_full_disk_never_loses_the_last_good_checkpoint() {
+    use moult_runtime::run::checkpoint::{latest, save, CheckpointMeta};
+    let trainer = tiny_trainer();
+    let model = dense_model();
+    let meta = |step: u64| CheckpointMeta {
+        step,
+        policy_version: step,
+        rollout: Default::default(),
+        seed: 7,
+    };
+    let probe = std::env::temp_dir().join(format!("moult-ckpt-probe-{}", std::process::id()));
+    let one = folder_bytes(&save(&probe, &model, &trainer, &meta(1)).unwrap());
+    std::fs::remove_dir_all(&probe).unwrap();
+
+    // Room for two checkpoints and a half: the third save fills the disk, prunes, and succeeds.
+    let Some(disk) = Tmpfs::mount(one * 5 / 2) else {
+        eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+        return;
+    };
+    let root = disk.0.join("checkpoints");
+    for step in 1..=3 {
+        save(&root, &model, &trainer, &meta(step)).unwrap();
+    }
+    let (dir, found) = latest(&root).unwrap().unwrap();
+    assert_eq!(found, meta(3));
+    assert!(dir.ends_with("step-000003"));
+    assert!(!root.join("step-000001").exists(), "pruned to make room");
+
+    // Fill what is left: now even pruning leaves no room for another checkpoint.
+    let filler = disk.0.join("filler");
+    let mut f = std::fs::File::create(&filler).unwrap();
+    let block = vec![0u8; 64 << 10];
+    while std::io::Write::write_all(&mut f, &block).is_ok() {}
+    drop(f);
+    let err = save(&root, &model, &trainer, &meta(4)).unwrap_err();
+    assert!(err.to_string().contains("No space left"), "{err}");
+    let (dir, found) = latest(&root).unwrap().unwrap();
+    assert_eq!(found, meta(3), "the newest complete checkpoint survives");
+    assert_eq!(folder_bytes(&dir), one);
+    let leftovers: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".step-"))
+        .collect();
+    assert!(leftovers.is_empty(), "partial folders left: {leftovers:?}");
+    // The weights it holds load.
+    let loaded = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    drop(loaded);
 }

@@ -198,3 +198,149 @@ pub fn metrics_records(path: &std::path::Path) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).expect("metrics lines are JSON"))
         .collect()
 }
+
+/// A run's outcome as a benchmark sees it.
+pub struct Outcome {
+    /// From start to the last step's record.
+    pub seconds: f64,
+    /// From start to the first step's record (start-up, first batch, first step).
+    pub first_step: f64,
+    pub steps: Vec<serde_json::Value>,
+}
+
+/// Waits until `metrics_path` holds `steps` records, noting when the first arrived; panics if
+/// one of `children` exits meanwhile.
+pub fn follow(
+    metrics_path: &std::path::Path,
+    steps: u64,
+    started: Instant,
+    children: &mut [std::process::Child],
+) -> Outcome {
+    let mut first_step = None;
+    loop {
+        let records = metrics_records(metrics_path);
+        if first_step.is_none() && !records.is_empty() {
+            first_step = Some(started.elapsed().as_secs_f64());
+        }
+        if records.len() as u64 >= steps {
+            return Outcome {
+                seconds: started.elapsed().as_secs_f64(),
+                first_step: first_step.unwrap_or_default(),
+                steps: records,
+            };
+        }
+        for c in children.iter_mut() {
+            if let Some(status) = c.try_wait().unwrap() {
+                panic!("a cluster role exited early: {status}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Which CPUs each role's process may run on (`taskset -c` lists such as `0` or `0,1`).
+#[derive(Debug, Clone, Copy)]
+pub struct Pinning {
+    pub engine: &'static str,
+    pub trainer: &'static str,
+    /// The coordinator and the agents (with the env processes they start).
+    pub rest: &'static str,
+}
+
+/// `moult` pinned to `cpus`, or free to run anywhere.
+fn moult_on(cpus: Option<&str>) -> std::process::Command {
+    let moult = env!("CARGO_BIN_EXE_moult");
+    match cpus {
+        Some(cpus) => {
+            let mut c = std::process::Command::new("taskset");
+            c.args(["-c", cpus, moult]);
+            c
+        }
+        None => std::process::Command::new(moult),
+    }
+}
+
+/// The cluster roles of `manifest` as separate processes (`moult engine`, `moult coordinator`,
+/// `moult trainer`, `moult agents`) talking HTTP and the TCP weight stream with the run's
+/// token, as they do in the operator's pods, with the recipe's model and `tasks`; runs until
+/// `steps` steps are recorded. Logs go to `dir`.
+pub fn run_roles(
+    manifest: &std::path::Path,
+    model: &std::path::Path,
+    tasks: &std::path::Path,
+    dir: &std::path::Path,
+    steps: u64,
+    pinning: Option<Pinning>,
+) -> Outcome {
+    use std::process::Stdio;
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+    let (engine, coordinator) = (free_port(), free_port());
+    let engine_url = format!("http://127.0.0.1:{engine}");
+    let coordinator_url = format!("http://127.0.0.1:{coordinator}");
+    let log = |name: &str| Stdio::from(std::fs::File::create(dir.join(name)).unwrap());
+    let token = [("MOULT_TOKEN", "bench-token"), ("MOULT_RUN", "successor")];
+    let cpus = |f: fn(&Pinning) -> &'static str| pinning.as_ref().map(f);
+    let started = Instant::now();
+    let mut children = vec![
+        moult_on(cpus(|p| p.engine))
+            .args(["engine", "--model"])
+            .arg(model)
+            .args(["--port", &engine.to_string()])
+            .envs(token)
+            .stdout(Stdio::null())
+            .stderr(log("engine.log"))
+            .spawn()
+            .unwrap(),
+        moult_on(cpus(|p| p.rest))
+            .arg("coordinator")
+            .arg("--config")
+            .arg(manifest)
+            .args(["--host", "127.0.0.1", "--port", &coordinator.to_string()])
+            .envs(token)
+            .env("MOULT_ENGINES", &engine_url)
+            .env("MOULT_TASKS", tasks)
+            .stderr(log("coordinator.log"))
+            .spawn()
+            .unwrap(),
+        moult_on(cpus(|p| p.trainer))
+            .arg("trainer")
+            .arg("--config")
+            .arg(manifest)
+            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .envs(token)
+            .env("MOULT_MODEL", model)
+            .env("MOULT_COORDINATOR", &coordinator_url)
+            .env("POD_IP", "127.0.0.1")
+            .env("MOULT_CHECKPOINTS", dir.join("checkpoints"))
+            .stderr(log("trainer.log"))
+            .spawn()
+            .unwrap(),
+        moult_on(cpus(|p| p.rest))
+            .arg("agents")
+            .arg("--config")
+            .arg(manifest)
+            .args(["--coordinator", &coordinator_url])
+            .args(["--metrics-addr", &format!("127.0.0.1:{}", free_port())])
+            .envs(token)
+            .env("MOULT_MODEL", model)
+            .stderr(log("agents.log"))
+            .spawn()
+            .unwrap(),
+    ];
+    let metrics_path = dir.join("checkpoints/successor/metrics.jsonl");
+    let outcome = follow(&metrics_path, steps, started, &mut children);
+    for c in &mut children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    outcome
+}

@@ -13,6 +13,7 @@
 
 pub mod env;
 pub mod process;
+pub mod sandbox;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -215,7 +216,7 @@ impl AgentPool {
                 let idle = self.idle_envs.lock().expect("idle envs lock").pop();
                 let mut env = match idle {
                     Some(env) => env,
-                    None => ExternalEnv::spawn(cmd)?,
+                    None => ExternalEnv::spawn(cmd).await?,
                 };
                 // An error or a timeout drops (kills) the process here; only a completed episode
                 // hands it back.

@@ -17,9 +17,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use futures::future::BoxFuture;
 use serde_json::Value as Json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, ChildStdin, ChildStdout, Command};
+use tokio::process::{Child, Command};
 
 use super::env::{Env, StepResult};
+use super::sandbox::{self, Exit, Sandboxed};
 use super::AgentError;
 
 const PACKAGE: [(&str, &str); 2] = [
@@ -113,36 +114,89 @@ pub fn agent_environment(vars: impl Iterator<Item = (String, String)>) -> Vec<(S
         .collect()
 }
 
-/// A child in a process group of its own (its pid is the group's id): dropping it kills the
-/// whole group, whatever the child started, even once the child itself has exited.
-#[derive(Debug)]
+type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+type Writer = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
+
+/// An agent program running in a process group of its own (its pid is the group's id): dropping
+/// it kills the whole group, whatever the program started, even once the program itself has
+/// exited. It runs as a child of this process, or in the agent pod's sandbox container where
+/// `MOULT_AGENT_SANDBOX` names one ([`super::sandbox`]), with the same streams and lifetime.
 struct Group {
-    child: Child,
-    /// Kept from the start: `Child::id` forgets the pid once the child has been waited for.
-    pgid: Option<nix::unistd::Pid>,
+    running: Running,
+    stdin: Option<Writer>,
+    stdout: Option<Reader>,
+    stderr: Option<Reader>,
+}
+
+enum Running {
+    Local {
+        child: Child,
+        /// Kept from the start: `Child::id` forgets the pid once the child has been waited for.
+        pgid: Option<nix::unistd::Pid>,
+    },
+    /// Closing the control connection (dropping this) kills the group in the sandbox.
+    Sandboxed(Sandboxed),
 }
 
 impl Group {
-    fn spawn(mut c: Command, program: &str) -> Result<Self, AgentError> {
-        let child = c
+    /// Starts `cmd` with `extra` variables on top of its environment, its three streams piped.
+    async fn spawn(cmd: &AgentCommand, extra: Vec<(String, String)>) -> Result<Self, AgentError> {
+        let mut env = cmd.environment();
+        env.extend(extra);
+        if let Some(socket) = sandbox::socket() {
+            let mut p = Sandboxed::spawn(socket, &cmd.program, &cmd.args, env).await?;
+            return Ok(Self {
+                stdin: p.stdin.take().map(|s| Box::new(s) as Writer),
+                stdout: p.stdout.take().map(|s| Box::new(s) as Reader),
+                stderr: p.stderr.take().map(|s| Box::new(s) as Reader),
+                running: Running::Sandboxed(p),
+            });
+        }
+        let mut child = Command::new(&cmd.program)
+            .args(&cmd.args)
+            .env_clear()
+            .envs(env)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
             .process_group(0)
             .spawn()
-            .map_err(|e| AgentError::Crashed(format!("cannot start `{program}`: {e}")))?;
+            .map_err(|e| AgentError::Crashed(format!("cannot start `{}`: {e}", cmd.program)))?;
         let pgid = child
             .id()
             .and_then(|p| i32::try_from(p).ok())
             .map(nix::unistd::Pid::from_raw);
-        Ok(Self { child, pgid })
+        Ok(Self {
+            stdin: child.stdin.take().map(|s| Box::new(s) as Writer),
+            stdout: child.stdout.take().map(|s| Box::new(s) as Reader),
+            stderr: child.stderr.take().map(|s| Box::new(s) as Reader),
+            running: Running::Local { child, pgid },
+        })
+    }
+
+    /// Waits for the program (not what it started) to end.
+    async fn wait(&mut self) -> Result<Exit, AgentError> {
+        match &mut self.running {
+            Running::Local { child, .. } => child
+                .wait()
+                .await
+                .map(Exit::of)
+                .map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}"))),
+            Running::Sandboxed(p) => p.wait().await,
+        }
     }
 }
 
 impl Drop for Group {
     fn drop(&mut self) {
-        if let Some(pgid) = self.pgid {
-            // ESRCH (the group is gone already) is the common case, not an error.
-            let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+        if let Running::Local { child, pgid } = &mut self.running {
+            if let Some(pgid) = *pgid {
+                // ESRCH (the group is gone already) is the common case, not an error.
+                let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+            }
+            let _ = child.start_kill();
         }
-        let _ = self.child.start_kill();
     }
 }
 
@@ -184,14 +238,12 @@ impl AgentCommand {
         })
     }
 
-    fn command(&self) -> Command {
-        let mut c = Command::new(&self.program);
-        c.args(&self.args)
-            .env_clear()
-            .envs(agent_environment(std::env::vars()))
-            .envs(self.env.iter().cloned())
-            .kill_on_drop(true);
-        c
+    /// The environment the program starts with: [`agent_environment`] of this process's, and
+    /// the command's own variables.
+    fn environment(&self) -> Vec<(String, String)> {
+        let mut env = agent_environment(std::env::vars());
+        env.extend(self.env.iter().cloned());
+        env
     }
 }
 
@@ -199,18 +251,22 @@ impl AgentCommand {
 pub async fn describe_python(python: &str, module: &str) -> Result<String, AgentError> {
     let mut cmd = AgentCommand::python(python, module)?;
     cmd.args[2] = "describe".into();
-    let out = cmd
-        .command()
-        .output()
+    let mut group = Group::spawn(&cmd, Vec::new())
         .await
         .map_err(|e| AgentError::Config(format!("cannot run `{python}`: {e}")))?;
-    if !out.status.success() {
+    drop(group.stdin.take());
+    let stdout = Tail::keep(group.stdout.take());
+    let stderr = Tail::keep(group.stderr.take());
+    let exit = group.wait().await?;
+    // The streams end with the program; their last bytes may still be on their way.
+    drop(group);
+    let (out, err) = (stdout.finished().await, stderr.finished().await);
+    if !exit.success() {
         return Err(AgentError::Config(format!(
-            "the agent module {module} failed to load: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
+            "the agent module {module} failed to load ({exit}): {err}"
         )));
     }
-    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    Ok(out)
 }
 
 /// The largest task also given in `MOULT_TASK` (larger ones only in `MOULT_TASK_FILE`).
@@ -231,31 +287,52 @@ const ENV_LINE_BYTES: usize = 16 << 20;
 /// The last bytes a child wrote to a pipe (bounded: a chatty agent costs no more than this).
 const TAIL_BYTES: usize = 4096;
 
-fn keep_tail(pipe: impl tokio::io::AsyncRead + Unpin + Send + 'static) -> Arc<Mutex<Vec<u8>>> {
-    let tail = Arc::new(Mutex::new(Vec::new()));
-    let sink = tail.clone();
-    tokio::spawn(async move {
-        let mut pipe = pipe;
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = pipe.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
-            let mut t = sink.lock().expect("tail lock");
-            t.extend_from_slice(&buf[..n]);
-            if t.len() > TAIL_BYTES {
-                let cut = t.len() - TAIL_BYTES;
-                t.drain(..cut);
-            }
-        }
-    });
-    tail
+/// The last [`TAIL_BYTES`] a program wrote to one of its streams, read as they come.
+#[derive(Debug)]
+struct Tail {
+    bytes: Arc<Mutex<Vec<u8>>>,
+    reader: tokio::task::JoinHandle<()>,
 }
 
-fn tail_text(tail: &Mutex<Vec<u8>>) -> String {
-    String::from_utf8_lossy(&tail.lock().expect("tail lock"))
-        .trim()
-        .to_string()
+/// How long the rest of a stream may take to arrive once its program has ended.
+const TAIL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl Tail {
+    fn keep(pipe: Option<Reader>) -> Self {
+        let bytes = Arc::new(Mutex::new(Vec::new()));
+        let sink = bytes.clone();
+        let reader = tokio::spawn(async move {
+            let Some(mut pipe) = pipe else { return };
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = pipe.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+                let mut t = sink.lock().expect("tail lock");
+                t.extend_from_slice(&buf[..n]);
+                if t.len() > TAIL_BYTES {
+                    let cut = t.len() - TAIL_BYTES;
+                    t.drain(..cut);
+                }
+            }
+        });
+        Self { bytes, reader }
+    }
+
+    /// What has arrived so far.
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.bytes.lock().expect("tail lock"))
+            .trim()
+            .to_string()
+    }
+
+    /// Everything, once the stream has ended (or [`TAIL_GRACE`] after the call).
+    async fn finished(self) -> String {
+        let _ = tokio::time::timeout(TAIL_GRACE, self.reader).await;
+        String::from_utf8_lossy(&self.bytes.lock().expect("tail lock"))
+            .trim()
+            .to_string()
+    }
 }
 
 /// What a ChatAgent process reported.
@@ -286,19 +363,17 @@ pub async fn run_chat_agent(
         ))
     })?;
     let _task_file = RemoveOnDrop(task_file.clone());
-    let mut c = cmd.command();
-    c.envs(env.iter().cloned())
-        .env("MOULT_TASK_FILE", &task_file)
-        .env("MOULT_RESULT_FILE", result_file)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut extra: Vec<(String, String)> = env.to_vec();
+    extra.push(("MOULT_TASK_FILE".into(), task_file.display().to_string()));
+    extra.push((
+        "MOULT_RESULT_FILE".into(),
+        result_file.display().to_string(),
+    ));
     if task_text.len() <= TASK_ENV_BYTES {
-        c.env("MOULT_TASK", &task_text);
+        extra.push(("MOULT_TASK".into(), task_text.clone()));
     }
-    let mut group = Group::spawn(c, &cmd.program)?;
-    let child = &mut group.child;
-    if let Some(mut stdin) = child.stdin.take() {
+    let mut group = Group::spawn(cmd, extra).await?;
+    if let Some(mut stdin) = group.stdin.take() {
         // The agent may not read its stdin: written aside (a task larger than the pipe's buffer
         // would block here otherwise), and a closed pipe is not an error.
         let line = format!("{task_text}\n");
@@ -306,22 +381,19 @@ pub async fn run_chat_agent(
             let _ = stdin.write_all(line.as_bytes()).await;
         });
     }
-    let stdout = keep_tail(child.stdout.take().expect("piped"));
-    let stderr = keep_tail(child.stderr.take().expect("piped"));
-    let status = child
-        .wait()
-        .await
-        .map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}")))?;
+    let stdout = Tail::keep(group.stdout.take());
+    let stderr = Tail::keep(group.stderr.take());
+    let exit = group.wait().await?;
     // Whatever the agent left running goes with it.
     drop(group);
     let result = std::fs::read_to_string(result_file);
     let _ = std::fs::remove_file(result_file);
-    if !status.success() {
-        let mut why = tail_text(&stderr);
+    if !exit.success() {
+        let mut why = stderr.finished().await;
         if why.is_empty() {
-            why = tail_text(&stdout);
+            why = stdout.finished().await;
         }
-        return Err(AgentError::Crashed(format!("the agent {status}: {why}")));
+        return Err(AgentError::Crashed(format!("the agent {exit}: {why}")));
     }
     let text = result.map_err(|_| {
         AgentError::Crashed(
@@ -345,29 +417,32 @@ pub async fn run_chat_agent(
 
 /// An environment in another process, over JSON lines on its stdin/stdout. It serves episodes
 /// one after another: each `reset` starts a new one.
-#[derive(Debug)]
 pub struct ExternalEnv {
     cmd: AgentCommand,
     /// Held for its drop: the process group dies with the env.
     _child: Group,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    stderr: Arc<Mutex<Vec<u8>>>,
+    stdin: Writer,
+    stdout: BufReader<Reader>,
+    stderr: Tail,
     /// Episodes started in this process.
     episodes: usize,
 }
 
+impl std::fmt::Debug for ExternalEnv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalEnv")
+            .field("cmd", &self.cmd)
+            .field("episodes", &self.episodes)
+            .finish_non_exhaustive()
+    }
+}
+
 impl ExternalEnv {
-    pub fn spawn(cmd: &AgentCommand) -> Result<Self, AgentError> {
-        let mut c = cmd.command();
-        c.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut group = Group::spawn(c, &cmd.program)?;
-        let child = &mut group.child;
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let stderr = keep_tail(child.stderr.take().expect("piped"));
+    pub async fn spawn(cmd: &AgentCommand) -> Result<Self, AgentError> {
+        let mut group = Group::spawn(cmd, Vec::new()).await?;
+        let stdin = group.stdin.take().expect("piped");
+        let stdout = BufReader::new(group.stdout.take().expect("piped"));
+        let stderr = Tail::keep(group.stderr.take());
         Ok(Self {
             cmd: cmd.clone(),
             _child: group,
@@ -380,10 +455,7 @@ impl ExternalEnv {
 
     async fn call(&mut self, request: Json) -> Result<Json, AgentError> {
         let gone = |this: &Self, what: &str| {
-            AgentError::Crashed(format!(
-                "the env process {what}: {}",
-                tail_text(&this.stderr)
-            ))
+            AgentError::Crashed(format!("the env process {what}: {}", this.stderr.text()))
         };
         let line = format!("{request}\n");
         if self.stdin.write_all(line.as_bytes()).await.is_err() {
@@ -425,11 +497,11 @@ impl Env for ExternalEnv {
         Box::pin(async move {
             let request = serde_json::json!({"method": "reset", "task": task});
             // A failure's reason quotes this episode's stderr, not an earlier one's.
-            self.stderr.lock().expect("tail lock").clear();
+            self.stderr.bytes.lock().expect("tail lock").clear();
             let v = match self.call(request.clone()).await {
                 // A program written to serve one episode may have exited after it: start afresh.
                 Err(AgentError::Crashed(_)) if self.episodes > 0 => {
-                    *self = Self::spawn(&self.cmd)?;
+                    *self = Self::spawn(&self.cmd).await?;
                     self.call(request).await?
                 }
                 answer => answer?,

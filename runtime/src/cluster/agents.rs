@@ -139,7 +139,7 @@ pub async fn run(
         "moult agents: {} episodes at once for {}, loopback {loopback_url}, coordinator {coordinator}",
         concurrency, cfg.name
     );
-    let http = crate::auth::client();
+    let http = super::coordinator_client();
     // The leases of the episodes running here, renewed every few seconds so that the coordinator
     // knows this pod is alive (and gives them to another pod soon after it is not).
     let held = Arc::new(std::sync::Mutex::new(

@@ -98,6 +98,20 @@ where
     }
 }
 
+/// The longest any call of agents and the trainer to the coordinator may take: its calls are
+/// short or long polls of a few seconds, or bodies of at most 256 MiB (docs/security.md); a
+/// coordinator that answers nothing for this long is treated as down, and the call retried.
+pub(crate) const COORDINATOR_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The HTTP client of agents and the trainer for their calls to the coordinator: this process's
+/// credential, and at most [`COORDINATOR_CALL_TIMEOUT`] per call.
+pub(crate) fn coordinator_client() -> reqwest::Client {
+    crate::auth::client_builder()
+        .timeout(COORDINATOR_CALL_TIMEOUT)
+        .build()
+        .expect("an HTTP client with default settings builds")
+}
+
 /// The `/health` and `/metrics` server of a role that serves nothing else (trainer, agents).
 pub(crate) async fn serve_health(
     addr: &str,

@@ -181,7 +181,7 @@ pub async fn run(
         )));
     }
     let coordinator = Coordinator {
-        http: crate::auth::client(),
+        http: super::coordinator_client(),
         url: env_var("MOULT_COORDINATOR")?
             .trim_end_matches('/')
             .to_string(),
@@ -190,14 +190,18 @@ pub async fn run(
     // Checkpoints and metrics of this run, on the checkpoint volume.
     let out = env_path("MOULT_CHECKPOINTS").map(|root| root.join(&cfg.name));
     let ckpt_root = out.as_ref().map(|o| o.join("checkpoints"));
-    let gauges = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+    // Step, version, and the last step's busy fractions of trainer and engines (f64 bits).
+    let gauges = Arc::new([const { AtomicU64::new(0) }; 4]);
     let metrics = {
         let g = gauges.clone();
         Arc::new(move || {
+            let fraction = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
             format!(
-                "# HELP moult_trainer_step Training steps done.\n# TYPE moult_trainer_step gauge\nmoult_trainer_step {}\n# HELP moult_trainer_policy_version Version of the weights last published.\n# TYPE moult_trainer_policy_version gauge\nmoult_trainer_policy_version {}\n# EOF\n",
-                g.0.load(Ordering::Relaxed),
-                g.1.load(Ordering::Relaxed)
+                "# HELP moult_trainer_step Training steps done.\n# TYPE moult_trainer_step gauge\nmoult_trainer_step {}\n# HELP moult_trainer_policy_version Version of the weights last published.\n# TYPE moult_trainer_policy_version gauge\nmoult_trainer_policy_version {}\n# HELP moult_trainer_busy_fraction Fraction of the last step's wall-clock the trainer computed.\n# TYPE moult_trainer_busy_fraction gauge\nmoult_trainer_busy_fraction {}\n# HELP moult_trainer_engine_busy_fraction Fraction of the last step's wall-clock the engines had work.\n# TYPE moult_trainer_engine_busy_fraction gauge\nmoult_trainer_engine_busy_fraction {}\n# EOF\n",
+                g[0].load(Ordering::Relaxed),
+                g[1].load(Ordering::Relaxed),
+                fraction(&g[2]),
+                fraction(&g[3]),
             )
         })
     };
@@ -229,7 +233,7 @@ pub async fn run(
     // Where the data stood at the last batch (or the checkpoint), for a coordinator that restarts.
     let mut data = learner.resumed().map(|(_, m)| m.rollout);
 
-    gauges.0.store(step, Ordering::Relaxed);
+    gauges[0].store(step, Ordering::Relaxed);
     eprintln!(
         "moult trainer: {} from step {step} of {}; coordinator {}",
         cfg.name, cfg.total_steps, coordinator.url
@@ -292,7 +296,7 @@ pub async fn run(
                 let _: serde_json::Value = coordinator
                     .post("/v1/trainer/published", &Version { version })
                     .await;
-                gauges.1.store(version, Ordering::Relaxed);
+                gauges[1].store(version, Ordering::Relaxed);
                 eprintln!(
                     "moult trainer: engines serve the weights of step {step} as version {version}"
                 );
@@ -341,6 +345,14 @@ pub async fn run(
             .await?;
         step = learner.step();
         let version = trained.record.policy_version;
+        gauges[2].store(
+            trained.record.trainer_busy_fraction.to_bits(),
+            Ordering::Relaxed,
+        );
+        gauges[3].store(
+            trained.record.engine_busy_fraction.to_bits(),
+            Ordering::Relaxed,
+        );
         let saved = trained.checkpoint.map(|dir| CheckpointRef {
             step,
             path: dir.display().to_string(),
@@ -356,8 +368,8 @@ pub async fn run(
                 },
             )
             .await;
-        gauges.0.store(step, Ordering::Relaxed);
-        gauges.1.store(version, Ordering::Relaxed);
+        gauges[0].store(step, Ordering::Relaxed);
+        gauges[1].store(version, Ordering::Relaxed);
         published = Some(version);
     }
     eprintln!(

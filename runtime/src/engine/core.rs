@@ -223,6 +223,19 @@ impl EngineHandle {
         (handle, thread)
     }
 
+    /// A handle whose engine thread has ended (its command queue closed, as a panic leaves it),
+    /// for tests of the HTTP layer.
+    #[cfg(test)]
+    pub(crate) fn stopped(info: ModelInfo) -> Self {
+        let (tx, _rx) = mpsc::channel(1);
+        Self {
+            tx,
+            status: Arc::default(),
+            info: Arc::new(info),
+            metrics: EngineMetrics::default(),
+        }
+    }
+
     /// Whether the engine thread still runs (a panic in it, such as libtorch running out of
     /// memory, ends it and drops its command queue).
     pub fn alive(&self) -> bool {

@@ -548,3 +548,55 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
         json!({"object": "list", "data": [{"id": info.name, "object": "model", "max_model_len": info.max_model_len}]}),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    use super::*;
+    use crate::engine::core::ModelInfo;
+
+    /// An engine whose compute thread has died answers 503 on `/health` (so its liveness probe
+    /// restarts it and routers stop sending to it), and refuses work rather than queueing it.
+    #[tokio::test]
+    async fn a_dead_engine_thread_fails_health_and_refuses_work() {
+        let engine = EngineHandle::stopped(ModelInfo {
+            name: "tiny".into(),
+            vocab_size: 16,
+            max_model_len: 32,
+            kind: tch::Kind::Float,
+            device: tch::Device::Cpu,
+            params: Vec::new(),
+            num_experts: None,
+            sparse_layers: 0,
+            top_k: 0,
+        });
+        assert!(!engine.alive());
+        let app = router(engine);
+        let call = |method: &str, path: &str, body: &str| {
+            Request::builder()
+                .method(method)
+                .uri(path)
+                .header("content-type", "application/json")
+                .body(Body::from(body.to_string()))
+                .unwrap()
+        };
+        let health = app
+            .clone()
+            .oneshot(call("GET", "/health", ""))
+            .await
+            .unwrap();
+        assert_eq!(health.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let generate = app
+            .oneshot(call(
+                "POST",
+                "/inference/v1/generate",
+                r#"{"request_id": "a", "token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}"#,
+            ))
+            .await
+            .unwrap();
+        assert!(generate.status().is_server_error(), "{}", generate.status());
+    }
+}

@@ -1,8 +1,12 @@
 //! The TCP weight-transfer data plane, both ends (docs/engine.md).
 //!
 //! The trainer (rank 0) listens; each engine, told where by `POST /init_weight_transfer_engine`,
-//! connects and announces its rank and the run's token (`MOULTHI1`, u32 LE rank, u16 LE length,
-//! the token's bytes; see [`crate::auth`]: a peer without the trainer's token is refused). For every `POST /update_weights`
+//! connects, and the two prove to each other that they hold the run token without sending it
+//! (docs/engine.md): the engine sends `MOULTHI2`, its rank (u32 LE) and a random 32-byte nonce;
+//! the trainer answers `MOULTTR2`, a nonce of its own and its proof (HMAC-SHA256 keyed by the
+//! token of `trainer`, both nonces and the rank, [`crate::auth`]); the engine checks it and
+//! answers its own proof (the same with `engine`), which the trainer checks. A peer without the
+//! token learns nothing it could replay and is refused at either end. For every `POST /update_weights`
 //! bucket the trainer sends `MOULTWT1`, the payload length as u64 LE, then the tensors' raw bytes
 //! concatenated in `names` order (the same packed stream the NCCL plane broadcasts), flushed in
 //! chunks of `packed_buffer_size_bytes`. The engine checks the length against the `update_info`
@@ -23,7 +27,33 @@ use tokio::io::AsyncReadExt;
 use super::api::UpdateInfo;
 use crate::model::{dtype_name, parse_dtype};
 
-pub const HELLO_MAGIC: &[u8; 8] = b"MOULTHI1";
+pub const HELLO_MAGIC: &[u8; 8] = b"MOULTHI2";
+/// The trainer's answer to a hello: this, its nonce and its proof.
+pub const CHALLENGE_MAGIC: &[u8; 8] = b"MOULTTR2";
+/// What each side's proof is the MAC of, besides the nonces and the rank.
+const TRAINER_ROLE: &[u8] = b"moult weight stream trainer v2";
+const ENGINE_ROLE: &[u8] = b"moult weight stream engine v2";
+const NONCE_BYTES: usize = 32;
+
+/// One side's proof of the run token for one handshake: HMAC-SHA256 keyed by the token (empty
+/// where there is none: a local run on loopback) of its role, both nonces and the rank.
+fn proof(
+    token: &str,
+    role: &[u8],
+    engine_nonce: &[u8],
+    trainer_nonce: &[u8],
+    rank: u32,
+) -> [u8; 32] {
+    moult_operator::credentials::mac(
+        token,
+        &[role, engine_nonce, trainer_nonce, &rank.to_le_bytes()],
+    )
+}
+
+/// The run token of this process, or none (a local run).
+fn run_token() -> String {
+    crate::auth::token().unwrap_or_default().to_string()
+}
 pub const BUCKET_MAGIC: &[u8; 8] = b"MOULTWT1";
 
 /// The sender's default flush size (vLLM's packed broadcasts default to 1 GiB on GPUs; on a CPU
@@ -49,7 +79,7 @@ pub fn update_info(tensors: &[(String, Tensor)]) -> UpdateInfo {
 
 /// How long the trainer waits for every engine to connect.
 pub const ACCEPT_TIMEOUT: Duration = Duration::from_secs(120);
-/// How long a connected peer has to send its hello (magic, rank, token).
+/// How long a connected peer has for each message of the handshake (its hello, its proof).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long either end waits without progress (a write that takes no bytes, a read that gets
 /// none) before the update fails: a silent or stuck peer cannot stall weight sync.
@@ -63,6 +93,8 @@ pub struct WeightListener {
     pub accept_timeout: Duration,
     pub handshake_timeout: Duration,
     pub stall_timeout: Duration,
+    /// The token engines must prove they hold (this process's run token).
+    pub token: String,
 }
 
 impl WeightListener {
@@ -72,6 +104,7 @@ impl WeightListener {
             accept_timeout: ACCEPT_TIMEOUT,
             handshake_timeout: HANDSHAKE_TIMEOUT,
             stall_timeout: STALL_TIMEOUT,
+            token: run_token(),
         })
     }
 
@@ -108,40 +141,53 @@ impl WeightListener {
             stream.set_nodelay(true)?;
             stream.set_read_timeout(Some(self.handshake_timeout))?;
             let timeout = self.handshake_timeout;
-            let silent = move |e: std::io::Error| match e.kind() {
+            let silent = move |e: std::io::Error| {
+                match e.kind() {
                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
                     std::io::Error::new(
                         std::io::ErrorKind::TimedOut,
-                        format!("a peer of the weight stream sent no hello within {timeout:?}"),
+                        format!("a peer of the weight stream did not finish its handshake within {timeout:?}"),
                     )
                 }
                 _ => e,
+            }
             };
-            let mut hello = [0u8; 12];
+            let mut hello = [0u8; 12 + NONCE_BYTES];
             stream.read_exact(&mut hello).map_err(silent)?;
             if &hello[..8] != HELLO_MAGIC {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::InvalidData,
-                    "peer is not a moult engine",
+                    "a peer of the weight stream is not a moult engine of this version (no MOULTHI2 hello)",
                 ));
             }
-            let mut len = [0u8; 2];
-            stream.read_exact(&mut len).map_err(silent)?;
-            let mut token = vec![0u8; usize::from(u16::from_le_bytes(len))];
-            stream.read_exact(&mut token).map_err(silent)?;
-            if token != crate::auth::token().unwrap_or_default().as_bytes() {
+            let rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes"));
+            let engine_nonce = &hello[12..];
+            let trainer_nonce: [u8; NONCE_BYTES] = rand::random();
+            let mut challenge = Vec::with_capacity(8 + 2 * NONCE_BYTES);
+            challenge.extend_from_slice(CHALLENGE_MAGIC);
+            challenge.extend_from_slice(&trainer_nonce);
+            challenge.extend_from_slice(&proof(
+                &self.token,
+                TRAINER_ROLE,
+                engine_nonce,
+                &trainer_nonce,
+                rank,
+            ));
+            stream.set_write_timeout(Some(self.handshake_timeout))?;
+            stream.write_all(&challenge)?;
+            let mut given = [0u8; 32];
+            stream.read_exact(&mut given).map_err(silent)?;
+            let expected = proof(&self.token, ENGINE_ROLE, engine_nonce, &trainer_nonce, rank);
+            if !crate::auth::same_secret(&given, &expected) {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::PermissionDenied,
-                    "a peer of the weight stream did not present the run's token",
+                    "a peer of the weight stream did not prove the run's token",
                 ));
             }
             stream.set_read_timeout(None)?;
             // A write that moves no bytes for this long (an engine that stopped reading) fails.
             stream.set_write_timeout(Some(self.stall_timeout))?;
-            ranked.push((
-                u32::from_le_bytes(hello[8..].try_into().expect("4 bytes")),
-                stream,
-            ));
+            ranked.push((rank, stream));
         }
         ranked.sort_by_key(|(rank, _)| *rank);
         Ok(TcpWeightSender {
@@ -219,20 +265,39 @@ fn broadcast(conns: &mut [TcpStream], bytes: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The engine's end: connects to the trainer and announces its rank.
+/// The engine's end: connects to the trainer, announces its rank, and checks the trainer's proof
+/// of the run token before proving its own (each message within [`HANDSHAKE_TIMEOUT`]).
 pub async fn connect(addr: &str, rank: u32) -> std::io::Result<tokio::net::TcpStream> {
+    connect_with(addr, rank, &run_token()).await
+}
+
+async fn connect_with(
+    addr: &str,
+    rank: u32,
+    token: &str,
+) -> std::io::Result<tokio::net::TcpStream> {
     use tokio::io::AsyncWriteExt;
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
-    let token = crate::auth::token().unwrap_or_default().as_bytes();
-    let len = u16::try_from(token.len())
-        .map_err(|_| std::io::Error::other("the run's token is longer than 65535 bytes"))?;
-    let mut hello = Vec::with_capacity(14 + token.len());
+    let engine_nonce: [u8; NONCE_BYTES] = rand::random();
+    let mut hello = Vec::with_capacity(12 + NONCE_BYTES);
     hello.extend_from_slice(HELLO_MAGIC);
     hello.extend_from_slice(&rank.to_le_bytes());
-    hello.extend_from_slice(&len.to_le_bytes());
-    hello.extend_from_slice(token);
+    hello.extend_from_slice(&engine_nonce);
     stream.write_all(&hello).await?;
+    let mut challenge = [0u8; 8 + NONCE_BYTES + 32];
+    read_within(&mut stream, &mut challenge, HANDSHAKE_TIMEOUT).await?;
+    let (magic, rest) = challenge.split_at(8);
+    let (trainer_nonce, given) = rest.split_at(NONCE_BYTES);
+    let expected = proof(token, TRAINER_ROLE, &engine_nonce, trainer_nonce, rank);
+    if magic != CHALLENGE_MAGIC || !crate::auth::same_secret(given, &expected) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            "the weight stream's trainer did not prove the run's token",
+        ));
+    }
+    let mine = proof(token, ENGINE_ROLE, &engine_nonce, trainer_nonce, rank);
+    stream.write_all(&mine).await?;
     Ok(stream)
 }
 
@@ -619,6 +684,70 @@ mod tests {
         assert!(err.contains("update_info describes"), "{err}");
     }
 
+    /// Each end proves the run token to the other: an engine with another token is refused by
+    /// the trainer, and an engine refuses a trainer with another token before proving anything.
+    #[tokio::test]
+    async fn both_ends_of_the_weight_stream_prove_the_run_token() {
+        let (engine, trainer) = ("engine-token", "trainer-token");
+        for (engine_token, trainer_token, refused_by) in [
+            (engine, engine, None),
+            (engine, trainer, Some("trainer")),
+            ("", trainer, Some("trainer")),
+            (trainer, "", Some("trainer")),
+        ] {
+            let mut listener = WeightListener::bind("127.0.0.1:0").unwrap();
+            listener.token = trainer_token.to_string();
+            listener.handshake_timeout = Duration::from_secs(5);
+            let addr = listener.local_addr().unwrap().to_string();
+            let accept = std::thread::spawn(move || listener.accept(1));
+            let engine_side = connect_with(&addr, 3, engine_token).await;
+            // The engine checks the trainer first: with different tokens it refuses and closes,
+            // so the trainer sees the stream end where the engine's proof would be.
+            let trainer_side = accept.join().unwrap();
+            match refused_by {
+                None => {
+                    engine_side.unwrap();
+                    trainer_side.unwrap();
+                }
+                Some(_) => {
+                    let err = engine_side.unwrap_err();
+                    assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+                    assert!(err.to_string().contains("trainer did not prove"), "{err}");
+                    assert!(trainer_side.is_err());
+                }
+            }
+        }
+
+        // An engine that answers a proof made with another token is refused by the trainer.
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        listener.token = trainer.to_string();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accept = std::thread::spawn(move || listener.accept(1));
+        let mut forger = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let nonce = [7u8; NONCE_BYTES];
+        let mut hello = HELLO_MAGIC.to_vec();
+        hello.extend_from_slice(&0u32.to_le_bytes());
+        hello.extend_from_slice(&nonce);
+        forger.write_all(&hello).await.unwrap();
+        let mut challenge = [0u8; 8 + NONCE_BYTES + 32];
+        forger.read_exact(&mut challenge).await.unwrap();
+        let forged = proof(
+            engine,
+            ENGINE_ROLE,
+            &nonce,
+            &challenge[8..8 + NONCE_BYTES],
+            0,
+        );
+        forger.write_all(&forged).await.unwrap();
+        let err = accept.join().unwrap().unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+        assert!(
+            err.to_string().contains("did not prove the run's token"),
+            "{err}"
+        );
+    }
+
     /// A peer that connects and says nothing, or a trainer that stops mid-bucket, fails the
     /// transfer within its timeout; the next connection works.
     #[tokio::test]
@@ -630,7 +759,27 @@ mod tests {
         let accept = std::thread::spawn(move || listener.accept(1));
         let _silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
         let err = accept.join().unwrap().unwrap_err();
-        assert!(err.to_string().contains("sent no hello within"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("did not finish its handshake within"),
+            "{err}"
+        );
+
+        // A peer that proves nothing (it sends a hello, then says nothing) fails it the same way.
+        let mut listener = WeightListener::bind("127.0.0.1:0").unwrap();
+        listener.handshake_timeout = Duration::from_millis(200);
+        let addr = listener.local_addr().unwrap().to_string();
+        let accept = std::thread::spawn(move || listener.accept(1));
+        let mut mute = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let mut hello = HELLO_MAGIC.to_vec();
+        hello.extend_from_slice(&[0u8; 4 + NONCE_BYTES]);
+        mute.write_all(&hello).await.unwrap();
+        let err = accept.join().unwrap().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("did not finish its handshake within"),
+            "{err}"
+        );
 
         // Nobody connects at all.
         let mut listener = WeightListener::bind("127.0.0.1:0").unwrap();

@@ -22,6 +22,8 @@ pub enum LoopbackError {
     TooManySessions(usize),
     #[error("this session has taken its {0} turns, the most one session may take")]
     TurnLimit(usize),
+    #[error("this session has reached its limit of {0} recorded tokens")]
+    TokenLimit(usize),
     #[error("the chat template cannot render this conversation: {0}")]
     Template(#[source] TemplateError),
     #[error(transparent)]
@@ -45,9 +47,9 @@ impl LoopbackError {
             LoopbackError::Invalid(_) | LoopbackError::Template(_) => StatusCode::BAD_REQUEST,
             LoopbackError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             LoopbackError::NotFound(_) => StatusCode::NOT_FOUND,
-            LoopbackError::TooManySessions(_) | LoopbackError::TurnLimit(_) => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            LoopbackError::TooManySessions(_)
+            | LoopbackError::TurnLimit(_)
+            | LoopbackError::TokenLimit(_) => StatusCode::TOO_MANY_REQUESTS,
             LoopbackError::Tokenizer(_) | LoopbackError::ClientGone => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }

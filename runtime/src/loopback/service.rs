@@ -107,6 +107,9 @@ pub struct ServiceOptions {
     pub session_idle: Option<Duration>,
     /// Turns one session may take; more get 429.
     pub max_turns: usize,
+    /// Tokens one session may record (over all its segments, open candidates included); a turn
+    /// that starts with this many recorded gets 429.
+    pub max_session_tokens: usize,
 }
 
 impl ServiceOptions {
@@ -119,12 +122,18 @@ impl ServiceOptions {
             registered_sessions: true,
             session_idle: None,
             max_turns: DEFAULT_MAX_TURNS,
+            max_session_tokens: DEFAULT_MAX_SESSION_TOKENS,
         }
     }
 }
 
 /// Turns a session may take unless configured otherwise.
 pub const DEFAULT_MAX_TURNS: usize = 1024;
+
+/// Tokens a session may record unless configured otherwise: room for a long agentic episode
+/// whose template rewrites history every turn (a new segment each time: 100 turns of 80k tokens),
+/// while one runaway session holds at most a few hundred MB.
+pub const DEFAULT_MAX_SESSION_TOKENS: usize = 8 << 20;
 
 /// A session, its cancel flag (which lives outside the lock a running turn holds) and when it
 /// was last used.
@@ -328,6 +337,9 @@ impl ChatService {
         }
         if session.turns() >= self.opts.max_turns {
             return Err(LoopbackError::TurnLimit(self.opts.max_turns));
+        }
+        if session.tokens() >= self.opts.max_session_tokens {
+            return Err(LoopbackError::TokenLimit(self.opts.max_session_tokens));
         }
         let key = request_key(protocol, &req);
         if let Some(answer) = session.cached(key, &req.messages) {

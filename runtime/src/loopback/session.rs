@@ -264,6 +264,15 @@ impl Session {
     pub fn turns(&self) -> usize {
         self.turns
     }
+
+    /// Tokens recorded over all segments, open candidates included.
+    pub fn tokens(&self) -> usize {
+        self.sealed
+            .iter()
+            .chain(self.open.iter().map(|o| &o.segment))
+            .map(|s| s.token_ids.len())
+            .sum()
+    }
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use policy::{ConsistentHash, LeastOutstandingTokens, RouteRequest, RoutingPolicy};
-pub use pool::{Engine, EnginePool, HealthOptions};
+pub use pool::{Activity, Engine, EnginePool, HealthOptions};
 
 /// How long a run's requests wait for a healthy engine (in the coordinator and `moult run`):
 /// long enough for a large model to load on a fresh engine pod.

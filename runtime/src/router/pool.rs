@@ -12,10 +12,10 @@
 //! current version. Routing only ever sees engines that are up and current.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::engine::client::EngineClient;
 
@@ -30,6 +30,53 @@ pub struct Engine {
     tokens: AtomicU64,
     /// The weight version it serves, as last seen (-1: not known).
     version: AtomicI64,
+    /// How long it has had work: requests in flight while not paused.
+    busy: Mutex<BusyClock>,
+}
+
+/// Time accumulated over the intervals in which something held.
+#[derive(Debug, Default)]
+struct Stopwatch {
+    since: Option<Instant>,
+    total: Duration,
+}
+
+impl Stopwatch {
+    /// Runs from now while `on`, stops (adding the interval) when not.
+    fn set(&mut self, on: bool) {
+        match (on, self.since) {
+            (true, None) => self.since = Some(Instant::now()),
+            (false, Some(since)) => {
+                self.total += since.elapsed();
+                self.since = None;
+            }
+            _ => {}
+        }
+    }
+
+    fn running(&self) -> bool {
+        self.since.is_some()
+    }
+
+    fn seconds(&self) -> f64 {
+        (self.total + self.since.map_or(Duration::ZERO, |s| s.elapsed())).as_secs_f64()
+    }
+}
+
+/// An engine's busy time: it runs while the engine has requests in flight and is not paused
+/// (requests held through a pause are in flight, but the engine does nothing with them).
+#[derive(Debug, Default)]
+struct BusyClock {
+    in_flight: u64,
+    paused: bool,
+    watch: Stopwatch,
+}
+
+impl BusyClock {
+    /// Starts or stops the clock as the state now says.
+    fn settle(&mut self) {
+        self.watch.set(self.in_flight > 0 && !self.paused);
+    }
 }
 
 impl Engine {
@@ -41,7 +88,17 @@ impl Engine {
             requests: AtomicU64::new(0),
             tokens: AtomicU64::new(0),
             version: AtomicI64::new(-1),
+            busy: Mutex::default(),
         }
+    }
+
+    fn busy(&self) -> std::sync::MutexGuard<'_, BusyClock> {
+        self.busy.lock().expect("busy clock lock")
+    }
+
+    /// Seconds this engine has had requests in flight while not paused.
+    pub fn busy_seconds(&self) -> f64 {
+        self.busy().watch.seconds()
     }
 
     /// The weight version it serves, if known.
@@ -75,6 +132,10 @@ impl Engine {
     pub fn track(self: &Arc<Self>, tokens: u64) -> LoadGuard {
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.tokens.fetch_add(tokens, Ordering::Relaxed);
+        let mut busy = self.busy();
+        busy.in_flight += 1;
+        busy.settle();
+        drop(busy);
         LoadGuard {
             engine: self.clone(),
             tokens,
@@ -111,6 +172,9 @@ impl Drop for LoadGuard {
     fn drop(&mut self) {
         self.engine.requests.fetch_sub(1, Ordering::Relaxed);
         self.engine.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+        let mut busy = self.engine.busy();
+        busy.in_flight -= 1;
+        busy.settle();
     }
 }
 
@@ -173,12 +237,35 @@ impl Default for HealthOptions {
     }
 }
 
+/// How busy a pool's engines have been since it started (docs/run.md, "How busy engines and
+/// trainer were"): cumulative, so that the difference of two readings covers the time between
+/// them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Activity {
+    /// Engines in the pool now.
+    pub engines: usize,
+    /// Seconds engines had requests in flight while not paused, summed over engines (those that
+    /// left included).
+    pub busy_seconds: f64,
+    /// Seconds the pool was paused (for weight sync).
+    pub paused_seconds: f64,
+}
+
+/// When the pool was paused, and for how long in all.
+#[derive(Debug, Default)]
+struct PauseClock {
+    watch: Stopwatch,
+    /// Busy seconds of engines that left the pool.
+    retired_busy: f64,
+}
+
 /// The engines of a router.
 #[derive(Debug)]
 pub struct EnginePool {
     engines: RwLock<Vec<Arc<Engine>>>,
     /// The version of the last weight update that went out (-1: none yet).
     expected: AtomicI64,
+    paused: Mutex<PauseClock>,
 }
 
 impl Default for EnginePool {
@@ -186,6 +273,7 @@ impl Default for EnginePool {
         Self {
             engines: RwLock::default(),
             expected: AtomicI64::new(-1),
+            paused: Mutex::default(),
         }
     }
 }
@@ -207,7 +295,10 @@ impl EnginePool {
             return false;
         }
         tracing::info!(engine = %url, "engine joined");
-        engines.push(Arc::new(Engine::new(url)));
+        let engine = Engine::new(url);
+        // One that joins during a pause gets the pause too (the next resume reaches it).
+        engine.busy().paused = self.pause_clock().watch.running();
+        engines.push(Arc::new(engine));
         true
     }
 
@@ -216,11 +307,47 @@ impl EnginePool {
         let url = url.trim_end_matches('/');
         let mut engines = self.engines.write().expect("pool lock");
         let before = engines.len();
-        engines.retain(|e| e.url() != url);
+        let mut left = 0.0;
+        engines.retain(|e| {
+            let stays = e.url() != url;
+            if !stays {
+                left += e.busy_seconds();
+            }
+            stays
+        });
+        self.pause_clock().retired_busy += left;
         if engines.len() < before {
             tracing::info!(engine = %url, "engine left");
         }
         engines.len() < before
+    }
+
+    fn pause_clock(&self) -> std::sync::MutexGuard<'_, PauseClock> {
+        self.paused.lock().expect("pause clock lock")
+    }
+
+    /// The engines were told to pause (`true`) or resume: their busy clocks stop or restart,
+    /// and the pool's pause clock runs while paused.
+    pub fn set_paused(&self, paused: bool) {
+        // Not held while taking the engines' lock (`add` takes them in the other order).
+        self.pause_clock().watch.set(paused);
+        for e in self.all() {
+            let mut busy = e.busy();
+            busy.paused = paused;
+            busy.settle();
+        }
+    }
+
+    /// How busy the engines have been since the pool started.
+    pub fn activity(&self) -> Activity {
+        let engines = self.all();
+        let clock = self.pause_clock();
+        Activity {
+            engines: engines.len(),
+            busy_seconds: clock.retired_busy
+                + engines.iter().map(|e| e.busy_seconds()).sum::<f64>(),
+            paused_seconds: clock.watch.seconds(),
+        }
     }
 
     /// Every engine, up or down, in joining order.
@@ -343,5 +470,57 @@ mod tests {
         assert_eq!(pool.routable().len(), 2);
         assert!(pool.remove("http://b:1/"));
         assert_eq!(pool.all().len(), 1);
+    }
+
+    /// An engine's busy clock runs while it has requests in flight and is not paused; the
+    /// pool's pause clock while paused; an engine that leaves keeps its busy time counted.
+    #[test]
+    fn busy_and_paused_clocks() {
+        let pool = EnginePool::new(&["http://a:1".into(), "http://b:1".into()]);
+        let (a, b) = (pool.all()[0].clone(), pool.all()[1].clone());
+        let nap = || std::thread::sleep(Duration::from_millis(50));
+        nap();
+        assert_eq!(
+            pool.activity().busy_seconds,
+            0.0,
+            "idle engines are not busy"
+        );
+        let g1 = a.track(1);
+        let g2 = a.track(1);
+        nap();
+        drop(g1);
+        nap();
+        drop(g2);
+        let busy_a = a.busy_seconds();
+        assert!((0.1..0.5).contains(&busy_a), "{busy_a}");
+        nap();
+        assert_eq!(
+            a.busy_seconds(),
+            busy_a,
+            "the clock stopped with the last request"
+        );
+
+        // Paused with a request held: neither busy nor counting, the pause clock runs.
+        let held = b.track(1);
+        pool.set_paused(true);
+        let before = b.busy_seconds();
+        nap();
+        assert_eq!(b.busy_seconds(), before);
+        assert!(pool.activity().paused_seconds >= 0.05);
+        pool.set_paused(false);
+        let paused = pool.activity().paused_seconds;
+        nap();
+        assert_eq!(pool.activity().paused_seconds, paused, "resumed");
+        assert!(b.busy_seconds() >= before + 0.05, "busy again once resumed");
+        drop(held);
+
+        let total = pool.activity().busy_seconds;
+        assert!(pool.remove("http://b:1"));
+        let after = pool.activity();
+        assert_eq!(after.engines, 1);
+        assert!(
+            (after.busy_seconds - total).abs() < 1e-9,
+            "{after:?} vs {total}"
+        );
     }
 }

@@ -263,6 +263,13 @@ async fn broadcast(
         field.and_then(|f| crate::engine::api::reported_version(&body.as_ref()?[f]));
     let bodies = vec![body; engines.len()];
     let answers = fan_out(&router_http(), &engines, method, &path, bodies).await?;
+    // Engines have stopped generating once a pause answered (a `wait` pause answers when their
+    // requests are done), and start again on resume.
+    match uri.path() {
+        "/pause" => router.pool.set_paused(true),
+        "/resume" => router.pool.set_paused(false),
+        _ => {}
+    }
     if let Some(version) = finished_version {
         // These engines serve `version` now; others wait for the next update to be routed to.
         router.pool.updated(&engines, version);
@@ -458,6 +465,22 @@ pub fn register_metrics(router: &Router, registry: &mut prometheus_client::regis
         "Requests in flight per engine",
         running,
     );
+    let activity = router.pool.activity();
+    let seconds = |s: f64| {
+        let c: Counter<f64, std::sync::atomic::AtomicU64> = Counter::default();
+        c.inc_by(s);
+        c
+    };
+    registry.register(
+        "moult_router_engine_busy_seconds",
+        "Seconds engines had requests in flight while not paused, summed over engines",
+        seconds(activity.busy_seconds),
+    );
+    registry.register(
+        "moult_router_engine_paused_seconds",
+        "Seconds the engines were paused for weight sync",
+        seconds(activity.paused_seconds),
+    );
 }
 
 #[derive(Debug, Deserialize)]
@@ -467,7 +490,7 @@ struct EngineUrl {
 }
 
 async fn list_engines(State(router): State<Arc<Router>>) -> Json<Value> {
-    Json(json!({ "engines": router.pool.status() }))
+    Json(json!({ "engines": router.pool.status(), "activity": router.pool.activity() }))
 }
 
 async fn add_engine(

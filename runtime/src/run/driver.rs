@@ -44,6 +44,12 @@ pub struct Summary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub final_agent_reward: Option<f64>,
     pub seconds: f64,
+    /// Over the steps this process trained, weighted by their wall-clock: the fraction of time
+    /// the engines had work, the fraction the trainer computed, and the seconds engines sat
+    /// paused for weight sync (docs/run.md, "How busy engines and trainer were").
+    pub engine_busy_fraction: f64,
+    pub trainer_busy_fraction: f64,
+    pub engine_paused_seconds: f64,
     pub resumed_from: Option<u64>,
     pub last_checkpoint: Option<PathBuf>,
     pub interrupted: bool,
@@ -186,6 +192,9 @@ pub async fn run(
         first_agent_reward: trained.first().and_then(|r| r.agent_reward_mean),
         final_agent_reward: recent_agent_reward(records, 5),
         seconds: started.elapsed().as_secs_f64(),
+        engine_busy_fraction: time_weighted(&trained, |r| r.engine_busy_fraction),
+        trainer_busy_fraction: time_weighted(&trained, |r| r.trainer_busy_fraction),
+        engine_paused_seconds: trained.iter().map(|r| r.engine_paused_seconds).sum(),
         resumed_from: resume.map(|(_, m)| m.step),
         last_checkpoint,
         interrupted,
@@ -195,6 +204,15 @@ pub async fn run(
         &serde_json::to_vec_pretty(&summary).expect("summary serializes"),
     )?;
     Ok(summary)
+}
+
+/// The mean of `f` over `records`, each weighted by its step's wall-clock.
+fn time_weighted(records: &[StepRecord], f: impl Fn(&StepRecord) -> f64) -> f64 {
+    let total: f64 = records.iter().map(|r| r.step_seconds).sum();
+    if total <= 0.0 {
+        return 0.0;
+    }
+    records.iter().map(|r| f(r) * r.step_seconds).sum::<f64>() / total
 }
 
 /// Awaits `batch` while the console says how many groups finished since the wait began.

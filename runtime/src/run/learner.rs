@@ -25,6 +25,7 @@ use super::metrics::{MetricsLog, StepRecord};
 use super::{samples, RunError};
 use crate::model::Qwen3Model;
 use crate::rollout::{staleness_histogram, Group, RolloutState, RolloutStats};
+use crate::router::Activity;
 use crate::trainer::train::Trainer;
 use crate::weight_sync::publish::{PublishOptions, Publisher};
 
@@ -75,6 +76,46 @@ pub(crate) struct Learner {
     started: Instant,
     /// How many times a failed publish is tried (with a pause between tries).
     pub publish_tries: usize,
+    /// Where the engines' activity is read (the router or coordinator weights go through), and
+    /// the last reading: each step's busy fractions cover the time since.
+    activity: Option<ActivityReader>,
+}
+
+/// Reads how busy the engines have been from the router's `GET /engines`.
+struct ActivityReader {
+    http: reqwest::Client,
+    url: String,
+    last: (Instant, Activity),
+}
+
+/// How long a step waits for the router's activity reading.
+const ACTIVITY_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl ActivityReader {
+    async fn read(http: &reqwest::Client, url: &str) -> Option<Activity> {
+        let v: serde_json::Value = http
+            .get(url)
+            .timeout(ACTIVITY_TIMEOUT)
+            .send()
+            .await
+            .ok()?
+            .json()
+            .await
+            .ok()?;
+        serde_json::from_value(v.get("activity")?.clone()).ok()
+    }
+
+    /// Busy fraction of the engines and their paused seconds since the last reading, and the
+    /// window's length; `None` when the router did not answer (the window then goes on).
+    async fn since_last(&mut self) -> Option<(f64, f64, f64)> {
+        let now = Self::read(&self.http, &self.url).await?;
+        let (at, last) = std::mem::replace(&mut self.last, (Instant::now(), now));
+        let window = at.elapsed().as_secs_f64().max(1e-9);
+        let busy = (now.busy_seconds - last.busy_seconds).max(0.0);
+        let fraction = (busy / (window * now.engines.max(1) as f64)).clamp(0.0, 1.0);
+        let paused = (now.paused_seconds - last.paused_seconds).clamp(0.0, window);
+        Some((fraction, paused, window))
+    }
 }
 
 impl Learner {
@@ -104,6 +145,7 @@ impl Learner {
             console,
             started: Instant::now(),
             publish_tries: 1,
+            activity: None,
         })
     }
 
@@ -125,6 +167,14 @@ impl Learner {
     /// Opens the weight path to the engines.
     pub async fn connect(&mut self, opts: &PublishOptions) -> Result<(), RunError> {
         self.publisher = Some(Publisher::connect(opts).await?);
+        let http = crate::auth::client();
+        let url = format!("{}/engines", opts.target.trim_end_matches('/'));
+        let first = ActivityReader::read(&http, &url).await.unwrap_or_default();
+        self.activity = Some(ActivityReader {
+            http,
+            url,
+            last: (Instant::now(), first),
+        });
         Ok(())
     }
 
@@ -193,6 +243,15 @@ impl Learner {
         self.console.phase("weight sync");
         let sync = self.publish(version, self.cfg.partial_rollout).await?;
         self.step += 1;
+        // The engines' activity over the step; the trainer's busy time over the same window.
+        let (engine_busy_fraction, engine_paused_seconds, window) = match &mut self.activity {
+            Some(reader) => reader.since_last().await.unwrap_or_else(|| {
+                tracing::warn!("the router did not say how busy the engines were");
+                (0.0, 0.0, batch.started.elapsed().as_secs_f64())
+            }),
+            None => (0.0, 0.0, batch.started.elapsed().as_secs_f64()),
+        };
+        let trainer_busy_fraction = (learned.compute_seconds / window.max(1e-9)).clamp(0.0, 1.0);
         let record = step_record(
             batch.groups,
             &learned,
@@ -207,6 +266,9 @@ impl Learner {
         );
         let judged = batch.judged;
         let record = StepRecord {
+            engine_busy_fraction,
+            trainer_busy_fraction,
+            engine_paused_seconds,
             agent_reward_mean: judged.map(|j| j.agent_reward_mean),
             judge_score_mean: judged.map(|j| j.judge_score_mean),
             judge_unparsed: judged.map(|j| j.unparsed),
@@ -323,6 +385,8 @@ struct Learned {
     stats: crate::trainer::train::StepStats,
     teacher_kl: Option<f64>,
     train_seconds: f64,
+    /// Everything the step computed: advantages, samples, the teacher, the optimizer step.
+    compute_seconds: f64,
 }
 
 /// Advantages, the exact token segments as trainer samples, the teacher's scores (distillation),
@@ -333,6 +397,7 @@ async fn learn(
     teacher: Option<Qwen3Model>,
     batch: &[Group],
 ) -> Result<(Trainer, Option<Qwen3Model>, Learned), RunError> {
+    let computing = Instant::now();
     let advantages = samples::advantages(cfg.estimator, batch)?;
     let mut train_samples = samples::samples(batch, &advantages, cfg.routing_replay)?;
     let (teacher, teacher_kl) = match teacher {
@@ -360,6 +425,7 @@ async fn learn(
         stats,
         teacher_kl,
         train_seconds: started.elapsed().as_secs_f64(),
+        compute_seconds: computing.elapsed().as_secs_f64(),
     };
     Ok((trainer, teacher, learned))
 }
@@ -398,6 +464,7 @@ fn step_record(
         stats,
         teacher_kl,
         train_seconds,
+        ..
     } = learned;
     let (advantage_mean, advantage_std) = samples::mean_std(&advantages.concat());
     let stale_tokens: usize = staleness.values().sum();
@@ -440,5 +507,8 @@ fn step_record(
         dropped_failed: rollout.dropped_failed,
         dropped_invalid: rollout.dropped_invalid,
         elapsed_seconds: times.elapsed,
+        engine_busy_fraction: 0.0,
+        trainer_busy_fraction: 0.0,
+        engine_paused_seconds: 0.0,
     }
 }

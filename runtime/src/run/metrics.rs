@@ -72,13 +72,27 @@ pub struct StepRecord {
     pub dropped_invalid: u64,
     /// Seconds since the run (this process) started.
     pub elapsed_seconds: f64,
+    /// Fraction of the step's wall-clock in which the engines had work (requests in flight,
+    /// not paused), over all engines (docs/run.md, "How busy engines and trainer were").
+    #[serde(default)]
+    pub engine_busy_fraction: f64,
+    /// Fraction of the step's wall-clock in which the trainer computed (advantages, the
+    /// teacher's scores, the optimizer step).
+    #[serde(default)]
+    pub trainer_busy_fraction: f64,
+    /// Seconds of the step the engines sat paused for weight sync.
+    #[serde(default)]
+    pub engine_paused_seconds: f64,
 }
 
-/// `metrics.jsonl`, appended one line per step.
+/// `metrics.jsonl`, appended one line per step, and the same numbers as TensorBoard events under
+/// `<out>/tensorboard/`.
 #[derive(Debug)]
 pub struct MetricsLog {
     path: PathBuf,
     records: Vec<StepRecord>,
+    /// `None` when the event file could not be made (said once; `metrics.jsonl` goes on).
+    tensorboard: Option<super::tensorboard::EventWriter>,
 }
 
 impl MetricsLog {
@@ -102,7 +116,14 @@ impl MetricsLog {
             text.push(b'\n');
         }
         super::files::write_atomic(&path, &text)?;
-        Ok(Self { path, records })
+        let tensorboard = super::tensorboard::EventWriter::create(&out.join("tensorboard"))
+            .inspect_err(|e| tracing::warn!("no TensorBoard events for this run: {e}"))
+            .ok();
+        Ok(Self {
+            path,
+            records,
+            tensorboard,
+        })
     }
 
     pub fn push(&mut self, record: StepRecord) -> Result<(), RunError> {
@@ -113,6 +134,16 @@ impl MetricsLog {
             .open(&self.path)
             .and_then(|mut f| f.write_all(&line))
             .map_err(|e| RunError::Io(format!("writing {}: {e}", self.path.display())))?;
+        if let Some(tb) = &mut self.tensorboard {
+            let value = serde_json::to_value(&record).expect("records serialize");
+            if let Err(e) = tb.scalars(record.step, &super::tensorboard::scalars_of(&value)) {
+                tracing::warn!(
+                    "writing {}: {e}; no more TensorBoard events",
+                    tb.path().display()
+                );
+                self.tensorboard = None;
+            }
+        }
         self.records.push(record);
         Ok(())
     }

@@ -27,6 +27,7 @@ pub mod local;
 pub mod metrics;
 #[cfg(feature = "torch")]
 pub mod samples;
+pub mod tensorboard;
 #[cfg(feature = "torch")]
 pub mod vllm;
 

@@ -272,11 +272,8 @@ pub async fn start_loopback(
     max_body: usize,
 ) -> (String, std::sync::Arc<moult_runtime::loopback::ChatService>) {
     let opts = moult_runtime::loopback::ServiceOptions {
-        max_sessions: 256,
-        model_name: "tiny".into(),
         registered_sessions: false,
-        session_idle: None,
-        max_turns: moult_runtime::loopback::DEFAULT_MAX_TURNS,
+        ..moult_runtime::loopback::ServiceOptions::pool(256, "tiny")
     };
     start_loopback_with(engine_url, tokenizer_dir, template_dir, max_body, opts).await
 }

@@ -1,10 +1,12 @@
 """A ChatAgent that does what untrusted agent code might: looks for credentials in its environment,
-starts a process meant to outlive its episode, and calls the loopback server under a session
-that is not its own. It reports what it found in `info` (the test checks it)."""
+starts a process meant to outlive its episode, double-forks a process out of its process group
+(an orphan that exits soon), and calls the loopback server under a session that is not its own.
+It reports what it found in `info` (the test checks it)."""
 
 import json
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -22,6 +24,36 @@ def status_of(url, body):
         return e.code
 
 
+def stat_of(pid):
+    """(state, parent pid) of a process, or None when it is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(") ", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def escape():
+    """Double-forks a process into a session of its own (so the episode's process-group kill
+    misses it) that exits after a moment: an orphan for whoever reaps orphans."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        grandchild = os.fork()
+        if grandchild == 0:
+            time.sleep(0.3)
+            os._exit(0)
+        os.write(w, str(grandchild).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    grandchild = int(os.read(r, 32))
+    os.close(r)
+    return grandchild
+
+
 class AgentRunner(moult.ChatAgent):
     def run(self, task, ctx):
         # One real turn, so the episode has a segment.
@@ -29,6 +61,10 @@ class AgentRunner(moult.ChatAgent):
             model=ctx.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
         )
         leftover = subprocess.Popen(["sleep", "600"])
+        escaped = escape()
+        adopted_by = stat_of(escaped)
+        time.sleep(1.0)
+        after = stat_of(escaped)
         forged = ctx.openai_base_url.replace(ctx.session_id, "forged-session")
         return moult.Result(
             reward=1.0,
@@ -36,6 +72,9 @@ class AgentRunner(moult.ChatAgent):
                 "env": sorted(os.environ),
                 "values": sorted(os.environ.values()),
                 "leftover_pid": leftover.pid,
+                "parent_pid": os.getppid(),
+                "escaped_parent": adopted_by[1] if adopted_by else None,
+                "escaped_state": after[0] if after else "reaped",
                 "forged_status": status_of(
                     forged + "/chat/completions",
                     {"model": ctx.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
