@@ -326,6 +326,7 @@ fn helm(args: &[&str]) -> String {
 fn cluster_helm_namespaced_install_grants_roles_in_the_watched_namespaces_only() {
     let release = Namespace::new("helm-release");
     let watched = Namespace::new("helm-watched");
+    let second = Namespace::new("helm-second");
     let other = Namespace::new("helm-other");
     let chart = format!("{}/charts/moult-operator", support::ROOT);
     let r = release.name.as_str();
@@ -345,7 +346,7 @@ fn cluster_helm_namespaced_install_grants_roles_in_the_watched_namespaces_only()
         "--set",
         "replicas=1",
         "--set",
-        &format!("watchNamespaces={{{}}}", watched.name),
+        &format!("watchNamespaces={{{},{}}}", watched.name, second.name),
     ]);
     let fullname = "moult-moult-operator";
     for kind in ["role", "rolebinding"] {
@@ -365,7 +366,7 @@ fn cluster_helm_namespaced_install_grants_roles_in_the_watched_namespaces_only()
         "{.spec.template.spec.containers[0].args}",
     );
     assert!(
-        args.contains(&format!("--namespace={}", watched.name)),
+        args.contains(&format!("--namespace={},{}", watched.name, second.name)),
         "{args}"
     );
 
@@ -389,13 +390,16 @@ fn cluster_helm_namespaced_install_grants_roles_in_the_watched_namespaces_only()
     assert_eq!(can(&["list", "secrets", "-n", &other.name]), "no");
     assert_eq!(can(&["list", "rlruns.moult.dev", "--all-namespaces"]), "no");
 
-    // The operator, acting as the chart's ServiceAccount and watching the one namespace, runs a
-    // run there; a run elsewhere is none of its business.
+    // The operator, acting as the chart's ServiceAccount and watching the two namespaces (one
+    // controller each), runs a run in each; a run elsewhere is none of its business.
     let kubeconfig = support::kubeconfig_as(&sa, r);
-    let _op = Operator::launch("chart-sa", &kubeconfig, &watched.name, r, &[]);
+    let both = format!("{},{}", watched.name, second.name);
+    let _op = Operator::launch("chart-sa", &kubeconfig, &both, r, &[]);
     assert!(watched.apply(&small_run("here", 1)).status.success());
+    assert!(second.apply(&small_run("also", 1)).status.success());
     assert!(other.apply(&small_run("there", 1)).status.success());
     wait_phase(&watched, "here", "Running");
+    wait_phase(&second, "also", "Running");
     assert!(
         phase(&other, "there").is_empty(),
         "the other namespace is not watched"
