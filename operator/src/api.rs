@@ -12,16 +12,18 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::core::{Duration, Message, Rule};
+use kube::core::Duration;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 mod engine_flags;
 mod network;
+mod rules;
 
 pub use engine_flags::RESERVED_ENGINE_FLAGS;
 pub use network::{AgentEgressSpec, EgressPort, EgressTarget, Protocol};
+use rules::{claim_rule, resources_rule, DNS_SUBDOMAIN, LABEL_KEY, LABEL_VALUE};
 
 /// API group of every moult resource.
 pub const GROUP: &str = "moult.dev";
@@ -742,40 +744,6 @@ pub struct SchedulingSpec {
     pub queue_name: Option<String>,
 }
 
-/// A DNS-1123 subdomain (object names: PersistentVolumeClaims, PriorityClasses).
-const DNS_SUBDOMAIN: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
-/// A label key: an optional DNS subdomain and `/`, then a name of letters, digits, `-_.`.
-const LABEL_KEY: &str =
-    "^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$";
-/// A label value (possibly empty).
-const LABEL_VALUE: &str = "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$";
-
-/// The rule that the `resources` of the struct it is on (`field`) hold quantities: the CRD takes
-/// any string there (Kubernetes' own schema of a quantity has no pattern), a pod does not.
-fn resources_rule(field: &str) -> Rule {
-    let all = |part: &str| {
-        format!("(!has(self.resources.{part}) || self.resources.{part}.all(k, isQuantity(string(self.resources.{part}[k]))))")
-    };
-    Rule::new(format!(
-        "!has(self.resources) || ({} && {})",
-        all("limits"),
-        all("requests")
-    ))
-    .message(Message::Message(format!(
-        "{field} limits and requests must be quantities, such as 500m, 4 or 16Gi"
-    )))
-}
-
-/// The rule that `field` (the `claimName` of the struct it is on) names a PersistentVolumeClaim.
-fn claim_rule(field: &str) -> Rule {
-    Rule::new(format!(
-        "!has(self.claimName) || self.claimName.matches('{DNS_SUBDOMAIN}')"
-    ))
-    .message(Message::Message(format!(
-        "{field} must name a PersistentVolumeClaim: lowercase letters, digits, '-' and '.', starting and ending with a letter or digit"
-    )))
-}
-
 /// Lifecycle phase of a run.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
 pub enum Phase {
@@ -909,130 +877,4 @@ fn default_judge_max_tokens() -> u32 {
 }
 
 #[cfg(all(test, feature = "validate"))]
-mod judge_tests {
-    use super::*;
-
-    fn run(judge: &str, estimator: &str) -> RLRun {
-        let yaml = format!(
-            "apiVersion: moult.dev/v1alpha1
-kind: RLRun
-metadata: {{name: judged, namespace: local}}
-spec:
-  model: {{path: /models/policy}}
-  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
-  algorithm: {{estimator: {estimator}, teacher: {{path: /models/teacher}}}}
-  judge: {judge}
-  totalSteps: 1
-"
-        );
-        serde_yaml_ng::from_str(&yaml).unwrap()
-    }
-
-    fn refused(run: &RLRun, message: &str) -> bool {
-        run.validate()
-            .expect_err(message)
-            .iter()
-            .any(|e| e.contains(message))
-    }
-
-    #[test]
-    fn a_judge_defaults_its_weights_and_validates() {
-        let r = run(
-            "{path: judge, prompt: 'Is {response} right for {task.n}?'}",
-            "GRPO",
-        );
-        let judge = r.spec.judge.as_ref().unwrap();
-        assert_eq!(
-            (judge.weight, judge.agent_weight, judge.max_tokens),
-            (1.0, 1.0, 8)
-        );
-        assert_eq!(r.validate(), Ok(()));
-    }
-
-    #[test]
-    fn judge_rules_refuse_with_messages_naming_the_fields() {
-        let no_response = run("{path: judge, prompt: 'Is it right?'}", "GRPO");
-        assert!(refused(
-            &no_response,
-            "judge.prompt must contain {response}"
-        ));
-        let zero = run(
-            "{path: judge, prompt: '{response}', weight: 0, agentWeight: 0}",
-            "GRPO",
-        );
-        assert!(refused(
-            &zero,
-            "judge.weight and judge.agentWeight are both 0"
-        ));
-        let distill = run(
-            "{path: judge, prompt: '{response}'}",
-            "OnPolicyDistillation",
-        );
-        assert!(refused(&distill, "remove judge or pick GRPO"));
-        // Training on the judge alone, or only logging its score, is fine.
-        let alone = run(
-            "{path: judge, prompt: '{response}', agentWeight: 0}",
-            "GRPO",
-        );
-        assert_eq!(alone.validate(), Ok(()));
-    }
-}
-
-#[cfg(all(test, feature = "validate"))]
-mod weight_transfer_tests {
-    use super::*;
-
-    fn run(engines: &str) -> RLRun {
-        let yaml = format!(
-            "apiVersion: moult.dev/v1alpha1
-kind: RLRun
-metadata: {{name: transfer, namespace: local}}
-spec:
-  model: {{path: /models/policy}}
-  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
-  engines: {engines}
-  totalSteps: 1
-"
-        );
-        serde_yaml_ng::from_str(&yaml).unwrap()
-    }
-
-    #[test]
-    fn each_backend_has_its_own_transport_by_default() {
-        assert_eq!(
-            run("{backend: vLLM}").spec.engines.transport(),
-            WeightTransport::Nccl
-        );
-        assert_eq!(
-            run("{backend: Builtin}").spec.engines.transport(),
-            WeightTransport::Tcp
-        );
-        let fs = run("{backend: vLLM, weightTransfer: {transport: Filesystem, claimName: w}}");
-        assert_eq!(fs.spec.engines.transport(), WeightTransport::Filesystem);
-        assert_eq!(fs.validate(), Ok(()));
-    }
-
-    #[test]
-    fn transports_an_engine_cannot_take_are_refused_naming_the_field() {
-        for (engines, message) in [
-            (
-                "{backend: Builtin, weightTransfer: {transport: Nccl}}",
-                "engines.weightTransfer.transport Nccl is for vLLM engines",
-            ),
-            (
-                "{backend: vLLM, weightTransfer: {transport: Tcp}}",
-                "engines.weightTransfer.transport Tcp is the built-in engine's weight stream",
-            ),
-            (
-                "{backend: Builtin, weightTransfer: {transport: Tcp, claimName: w}}",
-                "engines.weightTransfer.claimName is the folder of the Filesystem transport",
-            ),
-        ] {
-            let errors = run(engines).validate().expect_err(engines);
-            assert!(
-                errors.iter().any(|e| e.contains(message)),
-                "{engines}: {errors:?}"
-            );
-        }
-    }
-}
+mod tests;
