@@ -26,7 +26,7 @@ cargo test --workspace
 echo "test: operator cluster tests (etcd, kube-apiserver, controller-manager, scheduler, KWOK)"
 bash scripts/test-cluster.sh up >/dev/null
 trap 'bash scripts/test-cluster.sh down' EXIT
-cargo test -p moult-operator --test cluster -- --ignored
+cargo test -p moult-operator --test cluster --test cluster_security -- --ignored
 echo "test: cluster mode end to end (the operator's pods run as local processes of moult)"
 cargo build -p moult-operator --bin moult-operator
 cargo test -p moult-runtime --test cluster_kubelet --test cluster_run -- --ignored --test-threads 1

@@ -20,7 +20,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use moult_operator::api::{Phase, RLRun};
 
-const CHILDREN_PER_RUN: usize = 13;
+const CHILDREN_PER_RUN: usize = 16;
 
 fn run_manifest(name: &str) -> serde_json::Value {
     serde_json::json!({

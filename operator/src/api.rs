@@ -17,6 +17,14 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+mod engine_flags;
+mod network;
+mod rules;
+
+pub use engine_flags::RESERVED_ENGINE_FLAGS;
+pub use network::{AgentEgressSpec, EgressPort, EgressTarget, Protocol};
+use rules::{claim_rule, resources_rule, DNS_SUBDOMAIN, LABEL_KEY, LABEL_VALUE};
+
 /// API group of every moult resource.
 pub const GROUP: &str = "moult.dev";
 
@@ -67,6 +75,9 @@ pub const GROUP: &str = "moult.dev";
     ),
     validation = Rule::new("size(self.metadata.name) <= 40").message(
         "RLRun names are at most 40 characters: the names of its engines, trainer and their pods add suffixes"
+    ),
+    validation = Rule::new("self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')").message(
+        "RLRun names start with a lowercase letter and hold only lowercase letters, digits and '-' (no '.'): they name the run's Services"
     ),
 )]
 #[serde(rename_all = "camelCase")]
@@ -119,16 +130,18 @@ pub struct RLRunSpec {
 /// A Hugging Face checkpoint folder (`config.json`, tokenizer, safetensors).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = claim_rule("model.claimName"))]
 pub struct ModelSpec {
     /// Path of the checkpoint folder inside the pods: under `/models` when `claimName` is set.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 4096))]
     pub path: String,
     /// PersistentVolumeClaim holding the checkpoint, mounted read-only at `/models`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
     pub claim_name: Option<String>,
     /// Longest context (prompt + generation) the engines accept; the model's own when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 16777216))]
     pub max_model_len: Option<u32>,
 }
 
@@ -152,6 +165,7 @@ pub enum AgentForm {
 #[x_kube(validation = Rule::new("self.form != 'Env' || has(self.env) || has(self.image)").message(
     "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)"
 ))]
+#[x_kube(validation = resources_rule("agent.resources"))]
 #[x_kube(validation = Rule::new("!has(self.timeout) || self.timeout.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$')").message(
     "agent.timeout must be a duration such as 90s, 10m or 1h30m"
 ))]
@@ -161,20 +175,23 @@ pub struct AgentSpec {
     /// Image of the agent pods. The `moult` binary is copied into it by an init container, so
     /// any image works. Optional for built-in environments.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
     pub image: Option<String>,
     /// The agent program (ChatAgent) or external environment server (Env), run in `image`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 256), inner(length(max = 8192)))]
     pub command: Vec<String>,
     /// A built-in environment by name (Env form).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
     pub env: Option<String>,
     /// Agent-pool pods.
     #[serde(default = "one")]
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 0, max = 10000))]
     pub replicas: i32,
     /// Concurrent sessions per agent-pool pod.
     #[serde(default = "default_concurrency")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 4096))]
     pub concurrency: u32,
     /// Longest an episode may take before it is abandoned, as a Go duration ("10m", "90s").
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -184,17 +201,28 @@ pub struct AgentSpec {
     /// CPU and memory of each agent-pool pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
+    /// Where agent pods may connect besides the cluster's DNS and the run's coordinator (nowhere
+    /// else when absent: agent code is untrusted, docs/security.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<AgentEgressSpec>,
+    /// The agent container's image is mounted read-only (`/tmp` and `$HOME` are writable either
+    /// way). Set false for agent code that writes into its image, such as a coding agent that
+    /// edits a repository baked into it.
+    #[serde(default = "yes")]
+    pub read_only_root_filesystem: bool,
 }
 
 /// A JSONL file of tasks.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = claim_rule("agent.dataset.claimName"))]
 pub struct DatasetSpec {
     /// Path of the file inside the pods: under `/data` when `claimName` is set.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 4096))]
     pub path: String,
     /// PersistentVolumeClaim holding the file, mounted read-only at `/data`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
     pub claim_name: Option<String>,
 }
 
@@ -224,29 +252,32 @@ pub enum EngineBackend {
 #[x_kube(validation = Rule::new("!has(self.weightTransfer) || self.weightTransfer.transport != 'Tcp' || self.backend == 'Builtin'").message(
     "engines.weightTransfer.transport Tcp is the built-in engine's weight stream: vLLM engines take weights over Nccl or Filesystem"
 ))]
-#[x_kube(validation = Rule::new(RESERVED_ENGINE_FLAGS_RULE).message(
-    "engines.extraArgs cannot set a flag moult sets itself (--host, --port, --model, --served-model-name, --tensor-parallel-size/-tp, --logprobs-mode, --enable-scale-out, --weight-transfer-config, --max-model-len, --enable-return-routed-experts): use engines.tensorParallelSize, model.maxModelLen, routingReplay or engines.weightTransfer instead (docs/vllm.md)"
+#[x_kube(validation = Rule::new(engine_flags::reserved_flags_rule()).message(
+    Message::Expression(engine_flags::reserved_flags_message())
 ))]
-#[x_kube(validation = Rule::new(ENGINE_DTYPE_RULE).message(
+#[x_kube(validation = resources_rule("engines.resources"))]
+#[x_kube(validation = Rule::new(engine_flags::ENGINE_DTYPE_RULE).message(
     "engines.extraArgs --dtype must be auto, float32, bfloat16 or float16 (or float, half): moult sends weights to vLLM in that dtype (docs/vllm.md)"
 ))]
 pub struct EnginesSpec {
     /// Engine replicas (what `kubectl scale rlrun/NAME --replicas=N` and HPAs change).
     #[serde(default = "one")]
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 0, max = 1024))]
     pub replicas: i32,
     #[serde(default)]
     pub backend: EngineBackend,
     /// Engine image; `vllm/vllm-openai` at the supported version for vLLM, the moult runtime
     /// image for the built-in engine, when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
     pub image: Option<String>,
-    /// GPUs one model copy is split across (vLLM `--tensor-parallel-size`).
+    /// GPUs one model copy is split across (vLLM `--tensor-parallel-size`), all in one pod.
     #[serde(default = "one_u32")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 16))]
     pub tensor_parallel_size: u32,
     /// GPUs requested by each engine pod; `tensorParallelSize` when absent, 0 for CPU engines.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 16))]
     pub gpus_per_engine: Option<u32>,
     /// Extra command-line flags passed to the engine as they are. Flags moult sets itself are
     /// refused (see `RESERVED_ENGINE_FLAGS` and docs/vllm.md).
@@ -279,6 +310,7 @@ pub enum WeightTransport {
 /// The weight path of a run.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = claim_rule("engines.weightTransfer.claimName"))]
 #[x_kube(validation = Rule::new("self.transport == 'Filesystem' || !has(self.claimName)").message(
     "engines.weightTransfer.claimName is the folder of the Filesystem transport: remove it or set transport Filesystem"
 ))]
@@ -288,34 +320,9 @@ pub struct WeightTransferSpec {
     /// `/weights` in the trainer (read-write) and every engine (read-only). `moult run` uses a
     /// folder under its `--out` instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 253))]
     pub claim_name: Option<String>,
 }
-
-/// Flags of the engine command line that moult sets itself (`children::vllm_args`, and `moult
-/// engine`'s `--model`, `--host`, `--port`): `engines.extraArgs` may not repeat them, as a flag,
-/// `--flag=value`, vLLM's underscore spelling or a JSON sub-key (`--flag.key`).
-pub const RESERVED_ENGINE_FLAGS: &[&str] = &[
-    "--host",
-    "--port",
-    "--model",
-    "--served-model-name",
-    "--tensor-parallel-size",
-    "-tp",
-    "--logprobs-mode",
-    "--enable-scale-out",
-    "--weight-transfer-config",
-    "--max-model-len",
-    "--enable-return-routed-experts",
-];
-
-/// The CEL rule refusing [`RESERVED_ENGINE_FLAGS`] in `engines.extraArgs` (a test checks that
-/// the two name the same flags).
-const RESERVED_ENGINE_FLAGS_RULE: &str = "!has(self.extraArgs) || !self.extraArgs.exists(a, a.matches('^(--(host|port|model|served[-_]model[-_]name|tensor[-_]parallel[-_]size|logprobs[-_]mode|enable[-_]scale[-_]out|weight[-_]transfer[-_]config|max[-_]model[-_]len|enable[-_]return[-_]routed[-_]experts)|-tp)([=.].*)?$'))";
-
-/// The CEL rule on vLLM's `--dtype` among `engines.extraArgs` (both `--dtype X` and
-/// `--dtype=X`): only the dtypes the trainer can send weights in.
-const ENGINE_DTYPE_RULE: &str = "self.backend != 'vLLM' || !has(self.extraArgs) || (!self.extraArgs.exists(a, a.startsWith('--dtype=') && !a.matches('^--dtype=(auto|float32|float|bfloat16|float16|half)$')) && (!('--dtype' in self.extraArgs) || (self.extraArgs.indexOf('--dtype') + 1 < size(self.extraArgs) && self.extraArgs[self.extraArgs.indexOf('--dtype') + 1] in ['auto', 'float32', 'float', 'bfloat16', 'float16', 'half'])))";
 
 impl Default for EnginesSpec {
     fn default() -> Self {
@@ -350,8 +357,9 @@ impl EnginesSpec {
 }
 
 /// The trainer: `nodes` ranks, one pod each, with `gpusPerNode` GPUs.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = resources_rule("trainer.resources"))]
 pub struct TrainerSpec {
     /// Trainer ranks, one pod each. Only 1 runs so far: the operator reports more as an invalid
     /// spec before it creates any pod (docs/cluster.md, "Not yet").
@@ -364,6 +372,7 @@ pub struct TrainerSpec {
     pub gpus_per_node: u32,
     /// Trainer image (the moult runtime with libtorch and CUDA) when not the operator's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
     pub image: Option<String>,
     /// CPU and memory of each trainer pod (GPUs come from `gpusPerNode`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -433,14 +442,14 @@ pub struct LossSpec {
     pub eps_low: f64,
     /// Upper clip range ε_high (ratio ≤ 1 + ε_high).
     #[serde(default = "default_eps_high")]
-    #[schemars(range(min = 0.0))]
+    #[schemars(range(min = 0.0, max = 10.0))]
     pub eps_high: f64,
     #[serde(default)]
     pub aggregation: Aggregation,
     /// Weight of a KL penalty to the initial policy (the k3 estimator per sampled token,
     /// aggregated like the loss); 0 for none.
     #[serde(default)]
-    #[schemars(range(min = 0.0))]
+    #[schemars(range(min = 0.0, max = 100.0))]
     pub kl_coef: f64,
 }
 
@@ -511,10 +520,10 @@ pub struct IsCorrectionSpec {
 #[serde(rename_all = "camelCase")]
 pub struct OptimizerSpec {
     #[serde(default = "default_lr")]
-    #[schemars(range(min = 0.0))]
+    #[schemars(range(min = 0.0, max = 1.0))]
     pub learning_rate: f64,
     #[serde(default)]
-    #[schemars(range(min = 0.0))]
+    #[schemars(range(min = 0.0, max = 1.0))]
     pub weight_decay: f64,
     /// Gradients are clipped to this global norm; no clipping when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -522,6 +531,7 @@ pub struct OptimizerSpec {
     pub max_grad_norm: Option<f64>,
     /// Steps of linear learning-rate warm-up.
     #[serde(default)]
+    #[schemars(range(max = 10000000))]
     pub warmup_steps: u32,
 }
 
@@ -554,7 +564,7 @@ pub struct AlgorithmSpec {
     pub group_size: u32,
     /// Prompts (groups) per training step.
     #[serde(default = "default_batch_size")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 65536))]
     pub batch_size: u32,
     /// Policy versions a trajectory's oldest token may lag behind the trainer; 0 is on-policy.
     #[serde(default = "one_u32")]
@@ -578,14 +588,16 @@ pub struct AlgorithmSpec {
 
 /// A teacher model for on-policy distillation: a Hugging Face folder with the student's
 /// tokenizer.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = claim_rule("algorithm.teacher.claimName"))]
 pub struct TeacherSpec {
-    /// Path of the checkpoint folder inside the pods: under `/models` when `claimName` is set.
-    #[schemars(length(min = 1))]
+    /// Path of the checkpoint folder inside the pods: under `/teacher` when `claimName` is set.
+    #[schemars(length(min = 1, max = 4096))]
     pub path: String,
-    /// PersistentVolumeClaim holding the checkpoint, mounted read-only at `/models`.
+    /// PersistentVolumeClaim holding the checkpoint, mounted read-only at `/teacher`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
     pub claim_name: Option<String>,
 }
 
@@ -594,6 +606,7 @@ pub struct TeacherSpec {
 /// `agentWeight` × (the agent's own reward) + `weight` × (the judge's score).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = claim_rule("judge.claimName"))]
 #[x_kube(validation = Rule::new("self.prompt.contains('{response}')").message(
     "judge.prompt must contain {response}: the judge has to see the agent's reply"
 ))]
@@ -603,26 +616,27 @@ pub struct TeacherSpec {
 pub struct JudgeSpec {
     /// Path of the judge's checkpoint folder (a Hugging Face folder with its own tokenizer and
     /// chat template) inside the pods: under `/models` when `claimName` is set.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 4096))]
     pub path: String,
     /// PersistentVolumeClaim holding the judge's checkpoint, mounted read-only at `/models`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
     pub claim_name: Option<String>,
     /// What the judge is asked, as one user message. Placeholders: `{response}` (the agent's
     /// final reply text, required), `{task}` (the task as JSON) and `{task.FIELD}` (a top-level
     /// field of the task: a string as it is, anything else as JSON). The judge answers with a
     /// number (the first one in its reply, clamped to [0, 1]) or with yes/no (1/0); any other
     /// answer scores 0.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 65536))]
     pub prompt: String,
     /// Weight of the judge's score in the reward.
     #[serde(default = "default_weight")]
-    #[schemars(range(min = 0.0))]
+    #[schemars(range(min = 0.0, max = 1000.0))]
     pub weight: f64,
     /// Weight of the agent's own reward (the environment's or the agent program's); 0 trains on
     /// the judge alone (the agent's reward is still reported in the metrics).
     #[serde(default = "default_weight")]
-    #[schemars(range(min = 0.0))]
+    #[schemars(range(min = 0.0, max = 1000.0))]
     pub agent_weight: f64,
     /// Tokens the judge may generate for its answer.
     #[serde(default = "default_judge_max_tokens")]
@@ -658,16 +672,16 @@ impl Default for AlgorithmSpec {
 pub struct RolloutSpec {
     /// Tokens generated per turn at most.
     #[serde(default = "default_max_tokens")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 16777216))]
     pub max_tokens: u32,
     #[serde(default = "default_temperature")]
     #[schemars(range(min = 0.0, max = 10.0))]
     pub temperature: f64,
     #[serde(default = "default_top_p")]
     pub top_p: f64,
-    /// Model turns per episode at most.
+    /// Model turns per episode at most (an agent pod's loopback server allows 1024 per session).
     #[serde(default = "one_u32")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 1024))]
     pub max_turns: u32,
 }
 
@@ -683,33 +697,50 @@ impl Default for RolloutSpec {
 }
 
 /// Checkpoints of model, optimizer, data cursor and policy version.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = claim_rule("checkpoint.claimName"))]
 pub struct CheckpointSpec {
     /// PersistentVolumeClaim the trainer writes checkpoints to, mounted at `/checkpoints`.
-    #[schemars(length(min = 1))]
+    #[schemars(length(min = 1, max = 253))]
     pub claim_name: String,
     /// Training steps between checkpoints.
     #[serde(default = "default_checkpoint_interval")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 1, max = 1000000))]
     pub interval_steps: u32,
 }
 
 /// Placement of the run's pods.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema, Default)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new(format!("!has(self.nodeSelector) || self.nodeSelector.all(k, k.matches('{LABEL_KEY}') && size(k.split('/')[size(k.split('/')) - 1]) <= 63 && self.nodeSelector[k].matches('{LABEL_VALUE}') && size(self.nodeSelector[k]) <= 63)")).message(
+    "scheduling.nodeSelector must map label keys (an optional DNS prefix and '/', then at most 63 letters, digits, '-', '_' or '.') to label values (at most 63 of them)"
+))]
+#[x_kube(validation = Rule::new("!has(self.tolerations) || self.tolerations.all(t, has(t.key) && t.key != '' && !t.key.startsWith('node-role.kubernetes.io/'))").message(
+    "scheduling.tolerations must each name a taint key, and none of node-role.kubernetes.io/ (control-plane nodes): a run may not tolerate every taint or run on the cluster's control plane"
+))]
+#[x_kube(validation = Rule::new(format!("!has(self.priorityClassName) || (self.priorityClassName.matches('{DNS_SUBDOMAIN}') && !self.priorityClassName.startsWith('system-'))")).message(
+    "scheduling.priorityClassName must name a PriorityClass (lowercase letters, digits, '-' and '.') other than the system- ones, which are for the cluster's own components"
+))]
+#[x_kube(validation = Rule::new(format!("!has(self.queueName) || (size(self.queueName) <= 63 && self.queueName.matches('{LABEL_VALUE}'))")).message(
+    "scheduling.queueName becomes a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+))]
 pub struct SchedulingSpec {
     /// Node labels every GPU pod (engines, trainer) requires.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 32))]
     pub node_selector: BTreeMap<String, String>,
-    /// Tolerations of every pod of the run.
+    /// Tolerations of every pod of the run (each of a named taint; not of the control plane's).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
     pub tolerations: Vec<Toleration>,
-    /// PriorityClass of every pod of the run.
+    /// PriorityClass of every pod of the run (not a `system-` one).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
     pub priority_class_name: Option<String>,
     /// Kueue LocalQueue; set as the `kueue.x-k8s.io/queue-name` label on the pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 63))]
     pub queue_name: Option<String>,
 }
 
@@ -846,130 +877,4 @@ fn default_judge_max_tokens() -> u32 {
 }
 
 #[cfg(all(test, feature = "validate"))]
-mod judge_tests {
-    use super::*;
-
-    fn run(judge: &str, estimator: &str) -> RLRun {
-        let yaml = format!(
-            "apiVersion: moult.dev/v1alpha1
-kind: RLRun
-metadata: {{name: judged, namespace: local}}
-spec:
-  model: {{path: /models/policy}}
-  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
-  algorithm: {{estimator: {estimator}, teacher: {{path: /models/teacher}}}}
-  judge: {judge}
-  totalSteps: 1
-"
-        );
-        serde_yaml_ng::from_str(&yaml).unwrap()
-    }
-
-    fn refused(run: &RLRun, message: &str) -> bool {
-        run.validate()
-            .expect_err(message)
-            .iter()
-            .any(|e| e.contains(message))
-    }
-
-    #[test]
-    fn a_judge_defaults_its_weights_and_validates() {
-        let r = run(
-            "{path: judge, prompt: 'Is {response} right for {task.n}?'}",
-            "GRPO",
-        );
-        let judge = r.spec.judge.as_ref().unwrap();
-        assert_eq!(
-            (judge.weight, judge.agent_weight, judge.max_tokens),
-            (1.0, 1.0, 8)
-        );
-        assert_eq!(r.validate(), Ok(()));
-    }
-
-    #[test]
-    fn judge_rules_refuse_with_messages_naming_the_fields() {
-        let no_response = run("{path: judge, prompt: 'Is it right?'}", "GRPO");
-        assert!(refused(
-            &no_response,
-            "judge.prompt must contain {response}"
-        ));
-        let zero = run(
-            "{path: judge, prompt: '{response}', weight: 0, agentWeight: 0}",
-            "GRPO",
-        );
-        assert!(refused(
-            &zero,
-            "judge.weight and judge.agentWeight are both 0"
-        ));
-        let distill = run(
-            "{path: judge, prompt: '{response}'}",
-            "OnPolicyDistillation",
-        );
-        assert!(refused(&distill, "remove judge or pick GRPO"));
-        // Training on the judge alone, or only logging its score, is fine.
-        let alone = run(
-            "{path: judge, prompt: '{response}', agentWeight: 0}",
-            "GRPO",
-        );
-        assert_eq!(alone.validate(), Ok(()));
-    }
-}
-
-#[cfg(all(test, feature = "validate"))]
-mod weight_transfer_tests {
-    use super::*;
-
-    fn run(engines: &str) -> RLRun {
-        let yaml = format!(
-            "apiVersion: moult.dev/v1alpha1
-kind: RLRun
-metadata: {{name: transfer, namespace: local}}
-spec:
-  model: {{path: /models/policy}}
-  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
-  engines: {engines}
-  totalSteps: 1
-"
-        );
-        serde_yaml_ng::from_str(&yaml).unwrap()
-    }
-
-    #[test]
-    fn each_backend_has_its_own_transport_by_default() {
-        assert_eq!(
-            run("{backend: vLLM}").spec.engines.transport(),
-            WeightTransport::Nccl
-        );
-        assert_eq!(
-            run("{backend: Builtin}").spec.engines.transport(),
-            WeightTransport::Tcp
-        );
-        let fs = run("{backend: vLLM, weightTransfer: {transport: Filesystem, claimName: w}}");
-        assert_eq!(fs.spec.engines.transport(), WeightTransport::Filesystem);
-        assert_eq!(fs.validate(), Ok(()));
-    }
-
-    #[test]
-    fn transports_an_engine_cannot_take_are_refused_naming_the_field() {
-        for (engines, message) in [
-            (
-                "{backend: Builtin, weightTransfer: {transport: Nccl}}",
-                "engines.weightTransfer.transport Nccl is for vLLM engines",
-            ),
-            (
-                "{backend: vLLM, weightTransfer: {transport: Tcp}}",
-                "engines.weightTransfer.transport Tcp is the built-in engine's weight stream",
-            ),
-            (
-                "{backend: Builtin, weightTransfer: {transport: Tcp, claimName: w}}",
-                "engines.weightTransfer.claimName is the folder of the Filesystem transport",
-            ),
-        ] {
-            let errors = run(engines).validate().expect_err(engines);
-            assert!(
-                errors.iter().any(|e| e.contains(message)),
-                "{engines}: {errors:?}"
-            );
-        }
-    }
-}
+mod tests;

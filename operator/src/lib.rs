@@ -26,7 +26,69 @@ pub fn crd_json() -> serde_json::Value {
     use kube::CustomResourceExt;
     let mut crd = serde_json::to_value(api::RLRun::crd()).expect("the CRD serializes");
     integer_formats(&mut crd);
+    for version in crd["spec"]["versions"].as_array_mut().into_iter().flatten() {
+        let spec = &mut version["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        default_bounds(spec);
+    }
     crd
+}
+
+/// Longest string of the spec that has no bound of its own (names, images, keys, values of the
+/// Kubernetes types the spec embeds).
+pub const DEFAULT_MAX_LENGTH: u64 = 1024;
+/// Most items of a list, and most keys of a map, of the spec that have no bound of their own.
+pub const DEFAULT_MAX_ITEMS: u64 = 64;
+
+/// Longest quantity (an int-or-string: `500m`, `16Gi`).
+pub const QUANTITY_MAX_LENGTH: u64 = 64;
+
+/// Bounds every string, list and map of the spec that the types leave unbounded: the API server
+/// refuses a spec that floods a field (docs/operator.md), and CEL rules over bounded fields stay
+/// within the API server's cost budget. Enums are left alone.
+fn default_bounds(v: &mut serde_json::Value) {
+    let serde_json::Value::Object(map) = v else {
+        return;
+    };
+    if map.get("x-kubernetes-int-or-string") == Some(&true.into()) {
+        // A quantity: far shorter than any name.
+        map.entry("maxLength")
+            .or_insert_with(|| QUANTITY_MAX_LENGTH.into());
+        return;
+    }
+    match map.get("type").and_then(|t| t.as_str()) {
+        Some("string") if !map.contains_key("enum") && !map.contains_key("format") => {
+            map.entry("maxLength")
+                .or_insert_with(|| DEFAULT_MAX_LENGTH.into());
+        }
+        Some("array") => {
+            map.entry("maxItems")
+                .or_insert_with(|| DEFAULT_MAX_ITEMS.into());
+        }
+        Some("object")
+            if map
+                .get("additionalProperties")
+                .is_some_and(|a| a.is_object()) =>
+        {
+            map.entry("maxProperties")
+                .or_insert_with(|| DEFAULT_MAX_ITEMS.into());
+        }
+        _ => {}
+    }
+    for key in ["properties"] {
+        if let Some(serde_json::Value::Object(props)) = map.get_mut(key) {
+            props.values_mut().for_each(default_bounds);
+        }
+    }
+    for key in ["items", "additionalProperties"] {
+        if let Some(sub) = map.get_mut(key) {
+            default_bounds(sub);
+        }
+    }
+    for key in ["anyOf", "allOf", "oneOf"] {
+        if let Some(serde_json::Value::Array(subs)) = map.get_mut(key) {
+            subs.iter_mut().for_each(default_bounds);
+        }
+    }
 }
 
 /// schemars names Rust's unsigned integers (`uint32`); OpenAPI, and so the API server, knows

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use moult_operator::children::Images;
+use k8s_openapi::api::networking::v1::{NetworkPolicyEgressRule, NetworkPolicyPeer};
+use moult_operator::children::{self, Images};
 use moult_operator::controller::{self, leader, metrics, Settings};
 
 #[derive(Parser, Debug)]
@@ -15,9 +16,14 @@ use moult_operator::controller::{self, leader, metrics, Settings};
     about = "Reconciles RLRuns into engines, trainer, coordinator and agents"
 )]
 struct Args {
-    /// Watch only this namespace (all namespaces when absent).
-    #[arg(long, env = "MOULT_WATCH_NAMESPACE")]
-    namespace: Option<String>,
+    /// Watch only these namespaces (all namespaces when absent): repeat the flag or separate
+    /// them with commas. The operator then needs RBAC in those namespaces alone.
+    #[arg(
+        long = "namespace",
+        env = "MOULT_WATCH_NAMESPACE",
+        value_delimiter = ','
+    )]
+    namespaces: Vec<String>,
     /// Reconciles at once (never two of the same run).
     #[arg(long, default_value_t = 8)]
     concurrency: u16,
@@ -50,6 +56,15 @@ struct Args {
     runtime_image: String,
     #[arg(long, env = "MOULT_INIT_IMAGE", default_value_t = Images::default().init)]
     init_image: String,
+    /// Where agent pods may send DNS queries, as a NetworkPolicy egress rule in JSON (kube-system's
+    /// `k8s-app: kube-dns` pods, port 53 UDP and TCP, when absent).
+    #[arg(long, env = "MOULT_AGENT_DNS")]
+    agent_dns: Option<String>,
+    /// Who may scrape `/metrics` on the coordinator's and engines' API ports, as a JSON list of
+    /// NetworkPolicy peers (`[{"namespaceSelector": ..., "podSelector": ...}]`); nobody outside
+    /// the run when absent.
+    #[arg(long, env = "MOULT_METRICS_FROM")]
+    metrics_from: Option<String>,
 }
 
 #[tokio::main]
@@ -76,12 +91,31 @@ async fn main() -> anyhow::Result<()> {
         .identity
         .clone()
         .unwrap_or_else(|| format!("moult-operator-{}", std::process::id()));
+    let dns: NetworkPolicyEgressRule = match &args.agent_dns {
+        Some(json) => serde_json::from_str(json)
+            .context("--agent-dns must be a NetworkPolicy egress rule in JSON")?,
+        None => children::default_dns(),
+    };
+    let metrics_from: Vec<NetworkPolicyPeer> = match &args.metrics_from {
+        Some(json) => serde_json::from_str(json)
+            .context("--metrics-from must be a JSON list of NetworkPolicy peers")?,
+        None => Vec::new(),
+    };
     let settings = Settings {
-        namespace: args.namespace.clone(),
-        images: Images {
-            vllm: args.vllm_image.clone(),
-            runtime: args.runtime_image.clone(),
-            init: args.init_image.clone(),
+        namespaces: args
+            .namespaces
+            .iter()
+            .filter(|n| !n.is_empty())
+            .cloned()
+            .collect(),
+        children: children::Config {
+            images: Images {
+                vllm: args.vllm_image.clone(),
+                runtime: args.runtime_image.clone(),
+                init: args.init_image.clone(),
+            },
+            dns,
+            metrics_from,
         },
         concurrency: args.concurrency,
         resync: positive(args.resync, "--resync")?,

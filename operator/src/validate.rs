@@ -3,7 +3,7 @@
 //! by one set of rules in both places.
 //!
 //! Two parts, both read from the generated CRD (`crd_json`): the OpenAPI schema's ranges,
-//! lengths, item counts and enums, with the API server's wording ("spec.totalSteps in body should
+//! lengths, item and key counts and enums, with the API server's wording ("spec.totalSteps in body should
 //! be greater than or equal to 1"); and the CEL rules (`x-kubernetes-validations`), evaluated by
 //! kube's CEL interpreter with each rule's message. Every error names the field path.
 
@@ -35,7 +35,7 @@ impl RLRun {
 }
 
 /// The schema keywords the API server checks beyond types (serde has checked the types):
-/// minimum, maximum, minLength, maxLength, maxItems and enum, recursively.
+/// minimum, maximum, minLength, maxLength, maxItems, maxProperties and enum, recursively.
 fn schema_errors(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
     let number = |key: &str| schema.get(key).and_then(Value::as_f64);
     if let Some(v) = value.as_f64() {
@@ -80,6 +80,13 @@ fn schema_errors(schema: &Value, value: &Value, path: &str, errors: &mut Vec<Str
     }
     match value {
         Value::Object(fields) => {
+            if let Some(max) = number("maxProperties").filter(|max| fields.len() as f64 > *max) {
+                errors.push(format!(
+                    "{path}: Too many: {}: must have at most {} items",
+                    fields.len(),
+                    show(max)
+                ));
+            }
             for (key, v) in fields {
                 let sub = schema
                     .get("properties")
@@ -137,6 +144,12 @@ spec:
     #[test]
     fn schema_ranges_and_lengths_are_refused_with_the_api_servers_words() {
         assert_eq!(run("  totalSteps: 3\n").validate(), Ok(()));
+        // Quantities as numbers or strings, as Kubernetes takes them.
+        assert_eq!(
+            run("  totalSteps: 3\n  engines: {resources: {limits: {cpu: 8, memory: 1.5Gi}, requests: {cpu: '500m'}}}\n")
+                .validate(),
+            Ok(())
+        );
         let errors =
             run("  totalSteps: 0\n  rollout: {temperature: 11}\n  checkpoint: {claimName: ''}\n")
                 .validate()

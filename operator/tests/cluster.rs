@@ -101,10 +101,13 @@ fn cluster_example_reaches_running_on_gpu_nodes_with_every_child_owned() {
     let expected = [
         "ConfigMap/gsm8k-grpo-config",
         "Secret/gsm8k-grpo-token",
-        "ServiceAccount/gsm8k-grpo",
-        "Role/gsm8k-grpo",
-        "RoleBinding/gsm8k-grpo",
-        "NetworkPolicy/gsm8k-grpo-internal",
+        "ServiceAccount/gsm8k-grpo-moult",
+        "Role/gsm8k-grpo-moult",
+        "RoleBinding/gsm8k-grpo-moult",
+        "NetworkPolicy/gsm8k-grpo-engine",
+        "NetworkPolicy/gsm8k-grpo-trainer",
+        "NetworkPolicy/gsm8k-grpo-coordinator",
+        "NetworkPolicy/gsm8k-grpo-agents",
         "Service/gsm8k-grpo-engine",
         "Service/gsm8k-grpo-trainer",
         "Service/gsm8k-grpo-coordinator",
@@ -313,14 +316,15 @@ fn cluster_children_deleted_or_edited_by_hand_are_restored_and_follow_the_spec()
     });
     ns.kubectl(&[
         "label",
-        "networkpolicy/r-internal",
+        "networkpolicy/r-agents",
         "moult.dev/run-",
         "--overwrite",
     ]);
-    // The policy lost the label the operator finds its children by: it applies it again.
+    // The policy lost the label the operator finds its children by: it is still the run's (its
+    // owner reference says so), and the operator applies the label again.
     wait_until(T, "the NetworkPolicy label to be restored", || {
         ns.get(
-            "networkpolicy/r-internal",
+            "networkpolicy/r-agents",
             "{.metadata.labels.moult\\.dev/run}",
         ) == "r"
     });

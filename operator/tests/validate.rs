@@ -54,3 +54,10 @@ fn every_case_the_api_server_refuses_is_refused_here_naming_the_same_field() {
     }
     assert!(cases.len() >= 20, "{} cases", cases.len());
 }
+
+#[test]
+fn every_kind_of_run_the_tests_build_is_a_valid_spec() {
+    for (kind, run) in support::runs::run_kinds() {
+        assert_eq!(run.validate(), Ok(()), "{kind}");
+    }
+}

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use moult_operator::api::{EngineBackend, RLRun};
-use moult_operator::children::{desired, Images};
+use moult_operator::children::{desired, Config};
 
 fn vllm_python() -> PathBuf {
     let python = std::env::var_os("MOULT_VLLM_PYTHON").unwrap_or_else(|| {
@@ -34,7 +34,7 @@ fn example_run() -> RLRun {
 
 /// The engine container's command and arguments, as the operator makes them.
 fn engine_command(run: &RLRun) -> (Vec<String>, Vec<String>) {
-    let children = desired(run, &Images::default(), "token").expect("the run builds");
+    let children = desired(run, &Config::default(), "token").expect("the run builds");
     let pod = children.engines.spec.template.spec.unwrap();
     let c = &pod.containers[0];
     (
@@ -121,4 +121,78 @@ fn vllm_refuses_a_flag_it_does_not_know_so_the_check_can_fail() {
     let (_, args) = engine_command(&run);
     let why = vllm_accepts(&args).expect_err("an unknown flag must be refused");
     assert!(why.contains("--no-such-flag"), "{why}");
+}
+
+/// Every option string `vllm serve` takes.
+fn vllm_flags() -> Vec<String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/vllm_check_args.py");
+    let out = Command::new(vllm_python())
+        .arg(script)
+        .arg("--print-flags")
+        .output()
+        .expect("the vLLM python runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with('-'))
+        .map(String::from)
+        .collect()
+}
+
+/// vLLM's parser takes any unique prefix of a flag (argparse's `allow_abbrev`) and `_` for `-`, so
+/// `--served-model x` would override the `--served-model-name` moult sets: the CRD refuses every
+/// abbreviation of a flag moult sets, and no flag of vLLM's own beyond those.
+#[test]
+fn vllm_takes_abbreviations_of_the_flags_moult_sets_and_the_crd_refuses_them_alone() {
+    use moult_operator::api::RESERVED_ENGINE_FLAGS;
+    let refused = |extra: &[String]| {
+        let mut run = example_run();
+        run.spec.engines.extra_args = extra.to_vec();
+        run.validate()
+            .err()
+            .into_iter()
+            .flatten()
+            .find(|e| e.contains("cannot set a flag moult sets itself"))
+    };
+    for (abbreviation, flag) in [
+        (&["--served-model", "other"][..], "--served-model-name"),
+        (&["--served_model=other"], "--served-model-name"),
+        (&["--tensor-parallel", "4"], "--tensor-parallel-size"),
+        (&["-t", "4"], "-tp"),
+        (&["--max-model", "128"], "--max-model-len"),
+        (&["--logprobs-m", "raw_logprobs"], "--logprobs-mode"),
+    ] {
+        let extra: Vec<String> = abbreviation.iter().map(|s| s.to_string()).collect();
+        let mut run = example_run();
+        run.spec.engines.extra_args = extra.clone();
+        let (_, args) = engine_command(&run);
+        if let Err(why) = vllm_accepts(&args) {
+            panic!("vLLM was expected to take the abbreviation {extra:?}: {why}");
+        }
+        let why = refused(&extra).unwrap_or_else(|| panic!("{extra:?} is not refused"));
+        assert!(
+            why.contains(&format!("moult sets itself: {flag} ")),
+            "the message names {flag}: {why}"
+        );
+    }
+    let flags = vllm_flags();
+    assert!(flags.len() > 100, "{} flags", flags.len());
+    let (reserved, others): (Vec<String>, Vec<String>) = flags.into_iter().partition(|f| {
+        RESERVED_ENGINE_FLAGS
+            .iter()
+            .any(|r| r.starts_with(f.as_str()))
+    });
+    for flag in &reserved {
+        assert!(refused(std::slice::from_ref(flag)).is_some(), "{flag}");
+    }
+    // The rest in batches (extraArgs holds at most 128): none is refused as a flag moult sets.
+    for batch in others.chunks(100) {
+        if let Some(why) = refused(batch) {
+            panic!("a flag of vLLM's own is refused: {why}\namong {batch:?}");
+        }
+    }
 }

@@ -3,6 +3,7 @@ without starting a server (no engine, no weights, no port): what `python -m
 vllm.entrypoints.openai.api_server ARGS` does before it starts anything.
 
     python vllm_check_args.py [--build-config] MODEL [vLLM serve flags ...]
+    python vllm_check_args.py --print-flags     # every option string `vllm serve` takes, one a line
 
 1. make_arg_parser(FlexibleArgumentParser()).parse_args: an unknown flag or a bad value exits 2
    with argparse's message;
@@ -21,6 +22,14 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
 def main(argv):
+    if argv == ["--print-flags"]:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        for flag in sorted({o for action in parser._actions for o in action.option_strings}):
+            print(flag)
+        return 0
     build = "--build-config" in argv
     argv = [a for a in argv if a != "--build-config"]
     from vllm.engine.arg_utils import AsyncEngineArgs

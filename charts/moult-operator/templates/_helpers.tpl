@@ -14,3 +14,38 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 app.kubernetes.io/name: moult-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
+
+{{- /* What the operator needs, and nothing more: read RLRuns and write their status; manage the
+kinds of objects a run owns; read the runs' pods (why a run is stuck: docs/operator.md); publish
+events. The Roles it creates for runs grant only verbs it holds itself (Kubernetes refuses
+privilege escalation), hence the endpointslices rule. The same rules go in a ClusterRole, or in
+a Role in each of watchNamespaces. */ -}}
+{{- define "moult-operator.rules" -}}
+- apiGroups: [moult.dev]
+  resources: [rlruns]
+  verbs: [get, list, watch]
+- apiGroups: [moult.dev]
+  resources: [rlruns/status]
+  verbs: [get, patch, update]
+- apiGroups: [""]
+  resources: [configmaps, secrets, serviceaccounts, services]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [apps]
+  resources: [statefulsets, deployments]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}

@@ -1,18 +1,14 @@
 //! The run's configuration and its access objects: the ConfigMap with the run config, the
-//! Secret with the internal token, the ServiceAccount and Role its pods use (limited to this
-//! run), and the NetworkPolicy that admits only the run's own pods.
+//! Secret with the internal token, and the ServiceAccount and Role its pods use (limited to this
+//! run). The NetworkPolicies are in `network.rs`.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
-use k8s_openapi::api::networking::v1::{
-    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicySpec,
-};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::ByteString;
 
-use super::{Ctx, InvalidSpec, AGENT_TOKEN_KEY, RUN_LABEL, TOKEN_KEY};
+use super::{service_account_name, Ctx, InvalidSpec, AGENT_TOKEN_KEY, TOKEN_KEY};
 use crate::api::GROUP;
 
 /// File name of the run config inside the ConfigMap (mounted at `/etc/moult`).
@@ -53,7 +49,7 @@ pub(crate) fn token_secret(ctx: &Ctx, token: &str) -> Secret {
 
 pub(crate) fn service_account(ctx: &Ctx) -> ServiceAccount {
     ServiceAccount {
-        metadata: ctx.meta("", None),
+        metadata: ctx.meta("moult", None),
         automount_service_account_token: Some(true),
         ..ServiceAccount::default()
     }
@@ -64,7 +60,7 @@ pub(crate) fn service_account(ctx: &Ctx) -> ServiceAccount {
 pub(crate) fn role(ctx: &Ctx) -> Role {
     let own = Some(vec![ctx.name.clone()]);
     Role {
-        metadata: ctx.meta("", None),
+        metadata: ctx.meta("moult", None),
         rules: Some(vec![
             PolicyRule {
                 api_groups: Some(vec![GROUP.into()]),
@@ -92,42 +88,17 @@ pub(crate) fn role(ctx: &Ctx) -> Role {
 
 pub(crate) fn role_binding(ctx: &Ctx) -> RoleBinding {
     RoleBinding {
-        metadata: ctx.meta("", None),
+        metadata: ctx.meta("moult", None),
         role_ref: RoleRef {
             api_group: Some("rbac.authorization.k8s.io".into()),
             kind: "Role".into(),
-            name: ctx.name.clone(),
+            name: service_account_name(&ctx.name),
         },
         subjects: Some(vec![Subject {
             kind: "ServiceAccount".into(),
-            name: ctx.name.clone(),
+            name: service_account_name(&ctx.name),
             namespace: Some(ctx.namespace.clone()),
             ..Subject::default()
         }]),
-    }
-}
-
-/// Ingress to any pod of the run only from pods of the same run.
-pub(crate) fn network_policy(ctx: &Ctx) -> NetworkPolicy {
-    let run_pods = LabelSelector {
-        match_labels: Some(BTreeMap::from([(RUN_LABEL.to_string(), ctx.name.clone())])),
-        ..LabelSelector::default()
-    };
-    NetworkPolicy {
-        metadata: ObjectMeta {
-            ..ctx.meta("internal", None)
-        },
-        spec: Some(NetworkPolicySpec {
-            pod_selector: Some(run_pods.clone()),
-            policy_types: Some(vec!["Ingress".into()]),
-            ingress: Some(vec![NetworkPolicyIngressRule {
-                from: Some(vec![NetworkPolicyPeer {
-                    pod_selector: Some(run_pods),
-                    ..NetworkPolicyPeer::default()
-                }]),
-                ports: None,
-            }]),
-            egress: None,
-        }),
     }
 }

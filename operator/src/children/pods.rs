@@ -1,5 +1,7 @@
-//! What every pod of a run shares: non-root security contexts, the run config and token,
-//! GPU requests, and placement from `spec.scheduling`.
+//! What every pod of a run shares: locked-down security contexts (non-root, no capabilities, no
+//! privilege escalation, RuntimeDefault seccomp, a read-only root filesystem with size-limited
+//! writable emptyDirs), the run config and token, GPU requests, and placement from
+//! `spec.scheduling` (docs/security.md, "Pods").
 
 use std::collections::BTreeMap;
 
@@ -13,7 +15,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::access::CONFIG_FILE;
-use super::{name, Ctx, AGENT_TOKEN_KEY, CONFIG_HASH_ANNOTATION, TOKEN_KEY};
+use super::{name, service_account_name, Ctx, AGENT_TOKEN_KEY, CONFIG_HASH_ANNOTATION, TOKEN_KEY};
 use crate::api::WeightTransport;
 
 /// Extended resource of NVIDIA's device plugin.
@@ -28,6 +30,21 @@ pub const CHECKPOINT_DIR: &str = "/checkpoints";
 /// trainer names folders by this path when it tells the engines to reload).
 pub const WEIGHTS_DIR: &str = "/weights";
 pub const TEACHER_DIR: &str = "/teacher";
+
+/// Size limits of the writable emptyDirs (the kubelet evicts a pod that writes more). `/tmp` is
+/// also `$HOME` and every cache (vLLM's torch.compile and Triton caches, Hugging Face downloads
+/// when the model is not on a claim); a component's `resources.limits.ephemeral-storage`, when
+/// set, replaces its default here.
+pub const TMP_SIZE: [(&str, &str); 4] = [
+    ("engine", "64Gi"),
+    ("trainer", "16Gi"),
+    ("coordinator", "1Gi"),
+    ("agents", "8Gi"),
+];
+/// `/dev/shm` of engines and trainer (memory-backed: it counts against the memory limit).
+pub const SHM_SIZE: &str = "16Gi";
+/// The agent pods' copy of the `moult` binary.
+pub const MOULT_BIN_SIZE: &str = "512Mi";
 
 /// Where the run config file is inside every pod.
 pub fn config_path() -> String {
@@ -65,7 +82,7 @@ pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> 
         }),
         ..Volume::default()
     });
-    volumes.push(empty_dir("tmp", None));
+    volumes.push(empty_dir("tmp", None, &tmp_size(ctx, component)));
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(labels),
@@ -76,7 +93,7 @@ pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> 
             ..ObjectMeta::default()
         }),
         spec: Some(PodSpec {
-            service_account_name: Some(ctx.name.clone()),
+            service_account_name: Some(service_account_name(&ctx.name)),
             // Only the coordinator calls the API server (engine discovery, status); no other
             // pod, and above all no agent pod, holds an API credential.
             automount_service_account_token: Some(component == "coordinator"),
@@ -106,7 +123,8 @@ pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> 
 /// pod's status and from there the run's conditions (docs/operator.md, "Why is my run stuck").
 pub const TERMINATION_MESSAGE_POLICY: &str = "FallbackToLogsOnError";
 
-/// A container with the run's config, token and a writable `/tmp`, locked down.
+/// A container with the run's config, token and a writable `/tmp`, locked down with a read-only
+/// root filesystem.
 pub(crate) fn container(
     name: &str,
     image: &str,
@@ -118,7 +136,7 @@ pub(crate) fn container(
         image: Some(image.into()),
         command: (!command.is_empty()).then_some(command),
         args: (!args.is_empty()).then_some(args),
-        security_context: Some(locked_down()),
+        security_context: Some(locked_down(true)),
         volume_mounts: Some(vec![
             mount("config", CONFIG_DIR, true),
             mount("tmp", "/tmp", false),
@@ -162,16 +180,47 @@ pub(crate) fn moult_env(ctx: &Ctx, credential: Credential) -> Vec<EnvVar> {
     ]
 }
 
-pub(crate) fn locked_down() -> SecurityContext {
+/// The security context of every container: non-root, no capabilities, no privilege
+/// escalation, RuntimeDefault seccomp, and (unless the agent's spec says otherwise) a read-only
+/// root filesystem.
+pub(crate) fn locked_down(read_only_root: bool) -> SecurityContext {
     SecurityContext {
         allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(read_only_root),
         run_as_non_root: Some(true),
         capabilities: Some(Capabilities {
             drop: Some(vec!["ALL".into()]),
             ..Capabilities::default()
         }),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..Default::default()
+        }),
         ..SecurityContext::default()
     }
+}
+
+/// The size limit of `component`'s `/tmp`: its `resources.limits.ephemeral-storage`, else
+/// [`TMP_SIZE`].
+fn tmp_size(ctx: &Ctx, component: &str) -> String {
+    let spec = &ctx.run.spec;
+    let resources = match component {
+        "engine" => spec.engines.resources.as_ref(),
+        "trainer" => spec.trainer.resources.as_ref(),
+        "agents" => spec.agent.resources.as_ref(),
+        _ => None,
+    };
+    resources
+        .and_then(|r| r.limits.as_ref())
+        .and_then(|l| l.get("ephemeral-storage"))
+        .map(|q| q.0.clone())
+        .or_else(|| {
+            TMP_SIZE
+                .iter()
+                .find(|(c, _)| *c == component)
+                .map(|(_, size)| size.to_string())
+        })
+        .unwrap_or_else(|| "1Gi".into())
 }
 
 /// The user's resources with `gpus` GPUs added as a limit (extended resources are requested
@@ -209,11 +258,13 @@ pub(crate) fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
     }
 }
 
-pub(crate) fn empty_dir(name: &str, medium: Option<&str>) -> Volume {
+/// An emptyDir (in memory when `medium` is `Memory`) of at most `size`.
+pub(crate) fn empty_dir(name: &str, medium: Option<&str>, size: &str) -> Volume {
     Volume {
         name: name.into(),
         empty_dir: Some(EmptyDirVolumeSource {
             medium: medium.map(Into::into),
+            size_limit: Some(Quantity(size.into())),
             ..Default::default()
         }),
         ..Volume::default()

@@ -17,7 +17,7 @@ pub(crate) fn example_run() -> RLRun {
 }
 
 fn build(run: &RLRun) -> Children {
-    desired(run, &Images::default(), "secret-token").expect("the example builds")
+    desired(run, &Config::default(), "secret-token").expect("the example builds")
 }
 
 fn pod(spec: &Option<k8s_openapi::api::core::v1::PodTemplateSpec>) -> &PodSpec {
@@ -38,7 +38,7 @@ fn args(c: &Container) -> Vec<&str> {
 fn every_child_is_owned_by_the_run_as_controller_and_labelled() {
     let run = example_run();
     let list = build(&run).into_list();
-    assert_eq!(list.len(), 13);
+    assert_eq!(list.len(), 16);
     for child in &list {
         let meta = &child.object["metadata"];
         let owner = &meta["ownerReferences"][0];
@@ -56,7 +56,7 @@ fn every_child_is_owned_by_the_run_as_controller_and_labelled() {
         .collect();
     assert_eq!(
         names.len(),
-        13,
+        16,
         "no two children share a kind and name: {names:?}"
     );
 }
@@ -227,7 +227,7 @@ fn the_trainer_mounts_the_teacher_of_distillation() {
 fn a_multi_rank_trainer_is_refused_with_the_field_named_before_any_pod() {
     let mut run = example_run();
     run.spec.trainer.nodes = 2;
-    let Err(InvalidSpec(err)) = desired(&run, &Images::default(), "t") else {
+    let Err(InvalidSpec(err)) = desired(&run, &Config::default(), "t") else {
         panic!("a two-rank trainer was built");
     };
     assert!(err.starts_with("spec.trainer.nodes:"), "{err}");
@@ -242,40 +242,44 @@ fn a_judge_run_is_refused_with_the_field_named() {
         }))
         .unwrap(),
     );
-    let Err(InvalidSpec(err)) = desired(&run, &Images::default(), "t") else {
+    let Err(InvalidSpec(err)) = desired(&run, &Config::default(), "t") else {
         panic!("a judge run was built");
     };
     assert!(err.starts_with("spec.judge:"), "{err}");
 }
 
 #[test]
-fn every_pod_runs_as_non_root_without_capabilities() {
+fn every_pod_runs_as_the_runs_own_service_account_which_is_never_the_namespaces_default() {
     let c = build(&example_run());
-    let templates = [
+    assert_eq!(
+        c.service_account.metadata.name.as_deref(),
+        Some("gsm8k-grpo-moult")
+    );
+    assert_eq!(c.role.metadata.name.as_deref(), Some("gsm8k-grpo-moult"));
+    let binding = &c.role_binding;
+    assert_eq!(binding.role_ref.name, "gsm8k-grpo-moult");
+    assert_eq!(
+        binding.subjects.as_ref().unwrap()[0].name,
+        "gsm8k-grpo-moult"
+    );
+    for t in [
         c.engines.spec.template,
         c.trainer.spec.template,
         c.coordinator.spec.template,
         c.agents.spec.template,
-    ];
-    for t in templates {
+    ] {
         let p = t.spec.unwrap();
-        assert_eq!(
-            p.security_context.as_ref().unwrap().run_as_non_root,
-            Some(true)
+        assert_eq!(p.service_account_name.as_deref(), Some("gsm8k-grpo-moult"));
+    }
+    let mut default = example_run();
+    default.metadata.name = Some("default".into());
+    let c = build(&default);
+    for child in c.into_list() {
+        assert_ne!(
+            child.name, "default",
+            "an RLRun named default names no {:?} default",
+            child.kind
         );
-        for c in p
-            .containers
-            .iter()
-            .chain(p.init_containers.iter().flatten())
-        {
-            let sc = c.security_context.as_ref().unwrap();
-            assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", c.name);
-            assert_eq!(
-                sc.capabilities.as_ref().unwrap().drop.as_deref(),
-                Some(&["ALL".to_string()][..])
-            );
-        }
-        assert_eq!(p.service_account_name.as_deref(), Some("gsm8k-grpo"));
     }
 }
 
@@ -423,24 +427,6 @@ fn the_role_reaches_only_its_own_run() {
 }
 
 #[test]
-fn the_network_policy_admits_only_the_runs_pods() {
-    let np = build(&example_run()).network_policy.spec.unwrap();
-    let run_pods = np.pod_selector.unwrap().match_labels.unwrap();
-    assert_eq!(run_pods[RUN_LABEL], "gsm8k-grpo");
-    let from = &np.ingress.unwrap()[0].from.clone().unwrap()[0];
-    assert_eq!(
-        from.pod_selector
-            .as_ref()
-            .unwrap()
-            .match_labels
-            .as_ref()
-            .unwrap()[RUN_LABEL],
-        "gsm8k-grpo"
-    );
-    assert!(from.namespace_selector.is_none() && from.ip_block.is_none());
-}
-
-#[test]
 fn queue_name_and_priority_class_reach_every_pod() {
     let mut run = example_run();
     run.spec.scheduling.queue_name = Some("team-a".into());
@@ -462,7 +448,7 @@ fn queue_name_and_priority_class_reach_every_pod() {
 fn a_run_without_uid_is_refused_not_built_without_owner() {
     let mut run = example_run();
     run.metadata.uid = None;
-    assert!(desired(&run, &Images::default(), "t").is_err());
+    assert!(desired(&run, &Config::default(), "t").is_err());
 }
 
 #[test]
@@ -542,7 +528,7 @@ fn the_filesystem_transport_mounts_its_claim_in_trainer_and_engines() {
         .as_mut()
         .unwrap()
         .claim_name = None;
-    let err = desired(&run, &Images::default(), "t").unwrap_err();
+    let err = desired(&run, &Config::default(), "t").unwrap_err();
     assert!(
         err.0.starts_with("spec.engines.weightTransfer.claimName:"),
         "{err}"
@@ -621,12 +607,34 @@ fn every_flag_moult_sets_on_an_engine_is_refused_in_extra_args() {
                 assert!(refused(form.clone()), "{form:?} is refused");
             }
         }
+        // argparse's abbreviations: every prefix with a character after the dashes.
+        let dashes = if flag.starts_with("--") { 2 } else { 1 };
+        for end in dashes + 1..flag.len() {
+            let abbreviation = &flag[..end];
+            assert!(
+                refused(vec![abbreviation.to_string(), "1".into()]),
+                "{abbreviation} (abbreviating {flag}) is refused"
+            );
+            assert!(refused(vec![format!("{abbreviation}=1")]));
+        }
     }
+    // The message names the flag that the refused argument abbreviates.
+    let mut r = example_run();
+    r.spec.engines.extra_args = vec!["--served_model".into(), "x".into()];
+    let errors = r.validate().unwrap_err();
+    assert!(
+        errors.iter().any(|e| e.contains(
+            "engines.extraArgs cannot set a flag moult sets itself: --served-model-name"
+        )),
+        "{errors:?}"
+    );
     for fine in [
         vec!["--enforce-eager".to_string()],
         vec!["--dtype".into(), "bfloat16".into()],
         vec!["--hosts-file".into(), "x".into()],
         vec!["--max-num-seqs=8".into()],
+        vec!["--model-impl".into(), "transformers".into()],
+        vec!["--".into(), "-".into(), "-1".into()],
     ] {
         assert!(!refused(fine.clone()), "{fine:?} is accepted");
     }

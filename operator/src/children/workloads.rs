@@ -14,13 +14,27 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::pods::{
     claim, config_path, container, dataset, empty_dir, env, field_env, locked_down, model,
     moult_env, mount, resources, teacher, template, weights, Credential, CHECKPOINT_DIR,
-    TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
+    MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
 };
 use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, TRAINER_RENDEZVOUS_PORT};
 use crate::api::{AgentForm, EngineBackend, RLRunSpec, WeightTransport};
 
 /// Where the init container puts the `moult` binary in agent pods.
 const MOULT_BIN_DIR: &str = "/opt/moult/bin";
+
+/// Where vLLM's engine pods keep what they write (all under the `/tmp` emptyDir, their `HOME`):
+/// Hugging Face downloads, vLLM's own cache (torch.compile artifacts), Triton's kernels,
+/// TorchInductor's cache (which otherwise asks the passwd file for a user name), numba's cache
+/// (beside its sources otherwise), and the XDG folders the rest follow.
+pub const VLLM_CACHES: [(&str, &str); 7] = [
+    ("HF_HOME", "/tmp/hf"),
+    ("XDG_CACHE_HOME", "/tmp/.cache"),
+    ("XDG_CONFIG_HOME", "/tmp/.config"),
+    ("VLLM_CACHE_ROOT", "/tmp/.cache/vllm"),
+    ("TRITON_CACHE_DIR", "/tmp/.triton"),
+    ("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor"),
+    ("NUMBA_CACHE_DIR", "/tmp/numba"),
+];
 
 fn selector(ctx: &Ctx, component: &str) -> LabelSelector {
     LabelSelector {
@@ -89,9 +103,17 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
     let (image, command, args, mut env_vars) = match e.backend {
         EngineBackend::Vllm => {
             let args = vllm_args(spec, &model_path, "0.0.0.0", ENGINE_PORT as u16, &ctx.name);
-            let image = e.image.clone().unwrap_or_else(|| ctx.images.vllm.clone());
-            // Dev mode serves /pause, /resume and the weight-transfer endpoints.
-            let env_vars = vec![env("VLLM_SERVER_DEV_MODE", "1"), env("HF_HOME", "/tmp/hf")];
+            let image = e
+                .image
+                .clone()
+                .unwrap_or_else(|| ctx.config.images.vllm.clone());
+            let mut env_vars = vec![
+                // Dev mode serves /pause, /resume and the weight-transfer endpoints.
+                env("VLLM_SERVER_DEV_MODE", "1"),
+            ];
+            // The root filesystem is read-only: every cache vLLM and the libraries under it
+            // write goes to /tmp (HOME is /tmp too, for those that follow it).
+            env_vars.extend(VLLM_CACHES.iter().map(|(k, v)| env(k, v)));
             (
                 image,
                 vec!["vllm".to_string(), "serve".to_string()],
@@ -113,7 +135,7 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
             let image = e
                 .image
                 .clone()
-                .unwrap_or_else(|| ctx.images.runtime.clone());
+                .unwrap_or_else(|| ctx.config.images.runtime.clone());
             (image, vec!["moult".to_string()], args, Vec::new())
         }
     };
@@ -133,7 +155,7 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
         failure_threshold: Some(3),
         ..http_probe("/health", ENGINE_PORT, 10)
     });
-    let mut volumes = vec![empty_dir("dshm", Some("Memory"))];
+    let mut volumes = vec![empty_dir("dshm", Some("Memory"), SHM_SIZE)];
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     // NCCL and vLLM's tensor-parallel workers share memory through /dev/shm.
     mounts.push(mount("dshm", "/dev/shm", false));
@@ -221,7 +243,7 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
     let image = t
         .image
         .clone()
-        .unwrap_or_else(|| ctx.images.runtime.clone());
+        .unwrap_or_else(|| ctx.config.images.runtime.clone());
     let mut c = container(
         "trainer",
         &image,
@@ -277,7 +299,7 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
     ]);
     c.liveness_probe = Some(http_probe("/health", METRICS_PORT, 10));
     c.resources = resources(t.resources.as_ref(), t.gpus_per_node);
-    let mut volumes = vec![empty_dir("dshm", Some("Memory"))];
+    let mut volumes = vec![empty_dir("dshm", Some("Memory"), SHM_SIZE)];
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     mounts.push(mount("dshm", "/dev/shm", false));
     if let Some((v, m)) = model_volume {
@@ -325,7 +347,7 @@ pub(crate) fn coordinator_service(ctx: &Ctx) -> Service {
 pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
     let mut c = container(
         "coordinator",
-        &ctx.images.runtime,
+        &ctx.config.images.runtime,
         vec!["moult".into()],
         vec![
             "coordinator".into(),
@@ -400,8 +422,10 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     let image = a
         .image
         .clone()
-        .unwrap_or_else(|| ctx.images.runtime.clone());
+        .unwrap_or_else(|| ctx.config.images.runtime.clone());
     let mut c = container("agent", &image, vec![moult.clone()], args);
+    // Agent code may need to write into its own image (spec.agent.readOnlyRootFilesystem).
+    c.security_context = Some(locked_down(a.read_only_root_filesystem));
     let (model_volume, model_path) = model(ctx);
     let mut env_vars = vec![
         env("MOULT_CONCURRENCY", &a.concurrency.to_string()),
@@ -420,7 +444,7 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     c.resources = a.resources.clone();
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     mounts.push(mount("moult-bin", MOULT_BIN_DIR, true));
-    let mut volumes = vec![empty_dir("moult-bin", None)];
+    let mut volumes = vec![empty_dir("moult-bin", None, MOULT_BIN_SIZE)];
     if let Some((v, m)) = model_volume {
         // The chat template and tokenizer come from the model folder.
         volumes.push(v);
@@ -428,9 +452,9 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     }
     let init = Container {
         name: "install-moult".into(),
-        image: Some(ctx.images.init.clone()),
+        image: Some(ctx.config.images.init.clone()),
         command: Some(vec!["cp".into(), "/moult".into(), moult]),
-        security_context: Some(locked_down()),
+        security_context: Some(locked_down(true)),
         volume_mounts: Some(vec![mount("moult-bin", MOULT_BIN_DIR, false)]),
         termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.into()),
         ..Container::default()

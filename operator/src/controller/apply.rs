@@ -1,6 +1,14 @@
 //! Bringing a run's children to their desired state: list what exists by label, server-side
 //! apply only what differs, delete what is no longer desired.
 //!
+//! The operator touches only objects the run controls (an owner reference with `controller:
+//! true` and the run's uid): a labelled object someone else controls is never deleted, and a
+//! desired child whose name an object the run does not control already holds is a [`Conflict`].
+//! Then nothing is applied or deleted and the run's status names the object (docs/operator.md,
+//! "Why is my run stuck"): an RLRun never takes over a ServiceAccount, ConfigMap or Secret it
+//! did not make. A desired child the label listing did not find is looked up by name before it
+//! is applied (only then: a settled run costs no extra reads).
+//!
 //! "Differs" means some field we set is missing or has another value in the live object
 //! ([`covers`]); fields that the API server defaults or other managers own do not count. Every
 //! child also carries a hash of the applied object (`moult.dev/applied-hash`), so a field that
@@ -14,7 +22,9 @@ use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions,
+};
 use kube::{Client, Resource};
 use serde_json::Value;
 
@@ -44,8 +54,64 @@ pub fn api_resource(kind: ChildKind) -> ApiResource {
 /// The run's children that exist, by kind and name.
 pub type Live = BTreeMap<(ChildKind, String), DynamicObject>;
 
-/// Lists every child of `run` (by label) in `namespace`.
-pub async fn list(client: &Client, namespace: &str, run: &str) -> Result<Live> {
+/// The objects labelled as `run`'s children, split by who controls them.
+#[derive(Debug, Default)]
+pub struct Listed {
+    /// Controlled by the run (its uid in a controller owner reference).
+    pub owned: Live,
+    /// Labelled as the run's but controlled by something else (or nothing): never touched.
+    pub foreign: Live,
+}
+
+/// Whether `object` is controlled by the RLRun whose uid is `uid`.
+pub fn controlled_by(object: &DynamicObject, uid: &str) -> bool {
+    object
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && o.uid == uid)
+}
+
+/// A desired child whose kind and name an object the run does not control already holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Conflict {
+    pub kind: ChildKind,
+    pub name: String,
+    /// What controls it (`Kind/name`), if anything.
+    pub controller: Option<String>,
+}
+
+impl Conflict {
+    fn of(kind: ChildKind, object: &DynamicObject) -> Conflict {
+        let controller = object
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .find(|o| o.controller == Some(true))
+            .map(|o| format!("{}/{}", o.kind, o.name));
+        Conflict {
+            kind,
+            name: object.metadata.name.clone().unwrap_or_default(),
+            controller,
+        }
+    }
+}
+
+impl std::fmt::Display for Conflict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let by = match &self.controller {
+            Some(c) => format!("controlled by {c}"),
+            None => "not controlled by this RLRun".into(),
+        };
+        write!(f, "{:?} {} already exists, {by}", self.kind, self.name)
+    }
+}
+
+/// Lists every child of `run` (by label) in `namespace`, split by whether the run whose uid is
+/// `uid` controls it.
+pub async fn list(client: &Client, namespace: &str, run: &str, uid: &str) -> Result<Listed> {
     let lp = ListParams::default().labels(&format!(
         "{RUN_LABEL}={run},{MANAGED_BY_LABEL}={MANAGED_BY}"
     ));
@@ -61,13 +127,18 @@ pub async fn list(client: &Client, namespace: &str, run: &str) -> Result<Live> {
             Ok::<_, crate::error::Error>((kind, items))
         }
     });
-    let mut live = Live::new();
+    let mut listed = Listed::default();
     for (kind, items) in futures::future::try_join_all(lists).await? {
         for o in items {
-            live.insert((kind, o.metadata.name.clone().unwrap_or_default()), o);
+            let key = (kind, o.metadata.name.clone().unwrap_or_default());
+            if controlled_by(&o, uid) {
+                listed.owned.insert(key, o);
+            } else {
+                listed.foreign.insert(key, o);
+            }
         }
     }
-    Ok(live)
+    Ok(listed)
 }
 
 /// What one sync did.
@@ -77,10 +148,18 @@ pub struct Synced {
     pub current: Live,
     pub applied: Vec<String>,
     pub deleted: Vec<String>,
+    /// Desired children whose names objects the run does not control hold; when there are any,
+    /// nothing was applied or deleted.
+    pub conflicts: Vec<Conflict>,
+    /// A child the API server refused as invalid (`Kind name: its message`): nothing more was
+    /// applied, nothing deleted.
+    pub refused: Option<String>,
 }
 
-/// Applies every desired child that `live` does not already cover and deletes every live child
-/// that is not desired. Children are applied concurrently in waves: what pods need (config,
+/// Applies every desired child that the run's own children do not already cover and deletes every
+/// child of the run's that is not desired, unless a desired child's name is held by an object the
+/// run (uid `uid`) does not control: then it writes nothing and returns the conflicts. Children
+/// are applied concurrently in waves: what pods need (config,
 /// token, service account, role, network policy, services), then the RoleBinding (the API server
 /// lets a binder without `bind` rights bind only a Role that exists and whose rules it holds),
 /// then the workloads. A wave's applies all finish before the first error is returned: none is
@@ -88,10 +167,48 @@ pub struct Synced {
 pub async fn sync(
     client: &Client,
     namespace: &str,
+    uid: &str,
     desired: Vec<Child>,
-    mut live: Live,
+    listed: Listed,
 ) -> Result<Synced> {
+    let Listed {
+        owned: mut live,
+        foreign,
+    } = listed;
     let mut out = Synced::default();
+    // Desired children the listing did not find: does something else already hold the name?
+    let unlisted = desired
+        .iter()
+        .filter(|c| !live.contains_key(&(c.kind, c.name.clone())))
+        .map(|child| {
+            let key = (child.kind, child.name.clone());
+            let api: Api<DynamicObject> =
+                Api::namespaced_with(client.clone(), namespace, &api_resource(child.kind));
+            let held = foreign.get(&key).cloned();
+            async move {
+                let object = match held {
+                    Some(o) => Some(o),
+                    None => api
+                        .get_opt(&key.1)
+                        .await
+                        .context(|| format!("looking for {:?} {namespace}/{}", key.0, key.1))?,
+                };
+                Ok::<_, crate::error::Error>(object.map(|o| (key.0, o)))
+            }
+        });
+    for (kind, object) in futures::future::try_join_all(unlisted)
+        .await?
+        .into_iter()
+        .flatten()
+    {
+        if !controlled_by(&object, uid) {
+            out.conflicts.push(Conflict::of(kind, &object));
+        }
+    }
+    if !out.conflicts.is_empty() {
+        out.current = live;
+        return Ok(out);
+    }
     let mut waves: [Vec<Child>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for child in desired {
         let key = (child.kind, child.name.clone());
@@ -124,32 +241,56 @@ pub async fn sync(
             async move {
                 let applied = api
                     .patch(&child.name, pp, &Patch::Apply(&child.object))
-                    .await
-                    .context(|| format!("applying {:?} {namespace}/{}", child.kind, child.name))?;
-                Ok::<_, crate::error::Error>((child.kind, child.name, applied))
+                    .await;
+                (child.kind, child.name, applied)
             }
         });
         let mut first_error = None;
-        for result in futures::future::join_all(applies).await {
+        for (kind, name, result) in futures::future::join_all(applies).await {
             match result {
-                Ok((kind, name, applied)) => {
+                Ok(applied) => {
                     out.applied.push(format!("{kind:?}/{name}"));
                     out.current.insert((kind, name), applied);
                 }
-                Err(e) => first_error = first_error.or(Some(e)),
+                // The API server's validation refused what the spec made: the spec's doing,
+                // reported in the status (retrying cannot help).
+                Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
+                    out.refused
+                        .get_or_insert_with(|| format!("{kind:?} {name}: {}", e.message));
+                }
+                Err(source) => {
+                    first_error = first_error.or(Some(crate::error::Error::Kube {
+                        context: format!("applying {kind:?} {namespace}/{name}"),
+                        source,
+                    }));
+                }
             }
         }
         if let Some(e) = first_error {
             return Err(e);
         }
+        if out.refused.is_some() {
+            out.current.append(&mut live);
+            return Ok(out);
+        }
     }
-    let deletes = live.into_keys().map(|(kind, name)| {
+    // Only what the run controls is left in `live`; the uid precondition makes sure the object
+    // deleted is the one whose owner was checked, not one made since under the same name.
+    let deletes = live.into_iter().map(|((kind, name), object)| {
         let api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), namespace, &api_resource(kind));
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: object.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
         async move {
-            match api.delete(&name, &DeleteParams::background()).await {
+            match api.delete(&name, &params).await {
                 Ok(_) => Ok(Some(format!("{kind:?}/{name}"))),
-                Err(kube::Error::Api(e)) if e.code == 404 => Ok(None),
+                // Gone, or another object by now (the precondition failed).
+                Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(None),
                 Err(e) => {
                     Err(e).context(|| format!("deleting the orphan {kind:?} {namespace}/{name}"))
                 }

@@ -2,7 +2,9 @@
 //! differs → delete orphans by label → patch status when it changed → events on transitions.
 //!
 //! RLRuns are watched through [`DeserializeGuard`], so one that does not parse is reported in
-//! its status and events and skipped; it never stalls the watch. Errors back off per object
+//! its status and events and skipped; it never stalls the watch. The operator watches every
+//! namespace, or only those it is given (one controller per namespace, each with namespaced
+//! watches, so that a Role in each namespace is all the RBAC it needs). Errors back off per object
 //! exponentially. Children are watched too (by the managed-by label), so a child deleted or
 //! edited by hand is restored; and so are the run's pods (by the same label, mapped to their
 //! run by the run label), so that a pod the scheduler cannot place or a container that crashes
@@ -37,19 +39,19 @@ use serde_json::json;
 
 use self::apply::{Live, FIELD_MANAGER};
 use self::metrics::{Metrics, ResultLabels};
+use self::status::Refusal;
 use self::status::Workloads;
 use crate::api::{Phase, RLRun, RLRunStatus};
-use crate::children::{
-    self, ChildKind, Images, MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, TOKEN_KEY,
-};
+use crate::children::{self, ChildKind, MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, TOKEN_KEY};
 use crate::error::{Context as _, Error, Result};
 
 /// Operator-wide settings.
 #[derive(Clone, Debug)]
 pub struct Settings {
-    /// Watch one namespace, or all when None.
-    pub namespace: Option<String>,
-    pub images: Images,
+    /// Watch these namespaces, or every namespace when empty.
+    pub namespaces: Vec<String>,
+    /// Images and network facts for every run's children.
+    pub children: children::Config,
     /// Reconciles running at once (never two of one run).
     pub concurrency: u16,
     /// Periodic re-check of a healthy run.
@@ -64,19 +66,56 @@ pub struct Ctx {
     recorder: Recorder,
     /// Consecutive failures per run, for exponential backoff.
     failures: Mutex<HashMap<String, u32>>,
-    /// The runs that exist (the controller's cache): per-run metrics of the others are dropped.
-    runs: Store<DeserializeGuard<RLRun>>,
+    /// The runs that exist (each controller's cache): per-run metrics of the others are dropped.
+    runs: Vec<Store<DeserializeGuard<RLRun>>>,
 }
 
-/// Runs the controller until shutdown (SIGTERM/SIGINT).
+/// Runs the controller until shutdown (SIGTERM/SIGINT): one for every namespace, or one per
+/// namespace of `settings.namespaces`.
 pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, identity: &str) {
-    let (runs, owned) = match &settings.namespace {
-        Some(ns) => (
-            Api::<DeserializeGuard<RLRun>>::namespaced(client.clone(), ns),
-            Some(ns.clone()),
-        ),
-        None => (Api::<DeserializeGuard<RLRun>>::all(client.clone()), None),
+    let scopes: Vec<Option<String>> = if settings.namespaces.is_empty() {
+        vec![None]
+    } else {
+        settings.namespaces.iter().cloned().map(Some).collect()
     };
+    let controllers: Vec<(Controller<DeserializeGuard<RLRun>>, Option<String>)> = scopes
+        .into_iter()
+        .map(|ns| {
+            let runs = match &ns {
+                Some(ns) => Api::<DeserializeGuard<RLRun>>::namespaced(client.clone(), ns),
+                None => Api::<DeserializeGuard<RLRun>>::all(client.clone()),
+            };
+            (Controller::new(runs, watcher::Config::default()), ns)
+        })
+        .collect();
+    let reporter = Reporter {
+        controller: FIELD_MANAGER.into(),
+        instance: Some(identity.into()),
+    };
+    let ctx = Arc::new(Ctx {
+        recorder: Recorder::new(client.clone(), reporter),
+        client: client.clone(),
+        metrics: metrics.clone(),
+        failures: Mutex::new(HashMap::new()),
+        settings: settings.clone(),
+        runs: controllers.iter().map(|(c, _)| c.store()).collect(),
+    });
+    metrics
+        .ready
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let running = controllers
+        .into_iter()
+        .map(|(controller, ns)| watch(controller, &client, ns, ctx.clone()));
+    futures::future::join_all(running).await;
+}
+
+/// One controller: the runs of one namespace (or all), their children and their pods.
+async fn watch(
+    controller: Controller<DeserializeGuard<RLRun>>,
+    client: &Client,
+    owned: Option<String>,
+    ctx: Arc<Ctx>,
+) {
     fn owned_api<K>(client: &Client, ns: &Option<String>) -> Api<K>
     where
         K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
@@ -87,48 +126,33 @@ pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, iden
         }
     }
     let ours = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
-    let reporter = Reporter {
-        controller: FIELD_MANAGER.into(),
-        instance: Some(identity.into()),
-    };
-    let controller = Controller::new(runs, watcher::Config::default());
-    let ctx = Arc::new(Ctx {
-        recorder: Recorder::new(client.clone(), reporter),
-        client: client.clone(),
-        metrics: metrics.clone(),
-        failures: Mutex::new(HashMap::new()),
-        settings: settings.clone(),
-        runs: controller.store(),
-    });
-    metrics
-        .ready
-        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let concurrency = ctx.settings.concurrency;
     controller
         // Pods belong to StatefulSets and ReplicaSets, not to the run: found by its label.
-        .watches(owned_api::<Pod>(&client, &owned), ours.clone(), |pod| {
+        .watches(owned_api::<Pod>(client, &owned), ours.clone(), |pod| {
             let run = pod.labels().get(RUN_LABEL)?.clone();
             let ns = pod.namespace()?;
             Some(ObjectRef::<DeserializeGuard<RLRun>>::new(&run).within(&ns))
         })
-        .owns(owned_api::<StatefulSet>(&client, &owned), ours.clone())
-        .owns(owned_api::<Deployment>(&client, &owned), ours.clone())
-        .owns(owned_api::<Service>(&client, &owned), ours.clone())
-        .owns(owned_api::<ConfigMap>(&client, &owned), ours.clone())
-        .owns(owned_api::<Secret>(&client, &owned), ours.clone())
-        .owns(owned_api::<ServiceAccount>(&client, &owned), ours.clone())
+        .owns(owned_api::<StatefulSet>(client, &owned), ours.clone())
+        .owns(owned_api::<Deployment>(client, &owned), ours.clone())
+        .owns(owned_api::<Service>(client, &owned), ours.clone())
+        .owns(owned_api::<ConfigMap>(client, &owned), ours.clone())
+        .owns(owned_api::<Secret>(client, &owned), ours.clone())
+        .owns(owned_api::<ServiceAccount>(client, &owned), ours.clone())
         .owns(
-            owned_api::<k8s_openapi::api::rbac::v1::Role>(&client, &owned),
+            owned_api::<k8s_openapi::api::rbac::v1::Role>(client, &owned),
             ours.clone(),
         )
         .owns(
-            owned_api::<k8s_openapi::api::rbac::v1::RoleBinding>(&client, &owned),
+            owned_api::<k8s_openapi::api::rbac::v1::RoleBinding>(client, &owned),
             ours.clone(),
         )
         .owns(
-            owned_api::<k8s_openapi::api::networking::v1::NetworkPolicy>(&client, &owned),
+            owned_api::<k8s_openapi::api::networking::v1::NetworkPolicy>(client, &owned),
             ours,
         )
-        .with_config(ControllerConfig::default().concurrency(settings.concurrency))
+        .with_config(ControllerConfig::default().concurrency(concurrency))
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
@@ -194,31 +218,50 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         return Ok(Action::await_change());
     }
     let ns = run.namespace().ok_or(Error::MissingMetadata("namespace"))?;
+    let uid = run.uid().ok_or(Error::MissingMetadata("uid"))?;
     let name = run.name_any();
-    let live = apply::list(&ctx.client, &ns, &name).await?;
-    let token = existing_token(&live, &name).unwrap_or_else(new_token);
-    let (current, invalid) = match children::desired(run, &ctx.settings.images, &token) {
+    let listed = apply::list(&ctx.client, &ns, &name, &uid).await?;
+    let token = existing_token(&listed.owned, &name).unwrap_or_else(new_token);
+    let (current, refusal) = match children::desired(run, &ctx.settings.children, &token) {
         Ok(desired) => {
-            let synced = apply::sync(&ctx.client, &ns, desired.into_list(), live).await?;
+            let synced = apply::sync(&ctx.client, &ns, &uid, desired.into_list(), listed).await?;
             ctx.metrics.write("apply", synced.applied.len());
             ctx.metrics.write("delete", synced.deleted.len());
             if !synced.applied.is_empty() || !synced.deleted.is_empty() {
                 tracing::info!(run = %format!("{ns}/{name}"), applied = ?synced.applied, deleted = ?synced.deleted, "synced children");
             }
-            (synced.current, None)
+            let refusal = if !synced.conflicts.is_empty() {
+                tracing::warn!(run = %format!("{ns}/{name}"), conflicts = ?synced.conflicts, "children's names are taken: nothing applied");
+                Some(Refusal::conflicts(&synced.conflicts))
+            } else {
+                synced.refused.map(|why| {
+                    tracing::warn!(run = %format!("{ns}/{name}"), refused = %why, "the API server refused a child");
+                    Refusal::InvalidSpec(format!(
+                        "the API server refused an object made from the spec: {why}"
+                    ))
+                })
+            };
+            (synced.current, refusal)
         }
-        Err(why) => (live, Some(why.0)),
+        Err(why) => (listed.owned, Some(Refusal::InvalidSpec(why.0))),
     };
     let now = Time(Timestamp::now());
     let workloads = workloads(&current, &name, pods(ctx, &ns, &name).await?);
-    let new = status::compute(run, &workloads, invalid.as_deref(), &now);
+    let new = status::compute(run, &workloads, refusal.as_ref(), &now);
     observe(ctx, &ns, &name, &new, &workloads);
     if status::changed(run.status.as_ref(), &new) {
         patch_status(run, &new, ctx).await?;
         announce(run, &new, ctx).await;
     }
+    if let Some(Refusal::OwnershipConflict(_)) = refusal {
+        // The objects in the way are not watched (they are not the run's): look again soon.
+        return Ok(Action::requeue(CONFLICT_RECHECK));
+    }
     Ok(Action::requeue(ctx.settings.resync))
 }
+
+/// How often a run whose children's names are taken looks again (a few reads each time).
+const CONFLICT_RECHECK: Duration = Duration::from_secs(10);
 
 /// The run's pods (where the causes of a component that is not ready are read).
 async fn pods(ctx: &Ctx, ns: &str, run: &str) -> Result<Vec<Pod>> {
@@ -233,7 +276,12 @@ async fn pods(ctx: &Ctx, ns: &str, run: &str) -> Result<Vec<Pod>> {
 
 /// The run's gauges from its new status, and none for runs that are gone.
 fn observe(ctx: &Ctx, ns: &str, run: &str, new: &RLRunStatus, workloads: &Workloads) {
-    let existing: Vec<String> = ctx.runs.state().iter().map(|r| key(r.meta())).collect();
+    let existing: Vec<String> = ctx
+        .runs
+        .iter()
+        .flat_map(|store| store.state())
+        .map(|r| key(r.meta()))
+        .collect();
     ctx.metrics.retain_runs(&existing);
     ctx.metrics
         .observe_run(ns, run, new.phase, &status::components(workloads));
@@ -365,14 +413,17 @@ fn note(message: &str) -> String {
     format!("{}…", &message[..end])
 }
 
-/// The cause in a status (a Degraded condition whose reason is one of [`causes::Reason`]), as
-/// reason and message.
+/// The cause in a status (a Degraded condition whose reason is one of [`causes::Reason`], or an
+/// ownership conflict), as reason and message.
 fn cause(status: &RLRunStatus) -> Option<(&str, &str)> {
     status
         .conditions
         .iter()
         .find(|c| c.type_ == "Degraded" && c.status == "True")
-        .filter(|c| causes::Reason::ALL.iter().any(|r| r.as_str() == c.reason))
+        .filter(|c| {
+            c.reason == status::OWNERSHIP_CONFLICT
+                || causes::Reason::ALL.iter().any(|r| r.as_str() == c.reason)
+        })
         .map(|c| (c.reason.as_str(), c.message.as_str()))
 }
 

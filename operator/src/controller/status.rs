@@ -124,9 +124,33 @@ fn deployment(d: Option<&Deployment>) -> Readiness {
     }
 }
 
-/// The operator's part of the status. `invalid` is why the spec could not be turned into
-/// objects, if it could not; `now` stamps conditions whose status changes.
-pub fn compute(run: &RLRun, w: &Workloads, invalid: Option<&str>, now: &Time) -> RLRunStatus {
+/// The reason of the conditions while a child's name is held by an object the run does not
+/// control (docs/operator.md, "Why is my run stuck").
+pub const OWNERSHIP_CONFLICT: &str = "OwnershipConflict";
+
+/// Why the operator made no children for a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The spec cannot be turned into objects: the run has Failed until the spec changes.
+    InvalidSpec(String),
+    /// Objects the run does not control hold its children's names: nothing is applied or deleted
+    /// until they are gone (or the run is renamed).
+    OwnershipConflict(String),
+}
+
+impl Refusal {
+    pub fn conflicts(conflicts: &[super::apply::Conflict]) -> Refusal {
+        let list: Vec<String> = conflicts.iter().map(ToString::to_string).collect();
+        Refusal::OwnershipConflict(format!(
+            "{}: the operator applies nothing of this run while they hold its children's names; delete or rename them, or rename the run",
+            list.join("; ")
+        ))
+    }
+}
+
+/// The operator's part of the status. `refusal` is why the run's children were not made, if
+/// they were not; `now` stamps conditions whose status changes.
+pub fn compute(run: &RLRun, w: &Workloads, refusal: Option<&Refusal>, now: &Time) -> RLRunStatus {
     let old = run.status.clone().unwrap_or_default();
     let generation = run.metadata.generation;
     let name = run.name_any();
@@ -149,103 +173,116 @@ pub fn compute(run: &RLRun, w: &Workloads, invalid: Option<&str>, now: &Time) ->
     let was_running_here = matches!(old.phase, Some(Phase::Running | Phase::Degraded))
         && old.observed_generation == generation;
 
-    let (phase, ready, progressing, degraded, suspended) = if let Some(why) = invalid {
-        (
-            Phase::Failed,
-            cond("Ready", false, "InvalidSpec", why),
-            cond("Progressing", false, "InvalidSpec", why),
-            cond("Degraded", true, "InvalidSpec", why),
-            cond("Suspended", run.spec.suspend, "InvalidSpec", why),
-        )
-    } else if old.phase == Some(Phase::Succeeded) {
-        (
-            Phase::Succeeded,
-            cond(
-                "Ready",
-                false,
-                "Succeeded",
-                "the run reached its total steps",
-            ),
-            cond(
-                "Progressing",
-                false,
-                "Succeeded",
-                "the run reached its total steps",
-            ),
-            cond(
-                "Degraded",
-                false,
-                "Succeeded",
-                "the run reached its total steps",
-            ),
-            cond(
-                "Suspended",
-                run.spec.suspend,
-                "Succeeded",
-                "the run reached its total steps",
-            ),
-        )
-    } else if run.spec.suspend {
-        let msg = if all_settled {
-            "every pod is stopped".to_string()
-        } else {
-            format!("stopping: {}", waiting.join(", "))
-        };
-        (
-            Phase::Suspended,
-            cond("Ready", false, "Suspended", "spec.suspend is set"),
-            cond("Progressing", !all_settled, "Suspending", &msg),
-            cond("Degraded", false, "Suspended", "spec.suspend is set"),
-            cond("Suspended", true, "Suspended", &msg),
-        )
-    } else if all_settled {
-        let msg = format!(
-            "{} engines, trainer, coordinator and agents are ready",
-            engines.ready
-        );
-        (
-            Phase::Running,
-            cond("Ready", true, "AllComponentsReady", &msg),
-            cond("Progressing", false, "AllComponentsReady", &msg),
-            cond("Degraded", false, "AllComponentsReady", &msg),
-            cond("Suspended", false, "Running", "spec.suspend is not set"),
-        )
-    } else if let Some(reason) = stuck {
-        let msg = if was_running_here {
-            format!("lost ready pods: {}", waiting.join(", "))
-        } else {
-            format!("waiting for {}", waiting.join(", "))
-        };
-        (
-            if was_running_here {
-                Phase::Degraded
+    let (phase, ready, progressing, degraded, suspended) =
+        if let Some(Refusal::InvalidSpec(why)) = refusal {
+            (
+                Phase::Failed,
+                cond("Ready", false, "InvalidSpec", why),
+                cond("Progressing", false, "InvalidSpec", why),
+                cond("Degraded", true, "InvalidSpec", why),
+                cond("Suspended", run.spec.suspend, "InvalidSpec", why),
+            )
+        } else if let Some(Refusal::OwnershipConflict(why)) = refusal {
+            (
+                if was_running_here {
+                    Phase::Degraded
+                } else {
+                    Phase::Pending
+                },
+                cond("Ready", false, OWNERSHIP_CONFLICT, why),
+                cond("Progressing", false, OWNERSHIP_CONFLICT, why),
+                cond("Degraded", true, OWNERSHIP_CONFLICT, why),
+                cond("Suspended", run.spec.suspend, OWNERSHIP_CONFLICT, why),
+            )
+        } else if old.phase == Some(Phase::Succeeded) {
+            (
+                Phase::Succeeded,
+                cond(
+                    "Ready",
+                    false,
+                    "Succeeded",
+                    "the run reached its total steps",
+                ),
+                cond(
+                    "Progressing",
+                    false,
+                    "Succeeded",
+                    "the run reached its total steps",
+                ),
+                cond(
+                    "Degraded",
+                    false,
+                    "Succeeded",
+                    "the run reached its total steps",
+                ),
+                cond(
+                    "Suspended",
+                    run.spec.suspend,
+                    "Succeeded",
+                    "the run reached its total steps",
+                ),
+            )
+        } else if run.spec.suspend {
+            let msg = if all_settled {
+                "every pod is stopped".to_string()
             } else {
-                Phase::Pending
-            },
-            cond("Ready", false, reason, &msg),
-            cond("Progressing", false, reason, &msg),
-            cond("Degraded", true, reason, &msg),
-            cond("Suspended", false, "Running", "spec.suspend is not set"),
-        )
-    } else if was_running_here {
-        let msg = format!("lost ready pods: {}", waiting.join(", "));
-        (
-            Phase::Degraded,
-            cond("Ready", false, "ComponentsNotReady", &msg),
-            cond("Progressing", true, "Recovering", &msg),
-            cond("Degraded", true, "ComponentsNotReady", &msg),
-            cond("Suspended", false, "Running", "spec.suspend is not set"),
-        )
-    } else {
-        let msg = format!("waiting for {}", waiting.join(", "));
-        (
-            Phase::Pending,
-            cond("Ready", false, "ComponentsNotReady", &msg),
-            cond("Progressing", true, "RollingOut", &msg),
-            cond("Degraded", false, "RollingOut", &msg),
-            cond("Suspended", false, "Running", "spec.suspend is not set"),
-        )
-    };
+                format!("stopping: {}", waiting.join(", "))
+            };
+            (
+                Phase::Suspended,
+                cond("Ready", false, "Suspended", "spec.suspend is set"),
+                cond("Progressing", !all_settled, "Suspending", &msg),
+                cond("Degraded", false, "Suspended", "spec.suspend is set"),
+                cond("Suspended", true, "Suspended", &msg),
+            )
+        } else if all_settled {
+            let msg = format!(
+                "{} engines, trainer, coordinator and agents are ready",
+                engines.ready
+            );
+            (
+                Phase::Running,
+                cond("Ready", true, "AllComponentsReady", &msg),
+                cond("Progressing", false, "AllComponentsReady", &msg),
+                cond("Degraded", false, "AllComponentsReady", &msg),
+                cond("Suspended", false, "Running", "spec.suspend is not set"),
+            )
+        } else if let Some(reason) = stuck {
+            let msg = if was_running_here {
+                format!("lost ready pods: {}", waiting.join(", "))
+            } else {
+                format!("waiting for {}", waiting.join(", "))
+            };
+            (
+                if was_running_here {
+                    Phase::Degraded
+                } else {
+                    Phase::Pending
+                },
+                cond("Ready", false, reason, &msg),
+                cond("Progressing", false, reason, &msg),
+                cond("Degraded", true, reason, &msg),
+                cond("Suspended", false, "Running", "spec.suspend is not set"),
+            )
+        } else if was_running_here {
+            let msg = format!("lost ready pods: {}", waiting.join(", "));
+            (
+                Phase::Degraded,
+                cond("Ready", false, "ComponentsNotReady", &msg),
+                cond("Progressing", true, "Recovering", &msg),
+                cond("Degraded", true, "ComponentsNotReady", &msg),
+                cond("Suspended", false, "Running", "spec.suspend is not set"),
+            )
+        } else {
+            let msg = format!("waiting for {}", waiting.join(", "));
+            (
+                Phase::Pending,
+                cond("Ready", false, "ComponentsNotReady", &msg),
+                cond("Progressing", true, "RollingOut", &msg),
+                cond("Degraded", false, "RollingOut", &msg),
+                cond("Suspended", false, "Running", "spec.suspend is not set"),
+            )
+        };
     let conditions = [ready, progressing, degraded, suspended]
         .into_iter()
         .map(|c| stamp(c, &old.conditions, generation, now))
@@ -279,14 +316,14 @@ pub fn changed(old: Option<&RLRunStatus>, new: &RLRunStatus) -> bool {
         || old.engines != new.engines
 }
 
-struct Cond {
+struct Cond<'a> {
     type_: &'static str,
     status: bool,
-    reason: &'static str,
+    reason: &'a str,
     message: String,
 }
 
-fn cond(type_: &'static str, status: bool, reason: &'static str, message: &str) -> Cond {
+fn cond<'a>(type_: &'static str, status: bool, reason: &'a str, message: &str) -> Cond<'a> {
     Cond {
         type_,
         status,
@@ -319,7 +356,7 @@ mod tests {
     use k8s_openapi::jiff::Timestamp;
 
     use super::*;
-    use crate::children::{desired, Images};
+    use crate::children::{desired, Config};
 
     fn run() -> RLRun {
         let mut r = crate::children::tests::example_run();
@@ -329,7 +366,7 @@ mod tests {
 
     /// The run's workloads as the API server would report them with `ready` pods each.
     fn workloads(r: &RLRun, ready: impl Fn(&str, i32) -> i32) -> Workloads {
-        let c = desired(r, &Images::default(), "t").unwrap();
+        let c = desired(r, &Config::default(), "t").unwrap();
         let sts = |mut s: StatefulSet, n: &str| {
             let want = s.spec.replicas.unwrap();
             s.metadata.generation = Some(1);
@@ -476,7 +513,9 @@ mod tests {
         let s = compute(
             &r,
             &Workloads::default(),
-            Some("engines.image is not a valid image"),
+            Some(&Refusal::InvalidSpec(
+                "engines.image is not a valid image".into(),
+            )),
             &now(),
         );
         assert_eq!(s.phase, Some(Phase::Failed));
@@ -550,6 +589,40 @@ mod tests {
             "{}",
             condition(&s, "Degraded").message
         );
+    }
+
+    #[test]
+    fn an_ownership_conflict_names_the_objects_and_is_pending_or_degraded_not_failed() {
+        use crate::children::ChildKind;
+        use crate::controller::apply::Conflict;
+        let mut r = run();
+        let refusal = Refusal::conflicts(&[
+            Conflict {
+                kind: ChildKind::ServiceAccount,
+                name: "gsm8k-grpo-moult".into(),
+                controller: None,
+            },
+            Conflict {
+                kind: ChildKind::Secret,
+                name: "gsm8k-grpo-token".into(),
+                controller: Some("RLRun/other".into()),
+            },
+        ]);
+        let s = compute(&r, &Workloads::default(), Some(&refusal), &now());
+        assert_eq!(s.phase, Some(Phase::Pending));
+        for t in ["Ready", "Progressing", "Degraded"] {
+            assert_eq!(condition(&s, t).reason, OWNERSHIP_CONFLICT, "{t}");
+        }
+        assert_eq!(condition(&s, "Degraded").status, "True");
+        let msg = &condition(&s, "Ready").message;
+        assert!(
+            msg.starts_with("ServiceAccount gsm8k-grpo-moult already exists, not controlled by this RLRun; Secret gsm8k-grpo-token already exists, controlled by RLRun/other:"),
+            "{msg}"
+        );
+        // A run that was running at this generation is Degraded while it lasts.
+        r.status = Some(compute(&r, &workloads(&r, |_, want| want), None, &now()));
+        let s = compute(&r, &workloads(&r, |_, want| want), Some(&refusal), &now());
+        assert_eq!(s.phase, Some(Phase::Degraded));
     }
 
     #[test]

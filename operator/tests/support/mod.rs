@@ -8,6 +8,10 @@
 
 #![allow(dead_code)]
 
+pub mod matrix;
+pub mod netpol;
+pub mod runs;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -189,16 +193,36 @@ impl Operator {
 
     /// The same with another kubeconfig (another identity).
     pub fn start_as(ns: &Namespace, identity: &str, kubeconfig: &Path) -> Operator {
-        let log = std::env::temp_dir().join(format!("moult-operator-{}-{identity}.log", ns.name));
+        Operator::launch(identity, kubeconfig, &ns.name, &ns.name, &[])
+    }
+
+    /// The operator for `ns` with more flags.
+    pub fn start_with(ns: &Namespace, identity: &str, flags: &[&str]) -> Operator {
+        Operator::launch(identity, &cluster().kubeconfig, &ns.name, &ns.name, flags)
+    }
+
+    /// An operator acting with `kubeconfig`, watching `watch` (comma-separated namespaces), its
+    /// Lease in `lease_ns`, with `flags` added.
+    pub fn launch(
+        identity: &str,
+        kubeconfig: &Path,
+        watch: &str,
+        lease_ns: &str,
+        flags: &[&str],
+    ) -> Operator {
+        let log = std::env::temp_dir().join(format!(
+            "moult-operator-{}-{identity}.log",
+            watch.replace(',', "+")
+        ));
         let file = std::fs::File::create(&log).expect("the log file");
         let child = Command::new(env!("CARGO_BIN_EXE_moult-operator"))
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info,kube=warn")
             .args([
                 "--namespace",
-                &ns.name,
+                watch,
                 "--lease-namespace",
-                &ns.name,
+                lease_ns,
                 "--identity",
                 identity,
             ])
@@ -216,6 +240,7 @@ impl Operator {
                 "--init-image",
                 "moult-init:test",
             ])
+            .args(flags)
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
@@ -365,6 +390,8 @@ pub fn invalid_cases(base: &str) -> Vec<Invalid> {
             &format!("tensorParallelSize: 2, {extra}}}"),
         )
     };
+    let agent =
+        |extra: &str| base.replace("    env: math\n", &format!("    env: math\n    {extra}\n"));
     let case = |yaml: String, field, message, rule| Invalid {
         yaml,
         field,
@@ -395,6 +422,31 @@ pub fn invalid_cases(base: &str) -> Vec<Invalid> {
         case(base.replace("totalSteps: 10", "totalSteps: 0"), "spec.totalSteps", "spec.totalSteps: Invalid value: 0: spec.totalSteps in body should be greater than or equal to 1", Schema),
         case(base.replace("replicas: 1, tensor", "replicas: -1, tensor"), "spec.engines.replicas", "spec.engines.replicas in body should be greater than or equal to 0", Schema),
         case(spec("rollout: {temperature: 11}"), "spec.rollout.temperature", "spec.rollout.temperature in body should be less than or equal to 10", Schema),
+        // argparse takes any unique prefix of a flag, and vLLM's parser reads `_` as `-`.
+        case(engines(r#"extraArgs: ["--served-model", "other"]"#), "spec.engines", "engines.extraArgs cannot set a flag moult sets itself: --served-model-name", Cel),
+        case(engines(r#"extraArgs: ["--tensor_parallel=4"]"#), "spec.engines", "engines.extraArgs cannot set a flag moult sets itself: --tensor-parallel-size", Cel),
+        case(engines(r#"extraArgs: ["-t", "4"]"#), "spec.engines", "engines.extraArgs cannot set a flag moult sets itself: -tp", Cel),
+        case(agent("egress: {to: [{cidr: 10.0.0.1/8}]}"), "spec.agent.egress.to[0]", "agent.egress.to[].cidr must be an IP block in CIDR notation", Cel),
+        case(agent("egress: {to: [{cidr: 10.0.0.0/8, except: [192.168.0.0/16]}]}"), "spec.agent.egress.to[0]", "agent.egress.to[].except must hold IP blocks strictly inside agent.egress.to[].cidr", Cel),
+        case(agent("egress: {to: [{cidr: 0.0.0.0/0, ports: [{port: 443, endPort: 80}]}]}"), "spec.agent.egress.to[0].ports[0]", "agent.egress.to[].ports[].endPort must be at least its port", Cel),
+        case(agent("egress: {allowAll: true, to: [{cidr: 0.0.0.0/0}]}"), "spec.agent.egress", "agent.egress.allowAll already opens every destination", Cel),
+        case(base.replace("model: {path: Qwen/Qwen3-0.6B}", "model: {path: Qwen/Qwen3-0.6B, claimName: My_Models}"), "spec.model", "model.claimName must name a PersistentVolumeClaim", Cel),
+        case(spec("scheduling: {tolerations: [{operator: Exists}]}"), "spec.scheduling", "scheduling.tolerations must each name a taint key", Cel),
+        case(spec("scheduling: {tolerations: [{key: node-role.kubernetes.io/control-plane, operator: Exists}]}"), "spec.scheduling", "scheduling.tolerations must each name a taint key, and none of node-role.kubernetes.io/", Cel),
+        case(engines("resources: {limits: {cpu: lots}}"), "spec.engines", "engines.resources limits and requests must be quantities", Cel),
+        case(agent("resources: {requests: {memory: 1.5 GB}}"), "spec.agent", "agent.resources limits and requests must be quantities", Cel),
+        case(spec("scheduling: {priorityClassName: system-node-critical}"), "spec.scheduling", "scheduling.priorityClassName must name a PriorityClass", Cel),
+        case(spec("scheduling: {queueName: team a}"), "spec.scheduling", "scheduling.queueName becomes a label value", Cel),
+        case(spec("scheduling: {nodeSelector: {'gpu type': a100}}"), "spec.scheduling", "scheduling.nodeSelector must map label keys", Cel),
+        case(base.replace("name: bad", "name: 9lives"), "", "RLRun names start with a lowercase letter", Cel),
+        case(base.replace("model: {path: Qwen/Qwen3-0.6B}", &format!("model: {{path: {}}}", "q".repeat(4097))), "spec.model.path", "spec.model.path: Too long: may not be more than 4096 bytes", Schema),
+        case(base.replace("replicas: 1, tensor", "replicas: 1025, tensor"), "spec.engines.replicas", "spec.engines.replicas in body should be less than or equal to 1024", Schema),
+        case(spec("rollout: {maxTurns: 1025}"), "spec.rollout.maxTurns", "spec.rollout.maxTurns in body should be less than or equal to 1024", Schema),
+        case(spec("algorithm: {batchSize: 100000}"), "spec.algorithm.batchSize", "spec.algorithm.batchSize in body should be less than or equal to 65536", Schema),
+        case(agent(&format!("command: [{}]", vec!["x"; 257].join(", "))), "spec.agent.command", "spec.agent.command: Too many: 257: must have at most 256 items", Schema),
+        case(spec(&format!("scheduling: {{nodeSelector: {{{}}}}}", (0..33).map(|i| format!("k{i}: v")).collect::<Vec<_>>().join(", "))), "spec.scheduling.nodeSelector", "spec.scheduling.nodeSelector: Too many: 33: must have at most 32 items", Schema),
+        // A string of an embedded Kubernetes type, bounded by the CRD's default (lib.rs).
+        case(spec(&format!("scheduling: {{tolerations: [{{key: {}, operator: Exists}}]}}", "k".repeat(1025))), "spec.scheduling.tolerations[0].key", "spec.scheduling.tolerations[0].key: Too long: may not be more than 1024 bytes", Schema),
         case(
             spec("algorithm: {estimator: PPO}"),
             "spec.algorithm.estimator",

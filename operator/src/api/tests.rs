@@ -1,0 +1,128 @@
+//! Tests of the spec's defaults and of CEL rules that span fields.
+
+mod judge_tests {
+    use crate::api::*;
+
+    fn run(judge: &str, estimator: &str) -> RLRun {
+        let yaml = format!(
+            "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: judged, namespace: local}}
+spec:
+  model: {{path: /models/policy}}
+  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
+  algorithm: {{estimator: {estimator}, teacher: {{path: /models/teacher}}}}
+  judge: {judge}
+  totalSteps: 1
+"
+        );
+        serde_yaml_ng::from_str(&yaml).unwrap()
+    }
+
+    fn refused(run: &RLRun, message: &str) -> bool {
+        run.validate()
+            .expect_err(message)
+            .iter()
+            .any(|e| e.contains(message))
+    }
+
+    #[test]
+    fn a_judge_defaults_its_weights_and_validates() {
+        let r = run(
+            "{path: judge, prompt: 'Is {response} right for {task.n}?'}",
+            "GRPO",
+        );
+        let judge = r.spec.judge.as_ref().unwrap();
+        assert_eq!(
+            (judge.weight, judge.agent_weight, judge.max_tokens),
+            (1.0, 1.0, 8)
+        );
+        assert_eq!(r.validate(), Ok(()));
+    }
+
+    #[test]
+    fn judge_rules_refuse_with_messages_naming_the_fields() {
+        let no_response = run("{path: judge, prompt: 'Is it right?'}", "GRPO");
+        assert!(refused(
+            &no_response,
+            "judge.prompt must contain {response}"
+        ));
+        let zero = run(
+            "{path: judge, prompt: '{response}', weight: 0, agentWeight: 0}",
+            "GRPO",
+        );
+        assert!(refused(
+            &zero,
+            "judge.weight and judge.agentWeight are both 0"
+        ));
+        let distill = run(
+            "{path: judge, prompt: '{response}'}",
+            "OnPolicyDistillation",
+        );
+        assert!(refused(&distill, "remove judge or pick GRPO"));
+        // Training on the judge alone, or only logging its score, is fine.
+        let alone = run(
+            "{path: judge, prompt: '{response}', agentWeight: 0}",
+            "GRPO",
+        );
+        assert_eq!(alone.validate(), Ok(()));
+    }
+}
+
+mod weight_transfer_tests {
+    use crate::api::*;
+
+    fn run(engines: &str) -> RLRun {
+        let yaml = format!(
+            "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: transfer, namespace: local}}
+spec:
+  model: {{path: /models/policy}}
+  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
+  engines: {engines}
+  totalSteps: 1
+"
+        );
+        serde_yaml_ng::from_str(&yaml).unwrap()
+    }
+
+    #[test]
+    fn each_backend_has_its_own_transport_by_default() {
+        assert_eq!(
+            run("{backend: vLLM}").spec.engines.transport(),
+            WeightTransport::Nccl
+        );
+        assert_eq!(
+            run("{backend: Builtin}").spec.engines.transport(),
+            WeightTransport::Tcp
+        );
+        let fs = run("{backend: vLLM, weightTransfer: {transport: Filesystem, claimName: w}}");
+        assert_eq!(fs.spec.engines.transport(), WeightTransport::Filesystem);
+        assert_eq!(fs.validate(), Ok(()));
+    }
+
+    #[test]
+    fn transports_an_engine_cannot_take_are_refused_naming_the_field() {
+        for (engines, message) in [
+            (
+                "{backend: Builtin, weightTransfer: {transport: Nccl}}",
+                "engines.weightTransfer.transport Nccl is for vLLM engines",
+            ),
+            (
+                "{backend: vLLM, weightTransfer: {transport: Tcp}}",
+                "engines.weightTransfer.transport Tcp is the built-in engine's weight stream",
+            ),
+            (
+                "{backend: Builtin, weightTransfer: {transport: Tcp, claimName: w}}",
+                "engines.weightTransfer.claimName is the folder of the Filesystem transport",
+            ),
+        ] {
+            let errors = run(engines).validate().expect_err(engines);
+            assert!(
+                errors.iter().any(|e| e.contains(message)),
+                "{engines}: {errors:?}"
+            );
+        }
+    }
+}
