@@ -1,5 +1,6 @@
-//! The weight stream and its bucket layouts. Any bytes a peer sends as its hello or as a bucket
-//! (header and payload) give an error or exactly what a well-formed stream gives, never a panic;
+//! The weight stream and its bucket layouts. Any bytes a peer without the run token sends in the
+//! handshake (as an engine's hello and proof, or as a trainer's challenge) are refused, never a
+//! panic; any bucket (header and payload) gives an error or exactly what a well-formed one gives;
 //! any `update_info` is refused with its entry named or laid out in bytes that add up; NCCL
 //! bucket plans never overflow and their chunks tile the bucket; and tensors of any shape and
 //! dtype sent over the TCP plane, at any flush size, land bit for bit.
@@ -11,10 +12,11 @@ use std::time::Duration;
 use proptest::prelude::*;
 use tch::{Device, Kind, Tensor};
 
-use crate::{drive, Budget, Row, RUN_TOKEN};
+use crate::{drive, Budget, Row};
 use moult_runtime::engine::api::UpdateInfo;
 use moult_runtime::engine::weights::{
-    connect, update_info, BucketLayout, StagedUpdate, WeightListener, BUCKET_MAGIC, HELLO_MAGIC,
+    connect, update_info, BucketLayout, StagedUpdate, WeightListener, BUCKET_MAGIC,
+    CHALLENGE_MAGIC, HELLO_MAGIC,
 };
 use moult_runtime::weight_sync::nccl_handshake::{BucketPlan, PackedWire, TensorMeta};
 
@@ -50,8 +52,10 @@ enum Case {
     Plan(Vec<TensorMeta>, u64),
     /// A trainer that sends these bytes as one bucket for a layout of these tensors, then hangs up.
     Bucket(Vec<(usize, u8)>, Vec<u8>),
-    /// A peer whose hello is these bytes.
+    /// A would-be engine whose hello (and proof) is these bytes.
     Hello(Vec<u8>),
+    /// A would-be trainer whose challenge (nonce and proof) is these bytes.
+    Challenge(Vec<u8>),
     /// Tensors (index into the model, dtype, seed) sent at this flush size.
     RoundTrip(Vec<(usize, u8)>, usize),
 }
@@ -161,21 +165,21 @@ fn bucket() -> impl Strategy<Value = Case> {
         })
 }
 
-fn hello() -> impl Strategy<Value = Case> {
-    let good = {
-        let mut b = HELLO_MAGIC.to_vec();
-        b.extend_from_slice(&3u32.to_le_bytes());
-        b.extend_from_slice(&(RUN_TOKEN.len() as u16).to_le_bytes());
-        b.extend_from_slice(RUN_TOKEN.as_bytes());
-        b
-    };
+/// Handshake bytes: the right magic, a rank and a nonce, then a made-up proof, with a few bytes
+/// changed or cut short; or noise.
+fn handshake(magic: &'static [u8; 8], len: usize) -> impl Strategy<Value = Vec<u8>> {
     (
+        prop::collection::vec(any::<u8>(), len..=len),
         prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..3),
         prop_oneof![Just(None), any::<prop::sample::Index>().prop_map(Some)],
-        prop::option::of(prop::collection::vec(any::<u8>(), 0..30)),
+        prop::option::of(prop::collection::vec(any::<u8>(), 0..80)),
     )
-        .prop_map(move |(edits, cut, noise)| {
-            let mut b = noise.unwrap_or_else(|| good.clone());
+        .prop_map(move |(body, edits, cut, noise)| {
+            let mut b = noise.unwrap_or_else(|| {
+                let mut b = magic.to_vec();
+                b.extend(body);
+                b
+            });
             for (at, v) in edits {
                 if !b.is_empty() {
                     let i = at.index(b.len());
@@ -185,8 +189,18 @@ fn hello() -> impl Strategy<Value = Case> {
             if let Some(cut) = cut {
                 b.truncate(cut.index(b.len() + 1));
             }
-            Case::Hello(b)
+            b
         })
+}
+
+fn hello() -> impl Strategy<Value = Case> {
+    // Rank, nonce, then the engine's proof.
+    handshake(HELLO_MAGIC, 4 + 32 + 32).prop_map(Case::Hello)
+}
+
+fn challenge() -> impl Strategy<Value = Case> {
+    // Nonce and the trainer's proof.
+    handshake(CHALLENGE_MAGIC, 32 + 32).prop_map(Case::Challenge)
 }
 
 fn round_trip() -> impl Strategy<Value = Case> {
@@ -203,6 +217,7 @@ fn case() -> impl Strategy<Value = Case> {
         3 => plan(),
         2 => bucket(),
         1 => hello(),
+        1 => challenge(),
         2 => round_trip(),
     ]
 }
@@ -324,25 +339,45 @@ fn check_bucket(tensors: Vec<(usize, u8)>, bytes: Vec<u8>) -> Result<(), TestCas
     Ok(())
 }
 
+/// A peer that sends `bytes` as an engine's side of the handshake, then hangs up, is refused.
 fn check_hello(bytes: Vec<u8>) -> Result<(), TestCaseError> {
     let mut listener = WeightListener::bind("127.0.0.1:0").unwrap();
     listener.accept_timeout = Duration::from_secs(5);
     listener.handshake_timeout = SHORT;
     let addr = listener.local_addr().unwrap();
-    let expected = {
-        let t = RUN_TOKEN.as_bytes();
-        bytes.len() >= 14 + t.len()
-            && &bytes[..8] == HELLO_MAGIC
-            && u16::from_le_bytes([bytes[12], bytes[13]]) as usize == t.len()
-            && &bytes[14..14 + t.len()] == t
-    };
     let writer = std::thread::spawn(move || {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         let _ = s.write_all(&bytes);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        // Read the challenge, as an engine would, until the trainer hangs up.
+        let _ = std::io::copy(&mut s, &mut std::io::sink());
     });
-    let accepted = listener.accept(1);
+    // Dropped before the join: the trainer hangs up, so the peer's read ends.
+    let refused = listener.accept(1).is_err();
     writer.join().unwrap();
-    prop_assert_eq!(accepted.is_ok(), expected, "{:?}", accepted.err());
+    prop_assert!(refused, "a peer without the token was accepted");
+    Ok(())
+}
+
+/// A trainer that answers an engine's hello with `bytes`, then hangs up, is refused.
+fn check_challenge(bytes: Vec<u8>) -> Result<(), TestCaseError> {
+    let rt = runtime();
+    let result = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let trainer = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut hello = [0u8; 8 + 4 + 32];
+            let _ = s.read_exact(&mut hello).await;
+            let _ = s.write_all(&bytes).await;
+            let _ = s.shutdown().await;
+        });
+        let r = connect(&addr, 1).await;
+        trainer.await.unwrap();
+        r
+    });
+    prop_assert!(result.is_err(), "a trainer without the token was trusted");
     Ok(())
 }
 
@@ -410,6 +445,7 @@ fn check(case: Case) -> Result<(), TestCaseError> {
         Case::Plan(metas, buffer) => check_plan(metas, buffer),
         Case::Bucket(t, bytes) => check_bucket(t, bytes),
         Case::Hello(bytes) => check_hello(bytes),
+        Case::Challenge(bytes) => check_challenge(bytes),
         Case::RoundTrip(t, flush) => check_round_trip(t, flush),
     }
 }
