@@ -107,7 +107,7 @@ pub fn drive<S: Strategy>(
             while Instant::now() < deadline {
                 // A fresh random seed per round; rounds are short so the deadline is kept.
                 let mut runner = TestRunner::new(config(cases.max(16)));
-                let result = runner.run(&strategy, &counted);
+                let result = runner.run(&strategy, counted);
                 record(runner, result);
             }
         }

@@ -155,7 +155,7 @@ fn check_outcome(o: &Outcome, whole: &str, stops: &[String]) -> Result<(), TestC
 fn check(case: Case) -> Result<(), TestCaseError> {
     let parser: &dyn ToolCallParser = if case.hermes { &Hermes } else { &NoTools };
     let split = pieces(&case.text, &case.cuts);
-    let whole = feed(&[case.text.clone()], &case.stops, parser);
+    let whole = feed(std::slice::from_ref(&case.text), &case.stops, parser);
     let streamed = feed(&split, &case.stops, parser);
     check_outcome(&whole, &case.text, &case.stops)?;
     check_outcome(&streamed, &case.text, &case.stops)?;
