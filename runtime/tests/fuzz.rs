@@ -50,8 +50,23 @@ pub struct Row {
     pub failures: Vec<String>,
 }
 
-/// The message and place of the last panic on this process (proptest reports only the message).
+/// The message and place of the last panic in a case (proptest reports only the message).
 static LAST_PANIC: Mutex<Option<String>> = Mutex::new(None);
+
+/// Clears [`IN_CASE`] when a case ends, by returning or by panicking.
+struct InCase;
+
+impl Drop for InCase {
+    fn drop(&mut self) {
+        IN_CASE.set(false);
+    }
+}
+
+thread_local! {
+    /// Whether this thread runs a case: its panics are failures that proptest reports; any
+    /// other panic is printed as usual.
+    static IN_CASE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
 
 /// Runs `property` on values of `strategy` within `budget`; `cases` is the brief run's count (at
 /// scale 1). A failing input is shrunk and reported; a timed run then goes on with a new seed.
@@ -66,6 +81,8 @@ pub fn drive<S: Strategy>(
     let counted = |v: S::Value| {
         executions.fetch_add(1, Ordering::Relaxed);
         *LAST_PANIC.lock().unwrap() = None;
+        IN_CASE.set(true);
+        let _reset = InCase;
         property(v)
     };
     let config = |cases| Config {
@@ -76,22 +93,26 @@ pub fn drive<S: Strategy>(
         ..Config::default()
     };
     let mut failures = Vec::new();
-    let mut record = |runner: TestRunner, result: Result<(), TestError<S::Value>>| {
-        drop(runner);
-        if let Err(e) = result {
-            let place = LAST_PANIC.lock().unwrap().take().unwrap_or_default();
-            // Errors of libtorch carry a whole backtrace: the head says what failed.
-            let mut text = format!("{e}\n    last panic: {place}");
-            if text.len() > 4000 {
-                let mut cut = 4000;
-                while !text.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                text.truncate(cut);
-                text.push_str(" [...]");
+    let mut record = |failure: Option<String>| {
+        let Some(mut text) = failure else {
+            return;
+        };
+        // Errors of libtorch carry a whole backtrace: the head says what failed.
+        if text.len() > 4000 {
+            let mut cut = 4000;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
             }
-            failures.push(text);
+            text.truncate(cut);
+            text.push_str(" [...]");
         }
+        failures.push(text);
+    };
+    let describe = |result: Result<(), TestError<S::Value>>| {
+        result.err().map(|e| {
+            let place = LAST_PANIC.lock().unwrap().take().unwrap_or_default();
+            format!("{e}\n    last panic: {place}")
+        })
     };
     match budget {
         Budget::Brief { scale } => {
@@ -99,16 +120,21 @@ pub fn drive<S: Strategy>(
                 config(cases.saturating_mul(scale)),
                 TestRng::deterministic_rng(RngAlgorithm::ChaCha),
             );
-            let result = runner.run(&strategy, counted);
-            record(runner, result);
+            record(describe(runner.run(&strategy, counted)));
         }
         Budget::Timed(time) => {
             let deadline = Instant::now() + time;
             while Instant::now() < deadline {
                 // A fresh random seed per round; rounds are short so the deadline is kept.
                 let mut runner = TestRunner::new(config(cases.max(16)));
-                let result = runner.run(&strategy, counted);
-                record(runner, result);
+                // A panic outside a case (a strategy's) ends the round, not the whole run.
+                let round = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    runner.run(&strategy, counted)
+                }));
+                record(match round {
+                    Ok(result) => describe(result),
+                    Err(_) => Some("a strategy panicked (printed above)".into()),
+                });
             }
         }
     }
@@ -138,8 +164,13 @@ fn main() {
     // Before any thread exists: the middleware and the weight stream read it once.
     std::env::set_var(moult_runtime::auth::TOKEN_ENV, RUN_TOKEN);
     std::env::remove_var(moult_runtime::auth::AGENT_TOKEN_ENV);
-    std::panic::set_hook(Box::new(|info| {
-        *LAST_PANIC.lock().unwrap() = Some(info.to_string());
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if IN_CASE.get() {
+            *LAST_PANIC.lock().unwrap() = Some(info.to_string());
+        } else {
+            default_hook(info);
+        }
     }));
     let budget = match std::env::var("MOULT_FUZZ_SECONDS") {
         Ok(s) => Budget::Timed(Duration::from_secs_f64(

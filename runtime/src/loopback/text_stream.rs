@@ -28,7 +28,7 @@ pub struct TextStream<'a> {
 }
 
 /// How many trailing bytes of `text` could be the start of one of the stop strings.
-pub(crate) fn partial_stop_len(text: &str, stops: &[String]) -> usize {
+fn partial_stop_len(text: &str, stops: &[String]) -> usize {
     stops
         .iter()
         .flat_map(|s| {

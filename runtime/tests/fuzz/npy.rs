@@ -32,7 +32,7 @@ fn round_trip() -> impl Strategy<Value = Case> {
     )
         .prop_flat_map(|(rows, layers, top_k, num_experts)| {
             let n = rows * layers * top_k;
-            let ids = prop::collection::vec(0..num_experts as u16, n..=n);
+            let ids = prop::collection::vec(0..=(num_experts - 1) as u16, n..=n);
             (Just((rows, layers, top_k, num_experts)), ids)
         })
         .prop_map(

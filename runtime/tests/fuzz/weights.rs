@@ -141,7 +141,6 @@ fn bucket() -> impl Strategy<Value = Case> {
         prop::collection::vec(any::<u8>(), 0..40),
     )
         .prop_map(|(tensors, edits, cut, random, noise)| {
-            let info = layout_of(&tensors);
             let total = total_bytes(&tensors);
             let mut bytes = if random {
                 noise
@@ -160,7 +159,6 @@ fn bucket() -> impl Strategy<Value = Case> {
             if let Some(cut) = cut {
                 bytes.truncate(cut.index(bytes.len() + 1));
             }
-            let _ = info;
             Case::Bucket(tensors, bytes)
         })
 }
