@@ -838,3 +838,54 @@ async fn libtorch_end_of_sequence_stops_unless_ignored_or_before_min_tokens() {
     );
     assert!(c.token_ids.len() >= 2);
 }
+
+/// A model whose logits are NaN (NaN weights, pushed here as an update) has no distribution to
+/// sample: the request fails with the reason and reports no token, with top-k or without, and the
+/// engine serves again once its weights are good. (Found by fuzzing the sampler: with top-k such
+/// a row panicked the engine thread, without it every logprob was NaN.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_nan_logits_fail_the_request_and_the_engine_goes_on() {
+    let dir = common::dense_model();
+    let engine = common::start_engine(&dir, common::engine_options()).await;
+    let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let good: Vec<(String, Tensor)> = model
+        .params()
+        .iter()
+        .map(|(n, t)| (n.clone(), t.detach().copy()))
+        .collect();
+    let nan: Vec<(String, Tensor)> = good
+        .iter()
+        .map(|(n, t)| {
+            let t = if n == "model.norm.weight" {
+                t.full_like(f64::NAN)
+            } else {
+                t.shallow_clone()
+            };
+            (n.clone(), t)
+        })
+        .collect();
+    assert!(nan.iter().any(|(n, _)| n == "model.norm.weight"));
+    push_weights(&engine.url, nan, 1, 1).await;
+    for top_k in [-1, 5] {
+        let (status, v) = post(
+            &format!("{}/inference/v1/generate", engine.url),
+            json!({"token_ids": prompt(3, 6), "sampling_params": {"max_tokens": 4, "top_k": top_k}}),
+        )
+        .await;
+        assert_eq!(status, 500, "top_k {top_k}: {v}");
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("not finite"), "top_k {top_k}: {v}");
+    }
+    push_weights(&engine.url, good, 2, 1).await;
+    let ok = generate(
+        &engine.url,
+        json!({"token_ids": prompt(3, 6), "sampling_params": {"max_tokens": 4, "ignore_eos": true}}),
+    )
+    .await;
+    assert_eq!(ok.choices[0].token_ids.len(), 4);
+    assert!(ok.choices[0]
+        .logprobs
+        .content
+        .iter()
+        .all(|t| t.logprob.is_finite()));
+}

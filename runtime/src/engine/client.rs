@@ -138,8 +138,7 @@ impl EngineClient {
         }
         Ok(GenerationStream {
             body: response.bytes_stream().boxed(),
-            buffer: Vec::new(),
-            chunks: ChunkParser::default(),
+            decoder: SseDecoder::default(),
             pending: VecDeque::new(),
             finished: false,
             abort: Some((self.clone(), request_id)),
@@ -161,8 +160,7 @@ type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<bytes::Bytes>> + Sen
 /// The events of one streaming generation.
 pub struct GenerationStream {
     body: ByteStream,
-    buffer: Vec<u8>,
-    chunks: ChunkParser,
+    decoder: SseDecoder,
     pending: VecDeque<Result<Generated, EngineError>>,
     finished: bool,
     /// Sent `abort_requests` on drop unless the generation finished (with the id the engine
@@ -181,7 +179,7 @@ impl std::fmt::Debug for GenerationStream {
 impl Drop for GenerationStream {
     fn drop(&mut self) {
         if let Some((client, id)) = self.abort.take() {
-            let id = self.chunks.engine_request_id.take().unwrap_or(id);
+            let id = self.decoder.chunks.engine_request_id.take().unwrap_or(id);
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move { client.abort(vec![id]).await });
             }
@@ -324,20 +322,47 @@ impl Stream for GenerationStream {
                 }
                 Poll::Ready(Some(Ok(bytes))) => {
                     let this = &mut *self;
-                    this.buffer.extend_from_slice(&bytes);
-                    while let Some(end) = find_event_end(&this.buffer) {
-                        let event: Vec<u8> = this.buffer.drain(..end).collect();
-                        let text = String::from_utf8_lossy(&event);
-                        for line in text.lines() {
-                            let Some(data) = line.strip_prefix("data:") else {
-                                continue;
-                            };
-                            let data = data.trim_start();
-                            if data != "[DONE]" {
-                                this.chunks.chunk(data, &mut this.pending);
-                            }
-                        }
-                    }
+                    this.decoder.feed(&bytes, &mut this.pending);
+                }
+            }
+        }
+    }
+}
+
+/// The SSE body of one generation, fed in whatever pieces the network delivers: each complete
+/// event's `data:` payloads are parsed in order, so any split of the same bytes gives the same
+/// events.
+#[derive(Debug, Default)]
+pub struct SseDecoder {
+    /// Bytes of an event not complete yet.
+    buffer: Vec<u8>,
+    /// How much of `buffer` holds no event end: each byte is searched once, however small the
+    /// reads an event arrives in.
+    searched: usize,
+    chunks: ChunkParser,
+}
+
+impl SseDecoder {
+    /// Takes the next bytes of the body, appending the events they complete to `out`.
+    pub fn feed(&mut self, bytes: &[u8], out: &mut VecDeque<Result<Generated, EngineError>>) {
+        self.buffer.extend_from_slice(bytes);
+        loop {
+            // An end straddling the searched part starts at most 3 bytes back.
+            let from = self.searched.saturating_sub(3);
+            let Some(end) = find_event_end(&self.buffer[from..]).map(|e| from + e) else {
+                self.searched = self.buffer.len();
+                return;
+            };
+            self.searched = 0;
+            let event: Vec<u8> = self.buffer.drain(..end).collect();
+            let text = String::from_utf8_lossy(&event);
+            for line in text.lines() {
+                let Some(data) = line.strip_prefix("data:") else {
+                    continue;
+                };
+                let data = data.trim_start();
+                if data != "[DONE]" {
+                    self.chunks.chunk(data, out);
                 }
             }
         }

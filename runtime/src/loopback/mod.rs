@@ -13,6 +13,7 @@ pub mod error;
 pub mod openai;
 pub mod service;
 pub mod session;
+pub mod text_stream;
 
 use std::sync::Arc;
 

@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 
 use super::error::LoopbackError;
 use super::session::{Sampled, Segment, Session};
+use super::text_stream::{Streamed, TextStream};
 use crate::chat::{
     parser_for_template, ChatRequest, ChatTemplate, DecodeStream, InvalidRequest, NoTools,
     RenderOptions, Tokenizer, ToolCall, ToolCallParser,
@@ -198,20 +199,6 @@ fn random_hex(n: usize) -> String {
     (0..n)
         .map(|_| char::from_digit(rng.gen_range(0..16), 16).expect("hex digit"))
         .collect()
-}
-
-/// How many trailing bytes of `text` could be the start of one of the stop strings.
-fn partial_stop_len(text: &str, stops: &[String]) -> usize {
-    stops
-        .iter()
-        .flat_map(|s| {
-            (1..s.len())
-                .rev()
-                .filter(move |&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
-                .take(1)
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 impl ChatService {
@@ -437,12 +424,10 @@ impl ChatService {
             .engine
             .generate(id, prompt, &sampling, Some(session))
             .await?;
-        let stops = &req.sampling.stop;
+        let mut text = TextStream::new(&req.sampling.stop, *parser);
         let mut record = Sampled::default();
         let mut tokens = Vec::new();
         let mut detok = DecodeStream::new(true);
-        let mut text = String::new();
-        let mut sent = 0;
         let mut finish = None;
         while let Some(event) = stream.next().await {
             match event? {
@@ -461,38 +446,21 @@ impl ChatService {
                     record.logprobs.push(logprob);
                     record.versions.push(version);
                     tokens.push(TokenInfo { id, logprob, top });
-                    let before = text.len();
-                    text.push_str(&detok.step(&self.tokenizer, id)?);
-                    if !stops.is_empty() {
-                        let from =
-                            before.saturating_sub(stops.iter().map(String::len).max().unwrap_or(0));
-                        let from = (0..=from)
-                            .rev()
-                            .find(|&i| text.is_char_boundary(i))
-                            .unwrap_or(0);
-                        if let Some((at, stop)) = stops
-                            .iter()
-                            .filter_map(|s| text[from..].find(s.as_str()).map(|i| (from + i, s)))
-                            .min_by_key(|(at, _)| *at)
-                        {
-                            text.truncate(at);
-                            finish = Some(Finish::StopSequence(stop.clone()));
+                    match text.push(&detok.step(&self.tokenizer, id)?) {
+                        Streamed::Stopped(stop) => {
+                            finish = Some(Finish::StopSequence(stop));
                             break;
                         }
-                    }
-                    let safe = parser
-                        .content_prefix_len(&text)
-                        .min(text.len() - partial_stop_len(&text, stops));
-                    if safe > sent {
-                        if let Some(tx) = &events {
-                            tx.send(TurnEvent {
-                                choice: index,
-                                text: text[sent..safe].to_string(),
-                            })
-                            .await
-                            .map_err(|_| LoopbackError::ClientGone)?;
+                        Streamed::Content(content) => {
+                            if let (Some(tx), false) = (&events, content.is_empty()) {
+                                tx.send(TurnEvent {
+                                    choice: index,
+                                    text: content,
+                                })
+                                .await
+                                .map_err(|_| LoopbackError::ClientGone)?;
+                            }
                         }
-                        sent = safe;
                     }
                 }
                 Generated::Finished {
@@ -520,21 +488,19 @@ impl ChatService {
                 "the stream ended without a finish".into(),
             ))
         })?;
-        let parsed = parser.parse(&text);
+        let (parsed, rest) = text.finish();
         let tool_calls: Vec<ToolCall> = parsed
             .tool_calls
             .into_iter()
             .map(|c| c.with_id(format!("{id_prefix}{}", random_hex(24))))
             .collect();
-        if let (Some(tx), Some(content)) = (&events, &parsed.content) {
-            if content.len() > sent && content.is_char_boundary(sent) {
-                tx.send(TurnEvent {
-                    choice: index,
-                    text: content[sent..].to_string(),
-                })
-                .await
-                .map_err(|_| LoopbackError::ClientGone)?;
-            }
+        if let (Some(tx), false) = (&events, rest.is_empty()) {
+            tx.send(TurnEvent {
+                choice: index,
+                text: rest,
+            })
+            .await
+            .map_err(|_| LoopbackError::ClientGone)?;
         }
         let finish = match finish {
             Finish::Stop if !tool_calls.is_empty() => Finish::ToolCalls,
@@ -550,18 +516,5 @@ impl ChatService {
                 tokens,
             },
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn partial_stops_are_held_back() {
-        let stops = vec!["STOP".to_string(), "\n\n".to_string()];
-        assert_eq!(partial_stop_len("abc ST", &stops), 2);
-        assert_eq!(partial_stop_len("abc\n", &stops), 1);
-        assert_eq!(partial_stop_len("abc", &stops), 0);
     }
 }

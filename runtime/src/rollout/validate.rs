@@ -13,6 +13,11 @@ use crate::loopback::Segment;
 /// The largest logprob accepted for a sampled token: 0 up to float rounding.
 const MAX_LOGPROB: f32 = 1e-3;
 
+/// The largest reward magnitude accepted. The advantage estimators sum and square a group's
+/// rewards, and a finite reward near `f64::MAX` makes them inf and the advantages NaN (found by
+/// fuzzing, `runtime/tests/fuzz.rs`); no reward scale in use comes near this.
+pub const MAX_REWARD: f64 = 1e12;
+
 /// What an episode is checked against.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EpisodeLimits {
@@ -42,6 +47,12 @@ pub fn check(episode: &Episode, limits: &EpisodeLimits, now: u64) -> Result<(), 
     if !episode.reward.is_finite() {
         return Err(format!("reward {} is not a finite number", episode.reward));
     }
+    if episode.reward.abs() > MAX_REWARD {
+        return Err(format!(
+            "reward {} is larger in magnitude than {MAX_REWARD:e}: the advantages would overflow",
+            episode.reward
+        ));
+    }
     for (k, segment) in episode.segments.iter().enumerate() {
         check_segment(segment, limits, now).map_err(|e| format!("segment {k}: {e}"))?;
     }
@@ -68,6 +79,15 @@ fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), St
                 limits
                     .vocab_size
                     .map_or_else(|| "unknown".into(), |v| v.to_string())
+            ));
+        }
+        // Every logprob, not only the sampled ones: a batch crosses the network as JSON, which
+        // has no NaN or inf (serde writes null), so one of them would make the batch unreadable
+        // to the trainer at every retry (found by fuzzing: an inf logprob under mask 0 passed).
+        if !s.logprobs[i].is_finite() {
+            return Err(format!(
+                "logprob {} at position {i} is not a finite number",
+                s.logprobs[i]
             ));
         }
         match s.loss_mask[i] {
@@ -126,7 +146,9 @@ fn check_routed_experts(s: &Segment) -> Result<(), String> {
         next = next.saturating_add(shape[0]);
     }
     let len = s.token_ids.len();
-    if next != len && next.saturating_add(1) != len {
+    // All but the last position needs at least one: the last row is a copy of the one before
+    // (found by fuzzing: chunks of no rows on a 1-token segment panicked the trainer).
+    if next != len && !(next > 0 && next.saturating_add(1) == len) {
         return Err(format!(
             "routed experts cover {next} positions of a {len}-token segment"
         ));
@@ -189,7 +211,7 @@ mod tests {
     #[test]
     fn each_kind_of_malformed_episode_is_refused_with_its_reason() {
         type Spoil = fn(&mut Episode);
-        let cases: [(&str, Spoil); 11] = [
+        let cases: [(&str, Spoil); 12] = [
             ("outside the vocabulary", |e| {
                 e.segments[0].token_ids[1] = 100
             }),
@@ -206,7 +228,13 @@ mod tests {
                 e.segments[0].versions.pop();
             }),
             ("it is 0 or 1", |e| e.segments[0].loss_mask[0] = 2),
-            ("has logprob NaN", |e| e.segments[0].logprobs[2] = f32::NAN),
+            ("logprob NaN at position 2", |e| {
+                e.segments[0].logprobs[2] = f32::NAN
+            }),
+            // Under mask 0 too.
+            ("logprob inf at position 0", |e| {
+                e.segments[0].logprobs[0] = f32::INFINITY
+            }),
             ("has logprob 0.5", |e| e.segments[0].logprobs[2] = 0.5),
             ("no policy version", |e| e.segments[0].versions[2] = None),
             ("claims policy version 18446744073709551615", |e| {
@@ -223,6 +251,13 @@ mod tests {
         let mut e = episode(segment());
         e.reward = f64::INFINITY;
         assert!(check(&e, &LIMITS, 4).is_err());
+        // Found by fuzzing: two rewards of -f64::MAX in a group made GRPO's advantages NaN.
+        e.reward = -f64::MAX;
+        assert!(check(&e, &LIMITS, 4)
+            .unwrap_err()
+            .contains("the advantages would overflow"));
+        e.reward = -MAX_REWARD;
+        assert_eq!(check(&e, &LIMITS, 4), Ok(()));
         // A failed episode is not looked at: its group is dropped whatever it holds.
         e.status = EpisodeStatus::Failed;
         assert_eq!(check(&e, &LIMITS, 4), Ok(()));
@@ -251,6 +286,16 @@ mod tests {
         assert!(with(vec![chunk(0, 1, 3)])
             .unwrap_err()
             .contains("cover 1 positions of a 4-token segment"));
+        // Found by fuzzing: a chunk of no rows on a 1-token segment.
+        let mut s = segment();
+        s.token_ids.truncate(1);
+        s.loss_mask = vec![1];
+        s.logprobs = vec![-0.5];
+        s.versions = vec![Some(3)];
+        s.routed_experts = vec![chunk(0, 0, 3)];
+        assert!(verdict(s)
+            .unwrap_err()
+            .contains("cover 0 positions of a 1-token segment"));
         let garbage = RoutedExperts {
             start: 0,
             data: "not base64!".into(),

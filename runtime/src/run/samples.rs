@@ -119,7 +119,7 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
     }
     let mut t = Tensor::cat(&rows, 0);
     let len = segment.token_ids.len();
-    if next + 1 == len {
+    if next > 0 && next + 1 == len {
         let last = t.get(next as i64 - 1).unsqueeze(0);
         t = Tensor::cat(&[t, last], 0);
     } else if next != len {
@@ -199,6 +199,8 @@ mod tests {
         // A gap or a short cover is an error, never a silently misaligned replay.
         assert!(replay_tensor(&segment(7, vec![chunk(0, 4, 0), chunk(5, 1, 8)])).is_err());
         assert!(replay_tensor(&segment(9, vec![chunk(0, 4, 0)])).is_err());
+        // Found by fuzzing: no rows for a 1-token segment panicked (`get(-1)` of nothing).
+        assert!(replay_tensor(&segment(1, vec![chunk(0, 0, 0)])).is_err());
     }
 
     #[test]

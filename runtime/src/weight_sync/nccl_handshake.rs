@@ -391,10 +391,18 @@ impl BucketPlan {
             .map(TensorMeta::byte_len)
             .collect::<Result<Vec<_>, _>>()?;
         let mut offsets = Vec::with_capacity(lens.len());
-        let mut at = 0;
-        for &len in &lens {
-            offsets.push(at..at + len);
-            at += len;
+        let mut at: usize = 0;
+        for (t, &len) in tensors.iter().zip(&lens) {
+            // Each tensor's length fits, their sum may not (found by fuzzing: it overflowed).
+            let end = at.checked_add(len).ok_or_else(|| NcclSyncError::Tensor {
+                name: t.name.clone(),
+                message: format!(
+                    "the bucket's tensors up to this one exceed {} bytes",
+                    usize::MAX
+                ),
+            })?;
+            offsets.push(at..end);
+            at = end;
         }
         Ok(Self {
             chunks: plan_chunks(&lens, wire.buffer_size_bytes),
@@ -673,6 +681,14 @@ mod tests {
             .to_string();
         assert!(err.contains("negative dimension"), "{err}");
         assert!(BucketPlan::new(vec![], wire).is_err());
+        // Found by fuzzing: tensors whose byte lengths each fit but whose sum does not.
+        let err = BucketPlan::new(
+            vec![meta("int8", vec![5]), meta("bfloat16", vec![i64::MAX])],
+            wire,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("tensor `w`: the bucket's tensors"), "{err}");
         let zero = PackedWire {
             buffer_size_bytes: 0,
             num_buffers: 2,

@@ -457,7 +457,16 @@ impl Engine {
             } else {
                 row_logits
             };
-            let s = sample(row_logits, params, &mut seq.rng);
+            let s = match sample(row_logits, params, &mut seq.rng) {
+                Ok(s) => s,
+                Err(e) => {
+                    // No distribution to sample (NaN or +inf logits): the request fails rather
+                    // than report a token with a NaN logprob.
+                    tracing::error!(request = %seq.job.id, error = %e, "sampling failed");
+                    finished.push((i, Err(e.to_string())));
+                    continue;
+                }
+            };
             seq.tokens.push(s.token);
             self.metrics.generation_tokens.inc();
             let logprob = TokenLogprob {
@@ -478,14 +487,19 @@ impl Engine {
                 && (params.stop_token_ids.contains(&s.token)
                     || (!params.ignore_eos && self.opts.eos_token_ids.contains(&s.token)));
             if stopped {
-                finished.push((i, FinishReason::Stop));
+                finished.push((i, Ok(FinishReason::Stop)));
             } else if out_len >= params.max_tokens || seq.tokens.len() >= self.opts.max_model_len {
-                finished.push((i, FinishReason::Length));
+                finished.push((i, Ok(FinishReason::Length)));
             }
         }
-        for (i, reason) in finished.into_iter().rev() {
+        for (i, end) in finished.into_iter().rev() {
             let seq = self.remove(i);
-            self.finish(seq, reason);
+            match end {
+                Ok(reason) => self.finish(seq, reason),
+                Err(message) => {
+                    let _ = seq.job.events.send(Event::Failed(message));
+                }
+            }
         }
         Ok(())
     }
