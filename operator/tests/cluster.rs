@@ -8,19 +8,11 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use support::{cluster, small_run, wait_until, Namespace, Operator};
+use support::{
+    cluster, condition, helm, phase, small_run, wait_phase, wait_until, Namespace, Operator,
+};
 
 const T: Duration = Duration::from_secs(60);
-
-fn phase(ns: &Namespace, run: &str) -> String {
-    ns.get(&format!("rlrun/{run}"), "{.status.phase}")
-}
-
-fn wait_phase(ns: &Namespace, run: &str, want: &str) {
-    wait_until(T, &format!("rlrun/{run} phase {want}"), || {
-        phase(ns, run) == want
-    });
-}
 
 fn running_pods(ns: &Namespace, selector: &str) -> usize {
     ns.kubectl(&[
@@ -499,20 +491,6 @@ fn cluster_only_the_leader_writes_and_a_follower_takes_over_when_it_dies() {
     assert!(b.metric("moult_operator_writes_total", "") > 0.0);
 }
 
-fn helm(args: &[&str]) -> String {
-    let out = cluster()
-        .command("helm")
-        .args(args)
-        .output()
-        .expect("helm runs");
-    assert!(
-        out.status.success(),
-        "helm {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 #[test]
 #[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
 fn cluster_helm_install_upgrade_and_uninstall_keep_the_crd_and_the_runs() {
@@ -711,14 +689,6 @@ fn cluster_the_coordinators_status_fields_survive_reconciles_and_fill_the_column
         .map(String::from)
         .collect();
     assert_eq!(row[..6], ["r", "Running", "2/2", "3", "5", "0.75"]);
-}
-
-/// A field (`reason`, `message`, `status`) of one of the run's conditions.
-fn condition(ns: &Namespace, run: &str, type_: &str, field: &str) -> String {
-    ns.get(
-        &format!("rlrun/{run}"),
-        &format!("{{.status.conditions[?(@.type==\"{type_}\")].{field}}}"),
-    )
 }
 
 /// The reasons of the run's events.

@@ -13,26 +13,11 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::Api;
 use moult_operator::api::{RLRun, WeightTransport};
 use moult_operator::children::{desired, Config, Images};
-use support::{cluster, matrix, small_run, wait_until, Namespace, Operator};
+use support::{
+    cluster, condition, helm, matrix, phase, small_run, wait_phase, wait_until, Namespace, Operator,
+};
 
 const T: Duration = Duration::from_secs(60);
-
-fn phase(ns: &Namespace, run: &str) -> String {
-    ns.get(&format!("rlrun/{run}"), "{.status.phase}")
-}
-
-fn wait_phase(ns: &Namespace, run: &str, want: &str) {
-    wait_until(T, &format!("rlrun/{run} phase {want}"), || {
-        phase(ns, run) == want
-    });
-}
-
-fn condition(ns: &Namespace, run: &str, type_: &str, field: &str) -> String {
-    ns.get(
-        &format!("rlrun/{run}"),
-        &format!("{{.status.conditions[?(@.type==\"{type_}\")].{field}}}"),
-    )
-}
 
 /// What the test operator's flags make (support::Operator).
 fn test_config(metrics_from: bool) -> Config {
@@ -305,20 +290,6 @@ fn cluster_a_child_the_api_server_refuses_fails_the_run_with_its_message_until_t
     );
     assert!(ns.apply(&small_run("r", 1)).status.success());
     wait_phase(&ns, "r", "Running");
-}
-
-fn helm(args: &[&str]) -> String {
-    let out = cluster()
-        .command("helm")
-        .args(args)
-        .output()
-        .expect("helm runs");
-    assert!(
-        out.status.success(),
-        "helm {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[test]

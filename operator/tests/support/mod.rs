@@ -455,3 +455,40 @@ pub fn invalid_cases(base: &str) -> Vec<Invalid> {
         ),
     ]
 }
+
+/// The run's `status.phase`.
+pub fn phase(ns: &Namespace, run: &str) -> String {
+    ns.get(&format!("rlrun/{run}"), "{.status.phase}")
+}
+
+/// Waits (at most a minute) until the run's phase is `want`.
+pub fn wait_phase(ns: &Namespace, run: &str, want: &str) {
+    wait_until(
+        Duration::from_secs(60),
+        &format!("rlrun/{run} phase {want}"),
+        || phase(ns, run) == want,
+    );
+}
+
+/// A field (`reason`, `message`, `status`) of one of the run's conditions.
+pub fn condition(ns: &Namespace, run: &str, type_: &str, field: &str) -> String {
+    ns.get(
+        &format!("rlrun/{run}"),
+        &format!("{{.status.conditions[?(@.type==\"{type_}\")].{field}}}"),
+    )
+}
+
+/// `helm ARGS` against the test cluster; its stdout (panics naming the args if it fails).
+pub fn helm(args: &[&str]) -> String {
+    let out = cluster()
+        .command("helm")
+        .args(args)
+        .output()
+        .expect("helm runs");
+    assert!(
+        out.status.success(),
+        "helm {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
