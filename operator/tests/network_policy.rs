@@ -129,18 +129,7 @@ fn agent_egress_opens_what_it_lists_and_allow_all_opens_everything() {
     let engine = run_pod(&ours, "engine", 0);
     let coordinator = run_pod(&ours, "coordinator", 0);
 
-    let https = egress(AgentEgressSpec {
-        allow_all: false,
-        to: vec![EgressTarget {
-            cidr: "0.0.0.0/0".into(),
-            except: vec!["10.0.0.0/8".into(), "169.254.169.254/32".into()],
-            ports: vec![EgressPort {
-                port: 443,
-                end_port: None,
-                protocol: Protocol::Tcp,
-            }],
-        }],
-    });
+    let https = egress(runs::https_egress());
     assert!(https.admits(&agent, &internet, 443, "TCP"));
     assert!(
         !https.admits(&agent, &internet, 80, "TCP"),

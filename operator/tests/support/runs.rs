@@ -11,6 +11,22 @@ pub const NAMESPACE: &str = "research";
 pub const UID: &str = "0b1c6a52-5d1e-4f2a-9a55-7f3a1f6c1e01";
 
 /// The RLRun of a manifest (the RLRun document of a multi-document file), with namespace and uid.
+/// Agents opened to HTTPS anywhere outside the cluster's 10/8 and the cloud metadata address.
+pub fn https_egress() -> AgentEgressSpec {
+    AgentEgressSpec {
+        allow_all: false,
+        to: vec![EgressTarget {
+            cidr: "0.0.0.0/0".into(),
+            except: vec!["10.0.0.0/8".into(), "169.254.169.254/32".into()],
+            ports: vec![EgressPort {
+                port: 443,
+                end_port: None,
+                protocol: Protocol::Tcp,
+            }],
+        }],
+    }
+}
+
 pub fn parse(text: &str) -> RLRun {
     let doc = text
         .split("\n---\n")
@@ -96,20 +112,7 @@ pub fn run_kinds() -> Vec<(String, RLRun)> {
     );
     add(
         "agents opened to HTTPS outside the cluster",
-        variant(&|r| {
-            r.spec.agent.egress = Some(AgentEgressSpec {
-                allow_all: false,
-                to: vec![EgressTarget {
-                    cidr: "0.0.0.0/0".into(),
-                    except: vec!["10.0.0.0/8".into(), "169.254.169.254/32".into()],
-                    ports: vec![EgressPort {
-                        port: 443,
-                        end_port: None,
-                        protocol: Protocol::Tcp,
-                    }],
-                }],
-            })
-        }),
+        variant(&|r| r.spec.agent.egress = Some(https_egress())),
     );
     add(
         "agents opened to everything",
