@@ -327,11 +327,9 @@ impl Tail {
     }
 
     /// Everything, once the stream has ended (or [`TAIL_GRACE`] after the call).
-    async fn finished(self) -> String {
-        let _ = tokio::time::timeout(TAIL_GRACE, self.reader).await;
-        String::from_utf8_lossy(&self.bytes.lock().expect("tail lock"))
-            .trim()
-            .to_string()
+    async fn finished(mut self) -> String {
+        let _ = tokio::time::timeout(TAIL_GRACE, &mut self.reader).await;
+        self.text()
     }
 }
 

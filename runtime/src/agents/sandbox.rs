@@ -127,7 +127,11 @@ async fn read_hello(conn: &mut BufReader<UnixStream>) -> Result<String, String> 
     String::from_utf8(line).map_err(|_| "the first line is not UTF-8".into())
 }
 
-async fn send_line<T: Serialize>(conn: &mut UnixStream, value: &T) -> std::io::Result<()> {
+/// Writes `value` as one JSON line.
+async fn send_line<T: Serialize>(
+    conn: &mut (impl tokio::io::AsyncWrite + Unpin),
+    value: &T,
+) -> std::io::Result<()> {
     let mut line = serde_json::to_vec(value).expect("serializes");
     line.push(b'\n');
     conn.write_all(&line).await
@@ -354,12 +358,12 @@ async fn run(
         let mut sink = [0u8; 64];
         while matches!(control_read.read(&mut sink).await, Ok(n) if n > 0) {}
     });
-    let started = send_line_half(&mut control_write, &Answer::Started { pid }).await;
+    let started = send_line(&mut control_write, &Answer::Started { pid }).await;
     if started.is_ok() {
         tokio::select! {
             status = child.wait() => {
                 if let Ok(status) = status {
-                    let _ = send_line_half(&mut control_write, &Answer::Ended { exit: Exit::of(status) }).await;
+                    let _ = send_line(&mut control_write, &Answer::Ended { exit: Exit::of(status) }).await;
                 }
                 // What the program left running lives until the agents' side lets go.
                 (&mut closed).await;
@@ -372,15 +376,6 @@ async fn run(
     }
     let _ = child.start_kill();
     let _ = child.wait().await;
-}
-
-async fn send_line_half<T: Serialize>(
-    conn: &mut tokio::net::unix::OwnedWriteHalf,
-    value: &T,
-) -> std::io::Result<()> {
-    let mut line = serde_json::to_vec(value).expect("serializes");
-    line.push(b'\n');
-    conn.write_all(&line).await
 }
 
 #[cfg(test)]
