@@ -287,6 +287,7 @@ async fn weight_sync_rate() {
                 transport,
                 device: tch::Device::Cpu,
                 host: "127.0.0.1".into(),
+                port: 0,
                 folder: Some(folder.clone()),
                 engine_kind: tch::Kind::Float,
             })

@@ -39,18 +39,18 @@ spec:
     )
 }
 
-/// Stands in for `moult`: writes its args and some env vars to `report.txt` in its working
-/// folder, notes SIGTERM there and takes a second to exit (as a server drains), and otherwise
+/// Stands in for `moult`: writes its args and some env vars to `report-<pid>.txt` in its working
+/// folder (the pod's, which its containers share), notes SIGTERM there and takes a second to exit (as a server drains), and otherwise
 /// idles (in a child, as real programs have some).
 const STAND_IN: &str = r#"#!/usr/bin/env bash
 {
   printf 'arg=%s\n' "$@"
   for v in MOULT_TOKEN MOULT_AGENT_TOKEN POD_IP MOULT_CONFIG MOULT_MODEL MOULT_CHECKPOINTS MOULT_COORDINATOR \
-           MOULT_ENGINES MASTER_ADDR RANK HOME KUBECONFIG; do
+           MOULT_ENGINES MASTER_ADDR RANK HOME KUBECONFIG MOULT_AGENT_SANDBOX; do
     if [ -n "${!v+x}" ]; then printf 'env %s=%s\n' "$v" "${!v}"; fi
   done
-} > report.tmp && mv report.tmp report.txt
-trap 'echo TERM >> report.txt; sleep 1; exit 0' TERM
+} > report-$$.tmp && mv report-$$.tmp report-$$.txt
+trap 'echo TERM >> report-$$.txt; sleep 1; exit 0' TERM
 sleep 1000 &
 wait
 "#;
@@ -64,8 +64,12 @@ struct Report {
 }
 
 impl Report {
-    fn read(dir: &Path) -> Option<Report> {
-        let text = std::fs::read_to_string(dir.join("report.txt")).ok()?;
+    fn path(process: &ProcessInfo) -> PathBuf {
+        process.dir.join(format!("report-{}.txt", process.pid))
+    }
+
+    fn read(process: &ProcessInfo) -> Option<Report> {
+        let text = std::fs::read_to_string(Self::path(process)).ok()?;
         let args = text
             .lines()
             .filter_map(|l| l.strip_prefix("arg="))
@@ -86,12 +90,25 @@ impl Report {
     }
 }
 
-/// The running process of the live pod whose name starts with `prefix`.
+/// The running process of the live pod whose name starts with `prefix`: of its main container,
+/// not of an agent pod's `sandbox` ([`sandbox`]).
 fn live(kubelet: &Kubelet, prefix: &str) -> Option<ProcessInfo> {
-    kubelet
-        .processes()
-        .into_iter()
-        .find(|p| p.pod.starts_with(prefix) && p.running && !p.terminating)
+    running(kubelet, prefix, |c| c != "sandbox")
+}
+
+/// The running process of the `sandbox` container of the live pod whose name starts with `prefix`.
+fn sandbox(kubelet: &Kubelet, prefix: &str) -> Option<ProcessInfo> {
+    running(kubelet, prefix, |c| c == "sandbox")
+}
+
+fn running(
+    kubelet: &Kubelet,
+    prefix: &str,
+    container: impl Fn(&str) -> bool,
+) -> Option<ProcessInfo> {
+    kubelet.processes().into_iter().find(|p| {
+        p.pod.starts_with(prefix) && container(&p.container) && p.running && !p.terminating
+    })
 }
 
 /// Processes of the group `pgid` that are not zombies (from /proc).
@@ -175,7 +192,7 @@ async fn cluster_kubelet_runs_the_operators_pod_specs() {
         || {
             prefixes
                 .iter()
-                .all(|p| live(&kubelet, p).is_some_and(|info| info.dir.join("report.txt").exists()))
+                .all(|p| live(&kubelet, p).is_some_and(|info| Report::path(&info).exists()))
         },
     )
     .await;
@@ -186,7 +203,7 @@ async fn cluster_kubelet_runs_the_operators_pod_specs() {
     let mut reports: BTreeMap<String, (ProcessInfo, Report, String)> = BTreeMap::new();
     for prefix in &prefixes {
         let info = live(&kubelet, prefix).unwrap();
-        let report = Report::read(&info.dir).unwrap();
+        let report = Report::read(&info).unwrap();
         let pod = pods.get(&info.pod).await.unwrap();
         let ip = pod.status.and_then(|s| s.pod_ip).expect("a pod IP");
         println!(
@@ -289,6 +306,26 @@ async fn cluster_kubelet_runs_the_operators_pod_specs() {
         "RANK from the pod-index label"
     );
 
+    // Agent code runs in the agent pod's second container, which holds no credential and no
+    // config, and listens where the agent container is told to find it (their shared /tmp).
+    let agents_pod = format!("{RUN}-agents-");
+    eventually(Duration::from_secs(30), "the agent pod's sandbox", || {
+        sandbox(&kubelet, &agents_pod).is_some_and(|info| Report::path(&info).exists())
+    })
+    .await;
+    let sandboxed = Report::read(&sandbox(&kubelet, &agents_pod).unwrap()).unwrap();
+    let tmp = reports[&format!("{RUN}-agents")].0.dir.join("volumes/tmp");
+    let socket = tmp.join("moult-sandbox.sock").display().to_string();
+    assert_eq!(sandboxed.args, ["sandbox", "--socket", socket.as_str()]);
+    assert_eq!(
+        sandboxed.env.keys().collect::<Vec<_>>(),
+        ["HOME"],
+        "{}",
+        sandboxed.text
+    );
+    assert_eq!(sandboxed.env["HOME"], tmp.display().to_string());
+    assert_eq!(agents.env.get("MOULT_AGENT_SANDBOX"), Some(&socket));
+
     // Each pod acts as the run's ServiceAccount, with the run's Role.
     let kubeconfig = coordinator
         .env
@@ -347,7 +384,7 @@ async fn cluster_kubelet_runs_the_operators_pod_specs() {
                 recreated.get_or_insert(deleted.elapsed());
                 overlap |= all.iter().any(|p| p.uid == old.uid && p.running);
             }
-            new.is_some_and(|p| p.dir.join("report.txt").exists())
+            new.is_some_and(|p| Report::path(p).exists())
         },
     )
     .await;
@@ -356,7 +393,7 @@ async fn cluster_kubelet_runs_the_operators_pod_specs() {
         "the replacement ran beside the old engine-1\n{}",
         context()
     );
-    let old_report = Report::read(&old.dir).unwrap();
+    let old_report = Report::read(old).unwrap();
     assert!(
         old_report.text.ends_with("TERM\n"),
         "SIGTERM, not SIGKILL: {}",
@@ -371,7 +408,7 @@ async fn cluster_kubelet_runs_the_operators_pod_specs() {
         .unwrap()
         .pod_ip
         .unwrap();
-    let new_report = Report::read(&new.dir).unwrap();
+    let new_report = Report::read(&new).unwrap();
     assert_eq!(new_report.flag("--host"), Some(new_ip.as_str()));
     assert_ne!(new.dir, old.dir, "a new pod has folders of its own");
     println!(

@@ -127,6 +127,7 @@ async fn nccl_updates_reach_a_real_vllm_on_one_gpu() {
         transport: WeightTransport::Nccl,
         device: tch::Device::Cuda(0),
         host: "127.0.0.1".into(),
+        port: 0,
         folder: None,
         engine_kind: tch::Kind::Float,
     })

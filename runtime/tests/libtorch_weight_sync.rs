@@ -91,6 +91,7 @@ async fn updates_under_load(transport: WeightTransport) {
         transport,
         device: tch::Device::Cpu,
         host: "127.0.0.1".into(),
+        port: 0,
         folder: Some(folder.clone()),
         engine_kind: tch::Kind::Float,
     })

@@ -49,8 +49,15 @@ pub const AGENT_TOKEN_KEY: &str = "agent-token";
 pub const ENGINE_PORT: i32 = 8000;
 pub const COORDINATOR_PORT: i32 = 8080;
 pub const TRAINER_RENDEZVOUS_PORT: i32 = 29500;
+/// The trainer's listener for engines' weight streams (the TCP weight transport).
+pub const WEIGHT_STREAM_PORT: i32 = 29600;
 /// Health and Prometheus metrics of the roles that serve nothing else (trainer, agents).
 pub const METRICS_PORT: i32 = 9090;
+/// Where an agent pod's `moult sandbox` container listens for `moult agents`, on the `/tmp`
+/// volume the two containers share (docs/security.md, "Agent code").
+pub const SANDBOX_SOCKET: &str = "/tmp/moult-sandbox.sock";
+/// The variable that points `moult agents` at that socket.
+pub const SANDBOX_ENV: &str = "MOULT_AGENT_SANDBOX";
 
 /// What the operator's flags decide for every run: images, and the cluster's network facts its
 /// NetworkPolicies need.

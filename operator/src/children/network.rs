@@ -4,7 +4,7 @@
 //! Who talks to whom (docs/cluster.md): agents lease episodes and generate through the
 //! coordinator (:8080); the trainer takes batches from the coordinator (:8080); the coordinator
 //! routes to the engines (:8000) and tells them where the weights are; engines connect to the
-//! trainer's weight-stream listener (an ephemeral port) with the TCP transport; with NCCL the
+//! trainer's weight-stream listener (:29600) with the TCP transport; with NCCL the
 //! trainer calls the engines' weight-transfer routes (:8000) and NCCL connects both ways on ports
 //! of its own; trainer ranks rendezvous on :29500 and run NCCL between them. The trainer and
 //! the agents serve only `/health` and `/metrics` on :9090, admitted from anywhere (Prometheus,
@@ -22,7 +22,7 @@ use k8s_openapi::api::networking::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::{Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT};
+use super::{Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, WEIGHT_STREAM_PORT};
 use crate::api::WeightTransport;
 
 /// The run's four policies, each selecting the pods of one component.
@@ -53,7 +53,7 @@ fn tcp(port: i32) -> NetworkPolicyPort {
     }
 }
 
-/// Every TCP port (NCCL's connections, the weight stream's ephemeral listener).
+/// Every TCP port (NCCL's connections, on ports of its own choosing).
 fn every_tcp_port() -> NetworkPolicyPort {
     NetworkPolicyPort {
         protocol: Some("TCP".into()),
@@ -121,12 +121,18 @@ pub(crate) fn network_policies(ctx: &Ctx) -> NetworkPolicies {
         // Ranks rendezvous on MASTER_PORT and run NCCL between them.
         ingress(Some(vec![pods(ctx, "trainer")]), vec![every_tcp_port()]),
     ];
-    if matches!(transport, WeightTransport::Tcp | WeightTransport::Nccl) {
-        // Engines connect to the weight stream's listener (an ephemeral port) or join NCCL.
-        trainer.push(ingress(
+    match transport {
+        // Engines connect to the weight stream's listener.
+        WeightTransport::Tcp => trainer.push(ingress(
+            Some(vec![pods(ctx, "engine")]),
+            vec![tcp(WEIGHT_STREAM_PORT)],
+        )),
+        // NCCL connects both ways on ports of its own.
+        WeightTransport::Nccl => trainer.push(ingress(
             Some(vec![pods(ctx, "engine")]),
             vec![every_tcp_port()],
-        ));
+        )),
+        WeightTransport::Filesystem => {}
     }
 
     let mut coordinator = vec![ingress(

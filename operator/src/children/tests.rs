@@ -346,6 +346,38 @@ fn agents_run_the_injected_moult_binary_in_the_users_image() {
         Some(&["/opt/moult/bin/moult".to_string()][..])
     );
     assert_eq!(args(a)[args(a).len() - 3..], ["--", "python", "agent.py"]);
+    // Agent code runs in the second container, of the same image, beside no credential.
+    let sandbox = &p.containers[1];
+    assert_eq!(sandbox.name, "sandbox");
+    assert_eq!(sandbox.image, a.image);
+    assert_eq!(
+        args(sandbox),
+        ["sandbox", "--socket", crate::children::SANDBOX_SOCKET]
+    );
+    let names: Vec<&str> = sandbox
+        .env
+        .iter()
+        .flatten()
+        .map(|v| v.name.as_str())
+        .collect();
+    assert_eq!(names, ["HOME"], "no credential, no config");
+    let mounts: Vec<&str> = sandbox
+        .volume_mounts
+        .iter()
+        .flatten()
+        .map(|m| m.mount_path.as_str())
+        .collect();
+    assert_eq!(mounts, ["/tmp", "/opt/moult/bin"]);
+    assert_eq!(sandbox.resources, run.spec.agent.resources);
+    let sandbox_env = a
+        .env
+        .iter()
+        .flatten()
+        .find(|v| v.name == "MOULT_AGENT_SANDBOX");
+    assert_eq!(
+        sandbox_env.and_then(|v| v.value.as_deref()),
+        Some(crate::children::SANDBOX_SOCKET)
+    );
     let init = &p.init_containers.as_ref().unwrap()[0];
     assert!(init.image.as_deref().unwrap().contains("moult-init"));
     assert!(init

@@ -5,9 +5,13 @@
 use k8s_openapi::api::apps::v1::{
     Deployment, DeploymentSpec, DeploymentStrategy, StatefulSet, StatefulSetSpec,
 };
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, HTTPGetAction, PodSpec, Probe, Service, ServicePort, ServiceSpec,
+    Container, ContainerPort, HTTPGetAction, PodSpec, Probe, ResourceRequirements, Service,
+    ServicePort, ServiceSpec,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
@@ -16,8 +20,11 @@ use super::pods::{
     moult_env, mount, resources, teacher, template, weights, Credential, CHECKPOINT_DIR,
     MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
 };
-use super::{name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, TRAINER_RENDEZVOUS_PORT};
-use crate::api::{AgentForm, EngineBackend, RLRunSpec, WeightTransport};
+use super::{
+    name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, SANDBOX_ENV, SANDBOX_SOCKET,
+    TRAINER_RENDEZVOUS_PORT, WEIGHT_STREAM_PORT,
+};
+use crate::api::{AgentForm, AgentSpec, EngineBackend, RLRunSpec, WeightTransport};
 
 /// Where the init container puts the `moult` binary in agent pods.
 const MOULT_BIN_DIR: &str = "/opt/moult/bin";
@@ -295,6 +302,7 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
     c.env = Some(env_vars);
     c.ports = Some(vec![
         port("rendezvous", TRAINER_RENDEZVOUS_PORT),
+        port("weights", WEIGHT_STREAM_PORT),
         port("metrics", METRICS_PORT),
     ]);
     c.liveness_probe = Some(http_probe("/health", METRICS_PORT, 10));
@@ -399,6 +407,24 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
 
 /// The agent pool: the user's image (or the runtime's for built-in environments), with the
 /// `moult` binary copied in by an init container so that any image works.
+/// The agent pod's second container: `moult sandbox`, in the agent's image, starts every agent
+/// program for `moult agents` (docs/security.md, "Agent code"). It holds no credential and
+/// mounts neither the config nor the model, only the `/tmp` it shares with the agent container
+/// (the socket, episodes' files) and `moult` itself; the spec's resources are the agent code's.
+fn sandbox(image: &str, moult: &str, a: &AgentSpec) -> Container {
+    let args = vec!["sandbox".into(), "--socket".into(), SANDBOX_SOCKET.into()];
+    let mut c = container("sandbox", image, vec![moult.to_string()], args);
+    // Agent code may need to write into its own image (spec.agent.readOnlyRootFilesystem).
+    c.security_context = Some(locked_down(a.read_only_root_filesystem));
+    c.env = Some(vec![env("HOME", "/tmp")]);
+    c.resources = a.resources.clone();
+    c.volume_mounts = Some(vec![
+        mount("tmp", "/tmp", false),
+        mount("moult-bin", MOULT_BIN_DIR, true),
+    ]);
+    c
+}
+
 pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     let spec = &ctx.run.spec;
     let a = &spec.agent;
@@ -424,13 +450,13 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
         .clone()
         .unwrap_or_else(|| ctx.config.images.runtime.clone());
     let mut c = container("agent", &image, vec![moult.clone()], args);
-    // Agent code may need to write into its own image (spec.agent.readOnlyRootFilesystem).
-    c.security_context = Some(locked_down(a.read_only_root_filesystem));
     let (model_volume, model_path) = model(ctx);
     let mut env_vars = vec![
         env("MOULT_CONCURRENCY", &a.concurrency.to_string()),
         // The tokenizer and chat template of the loopback server.
         env("MOULT_MODEL", &model_path),
+        // Agent code runs in the sandbox container below, never beside the agent credential.
+        env(SANDBOX_ENV, SANDBOX_SOCKET),
     ];
     if let AgentForm::Env = a.form {
         if let Some(name) = &a.env {
@@ -441,7 +467,14 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     c.env = Some(env_vars);
     c.ports = Some(vec![port("metrics", METRICS_PORT)]);
     c.liveness_probe = Some(http_probe("/health", METRICS_PORT, 10));
-    c.resources = a.resources.clone();
+    // The loopback server and the episode loop; the agent code's share is the sandbox's.
+    c.resources = Some(ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_string(), Quantity("250m".into())),
+            ("memory".to_string(), Quantity("512Mi".into())),
+        ])),
+        ..ResourceRequirements::default()
+    });
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     mounts.push(mount("moult-bin", MOULT_BIN_DIR, true));
     let mut volumes = vec![empty_dir("moult-bin", None, MOULT_BIN_SIZE)];
@@ -453,7 +486,7 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     let init = Container {
         name: "install-moult".into(),
         image: Some(ctx.config.images.init.clone()),
-        command: Some(vec!["cp".into(), "/moult".into(), moult]),
+        command: Some(vec!["cp".into(), "/moult".into(), moult.clone()]),
         security_context: Some(locked_down(true)),
         volume_mounts: Some(vec![mount("moult-bin", MOULT_BIN_DIR, false)]),
         termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.into()),
@@ -461,7 +494,7 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     };
     let pod = PodSpec {
         init_containers: Some(vec![init]),
-        containers: vec![c],
+        containers: vec![c, sandbox(&image, &moult, a)],
         volumes: Some(volumes),
         ..PodSpec::default()
     };

@@ -154,6 +154,7 @@ pub fn destinations(header: &str, ours: &Children) -> Vec<(Endpoint, u16, &'stat
         "engine :8000" => vec![(run_pod(ours, "engine", 1), 8000, "TCP")],
         "engine, other ports" => other_ports("engine"),
         "trainer :9090" => vec![(run_pod(ours, "trainer", 1), 9090, "TCP")],
+        "trainer :29600" => vec![(run_pod(ours, "trainer", 1), 29600, "TCP")],
         "trainer, other ports" => other_ports("trainer"),
         "coordinator :8080" => vec![(run_pod(ours, "coordinator", 1), 8080, "TCP")],
         "agents :9090" => vec![(run_pod(ours, "agents", 1), 9090, "TCP")],

@@ -30,13 +30,60 @@ use tokio::net::{UnixListener, UnixStream};
 use super::AgentError;
 
 /// The environment variable that makes `moult agents` start agent programs in the sandbox
-/// listening on this socket.
-pub const SANDBOX_ENV: &str = "MOULT_AGENT_SANDBOX";
+/// listening on this socket (the operator sets it in agent pods).
+pub use moult_operator::children::SANDBOX_ENV;
 
 /// The longest first line of a connection.
 const HELLO_BYTES: u64 = 1 << 20;
 /// How long a spawn waits for its three streams, and an attached stream for its spawn.
 const PAIRING: Duration = Duration::from_secs(10);
+/// How long `moult agents` waits for the sandbox to listen (its container may start later, or
+/// be restarting).
+const STARTUP: Duration = Duration::from_secs(60);
+
+/// Unix socket paths hold at most 107 bytes. A longer one (a deep `/tmp`) is reached through a
+/// descriptor of its folder, `/proc/self/fd/N/NAME`, which Linux resolves like the path itself;
+/// the descriptor must stay open while the address is used.
+fn addressable(socket: &Path) -> std::io::Result<(Option<std::fs::File>, PathBuf)> {
+    use std::os::fd::AsRawFd;
+    if socket.as_os_str().len() < 100 {
+        return Ok((None, socket.to_path_buf()));
+    }
+    let name = socket.file_name().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "the socket path names no file",
+        )
+    })?;
+    let folder = match socket.parent() {
+        Some(p) if !p.as_os_str().is_empty() => std::fs::File::open(p)?,
+        _ => std::fs::File::open(".")?,
+    };
+    let short = PathBuf::from(format!("/proc/self/fd/{}", folder.as_raw_fd())).join(name);
+    Ok((Some(folder), short))
+}
+
+/// Connects to the sandbox, waiting up to [`STARTUP`] while its socket is missing or refuses.
+async fn connect(socket: &Path) -> std::io::Result<UnixStream> {
+    let deadline = Instant::now() + STARTUP;
+    loop {
+        let attempt = match addressable(socket) {
+            Ok((_folder, address)) => UnixStream::connect(address).await,
+            Err(e) => Err(e),
+        };
+        match attempt {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            other => return other,
+        }
+    }
+}
 
 /// What the control connection asks for.
 #[derive(Debug, Serialize, Deserialize)]
@@ -165,7 +212,7 @@ impl Sandboxed {
         let id = format!("{:032x}", rand::random::<u128>());
         let mut streams = Vec::with_capacity(3);
         for stream in [Stream::Stdin, Stream::Stdout, Stream::Stderr] {
-            let mut conn = UnixStream::connect(socket).await.map_err(unreachable)?;
+            let mut conn = connect(socket).await.map_err(unreachable)?;
             send_line(
                 &mut conn,
                 &Attach {
@@ -177,7 +224,7 @@ impl Sandboxed {
             .map_err(unreachable)?;
             streams.push(conn);
         }
-        let mut control = UnixStream::connect(socket).await.map_err(unreachable)?;
+        let mut control = connect(socket).await.map_err(unreachable)?;
         send_line(
             &mut control,
             &Spawn {
@@ -236,7 +283,8 @@ struct Pending {
 /// asks for (see the module docs).
 pub async fn serve(socket: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(socket);
-    let listener = UnixListener::bind(socket)?;
+    let (_folder, address) = addressable(socket)?;
+    let listener = UnixListener::bind(address)?;
     let pending = Arc::new(Mutex::new(Pending::default()));
     let arrived = Arc::new(tokio::sync::Notify::new());
     loop {
@@ -460,5 +508,39 @@ mod tests {
         );
         server.abort();
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A socket path longer than a Unix address holds (a pod's `/tmp` deep in a kubelet's
+    /// folders) still serves, and a client that comes before the server waits for it.
+    #[tokio::test]
+    async fn a_long_socket_path_serves_and_clients_wait_for_the_server() {
+        let dir = std::env::temp_dir()
+            .join(format!("moult-sandbox-long-{}", std::process::id()))
+            .join("a-folder-name-long-enough-that-the-whole-path".repeat(2))
+            .join("is-over-the-107-bytes-of-sun-path");
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("moult-sandbox.sock");
+        assert!(socket.as_os_str().len() > 108, "{}", socket.display());
+        let client = tokio::spawn({
+            let socket = socket.clone();
+            async move { Sandboxed::spawn(&socket, "/bin/echo", &["hi".into()], Vec::new()).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let server = tokio::spawn({
+            let socket = socket.clone();
+            async move { serve(&socket).await }
+        });
+        let mut p = client.await.unwrap().unwrap();
+        let mut out = String::new();
+        p.stdout
+            .take()
+            .unwrap()
+            .read_to_string(&mut out)
+            .await
+            .unwrap();
+        assert_eq!(out, "hi\n");
+        assert_eq!(p.wait().await.unwrap(), Exit::Code(0));
+        server.abort();
+        let _ = std::fs::remove_dir_all(dir.parent().unwrap().parent().unwrap());
     }
 }

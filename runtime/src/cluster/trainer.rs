@@ -248,6 +248,7 @@ pub async fn run(
         transport: engines_spec.transport(),
         device: opts.device,
         host: pod_ip.clone(),
+        port: moult_operator::children::WEIGHT_STREAM_PORT as u16,
         // The Filesystem transport's volume, by the path engines mount it under too.
         folder: env_path("MOULT_WEIGHTS_DIR").map(|root| root.join(&cfg.name)),
         engine_kind: engine_kind(

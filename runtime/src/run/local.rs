@@ -148,6 +148,7 @@ impl Stack {
             transport: engines.transport(),
             device,
             host: "127.0.0.1".into(),
+            port: 0,
             folder: Some(out.join("weights")),
             engine_kind: engine_kind(
                 engines.backend,

@@ -30,6 +30,9 @@ pub struct PublishOptions {
     pub device: Device,
     /// TCP: the host the trainer listens on and tells engines to connect to.
     pub host: String,
+    /// TCP: the port it listens on (0: any free one; on a cluster the one the trainer's
+    /// NetworkPolicy admits engines to).
+    pub port: u16,
     /// Filesystem: the folder new weights go to, by the path engines read it under.
     pub folder: Option<PathBuf>,
     /// The dtype engines hold weights in (what the Filesystem and NCCL transports send).
@@ -53,7 +56,7 @@ impl Publisher {
         match opts.transport {
             WeightTransport::Tcp => {
                 let mut sync = WeightSync::new(&opts.target);
-                sync.connect_tcp(&format!("{}:0", opts.host), &opts.host)
+                sync.connect_tcp(&format!("{}:{}", opts.host, opts.port), &opts.host)
                     .await
                     .map_err(|e| RunError::Setup(e.to_string()))?;
                 Ok(Self::Tcp(sync))
@@ -266,6 +269,7 @@ mod tests {
             transport,
             device: Device::Cpu,
             host: "127.0.0.1".into(),
+            port: 0,
             folder: None,
             engine_kind: Kind::Float,
         }
