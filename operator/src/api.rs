@@ -198,15 +198,17 @@ pub struct AgentSpec {
     pub timeout: Option<Duration>,
     /// The prompts or tasks.
     pub dataset: DatasetSpec,
-    /// CPU and memory of each agent-pool pod.
+    /// CPU and memory of the agent code in each agent-pool pod: its `sandbox` container, where
+    /// agent programs run (the `agent` container beside it, `moult agents`, requests 250m CPU
+    /// and 512Mi of memory of its own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
     /// Where agent pods may connect besides the cluster's DNS and the run's coordinator (nowhere
     /// else when absent: agent code is untrusted, docs/security.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<AgentEgressSpec>,
-    /// The agent container's image is mounted read-only (`/tmp` and `$HOME` are writable either
-    /// way). Set false for agent code that writes into its image, such as a coding agent that
+    /// The image is mounted read-only in the `sandbox` container, where agent code runs (`/tmp`
+    /// and `$HOME` are writable either way). Set false for agent code that writes into its image, such as a coding agent that
     /// edits a repository baked into it.
     #[serde(default = "yes")]
     pub read_only_root_filesystem: bool,
@@ -405,6 +407,10 @@ pub enum Estimator {
     ReinforcePlusPlus,
     /// Advantage = teacher logprob − student logprob per token.
     OnPolicyDistillation,
+    /// Dr. GRPO (Liu et al. 2025): GRPO's group-centred reward without the division by the
+    /// group's standard deviation; pair it with `loss.aggregation: SeqMeanTokenSumNorm`.
+    #[serde(rename = "DrGRPO")]
+    DrGrpo,
 }
 
 /// Policy losses (docs/algorithms.md).
@@ -425,9 +431,15 @@ pub enum LossKind {
 /// How per-token losses are averaged.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
 pub enum Aggregation {
+    /// Every sampled token weighs the same (DAPO).
     #[default]
     TokenMean,
+    /// Every sequence weighs the same: the mean of each one's token mean (GRPO's original).
     SeqMean,
+    /// Dr. GRPO's constant normalisation: the sum of every sequence's token losses divided by
+    /// the number of sequences times a constant (`loss.lengthNormalizer`), so that neither
+    /// long nor short answers are favoured.
+    SeqMeanTokenSumNorm,
 }
 
 /// The policy loss.
@@ -446,6 +458,11 @@ pub struct LossSpec {
     pub eps_high: f64,
     #[serde(default)]
     pub aggregation: Aggregation,
+    /// The constant of `SeqMeanTokenSumNorm`, in tokens; the rollout's token budget
+    /// (`rollout.maxTokens` × `rollout.maxTurns`) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16777216))]
+    pub length_normalizer: Option<u32>,
     /// Weight of a KL penalty to the initial policy (the k3 estimator per sampled token,
     /// aggregated like the loss); 0 for none.
     #[serde(default)]
@@ -460,6 +477,7 @@ impl Default for LossSpec {
             eps_low: default_eps_low(),
             eps_high: default_eps_high(),
             aggregation: Aggregation::default(),
+            length_normalizer: None,
             kl_coef: 0.0,
         }
     }
@@ -549,8 +567,11 @@ impl Default for OptimizerSpec {
 /// The RL algorithm.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("!(self.estimator in ['GRPO', 'RLOO']) || self.groupSize >= 2").message(
-    "GRPO and RLOO compare samples of one prompt: algorithm.groupSize must be at least 2"
+#[x_kube(validation = Rule::new("!(self.estimator in ['GRPO', 'DrGRPO', 'RLOO']) || self.groupSize >= 2").message(
+    "GRPO, DrGRPO and RLOO compare samples of one prompt: algorithm.groupSize must be at least 2"
+))]
+#[x_kube(validation = Rule::new("!has(self.dynamicSampling) || self.groupSize >= 2").message(
+    "algorithm.dynamicSampling drops groups whose rewards are all equal: algorithm.groupSize must be at least 2"
 ))]
 #[x_kube(validation = Rule::new("self.estimator != 'OnPolicyDistillation' || has(self.teacher)").message(
     "algorithm.estimator OnPolicyDistillation learns from a teacher: set algorithm.teacher.path"
@@ -584,6 +605,50 @@ pub struct AlgorithmSpec {
     /// token the student sampled, and the advantage is its logprob minus the student's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub teacher: Option<TeacherSpec>,
+    /// DAPO's overlong reward shaping: a penalty added to the reward of episodes that sample
+    /// more tokens than `maxTokens − bufferTokens`; none when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlong: Option<OverlongSpec>,
+    /// DAPO's dynamic sampling: groups whose rewards are all equal (they carry no learning
+    /// signal under a group baseline) are dropped and more are generated until the batch is
+    /// full; off when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic_sampling: Option<DynamicSamplingSpec>,
+}
+
+/// Dynamic sampling's bound on extra generation.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DynamicSamplingSpec {
+    /// Finished groups a step may look at before it stops dropping equal-reward groups and
+    /// takes them as they come (so a run whose tasks are all solved, or all failed, never
+    /// stalls); 4 × `batchSize` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1048576))]
+    pub max_groups_per_step: Option<u32>,
+}
+
+/// DAPO's soft overlong punishment (Yu et al. 2025): for an episode of L sampled tokens, with
+/// L_max = `maxTokens` and buffer B = `bufferTokens`, the reward gains 0 when L ≤ L_max − B,
+/// `factor · (L_max − B − L) / B` (from 0 down to −factor) when L_max − B < L ≤ L_max, and
+/// −factor beyond.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.maxTokens) || self.bufferTokens <= self.maxTokens").message(
+    "algorithm.overlong.bufferTokens must be at most algorithm.overlong.maxTokens"
+))]
+pub struct OverlongSpec {
+    /// Where the penalty starts, in tokens before the maximum.
+    #[schemars(range(min = 1, max = 16777216))]
+    pub buffer_tokens: u32,
+    /// L_max; the rollout's token budget (`rollout.maxTokens` × `rollout.maxTurns`) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16777216))]
+    pub max_tokens: Option<u32>,
+    /// The largest penalty.
+    #[serde(default = "one_f64")]
+    #[schemars(range(min = 0.0, max = 1000.0))]
+    pub factor: f64,
 }
 
 /// A teacher model for on-policy distillation: a Hugging Face folder with the student's
@@ -656,6 +721,8 @@ impl Default for AlgorithmSpec {
             is_correction: None,
             optimizer: OptimizerSpec::default(),
             teacher: None,
+            overlong: None,
+            dynamic_sampling: None,
         }
     }
 }
@@ -832,6 +899,9 @@ fn one() -> i32 {
 }
 fn one_u32() -> u32 {
     1
+}
+fn one_f64() -> f64 {
+    1.0
 }
 fn yes() -> bool {
     true

@@ -156,6 +156,7 @@ async fn run(max_staleness: u64, steps: usize, train: Duration) -> RunResult {
         batch_size: 4,
         max_staleness,
         limits: Default::default(),
+        dynamic_sampling: None,
     };
     let (rollout, mut queue) = RolloutPool::start(
         runner,

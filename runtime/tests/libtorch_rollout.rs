@@ -68,6 +68,7 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
         batch_size: 2,
         max_staleness: 1,
         limits: Default::default(),
+        dynamic_sampling: None,
     };
     let (rollout, mut queue) =
         RolloutPool::start(agents, dataset, opts.clone(), RolloutState::default(), 0).unwrap();

@@ -16,6 +16,10 @@ pub enum Aggregation {
     TokenMean,
     /// mean_i (Σ_t m_it l_it / Σ_t m_it): every sequence weighs the same (GRPO's original).
     SeqMean,
+    /// Σ_{i,t} m_it l_it / (B · L): every token weighs the same and the divisor is a constant,
+    /// L `normalizer` tokens per sequence (Dr. GRPO, Liu et al. 2025), so that the loss does not
+    /// favour short correct or long wrong answers as a per-sequence token mean does.
+    SeqMeanTokenSumNorm { normalizer: usize },
 }
 
 /// Aggregates per-token losses `[batch, time]` under `mask`.
@@ -25,6 +29,10 @@ pub fn aggregate(loss: &Tensor, mask: &Tensor, how: Aggregation) -> Tensor {
             (loss * mask).sum(loss.kind()) / mask.sum(loss.kind()).clamp_min(1.0)
         }
         Aggregation::SeqMean => masked_mean(loss, mask).mean(loss.kind()),
+        Aggregation::SeqMeanTokenSumNorm { normalizer } => {
+            let sequences = loss.size().first().copied().unwrap_or(1).max(1);
+            (loss * mask).sum(loss.kind()) / (sequences as f64 * normalizer.max(1) as f64)
+        }
     }
 }
 

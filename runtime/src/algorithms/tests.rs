@@ -395,6 +395,21 @@ fn aggregations_weigh_tokens_or_sequences() {
         (tok - seq).abs() > 1e-6,
         "different lengths make the two differ"
     );
+    // Dr. GRPO: the token sum over B sequences of a constant L tokens each.
+    let normalizer = 11;
+    let sum: f64 = (0..B)
+        .flat_map(|i| (0..T).map(move |t| (i, t)))
+        .map(|(i, t)| lr[i][t] * mr[i][t])
+        .sum();
+    close(
+        &vec1(&aggregate(
+            &l,
+            &m,
+            Aggregation::SeqMeanTokenSumNorm { normalizer },
+        )),
+        &[sum / (B * normalizer) as f64],
+        "seq-mean-token-sum-norm",
+    );
 }
 
 #[test]

@@ -354,6 +354,11 @@ async fn prometheus(State(c): Shared) -> Response {
             s.rollout.dropped_invalid,
         ),
         (
+            "moult_groups_filtered",
+            "Groups dynamic sampling dropped because every reward was equal",
+            s.rollout.groups_filtered,
+        ),
+        (
             "moult_trainer_restarts",
             "Times the trainer started again",
             s.trainer_restarts,

@@ -9,6 +9,9 @@
 //!   the queue is bounded, and with `max_staleness` 0 generation waits for training (on-policy).
 //! - **Staleness**: a finished group whose oldest sampled token is more than `max_staleness`
 //!   versions behind the current policy is dropped (counted), never handed to the trainer.
+//! - **Dynamic sampling** (DAPO), when on: a group whose rewards are all equal is dropped
+//!   (counted as filtered) and its slot goes to a new group, until the step has looked at
+//!   `max_groups_per_step` groups; then such groups are taken as they come, so a run never stalls.
 //! - **Failures**: a group with a failed episode is dropped whole (its reason logged and counted):
 //!   group-normalised advantages need every sample. So is a group with an episode that fails
 //!   [`validate::check`] (malformed data from agent code), counted apart.
@@ -60,6 +63,9 @@ pub struct RolloutOptions {
     pub max_staleness: u64,
     /// What every finished episode is checked against ([`validate::check`]).
     pub limits: EpisodeLimits,
+    /// Dynamic sampling: drop groups whose rewards are all equal, looking at this many finished
+    /// groups per step at most; off when `None`.
+    pub dynamic_sampling: Option<usize>,
 }
 
 impl RolloutOptions {
@@ -106,6 +112,15 @@ pub struct RolloutStats {
     /// Groups dropped because an episode was malformed ([`validate::check`]).
     #[serde(default)]
     pub dropped_invalid: u64,
+    /// Groups dropped by dynamic sampling: every reward equal.
+    #[serde(default)]
+    pub groups_filtered: u64,
+}
+
+/// Every episode of the group has the same reward, exactly (no learning signal against a group
+/// baseline).
+pub fn rewards_all_equal(episodes: &[Episode]) -> bool {
+    episodes.windows(2).all(|w| w[0].reward == w[1].reward)
 }
 
 /// The oldest version that sampled any token of `episodes`.
@@ -126,6 +141,8 @@ struct Shared {
     version: AtomicU64,
     /// What episodes are checked against (the vocabulary may be learned after the start).
     limits: Mutex<EpisodeLimits>,
+    /// Groups dynamic sampling looked at since the last batch was taken.
+    looked_at: AtomicU64,
 }
 
 /// The streaming rollout pool. [`RolloutPool::start`] runs it; finished groups arrive on the
@@ -161,6 +178,7 @@ impl RolloutPool {
             stats: Mutex::new(RolloutStats::default()),
             version: AtomicU64::new(version),
             limits: Mutex::new(opts.limits),
+            looked_at: AtomicU64::new(0),
         });
         // Admission: a permit per group from its start until the trainer took it (or it was
         // dropped), so in flight + queued never exceeds max_groups.
@@ -265,6 +283,18 @@ impl RolloutPool {
                 return None;
             }
         }
+        if let Some(cap) = opts.dynamic_sampling {
+            let looked_at = shared.looked_at.fetch_add(1, Ordering::Relaxed) + 1;
+            if looked_at <= cap as u64 && rewards_all_equal(&group.episodes) {
+                stats.groups_filtered += 1;
+                tracing::debug!(
+                    task = group.task_index,
+                    reward = group.episodes.first().map(|e| e.reward),
+                    "group dropped: every reward is equal"
+                );
+                return None;
+            }
+        }
         Some(group)
     }
 
@@ -352,6 +382,8 @@ pub async fn fill_batch(
             (before - batch.len()) as u64;
         return Box::pin(fill_batch(pool, queue, opts, batch)).await;
     }
+    // The next step's dynamic sampling starts counting afresh.
+    pool.shared.looked_at.store(0, Ordering::Relaxed);
     Some(())
 }
 

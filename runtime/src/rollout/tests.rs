@@ -30,6 +30,12 @@ impl EpisodeRunner for FakeRunner {
             let failed = task["fail"].as_bool().unwrap_or(false) && index % 2 == 1;
             // A task may name a token id to put in its episodes (outside the vocabulary: bad).
             let token = task["token"].as_i64().unwrap_or(3);
+            // `"varied": true`: rewards alternate within the group (a learning signal).
+            let reward = if task["varied"].as_bool().unwrap_or(false) {
+                (index % 2) as f64
+            } else {
+                1.0
+            };
             Episode {
                 index,
                 session: format!("s{index}"),
@@ -40,7 +46,7 @@ impl EpisodeRunner for FakeRunner {
                     EpisodeStatus::Completed
                 },
                 reason: failed.then(|| "crashed".to_string()),
-                reward: 1.0,
+                reward,
                 info: Map::new(),
                 seconds: 0.0,
                 segments: vec![Segment {
@@ -62,6 +68,7 @@ fn opts(group_size: usize, batch_size: usize, max_staleness: u64) -> RolloutOpti
         batch_size,
         max_staleness,
         limits: Default::default(),
+        dynamic_sampling: None,
     }
 }
 
@@ -203,4 +210,47 @@ async fn bad_settings_are_refused() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("groupSize"));
+}
+
+#[tokio::test]
+async fn dynamic_sampling_drops_equal_reward_groups_and_keeps_batches_full() {
+    let runner = Arc::new(FakeRunner::default());
+    // Every other task is solved by every sample: no signal.
+    let data = Arc::new(vec![
+        json!({"ms": 2}),
+        json!({"ms": 2, "varied": true}),
+        json!({"ms": 2}),
+        json!({"ms": 2, "varied": true}),
+    ]);
+    let mut o = opts(2, 3, 0);
+    o.dynamic_sampling = Some(1000);
+    let (pool, mut queue) =
+        RolloutPool::start(runner, data, o.clone(), RolloutState::default(), 0).unwrap();
+    for _ in 0..3 {
+        let batch = next_batch(&pool, &mut queue, &o).await.unwrap();
+        assert_eq!(batch.len(), 3, "the batch is full");
+        assert!(
+            batch.iter().all(|g| !rewards_all_equal(&g.episodes)),
+            "no trained group has equal rewards"
+        );
+    }
+    // Nine varied groups came from nine solved ones drawn between them (give or take the ones
+    // in flight).
+    let filtered = pool.stats().groups_filtered;
+    assert!((8..=12).contains(&filtered), "{:?}", pool.stats());
+}
+
+#[tokio::test]
+async fn dynamic_sampling_takes_equal_groups_once_the_step_looked_at_its_cap() {
+    let runner = Arc::new(FakeRunner::default());
+    let data = Arc::new(vec![json!({"ms": 2})]);
+    let mut o = opts(2, 2, 0);
+    o.dynamic_sampling = Some(3);
+    let (pool, mut queue) =
+        RolloutPool::start(runner, data, o.clone(), RolloutState::default(), 0).unwrap();
+    for step in 1..=2u64 {
+        let batch = next_batch(&pool, &mut queue, &o).await.unwrap();
+        assert_eq!(batch.len(), 2, "no signal anywhere, yet the run goes on");
+        assert_eq!(pool.stats().groups_filtered, 3 * step, "{:?}", pool.stats());
+    }
 }

@@ -43,6 +43,8 @@ pub struct RunConfig {
     pub rollout: RolloutOptions,
     pub partial_rollout: bool,
     pub estimator: Estimator,
+    /// DAPO's overlong reward shaping (`spec.algorithm.overlong`).
+    pub overlong: Option<Overlong>,
     /// The trainer's settings (only in builds that train).
     #[cfg(feature = "torch")]
     pub trainer: TrainerOptions,
@@ -55,6 +57,39 @@ pub struct RunConfig {
     pub teacher_dir: Option<PathBuf>,
     /// LLM-as-judge rewards (`spec.judge`).
     pub judge: Option<JudgeOptions>,
+}
+
+/// DAPO's soft overlong punishment (Yu et al. 2025; docs/algorithms.md), resolved from
+/// `spec.algorithm.overlong`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Overlong {
+    /// L_max: sampled tokens an episode may have.
+    pub max_tokens: usize,
+    /// B: the penalty grows over the last B tokens before L_max.
+    pub buffer_tokens: usize,
+    /// The largest penalty.
+    pub factor: f64,
+}
+
+impl Overlong {
+    /// The penalty (≤ 0) added to the reward of an episode of `len` sampled tokens:
+    /// 0 for `len ≤ L_max − B`, `factor · (L_max − B − len) / B` up to L_max, −factor beyond.
+    pub fn penalty(&self, len: usize) -> f64 {
+        let start = self.max_tokens.saturating_sub(self.buffer_tokens);
+        if len <= start {
+            0.0
+        } else if len <= self.max_tokens {
+            -self.factor * (len - start) as f64 / self.buffer_tokens.max(1) as f64
+        } else {
+            -self.factor
+        }
+    }
+}
+
+/// The token budget of an episode: `rollout.maxTokens` × `rollout.maxTurns` (the default of
+/// `overlong.maxTokens` and of `loss.lengthNormalizer`).
+pub fn episode_token_budget(spec: &moult_operator::api::RLRunSpec) -> usize {
+    spec.rollout.max_tokens as usize * spec.rollout.max_turns as usize
 }
 
 fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
@@ -291,6 +326,13 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
             aggregation: match algo.loss.aggregation {
                 SpecAggregation::TokenMean => Aggregation::TokenMean,
                 SpecAggregation::SeqMean => Aggregation::SeqMean,
+                SpecAggregation::SeqMeanTokenSumNorm => Aggregation::SeqMeanTokenSumNorm {
+                    normalizer: algo
+                        .loss
+                        .length_normalizer
+                        .map_or_else(|| episode_token_budget(spec), |n| n as usize)
+                        .max(1),
+                },
             },
             correction,
             temperature: spec.rollout.temperature,
@@ -398,9 +440,40 @@ impl RunConfig {
                 batch_size: algo.batch_size as usize,
                 max_staleness: u64::from(algo.max_staleness),
                 limits,
+                dynamic_sampling: algo.dynamic_sampling.as_ref().map(|d| {
+                    d.max_groups_per_step
+                        .map_or(4 * algo.batch_size as usize, |m| m as usize)
+                }),
             },
             partial_rollout: algo.partial_rollout,
             estimator: algo.estimator,
+            overlong: algo
+                .overlong
+                .as_ref()
+                .map(|o| -> Result<Overlong, RunError> {
+                    let max_tokens = o
+                        .max_tokens
+                        .map_or_else(|| episode_token_budget(spec), |m| m as usize);
+                    let buffer_tokens = o.buffer_tokens as usize;
+                    if buffer_tokens == 0 || buffer_tokens > max_tokens {
+                        return Err(bad(
+                            "spec.algorithm.overlong.bufferTokens",
+                            format!("{buffer_tokens} is not between 1 and maxTokens ({max_tokens}: the episode's token budget, rollout.maxTokens × rollout.maxTurns, unless overlong.maxTokens says otherwise)"),
+                        ));
+                    }
+                    if !(o.factor.is_finite() && o.factor >= 0.0) {
+                        return Err(bad(
+                            "spec.algorithm.overlong.factor",
+                            format!("{} is not a number of 0 or more", o.factor),
+                        ));
+                    }
+                    Ok(Overlong {
+                        max_tokens,
+                        buffer_tokens,
+                        factor: o.factor,
+                    })
+                })
+                .transpose()?,
             #[cfg(feature = "torch")]
             trainer: trainer_options(&run, total_steps)?,
             engines: spec.engines.replicas as usize,
@@ -481,6 +554,12 @@ spec:
                 "engines.extraArgs cannot set a flag moult sets itself",
             ),
             (
+                "overlong",
+                "  algorithm: {overlong: {bufferTokens: 64, maxTokens: 32}}\n  totalSteps: 1\n",
+                "spec.algorithm.overlong",
+                "algorithm.overlong.bufferTokens must be at most algorithm.overlong.maxTokens",
+            ),
+            (
                 "steps",
                 "  totalSteps: 0\n",
                 "spec.totalSteps",
@@ -493,6 +572,31 @@ spec:
             assert!(
                 e.contains(&format!("{field}: ")) && e.contains(message),
                 "{name}: {e}"
+            );
+        }
+    }
+
+    /// DAPO's formula, by hand: L_max 100, buffer 20, factor 0.5.
+    #[test]
+    fn the_overlong_penalty_is_zero_then_linear_over_the_buffer_then_the_whole_factor() {
+        let o = Overlong {
+            max_tokens: 100,
+            buffer_tokens: 20,
+            factor: 0.5,
+        };
+        for (len, want) in [
+            (0, 0.0),
+            (80, 0.0),
+            (81, -0.5 / 20.0),
+            (90, -0.25),
+            (100, -0.5),
+            (101, -0.5),
+            (10_000, -0.5),
+        ] {
+            assert!(
+                (o.penalty(len) - want).abs() < 1e-12,
+                "{len}: {}",
+                o.penalty(len)
             );
         }
     }

@@ -384,6 +384,7 @@ struct Learned {
     advantages: Vec<Vec<f64>>,
     stats: crate::trainer::train::StepStats,
     teacher_kl: Option<f64>,
+    overlong_penalty_mean: Option<f64>,
     train_seconds: f64,
     /// Everything the step computed: advantages, samples, the teacher, the optimizer step.
     compute_seconds: f64,
@@ -398,7 +399,8 @@ async fn learn(
     batch: &[Group],
 ) -> Result<(Trainer, Option<Qwen3Model>, Learned), RunError> {
     let computing = Instant::now();
-    let advantages = samples::advantages(cfg.estimator, batch)?;
+    let (advantages, overlong_penalty_mean) =
+        samples::advantages(cfg.estimator, cfg.overlong.as_ref(), batch)?;
     let mut train_samples = samples::samples(batch, &advantages, cfg.routing_replay)?;
     let (teacher, teacher_kl) = match teacher {
         Some(t) => {
@@ -424,6 +426,7 @@ async fn learn(
         advantages,
         stats,
         teacher_kl,
+        overlong_penalty_mean,
         train_seconds: started.elapsed().as_secs_f64(),
         compute_seconds: computing.elapsed().as_secs_f64(),
     };
@@ -463,6 +466,7 @@ fn step_record(
         advantages,
         stats,
         teacher_kl,
+        overlong_penalty_mean,
         train_seconds,
         ..
     } = learned;
@@ -485,6 +489,7 @@ fn step_record(
         update_skipped: stats.skipped,
         learning_rate: stats.learning_rate,
         teacher_kl: *teacher_kl,
+        overlong_penalty_mean: *overlong_penalty_mean,
         agent_reward_mean: None,
         judge_score_mean: None,
         judge_unparsed: None,
@@ -506,6 +511,7 @@ fn step_record(
         dropped_stale: rollout.dropped_stale,
         dropped_failed: rollout.dropped_failed,
         dropped_invalid: rollout.dropped_invalid,
+        groups_filtered: rollout.groups_filtered,
         elapsed_seconds: times.elapsed,
         engine_busy_fraction: 0.0,
         trainer_busy_fraction: 0.0,

@@ -32,6 +32,10 @@ pub struct StepRecord {
     /// On-policy distillation: mean per-token reverse KL to the teacher, log μ − log π_teacher.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub teacher_kl: Option<f64>,
+    /// Overlong reward shaping (`algorithm.overlong`): the mean penalty added to the batch's
+    /// rewards (≤ 0; `reward_mean` is the rewards before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlong_penalty_mean: Option<f64>,
     /// LLM-as-judge rewards: mean of the agents' own rewards (the environment's or the agent
     /// program's, before the judge's score was mixed in; `reward_mean` is the mixed reward).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -70,6 +74,9 @@ pub struct StepRecord {
     /// Groups dropped because an episode was malformed (docs/security.md, "Bad data").
     #[serde(default)]
     pub dropped_invalid: u64,
+    /// Groups dynamic sampling dropped because every reward was equal (so far in the run).
+    #[serde(default)]
+    pub groups_filtered: u64,
     /// Seconds since the run (this process) started.
     pub elapsed_seconds: f64,
     /// Fraction of the step's wall-clock in which the engines had work (requests in flight,

@@ -5,7 +5,9 @@
 use moult_operator::api::Estimator;
 use tch::Tensor;
 
+use super::config::Overlong;
 use super::RunError;
+use crate::agents::Episode;
 use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
 use crate::engine::npy::decode_routed_experts;
 use crate::loopback::Segment;
@@ -25,28 +27,54 @@ pub fn mean_std(xs: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
-/// Each episode's advantage, per group, from the groups' rewards.
-pub fn advantages(estimator: Estimator, batch: &[Group]) -> Result<Vec<Vec<f64>>, RunError> {
+/// Tokens the policy sampled in `episode` (over all its segments).
+pub fn sampled_tokens(episode: &Episode) -> usize {
+    episode
+        .segments
+        .iter()
+        .map(|s| s.loss_mask.iter().filter(|&&m| m == 1).count())
+        .sum()
+}
+
+/// Each episode's advantage, per group, from the groups' rewards, shaped by `overlong` when
+/// set; with the mean overlong penalty of the batch.
+pub fn advantages(
+    estimator: Estimator,
+    overlong: Option<&Overlong>,
+    batch: &[Group],
+) -> Result<(Vec<Vec<f64>>, Option<f64>), RunError> {
     let g = batch.first().map_or(0, |b| b.episodes.len());
     if batch.iter().any(|b| b.episodes.len() != g) {
         return Err(RunError::Setup(
             "groups of unequal size in one batch".into(),
         ));
     }
+    let penalties: Vec<f64> = batch
+        .iter()
+        .flat_map(|b| &b.episodes)
+        .map(|e| overlong.map_or(0.0, |o| o.penalty(sampled_tokens(e))))
+        .collect();
     let rewards: Vec<f64> = batch
         .iter()
         .flat_map(|b| b.episodes.iter().map(|e| e.reward))
+        .zip(&penalties)
+        .map(|(r, p)| r + p)
         .collect();
     let r = Tensor::from_slice(&rewards).view([batch.len() as i64, g as i64]);
     let a = match estimator {
         Estimator::Grpo => grpo(&r, true, 1e-6),
+        Estimator::DrGrpo => grpo(&r, false, 0.0),
         Estimator::Rloo => rloo(&r),
         Estimator::ReinforcePlusPlus => reinforce_pp(&r, 1e-6),
         // Per token, from the teacher ([`distill`]); the sequence advantage is unused.
         Estimator::OnPolicyDistillation => r.zeros_like(),
     };
     let flat: Vec<f64> = Vec::try_from(a.flatten(0, -1)).expect("advantages are doubles");
-    Ok(flat.chunks(g.max(1)).map(<[f64]>::to_vec).collect())
+    let penalty_mean = overlong.map(|_| mean_std(&penalties).0);
+    Ok((
+        flat.chunks(g.max(1)).map(<[f64]>::to_vec).collect(),
+        penalty_mean,
+    ))
 }
 
 /// On-policy distillation: each sampled token's advantage is the teacher's logprob of it minus
@@ -208,5 +236,58 @@ mod tests {
         assert_eq!(mean_std(&[]), (0.0, 0.0));
         let (m, s) = mean_std(&[1.0, 3.0]);
         assert_eq!((m, s), (2.0, 1.0));
+    }
+
+    /// A group of episodes with these rewards and sampled lengths.
+    fn group(episodes: &[(f64, usize)]) -> Group {
+        let episodes: Vec<Episode> = episodes
+            .iter()
+            .map(|&(reward, sampled)| {
+                let mut seg = segment(sampled + 3, Vec::new());
+                seg.loss_mask[3..].fill(1);
+                Episode {
+                    index: 0,
+                    session: "s".into(),
+                    task: serde_json::json!({}),
+                    status: crate::agents::EpisodeStatus::Completed,
+                    reason: None,
+                    reward,
+                    info: Default::default(),
+                    seconds: 0.1,
+                    segments: vec![seg],
+                }
+            })
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "task_index": 0, "epoch": 0, "task": {}, "episodes": episodes, "oldest_version": null
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn overlong_penalties_shape_the_rewards_and_dr_grpo_only_centres_them() {
+        let batch = [
+            group(&[(1.0, 10), (0.0, 90)]),
+            group(&[(1.0, 100), (1.0, 200)]),
+        ];
+        assert_eq!(sampled_tokens(&batch[0].episodes[1]), 90);
+        let o = Overlong {
+            max_tokens: 100,
+            buffer_tokens: 20,
+            factor: 1.0,
+        };
+        // Shaped rewards: 1, −0.5 | 0, 0.
+        let (a, penalty) = advantages(Estimator::DrGrpo, Some(&o), &batch).unwrap();
+        assert_eq!(a, vec![vec![0.75, -0.75], vec![0.0, 0.0]]);
+        assert_eq!(penalty, Some(-2.5 / 4.0));
+        let (a, penalty) = advantages(Estimator::DrGrpo, None, &batch).unwrap();
+        assert_eq!(a, vec![vec![0.5, -0.5], vec![0.0, 0.0]]);
+        assert_eq!(penalty, None);
+        // GRPO divides by the group's std (0.5 here).
+        let (a, _) = advantages(Estimator::Grpo, None, &batch).unwrap();
+        assert!(
+            (a[0][0] - 1.0).abs() < 1e-5 && (a[0][1] + 1.0).abs() < 1e-5,
+            "{a:?}"
+        );
     }
 }

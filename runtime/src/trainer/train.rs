@@ -192,7 +192,8 @@ impl Trainer {
         let parts = micro_batches(samples, self.opts.micro_batch_tokens);
         let total_sampled: usize = samples.iter().map(Sample::sampled).sum();
         let share = |part: &[Sample]| match (cfg.kind, cfg.aggregation) {
-            (LossKind::Gspo, _) | (_, Aggregation::SeqMean) => {
+            (LossKind::Gspo, _)
+            | (_, Aggregation::SeqMean | Aggregation::SeqMeanTokenSumNorm { .. }) => {
                 part.len() as f64 / samples.len().max(1) as f64
             }
             (_, Aggregation::TokenMean) => {

@@ -14,6 +14,7 @@ use moult_runtime::loopback::session::RoutedExperts;
 use moult_runtime::loopback::Segment;
 use moult_runtime::rollout::validate::{check, EpisodeLimits};
 use moult_runtime::rollout::Group;
+use moult_runtime::run::config::Overlong;
 use moult_runtime::run::samples::{advantages, samples};
 
 const VOCAB: i64 = 100;
@@ -202,7 +203,7 @@ fn case() -> impl Strategy<Value = Case> {
         ),
         prop_oneof![3 => Just(Some(VOCAB as usize)), 1 => Just(None)],
         prop_oneof![4 => 4u64..8, 1 => Just(u64::MAX), 1 => Just(0u64)],
-        0u8..4,
+        0u8..5,
         any::<bool>(),
     )
         .prop_map(|(episodes, spoils, vocab, now, estimator, replay)| Case {
@@ -260,9 +261,16 @@ fn run(case: Case) -> Result<(), TestCaseError> {
         0 => Estimator::Grpo,
         1 => Estimator::Rloo,
         2 => Estimator::ReinforcePlusPlus,
+        3 => Estimator::DrGrpo,
         _ => Estimator::OnPolicyDistillation,
     };
-    let adv = advantages(estimator, &batch)
+    // Overlong shaping with a budget some episodes exceed.
+    let overlong = Overlong {
+        max_tokens: 8,
+        buffer_tokens: 4,
+        factor: 1.0,
+    };
+    let (adv, _) = advantages(estimator, Some(&overlong), &batch)
         .map_err(|e| TestCaseError::fail(format!("advantages of a valid batch: {e}")))?;
     let out = samples(&batch, &adv, case.replay)
         .map_err(|e| TestCaseError::fail(format!("samples of a valid batch: {e}")))?;
