@@ -460,8 +460,12 @@ fn template_ok(t: &PodTemplateSpec, what: &str, agent_code_writable: bool) -> Re
         }
     }
     for c in p.init_containers.iter().flatten().chain(&p.containers) {
-        let agent_code = what == "agents" && c.name == "agent";
+        // Agent code runs in the agent pod's sandbox container, which holds no credential.
+        let agent_code = what == "agents" && c.name == "sandbox";
         container_ok(c, agent_code && agent_code_writable).map_err(|e| format!("{what}: {e}"))?;
+        if agent_code && c.env.iter().flatten().any(|v| v.value_from.is_some()) {
+            return Err(format!("{what}: the sandbox reads a secret or field"));
+        }
         for m in c.volume_mounts.iter().flatten() {
             if !p.volumes.iter().flatten().any(|v| v.name == m.name) {
                 return Err(format!("{what}: mount of no volume {}", m.name));

@@ -91,7 +91,7 @@ fn every_container_of_every_kind_of_run_is_locked_down() {
                     "{}",
                     what(c)
                 );
-                let agent_code = component == "agents" && c.name == "agent";
+                let agent_code = component == "agents" && c.name == "sandbox";
                 assert_eq!(
                     sc.read_only_root_filesystem,
                     Some(!(agent_code && writable_agent)),

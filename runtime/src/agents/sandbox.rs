@@ -430,6 +430,22 @@ async fn run(
 mod tests {
     use super::*;
 
+    /// Everything a program wrote to one of its streams.
+    async fn read_all(stream: Option<UnixStream>) -> String {
+        let mut text = String::new();
+        stream
+            .expect("the stream is there")
+            .read_to_string(&mut text)
+            .await
+            .unwrap();
+        text
+    }
+
+    fn serving(socket: &Path) -> tokio::task::JoinHandle<std::io::Result<()>> {
+        let socket = socket.to_path_buf();
+        tokio::spawn(async move { serve(&socket).await })
+    }
+
     /// A program in the sandbox: its streams carry its bytes both ways, it gets exactly the
     /// environment it is given, and what it leaves running dies when the control connection
     /// closes.
@@ -438,10 +454,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("moult-sandbox-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("sandbox.sock");
-        let server = tokio::spawn({
-            let socket = socket.clone();
-            async move { serve(&socket).await }
-        });
+        let server = serving(&socket);
         while !socket.exists() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -461,22 +474,11 @@ mod tests {
         let mut stdin = p.stdin.take().unwrap();
         stdin.write_all(b"hello\n").await.unwrap();
         drop(stdin);
-        let mut out = String::new();
-        p.stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut out)
-            .await
-            .unwrap();
-        let mut err = String::new();
-        p.stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut err)
-            .await
-            .unwrap();
-        assert_eq!(out, "got hello and this nohome\n");
-        assert_eq!(err, "oops\n");
+        assert_eq!(
+            read_all(p.stdout.take()).await,
+            "got hello and this nohome\n"
+        );
+        assert_eq!(read_all(p.stderr.take()).await, "oops\n");
         assert_eq!(p.wait().await.unwrap(), Exit::Code(3));
         let pid: i32 = std::fs::read_to_string(&leftover)
             .unwrap()
@@ -526,19 +528,9 @@ mod tests {
             async move { Sandboxed::spawn(&socket, "/bin/echo", &["hi".into()], Vec::new()).await }
         });
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let server = tokio::spawn({
-            let socket = socket.clone();
-            async move { serve(&socket).await }
-        });
+        let server = serving(&socket);
         let mut p = client.await.unwrap().unwrap();
-        let mut out = String::new();
-        p.stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut out)
-            .await
-            .unwrap();
-        assert_eq!(out, "hi\n");
+        assert_eq!(read_all(p.stdout.take()).await, "hi\n");
         assert_eq!(p.wait().await.unwrap(), Exit::Code(0));
         server.abort();
         let _ = std::fs::remove_dir_all(dir.parent().unwrap().parent().unwrap());

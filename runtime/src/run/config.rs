@@ -92,6 +92,53 @@ pub fn episode_token_budget(spec: &moult_operator::api::RLRunSpec) -> usize {
     spec.rollout.max_tokens as usize * spec.rollout.max_turns as usize
 }
 
+/// The fields `spec` sets that only a cluster run acts on (pods, images, claims, scheduling),
+/// each with what a local run does instead: `moult run` names them rather than ignore them
+/// silently (docs/spec-fields.md has every field).
+pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'static str> {
+    let (a, e, t, s) = (&spec.agent, &spec.engines, &spec.trainer, &spec.scheduling);
+    let algo = &spec.algorithm;
+    [
+        (spec.model.claim_name.is_some(), "model.claimName (the model is read from model.path here)"),
+        (a.image.is_some(), "agent.image (agent programs run on this machine)"),
+        (a.replicas != 1, "agent.replicas (one agent pool here)"),
+        (a.resources.is_some(), "agent.resources"),
+        (a.egress.is_some(), "agent.egress"),
+        (!a.read_only_root_filesystem, "agent.readOnlyRootFilesystem"),
+        (a.dataset.claim_name.is_some(), "agent.dataset.claimName (tasks are read from agent.dataset.path here)"),
+        (e.image.is_some(), "engines.image"),
+        (e.gpus_per_engine.is_some(), "engines.gpusPerEngine"),
+        (e.resources.is_some(), "engines.resources"),
+        (
+            e.weight_transfer.as_ref().is_some_and(|w| w.claim_name.is_some()),
+            "engines.weightTransfer.claimName (the Filesystem transport writes under <out>/weights here)",
+        ),
+        (t.nodes != 1, "trainer.nodes (one rank here)"),
+        (t.image.is_some(), "trainer.image"),
+        (t.resources.is_some(), "trainer.resources"),
+        (
+            algo.teacher.as_ref().is_some_and(|t| t.claim_name.is_some()),
+            "algorithm.teacher.claimName (the teacher is read from algorithm.teacher.path here)",
+        ),
+        (
+            spec.judge.as_ref().is_some_and(|j| j.claim_name.is_some()),
+            "judge.claimName (the judge is read from judge.path here)",
+        ),
+        (spec.checkpoint.is_some(), "checkpoint.claimName (checkpoints go to <out>/checkpoints here)"),
+        (
+            !s.node_selector.is_empty()
+                || !s.tolerations.is_empty()
+                || s.priority_class_name.is_some()
+                || s.queue_name.is_some(),
+            "scheduling",
+        ),
+        (spec.suspend, "suspend"),
+    ]
+    .into_iter()
+    .filter_map(|(set, field)| set.then_some(field))
+    .collect()
+}
+
 fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
     RunError::Manifest(format!("{field}: {why}"))
 }
@@ -599,5 +646,24 @@ spec:
                 o.penalty(len)
             );
         }
+    }
+
+    #[test]
+    fn a_local_run_names_the_cluster_only_fields_a_manifest_sets() {
+        let run = read("local", "  totalSteps: 1\n").unwrap();
+        assert!(cluster_only_fields(&run.spec).is_empty());
+        let run = read(
+            "cluster",
+            "  trainer: {nodes: 2, image: t}\n  scheduling: {queueName: q}\n  totalSteps: 1\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cluster_only_fields(&run.spec),
+            [
+                "trainer.nodes (one rank here)",
+                "trainer.image",
+                "scheduling"
+            ]
+        );
     }
 }

@@ -74,6 +74,13 @@ pub async fn run(
     let mut learner =
         Learner::load(cfg.clone(), Some(ckpt_root), opts.device, console.clone()).await?;
     let resume = learner.resumed().cloned();
+    let cluster_only = crate::run::config::cluster_only_fields(&cfg.run.spec);
+    if !cluster_only.is_empty() {
+        console.line(&format!(
+            "moult run: set for a cluster, not used here: {}",
+            cluster_only.join("; ")
+        ));
+    }
     if let Some(note) = learner.resume_note() {
         console.line(&format!("moult run: {note}"));
     }
