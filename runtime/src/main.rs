@@ -86,6 +86,14 @@ struct RunArgs {
     /// No progress line per step and no status line (warnings still show).
     #[arg(long)]
     quiet: bool,
+    /// Write every trained batch (each episode's tokens, loss mask, logprobs, versions and
+    /// reward) to <out>/rollouts/step-NNNNNN.json.
+    #[arg(long)]
+    dump_rollouts: bool,
+    /// Train on the batches a run dumped (--dump-rollouts) in this folder, in order, instead of
+    /// generating: no engines, no agents. Give it a new --out.
+    #[arg(long, value_name = "DIR", conflicts_with = "dump_rollouts")]
+    replay: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -717,6 +725,8 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
             device,
             seed: args.seed,
             console: console.clone(),
+            dump_rollouts: args.dump_rollouts,
+            replay: args.replay.clone(),
         },
         shutdown_signal(),
     )

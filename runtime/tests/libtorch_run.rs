@@ -187,6 +187,71 @@ fn libtorch_run_sync_engines_are_idle_while_the_trainer_trains() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// A run that dumps its batches, and a replay of the dump: the same data, the same initial
+/// weights and algorithm, so every step's rewards, advantages and loss come out the same.
+#[test]
+fn libtorch_run_dumped_batches_replay_to_the_same_steps() {
+    let manifest = recipe();
+    let out = out_dir("dump");
+    let status = common::moult()
+        .arg("run")
+        .arg(&manifest)
+        .args(["--out".as_ref(), out.as_os_str()])
+        .args(["--steps", "3", "--seed", "2", "--quiet", "--dump-rollouts"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let dumps = out.join("rollouts");
+    for step in 1..=3 {
+        let path = dumps.join(format!("step-{step:06}.json"));
+        let dump: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        assert_eq!(dump["step"], step);
+        let groups = dump["groups"].as_array().unwrap();
+        assert_eq!(groups.len(), 8, "the recipe's batch size");
+        for e in groups
+            .iter()
+            .flat_map(|g| g["episodes"].as_array().unwrap())
+        {
+            assert!(e["reward"].is_number());
+            for seg in e["segments"].as_array().unwrap() {
+                let len = seg["token_ids"].as_array().unwrap().len();
+                for field in ["loss_mask", "logprobs", "versions"] {
+                    assert_eq!(seg[field].as_array().unwrap().len(), len, "{field}");
+                }
+            }
+        }
+    }
+    let replayed = out_dir("replay");
+    let status = common::moult()
+        .arg("run")
+        .arg(&manifest)
+        .args(["--out".as_ref(), replayed.as_os_str()])
+        .args(["--replay".as_ref(), dumps.as_os_str()])
+        .args(["--quiet"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (a, b) = (metrics(&out), metrics(&replayed));
+    assert_eq!(b.len(), 3, "the dump's 3 steps, not the manifest's 60");
+    for (x, y) in a.iter().zip(&b) {
+        for field in [
+            "reward_mean",
+            "advantage_mean",
+            "advantage_std",
+            "sampled_tokens",
+        ] {
+            assert_eq!(x[field], y[field], "step {}: {field}", x["step"]);
+        }
+        let (lx, ly) = (x["loss"].as_f64().unwrap(), y["loss"].as_f64().unwrap());
+        assert!(
+            (lx - ly).abs() <= 1e-5 * lx.abs().max(1e-3),
+            "step {}: loss {lx} vs {ly}",
+            x["step"]
+        );
+        assert_eq!(y["sync_seconds"], 0.0, "a replay publishes nothing");
+    }
+}
+
 #[test]
 fn libtorch_run_resumes_after_sigkill_without_training_a_step_twice() {
     let manifest = recipe();

@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tch::Device;
 
+use super::checkpoint::CheckpointMeta;
 use super::config::RunConfig;
 use super::console::Console;
-use super::learner::{Batch, Learner};
+use super::learner::{Batch, Learner, Trained};
 use super::metrics::{self, StepRecord};
-use super::{local, ordered, RunError};
+use super::{dump, local, ordered, RunError};
 use crate::rollout::{next_batch, RolloutPool, RolloutState};
 
 /// How `moult run` runs the manifest.
@@ -26,6 +27,11 @@ pub struct RunOptions {
     pub seed: u64,
     /// Where progress lines and the status line go.
     pub console: Console,
+    /// Write every trained batch to `<out>/rollouts/` ([`super::dump`]).
+    pub dump_rollouts: bool,
+    /// Train on the batches dumped in this folder, in order, instead of generating: no engines,
+    /// no agents, no weight sync.
+    pub replay: Option<PathBuf>,
 }
 
 /// What a finished (or interrupted) run reports.
@@ -84,19 +90,23 @@ pub async fn run(
     if let Some(note) = learner.resume_note() {
         console.line(&format!("moult run: {note}"));
     }
-    let (mut step, mut version, state, seed) = match &resume {
-        Some((_, m)) => (m.step, m.policy_version, m.rollout, m.seed),
-        None => (0, 0, RolloutState::default(), opts.seed),
+    let (state, seed) = match &resume {
+        Some((_, m)) => (m.rollout, m.seed),
+        None => (RolloutState::default(), opts.seed),
     };
-    if step >= cfg.total_steps {
+    let mut progress = Progress::new(resume.as_ref(), started);
+    if progress.step >= cfg.total_steps {
         console.line(&format!(
-            "moult run: {} already finished ({step} steps)",
-            cfg.name
+            "moult run: {} already finished ({} steps)",
+            cfg.name, progress.step
         ));
     }
-    console.set_step(step);
+    console.set_step(progress.step);
     let device = opts.device;
 
+    if let Some(dir) = &opts.replay {
+        return replay(cfg, &opts, dir, learner, progress).await;
+    }
     console.phase("starting engines and agents");
     let scratch = out.join("scratch");
     let stack = local::Stack::start(&cfg, device, &scratch, console).await?;
@@ -105,7 +115,7 @@ pub async fn run(
         .await?;
     if resume.is_some() {
         // The engines loaded the original model: bring them to the checkpoint's version.
-        learner.publish(version, false).await?;
+        learner.publish(progress.version, false).await?;
     }
     let dataset = Arc::new(ordered(&cfg.tasks, seed));
     let (pool, mut queue) = RolloutPool::start(
@@ -113,21 +123,18 @@ pub async fn run(
         dataset,
         cfg.rollout.clone(),
         state,
-        version,
+        progress.version,
     )
     .map_err(|e| RunError::Setup(e.to_string()))?;
     learner.log_to(out)?;
-    let first_step = step;
-    let mut last_checkpoint = resume.as_ref().map(|(d, _)| d.clone());
     let mut step_started = Instant::now();
     tokio::pin!(shutdown);
-    let mut interrupted = false;
 
-    while step < cfg.total_steps {
+    while progress.step < cfg.total_steps {
         // 1. A batch of finished groups (generated while the previous step trained).
         let batch = tokio::select! {
             b = watch_generation(console, &pool, next_batch(&pool, &mut queue, &cfg.rollout)) => b,
-            () = &mut shutdown => { interrupted = true; break; }
+            () = &mut shutdown => { progress.interrupted = true; break; }
         };
         let Some(mut batch) = batch else {
             return Err(RunError::Setup("the rollout pool stopped".into()));
@@ -136,17 +143,30 @@ pub async fn run(
         let judged = match &stack.judge {
             Some(judge) => {
                 console.phase("judging the batch");
-                Some(judge.score_batch(&mut batch, step + 1).await?)
+                Some(judge.score_batch(&mut batch, progress.step + 1).await?)
             }
             None => None,
         };
+        if opts.dump_rollouts {
+            dump::write(
+                &dump::folder(out),
+                &dump::DumpRef {
+                    step: progress.step + 1,
+                    served: progress.version,
+                    stats: pool.stats(),
+                    rollout: pool.state(),
+                    seed,
+                    groups: &batch,
+                },
+            )?;
+        }
         // 2. Advantages, samples, one optimizer step; the new weights to the engines (pause,
         // transfer, resume) as the trainer's step count; the record; a checkpoint when due.
         let trained = learner
             .train(
                 Batch {
                     groups: &batch,
-                    served: version,
+                    served: progress.version,
                     stats: pool.stats(),
                     rollout: pool.state(),
                     seed,
@@ -156,30 +176,83 @@ pub async fn run(
                 |trainer| std::future::ready(trainer.steps()),
             )
             .await?;
-        step = learner.step();
-        version = trained.record.policy_version;
-        pool.set_version(version);
+        progress.trained(learner.step(), &trained);
+        pool.set_version(progress.version);
         drop(batch); // frees the groups' admission slots: generation goes on
         step_started = Instant::now();
-        let done = step - first_step;
+        let done = progress.step - progress.first_step;
         let eta = Duration::from_secs_f64(
-            started.elapsed().as_secs_f64() / done as f64 * (cfg.total_steps - step) as f64,
+            started.elapsed().as_secs_f64() / done as f64
+                * (cfg.total_steps - progress.step) as f64,
         );
         console.line(&metrics::progress_line(
             &trained.record,
             cfg.total_steps,
             Some(eta),
         ));
-        console.set_step(step);
-        if trained.checkpoint.is_some() {
-            last_checkpoint = trained.checkpoint;
-        }
+        console.set_step(progress.step);
     }
     console.phase("stopping");
     // Abandon the episodes in flight before the servers go, so they end quietly.
     pool.stop();
     drop(queue);
     stack.shutdown().await;
+    summarize(&cfg, out, &learner, progress)
+}
+
+/// Where a run's loop stands, for its summary.
+struct Progress {
+    /// The step this process started from (a checkpoint's, or 0).
+    first_step: u64,
+    /// Steps trained, and the policy version they left.
+    step: u64,
+    version: u64,
+    resumed_from: Option<u64>,
+    last_checkpoint: Option<PathBuf>,
+    interrupted: bool,
+    started: Instant,
+}
+
+impl Progress {
+    fn new(resume: Option<&(PathBuf, CheckpointMeta)>, started: Instant) -> Self {
+        let (step, version) = resume.map_or((0, 0), |(_, m)| (m.step, m.policy_version));
+        Self {
+            first_step: step,
+            step,
+            version,
+            resumed_from: resume.map(|(_, m)| m.step),
+            last_checkpoint: resume.map(|(d, _)| d.clone()),
+            interrupted: false,
+            started,
+        }
+    }
+
+    /// After a step: `step` steps are trained.
+    fn trained(&mut self, step: u64, trained: &Trained) {
+        self.step = step;
+        self.version = trained.record.policy_version;
+        if let Some(dir) = &trained.checkpoint {
+            self.last_checkpoint = Some(dir.clone());
+        }
+    }
+}
+
+/// Writes `reward.svg` and `summary.json`; the summary.
+fn summarize(
+    cfg: &RunConfig,
+    out: &std::path::Path,
+    learner: &Learner,
+    progress: Progress,
+) -> Result<Summary, RunError> {
+    let Progress {
+        first_step,
+        step,
+        version,
+        resumed_from,
+        last_checkpoint,
+        interrupted,
+        started,
+    } = progress;
     let records = learner.records();
     let trained: Vec<StepRecord> = records
         .iter()
@@ -202,7 +275,7 @@ pub async fn run(
         engine_busy_fraction: time_weighted(&trained, |r| r.engine_busy_fraction),
         trainer_busy_fraction: time_weighted(&trained, |r| r.trainer_busy_fraction),
         engine_paused_seconds: trained.iter().map(|r| r.engine_paused_seconds).sum(),
-        resumed_from: resume.map(|(_, m)| m.step),
+        resumed_from,
         last_checkpoint,
         interrupted,
     };
@@ -211,6 +284,59 @@ pub async fn run(
         &serde_json::to_vec_pretty(&summary).expect("summary serializes"),
     )?;
     Ok(summary)
+}
+
+/// `moult run --replay DIR`: trains on the dumped batches in order (from where a checkpoint in
+/// the output folder left off), on the manifest's model and algorithm, without engines: the
+/// same data, so two algorithms, or two builds, can be compared step by step.
+async fn replay(
+    cfg: RunConfig,
+    opts: &RunOptions,
+    dir: &std::path::Path,
+    mut learner: Learner,
+    mut progress: Progress,
+) -> Result<Summary, RunError> {
+    let (out, console) = (&opts.out, &opts.console);
+    let steps = dump::steps(dir)?;
+    let first_step = progress.first_step;
+    let total = cfg.total_steps.min(steps.len() as u64);
+    if total < cfg.total_steps {
+        console.line(&format!(
+            "moult run: {} holds {} steps: replaying those, not the {} the run asks for",
+            dir.display(),
+            steps.len(),
+            cfg.total_steps
+        ));
+    }
+    learner.offline = true;
+    learner.log_to(out)?;
+    for (_, path) in steps
+        .iter()
+        .skip(first_step as usize)
+        .take((total - first_step.min(total)) as usize)
+    {
+        let step_started = Instant::now();
+        console.phase("reading the dumped batch");
+        let batch = dump::read(path)?;
+        let trained = learner
+            .train(
+                Batch {
+                    groups: &batch.groups,
+                    served: batch.served,
+                    stats: batch.stats,
+                    rollout: batch.rollout,
+                    seed: batch.seed,
+                    judged: None,
+                    started: step_started,
+                },
+                |trainer| std::future::ready(trainer.steps()),
+            )
+            .await?;
+        progress.trained(learner.step(), &trained);
+        console.line(&metrics::progress_line(&trained.record, total, None));
+        console.set_step(progress.step);
+    }
+    summarize(&cfg, out, &learner, progress)
 }
 
 /// The mean of `f` over `records`, each weighted by its step's wall-clock.

@@ -76,6 +76,8 @@ pub(crate) struct Learner {
     started: Instant,
     /// How many times a failed publish is tried (with a pause between tries).
     pub publish_tries: usize,
+    /// No engines to publish to (a replay of dumped batches): publishing does nothing.
+    pub offline: bool,
     /// Where the engines' activity is read (the router or coordinator weights go through), and
     /// the last reading: each step's busy fractions cover the time since.
     activity: Option<ActivityReader>,
@@ -145,6 +147,7 @@ impl Learner {
             console,
             started: Instant::now(),
             publish_tries: 1,
+            offline: false,
             activity: None,
         })
     }
@@ -199,6 +202,9 @@ impl Learner {
     /// Publishes the current weights as `version` (pause `keep` with `partial_rollout`), trying
     /// [`publish_tries`](Self::publish_tries) times; returns the seconds it took.
     pub async fn publish(&mut self, version: u64, partial_rollout: bool) -> Result<f64, RunError> {
+        if self.offline {
+            return Ok(0.0);
+        }
         let started = Instant::now();
         let weights = self.trainer().weights();
         let publisher = self

@@ -18,6 +18,7 @@ pub mod config;
 pub mod console;
 #[cfg(feature = "torch")]
 mod driver;
+pub mod dump;
 pub(crate) mod files;
 pub mod judge;
 #[cfg(feature = "torch")]
