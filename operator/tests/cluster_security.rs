@@ -194,14 +194,18 @@ data: {owner: someone else}
         String::from_utf8_lossy(&out.stderr)
     );
     let version = |o: &str| ns.get(o, "{.metadata.resourceVersion} {.metadata.ownerReferences}");
-    let before: Vec<String> = [
-        "configmap/r-config",
-        "secret/r-token",
-        "configmap/r-lookalike",
-    ]
-    .iter()
-    .map(|o| version(o))
-    .collect();
+    // The objects the run does not control, as the API server holds them.
+    let versions = || -> Vec<String> {
+        [
+            "configmap/r-config",
+            "secret/r-token",
+            "configmap/r-lookalike",
+        ]
+        .iter()
+        .map(|o| version(o))
+        .collect()
+    };
+    let before = versions();
 
     assert!(ns.apply(&small_run("r", 1)).status.success());
     wait_until(T, "the status to name the objects in the way", || {
@@ -240,15 +244,7 @@ data: {owner: someone else}
         .is_empty(),
         "nothing of the run is made while its names are taken"
     );
-    let now: Vec<String> = [
-        "configmap/r-config",
-        "secret/r-token",
-        "configmap/r-lookalike",
-    ]
-    .iter()
-    .map(|o| version(o))
-    .collect();
-    assert_eq!(now, before, "nothing was written to them");
+    assert_eq!(versions(), before, "nothing was written to them");
     assert_eq!(
         ns.get("secret/r-token", "{.data.token}"),
         "bm90IHRoZSBydW4ncw==",
