@@ -58,6 +58,7 @@ pub const GROUP: &str = "moult.dev";
     printcolumn(name = "Version", type_ = "integer", json_path = ".status.policyVersion"),
     printcolumn(name = "Step", type_ = "integer", json_path = ".status.step"),
     printcolumn(name = "Reward", type_ = "number", json_path = ".status.metrics.reward"),
+    printcolumn(name = "Eval", type_ = "number", json_path = ".status.metrics.evalReward"),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     printcolumn(
         name = "Reason",
@@ -108,6 +109,10 @@ pub struct RLRunSpec {
     /// Sampling settings of rollouts.
     #[serde(default)]
     pub rollout: RolloutSpec,
+    /// Evaluation on held-out tasks during training (docs/run.md, "Evaluation"); none when
+    /// absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalSpec>,
     /// Rollout routing replay (R3) for mixture-of-experts models: the training forward uses the
     /// experts the engine routed each token to.
     #[serde(default)]
@@ -214,18 +219,39 @@ pub struct AgentSpec {
     pub read_only_root_filesystem: bool,
 }
 
-/// A JSONL file of tasks.
+/// Tasks: JSON lines, or Parquet files as Hugging Face datasets store them (docs/run.md,
+/// "Datasets").
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
-#[x_kube(validation = claim_rule("agent.dataset.claimName"))]
+#[x_kube(validation = claim_rule("agent.dataset.claimName (or eval.dataset.claimName)"))]
 pub struct DatasetSpec {
-    /// Path of the file inside the pods: under `/data` when `claimName` is set.
+    /// Path of the file inside the pods (under `/data` when `claimName` is set): a file, a
+    /// folder (every `.jsonl` and `.parquet` file in it, in name order), or files matched by
+    /// one `*` in the file name (`data/train-*.parquet`).
     #[schemars(length(min = 1, max = 4096))]
     pub path: String,
     /// PersistentVolumeClaim holding the file, mounted read-only at `/data`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub claim_name: Option<String>,
+    /// The files' format; from each file's extension when absent (`.parquet`: Parquet, any
+    /// other: JSON lines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<DatasetFormat>,
+    /// The task fields the agent receives, each from a column (or a JSON line's field): `{question:
+    /// problem, answer: solution}`; every column under its own name when empty.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 64))]
+    pub columns: BTreeMap<String, String>,
+}
+
+/// How a dataset file is stored.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum DatasetFormat {
+    /// One JSON value (a task) per line.
+    Jsonl,
+    /// Apache Parquet (what Hugging Face datasets store): one task per row.
+    Parquet,
 }
 
 /// Which server the engine pods run.
@@ -763,6 +789,45 @@ impl Default for RolloutSpec {
     }
 }
 
+/// Evaluation during training: every `intervalSteps` steps (and before the first, and after the
+/// last) each held-out task runs `samples` times through the run's agents and engines with the
+/// policy of that step, and is never trained on. An episode passes when its reward is at least
+/// `passReward`; a task passes (pass@k, k = `samples`) when any of its episodes does.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.temperature) || self.temperature >= 0.0").message(
+    "eval.temperature must be 0 (greedy) or more"
+))]
+pub struct EvalSpec {
+    /// The held-out tasks, in the form of `agent.dataset`.
+    pub dataset: DatasetSpec,
+    /// Training steps between evaluations.
+    #[serde(default = "default_eval_interval")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub interval_steps: u32,
+    /// Episodes per task: the k of pass@k.
+    #[serde(default = "one_u32")]
+    #[schemars(range(min = 1, max = 1024))]
+    pub samples: u32,
+    /// Sampling temperature of evaluation episodes (0 is greedy); `rollout.temperature` when
+    /// absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 10.0))]
+    pub temperature: Option<f64>,
+    /// Tokens generated per turn at most; `rollout.maxTokens` when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 16777216))]
+    pub max_tokens: Option<u32>,
+    /// The reward at which an episode counts as passed.
+    #[serde(default = "one_f64")]
+    #[schemars(range(min = -1000000.0, max = 1000000.0))]
+    pub pass_reward: f64,
+    /// Evaluate on the first this many tasks of the file only; all when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10000000))]
+    pub max_tasks: Option<u32>,
+}
+
 /// Checkpoints of model, optimizer, data cursor and policy version.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
@@ -883,6 +948,14 @@ pub struct RunMetrics {
     /// Fraction of tokens the IS correction masked in the latest step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub masked_fraction: Option<f64>,
+    /// The newest evaluation on held-out tasks (`spec.eval`): the step whose policy it
+    /// measured, its mean reward and pass@k.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_reward: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_pass_at_k: Option<f64>,
 }
 
 /// The newest complete checkpoint.
@@ -941,6 +1014,9 @@ fn default_checkpoint_interval() -> u32 {
 }
 fn default_weight() -> f64 {
     1.0
+}
+fn default_eval_interval() -> u32 {
+    10
 }
 fn default_judge_max_tokens() -> u32 {
     8

@@ -166,7 +166,7 @@ fn cluster_example_reaches_running_on_gpu_nodes_with_every_child_owned() {
     let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
     assert_eq!(
         header,
-        ["NAME", "PHASE", "ENGINES", "VERSION", "STEP", "REWARD", "AGE"]
+        ["NAME", "PHASE", "ENGINES", "VERSION", "STEP", "REWARD", "EVAL", "AGE"]
     );
     let row: Vec<&str> = table.lines().nth(1).unwrap().split_whitespace().collect();
     assert_eq!(row[..3], ["gsm8k-grpo", "Running", "4/4"]);
@@ -668,7 +668,7 @@ fn cluster_the_coordinators_status_fields_survive_reconciles_and_fill_the_column
     assert!(ns.apply(&small_run("r", 1)).status.success());
     wait_phase(&ns, "r", "Running");
     // What the coordinator reports, written with a field manager of its own.
-    let report = r#"{"status":{"policyVersion":3,"step":5,"metrics":{"reward":0.75}}}"#;
+    let report = r#"{"status":{"policyVersion":3,"step":5,"metrics":{"reward":0.75,"evalStep":5,"evalReward":0.5}}}"#;
     ns.kubectl(&[
         "patch",
         "rlrun/r",
@@ -688,7 +688,7 @@ fn cluster_the_coordinators_status_fields_survive_reconciles_and_fill_the_column
         .split_whitespace()
         .map(String::from)
         .collect();
-    assert_eq!(row[..6], ["r", "Running", "2/2", "3", "5", "0.75"]);
+    assert_eq!(row[..7], ["r", "Running", "2/2", "3", "5", "0.75", "0.5"]);
 }
 
 /// The reasons of the run's events.

@@ -20,6 +20,7 @@ use futures::future::BoxFuture;
 use futures::StreamExt;
 use moult_operator::api::{EngineBackend, WeightTransport};
 use moult_runtime::agents::{Episode, EpisodeStatus};
+use moult_runtime::chat::SamplingOverride;
 use moult_runtime::engine::client::{EngineClient, Generated};
 use moult_runtime::loopback::Segment;
 use moult_runtime::model::Qwen3Model;
@@ -42,7 +43,12 @@ struct Generate {
 }
 
 impl EpisodeRunner for Generate {
-    fn run(&self, index: usize, task: Value) -> BoxFuture<'_, Episode> {
+    fn run(
+        &self,
+        index: usize,
+        task: Value,
+        _sampling: Option<SamplingOverride>,
+    ) -> BoxFuture<'_, Episode> {
         Box::pin(async move {
             let len = task["tokens"].as_u64().unwrap() as usize;
             let prompt: Vec<i64> = (0..8)

@@ -56,6 +56,30 @@ enum Command {
     /// metrics.jsonl, reward.svg, summary.json and checkpoints to --out; resumes from the newest
     /// checkpoint there.
     Run(RunArgs),
+    /// Evaluate a policy on an RLRun manifest's held-out tasks (spec.eval) as a run does during
+    /// training, with engines and agents on this machine: a checkpoint (--checkpoint), or the
+    /// manifest's model. Prints the result as JSON on stdout.
+    Eval(EvalArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct EvalArgs {
+    /// The RLRun manifest; its spec.eval says which tasks and how to sample.
+    manifest: PathBuf,
+    /// A checkpoint folder (step-NNNNNN), a run's checkpoints folder (its newest checkpoint), or
+    /// any model folder [default: the manifest's model].
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Also write the result (JSON) to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// cpu, cuda or cuda:N [default: cuda if the manifest's trainer has GPUs and one is here,
+    /// else cpu].
+    #[arg(long)]
+    device: Option<String>,
+    /// No status line (warnings still show).
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -169,7 +193,7 @@ struct AgentsArgs {
     #[arg(long, required_unless_present = "config")]
     model: Option<PathBuf>,
     /// The agent: a Python file (or module) exporting `AgentRunner` (a moult.ChatAgent or
-    /// moult.Env), or `builtin:NAME` for a built-in env (builtin:repeat).
+    /// moult.Env), or `builtin:NAME` for a built-in env (builtin:repeat, builtin:math).
     #[arg(long, conflicts_with = "agent_cmd")]
     agent: Option<String>,
     /// Any program as the agent (split on whitespace); needs --form.
@@ -489,7 +513,7 @@ async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
 
     let agent = match (&args.agent, &args.agent_cmd, args.form.as_deref()) {
         (Some(a), _, _) if a.starts_with("builtin:") => {
-            Agent::BuiltinEnv(a["builtin:".len()..].into())
+            moult_runtime::agents::env::builtin_agent(&a["builtin:".len()..])?
         }
         (Some(module), _, _) => {
             let cmd = AgentCommand::python(&args.python, module)?;
@@ -747,6 +771,19 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
         reward(summary.first_reward),
         reward(summary.final_reward),
     );
+    if let (Some(first), Some(last)) = (&summary.first_eval, &summary.last_eval) {
+        eprintln!(
+            "  eval (held-out tasks): reward {:.3} at step {} -> {:.3} at step {}, pass@{} {:.3} -> {:.3} ({}/eval.jsonl)",
+            first.eval_reward_mean,
+            first.step,
+            last.eval_reward_mean,
+            last.step,
+            last.eval_k,
+            first.eval_pass_at_k,
+            last.eval_pass_at_k,
+            out.display(),
+        );
+    }
     eprintln!(
         "  engines busy {:.0}% of the time (paused {:.1}s for weight sync), trainer busy {:.0}%",
         100.0 * summary.engine_busy_fraction,
@@ -761,6 +798,49 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
             .as_ref()
             .map_or(String::new(), |c| format!(", checkpoint {}", c.display()))
     );
+    Ok(())
+}
+
+#[cfg(feature = "torch")]
+async fn eval(args: EvalArgs) -> anyhow::Result<()> {
+    use moult_runtime::run::{self, config, console::Console, RunOptions};
+    let manifest = config::read_manifest(&args.manifest)?;
+    let dir = args
+        .manifest
+        .parent()
+        .map_or_else(|| PathBuf::from("."), PathBuf::from);
+    let gpus = manifest.spec.trainer.gpus_per_node > 0;
+    let cfg = config::RunConfig::new(manifest, &dir)?;
+    let device = match args.device.as_deref() {
+        Some(d) => parse_device(Some(d))?,
+        None if gpus => Device::cuda_if_available(),
+        None => Device::Cpu,
+    };
+    let console = Console::new(0, !args.quiet);
+    let scratch = std::env::temp_dir().join(format!("moult-eval-{}", std::process::id()));
+    let result = run::evaluate_checkpoint(
+        cfg,
+        &RunOptions {
+            out: scratch.clone(),
+            device,
+            seed: 0,
+            console: console.clone(),
+            dump_rollouts: false,
+            replay: None,
+        },
+        args.checkpoint.as_deref(),
+    )
+    .await;
+    console.finish();
+    let _ = std::fs::remove_dir_all(&scratch);
+    let result = result?;
+    eprintln!("{}", moult_runtime::rollout::eval::line(&result));
+    let json = serde_json::to_string_pretty(&result)?;
+    if let Some(path) = &args.out {
+        std::fs::write(path, format!("{json}\n"))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    println!("{json}");
     Ok(())
 }
 
@@ -854,5 +934,9 @@ fn main() -> anyhow::Result<()> {
         Command::Run(args) => runtime.block_on(run(args, cli.verbose)),
         #[cfg(not(feature = "torch"))]
         Command::Run(_) => without_torch("run"),
+        #[cfg(feature = "torch")]
+        Command::Eval(args) => runtime.block_on(eval(args)),
+        #[cfg(not(feature = "torch"))]
+        Command::Eval(_) => without_torch("eval"),
     }
 }

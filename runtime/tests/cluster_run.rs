@@ -29,7 +29,8 @@ fn recipe() -> PathBuf {
 }
 
 /// The successor recipe as a cluster run: paths in "the image" (this machine), two built-in
-/// engines, checkpoints every 2 steps on a claim, and more steps than the test waits for.
+/// engines, checkpoints every 2 steps on a claim, evaluation on the held-out tasks every 2 steps,
+/// dynamic sampling, and more steps than the test waits for.
 fn run_yaml() -> String {
     let r = recipe();
     let r = r.display();
@@ -55,7 +56,9 @@ spec:
     batchSize: 8
     maxStaleness: 1
     optimizer: {{learningRate: 1.0e-3, maxGradNorm: 1.0}}
+    dynamicSampling: {{}}
   rollout: {{maxTokens: 4, temperature: 1.0, maxTurns: 3}}
+  eval: {{dataset: {{path: {r}/eval.jsonl}}, intervalSteps: 2, samples: 2}}
   checkpoint: {{claimName: checkpoints, intervalSteps: 2}}
   totalSteps: 500
 "#
@@ -236,6 +239,17 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
         |s| step_of(s) >= 3,
     );
     assert!(s["policyVersion"].as_u64().unwrap() >= 3, "status: {s}");
+    // The coordinator evaluated the base policy before step 1 and again every 2 steps, over the
+    // agent pods, and the status says so (the Eval column).
+    let s = wait_status(
+        (&ns, RUN),
+        &kubelet,
+        Duration::from_secs(120),
+        "an evaluation after step 2",
+        |s| s["metrics"]["evalStep"].as_u64().is_some_and(|e| e >= 2),
+    );
+    let eval = s["metrics"]["evalReward"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&eval), "status: {s}");
     println!(
         "apply -> first reward in status: {:.1} s (step {}, reward {})",
         to_first_reward.as_secs_f64(),
@@ -352,6 +366,27 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     assert!(
         st["step"].as_u64().unwrap() >= 3,
         "coordinator status: {st}"
+    );
+    assert!(
+        st["eval"]["eval_pass_at_k"].is_number(),
+        "coordinator status: {st}"
+    );
+    // The trainer logged the evaluations beside metrics.jsonl on its volume: the base policy's
+    // first, each with the held-out tasks × 2 samples.
+    let evals = std::fs::read_to_string(checkpoints.join(RUN).join("eval.jsonl")).unwrap();
+    let first_eval: Value = serde_json::from_str(evals.lines().next().unwrap()).unwrap();
+    assert_eq!(
+        (
+            &first_eval["step"],
+            &first_eval["eval_tasks"],
+            &first_eval["eval_k"]
+        ),
+        (
+            &serde_json::json!(0),
+            &serde_json::json!(16),
+            &serde_json::json!(2)
+        ),
+        "{evals}"
     );
 
     // kubectl scale: a third engine joins the router and gets work.

@@ -105,7 +105,7 @@ async fn libtorch_unknown_sessions_get_404_and_sessions_are_bounded() {
     assert!(body.to_string().contains("no session made-up"), "{body}");
     assert!(service.trajectory("made-up").await.is_none());
 
-    service.open("ep1").unwrap();
+    service.open("ep1", None).unwrap();
     // Distinct turns (the same request again would be a retry, answered from the session).
     let nth = |i: usize| json!({"messages": [{"role": "user", "content": format!("Say hi {i}.")}], "max_tokens": 2, "temperature": 0});
     for i in 0..2 {
@@ -126,7 +126,7 @@ async fn libtorch_unknown_sessions_get_404_and_sessions_are_bounded() {
     opts.max_session_tokens = 8;
     let (url, service) =
         common::start_loopback_with(&engine.url, &model, &model, 1 << 20, opts).await;
-    service.open("ep2").unwrap();
+    service.open("ep2", None).unwrap();
     let (status, body) = post_raw(&url, &chat("ep2"), nth(0).to_string().into_bytes()).await;
     assert_eq!(status, 200, "{body}");
     let (status, body) = post_raw(&url, &chat("ep2"), nth(1).to_string().into_bytes()).await;
@@ -135,6 +135,16 @@ async fn libtorch_unknown_sessions_get_404_and_sessions_are_bounded() {
         body.to_string().contains("limit of 8 recorded tokens"),
         "{body}"
     );
+    // An evaluation episode's session samples as its override says, whatever the agent asks:
+    // one token at most here, though the request allows two.
+    let sampling = moult_runtime::chat::SamplingOverride {
+        temperature: Some(0.0),
+        max_tokens: Some(1),
+    };
+    service.open("ep3", Some(sampling)).unwrap();
+    let (status, body) = post_raw(&url, &chat("ep3"), nth(0).to_string().into_bytes()).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["completion_tokens"], 1, "{body}");
 
     // Sessions made on first use: one unused for longer than `session_idle` goes when a new one
     // is made; one in use stays.

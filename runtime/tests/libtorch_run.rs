@@ -47,6 +47,9 @@ fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     v.iter().sum::<f64>() / v.len() as f64
 }
 
+/// The main recipe learns, and its evaluation on held-out tasks (spec.eval: before step 1, every
+/// 20 steps, after the last) starts near the base policy's score and rises, on tasks that never
+/// appear in a trained batch.
 #[test]
 fn libtorch_run_learns_the_main_recipe() {
     let manifest = recipe();
@@ -55,7 +58,7 @@ fn libtorch_run_learns_the_main_recipe() {
         .arg("run")
         .arg(&manifest)
         .args(["--out".as_ref(), out.as_os_str()])
-        .args(["--steps", "40", "--seed", "1", "--quiet"])
+        .args(["--steps", "40", "--seed", "1", "--quiet", "--dump-rollouts"])
         .status()
         .unwrap();
     assert!(status.success());
@@ -92,7 +95,71 @@ fn libtorch_run_learns_the_main_recipe() {
     assert_eq!(summary["steps"], 40);
     let svg = std::fs::read_to_string(out.join("reward.svg")).unwrap();
     assert!(svg.starts_with("<svg"));
+    check_evaluations(&out, &steps, first);
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The recipe's evaluations: at steps 0, 20 and 40 (16 held-out tasks × 4 samples), the first
+/// near the base policy's training reward and the last well above it; each carried by the next
+/// step record; in the summary; and no held-out task in any trained batch.
+fn check_evaluations(out: &Path, steps: &[Value], first_reward: f64) {
+    let evals: Vec<Value> = std::fs::read_to_string(out.join("eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let at: Vec<u64> = evals.iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(at, [0, 20, 40], "{evals:?}");
+    for e in &evals {
+        assert_eq!(
+            (e["eval_tasks"].as_u64(), e["eval_k"].as_u64()),
+            (Some(16), Some(4))
+        );
+        assert_eq!(e["eval_episodes"], 64);
+        assert_eq!(e["eval_failed"], 0, "{e}");
+        let (k, one) = (
+            e["eval_pass_at_k"].as_f64().unwrap(),
+            e["eval_pass_at_1"].as_f64().unwrap(),
+        );
+        assert!(k >= one, "pass@4 is never below pass@1: {e}");
+    }
+    let reward = |e: &Value| e["eval_reward_mean"].as_f64().unwrap();
+    let (start, end) = (reward(&evals[0]), reward(&evals[2]));
+    eprintln!("eval reward: step 0 {start:.3}, step 40 {end:.3} (training's first steps {first_reward:.3})");
+    assert!(
+        (start - first_reward).abs() <= 0.25,
+        "the step-0 evaluation scores the base policy: {start:.3} vs {first_reward:.3}"
+    );
+    assert!(
+        end >= start + 0.3,
+        "the evaluation rose: {start:.3} -> {end:.3}"
+    );
+    // Step 1's record carries the evaluation of step 0, step 21's that of step 20.
+    assert_eq!(steps[0]["eval_step"], 0);
+    assert_eq!(steps[0]["eval_reward_mean"], evals[0]["eval_reward_mean"]);
+    assert_eq!(steps[20]["eval_step"], 20);
+    assert!(steps[1].get("eval_step").is_none(), "{}", steps[1]);
+    let summary: Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["last_eval"], evals[2]);
+    // The held-out tasks never reached the trainer.
+    let held_out: std::collections::HashSet<String> =
+        std::fs::read_to_string(repo().join("examples/successor/eval.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap().to_string())
+            .collect();
+    for step in 1..=40 {
+        let path = out.join(format!("rollouts/step-{step:06}.json"));
+        let dump: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        for g in dump["groups"].as_array().unwrap() {
+            assert!(
+                !held_out.contains(&g["task"].to_string()),
+                "step {step} trained on {}",
+                g["task"]
+            );
+        }
+    }
 }
 
 /// Every step says how busy engines and trainer were: fractions in [0, 1], paused seconds
@@ -157,11 +224,24 @@ fn libtorch_run_sync_engines_are_idle_while_the_trainer_trains() {
         String::from_utf8_lossy(&read.stderr)
     );
     let scalars: serde_json::Map<String, Value> = serde_json::from_slice(&read.stdout).unwrap();
-    for r in &steps {
+    // Evaluations (eval.jsonl) are at the step whose policy they measured; a step record's copy
+    // of the newest one is not logged again.
+    let evals: Vec<Value> = std::fs::read_to_string(out.join("eval.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(evals.len(), 2, "before step 1 and after step 4: {evals:?}");
+    for r in steps.iter().chain(&evals) {
         let step = r["step"].as_u64().unwrap();
+        let is_eval = r.get("eval_episodes").is_some();
         for (field, value) in r.as_object().unwrap() {
             let Some(x) = value.as_f64() else { continue };
-            if field == "step" {
+            if field == "step" || field == "policy_version" && is_eval {
+                continue;
+            }
+            if field.starts_with("eval_") != is_eval {
+                assert!(!is_eval, "{field} in eval.jsonl");
                 continue;
             }
             let points = scalars[field]
@@ -315,4 +395,100 @@ fn libtorch_run_resumes_after_sigkill_without_training_a_step_twice() {
         .join(latest["path"].as_str().unwrap());
     assert!(ckpt.join("config.json").is_file() && ckpt.join("tokenizer.json").is_file());
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The recipe's manifest with `edit` applied, written (as JSON, which is YAML) into `dir`, with
+/// the paths it names made absolute so it runs from there.
+fn edited_recipe(dir: &Path, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let recipe = recipe();
+    let here = recipe.parent().unwrap().canonicalize().unwrap();
+    let mut run: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(&recipe).unwrap()).unwrap();
+    let spec = &mut run["spec"];
+    spec["model"]["path"] = here.join("model").to_string_lossy().into();
+    spec["agent"]["command"][1] = here.join("env.py").to_string_lossy().into();
+    spec["agent"]["dataset"]["path"] = here.join("tasks.jsonl").to_string_lossy().into();
+    spec["eval"]["dataset"]["path"] = here.join("eval.jsonl").to_string_lossy().into();
+    edit(&mut run);
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join("rlrun.yaml");
+    std::fs::write(&path, serde_json::to_string_pretty(&run).unwrap()).unwrap();
+    path
+}
+
+/// A Parquet copy of the recipe's tasks, written by Hugging Face `datasets` in two shards and
+/// named by a pattern, trains on the same tasks in the same order as the JSONL file (same seed).
+#[test]
+fn libtorch_run_parquet_tasks_train_as_the_jsonl_file_does() {
+    let root = out_dir("parquet");
+    let data = root.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let tasks = repo().join("examples/successor/tasks.jsonl");
+    let script = "import datasets, sys\n\
+        ds = datasets.Dataset.from_json(sys.argv[1])\n\
+        for i in range(2):\n\
+        \x20   ds.shard(2, i, contiguous=True).to_parquet(f'{sys.argv[2]}/train-{i:05d}-of-00002.parquet')\n";
+    let made = Command::new(common::python())
+        .args(["-c", script])
+        .arg(&tasks)
+        .arg(&data)
+        .env("HF_HOME", root.join("hf"))
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let mut trained = Vec::new();
+    for (name, path) in [
+        ("jsonl", tasks.clone()),
+        ("parquet", data.join("train-*.parquet")),
+    ] {
+        let manifest = edited_recipe(&root.join(name), |run| {
+            run["spec"]["agent"]["dataset"]["path"] = path.to_string_lossy().into();
+            run["spec"].as_object_mut().unwrap().remove("eval");
+        });
+        let out = root.join(name).join("out");
+        let status = common::moult()
+            .arg("run")
+            .arg(&manifest)
+            .args(["--out".as_ref(), out.as_os_str()])
+            .args([
+                "--steps",
+                "2",
+                "--seed",
+                "5",
+                "--sync",
+                "--quiet",
+                "--dump-rollouts",
+            ])
+            .status()
+            .unwrap();
+        assert!(status.success(), "{name}");
+        // Each step's tasks, by their place in the run's order (a synchronous run trains the
+        // first batch of the order, then the next).
+        let steps: Vec<Vec<(u64, String)>> = (1..=2)
+            .map(|step| {
+                let path = out.join(format!("rollouts/step-{step:06}.json"));
+                let dump: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+                let mut groups: Vec<(u64, String)> = dump["groups"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|g| (g["task_index"].as_u64().unwrap(), g["task"].to_string()))
+                    .collect();
+                groups.sort();
+                groups
+            })
+            .collect();
+        trained.push(steps);
+    }
+    assert_eq!(trained[0].len(), 2);
+    assert_eq!(trained[0][0].len(), 8);
+    assert_eq!(
+        trained[0], trained[1],
+        "JSONL and Parquet runs trained on different tasks"
+    );
+    let _ = std::fs::remove_dir_all(&root);
 }

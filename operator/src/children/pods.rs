@@ -25,6 +25,8 @@ const RUN_AS: i64 = 1000;
 pub const CONFIG_DIR: &str = "/etc/moult";
 pub const MODEL_DIR: &str = "/models";
 pub const DATA_DIR: &str = "/data";
+/// Where `eval.dataset`'s claim is mounted when it is not `agent.dataset`'s.
+pub const EVAL_DATA_DIR: &str = "/eval-data";
 pub const CHECKPOINT_DIR: &str = "/checkpoints";
 /// Where the Filesystem weight transport's volume is mounted (trainer and engines alike: the
 /// trainer names folders by this path when it tells the engines to reload).
@@ -299,11 +301,34 @@ pub(crate) fn field_env(name: &str, field_path: &str) -> EnvVar {
 
 /// The dataset volume and mount (read-only), and the task file's path inside the pod.
 pub(crate) fn dataset(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
-    let d = &ctx.run.spec.agent.dataset;
+    claimed_file(&ctx.run.spec.agent.dataset, "data", DATA_DIR)
+}
+
+/// The held-out tasks of `spec.eval`: their volume and mount when they need one of their own
+/// (a claim other than `agent.dataset`'s, which [`dataset`] mounts), and their path inside the
+/// pod.
+pub(crate) fn eval_dataset(ctx: &Ctx) -> Option<(Option<(Volume, VolumeMount)>, String)> {
+    let d = &ctx.run.spec.eval.as_ref()?.dataset;
+    Some(
+        if d.claim_name.is_some() && d.claim_name == ctx.run.spec.agent.dataset.claim_name {
+            (None, claimed_file(d, "data", DATA_DIR).1)
+        } else {
+            claimed_file(d, "eval-data", EVAL_DATA_DIR)
+        },
+    )
+}
+
+/// A dataset file: its claim's volume `volume` mounted read-only at `dir`, and its path there;
+/// or its path as it is, without a claim.
+fn claimed_file(
+    d: &crate::api::DatasetSpec,
+    volume: &str,
+    dir: &str,
+) -> (Option<(Volume, VolumeMount)>, String) {
     match &d.claim_name {
         Some(c) => (
-            Some((claim("data", c, true), mount("data", DATA_DIR, true))),
-            format!("{DATA_DIR}/{}", d.path.trim_start_matches('/')),
+            Some((claim(volume, c, true), mount(volume, dir, true))),
+            format!("{dir}/{}", d.path.trim_start_matches('/')),
         ),
         None => (None, d.path.clone()),
     }

@@ -224,6 +224,60 @@ fn the_trainer_mounts_the_teacher_of_distillation() {
 }
 
 #[test]
+fn the_coordinator_reads_the_held_out_tasks_from_their_claim() {
+    // The example evaluates on the dataset claim of its training tasks: mounted once, at /data.
+    let c = build(&example_run());
+    let template = Some(c.coordinator.spec.template);
+    let p = pod(&template);
+    let env = main_container(p).env.clone().unwrap();
+    let tasks = |name: &str| env.iter().find(|e| e.name == name).unwrap().value.clone();
+    assert_eq!(
+        tasks("MOULT_TASKS").as_deref(),
+        Some("/data/gsm8k/main/train-*.parquet")
+    );
+    assert_eq!(
+        tasks("MOULT_EVAL_TASKS").as_deref(),
+        Some("/data/gsm8k/main/test-*.parquet")
+    );
+    let claims: Vec<_> = p
+        .volumes
+        .iter()
+        .flatten()
+        .filter_map(|v| v.persistent_volume_claim.as_ref())
+        .map(|c| c.claim_name.as_str())
+        .collect();
+    assert_eq!(claims, ["datasets"]);
+    // Held-out tasks on a claim of their own are mounted apart, read-only.
+    let mut run = example_run();
+    let eval = run.spec.eval.as_mut().unwrap();
+    eval.dataset.claim_name = Some("held-out".into());
+    eval.dataset.path = "/gsm8k/test.jsonl".into();
+    let c = build(&run);
+    let template = Some(c.coordinator.spec.template);
+    let p = pod(&template);
+    let env = main_container(p).env.clone().unwrap();
+    let path = env.iter().find(|e| e.name == "MOULT_EVAL_TASKS").unwrap();
+    assert_eq!(path.value.as_deref(), Some("/eval-data/gsm8k/test.jsonl"));
+    assert!(p.volumes.as_ref().unwrap().iter().any(|v| v
+        .persistent_volume_claim
+        .as_ref()
+        .is_some_and(|c| c.claim_name == "held-out" && c.read_only == Some(true))));
+    assert!(main_container(p)
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_path == "/eval-data" && m.read_only == Some(true)));
+    // Without spec.eval, no held-out tasks.
+    let mut run = example_run();
+    run.spec.eval = None;
+    let c = build(&run);
+    let template = Some(c.coordinator.spec.template);
+    let env = main_container(pod(&template)).env.clone().unwrap();
+    assert!(!env.iter().any(|e| e.name == "MOULT_EVAL_TASKS"));
+}
+
+#[test]
 fn a_multi_rank_trainer_is_refused_with_the_field_named_before_any_pod() {
     let mut run = example_run();
     run.spec.trainer.nodes = 2;

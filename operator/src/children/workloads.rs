@@ -16,8 +16,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pods::{
-    claim, config_path, container, dataset, empty_dir, env, field_env, locked_down, model,
-    moult_env, mount, resources, teacher, template, weights, Credential, CHECKPOINT_DIR,
+    claim, config_path, container, dataset, empty_dir, env, eval_dataset, field_env, locked_down,
+    model, moult_env, mount, resources, teacher, template, weights, Credential, CHECKPOINT_DIR,
     MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
 };
 use super::{
@@ -374,12 +374,20 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
         // The coordinator draws the tasks (it owns the data cursor).
         env("MOULT_TASKS", &tasks_path),
     ];
+    // It runs the evaluations too (spec.eval), over the held-out tasks.
+    let eval = eval_dataset(ctx);
+    if let Some((_, path)) = &eval {
+        env_vars.push(env("MOULT_EVAL_TASKS", path));
+    }
     env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);
     c.ports = container_port(COORDINATOR_PORT);
     c.readiness_probe = Some(http_probe("/health", COORDINATOR_PORT, 5));
     let mut volumes = Vec::new();
-    if let Some((v, m)) = data_volume {
+    for (v, m) in [data_volume, eval.and_then(|(volume, _)| volume)]
+        .into_iter()
+        .flatten()
+    {
         volumes.push(v);
         c.volume_mounts.get_or_insert_with(Vec::new).push(m);
     }

@@ -167,7 +167,8 @@ pub async fn start_engine(model: &std::path::Path, threads: usize) -> String {
 
 /// The main recipe (examples/successor): its base model made (if not current) and its manifest
 /// with absolute paths (model, env.py, and `tasks` or the recipe's own task file), so that it
-/// runs from anywhere. Returns the recipe folder and the manifest text.
+/// runs from anywhere, without its evaluation (`spec.eval`: benchmarks time training; the eval
+/// bench adds one of its own). Returns the recipe folder and the manifest text.
 pub fn successor_manifest(tasks: Option<&std::path::Path>) -> (std::path::PathBuf, String) {
     let recipe = root().join("examples/successor");
     let model = recipe.join("model");
@@ -187,6 +188,18 @@ pub fn successor_manifest(tasks: Option<&std::path::Path>) -> (std::path::PathBu
                 recipe.join("env.py").display()
             ),
         );
+    // The `eval:` block: from its line to the next field at its indentation.
+    let mut in_eval = false;
+    let manifest: String = manifest
+        .lines()
+        .filter(|l| {
+            if l.starts_with("  ") && !l.starts_with("   ") {
+                in_eval = l.starts_with("  eval:");
+            }
+            !in_eval
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
     (recipe, manifest)
 }
 

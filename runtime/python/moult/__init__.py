@@ -1,5 +1,6 @@
 """moult agents in Python: write one module that exports `AgentRunner`, in either form, and run it
-with the agent pool (`moult agents --agent my_agent.py ...`). Standard library only.
+with the agent pool (`moult agents --agent my_agent.py ...`). Standard library only (the built-in
+`math` env, `moult.math`, imports PyPI's math-verify when it runs).
 
 ChatAgent: your own program owns the LLM loop and talks to the loopback server with the `openai`
 or `anthropic` SDK. `OPENAI_BASE_URL`, `ANTHROPIC_BASE_URL` and their API keys are already set

@@ -114,13 +114,32 @@ pub async fn run_env_episode(
     Ok(outcome)
 }
 
-/// A built-in environment by name (`builtin:NAME` on the command line).
+/// The built-in environments, by name: Rust ones run in-process, `math` is Python (PyPI's
+/// math-verify checks answers, docs/agents.md) and runs through moult's Python runner.
+pub const BUILTIN: [&str; 2] = ["repeat", "math"];
+
+/// A built-in Rust environment by name.
 pub fn builtin(name: &str) -> Result<Box<dyn Env>, AgentError> {
     match name {
         "repeat" => Ok(Box::new(Repeat::default())),
-        other => Err(AgentError::Config(format!(
-            "unknown built-in env `{other}`: available: repeat"
-        ))),
+        other => Err(unknown(other)),
+    }
+}
+
+fn unknown(name: &str) -> AgentError {
+    AgentError::Config(format!(
+        "unknown built-in env `{name}`: available: {}",
+        BUILTIN.join(", ")
+    ))
+}
+
+/// The agent a built-in env's name stands for (`agent.env`, `builtin:NAME` on the command line).
+pub fn builtin_agent(name: &str) -> Result<super::Agent, AgentError> {
+    match name {
+        "math" => Ok(super::Agent::ExternalEnv(
+            super::process::AgentCommand::python("python3", "moult.math")?,
+        )),
+        other => builtin(other).map(|_| super::Agent::BuiltinEnv(other.to_string())),
     }
 }
 

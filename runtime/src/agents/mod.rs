@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 use tokio::sync::{mpsc, Semaphore};
 
+use crate::chat::SamplingOverride;
 use crate::loopback::{ChatService, Segment};
 use env::{run_env_episode, EnvLoopOptions};
 use process::{run_chat_agent, AgentCommand, ExternalEnv};
@@ -141,17 +142,12 @@ impl AgentPool {
         let (tx, rx) = mpsc::channel(episode_buffer(self.opts.concurrency));
         tokio::spawn(async move {
             for (index, task) in tasks.into_iter().enumerate() {
-                let permit = self
-                    .slots
-                    .clone()
-                    .acquire_owned()
-                    .await
-                    .expect("the pool's semaphore is never closed");
+                // Started no faster than slots free up (each episode takes its own below).
+                drop(self.slot().await);
                 let pool = self.clone();
                 let tx = tx.clone();
                 tokio::spawn(async move {
-                    let episode = pool.episode(index, task).await;
-                    drop(permit);
+                    let episode = pool.episode(index, task, None).await;
                     let _ = tx.send(episode).await;
                 });
             }
@@ -159,11 +155,28 @@ impl AgentPool {
         rx
     }
 
-    /// Runs one episode to its end, whatever happens to the agent.
-    pub async fn episode(&self, index: usize, task: Json) -> Episode {
+    async fn slot(&self) -> tokio::sync::OwnedSemaphorePermit {
+        self.slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the pool's semaphore is never closed")
+    }
+
+    /// Runs one episode to its end, whatever happens to the agent; with `sampling`, every turn
+    /// samples that way (an evaluation episode). At most `concurrency` episodes run at once,
+    /// whoever asks for them (training and evaluation share the slots); the episode's time
+    /// limit counts from when it gets one.
+    pub async fn episode(
+        &self,
+        index: usize,
+        task: Json,
+        sampling: Option<SamplingOverride>,
+    ) -> Episode {
+        let _slot = self.slot().await;
         let session = format!("ep{index}-{}", crate::loopback::random_id());
         let started = Instant::now();
-        let outcome = match self.service.open(&session) {
+        let outcome = match self.service.open(&session, sampling) {
             Ok(()) => tokio::time::timeout(self.opts.timeout, self.play(&session, &task)).await,
             Err(e) => Ok(Err(AgentError::Crashed(format!(
                 "the loopback session could not be opened: {e}"

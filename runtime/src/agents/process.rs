@@ -23,12 +23,14 @@ use super::env::{Env, StepResult};
 use super::sandbox::{self, Exit, Sandboxed};
 use super::AgentError;
 
-const PACKAGE: [(&str, &str); 2] = [
+const PACKAGE: [(&str, &str); 3] = [
     (
         "__init__.py",
         include_str!("../../python/moult/__init__.py"),
     ),
     ("runner.py", include_str!("../../python/moult/runner.py")),
+    // The built-in `math` env (docs/agents.md), run as `python3 -m moult.runner run moult.math`.
+    ("math.py", include_str!("../../python/moult/math.py")),
 ];
 
 /// The folder to put on `PYTHONPATH` for `import moult`.

@@ -139,6 +139,30 @@ pub struct ChatSampling {
     pub logprobs: Option<usize>,
 }
 
+/// Sampling settings that replace whatever an episode's agent asks for, in every turn of its
+/// session: evaluation episodes run at the evaluation's temperature and token budget
+/// (docs/run.md, "Evaluation"), whichever form the agent has.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SamplingOverride {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+}
+
+impl SamplingOverride {
+    /// `sampling` with the set fields replaced.
+    pub fn apply(&self, sampling: &mut ChatSampling) {
+        if let Some(t) = self.temperature {
+            sampling.temperature = Some(t);
+        }
+        if let Some(m) = self.max_tokens {
+            sampling.max_tokens = Some(m);
+        }
+    }
+}
+
 /// The internal chat request both protocols map onto.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatRequest {

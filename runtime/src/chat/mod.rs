@@ -12,7 +12,7 @@ mod tool_parser;
 pub use detok::DecodeStream;
 pub use messages::{
     arguments_object, check_sampling, ChatRequest, ChatSampling, InvalidRequest, Message, Role,
-    Tool, ToolCall,
+    SamplingOverride, Tool, ToolCall,
 };
 pub use pyjson::{dumps as python_json_dumps, DumpOptions};
 pub use template::{ChatTemplate, RenderOptions, TemplateError};

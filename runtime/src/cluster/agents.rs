@@ -64,6 +64,7 @@ pub async fn run(
             dir,
             model_dir: Some(model_dir.clone()),
             tasks: None,
+            eval_tasks: None,
             agent: true,
             teacher: None,
         },
@@ -185,7 +186,7 @@ pub async fn run(
                 };
                 held.lock().expect("lease set").insert(lease.lease);
                 counts.running.fetch_add(1, Ordering::Relaxed);
-                let episode = pool.episode(lease.index, lease.task).await;
+                let episode = pool.episode(lease.index, lease.task, lease.sampling).await;
                 counts.running.fetch_sub(1, Ordering::Relaxed);
                 match episode.status {
                     EpisodeStatus::Completed => &counts.completed,

@@ -28,6 +28,7 @@ use super::protocol::{
 use super::remote::RemoteAgents;
 use super::status::Report;
 use crate::engine::ApiError;
+use crate::rollout::eval::{self, EvalResult};
 use crate::rollout::{fill_batch, Group, RolloutPool, RolloutState};
 use crate::router::{server, EnginePool, Router};
 use crate::run::config::{RunConfig, Sources};
@@ -75,9 +76,35 @@ struct Coordinator {
     /// The seed of the task order (the trainer checkpoints it with each step).
     seed: u64,
     started: Instant,
+    /// Evaluations (`spec.eval`), and a wake-up for batch requests waiting for one.
+    evals: Mutex<Evals>,
+    eval_done: tokio::sync::Notify,
+}
+
+/// The evaluations of this coordinator.
+#[derive(Debug, Default)]
+struct Evals {
+    /// The step whose evaluation is running.
+    running: Option<u64>,
+    /// The newest finished one.
+    last: Option<EvalResult>,
+}
+
+/// Whether a step's policy is evaluated before the next step's batch goes out.
+enum EvalGate {
+    /// No evaluation is due at that step.
+    NotDue,
+    Done(EvalResult),
+    /// Running (started now, or before).
+    Running,
 }
 
 type Shared = State<Arc<Coordinator>>;
+
+/// Four decimals: what `kubectl get rlr` prints (and all a status needs).
+fn round4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
 
 /// An error in the engine API's shape (the coordinator serves that API too).
 fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
@@ -97,6 +124,53 @@ impl Coordinator {
         s.episodes_returned = remote.returned;
         s.episodes_ignored = remote.ignored;
         s
+    }
+
+    /// The evaluation of the policy of `step` (served now): done, running, or started here when
+    /// due and not started yet. The next step's batch waits for it.
+    fn eval_gate(self: &Arc<Self>, step: u64) -> EvalGate {
+        let Some(opts) = self.cfg.eval.clone() else {
+            return EvalGate::NotDue;
+        };
+        if !opts.due(step, self.cfg.total_steps) {
+            return EvalGate::NotDue;
+        }
+        let mut evals = self.evals.lock().expect("evals lock");
+        if let Some(done) = evals.last.as_ref().filter(|e| e.step == step) {
+            return EvalGate::Done(done.clone());
+        }
+        if evals.running != Some(step) {
+            evals.running = Some(step);
+            let c = self.clone();
+            tokio::spawn(async move {
+                let version = c.pool.version();
+                eprintln!(
+                    "moult coordinator: evaluating the policy of step {step} (version {version})"
+                );
+                let r = eval::evaluate(c.agents.as_ref(), &opts, (step, version), &|_, _| {}).await;
+                c.evaluated(r);
+            });
+        }
+        EvalGate::Running
+    }
+
+    /// An evaluation finished: the status says so (and, after the last step, that the run
+    /// succeeded); batch requests waiting for it go on.
+    fn evaluated(&self, r: EvalResult) {
+        eprintln!("{}", eval::line(&r));
+        self.status.lock().expect("status lock").eval = Some(r.clone());
+        let mut report = self.reports.borrow().clone();
+        report.metrics.eval_step = Some(r.step);
+        report.metrics.eval_reward = Some(round4(r.eval_reward_mean));
+        report.metrics.eval_pass_at_k = Some(round4(r.eval_pass_at_k));
+        report.succeeded = report.step >= self.cfg.total_steps;
+        self.reports.send_replace(report);
+        {
+            let mut evals = self.evals.lock().expect("evals lock");
+            evals.running = None;
+            evals.last = Some(r);
+        }
+        self.eval_done.notify_waiters();
     }
 
     /// The engines serve `version` now.
@@ -201,6 +275,17 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
             ),
         );
     }
+    // The policy the trainer would train on next is evaluated first, when due.
+    let eval = match c.eval_gate(q.step - 1) {
+        EvalGate::NotDue => None,
+        EvalGate::Done(r) => Some(r),
+        EvalGate::Running => {
+            let done = c.eval_done.notified();
+            drop(guard);
+            let _ = tokio::time::timeout(c.poll, done).await;
+            return StatusCode::NO_CONTENT.into_response();
+        }
+    };
     match tokio::time::timeout(
         c.poll,
         fill_batch(&c.pool, &mut t.queue, &c.cfg.rollout, &mut t.pending),
@@ -219,6 +304,7 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         "rollout": state,
         "stats": c.pool.stats(),
         "seed": c.seed,
+        "eval": eval,
     }))
     .into_response()
 }
@@ -265,15 +351,16 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
             s.last_checkpoint.clone_from(&commit.checkpoint);
         }
     }
+    // The new policy's evaluation starts now when due (the next batch waits for it).
+    let eval_running = matches!(c.eval_gate(commit.step), EvalGate::Running);
     let mut report = c.reports.borrow().clone();
     report.step = commit.step;
     report.policy_version = commit.version;
-    // Four decimals: what `kubectl get rlr` prints (and all a status needs).
-    let round = |x: f64| Some((x * 1e4).round() / 1e4);
     report.metrics = moult_operator::api::RunMetrics {
-        reward: round(r.reward_mean),
-        response_length: round(r.response_tokens_mean),
-        masked_fraction: round(r.masked_fraction),
+        reward: Some(round4(r.reward_mean)),
+        response_length: Some(round4(r.response_tokens_mean)),
+        masked_fraction: Some(round4(r.masked_fraction)),
+        ..report.metrics
     };
     if let Some(CheckpointRef { step, path }) = &commit.checkpoint {
         report.checkpoint = Some((
@@ -282,7 +369,8 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
             Time(k8s_openapi::jiff::Timestamp::now()),
         ));
     }
-    report.succeeded = commit.step >= c.cfg.total_steps;
+    // After the last step the run has succeeded, once the final evaluation (when due) is done.
+    report.succeeded = commit.step >= c.cfg.total_steps && !eval_running;
     c.reports.send_replace(report);
     let done = commit.step;
     let eta = (done > 0).then(|| {
@@ -403,16 +491,25 @@ pub async fn run(
     let (run, config_dir) = super::manifest(&opts.config)?;
     let tasks = super::env_path("MOULT_TASKS")
         .unwrap_or_else(|| config_dir.join(&run.spec.agent.dataset.path));
-    let cfg = super::pod_config(
+    let eval_tasks = run.spec.eval.as_ref().map(|e| {
+        super::env_path("MOULT_EVAL_TASKS").unwrap_or_else(|| config_dir.join(&e.dataset.path))
+    });
+    // Evaluation episodes queue for every agent pod's share at once.
+    let agent_slots = run.spec.agent.replicas.max(1) as usize * run.spec.agent.concurrency as usize;
+    let mut cfg = super::pod_config(
         run,
         &Sources {
             dir: config_dir,
             model_dir: None,
             tasks: Some(tasks),
+            eval_tasks,
             agent: false,
             teacher: None,
         },
     )?;
+    if let Some(e) = &mut cfg.eval {
+        e.concurrency = agent_slots;
+    }
     let engines = super::env_var("MOULT_ENGINES")?;
     let client = kube_client().await;
     let ns = namespace(&cfg);
@@ -490,6 +587,8 @@ pub async fn run(
         poll: opts.poll,
         seed: opts.seed,
         started: Instant::now(),
+        evals: Mutex::new(Evals::default()),
+        eval_done: tokio::sync::Notify::new(),
         cfg,
     });
     let app = server::api_routes(router)

@@ -19,6 +19,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
 pub use crate::agents::Episode;
+use crate::chat::SamplingOverride;
+use crate::rollout::eval::EvalResult;
 use crate::rollout::{Group, RolloutState, RolloutStats};
 use crate::run::metrics::StepRecord;
 
@@ -29,6 +31,9 @@ pub struct Lease {
     /// The episode's index in the run (names its session).
     pub index: usize,
     pub task: Json,
+    /// Sampling that replaces the agent's own in every turn (an evaluation episode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sampling: Option<SamplingOverride>,
 }
 
 /// What the trainer says when it starts.
@@ -73,6 +78,9 @@ pub struct TrainBatch {
     /// The seed of the coordinator's task order (checkpointed with the step).
     #[serde(default)]
     pub seed: u64,
+    /// The evaluation of the policy this step starts from (`spec.eval`), when one was due.
+    #[serde(default)]
+    pub eval: Option<EvalResult>,
 }
 
 /// A checkpoint the trainer wrote.
@@ -107,6 +115,9 @@ pub struct CoordinatorStatus {
     pub episodes_leased: usize,
     /// Leases that expired (their agent went silent) and were run again.
     pub leases_expired: u64,
+    /// The newest evaluation on held-out tasks (`spec.eval`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalResult>,
     /// Episodes returned, and answers to unknown (expired or repeated) leases ignored.
     pub episodes_returned: u64,
     pub episodes_ignored: u64,

@@ -18,12 +18,14 @@ use tokio::sync::{oneshot, Notify};
 
 use super::protocol::Lease;
 use crate::agents::{Episode, EpisodeStatus};
+use crate::chat::SamplingOverride;
 use crate::rollout::EpisodeRunner;
 
 #[derive(Debug)]
 struct Work {
     index: usize,
     task: Json,
+    sampling: Option<SamplingOverride>,
     reply: oneshot::Sender<Episode>,
 }
 
@@ -104,6 +106,7 @@ impl RemoteAgents {
                 lease: q.next_lease,
                 index: work.index,
                 task: work.task.clone(),
+                sampling: work.sampling,
             };
             q.leased.insert(lease.lease, (work, now + self.lease_time));
             return Some(lease);
@@ -179,13 +182,19 @@ impl RemoteAgents {
 }
 
 impl EpisodeRunner for RemoteAgents {
-    fn run(&self, index: usize, task: Json) -> BoxFuture<'_, Episode> {
+    fn run(
+        &self,
+        index: usize,
+        task: Json,
+        sampling: Option<SamplingOverride>,
+    ) -> BoxFuture<'_, Episode> {
         let (reply, answer) = oneshot::channel();
         {
             let mut q = self.queue.lock().expect("queue lock");
             q.waiting.push_back(Work {
                 index,
                 task: task.clone(),
+                sampling,
                 reply,
             });
         }
@@ -229,16 +238,26 @@ mod tests {
     async fn an_expired_lease_is_run_again_and_its_late_answer_ignored() {
         let agents = Arc::new(RemoteAgents::new(Duration::from_millis(200)));
         let runner = agents.clone();
-        let episode = tokio::spawn(async move { runner.run(7, serde_json::json!({"q": 1})).await });
+        // An evaluation episode: its sampling goes with every lease of it.
+        let sampling = SamplingOverride {
+            temperature: Some(0.0),
+            max_tokens: Some(9),
+        };
+        let episode = tokio::spawn(async move {
+            runner
+                .run(7, serde_json::json!({"q": 1}), Some(sampling))
+                .await
+        });
         let first = agents.lease(Duration::from_secs(2)).await.expect("work");
         assert_eq!((first.index, first.task["q"].as_i64()), (7, Some(1)));
+        assert_eq!(first.sampling, Some(sampling));
         assert!(agents.lease(Duration::from_millis(50)).await.is_none());
         // The first agent goes silent: after the lease time the episode goes to another.
         let second = agents
             .lease(Duration::from_secs(2))
             .await
             .expect("re-leased");
-        assert_eq!(second.index, 7);
+        assert_eq!((second.index, second.sampling), (7, Some(sampling)));
         assert_ne!(second.lease, first.lease);
         assert!(!agents.complete(first.lease, finished(0.0)), "late answer");
         assert!(agents.complete(second.lease, finished(1.0)));
@@ -254,7 +273,7 @@ mod tests {
     async fn renewed_leases_outlive_the_lease_time() {
         let agents = Arc::new(RemoteAgents::new(Duration::from_millis(300)));
         let runner = agents.clone();
-        let episode = tokio::spawn(async move { runner.run(3, Json::Null).await });
+        let episode = tokio::spawn(async move { runner.run(3, Json::Null, None).await });
         let lease = agents.lease(Duration::from_secs(2)).await.expect("work");
         for _ in 0..5 {
             tokio::time::sleep(Duration::from_millis(150)).await;
@@ -272,7 +291,7 @@ mod tests {
     async fn abandoned_episodes_are_not_leased() {
         let agents = Arc::new(RemoteAgents::new(Duration::from_secs(60)));
         let runner = agents.clone();
-        let abandoned = tokio::spawn(async move { runner.run(1, Json::Null).await });
+        let abandoned = tokio::spawn(async move { runner.run(1, Json::Null, None).await });
         tokio::task::yield_now().await;
         while agents.stats().waiting == 0 {
             tokio::task::yield_now().await;

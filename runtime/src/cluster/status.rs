@@ -117,6 +117,7 @@ mod tests {
                 reward: Some(0.5),
                 response_length: Some(12.0),
                 masked_fraction: None,
+                ..RunMetrics::default()
             },
             checkpoint: None,
             succeeded: false,

@@ -169,6 +169,7 @@ pub async fn run(
             dir: config_dir,
             model_dir: Some(model_dir),
             tasks: None,
+            eval_tasks: None,
             agent: false,
             teacher,
         },
@@ -326,6 +327,9 @@ pub async fn run(
             continue;
         };
         data = Some(batch.rollout);
+        if let Some(eval) = batch.eval.clone() {
+            learner.record_eval(eval)?;
+        }
         let trained = learner
             .train(
                 Batch {

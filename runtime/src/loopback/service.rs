@@ -22,7 +22,7 @@ use super::session::{Sampled, Segment, Session};
 use super::text_stream::{Streamed, TextStream};
 use crate::chat::{
     parser_for_template, ChatRequest, ChatTemplate, DecodeStream, InvalidRequest, NoTools,
-    RenderOptions, Tokenizer, ToolCall, ToolCallParser,
+    RenderOptions, SamplingOverride, Tokenizer, ToolCall, ToolCallParser,
 };
 use crate::engine::client::{EngineClient, EngineError, EngineSampling, Generated};
 
@@ -141,14 +141,17 @@ pub const DEFAULT_MAX_SESSION_TOKENS: usize = 8 << 20;
 #[derive(Debug)]
 struct SessionSlot {
     cancelled: AtomicBool,
+    /// Sampling every turn of the session gets, whatever its requests ask for.
+    sampling: Option<SamplingOverride>,
     state: tokio::sync::Mutex<Session>,
     used: Mutex<Instant>,
 }
 
 impl SessionSlot {
-    fn new() -> Self {
+    fn new(sampling: Option<SamplingOverride>) -> Self {
         Self {
             cancelled: AtomicBool::new(false),
+            sampling,
             state: tokio::sync::Mutex::new(Session::default()),
             used: Mutex::new(Instant::now()),
         }
@@ -244,11 +247,12 @@ impl ChatService {
                  with it"
             )));
         }
-        self.insert(&mut sessions, id)
+        self.insert(&mut sessions, id, None)
     }
 
-    /// Opens session `id` for an episode (the agent pool, before it starts the agent).
-    pub fn open(&self, id: &str) -> Result<(), LoopbackError> {
+    /// Opens session `id` for an episode (the agent pool, before it starts the agent); with
+    /// `sampling`, its turns sample that way whatever the agent asks (evaluation episodes).
+    pub fn open(&self, id: &str, sampling: Option<SamplingOverride>) -> Result<(), LoopbackError> {
         let mut sessions = self.sessions.lock().expect("sessions lock");
         if sessions.contains_key(id) {
             return Err(LoopbackError::Invalid(InvalidRequest::new(
@@ -256,13 +260,14 @@ impl ChatService {
                 format!("session {id} is open already"),
             )));
         }
-        self.insert(&mut sessions, id).map(drop)
+        self.insert(&mut sessions, id, sampling).map(drop)
     }
 
     fn insert(
         &self,
         sessions: &mut HashMap<String, Arc<SessionSlot>>,
         id: &str,
+        sampling: Option<SamplingOverride>,
     ) -> Result<Arc<SessionSlot>, LoopbackError> {
         if let Some(idle) = self.opts.session_idle {
             // Sessions nobody used for `idle` are dropped, with any turn of theirs still running.
@@ -277,7 +282,7 @@ impl ChatService {
         if sessions.len() >= self.opts.max_sessions {
             return Err(LoopbackError::TooManySessions(self.opts.max_sessions));
         }
-        let s = Arc::new(SessionSlot::new());
+        let s = Arc::new(SessionSlot::new(sampling));
         sessions.insert(id.to_string(), s.clone());
         Ok(s)
     }
@@ -314,10 +319,13 @@ impl ChatService {
         session_id: &str,
         protocol: &'static str,
         id_prefix: &str,
-        req: ChatRequest,
+        mut req: ChatRequest,
         events: Option<mpsc::Sender<TurnEvent>>,
     ) -> Result<Arc<TurnOutput>, LoopbackError> {
         let slot = self.session(session_id)?;
+        if let Some(sampling) = &slot.sampling {
+            sampling.apply(&mut req.sampling);
+        }
         let mut session = slot.state.lock().await;
         if slot.cancelled.load(Ordering::Relaxed) {
             return Err(LoopbackError::NotFound("the session was closed".into()));

@@ -28,7 +28,9 @@ use serde_json::Value as Json;
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::agents::{AgentPool, Episode, EpisodeStatus};
+use crate::chat::SamplingOverride;
 
+pub mod eval;
 pub mod validate;
 pub use validate::EpisodeLimits;
 
@@ -41,14 +43,25 @@ pub enum RolloutError {
     Options(String),
 }
 
-/// Runs one episode of a task (the agent pool, or a stand-in in unit tests).
+/// Runs one episode of a task (the agent pool, or a stand-in in unit tests); with `sampling`,
+/// every turn of the episode samples that way (an evaluation episode, [`eval`]).
 pub trait EpisodeRunner: Send + Sync + 'static {
-    fn run(&self, index: usize, task: Json) -> BoxFuture<'_, Episode>;
+    fn run(
+        &self,
+        index: usize,
+        task: Json,
+        sampling: Option<SamplingOverride>,
+    ) -> BoxFuture<'_, Episode>;
 }
 
 impl EpisodeRunner for AgentPool {
-    fn run(&self, index: usize, task: Json) -> BoxFuture<'_, Episode> {
-        Box::pin(self.episode(index, task))
+    fn run(
+        &self,
+        index: usize,
+        task: Json,
+        sampling: Option<SamplingOverride>,
+    ) -> BoxFuture<'_, Episode> {
+        Box::pin(self.episode(index, task, sampling))
     }
 }
 
@@ -220,7 +233,7 @@ impl RolloutPool {
                     (runner.clone(), shared.clone(), tx.clone(), opts.clone());
                 groups.spawn(async move {
                     let episodes = futures::future::join_all(
-                        (0..opts.group_size).map(|k| runner.run(first + k, task.clone())),
+                        (0..opts.group_size).map(|k| runner.run(first + k, task.clone(), None)),
                     )
                     .await;
                     if tx.is_closed() {

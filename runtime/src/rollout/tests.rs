@@ -18,7 +18,12 @@ struct FakeRunner {
 }
 
 impl EpisodeRunner for FakeRunner {
-    fn run(&self, index: usize, task: Json) -> BoxFuture<'_, Episode> {
+    fn run(
+        &self,
+        index: usize,
+        task: Json,
+        _sampling: Option<SamplingOverride>,
+    ) -> BoxFuture<'_, Episode> {
         Box::pin(async move {
             self.started.fetch_add(1, Ordering::SeqCst);
             let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;

@@ -201,6 +201,29 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
     }
 }
 
+/// The model folder `dir` names for serving, and its checkpoint metadata: a checkpoint folder
+/// (`step-N`), a checkpoint root (its newest complete checkpoint), or any model folder (no
+/// metadata).
+pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), RunError> {
+    if dir.join("latest.json").is_file() {
+        let (dir, meta) = latest(dir)?.ok_or_else(|| {
+            RunError::Checkpoint(format!("no complete checkpoint under {}", dir.display()))
+        })?;
+        return Ok((dir, Some(meta)));
+    }
+    if !dir.join("config.json").is_file() {
+        return Err(RunError::Checkpoint(format!(
+            "{} is neither a model folder (no config.json) nor a checkpoint folder (no latest.json)",
+            dir.display()
+        )));
+    }
+    if dir.join("moult.json").is_file() {
+        let (dir, meta) = complete(dir).map_err(RunError::Checkpoint)?;
+        return Ok((dir, Some(meta)));
+    }
+    Ok((dir.to_path_buf(), None))
+}
+
 /// The checkpoint in `dir` if it is complete (its metadata and both tensor files).
 fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), String> {
     for file in ["model.safetensors", "optimizer.safetensors"] {

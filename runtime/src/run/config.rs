@@ -3,6 +3,7 @@
 //! agent's files) are taken from the manifest's folder. Every refusal names the field.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
@@ -20,6 +21,8 @@ use crate::algorithms::correction::{Correction, Level, Mode};
 #[cfg(feature = "torch")]
 use crate::algorithms::losses::Aggregation;
 use crate::chat::ChatSampling;
+use crate::chat::SamplingOverride;
+use crate::rollout::eval::EvalOptions;
 use crate::rollout::{EpisodeLimits, RolloutOptions};
 #[cfg(feature = "torch")]
 use crate::trainer::optim::{Decay, LrSchedule};
@@ -57,6 +60,8 @@ pub struct RunConfig {
     pub teacher_dir: Option<PathBuf>,
     /// LLM-as-judge rewards (`spec.judge`).
     pub judge: Option<JudgeOptions>,
+    /// Evaluation on held-out tasks (`spec.eval`), where this process runs it.
+    pub eval: Option<EvalOptions>,
 }
 
 /// DAPO's soft overlong punishment (Yu et al. 2025; docs/algorithms.md), resolved from
@@ -106,6 +111,10 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
         (a.egress.is_some(), "agent.egress"),
         (!a.read_only_root_filesystem, "agent.readOnlyRootFilesystem"),
         (a.dataset.claim_name.is_some(), "agent.dataset.claimName (tasks are read from agent.dataset.path here)"),
+        (
+            spec.eval.as_ref().is_some_and(|e| e.dataset.claim_name.is_some()),
+            "eval.dataset.claimName (held-out tasks are read from eval.dataset.path here)",
+        ),
         (e.image.is_some(), "engines.image"),
         (e.gpus_per_engine.is_some(), "engines.gpusPerEngine"),
         (e.resources.is_some(), "engines.resources"),
@@ -186,8 +195,7 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
     let spec = &run.spec.agent;
     if let Some(env) = &spec.env {
         if spec.command.is_empty() {
-            crate::agents::env::builtin(env).map_err(|e| bad("spec.agent.env", e))?;
-            return Ok(Agent::BuiltinEnv(env.clone()));
+            return crate::agents::env::builtin_agent(env).map_err(|e| bad("spec.agent.env", e));
         }
     }
     let Some((program, args)) = spec.command.split_first() else {
@@ -288,15 +296,6 @@ pub fn read_jsonl(path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
         .collect()
 }
 
-fn read_tasks(path: &Path) -> Result<Vec<Json>, RunError> {
-    let field = "spec.agent.dataset.path";
-    let tasks = read_jsonl(path, field)?;
-    if tasks.is_empty() {
-        return Err(bad(field, format!("{} has no tasks", path.display())));
-    }
-    Ok(tasks)
-}
-
 /// Where a process finds the files a manifest names.
 #[derive(Debug, Clone)]
 pub struct Sources {
@@ -306,6 +305,8 @@ pub struct Sources {
     pub model_dir: Option<PathBuf>,
     /// The task file, if this process draws tasks (read and checked).
     pub tasks: Option<PathBuf>,
+    /// The held-out tasks of `spec.eval`, if this process evaluates (read and checked).
+    pub eval_tasks: Option<PathBuf>,
     /// Whether this process runs episodes (the agent's command is checked).
     pub agent: bool,
     /// The teacher of on-policy distillation, if this process scores with it (checked to be a
@@ -320,6 +321,7 @@ impl Sources {
             dir: dir.to_path_buf(),
             model_dir: Some(beside(dir, &run.spec.model.path)),
             tasks: Some(beside(dir, &run.spec.agent.dataset.path)),
+            eval_tasks: run.spec.eval.as_ref().map(|e| beside(dir, &e.dataset.path)),
             agent: true,
             teacher: run
                 .spec
@@ -446,8 +448,30 @@ impl RunConfig {
             None => PathBuf::from(&spec.model.path),
         };
         let tasks = match &sources.tasks {
-            Some(path) => read_tasks(path)?,
+            Some(path) => super::dataset::read(&spec.agent.dataset, path, "spec.agent.dataset")?,
             None => Vec::new(),
+        };
+        let eval = match (&spec.eval, &sources.eval_tasks) {
+            (Some(e), Some(path)) => {
+                let mut tasks = super::dataset::read(&e.dataset, path, "spec.eval.dataset")?;
+                if let Some(max) = e.max_tasks {
+                    tasks.truncate(max as usize);
+                }
+                Some(EvalOptions {
+                    tasks: Arc::new(tasks),
+                    interval: u64::from(e.interval_steps.max(1)),
+                    samples: e.samples.max(1) as usize,
+                    sampling: SamplingOverride {
+                        temperature: Some(e.temperature.unwrap_or(spec.rollout.temperature)),
+                        max_tokens: Some(e.max_tokens.unwrap_or(spec.rollout.max_tokens) as usize),
+                    },
+                    pass_reward: e.pass_reward,
+                    // Locally one agent pool runs everything; a coordinator widens this to
+                    // every agent pod's share.
+                    concurrency: spec.agent.concurrency.max(1) as usize,
+                })
+            }
+            _ => None,
         };
         let judge = match &sources.tasks {
             Some(_) => judge(&run, dir, &tasks)?,
@@ -543,6 +567,7 @@ impl RunConfig {
                 _ => None,
             },
             judge,
+            eval,
             run,
         })
     }

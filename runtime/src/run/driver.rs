@@ -14,7 +14,8 @@ use super::console::Console;
 use super::learner::{Batch, Learner, Trained};
 use super::metrics::{self, StepRecord};
 use super::{dump, local, ordered, RunError};
-use crate::rollout::{next_batch, RolloutPool, RolloutState};
+use crate::rollout::eval::{self, EvalOptions, EvalResult};
+use crate::rollout::{next_batch, EpisodeRunner, RolloutPool, RolloutState};
 
 /// How `moult run` runs the manifest.
 #[derive(Debug, Clone)]
@@ -59,6 +60,11 @@ pub struct Summary {
     pub resumed_from: Option<u64>,
     pub last_checkpoint: Option<PathBuf>,
     pub interrupted: bool,
+    /// With `spec.eval`: the first and the newest evaluation (every one is in `eval.jsonl`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_eval: Option<EvalResult>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_eval: Option<EvalResult>,
 }
 
 /// Runs `cfg` to its `totalSteps` (resuming from the newest checkpoint under
@@ -131,6 +137,16 @@ pub async fn run(
     tokio::pin!(shutdown);
 
     while progress.step < cfg.total_steps {
+        // 0. With `spec.eval`, the policy of this step on the held-out tasks, when due
+        // (generation for training goes on meanwhile; the trainer waits).
+        if let Some(e) = &cfg.eval {
+            if e.due(progress.step, cfg.total_steps) {
+                tokio::select! {
+                    r = evaluate(console, stack.agents.as_ref(), e, &progress) => learner.record_eval(r)?,
+                    () = &mut shutdown => { progress.interrupted = true; break; }
+                }
+            }
+        }
         // 1. A batch of finished groups (generated while the previous step trained).
         let batch = tokio::select! {
             b = watch_generation(console, &pool, next_batch(&pool, &mut queue, &cfg.rollout)) => b,
@@ -192,12 +208,87 @@ pub async fn run(
         ));
         console.set_step(progress.step);
     }
+    // The policy the run ends with, evaluated.
+    if let Some(e) = &cfg.eval {
+        let last = learner.evals().last().map(|r| r.step);
+        if !progress.interrupted && progress.step == cfg.total_steps && last != Some(progress.step)
+        {
+            tokio::select! {
+                r = evaluate(console, stack.agents.as_ref(), e, &progress) => learner.record_eval(r)?,
+                () = &mut shutdown => progress.interrupted = true,
+            }
+        }
+    }
     console.phase("stopping");
     // Abandon the episodes in flight before the servers go, so they end quietly.
     pool.stop();
     drop(queue);
     stack.shutdown().await;
     summarize(&cfg, out, &learner, progress)
+}
+
+/// `moult eval`: the manifest's evaluation (`spec.eval`) of the policy in `checkpoint` (a
+/// checkpoint folder, a run's checkpoint root, or any model folder; the manifest's model when
+/// `None`), on engines and agents of this machine, as a run evaluates during training.
+pub async fn evaluate_checkpoint(
+    mut cfg: RunConfig,
+    opts: &RunOptions,
+    checkpoint: Option<&std::path::Path>,
+) -> Result<EvalResult, RunError> {
+    let eval = cfg.eval.clone().ok_or_else(|| {
+        RunError::Manifest(
+            "spec.eval: moult eval needs it (the held-out tasks and how to sample them; \
+             docs/run.md, \"Evaluation\")"
+                .into(),
+        )
+    })?;
+    let (step, version) = match checkpoint {
+        Some(dir) => {
+            let (dir, meta) = super::checkpoint::model_folder(dir)?;
+            opts.console
+                .line(&format!("moult eval: the policy in {}", dir.display()));
+            cfg.model_dir = dir;
+            meta.map_or((0, 0), |m| (m.step, m.policy_version))
+        }
+        None => (0, 0),
+    };
+    // Evaluation rewards are the agents' own: no judge.
+    cfg.judge = None;
+    let console = &opts.console;
+    let _ticker = crate::AbortOnDrop(console.tick());
+    console.phase("starting engines and agents");
+    std::fs::create_dir_all(&opts.out)
+        .map_err(|e| RunError::Io(format!("creating {}: {e}", opts.out.display())))?;
+    let stack = local::Stack::start(&cfg, opts.device, &opts.out.join("scratch"), console).await?;
+    let progress = Progress {
+        first_step: step,
+        step,
+        version,
+        resumed_from: None,
+        last_checkpoint: None,
+        interrupted: false,
+        started: Instant::now(),
+    };
+    let result = evaluate(console, stack.agents.as_ref(), &eval, &progress).await;
+    stack.shutdown().await;
+    Ok(result)
+}
+
+/// The evaluation of the policy `progress` stands at, with the console saying how far it is.
+async fn evaluate(
+    console: &Console,
+    runner: &dyn EpisodeRunner,
+    opts: &EvalOptions,
+    progress: &Progress,
+) -> EvalResult {
+    console.phase("evaluating");
+    eval::evaluate(
+        runner,
+        opts,
+        (progress.step, progress.version),
+        &|done, total| console.detail(format!("evaluating: {done}/{total} episodes")),
+    )
+    .await
 }
 
 /// Where a run's loop stands, for its summary.
@@ -278,6 +369,8 @@ fn summarize(
         resumed_from,
         last_checkpoint,
         interrupted,
+        first_eval: learner.evals().first().cloned(),
+        last_eval: learner.evals().last().cloned(),
     };
     super::files::write_atomic(
         &out.join("summary.json"),

@@ -222,7 +222,7 @@ impl Judge {
             n: 1,
             template_kwargs: serde_json::Map::new(),
         };
-        let answer = match self.service.open(&session) {
+        let answer = match self.service.open(&session, None) {
             Ok(()) => {
                 self.service
                     .turn(&session, "judge", "call_", request, None)

@@ -24,6 +24,7 @@ use super::judge::JudgeStats;
 use super::metrics::{MetricsLog, StepRecord};
 use super::{samples, RunError};
 use crate::model::Qwen3Model;
+use crate::rollout::eval::EvalResult;
 use crate::rollout::{staleness_histogram, Group, RolloutState, RolloutStats};
 use crate::router::Activity;
 use crate::trainer::train::Trainer;
@@ -81,6 +82,8 @@ pub(crate) struct Learner {
     /// Where the engines' activity is read (the router or coordinator weights go through), and
     /// the last reading: each step's busy fractions cover the time since.
     activity: Option<ActivityReader>,
+    /// The newest evaluation not yet in a step record: the next record carries it.
+    pending_eval: Option<EvalResult>,
 }
 
 /// Reads how busy the engines have been from the router's `GET /engines`.
@@ -149,6 +152,7 @@ impl Learner {
             publish_tries: 1,
             offline: false,
             activity: None,
+            pending_eval: None,
         })
     }
 
@@ -191,6 +195,26 @@ impl Learner {
 
     pub fn records(&self) -> &[StepRecord] {
         self.log.as_ref().map_or(&[], |l| l.records())
+    }
+
+    /// The evaluations logged so far (this process's, and a resumed run's earlier ones).
+    pub fn evals(&self) -> &[EvalResult] {
+        self.log.as_ref().map_or(&[], |l| l.evals())
+    }
+
+    /// Logs an evaluation (`eval.jsonl`, TensorBoard at its step); the next step record carries
+    /// its numbers. An evaluation of a step already logged (a batch handed out again after a
+    /// restart) is skipped.
+    pub fn record_eval(&mut self, eval: EvalResult) -> Result<(), RunError> {
+        if self.evals().iter().any(|e| e.step == eval.step) {
+            return Ok(());
+        }
+        self.console.line(&crate::rollout::eval::line(&eval));
+        if let Some(log) = &mut self.log {
+            log.push_eval(eval.clone())?;
+        }
+        self.pending_eval = Some(eval);
+        Ok(())
     }
 
     fn trainer(&self) -> &Trainer {
@@ -281,7 +305,8 @@ impl Learner {
             judge_failed: judged.map(|j| j.failed),
             judge_seconds: judged.map(|j| j.seconds),
             ..record
-        };
+        }
+        .with_eval(self.pending_eval.take().as_ref());
         if let Some(log) = &mut self.log {
             log.push(record.clone())?;
         }
@@ -522,5 +547,8 @@ fn step_record(
         engine_busy_fraction: 0.0,
         trainer_busy_fraction: 0.0,
         engine_paused_seconds: 0.0,
+        eval_step: None,
+        eval_reward_mean: None,
+        eval_pass_at_k: None,
     }
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::RunError;
+use crate::rollout::eval::EvalResult;
 
 /// One training step, as a line of `metrics.jsonl`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -90,6 +91,33 @@ pub struct StepRecord {
     /// Seconds of the step the engines sat paused for weight sync.
     #[serde(default)]
     pub engine_paused_seconds: f64,
+    /// The newest evaluation since the previous record (`spec.eval`; every evaluation is in
+    /// `eval.jsonl`): the step whose policy it measured (the one before this step trained),
+    /// its mean reward and pass@k.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_step: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_reward_mean: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_pass_at_k: Option<f64>,
+}
+
+impl StepRecord {
+    /// The record with `eval`'s numbers.
+    pub fn with_eval(self, eval: Option<&EvalResult>) -> Self {
+        Self {
+            eval_step: eval.map(|e| e.step),
+            eval_reward_mean: eval.map(|e| e.eval_reward_mean),
+            eval_pass_at_k: eval.map(|e| e.eval_pass_at_k),
+            ..self
+        }
+    }
+}
+
+/// Whether a field of a step record is an evaluation's: TensorBoard has those at the step the
+/// evaluation measured (from `eval.jsonl`), not at the record's.
+fn is_eval_field(tag: &str) -> bool {
+    tag.starts_with("eval_")
 }
 
 /// `metrics.jsonl`, appended one line per step, and the same numbers as TensorBoard events under
@@ -98,6 +126,9 @@ pub struct StepRecord {
 pub struct MetricsLog {
     path: PathBuf,
     records: Vec<StepRecord>,
+    /// `eval.jsonl` and the evaluations in it.
+    eval_path: PathBuf,
+    evals: Vec<EvalResult>,
     /// `None` when the event file could not be made (said once; `metrics.jsonl` goes on).
     tensorboard: Option<super::tensorboard::EventWriter>,
 }
@@ -107,43 +138,55 @@ impl MetricsLog {
     /// the later ones again, so each step appears once).
     pub fn open(out: &Path, resume_step: u64) -> Result<Self, RunError> {
         let path = out.join("metrics.jsonl");
-        let records: Vec<StepRecord> = match std::fs::read_to_string(&path) {
-            Ok(text) => text
-                .lines()
-                .filter_map(|l| serde_json::from_str::<StepRecord>(l).ok())
-                .filter(|r| r.step <= resume_step)
-                .collect(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            // Anything else (permissions, I/O): stop rather than write the log anew, empty.
-            Err(e) => return Err(super::files::io("reading", &path, e)),
-        };
-        let mut text = Vec::new();
-        for r in &records {
-            serde_json::to_writer(&mut text, r).expect("records serialize");
-            text.push(b'\n');
-        }
-        super::files::write_atomic(&path, &text)?;
+        let records: Vec<StepRecord> = read_lines(&path)?
+            .into_iter()
+            .filter(|r: &StepRecord| r.step <= resume_step)
+            .collect();
+        super::files::write_atomic(&path, &lines(&records))?;
+        // The evaluation at `resume_step` is run again after the resume.
+        let eval_path = out.join("eval.jsonl");
+        let evals: Vec<EvalResult> = read_lines(&eval_path)?
+            .into_iter()
+            .filter(|e: &EvalResult| e.step < resume_step)
+            .collect();
+        super::files::write_atomic(&eval_path, &lines(&evals))?;
         let tensorboard = super::tensorboard::EventWriter::create(&out.join("tensorboard"))
             .inspect_err(|e| tracing::warn!("no TensorBoard events for this run: {e}"))
             .ok();
         Ok(Self {
             path,
             records,
+            eval_path,
+            evals,
             tensorboard,
         })
     }
 
     pub fn push(&mut self, record: StepRecord) -> Result<(), RunError> {
-        let mut line = serde_json::to_vec(&record).expect("records serialize");
-        line.push(b'\n');
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(&self.path)
-            .and_then(|mut f| f.write_all(&line))
-            .map_err(|e| RunError::Io(format!("writing {}: {e}", self.path.display())))?;
+        append_line(&self.path, &record)?;
+        let value = serde_json::to_value(&record).expect("records serialize");
+        let mut scalars = super::tensorboard::scalars_of(&value);
+        scalars.retain(|(tag, _)| !is_eval_field(tag));
+        self.tensorboard_scalars(record.step, &scalars);
+        self.records.push(record);
+        Ok(())
+    }
+
+    /// Appends an evaluation to `eval.jsonl`, and its numbers to TensorBoard at the step it
+    /// measured.
+    pub fn push_eval(&mut self, eval: EvalResult) -> Result<(), RunError> {
+        append_line(&self.eval_path, &eval)?;
+        let value = serde_json::to_value(&eval).expect("evaluations serialize");
+        let mut scalars = super::tensorboard::scalars_of(&value);
+        scalars.retain(|(tag, _)| is_eval_field(tag));
+        self.tensorboard_scalars(eval.step, &scalars);
+        self.evals.push(eval);
+        Ok(())
+    }
+
+    fn tensorboard_scalars(&mut self, step: u64, scalars: &[(String, f64)]) {
         if let Some(tb) = &mut self.tensorboard {
-            let value = serde_json::to_value(&record).expect("records serialize");
-            if let Err(e) = tb.scalars(record.step, &super::tensorboard::scalars_of(&value)) {
+            if let Err(e) = tb.scalars(step, scalars) {
                 tracing::warn!(
                     "writing {}: {e}; no more TensorBoard events",
                     tb.path().display()
@@ -151,13 +194,47 @@ impl MetricsLog {
                 self.tensorboard = None;
             }
         }
-        self.records.push(record);
-        Ok(())
     }
 
     pub fn records(&self) -> &[StepRecord] {
         &self.records
     }
+
+    pub fn evals(&self) -> &[EvalResult] {
+        &self.evals
+    }
+}
+
+/// The JSON lines of `path` that parse as `T` (none when there is no file).
+fn read_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>, RunError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<T>(l).ok())
+            .collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        // Anything else (permissions, I/O): stop rather than write the log anew, empty.
+        Err(e) => Err(super::files::io("reading", path, e)),
+    }
+}
+
+fn lines<T: Serialize>(items: &[T]) -> Vec<u8> {
+    let mut text = Vec::new();
+    for item in items {
+        serde_json::to_writer(&mut text, item).expect("records serialize");
+        text.push(b'\n');
+    }
+    text
+}
+
+fn append_line<T: Serialize>(path: &Path, item: &T) -> Result<(), RunError> {
+    let mut line = serde_json::to_vec(item).expect("records serialize");
+    line.push(b'\n');
+    std::fs::OpenOptions::new()
+        .append(true)
+        .open(path)
+        .and_then(|mut f| f.write_all(&line))
+        .map_err(|e| RunError::Io(format!("writing {}: {e}", path.display())))
 }
 
 fn clock(d: Duration) -> String {

@@ -16,6 +16,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod console;
+pub mod dataset;
 #[cfg(feature = "torch")]
 mod driver;
 pub mod dump;
@@ -38,7 +39,7 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
 #[cfg(feature = "torch")]
-pub use driver::{run, RunOptions, Summary};
+pub use driver::{evaluate_checkpoint, run, RunOptions, Summary};
 
 /// Why a run stopped early.
 #[derive(Debug, thiserror::Error)]
