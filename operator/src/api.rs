@@ -692,9 +692,10 @@ pub struct TeacherSpec {
     pub claim_name: Option<String>,
 }
 
-/// LLM-as-judge rewards: a judge model (served by an engine of its own) reads a prompt made
-/// from the task and the agent's final reply and answers with a score. Each episode's reward is
-/// `agentWeight` × (the agent's own reward) + `weight` × (the judge's score).
+/// LLM-as-judge rewards: a judge model (served by engines of its own: on a cluster the
+/// `<run>-judge` StatefulSet, of `engines.backend` with `engines`' image and resources) reads a
+/// prompt made from the task and the agent's final reply and answers with a score. Each
+/// episode's reward is `agentWeight` × (the agent's own reward) + `weight` × (the judge's score).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = claim_rule("judge.claimName"))]
@@ -706,13 +707,18 @@ pub struct TeacherSpec {
 ))]
 pub struct JudgeSpec {
     /// Path of the judge's checkpoint folder (a Hugging Face folder with its own tokenizer and
-    /// chat template) inside the pods: under `/models` when `claimName` is set.
+    /// chat template) inside the pods: under `/judge` when `claimName` is set (under `/models`
+    /// when it is `model.claimName`).
     #[schemars(length(min = 1, max = 4096))]
     pub path: String,
-    /// PersistentVolumeClaim holding the judge's checkpoint, mounted read-only at `/models`.
+    /// PersistentVolumeClaim holding the judge's checkpoint, mounted read-only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub claim_name: Option<String>,
+    /// Judge engines on a cluster (the coordinator spreads a step's questions over them).
+    #[serde(default = "one")]
+    #[schemars(range(min = 1, max = 64))]
+    pub replicas: i32,
     /// What the judge is asked, as one user message. Placeholders: `{response}` (the agent's
     /// final reply text, required), `{task}` (the task as JSON) and `{task.FIELD}` (a top-level
     /// field of the task: a string as it is, anything else as JSON). The judge answers with a

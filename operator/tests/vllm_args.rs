@@ -103,7 +103,14 @@ fn vllm_accepts_the_command_line_of_the_filesystem_transport_and_of_moult_run() 
         panic!("vLLM refuses the Filesystem transport's command line {args:?}: {why}");
     }
     // `moult run`'s vLLM processes: the same arguments on a loopback port.
-    let local = vllm_args(&run.spec, "/models/Qwen3-8B", "127.0.0.1", 41234, "local");
+    let local = vllm_args(
+        &run.spec,
+        "/models/Qwen3-8B",
+        "127.0.0.1",
+        41234,
+        "local",
+        true,
+    );
     assert_eq!(
         local[..5],
         ["/models/Qwen3-8B", "--host", "127.0.0.1", "--port", "41234"]

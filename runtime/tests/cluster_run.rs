@@ -838,3 +838,135 @@ async fn cluster_run_with_vllm_engine_pods_trains_replaces_and_scales() {
     drop(operator);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+const JUDGE_RUN: &str = "judged";
+
+/// The LLM-as-judge recipe (examples/judge) as a cluster run: the policy learns from the judge
+/// alone; one built-in engine for the policy, one for the judge.
+fn judge_run_yaml() -> String {
+    let root = Path::new(ROOT).join("examples");
+    let r = root.display();
+    let judge = std::fs::read_to_string(root.join("judge/rlrun.yaml")).unwrap();
+    let prompt = judge
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("prompt: "))
+        .expect("the recipe's judge prompt");
+    format!(
+        r#"apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata:
+  name: {JUDGE_RUN}
+spec:
+  model: {{path: {r}/successor/model}}
+  agent:
+    form: Env
+    image: local
+    command: [python, {r}/successor/env.py]
+    concurrency: 64
+    timeout: 1m
+    dataset: {{path: {r}/judge/tasks.jsonl}}
+  engines: {{backend: Builtin, replicas: 1}}
+  trainer: {{gpusPerNode: 0}}
+  algorithm:
+    estimator: GRPO
+    groupSize: 8
+    batchSize: 8
+    maxStaleness: 1
+    optimizer: {{learningRate: 1.0e-3, maxGradNorm: 1.0}}
+  judge:
+    path: {r}/judge/judge-model
+    prompt: {prompt}
+    agentWeight: 0
+    maxTokens: 4
+  rollout: {{maxTokens: 4, temperature: 1.0, maxTurns: 1}}
+  checkpoint: {{claimName: checkpoints, intervalSteps: 100}}
+  totalSteps: 500
+"#
+    )
+}
+
+/// `spec.judge` on a cluster: the operator makes the judge's engines, the coordinator asks them
+/// about every reply of a batch before it goes to the trainer, and the trainer's step records
+/// hold the judge's scores; the run advances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_with_a_judge_scores_every_batch_and_advances() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    ensure_model();
+    let examples = Path::new(ROOT).join("examples/judge");
+    let made = std::process::Command::new(
+        std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into()),
+    )
+    .arg(examples.join("make_judge.py"))
+    .arg(examples.join("judge-model"))
+    .status()
+    .expect("run make_judge.py");
+    assert!(made.success(), "make_judge.py failed");
+    let c = cluster();
+    let ns = Namespace::new("cluster-judge");
+    let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
+    let _ = std::fs::remove_dir_all(&root);
+    let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
+    let operator = Operator::start(&ns, "judge");
+    let moult = PathBuf::from(env!("CARGO_BIN_EXE_moult"));
+    let agent_moult =
+        std::env::var_os("MOULT_AGENT_BIN").map_or_else(|| moult.clone(), PathBuf::from);
+    let kubelet = Kubelet::start(
+        c.client().await,
+        &ns.name,
+        KubeletOptions {
+            root: root.join("kubelet"),
+            binaries: BTreeMap::from([
+                ("moult".to_string(), moult.clone()),
+                ("/opt/moult/bin/moult".to_string(), agent_moult),
+            ]),
+            claims: BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
+            env: vec![("RUST_LOG".into(), "info,kube=warn".into())],
+            kubeconfig: Some(c.kubeconfig.clone()),
+            image: vec![repository()],
+        },
+    )
+    .await;
+    ns.apply(&judge_run_yaml());
+    let s = wait_status(
+        (&ns, JUDGE_RUN),
+        &kubelet,
+        Duration::from_secs(300),
+        "3 judged steps",
+        |s| step_of(s) >= 3,
+    );
+    assert!(s["metrics"]["reward"].is_number(), "status: {s}");
+    assert_eq!(
+        pod_field_of(&ns, JUDGE_RUN, "judge", "status.phase"),
+        "Running",
+        "the judge's engine pod"
+    );
+    // Every step's reward is the judge's score alone (agentWeight 0), and the record says what
+    // the judge found: its mean score, and the env's own reward beside it.
+    let metrics =
+        std::fs::read_to_string(checkpoints.join(JUDGE_RUN).join("metrics.jsonl")).unwrap();
+    let records: Vec<Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(records.len() >= 3, "{metrics}");
+    for r in &records {
+        let (reward, judge) = (
+            r["reward_mean"].as_f64().unwrap(),
+            r["judge_score_mean"].as_f64(),
+        );
+        assert_eq!(Some(reward), judge, "the reward is the judge's score: {r}");
+        assert!(r["agent_reward_mean"].is_number(), "{r}");
+        assert_eq!(r["judge_failed"], 0, "{r}");
+    }
+    println!(
+        "judged run at step {}: judge score {} (agent reward {}) at the last step",
+        step_of(&status(&ns, JUDGE_RUN)),
+        records.last().unwrap()["judge_score_mean"],
+        records.last().unwrap()["agent_reward_mean"]
+    );
+    ns.kubectl(&["delete", "rlrun", JUDGE_RUN, "--wait=false"]);
+    kubelet.shutdown().await;
+    drop(operator);
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -129,6 +129,9 @@ pub struct Children {
     pub coordinator_service: Service,
     pub coordinator: Deployment,
     pub agents: Deployment,
+    /// With `spec.judge`: the judge's engines and their Service.
+    pub judge_service: Option<Service>,
+    pub judge: Option<StatefulSet>,
 }
 
 /// One child in the form the controller applies: its kind and its JSON (with apiVersion/kind).
@@ -192,7 +195,7 @@ impl Children {
                 object,
             }
         }
-        vec![
+        let mut list = vec![
             child(ChildKind::ConfigMap, &self.config),
             child(ChildKind::Secret, &self.token),
             child(ChildKind::ServiceAccount, &self.service_account),
@@ -209,7 +212,19 @@ impl Children {
             child(ChildKind::StatefulSet, &self.trainer),
             child(ChildKind::Deployment, &self.coordinator),
             child(ChildKind::Deployment, &self.agents),
-        ]
+        ];
+        if let Some(policy) = &self.network_policies.judge {
+            list.push(child(ChildKind::NetworkPolicy, policy));
+        }
+        if let Some(service) = &self.judge_service {
+            list.push(child(ChildKind::Service, service));
+        }
+        if let Some(judge) = &self.judge {
+            list.push(child(ChildKind::StatefulSet, judge));
+        }
+        // In apply order: what pods need exists before the pods.
+        list.sort_by_key(|c| c.kind);
+        list
     }
 }
 
@@ -231,6 +246,8 @@ pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, In
         coordinator_service: workloads::coordinator_service(&ctx),
         coordinator: workloads::coordinator(&ctx),
         agents: workloads::agents(&ctx),
+        judge_service: workloads::judge_service(&ctx),
+        judge: workloads::judge(&ctx),
         config,
     })
 }
@@ -270,12 +287,6 @@ impl<'a> Ctx<'a> {
         let namespace = run
             .namespace()
             .ok_or_else(|| InvalidSpec("the RLRun has no namespace".into()))?;
-        if run.spec.judge.is_some() {
-            // Refused here, with the reason in the status, rather than by crash-looping pods.
-            return Err(InvalidSpec(
-                "spec.judge: LLM-as-judge rewards run under `moult run` only so far; the operator does not serve the judge model on a cluster yet (remove spec.judge to run here)".into(),
-            ));
-        }
         if run.spec.trainer.nodes > 1 {
             // The trainer refuses it too; said here before any GPU pod crash-loops on it. (A
             // status exception rather than a CEL rule: the CRD keeps the multi-rank contract.)

@@ -3,7 +3,8 @@
 //!
 //! Who talks to whom (docs/cluster.md): agents lease episodes and generate through the
 //! coordinator (:8080); the trainer takes batches from the coordinator (:8080); the coordinator
-//! routes to the engines (:8000) and tells them where the weights are; engines connect to the
+//! routes to the engines (:8000) and tells them where the weights are, and asks the judge's
+//! engines (:8000) with `spec.judge`; engines connect to the
 //! trainer's weight-stream listener (:29600) with the TCP transport; with NCCL the
 //! trainer calls the engines' weight-transfer routes (:8000) and NCCL connects both ways on ports
 //! of its own; trainer ranks rendezvous on :29500 and run NCCL between them. The trainer and
@@ -25,13 +26,15 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::{Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, WEIGHT_STREAM_PORT};
 use crate::api::WeightTransport;
 
-/// The run's four policies, each selecting the pods of one component.
+/// The run's policies, each selecting the pods of one component (the judge's with
+/// `spec.judge`).
 #[derive(Clone, Debug, Default)]
 pub struct NetworkPolicies {
     pub engine: NetworkPolicy,
     pub trainer: NetworkPolicy,
     pub coordinator: NetworkPolicy,
     pub agents: NetworkPolicy,
+    pub judge: Option<NetworkPolicy>,
 }
 
 /// The run's pods of `component`.
@@ -142,7 +145,17 @@ pub(crate) fn network_policies(ctx: &Ctx) -> NetworkPolicies {
     coordinator.extend(scraped(COORDINATOR_PORT));
 
     let agents_ingress = vec![ingress(None, vec![tcp(METRICS_PORT)])];
+    // The coordinator asks the judge engines; nobody else talks to them.
+    let judge = ctx.run.spec.judge.as_ref().map(|_| {
+        let mut rules = vec![ingress(
+            Some(vec![pods(ctx, "coordinator")]),
+            vec![tcp(ENGINE_PORT)],
+        )];
+        rules.extend(scraped(ENGINE_PORT));
+        policy(ctx, "judge", rules, None)
+    });
     NetworkPolicies {
+        judge,
         engine: policy(ctx, "engine", engine, None),
         trainer: policy(ctx, "trainer", trainer, None),
         coordinator: policy(ctx, "coordinator", coordinator, None),

@@ -32,6 +32,8 @@ pub const CHECKPOINT_DIR: &str = "/checkpoints";
 /// trainer names folders by this path when it tells the engines to reload).
 pub const WEIGHTS_DIR: &str = "/weights";
 pub const TEACHER_DIR: &str = "/teacher";
+/// Where `judge.claimName` is mounted (when it is not `model.claimName`).
+pub const JUDGE_DIR: &str = "/judge";
 
 /// Size limits of the writable emptyDirs (the kubelet evicts a pod that writes more). `/tmp` is
 /// also `$HOME` and every cache (vLLM's torch.compile and Triton caches, Hugging Face downloads
@@ -301,7 +303,8 @@ pub(crate) fn field_env(name: &str, field_path: &str) -> EnvVar {
 
 /// The dataset volume and mount (read-only), and the task file's path inside the pod.
 pub(crate) fn dataset(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
-    claimed_file(&ctx.run.spec.agent.dataset, "data", DATA_DIR)
+    let d = &ctx.run.spec.agent.dataset;
+    claimed(d.claim_name.as_deref(), &d.path, "data", DATA_DIR)
 }
 
 /// The held-out tasks of `spec.eval`: their volume and mount when they need one of their own
@@ -309,44 +312,61 @@ pub(crate) fn dataset(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
 /// pod.
 pub(crate) fn eval_dataset(ctx: &Ctx) -> Option<(Option<(Volume, VolumeMount)>, String)> {
     let d = &ctx.run.spec.eval.as_ref()?.dataset;
-    Some(
-        if d.claim_name.is_some() && d.claim_name == ctx.run.spec.agent.dataset.claim_name {
-            (None, claimed_file(d, "data", DATA_DIR).1)
-        } else {
-            claimed_file(d, "eval-data", EVAL_DATA_DIR)
-        },
-    )
+    let shared = d.claim_name.is_some() && d.claim_name == ctx.run.spec.agent.dataset.claim_name;
+    let (volume, dir) = if shared {
+        ("data", DATA_DIR)
+    } else {
+        ("eval-data", EVAL_DATA_DIR)
+    };
+    let (mount, path) = claimed(d.claim_name.as_deref(), &d.path, volume, dir);
+    Some((mount.filter(|_| !shared), path))
 }
 
-/// A dataset file: its claim's volume `volume` mounted read-only at `dir`, and its path there;
-/// or its path as it is, without a claim.
-fn claimed_file(
-    d: &crate::api::DatasetSpec,
+/// A file or folder `path` on claim `claim_name`: the claim's volume `volume` mounted read-only
+/// at `dir`, and the path there; or `path` as it is, without a claim.
+fn claimed(
+    claim_name: Option<&str>,
+    path: &str,
     volume: &str,
     dir: &str,
 ) -> (Option<(Volume, VolumeMount)>, String) {
-    match &d.claim_name {
+    match claim_name {
         Some(c) => (
             Some((claim(volume, c, true), mount(volume, dir, true))),
-            format!("{dir}/{}", d.path.trim_start_matches('/')),
+            format!("{dir}/{}", path.trim_start_matches('/')),
         ),
-        None => (None, d.path.clone()),
+        None => (None, path.to_string()),
     }
 }
 
 /// The teacher's volume and mount (on-policy distillation), and its path inside the pod.
 pub(crate) fn teacher(ctx: &Ctx) -> Option<(Option<(Volume, VolumeMount)>, String)> {
     let t = ctx.run.spec.algorithm.teacher.as_ref()?;
-    Some(match &t.claim_name {
-        Some(c) => (
-            Some((
-                claim("teacher", c, true),
-                mount("teacher", TEACHER_DIR, true),
-            )),
-            format!("{TEACHER_DIR}/{}", t.path.trim_start_matches('/')),
-        ),
-        None => (None, t.path.clone()),
-    })
+    Some(claimed(
+        t.claim_name.as_deref(),
+        &t.path,
+        "teacher",
+        TEACHER_DIR,
+    ))
+}
+
+/// The judge model's volume and mount, and its path inside the pod: at [`JUDGE_DIR`], or at
+/// [`MODEL_DIR`] with no volume of its own in a pod that mounts the policy's model claim
+/// (`with_model`) when the judge is on that claim.
+pub(crate) fn judge_model(
+    ctx: &Ctx,
+    with_model: bool,
+) -> Option<(Option<(Volume, VolumeMount)>, String)> {
+    let j = ctx.run.spec.judge.as_ref()?;
+    let shared =
+        with_model && j.claim_name.is_some() && j.claim_name == ctx.run.spec.model.claim_name;
+    let (volume, dir) = if shared {
+        ("model", MODEL_DIR)
+    } else {
+        ("judge", JUDGE_DIR)
+    };
+    let (mount, path) = claimed(j.claim_name.as_deref(), &j.path, volume, dir);
+    Some((mount.filter(|_| !shared), path))
 }
 
 /// The model volume and mount, and the model path inside the pod.
@@ -366,11 +386,5 @@ pub(crate) fn weights(ctx: &Ctx, read_only: bool) -> Option<(Volume, VolumeMount
 
 pub(crate) fn model(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
     let m = &ctx.run.spec.model;
-    match &m.claim_name {
-        Some(c) => (
-            Some((claim("model", c, true), mount("model", MODEL_DIR, true))),
-            format!("{MODEL_DIR}/{}", m.path.trim_start_matches('/')),
-        ),
-        None => (None, m.path.clone()),
-    }
+    claimed(m.claim_name.as_deref(), &m.path, "model", MODEL_DIR)
 }

@@ -288,18 +288,75 @@ fn a_multi_rank_trainer_is_refused_with_the_field_named_before_any_pod() {
 }
 
 #[test]
-fn a_judge_run_is_refused_with_the_field_named() {
+fn a_judge_run_gets_judge_engines_that_only_the_coordinator_reaches() {
     let mut run = example_run();
     run.spec.judge = Some(
         serde_json::from_value(serde_json::json!({
-            "path": "judge", "prompt": "Is {reply} right? Answer yes or no."
+            "path": "Qwen3-32B", "claimName": "models", "replicas": 2,
+            "prompt": "Is {response} right? Answer yes or no."
         }))
         .unwrap(),
     );
-    let Err(InvalidSpec(err)) = desired(&run, &Config::default(), "t") else {
-        panic!("a judge run was built");
+    let c = build(&run);
+    // The judge's engines: the engine pool's pods (vLLM) on the judge model, no weight updates.
+    let judge = c.judge.clone().expect("judge engines");
+    assert_eq!(judge.metadata.name.as_deref(), Some("gsm8k-grpo-judge"));
+    assert_eq!(judge.spec.replicas, Some(2));
+    let template = Some(judge.spec.template.clone());
+    let p = pod(&template);
+    let a = args(main_container(p));
+    assert_eq!(a[0], "/judge/Qwen3-32B", "{a:?}");
+    assert!(!a.contains(&"--weight-transfer-config"), "{a:?}");
+    let labels = p_labels(&template);
+    assert_eq!(
+        labels.get("moult.dev/component").map(String::as_str),
+        Some("judge")
+    );
+    assert!(c.judge_service.is_some());
+    // Only the coordinator may connect to them.
+    let policy = c.network_policies.judge.clone().expect("a judge policy");
+    let rules = policy.spec.unwrap().ingress.unwrap();
+    let from = serde_json::to_string(&rules[0].from).unwrap();
+    assert!(
+        from.contains("coordinator") && rules.len() == 1,
+        "{rules:?}"
+    );
+    // The coordinator asks them (the Service's EndpointSlices), with the judge's tokenizer from
+    // the model claim it shares with the policy, whose tokenizer reads the replies.
+    let template = Some(c.coordinator.spec.template.clone());
+    let env = main_container(pod(&template)).env.clone().unwrap();
+    let var = |name: &str| {
+        env.iter()
+            .find(|e| e.name == name)
+            .and_then(|e| e.value.clone())
     };
-    assert!(err.starts_with("spec.judge:"), "{err}");
+    assert_eq!(
+        var("MOULT_JUDGE_ENGINES").as_deref(),
+        Some("gsm8k-grpo-judge")
+    );
+    assert_eq!(
+        var("MOULT_JUDGE_MODEL").as_deref(),
+        Some("/models/Qwen3-32B")
+    );
+    assert_eq!(var("MOULT_MODEL").as_deref(), Some("/models/Qwen3-8B"));
+    // Listed with the other children, in apply order; none without a judge.
+    let list = c.into_list();
+    assert!(list
+        .iter()
+        .any(|x| x.name == "gsm8k-grpo-judge" && x.kind == ChildKind::StatefulSet));
+    assert!(list.windows(2).all(|w| w[0].kind <= w[1].kind));
+    let plain = build(&example_run());
+    assert!(plain.judge.is_none() && plain.judge_service.is_none());
+    assert!(plain.network_policies.judge.is_none());
+}
+
+fn p_labels(
+    t: &Option<k8s_openapi::api::core::v1::PodTemplateSpec>,
+) -> std::collections::BTreeMap<String, String> {
+    t.as_ref()
+        .and_then(|t| t.metadata.as_ref())
+        .and_then(|m| m.labels.clone())
+        .unwrap_or_default()
 }
 
 #[test]
@@ -655,7 +712,7 @@ fn every_flag_moult_sets_on_an_engine_is_refused_in_extra_args() {
     let mut run = example_run();
     run.spec.routing_replay = true;
     run.spec.model.max_model_len = Some(4096);
-    let mut set: Vec<String> = vllm_args(&run.spec, "/m", "0.0.0.0", 8000, "r")
+    let mut set: Vec<String> = vllm_args(&run.spec, "/m", "0.0.0.0", 8000, "r", true)
         .into_iter()
         .filter(|a| a.starts_with('-'))
         .collect();

@@ -9,16 +9,16 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Container, ContainerPort, HTTPGetAction, PodSpec, Probe, ResourceRequirements, Service,
-    ServicePort, ServiceSpec,
+    ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pods::{
-    claim, config_path, container, dataset, empty_dir, env, eval_dataset, field_env, locked_down,
-    model, moult_env, mount, resources, teacher, template, weights, Credential, CHECKPOINT_DIR,
-    MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
+    claim, config_path, container, dataset, empty_dir, env, eval_dataset, field_env, judge_model,
+    locked_down, model, moult_env, mount, resources, teacher, template, weights, Credential,
+    CHECKPOINT_DIR, MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
 };
 use super::{
     name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, SANDBOX_ENV, SANDBOX_SOCKET,
@@ -104,12 +104,71 @@ pub(crate) fn engine_service(ctx: &Ctx) -> Service {
 
 /// The engine pool: vLLM with the flags moult needs (docs/engine.md), or `moult engine`.
 pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
+    let (model_volume, model_path) = model(ctx);
+    engine_pool(
+        ctx,
+        EnginePool {
+            component: "engine",
+            model: (model_volume, model_path),
+            replicas: ctx.run.spec.engines.replicas,
+            weight_updates: true,
+        },
+    )
+}
+
+/// The judge's Service (its EndpointSlices are how the coordinator finds the judge engines).
+pub(crate) fn judge_service(ctx: &Ctx) -> Option<Service> {
+    ctx.run.spec.judge.as_ref()?;
+    Some(service(ctx, "judge", ENGINE_PORT, true))
+}
+
+/// The judge's engines (`spec.judge`): the engine pool's pods on the judge model, which never
+/// take weight updates.
+pub(crate) fn judge(ctx: &Ctx) -> Option<StatefulSet> {
+    let replicas = ctx.run.spec.judge.as_ref()?.replicas;
+    let model = judge_model(ctx, false)?;
+    Some(engine_pool(
+        ctx,
+        EnginePool {
+            component: "judge",
+            model,
+            replicas,
+            weight_updates: false,
+        },
+    ))
+}
+
+/// What sets an engine pool apart: the policy's, or the judge's.
+struct EnginePool {
+    component: &'static str,
+    /// The model's volume and mount, and its path in the pod.
+    model: (Option<(Volume, VolumeMount)>, String),
+    replicas: i32,
+    /// Whether the trainer sends it weights (the policy's engines): the weight transport's
+    /// settings and volume.
+    weight_updates: bool,
+}
+
+/// Engine pods of `engines.backend`, with `engines`' image, resources and flags.
+fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
     let spec = &ctx.run.spec;
     let e = &spec.engines;
-    let (model_volume, model_path) = model(ctx);
+    let EnginePool {
+        component,
+        model: (model_volume, model_path),
+        replicas,
+        weight_updates,
+    } = pool;
     let (image, command, args, mut env_vars) = match e.backend {
         EngineBackend::Vllm => {
-            let args = vllm_args(spec, &model_path, "0.0.0.0", ENGINE_PORT as u16, &ctx.name);
+            let args = vllm_args(
+                spec,
+                &model_path,
+                "0.0.0.0",
+                ENGINE_PORT as u16,
+                &ctx.name,
+                weight_updates,
+            );
             let image = e
                 .image
                 .clone()
@@ -170,7 +229,7 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
         volumes.push(v);
         mounts.push(m);
     }
-    if let Some((v, m)) = weights(ctx, true) {
+    if let Some((v, m)) = weights(ctx, true).filter(|_| weight_updates) {
         volumes.push(v);
         mounts.push(m);
     }
@@ -180,14 +239,14 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
         ..PodSpec::default()
     };
     StatefulSet {
-        metadata: ctx.meta("engine", Some("engine")),
+        metadata: ctx.meta(component, Some(component)),
         spec: StatefulSetSpec {
-            replicas: Some(ctx.replicas(e.replicas)),
-            service_name: Some(name(&ctx.name, "engine")),
+            replicas: Some(ctx.replicas(replicas)),
+            service_name: Some(name(&ctx.name, component)),
             // Engines are independent: scale up and down all at once.
             pod_management_policy: Some("Parallel".into()),
-            selector: selector(ctx, "engine"),
-            template: template(ctx, "engine", e.gpus() > 0, pod),
+            selector: selector(ctx, component),
+            template: template(ctx, component, e.gpus() > 0, pod),
             ..StatefulSetSpec::default()
         },
         ..StatefulSet::default()
@@ -196,13 +255,15 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
 
 /// The command-line arguments of a vLLM engine (after `vllm serve`) on `model_path`, listening
 /// on `host:port`: every flag the RL API needs (docs/vllm.md), then `engines.extraArgs`. `moult
-/// run` starts its vLLM processes with the same arguments.
+/// run` starts its vLLM processes with the same arguments. An engine that takes no weight
+/// updates (the judge's) gets no weight-transfer engine.
 pub fn vllm_args(
     spec: &RLRunSpec,
     model_path: &str,
     host: &str,
     port: u16,
     served_name: &str,
+    weight_updates: bool,
 ) -> Vec<String> {
     let e = &spec.engines;
     let mut args = vec![
@@ -221,7 +282,7 @@ pub fn vllm_args(
         // The token-in/token-out generate endpoint answers 403 without it.
         "--enable-scale-out".into(),
     ];
-    if e.transport() == WeightTransport::Nccl {
+    if weight_updates && e.transport() == WeightTransport::Nccl {
         // The weight-transfer routes need a transfer engine: NCCL from the trainer. (The
         // Filesystem transport reloads through `/collective_rpc` and needs none.)
         args.extend([
@@ -379,6 +440,19 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
     if let Some((_, path)) = &eval {
         env_vars.push(env("MOULT_EVAL_TASKS", path));
     }
+    // With a judge it scores each batch: it asks the judge engines (their Service's
+    // EndpointSlices), with the judge's tokenizer and chat template, about replies it reads with
+    // the policy's tokenizer.
+    let mut judge_volumes = Vec::new();
+    if let Some((judge_volume, judge_path)) = judge_model(ctx, true) {
+        let (model_volume, model_path) = model(ctx);
+        env_vars.extend([
+            env("MOULT_JUDGE_ENGINES", &name(&ctx.name, "judge")),
+            env("MOULT_JUDGE_MODEL", &judge_path),
+            env("MOULT_MODEL", &model_path),
+        ]);
+        judge_volumes.extend([model_volume, judge_volume].into_iter().flatten());
+    }
     env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);
     c.ports = container_port(COORDINATOR_PORT);
@@ -387,6 +461,7 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
     for (v, m) in [data_volume, eval.and_then(|(volume, _)| volume)]
         .into_iter()
         .flatten()
+        .chain(judge_volumes)
     {
         volumes.push(v);
         c.volume_mounts.get_or_insert_with(Vec::new).push(m);

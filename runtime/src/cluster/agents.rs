@@ -65,6 +65,7 @@ pub async fn run(
             model_dir: Some(model_dir.clone()),
             tasks: None,
             eval_tasks: None,
+            judge: None,
             agent: true,
             teacher: None,
         },

@@ -27,11 +27,15 @@ use super::protocol::{
 };
 use super::remote::RemoteAgents;
 use super::status::Report;
+use crate::chat::{ChatTemplate, Tokenizer};
+use crate::engine::client::EngineClient;
 use crate::engine::ApiError;
+use crate::loopback::{ChatService, ServiceOptions};
 use crate::rollout::eval::{self, EvalResult};
 use crate::rollout::{fill_batch, Group, RolloutPool, RolloutState};
 use crate::router::{server, EnginePool, Router};
 use crate::run::config::{RunConfig, Sources};
+use crate::run::judge::{Judge, JudgeStats};
 use crate::run::{metrics, RunError};
 
 /// How `moult coordinator` runs.
@@ -58,6 +62,10 @@ struct Train {
     issued: u64,
     /// The groups of step `committed + 1`, kept until it is committed.
     pending: Vec<Group>,
+    /// With a judge: the verdict on `pending` (their rewards hold the judge's score from then
+    /// on), and whether the judge is at it now (the groups are out of `pending` meanwhile).
+    judged: Option<JudgeStats>,
+    judging: bool,
     hellos: u64,
 }
 
@@ -79,6 +87,10 @@ struct Coordinator {
     /// Evaluations (`spec.eval`), and a wake-up for batch requests waiting for one.
     evals: Mutex<Evals>,
     eval_done: tokio::sync::Notify,
+    /// The judge of `spec.judge` (over the judge's engines), and a wake-up for batch requests
+    /// waiting for its verdict.
+    judge: Option<Arc<Judge>>,
+    judge_done: tokio::sync::Notify,
 }
 
 /// The evaluations of this coordinator.
@@ -100,6 +112,26 @@ enum EvalGate {
 }
 
 type Shared = State<Arc<Coordinator>>;
+
+/// The judge's verdict on the groups of step `step`: their rewards mixed with its scores, back
+/// in the pending batch. When every request failed (the judge's engines are starting, or were
+/// replaced) the groups go back unchanged and are judged again after a pause.
+async fn judge_batch(c: Arc<Coordinator>, judge: Arc<Judge>, mut groups: Vec<Group>, step: u64) {
+    let verdict = judge.score_batch(&mut groups, step).await;
+    if let Err(e) = &verdict {
+        tracing::warn!("{e}; asking the judge again in {JUDGE_RETRY:?}");
+        tokio::time::sleep(JUDGE_RETRY).await;
+    }
+    let mut t = c.train.lock().await;
+    t.pending = groups;
+    t.judged = verdict.ok();
+    t.judging = false;
+    drop(t);
+    c.judge_done.notify_waiters();
+}
+
+/// The pause before a batch whose every judge request failed is judged again.
+const JUDGE_RETRY: Duration = Duration::from_secs(5);
 
 /// Four decimals: what `kubectl get rlr` prints (and all a status needs).
 fn round4(x: f64) -> f64 {
@@ -275,12 +307,25 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
             ),
         );
     }
+    if t.judging {
+        // The batch is with the judge.
+        let done = c.judge_done.notified();
+        tokio::pin!(done);
+        // Registered now, so a notification before the wait below is not missed.
+        done.as_mut().enable();
+        drop(guard);
+        let _ = tokio::time::timeout(c.poll, done).await;
+        return StatusCode::NO_CONTENT.into_response();
+    }
     // The policy the trainer would train on next is evaluated first, when due.
     let eval = match c.eval_gate(q.step - 1) {
         EvalGate::NotDue => None,
         EvalGate::Done(r) => Some(r),
         EvalGate::Running => {
             let done = c.eval_done.notified();
+            tokio::pin!(done);
+            // Registered now, so a notification before the wait below is not missed.
+            done.as_mut().enable();
             drop(guard);
             let _ = tokio::time::timeout(c.poll, done).await;
             return StatusCode::NO_CONTENT.into_response();
@@ -296,6 +341,18 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         Ok(None) => return error(StatusCode::SERVICE_UNAVAILABLE, "the rollout pool stopped"),
         Ok(Some(())) => {}
     }
+    // With a judge, every reply of the batch is scored (once) before it goes out.
+    if let (Some(judge), None) = (&c.judge, &t.judged) {
+        t.judging = true;
+        let groups = std::mem::take(&mut t.pending);
+        let done = c.judge_done.notified();
+        tokio::pin!(done);
+        done.as_mut().enable();
+        tokio::spawn(judge_batch(c.clone(), judge.clone(), groups, q.step));
+        drop(guard);
+        let _ = tokio::time::timeout(c.poll, done).await;
+        return StatusCode::NO_CONTENT.into_response();
+    }
     let state: RolloutState = c.pool.state();
     Json(json!({
         "step": q.step,
@@ -305,6 +362,7 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         "stats": c.pool.stats(),
         "seed": c.seed,
         "eval": eval,
+        "judged": t.judged,
     }))
     .into_response()
 }
@@ -339,6 +397,7 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     t.committed = commit.step;
     // Its groups are done with: their admission slots go back to generation.
     t.pending.clear();
+    t.judged = None;
     drop(t);
     // The engines serve the step's version now; the report below carries it with the step.
     c.pool.set_version(commit.version);
@@ -483,6 +542,59 @@ async fn kube_client() -> Option<kube::Client> {
     }
 }
 
+/// The judge of `spec.judge` as the coordinator asks it: a router of its own over the judge's
+/// engines (`MOULT_JUDGE_ENGINES`: the judge Service, whose EndpointSlices it follows, or engine
+/// URLs), served on this pod's loopback, with the judge's tokenizer and chat template; replies
+/// are read with the policy's tokenizer (`MOULT_MODEL`).
+async fn judge(
+    cfg: &RunConfig,
+    opts: &crate::run::judge::JudgeOptions,
+    client: Option<kube::Client>,
+    ns: &str,
+) -> Result<Judge, RunError> {
+    let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
+    let engines = super::env_var("MOULT_JUDGE_ENGINES")?;
+    let pool = Arc::new(EnginePool::default());
+    if engines.starts_with("http://") || engines.starts_with("https://") {
+        for url in engines.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+            pool.add(url);
+        }
+    } else {
+        let client = client.ok_or_else(|| {
+            setup(&format!("MOULT_JUDGE_ENGINES names the Service `{engines}`, whose EndpointSlices need the Kubernetes API"))
+        })?;
+        tokio::spawn(super::discovery::follow(
+            client,
+            ns.to_string(),
+            engines,
+            pool.clone(),
+        ));
+    }
+    let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .map_err(|e| setup(&e))?;
+    let url = format!("http://{}", listener.local_addr().map_err(|e| setup(&e))?);
+    tokio::spawn(server::serve(listener, router, std::future::pending()));
+    let policy = super::env_path("MOULT_MODEL").ok_or_else(|| {
+        setup(&"MOULT_MODEL (the policy's model folder, whose tokenizer reads the replies) is not set")
+    })?;
+    let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
+    let service = ChatService::new(
+        EngineClient::new(&url),
+        Tokenizer::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
+        ChatTemplate::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
+        // One session per reply of a step, each taken as soon as it is answered.
+        ServiceOptions::pool(episodes.max(1), "judge"),
+    );
+    let policy_tokenizer = Tokenizer::from_model_dir(&policy).map_err(|e| setup(&e))?;
+    Ok(Judge::new(
+        Arc::new(service),
+        policy_tokenizer,
+        opts.clone(),
+    ))
+}
+
 /// Runs the coordinator until `shutdown` resolves.
 pub async fn run(
     opts: CoordinatorOptions,
@@ -496,6 +608,10 @@ pub async fn run(
     });
     // Evaluation episodes queue for every agent pod's share at once.
     let agent_slots = run.spec.agent.replicas.max(1) as usize * run.spec.agent.concurrency as usize;
+    let judge_dir =
+        run.spec.judge.as_ref().map(|j| {
+            super::env_path("MOULT_JUDGE_MODEL").unwrap_or_else(|| config_dir.join(&j.path))
+        });
     let mut cfg = super::pod_config(
         run,
         &Sources {
@@ -505,6 +621,7 @@ pub async fn run(
             eval_tasks,
             agent: false,
             teacher: None,
+            judge: judge_dir,
         },
     )?;
     if let Some(e) = &mut cfg.eval {
@@ -534,6 +651,10 @@ pub async fn run(
         ));
     }
     let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
+    let judge = match &cfg.judge {
+        Some(opts) => Some(Arc::new(judge(&cfg, opts, client.clone(), &ns).await?)),
+        None => None,
+    };
 
     // The rollout pool over the agent pods.
     let agents = Arc::new(RemoteAgents::new(opts.lease_time));
@@ -576,6 +697,8 @@ pub async fn run(
             committed,
             issued,
             pending: Vec::new(),
+            judged: None,
+            judging: false,
             hellos: 0,
         }),
         status: Mutex::new(CoordinatorStatus {
@@ -589,6 +712,8 @@ pub async fn run(
         started: Instant::now(),
         evals: Mutex::new(Evals::default()),
         eval_done: tokio::sync::Notify::new(),
+        judge,
+        judge_done: tokio::sync::Notify::new(),
         cfg,
     });
     let app = server::api_routes(router)

@@ -63,13 +63,8 @@ pub(crate) fn manifest(config: &Path) -> Result<(RLRun, PathBuf), RunError> {
 }
 
 /// The run config of a pod: the manifest the operator mounted (`--config`), with the files of
-/// this pod's role. LLM-as-judge is refused here: its model is not served on clusters yet.
+/// this pod's role.
 pub fn pod_config(run: RLRun, sources: &Sources) -> Result<RunConfig, RunError> {
-    if run.spec.judge.is_some() {
-        return Err(RunError::Manifest(
-            "spec.judge: LLM-as-judge rewards run under `moult run` only so far; a cluster run does not serve the judge model yet".into(),
-        ));
-    }
     RunConfig::from_sources(run, sources)
 }
 

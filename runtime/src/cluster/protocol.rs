@@ -22,6 +22,7 @@ pub use crate::agents::Episode;
 use crate::chat::SamplingOverride;
 use crate::rollout::eval::EvalResult;
 use crate::rollout::{Group, RolloutState, RolloutStats};
+use crate::run::judge::JudgeStats;
 use crate::run::metrics::StepRecord;
 
 /// An episode for an agent pod to run.
@@ -81,6 +82,10 @@ pub struct TrainBatch {
     /// The evaluation of the policy this step starts from (`spec.eval`), when one was due.
     #[serde(default)]
     pub eval: Option<EvalResult>,
+    /// With `spec.judge`: the judge's verdict on the batch (the groups' rewards hold its
+    /// scores already).
+    #[serde(default)]
+    pub judged: Option<JudgeStats>,
 }
 
 /// A checkpoint the trainer wrote.

@@ -170,6 +170,7 @@ pub async fn run(
             model_dir: Some(model_dir),
             tasks: None,
             eval_tasks: None,
+            judge: None,
             agent: false,
             teacher,
         },
@@ -338,7 +339,7 @@ pub async fn run(
                     stats: batch.stats,
                     rollout: batch.rollout,
                     seed: batch.seed,
-                    judged: None,
+                    judged: batch.judged,
                     started: step_started,
                 },
                 // The coordinator numbers versions (they only increase, across restarts).

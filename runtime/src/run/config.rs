@@ -133,6 +133,10 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
             spec.judge.as_ref().is_some_and(|j| j.claim_name.is_some()),
             "judge.claimName (the judge is read from judge.path here)",
         ),
+        (
+            spec.judge.as_ref().is_some_and(|j| j.replicas != 1),
+            "judge.replicas (one judge engine here)",
+        ),
         (spec.checkpoint.is_some(), "checkpoint.claimName (checkpoints go to <out>/checkpoints here)"),
         (
             !s.node_selector.is_empty()
@@ -241,13 +245,13 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
     })
 }
 
-/// The judge of `spec.judge`: its model folder exists, and every task has the fields its prompt
-/// reads.
-fn judge(run: &RLRun, dir: &Path, tasks: &[Json]) -> Result<Option<JudgeOptions>, RunError> {
+/// The judge of `spec.judge`, whose model folder is `model_dir` here: it exists, and every task
+/// has the fields its prompt reads.
+fn judge(run: &RLRun, model_dir: &Path, tasks: &[Json]) -> Result<Option<JudgeOptions>, RunError> {
     let Some(spec) = &run.spec.judge else {
         return Ok(None);
     };
-    let model_dir = beside(dir, &spec.path);
+    let model_dir = model_dir.to_path_buf();
     if !model_dir.join("config.json").is_file() {
         return Err(bad(
             "spec.judge.path",
@@ -312,6 +316,9 @@ pub struct Sources {
     /// The teacher of on-policy distillation, if this process scores with it (checked to be a
     /// model folder); `None`: the run's teacher is not this process's business.
     pub teacher: Option<PathBuf>,
+    /// The judge's model folder, if this process judges (checked, with the tasks' fields its
+    /// prompt reads).
+    pub judge: Option<PathBuf>,
 }
 
 impl Sources {
@@ -329,6 +336,7 @@ impl Sources {
                 .teacher
                 .as_ref()
                 .map(|t| beside(dir, &t.path)),
+            judge: run.spec.judge.as_ref().map(|j| beside(dir, &j.path)),
         }
     }
 }
@@ -473,8 +481,8 @@ impl RunConfig {
             }
             _ => None,
         };
-        let judge = match &sources.tasks {
-            Some(_) => judge(&run, dir, &tasks)?,
+        let judge = match &sources.judge {
+            Some(judge_dir) => judge(&run, judge_dir, &tasks)?,
             None => None,
         };
         // What the spec alone decides (rollout.temperature > 0, the flags of engines.extraArgs,

@@ -56,36 +56,48 @@ fn format_of(file: &Path) -> DatasetFormat {
     }
 }
 
+/// Which files of a folder are task files.
+enum Matcher {
+    /// Those the file name's one `*` matches: what comes before it and after it.
+    Pattern(String, String),
+    /// `.jsonl`, `.json` and `.parquet` files.
+    TaskFiles,
+}
+
+impl Matcher {
+    fn matches(&self, name: &str) -> bool {
+        match self {
+            Matcher::Pattern(pre, post) => {
+                name.len() >= pre.len() + post.len()
+                    && name.starts_with(pre)
+                    && name.ends_with(post)
+            }
+            Matcher::TaskFiles => [".jsonl", ".json", ".parquet"]
+                .iter()
+                .any(|ext| name.ends_with(ext)),
+        }
+    }
+}
+
 /// The files `path` names: itself, the `.jsonl`/`.json`/`.parquet` files of a folder, or those
 /// its file name's one `*` matches; in name order.
 fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    let (dir, keep): (&Path, Box<dyn Fn(&str) -> bool>) =
-        if let Some((pre, post)) = name.split_once('*') {
-            if post.contains('*') {
-                return Err(bad(field, "one `*` at most, in the file name"));
-            }
-            let (pre, post) = (pre.to_string(), post.to_string());
-            (
-                path.parent().unwrap_or(Path::new(".")),
-                Box::new(move |n: &str| {
-                    n.len() >= pre.len() + post.len() && n.starts_with(&pre) && n.ends_with(&post)
-                }),
-            )
-        } else if path.is_dir() {
-            (
-                path,
-                Box::new(|n: &str| {
-                    [".jsonl", ".json", ".parquet"]
-                        .iter()
-                        .any(|ext| n.ends_with(ext))
-                }),
-            )
-        } else if path.is_file() {
-            return Ok(vec![path.to_path_buf()]);
-        } else {
-            return Err(bad(field, format!("{} does not exist", path.display())));
-        };
+    let (dir, matcher) = if let Some((pre, post)) = name.split_once('*') {
+        if post.contains('*') {
+            return Err(bad(field, "one `*` at most, in the file name"));
+        }
+        (
+            path.parent().unwrap_or(Path::new(".")),
+            Matcher::Pattern(pre.to_string(), post.to_string()),
+        )
+    } else if path.is_dir() {
+        (path, Matcher::TaskFiles)
+    } else if path.is_file() {
+        return Ok(vec![path.to_path_buf()]);
+    } else {
+        return Err(bad(field, format!("{} does not exist", path.display())));
+    };
     let entries = std::fs::read_dir(dir).map_err(|e| {
         bad(
             field,
@@ -95,7 +107,7 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
     let mut found: Vec<PathBuf> = entries
         .flatten()
         .filter(|e| e.path().is_file())
-        .filter(|e| e.file_name().to_str().is_some_and(|n| keep(n)))
+        .filter(|e| e.file_name().to_str().is_some_and(|n| matcher.matches(n)))
         .map(|e| e.path())
         .collect();
     found.sort();

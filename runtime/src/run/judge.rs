@@ -8,8 +8,9 @@
 //! tokenizer, special tokens skipped. The score is the first number of the judge's answer,
 //! clamped to [0, 1], or yes/no (1/0), whichever comes first; an answer with neither scores 0 and
 //! is counted (`judge_unparsed`), a request that failed scores 0 and is counted (`judge_failed`).
-//! A batch in which every request failed stops the run: the judge is broken, and training on
-//! all-zero scores would only hide it.
+//! A batch in which every request failed is left unchanged and is an error: `moult run` stops
+//! (the judge is broken, and training on all-zero scores would only hide it); a cluster's
+//! coordinator asks again after a pause (the judge's engines may be starting or replaced).
 
 use std::sync::Arc;
 
@@ -39,8 +40,8 @@ pub struct Judge {
     opts: JudgeOptions,
 }
 
-/// What judging a batch found, for the step's metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// What judging a batch found, for the step's metrics (a coordinator sends it with the batch).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct JudgeStats {
     /// Mean of the agents' own rewards (before the judge's score was mixed in).
     pub agent_reward_mean: f64,
@@ -274,9 +275,9 @@ impl Judge {
         let verdicts = futures::future::join_all(asks).await;
         let mut stats = JudgeStats::default();
         let n = verdicts.len();
-        let episodes = batch.iter_mut().flat_map(|g| g.episodes.iter_mut());
-        for (episode, verdict) in episodes.zip(verdicts) {
-            let score = match verdict {
+        let scores: Vec<f64> = verdicts
+            .into_iter()
+            .map(|verdict| match verdict {
                 Verdict::Score(s) => s,
                 Verdict::Unparsed => {
                     stats.unparsed += 1;
@@ -286,15 +287,19 @@ impl Judge {
                     stats.failed += 1;
                     0.0
                 }
-            };
-            stats.agent_reward_mean += episode.reward;
-            stats.judge_score_mean += score;
-            episode.reward = self.opts.agent_weight * episode.reward + self.opts.weight * score;
-        }
+            })
+            .collect();
         if n > 0 && stats.failed == n {
+            // The batch is left as it was: it may be judged again (a judge that is starting).
             return Err(RunError::Setup(format!(
                 "judge: all {n} requests of step {step} failed (see the warnings above)"
             )));
+        }
+        let episodes = batch.iter_mut().flat_map(|g| g.episodes.iter_mut());
+        for (episode, score) in episodes.zip(scores) {
+            stats.agent_reward_mean += episode.reward;
+            stats.judge_score_mean += score;
+            episode.reward = self.opts.agent_weight * episode.reward + self.opts.weight * score;
         }
         stats.agent_reward_mean /= n.max(1) as f64;
         stats.judge_score_mean /= n.max(1) as f64;
