@@ -405,6 +405,12 @@ pub struct TrainerSpec {
     /// CPU and memory of each trainer pod (GPUs come from `gpusPerNode`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
+    /// Write every trained batch (each episode's tokens, loss mask, logprobs, versions, reward)
+    /// to `rollouts/step-NNNNNN.json` beside the run's metrics (`moult run --dump-rollouts`;
+    /// docs/run.md, "Rollout dumps and replay"). On a cluster that is the checkpoint claim,
+    /// which it needs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dump_rollouts: bool,
 }
 
 impl Default for TrainerSpec {
@@ -414,6 +420,7 @@ impl Default for TrainerSpec {
             gpus_per_node: default_gpus_per_node(),
             image: None,
             resources: None,
+            dump_rollouts: false,
         }
     }
 }

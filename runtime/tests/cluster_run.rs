@@ -49,7 +49,7 @@ spec:
     timeout: 1m
     dataset: {{path: {r}/tasks.jsonl}}
   engines: {{backend: Builtin, replicas: 2}}
-  trainer: {{gpusPerNode: 0}}
+  trainer: {{gpusPerNode: 0, dumpRollouts: true}}
   algorithm:
     estimator: GRPO
     groupSize: 8
@@ -375,6 +375,24 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
     // first, each with the held-out tasks × 2 samples.
     let evals = std::fs::read_to_string(checkpoints.join(RUN).join("eval.jsonl")).unwrap();
     let first_eval: Value = serde_json::from_str(evals.lines().next().unwrap()).unwrap();
+    // And every trained batch (trainer.dumpRollouts), there too: the whole batch, no group
+    // whose rewards are all equal (dynamic sampling).
+    let dump = checkpoints.join(RUN).join("rollouts/step-000001.json");
+    let dump: Value = serde_json::from_slice(&std::fs::read(&dump).unwrap()).unwrap();
+    let groups = dump["groups"].as_array().unwrap();
+    assert_eq!((dump["step"].as_u64(), groups.len()), (Some(1), 8));
+    for g in groups {
+        let rewards: Vec<f64> = g["episodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["reward"].as_f64().unwrap())
+            .collect();
+        assert!(
+            rewards.windows(2).any(|w| w[0] != w[1]),
+            "an equal-reward group was trained: {rewards:?}"
+        );
+    }
     assert_eq!(
         (
             &first_eval["step"],

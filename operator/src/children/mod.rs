@@ -287,6 +287,11 @@ impl<'a> Ctx<'a> {
         let namespace = run
             .namespace()
             .ok_or_else(|| InvalidSpec("the RLRun has no namespace".into()))?;
+        if run.spec.trainer.dump_rollouts && run.spec.checkpoint.is_none() {
+            return Err(InvalidSpec(
+                "spec.trainer.dumpRollouts: the trainer writes the dumps beside its checkpoints, on spec.checkpoint.claimName: set spec.checkpoint".into(),
+            ));
+        }
         if run.spec.trainer.nodes > 1 {
             // The trainer refuses it too; said here before any GPU pod crash-loops on it. (A
             // status exception rather than a CEL rule: the CRD keeps the multi-rank contract.)

@@ -821,3 +821,18 @@ fn engines_are_restarted_when_their_health_fails_after_a_long_load() {
         );
     }
 }
+
+#[test]
+fn rollout_dumps_need_the_checkpoint_claim_they_are_written_to() {
+    let mut run = example_run();
+    run.spec.trainer.dump_rollouts = true;
+    assert!(desired(&run, &Config::default(), "t").is_ok());
+    run.spec.checkpoint = None;
+    let Err(InvalidSpec(err)) = desired(&run, &Config::default(), "t") else {
+        panic!("dumps with nowhere to go were accepted");
+    };
+    assert!(
+        err.starts_with("spec.trainer.dumpRollouts:") && err.contains("spec.checkpoint"),
+        "{err}"
+    );
+}

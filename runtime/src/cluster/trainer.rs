@@ -328,6 +328,19 @@ pub async fn run(
             continue;
         };
         data = Some(batch.rollout);
+        if let (true, Some(out)) = (cfg.run.spec.trainer.dump_rollouts, &out) {
+            crate::run::dump::write(
+                &crate::run::dump::folder(out),
+                &crate::run::dump::DumpRef {
+                    step: step + 1,
+                    served: batch.version,
+                    stats: batch.stats,
+                    rollout: batch.rollout,
+                    seed: batch.seed,
+                    groups: &batch.groups,
+                },
+            )?;
+        }
         if let Some(eval) = batch.eval.clone() {
             learner.record_eval(eval)?;
         }

@@ -163,7 +163,7 @@ pub async fn run(
             }
             None => None,
         };
-        if opts.dump_rollouts {
+        if opts.dump_rollouts || cfg.run.spec.trainer.dump_rollouts {
             dump::write(
                 &dump::folder(out),
                 &dump::DumpRef {
