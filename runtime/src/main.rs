@@ -688,16 +688,33 @@ async fn router(args: RouterArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The local run config of the RLRun manifest at `path` (relative paths from its folder), and
+/// the device `--device` names: by default CUDA when the manifest's trainer has GPUs and one is
+/// here, else the CPU.
 #[cfg(feature = "torch")]
-async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
-    use moult_runtime::run::{self, config, console::Console, RunOptions};
-    let manifest = config::read_manifest(&args.manifest)?;
-    let dir = args
-        .manifest
+fn local_config(
+    path: &std::path::Path,
+    device: Option<&str>,
+) -> anyhow::Result<(moult_runtime::run::config::RunConfig, Device)> {
+    use moult_runtime::run::config;
+    let manifest = config::read_manifest(path)?;
+    let dir = path
         .parent()
         .map_or_else(|| PathBuf::from("."), PathBuf::from);
     let gpus = manifest.spec.trainer.gpus_per_node > 0;
-    let mut cfg = config::RunConfig::new(manifest, &dir)?;
+    let cfg = config::RunConfig::new(manifest, &dir)?;
+    let device = match device {
+        Some(d) => parse_device(Some(d))?,
+        None if gpus => Device::cuda_if_available(),
+        None => Device::Cpu,
+    };
+    Ok((cfg, device))
+}
+
+#[cfg(feature = "torch")]
+async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
+    use moult_runtime::run::{self, console::Console, RunOptions};
+    let (mut cfg, device) = local_config(&args.manifest, args.device.as_deref())?;
     if let Some(steps) = args.steps {
         if steps == 0 {
             bail!("--steps must be at least 1");
@@ -714,11 +731,6 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
     if args.sync {
         cfg = cfg.synchronous();
     }
-    let device = match args.device.as_deref() {
-        Some(d) => parse_device(Some(d))?,
-        None if gpus => Device::cuda_if_available(),
-        None => Device::Cpu,
-    };
     tch::manual_seed(args.seed as i64);
     let out = args.out.unwrap_or_else(|| run::default_out(&cfg.name));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
@@ -803,19 +815,8 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
 
 #[cfg(feature = "torch")]
 async fn eval(args: EvalArgs) -> anyhow::Result<()> {
-    use moult_runtime::run::{self, config, console::Console, RunOptions};
-    let manifest = config::read_manifest(&args.manifest)?;
-    let dir = args
-        .manifest
-        .parent()
-        .map_or_else(|| PathBuf::from("."), PathBuf::from);
-    let gpus = manifest.spec.trainer.gpus_per_node > 0;
-    let cfg = config::RunConfig::new(manifest, &dir)?;
-    let device = match args.device.as_deref() {
-        Some(d) => parse_device(Some(d))?,
-        None if gpus => Device::cuda_if_available(),
-        None => Device::Cpu,
-    };
+    use moult_runtime::run::{self, console::Console, RunOptions};
+    let (cfg, device) = local_config(&args.manifest, args.device.as_deref())?;
     let console = Console::new(0, !args.quiet);
     let scratch = std::env::temp_dir().join(format!("moult-eval-{}", std::process::id()));
     let result = run::evaluate_checkpoint(

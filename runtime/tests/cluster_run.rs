@@ -115,6 +115,55 @@ fn wait_status(
     }
 }
 
+/// The test kubelet for namespace `ns`, under `root`: pods run the real `moult` (agent pods the
+/// moult their init container would copy in: the build without libtorch that scripts/test.sh
+/// makes and names in MOULT_AGENT_BIN, else the full one) and `binaries`, with `claims` and
+/// `env` (besides RUST_LOG); the recipes' files are "in the image" (the repository).
+async fn start_kubelet(
+    ns: &Namespace,
+    root: &Path,
+    claims: BTreeMap<String, PathBuf>,
+    binaries: BTreeMap<String, PathBuf>,
+    env: Vec<(String, String)>,
+) -> Kubelet {
+    let moult = PathBuf::from(env!("CARGO_BIN_EXE_moult"));
+    let agent_moult = match std::env::var_os("MOULT_AGENT_BIN") {
+        Some(bin) => {
+            let bin = PathBuf::from(bin);
+            assert!(
+                bin.is_file(),
+                "MOULT_AGENT_BIN {} is missing",
+                bin.display()
+            );
+            println!("agent pods run {}", bin.display());
+            bin
+        }
+        None => moult.clone(),
+    };
+    let mut all = BTreeMap::from([
+        ("moult".to_string(), moult),
+        ("/opt/moult/bin/moult".to_string(), agent_moult),
+    ]);
+    all.extend(binaries);
+    let c = cluster();
+    Kubelet::start(
+        c.client().await,
+        &ns.name,
+        KubeletOptions {
+            root: root.join("kubelet"),
+            binaries: all,
+            claims,
+            env: [("RUST_LOG".to_string(), "info,kube=warn".to_string())]
+                .into_iter()
+                .chain(env)
+                .collect(),
+            kubeconfig: Some(c.kubeconfig.clone()),
+            image: vec![repository()],
+        },
+    )
+    .await
+}
+
 /// The IP of a pod.
 fn pod_ip(ns: &Namespace, pod: &str) -> String {
     ns.kubectl(&["get", "pod", pod, "-o", "jsonpath={.status.podIP}"])
@@ -176,47 +225,19 @@ async fn engine_requests(http: &reqwest::Client, url: &str) -> f64 {
 async fn cluster_run_trains_survives_restarts_and_scales() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     ensure_model();
-    let c = cluster();
+    cluster();
     let ns = Namespace::new("cluster-run");
     let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
     let _ = std::fs::remove_dir_all(&root);
     let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
     let operator = Operator::start(&ns, "e2e");
-    let moult = PathBuf::from(env!("CARGO_BIN_EXE_moult"));
-    // Agent pods get what their init container copies in: the moult built without libtorch
-    // (scripts/test.sh builds it and sets MOULT_AGENT_BIN); else the full one.
-    let agent_moult = match std::env::var_os("MOULT_AGENT_BIN") {
-        Some(bin) => {
-            let bin = PathBuf::from(bin);
-            assert!(
-                bin.is_file(),
-                "MOULT_AGENT_BIN {} is missing",
-                bin.display()
-            );
-            println!("agent pods run {}", bin.display());
-            bin
-        }
-        None => moult.clone(),
-    };
-    let kubelet = Kubelet::start(
-        c.client().await,
-        &ns.name,
-        KubeletOptions {
-            root: root.join("kubelet"),
-            binaries: BTreeMap::from([
-                ("moult".to_string(), moult.clone()),
-                ("/opt/moult/bin/moult".to_string(), agent_moult),
-            ]),
-            claims: BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
-            env: vec![
-                ("RUST_LOG".into(), "info,kube=warn".into()),
-                // Leases of a dead agent process expire after this (30 s by default).
-                ("MOULT_LEASE_TIME".into(), "6s".into()),
-            ],
-            kubeconfig: Some(c.kubeconfig.clone()),
-            // The recipe's model and tasks are in the repository, wherever it was cloned.
-            image: vec![repository()],
-        },
+    let kubelet = start_kubelet(
+        &ns,
+        &root,
+        BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
+        BTreeMap::new(),
+        // Leases of a dead agent process expire after this (30 s by default).
+        vec![("MOULT_LEASE_TIME".into(), "6s".into())],
     )
     .await;
 
@@ -726,7 +747,7 @@ async fn cluster_run_with_vllm_engine_pods_trains_replaces_and_scales() {
     .status()
     .expect("run make_model.py");
     assert!(made.success(), "make_model.py --head-dim 32 failed");
-    let c = cluster();
+    cluster();
     let ns = Namespace::new("cluster-vllm");
     let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
     let _ = std::fs::remove_dir_all(&root);
@@ -748,27 +769,16 @@ async fn cluster_run_with_vllm_engine_pods_trains_replaces_and_scales() {
         std::fs::set_permissions(&vllm, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
     let operator = Operator::start(&ns, "e2e-vllm");
-    let moult = PathBuf::from(env!("CARGO_BIN_EXE_moult"));
-    let kubelet = Kubelet::start(
-        c.client().await,
-        &ns.name,
-        KubeletOptions {
-            root: root.join("kubelet"),
-            binaries: BTreeMap::from([
-                ("moult".to_string(), moult.clone()),
-                ("/opt/moult/bin/moult".to_string(), moult),
-                ("vllm".to_string(), vllm),
-            ]),
-            claims: BTreeMap::from([("weights".to_string(), weights.clone())]),
-            env: vec![
-                ("RUST_LOG".into(), "info,kube=warn".into()),
-                // vLLM's CPU build: one unpinned OpenMP thread (docs/vllm.md).
-                ("VLLM_CPU_OMP_THREADS_BIND".into(), "nobind".into()),
-                ("OMP_NUM_THREADS".into(), "1".into()),
-            ],
-            kubeconfig: Some(c.kubeconfig.clone()),
-            image: vec![repository()],
-        },
+    let kubelet = start_kubelet(
+        &ns,
+        &root,
+        BTreeMap::from([("weights".to_string(), weights.clone())]),
+        BTreeMap::from([("vllm".to_string(), vllm)]),
+        vec![
+            // vLLM's CPU build: one unpinned OpenMP thread (docs/vllm.md).
+            ("VLLM_CPU_OMP_THREADS_BIND".into(), "nobind".into()),
+            ("OMP_NUM_THREADS".into(), "1".into()),
+        ],
     )
     .await;
 
@@ -920,29 +930,18 @@ async fn cluster_run_with_a_judge_scores_every_batch_and_advances() {
     .status()
     .expect("run make_judge.py");
     assert!(made.success(), "make_judge.py failed");
-    let c = cluster();
+    cluster();
     let ns = Namespace::new("cluster-judge");
     let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
     let _ = std::fs::remove_dir_all(&root);
     let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
     let operator = Operator::start(&ns, "judge");
-    let moult = PathBuf::from(env!("CARGO_BIN_EXE_moult"));
-    let agent_moult =
-        std::env::var_os("MOULT_AGENT_BIN").map_or_else(|| moult.clone(), PathBuf::from);
-    let kubelet = Kubelet::start(
-        c.client().await,
-        &ns.name,
-        KubeletOptions {
-            root: root.join("kubelet"),
-            binaries: BTreeMap::from([
-                ("moult".to_string(), moult.clone()),
-                ("/opt/moult/bin/moult".to_string(), agent_moult),
-            ]),
-            claims: BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
-            env: vec![("RUST_LOG".into(), "info,kube=warn".into())],
-            kubeconfig: Some(c.kubeconfig.clone()),
-            image: vec![repository()],
-        },
+    let kubelet = start_kubelet(
+        &ns,
+        &root,
+        BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
+        BTreeMap::new(),
+        Vec::new(),
     )
     .await;
     ns.apply(&judge_run_yaml());
