@@ -312,14 +312,29 @@ pub(crate) fn dataset(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
 /// pod.
 pub(crate) fn eval_dataset(ctx: &Ctx) -> Option<(Option<(Volume, VolumeMount)>, String)> {
     let d = &ctx.run.spec.eval.as_ref()?.dataset;
-    let shared = d.claim_name.is_some() && d.claim_name == ctx.run.spec.agent.dataset.claim_name;
-    let (volume, dir) = if shared {
-        ("data", DATA_DIR)
-    } else {
-        ("eval-data", EVAL_DATA_DIR)
-    };
-    let (mount, path) = claimed(d.claim_name.as_deref(), &d.path, volume, dir);
-    Some((mount.filter(|_| !shared), path))
+    let data = ctx.run.spec.agent.dataset.claim_name.as_deref();
+    Some(claimed_or_shared(
+        d.claim_name.as_deref(),
+        &d.path,
+        data.map(|c| (c, DATA_DIR)),
+        ("eval-data", EVAL_DATA_DIR),
+    ))
+}
+
+/// A file on claim `claim_name` in a pod that mounts `mounted` (a claim, and where): under that
+/// mount when it is the same claim (no volume of its own), else on its own volume `(name, dir)`.
+fn claimed_or_shared(
+    claim_name: Option<&str>,
+    path: &str,
+    mounted: Option<(&str, &str)>,
+    (volume, dir): (&str, &str),
+) -> (Option<(Volume, VolumeMount)>, String) {
+    match mounted {
+        Some((claim, at)) if claim_name == Some(claim) => {
+            (None, format!("{at}/{}", path.trim_start_matches('/')))
+        }
+        _ => claimed(claim_name, path, volume, dir),
+    }
 }
 
 /// A file or folder `path` on claim `claim_name`: the claim's volume `volume` mounted read-only
@@ -358,15 +373,19 @@ pub(crate) fn judge_model(
     with_model: bool,
 ) -> Option<(Option<(Volume, VolumeMount)>, String)> {
     let j = ctx.run.spec.judge.as_ref()?;
-    let shared =
-        with_model && j.claim_name.is_some() && j.claim_name == ctx.run.spec.model.claim_name;
-    let (volume, dir) = if shared {
-        ("model", MODEL_DIR)
-    } else {
-        ("judge", JUDGE_DIR)
-    };
-    let (mount, path) = claimed(j.claim_name.as_deref(), &j.path, volume, dir);
-    Some((mount.filter(|_| !shared), path))
+    let model = ctx
+        .run
+        .spec
+        .model
+        .claim_name
+        .as_deref()
+        .filter(|_| with_model);
+    Some(claimed_or_shared(
+        j.claim_name.as_deref(),
+        &j.path,
+        model.map(|c| (c, MODEL_DIR)),
+        ("judge", JUDGE_DIR),
+    ))
 }
 
 /// The model volume and mount, and the model path inside the pod.

@@ -142,12 +142,12 @@ impl AgentPool {
         let (tx, rx) = mpsc::channel(episode_buffer(self.opts.concurrency));
         tokio::spawn(async move {
             for (index, task) in tasks.into_iter().enumerate() {
-                // Started no faster than slots free up (each episode takes its own below).
-                drop(self.slot().await);
+                // In task order: each episode starts once a slot is free, and holds it.
+                let slot = self.slot().await;
                 let pool = self.clone();
                 let tx = tx.clone();
                 tokio::spawn(async move {
-                    let episode = pool.episode(index, task, None).await;
+                    let episode = pool.episode_in(slot, index, task, None).await;
                     let _ = tx.send(episode).await;
                 });
             }
@@ -173,7 +173,18 @@ impl AgentPool {
         task: Json,
         sampling: Option<SamplingOverride>,
     ) -> Episode {
-        let _slot = self.slot().await;
+        let slot = self.slot().await;
+        self.episode_in(slot, index, task, sampling).await
+    }
+
+    /// [`Self::episode`] in the slot `_slot`, held until it ends.
+    async fn episode_in(
+        &self,
+        _slot: tokio::sync::OwnedSemaphorePermit,
+        index: usize,
+        task: Json,
+        sampling: Option<SamplingOverride>,
+    ) -> Episode {
         let session = format!("ep{index}-{}", crate::loopback::random_id());
         let started = Instant::now();
         let outcome = match self.service.open(&session, sampling) {
