@@ -904,8 +904,15 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // `moult run` sets up its log once it knows its output folder.
     if !matches!(cli.command, Command::Run(_)) {
+        // `moult eval` is a command a person runs and reads, not a server: warnings only, unless
+        // RUST_LOG asks for more.
+        let filter = match cli.command {
+            Command::Eval(_) => tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn".into()),
+            _ => log_filter(),
+        };
         tracing_subscriber::fmt()
-            .with_env_filter(log_filter())
+            .with_env_filter(filter)
             .with_writer(std::io::stderr)
             .init();
     }

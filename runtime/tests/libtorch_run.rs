@@ -492,3 +492,57 @@ fn libtorch_run_parquet_tasks_train_as_the_jsonl_file_does() {
     );
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `moult eval` scores a policy on the manifest's held-out tasks alone: the recipe's base model
+/// (near chance), with the result as JSON on stdout and in `--out`; a folder that is no model is
+/// refused by name.
+#[test]
+fn libtorch_eval_scores_a_policy_on_the_held_out_tasks() {
+    let manifest = recipe();
+    let out = out_dir("eval");
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join("eval.json");
+    let run = common::moult()
+        .arg("eval")
+        .arg(&manifest)
+        .args(["--out".as_ref(), file.as_os_str()])
+        .arg("--quiet")
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let printed: Value = serde_json::from_slice(&run.stdout).unwrap();
+    let written: Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(printed, written);
+    assert_eq!(
+        (
+            &printed["step"],
+            &printed["eval_tasks"],
+            &printed["eval_k"],
+            &printed["eval_failed"]
+        ),
+        (
+            &serde_json::json!(0),
+            &serde_json::json!(16),
+            &serde_json::json!(4),
+            &serde_json::json!(0)
+        ),
+        "{printed}"
+    );
+    let reward = printed["eval_reward_mean"].as_f64().unwrap();
+    assert!(reward <= 0.4, "the base policy is near chance: {printed}");
+    let refused = common::moult()
+        .arg("eval")
+        .arg(&manifest)
+        .args(["--checkpoint".as_ref(), out.as_os_str()])
+        .arg("--quiet")
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("neither a model folder"), "{err}");
+    let _ = std::fs::remove_dir_all(&out);
+}

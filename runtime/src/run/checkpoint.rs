@@ -330,6 +330,37 @@ mod tests {
     }
 
     #[test]
+    fn model_folder_takes_a_checkpoint_a_checkpoint_root_or_any_model_folder() {
+        let root = std::env::temp_dir().join(format!("moult-ckpt-model-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        fake_checkpoint(&root, 4);
+        fake_checkpoint(&root, 8);
+        for step in [4, 8] {
+            std::fs::write(step_dir(&root, step).join("config.json"), b"{}").unwrap();
+        }
+        let pointer = serde_json::json!({"step": 8, "path": "step-000008"});
+        write_atomic(&root.join("latest.json"), pointer.to_string().as_bytes()).unwrap();
+        // The root: its newest checkpoint.
+        let (dir, meta) = model_folder(&root).unwrap();
+        assert_eq!((dir, meta.map(|m| m.step)), (step_dir(&root, 8), Some(8)));
+        // One step's folder: that one.
+        let (dir, meta) = model_folder(&step_dir(&root, 4)).unwrap();
+        assert_eq!(
+            (dir, meta.map(|m| m.policy_version)),
+            (step_dir(&root, 4), Some(4))
+        );
+        // A plain model folder: no metadata.
+        let plain = root.join("model");
+        std::fs::create_dir_all(&plain).unwrap();
+        std::fs::write(plain.join("config.json"), b"{}").unwrap();
+        assert_eq!(model_folder(&plain).unwrap(), (plain.clone(), None));
+        // Anything else says what it is not.
+        let err = model_folder(&root.join("nothing")).unwrap_err().to_string();
+        assert!(err.contains("neither a model folder"), "{err}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
     fn prune_keeps_the_newest_and_clears_interrupted_writes() {
         let root = std::env::temp_dir().join(format!("moult-ckpt-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
