@@ -27,10 +27,7 @@ use super::protocol::{
 };
 use super::remote::RemoteAgents;
 use super::status::Report;
-use crate::chat::{ChatTemplate, Tokenizer};
-use crate::engine::client::EngineClient;
 use crate::engine::ApiError;
-use crate::loopback::{ChatService, ServiceOptions};
 use crate::rollout::eval::{self, EvalResult};
 use crate::rollout::{fill_batch, Group, RolloutPool, RolloutState};
 use crate::router::{server, EnginePool, Router};
@@ -128,6 +125,22 @@ async fn judge_batch(c: Arc<Coordinator>, judge: Arc<Judge>, mut groups: Vec<Gro
     t.judging = false;
     drop(t);
     c.judge_done.notify_waiters();
+}
+
+/// "Not yet" (204) to a batch request, once `done` is notified or `poll` has passed. Registered
+/// for `done` before `guard` (the training state's lock) goes, so a notification sent under that
+/// lock is not missed.
+async fn not_yet(
+    done: &tokio::sync::Notify,
+    guard: tokio::sync::MutexGuard<'_, Train>,
+    poll: Duration,
+) -> Response {
+    let done = done.notified();
+    tokio::pin!(done);
+    done.as_mut().enable();
+    drop(guard);
+    let _ = tokio::time::timeout(poll, done).await;
+    StatusCode::NO_CONTENT.into_response()
 }
 
 /// The pause before a batch whose every judge request failed is judged again.
@@ -309,27 +322,13 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     }
     if t.judging {
         // The batch is with the judge.
-        let done = c.judge_done.notified();
-        tokio::pin!(done);
-        // Registered now, so a notification before the wait below is not missed.
-        done.as_mut().enable();
-        drop(guard);
-        let _ = tokio::time::timeout(c.poll, done).await;
-        return StatusCode::NO_CONTENT.into_response();
+        return not_yet(&c.judge_done, guard, c.poll).await;
     }
     // The policy the trainer would train on next is evaluated first, when due.
     let eval = match c.eval_gate(q.step - 1) {
         EvalGate::NotDue => None,
         EvalGate::Done(r) => Some(r),
-        EvalGate::Running => {
-            let done = c.eval_done.notified();
-            tokio::pin!(done);
-            // Registered now, so a notification before the wait below is not missed.
-            done.as_mut().enable();
-            drop(guard);
-            let _ = tokio::time::timeout(c.poll, done).await;
-            return StatusCode::NO_CONTENT.into_response();
-        }
+        EvalGate::Running => return not_yet(&c.eval_done, guard, c.poll).await,
     };
     match tokio::time::timeout(
         c.poll,
@@ -345,13 +344,9 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     if let (Some(judge), None) = (&c.judge, &t.judged) {
         t.judging = true;
         let groups = std::mem::take(&mut t.pending);
-        let done = c.judge_done.notified();
-        tokio::pin!(done);
-        done.as_mut().enable();
+        // It cannot notify before `guard` is dropped: it hands the groups back under the lock.
         tokio::spawn(judge_batch(c.clone(), judge.clone(), groups, q.step));
-        drop(guard);
-        let _ = tokio::time::timeout(c.poll, done).await;
-        return StatusCode::NO_CONTENT.into_response();
+        return not_yet(&c.judge_done, guard, c.poll).await;
     }
     let state: RolloutState = c.pool.state();
     Json(json!({
@@ -553,23 +548,7 @@ async fn judge(
     ns: &str,
 ) -> Result<Judge, RunError> {
     let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
-    let engines = super::env_var("MOULT_JUDGE_ENGINES")?;
-    let pool = Arc::new(EnginePool::default());
-    if engines.starts_with("http://") || engines.starts_with("https://") {
-        for url in engines.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-            pool.add(url);
-        }
-    } else {
-        let client = client.ok_or_else(|| {
-            setup(&format!("MOULT_JUDGE_ENGINES names the Service `{engines}`, whose EndpointSlices need the Kubernetes API"))
-        })?;
-        tokio::spawn(super::discovery::follow(
-            client,
-            ns.to_string(),
-            engines,
-            pool.clone(),
-        ));
-    }
+    let (pool, _) = engine_pool("MOULT_JUDGE_ENGINES", client, ns)?;
     let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
         .await
@@ -580,19 +559,37 @@ async fn judge(
         setup(&"MOULT_MODEL (the policy's model folder, whose tokenizer reads the replies) is not set")
     })?;
     let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
-    let service = ChatService::new(
-        EngineClient::new(&url),
-        Tokenizer::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
-        ChatTemplate::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
-        // One session per reply of a step, each taken as soon as it is answered.
-        ServiceOptions::pool(episodes.max(1), "judge"),
-    );
-    let policy_tokenizer = Tokenizer::from_model_dir(&policy).map_err(|e| setup(&e))?;
-    Ok(Judge::new(
-        Arc::new(service),
-        policy_tokenizer,
-        opts.clone(),
-    ))
+    Judge::connect(&url, opts, &policy, episodes)
+}
+
+/// The engines the environment variable `variable` names: a Service, whose EndpointSlices the
+/// pool follows from now on (through the Kubernetes API), or a comma-separated list of URLs.
+/// Returns the pool and what the variable said.
+fn engine_pool(
+    variable: &str,
+    client: Option<kube::Client>,
+    ns: &str,
+) -> Result<(Arc<EnginePool>, String), RunError> {
+    let engines = super::env_var(variable)?;
+    let pool = Arc::new(EnginePool::default());
+    if engines.starts_with("http://") || engines.starts_with("https://") {
+        for url in engines.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+            pool.add(url);
+        }
+    } else {
+        let client = client.ok_or_else(|| {
+            RunError::Setup(format!(
+                "{variable} names the Service `{engines}`, whose EndpointSlices need the Kubernetes API (run in the pod, or set KUBECONFIG), or give engine URLs"
+            ))
+        })?;
+        tokio::spawn(super::discovery::follow(
+            client,
+            ns.to_string(),
+            engines.clone(),
+            pool.clone(),
+        ));
+    }
+    Ok((pool, engines))
 }
 
 /// Runs the coordinator until `shutdown` resolves.
@@ -627,29 +624,11 @@ pub async fn run(
     if let Some(e) = &mut cfg.eval {
         e.concurrency = agent_slots;
     }
-    let engines = super::env_var("MOULT_ENGINES")?;
     let client = kube_client().await;
     let ns = namespace(&cfg);
 
     // The router, over the engines of the Service (or a fixed list).
-    let pool = Arc::new(EnginePool::default());
-    if engines.starts_with("http://") || engines.starts_with("https://") {
-        for url in engines.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-            pool.add(url);
-        }
-    } else {
-        let client = client.clone().ok_or_else(|| {
-            RunError::Setup(format!(
-                "MOULT_ENGINES names the Service `{engines}`, whose EndpointSlices need the Kubernetes API (run in the pod, or set KUBECONFIG), or give engine URLs"
-            ))
-        })?;
-        tokio::spawn(super::discovery::follow(
-            client,
-            ns.clone(),
-            engines.clone(),
-            pool.clone(),
-        ));
-    }
+    let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns)?;
     let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
     let judge = match &cfg.judge {
         Some(opts) => Some(Arc::new(judge(&cfg, opts, client.clone(), &ns).await?)),

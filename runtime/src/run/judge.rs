@@ -209,6 +209,28 @@ impl Judge {
         }
     }
 
+    /// A judge asking the engines behind `engine_url` (which serve `opts.model_dir`), with the
+    /// judge's tokenizer and chat template, about replies read with the tokenizer of the
+    /// policy in `policy_dir`; room for the `episodes` of a step at once.
+    pub fn connect(
+        engine_url: &str,
+        opts: &JudgeOptions,
+        policy_dir: &std::path::Path,
+        episodes: usize,
+    ) -> Result<Self, RunError> {
+        let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
+        let service = ChatService::new(
+            crate::engine::client::EngineClient::new(engine_url),
+            Tokenizer::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
+            crate::chat::ChatTemplate::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
+            // One session per reply of a step, each taken as soon as it is answered.
+            crate::loopback::ServiceOptions::pool(episodes.max(1), "judge"),
+        );
+        let policy_tokenizer =
+            Tokenizer::from_model_dir(policy_dir).map_err(|e| RunError::Setup(e.to_string()))?;
+        Ok(Self::new(Arc::new(service), policy_tokenizer, opts.clone()))
+    }
+
     /// Asks the judge about one reply (one user message, greedy, `maxTokens`).
     async fn verdict(&self, session: String, prompt: String) -> Verdict {
         let request = ChatRequest {

@@ -91,7 +91,6 @@ async fn judge(
     device: Device,
     stop: watch::Receiver<bool>,
 ) -> Result<Judge, RunError> {
-    let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
     let model_cfg = ModelConfig::from_dir(&opts.model_dir)?;
     let engine_opts = EngineOptions {
         // A step's replies are judged in one decoding batch.
@@ -105,20 +104,7 @@ async fn judge(
         packed_weights: None,
     };
     let url = engine(&opts.model_dir, device, engine_opts, stop).await?;
-    let service = ChatService::new(
-        EngineClient::new(&url),
-        Tokenizer::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
-        ChatTemplate::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
-        // One session per reply of a step, each taken as soon as it is answered.
-        ServiceOptions::pool(episodes.max(1), "judge"),
-    );
-    let policy_tokenizer =
-        Tokenizer::from_model_dir(policy_dir).map_err(|e| RunError::Setup(e.to_string()))?;
-    Ok(Judge::new(
-        Arc::new(service),
-        policy_tokenizer,
-        opts.clone(),
-    ))
+    Judge::connect(&url, opts, policy_dir, episodes)
 }
 
 impl Stack {
