@@ -82,6 +82,9 @@ pub const GROUP: &str = "moult.dev";
     ),
 )]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.algorithm.teacher) || !has(self.algorithm.teacher.replicas) || !has(self.rollout) || !has(self.rollout.temperature) || self.rollout.temperature == 1.0").message(
+    "algorithm.teacher.replicas: a served teacher scores at temperature 1 (engines' prompt logprobs ignore temperature), so rollout.temperature must be 1.0; or drop teacher.replicas to score in the trainer at any temperature"
+))]
 #[x_kube(validation = Rule::new("!has(self.judge) || self.algorithm.estimator != 'OnPolicyDistillation'").message(
     "algorithm.estimator OnPolicyDistillation takes its advantages from the teacher, not from rewards: remove judge or pick GRPO, RLOO or REINFORCE++"
 ))]
@@ -697,6 +700,15 @@ pub struct TeacherSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub claim_name: Option<String>,
+    /// Serve the teacher from engines of its own instead of loading it in the trainer: on a
+    /// cluster the `<run>-teacher` StatefulSet of this many replicas (`engines.backend`, with
+    /// `engines`' image and resources), locally one built-in engine. They score every token of a
+    /// batch (prompt logprobs, at temperature 1: `rollout.temperature` must be 1) before the
+    /// trainer learns from it, so the teacher need not fit beside the trainer. Unset: the trainer
+    /// loads the teacher.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub replicas: Option<i32>,
 }
 
 /// LLM-as-judge rewards: a judge model (served by engines of its own: on a cluster the

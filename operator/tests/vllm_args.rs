@@ -88,7 +88,7 @@ fn vllm_accepts_the_engine_command_line_the_operator_generates() {
 #[test]
 fn vllm_accepts_the_command_line_of_the_filesystem_transport_and_of_moult_run() {
     use moult_operator::api::{WeightTransferSpec, WeightTransport};
-    use moult_operator::children::vllm_args;
+    use moult_operator::children::{vllm_args, EngineRole};
     let mut run = example_run();
     run.spec.engines.weight_transfer = Some(WeightTransferSpec {
         transport: WeightTransport::Filesystem,
@@ -109,7 +109,7 @@ fn vllm_accepts_the_command_line_of_the_filesystem_transport_and_of_moult_run() 
         "127.0.0.1",
         41234,
         "local",
-        true,
+        EngineRole::Policy,
     );
     assert_eq!(
         local[..5],

@@ -889,3 +889,120 @@ async fn libtorch_nan_logits_fail_the_request_and_the_engine_goes_on() {
         .iter()
         .all(|t| t.logprob.is_finite()));
 }
+
+/// `prompt_logprobs` (what a served distillation teacher answers): every prompt token's logprob
+/// under the raw distribution equals the trainer's full forward at temperature 1, whatever the
+/// sampling temperature, across prefill chunks and beside requests that decode; ranks and the
+/// top tokens are the reference's; streaming requests and the router refuse them by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() {
+    use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+    let dir = common::dense_model();
+    let mut opts = common::engine_options();
+    // Prompts longer than a chunk are scored over several steps.
+    opts.max_prefill_tokens = 16;
+    let engine = common::start_engine(&dir, opts).await;
+    let reference = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let cases = [(1usize, 0i64, 0.7), (5, 0, 1.0), (40, 3, 0.0), (100, 0, 1.3)];
+    let scoring = cases.iter().enumerate().map(|(i, &(len, top, t))| {
+        let body = json!({
+            "token_ids": prompt(i as i64 + 10, len),
+            "sampling_params": {"max_tokens": 1, "temperature": t, "prompt_logprobs": top},
+        });
+        let url = engine.url.clone();
+        async move { generate(&url, body).await }
+    });
+    // A decoding request beside them gets no prompt logprobs.
+    let decoding = generate(
+        &engine.url,
+        json!({"token_ids": prompt(3, 20), "sampling_params": {"max_tokens": 12, "ignore_eos": true}}),
+    );
+    let (scored, decoded) = tokio::join!(futures::future::join_all(scoring), decoding);
+    assert_eq!(decoded.prompt_logprobs, None);
+    assert_eq!(decoded.choices[0].token_ids.len(), 12);
+    for (i, resp) in scored.iter().enumerate() {
+        let (len, top, _) = cases[i];
+        let tokens = prompt(i as i64 + 10, len);
+        let rows = resp.prompt_logprobs.as_ref().expect("prompt_logprobs asked for");
+        assert_eq!(rows.len(), len, "case {i}: one entry per prompt token");
+        assert!(rows[0].is_none(), "nothing predicts the first token");
+        let want = tch::no_grad(|| {
+            token_logprobs(
+                &reference,
+                &[Scored {
+                    tokens: &tokens,
+                    replay: None,
+                }],
+                1.0,
+            )
+        })
+        .unwrap();
+        let want: Vec<f32> = Vec::try_from(want.get(0)).unwrap();
+        let all = tch::no_grad(|| {
+            reference.forward(
+                &[SeqInput {
+                    tokens: &tokens,
+                    slot: None,
+                    replay: None,
+                }],
+                None,
+                LogitsFor::All,
+            )
+        })
+        .unwrap()
+        .logits
+        .log_softmax(-1, Kind::Float);
+        for p in 1..len {
+            let entries = rows[p].as_ref().unwrap();
+            // The prompt token and the top tokens, the prompt token once if it is among them.
+            let n = entries.len() as i64;
+            assert!(n == top.max(1) || n == top + 1, "case {i}: {n} entries");
+            let own = &entries[&tokens[p]];
+            assert!(
+                (own.logprob - want[p]).abs() <= 1e-5,
+                "case {i} position {p}: engine {} vs trainer {}",
+                own.logprob,
+                want[p]
+            );
+            let row = all.get(p as i64 - 1);
+            let greater = i64::try_from(row.gt(f64::from(want[p])).sum(Kind::Int64)).unwrap();
+            assert_eq!(own.rank, Some(greater as u64 + 1), "case {i} position {p}");
+            if top > 0 {
+                let (values, ids) = row.topk(top, -1, true, true);
+                let ids: Vec<i64> = Vec::try_from(ids).unwrap();
+                let values: Vec<f32> = Vec::try_from(values).unwrap();
+                for (j, (id, v)) in ids.iter().zip(&values).enumerate() {
+                    let entry = &entries[id];
+                    assert!((entry.logprob - v).abs() <= 1e-5);
+                    if *id != tokens[p] {
+                        assert_eq!(entry.rank, Some(j as u64 + 1));
+                    }
+                }
+            }
+        }
+    }
+    let url = format!("{}/inference/v1/generate", engine.url);
+    for (body, what) in [
+        (
+            json!({"token_ids": [1, 2, 3], "stream": true, "sampling_params": {"prompt_logprobs": 0}}),
+            "stream: false",
+        ),
+        (
+            json!({"token_ids": [1, 2, 3], "sampling_params": {"prompt_logprobs": 21}}),
+            "between 0 and 20",
+        ),
+    ] {
+        let (status, v) = post(&url, body).await;
+        assert_eq!(status, 400, "{v}");
+        assert_eq!(v["error"]["param"], "sampling_params.prompt_logprobs", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(what), "{v}");
+    }
+    let (router, _r) = common::start_router(std::slice::from_ref(&engine.url), "consistent-hash").await;
+    let (status, v) = post(
+        &format!("{router}/inference/v1/generate"),
+        json!({"token_ids": [1, 2, 3], "sampling_params": {"prompt_logprobs": 0}}),
+    )
+    .await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("not routed"), "{v}");
+}

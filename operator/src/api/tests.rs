@@ -126,3 +126,39 @@ spec:
         }
     }
 }
+
+mod teacher_tests {
+    use crate::api::*;
+
+    fn run(teacher: &str, temperature: f64) -> RLRun {
+        let yaml = format!(
+            "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: distilled, namespace: local}}
+spec:
+  model: {{path: /models/policy}}
+  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
+  algorithm: {{estimator: OnPolicyDistillation, teacher: {teacher}}}
+  rollout: {{temperature: {temperature}}}
+  totalSteps: 1
+"
+        );
+        serde_yaml_ng::from_str(&yaml).unwrap()
+    }
+
+    #[test]
+    fn a_served_teacher_needs_temperature_one_and_an_in_trainer_one_any() {
+        let served = run("{path: /models/teacher, replicas: 2}", 0.7);
+        let errors = served.validate().expect_err("temperature 0.7 with a served teacher");
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("algorithm.teacher.replicas") && e.contains("temperature")),
+            "{errors:?}"
+        );
+        assert!(run("{path: /models/teacher, replicas: 2}", 1.0).validate().is_ok());
+        assert!(run("{path: /models/teacher}", 0.7).validate().is_ok());
+        let zero = run("{path: /models/teacher, replicas: 0}", 1.0);
+        assert!(zero.validate().is_err());
+    }
+}

@@ -12,7 +12,7 @@ mod workloads;
 
 pub use network::{default_dns, NetworkPolicies};
 pub use pods::TMP_SIZE;
-pub use workloads::vllm_args;
+pub use workloads::{vllm_args, EngineRole};
 
 use std::collections::BTreeMap;
 
@@ -132,6 +132,9 @@ pub struct Children {
     /// With `spec.judge`: the judge's engines and their Service.
     pub judge_service: Option<Service>,
     pub judge: Option<StatefulSet>,
+    /// With a served distillation teacher: its engines and their Service.
+    pub teacher_service: Option<Service>,
+    pub teacher: Option<StatefulSet>,
 }
 
 /// One child in the form the controller applies: its kind and its JSON (with apiVersion/kind).
@@ -222,6 +225,15 @@ impl Children {
         if let Some(judge) = &self.judge {
             list.push(child(ChildKind::StatefulSet, judge));
         }
+        if let Some(policy) = &self.network_policies.teacher {
+            list.push(child(ChildKind::NetworkPolicy, policy));
+        }
+        if let Some(service) = &self.teacher_service {
+            list.push(child(ChildKind::Service, service));
+        }
+        if let Some(teacher) = &self.teacher {
+            list.push(child(ChildKind::StatefulSet, teacher));
+        }
         // In apply order: what pods need exists before the pods.
         list.sort_by_key(|c| c.kind);
         list
@@ -248,6 +260,8 @@ pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, In
         agents: workloads::agents(&ctx),
         judge_service: workloads::judge_service(&ctx),
         judge: workloads::judge(&ctx),
+        teacher_service: workloads::teacher_service(&ctx),
+        teacher: workloads::teacher_engines(&ctx),
         config,
     })
 }

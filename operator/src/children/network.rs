@@ -35,6 +35,8 @@ pub struct NetworkPolicies {
     pub coordinator: NetworkPolicy,
     pub agents: NetworkPolicy,
     pub judge: Option<NetworkPolicy>,
+    /// With a served distillation teacher: its engines, which the coordinator asks.
+    pub teacher: Option<NetworkPolicy>,
 }
 
 /// The run's pods of `component`.
@@ -145,17 +147,21 @@ pub(crate) fn network_policies(ctx: &Ctx) -> NetworkPolicies {
     coordinator.extend(scraped(COORDINATOR_PORT));
 
     let agents_ingress = vec![ingress(None, vec![tcp(METRICS_PORT)])];
-    // The coordinator asks the judge engines; nobody else talks to them.
-    let judge = ctx.run.spec.judge.as_ref().map(|_| {
+    // The coordinator asks the judge's and a served teacher's engines; nobody else talks to
+    // them.
+    let asked_by_coordinator = |component: &str| {
         let mut rules = vec![ingress(
             Some(vec![pods(ctx, "coordinator")]),
             vec![tcp(ENGINE_PORT)],
         )];
         rules.extend(scraped(ENGINE_PORT));
-        policy(ctx, "judge", rules, None)
-    });
+        policy(ctx, component, rules, None)
+    };
+    let judge = ctx.run.spec.judge.as_ref().map(|_| asked_by_coordinator("judge"));
+    let teacher = super::pods::served_teacher(ctx).map(|_| asked_by_coordinator("teacher"));
     NetworkPolicies {
         judge,
+        teacher,
         engine: policy(ctx, "engine", engine, None),
         trainer: policy(ctx, "trainer", trainer, None),
         coordinator: policy(ctx, "coordinator", coordinator, None),

@@ -365,6 +365,16 @@ pub(crate) fn teacher(ctx: &Ctx) -> Option<(Option<(Volume, VolumeMount)>, Strin
     ))
 }
 
+/// The replicas of a served distillation teacher (`algorithm.teacher.replicas` with estimator
+/// `OnPolicyDistillation`); `None`: no teacher, or the trainer loads it.
+pub(crate) fn served_teacher(ctx: &Ctx) -> Option<i32> {
+    let algo = &ctx.run.spec.algorithm;
+    if algo.estimator != crate::api::Estimator::OnPolicyDistillation {
+        return None;
+    }
+    algo.teacher.as_ref()?.replicas
+}
+
 /// The judge model's volume and mount, and its path inside the pod: at [`JUDGE_DIR`], or at
 /// [`MODEL_DIR`] with no volume of its own in a pod that mounts the policy's model claim
 /// (`with_model`) when the judge is on that claim.

@@ -200,6 +200,7 @@ fn the_trainer_mounts_the_teacher_of_distillation() {
     run.spec.algorithm.teacher = Some(crate::api::TeacherSpec {
         path: "Qwen3-32B".into(),
         claim_name: Some("teachers".into()),
+        replicas: None,
     });
     let c = build(&run);
     let template = Some(c.trainer.spec.template);
@@ -348,6 +349,79 @@ fn a_judge_run_gets_judge_engines_that_only_the_coordinator_reaches() {
     let plain = build(&example_run());
     assert!(plain.judge.is_none() && plain.judge_service.is_none());
     assert!(plain.network_policies.judge.is_none());
+}
+
+#[test]
+fn a_served_teacher_gets_engines_of_its_own_and_the_trainer_no_teacher() {
+    let mut run = example_run();
+    run.spec.model.max_model_len = Some(4096);
+    run.spec.routing_replay = true;
+    run.spec.algorithm.estimator = crate::api::Estimator::OnPolicyDistillation;
+    run.spec.algorithm.teacher = Some(crate::api::TeacherSpec {
+        path: "Qwen3-32B".into(),
+        claim_name: Some("teachers".into()),
+        replicas: Some(3),
+    });
+    let c = build(&run);
+    // The teacher's engines: vLLM on the teacher model, no weight updates nor routed experts,
+    // one token more context than the policy's (a whole segment is their prompt).
+    let teacher = c.teacher.clone().expect("teacher engines");
+    assert_eq!(teacher.metadata.name.as_deref(), Some("gsm8k-grpo-teacher"));
+    assert_eq!(teacher.spec.replicas, Some(3));
+    let template = Some(teacher.spec.template.clone());
+    let p = pod(&template);
+    let a = args(main_container(p));
+    assert_eq!(a[0], "/teacher/Qwen3-32B", "{a:?}");
+    assert!(!a.contains(&"--weight-transfer-config"), "{a:?}");
+    assert!(!a.contains(&"--enable-return-routed-experts"), "{a:?}");
+    let len = a.iter().position(|&x| x == "--max-model-len").unwrap();
+    assert_eq!(a[len + 1], "4097");
+    assert!(p.volumes.as_ref().unwrap().iter().any(|v| v
+        .persistent_volume_claim
+        .as_ref()
+        .is_some_and(|c| c.claim_name == "teachers" && c.read_only == Some(true))));
+    assert_eq!(
+        p_labels(&template).get("moult.dev/component").map(String::as_str),
+        Some("teacher")
+    );
+    assert!(c.teacher_service.is_some());
+    // Only the coordinator may connect to them; it finds them through their Service.
+    let policy = c.network_policies.teacher.clone().expect("a teacher policy");
+    let rules = policy.spec.unwrap().ingress.unwrap();
+    let from = serde_json::to_string(&rules[0].from).unwrap();
+    assert!(from.contains("coordinator") && rules.len() == 1, "{rules:?}");
+    let template = Some(c.coordinator.spec.template.clone());
+    let env = main_container(pod(&template)).env.clone().unwrap();
+    assert!(env.iter().any(|e| e.name == "MOULT_TEACHER_ENGINES"
+        && e.value.as_deref() == Some("gsm8k-grpo-teacher")));
+    // The trainer neither loads nor mounts it.
+    let template = Some(c.trainer.spec.template.clone());
+    let p = pod(&template);
+    assert!(!main_container(p)
+        .env
+        .as_ref()
+        .unwrap()
+        .iter()
+        .any(|e| e.name == "MOULT_TEACHER"));
+    assert!(!p.volumes.as_ref().unwrap().iter().any(|v| v
+        .persistent_volume_claim
+        .as_ref()
+        .is_some_and(|c| c.claim_name == "teachers")));
+    let list = c.into_list();
+    assert!(list
+        .iter()
+        .any(|x| x.name == "gsm8k-grpo-teacher" && x.kind == ChildKind::StatefulSet));
+    // The policy's engines keep their flags.
+    let engines = Some(build(&run).engines.spec.template);
+    let a = args(main_container(pod(&engines)));
+    assert!(a.contains(&"--enable-return-routed-experts"), "{a:?}");
+    let len = a.iter().position(|&x| x == "--max-model-len").unwrap();
+    assert_eq!(a[len + 1], "4096");
+    // Not served: no teacher engines.
+    run.spec.algorithm.teacher.as_mut().unwrap().replicas = None;
+    let c = build(&run);
+    assert!(c.teacher.is_none() && c.teacher_service.is_none());
+    assert!(c.network_policies.teacher.is_none());
 }
 
 fn p_labels(
@@ -712,7 +786,7 @@ fn every_flag_moult_sets_on_an_engine_is_refused_in_extra_args() {
     let mut run = example_run();
     run.spec.routing_replay = true;
     run.spec.model.max_model_len = Some(4096);
-    let mut set: Vec<String> = vllm_args(&run.spec, "/m", "0.0.0.0", 8000, "r", true)
+    let mut set: Vec<String> = vllm_args(&run.spec, "/m", "0.0.0.0", 8000, "r", EngineRole::Policy)
         .into_iter()
         .filter(|a| a.starts_with('-'))
         .collect();

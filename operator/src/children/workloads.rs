@@ -17,7 +17,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::pods::{
     claim, config_path, container, dataset, empty_dir, env, eval_dataset, field_env, judge_model,
-    locked_down, model, moult_env, mount, resources, teacher, template, weights, Credential,
+    locked_down, model, moult_env, mount, resources, served_teacher, teacher, template, weights,
+    Credential,
     CHECKPOINT_DIR, MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
 };
 use super::{
@@ -108,10 +109,9 @@ pub(crate) fn engines(ctx: &Ctx) -> StatefulSet {
     engine_pool(
         ctx,
         EnginePool {
-            component: "engine",
+            role: EngineRole::Policy,
             model: (model_volume, model_path),
             replicas: ctx.run.spec.engines.replicas,
-            weight_updates: true,
         },
     )
 }
@@ -130,23 +130,63 @@ pub(crate) fn judge(ctx: &Ctx) -> Option<StatefulSet> {
     Some(engine_pool(
         ctx,
         EnginePool {
-            component: "judge",
+            role: EngineRole::Judge,
             model,
             replicas,
-            weight_updates: false,
         },
     ))
 }
 
-/// What sets an engine pool apart: the policy's, or the judge's.
+/// The served teacher's Service (its EndpointSlices are how the coordinator finds them).
+pub(crate) fn teacher_service(ctx: &Ctx) -> Option<Service> {
+    served_teacher(ctx)?;
+    Some(service(ctx, "teacher", ENGINE_PORT, true))
+}
+
+/// The served teacher's engines (`algorithm.teacher.replicas`): the engine pool's pods on the
+/// teacher model, which never take weight updates.
+pub(crate) fn teacher_engines(ctx: &Ctx) -> Option<StatefulSet> {
+    let replicas = served_teacher(ctx)?;
+    let model = teacher(ctx)?;
+    Some(engine_pool(
+        ctx,
+        EnginePool {
+            role: EngineRole::Teacher,
+            model,
+            replicas,
+        },
+    ))
+}
+
+/// What an engine pool serves, which decides its flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineRole {
+    /// The policy: weight updates from the trainer, routed experts with routing replay.
+    Policy,
+    /// The judge of `spec.judge`: a fixed model that answers questions.
+    Judge,
+    /// A served distillation teacher: a fixed model that scores whole segments, so its context
+    /// is one token longer than the policy's (`model.maxModelLen + 1`).
+    Teacher,
+}
+
+impl EngineRole {
+    /// The component label and name suffix of its pods.
+    pub fn component(self) -> &'static str {
+        match self {
+            EngineRole::Policy => "engine",
+            EngineRole::Judge => "judge",
+            EngineRole::Teacher => "teacher",
+        }
+    }
+}
+
+/// What sets an engine pool apart.
 struct EnginePool {
-    component: &'static str,
+    role: EngineRole,
     /// The model's volume and mount, and its path in the pod.
     model: (Option<(Volume, VolumeMount)>, String),
     replicas: i32,
-    /// Whether the trainer sends it weights (the policy's engines): the weight transport's
-    /// settings and volume.
-    weight_updates: bool,
 }
 
 /// Engine pods of `engines.backend`, with `engines`' image, resources and flags.
@@ -154,11 +194,13 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
     let spec = &ctx.run.spec;
     let e = &spec.engines;
     let EnginePool {
-        component,
+        role,
         model: (model_volume, model_path),
         replicas,
-        weight_updates,
     } = pool;
+    let component = role.component();
+    // The trainer sends weights to the policy's engines only (the weight transport's volume).
+    let weight_updates = role == EngineRole::Policy;
     let (image, command, args, mut env_vars) = match e.backend {
         EngineBackend::Vllm => {
             let args = vllm_args(
@@ -167,7 +209,7 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
                 "0.0.0.0",
                 ENGINE_PORT as u16,
                 &ctx.name,
-                weight_updates,
+                role,
             );
             let image = e
                 .image
@@ -255,15 +297,15 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
 
 /// The command-line arguments of a vLLM engine (after `vllm serve`) on `model_path`, listening
 /// on `host:port`: every flag the RL API needs (docs/vllm.md), then `engines.extraArgs`. `moult
-/// run` starts its vLLM processes with the same arguments. An engine that takes no weight
-/// updates (the judge's) gets no weight-transfer engine.
+/// run` starts its vLLM processes with the same arguments. Only the policy's engines (`role`)
+/// get a weight-transfer engine and routed experts.
 pub fn vllm_args(
     spec: &RLRunSpec,
     model_path: &str,
     host: &str,
     port: u16,
     served_name: &str,
-    weight_updates: bool,
+    role: EngineRole,
 ) -> Vec<String> {
     let e = &spec.engines;
     let mut args = vec![
@@ -282,7 +324,7 @@ pub fn vllm_args(
         // The token-in/token-out generate endpoint answers 403 without it.
         "--enable-scale-out".into(),
     ];
-    if weight_updates && e.transport() == WeightTransport::Nccl {
+    if role == EngineRole::Policy && e.transport() == WeightTransport::Nccl {
         // The weight-transfer routes need a transfer engine: NCCL from the trainer. (The
         // Filesystem transport reloads through `/collective_rpc` and needs none.)
         args.extend([
@@ -291,9 +333,11 @@ pub fn vllm_args(
         ]);
     }
     if let Some(len) = spec.model.max_model_len {
+        // A teacher scores a whole segment as a prompt, with one token to generate after it.
+        let len = len + u32::from(role == EngineRole::Teacher);
         args.extend(["--max-model-len".into(), len.to_string()]);
     }
-    if spec.routing_replay {
+    if spec.routing_replay && role == EngineRole::Policy {
         args.push("--enable-return-routed-experts".into());
     }
     args.extend(e.extra_args.iter().cloned());
@@ -354,7 +398,8 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
         // The Filesystem transport: new weights go here, where every engine reads them.
         env_vars.push(env("MOULT_WEIGHTS_DIR", WEIGHTS_DIR));
     }
-    let teacher = teacher(ctx);
+    // On-policy distillation with the teacher in the trainer (a served one has engines).
+    let teacher = teacher(ctx).filter(|_| served_teacher(ctx).is_none());
     if let Some((_, path)) = &teacher {
         // On-policy distillation: the trainer scores samples with the teacher.
         env_vars.push(env("MOULT_TEACHER", path));
@@ -452,6 +497,11 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
             env("MOULT_MODEL", &model_path),
         ]);
         judge_volumes.extend([model_volume, judge_volume].into_iter().flatten());
+    }
+    // With a served teacher it has each batch scored by the teacher's engines (their Service's
+    // EndpointSlices) before the trainer gets it.
+    if served_teacher(ctx).is_some() {
+        env_vars.push(env("MOULT_TEACHER_ENGINES", &name(&ctx.name, "teacher")));
     }
     env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);

@@ -33,6 +33,7 @@ use crate::rollout::{fill_batch, Group, RolloutPool, RolloutState};
 use crate::router::{server, EnginePool, Router};
 use crate::run::config::{RunConfig, Sources};
 use crate::run::judge::{Judge, JudgeStats};
+use crate::run::teacher::{Teacher, TeacherStats};
 use crate::run::{metrics, RunError};
 
 /// How `moult coordinator` runs.
@@ -59,10 +60,13 @@ struct Train {
     issued: u64,
     /// The groups of step `committed + 1`, kept until it is committed.
     pending: Vec<Group>,
-    /// With a judge: the verdict on `pending` (their rewards hold the judge's score from then
-    /// on), and whether the judge is at it now (the groups are out of `pending` meanwhile).
+    /// With a judge or a served teacher: whether `pending` is scored (its rewards hold the
+    /// judge's score, its segments the teacher's, from then on), what each found, and whether
+    /// they are at it now (the groups are out of `pending` meanwhile).
+    scored: bool,
     judged: Option<JudgeStats>,
-    judging: bool,
+    taught: Option<TeacherStats>,
+    scoring: bool,
     hellos: u64,
 }
 
@@ -84,10 +88,11 @@ struct Coordinator {
     /// Evaluations (`spec.eval`), and a wake-up for batch requests waiting for one.
     evals: Mutex<Evals>,
     eval_done: tokio::sync::Notify,
-    /// The judge of `spec.judge` (over the judge's engines), and a wake-up for batch requests
-    /// waiting for its verdict.
-    judge: Option<Arc<Judge>>,
-    judge_done: tokio::sync::Notify,
+    /// The judge of `spec.judge` (over the judge's engines), a served distillation teacher
+    /// (over its engines), and a wake-up for batch requests waiting for them.
+    judge: Option<Judge>,
+    teacher: Option<Teacher>,
+    scoring_done: tokio::sync::Notify,
 }
 
 /// The evaluations of this coordinator.
@@ -110,21 +115,24 @@ enum EvalGate {
 
 type Shared = State<Arc<Coordinator>>;
 
-/// The judge's verdict on the groups of step `step`: their rewards mixed with its scores, back
-/// in the pending batch. When every request failed (the judge's engines are starting, or were
-/// replaced) the groups go back unchanged and are judged again after a pause.
-async fn judge_batch(c: Arc<Coordinator>, judge: Arc<Judge>, mut groups: Vec<Group>, step: u64) {
-    let verdict = judge.score_batch(&mut groups, step).await;
-    if let Err(e) = &verdict {
-        tracing::warn!("{e}; asking the judge again in {JUDGE_RETRY:?}");
-        tokio::time::sleep(JUDGE_RETRY).await;
+/// The groups of step `step` scored by the served teacher (every token) and the judge (their
+/// rewards mixed with its scores), each where the run has one, back in the pending batch. When
+/// that failed (their engines are starting, or were replaced) the groups go back to be scored
+/// again after a pause.
+async fn score_batch(c: Arc<Coordinator>, mut groups: Vec<Group>, step: u64) {
+    let scored = c.score(&mut groups, step).await;
+    if let Err(e) = &scored {
+        tracing::warn!("{e}; scoring the batch again in {SCORING_RETRY:?}");
+        tokio::time::sleep(SCORING_RETRY).await;
     }
     let mut t = c.train.lock().await;
     t.pending = groups;
-    t.judged = verdict.ok();
-    t.judging = false;
+    if let Ok((taught, judged)) = scored {
+        (t.taught, t.judged, t.scored) = (taught, judged, true);
+    }
+    t.scoring = false;
     drop(t);
-    c.judge_done.notify_waiters();
+    c.scoring_done.notify_waiters();
 }
 
 /// "Not yet" (204) to a batch request, once `done` is notified or `poll` has passed. Registered
@@ -143,8 +151,9 @@ async fn not_yet(
     StatusCode::NO_CONTENT.into_response()
 }
 
-/// The pause before a batch whose every judge request failed is judged again.
-const JUDGE_RETRY: Duration = Duration::from_secs(5);
+/// The pause before a batch whose scoring failed (every judge request, or a segment the
+/// teacher's engines could not score) is scored again.
+const SCORING_RETRY: Duration = Duration::from_secs(5);
 
 /// Four decimals: what `kubectl get rlr` prints (and all a status needs).
 fn round4(x: f64) -> f64 {
@@ -157,6 +166,23 @@ fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
 }
 
 impl Coordinator {
+    /// The teacher's scores, then the judge's, each where the run has one.
+    async fn score(
+        &self,
+        groups: &mut [Group],
+        step: u64,
+    ) -> Result<(Option<TeacherStats>, Option<JudgeStats>), RunError> {
+        let taught = match &self.teacher {
+            Some(teacher) => Some(teacher.score_batch(groups, step).await?),
+            None => None,
+        };
+        let judged = match &self.judge {
+            Some(judge) => Some(judge.score_batch(groups, step).await?),
+            None => None,
+        };
+        Ok((taught, judged))
+    }
+
     fn status(&self) -> CoordinatorStatus {
         let mut s = self.status.lock().expect("status lock").clone();
         let remote = self.agents.stats();
@@ -320,9 +346,9 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
             ),
         );
     }
-    if t.judging {
-        // The batch is with the judge.
-        return not_yet(&c.judge_done, guard, c.poll).await;
+    if t.scoring {
+        // The batch is with the judge or the teacher.
+        return not_yet(&c.scoring_done, guard, c.poll).await;
     }
     // The policy the trainer would train on next is evaluated first, when due.
     let eval = match c.eval_gate(q.step - 1) {
@@ -340,13 +366,13 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         Ok(None) => return error(StatusCode::SERVICE_UNAVAILABLE, "the rollout pool stopped"),
         Ok(Some(())) => {}
     }
-    // With a judge, every reply of the batch is scored (once) before it goes out.
-    if let (Some(judge), None) = (&c.judge, &t.judged) {
-        t.judging = true;
+    // With a judge or a served teacher, the batch is scored (once) before it goes out.
+    if (c.judge.is_some() || c.teacher.is_some()) && !t.scored {
+        t.scoring = true;
         let groups = std::mem::take(&mut t.pending);
         // It cannot notify before `guard` is dropped: it hands the groups back under the lock.
-        tokio::spawn(judge_batch(c.clone(), judge.clone(), groups, q.step));
-        return not_yet(&c.judge_done, guard, c.poll).await;
+        tokio::spawn(score_batch(c.clone(), groups, q.step));
+        return not_yet(&c.scoring_done, guard, c.poll).await;
     }
     let state: RolloutState = c.pool.state();
     Json(json!({
@@ -358,6 +384,7 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         "seed": c.seed,
         "eval": eval,
         "judged": t.judged,
+        "taught": t.taught,
     }))
     .into_response()
 }
@@ -392,7 +419,7 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     t.committed = commit.step;
     // Its groups are done with: their admission slots go back to generation.
     t.pending.clear();
-    t.judged = None;
+    (t.scored, t.judged, t.taught) = (false, None, None);
     drop(t);
     // The engines serve the step's version now; the report below carries it with the step.
     c.pool.set_version(commit.version);
@@ -631,7 +658,19 @@ pub async fn run(
     let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns)?;
     let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
     let judge = match &cfg.judge {
-        Some(opts) => Some(Arc::new(judge(&cfg, opts, client.clone(), &ns).await?)),
+        Some(opts) => Some(judge(&cfg, opts, client.clone(), &ns).await?),
+        None => None,
+    };
+    // A served distillation teacher: its engines' Service (or URLs), health-checked.
+    let teacher = match cfg.served_teacher {
+        Some(_) => {
+            let (pool, _) = engine_pool("MOULT_TEACHER_ENGINES", client.clone(), &ns)?;
+            tokio::spawn(
+                pool.clone()
+                    .check_health(crate::router::HealthOptions::for_backend(cfg.run.spec.engines.backend)),
+            );
+            Some(Teacher::new(pool))
+        }
         None => None,
     };
 
@@ -676,8 +715,10 @@ pub async fn run(
             committed,
             issued,
             pending: Vec::new(),
+            scored: false,
             judged: None,
-            judging: false,
+            taught: None,
+            scoring: false,
             hellos: 0,
         }),
         status: Mutex::new(CoordinatorStatus {
@@ -692,7 +733,8 @@ pub async fn run(
         evals: Mutex::new(Evals::default()),
         eval_done: tokio::sync::Notify::new(),
         judge,
-        judge_done: tokio::sync::Notify::new(),
+        teacher,
+        scoring_done: tokio::sync::Notify::new(),
         cfg,
     });
     let app = server::api_routes(router)

@@ -86,6 +86,10 @@ pub struct TrainBatch {
     /// scores already).
     #[serde(default)]
     pub judged: Option<JudgeStats>,
+    /// With a served distillation teacher: how its engines scored the batch (every trained
+    /// segment carries its scores).
+    #[serde(default)]
+    pub taught: Option<crate::run::teacher::TeacherStats>,
 }
 
 /// A checkpoint the trainer wrote.

@@ -156,12 +156,14 @@ pub async fn run(
     let (manifest, config_dir) = super::manifest(&opts.config)?;
     let model_dir =
         env_path("MOULT_MODEL").unwrap_or_else(|| config_dir.join(&manifest.spec.model.path));
-    // The teacher of distillation, where the operator mounted it.
+    // The teacher of distillation, where the operator mounted it (a served teacher has engines
+    // of its own: the trainer has nothing to load).
     let teacher = manifest
         .spec
         .algorithm
         .teacher
         .as_ref()
+        .filter(|t| t.replicas.is_none())
         .map(|t| env_path("MOULT_TEACHER").unwrap_or_else(|| config_dir.join(&t.path)));
     let cfg = super::pod_config(
         manifest,
@@ -353,6 +355,7 @@ pub async fn run(
                     rollout: batch.rollout,
                     seed: batch.seed,
                     judged: batch.judged,
+                    taught: batch.taught,
                     started: step_started,
                 },
                 // The coordinator numbers versions (they only increase, across restarts).

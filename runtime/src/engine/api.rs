@@ -42,6 +42,10 @@ pub struct SamplingParamsJson {
     pub min_tokens: Option<i64>,
     pub n: Option<i64>,
     pub routed_experts_prompt_start: Option<i64>,
+    /// Logprobs of the prompt's own tokens (vLLM's `prompt_logprobs`): `0` gives each prompt
+    /// token's logprob (with its rank) under the raw distribution, temperature 1; `k` adds the
+    /// `k` most likely tokens of each position. Non-streaming requests only.
+    pub prompt_logprobs: Option<i64>,
     /// Accepted and ignored: the engine never detokenizes.
     pub detokenize: Option<bool>,
     pub skip_special_tokens: Option<bool>,
@@ -142,6 +146,22 @@ impl GenerateRequest {
                 ),
             ));
         }
+        let prompt_logprobs = match p.prompt_logprobs {
+            None => None,
+            Some(_) if self.stream => {
+                return Err(bad(
+                    "sampling_params.prompt_logprobs",
+                    "prompt_logprobs come with the whole response: send the request with stream: false".into(),
+                ))
+            }
+            Some(n) if (0..=MAX_TOP_LOGPROBS).contains(&n) => Some(n as usize),
+            Some(n) => {
+                return Err(bad(
+                    "sampling_params.prompt_logprobs",
+                    format!("prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+                ))
+            }
+        };
         let prompt_len = self.token_ids.len();
         if prompt_len >= max_model_len {
             return Err(bad(
@@ -211,6 +231,7 @@ impl GenerateRequest {
                 ignore_eos: p.ignore_eos,
                 min_tokens,
                 top_logprobs,
+                prompt_logprobs,
             },
             stream: self.stream,
             routed_experts_prompt_start,
@@ -334,6 +355,23 @@ impl Usage {
     }
 }
 
+/// A token's logprob in `prompt_logprobs`, as vLLM reports it (`decoded_token` is `null`: the
+/// engine never detokenizes).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RankedLogprob {
+    pub logprob: f32,
+    /// 1 for the most likely token of the position.
+    #[serde(default)]
+    pub rank: Option<u64>,
+    #[serde(default)]
+    pub decoded_token: Option<String>,
+}
+
+/// `prompt_logprobs` of a response: `null` for the first prompt token (nothing predicts it),
+/// then for each later one a map from token id to its logprob: the prompt token itself and the
+/// most likely tokens asked for.
+pub type PromptLogprobs = Vec<Option<std::collections::BTreeMap<i64, RankedLogprob>>>;
+
 /// The non-streaming response, and (with a token delta in `choices[0]`) each streamed chunk.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct GenerateResponse {
@@ -341,6 +379,8 @@ pub struct GenerateResponse {
     pub choices: Vec<Choice>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// `POST /inference/v1/abort_requests`.

@@ -124,18 +124,7 @@ impl EngineClient {
             .send()
             .await
             .map_err(|source| EngineError::Unreachable { url, source })?;
-        let status = response.status();
-        if !status.is_success() {
-            let text = response.text().await.unwrap_or_default();
-            let message = serde_json::from_str::<serde_json::Value>(&text)
-                .ok()
-                .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-                .unwrap_or(text);
-            return Err(EngineError::Refused {
-                status: status.as_u16(),
-                message,
-            });
-        }
+        let response = accepted(response).await?;
         Ok(GenerationStream {
             body: response.bytes_stream().boxed(),
             decoder: SseDecoder::default(),
@@ -143,6 +132,68 @@ impl EngineClient {
             finished: false,
             abort: Some((self.clone(), request_id)),
         })
+    }
+
+    /// The logprob of each of `tokens` given the tokens before it, under the engine's raw
+    /// distribution (temperature 1): one non-streaming request with `prompt_logprobs: 0` and one
+    /// token to generate, which the built-in engine and vLLM both answer. Entry 0 (nothing
+    /// predicts the first token) is 0.
+    pub async fn prompt_logprobs(
+        &self,
+        request_id: &str,
+        tokens: &[i64],
+    ) -> Result<Vec<f32>, EngineError> {
+        let body = GenerateBody {
+            request_id,
+            token_ids: tokens,
+            sampling_params: &serde_json::json!({
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "prompt_logprobs": 0,
+                "detokenize": false,
+            }),
+            stream: false,
+        };
+        let url = format!("{}/inference/v1/generate", self.base);
+        let response = self
+            .http
+            .post(&url)
+            .json(&body)
+            .send()
+            .await
+            .map_err(|source| EngineError::Unreachable {
+                url: url.clone(),
+                source,
+            })?;
+        let response: GenerateResponse = accepted(response)
+            .await?
+            .json()
+            .await
+            .map_err(|e| EngineError::Stream(format!("reading {url}: {e}")))?;
+        let rows = response.prompt_logprobs.ok_or_else(|| {
+            EngineError::Stream(format!("{url} answered without prompt_logprobs"))
+        })?;
+        if rows.len() != tokens.len() {
+            return Err(EngineError::Stream(format!(
+                "{url} scored {} prompt tokens of {}",
+                rows.len(),
+                tokens.len()
+            )));
+        }
+        let mut out = vec![0.0; tokens.len()];
+        for (p, row) in rows.iter().enumerate().skip(1) {
+            out[p] = row
+                .as_ref()
+                .and_then(|entries| entries.get(&tokens[p]))
+                .map(|e| e.logprob)
+                .ok_or_else(|| {
+                    EngineError::Stream(format!(
+                        "{url}: prompt_logprobs[{p}] has no entry for the prompt's token {}",
+                        tokens[p]
+                    ))
+                })?;
+        }
+        Ok(out)
     }
 
     /// `POST /inference/v1/abort_requests`; failures are logged (the request may be gone already).
@@ -153,6 +204,24 @@ impl EngineClient {
             tracing::debug!(error = %e, "abort_requests failed");
         }
     }
+}
+
+/// The response if its status is a success; otherwise the engine's refusal, with the message
+/// of its JSON error body (or the body as it is).
+async fn accepted(response: reqwest::Response) -> Result<reqwest::Response, EngineError> {
+    let status = response.status();
+    if status.is_success() {
+        return Ok(response);
+    }
+    let text = response.text().await.unwrap_or_default();
+    let message = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+        .unwrap_or(text);
+    Err(EngineError::Refused {
+        status: status.as_u16(),
+        message,
+    })
 }
 
 type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;

@@ -121,6 +121,8 @@ pub enum Event {
     Finished {
         reason: FinishReason,
         routed_experts: Option<String>,
+        /// With `prompt_logprobs` asked for and the whole prompt scored.
+        prompt_logprobs: Option<crate::engine::api::PromptLogprobs>,
     },
     /// Refused before it ran (paused engine, duplicate id, full queue).
     Rejected(ApiError),

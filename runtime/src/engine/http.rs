@@ -189,6 +189,7 @@ async fn collect(
             Event::Finished {
                 reason,
                 routed_experts,
+                prompt_logprobs,
             } => {
                 choice.finish_reason = Some(reason.as_str().into());
                 choice.routed_experts = routed_experts;
@@ -197,6 +198,7 @@ async fn collect(
                     request_id: id,
                     choices: vec![choice],
                     usage: Some(Usage::new(prompt_len, completion_tokens)),
+                    prompt_logprobs,
                 });
             }
             Event::Rejected(err) => return Err(err),
@@ -252,6 +254,7 @@ fn stream_events(
             request_id: s.id.clone(),
             choices: vec![choice],
             usage,
+            prompt_logprobs: None,
         };
         let data = match event {
             Some(Event::Token { logprob, version }) => {
@@ -276,6 +279,7 @@ fn stream_events(
             Some(Event::Finished {
                 reason,
                 routed_experts,
+                ..
             }) => {
                 let choice = Choice {
                     index: 0,

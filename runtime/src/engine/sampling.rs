@@ -25,6 +25,8 @@ pub struct SamplingParams {
     pub min_tokens: usize,
     /// How many top alternatives to report per token besides the sampled one.
     pub top_logprobs: usize,
+    /// `Some(k)`: report the prompt tokens' logprobs, with the `k` most likely of each position.
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl Default for SamplingParams {
@@ -39,6 +41,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             min_tokens: 0,
             top_logprobs: 0,
+            prompt_logprobs: None,
         }
     }
 }

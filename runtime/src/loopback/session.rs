@@ -42,6 +42,10 @@ pub struct Segment {
     pub routed_experts: Vec<RoutedExperts>,
     /// Turns that contributed to this segment.
     pub turns: usize,
+    /// On-policy distillation with a served teacher: its logprob of each token given the ones
+    /// before (0 for the first), filled in before the batch is trained on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher_logprobs: Option<Vec<f32>>,
 }
 
 impl Segment {

@@ -38,11 +38,13 @@ pub struct SeqInput<'a> {
 
 /// Which positions get logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogitsFor {
+pub enum LogitsFor<'a> {
     /// Every token of every sequence, in packed order.
     All,
     /// Only each sequence's last token (decoding).
     Last,
+    /// These rows of the packed batch, in this order (decoding that also scores prompt tokens).
+    Rows(&'a [i64]),
 }
 
 #[derive(Debug)]
@@ -372,7 +374,7 @@ impl Qwen3Model {
         &self,
         seqs: &[SeqInput<'_>],
         mut cache: Option<&mut KvCache>,
-        logits_for: LogitsFor,
+        logits_for: LogitsFor<'_>,
     ) -> Result<ForwardOutput> {
         let c = &self.cfg;
         let mut ids = Vec::new();
@@ -491,6 +493,9 @@ impl Qwen3Model {
             LogitsFor::All => h,
             LogitsFor::Last => {
                 h.index_select(0, &Tensor::from_slice(&last_rows).to_device(self.device))
+            }
+            LogitsFor::Rows(rows) => {
+                h.index_select(0, &Tensor::from_slice(rows).to_device(self.device))
             }
         };
         let logits = self

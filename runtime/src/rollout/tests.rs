@@ -61,6 +61,7 @@ impl EpisodeRunner for FakeRunner {
                     versions: vec![None, Some(v), Some(v)],
                     routed_experts: vec![],
                     turns: 1,
+                    teacher_logprobs: None,
                 }],
             }
         })

@@ -60,6 +60,11 @@ pub fn check(episode: &Episode, limits: &EpisodeLimits, now: u64) -> Result<(), 
 }
 
 fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), String> {
+    if s.teacher_logprobs.is_some() {
+        // A served teacher's scores are filled in by the run, after this check; an episode
+        // that brings its own would choose its advantages.
+        return Err("it carries teacher_logprobs: only the run's teacher scores tokens".into());
+    }
     let len = s.token_ids.len();
     for (field, n) in [
         ("loss_mask", s.loss_mask.len()),
@@ -170,6 +175,7 @@ mod tests {
             versions: vec![None, None, Some(3), Some(4)],
             routed_experts: Vec::new(),
             turns: 1,
+            teacher_logprobs: None,
         }
     }
 
@@ -211,7 +217,7 @@ mod tests {
     #[test]
     fn each_kind_of_malformed_episode_is_refused_with_its_reason() {
         type Spoil = fn(&mut Episode);
-        let cases: [(&str, Spoil); 12] = [
+        let cases: [(&str, Spoil); 13] = [
             ("outside the vocabulary", |e| {
                 e.segments[0].token_ids[1] = 100
             }),
@@ -241,6 +247,9 @@ mod tests {
                 e.segments[0].versions[2] = Some(u64::MAX)
             }),
             ("reward NaN", |e| e.reward = f64::NAN),
+            ("only the run's teacher scores tokens", |e| {
+                e.segments[0].teacher_logprobs = Some(vec![0.0; 4])
+            }),
         ];
         for (why, spoil) in cases {
             let mut e = episode(segment());

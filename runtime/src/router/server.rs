@@ -67,6 +67,13 @@ async fn generate(
     // Every routed token carries its logprob (the built-in engine always sends them; vLLM only
     // when asked): ask for them when the client did not (docs/router.md, "The engine API").
     let mut params = body.sampling_params;
+    if params.get("prompt_logprobs").is_some_and(|v| !v.is_null()) {
+        // Generation through the router streams from the engines, and no engine streams them.
+        return Err(ApiError::bad_request(
+            "prompt_logprobs are not routed: ask an engine directly, without streaming (docs/router.md)",
+        )
+        .with_param("sampling_params.prompt_logprobs"));
+    }
     if params.get("logprobs").is_none_or(Value::is_null) {
         params.insert("logprobs".into(), Value::from(0));
     }
@@ -98,6 +105,7 @@ async fn generate(
                         request_id,
                         choices: vec![choice],
                         usage: Some(Usage::new(prompt_len, completion_tokens)),
+                        prompt_logprobs: None,
                     })
                     .into_response());
                 }
@@ -151,6 +159,7 @@ async fn generate(
                         request_id,
                         choices: vec![choice],
                         usage: None,
+                        prompt_logprobs: None,
                     };
                     (serde_json::to_string(&chunk).expect("serializable"), false)
                 }
@@ -166,6 +175,7 @@ async fn generate(
                         request_id,
                         choices: vec![choice],
                         usage: Some(Usage::new(prompt_len, completion_tokens)),
+                        prompt_logprobs: None,
                     };
                     (serde_json::to_string(&chunk).expect("serializable"), true)
                 }

@@ -56,8 +56,11 @@ pub struct RunConfig {
     /// Steps between checkpoints; `None`: no checkpoints (the manifest has no `checkpoint`).
     pub checkpoint_every: Option<u64>,
     pub routing_replay: bool,
-    /// The teacher of on-policy distillation.
+    /// The teacher of on-policy distillation (its model folder, where this process has it).
     pub teacher_dir: Option<PathBuf>,
+    /// On-policy distillation with a served teacher (`algorithm.teacher.replicas`): its engines
+    /// score each batch before the trainer gets it, and the trainer loads no teacher.
+    pub served_teacher: Option<usize>,
     /// LLM-as-judge rewards (`spec.judge`).
     pub judge: Option<JudgeOptions>,
     /// Evaluation on held-out tasks (`spec.eval`), where this process runs it.
@@ -136,6 +139,10 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
         (
             spec.judge.as_ref().is_some_and(|j| j.replicas != 1),
             "judge.replicas (one judge engine here)",
+        ),
+        (
+            algo.teacher.as_ref().and_then(|t| t.replicas).is_some_and(|r| r != 1),
+            "algorithm.teacher.replicas (one teacher engine here)",
         ),
         (spec.checkpoint.is_some(), "checkpoint.claimName (checkpoints go to <out>/checkpoints here)"),
         (
@@ -572,6 +579,10 @@ impl RunConfig {
                     }
                     Some(dir.clone())
                 }
+                _ => None,
+            },
+            served_teacher: match (&algo.teacher, algo.estimator) {
+                (Some(t), Estimator::OnPolicyDistillation) => t.replicas.map(|r| r as usize),
                 _ => None,
             },
             judge,

@@ -155,6 +155,14 @@ pub async fn run(
         let Some(mut batch) = batch else {
             return Err(RunError::Setup("the rollout pool stopped".into()));
         };
+        // With a served teacher, every token of the batch is scored by its engine.
+        let taught = match &stack.teacher {
+            Some(teacher) => {
+                console.phase("the teacher scores the batch");
+                Some(teacher.score_batch(&mut batch, progress.step + 1).await?)
+            }
+            None => None,
+        };
         // With a judge, every reply of the batch is scored at once and the rewards mixed.
         let judged = match &stack.judge {
             Some(judge) => {
@@ -187,6 +195,7 @@ pub async fn run(
                     rollout: pool.state(),
                     seed,
                     judged,
+                    taught,
                     started: step_started,
                 },
                 |trainer| std::future::ready(trainer.steps()),
@@ -420,6 +429,7 @@ async fn replay(
                     rollout: batch.rollout,
                     seed: batch.seed,
                     judged: None,
+                    taught: None,
                     started: step_started,
                 },
                 |trainer| std::future::ready(trainer.steps()),

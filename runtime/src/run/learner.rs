@@ -21,6 +21,7 @@ use super::checkpoint::{self, CheckpointMeta};
 use super::config::RunConfig;
 use super::console::Console;
 use super::judge::JudgeStats;
+use super::teacher::TeacherStats;
 use super::metrics::{MetricsLog, StepRecord};
 use super::{samples, RunError};
 use crate::model::Qwen3Model;
@@ -51,6 +52,8 @@ pub(crate) struct Batch<'a> {
     pub seed: u64,
     /// The judge's verdict on the batch, when the run has one.
     pub judged: Option<JudgeStats>,
+    /// How a served teacher scored the batch (its segments carry the scores), when it did.
+    pub taught: Option<TeacherStats>,
     /// When the step began (waiting for the batch included).
     pub started: Instant,
 }
@@ -304,6 +307,7 @@ impl Learner {
             judge_unparsed: judged.map(|j| j.unparsed),
             judge_failed: judged.map(|j| j.failed),
             judge_seconds: judged.map(|j| j.seconds),
+            teacher_seconds: batch.taught.map(|t| t.seconds),
             ..record
         }
         .with_eval(self.pending_eval.take().as_ref());
@@ -380,7 +384,8 @@ async fn load_teacher(
     student: &Trainer,
     device: Device,
 ) -> Result<Option<Qwen3Model>, RunError> {
-    let Some(dir) = cfg.teacher_dir.clone() else {
+    // A served teacher's engines score the batches before they get here.
+    let Some(dir) = cfg.teacher_dir.clone().filter(|_| cfg.served_teacher.is_none()) else {
         return Ok(None);
     };
     let student_vocab = student.model().config().vocab_size;
@@ -443,6 +448,10 @@ async fn learn(
             .await?;
             train_samples = scored;
             (Some(t), Some(kl?))
+        }
+        // A served teacher's scores came with the batch.
+        None if cfg.served_teacher.is_some() => {
+            (None, Some(samples::distill_served(batch, &mut train_samples)?))
         }
         None => (None, None),
     };
@@ -526,6 +535,7 @@ fn step_record(
         judge_unparsed: None,
         judge_failed: None,
         judge_seconds: None,
+        teacher_seconds: None,
         staleness_mean: staleness
             .iter()
             .map(|(k, n)| *k as f64 * *n as f64)

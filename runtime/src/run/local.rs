@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use super::config::RunConfig;
 use super::console::Console;
 use super::judge::{Judge, JudgeOptions};
+use super::teacher::Teacher;
 use super::vllm::VllmProcess;
 use super::RunError;
 use crate::agents::{AgentPool, PoolOptions};
@@ -33,6 +34,8 @@ pub struct Stack {
     pub agents: Arc<AgentPool>,
     /// The judge of LLM-as-judge rewards, when the run has one.
     pub judge: Option<Judge>,
+    /// A served distillation teacher (`algorithm.teacher.replicas`): one built-in engine.
+    pub teacher: Option<Teacher>,
     /// vLLM engines this run started (`engines.backend: vLLM`), held until the stack drops.
     _vllm: Vec<VllmProcess>,
     stop: watch::Sender<bool>,
@@ -81,20 +84,17 @@ async fn engine(
     Ok(url)
 }
 
-/// Starts the judge: a built-in engine on its model (outside the router, so weight updates
-/// never reach it) and a chat service with its tokenizer and template. `episodes`: how many
-/// replies a step judges at once.
-async fn judge(
-    opts: &JudgeOptions,
-    policy_dir: &Path,
-    episodes: usize,
+/// Starts a built-in engine on a model that never takes weight updates (the judge's, a served
+/// teacher's): outside the router, with the model's whole context, `batch` requests at once.
+async fn fixed_engine(
+    model_dir: &Path,
+    batch: usize,
     device: Device,
     stop: watch::Receiver<bool>,
-) -> Result<Judge, RunError> {
-    let model_cfg = ModelConfig::from_dir(&opts.model_dir)?;
+) -> Result<String, RunError> {
+    let model_cfg = ModelConfig::from_dir(model_dir)?;
     let engine_opts = EngineOptions {
-        // A step's replies are judged in one decoding batch.
-        max_batch: episodes.clamp(1, 256),
+        max_batch: batch.clamp(1, 256),
         max_model_len: model_cfg.max_position_embeddings,
         max_prefill_tokens: 2048,
         max_waiting: 4096,
@@ -103,7 +103,19 @@ async fn judge(
         threads: None,
         packed_weights: None,
     };
-    let url = engine(&opts.model_dir, device, engine_opts, stop).await?;
+    engine(model_dir, device, engine_opts, stop).await
+}
+
+/// Starts the judge: a built-in engine on its model and a chat service with its tokenizer and
+/// template. `episodes`: how many replies a step judges at once (in one decoding batch).
+async fn judge(
+    opts: &JudgeOptions,
+    policy_dir: &Path,
+    episodes: usize,
+    device: Device,
+    stop: watch::Receiver<bool>,
+) -> Result<Judge, RunError> {
+    let url = fixed_engine(&opts.model_dir, episodes, device, stop).await?;
     Judge::connect(&url, opts, policy_dir, episodes)
 }
 
@@ -207,9 +219,18 @@ impl Stack {
         let judge = match &cfg.judge {
             Some(opts) => {
                 let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
-                Some(judge(opts, &cfg.model_dir, episodes, device, stop_rx).await?)
+                Some(judge(opts, &cfg.model_dir, episodes, device, stop_rx.clone()).await?)
             }
             None => None,
+        };
+        let teacher = match (&cfg.teacher_dir, cfg.served_teacher) {
+            (Some(dir), Some(_)) => {
+                // Every segment of a step is scored at once.
+                let batch = cfg.rollout.batch_size * cfg.rollout.group_size;
+                let url = fixed_engine(dir, batch, device, stop_rx.clone()).await?;
+                Some(Teacher::new(Arc::new(EnginePool::new(&[url]))))
+            }
+            _ => None,
         };
         let agents = Arc::new(
             AgentPool::new(
@@ -231,6 +252,7 @@ impl Stack {
             router_url,
             agents,
             judge,
+            teacher,
             _vllm: vllm,
             stop,
         })

@@ -53,6 +53,9 @@ pub struct StepRecord {
     /// LLM-as-judge rewards: seconds the step waited for the judge's verdicts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub judge_seconds: Option<f64>,
+    /// Distillation with a served teacher: seconds its engines took to score the batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher_seconds: Option<f64>,
     pub grad_norm: f64,
     /// The loss or gradient norm was not finite, so the step did not change the weights (`loss`
     /// and `grad_norm` are then recorded as 0: JSON has no NaN).

@@ -29,6 +29,7 @@ pub mod local;
 pub mod metrics;
 #[cfg(feature = "torch")]
 pub mod samples;
+pub mod teacher;
 pub mod tensorboard;
 #[cfg(feature = "torch")]
 pub mod vllm;

@@ -86,8 +86,7 @@ pub fn distill(
     samples: &mut [Sample],
     temperature: f64,
 ) -> Result<f64, RunError> {
-    let mut kl_sum = 0.0;
-    let mut count = 0usize;
+    let mut kl = ReverseKl::default();
     for chunk in samples.chunks_mut(16) {
         let seqs: Vec<Scored<'_>> = chunk
             .iter()
@@ -100,24 +99,69 @@ pub fn distill(
         for (i, s) in chunk.iter_mut().enumerate() {
             let row: Vec<f32> = Vec::try_from(teacher_lp.get(i as i64))
                 .map_err(|e: tch::TchError| RunError::Setup(e.to_string()))?;
-            let mask = Tensor::from_slice(&s.loss_mask).to_kind(tch::Kind::Float);
-            let adv = crate::algorithms::advantages::distillation(
-                &Tensor::from_slice(&row[..s.tokens.len()]),
-                &Tensor::from_slice(&s.behaviour_logprobs),
-                &mask,
-            );
-            let adv: Vec<f32> =
-                Vec::try_from(adv).map_err(|e: tch::TchError| RunError::Setup(e.to_string()))?;
-            for (a, &m) in adv.iter().zip(&s.loss_mask) {
-                if m == 1 {
-                    kl_sum -= f64::from(*a);
-                    count += 1;
-                }
-            }
-            s.token_advantages = Some(adv);
+            kl.learn_from(s, &row[..s.tokens.len()])?;
         }
     }
-    Ok(kl_sum / count.max(1) as f64)
+    Ok(kl.mean())
+}
+
+/// [`distill`] with the scores a served teacher gave each segment of `batch` beforehand
+/// ([`crate::run::teacher`]); `samples` are [`samples`] of the same batch.
+pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64, RunError> {
+    let mut kl = ReverseKl::default();
+    let mut segments = trained_segments(batch);
+    for s in samples.iter_mut() {
+        let (_, _, seg) = segments.next().ok_or_else(|| {
+            RunError::Setup("distillation: more samples than trained segments".into())
+        })?;
+        let scores = seg.teacher_logprobs.as_deref().ok_or_else(|| {
+            RunError::Setup(
+                "distillation: a segment came without the served teacher's scores (a replayed dump must come from a run with algorithm.teacher.replicas too)".into(),
+            )
+        })?;
+        if scores.len() != s.tokens.len() {
+            return Err(RunError::Setup(format!(
+                "distillation: the teacher scored {} tokens of a {}-token segment",
+                scores.len(),
+                s.tokens.len()
+            )));
+        }
+        kl.learn_from(s, scores)?;
+    }
+    Ok(kl.mean())
+}
+
+/// The mean per-token reverse KL estimate over the samples given their teacher's scores.
+#[derive(Default)]
+struct ReverseKl {
+    sum: f64,
+    count: usize,
+}
+
+impl ReverseKl {
+    /// Sets `s`'s per-token advantages from the teacher's logprob of each of its tokens.
+    fn learn_from(&mut self, s: &mut Sample, teacher: &[f32]) -> Result<(), RunError> {
+        let mask = Tensor::from_slice(&s.loss_mask).to_kind(tch::Kind::Float);
+        let adv = crate::algorithms::advantages::distillation(
+            &Tensor::from_slice(teacher),
+            &Tensor::from_slice(&s.behaviour_logprobs),
+            &mask,
+        );
+        let adv: Vec<f32> =
+            Vec::try_from(adv).map_err(|e: tch::TchError| RunError::Setup(e.to_string()))?;
+        for (a, &m) in adv.iter().zip(&s.loss_mask) {
+            if m == 1 {
+                self.sum -= f64::from(*a);
+                self.count += 1;
+            }
+        }
+        s.token_advantages = Some(adv);
+        Ok(())
+    }
+
+    fn mean(&self) -> f64 {
+        self.sum / self.count.max(1) as f64
+    }
 }
 
 /// The routing to replay for `segment`, `[tokens, sparse_layers, top_k]`: the engine's chunks
@@ -158,6 +202,20 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
     Ok(Some(t))
 }
 
+/// The segments the trainer learns from (those with sampled tokens), in batch order, with
+/// where they are: (group, episode, segment).
+fn trained_segments(batch: &[Group]) -> impl Iterator<Item = (usize, usize, &Segment)> {
+    batch.iter().enumerate().flat_map(|(g, group)| {
+        group.episodes.iter().enumerate().flat_map(move |(e, episode)| {
+            episode
+                .segments
+                .iter()
+                .filter(|seg| seg.sampled_tokens() > 0)
+                .map(move |seg| (g, e, seg))
+        })
+    })
+}
+
 /// The batch as trainer samples: every segment with sampled tokens, with its episode's
 /// advantage.
 pub fn samples(
@@ -165,29 +223,22 @@ pub fn samples(
     advantages: &[Vec<f64>],
     routing_replay: bool,
 ) -> Result<Vec<Sample>, RunError> {
-    let mut out = Vec::new();
-    for (group, adv) in batch.iter().zip(advantages) {
-        for (episode, &a) in group.episodes.iter().zip(adv) {
-            for seg in &episode.segments {
-                if seg.sampled_tokens() == 0 {
-                    continue;
-                }
-                out.push(Sample {
-                    tokens: seg.token_ids.clone(),
-                    loss_mask: seg.loss_mask.clone(),
-                    behaviour_logprobs: seg.logprobs.clone(),
-                    advantage: a,
-                    token_advantages: None,
-                    replay: if routing_replay {
-                        replay_tensor(seg)?
-                    } else {
-                        None
-                    },
-                });
-            }
-        }
-    }
-    Ok(out)
+    trained_segments(batch)
+        .map(|(g, e, seg)| {
+            Ok(Sample {
+                tokens: seg.token_ids.clone(),
+                loss_mask: seg.loss_mask.clone(),
+                behaviour_logprobs: seg.logprobs.clone(),
+                advantage: advantages[g][e],
+                token_advantages: None,
+                replay: if routing_replay {
+                    replay_tensor(seg)?
+                } else {
+                    None
+                },
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -212,6 +263,7 @@ mod tests {
             versions: vec![None; len],
             routed_experts: chunks,
             turns: 1,
+            teacher_logprobs: None,
         }
     }
 

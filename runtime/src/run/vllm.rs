@@ -67,7 +67,7 @@ impl VllmProcess {
             "127.0.0.1",
             port,
             &cfg.name,
-            true,
+            moult_operator::children::EngineRole::Policy,
         );
         // `vllm serve MODEL` takes the model as its first argument; the API server module (what
         // runs here: the console script of vLLM's CPU wheel does not start) wants `--model`.

@@ -37,6 +37,7 @@ fn segment() -> impl Strategy<Value = Segment> {
                 versions: tokens.iter().map(|t| t.1.then_some(t.3)).collect(),
                 routed_experts: Vec::new(),
                 turns: 1,
+                teacher_logprobs: None,
             };
             if chunks > 0 && n > 1 {
                 // Positions 0..n-1 in `chunks` pieces (the last token was never fed).

@@ -12,7 +12,7 @@ use tch::{Device, Kind};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Command, EngineOptions, EngineStatus, Event, FinishReason, Job, PauseMode};
-use crate::engine::api::{TokenLogprob, TopLogprob};
+use crate::engine::api::{PromptLogprobs, RankedLogprob, TokenLogprob, TopLogprob};
 use crate::engine::metrics::EngineMetrics;
 use crate::engine::npy::encode_routed_experts;
 use crate::engine::sampling::sample;
@@ -37,11 +37,66 @@ struct Sequence {
     /// first capture of a position is kept (the version that produced it).
     routed: Vec<u16>,
     routed_len: usize,
+    /// With `prompt_logprobs`: row `p` scores prompt token `p + 1`, for rows `0..scored.len()`
+    /// (the first computation of a row is kept, as for routed experts).
+    scored: Vec<ScoredRow>,
 }
+
+/// A prompt token's logprob under the raw distribution of the position before it.
+struct ScoredRow {
+    token: i64,
+    logprob: f32,
+    /// 1 + how many tokens are more likely.
+    rank: u64,
+    /// The most likely tokens, best first, as many as asked for.
+    top: Vec<(i64, f32)>,
+}
+
+/// Float32 logits a step may hold for scoring prompt tokens (256 MiB): a scoring request's
+/// prefill chunk is cut to the rows that fit.
+const SCORE_LOGITS: usize = 1 << 26;
 
 impl Sequence {
     fn output_len(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// The prompt rows still to score, if the request asked for prompt logprobs.
+    fn scoring(&self) -> bool {
+        self.job.params.prompt_logprobs.is_some() && self.scored.len() + 1 < self.prompt_len
+    }
+
+    /// `prompt_logprobs` as vLLM reports them, once every prompt row is scored.
+    fn prompt_logprobs(&self) -> Option<PromptLogprobs> {
+        self.job.params.prompt_logprobs?;
+        if self.scored.len() + 1 < self.prompt_len {
+            return None;
+        }
+        let rows = self.scored.iter().map(|row| {
+            let mut entries: std::collections::BTreeMap<i64, RankedLogprob> = row
+                .top
+                .iter()
+                .enumerate()
+                .map(|(j, &(token, logprob))| {
+                    let entry = RankedLogprob {
+                        logprob,
+                        rank: Some(j as u64 + 1),
+                        decoded_token: None,
+                    };
+                    (token, entry)
+                })
+                .collect();
+            entries.insert(
+                row.token,
+                RankedLogprob {
+                    logprob: row.logprob,
+                    rank: Some(row.rank),
+                    decoded_token: None,
+                },
+            );
+            Some(entries)
+        });
+        Some(std::iter::once(None).chain(rows).collect())
     }
 }
 
@@ -261,6 +316,7 @@ impl Engine {
                 rng,
                 routed: Vec::new(),
                 routed_len: 0,
+                scored: Vec::new(),
                 job,
             });
         }
@@ -312,6 +368,7 @@ impl Engine {
                 let _ = job.events.send(Event::Finished {
                     reason,
                     routed_experts: None,
+                    prompt_logprobs: None,
                 });
             } else {
                 self.waiting.push_back(job);
@@ -322,9 +379,11 @@ impl Engine {
     fn finish(&self, seq: Sequence, reason: FinishReason) {
         self.metrics.finished(reason);
         let routed_experts = self.routed_experts_of(&seq);
+        let prompt_logprobs = seq.prompt_logprobs();
         let _ = seq.job.events.send(Event::Finished {
             reason,
             routed_experts,
+            prompt_logprobs,
         });
     }
 
@@ -367,6 +426,8 @@ impl Engine {
     /// pending tokens were all consumed.
     fn step(&mut self) -> crate::model::Result<()> {
         let mut budget = self.opts.max_prefill_tokens;
+        let vocab = self.model.config().vocab_size;
+        let score_cap = (SCORE_LOGITS / vocab.max(1)).max(1);
         // Sequence i is in cache slot i.
         let starts: Vec<usize> = (0..self.running.len())
             .map(|slot| self.cache.len(slot))
@@ -380,7 +441,10 @@ impl Engine {
                 if pending <= 1 {
                     return pending;
                 }
-                let n = pending.min(budget);
+                let mut n = pending.min(budget);
+                if s.scoring() {
+                    n = n.min(score_cap);
+                }
                 budget -= n;
                 n
             })
@@ -400,13 +464,50 @@ impl Engine {
         if inputs.is_empty() {
             return Ok(());
         }
+        // Rows of the packed batch: each sequence's last (to sample from), then the prompt
+        // rows of this chunk that requests asked to score, with the tokens they predict.
+        let (mut rows, mut targets, mut top) = (Vec::new(), Vec::new(), 0usize);
+        let mut offset = 0usize;
+        for &n in plan.iter().filter(|&&n| n > 0) {
+            rows.push((offset + n - 1) as i64);
+            offset += n;
+        }
+        let sampled_rows = rows.len();
+        let mut offset = 0usize;
+        for (i, seq) in self.running.iter().enumerate() {
+            let n = plan[i];
+            if n > 0 && seq.scoring() {
+                let end = (starts[i] + n).min(seq.prompt_len - 1);
+                for p in seq.scored.len().max(starts[i])..end {
+                    rows.push((offset + p - starts[i]) as i64);
+                    targets.push(seq.tokens[p + 1]);
+                }
+                top = top.max(seq.job.params.prompt_logprobs.unwrap_or(0));
+            }
+            offset += n;
+        }
+        let logits_for = if targets.is_empty() {
+            LogitsFor::Last
+        } else {
+            LogitsFor::Rows(&rows)
+        };
         let out = tch::no_grad(|| {
             self.model
-                .forward(&inputs, Some(&mut self.cache), LogitsFor::Last)
+                .forward(&inputs, Some(&mut self.cache), logits_for)
         })?;
         drop(inputs);
-        let logits = out.logits.to_kind(Kind::Float).to_device(Device::Cpu);
-        let vocab = logits.size()[1] as usize;
+        let mut scores = if targets.is_empty() {
+            Vec::new()
+        } else {
+            let scored = out.logits.narrow(0, sampled_rows as i64, targets.len() as i64);
+            score_rows(&scored, &targets, top)?
+        }
+        .into_iter();
+        let logits = out
+            .logits
+            .narrow(0, 0, sampled_rows as i64)
+            .to_kind(Kind::Float)
+            .to_device(Device::Cpu);
         let logits: Vec<f32> = Vec::try_from(logits.reshape([-1]))?;
         let routed: Option<Vec<i64>> = match (&out.routed_experts, self.opts.return_routed_experts)
         {
@@ -437,6 +538,14 @@ impl Engine {
                             .extend(routed[at..at + row_len].iter().map(|&e| e as u16));
                         seq.routed_len += 1;
                     }
+                }
+            }
+            if seq.scoring() {
+                let end = (starts[i] + n).min(seq.prompt_len - 1);
+                for _ in seq.scored.len().max(starts[i])..end {
+                    let mut scored = scores.next().expect("a score per scored row");
+                    scored.top.truncate(seq.job.params.prompt_logprobs.unwrap_or(0));
+                    seq.scored.push(scored);
                 }
             }
             packed_offset += n;
@@ -511,4 +620,39 @@ impl Engine {
         let budget = (self.opts.max_batch * self.opts.max_model_len).max(1);
         self.metrics.set_kv_usage(used as f64 / budget as f64);
     }
+}
+
+/// Each row's logprob of its target token under the raw distribution (temperature 1, as vLLM's
+/// prompt logprobs), its rank, and the `top` most likely tokens.
+fn score_rows(logits: &tch::Tensor, targets: &[i64], top: usize) -> tch::Result<Vec<ScoredRow>> {
+    let logprobs = logits.to_kind(Kind::Float).log_softmax(-1, Kind::Float);
+    let target = tch::Tensor::from_slice(targets)
+        .to_device(logprobs.device())
+        .unsqueeze(1);
+    let chosen = logprobs.gather(1, &target, false);
+    let ranks = logprobs
+        .gt_tensor(&chosen)
+        .sum_dim_intlist(1, false, Kind::Int64)
+        + 1;
+    let chosen: Vec<f32> = Vec::try_from(chosen.squeeze_dim(1).to_device(Device::Cpu))?;
+    let ranks: Vec<i64> = Vec::try_from(ranks.to_device(Device::Cpu))?;
+    let (top_values, top_ids): (Vec<f32>, Vec<i64>) = if top > 0 {
+        let (values, ids) = logprobs.topk(top as i64, -1, true, true);
+        (
+            Vec::try_from(values.to_device(Device::Cpu).reshape([-1]))?,
+            Vec::try_from(ids.to_device(Device::Cpu).reshape([-1]))?,
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    Ok((0..targets.len())
+        .map(|r| ScoredRow {
+            token: targets[r],
+            logprob: chosen[r],
+            rank: ranks[r] as u64,
+            top: (r * top..(r + 1) * top)
+                .map(|j| (top_ids[j], top_values[j]))
+                .collect(),
+        })
+        .collect())
 }
