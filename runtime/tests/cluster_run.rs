@@ -987,3 +987,116 @@ async fn cluster_run_with_a_judge_scores_every_batch_and_advances() {
     drop(operator);
     let _ = std::fs::remove_dir_all(&root);
 }
+
+const TEACHER_RUN: &str = "distilled";
+
+/// The distillation recipe (examples/distill) as a cluster run with its teacher served: one
+/// built-in engine for the policy, one for the teacher, which the trainer never loads.
+fn served_teacher_run_yaml() -> String {
+    let r = Path::new(ROOT).join("examples");
+    let r = r.display();
+    format!(
+        r#"apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata:
+  name: {TEACHER_RUN}
+spec:
+  model: {{path: {r}/successor/model}}
+  agent:
+    form: Env
+    image: local
+    command: [python, {r}/successor/env.py]
+    concurrency: 32
+    timeout: 1m
+    dataset: {{path: {r}/successor/tasks.jsonl}}
+  engines: {{backend: Builtin, replicas: 1}}
+  trainer: {{gpusPerNode: 0}}
+  algorithm:
+    estimator: OnPolicyDistillation
+    teacher: {{path: {r}/distill/teacher, replicas: 1}}
+    groupSize: 4
+    batchSize: 8
+    maxStaleness: 1
+    optimizer: {{learningRate: 3.0e-4, maxGradNorm: 1.0}}
+  rollout: {{maxTokens: 4, temperature: 1.0, maxTurns: 3}}
+  checkpoint: {{claimName: checkpoints, intervalSteps: 100}}
+  totalSteps: 500
+"#
+    )
+}
+
+/// A served distillation teacher on a cluster: the operator makes the teacher's engines, the
+/// coordinator has them score every token of a batch before it goes to the trainer (which has
+/// no teacher of its own), and each step record holds the reverse KL to the teacher.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_with_a_served_teacher_distills_and_advances() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    ensure_model();
+    let examples = Path::new(ROOT).join("examples/distill");
+    let made = std::process::Command::new(
+        std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into()),
+    )
+    .arg(examples.join("make_teacher.py"))
+    .arg(examples.join("teacher"))
+    .status()
+    .expect("run make_teacher.py");
+    assert!(made.success(), "make_teacher.py failed");
+    cluster();
+    let ns = Namespace::new("cluster-teacher");
+    let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
+    let _ = std::fs::remove_dir_all(&root);
+    let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
+    let operator = Operator::start(&ns, "teacher");
+    let kubelet = start_kubelet(
+        &ns,
+        &root,
+        BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
+        BTreeMap::new(),
+        Vec::new(),
+    )
+    .await;
+    ns.apply(&served_teacher_run_yaml());
+    wait_status(
+        (&ns, TEACHER_RUN),
+        &kubelet,
+        Duration::from_secs(300),
+        "3 distilled steps",
+        |s| step_of(s) >= 3,
+    );
+    assert_eq!(
+        pod_field_of(&ns, TEACHER_RUN, "teacher", "status.phase"),
+        "Running",
+        "the teacher's engine pod"
+    );
+    let trainer_env = ns.kubectl(&[
+        "get",
+        "pod",
+        &format!("{TEACHER_RUN}-trainer-0"),
+        "-o",
+        "jsonpath={.spec.containers[0].env[*].name}",
+    ]);
+    assert!(!trainer_env.contains("MOULT_TEACHER"), "{trainer_env}");
+    let metrics =
+        std::fs::read_to_string(checkpoints.join(TEACHER_RUN).join("metrics.jsonl")).unwrap();
+    let records: Vec<Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(records.len() >= 3, "{metrics}");
+    for r in &records {
+        let kl = r["teacher_kl"].as_f64().expect("teacher_kl in every record");
+        assert!(kl.is_finite(), "{r}");
+        assert!(r["teacher_seconds"].is_number(), "{r}");
+    }
+    println!(
+        "distilled run at step {}: teacher_kl {} -> {}",
+        step_of(&status(&ns, TEACHER_RUN)),
+        records[0]["teacher_kl"],
+        records.last().unwrap()["teacher_kl"]
+    );
+    ns.kubectl(&["delete", "rlrun", TEACHER_RUN, "--wait=false"]);
+    kubelet.shutdown().await;
+    drop(operator);
+    let _ = std::fs::remove_dir_all(&root);
+}

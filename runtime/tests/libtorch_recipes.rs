@@ -72,3 +72,98 @@ fn libtorch_chat_tools_recipe_improves() {
         "the reward rose well above its start: {first:.3} -> {last:.3}"
     );
 }
+
+/// examples/distill with its teacher served by an engine of its own (`algorithm.teacher.replicas`)
+/// instead of loaded in the trainer: the student learns the task from the teacher's scores, and
+/// those scores are exact. Every dumped segment's `teacher_logprobs` equal the teacher model's
+/// own logprobs of its tokens (the trainer's forward at temperature 1), and each step's
+/// `teacher_kl` is the mean reverse KL over the dumped sampled tokens.
+#[test]
+fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
+    use moult_runtime::model::Qwen3Model;
+    use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+    use tch::{Device, Kind};
+
+    recipe("successor");
+    let dir = repo().join("examples/distill");
+    let teacher = dir.join("teacher");
+    let status = Command::new(common::python())
+        .arg(dir.join("make_teacher.py"))
+        .arg(&teacher)
+        .status()
+        .expect("run make_teacher.py");
+    assert!(status.success(), "distill/make_teacher.py failed");
+    // The recipe's manifest, with the teacher served and every batch dumped.
+    let yaml = std::fs::read_to_string(dir.join("rlrun.yaml")).unwrap();
+    let served = yaml
+        .replace("../successor/", &format!("{}/", repo().join("examples/successor").display()))
+        .replace(
+            "    teacher:\n      path: teacher\n",
+            &format!("    teacher:\n      path: {}\n      replicas: 1\n", teacher.display()),
+        )
+        .replace("  trainer:\n", "  trainer:\n    dumpRollouts: true\n");
+    assert!(served.contains("replicas: 1") && served.contains("dumpRollouts: true"));
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("recipe-served-teacher-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    let manifest = out.join("rlrun.yaml");
+    std::fs::write(&manifest, served).unwrap();
+    let steps = 80;
+    let status = common::moult()
+        .arg("run")
+        .arg(&manifest)
+        .args(["--out".as_ref(), out.join("run").as_os_str()])
+        .args(["--steps", &steps.to_string(), "--seed", "1", "--quiet"])
+        .status()
+        .unwrap();
+    assert!(status.success(), "moult run with a served teacher failed");
+    let records: Vec<Value> = std::fs::read_to_string(out.join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), steps);
+    let rewards: Vec<f64> = records.iter().map(|r| r["reward_mean"].as_f64().unwrap()).collect();
+    let (first, last) = (mean(&rewards[..10]), mean(&rewards[steps - 10..]));
+    println!("served teacher: reward {first:.2} -> {last:.2}");
+    assert!(last >= first + 0.3, "the student did not learn: {rewards:?}");
+    for r in &records {
+        assert!(r["teacher_seconds"].as_f64().is_some(), "{r}");
+    }
+
+    let model = Qwen3Model::load(&teacher, Kind::Float, Device::Cpu).unwrap();
+    let dumps = moult_runtime::run::dump::steps(&moult_runtime::run::dump::folder(&out.join("run")))
+        .unwrap();
+    assert_eq!(dumps.len(), steps);
+    for (step, path) in [&dumps[0], &dumps[steps / 2], &dumps[steps - 1]] {
+        let dump = moult_runtime::run::dump::read(path).unwrap();
+        let (mut kl, mut sampled) = (0.0f64, 0usize);
+        for seg in dump.groups.iter().flat_map(|g| &g.episodes).flat_map(|e| &e.segments) {
+            let served = seg.teacher_logprobs.as_ref().expect("every segment was scored");
+            let own = tch::no_grad(|| {
+                token_logprobs(
+                    &model,
+                    &[Scored {
+                        tokens: &seg.token_ids,
+                        replay: None,
+                    }],
+                    1.0,
+                )
+            })
+            .unwrap();
+            let own: Vec<f32> = Vec::try_from(own.get(0)).unwrap();
+            for (p, (a, b)) in served.iter().zip(&own).enumerate().skip(1) {
+                assert!((a - b).abs() <= 1e-4, "step {step} position {p}: served {a} vs the teacher's {b}");
+            }
+            for p in (0..seg.token_ids.len()).filter(|&p| seg.loss_mask[p] == 1) {
+                kl += f64::from(seg.logprobs[p] - served[p]);
+                sampled += 1;
+            }
+        }
+        let recorded = records[*step as usize - 1]["teacher_kl"].as_f64().unwrap();
+        let kl = kl / sampled as f64;
+        assert!((recorded - kl).abs() <= 1e-4, "step {step}: teacher_kl {recorded} vs {kl} from the dump");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -274,22 +274,30 @@ async fn vllm_samples(url: &str, temperature: f64) -> Vec<(Vec<i64>, usize, Vec<
     out
 }
 
-/// The largest |moult's trainer logprob − vLLM's behaviour logprob| over every sampled token.
-fn largest_gap(model_dir: &Path, samples: &[(Vec<i64>, usize, Vec<f32>, Value)], t: f64) -> f32 {
+/// moult's trainer's logprob of every token of each sequence at temperature `t`.
+fn trainer_logprobs(model_dir: &Path, seqs: &[&[i64]], t: f64) -> Vec<Vec<f32>> {
     use moult_runtime::model::Qwen3Model;
     use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
     let model = Qwen3Model::load(model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
-    let seqs: Vec<Scored> = samples
+    let scored: Vec<Scored> = seqs
         .iter()
-        .map(|(tokens, ..)| Scored {
+        .map(|tokens| Scored {
             tokens,
             replay: None,
         })
         .collect();
-    let logp = tch::no_grad(|| token_logprobs(&model, &seqs, t).unwrap());
+    let logp = tch::no_grad(|| token_logprobs(&model, &scored, t).unwrap());
+    (0..seqs.len())
+        .map(|i| Vec::try_from(logp.get(i as i64)).unwrap())
+        .collect()
+}
+
+/// The largest |moult's trainer logprob − vLLM's behaviour logprob| over every sampled token.
+fn largest_gap(model_dir: &Path, samples: &[(Vec<i64>, usize, Vec<f32>, Value)], t: f64) -> f32 {
+    let seqs: Vec<&[i64]> = samples.iter().map(|(tokens, ..)| &tokens[..]).collect();
+    let rows = trainer_logprobs(model_dir, &seqs, t);
     let mut gap = 0f32;
-    for (i, (_, p_len, lps, _)) in samples.iter().enumerate() {
-        let row: Vec<f32> = Vec::try_from(logp.get(i as i64)).unwrap();
+    for ((_, p_len, lps, _), row) in samples.iter().zip(&rows) {
         for (k, want) in lps.iter().enumerate() {
             gap = gap.max((row[p_len + k] - want).abs());
         }
@@ -305,6 +313,13 @@ async fn vllm_sampled_tokens_recompute_to_vllms_logprobs_in_moults_trainer() {
         let dir = models.join(name);
         let vllm = Vllm::start(&dir, name).await;
         let samples = vllm_samples(&vllm.url, temperature).await;
+        // What a served distillation teacher answers: vLLM's prompt logprobs of whole
+        // sequences, through the client moult's teacher uses.
+        let client = moult_runtime::engine::client::EngineClient::new(&vllm.url);
+        let mut scores = Vec::new();
+        for (i, (tokens, ..)) in samples.iter().enumerate() {
+            scores.push(client.prompt_logprobs(&format!("score-{i}"), tokens).await.unwrap());
+        }
         drop(vllm);
         if moe {
             // vLLM's CPU build cannot return routed experts (docs/vllm.md): the trainer routes
@@ -316,6 +331,21 @@ async fn vllm_sampled_tokens_recompute_to_vllms_logprobs_in_moults_trainer() {
         assert!(
             gap < 1e-4,
             "{name}: moult's trainer and vLLM disagree by {gap}"
+        );
+        // Prompt logprobs are of the raw distribution: the trainer's at temperature 1.
+        let seqs: Vec<&[i64]> = samples.iter().map(|(tokens, ..)| &tokens[..]).collect();
+        let rows = trainer_logprobs(&dir, &seqs, 1.0);
+        let mut gap = 0f32;
+        for (score, row) in scores.iter().zip(&rows) {
+            // Rows are padded to the longest sequence.
+            for p in 1..score.len() {
+                gap = gap.max((score[p] - row[p]).abs());
+            }
+        }
+        println!("{name}: largest |moult − vLLM| prompt logprob gap {gap:.2e}");
+        assert!(
+            gap < 1e-4,
+            "{name}: vLLM's prompt logprobs and moult's trainer disagree by {gap}"
         );
     }
 }
