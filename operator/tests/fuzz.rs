@@ -76,7 +76,7 @@ enum Mutation {
     },
     TrainerImage(Option<String>),
     Checkpoint(Option<(String, u32)>),
-    Teacher(Option<(String, Option<String>)>),
+    Teacher(Option<(String, Option<String>, Option<i32>)>),
     Scheduling {
         queue: Option<String>,
         priority: Option<String>,
@@ -186,7 +186,7 @@ fn mutation() -> impl Strategy<Value = Mutation> {
             }),
         1 => opt("[a-z0-9./:-]{1,60}").prop_map(Mutation::TrainerImage),
         1 => proptest::option::of((text("[a-z][a-z0-9-]{0,20}"), count_u32())).prop_map(Mutation::Checkpoint),
-        1 => proptest::option::of((text("[A-Za-z0-9/._-]{1,40}"), opt("[a-z][a-z0-9-]{0,20}"))).prop_map(Mutation::Teacher),
+        1 => proptest::option::of((text("[A-Za-z0-9/._-]{1,40}"), opt("[a-z][a-z0-9-]{0,20}"), proptest::option::of(1..4i32))).prop_map(Mutation::Teacher),
         2 => (opt("[a-z][a-z0-9-]{0,30}"), opt("[a-z][a-z0-9.-]{0,30}"),
               prop::collection::btree_map(text("[a-z0-9./-]{1,40}"), text("[A-Za-z0-9._-]{0,20}"), 0..4),
               prop::collection::vec((opt("[a-z0-9./-]{1,40}"), opt("Exists|Equal|Lt"), opt("NoSchedule|NoExecute|Sometimes")), 0..3))
@@ -292,7 +292,11 @@ fn apply(run: &mut RLRun, m: Mutation) {
             } else {
                 Estimator::Grpo
             };
-            s.algorithm.teacher = t.map(|(path, claim_name)| TeacherSpec { path, claim_name });
+            s.algorithm.teacher = t.map(|(path, claim_name, replicas)| TeacherSpec {
+                path,
+                claim_name,
+                replicas,
+            });
         }
         Mutation::Scheduling {
             queue,

@@ -1085,7 +1085,9 @@ async fn cluster_run_with_a_served_teacher_distills_and_advances() {
         .collect();
     assert!(records.len() >= 3, "{metrics}");
     for r in &records {
-        let kl = r["teacher_kl"].as_f64().expect("teacher_kl in every record");
+        let kl = r["teacher_kl"]
+            .as_f64()
+            .expect("teacher_kl in every record");
         assert!(kl.is_finite(), "{r}");
         assert!(r["teacher_seconds"].is_number(), "{r}");
     }

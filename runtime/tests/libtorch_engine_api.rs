@@ -903,7 +903,12 @@ async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() 
     opts.max_prefill_tokens = 16;
     let engine = common::start_engine(&dir, opts).await;
     let reference = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
-    let cases = [(1usize, 0i64, 0.7), (5, 0, 1.0), (40, 3, 0.0), (100, 0, 1.3)];
+    let cases = [
+        (1usize, 0i64, 0.7),
+        (5, 0, 1.0),
+        (40, 3, 0.0),
+        (100, 0, 1.3),
+    ];
     let scoring = cases.iter().enumerate().map(|(i, &(len, top, t))| {
         let body = json!({
             "token_ids": prompt(i as i64 + 10, len),
@@ -923,7 +928,10 @@ async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() 
     for (i, resp) in scored.iter().enumerate() {
         let (len, top, _) = cases[i];
         let tokens = prompt(i as i64 + 10, len);
-        let rows = resp.prompt_logprobs.as_ref().expect("prompt_logprobs asked for");
+        let rows = resp
+            .prompt_logprobs
+            .as_ref()
+            .expect("prompt_logprobs asked for");
         assert_eq!(rows.len(), len, "case {i}: one entry per prompt token");
         assert!(rows[0].is_none(), "nothing predicts the first token");
         let want = tch::no_grad(|| {
@@ -994,15 +1002,28 @@ async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() 
     ] {
         let (status, v) = post(&url, body).await;
         assert_eq!(status, 400, "{v}");
-        assert_eq!(v["error"]["param"], "sampling_params.prompt_logprobs", "{v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains(what), "{v}");
+        assert_eq!(
+            v["error"]["param"], "sampling_params.prompt_logprobs",
+            "{v}"
+        );
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains(what),
+            "{v}"
+        );
     }
-    let (router, _r) = common::start_router(std::slice::from_ref(&engine.url), "consistent-hash").await;
+    let (router, _r) =
+        common::start_router(std::slice::from_ref(&engine.url), "consistent-hash").await;
     let (status, v) = post(
         &format!("{router}/inference/v1/generate"),
         json!({"token_ids": [1, 2, 3], "sampling_params": {"prompt_logprobs": 0}}),
     )
     .await;
     assert_eq!(status, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("not routed"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not routed"),
+        "{v}"
+    );
 }

@@ -96,10 +96,16 @@ fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
     // The recipe's manifest, with the teacher served and every batch dumped.
     let yaml = std::fs::read_to_string(dir.join("rlrun.yaml")).unwrap();
     let served = yaml
-        .replace("../successor/", &format!("{}/", repo().join("examples/successor").display()))
+        .replace(
+            "../successor/",
+            &format!("{}/", repo().join("examples/successor").display()),
+        )
         .replace(
             "    teacher:\n      path: teacher\n",
-            &format!("    teacher:\n      path: {}\n      replicas: 1\n", teacher.display()),
+            &format!(
+                "    teacher:\n      path: {}\n      replicas: 1\n",
+                teacher.display()
+            ),
         )
         .replace("  trainer:\n", "  trainer:\n    dumpRollouts: true\n");
     assert!(served.contains("replicas: 1") && served.contains("dumpRollouts: true"));
@@ -124,23 +130,38 @@ fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(records.len(), steps);
-    let rewards: Vec<f64> = records.iter().map(|r| r["reward_mean"].as_f64().unwrap()).collect();
+    let rewards: Vec<f64> = records
+        .iter()
+        .map(|r| r["reward_mean"].as_f64().unwrap())
+        .collect();
     let (first, last) = (mean(&rewards[..10]), mean(&rewards[steps - 10..]));
     println!("served teacher: reward {first:.2} -> {last:.2}");
-    assert!(last >= first + 0.3, "the student did not learn: {rewards:?}");
+    assert!(
+        last >= first + 0.3,
+        "the student did not learn: {rewards:?}"
+    );
     for r in &records {
         assert!(r["teacher_seconds"].as_f64().is_some(), "{r}");
     }
 
     let model = Qwen3Model::load(&teacher, Kind::Float, Device::Cpu).unwrap();
-    let dumps = moult_runtime::run::dump::steps(&moult_runtime::run::dump::folder(&out.join("run")))
-        .unwrap();
+    let dumps =
+        moult_runtime::run::dump::steps(&moult_runtime::run::dump::folder(&out.join("run")))
+            .unwrap();
     assert_eq!(dumps.len(), steps);
     for (step, path) in [&dumps[0], &dumps[steps / 2], &dumps[steps - 1]] {
         let dump = moult_runtime::run::dump::read(path).unwrap();
         let (mut kl, mut sampled) = (0.0f64, 0usize);
-        for seg in dump.groups.iter().flat_map(|g| &g.episodes).flat_map(|e| &e.segments) {
-            let served = seg.teacher_logprobs.as_ref().expect("every segment was scored");
+        for seg in dump
+            .groups
+            .iter()
+            .flat_map(|g| &g.episodes)
+            .flat_map(|e| &e.segments)
+        {
+            let served = seg
+                .teacher_logprobs
+                .as_ref()
+                .expect("every segment was scored");
             let own = tch::no_grad(|| {
                 token_logprobs(
                     &model,
@@ -154,7 +175,10 @@ fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
             .unwrap();
             let own: Vec<f32> = Vec::try_from(own.get(0)).unwrap();
             for (p, (a, b)) in served.iter().zip(&own).enumerate().skip(1) {
-                assert!((a - b).abs() <= 1e-4, "step {step} position {p}: served {a} vs the teacher's {b}");
+                assert!(
+                    (a - b).abs() <= 1e-4,
+                    "step {step} position {p}: served {a} vs the teacher's {b}"
+                );
             }
             for p in (0..seg.token_ids.len()).filter(|&p| seg.loss_mask[p] == 1) {
                 kl += f64::from(seg.logprobs[p] - served[p]);
@@ -163,7 +187,10 @@ fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
         }
         let recorded = records[*step as usize - 1]["teacher_kl"].as_f64().unwrap();
         let kl = kl / sampled as f64;
-        assert!((recorded - kl).abs() <= 1e-4, "step {step}: teacher_kl {recorded} vs {kl} from the dump");
+        assert!(
+            (recorded - kl).abs() <= 1e-4,
+            "step {step}: teacher_kl {recorded} vs {kl} from the dump"
+        );
     }
     let _ = std::fs::remove_dir_all(&out);
 }

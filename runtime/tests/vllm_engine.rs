@@ -318,7 +318,12 @@ async fn vllm_sampled_tokens_recompute_to_vllms_logprobs_in_moults_trainer() {
         let client = moult_runtime::engine::client::EngineClient::new(&vllm.url);
         let mut scores = Vec::new();
         for (i, (tokens, ..)) in samples.iter().enumerate() {
-            scores.push(client.prompt_logprobs(&format!("score-{i}"), tokens).await.unwrap());
+            scores.push(
+                client
+                    .prompt_logprobs(&format!("score-{i}"), tokens)
+                    .await
+                    .unwrap(),
+            );
         }
         drop(vllm);
         if moe {

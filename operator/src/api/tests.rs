@@ -149,14 +149,18 @@ spec:
     #[test]
     fn a_served_teacher_needs_temperature_one_and_an_in_trainer_one_any() {
         let served = run("{path: /models/teacher, replicas: 2}", 0.7);
-        let errors = served.validate().expect_err("temperature 0.7 with a served teacher");
+        let errors = served
+            .validate()
+            .expect_err("temperature 0.7 with a served teacher");
         assert!(
             errors
                 .iter()
                 .any(|e| e.contains("algorithm.teacher.replicas") && e.contains("temperature")),
             "{errors:?}"
         );
-        assert!(run("{path: /models/teacher, replicas: 2}", 1.0).validate().is_ok());
+        assert!(run("{path: /models/teacher, replicas: 2}", 1.0)
+            .validate()
+            .is_ok());
         assert!(run("{path: /models/teacher}", 0.7).validate().is_ok());
         let zero = run("{path: /models/teacher, replicas: 0}", 1.0);
         assert!(zero.validate().is_err());

@@ -266,6 +266,20 @@ pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, In
     })
 }
 
+/// The component labels of the engine pools `run` has besides the policy's: `judge` with
+/// `spec.judge`, `teacher` with a served distillation teacher. Their readiness is part of the
+/// run's status like every other component's.
+pub fn scorer_components(run: &RLRun) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if run.spec.judge.is_some() {
+        out.push("judge");
+    }
+    if pods::served_teacher_replicas(&run.spec).is_some() {
+        out.push("teacher");
+    }
+    out
+}
+
 /// Names of a run's children.
 pub fn name(run: &str, component: &str) -> String {
     format!("{run}-{component}")

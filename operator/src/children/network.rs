@@ -157,7 +157,12 @@ pub(crate) fn network_policies(ctx: &Ctx) -> NetworkPolicies {
         rules.extend(scraped(ENGINE_PORT));
         policy(ctx, component, rules, None)
     };
-    let judge = ctx.run.spec.judge.as_ref().map(|_| asked_by_coordinator("judge"));
+    let judge = ctx
+        .run
+        .spec
+        .judge
+        .as_ref()
+        .map(|_| asked_by_coordinator("judge"));
     let teacher = super::pods::served_teacher(ctx).map(|_| asked_by_coordinator("teacher"));
     NetworkPolicies {
         judge,

@@ -368,7 +368,12 @@ pub(crate) fn teacher(ctx: &Ctx) -> Option<(Option<(Volume, VolumeMount)>, Strin
 /// The replicas of a served distillation teacher (`algorithm.teacher.replicas` with estimator
 /// `OnPolicyDistillation`); `None`: no teacher, or the trainer loads it.
 pub(crate) fn served_teacher(ctx: &Ctx) -> Option<i32> {
-    let algo = &ctx.run.spec.algorithm;
+    served_teacher_replicas(&ctx.run.spec)
+}
+
+/// [`served_teacher`] of a spec.
+pub(crate) fn served_teacher_replicas(spec: &crate::api::RLRunSpec) -> Option<i32> {
+    let algo = &spec.algorithm;
     if algo.estimator != crate::api::Estimator::OnPolicyDistillation {
         return None;
     }

@@ -381,19 +381,30 @@ fn a_served_teacher_gets_engines_of_its_own_and_the_trainer_no_teacher() {
         .as_ref()
         .is_some_and(|c| c.claim_name == "teachers" && c.read_only == Some(true))));
     assert_eq!(
-        p_labels(&template).get("moult.dev/component").map(String::as_str),
+        p_labels(&template)
+            .get("moult.dev/component")
+            .map(String::as_str),
         Some("teacher")
     );
     assert!(c.teacher_service.is_some());
     // Only the coordinator may connect to them; it finds them through their Service.
-    let policy = c.network_policies.teacher.clone().expect("a teacher policy");
+    let policy = c
+        .network_policies
+        .teacher
+        .clone()
+        .expect("a teacher policy");
     let rules = policy.spec.unwrap().ingress.unwrap();
     let from = serde_json::to_string(&rules[0].from).unwrap();
-    assert!(from.contains("coordinator") && rules.len() == 1, "{rules:?}");
+    assert!(
+        from.contains("coordinator") && rules.len() == 1,
+        "{rules:?}"
+    );
     let template = Some(c.coordinator.spec.template.clone());
     let env = main_container(pod(&template)).env.clone().unwrap();
-    assert!(env.iter().any(|e| e.name == "MOULT_TEACHER_ENGINES"
-        && e.value.as_deref() == Some("gsm8k-grpo-teacher")));
+    assert!(env
+        .iter()
+        .any(|e| e.name == "MOULT_TEACHER_ENGINES"
+            && e.value.as_deref() == Some("gsm8k-grpo-teacher")));
     // The trainer neither loads nor mounts it.
     let template = Some(c.trainer.spec.template.clone());
     let p = pod(&template);

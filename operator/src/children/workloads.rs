@@ -18,8 +18,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use super::pods::{
     claim, config_path, container, dataset, empty_dir, env, eval_dataset, field_env, judge_model,
     locked_down, model, moult_env, mount, resources, served_teacher, teacher, template, weights,
-    Credential,
-    CHECKPOINT_DIR, MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
+    Credential, CHECKPOINT_DIR, MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
 };
 use super::{
     name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, SANDBOX_ENV, SANDBOX_SOCKET,

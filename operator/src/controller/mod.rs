@@ -246,7 +246,7 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         Err(why) => (listed.owned, Some(Refusal::InvalidSpec(why.0))),
     };
     let now = Time(Timestamp::now());
-    let workloads = workloads(&current, &name, pods(ctx, &ns, &name).await?);
+    let workloads = workloads(&current, &run, pods(ctx, &ns, &name).await?);
     let new = status::compute(run, &workloads, refusal.as_ref(), &now);
     observe(ctx, &ns, &name, &new, &workloads);
     if status::changed(run.status.as_ref(), &new) {
@@ -304,7 +304,8 @@ fn new_token() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn workloads(current: &Live, run: &str, pods: Vec<Pod>) -> Workloads {
+fn workloads(current: &Live, rl_run: &RLRun, pods: Vec<Pod>) -> Workloads {
+    let run = &rl_run.name_any();
     fn typed<K: serde::de::DeserializeOwned>(
         current: &Live,
         kind: ChildKind,
@@ -336,6 +337,13 @@ fn workloads(current: &Live, run: &str, pods: Vec<Pod>) -> Workloads {
             ChildKind::Deployment,
             children::name(run, "agents"),
         ),
+        scorers: children::scorer_components(rl_run)
+            .into_iter()
+            .map(|c| {
+                let s = typed(current, ChildKind::StatefulSet, children::name(run, c));
+                (c, s)
+            })
+            .collect(),
         pods,
     }
 }

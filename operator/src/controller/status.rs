@@ -25,13 +25,16 @@ pub struct Workloads {
     pub trainer: Option<StatefulSet>,
     pub coordinator: Option<Deployment>,
     pub agents: Option<Deployment>,
+    /// The engine pools the spec asks for besides the policy's (`judge` with `spec.judge`,
+    /// `teacher` with a served teacher), by component label, each as last seen.
+    pub scorers: Vec<(&'static str, Option<StatefulSet>)>,
     pub pods: Vec<Pod>,
 }
 
 /// One component as the status and the metrics report it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Component {
-    /// engines, trainer, coordinator or agents.
+    /// engines, trainer, coordinator, agents, and judge or teacher when the run has them.
     pub name: &'static str,
     pub desired: i32,
     pub ready: i32,
@@ -43,8 +46,9 @@ pub struct Component {
     pub cause: Option<Cause>,
 }
 
-/// The four components of a run, in the order the status names them.
-pub fn components(w: &Workloads) -> [Component; 4] {
+/// The components of a run, in the order the status names them: the four every run has, then
+/// the judge's and a served teacher's engines.
+pub fn components(w: &Workloads) -> Vec<Component> {
     let component = |name, pod_label, r: Readiness| Component {
         name,
         desired: r.desired,
@@ -65,6 +69,13 @@ pub fn components(w: &Workloads) -> [Component; 4] {
         ),
         component("agents", "agents", deployment(w.agents.as_ref())),
     ]
+    .into_iter()
+    .chain(
+        w.scorers
+            .iter()
+            .map(|(name, s)| component(name, name, statefulset(s.as_ref()))),
+    )
+    .collect()
 }
 
 /// Desired and ready pods of one component.
@@ -396,6 +407,11 @@ mod tests {
             trainer: Some(sts(c.trainer, "trainer")),
             coordinator: Some(dep(c.coordinator, "coordinator")),
             agents: Some(dep(c.agents, "agents")),
+            scorers: c
+                .judge
+                .map(|j| ("judge", Some(sts(j, "judge"))))
+                .into_iter()
+                .collect(),
             pods: Vec::new(),
         }
     }
@@ -563,6 +579,37 @@ mod tests {
         r.status = Some(s.clone());
         let again = compute(&r, &workloads(&r, |_, want| want), None, &now());
         assert!(!changed(Some(&s), &again));
+    }
+
+    #[test]
+    fn a_judge_that_cannot_start_keeps_the_run_from_running_and_says_why() {
+        let mut r = run();
+        r.spec.judge = Some(
+            serde_json::from_value(serde_json::json!({
+                "path": "Qwen3-32B", "claimName": "models", "prompt": "Is {response} right?"
+            }))
+            .unwrap(),
+        );
+        let mut w = workloads(&r, |n, want| if n == "judge" { 0 } else { want });
+        assert_eq!(w.scorers.len(), 1);
+        w.pods = vec![unschedulable(
+            "gsm8k-grpo-judge-0",
+            "judge",
+            "0/6 nodes are available: 6 Insufficient nvidia.com/gpu.",
+        )];
+        let s = compute(&r, &w, None, &now());
+        assert_eq!(s.phase, Some(Phase::Pending));
+        assert_eq!(condition(&s, "Degraded").reason, "Unschedulable");
+        let msg = &condition(&s, "Ready").message;
+        assert!(
+            msg.contains("judge 0/1 ready (Unschedulable: pod gsm8k-grpo-judge-0"),
+            "{msg}"
+        );
+        // Not made yet counts as not ready too; ready, the run runs.
+        w.scorers[0].1 = None;
+        assert_eq!(compute(&r, &w, None, &now()).phase, Some(Phase::Pending));
+        let s = compute(&r, &workloads(&r, |_, want| want), None, &now());
+        assert_eq!(s.phase, Some(Phase::Running));
     }
 
     #[test]

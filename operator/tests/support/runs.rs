@@ -98,6 +98,18 @@ pub fn run_kinds() -> Vec<(String, RLRun)> {
             r.spec.algorithm.teacher = Some(TeacherSpec {
                 path: "Qwen3-32B".into(),
                 claim_name: Some("teachers".into()),
+                replicas: None,
+            });
+        }),
+    );
+    add(
+        "distillation from a served teacher",
+        variant(&|r| {
+            r.spec.algorithm.estimator = Estimator::OnPolicyDistillation;
+            r.spec.algorithm.teacher = Some(TeacherSpec {
+                path: "Qwen3-32B".into(),
+                claim_name: Some("teachers".into()),
+                replicas: Some(2),
             });
         }),
     );

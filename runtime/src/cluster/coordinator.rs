@@ -667,7 +667,9 @@ pub async fn run(
             let (pool, _) = engine_pool("MOULT_TEACHER_ENGINES", client.clone(), &ns)?;
             tokio::spawn(
                 pool.clone()
-                    .check_health(crate::router::HealthOptions::for_backend(cfg.run.spec.engines.backend)),
+                    .check_health(crate::router::HealthOptions::for_backend(
+                        cfg.run.spec.engines.backend,
+                    )),
             );
             Some(Teacher::new(pool))
         }

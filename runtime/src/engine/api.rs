@@ -148,12 +148,11 @@ impl GenerateRequest {
         }
         let prompt_logprobs = match p.prompt_logprobs {
             None => None,
-            Some(_) if self.stream => {
-                return Err(bad(
-                    "sampling_params.prompt_logprobs",
-                    "prompt_logprobs come with the whole response: send the request with stream: false".into(),
-                ))
-            }
+            Some(_) if self.stream => return Err(bad(
+                "sampling_params.prompt_logprobs",
+                "prompt_logprobs come with the whole response: send the request with stream: false"
+                    .into(),
+            )),
             Some(n) if (0..=MAX_TOP_LOGPROBS).contains(&n) => Some(n as usize),
             Some(n) => {
                 return Err(bad(

@@ -21,8 +21,8 @@ use super::checkpoint::{self, CheckpointMeta};
 use super::config::RunConfig;
 use super::console::Console;
 use super::judge::JudgeStats;
-use super::teacher::TeacherStats;
 use super::metrics::{MetricsLog, StepRecord};
+use super::teacher::TeacherStats;
 use super::{samples, RunError};
 use crate::model::Qwen3Model;
 use crate::rollout::eval::EvalResult;
@@ -385,7 +385,11 @@ async fn load_teacher(
     device: Device,
 ) -> Result<Option<Qwen3Model>, RunError> {
     // A served teacher's engines score the batches before they get here.
-    let Some(dir) = cfg.teacher_dir.clone().filter(|_| cfg.served_teacher.is_none()) else {
+    let Some(dir) = cfg
+        .teacher_dir
+        .clone()
+        .filter(|_| cfg.served_teacher.is_none())
+    else {
         return Ok(None);
     };
     let student_vocab = student.model().config().vocab_size;
@@ -450,9 +454,10 @@ async fn learn(
             (Some(t), Some(kl?))
         }
         // A served teacher's scores came with the batch.
-        None if cfg.served_teacher.is_some() => {
-            (None, Some(samples::distill_served(batch, &mut train_samples)?))
-        }
+        None if cfg.served_teacher.is_some() => (
+            None,
+            Some(samples::distill_served(batch, &mut train_samples)?),
+        ),
         None => (None, None),
     };
     let started = Instant::now();

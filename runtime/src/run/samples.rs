@@ -206,13 +206,17 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
 /// where they are: (group, episode, segment).
 fn trained_segments(batch: &[Group]) -> impl Iterator<Item = (usize, usize, &Segment)> {
     batch.iter().enumerate().flat_map(|(g, group)| {
-        group.episodes.iter().enumerate().flat_map(move |(e, episode)| {
-            episode
-                .segments
-                .iter()
-                .filter(|seg| seg.sampled_tokens() > 0)
-                .map(move |seg| (g, e, seg))
-        })
+        group
+            .episodes
+            .iter()
+            .enumerate()
+            .flat_map(move |(e, episode)| {
+                episode
+                    .segments
+                    .iter()
+                    .filter(|seg| seg.sampled_tokens() > 0)
+                    .map(move |seg| (g, e, seg))
+            })
     })
 }
 

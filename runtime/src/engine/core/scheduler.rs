@@ -499,7 +499,9 @@ impl Engine {
         let mut scores = if targets.is_empty() {
             Vec::new()
         } else {
-            let scored = out.logits.narrow(0, sampled_rows as i64, targets.len() as i64);
+            let scored = out
+                .logits
+                .narrow(0, sampled_rows as i64, targets.len() as i64);
             score_rows(&scored, &targets, top)?
         }
         .into_iter();
@@ -544,7 +546,9 @@ impl Engine {
                 let end = (starts[i] + n).min(seq.prompt_len - 1);
                 for _ in seq.scored.len().max(starts[i])..end {
                     let mut scored = scores.next().expect("a score per scored row");
-                    scored.top.truncate(seq.job.params.prompt_logprobs.unwrap_or(0));
+                    scored
+                        .top
+                        .truncate(seq.job.params.prompt_logprobs.unwrap_or(0));
                     seq.scored.push(scored);
                 }
             }
