@@ -246,7 +246,7 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         Err(why) => (listed.owned, Some(Refusal::InvalidSpec(why.0))),
     };
     let now = Time(Timestamp::now());
-    let workloads = workloads(&current, &run, pods(ctx, &ns, &name).await?);
+    let workloads = workloads(&current, run, pods(ctx, &ns, &name).await?);
     let new = status::compute(run, &workloads, refusal.as_ref(), &now);
     observe(ctx, &ns, &name, &new, &workloads);
     if status::changed(run.status.as_ref(), &new) {
