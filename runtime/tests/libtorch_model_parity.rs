@@ -1,4 +1,5 @@
-//! Numerical parity of our Qwen3 / Qwen3-MoE forward with Hugging Face transformers (libtorch).
+//! Numerical parity of our forward (Qwen3, Qwen3-MoE, Llama 3, Qwen2, Mistral) with Hugging Face
+//! transformers (libtorch).
 
 mod common;
 
@@ -149,6 +150,25 @@ fn check_kv_cache(dir: &std::path::Path) {
             diff < 1e-4,
             "sequence {i}: KV-cache decoding differs from the full forward by {diff:e}"
         );
+    }
+}
+
+/// The families that differ from Qwen3 by configuration (docs/models.md): packed logits equal
+/// transformers' (dense and oneDNN-packed weights), KV-cache decoding equals the full forward,
+/// and the trainer's logprobs equal the engine's path on the same model.
+#[test]
+fn libtorch_llama_qwen2_and_mistral_match_transformers() {
+    for name in [
+        "llama-tiny",
+        "llama-tiny-bias",
+        "qwen2-tiny",
+        "mistral-tiny",
+    ] {
+        let dir = common::family_models().join(name);
+        check_parity(&dir, false);
+        check_parity(&dir, true);
+        check_kv_cache(&dir);
+        println!("{name}: logits and KV-cache decoding match transformers");
     }
 }
 

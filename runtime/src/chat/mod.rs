@@ -18,5 +18,6 @@ pub use pyjson::{dumps as python_json_dumps, DumpOptions};
 pub use template::{ChatTemplate, RenderOptions, TemplateError};
 pub use tokenizer::{Tokenizer, TokenizerError};
 pub use tool_parser::{
-    parser_for_template, Hermes, NoTools, ParsedCall, ParsedOutput, ToolCallParser,
+    parser_for_template, Hermes, Llama3Json, MistralTools, NoTools, ParsedCall, ParsedOutput,
+    ToolCallParser,
 };

@@ -3,7 +3,11 @@
 //! A parser splits a finished output into content and tool calls, and, while an output is still
 //! streaming, says how much of it is certainly content (so a half-written `<tool_call>` tag is
 //! never sent to the client as text). [`Hermes`] is the `<tool_call>{json}</tool_call>` form of
-//! Qwen2.5, Qwen3 and Hermes models; other families implement [`ToolCallParser`].
+//! Qwen2.5, Qwen3 and Hermes models; [`Llama3Json`] the bare `{"name": ..., "parameters": ...}`
+//! calls of Llama 3.x; [`MistralTools`] the `[TOOL_CALLS][{...}]` list of Mistral models. The
+//! loopback decodes output with special tokens skipped, as vLLM does by default, so a marker that
+//! is a special token of its tokenizer (Llama's `<|python_tag|>`, Mistral's `[TOOL_CALLS]`) may
+//! or may not be in the text: both parsers take either.
 
 use serde_json::{Map, Value as Json};
 
@@ -124,10 +128,138 @@ impl ToolCallParser for Hermes {
     }
 }
 
-/// The parser for a chat template: Hermes when the template speaks `<tool_call>`, else none.
+/// Llama 3.x: the whole output is one call or several separated by `;`, each
+/// `{"name": ..., "parameters": {...}}` (or `"arguments"`), optionally after `<|python_tag|>`.
+/// An output that does not start with `{` is content (vLLM's `llama3_json`).
+#[derive(Debug, Default)]
+pub struct Llama3Json;
+
+const PYTHON_TAG: &str = "<|python_tag|>";
+
+/// `text` without leading whitespace and a leading `marker`.
+fn after_marker<'a>(text: &'a str, marker: &str) -> &'a str {
+    let t = text.trim_start();
+    t.strip_prefix(marker).unwrap_or(t).trim_start()
+}
+
+/// Consecutive JSON values of `text` separated by whitespace or `separator`; `None` if anything
+/// else is in between or a value does not parse.
+fn json_values(text: &str, separator: char) -> Option<Vec<Json>> {
+    let mut values = Vec::new();
+    let mut rest = text.trim();
+    while !rest.is_empty() {
+        let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<Json>();
+        let value = stream.next()?.ok()?;
+        values.push(value);
+        rest = rest[stream.byte_offset()..].trim_start();
+        rest = rest.strip_prefix(separator).unwrap_or(rest).trim_start();
+    }
+    Some(values)
+}
+
+impl ToolCallParser for Llama3Json {
+    fn parse(&self, text: &str) -> ParsedOutput {
+        let body = after_marker(text, PYTHON_TAG);
+        if !body.starts_with('{') {
+            return NoTools.parse(text);
+        }
+        let calls: Option<Vec<ParsedCall>> = json_values(body, ';').and_then(|values| {
+            values
+                .iter()
+                .map(|v| call_from_json(&v.to_string()))
+                .collect()
+        });
+        match calls {
+            Some(tool_calls) if !tool_calls.is_empty() => ParsedOutput {
+                content: None,
+                tool_calls,
+            },
+            _ => NoTools.parse(text),
+        }
+    }
+
+    fn content_prefix_len(&self, text: &str) -> usize {
+        // Only an output that starts as a call is one: hold back whitespace, the tag or a part of
+        // it, and anything after a leading `{`.
+        let t = text.trim_start();
+        if t.is_empty()
+            || t.starts_with('{')
+            || PYTHON_TAG.starts_with(t)
+            || t.starts_with(PYTHON_TAG)
+        {
+            0
+        } else {
+            text.len()
+        }
+    }
+}
+
+/// Mistral: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}, "id": ...}`,
+/// after any content. With the marker skipped (a special token), an output that starts with a
+/// JSON list of calls is calls.
+#[derive(Debug, Default)]
+pub struct MistralTools;
+
+const TOOL_CALLS: &str = "[TOOL_CALLS]";
+
+impl ToolCallParser for MistralTools {
+    fn parse(&self, text: &str) -> ParsedOutput {
+        let (content, body) = match text.find(TOOL_CALLS) {
+            Some(at) => (&text[..at], &text[at + TOOL_CALLS.len()..]),
+            None if text.trim_start().starts_with('[') => ("", text),
+            None => return NoTools.parse(text),
+        };
+        let calls: Option<Vec<ParsedCall>> = json_values(body, ',').and_then(|values| {
+            let mut calls = Vec::new();
+            for v in values {
+                match v {
+                    Json::Array(items) => {
+                        for item in items {
+                            calls.push(call_from_json(&item.to_string())?);
+                        }
+                    }
+                    item @ Json::Object(_) => calls.push(call_from_json(&item.to_string())?),
+                    _ => return None,
+                }
+            }
+            Some(calls)
+        });
+        match calls {
+            Some(tool_calls) if !tool_calls.is_empty() => {
+                let content = content.trim_end();
+                ParsedOutput {
+                    content: (!content.is_empty()).then(|| content.to_string()),
+                    tool_calls,
+                }
+            }
+            _ => NoTools.parse(text),
+        }
+    }
+
+    fn content_prefix_len(&self, text: &str) -> usize {
+        if text.trim_start().starts_with('[') {
+            return 0;
+        }
+        let end = text.find(TOOL_CALLS).unwrap_or_else(|| {
+            (1..TOOL_CALLS.len())
+                .rev()
+                .find(|&k| text.ends_with(&TOOL_CALLS[..k]))
+                .map_or(text.len(), |k| text.len() - k)
+        });
+        text[..end].trim_end().len()
+    }
+}
+
+/// The parser for a chat template, by the tool syntax it renders: Hermes for `<tool_call>`,
+/// Mistral for `[TOOL_CALLS]`, Llama 3's JSON when it asks for `{"name": ..., "parameters": ...}`,
+/// else none.
 pub fn parser_for_template(source: &str) -> Box<dyn ToolCallParser> {
     if source.contains(START) {
         Box::new(Hermes)
+    } else if source.contains(TOOL_CALLS) {
+        Box::new(MistralTools)
+    } else if source.contains(PYTHON_TAG) || source.contains("\"parameters\": dictionary") {
+        Box::new(Llama3Json)
     } else {
         Box::new(NoTools)
     }
@@ -172,6 +304,93 @@ mod tests {
     fn hermes_parses_a_call_cut_off_before_its_end_tag() {
         let out = Hermes.parse("<tool_call>\n{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}");
         assert_eq!(out.tool_calls[0].arguments, json!({"a": 1}));
+    }
+
+    #[test]
+    fn llama3_calls_are_the_whole_output_as_json() {
+        let out = Llama3Json.parse(
+            "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}; {\"name\": \"now\", \"parameters\": {}}",
+        );
+        assert_eq!(out.content, None);
+        assert_eq!(
+            out.tool_calls,
+            vec![
+                ParsedCall {
+                    name: "get_weather".into(),
+                    arguments: json!({"city": "Paris"})
+                },
+                ParsedCall {
+                    name: "now".into(),
+                    arguments: json!({})
+                }
+            ]
+        );
+        // With the python tag kept, and `arguments` as some fine-tunes write it.
+        let out = Llama3Json.parse("<|python_tag|>{\"name\": \"f\", \"arguments\": {\"a\": 1}}");
+        assert_eq!(out.tool_calls[0].arguments, json!({"a": 1}));
+        // Prose, prose that mentions JSON, and JSON that is not a call stay content.
+        for text in [
+            "The weather is fine.",
+            "Use {\"name\": \"f\"} like this.",
+            "{\"answer\": 42}",
+            "{\"name\": \"f\", \"parameters\": {}} and then",
+        ] {
+            let out = Llama3Json.parse(text);
+            assert_eq!(out.content.as_deref(), Some(text));
+            assert!(out.tool_calls.is_empty(), "{text}");
+        }
+        assert_eq!(Llama3Json.content_prefix_len("  {\"name\""), 0);
+        assert_eq!(Llama3Json.content_prefix_len("<|python"), 0);
+        assert_eq!(Llama3Json.content_prefix_len("Sure"), 4);
+    }
+
+    #[test]
+    fn mistral_calls_follow_the_marker_or_open_the_output() {
+        let calls = "[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}, \"id\": \"a1b2c3d4e\"}, {\"name\": \"now\", \"arguments\": \"{}\"}]";
+        for (text, content) in [
+            (format!("[TOOL_CALLS]{calls}"), None),
+            (format!("Checking. [TOOL_CALLS]{calls}"), Some("Checking.")),
+            // The marker is a special token: skipped in decoding.
+            (calls.to_string(), None),
+        ] {
+            let out = MistralTools.parse(&text);
+            assert_eq!(out.content.as_deref(), content, "{text}");
+            assert_eq!(out.tool_calls.len(), 2, "{text}");
+            assert_eq!(out.tool_calls[0].arguments, json!({"city": "Paris"}));
+            assert_eq!(out.tool_calls[1].name, "now");
+        }
+        for text in ["No calls here.", "[1, 2, 3]", "[TOOL_CALLS]not json"] {
+            let out = MistralTools.parse(text);
+            assert_eq!(out.content.as_deref(), Some(text));
+            assert!(out.tool_calls.is_empty());
+        }
+        assert_eq!(MistralTools.content_prefix_len("Checking. [TOOL_"), 9);
+        assert_eq!(MistralTools.content_prefix_len("[{\"na"), 0);
+    }
+
+    #[test]
+    fn each_familys_template_gets_its_parser() {
+        let fixture = |name: &str| {
+            std::fs::read_to_string(
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../tests/fixtures")
+                    .join(name),
+            )
+            .unwrap()
+        };
+        for (template, parser) in [
+            ("qwen3_chat_template.jinja", "Hermes"),
+            ("qwen2.5_7b_instruct_chat_template.jinja", "Hermes"),
+            ("llama3.1_8b_instruct_chat_template.jinja", "Llama3Json"),
+            ("llama3.2_3b_instruct_chat_template.jinja", "Llama3Json"),
+            (
+                "mistral_nemo_instruct_2407_chat_template.jinja",
+                "MistralTools",
+            ),
+        ] {
+            let chosen = format!("{:?}", parser_for_template(&fixture(template)));
+            assert_eq!(chosen, parser, "{template}");
+        }
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! A linear layer `y = x Wᵀ` whose weight may also be kept packed for oneDNN.
+//! A linear layer `y = x Wᵀ (+ b)` whose weight may also be kept packed for oneDNN.
 //!
 //! On CPU, oneDNN with a weight already in its blocked layout runs the decode-shaped matmuls
 //! (a few rows times a wide weight) 1.6–2.5x faster than the dense path, which re-packs the
@@ -13,26 +13,43 @@ use tch::Tensor;
 #[derive(Debug)]
 pub(crate) struct Linear {
     pub weight: Tensor,
+    pub bias: Option<Tensor>,
     packed: Option<Tensor>,
 }
 
 impl Linear {
     pub fn new(weight: Tensor) -> Self {
+        Self::with_bias(weight, None)
+    }
+
+    pub fn with_bias(weight: Tensor, bias: Option<Tensor>) -> Self {
         Self {
             weight,
+            bias,
             packed: None,
         }
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
         match &self.packed {
-            Some(packed) if !x.requires_grad() => x
-                .contiguous()
-                .to_mkldnn()
-                .mkldnn_linear(packed, None::<Tensor>)
-                .to_dense(None, false),
-            _ => x.linear::<Tensor>(&self.weight, None),
+            Some(packed) if !x.requires_grad() => {
+                let y = x
+                    .contiguous()
+                    .to_mkldnn()
+                    .mkldnn_linear(packed, None::<Tensor>)
+                    .to_dense(None, false);
+                match &self.bias {
+                    Some(b) => y + b,
+                    None => y,
+                }
+            }
+            _ => x.linear(&self.weight, self.bias.as_ref()),
         }
+    }
+
+    /// The weight, then the bias if there is one: what an optimizer updates.
+    pub fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+        std::iter::once(&self.weight).chain(self.bias.as_ref())
     }
 
     /// Makes the packed copy from the dense weight.

@@ -1,8 +1,11 @@
-//! Qwen3 and Qwen3-MoE decoder forward (transformers' `modeling_qwen3.py` /
-//! `modeling_qwen3_moe.py`), over a packed batch of variable-length sequences.
+//! The decoder forward of the Qwen3 family and of the families that differ from it only by
+//! configuration (transformers' `modeling_qwen3.py`, `modeling_qwen3_moe.py`,
+//! `modeling_qwen2.py`, `modeling_llama.py`, `modeling_mistral.py`), over a packed batch of
+//! variable-length sequences.
 //!
 //! Layer: `h += o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))` on `input_layernorm(h)`, then
-//! `h += mlp(post_attention_layernorm(h))`; RMSNorm computes in float32 and casts back. Weight
+//! `h += mlp(post_attention_layernorm(h))`; RMSNorm computes in float32 and casts back. The q/k
+//! norms are Qwen3's; projections carry biases where the config says ([`ModelConfig`]). Weight
 //! names are the checkpoint's (`model.layers.3.self_attn.q_proj.weight`,
 //! `model.layers.0.mlp.experts.7.down_proj.weight`).
 
@@ -72,12 +75,13 @@ struct Layer {
     /// `q_proj`, `k_proj` and `v_proj` stacked: one matmul instead of three.
     qkv_proj: Linear,
     o_proj: Linear,
-    q_norm: Tensor,
-    k_norm: Tensor,
+    /// Qwen3's per-head RMSNorms of queries and keys; `None` for the other families.
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
     mlp: Mlp,
 }
 
-/// A loaded Qwen3 or Qwen3-MoE causal LM.
+/// A loaded causal LM of an implemented family (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral).
 #[derive(Debug)]
 pub struct Qwen3Model {
     cfg: ModelConfig,
@@ -133,9 +137,23 @@ impl WeightTaker {
         Ok(tensor)
     }
 
-    /// Takes several `[rows_i, cols]` weights and stacks them into one `[Σ rows_i, cols]` tensor;
-    /// each name then refers to its rows of the stack.
-    fn take_stacked(&mut self, parts: &[(String, [usize; 2])]) -> Result<Tensor> {
+    /// [`WeightTaker::take`] when the config says the weight exists (a bias, a norm).
+    fn take_if(&mut self, present: bool, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
+        present.then(|| self.take(name, shape)).transpose()
+    }
+
+    /// [`WeightTaker::take_stacked`] when the config says the weights exist.
+    fn take_stacked_if<const N: usize>(
+        &mut self,
+        present: bool,
+        parts: &[(String, [usize; N])],
+    ) -> Result<Option<Tensor>> {
+        present.then(|| self.take_stacked(parts)).transpose()
+    }
+
+    /// Takes several `[rows_i, ...]` weights (or biases) and stacks them into one
+    /// `[Σ rows_i, ...]` tensor; each name then refers to its rows of the stack.
+    fn take_stacked<const N: usize>(&mut self, parts: &[(String, [usize; N])]) -> Result<Tensor> {
         let tensors = parts
             .iter()
             .map(|(name, shape)| self.take(name, shape))
@@ -203,26 +221,53 @@ impl Qwen3Model {
                 })
             } else {
                 let i = c.intermediate_size;
+                let mlp_bias = c.mlp_bias;
                 Mlp::Dense {
-                    gate_up_proj: Linear::new(w.take_stacked(&[
-                        (format!("{p}.mlp.gate_proj.weight"), [i, h]),
-                        (format!("{p}.mlp.up_proj.weight"), [i, h]),
-                    ])?),
-                    down_proj: Linear::new(w.take(&format!("{p}.mlp.down_proj.weight"), &[h, i])?),
+                    gate_up_proj: Linear::with_bias(
+                        w.take_stacked(&[
+                            (format!("{p}.mlp.gate_proj.weight"), [i, h]),
+                            (format!("{p}.mlp.up_proj.weight"), [i, h]),
+                        ])?,
+                        w.take_stacked_if(
+                            mlp_bias,
+                            &[
+                                (format!("{p}.mlp.gate_proj.bias"), [i]),
+                                (format!("{p}.mlp.up_proj.bias"), [i]),
+                            ],
+                        )?,
+                    ),
+                    down_proj: Linear::with_bias(
+                        w.take(&format!("{p}.mlp.down_proj.weight"), &[h, i])?,
+                        w.take_if(mlp_bias, &format!("{p}.mlp.down_proj.bias"), &[h])?,
+                    ),
                 }
             };
+            let attn = format!("{p}.self_attn");
             layers.push(Layer {
                 input_layernorm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_attention_layernorm: w
                     .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                qkv_proj: Linear::new(w.take_stacked(&[
-                    (format!("{p}.self_attn.q_proj.weight"), [q_dim, h]),
-                    (format!("{p}.self_attn.k_proj.weight"), [kv_dim, h]),
-                    (format!("{p}.self_attn.v_proj.weight"), [kv_dim, h]),
-                ])?),
-                o_proj: Linear::new(w.take(&format!("{p}.self_attn.o_proj.weight"), &[h, q_dim])?),
-                q_norm: w.take(&format!("{p}.self_attn.q_norm.weight"), &[d])?,
-                k_norm: w.take(&format!("{p}.self_attn.k_norm.weight"), &[d])?,
+                qkv_proj: Linear::with_bias(
+                    w.take_stacked(&[
+                        (format!("{attn}.q_proj.weight"), [q_dim, h]),
+                        (format!("{attn}.k_proj.weight"), [kv_dim, h]),
+                        (format!("{attn}.v_proj.weight"), [kv_dim, h]),
+                    ])?,
+                    w.take_stacked_if(
+                        c.qkv_bias,
+                        &[
+                            (format!("{attn}.q_proj.bias"), [q_dim]),
+                            (format!("{attn}.k_proj.bias"), [kv_dim]),
+                            (format!("{attn}.v_proj.bias"), [kv_dim]),
+                        ],
+                    )?,
+                ),
+                o_proj: Linear::with_bias(
+                    w.take(&format!("{attn}.o_proj.weight"), &[h, q_dim])?,
+                    w.take_if(c.o_bias, &format!("{attn}.o_proj.bias"), &[h])?,
+                ),
+                q_norm: w.take_if(c.qk_norm, &format!("{attn}.q_norm.weight"), &[d])?,
+                k_norm: w.take_if(c.qk_norm, &format!("{attn}.k_norm.weight"), &[d])?,
                 mlp,
             });
         }
@@ -244,7 +289,14 @@ impl Qwen3Model {
                 ),
             });
         }
-        let rope = Rope::new(d, c.rope_theta, c.max_position_embeddings, kind, device);
+        let rope = Rope::new(
+            d,
+            c.rope_theta,
+            c.rope_scaling,
+            c.max_position_embeddings,
+            kind,
+            device,
+        );
         Ok(Self {
             cfg,
             params: w.taken,
@@ -282,24 +334,24 @@ impl Qwen3Model {
         let mut out = vec![self.embed_tokens.shallow_clone(), self.norm.shallow_clone()];
         for l in &self.layers {
             out.extend(
-                [
-                    &l.input_layernorm,
-                    &l.post_attention_layernorm,
-                    &l.q_norm,
-                    &l.k_norm,
-                    &l.qkv_proj.weight,
-                    &l.o_proj.weight,
-                ]
-                .map(Tensor::shallow_clone),
+                [&l.input_layernorm, &l.post_attention_layernorm]
+                    .into_iter()
+                    .chain(l.q_norm.as_ref())
+                    .chain(l.k_norm.as_ref())
+                    .chain(l.qkv_proj.tensors())
+                    .chain(l.o_proj.tensors())
+                    .map(Tensor::shallow_clone),
             );
             match &l.mlp {
                 Mlp::Dense {
                     gate_up_proj,
                     down_proj,
-                } => out.extend([
-                    gate_up_proj.weight.shallow_clone(),
-                    down_proj.weight.shallow_clone(),
-                ]),
+                } => out.extend(
+                    gate_up_proj
+                        .tensors()
+                        .chain(down_proj.tensors())
+                        .map(Tensor::shallow_clone),
+                ),
                 Mlp::Sparse(moe) => {
                     out.push(moe.gate.shallow_clone());
                     for e in &moe.experts {

@@ -2,8 +2,12 @@
 //!
 //! `inv_freq_i = 1 / theta^(2i/d)`, `angle = pos * inv_freq` (float32), `emb = [angle, angle]`;
 //! `rope(x) = x * cos(emb) + rotate_half(x) * sin(emb)` with `rotate_half([a, b]) = [-b, a]`.
+//! With `llama3` scaling the frequencies are rescaled first, as transformers'
+//! `_compute_llama3_parameters` does (in float32).
 
 use tch::{Device, Kind, Tensor};
+
+use super::config::RopeScaling;
 
 /// Precomputed cos/sin tables for positions `0..max_positions`, shape `[max_positions, head_dim]`.
 #[derive(Debug)]
@@ -16,6 +20,7 @@ impl Rope {
     pub fn new(
         head_dim: usize,
         theta: f64,
+        scaling: Option<RopeScaling>,
         max_positions: usize,
         kind: Kind,
         device: Device,
@@ -24,7 +29,29 @@ impl Rope {
         let exponent = Tensor::arange_start_step(0, d, 2, (Kind::Int64, Device::Cpu))
             .to_kind(Kind::Float)
             / (d as f64);
-        let inv_freq = Tensor::from(theta as f32).pow(&exponent).reciprocal();
+        let mut inv_freq = Tensor::from(theta as f32).pow(&exponent).reciprocal();
+        if let Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old_len,
+        }) = scaling
+        {
+            // Wavelengths longer than the original context / low_freq_factor are slowed by
+            // `factor`, shorter than / high_freq_factor kept, and those between interpolated.
+            let (low_wavelen, high_wavelen) =
+                (old_len / low_freq_factor, old_len / high_freq_factor);
+            let wavelen = inv_freq.reciprocal() * (2.0 * std::f64::consts::PI);
+            let scaled = (&inv_freq / factor).where_self(&wavelen.gt(low_wavelen), &inv_freq);
+            let smooth = ((wavelen.reciprocal() * old_len) - low_freq_factor)
+                / (high_freq_factor - low_freq_factor);
+            let smoothed = (smooth.ones_like() - &smooth) * &scaled / factor + &smooth * &scaled;
+            let medium = wavelen
+                .lt(high_wavelen)
+                .logical_not()
+                .logical_and(&wavelen.gt(low_wavelen).logical_not());
+            inv_freq = smoothed.where_self(&medium, &scaled);
+        }
         let positions = Tensor::arange(max_positions as i64, (Kind::Float, Device::Cpu));
         let angles = positions.unsqueeze(1) * inv_freq.unsqueeze(0);
         let emb = Tensor::cat(&[&angles, &angles], -1);

@@ -103,6 +103,13 @@ fn fnv(bytes: &[u8]) -> u64 {
     })
 }
 
+/// Tiny random checkpoints of the families besides Qwen3 (`llama-tiny`, `llama-tiny-bias`,
+/// `qwen2-tiny`, `mistral-tiny`), with transformers' reference logits.
+pub fn family_models() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| made_by("make_family_models.py", &["make_tiny_models.py"]))
+}
+
 pub fn dense_model() -> PathBuf {
     tiny_models().join("qwen3-tiny")
 }

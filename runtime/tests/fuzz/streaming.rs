@@ -10,11 +10,14 @@ use std::sync::OnceLock;
 use proptest::prelude::*;
 
 use crate::{drive, Budget, Row};
-use moult_runtime::chat::{DecodeStream, Hermes, NoTools, ParsedOutput, Tokenizer, ToolCallParser};
+use moult_runtime::chat::{
+    DecodeStream, Hermes, Llama3Json, MistralTools, NoTools, ParsedOutput, Tokenizer,
+    ToolCallParser,
+};
 use moult_runtime::loopback::text_stream::{Streamed, TextStream};
 
 /// Pieces that make stop strings, tags and calls likely to meet, and split characters.
-const ATOMS: [&str; 24] = [
+const ATOMS: [&str; 30] = [
     "a",
     "b",
     "ab",
@@ -39,6 +42,12 @@ const ATOMS: [&str; 24] = [
     "}",
     "\"",
     "</",
+    "[TOOL_CALLS]",
+    "[TOOL",
+    "[",
+    "]",
+    "<|python_tag|>",
+    "; ",
 ];
 
 fn text() -> impl Strategy<Value = String> {
@@ -64,7 +73,8 @@ struct Case {
     /// Cut points, as fractions of the text (moved to character boundaries).
     cuts: Vec<prop::sample::Index>,
     stops: Vec<String>,
-    hermes: bool,
+    /// Which parser: none, Hermes, Llama 3 JSON, Mistral.
+    parser: u8,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -72,13 +82,13 @@ fn case() -> impl Strategy<Value = Case> {
         text(),
         prop::collection::vec(any::<prop::sample::Index>(), 0..12),
         stops(),
-        any::<bool>(),
+        0..4u8,
     )
-        .prop_map(|(text, cuts, stops, hermes)| Case {
+        .prop_map(|(text, cuts, stops, parser)| Case {
             text,
             cuts,
             stops,
-            hermes,
+            parser,
         })
 }
 
@@ -153,7 +163,12 @@ fn check_outcome(o: &Outcome, whole: &str, stops: &[String]) -> Result<(), TestC
 }
 
 fn check(case: Case) -> Result<(), TestCaseError> {
-    let parser: &dyn ToolCallParser = if case.hermes { &Hermes } else { &NoTools };
+    let parser: &dyn ToolCallParser = match case.parser {
+        0 => &NoTools,
+        1 => &Hermes,
+        2 => &Llama3Json,
+        _ => &MistralTools,
+    };
     let split = pieces(&case.text, &case.cuts);
     let whole = feed(std::slice::from_ref(&case.text), &case.stops, parser);
     let streamed = feed(&split, &case.stops, parser);

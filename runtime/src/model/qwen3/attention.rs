@@ -17,16 +17,13 @@ impl Qwen3Model {
                 .qkv_proj
                 .forward(x)
                 .view([x.size()[0], heads + 2 * kv_heads, c.head_dim as i64]);
-        let q = rope.apply(&rms_norm(
-            &qkv.narrow(1, 0, heads),
-            &layer.q_norm,
-            c.rms_norm_eps,
-        ));
-        let k = rope.apply(&rms_norm(
-            &qkv.narrow(1, heads, kv_heads),
-            &layer.k_norm,
-            c.rms_norm_eps,
-        ));
+        // Qwen3 normalises each head's queries and keys; the other families do not.
+        let norm = |x: Tensor, w: &Option<Tensor>| match w {
+            Some(w) => rms_norm(&x, w, c.rms_norm_eps),
+            None => x,
+        };
+        let q = rope.apply(&norm(qkv.narrow(1, 0, heads), &layer.q_norm));
+        let k = rope.apply(&norm(qkv.narrow(1, heads, kv_heads), &layer.k_norm));
         (q, k, qkv.narrow(1, heads + kv_heads, kv_heads))
     }
 
