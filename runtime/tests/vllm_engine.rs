@@ -355,6 +355,38 @@ async fn vllm_sampled_tokens_recompute_to_vllms_logprobs_in_moults_trainer() {
     }
 }
 
+/// The other families moult implements (docs/models.md) served by vLLM: the tokens it samples
+/// recompute in moult's trainer to vLLM's own logprobs, and its prompt logprobs (a served
+/// teacher's scores) to the trainer's at temperature 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_llama_qwen2_and_mistral_logprobs_are_moults() {
+    let models = vllm_models();
+    let temperature = 0.8;
+    for name in ["llama-tiny", "qwen2-tiny", "mistral-tiny"] {
+        let dir = models.join(name);
+        let vllm = Vllm::start(&dir, name).await;
+        let samples = vllm_samples(&vllm.url, temperature).await;
+        let client = moult_runtime::engine::client::EngineClient::new(&vllm.url);
+        let (tokens, ..) = &samples[3];
+        let scores = client.prompt_logprobs("score", tokens).await.unwrap();
+        drop(vllm);
+        let gap = largest_gap(&dir, &samples, temperature);
+        let row = &trainer_logprobs(&dir, &[&tokens[..]], 1.0)[0];
+        let prompt_gap = (1..scores.len())
+            .map(|p| (scores[p] - row[p]).abs())
+            .fold(0f32, f32::max);
+        println!("{name}: largest |moult − vLLM| logprob gap {gap:.2e}, prompt logprobs {prompt_gap:.2e}");
+        assert!(
+            gap < 1e-4,
+            "{name}: moult's trainer and vLLM disagree by {gap}"
+        );
+        assert!(
+            prompt_gap < 1e-4,
+            "{name}: prompt logprobs disagree by {prompt_gap}"
+        );
+    }
+}
+
 /// Tokens an engine generated so far (its own counter).
 async fn generation_tokens(url: &str) -> f64 {
     common::metric(url, "vllm:generation_tokens_total", "").await

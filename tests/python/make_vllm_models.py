@@ -1,10 +1,13 @@
 """Tiny random Qwen3 and Qwen3-MoE folders that both vLLM's CPU build and moult's built-in engine
 serve (head_dim 32: vLLM's CPU attention refuses 16), plus a second dense folder with other
-weights and the same config, for weight updates from a folder.
+weights and the same config, for weight updates from a folder, and one folder of each other
+family moult implements (docs/models.md): Llama 3 with llama3 rope scaling and biases, Qwen2,
+Mistral with a head_dim that is not hidden/heads.
 
     python make_vllm_models.py OUT_DIR
 
-writes OUT_DIR/{qwen3-tiny, qwen3-tiny-v2, qwen3-moe-tiny}, each with the tiny BPE tokenizer of
+writes OUT_DIR/{qwen3-tiny, qwen3-tiny-v2, qwen3-moe-tiny, llama-tiny, qwen2-tiny,
+mistral-tiny}, each with the tiny BPE tokenizer of
 tests/fixtures/tiny_bpe and the Qwen3 chat template. Does nothing when OUT_DIR/.stamp holds this
 script's digest.
 """
@@ -15,7 +18,18 @@ import shutil
 import sys
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "..", "fixtures")
@@ -65,6 +79,22 @@ def main(root):
         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]))
     randomize(moe, 2)
     save(moe, os.path.join(root, "qwen3-moe-tiny"))
+    # The other families, with what sets each apart (docs/models.md).
+    shapes = {k: v for k, v in COMMON.items() if k != "head_dim"}
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+    families = [
+        ("llama-tiny", LlamaForCausalLM(LlamaConfig(
+            **shapes, head_dim=32, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+            rope_scaling=llama3_rope))),
+        ("qwen2-tiny", Qwen2ForCausalLM(Qwen2Config(**shapes, tie_word_embeddings=False))),
+        ("mistral-tiny", MistralForCausalLM(MistralConfig(
+            **{**shapes, "num_attention_heads": 4, "num_key_value_heads": 2}, head_dim=32,
+            tie_word_embeddings=False, sliding_window=None))),
+    ]
+    for seed, (name, model) in enumerate(families, start=20):
+        randomize(model, seed)
+        save(model, os.path.join(root, name))
     with open(stamp, "w") as f:
         f.write(digest.hexdigest())
 

@@ -209,9 +209,11 @@ impl ModelConfig {
             "Qwen2ForCausalLM" | "qwen2" => Architecture::Qwen2,
             "LlamaForCausalLM" | "llama" => Architecture::Llama,
             "MistralForCausalLM" | "mistral" => Architecture::Mistral,
-            other => return Err(Error::Config(format!(
+            other => {
+                return Err(Error::Config(format!(
                 "architecture `{other}` is not supported; supported: {SUPPORTED} (docs/models.md)"
-            ))),
+            )))
+            }
         };
         use Architecture::*;
         // Biases: Qwen2 always has q/k/v ones; Qwen3 and Llama follow `attention_bias` (all four
