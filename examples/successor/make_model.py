@@ -19,11 +19,13 @@ the digit (so it reads it), it learns most successors in 150 steps, but one to t
 collapse onto a wrong answer they never leave (a near-certain token's gradient vanishes), which
 keeps the reward at 0.7-0.9.
 
-Usage: python make_model.py OUT_DIR [--head-dim 32]
+Usage: python make_model.py OUT_DIR [--head-dim 32] [--family llama]
 
 `--head-dim 32` makes the same model with two heads of 32 instead of four of 16 (one key/value
 head instead of two): vLLM's CPU attention refuses head_dim 16, so the recipe's vLLM variant
-(rlrun-vllm.yaml) serves this one.
+(rlrun-vllm.yaml) serves this one. `--family llama` makes it a Llama 3-architecture model
+(`LlamaForCausalLM`: no q/k norms, llama3 rope scaling) of the same shape, trained the same way:
+the policy of rlrun-llama.yaml (docs/models.md).
 
 Writes OUT_DIR/ (config.json, model.safetensors, generation_config.json, tokenizer.json from
 tests/fixtures/tiny_bpe, chat_template.jinja = the Qwen3 template from tests/fixtures,
@@ -45,7 +47,7 @@ import random
 import sys
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # tiny_qwen3: what the recipes' model scripts share
@@ -158,9 +160,22 @@ def batch(task, skill, rng):
     return ids, at, torch.tensor(targets)
 
 
-def train(task, skill, rng):
+# Llama 3's rope scaling, with an original context short enough that the tiny model's
+# frequencies fall in all three of its bands.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+
+
+def new_model(family):
+    if family == "llama":
+        config = {k: v for k, v in CONFIG.items() if k != "rope_theta"}
+        return LlamaForCausalLM(LlamaConfig(**config, rope_parameters=LLAMA3_ROPE))
+    return Qwen3ForCausalLM(Qwen3Config(**CONFIG))
+
+
+def train(task, skill, rng, family):
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**CONFIG))
+    model = new_model(family)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     model.train()
     floor = math.log(10) / 4  # a uniform digit on task turns; digit and <|im_end|> certain otherwise
@@ -211,24 +226,29 @@ def evaluate(model, task, skill):
         raise SystemExit("make_model: the base model is not at chance on the task, or not in its format")
 
 
-def fingerprint(head_dim):
-    return tiny_qwen3.fingerprint(
-        [os.path.abspath(__file__), os.path.join(HERE, "env.py")], f"head_dim={head_dim}".encode()
-    )
+def fingerprint(head_dim, family):
+    extra = f"head_dim={head_dim}" + ("" if family == "qwen3" else f",family={family}")
+    return tiny_qwen3.fingerprint([os.path.abspath(__file__), os.path.join(HERE, "env.py")], extra.encode())
 
 
 def main():
     args = sys.argv[1:]
-    head_dim = 16
-    if len(args) == 3 and args[1] == "--head-dim" and args[2] in ("16", "32"):
-        head_dim = int(args[2])
-        args = args[:1]
-    if len(args) != 1:
-        raise SystemExit("usage: python make_model.py OUT_DIR [--head-dim 16|32]")
-    out = args[0]
+    head_dim, family = 16, "qwen3"
+    usage = "usage: python make_model.py OUT_DIR [--head-dim 16|32] [--family qwen3|llama]"
+    if not args:
+        raise SystemExit(usage)
+    out, rest = args[0], args[1:]
+    while rest:
+        if len(rest) >= 2 and rest[0] == "--head-dim" and rest[1] in ("16", "32"):
+            head_dim = int(rest[1])
+        elif len(rest) >= 2 and rest[0] == "--family" and rest[1] in ("qwen3", "llama"):
+            family = rest[1]
+        else:
+            raise SystemExit(usage)
+        rest = rest[2:]
     if head_dim == 32:
         CONFIG.update(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-    digest = fingerprint(head_dim)
+    digest = fingerprint(head_dim, family)
     if tiny_qwen3.is_current(out, "make_model", digest):
         return
     torch.use_deterministic_algorithms(True)
@@ -240,7 +260,7 @@ def main():
     task, skill = Episodes(tok, FIRST, NEXT), Episodes(tok, SKILL_FIRST, SKILL_NEXT)
     task.check(tok, rng)
     skill.check(tok, rng)
-    model = train(task, skill, rng)
+    model = train(task, skill, rng, family)
     evaluate(model, task, skill)
     tiny_qwen3.save(model, out, "make_model", digest)
 

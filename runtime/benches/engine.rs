@@ -6,7 +6,8 @@
 //! 3. weight update over the TCP data plane vs a plain in-memory copy of the same bytes.
 //!
 //! `cargo bench -p moult-runtime --bench engine` (after `source scripts/env.sh`);
-//! `-- --quick` runs the tiny model only, `-- --large` the Qwen3-0.6B-shaped one only. Documented in docs/benchmarks.md.
+//! `-- --quick` runs the tiny model only, `-- --large` the Qwen3-0.6B-shaped one only, `-- --llama`
+//! a Llama 3.2-1B-shaped one (docs/models.md). Documented in docs/benchmarks.md.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -47,6 +48,38 @@ fn models() -> (PathBuf, PathBuf) {
         ]);
     }
     (tiny, qwen)
+}
+
+/// A model of Llama 3.2-1B's shape (its model card: 16 layers, hidden 2048, 32 heads of 64 with 8
+/// key/value heads, MLP 8192, vocabulary 128256, tied embeddings, llama3 rope scaling) with
+/// random weights, created once.
+fn llama_model() -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-models");
+    let llama = dir.join("llama3.2-1b-random");
+    if !llama.join("model.safetensors").exists() {
+        eprintln!("creating a Llama 3.2-1B-shaped model with random weights (transformers)...");
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("llama3.2-1b-config.json");
+        let shape = serde_json::json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "tie_word_embeddings": true, "hidden_act": "silu"
+        });
+        std::fs::write(&config, shape.to_string()).unwrap();
+        run_python(&[
+            root()
+                .join("tests/python/make_random_model.py")
+                .to_str()
+                .unwrap(),
+            config.to_str().unwrap(),
+            llama.to_str().unwrap(),
+        ]);
+    }
+    llama
 }
 
 fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHandle<()>) {
@@ -280,12 +313,20 @@ fn main() {
         (false, true) => (false, true),
         (false, false) => (true, true),
     };
+    // `--llama`: the Llama 3.2-1B-shaped model alone (docs/models.md).
+    let llama_on = args.iter().any(|a| a == "--llama");
+    let (tiny_on, large_on) = if llama_on {
+        (false, false)
+    } else {
+        (tiny_on, large_on)
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     let (tiny, qwen) = models();
+    let llama = llama_on.then(llama_model);
     println!("cores: {}\n", cores());
 
     println!(
@@ -301,6 +342,9 @@ fn main() {
     if large_on {
         throughput(&rt, "Qwen3-0.6B shape", &qwen, 32);
     }
+    if let Some(llama) = &llama {
+        throughput(&rt, "Llama 3.2-1B shape", llama, 32);
+    }
 
     println!("\n## Per-token decode latency (ms/token, batch 1)\n");
     println!("| model | context 64 | context 1024 | 1024 / 64 |");
@@ -310,6 +354,9 @@ fn main() {
     }
     if large_on {
         latency(&rt, "Qwen3-0.6B shape", &qwen);
+    }
+    if let Some(llama) = &llama {
+        latency(&rt, "Llama 3.2-1B shape", llama);
     }
 
     println!("\n## Weight update over TCP (f32, all weights, one engine, 256 MiB buckets)\n");

@@ -59,19 +59,19 @@ fn libtorch_cli_refuses_bad_arguments_and_unsupported_models() {
     let err = failing(&["engine", "--model", "/nonexistent/model"]);
     assert!(err.contains("/nonexistent/model/config.json"), "{err}");
 
-    // A Llama checkpoint is refused naming the architecture.
+    // A Gemma 3 checkpoint (not implemented yet) is refused naming the architecture.
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("llama-{}", std::process::id()));
+        .join(format!("gemma-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(common::dense_model().join("config.json")).unwrap(),
     )
     .unwrap();
-    config["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+    config["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let err = failing(&["engine", "--model", dir.to_str().unwrap()]);
     assert!(
-        err.contains("architecture `LlamaForCausalLM` is not supported"),
+        err.contains("architecture `Gemma3ForCausalLM` is not supported"),
         "{err}"
     );
 

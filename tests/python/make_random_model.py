@@ -8,7 +8,14 @@ import json
 import sys
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 
 def main():
@@ -23,6 +30,8 @@ def main():
         model = Qwen3ForCausalLM(Qwen3Config(**raw))
     elif arch == "Qwen3MoeForCausalLM":
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**raw))
+    elif arch == "LlamaForCausalLM":
+        model = LlamaForCausalLM(LlamaConfig(**raw))
     else:
         sys.exit(f"unsupported architecture {arch}")
     model.save_pretrained(out, safe_serialization=True)
