@@ -34,20 +34,32 @@ fn models() -> (PathBuf, PathBuf) {
             dir.to_str().unwrap(),
         ]);
     }
-    let qwen = dir.join("qwen3-0.6b-random");
-    if !qwen.join("model.safetensors").exists() {
-        eprintln!("creating a Qwen3-0.6B-shaped model with random weights (transformers)...");
-        let config = root().join("tests/fixtures/qwen3_0.6b_config.json");
+    let qwen = random_model(
+        "qwen3-0.6b-random",
+        "Qwen3-0.6B",
+        &root().join("tests/fixtures/qwen3_0.6b_config.json"),
+    );
+    (tiny, qwen)
+}
+
+/// A model of `config`'s shape with random weights (transformers), created once as
+/// `bench-models/<name>`.
+fn random_model(name: &str, shape: &str, config: &Path) -> PathBuf {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("bench-models")
+        .join(name);
+    if !out.join("model.safetensors").exists() {
+        eprintln!("creating a {shape}-shaped model with random weights (transformers)...");
         run_python(&[
             root()
                 .join("tests/python/make_random_model.py")
                 .to_str()
                 .unwrap(),
             config.to_str().unwrap(),
-            qwen.to_str().unwrap(),
+            out.to_str().unwrap(),
         ]);
     }
-    (tiny, qwen)
+    out
 }
 
 /// A model of Llama 3.2-1B's shape (its model card: 16 layers, hidden 2048, 32 heads of 64 with 8
@@ -55,31 +67,19 @@ fn models() -> (PathBuf, PathBuf) {
 /// random weights, created once.
 fn llama_model() -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-models");
-    let llama = dir.join("llama3.2-1b-random");
-    if !llama.join("model.safetensors").exists() {
-        eprintln!("creating a Llama 3.2-1B-shaped model with random weights (transformers)...");
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("llama3.2-1b-config.json");
-        let shape = serde_json::json!({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-            "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            "tie_word_embeddings": true, "hidden_act": "silu"
-        });
-        std::fs::write(&config, shape.to_string()).unwrap();
-        run_python(&[
-            root()
-                .join("tests/python/make_random_model.py")
-                .to_str()
-                .unwrap(),
-            config.to_str().unwrap(),
-            llama.to_str().unwrap(),
-        ]);
-    }
-    llama
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("llama3.2-1b-config.json");
+    let shape = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": true, "hidden_act": "silu"
+    });
+    std::fs::write(&config, shape.to_string()).unwrap();
+    random_model("llama3.2-1b-random", "Llama 3.2-1B", &config)
 }
 
 fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHandle<()>) {

@@ -919,54 +919,22 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
 async fn cluster_run_with_a_judge_scores_every_batch_and_advances() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    ensure_model();
-    let examples = Path::new(ROOT).join("examples/judge");
-    let made = std::process::Command::new(
-        std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into()),
-    )
-    .arg(examples.join("make_judge.py"))
-    .arg(examples.join("judge-model"))
-    .status()
-    .expect("run make_judge.py");
-    assert!(made.success(), "make_judge.py failed");
-    cluster();
-    let ns = Namespace::new("cluster-judge");
-    let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
-    let _ = std::fs::remove_dir_all(&root);
-    let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
-    let operator = Operator::start(&ns, "judge");
-    let kubelet = start_kubelet(
-        &ns,
-        &root,
-        BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
-        BTreeMap::new(),
-        Vec::new(),
+    let run = ScorerRun::start(
+        "cluster-judge",
+        "examples/judge/make_judge.py",
+        "examples/judge/judge-model",
+        &judge_run_yaml(),
+        JUDGE_RUN,
     )
     .await;
-    ns.apply(&judge_run_yaml());
-    let s = wait_status(
-        (&ns, JUDGE_RUN),
-        &kubelet,
-        Duration::from_secs(300),
-        "3 judged steps",
-        |s| step_of(s) >= 3,
-    );
-    assert!(s["metrics"]["reward"].is_number(), "status: {s}");
     assert_eq!(
-        pod_field_of(&ns, JUDGE_RUN, "judge", "status.phase"),
+        pod_field_of(&run.ns, JUDGE_RUN, "judge", "status.phase"),
         "Running",
         "the judge's engine pod"
     );
     // Every step's reward is the judge's score alone (agentWeight 0), and the record says what
     // the judge found: its mean score, and the env's own reward beside it.
-    let metrics =
-        std::fs::read_to_string(checkpoints.join(JUDGE_RUN).join("metrics.jsonl")).unwrap();
-    let records: Vec<Value> = metrics
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert!(records.len() >= 3, "{metrics}");
+    let records = run.records();
     for r in &records {
         let (reward, judge) = (
             r["reward_mean"].as_f64().unwrap(),
@@ -978,14 +946,11 @@ async fn cluster_run_with_a_judge_scores_every_batch_and_advances() {
     }
     println!(
         "judged run at step {}: judge score {} (agent reward {}) at the last step",
-        step_of(&status(&ns, JUDGE_RUN)),
+        step_of(&status(&run.ns, JUDGE_RUN)),
         records.last().unwrap()["judge_score_mean"],
         records.last().unwrap()["agent_reward_mean"]
     );
-    ns.kubectl(&["delete", "rlrun", JUDGE_RUN, "--wait=false"]);
-    kubelet.shutdown().await;
-    drop(operator);
-    let _ = std::fs::remove_dir_all(&root);
+    run.finish().await;
 }
 
 const TEACHER_RUN: &str = "distilled";
@@ -1031,45 +996,20 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
 async fn cluster_run_with_a_served_teacher_distills_and_advances() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    ensure_model();
-    let examples = Path::new(ROOT).join("examples/distill");
-    let made = std::process::Command::new(
-        std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into()),
-    )
-    .arg(examples.join("make_teacher.py"))
-    .arg(examples.join("teacher"))
-    .status()
-    .expect("run make_teacher.py");
-    assert!(made.success(), "make_teacher.py failed");
-    cluster();
-    let ns = Namespace::new("cluster-teacher");
-    let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
-    let _ = std::fs::remove_dir_all(&root);
-    let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
-    let operator = Operator::start(&ns, "teacher");
-    let kubelet = start_kubelet(
-        &ns,
-        &root,
-        BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
-        BTreeMap::new(),
-        Vec::new(),
+    let run = ScorerRun::start(
+        "cluster-teacher",
+        "examples/distill/make_teacher.py",
+        "examples/distill/teacher",
+        &served_teacher_run_yaml(),
+        TEACHER_RUN,
     )
     .await;
-    ns.apply(&served_teacher_run_yaml());
-    wait_status(
-        (&ns, TEACHER_RUN),
-        &kubelet,
-        Duration::from_secs(300),
-        "3 distilled steps",
-        |s| step_of(s) >= 3,
-    );
     assert_eq!(
-        pod_field_of(&ns, TEACHER_RUN, "teacher", "status.phase"),
+        pod_field_of(&run.ns, TEACHER_RUN, "teacher", "status.phase"),
         "Running",
         "the teacher's engine pod"
     );
-    let trainer_env = ns.kubectl(&[
+    let trainer_env = run.ns.kubectl(&[
         "get",
         "pod",
         &format!("{TEACHER_RUN}-trainer-0"),
@@ -1077,13 +1017,7 @@ async fn cluster_run_with_a_served_teacher_distills_and_advances() {
         "jsonpath={.spec.containers[0].env[*].name}",
     ]);
     assert!(!trainer_env.contains("MOULT_TEACHER"), "{trainer_env}");
-    let metrics =
-        std::fs::read_to_string(checkpoints.join(TEACHER_RUN).join("metrics.jsonl")).unwrap();
-    let records: Vec<Value> = metrics
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert!(records.len() >= 3, "{metrics}");
+    let records = run.records();
     for r in &records {
         let kl = r["teacher_kl"]
             .as_f64()
@@ -1093,12 +1027,94 @@ async fn cluster_run_with_a_served_teacher_distills_and_advances() {
     }
     println!(
         "distilled run at step {}: teacher_kl {} -> {}",
-        step_of(&status(&ns, TEACHER_RUN)),
+        step_of(&status(&run.ns, TEACHER_RUN)),
         records[0]["teacher_kl"],
         records.last().unwrap()["teacher_kl"]
     );
-    ns.kubectl(&["delete", "rlrun", TEACHER_RUN, "--wait=false"]);
-    kubelet.shutdown().await;
-    drop(operator);
-    let _ = std::fs::remove_dir_all(&root);
+    run.finish().await;
+}
+
+/// A run whose batches a model of its own scores (a judge, a served teacher), on the test
+/// cluster with its operator and kubelet, after three committed steps.
+struct ScorerRun {
+    ns: Namespace,
+    name: &'static str,
+    root: PathBuf,
+    checkpoints: PathBuf,
+    kubelet: Kubelet,
+    operator: Operator,
+}
+
+impl ScorerRun {
+    /// Makes the recipe's policy and the scorer's model (`script OUT`, paths from the
+    /// repository), applies `yaml` in namespace `ns` and waits for three steps.
+    async fn start(
+        ns: &str,
+        script: &str,
+        model: &str,
+        yaml: &str,
+        name: &'static str,
+    ) -> ScorerRun {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        ensure_model();
+        let made = std::process::Command::new(
+            std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into()),
+        )
+        .arg(Path::new(ROOT).join(script))
+        .arg(Path::new(ROOT).join(model))
+        .status()
+        .unwrap_or_else(|e| panic!("run {script}: {e}"));
+        assert!(made.success(), "{script} failed");
+        cluster();
+        let ns = Namespace::new(ns);
+        let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
+        let _ = std::fs::remove_dir_all(&root);
+        let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
+        let operator = Operator::start(&ns, name);
+        let kubelet = start_kubelet(
+            &ns,
+            &root,
+            BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]),
+            BTreeMap::new(),
+            Vec::new(),
+        )
+        .await;
+        ns.apply(yaml);
+        wait_status(
+            (&ns, name),
+            &kubelet,
+            Duration::from_secs(300),
+            "3 scored steps",
+            |s| step_of(s) >= 3,
+        );
+        ScorerRun {
+            ns,
+            name,
+            root,
+            checkpoints,
+            kubelet,
+            operator,
+        }
+    }
+
+    /// The step records the trainer wrote to the checkpoint claim (three at least).
+    fn records(&self) -> Vec<Value> {
+        let metrics =
+            std::fs::read_to_string(self.checkpoints.join(self.name).join("metrics.jsonl"))
+                .unwrap();
+        let records: Vec<Value> = metrics
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert!(records.len() >= 3, "{metrics}");
+        records
+    }
+
+    async fn finish(self) {
+        self.ns
+            .kubectl(&["delete", "rlrun", self.name, "--wait=false"]);
+        self.kubelet.shutdown().await;
+        drop(self.operator);
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
 }
