@@ -116,16 +116,21 @@ impl ToolCallParser for Hermes {
     }
 
     fn content_prefix_len(&self, text: &str) -> usize {
-        // Hold back a suffix that may be the start of a tag, and the whitespace before it (a
-        // finished output's content ends trimmed before its first call).
-        let end = text.find(START).unwrap_or_else(|| {
-            (1..START.len())
-                .rev()
-                .find(|&k| text.ends_with(&START[..k]))
-                .map_or(text.len(), |k| text.len() - k)
-        });
-        text[..end].trim_end().len()
+        content_before(text, START)
     }
+}
+
+/// The content of a growing `text` whose calls start at `marker`: what comes before the marker,
+/// or before a suffix that may be its start, and before the whitespace there (a finished
+/// output's content ends trimmed before its first call).
+fn content_before(text: &str, marker: &str) -> usize {
+    let end = text.find(marker).unwrap_or_else(|| {
+        (1..marker.len())
+            .rev()
+            .find(|&k| text.ends_with(&marker[..k]))
+            .map_or(text.len(), |k| text.len() - k)
+    });
+    text[..end].trim_end().len()
 }
 
 /// Llama 3.x: the whole output is one call or several separated by `;`, each
@@ -240,13 +245,7 @@ impl ToolCallParser for MistralTools {
         if text.trim_start().starts_with('[') {
             return 0;
         }
-        let end = text.find(TOOL_CALLS).unwrap_or_else(|| {
-            (1..TOOL_CALLS.len())
-                .rev()
-                .find(|&k| text.ends_with(&TOOL_CALLS[..k]))
-                .map_or(text.len(), |k| text.len() - k)
-        });
-        text[..end].trim_end().len()
+        content_before(text, TOOL_CALLS)
     }
 }
 

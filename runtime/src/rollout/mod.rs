@@ -130,6 +130,28 @@ pub struct RolloutStats {
     pub groups_filtered: u64,
 }
 
+/// The segments of `batch` the trainer learns from (those with sampled tokens), in batch order,
+/// with where they are: (group, episode, segment index). A served teacher scores exactly these,
+/// and the learner makes one sample of each.
+pub fn trained_segments(
+    batch: &[Group],
+) -> impl Iterator<Item = (usize, usize, usize, &crate::loopback::Segment)> {
+    batch.iter().enumerate().flat_map(|(g, group)| {
+        group
+            .episodes
+            .iter()
+            .enumerate()
+            .flat_map(move |(e, episode)| {
+                episode
+                    .segments
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, seg)| seg.sampled_tokens() > 0)
+                    .map(move |(s, seg)| (g, e, s, seg))
+            })
+    })
+}
+
 /// Every episode of the group has the same reward, exactly (no learning signal against a group
 /// baseline).
 pub fn rewards_all_equal(episodes: &[Episode]) -> bool {

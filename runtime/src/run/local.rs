@@ -216,18 +216,17 @@ impl Stack {
             crate::loopback::DEFAULT_MAX_BODY_BYTES,
             stopped(stop_rx.clone()),
         ));
+        // The judge and a served teacher take a step's episodes all at once.
+        let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
         let judge = match &cfg.judge {
             Some(opts) => {
-                let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
                 Some(judge(opts, &cfg.model_dir, episodes, device, stop_rx.clone()).await?)
             }
             None => None,
         };
         let teacher = match (&cfg.teacher_dir, cfg.served_teacher) {
             (Some(dir), Some(_)) => {
-                // Every segment of a step is scored at once.
-                let batch = cfg.rollout.batch_size * cfg.rollout.group_size;
-                let url = fixed_engine(dir, batch, device, stop_rx.clone()).await?;
+                let url = fixed_engine(dir, episodes, device, stop_rx.clone()).await?;
                 Some(Teacher::new(Arc::new(EnginePool::new(&[url]))))
             }
             _ => None,

@@ -12,7 +12,7 @@ use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
 use crate::engine::npy::decode_routed_experts;
 use crate::loopback::Segment;
 use crate::model::Qwen3Model;
-use crate::rollout::Group;
+use crate::rollout::{trained_segments, Group};
 use crate::trainer::logprobs::{token_logprobs, Scored};
 use crate::trainer::train::Sample;
 
@@ -111,7 +111,7 @@ pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64, Ru
     let mut kl = ReverseKl::default();
     let mut segments = trained_segments(batch);
     for s in samples.iter_mut() {
-        let (_, _, seg) = segments.next().ok_or_else(|| {
+        let (_, _, _, seg) = segments.next().ok_or_else(|| {
             RunError::Setup("distillation: more samples than trained segments".into())
         })?;
         let scores = seg.teacher_logprobs.as_deref().ok_or_else(|| {
@@ -202,24 +202,6 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
     Ok(Some(t))
 }
 
-/// The segments the trainer learns from (those with sampled tokens), in batch order, with
-/// where they are: (group, episode, segment).
-fn trained_segments(batch: &[Group]) -> impl Iterator<Item = (usize, usize, &Segment)> {
-    batch.iter().enumerate().flat_map(|(g, group)| {
-        group
-            .episodes
-            .iter()
-            .enumerate()
-            .flat_map(move |(e, episode)| {
-                episode
-                    .segments
-                    .iter()
-                    .filter(|seg| seg.sampled_tokens() > 0)
-                    .map(move |seg| (g, e, seg))
-            })
-    })
-}
-
 /// The batch as trainer samples: every segment with sampled tokens, with its episode's
 /// advantage.
 pub fn samples(
@@ -228,7 +210,7 @@ pub fn samples(
     routing_replay: bool,
 ) -> Result<Vec<Sample>, RunError> {
     trained_segments(batch)
-        .map(|(g, e, seg)| {
+        .map(|(g, e, _, seg)| {
             Ok(Sample {
                 tokens: seg.token_ids.clone(),
                 loss_mask: seg.loss_mask.clone(),

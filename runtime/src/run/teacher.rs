@@ -16,7 +16,7 @@ use futures::StreamExt;
 
 use super::RunError;
 use crate::engine::client::EngineError;
-use crate::rollout::Group;
+use crate::rollout::{trained_segments, Group};
 use crate::router::{Engine, EnginePool};
 
 /// Tries per segment before the batch's scoring fails.
@@ -55,17 +55,12 @@ impl Teacher {
         step: u64,
     ) -> Result<TeacherStats, RunError> {
         let started = Instant::now();
-        let mut asks = Vec::new();
-        for (g, group) in batch.iter().enumerate() {
-            for (e, episode) in group.episodes.iter().enumerate() {
-                for (s, seg) in episode.segments.iter().enumerate() {
-                    if seg.sampled_tokens() > 0 {
-                        let id = format!("teacher-{step}-{g}-{e}-{s}");
-                        asks.push(((g, e, s), id, seg.token_ids.clone()));
-                    }
-                }
-            }
-        }
+        let asks: Vec<_> = trained_segments(batch)
+            .map(|(g, e, s, seg)| {
+                let id = format!("teacher-{step}-{g}-{e}-{s}");
+                ((g, e, s), id, seg.token_ids.clone())
+            })
+            .collect();
         let tokens = asks.iter().map(|(_, _, t)| t.len()).sum();
         let scores: Vec<_> = futures::stream::iter(asks)
             .map(|(at, id, tokens)| async move { (at, self.score(&id, &tokens).await) })

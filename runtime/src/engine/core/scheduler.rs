@@ -66,10 +66,19 @@ impl Sequence {
         self.job.params.prompt_logprobs.is_some() && self.scored.len() + 1 < self.prompt_len
     }
 
+    /// The prompt rows a forward over `n` tokens from position `start` scores: those not scored
+    /// yet (the last prompt row predicts the first output token and is not a prompt row's).
+    fn rows_to_score(&self, start: usize, n: usize) -> std::ops::Range<usize> {
+        if n == 0 || !self.scoring() {
+            return 0..0;
+        }
+        self.scored.len().max(start)..(start + n).min(self.prompt_len - 1)
+    }
+
     /// `prompt_logprobs` as vLLM reports them, once every prompt row is scored.
     fn prompt_logprobs(&self) -> Option<PromptLogprobs> {
         self.job.params.prompt_logprobs?;
-        if self.scored.len() + 1 < self.prompt_len {
+        if self.scoring() {
             return None;
         }
         let rows = self.scored.iter().map(|row| {
@@ -475,16 +484,15 @@ impl Engine {
         let sampled_rows = rows.len();
         let mut offset = 0usize;
         for (i, seq) in self.running.iter().enumerate() {
-            let n = plan[i];
-            if n > 0 && seq.scoring() {
-                let end = (starts[i] + n).min(seq.prompt_len - 1);
-                for p in seq.scored.len().max(starts[i])..end {
-                    rows.push((offset + p - starts[i]) as i64);
-                    targets.push(seq.tokens[p + 1]);
-                }
+            let scored = seq.rows_to_score(starts[i], plan[i]);
+            if !scored.is_empty() {
                 top = top.max(seq.job.params.prompt_logprobs.unwrap_or(0));
             }
-            offset += n;
+            for p in scored {
+                rows.push((offset + p - starts[i]) as i64);
+                targets.push(seq.tokens[p + 1]);
+            }
+            offset += plan[i];
         }
         let logits_for = if targets.is_empty() {
             LogitsFor::Last
@@ -542,15 +550,12 @@ impl Engine {
                     }
                 }
             }
-            if seq.scoring() {
-                let end = (starts[i] + n).min(seq.prompt_len - 1);
-                for _ in seq.scored.len().max(starts[i])..end {
-                    let mut scored = scores.next().expect("a score per scored row");
-                    scored
-                        .top
-                        .truncate(seq.job.params.prompt_logprobs.unwrap_or(0));
-                    seq.scored.push(scored);
-                }
+            for _ in seq.rows_to_score(starts[i], n) {
+                let mut scored = scores.next().expect("a score per scored row");
+                scored
+                    .top
+                    .truncate(seq.job.params.prompt_logprobs.unwrap_or(0));
+                seq.scored.push(scored);
             }
             packed_offset += n;
             let row_logits = &logits[row * vocab..(row + 1) * vocab];
