@@ -44,16 +44,26 @@ fn cases() -> Value {
                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "celsius": true}}}]},
                       {"role": "tool", "name": "get_weather", "tool_call_id": "call12345", "content": "{\"temp\": 21.5}"},
                       {"role": "user", "content": "Thanks"}]},
+        // Tools offered on a first turn (Gemma 3's template ignores them).
+        {"name": "tools_offered", "add_generation_prompt": true, "kwargs": special, "tools": [weather],
+         "messages": [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Oslo?"}]},
         {"name": "reasoning", "add_generation_prompt": true, "kwargs": with(json!({"enable_thinking": false})),
          "messages": [{"role": "user", "content": "2+2?"},
                       {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
                       {"role": "user", "content": "And 3+3?"}]},
         {"name": "unicode", "add_generation_prompt": true, "kwargs": special,
-         "messages": [{"role": "user", "content": "héllo 世界 <tag> & \"quotes\"\n\ttabs"}]}
+         "messages": [{"role": "user", "content": "héllo 世界 <tag> & \"quotes\"\n\ttabs"}]},
+        // Content as a list of parts (Gemma 3 reads a system prompt's first part and marks
+        // images), and two user turns in a row (templates that require alternation raise).
+        {"name": "content_parts", "add_generation_prompt": true, "kwargs": special,
+         "messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief. "}]},
+                      {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " What is this?\n"}]}]},
+        {"name": "consecutive_users", "add_generation_prompt": true, "kwargs": special,
+         "messages": [{"role": "user", "content": "First."}, {"role": "user", "content": "Second."}]}
     ])
 }
 
-const TEMPLATES: [&str; 8] = [
+const TEMPLATES: [&str; 9] = [
     "qwen3_chat_template.jinja",
     "qwen3_chat_template_llamacpp_2025-05.jinja",
     "qwen3_coder_chat_template.jinja",
@@ -62,6 +72,7 @@ const TEMPLATES: [&str; 8] = [
     "llama3.2_3b_instruct_chat_template.jinja",
     "mistral_nemo_instruct_2407_chat_template.jinja",
     "deepseek_v3.1_chat_template.jinja",
+    "gemma3_it_chat_template.jinja",
 ];
 
 fn fixtures() -> std::path::PathBuf {
@@ -120,7 +131,14 @@ fn transformers_chat_templates_render_identically() {
                         ));
                     }
                 }
-                (Err(_), None) => compared += 1,
+                // The template raised: we must fail too, and where it raised on purpose
+                // (raise_exception), with its message.
+                (Err(e), None) => match theirs["raised"].as_str() {
+                    Some(message) if !e.to_string().contains(message) => failures.push(format!(
+                        "{name} / {case_name}: transformers raised {message:?} but we failed with: {e}"
+                    )),
+                    _ => compared += 1,
+                },
                 (Ok(text), None) => failures.push(format!(
                     "{name} / {case_name}: transformers failed ({}) but we rendered:\n{text}",
                     theirs["error"]

@@ -32,6 +32,10 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
     special_tokens: Map<String, Json>,
+    /// Where the template came from, for messages (a file, or "the chat template").
+    origin: String,
+    /// Whether the source reads the `tools` variable at all.
+    reads_tools: bool,
 }
 
 /// What a render call passes besides the messages.
@@ -226,10 +230,19 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat_template", source.to_string())
             .map_err(TemplateError::Compile)?;
+        // A static look at the variables the template may read: one that never reads `tools`
+        // renders a request's tools nowhere (Gemma 3's official template).
+        let reads_tools = env
+            .get_template("chat_template")
+            .map_err(TemplateError::Compile)?
+            .undeclared_variables(false)
+            .contains("tools");
         Ok(Self {
             env,
             source: source.to_string(),
             special_tokens,
+            origin: "the chat template".to_string(),
+            reads_tools,
         })
     }
 
@@ -256,9 +269,11 @@ impl ChatTemplate {
                 })
                 .collect();
         let file = dir.join("chat_template.jinja");
+        let mut origin = file.display().to_string();
         let source = if let Ok(text) = std::fs::read_to_string(&file) {
             text
         } else {
+            origin = format!("the chat_template of {}", config_path.display());
             match config.get("chat_template") {
                 Some(Json::String(s)) => s.clone(),
                 Some(Json::Array(named)) => named
@@ -278,12 +293,25 @@ impl ChatTemplate {
                 }
             }
         };
-        Self::new(&source, special_tokens)
+        let mut template = Self::new(&source, special_tokens)?;
+        template.origin = origin;
+        Ok(template)
     }
 
     /// The template's Jinja source.
     pub fn source(&self) -> &str {
         &self.source
+    }
+
+    /// Where the template was read from (its file), for messages.
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// Whether the template reads `tools` anywhere. One that does not (Gemma 3's official
+    /// template) never shows a request's tools to the model.
+    pub fn reads_tools(&self) -> bool {
+        self.reads_tools
     }
 
     /// Renders `messages` (a JSON array of message objects, as transformers takes them).
@@ -327,5 +355,38 @@ mod tests {
         );
         assert_eq!(strftime(0, "%Y-%m-%d %a"), "1970-01-01 Thu");
         assert_eq!(strftime(951_782_400, "%Y-%m-%d %j"), "2000-02-29 060");
+    }
+
+    #[test]
+    fn only_templates_that_read_tools_say_so() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        for entry in std::fs::read_dir(&fixtures).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if !name.ends_with(".jinja") {
+                continue;
+            }
+            let source = std::fs::read_to_string(&path).unwrap();
+            let template = ChatTemplate::new(&source, Map::new()).unwrap();
+            // Every family's template renders tools except Gemma 3's official one and
+            // DeepSeek V3.1's (which renders past tool calls but never the tool list).
+            let without = [
+                "gemma3_it_chat_template.jinja",
+                "deepseek_v3.1_chat_template.jinja",
+            ];
+            assert_eq!(
+                template.reads_tools(),
+                !without.contains(&name.as_str()),
+                "{name}"
+            );
+        }
+        let plain = ChatTemplate::new("{% set tools = 1 %}{{ tools }}", Map::new()).unwrap();
+        assert!(!plain.reads_tools());
+        let guarded = ChatTemplate::new(
+            "{% if tools is not defined %}{% set tools = none %}{% endif %}{{ tools }}",
+            Map::new(),
+        )
+        .unwrap();
+        assert!(guarded.reads_tools());
     }
 }

@@ -322,6 +322,7 @@ impl ChatService {
         mut req: ChatRequest,
         events: Option<mpsc::Sender<TurnEvent>>,
     ) -> Result<Arc<TurnOutput>, LoopbackError> {
+        self.check_tools(&req)?;
         let slot = self.session(session_id)?;
         if let Some(sampling) = &slot.sampling {
             sampling.apply(&mut req.sampling);
@@ -406,6 +407,24 @@ impl ChatService {
         // Idle time counts from the end of the last turn.
         slot.touch();
         Ok(answer)
+    }
+
+    /// Tools the chat template would drop are refused: a template that never reads `tools`
+    /// (Gemma 3's official one) would render the request as if it had none, and the model could
+    /// not call them.
+    fn check_tools(&self, req: &ChatRequest) -> Result<(), InvalidRequest> {
+        if req.tools.is_empty() || self.template.reads_tools() {
+            return Ok(());
+        }
+        Err(InvalidRequest::new(
+            "tools",
+            format!(
+                "the request has tools, but the model's chat template ({}) never renders tools, \
+                 so the model would not see them; send the request without tools, or serve the \
+                 model with a chat template that renders them (docs/chat.md, \"Tool calls\")",
+                self.template.origin()
+            ),
+        ))
     }
 
     async fn sample(
@@ -524,5 +543,72 @@ impl ChatService {
                 tokens,
             },
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+    use std::path::Path;
+
+    /// Gemma 3's official template never reads `tools`: a request with tools is refused with a
+    /// message naming the template file, before any session or engine is involved, and the
+    /// same request without tools goes on.
+    #[tokio::test]
+    async fn tools_the_template_never_renders_are_refused() {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        let dir = std::env::temp_dir().join(format!("moult-gemma3-tools-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(
+            fixtures.join("tiny_bpe/tiny_bpe_tokenizer.json"),
+            dir.join("tokenizer.json"),
+        )
+        .unwrap();
+        std::fs::copy(
+            fixtures.join("gemma3_it_chat_template.jinja"),
+            dir.join("chat_template.jinja"),
+        )
+        .unwrap();
+        let service = ChatService::new(
+            // Nothing listens there: the engine must not be needed.
+            EngineClient::new("http://127.0.0.1:9"),
+            Tokenizer::from_model_dir(&dir).unwrap(),
+            ChatTemplate::from_model_dir(&dir).unwrap(),
+            ServiceOptions::pool(2, "gemma"),
+        );
+        let request = |tools: Value| -> ChatRequest {
+            serde_json::from_value(json!({
+                "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+                "tools": tools,
+                "parse_tool_calls": true,
+                "sampling": {"stop": []},
+                "n": 1,
+                "template_kwargs": {}
+            }))
+            .unwrap()
+        };
+        let weather = json!([{"name": "get_weather", "parameters": {"type": "object"}}]);
+        match service
+            .turn("s1", "openai", "call_", request(weather), None)
+            .await
+        {
+            Err(LoopbackError::Invalid(e)) => {
+                assert_eq!(e.param.as_deref(), Some("tools"));
+                let file = dir.join("chat_template.jinja").display().to_string();
+                assert!(e.message.contains(&file), "{}", e.message);
+                assert!(e.message.contains("never renders tools"), "{}", e.message);
+                assert!(e.message.contains("docs/chat.md"), "{}", e.message);
+            }
+            other => panic!("expected the tools to be refused, got {other:?}"),
+        }
+        // Without tools the request passes the check (and stops at the unopened session).
+        match service
+            .turn("s1", "openai", "call_", request(json!([])), None)
+            .await
+        {
+            Err(LoopbackError::NotFound(_)) => {}
+            other => panic!("expected the unopened session's 404, got {other:?}"),
+        }
     }
 }
