@@ -59,21 +59,34 @@ fn libtorch_cli_refuses_bad_arguments_and_unsupported_models() {
     let err = failing(&["engine", "--model", "/nonexistent/model"]);
     assert!(err.contains("/nonexistent/model/config.json"), "{err}");
 
-    // A Gemma 3 checkpoint (not implemented yet) is refused naming the architecture.
+    // Checkpoints of what is not implemented are refused naming the field: Gemma 3's vision
+    // tower (its 4B and larger checkpoints) and gpt-oss (attention sinks).
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("gemma-{}", std::process::id()));
+        .join(format!("unsupported-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let mut config: serde_json::Value = serde_json::from_str(
+    let base: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(common::dense_model().join("config.json")).unwrap(),
     )
     .unwrap();
-    config["architectures"] = serde_json::json!(["Gemma3ForCausalLM"]);
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-    let err = failing(&["engine", "--model", dir.to_str().unwrap()]);
-    assert!(
-        err.contains("architecture `Gemma3ForCausalLM` is not supported"),
-        "{err}"
-    );
+    for (changes, named) in [
+        (
+            serde_json::json!({"architectures": ["Gemma3ForConditionalGeneration"],
+                "vision_config": {"model_type": "siglip_vision_model"}}),
+            "`vision_config`: Gemma3ForConditionalGeneration has a vision tower",
+        ),
+        (
+            serde_json::json!({"architectures": ["GptOssForCausalLM"]}),
+            "architecture `GptOssForCausalLM` is not supported",
+        ),
+    ] {
+        let mut config = base.clone();
+        for (key, value) in changes.as_object().unwrap() {
+            config[key] = value.clone();
+        }
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let err = failing(&["engine", "--model", dir.to_str().unwrap()]);
+        assert!(err.contains(named), "{err}");
+    }
 
     // `moult run` says it cannot publish to vLLM engines over NCCL (vLLM's default transport)
     // before it spends a minute starting them, naming the field to change.

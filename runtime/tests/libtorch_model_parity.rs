@@ -1,5 +1,5 @@
-//! Numerical parity of our forward (Qwen3, Qwen3-MoE, Llama 3, Qwen2, Mistral) with Hugging Face
-//! transformers (libtorch).
+//! Numerical parity of our forward (Qwen3, Qwen3-MoE, Llama 3, Qwen2, Mistral, Gemma 3) with
+//! Hugging Face transformers (libtorch).
 
 mod common;
 
@@ -155,14 +155,19 @@ fn check_kv_cache(dir: &std::path::Path) {
 
 /// The families that differ from Qwen3 by configuration (docs/models.md): packed logits equal
 /// transformers' (dense and oneDNN-packed weights), KV-cache decoding equals the full forward,
-/// and the trainer's logprobs equal the engine's path on the same model.
+/// and the trainer's logprobs equal the engine's path on the same model. Sliding windows (Mistral,
+/// Gemma 3) are shorter than the longest prompt, so the trainer's masks and the cache's windowed
+/// reads are both exercised.
 #[test]
-fn libtorch_llama_qwen2_and_mistral_match_transformers() {
+fn libtorch_llama_qwen2_mistral_and_gemma3_match_transformers() {
     for name in [
         "llama-tiny",
         "llama-tiny-bias",
         "qwen2-tiny",
         "mistral-tiny",
+        "mistral-tiny-window",
+        "gemma3-tiny",
+        "gemma3-tiny-linear",
     ] {
         let dir = common::family_models().join(name);
         check_parity(&dir, false);

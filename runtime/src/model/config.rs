@@ -1,7 +1,9 @@
 //! The Hugging Face `config.json` of a checkpoint of an implemented family (Qwen3, Qwen3-MoE,
-//! Qwen2/Qwen2.5, Llama 3.x, Mistral), parsed and checked. The families differ by configuration:
-//! q/k norms (Qwen3), attention and MLP biases (Qwen2's q/k/v, Llama's `attention_bias` and
-//! `mlp_bias`), rope scaling (`llama3`), an explicit `head_dim` (docs/models.md).
+//! Qwen2/Qwen2.5, Llama 3.x, Mistral, Gemma 3), parsed and checked. The families differ by
+//! configuration: q/k norms (Qwen3, Gemma 3), attention and MLP biases (Qwen2's q/k/v, Llama's
+//! `attention_bias` and `mlp_bias`), rope scaling (`llama3`, `linear`), an explicit `head_dim`,
+//! sliding-window layers (Mistral, Gemma 3) and Gemma's norms, embedding scale, GeGLU and
+//! attention scale (docs/models.md).
 //!
 //! Contract: a [`ModelConfig`] that constructs is one the model code implements exactly. Every
 //! option we do not implement (another architecture, sliding windows, another rope scaling,
@@ -25,8 +27,23 @@ pub enum Architecture {
     Qwen2,
     /// `LlamaForCausalLM` (Llama 3.x): optional biases, `llama3` rope scaling.
     Llama,
-    /// `MistralForCausalLM`: no biases, an explicit `head_dim`.
+    /// `MistralForCausalLM`: no biases, an explicit `head_dim`, optionally a sliding window on
+    /// every layer.
     Mistral,
+    /// `Gemma3ForCausalLM` (text only): `(1 + w)` norms around both sublayers, a scaled
+    /// embedding, GeGLU, `query_pre_attn_scalar`, local (sliding) layers with their own rope base.
+    Gemma3,
+}
+
+/// The MLP's gate activation (`hidden_act` / `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu`: SwiGLU.
+    Silu,
+    /// `gelu_pytorch_tanh`: GeGLU with the tanh approximation (Gemma).
+    GeluTanh,
+    /// `gelu`: GeGLU, exact.
+    Gelu,
 }
 
 /// How the rotary frequencies are scaled (`rope_scaling` / `rope_parameters`).
@@ -39,6 +56,15 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+    /// Every frequency divided by `factor` (Gemma 3's global layers from 4B up).
+    Linear { factor: f64 },
+}
+
+/// The rotary embedding of a kind of layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: Option<RopeScaling>,
 }
 
 /// The sparse-MLP part of a Qwen3-MoE config.
@@ -66,7 +92,15 @@ pub struct ModelConfig {
     pub num_key_value_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f64,
-    pub rope_theta: f64,
+    /// The rope of full-attention layers (and of sliding ones without their own).
+    pub rope: RopeConfig,
+    /// Gemma 3's local layers rotate with their own base (`rope_local_base_freq`).
+    pub sliding_rope: Option<RopeConfig>,
+    /// Layers marked sliding attend to the last `sliding_window` positions, themselves
+    /// included (transformers' `kv_idx > q_idx - sliding_window`).
+    pub sliding_window: Option<usize>,
+    /// Per layer: whether it is a sliding-window layer.
+    pub sliding_layers: Vec<bool>,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// RMSNorm on each head's queries and keys before rope (Qwen3's `q_norm`/`k_norm`).
@@ -75,7 +109,20 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     pub o_bias: bool,
     pub mlp_bias: bool,
-    pub rope_scaling: Option<RopeScaling>,
+    pub activation: Activation,
+    /// Gemma's RMSNorms scale by `1 + weight` (weights stored as offsets from one), in float32.
+    pub norm_weight_offset: bool,
+    /// Gemma's sandwich: norms on the attention's and the MLP's outputs too
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`; the MLP's input norm is then
+    /// `pre_feedforward_layernorm`).
+    pub sandwich_norms: bool,
+    /// Embeddings multiplied by this (Gemma: `sqrt(hidden_size)`, rounded to the model's dtype).
+    pub embed_scale: Option<f64>,
+    /// Attention scores scaled by this instead of `1/sqrt(head_dim)` (Gemma 3:
+    /// `query_pre_attn_scalar^-0.5`).
+    pub attn_scale: Option<f64>,
+    /// Logits become `cap * tanh(logits / cap)` (`final_logit_softcapping`).
+    pub final_logit_softcapping: Option<f64>,
     /// The checkpoint's own dtype (`torch_dtype`/`dtype`), if it names one.
     pub dtype: Option<String>,
     pub eos_token_ids: Vec<i64>,
@@ -130,6 +177,19 @@ struct RawConfig {
     #[serde(default)]
     layer_types: Vec<String>,
     hidden_act: Option<String>,
+    /// Gemma's name for `hidden_act`.
+    hidden_activation: Option<String>,
+    /// Gemma 3: a layer every `sliding_window_pattern` is global, when `layer_types` is absent.
+    sliding_window_pattern: Option<usize>,
+    /// Gemma 3 (transformers 4): the base of the local layers' rope.
+    rope_local_base_freq: Option<f64>,
+    query_pre_attn_scalar: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    use_bidirectional_attention: bool,
+    /// Present in vision-language checkpoints (Gemma3ForConditionalGeneration).
+    vision_config: Option<serde_json::Value>,
     torch_dtype: Option<String>,
     dtype: Option<String>,
     eos_token_id: Option<OneOrMany>,
@@ -146,8 +206,7 @@ struct RawConfig {
 }
 
 /// The architectures a checkpoint may name, as an error message lists them.
-const SUPPORTED: &str =
-    "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM";
+const SUPPORTED: &str = "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM";
 
 fn required(value: Option<usize>, field: &str) -> Result<usize> {
     match value {
@@ -155,6 +214,178 @@ fn required(value: Option<usize>, field: &str) -> Result<usize> {
         Some(v) => Ok(v),
         None => Err(Error::Config(format!("`{field}` is missing"))),
     }
+}
+
+/// Reads one rope parameter set (`rope_scaling` of transformers 4, `rope_parameters` of 5, or one
+/// layer type's entry of Gemma 3's): its theta, if it names one, and its scaling.
+fn rope_params(
+    field: &str,
+    params: &serde_json::Value,
+) -> Result<(Option<f64>, Option<RopeScaling>)> {
+    let theta = params.get("rope_theta").and_then(|v| v.as_f64());
+    let rope_type = params
+        .get("rope_type")
+        .or_else(|| params.get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let number = |key: &str| {
+        params.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
+            Error::Config(format!(
+                "`{field}.{key}` is missing (rope_type {rope_type})"
+            ))
+        })
+    };
+    let scaling = match rope_type {
+        "default" => None,
+        "linear" => {
+            let factor = number("factor")?;
+            if factor <= 0.0 {
+                return Err(Error::Config(format!(
+                    "`{field}.factor` must be positive, got {factor}"
+                )));
+            }
+            Some(RopeScaling::Linear { factor })
+        }
+        "llama3" => {
+            let (low_freq_factor, high_freq_factor) =
+                (number("low_freq_factor")?, number("high_freq_factor")?);
+            if high_freq_factor <= low_freq_factor {
+                return Err(Error::Config(format!(
+                    "`{field}.high_freq_factor` ({high_freq_factor}) must exceed `low_freq_factor` ({low_freq_factor})"
+                )));
+            }
+            Some(RopeScaling::Llama3 {
+                factor: number("factor")?,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: number("original_max_position_embeddings")?,
+            })
+        }
+        other => {
+            return Err(Error::Config(format!(
+                "`{field}.rope_type: {other}` is not supported; supported: default, linear, llama3 (docs/models.md)"
+            )))
+        }
+    };
+    if let Some(p) = params.get("partial_rotary_factor").and_then(|v| v.as_f64()) {
+        if p != 1.0 {
+            return Err(Error::Config(format!(
+                "`{field}.partial_rotary_factor: {p}` is not supported: rotary embeddings cover the whole head"
+            )));
+        }
+    }
+    Ok((theta, scaling))
+}
+
+/// The rope of full-attention layers, and Gemma 3's of its local layers. Older configs say
+/// `rope_theta` and `rope_scaling` (Gemma 3: the global layers'; `rope_local_base_freq` the local
+/// ones'); transformers >= 5 writes `rope_parameters`, theta inside, keyed by layer type for
+/// Gemma 3.
+fn rope_configs(raw: &RawConfig, gemma: bool) -> Result<(RopeConfig, Option<RopeConfig>)> {
+    let present = |v: &Option<serde_json::Value>| v.clone().filter(|v| !v.is_null());
+    let mut global = (raw.rope_theta, None);
+    let mut local = (raw.rope_local_base_freq, None);
+    if let Some(params) = present(&raw.rope_scaling) {
+        global = (global.0, rope_params("rope_scaling", &params)?.1);
+    }
+    if let Some(params) = present(&raw.rope_parameters) {
+        let by_layer_type =
+            params.get("full_attention").is_some() || params.get("sliding_attention").is_some();
+        if by_layer_type {
+            for (kind, slot) in [
+                ("full_attention", &mut global),
+                ("sliding_attention", &mut local),
+            ] {
+                if let Some(p) = params.get(kind).filter(|v| !v.is_null()) {
+                    let (theta, scaling) = rope_params(&format!("rope_parameters.{kind}"), p)?;
+                    *slot = (theta.or(slot.0), scaling.or(slot.1));
+                }
+            }
+        } else {
+            let (theta, scaling) = rope_params("rope_parameters", &params)?;
+            global = (theta.or(global.0), scaling.or(global.1));
+        }
+    }
+    if !gemma {
+        let rope = RopeConfig {
+            theta: global.0.unwrap_or(10_000.0),
+            scaling: global.1,
+        };
+        return Ok((rope, None));
+    }
+    if let Some(scaling) = local.1 {
+        return Err(Error::Config(format!(
+            "`rope_parameters.sliding_attention` scales its rope ({scaling:?}); Gemma 3's local layers use the default rope"
+        )));
+    }
+    // transformers' Gemma3TextConfig defaults: 1e6 global, 1e4 local.
+    let rope = RopeConfig {
+        theta: global.0.unwrap_or(1_000_000.0),
+        scaling: global.1,
+    };
+    let sliding = RopeConfig {
+        theta: local.0.unwrap_or(10_000.0),
+        scaling: None,
+    };
+    Ok((rope, Some(sliding)))
+}
+
+/// The sliding window and which layers use it: `layer_types` when the config lists them;
+/// otherwise Gemma 3's pattern (every `sliding_window_pattern`-th layer global, default 6) and
+/// Mistral's every layer. A window at least as long as the context never slides.
+fn sliding_layers(
+    raw: &RawConfig,
+    architecture: Architecture,
+    layers: usize,
+) -> Result<(Option<usize>, Vec<bool>)> {
+    let max_positions = raw.max_position_embeddings.unwrap_or(usize::MAX);
+    let window = raw.sliding_window;
+    if window == Some(0) {
+        return Err(Error::Config(
+            "`sliding_window` must be positive, got 0".into(),
+        ));
+    }
+    let sliding: Vec<bool> = if !raw.layer_types.is_empty() {
+        if raw.layer_types.len() != layers {
+            return Err(Error::Config(format!(
+                "`layer_types` has {} entries, but the model has {layers} layers",
+                raw.layer_types.len()
+            )));
+        }
+        raw.layer_types
+            .iter()
+            .enumerate()
+            .map(|(l, t)| match t.as_str() {
+                "full_attention" => Ok(false),
+                "sliding_attention" if window.is_some() => Ok(true),
+                "sliding_attention" => Err(Error::Config(format!(
+                    "`layer_types[{l}]: sliding_attention` needs `sliding_window`, which is not set"
+                ))),
+                other => Err(Error::Config(format!(
+                    "`layer_types[{l}]: {other}` is not supported; supported: full_attention, sliding_attention (docs/models.md)"
+                ))),
+            })
+            .collect::<Result<_>>()?
+    } else {
+        match architecture {
+            Architecture::Gemma3 => {
+                let pattern = raw.sliding_window_pattern.unwrap_or(6);
+                if pattern == 0 {
+                    return Err(Error::Config(
+                        "`sliding_window_pattern` must be positive, got 0".into(),
+                    ));
+                }
+                (0..layers)
+                    .map(|l| window.is_some() && (l + 1) % pattern != 0)
+                    .collect()
+            }
+            Architecture::Mistral => vec![window.is_some(); layers],
+            _ => vec![false; layers],
+        }
+    };
+    // The layer types stay as they are: Gemma 3's local layers keep their rope either way.
+    let window = window.filter(|&w| w < max_positions && sliding.contains(&true));
+    Ok((window, sliding))
 }
 
 impl ModelConfig {
@@ -203,12 +434,18 @@ impl ModelConfig {
             .ok_or_else(|| {
                 Error::Config("neither `architectures` nor `model_type` is set".into())
             })?;
+        if raw.vision_config.is_some() {
+            return Err(Error::Config(format!(
+                "`vision_config`: {arch_name} has a vision tower, which is not supported; text-only checkpoints of the families in docs/models.md load (Gemma 3 1B is Gemma3ForCausalLM)"
+            )));
+        }
         let architecture = match arch_name.as_str() {
             "Qwen3ForCausalLM" | "qwen3" => Architecture::Qwen3,
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Architecture::Qwen3Moe,
             "Qwen2ForCausalLM" | "qwen2" => Architecture::Qwen2,
             "LlamaForCausalLM" | "llama" => Architecture::Llama,
             "MistralForCausalLM" | "mistral" => Architecture::Mistral,
+            "Gemma3ForCausalLM" | "gemma3_text" => Architecture::Gemma3,
             other => {
                 return Err(Error::Config(format!(
                 "architecture `{other}` is not supported; supported: {SUPPORTED} (docs/models.md)"
@@ -216,11 +453,12 @@ impl ModelConfig {
             }
         };
         use Architecture::*;
-        // Biases: Qwen2 always has q/k/v ones; Qwen3 and Llama follow `attention_bias` (all four
-        // projections); only Llama has `mlp_bias`; Mistral has none.
+        let gemma = architecture == Gemma3;
+        // Biases: Qwen2 always has q/k/v ones; Qwen3, Llama and Gemma 3 follow `attention_bias`
+        // (all four projections); only Llama has `mlp_bias`; Mistral has none.
         let (qkv_bias, o_bias) = match architecture {
             Qwen2 => (true, false),
-            Qwen3 | Qwen3Moe | Llama => (raw.attention_bias, raw.attention_bias),
+            Qwen3 | Qwen3Moe | Llama | Gemma3 => (raw.attention_bias, raw.attention_bias),
             Mistral => (false, false),
         };
         if raw.attention_bias && architecture == Mistral {
@@ -235,76 +473,44 @@ impl ModelConfig {
         }
         if raw.use_sliding_window {
             return Err(Error::Config(
-                "`use_sliding_window: true` is not supported: sliding-window attention is not implemented (docs/models.md)".into(),
+                "`use_sliding_window: true` is not supported for Qwen2/Qwen3 (their `max_window_layers` rule is not implemented); sliding windows load for Mistral and Gemma 3 (docs/models.md)".into(),
             ));
         }
-        if let Some(layer) = raw.layer_types.iter().position(|t| t != "full_attention") {
+        if raw.use_bidirectional_attention {
+            return Err(Error::Config(
+                "`use_bidirectional_attention: true` is not supported: a causal LM attends causally (docs/models.md)".into(),
+            ));
+        }
+        if let Some(cap) = raw.attn_logit_softcapping {
             return Err(Error::Config(format!(
-                "`layer_types[{layer}]: {}` is not supported: only full attention is implemented (docs/models.md)",
-                raw.layer_types[layer]
+                "`attn_logit_softcapping: {cap}` is not supported: attention-score soft-capping is not implemented (docs/models.md)"
             )));
         }
-        if let Some(act) = &raw.hidden_act {
-            if act != "silu" {
-                return Err(Error::Config(format!(
-                    "`hidden_act: {act}` is not supported; supported: silu"
-                )));
-            }
-        }
+        let activation = match raw.hidden_activation.as_ref().or(raw.hidden_act.as_ref()) {
+            None if gemma => Activation::GeluTanh,
+            None => Activation::Silu,
+            Some(act) => match act.as_str() {
+                "silu" | "swish" => Activation::Silu,
+                "gelu_pytorch_tanh" => Activation::GeluTanh,
+                "gelu" => Activation::Gelu,
+                other => {
+                    let field = if raw.hidden_activation.is_some() {
+                        "hidden_activation"
+                    } else {
+                        "hidden_act"
+                    };
+                    return Err(Error::Config(format!(
+                        "`{field}: {other}` is not supported; supported: silu, gelu_pytorch_tanh, gelu"
+                    )));
+                }
+            },
+        };
         if raw.quantization_config.is_some() {
             return Err(Error::Config(
                 "quantized checkpoints (`quantization_config`) are not supported".into(),
             ));
         }
-        let mut rope_theta = raw.rope_theta;
-        let mut rope_scaling = None;
-        // Older configs say `rope_scaling`, transformers >= 5 `rope_parameters` (with the theta).
-        for (field, params) in [
-            ("rope_scaling", &raw.rope_scaling),
-            ("rope_parameters", &raw.rope_parameters),
-        ] {
-            let Some(params) = params.as_ref().filter(|v| !v.is_null()) else {
-                continue;
-            };
-            if let Some(theta) = params.get("rope_theta").and_then(|v| v.as_f64()) {
-                rope_theta = Some(theta);
-            }
-            let rope_type = params
-                .get("rope_type")
-                .or_else(|| params.get("type"))
-                .and_then(|v| v.as_str())
-                .unwrap_or("default");
-            match rope_type {
-                "default" => {}
-                "llama3" => {
-                    let number = |key: &str| {
-                        params.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
-                            Error::Config(format!("`{field}.{key}` is missing (rope_type llama3)"))
-                        })
-                    };
-                    let (low_freq_factor, high_freq_factor) =
-                        (number("low_freq_factor")?, number("high_freq_factor")?);
-                    if high_freq_factor <= low_freq_factor {
-                        return Err(Error::Config(format!(
-                            "`{field}.high_freq_factor` ({high_freq_factor}) must exceed `low_freq_factor` ({low_freq_factor})"
-                        )));
-                    }
-                    rope_scaling = Some(RopeScaling::Llama3 {
-                        factor: number("factor")?,
-                        low_freq_factor,
-                        high_freq_factor,
-                        original_max_position_embeddings: number(
-                            "original_max_position_embeddings",
-                        )?,
-                    });
-                }
-                other => {
-                    return Err(Error::Config(format!(
-                        "`{field}.rope_type: {other}` is not supported; supported: default, llama3 (docs/models.md)"
-                    )))
-                }
-            }
-        }
+        let (rope, sliding_rope) = rope_configs(&raw, gemma)?;
         let hidden_size = required(raw.hidden_size, "hidden_size")?;
         let num_attention_heads = required(raw.num_attention_heads, "num_attention_heads")?;
         let num_key_value_heads = required(
@@ -326,8 +532,10 @@ impl ModelConfig {
             )));
         }
         let num_hidden_layers = required(raw.num_hidden_layers, "num_hidden_layers")?;
+        let (sliding_window, sliding_layers) =
+            sliding_layers(&raw, architecture, num_hidden_layers)?;
         let moe = match architecture {
-            Qwen3 | Qwen2 | Llama | Mistral => None,
+            Qwen3 | Qwen2 | Llama | Mistral | Gemma3 => None,
             Qwen3Moe => {
                 let num_experts = required(raw.num_experts, "num_experts")?;
                 let num_experts_per_tok = required(raw.num_experts_per_tok, "num_experts_per_tok")?;
@@ -368,13 +576,17 @@ impl ModelConfig {
         };
         let max_position_embeddings =
             required(raw.max_position_embeddings, "max_position_embeddings")?;
-        if let (Mistral, Some(window)) = (architecture, raw.sliding_window) {
-            // Mistral slides every layer's window; one as long as the context never slides.
-            if window < max_position_embeddings {
-                return Err(Error::Config(format!(
-                    "`sliding_window: {window}` (shorter than max_position_embeddings {max_position_embeddings}) is not supported: sliding-window attention is not implemented (docs/models.md)"
-                )));
-            }
+        // transformers' Gemma3TextConfig default is 256.
+        let head_scale = gemma.then(|| raw.query_pre_attn_scalar.unwrap_or(256.0));
+        if let Some(scalar) = head_scale.filter(|&s| s <= 0.0) {
+            return Err(Error::Config(format!(
+                "`query_pre_attn_scalar` must be positive, got {scalar}"
+            )));
+        }
+        if let Some(cap) = raw.final_logit_softcapping.filter(|&c| c <= 0.0) {
+            return Err(Error::Config(format!(
+                "`final_logit_softcapping` must be positive, got {cap}"
+            )));
         }
         Ok(Self {
             architecture,
@@ -386,14 +598,22 @@ impl ModelConfig {
             num_key_value_heads,
             head_dim,
             rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
-            rope_theta: rope_theta.unwrap_or(10_000.0),
+            rope,
+            sliding_rope,
+            sliding_window,
+            sliding_layers,
             max_position_embeddings,
             tie_word_embeddings: raw.tie_word_embeddings,
-            qk_norm: matches!(architecture, Qwen3 | Qwen3Moe),
+            qk_norm: matches!(architecture, Qwen3 | Qwen3Moe | Gemma3),
             qkv_bias,
             o_bias,
             mlp_bias: raw.mlp_bias,
-            rope_scaling,
+            activation,
+            norm_weight_offset: gemma,
+            sandwich_norms: gemma,
+            embed_scale: gemma.then(|| (hidden_size as f64).sqrt()),
+            attn_scale: head_scale.map(|s| s.powf(-0.5)),
+            final_logit_softcapping: raw.final_logit_softcapping,
             dtype: raw.dtype.or(raw.torch_dtype),
             eos_token_ids: raw
                 .eos_token_id
@@ -478,7 +698,7 @@ mod tests {
         assert_eq!(llama.architecture, Architecture::Llama);
         assert!(!llama.qk_norm && !llama.qkv_bias && !llama.o_bias && !llama.mlp_bias);
         assert_eq!(
-            llama.rope_scaling,
+            llama.rope.scaling,
             Some(RopeScaling::Llama3 {
                 factor: 32.0,
                 low_freq_factor: 1.0,
@@ -486,7 +706,7 @@ mod tests {
                 original_max_position_embeddings: 8192.0
             })
         );
-        assert_eq!((llama.rope_theta, llama.head_dim), (500000.0, 64));
+        assert_eq!((llama.rope.theta, llama.head_dim), (500000.0, 64));
         // transformers >= 5 writes the same as `rope_parameters`, theta inside.
         let mut v = llama_3_2();
         let mut params = v["rope_scaling"].take();
@@ -538,8 +758,126 @@ mod tests {
             (Architecture::Mistral, 128)
         );
         assert!(!nemo.qkv_bias && !nemo.qk_norm);
-        let err = mistral(serde_json::json!(4096)).unwrap_err().to_string();
-        assert!(err.contains("sliding_window: 4096"), "{err}");
+        assert_eq!(nemo.sliding_window, None);
+        // Mistral 7B v0.1's window slides on every layer.
+        let v01 = mistral(serde_json::json!(4096)).unwrap();
+        assert_eq!(v01.sliding_window, Some(4096));
+        assert!(v01.sliding_layers.iter().all(|&s| s) && v01.sliding_rope.is_none());
+    }
+
+    /// Gemma 3 1B's shapes, as transformers 4 writes its config (`rope_local_base_freq`,
+    /// `sliding_window_pattern`, no `layer_types`).
+    fn gemma_3_1b() -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "attention_bias": false, "attn_logit_softcapping": null, "bos_token_id": 2,
+            "eos_token_id": [1, 106], "final_logit_softcapping": null, "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+            "intermediate_size": 6912, "max_position_embeddings": 32768,
+            "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+            "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "rope_local_base_freq": 10000,
+            "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512,
+            "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144
+        })
+    }
+
+    #[test]
+    fn gemma_3_reads_its_norms_windows_and_two_ropes() {
+        let g = ModelConfig::from_json(&gemma_3_1b().to_string()).unwrap();
+        assert_eq!(g.architecture, Architecture::Gemma3);
+        assert!(g.qk_norm && g.norm_weight_offset && g.sandwich_norms);
+        assert_eq!(g.activation, Activation::GeluTanh);
+        assert_eq!(g.embed_scale, Some(1152f64.sqrt()));
+        assert_eq!(g.attn_scale, Some(1.0 / 16.0));
+        assert_eq!(
+            g.rope,
+            RopeConfig {
+                theta: 1e6,
+                scaling: None
+            }
+        );
+        assert_eq!(
+            g.sliding_rope,
+            Some(RopeConfig {
+                theta: 1e4,
+                scaling: None
+            })
+        );
+        assert_eq!(g.sliding_window, Some(512));
+        // Every sixth layer is global: 5, 11, 17, 23.
+        let global: Vec<usize> = (0..26).filter(|&l| !g.sliding_layers[l]).collect();
+        assert_eq!(global, vec![5, 11, 17, 23]);
+
+        // transformers >= 5: `layer_types` and `rope_parameters` keyed by layer type; the 4B's
+        // linear scaling of the global rope.
+        let mut v = gemma_3_1b();
+        let o = v.as_object_mut().unwrap();
+        for key in [
+            "rope_theta",
+            "rope_local_base_freq",
+            "rope_scaling",
+            "sliding_window_pattern",
+        ] {
+            o.remove(key);
+        }
+        let types: Vec<&str> = (0..26)
+            .map(|l| {
+                if (l + 1) % 6 == 0 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
+            .collect();
+        o.insert("layer_types".into(), serde_json::json!(types));
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}
+            }),
+        );
+        let v5 = ModelConfig::from_json(&v.to_string()).unwrap();
+        assert_eq!(v5.sliding_layers, g.sliding_layers);
+        assert_eq!(v5.rope.scaling, Some(RopeScaling::Linear { factor: 8.0 }));
+        assert_eq!(v5.sliding_rope, g.sliding_rope);
+
+        // What Gemma 3 configs may ask for that is not implemented, named.
+        for (key, value, named) in [
+            (
+                "attn_logit_softcapping",
+                serde_json::json!(50.0),
+                "attn_logit_softcapping",
+            ),
+            (
+                "use_bidirectional_attention",
+                serde_json::json!(true),
+                "use_bidirectional_attention",
+            ),
+            (
+                "vision_config",
+                serde_json::json!({"model_type": "siglip_vision_model"}),
+                "vision tower",
+            ),
+            (
+                "hidden_activation",
+                serde_json::json!("relu"),
+                "hidden_activation: relu",
+            ),
+        ] {
+            let mut v = gemma_3_1b();
+            v[key] = value;
+            let err = ModelConfig::from_json(&v.to_string())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(named), "{key}: {err}");
+        }
+        let mut v = gemma_3_1b();
+        v["layer_types"] = serde_json::json!(vec!["chunked_attention"; 26]);
+        let err = ModelConfig::from_json(&v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("layer_types[0]: chunked_attention"), "{err}");
     }
 
     #[test]

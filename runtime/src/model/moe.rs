@@ -12,8 +12,9 @@
 
 use tch::{Device, Kind, Tensor};
 
+use super::config::Activation;
 use super::linear::Linear;
-use super::qwen3::swiglu;
+use super::qwen3::gated_mlp;
 use super::{Error, Result};
 
 #[derive(Debug)]
@@ -25,7 +26,7 @@ pub(crate) struct Expert {
 
 impl Expert {
     fn forward(&self, x: &Tensor) -> Tensor {
-        swiglu(x, &self.gate_up_proj, &self.down_proj)
+        gated_mlp(x, &self.gate_up_proj, &self.down_proj, Activation::Silu)
     }
 }
 

@@ -1,25 +1,28 @@
 //! The decoder forward of the Qwen3 family and of the families that differ from it only by
 //! configuration (transformers' `modeling_qwen3.py`, `modeling_qwen3_moe.py`,
-//! `modeling_qwen2.py`, `modeling_llama.py`, `modeling_mistral.py`), over a packed batch of
-//! variable-length sequences.
+//! `modeling_qwen2.py`, `modeling_llama.py`, `modeling_mistral.py`, `modeling_gemma3.py`), over a
+//! packed batch of variable-length sequences.
 //!
 //! Layer: `h += o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))` on `input_layernorm(h)`, then
 //! `h += mlp(post_attention_layernorm(h))`; RMSNorm computes in float32 and casts back. The q/k
-//! norms are Qwen3's; projections carry biases where the config says ([`ModelConfig`]). Weight
-//! names are the checkpoint's (`model.layers.3.self_attn.q_proj.weight`,
-//! `model.layers.0.mlp.experts.7.down_proj.weight`).
+//! norms are Qwen3's and Gemma 3's; projections carry biases where the config says
+//! ([`ModelConfig`]). Gemma 3 adds a norm on each sublayer's output (its
+//! `post_attention_layernorm` is that norm and `pre_feedforward_layernorm` the MLP's input norm),
+//! scales norms by `1 + w`, scales the embedding, and gates with GeLU; its sliding layers attend
+//! over a window with their own rope. Weight names are the checkpoint's
+//! (`model.layers.3.self_attn.q_proj.weight`, `model.layers.0.mlp.experts.7.down_proj.weight`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use super::config::ModelConfig;
+use super::config::{Activation, ModelConfig};
 use super::kv_cache::KvCache;
 use super::linear::Linear;
 use super::loader::load_safetensors_dir;
 use super::moe::{Expert, SparseMoe};
-use super::rope::Rope;
+use super::rope::{Rope, RopeAt};
 use super::{Error, Result};
 
 mod attention;
@@ -71,7 +74,16 @@ enum Mlp {
 #[derive(Debug)]
 struct Layer {
     input_layernorm: Tensor,
-    post_attention_layernorm: Tensor,
+    /// The MLP's input norm: `post_attention_layernorm`, Gemma's `pre_feedforward_layernorm`.
+    mlp_norm: Tensor,
+    /// Gemma's norms of the attention's and the MLP's outputs (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`).
+    attn_out_norm: Option<Tensor>,
+    mlp_out_norm: Option<Tensor>,
+    /// Attends over the last `sliding_window` positions only (when the config's window slides).
+    window: Option<i64>,
+    /// Rotates with the model's `sliding_rope` (Gemma 3's local layers).
+    local_rope: bool,
     /// `q_proj`, `k_proj` and `v_proj` stacked: one matmul instead of three.
     qkv_proj: Linear,
     o_proj: Linear,
@@ -81,7 +93,7 @@ struct Layer {
     mlp: Mlp,
 }
 
-/// A loaded causal LM of an implemented family (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral).
+/// A loaded causal LM of an implemented family (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Gemma 3).
 #[derive(Debug)]
 pub struct Qwen3Model {
     cfg: ModelConfig,
@@ -94,6 +106,8 @@ pub struct Qwen3Model {
     norm: Tensor,
     lm_head: Linear,
     rope: Rope,
+    /// Gemma 3's local layers' rope.
+    sliding_rope: Option<Rope>,
     kind: Kind,
     device: Device,
 }
@@ -104,11 +118,24 @@ fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
     x.rms_norm([x.size()[x.dim() - 1]], Some(weight), eps)
 }
 
-/// `down(silu(gate(x)) ⊙ up(x))`, with `gate` and `up` stacked in `gate_up`.
-pub(super) fn swiglu(x: &Tensor, gate_up: &Linear, down: &Linear) -> Tensor {
+/// Gemma's RMSNorm: `x / sqrt(mean(x²) + eps) * (1 + weight)`, all in float32, cast back.
+fn rms_norm_offset(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
+    let scale = weight.to_kind(Kind::Float) + 1.0;
+    rms_norm(&x.to_kind(Kind::Float), &scale, eps).to_kind(x.kind())
+}
+
+/// `down(act(gate(x)) ⊙ up(x))` (SwiGLU, or GeGLU for Gemma), with `gate` and `up` stacked in
+/// `gate_up`.
+pub(super) fn gated_mlp(x: &Tensor, gate_up: &Linear, down: &Linear, act: Activation) -> Tensor {
     let gu = gate_up.forward(x);
     let i = gu.size()[1] / 2;
-    down.forward(&(gu.narrow(1, 0, i).silu() * gu.narrow(1, i, i)))
+    let gate = gu.narrow(1, 0, i);
+    let gate = match act {
+        Activation::Silu => gate.silu(),
+        Activation::GeluTanh => gate.gelu("tanh"),
+        Activation::Gelu => gate.gelu("none"),
+    };
+    down.forward(&(gate * gu.narrow(1, i, i)))
 }
 
 /// Takes named weights out of the loaded map, checking each shape.
@@ -243,10 +270,26 @@ impl Qwen3Model {
                 }
             };
             let attn = format!("{p}.self_attn");
+            let mut norm = |name: &str| w.take(&format!("{p}.{name}.weight"), &[h]);
+            let input_layernorm = norm("input_layernorm")?;
+            // Gemma's sandwich renames the MLP's input norm and adds two output norms.
+            let (mlp_norm, attn_out_norm, mlp_out_norm) = if c.sandwich_norms {
+                (
+                    norm("pre_feedforward_layernorm")?,
+                    Some(norm("post_attention_layernorm")?),
+                    Some(norm("post_feedforward_layernorm")?),
+                )
+            } else {
+                (norm("post_attention_layernorm")?, None, None)
+            };
+            let sliding = c.sliding_layers[l];
             layers.push(Layer {
-                input_layernorm: w.take(&format!("{p}.input_layernorm.weight"), &[h])?,
-                post_attention_layernorm: w
-                    .take(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                input_layernorm,
+                mlp_norm,
+                attn_out_norm,
+                mlp_out_norm,
+                window: c.sliding_window.filter(|_| sliding).map(|w| w as i64),
+                local_rope: sliding && c.sliding_rope.is_some(),
                 qkv_proj: Linear::with_bias(
                     w.take_stacked(&[
                         (format!("{attn}.q_proj.weight"), [q_dim, h]),
@@ -289,14 +332,10 @@ impl Qwen3Model {
                 ),
             });
         }
-        let rope = Rope::new(
-            d,
-            c.rope_theta,
-            c.rope_scaling,
-            c.max_position_embeddings,
-            kind,
-            device,
-        );
+        let rope = Rope::new(d, c.rope, c.max_position_embeddings, kind, device);
+        let sliding_rope = c
+            .sliding_rope
+            .map(|r| Rope::new(d, r, c.max_position_embeddings, kind, device));
         Ok(Self {
             cfg,
             params: w.taken,
@@ -305,6 +344,7 @@ impl Qwen3Model {
             norm,
             lm_head,
             rope,
+            sliding_rope,
             kind,
             device,
         })
@@ -312,6 +352,15 @@ impl Qwen3Model {
 
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
+    }
+
+    /// The family's RMSNorm of `x` with `weight`.
+    fn rms(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        if self.cfg.norm_weight_offset {
+            rms_norm_offset(x, weight, self.cfg.rms_norm_eps)
+        } else {
+            rms_norm(x, weight, self.cfg.rms_norm_eps)
+        }
     }
 
     pub fn kind(&self) -> Kind {
@@ -334,8 +383,10 @@ impl Qwen3Model {
         let mut out = vec![self.embed_tokens.shallow_clone(), self.norm.shallow_clone()];
         for l in &self.layers {
             out.extend(
-                [&l.input_layernorm, &l.post_attention_layernorm]
+                [&l.input_layernorm, &l.mlp_norm]
                     .into_iter()
+                    .chain(l.attn_out_norm.as_ref())
+                    .chain(l.mlp_out_norm.as_ref())
                     .chain(l.q_norm.as_ref())
                     .chain(l.k_norm.as_ref())
                     .chain(l.qkv_proj.tensors())
@@ -502,6 +553,7 @@ impl Qwen3Model {
                     cache,
                     &spans,
                     token_slots,
+                    c.sliding_window.map(|w| w as i64),
                     self.kind,
                     self.device,
                 ))
@@ -510,29 +562,48 @@ impl Qwen3Model {
         };
 
         let rope = self.rope.at(&positions);
+        let sliding_rope = self.sliding_rope.as_ref().map(|r| r.at(&positions));
         let mut h = self.embed_tokens.index_select(0, &ids);
+        if let Some(scale) = c.embed_scale {
+            // transformers rounds the scale to the weights' dtype first.
+            h = h * Tensor::from(scale as f32)
+                .to_kind(self.kind)
+                .to_device(self.device);
+        }
         let mut routed = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
-            let x = rms_norm(&h, &layer.input_layernorm, c.rms_norm_eps);
+            let x = self.rms(&h, &layer.input_layernorm);
+            let rope: &RopeAt = match &sliding_rope {
+                Some(local) if layer.local_rope => local,
+                _ => &rope,
+            };
             let attn = match (cache.as_deref_mut(), &batch) {
                 (Some(cache), Some(batch)) => {
-                    self.attention_cached(l, layer, &x, &rope, &positions, cache, batch, &spans)
+                    self.attention_cached(l, layer, &x, rope, &positions, cache, batch, &spans)
                 }
-                _ => self.attention_uncached(layer, &x, &rope, &spans),
+                _ => self.attention_uncached(layer, &x, rope, &spans),
+            };
+            let attn = match &layer.attn_out_norm {
+                Some(w) => self.rms(&attn, w),
+                None => attn,
             };
             h = h + attn;
-            let x = rms_norm(&h, &layer.post_attention_layernorm, c.rms_norm_eps);
+            let x = self.rms(&h, &layer.mlp_norm);
             let mlp_out = match &layer.mlp {
                 Mlp::Dense {
                     gate_up_proj,
                     down_proj,
-                } => swiglu(&x, gate_up_proj, down_proj),
+                } => gated_mlp(&x, gate_up_proj, down_proj, c.activation),
                 Mlp::Sparse(moe) => {
                     let layer_replay = replay.as_ref().map(|r| r.select(1, routed.len() as i64));
                     let (out, experts) = moe.forward(&x, layer_replay.as_ref())?;
                     routed.push(experts);
                     out
                 }
+            };
+            let mlp_out = match &layer.mlp_out_norm {
+                Some(w) => self.rms(&mlp_out, w),
+                None => mlp_out,
             };
             h = h + mlp_out;
         }
@@ -550,9 +621,11 @@ impl Qwen3Model {
                 h.index_select(0, &Tensor::from_slice(rows).to_device(self.device))
             }
         };
-        let logits = self
-            .lm_head
-            .forward(&rms_norm(&h, &self.norm, c.rms_norm_eps));
+        let logits = self.lm_head.forward(&self.rms(&h, &self.norm));
+        let logits = match c.final_logit_softcapping {
+            Some(cap) => (logits / cap).tanh() * cap,
+            None => logits,
+        };
         let routed_experts = (!routed.is_empty()).then(|| Tensor::stack(&routed, 1));
         Ok(ForwardOutput {
             logits,

@@ -3,11 +3,11 @@
 //! `inv_freq_i = 1 / theta^(2i/d)`, `angle = pos * inv_freq` (float32), `emb = [angle, angle]`;
 //! `rope(x) = x * cos(emb) + rotate_half(x) * sin(emb)` with `rotate_half([a, b]) = [-b, a]`.
 //! With `llama3` scaling the frequencies are rescaled first, as transformers'
-//! `_compute_llama3_parameters` does (in float32).
+//! `_compute_llama3_parameters` does (in float32); `linear` divides them all by its factor.
 
 use tch::{Device, Kind, Tensor};
 
-use super::config::RopeScaling;
+use super::config::{RopeConfig, RopeScaling};
 
 /// Precomputed cos/sin tables for positions `0..max_positions`, shape `[max_positions, head_dim]`.
 #[derive(Debug)]
@@ -19,8 +19,7 @@ pub struct Rope {
 impl Rope {
     pub fn new(
         head_dim: usize,
-        theta: f64,
-        scaling: Option<RopeScaling>,
+        RopeConfig { theta, scaling }: RopeConfig,
         max_positions: usize,
         kind: Kind,
         device: Device,
@@ -30,6 +29,9 @@ impl Rope {
             .to_kind(Kind::Float)
             / (d as f64);
         let mut inv_freq = Tensor::from(theta as f32).pow(&exponent).reciprocal();
+        if let Some(RopeScaling::Linear { factor }) = scaling {
+            inv_freq = inv_freq / factor;
+        }
         if let Some(RopeScaling::Llama3 {
             factor,
             low_freq_factor,

@@ -1,10 +1,14 @@
 //! Attention over a packed batch: the trainer's path (each sequence over its own tokens) and the
 //! engine's (new keys and values written into the slot cache, then one batched attention call for
 //! every decoding sequence and one per prefilling sequence).
+//!
+//! A sliding-window layer's query at position `p` sees keys at `p - window + 1 ..= p`
+//! (transformers' `kv_idx > q_idx - sliding_window`). Its keys stay in the cache like every
+//! layer's; attention reads only the part any query of the step can see.
 
 use tch::{Device, Kind, Tensor};
 
-use super::{rms_norm, Layer, Qwen3Model};
+use super::{Layer, Qwen3Model};
 use crate::model::kv_cache::KvCache;
 use crate::model::rope::RopeAt;
 
@@ -17,9 +21,9 @@ impl Qwen3Model {
                 .qkv_proj
                 .forward(x)
                 .view([x.size()[0], heads + 2 * kv_heads, c.head_dim as i64]);
-        // Qwen3 normalises each head's queries and keys; the other families do not.
+        // Qwen3 and Gemma 3 normalise each head's queries and keys; the other families do not.
         let norm = |x: Tensor, w: &Option<Tensor>| match w {
-            Some(w) => rms_norm(&x, w, c.rms_norm_eps),
+            Some(w) => self.rms(&x, w),
             None => x,
         };
         let q = rope.apply(&norm(qkv.narrow(1, 0, heads), &layer.q_norm));
@@ -27,22 +31,45 @@ impl Qwen3Model {
         (q, k, qkv.narrow(1, heads + kv_heads, kv_heads))
     }
 
-    /// Causal attention of `n` new queries `[heads, n, d]` over `past + n` keys `[kv_heads, past + n, d]`.
-    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, n: i64, past: i64) -> Tensor {
-        // New tokens see the whole prefix and, among themselves, only earlier ones.
-        let mask = (past > 0 && n > 1).then(|| {
+    /// Causal attention of `n` new queries `[heads, n, d]` over `past + n` keys
+    /// `[kv_heads, past + n, d]`, within `window` positions if the layer slides.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        n: i64,
+        past: i64,
+        window: Option<i64>,
+    ) -> Tensor {
+        // Keys before the first query's window are seen by no query.
+        let start = window.map_or(0, |w| (past + 1 - w).max(0));
+        let (k, v) = (
+            k.narrow(1, start, past + n - start),
+            v.narrow(1, start, past + n - start),
+        );
+        // New tokens see the prefix and, among themselves, only earlier ones; with a window, a
+        // later query loses keys an earlier one still sees.
+        let windowed = window.is_some_and(|w| n > 1 && past + n > w);
+        let mask = ((past > 0 && n > 1) || windowed).then(|| {
             let rows = Tensor::arange(n, (Kind::Int64, self.device)).unsqueeze(1) + past;
-            let cols = Tensor::arange(past + n, (Kind::Int64, self.device)).unsqueeze(0);
-            cols.le_tensor(&rows)
+            let cols =
+                Tensor::arange_start(start, past + n, (Kind::Int64, self.device)).unsqueeze(0);
+            let causal = cols.le_tensor(&rows);
+            match window {
+                Some(w) => causal.logical_and(&cols.gt_tensor(&(&rows - w))),
+                None => causal,
+            }
         });
+        let is_causal = mask.is_none() && n > 1;
         let out = Tensor::scaled_dot_product_attention(
             &q.unsqueeze(0),
             &k.unsqueeze(0),
             &v.unsqueeze(0),
             mask,
             0.0,
-            past == 0 && n > 1,
-            None,
+            is_causal,
+            self.cfg.attn_scale,
             true,
         );
         out.squeeze_dim(0).transpose(0, 1).reshape([n, -1])
@@ -61,7 +88,7 @@ impl Qwen3Model {
             .iter()
             .map(|s| {
                 let part = |t: &Tensor| t.narrow(0, s.offset, s.n).transpose(0, 1);
-                self.attend(&part(&q), &part(&k), &part(&v), s.n, 0)
+                self.attend(&part(&q), &part(&k), &part(&v), s.n, 0, layer.window)
             })
             .collect();
         layer.o_proj.forward(&Tensor::cat(&outs, 0))
@@ -96,14 +123,22 @@ impl Qwen3Model {
         let decode_attention = |decode: &DecodeBatch, qs: &Tensor| {
             let qs = qs.view([used, kv_heads, heads / kv_heads, d]);
             let (ks, vs) = cache.prefix(l, used as usize, decode.max_len);
+            let keys = match layer.window {
+                Some(_) => decode
+                    .window
+                    .as_ref()
+                    .expect("built for a model with a window"),
+                None => &decode.full,
+            };
+            let seen = decode.max_len as i64 - keys.start;
             Tensor::scaled_dot_product_attention(
                 &qs,
-                &ks,
-                &vs,
-                decode.mask.as_ref(),
+                &ks.narrow(2, keys.start, seen),
+                &vs.narrow(2, keys.start, seen),
+                keys.mask.as_ref(),
                 0.0,
                 false,
-                None,
+                self.cfg.attn_scale,
                 false,
             )
             .view([used, heads * d])
@@ -127,8 +162,14 @@ impl Qwen3Model {
             let slot = s.slot.expect("cached spans have slots");
             let (ks, vs) = cache.slot(l, slot, (s.past + s.n) as usize);
             let qs = q.narrow(0, s.offset, s.n).transpose(0, 1);
-            out.narrow(0, s.offset, s.n)
-                .copy_(&self.attend(&qs, &ks, &vs, s.n, s.past));
+            out.narrow(0, s.offset, s.n).copy_(&self.attend(
+                &qs,
+                &ks,
+                &vs,
+                s.n,
+                s.past,
+                layer.window,
+            ));
         }
         layer.o_proj.forward(&out)
     }
@@ -157,18 +198,53 @@ struct DecodeBatch {
     slots: Tensor,
     /// Every sequence of the step decodes and row `i` is slot `i`: no gather or scatter needed.
     identity: bool,
-    /// Positions to attend over: the longest used slot after this step's writes.
+    /// Positions cached: the longest used slot after this step's writes.
     max_len: usize,
-    /// `[used, 1, 1, max_len]` additive mask (0 where a slot holds a key, -inf past its end);
-    /// `None` when every slot is `max_len` long.
+    /// The keys full-attention layers read, and those sliding-window layers read.
+    full: DecodeKeys,
+    window: Option<DecodeKeys>,
+}
+
+/// The cached positions `start..max_len` a decode step's attention reads.
+struct DecodeKeys {
+    start: i64,
+    /// `[used, 1, 1, max_len - start]` additive mask: 0 where a slot's query sees a key, -inf
+    /// past the slot's end or before its window; `None` when every query sees every key read.
     mask: Option<Tensor>,
 }
 
+impl DecodeKeys {
+    /// What slots of lengths `lens` (this step's token included) see, within `window`.
+    fn new(lens: &[i64], max_len: i64, window: Option<i64>, kind: Kind, device: Device) -> Self {
+        let min_len = *lens.iter().min().expect("at least one slot");
+        let start = window.map_or(0, |w| (min_len - w).max(0));
+        let all_seen = lens
+            .iter()
+            .all(|&len| len == max_len && window.is_none_or(|w| len - w <= start));
+        let mask = (!all_seen).then(|| {
+            let lens_t = Tensor::from_slice(lens)
+                .to_device(device)
+                .view([-1, 1, 1, 1]);
+            let cols =
+                Tensor::arange_start(start, max_len, (Kind::Int64, device)).view([1, 1, 1, -1]);
+            let mut valid = cols.lt_tensor(&lens_t);
+            if let Some(w) = window {
+                valid = valid.logical_and(&cols.ge_tensor(&(&lens_t - w)));
+            }
+            Tensor::zeros(valid.size(), (kind, device))
+                .masked_fill(&valid.logical_not(), f64::NEG_INFINITY)
+        });
+        Self { start, mask }
+    }
+}
+
 impl CachedBatch {
+    /// `window`: the model's sliding window, if any layer slides.
     pub(super) fn new(
         cache: &KvCache,
         spans: &[Span],
         token_slots: Vec<i64>,
+        window: Option<i64>,
         kind: Kind,
         device: Device,
     ) -> Self {
@@ -182,16 +258,8 @@ impl CachedBatch {
             }
             let lens: Vec<i64> = lens.into_iter().map(|l| l.max(1)).collect();
             let max_len = *lens.iter().max().expect("at least one slot");
-            let mask = lens.iter().any(|&l| l != max_len).then(|| {
-                let lens_t = Tensor::from_slice(&lens)
-                    .to_device(device)
-                    .view([-1, 1, 1, 1]);
-                let valid = Tensor::arange(max_len, (Kind::Int64, device))
-                    .view([1, 1, 1, -1])
-                    .lt_tensor(&lens_t);
-                Tensor::zeros(valid.size(), (kind, device))
-                    .masked_fill(&valid.logical_not(), f64::NEG_INFINITY)
-            });
+            let full = DecodeKeys::new(&lens, max_len, None, kind, device);
+            let window = window.map(|w| DecodeKeys::new(&lens, max_len, Some(w), kind, device));
             let rows: Vec<i64> = decoding.iter().map(|s| s.offset).collect();
             let slots: Vec<i64> = decoding
                 .iter()
@@ -209,7 +277,8 @@ impl CachedBatch {
                 slots: Tensor::from_slice(&slots).to_device(device),
                 identity,
                 max_len: max_len as usize,
-                mask,
+                full,
+                window,
             }
         });
         Self {
