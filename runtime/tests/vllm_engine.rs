@@ -359,10 +359,16 @@ async fn vllm_sampled_tokens_recompute_to_vllms_logprobs_in_moults_trainer() {
 /// recompute in moult's trainer to vLLM's own logprobs, and its prompt logprobs (a served
 /// teacher's scores) to the trainer's at temperature 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn vllm_llama_qwen2_and_mistral_logprobs_are_moults() {
+async fn vllm_llama_qwen2_mistral_and_gemma3_logprobs_are_moults() {
     let models = vllm_models();
     let temperature = 0.8;
-    for name in ["llama-tiny", "qwen2-tiny", "mistral-tiny"] {
+    for name in [
+        "llama-tiny",
+        "qwen2-tiny",
+        "mistral-tiny",
+        "mistral-tiny-window",
+        "gemma3-tiny",
+    ] {
         let dir = models.join(name);
         let vllm = Vllm::start(&dir, name).await;
         let samples = vllm_samples(&vllm.url, temperature).await;

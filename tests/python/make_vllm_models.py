@@ -2,12 +2,13 @@
 serve (head_dim 32: vLLM's CPU attention refuses 16), plus a second dense folder with other
 weights and the same config, for weight updates from a folder, and one folder of each other
 family moult implements (docs/models.md): Llama 3 with llama3 rope scaling and biases, Qwen2,
-Mistral with a head_dim that is not hidden/heads.
+Mistral with a head_dim that is not hidden/heads, and with a sliding window, Gemma 3 with local
+(sliding-window) and global layers. Windows (8) are shorter than the sampled sequences.
 
     python make_vllm_models.py OUT_DIR
 
 writes OUT_DIR/{qwen3-tiny, qwen3-tiny-v2, qwen3-moe-tiny, llama-tiny, qwen2-tiny,
-mistral-tiny}, each with the tiny BPE tokenizer of
+mistral-tiny, mistral-tiny-window, gemma3-tiny}, each with the tiny BPE tokenizer of
 tests/fixtures/tiny_bpe and the Qwen3 chat template. Does nothing when OUT_DIR/.stamp holds this
 script's digest.
 """
@@ -19,6 +20,8 @@ import sys
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -91,6 +94,14 @@ def main(root):
         ("mistral-tiny", MistralForCausalLM(MistralConfig(
             **{**shapes, "num_attention_heads": 4, "num_key_value_heads": 2}, head_dim=32,
             tie_word_embeddings=False, sliding_window=None))),
+        ("mistral-tiny-window", MistralForCausalLM(MistralConfig(
+            **shapes, head_dim=32, tie_word_embeddings=True, sliding_window=8))),
+        ("gemma3-tiny", Gemma3ForCausalLM(Gemma3TextConfig(
+            **{k: v for k, v in shapes.items() if k != "rope_theta"}, head_dim=32,
+            query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))),
     ]
     for seed, (name, model) in enumerate(families, start=20):
         randomize(model, seed)
