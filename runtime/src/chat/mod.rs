@@ -19,5 +19,5 @@ pub use template::{ChatTemplate, RenderOptions, TemplateError};
 pub use tokenizer::{Tokenizer, TokenizerError};
 pub use tool_parser::{
     parser_for_template, Hermes, Llama3Json, MistralTools, NoTools, ParsedCall, ParsedOutput,
-    ToolCallParser,
+    Pythonic, ToolCallParser,
 };

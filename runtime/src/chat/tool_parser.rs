@@ -4,7 +4,9 @@
 //! streaming, says how much of it is certainly content (so a half-written `<tool_call>` tag is
 //! never sent to the client as text). [`Hermes`] is the `<tool_call>{json}</tool_call>` form of
 //! Qwen2.5, Qwen3 and Hermes models; [`Llama3Json`] the bare `{"name": ..., "parameters": ...}`
-//! calls of Llama 3.x; [`MistralTools`] the `[TOOL_CALLS][{...}]` list of Mistral models. The
+//! calls of Llama 3.x; [`MistralTools`] the `[TOOL_CALLS][{...}]` list of Mistral models;
+//! [`Pythonic`] the `[f(a=1, b="x")]` list of Python calls that Llama 3.2 writes when prompted so
+//! and vLLM's Gemma 3 tool template asks for. The
 //! loopback decodes output with special tokens skipped, as vLLM does by default, so a marker that
 //! is a special token of its tokenizer (Llama's `<|python_tag|>`, Mistral's `[TOOL_CALLS]`) may
 //! or may not be in the text: both parsers take either.
@@ -249,14 +251,263 @@ impl ToolCallParser for MistralTools {
     }
 }
 
+/// Python calls: the whole output, from its first character, is a list `[f(a=1, b="x"), g()]`
+/// of calls with keyword arguments whose values are Python literals (strings in either quotes,
+/// numbers, `True`, `False`, `None`, lists and dicts of them), as vLLM's `pythonic` parser reads
+/// it with Python's `ast`. Anything else (text around the list, an empty list, a positional
+/// argument, a name such as `true`) is content. One difference: vLLM takes a negative number
+/// (`-1`, a unary minus in Python's syntax tree) for a non-literal and the whole output for
+/// content; here it is the number.
+#[derive(Debug, Default)]
+pub struct Pythonic;
+
+impl ToolCallParser for Pythonic {
+    fn parse(&self, text: &str) -> ParsedOutput {
+        match python_calls(text) {
+            Some(tool_calls) if !tool_calls.is_empty() => ParsedOutput {
+                content: None,
+                tool_calls,
+            },
+            _ => NoTools.parse(text),
+        }
+    }
+
+    fn content_prefix_len(&self, text: &str) -> usize {
+        // Only an output that opens with `[` can be calls (vLLM streams anything else as it comes).
+        if text.is_empty() || text.starts_with('[') {
+            0
+        } else {
+            text.len()
+        }
+    }
+}
+
+/// The calls of `text` if all of it (but trailing whitespace) is a Python list of calls.
+fn python_calls(text: &str) -> Option<Vec<ParsedCall>> {
+    let mut p = PyParser {
+        s: text.trim_end().as_bytes(),
+        at: 0,
+    };
+    p.eat(b'[')?;
+    let mut calls = Vec::new();
+    loop {
+        p.skip_ws();
+        if p.eat(b']').is_some() {
+            break;
+        }
+        calls.push(p.call()?);
+        p.skip_ws();
+        if p.eat(b',').is_none() {
+            p.skip_ws();
+            p.eat(b']')?;
+            break;
+        }
+    }
+    p.skip_ws();
+    (p.at == p.s.len()).then_some(calls)
+}
+
+/// A cursor over Python source that reads calls and literals.
+struct PyParser<'a> {
+    s: &'a [u8],
+    at: usize,
+}
+
+impl PyParser<'_> {
+    fn peek(&self) -> Option<u8> {
+        self.s.get(self.at).copied()
+    }
+
+    fn skip_ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
+            self.at += 1;
+        }
+    }
+
+    fn eat(&mut self, c: u8) -> Option<()> {
+        (self.peek() == Some(c)).then(|| self.at += 1)
+    }
+
+    fn ident(&mut self) -> Option<String> {
+        let start = self.at;
+        // A letter first, as vLLM's pattern for calls and keywords wants.
+        match self.peek() {
+            Some(c) if c.is_ascii_alphabetic() => self.at += 1,
+            _ => return None,
+        }
+        while matches!(self.peek(), Some(c) if c.is_ascii_alphanumeric() || c == b'_') {
+            self.at += 1;
+        }
+        Some(String::from_utf8_lossy(&self.s[start..self.at]).into_owned())
+    }
+
+    /// `name(key=value, ...)`.
+    fn call(&mut self) -> Option<ParsedCall> {
+        let name = self.ident()?;
+        self.skip_ws();
+        self.eat(b'(')?;
+        let mut arguments = Map::new();
+        loop {
+            self.skip_ws();
+            if self.eat(b')').is_some() {
+                break;
+            }
+            let key = self.ident()?;
+            self.skip_ws();
+            self.eat(b'=')?;
+            self.skip_ws();
+            let value = self.value()?;
+            arguments.insert(key, value);
+            self.skip_ws();
+            if self.eat(b',').is_none() {
+                self.skip_ws();
+                self.eat(b')')?;
+                break;
+            }
+        }
+        Some(ParsedCall {
+            name,
+            arguments: Json::Object(arguments),
+        })
+    }
+
+    /// A Python literal as JSON.
+    fn value(&mut self) -> Option<Json> {
+        match self.peek()? {
+            b'"' | b'\'' => self.string().map(Json::String),
+            b'[' => {
+                self.at += 1;
+                let mut items = Vec::new();
+                self.items(b']', |p| {
+                    items.push(p.value()?);
+                    Some(())
+                })?;
+                Some(Json::Array(items))
+            }
+            b'{' => {
+                self.at += 1;
+                let mut map = Map::new();
+                self.items(b'}', |p| {
+                    // Keys are literals; JSON (as `json.dumps`) writes them as strings.
+                    let key = match p.value()? {
+                        Json::String(k) => k,
+                        k @ (Json::Number(_) | Json::Bool(_) | Json::Null) => k.to_string(),
+                        _ => return None,
+                    };
+                    p.skip_ws();
+                    p.eat(b':')?;
+                    p.skip_ws();
+                    map.insert(key, p.value()?);
+                    Some(())
+                })?;
+                Some(Json::Object(map))
+            }
+            b'-' | b'+' | b'.' | b'0'..=b'9' => self.number(),
+            _ => match self.ident()?.as_str() {
+                "True" => Some(Json::Bool(true)),
+                "False" => Some(Json::Bool(false)),
+                "None" => Some(Json::Null),
+                // A name (`true`, a variable) is not a literal.
+                _ => None,
+            },
+        }
+    }
+
+    /// Comma-separated items up to `close` (a trailing comma allowed), each read by `item`.
+    fn items(&mut self, close: u8, mut item: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+        loop {
+            self.skip_ws();
+            if self.eat(close).is_some() {
+                return Some(());
+            }
+            item(self)?;
+            self.skip_ws();
+            if self.eat(b',').is_none() {
+                self.skip_ws();
+                return self.eat(close);
+            }
+        }
+    }
+
+    fn number(&mut self) -> Option<Json> {
+        let start = self.at;
+        while matches!(self.peek(), Some(c) if c.is_ascii_digit() || b"+-.eE_".contains(&c)) {
+            self.at += 1;
+        }
+        let text = std::str::from_utf8(&self.s[start..self.at])
+            .ok()?
+            .replace('_', "");
+        let text = text.strip_prefix('+').unwrap_or(&text);
+        if let Ok(i) = text.parse::<i64>() {
+            return Some(Json::from(i));
+        }
+        let f: f64 = text.parse().ok()?;
+        serde_json::Number::from_f64(f).map(Json::Number)
+    }
+
+    /// A single- or double-quoted string with Python's escapes.
+    fn string(&mut self) -> Option<String> {
+        let quote = self.peek()?;
+        self.at += 1;
+        let mut out = Vec::new();
+        loop {
+            let c = self.peek()?;
+            self.at += 1;
+            match c {
+                c if c == quote => break,
+                b'\n' => return None,
+                b'\\' => {
+                    let e = self.peek()?;
+                    self.at += 1;
+                    let simple = match e {
+                        b'n' => Some(b'\n'),
+                        b't' => Some(b'\t'),
+                        b'r' => Some(b'\r'),
+                        b'0' => Some(0),
+                        b'\\' | b'\'' | b'"' => Some(e),
+                        b'\n' => continue,
+                        _ => None,
+                    };
+                    match simple {
+                        Some(b) => out.push(b),
+                        None => {
+                            let digits = match e {
+                                b'x' => 2,
+                                b'u' => 4,
+                                b'U' => 8,
+                                _ => {
+                                    // Python keeps an unknown escape as it is.
+                                    out.extend([b'\\', e]);
+                                    continue;
+                                }
+                            };
+                            let hex =
+                                std::str::from_utf8(self.s.get(self.at..self.at + digits)?).ok()?;
+                            let ch = char::from_u32(u32::from_str_radix(hex, 16).ok()?)?;
+                            self.at += digits;
+                            let mut buf = [0; 4];
+                            out.extend(ch.encode_utf8(&mut buf).as_bytes());
+                        }
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        String::from_utf8(out).ok()
+    }
+}
+
 /// The parser for a chat template, by the tool syntax it renders: Hermes for `<tool_call>`,
-/// Mistral for `[TOOL_CALLS]`, Llama 3's JSON when it asks for `{"name": ..., "parameters": ...}`,
-/// else none.
+/// Mistral for `[TOOL_CALLS]`, Python calls when it asks for
+/// `[func_name1(params_name1=params_value1, ...)]` (vLLM's pythonic templates), Llama 3's JSON
+/// when it asks for `{"name": ..., "parameters": ...}`, else none.
 pub fn parser_for_template(source: &str) -> Box<dyn ToolCallParser> {
     if source.contains(START) {
         Box::new(Hermes)
     } else if source.contains(TOOL_CALLS) {
         Box::new(MistralTools)
+    } else if source.contains("[func_name1(") {
+        Box::new(Pythonic)
     } else if source.contains(PYTHON_TAG) || source.contains("\"parameters\": dictionary") {
         Box::new(Llama3Json)
     } else {
@@ -365,6 +616,58 @@ mod tests {
         }
         assert_eq!(MistralTools.content_prefix_len("Checking. [TOOL_"), 9);
         assert_eq!(MistralTools.content_prefix_len("[{\"na"), 0);
+    }
+
+    #[test]
+    fn pythonic_calls_are_a_python_list_of_calls() {
+        let out = Pythonic.parse(
+            "[get_weather(city='Paris', days=3, hourly=True), now(), find(q=\"a \\\"b\\\"\\n\\u00e9\", \
+             tags=['x', 2.5, None, -1], opts={'k': [1, {\"n\": False}], 3: 'three'},)]\n",
+        );
+        assert_eq!(out.content, None);
+        assert_eq!(
+            out.tool_calls,
+            vec![
+                ParsedCall {
+                    name: "get_weather".into(),
+                    arguments: json!({"city": "Paris", "days": 3, "hourly": true})
+                },
+                ParsedCall {
+                    name: "now".into(),
+                    arguments: json!({})
+                },
+                ParsedCall {
+                    name: "find".into(),
+                    arguments: json!({
+                        "q": "a \"b\"\né",
+                        "tags": ["x", 2.5, null, -1],
+                        "opts": {"k": [1, {"n": false}], "3": "three"}
+                    })
+                }
+            ]
+        );
+        // Not calls: prose, text around the list, an empty list, positional arguments, names,
+        // a list of non-calls, a call cut off.
+        for text in [
+            "The weather is fine.",
+            "Sure: [f(a=1)]",
+            " [f(a=1)]",
+            "[f(a=1)] done",
+            "[]",
+            "[f(1)]",
+            "[f(a=true)]",
+            "[1, 2]",
+            "[f(a=1)",
+            "[f(a='x)]",
+            "[obj.f(a=1)]",
+        ] {
+            let out = Pythonic.parse(text);
+            assert_eq!(out.content.as_deref(), Some(text), "{text}");
+            assert!(out.tool_calls.is_empty(), "{text}");
+        }
+        assert_eq!(Pythonic.content_prefix_len(""), 0);
+        assert_eq!(Pythonic.content_prefix_len("[get_wea"), 0);
+        assert_eq!(Pythonic.content_prefix_len("Sure [f("), 8);
     }
 
     #[test]

@@ -21,13 +21,14 @@ use moult_runtime::loopback::openai::CompletionRequest;
 use moult_runtime::loopback::session::{Sampled, Session};
 use moult_runtime::rollout::validate::{check as validate, EpisodeLimits};
 
-const TEMPLATES: [&str; 6] = [
+const TEMPLATES: [&str; 7] = [
     "qwen3_chat_template.jinja",
     "qwen3_chat_template_llamacpp_2025-05.jinja",
     "qwen2.5_7b_instruct_chat_template.jinja",
     "llama3.1_8b_instruct_chat_template.jinja",
     "mistral_nemo_instruct_2407_chat_template.jinja",
     "deepseek_v3.1_chat_template.jinja",
+    "gemma3_it_chat_template.jinja",
 ];
 
 fn templates() -> &'static Vec<ChatTemplate> {

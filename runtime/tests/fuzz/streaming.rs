@@ -11,13 +11,13 @@ use proptest::prelude::*;
 
 use crate::{drive, Budget, Row};
 use moult_runtime::chat::{
-    DecodeStream, Hermes, Llama3Json, MistralTools, NoTools, ParsedOutput, Tokenizer,
+    DecodeStream, Hermes, Llama3Json, MistralTools, NoTools, ParsedOutput, Pythonic, Tokenizer,
     ToolCallParser,
 };
 use moult_runtime::loopback::text_stream::{Streamed, TextStream};
 
 /// Pieces that make stop strings, tags and calls likely to meet, and split characters.
-const ATOMS: [&str; 30] = [
+const ATOMS: [&str; 35] = [
     "a",
     "b",
     "ab",
@@ -48,6 +48,11 @@ const ATOMS: [&str; 30] = [
     "]",
     "<|python_tag|>",
     "; ",
+    "[f(a=1, b='x')]",
+    "g(",
+    ")",
+    "=",
+    "'",
 ];
 
 fn text() -> impl Strategy<Value = String> {
@@ -73,7 +78,7 @@ struct Case {
     /// Cut points, as fractions of the text (moved to character boundaries).
     cuts: Vec<prop::sample::Index>,
     stops: Vec<String>,
-    /// Which parser: none, Hermes, Llama 3 JSON, Mistral.
+    /// Which parser: none, Hermes, Llama 3 JSON, Mistral, Pythonic.
     parser: u8,
 }
 
@@ -82,7 +87,7 @@ fn case() -> impl Strategy<Value = Case> {
         text(),
         prop::collection::vec(any::<prop::sample::Index>(), 0..12),
         stops(),
-        0..4u8,
+        0..5u8,
     )
         .prop_map(|(text, cuts, stops, parser)| Case {
             text,
@@ -167,7 +172,8 @@ fn check(case: Case) -> Result<(), TestCaseError> {
         0 => &NoTools,
         1 => &Hermes,
         2 => &Llama3Json,
-        _ => &MistralTools,
+        3 => &MistralTools,
+        _ => &Pythonic,
     };
     let split = pieces(&case.text, &case.cuts);
     let whole = feed(std::slice::from_ref(&case.text), &case.stops, parser);
