@@ -7,7 +7,8 @@
 //!
 //! `cargo bench -p moult-runtime --bench engine` (after `source scripts/env.sh`);
 //! `-- --quick` runs the tiny model only, `-- --large` the Qwen3-0.6B-shaped one only, `-- --llama`
-//! a Llama 3.2-1B-shaped one (docs/models.md). Documented in docs/benchmarks.md.
+//! a Llama 3.2-1B-shaped one, `-- --gemma` a Gemma 3-1B-shaped one (docs/models.md). Documented
+//! in docs/benchmarks.md.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -62,24 +63,49 @@ fn random_model(name: &str, shape: &str, config: &Path) -> PathBuf {
     out
 }
 
-/// A model of Llama 3.2-1B's shape (its model card: 16 layers, hidden 2048, 32 heads of 64 with 8
-/// key/value heads, MLP 8192, vocabulary 128256, tied embeddings, llama3 rope scaling) with
-/// random weights, created once.
-fn llama_model() -> PathBuf {
+/// The other families' shapes, with random weights, created once: Llama 3.2-1B's (its model
+/// card: 16 layers, hidden 2048, 32 heads of 64 with 8 key/value heads, MLP 8192, vocabulary
+/// 128256, tied embeddings, llama3 rope scaling) and Gemma 3-1B's (26 layers, hidden 1152, 4
+/// heads of 256 with 1 key/value head, MLP 6912, vocabulary 262144, tied embeddings, five local
+/// layers with a 512-token window per global one).
+fn family_model(family: &str) -> (&'static str, PathBuf) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-models");
     std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("llama3.2-1b-config.json");
-    let shape = serde_json::json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        "tie_word_embeddings": true, "hidden_act": "silu"
-    });
+    let (name, label, shape) = match family {
+        "llama" => (
+            "llama3.2-1b",
+            "Llama 3.2-1B shape",
+            serde_json::json!({
+                "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+                "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                "tie_word_embeddings": true, "hidden_act": "silu"
+            }),
+        ),
+        "gemma" => (
+            "gemma3-1b",
+            "Gemma 3-1B shape",
+            serde_json::json!({
+                "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+                "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                "vocab_size": 262144, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6,
+                "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": true
+            }),
+        ),
+        other => panic!("no benchmark shape for the family {other}"),
+    };
+    let config = dir.join(format!("{name}-config.json"));
     std::fs::write(&config, shape.to_string()).unwrap();
-    random_model("llama3.2-1b-random", "Llama 3.2-1B", &config)
+    (
+        label,
+        random_model(&format!("{name}-random"), label, &config),
+    )
 }
 
 fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHandle<()>) {
@@ -313,12 +339,16 @@ fn main() {
         (false, true) => (false, true),
         (false, false) => (true, true),
     };
-    // `--llama`: the Llama 3.2-1B-shaped model alone (docs/models.md).
-    let llama_on = args.iter().any(|a| a == "--llama");
-    let (tiny_on, large_on) = if llama_on {
-        (false, false)
-    } else {
+    // `--llama`, `--gemma`: those families' shapes alone (docs/models.md).
+    let families: Vec<(&str, PathBuf)> = ["llama", "gemma"]
+        .into_iter()
+        .filter(|f| args.iter().any(|a| *a == format!("--{f}")))
+        .map(family_model)
+        .collect();
+    let (tiny_on, large_on) = if families.is_empty() {
         (tiny_on, large_on)
+    } else {
+        (false, false)
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -326,7 +356,6 @@ fn main() {
         .build()
         .unwrap();
     let (tiny, qwen) = models();
-    let llama = llama_on.then(llama_model);
     println!("cores: {}\n", cores());
 
     println!(
@@ -342,8 +371,8 @@ fn main() {
     if large_on {
         throughput(&rt, "Qwen3-0.6B shape", &qwen, 32);
     }
-    if let Some(llama) = &llama {
-        throughput(&rt, "Llama 3.2-1B shape", llama, 32);
+    for (label, model) in &families {
+        throughput(&rt, label, model, 32);
     }
 
     println!("\n## Per-token decode latency (ms/token, batch 1)\n");
@@ -355,8 +384,8 @@ fn main() {
     if large_on {
         latency(&rt, "Qwen3-0.6B shape", &qwen);
     }
-    if let Some(llama) = &llama {
-        latency(&rt, "Llama 3.2-1B shape", llama);
+    for (label, model) in &families {
+        latency(&rt, label, model);
     }
 
     println!("\n## Weight update over TCP (f32, all weights, one engine, 256 MiB buckets)\n");

@@ -1,5 +1,6 @@
 //! The policy loss learns (libtorch): on-policy, a sequence with a positive advantage becomes
-//! more likely and one with a negative advantage less, under each loss; on-policy means no
+//! more likely and one with a negative advantage less, under each loss and on each family's
+//! forward (Gemma 3's norms, windows and soft-capping included); on-policy means no
 //! engine/trainer mismatch (|log ρ| = 0, nothing masked).
 
 mod common;
@@ -37,16 +38,36 @@ fn sampled_mean(model: &Qwen3Model, seqs: &[(Vec<i64>, Vec<u8>)]) -> Vec<f64> {
         .collect()
 }
 
+/// The tiny models of every family (tests/python/make_family_models.py).
+const FAMILIES: [&str; 7] = [
+    "llama-tiny",
+    "llama-tiny-bias",
+    "qwen2-tiny",
+    "mistral-tiny",
+    "mistral-tiny-window",
+    "gemma3-tiny",
+    "gemma3-tiny-linear",
+];
+
 #[test]
 fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
-    for kind in [LossKind::Ppo, LossKind::Gspo, LossKind::Cispo] {
-        let model = Qwen3Model::load(&dense_model(), Kind::Float, Device::Cpu).unwrap();
+    let runs = [LossKind::Ppo, LossKind::Gspo, LossKind::Cispo]
+        .into_iter()
+        .map(|kind| (dense_model(), kind))
+        .chain(
+            ["mistral-tiny-window", "gemma3-tiny", "gemma3-tiny-linear"]
+                .map(|name| (common::family_models().join(name), LossKind::Ppo)),
+        );
+    for (dir, kind) in runs {
+        let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+        let run = format!("{} {kind:?}", dir.file_name().unwrap().to_string_lossy());
         let params: Vec<Tensor> = model
             .trainable()
             .into_iter()
             .map(|t| t.set_requires_grad(true))
             .collect();
-        let prompt: Vec<i64> = vec![2001, 273, 105, 94, 50, 253];
+        // Longer than the windowed models' windows (5 and 8).
+        let prompt: Vec<i64> = vec![2001, 273, 105, 94, 50, 253, 17, 900, 431, 12, 66];
         let good: Vec<i64> = prompt.iter().copied().chain([76, 435, 25, 295]).collect();
         let bad: Vec<i64> = prompt
             .iter()
@@ -100,7 +121,7 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
             let old = old_logprobs(&model, &samples, 1.0).unwrap();
             let (loss, metrics) = policy_loss(&model, &samples, &old, &cfg).unwrap();
             if step == 0 {
-                assert!(metrics.mean_abs_log_rho < 1e-5, "{kind:?}: on-policy");
+                assert!(metrics.mean_abs_log_rho < 1e-5, "{run}: on-policy");
                 assert_eq!(metrics.masked_fraction, 0.0);
                 assert_eq!(metrics.tokens, 8.0);
             }
@@ -115,13 +136,13 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
         let after = sampled_mean(&model, &seqs);
         assert!(
             after[0] > before[0],
-            "{kind:?}: the rewarded sequence became likelier ({} -> {})",
+            "{run}: the rewarded sequence became likelier ({} -> {})",
             before[0],
             after[0]
         );
         assert!(
             after[1] < before[1],
-            "{kind:?}: the penalised one less likely ({} -> {})",
+            "{run}: the penalised one less likely ({} -> {})",
             before[1],
             after[1]
         );
@@ -130,7 +151,8 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
 
 #[test]
 fn libtorch_trainable_tensors_cover_every_named_weight_once() {
-    for dir in [dense_model(), moe_model()] {
+    let families = FAMILIES.map(|name| common::family_models().join(name));
+    for dir in [dense_model(), moe_model()].into_iter().chain(families) {
         let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
         let elements: i64 = model.trainable().iter().map(|t| t.numel() as i64).sum();
         let params = model.params();

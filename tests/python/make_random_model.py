@@ -9,6 +9,8 @@ import sys
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3Config,
@@ -32,6 +34,8 @@ def main():
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**raw))
     elif arch == "LlamaForCausalLM":
         model = LlamaForCausalLM(LlamaConfig(**raw))
+    elif arch == "Gemma3ForCausalLM":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**raw))
     else:
         sys.exit(f"unsupported architecture {arch}")
     model.save_pretrained(out, safe_serialization=True)
