@@ -30,7 +30,7 @@ impl Rope {
             / (d as f64);
         let mut inv_freq = Tensor::from(theta as f32).pow(&exponent).reciprocal();
         if let Some(RopeScaling::Linear { factor }) = scaling {
-            inv_freq = inv_freq / factor;
+            inv_freq /= factor;
         }
         if let Some(RopeScaling::Llama3 {
             factor,
