@@ -2,6 +2,9 @@
 # Installs what moult needs, idempotently (each step is skipped when already done):
 #   - a Python virtualenv ($MOULT_VENV, default ./.venv) with torch (whose libtorch tch links
 #     against) and transformers (the numerical reference of the tests), all from PyPI;
+#   - Gloo's headers (Debian's libgloo-dev), which the trainer's multi-rank collectives compile
+#     against (docs/distributed.md); installed with apt-get when run as root, otherwise a
+#     one-rank trainer still builds and a multi-rank one says what is missing;
 #   - the Rust build of the workspace.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
@@ -22,3 +25,15 @@ else
 fi
 # Re-read the environment now that torch exists (LD_LIBRARY_PATH to libtorch).
 source "$MOULT_ROOT/scripts/env.sh"
+
+if [ -f "${GLOO_INCLUDE_DIR:-/usr/include}/gloo/context.h" ]; then
+  echo "setup: Gloo headers present"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "setup: installing libgloo-dev (the trainer's multi-rank collectives)"
+  { apt-get install -y -qq libgloo-dev >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libgloo-dev >/dev/null 2>&1; }; } \
+    && touch runtime/csrc/gloo_shim.cpp `# an earlier build without the headers: build.rs runs again` \
+    || echo "setup: could not install libgloo-dev: trainers of more than one rank will refuse to start (docs/distributed.md)"
+else
+  echo "setup: no Gloo headers (apt-get install libgloo-dev): trainers of more than one rank will refuse to start (docs/distributed.md)"
+fi

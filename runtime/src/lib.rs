@@ -9,6 +9,8 @@ pub mod algorithms;
 pub mod auth;
 pub mod chat;
 pub mod cluster;
+#[cfg(feature = "torch")]
+pub mod dist;
 pub mod engine;
 pub mod init;
 pub mod loopback;

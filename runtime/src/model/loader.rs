@@ -16,6 +16,7 @@ pub fn parse_dtype(name: &str) -> Option<Kind> {
         "float32" | "float" | "f32" => Some(Kind::Float),
         "bfloat16" | "bf16" => Some(Kind::BFloat16),
         "float16" | "half" | "f16" => Some(Kind::Half),
+        "float64" | "double" | "f64" => Some(Kind::Double),
         _ => None,
     }
 }

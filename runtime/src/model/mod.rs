@@ -53,6 +53,9 @@ pub enum Error {
     Input(String),
     #[error(transparent)]
     Torch(#[from] tch::TchError),
+    /// A collective between the trainer's ranks failed (docs/distributed.md).
+    #[error(transparent)]
+    Dist(#[from] crate::dist::Error),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

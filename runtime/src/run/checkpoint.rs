@@ -98,14 +98,10 @@ fn write(
     Tensor::write_safetensors(&weights, &model_file).map_err(|e| io("writing", &model_file, e))?;
     let moments: Vec<(String, Tensor)> = trainer
         .moments()
-        .iter()
+        .map_err(crate::model::Error::from)?
+        .into_iter()
         .enumerate()
-        .flat_map(|(i, (m, v))| {
-            [
-                (format!("m.{i}"), m.shallow_clone()),
-                (format!("v.{i}"), v.shallow_clone()),
-            ]
-        })
+        .flat_map(|(i, (m, v))| [(format!("m.{i}"), m), (format!("v.{i}"), v)])
         .collect();
     let optim_file = tmp.join("optimizer.safetensors");
     Tensor::write_safetensors(&moments, &optim_file).map_err(|e| io("writing", &optim_file, e))?;

@@ -6,5 +6,7 @@
 
 pub mod logprobs;
 pub mod optim;
+pub mod ranks;
+mod shard;
 pub mod step;
 pub mod train;

@@ -48,6 +48,17 @@ impl AdamW {
 
     /// One update of `params` (each with `.grad()` filled) at learning rate `lr`.
     pub fn step(&mut self, params: &[Tensor], lr: f64) {
+        let grads: Vec<Option<Tensor>> = params
+            .iter()
+            .map(|p| Some(p.grad()).filter(Tensor::defined))
+            .collect();
+        self.step_with(params, &grads, lr);
+    }
+
+    /// One update of `params` with the given gradients; a tensor without one (`None`: no token
+    /// reached it, as an unrouted expert) is left alone, moments and weight decay included.
+    pub fn step_with(&mut self, params: &[Tensor], grads: &[Option<Tensor>], lr: f64) {
+        assert_eq!(params.len(), grads.len(), "one gradient slot per parameter");
         if self.state.is_empty() {
             self.state = params
                 .iter()
@@ -64,17 +75,14 @@ impl AdamW {
         let bias1 = 1.0 - b1.powi(self.step as i32);
         let bias2 = 1.0 - b2.powi(self.step as i32);
         tch::no_grad(|| {
-            for (p, (m, v)) in params.iter().zip(&mut self.state) {
-                let g = p.grad();
-                if !g.defined() {
-                    continue;
-                }
+            for ((p, g), (m, v)) in params.iter().zip(grads).zip(&mut self.state) {
+                let Some(g) = g else { continue };
                 let mut p = p.shallow_clone();
                 if self.weight_decay != 0.0 {
                     let _ = p.g_mul_scalar_(1.0 - lr * self.weight_decay);
                 }
-                let _ = m.lerp_(&g, 1.0 - b1);
-                let _ = v.lerp_(&(&g * &g), 1.0 - b2);
+                let _ = m.lerp_(g, 1.0 - b1);
+                let _ = v.lerp_(&(g * g), 1.0 - b2);
                 let mut denom = v.sqrt();
                 let _ = denom
                     .g_div_scalar_(bias2.sqrt())

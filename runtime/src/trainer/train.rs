@@ -3,6 +3,10 @@
 //! learning rate. The result is exactly the step on the whole batch at once: each micro-batch's
 //! loss is weighed by its share of the batch (tokens for token-mean, sequences for
 //! sequence-mean and GSPO).
+//!
+//! With several ranks ([`super::ranks`]) each rank trains on its contiguous part of the
+//! batch, with the same shares of the whole batch, and the optimizer state is sharded across
+//! the ranks ([`super::shard`]): N ranks compute the step one rank would (docs/distributed.md).
 
 use std::time::Instant;
 
@@ -11,8 +15,10 @@ use tch::Tensor;
 
 use super::logprobs::{token_logprobs, Scored};
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
+use super::shard::Shards;
 use super::step::{old_logprobs, policy_loss_with, LossConfig, LossExtras, LossKind, TrainSample};
 use crate::algorithms::losses::Aggregation;
+use crate::dist::{Collectives, ReduceOp, Solo};
 use crate::model::Qwen3Model;
 
 /// One trajectory segment with its advantage, owned (what the run hands the trainer).
@@ -46,7 +52,7 @@ impl Sample {
 }
 
 /// How the trainer trains.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct TrainerOptions {
     pub loss: LossConfig,
     pub schedule: LrSchedule,
@@ -88,12 +94,42 @@ pub struct StepStats {
 pub struct Trainer {
     model: Qwen3Model,
     params: Vec<Tensor>,
+    /// One rank's optimizer; unused when `shards` holds the sharded one.
     optimizer: AdamW,
+    group: Box<dyn Collectives>,
+    shards: Option<Shards>,
     /// The frozen initial policy, when a KL penalty needs it.
     reference: Option<Qwen3Model>,
     opts: TrainerOptions,
     steps: u64,
     threads: usize,
+}
+
+/// Rank `rank`'s contiguous part of a batch of `world` ranks: cut where the running token count
+/// crosses each rank's equal share.
+fn rank_part(samples: &[Sample], rank: usize, world: usize) -> &[Sample] {
+    let total: usize = samples.iter().map(|s| s.tokens.len()).sum();
+    let cut = |r: usize| {
+        let target = total * r / world;
+        let mut seen = 0;
+        samples
+            .iter()
+            .position(|s| {
+                let before = seen;
+                seen += s.tokens.len();
+                before >= target
+            })
+            .unwrap_or(samples.len())
+    };
+    let (start, end) = (
+        cut(rank),
+        if rank + 1 == world {
+            samples.len()
+        } else {
+            cut(rank + 1)
+        },
+    );
+    &samples[start..end.max(start)]
 }
 
 /// Splits `samples` into consecutive runs of at most `budget` tokens (a longer sample alone).
@@ -133,22 +169,38 @@ impl Trainer {
         reference: Option<Qwen3Model>,
         opts: TrainerOptions,
     ) -> Result<Self, String> {
+        Self::with_group(model, reference, opts, Box::new(Solo))
+    }
+
+    /// One rank of a trainer of `group.world()` ranks, not yet in sync with the others: made by
+    /// [`super::ranks::leader`] and [`super::ranks::follower`].
+    pub(super) fn with_group(
+        model: Qwen3Model,
+        reference: Option<Qwen3Model>,
+        opts: TrainerOptions,
+        group: Box<dyn Collectives>,
+    ) -> Result<Self, String> {
         if opts.kl_coef > 0.0 && reference.is_none() {
             return Err("a KL penalty needs the reference model".into());
         }
         if opts.micro_batch_tokens == 0 {
             return Err("micro_batch_tokens must be at least 1".into());
         }
-        let params = model
+        let params: Vec<Tensor> = model
             .trainable()
             .into_iter()
             .map(|t| t.set_requires_grad(true))
             .collect();
+        let adamw = || AdamW::new((0.9, 0.999), 1e-8, opts.weight_decay);
+        let shards =
+            (group.world() > 1).then(|| Shards::new(&params, group.rank(), group.world(), adamw()));
         Ok(Self {
             threads: crate::model::compute_threads(model.config()),
             model,
             params,
-            optimizer: AdamW::new((0.9, 0.999), 1e-8, opts.weight_decay),
+            optimizer: adamw(),
+            group,
+            shards,
             reference,
             opts,
             steps: 0,
@@ -164,9 +216,44 @@ impl Trainer {
         self.steps
     }
 
-    /// The optimizer's moments, in [`Qwen3Model::trainable`] order (for checkpoints).
-    pub fn moments(&self) -> &[(Tensor, Tensor)] {
-        self.optimizer.moments()
+    /// The ranks training together (1 for one).
+    pub fn world_size(&self) -> usize {
+        self.group.world()
+    }
+
+    pub(super) fn group(&self) -> &dyn Collectives {
+        self.group.as_ref()
+    }
+
+    /// The tensors the optimizer updates, in [`Qwen3Model::trainable`] order.
+    pub(super) fn trainable(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    /// The group's bound on one collective.
+    pub(super) fn timeout(&self) -> std::time::Duration {
+        self.group.timeout()
+    }
+
+    /// One rank's whole moments (empty before the first step, or when sharded).
+    pub(super) fn local_moments(&self) -> Vec<(Tensor, Tensor)> {
+        match &self.shards {
+            Some(_) => Vec::new(),
+            None => self
+                .optimizer
+                .moments()
+                .iter()
+                .map(|(m, v)| (m.shallow_clone(), v.shallow_clone()))
+                .collect(),
+        }
+    }
+
+    /// The moments, whole; with several ranks a collective every rank calls.
+    pub(super) fn gather_moments(&self) -> crate::dist::Result<Vec<(Tensor, Tensor)>> {
+        match &self.shards {
+            Some(shards) => shards.gathered_moments(&self.params, self.group.as_ref()),
+            None => Ok(self.local_moments()),
+        }
     }
 
     /// Continues from a checkpoint taken after `steps` steps.
@@ -178,18 +265,25 @@ impl Trainer {
                 self.params.len()
             ));
         }
-        self.optimizer.restore(steps as i64, moments);
+        match &mut self.shards {
+            Some(shards) => shards.restore(steps as i64, &moments),
+            None => self.optimizer.restore(steps as i64, moments),
+        }
         self.steps = steps;
         Ok(())
     }
 
-    /// One optimizer step on `samples`.
-    pub fn step(&mut self, samples: &[Sample]) -> crate::model::Result<StepStats> {
+    /// One optimizer step on `samples` (every rank's part of it, each rank on its own).
+    pub(super) fn step_on(&mut self, samples: &[Sample]) -> crate::model::Result<StepStats> {
         let started = Instant::now();
         // Steps run on whichever compute thread is free: set its pool each time.
         tch::set_num_threads(self.threads as i32);
         let cfg = self.opts.loss;
-        let parts = micro_batches(samples, self.opts.micro_batch_tokens);
+        let (rank, world) = (self.group.rank(), self.group.world());
+        let parts = micro_batches(
+            rank_part(samples, rank, world),
+            self.opts.micro_batch_tokens,
+        );
         let total_sampled: usize = samples.iter().map(Sample::sampled).sum();
         let share = |part: &[Sample]| match (cfg.kind, cfg.aggregation) {
             (LossKind::Gspo, _)
@@ -253,10 +347,37 @@ impl Trainer {
             stats.entropy += m.entropy * t;
             stats.kl += m.kl * t;
         }
-        stats.grad_norm = match self.opts.max_grad_norm {
-            Some(max) => clip_grad_norm(&self.params, max),
-            None => clip_grad_norm(&self.params, f64::INFINITY),
-        };
+        let max_norm = self.opts.max_grad_norm.unwrap_or(f64::INFINITY);
+        let mut shard_grad = None;
+        match &self.shards {
+            None => stats.grad_norm = clip_grad_norm(&self.params, max_norm),
+            Some(shards) => {
+                // Every rank's part of the metrics and the gradient, summed.
+                let group = self.group.as_ref();
+                let sums = Tensor::from_slice(&[
+                    stats.loss,
+                    stats.mean_abs_log_rho,
+                    stats.masked_fraction,
+                    stats.entropy,
+                    stats.kl,
+                    parts.len() as f64,
+                ]);
+                group.all_reduce(&sums, ReduceOp::Sum)?;
+                let sums = Vec::<f64>::try_from(&sums).expect("a double vector");
+                stats.loss = sums[0];
+                stats.mean_abs_log_rho = sums[1];
+                stats.masked_fraction = sums[2];
+                stats.entropy = sums[3];
+                stats.kl = sums[4];
+                stats.micro_batches = sums[5] as usize;
+                let mut g = shards.reduce_grads(&self.params, group)?;
+                stats.grad_norm = shards.grad_norm(&g, group)?;
+                if stats.grad_norm > max_norm && stats.grad_norm > 0.0 {
+                    shards.scale(&mut g, max_norm / stats.grad_norm);
+                }
+                shard_grad = Some(g);
+            }
+        }
         stats.learning_rate = self.opts.schedule.at(self.steps + 1);
         // One non-finite value (an overflow, a NaN that got into the batch) would make every
         // weight NaN through AdamW, and the engines would serve them: skip the update instead
@@ -268,6 +389,8 @@ impl Trainer {
                 grad_norm = stats.grad_norm,
                 "a non-finite loss or gradient: the step leaves the weights as they were"
             );
+        } else if let (Some(shards), Some(g)) = (&mut self.shards, &shard_grad) {
+            shards.step(&self.params, g, stats.learning_rate, self.group.as_ref())?;
         } else {
             self.optimizer.step(&self.params, stats.learning_rate);
         }

@@ -1,0 +1,388 @@
+//! Collectives between the trainer's ranks (docs/distributed.md): one small interface
+//! ([`Collectives`]: all-gather, reduce-scatter, all-reduce, broadcast, barrier) over tensors.
+//!
+//! On CPU the implementation is libtorch's own c10d: a `TCPStore` for the rendezvous (rank 0
+//! listens, every rank connects, as torchrun does) and `ProcessGroupGloo` for the collectives,
+//! reached through a C++ shim (`runtime/csrc/gloo_shim.cpp`). One rank needs none of it
+//! ([`Solo`]).
+//!
+//! Contract: every rank calls the same collectives in the same order with tensors of the same
+//! shapes. A collective that cannot complete (a rank died, the network broke) fails within the
+//! group's timeout with an error naming this rank and, when the store can tell, the rank that was
+//! lost; it never hangs.
+
+use std::time::Duration;
+
+use tch::Tensor;
+
+/// What a failed rendezvous or collective says.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("trainer rank {rank} of {world}: {op} failed: {message}")]
+    Collective {
+        rank: usize,
+        world: usize,
+        op: &'static str,
+        message: String,
+    },
+    #[error("invalid trainer rendezvous: {0}")]
+    Config(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// How a reduction combines the ranks' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+/// The collectives a sharded trainer needs. Tensors are contiguous and on the group's device.
+pub trait Collectives: Send + Sync + std::fmt::Debug {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// `out` (`[world · n]`) = every rank's `input` (`[n]`), in rank order.
+    fn all_gather(&self, out: &Tensor, input: &Tensor) -> Result<()>;
+    /// `out` (`[n]`) = this rank's chunk of the sum of every rank's `input` (`[world · n]`).
+    fn reduce_scatter(&self, out: &Tensor, input: &Tensor) -> Result<()>;
+    /// `tensor` = the reduction of every rank's `tensor`, in place.
+    fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()>;
+    /// `tensor` = rank `root`'s `tensor`, in place.
+    fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()>;
+    fn barrier(&self) -> Result<()>;
+    /// The bound on one collective.
+    fn timeout(&self) -> Duration;
+    fn set_timeout(&self, timeout: Duration) -> Result<()>;
+}
+
+/// One rank alone: every collective is the identity.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Solo;
+
+impl Collectives for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn all_gather(&self, out: &Tensor, input: &Tensor) -> Result<()> {
+        tch::no_grad(|| out.view(input.size().as_slice()).copy_(input));
+        Ok(())
+    }
+    fn reduce_scatter(&self, out: &Tensor, input: &Tensor) -> Result<()> {
+        tch::no_grad(|| out.view(input.size().as_slice()).copy_(input));
+        Ok(())
+    }
+    fn all_reduce(&self, _: &Tensor, _: ReduceOp) -> Result<()> {
+        Ok(())
+    }
+    fn broadcast(&self, _: &Tensor, _: usize) -> Result<()> {
+        Ok(())
+    }
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+    fn timeout(&self) -> Duration {
+        Duration::MAX
+    }
+    fn set_timeout(&self, _: Duration) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Where and as whom a rank joins its group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rendezvous {
+    /// Rank 0's address; rank 0 listens on `port` there.
+    pub host: String,
+    pub port: u16,
+    pub rank: usize,
+    pub world: usize,
+    /// Bounds the rendezvous and every collective.
+    pub timeout: Duration,
+}
+
+/// Environment variables of a trainer rank (set by `moult trainer` and `moult run` for the ranks
+/// they start; docs/distributed.md).
+pub const ENV_RANK: &str = "MOULT_TRAINER_RANK";
+pub const ENV_WORLD: &str = "MOULT_TRAINER_WORLD_SIZE";
+pub const ENV_MASTER: &str = "MOULT_TRAINER_MASTER";
+pub const ENV_TIMEOUT: &str = "MOULT_TRAINER_TIMEOUT_SECONDS";
+
+impl Rendezvous {
+    /// The rendezvous of this process's environment; `None` for a trainer of one rank (no
+    /// `MOULT_TRAINER_WORLD_SIZE`, or 1).
+    pub fn from_env() -> Result<Option<Self>> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let world = match var(ENV_WORLD) {
+            None => return Ok(None),
+            Some(w) => w
+                .parse::<usize>()
+                .map_err(|_| Error::Config(format!("{ENV_WORLD}={w}: not a positive integer")))?,
+        };
+        if world <= 1 {
+            return Ok(None);
+        }
+        let rank: usize = var(ENV_RANK)
+            .ok_or_else(|| Error::Config(format!("{ENV_WORLD}={world} but {ENV_RANK} is not set")))?
+            .parse()
+            .map_err(|_| Error::Config(format!("{ENV_RANK}: not a rank number")))?;
+        if rank >= world {
+            return Err(Error::Config(format!(
+                "{ENV_RANK}={rank} is not below {ENV_WORLD}={world}"
+            )));
+        }
+        let master = var(ENV_MASTER).ok_or_else(|| {
+            Error::Config(format!("{ENV_MASTER} (host:port of rank 0) is not set"))
+        })?;
+        let (host, port) = master
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
+            .ok_or_else(|| Error::Config(format!("{ENV_MASTER}={master}: expected host:port")))?;
+        let timeout = match var(ENV_TIMEOUT) {
+            None => Duration::from_secs(120),
+            Some(t) => {
+                Duration::from_secs_f64(t.parse::<f64>().ok().filter(|t| *t > 0.0).ok_or_else(
+                    || Error::Config(format!("{ENV_TIMEOUT}={t}: expected positive seconds")),
+                )?)
+            }
+        };
+        Ok(Some(Self {
+            host,
+            port,
+            rank,
+            world,
+            timeout,
+        }))
+    }
+
+    /// Joins the group: waits for every rank, up to the timeout.
+    pub fn connect(&self) -> Result<Box<dyn Collectives>> {
+        gloo::Gloo::connect(self).map(|g| Box::new(g) as Box<dyn Collectives>)
+    }
+}
+
+// FFI to the C++ shim over libtorch's c10d: the calls pass live tensors and an out-pointer for
+// the error message, nothing else.
+#[cfg(moult_gloo)]
+#[allow(unsafe_code)]
+mod gloo {
+    use std::ffi::{c_char, c_int, c_void, CStr, CString};
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use tch::Tensor;
+
+    use super::{Collectives, Error, ReduceOp, Rendezvous, Result};
+
+    extern "C" {
+        fn moult_gloo_new(
+            host: *const c_char,
+            port: c_int,
+            rank: c_int,
+            world: c_int,
+            timeout_ms: c_int,
+            err: *mut *mut c_char,
+        ) -> *mut c_void;
+        fn moult_gloo_drop(handle: *mut c_void);
+        fn moult_gloo_free_message(err: *mut c_char);
+        fn moult_gloo_all_gather(
+            h: *mut c_void,
+            out: *mut c_void,
+            input: *mut c_void,
+            err: *mut *mut c_char,
+        ) -> c_int;
+        fn moult_gloo_reduce_scatter(
+            h: *mut c_void,
+            out: *mut c_void,
+            input: *mut c_void,
+            err: *mut *mut c_char,
+        ) -> c_int;
+        fn moult_gloo_all_reduce(
+            h: *mut c_void,
+            t: *mut c_void,
+            op: c_int,
+            err: *mut *mut c_char,
+        ) -> c_int;
+        fn moult_gloo_broadcast(
+            h: *mut c_void,
+            t: *mut c_void,
+            root: c_int,
+            err: *mut *mut c_char,
+        ) -> c_int;
+        fn moult_gloo_barrier(h: *mut c_void, err: *mut *mut c_char) -> c_int;
+        fn moult_gloo_set_timeout(h: *mut c_void, ms: i64, err: *mut *mut c_char) -> c_int;
+    }
+
+    /// A c10d Gloo process group and its TCP store.
+    #[derive(Debug)]
+    pub struct Gloo {
+        /// The C++ group; calls are serialised (every rank must issue collectives in one order).
+        handle: Mutex<Handle>,
+        rank: usize,
+        world: usize,
+        timeout: Mutex<Duration>,
+    }
+
+    #[derive(Debug)]
+    struct Handle(*mut c_void);
+
+    // SAFETY: the handle is only used under the mutex, one call at a time; c10d's process group
+    // is not tied to the thread that created it.
+    unsafe impl Send for Handle {}
+
+    impl Drop for Handle {
+        fn drop(&mut self) {
+            // SAFETY: created by moult_gloo_new, dropped once.
+            unsafe { moult_gloo_drop(self.0) }
+        }
+    }
+
+    fn take_message(err: *mut c_char) -> String {
+        if err.is_null() {
+            return "unknown error".into();
+        }
+        // SAFETY: the shim returns strdup'ed, NUL-terminated messages.
+        let text = unsafe { CStr::from_ptr(err) }
+            .to_string_lossy()
+            .into_owned();
+        unsafe { moult_gloo_free_message(err) };
+        text
+    }
+
+    impl Gloo {
+        pub fn connect(r: &Rendezvous) -> Result<Self> {
+            let host = CString::new(r.host.as_str())
+                .map_err(|_| Error::Config(format!("host {:?} has a NUL byte", r.host)))?;
+            let mut err = std::ptr::null_mut();
+            // SAFETY: valid C string, out-pointer for the message.
+            let handle = unsafe {
+                moult_gloo_new(
+                    host.as_ptr(),
+                    r.port as c_int,
+                    r.rank as c_int,
+                    r.world as c_int,
+                    r.timeout.as_millis().min(i32::MAX as u128) as c_int,
+                    &mut err,
+                )
+            };
+            if handle.is_null() {
+                return Err(Error::Collective {
+                    rank: r.rank,
+                    world: r.world,
+                    op: "rendezvous",
+                    message: format!(
+                        "at {}:{} within {:?}: {}",
+                        r.host,
+                        r.port,
+                        r.timeout,
+                        take_message(err)
+                    ),
+                });
+            }
+            Ok(Self {
+                handle: Mutex::new(Handle(handle)),
+                rank: r.rank,
+                world: r.world,
+                timeout: Mutex::new(r.timeout),
+            })
+        }
+
+        fn call(
+            &self,
+            op: &'static str,
+            f: impl FnOnce(*mut c_void, *mut *mut c_char) -> c_int,
+        ) -> Result<()> {
+            let handle = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+            let mut err = std::ptr::null_mut();
+            if f(handle.0, &mut err) == 0 {
+                return Ok(());
+            }
+            Err(Error::Collective {
+                rank: self.rank,
+                world: self.world,
+                op,
+                message: take_message(err),
+            })
+        }
+    }
+
+    fn ptr(t: &Tensor) -> *mut c_void {
+        t.as_ptr() as *mut c_void
+    }
+
+    impl Collectives for Gloo {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn world(&self) -> usize {
+            self.world
+        }
+        fn all_gather(&self, out: &Tensor, input: &Tensor) -> Result<()> {
+            // SAFETY: live tensors for the call's duration.
+            self.call("all-gather", |h, e| unsafe {
+                moult_gloo_all_gather(h, ptr(out), ptr(input), e)
+            })
+        }
+        fn reduce_scatter(&self, out: &Tensor, input: &Tensor) -> Result<()> {
+            // SAFETY: as above.
+            self.call("reduce-scatter", |h, e| unsafe {
+                moult_gloo_reduce_scatter(h, ptr(out), ptr(input), e)
+            })
+        }
+        fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+            let op = match op {
+                ReduceOp::Sum => 0,
+                ReduceOp::Max => 1,
+            };
+            // SAFETY: as above.
+            self.call("all-reduce", |h, e| unsafe {
+                moult_gloo_all_reduce(h, ptr(tensor), op, e)
+            })
+        }
+        fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+            // SAFETY: as above.
+            self.call("broadcast", |h, e| unsafe {
+                moult_gloo_broadcast(h, ptr(tensor), root as c_int, e)
+            })
+        }
+        fn barrier(&self) -> Result<()> {
+            // SAFETY: as above.
+            self.call("barrier", |h, e| unsafe { moult_gloo_barrier(h, e) })
+        }
+        fn timeout(&self) -> Duration {
+            *self.timeout.lock().unwrap_or_else(|e| e.into_inner())
+        }
+        fn set_timeout(&self, timeout: Duration) -> Result<()> {
+            let ms = timeout.as_millis().min(i64::MAX as u128) as i64;
+            // SAFETY: as above.
+            self.call("set-timeout", |h, e| unsafe {
+                moult_gloo_set_timeout(h, ms, e)
+            })?;
+            *self.timeout.lock().unwrap_or_else(|e| e.into_inner()) = timeout;
+            Ok(())
+        }
+    }
+}
+
+#[cfg(not(moult_gloo))]
+mod gloo {
+    use super::{Error, Rendezvous, Result};
+
+    /// Built without Gloo's headers: no multi-rank trainer.
+    #[derive(Debug)]
+    pub enum Gloo {}
+
+    impl Gloo {
+        pub fn connect(r: &Rendezvous) -> Result<super::Solo> {
+            Err(Error::Unavailable(format!(
+                "a trainer of {} ranks needs the Gloo collectives, and this moult was built without Gloo's headers (apt-get install libgloo-dev, then rebuild; docs/distributed.md)",
+                r.world
+            )))
+        }
+    }
+}

@@ -1,0 +1,379 @@
+//! Rank 0 leads, the other ranks follow (docs/distributed.md). Only rank 0 talks to the rest of
+//! the run (batches in, weights out, checkpoints); before each step, and before each gather of
+//! the optimizer state for a checkpoint, it broadcasts a command, so every rank issues the same
+//! collectives in the same order. A follower joins with [`follower`] (the setup comes from rank
+//! 0), then [`Trainer::follow`]s until rank 0 says stop or is lost.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use super::train::{Sample, Trainer, TrainerOptions};
+use crate::dist::{Collectives, Error, Result};
+use crate::model::Qwen3Model;
+
+/// How long a follower waits for rank 0's next command: a run's rollouts between steps can take
+/// long. A lost rank 0 closes its connections, which a follower sees at once.
+const COMMAND_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// What every rank needs to build the same trainer, sent by rank 0 on joining.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Setup {
+    /// The folder whose `config.json` and weights every rank loads (rank 0 then sends its own
+    /// weights, so a checkpoint only rank 0 resumed from is everyone's).
+    pub model_dir: PathBuf,
+    /// The frozen reference of a KL penalty.
+    pub reference_dir: Option<PathBuf>,
+    /// The weights' dtype (`float32`, `bfloat16`, `float64`).
+    pub dtype: String,
+    pub options: TrainerOptions,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Command {
+    Step = 1,
+    Moments = 2,
+    Stop = 3,
+}
+
+/// Broadcasts bytes from rank 0 (`Some` there, `None` elsewhere); every rank returns them.
+fn broadcast_bytes(group: &dyn Collectives, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
+    let len = Tensor::from_slice(&[bytes.map_or(0, |b| b.len() as i64)]);
+    group.broadcast(&len, 0)?;
+    let n = len.int64_value(&[0]);
+    let buffer = match bytes {
+        Some(b) => Tensor::from_slice(b),
+        None => Tensor::zeros([n], (Kind::Uint8, Device::Cpu)),
+    };
+    if n > 0 {
+        group.broadcast(&buffer, 0)?;
+    }
+    Ok(Vec::<u8>::try_from(&buffer).expect("a byte vector"))
+}
+
+/// A follower joins: rank 0's setup, then the trainer it describes, in sync with rank 0's.
+pub fn follower(group: Box<dyn Collectives>, device: Device) -> crate::model::Result<Trainer> {
+    let setup = broadcast_bytes(group.as_ref(), None)?;
+    let setup: Setup = serde_json::from_slice(&setup).map_err(|e| {
+        crate::model::Error::Input(format!("rank 0 sent a setup this rank cannot read: {e}"))
+    })?;
+    let kind = crate::model::parse_dtype(&setup.dtype).ok_or_else(|| {
+        crate::model::Error::Input(format!("rank 0 sent an unknown dtype {}", setup.dtype))
+    })?;
+    let model = Qwen3Model::load(&setup.model_dir, kind, device)?;
+    let reference = setup
+        .reference_dir
+        .as_ref()
+        .map(|d| Qwen3Model::load(d, kind, device))
+        .transpose()?;
+    let mut trainer = Trainer::with_group(model, reference, setup.options, group)
+        .map_err(crate::model::Error::Input)?;
+    trainer.sync_ranks(None)?;
+    Ok(trainer)
+}
+
+/// Rank 0 of several: sends the setup every follower builds its trainer from, builds its own
+/// (from `model`, which may hold a checkpoint's weights, and `resume`'s steps and moments), and
+/// brings the followers to its weights and optimizer state.
+pub fn leader(
+    model: Qwen3Model,
+    reference: Option<Qwen3Model>,
+    setup: Setup,
+    resume: Option<(u64, Vec<(Tensor, Tensor)>)>,
+    group: Box<dyn Collectives>,
+) -> crate::model::Result<Trainer> {
+    let bytes = serde_json::to_vec(&setup).expect("the setup serialises");
+    broadcast_bytes(group.as_ref(), Some(&bytes))?;
+    let mut trainer = Trainer::with_group(model, reference, setup.options, group)
+        .map_err(crate::model::Error::Input)?;
+    trainer.sync_ranks(resume)?;
+    Ok(trainer)
+}
+
+impl Trainer {
+    fn leads(&self) -> bool {
+        self.world_size() > 1 && self.group().rank() == 0
+    }
+
+    /// Rank 0: tells the followers what to do next.
+    fn command(&self, command: Command, payload: Option<&[u8]>) -> Result<()> {
+        if !self.leads() {
+            return Ok(());
+        }
+        let group = self.group();
+        group.broadcast(&Tensor::from_slice(&[command as i64]), 0)?;
+        if command == Command::Step {
+            broadcast_bytes(group, payload)?;
+        }
+        Ok(())
+    }
+
+    /// One optimizer step on `samples` (the whole batch; with several ranks, called on rank 0,
+    /// which hands the batch to the others).
+    pub fn step(&mut self, samples: &[Sample]) -> crate::model::Result<super::train::StepStats> {
+        if self.leads() {
+            self.command(Command::Step, Some(&encode(samples)))?;
+        }
+        self.step_on(samples)
+    }
+
+    /// The optimizer's moments, whole, in [`Qwen3Model::trainable`] order (for checkpoints); empty
+    /// before the first step. With several ranks, called on rank 0.
+    pub fn moments(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        self.command(Command::Moments, None)?;
+        self.gather_moments()
+    }
+
+    /// Rank 0, at the end of a run: the followers return from [`Trainer::follow`].
+    pub fn stop_followers(&self) -> Result<()> {
+        self.command(Command::Stop, None)
+    }
+
+    /// A follower: does what rank 0 commands until it says stop; returns the steps taken.
+    pub fn follow(&mut self) -> crate::model::Result<u64> {
+        let command = Tensor::zeros([1], (Kind::Int64, Device::Cpu));
+        let group_timeout = self.timeout();
+        loop {
+            self.group().set_timeout(COMMAND_WAIT)?;
+            self.group().broadcast(&command, 0)?;
+            self.group().set_timeout(group_timeout)?;
+            match command.int64_value(&[0]) {
+                1 => {
+                    let bytes = broadcast_bytes(self.group(), None)?;
+                    let samples = decode(&bytes).map_err(|e| {
+                        Error::Config(format!("rank 0 sent a batch this rank cannot read: {e}"))
+                    })?;
+                    self.step_on(&samples)?;
+                }
+                2 => {
+                    self.gather_moments()?;
+                }
+                3 => return Ok(self.steps()),
+                other => {
+                    return Err(
+                        Error::Config(format!("rank 0 sent an unknown command {other}")).into(),
+                    )
+                }
+            }
+        }
+    }
+
+    /// Every rank takes rank 0's weights, and the steps and whole optimizer moments rank 0
+    /// resumes from (`resume`, given on rank 0), once, on joining; each keeps its shard.
+    fn sync_ranks(&mut self, resume: Option<(u64, Vec<(Tensor, Tensor)>)>) -> Result<()> {
+        let group = self.group();
+        tch::no_grad(|| -> Result<()> {
+            for p in self.trainable() {
+                group.broadcast(&p.detach(), 0)?;
+            }
+            Ok(())
+        })?;
+        let (steps, moments) = resume.unwrap_or((0, Vec::new()));
+        let head = Tensor::from_slice(&[steps as i64, !moments.is_empty() as i64]);
+        group.broadcast(&head, 0)?;
+        let (steps, has_moments) = (head.int64_value(&[0]) as u64, head.int64_value(&[1]) == 1);
+        let moments = if has_moments {
+            let mut all = Vec::new();
+            for (i, p) in self.trainable().iter().enumerate() {
+                let (m, v) = match moments.get(i) {
+                    Some((m, v)) => (m.shallow_clone(), v.shallow_clone()),
+                    None => (p.zeros_like(), p.zeros_like()),
+                };
+                group.broadcast(&m, 0)?;
+                group.broadcast(&v, 0)?;
+                all.push((m, v));
+            }
+            all
+        } else {
+            Vec::new()
+        };
+        self.restore(steps, moments).map_err(Error::Config)
+    }
+}
+
+/// A batch as bytes: per sample its length, tokens, loss mask, behaviour logprobs, advantage,
+/// optional per-token advantages and optional routing replay (`[len, layers, k]` int64).
+fn encode(samples: &[Sample]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let put = |out: &mut Vec<u8>, x: u64| out.extend_from_slice(&x.to_le_bytes());
+    put(&mut out, samples.len() as u64);
+    for s in samples {
+        put(&mut out, s.tokens.len() as u64);
+        s.tokens
+            .iter()
+            .for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+        out.extend_from_slice(&s.loss_mask);
+        s.behaviour_logprobs
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+        out.extend_from_slice(&s.advantage.to_le_bytes());
+        match &s.token_advantages {
+            Some(a) => {
+                out.push(1);
+                a.iter()
+                    .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+            }
+            None => out.push(0),
+        }
+        match &s.replay {
+            Some(r) => {
+                out.push(1);
+                let size = r.size();
+                put(&mut out, size.len() as u64);
+                size.iter().for_each(|&d| put(&mut out, d as u64));
+                let ids = Vec::<i64>::try_from(&r.reshape([-1])).expect("int64 routing");
+                ids.iter()
+                    .for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+            }
+            None => out.push(0),
+        }
+    }
+    out
+}
+
+/// The inverse of [`encode`].
+fn decode(bytes: &[u8]) -> std::result::Result<Vec<Sample>, String> {
+    struct Reader<'a>(&'a [u8]);
+    impl Reader<'_> {
+        fn take(&mut self, n: usize) -> std::result::Result<&[u8], String> {
+            if self.0.len() < n {
+                return Err("truncated".into());
+            }
+            let (head, rest) = self.0.split_at(n);
+            self.0 = rest;
+            Ok(head)
+        }
+        fn u64(&mut self) -> std::result::Result<u64, String> {
+            Ok(u64::from_le_bytes(
+                self.take(8)?.try_into().expect("8 bytes"),
+            ))
+        }
+        fn len(&mut self, limit: usize) -> std::result::Result<usize, String> {
+            let n = self.u64()? as usize;
+            (n <= limit)
+                .then_some(n)
+                .ok_or_else(|| format!("length {n} exceeds the message"))
+        }
+        fn array<const N: usize>(&mut self, n: usize) -> std::result::Result<Vec<[u8; N]>, String> {
+            Ok(self
+                .take(n.checked_mul(N).ok_or("length overflow")?)?
+                .chunks_exact(N)
+                .map(|c| c.try_into().expect("N bytes"))
+                .collect())
+        }
+    }
+    let mut r = Reader(bytes);
+    let count = r.len(bytes.len())?;
+    let mut samples = Vec::with_capacity(count);
+    for _ in 0..count {
+        let n = r.len(bytes.len())?;
+        let tokens = r
+            .array::<8>(n)?
+            .into_iter()
+            .map(i64::from_le_bytes)
+            .collect();
+        let loss_mask = r.take(n)?.to_vec();
+        let behaviour_logprobs = r
+            .array::<4>(n)?
+            .into_iter()
+            .map(f32::from_le_bytes)
+            .collect();
+        let advantage = f64::from_le_bytes(r.array::<8>(1)?[0]);
+        let token_advantages = match r.take(1)?[0] {
+            0 => None,
+            _ => Some(
+                r.array::<4>(n)?
+                    .into_iter()
+                    .map(f32::from_le_bytes)
+                    .collect(),
+            ),
+        };
+        let replay = match r.take(1)?[0] {
+            0 => None,
+            _ => {
+                let dims = r.len(8)?;
+                let size: Vec<i64> = (0..dims)
+                    .map(|_| r.u64().map(|d| d as i64))
+                    .collect::<std::result::Result<_, _>>()?;
+                let total = size
+                    .iter()
+                    .try_fold(1usize, |a, &d| a.checked_mul(d as usize))
+                    .ok_or("replay size overflow")?;
+                let ids: Vec<i64> = r
+                    .array::<8>(total)?
+                    .into_iter()
+                    .map(i64::from_le_bytes)
+                    .collect();
+                Some(Tensor::from_slice(&ids).view(size.as_slice()))
+            }
+        };
+        samples.push(Sample {
+            tokens,
+            loss_mask,
+            behaviour_logprobs,
+            advantage,
+            token_advantages,
+            replay,
+        });
+    }
+    if !r.0.is_empty() {
+        return Err(format!("{} bytes left over", r.0.len()));
+    }
+    Ok(samples)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_cross_ranks_unchanged() {
+        let samples = vec![
+            Sample {
+                tokens: vec![1, 2, 3],
+                loss_mask: vec![0, 1, 1],
+                behaviour_logprobs: vec![0.0, -1.5, -0.25],
+                advantage: 0.75,
+                token_advantages: Some(vec![0.0, 1.0, -2.0]),
+                replay: Some(Tensor::from_slice(&[0i64, 1, 2, 3, 4, 5]).view([3, 1, 2])),
+            },
+            Sample {
+                tokens: vec![9],
+                loss_mask: vec![1],
+                behaviour_logprobs: vec![-3.0],
+                advantage: -1.0,
+                token_advantages: None,
+                replay: None,
+            },
+        ];
+        let bytes = encode(&samples);
+        let back = decode(&bytes).unwrap();
+        assert_eq!(back.len(), 2);
+        for (a, b) in samples.iter().zip(&back) {
+            assert_eq!(
+                (
+                    &a.tokens,
+                    &a.loss_mask,
+                    &a.behaviour_logprobs,
+                    a.advantage,
+                    &a.token_advantages
+                ),
+                (
+                    &b.tokens,
+                    &b.loss_mask,
+                    &b.behaviour_logprobs,
+                    b.advantage,
+                    &b.token_advantages
+                )
+            );
+            assert_eq!(a.replay.is_some(), b.replay.is_some());
+            if let (Some(x), Some(y)) = (&a.replay, &b.replay) {
+                assert!(x.equal(y));
+            }
+        }
+        assert!(decode(&bytes[..bytes.len() - 1]).is_err());
+        assert!(decode(&[bytes.as_slice(), &[0]].concat()).is_err());
+    }
+}

@@ -1,0 +1,264 @@
+//! A trainer of several ranks (separate processes joined by libtorch's c10d Gloo group, as
+//! `moult trainer` starts them) computes the step one rank would: after three steps on tiny dense
+//! (tied embeddings) and MoE (untied, sparse layers with unrouted experts) models, the weights,
+//! the AdamW moments and every step's gradient norm and loss equal the single-rank trainer's
+//! within 1e-5, for 2, 3 (uneven shards) and 4 ranks (docs/distributed.md).
+//!
+//! Each rank is this test binary run again with the `MOULT_TRAINER_*` environment of a rank;
+//! rank 0 writes what it ended with for the parent to compare.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use moult_runtime::algorithms::losses::Aggregation;
+use moult_runtime::dist::{Rendezvous, ENV_MASTER, ENV_RANK, ENV_TIMEOUT, ENV_WORLD};
+use moult_runtime::model::Qwen3Model;
+use moult_runtime::trainer::optim::{Decay, LrSchedule};
+use moult_runtime::trainer::ranks::{follower, leader, Setup};
+use moult_runtime::trainer::step::{LossConfig, LossKind};
+use moult_runtime::trainer::train::{Sample, Trainer, TrainerOptions};
+use tch::{Device, Kind, Tensor};
+
+const STEPS: usize = 3;
+/// Where a rank process writes its result (set by the parent for rank processes only).
+const ENV_OUT: &str = "MOULT_TEST_RANK_OUT";
+const ENV_MODEL: &str = "MOULT_TEST_RANK_MODEL";
+
+fn options() -> TrainerOptions {
+    TrainerOptions {
+        loss: LossConfig {
+            kind: LossKind::Ppo,
+            eps_low: 0.2,
+            eps_high: 0.28,
+            aggregation: Aggregation::TokenMean,
+            correction: None,
+            temperature: 1.0,
+        },
+        schedule: LrSchedule {
+            peak: 3e-3,
+            warmup_steps: 0,
+            total_steps: 10,
+            decay: Decay::Constant,
+            min_ratio: 1.0,
+        },
+        weight_decay: 0.01,
+        // Small enough that every step clips.
+        max_grad_norm: Some(0.5),
+        // Several micro-batches per rank.
+        micro_batch_tokens: 40,
+        kl_coef: 0.0,
+    }
+}
+
+/// Step `step`'s batch: 7 sequences of 9 to 27 tokens, prompt unmasked, mixed advantages.
+fn batch(step: usize) -> Vec<Sample> {
+    (0..7)
+        .map(|i| {
+            let len = 9 + ((i * 5 + step * 3) % 19);
+            let prompt = 4 + i % 3;
+            let tokens: Vec<i64> = (0..len)
+                .map(|j| ((i * 131 + j * 17 + step * 7) % 2000) as i64)
+                .collect();
+            Sample {
+                loss_mask: (0..len).map(|j| (j >= prompt) as u8).collect(),
+                behaviour_logprobs: vec![-3.0; len],
+                advantage: [1.0, -0.5, 0.25, -1.0, 0.75, 0.0, -0.25][i],
+                token_advantages: None,
+                replay: None,
+                tokens,
+            }
+        })
+        .collect()
+}
+
+/// What a trainer ends with: its weights, its moments and each step's (loss, grad norm).
+struct Trained {
+    weights: Vec<Tensor>,
+    moments: Vec<(Tensor, Tensor)>,
+    stats: Vec<(f64, f64)>,
+}
+
+/// Trains STEPS steps.
+fn train(trainer: &mut Trainer) -> Trained {
+    let stats: Vec<(f64, f64)> = (0..STEPS)
+        .map(|s| {
+            let st = trainer.step(&batch(s)).unwrap();
+            assert!(!st.skipped, "{st:?}");
+            (st.loss, st.grad_norm)
+        })
+        .collect();
+    let weights = trainer
+        .model()
+        .trainable()
+        .iter()
+        .map(|t| t.detach().copy())
+        .collect();
+    Trained {
+        weights,
+        moments: trainer.moments().unwrap(),
+        stats,
+    }
+}
+
+/// In float64: the ranks split the batch (and its micro-batches) differently from one rank, so
+/// float32 sums round differently (~1e-5 relative on these gradients, which AdamW then
+/// amplifies where gradients nearly cancel); float64 leaves only the logic to compare.
+fn load(dir: &Path) -> Qwen3Model {
+    Qwen3Model::load(dir, Kind::Double, Device::Cpu).unwrap()
+}
+
+/// The rank a process is, when the parent started it as one.
+fn as_rank() -> bool {
+    let Some(out) = std::env::var_os(ENV_OUT) else {
+        return false;
+    };
+    let model = PathBuf::from(std::env::var_os(ENV_MODEL).unwrap());
+    let rendezvous = Rendezvous::from_env()
+        .unwrap()
+        .expect("a rank's environment");
+    let group = rendezvous.connect().unwrap();
+    if group.rank() > 0 {
+        let mut trainer = follower(group, Device::Cpu).unwrap();
+        assert_eq!(trainer.world_size(), rendezvous.world);
+        assert_eq!(trainer.follow().unwrap(), STEPS as u64);
+        return true;
+    }
+    let setup = Setup {
+        model_dir: model.clone(),
+        reference_dir: None,
+        dtype: "float64".into(),
+        options: options(),
+    };
+    let mut trainer = leader(load(&model), None, setup, None, group).unwrap();
+    assert_eq!(trainer.world_size(), rendezvous.world);
+    let Trained {
+        weights,
+        moments,
+        stats,
+    } = train(&mut trainer);
+    trainer.stop_followers().unwrap();
+    {
+        let mut named: Vec<(String, Tensor)> = Vec::new();
+        for (i, w) in weights.into_iter().enumerate() {
+            named.push((format!("w.{i}"), w));
+        }
+        for (i, (m, v)) in moments.into_iter().enumerate() {
+            named.push((format!("m.{i}"), m));
+            named.push((format!("v.{i}"), v));
+        }
+        let flat: Vec<f64> = stats.iter().flat_map(|&(l, g)| [l, g]).collect();
+        named.push(("stats".into(), Tensor::from_slice(&flat)));
+        Tensor::write_safetensors(&named, PathBuf::from(out)).unwrap();
+    }
+    true
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `world` rank processes of `test` on `model`; returns rank 0's result file.
+fn run_ranks(test: &str, model: &Path, world: usize) -> PathBuf {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "ranks-{}-{world}-{}.safetensors",
+        model.file_name().unwrap().to_string_lossy(),
+        std::process::id()
+    ));
+    let master = format!("127.0.0.1:{}", free_port());
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+                .env(ENV_OUT, &out)
+                .env(ENV_MODEL, model)
+                .env(ENV_RANK, rank.to_string())
+                .env(ENV_WORLD, world.to_string())
+                .env(ENV_MASTER, &master)
+                .env(ENV_TIMEOUT, "60")
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (rank, mut child) in children.into_iter().enumerate() {
+        assert!(
+            child.wait().unwrap().success(),
+            "rank {rank} of {world} failed"
+        );
+    }
+    out
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+fn check(test: &str, model: &Path) {
+    let mut one = Trainer::new(load(model), None, options()).unwrap();
+    let Trained {
+        weights,
+        moments,
+        stats,
+    } = train(&mut one);
+    assert_eq!(moments.len(), weights.len());
+    for world in [2, 3, 4] {
+        let file = run_ranks(test, model, world);
+        let got: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&file)
+            .unwrap()
+            .into_iter()
+            .collect();
+        let _ = std::fs::remove_file(&file);
+        let mut worst: f64 = 0.0;
+        for (i, w) in weights.iter().enumerate() {
+            worst = worst.max(max_diff(&got[&format!("w.{i}")], w));
+            worst = worst.max(max_diff(&got[&format!("m.{i}")], &moments[i].0));
+            worst = worst.max(max_diff(&got[&format!("v.{i}")], &moments[i].1));
+        }
+        let theirs = Vec::<f64>::try_from(&got["stats"]).unwrap();
+        for (s, &(loss, norm)) in stats.iter().enumerate() {
+            assert!(
+                (theirs[2 * s] - loss).abs() < 1e-5 && (theirs[2 * s + 1] - norm).abs() < 1e-5,
+                "{world} ranks, step {s}: (loss, grad norm) ({}, {}) vs one rank's ({loss}, {norm})",
+                theirs[2 * s],
+                theirs[2 * s + 1]
+            );
+        }
+        println!(
+            "{} with {world} ranks: largest difference from one rank {worst:.2e} (weights and moments), grad norms {:?}",
+            model.file_name().unwrap().to_string_lossy(),
+            stats.iter().map(|s| s.1).collect::<Vec<_>>()
+        );
+        assert!(
+            worst < 1e-5,
+            "{world} ranks differ from one rank by {worst:e}"
+        );
+    }
+}
+
+#[test]
+fn libtorch_sharded_ranks_train_the_dense_model_as_one_rank_does() {
+    if as_rank() {
+        return;
+    }
+    check(
+        "libtorch_sharded_ranks_train_the_dense_model_as_one_rank_does",
+        &common::dense_model(),
+    );
+}
+
+#[test]
+fn libtorch_sharded_ranks_train_the_moe_model_as_one_rank_does() {
+    if as_rank() {
+        return;
+    }
+    check(
+        "libtorch_sharded_ranks_train_the_moe_model_as_one_rank_does",
+        &common::moe_model(),
+    );
+}
