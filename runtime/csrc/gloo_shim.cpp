@@ -114,29 +114,13 @@ int moult_gloo_barrier(void* handle, char** err) {
   return guarded(err, [&] { static_cast<Group*>(handle)->pg->barrier()->wait(); });
 }
 
-// The store's key-value operations, for what the ranks say to each other outside collectives.
-int moult_gloo_store_set(void* handle, const char* key, const uint8_t* value, size_t len, char** err) {
+// Adds `delta` to the store's counter `key` (created at 0) and returns it in `out`: ranks'
+// heartbeats, read back with delta 0. Safe beside a collective in progress (the store has its
+// own connection and lock).
+int moult_gloo_store_add(void* handle, const char* key, int64_t delta, int64_t* out, char** err) {
   return guarded(err, [&] {
-    std::vector<uint8_t> bytes(value, value + len);
-    static_cast<Group*>(handle)->store->set(std::string(key), bytes);
+    *out = static_cast<Group*>(handle)->store->add(std::string(key), delta);
   });
-}
-
-// Returns the value's length, or -1 (with `err`) when the key is missing or the store is gone;
-// copies at most `cap` bytes into `out`.
-int64_t moult_gloo_store_get(void* handle, const char* key, uint8_t* out, size_t cap, char** err) {
-  int64_t len = -1;
-  guarded(err, [&] {
-    auto* group = static_cast<Group*>(handle);
-    std::string k(key);
-    if (!group->store->check({k})) {
-      throw std::runtime_error("no key " + k);
-    }
-    auto bytes = group->store->get(k);
-    std::memcpy(out, bytes.data(), std::min(cap, bytes.size()));
-    len = static_cast<int64_t>(bytes.size());
-  });
-  return len;
 }
 
 }  // extern "C"

@@ -172,7 +172,8 @@ impl Rendezvous {
 #[allow(unsafe_code)]
 mod gloo {
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
-    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
     use tch::Tensor;
@@ -216,29 +217,67 @@ mod gloo {
         ) -> c_int;
         fn moult_gloo_barrier(h: *mut c_void, err: *mut *mut c_char) -> c_int;
         fn moult_gloo_set_timeout(h: *mut c_void, ms: i64, err: *mut *mut c_char) -> c_int;
+        fn moult_gloo_store_add(
+            h: *mut c_void,
+            key: *const c_char,
+            delta: i64,
+            out: *mut i64,
+            err: *mut *mut c_char,
+        ) -> c_int;
     }
 
-    /// A c10d Gloo process group and its TCP store.
+    /// How often each rank's heartbeat counter in the store goes up.
+    const HEARTBEAT: Duration = Duration::from_millis(500);
+
+    /// A c10d Gloo process group and its TCP store, with this rank's heartbeat in the store
+    /// (what names a lost rank when a collective fails).
     #[derive(Debug)]
     pub struct Gloo {
-        /// The C++ group; calls are serialised (every rank must issue collectives in one order).
-        handle: Mutex<Handle>,
+        handle: Arc<Handle>,
+        /// Collectives are serialised (every rank must issue them in one order).
+        collective: Mutex<()>,
         rank: usize,
         world: usize,
         timeout: Mutex<Duration>,
+        heartbeat: Option<std::thread::JoinHandle<()>>,
+        stop: Arc<AtomicBool>,
     }
 
     #[derive(Debug)]
     struct Handle(*mut c_void);
 
-    // SAFETY: the handle is only used under the mutex, one call at a time; c10d's process group
-    // is not tied to the thread that created it.
+    // SAFETY: c10d's process group is not tied to the thread that created it; collectives go
+    // through `Gloo::collective` one at a time, and the store (the heartbeat's only use from
+    // another thread) has its own lock.
     unsafe impl Send for Handle {}
+    unsafe impl Sync for Handle {}
 
     impl Drop for Handle {
         fn drop(&mut self) {
-            // SAFETY: created by moult_gloo_new, dropped once.
+            // SAFETY: created by moult_gloo_new, dropped once, after the heartbeat thread ended.
             unsafe { moult_gloo_drop(self.0) }
+        }
+    }
+
+    impl Drop for Gloo {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::Relaxed);
+            if let Some(beat) = self.heartbeat.take() {
+                let _ = beat.join();
+            }
+        }
+    }
+
+    /// Adds `delta` to rank `rank`'s heartbeat counter; returns it.
+    fn beat(handle: &Handle, rank: usize, delta: i64) -> std::result::Result<i64, String> {
+        let key = CString::new(format!("moult/heartbeat/{rank}")).expect("no NUL");
+        let (mut out, mut err) = (0i64, std::ptr::null_mut());
+        // SAFETY: live handle, C string and out-pointers.
+        let rc = unsafe { moult_gloo_store_add(handle.0, key.as_ptr(), delta, &mut out, &mut err) };
+        if rc == 0 {
+            Ok(out)
+        } else {
+            Err(take_message(err))
         }
     }
 
@@ -284,12 +323,54 @@ mod gloo {
                     ),
                 });
             }
+            let handle = Arc::new(Handle(handle));
+            let stop = Arc::new(AtomicBool::new(false));
+            let heartbeat = {
+                let (handle, stop, rank) = (handle.clone(), stop.clone(), r.rank);
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}-heartbeat"))
+                    .spawn(move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            // A store that is gone is rank 0 gone: the collectives say so.
+                            let _ = beat(&handle, rank, 1);
+                            std::thread::sleep(HEARTBEAT);
+                        }
+                    })
+                    .map_err(|e| Error::Config(format!("starting the heartbeat thread: {e}")))?
+            };
             Ok(Self {
-                handle: Mutex::new(Handle(handle)),
+                handle,
+                collective: Mutex::new(()),
                 rank: r.rank,
                 world: r.world,
                 timeout: Mutex::new(r.timeout),
+                heartbeat: Some(heartbeat),
+                stop,
             })
+        }
+
+        /// Which ranks stopped: those whose heartbeat did not move over a few beats, or rank 0
+        /// when the store it holds cannot be reached.
+        fn lost_ranks(&self) -> String {
+            let read = || -> std::result::Result<Vec<i64>, String> {
+                (0..self.world).map(|r| beat(&self.handle, r, 0)).collect()
+            };
+            let Ok(before) = read() else {
+                return "rank 0 was lost (the rendezvous store it holds does not answer)".into();
+            };
+            std::thread::sleep(HEARTBEAT * 4);
+            let Ok(after) = read() else {
+                return "rank 0 was lost (the rendezvous store it holds does not answer)".into();
+            };
+            let lost: Vec<String> = (0..self.world)
+                .filter(|&r| r != self.rank && before[r] == after[r])
+                .map(|r| r.to_string())
+                .collect();
+            match lost.len() {
+                0 => "every rank's heartbeat still moves (a network error, or a rank stuck in a collective)".into(),
+                1 => format!("rank {} was lost (its heartbeat stopped)", lost[0]),
+                _ => format!("ranks {} were lost (their heartbeats stopped)", lost.join(", ")),
+            }
         }
 
         fn call(
@@ -297,16 +378,18 @@ mod gloo {
             op: &'static str,
             f: impl FnOnce(*mut c_void, *mut *mut c_char) -> c_int,
         ) -> Result<()> {
-            let handle = self.handle.lock().unwrap_or_else(|e| e.into_inner());
+            let guard = self.collective.lock().unwrap_or_else(|e| e.into_inner());
             let mut err = std::ptr::null_mut();
-            if f(handle.0, &mut err) == 0 {
+            if f(self.handle.0, &mut err) == 0 {
                 return Ok(());
             }
+            drop(guard);
+            let message = take_message(err);
             Err(Error::Collective {
                 rank: self.rank,
                 world: self.world,
                 op,
-                message: take_message(err),
+                message: format!("{}; {message}", self.lost_ranks()),
             })
         }
     }

@@ -48,6 +48,11 @@ enum Command {
     /// The trainer of a cluster run (in its pod): batches from the coordinator, weights to the
     /// engines, checkpoints on MOULT_CHECKPOINTS; resumes from the newest checkpoint.
     Trainer(TrainerArgs),
+    /// One rank of a trainer of several (started by `moult run` or `moult trainer` for the ranks
+    /// after the first, with MOULT_TRAINER_RANK, MOULT_TRAINER_WORLD_SIZE and
+    /// MOULT_TRAINER_MASTER set): joins rank 0, then trains as it commands (docs/distributed.md).
+    #[command(hide = true)]
+    TrainerRank(TrainerRankArgs),
     /// Serve the engine API in front of a pool of engines: session-affine routing, failover of
     /// requests from dead engines, control calls fanned out to every engine.
     Router(RouterArgs),
@@ -149,6 +154,13 @@ struct TrainerArgs {
     /// cpu, cuda or cuda:N [default: cuda if the run's trainer has GPUs and one is here, else cpu].
     #[arg(long)]
     device: Option<String>,
+}
+
+#[derive(Debug, clap::Args)]
+struct TrainerRankArgs {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -655,6 +667,27 @@ async fn trainer(args: TrainerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A trainer rank after the first: joins, follows rank 0, exits when it says stop (or fails
+/// when it is lost).
+#[cfg(feature = "torch")]
+fn trainer_rank(args: TrainerRankArgs) -> anyhow::Result<()> {
+    use moult_runtime::dist::Rendezvous;
+    use moult_runtime::trainer::ranks;
+    // Started by a rank 0 on this machine: go when it goes.
+    let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
+    let device = parse_device(Some(&args.device))?;
+    let rendezvous = Rendezvous::from_env()?
+        .context("MOULT_TRAINER_WORLD_SIZE must be above 1 for a trainer rank")?;
+    let group = rendezvous.connect()?;
+    let rank = group.rank();
+    let mut trainer = ranks::follower(group, device)
+        .with_context(|| format!("trainer rank {rank}: joining rank 0"))?;
+    trainer
+        .follow()
+        .with_context(|| format!("trainer rank {rank}"))?;
+    Ok(())
+}
+
 async fn router(args: RouterArgs) -> anyhow::Result<()> {
     use moult_runtime::router::{policy, server, EnginePool, HealthOptions, Router};
     use std::sync::Arc;
@@ -938,6 +971,10 @@ fn main() -> anyhow::Result<()> {
         Command::Trainer(args) => runtime.block_on(trainer(args)),
         #[cfg(not(feature = "torch"))]
         Command::Trainer(_) => without_torch("trainer"),
+        #[cfg(feature = "torch")]
+        Command::TrainerRank(args) => trainer_rank(args),
+        #[cfg(not(feature = "torch"))]
+        Command::TrainerRank(_) => without_torch("trainer-rank"),
         #[cfg(feature = "torch")]
         Command::Run(args) => runtime.block_on(run(args, cli.verbose)),
         #[cfg(not(feature = "torch"))]

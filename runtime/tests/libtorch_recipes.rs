@@ -249,3 +249,55 @@ fn libtorch_llama_policy_learns_the_main_recipe() {
     );
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// The main recipe with two trainer ranks (`trainer.nodes: 2`, docs/distributed.md): `moult run`
+/// starts the second rank as a process of this machine, the two train every step together, and
+/// the policy learns as with one rank; every record says `trainer_world_size: 2`, and the first
+/// step's tokens recompute to the engine's (the ranks' shared weights are the engine's).
+#[test]
+fn libtorch_two_trainer_ranks_learn_the_main_recipe() {
+    let manifest = recipe("successor");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    assert!(text.contains("    gpusPerNode: 0\n"), "{text}");
+    let two = manifest.with_file_name(format!(".ranks-{}.yaml", std::process::id()));
+    std::fs::write(
+        &two,
+        text.replace("    gpusPerNode: 0\n", "    nodes: 2\n    gpusPerNode: 0\n"),
+    )
+    .unwrap();
+    let out =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("recipe-ranks-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let status = common::moult()
+        .arg("run")
+        .arg(&two)
+        .args(["--out".as_ref(), out.as_os_str()])
+        .args(["--steps", "40", "--seed", "1", "--quiet"])
+        .status()
+        .unwrap();
+    let _ = std::fs::remove_file(&two);
+    assert!(status.success(), "moult run with two trainer ranks failed");
+    let records: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), 40);
+    for r in &records {
+        assert_eq!(r["trainer_world_size"], 2, "{r}");
+    }
+    let rewards: Vec<f64> = records
+        .iter()
+        .map(|r| r["reward_mean"].as_f64().unwrap())
+        .collect();
+    let (first, last) = (mean(&rewards[..3]), mean(&rewards[37..]));
+    println!("two trainer ranks: reward {first:.2} -> {last:.2}");
+    assert!(first <= 0.4, "the base policy is at chance: {first}");
+    assert!(last >= first + 0.4, "the reward did not rise: {rewards:?}");
+    let log_rho = records[0]["mean_abs_log_rho"].as_f64().unwrap();
+    assert!(
+        log_rho < 1e-4,
+        "engine and trainer disagree on step 1: |log ρ| {log_rho}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -25,6 +25,9 @@ const STEPS: usize = 3;
 /// Where a rank process writes its result (set by the parent for rank processes only).
 const ENV_OUT: &str = "MOULT_TEST_RANK_OUT";
 const ENV_MODEL: &str = "MOULT_TEST_RANK_MODEL";
+/// Set for the killed-rank test: rank 0 trains until the group breaks, and writes this file
+/// after its second step.
+const ENV_MARKER: &str = "MOULT_TEST_RANK_MARKER";
 
 fn options() -> TrainerOptions {
     TrainerOptions {
@@ -133,6 +136,16 @@ fn as_rank() -> bool {
     };
     let mut trainer = leader(load(&model), None, setup, None, group).unwrap();
     assert_eq!(trainer.world_size(), rendezvous.world);
+    if let Some(marker) = std::env::var_os(ENV_MARKER) {
+        for step in 0.. {
+            if let Err(e) = trainer.step(&batch(step % 3)) {
+                panic!("rank 0 stopped: {e}");
+            }
+            if step == 1 {
+                std::fs::write(&marker, "trained").unwrap();
+            }
+        }
+    }
     let Trained {
         weights,
         moments,
@@ -261,4 +274,88 @@ fn libtorch_sharded_ranks_train_the_moe_model_as_one_rank_does() {
         "libtorch_sharded_ranks_train_the_moe_model_as_one_rank_does",
         &common::moe_model(),
     );
+}
+
+/// A rank killed mid-training makes the others fail within a bounded time (the collective sees
+/// the closed connection; the heartbeats in the rendezvous store say whose), with an error that
+/// names the lost rank: never a hang.
+#[test]
+fn libtorch_a_killed_rank_fails_the_others_naming_it() {
+    if as_rank() {
+        return;
+    }
+    let test = "libtorch_a_killed_rank_fails_the_others_naming_it";
+    let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let marker = tmp.join(format!("killed-rank-{}", std::process::id()));
+    let _ = std::fs::remove_file(&marker);
+    let master = format!("127.0.0.1:{}", free_port());
+    let world = 3;
+    let logs: Vec<PathBuf> = (0..world)
+        .map(|r| tmp.join(format!("killed-rank-{}-{r}.log", std::process::id())))
+        .collect();
+    let mut children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+                .env(ENV_OUT, tmp.join("unused"))
+                .env(ENV_MODEL, common::dense_model())
+                .env(ENV_MARKER, &marker)
+                .env(ENV_RANK, rank.to_string())
+                .env(ENV_WORLD, world.to_string())
+                .env(ENV_MASTER, &master)
+                .env(ENV_TIMEOUT, "60")
+                .stderr(std::fs::File::create(&logs[rank]).unwrap())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    while !marker.exists() {
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "rank 0 never trained two steps"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    children[1].kill().unwrap();
+    children[1].wait().unwrap();
+    let killed = std::time::Instant::now();
+    for rank in [0, 2] {
+        let status = loop {
+            if let Some(status) = children[rank].try_wait().unwrap() {
+                break status;
+            }
+            if killed.elapsed().as_secs() > 90 {
+                let _ = children[rank].kill();
+                panic!("rank {rank} still runs 90 s after rank 1 was killed: it hangs");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        assert!(!status.success(), "rank {rank} went on without rank 1");
+    }
+    println!(
+        "ranks 0 and 2 failed {:.1} s after rank 1 was killed",
+        killed.elapsed().as_secs_f64()
+    );
+    let said = |log: &str| -> String {
+        log.lines()
+            .filter(|l| l.contains("was lost"))
+            .take(1)
+            .collect()
+    };
+    let log0 = std::fs::read_to_string(&logs[0]).unwrap();
+    println!("rank 0: {}", said(&log0));
+    println!(
+        "rank 2: {}",
+        said(&std::fs::read_to_string(&logs[2]).unwrap())
+    );
+    assert!(log0.contains("rank 1 was lost"), "rank 0 says: {log0}");
+    let log2 = std::fs::read_to_string(&logs[2]).unwrap();
+    assert!(
+        log2.contains("rank 1 was lost") || log2.contains("rank 0 was lost"),
+        "rank 2 says: {log2}"
+    );
+    for f in logs.iter().chain([&marker]) {
+        let _ = std::fs::remove_file(f);
+    }
 }

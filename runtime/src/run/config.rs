@@ -51,6 +51,9 @@ pub struct RunConfig {
     /// The trainer's settings (only in builds that train).
     #[cfg(feature = "torch")]
     pub trainer: TrainerOptions,
+    /// Trainer ranks: `trainer.nodes` (one rank per node on CPU); `moult run` starts the ranks
+    /// after the first as processes of this machine (docs/distributed.md).
+    pub trainer_ranks: usize,
     pub engines: usize,
     pub total_steps: u64,
     /// Steps between checkpoints; `None`: no checkpoints (the manifest has no `checkpoint`).
@@ -125,7 +128,6 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
             e.weight_transfer.as_ref().is_some_and(|w| w.claim_name.is_some()),
             "engines.weightTransfer.claimName (the Filesystem transport writes under <out>/weights here)",
         ),
-        (t.nodes != 1, "trainer.nodes (one rank here)"),
         (t.image.is_some(), "trainer.image"),
         (t.resources.is_some(), "trainer.resources"),
         (
@@ -437,6 +439,14 @@ impl RunConfig {
                  (docs/vllm.md)",
             ));
         }
+        let trainer = &run.spec.trainer;
+        if trainer.nodes > 1 && trainer.gpus_per_node > 0 {
+            return Err(bad(
+                "spec.trainer.nodes",
+                "moult run trains several ranks on the CPU only (gpusPerNode: 0); a trainer of \
+                 several GPU ranks is not built yet (docs/distributed.md)",
+            ));
+        }
         let sources = Sources::beside_manifest(&run, dir);
         Self::from_sources(run, &sources)
     }
@@ -562,6 +572,7 @@ impl RunConfig {
                 .transpose()?,
             #[cfg(feature = "torch")]
             trainer: trainer_options(&run, total_steps)?,
+            trainer_ranks: spec.trainer.nodes.max(1) as usize,
             engines: spec.engines.replicas as usize,
             total_steps,
             checkpoint_every: spec
@@ -701,13 +712,10 @@ spec:
             "  trainer: {nodes: 2, image: t}\n  scheduling: {queueName: q}\n  totalSteps: 1\n",
         )
         .unwrap();
+        // trainer.nodes: ranks as processes of this machine.
         assert_eq!(
             cluster_only_fields(&run.spec),
-            [
-                "trainer.nodes (one rank here)",
-                "trainer.image",
-                "scheduling"
-            ]
+            ["trainer.image", "scheduling"]
         );
     }
 }

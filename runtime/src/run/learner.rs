@@ -24,10 +24,12 @@ use super::judge::JudgeStats;
 use super::metrics::{MetricsLog, StepRecord};
 use super::teacher::TeacherStats;
 use super::{samples, RunError};
+use crate::dist::{self, Rendezvous};
 use crate::model::Qwen3Model;
 use crate::rollout::eval::EvalResult;
 use crate::rollout::{staleness_histogram, Group, RolloutState, RolloutStats};
 use crate::router::Activity;
+use crate::trainer::ranks::{self, Setup};
 use crate::trainer::train::Trainer;
 use crate::weight_sync::publish::{PublishOptions, Publisher};
 
@@ -70,6 +72,8 @@ pub(crate) struct Learner {
     cfg: RunConfig,
     /// `None` only while it computes on a blocking thread.
     trainer: Option<Trainer>,
+    /// The other trainer ranks, when this process is rank 0 of several.
+    followers: Option<Followers>,
     teacher: Option<Qwen3Model>,
     publisher: Option<Publisher>,
     log: Option<MetricsLog>,
@@ -139,12 +143,13 @@ impl Learner {
             Some(root) => checkpoint::latest(root)?,
             None => None,
         };
-        let trainer = load_trainer(&cfg, resume.as_ref(), device).await?;
+        let (trainer, followers) = load_trainer(&cfg, resume.as_ref(), device).await?;
         let teacher = load_teacher(&cfg, &trainer, device).await?;
         Ok(Self {
             step: resume.as_ref().map_or(0, |(_, m)| m.step),
             cfg,
             trainer: Some(trainer),
+            followers,
             teacher,
             publisher: None,
             log: None,
@@ -308,6 +313,7 @@ impl Learner {
             judge_failed: judged.map(|j| j.failed),
             judge_seconds: judged.map(|j| j.seconds),
             teacher_seconds: batch.taught.map(|t| t.seconds),
+            trainer_world_size: self.trainer().world_size(),
             ..record
         }
         .with_eval(self.pending_eval.take().as_ref());
@@ -339,6 +345,17 @@ impl Learner {
     }
 }
 
+impl Drop for Learner {
+    fn drop(&mut self) {
+        // Rank 0 of several: the other ranks stop (their processes end as the followers drop).
+        if let (Some(trainer), Some(_)) = (&self.trainer, &self.followers) {
+            if let Err(e) = trainer.stop_followers() {
+                tracing::warn!("stopping the other trainer ranks: {e}");
+            }
+        }
+    }
+}
+
 /// What a process resuming from a checkpoint says.
 fn resume_note(cfg: &RunConfig, (dir, meta): &(PathBuf, CheckpointMeta)) -> String {
     format!(
@@ -350,16 +367,43 @@ fn resume_note(cfg: &RunConfig, (dir, meta): &(PathBuf, CheckpointMeta)) -> Stri
     )
 }
 
-/// The trainer: from the checkpoint's weights and moments (`resume`), or the model folder.
+/// The trainer: from the checkpoint's weights and moments (`resume`), or the model folder. With
+/// several ranks (`trainer.nodes`), this process is rank 0 and starts the others as processes of
+/// this machine (docs/distributed.md).
 async fn load_trainer(
     cfg: &RunConfig,
     resume: Option<&(PathBuf, CheckpointMeta)>,
     device: Device,
-) -> Result<Trainer, RunError> {
+) -> Result<(Trainer, Option<Followers>), RunError> {
     let dir = resume.map_or(cfg.model_dir.clone(), |(d, _)| d.clone());
     let trainer_opts = cfg.trainer.clone();
     // A KL penalty is to the initial policy: the model folder's weights, frozen.
     let reference = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
+    let moments = match resume {
+        Some((dir, meta)) => Some((meta.step, checkpoint::load_moments(dir, device)?)),
+        None => None,
+    };
+    if cfg.trainer_ranks > 1 {
+        let (followers, rendezvous) = Followers::start(cfg.trainer_ranks, device)?;
+        let setup = Setup {
+            model_dir: cfg.model_dir.clone(),
+            reference_dir: reference.clone(),
+            dtype: "float32".into(),
+            options: trainer_opts,
+        };
+        let trainer = blocking(move || -> Result<Trainer, RunError> {
+            let group = rendezvous
+                .connect()
+                .map_err(|e| RunError::Setup(e.to_string()))?;
+            let model = Qwen3Model::load(&dir, Kind::Float, device)?;
+            let reference = reference
+                .map(|d| Qwen3Model::load(&d, Kind::Float, device))
+                .transpose()?;
+            Ok(ranks::leader(model, reference, setup, moments, group)?)
+        })
+        .await??;
+        return Ok((trainer, Some(followers)));
+    }
     let mut trainer = blocking(move || -> Result<Trainer, RunError> {
         let model = Qwen3Model::load(&dir, Kind::Float, device)?;
         let reference = reference
@@ -368,13 +412,80 @@ async fn load_trainer(
         Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)
     })
     .await??;
-    if let Some((dir, meta)) = resume {
-        let moments = checkpoint::load_moments(dir, device)?;
+    if let Some((step, moments)) = moments {
         trainer
-            .restore(meta.step, moments)
+            .restore(step, moments)
             .map_err(RunError::Checkpoint)?;
     }
-    Ok(trainer)
+    Ok((trainer, None))
+}
+
+/// The trainer ranks after the first, as processes of this machine (`moult trainer-rank`). They
+/// follow rank 0 (this process) and end when it stops them, is dropped, or dies.
+pub(crate) struct Followers {
+    children: Vec<std::process::Child>,
+}
+
+impl Followers {
+    /// Starts ranks 1..world; returns them and rank 0's rendezvous (it listens on a free port).
+    fn start(world: usize, device: Device) -> Result<(Self, Rendezvous), RunError> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| RunError::Setup(format!("finding a port for the trainer ranks: {e}")))?
+            .port();
+        let rendezvous = Rendezvous {
+            host: "127.0.0.1".into(),
+            port,
+            rank: 0,
+            world,
+            timeout: Duration::from_secs(120),
+        };
+        let exe = std::env::var_os("MOULT_BIN")
+            .map(PathBuf::from)
+            .map_or_else(std::env::current_exe, Ok)
+            .map_err(|e| RunError::Setup(format!("finding the moult binary: {e}")))?;
+        let device = match device {
+            Device::Cpu => "cpu".to_string(),
+            Device::Cuda(i) => format!("cuda:{i}"),
+            other => format!("{other:?}"),
+        };
+        let mut followers = Self {
+            children: Vec::new(),
+        };
+        for rank in 1..world {
+            let child = std::process::Command::new(&exe)
+                .args(["trainer-rank", "--device", &device])
+                .env(dist::ENV_RANK, rank.to_string())
+                .env(dist::ENV_WORLD, world.to_string())
+                .env(dist::ENV_MASTER, format!("127.0.0.1:{port}"))
+                .env(dist::ENV_TIMEOUT, rendezvous.timeout.as_secs().to_string())
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .map_err(|e| {
+                    RunError::Setup(format!(
+                        "starting trainer rank {rank} ({} trainer-rank): {e}",
+                        exe.display()
+                    ))
+                })?;
+            followers.children.push(child);
+        }
+        Ok((followers, rendezvous))
+    }
+}
+
+impl Drop for Followers {
+    fn drop(&mut self) {
+        // Told to stop (the learner's drop), they exit on their own; give them a moment.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for child in &mut self.children {
+            while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }
 
 /// The teacher of on-policy distillation, if the run has one; it must share the student's
@@ -541,6 +652,7 @@ fn step_record(
         judge_failed: None,
         judge_seconds: None,
         teacher_seconds: None,
+        trainer_world_size: 1,
         staleness_mean: staleness
             .iter()
             .map(|(k, n)| *k as f64 * *n as f64)

@@ -11,6 +11,11 @@ use serde::{Deserialize, Serialize};
 use super::RunError;
 use crate::rollout::eval::EvalResult;
 
+/// Records written before `trainer_world_size` existed were of one rank.
+fn one() -> usize {
+    1
+}
+
 /// One training step, as a line of `metrics.jsonl`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
@@ -56,6 +61,9 @@ pub struct StepRecord {
     /// Distillation with a served teacher: seconds its engines took to score the batch.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub teacher_seconds: Option<f64>,
+    /// Trainer ranks that computed the step (`trainer.nodes`; docs/distributed.md).
+    #[serde(default = "one")]
+    pub trainer_world_size: usize,
     pub grad_norm: f64,
     /// The loss or gradient norm was not finite, so the step did not change the weights (`loss`
     /// and `grad_norm` are then recorded as 0: JSON has no NaN).
