@@ -160,15 +160,7 @@ fn check_kv_cache(dir: &std::path::Path) {
 /// reads are both exercised.
 #[test]
 fn libtorch_llama_qwen2_mistral_and_gemma3_match_transformers() {
-    for name in [
-        "llama-tiny",
-        "llama-tiny-bias",
-        "qwen2-tiny",
-        "mistral-tiny",
-        "mistral-tiny-window",
-        "gemma3-tiny",
-        "gemma3-tiny-linear",
-    ] {
+    for name in common::FAMILIES {
         let dir = common::family_models().join(name);
         check_parity(&dir, false);
         check_parity(&dir, true);

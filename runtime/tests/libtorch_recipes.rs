@@ -55,6 +55,48 @@ fn mean(xs: &[f64]) -> f64 {
     xs.iter().sum::<f64>() / xs.len() as f64
 }
 
+/// Runs a manifest of the main recipe (examples/successor) for 40 steps and checks that it
+/// learns: the reward rises from the base policy's chance level, and engine and trainer agree on
+/// the first step's tokens (|log ρ| < 1e-4). Returns the step records.
+fn learns_the_main_recipe(manifest: &Path, label: &str) -> Vec<Value> {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "recipe-{}-{}",
+        label.replace(' ', "-"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&out);
+    let status = common::moult()
+        .arg("run")
+        .arg(manifest)
+        .args(["--out".as_ref(), out.as_os_str()])
+        .args(["--steps", "40", "--seed", "1", "--quiet"])
+        .status()
+        .unwrap();
+    assert!(status.success(), "moult run {} failed", manifest.display());
+    let records: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), 40);
+    let rewards: Vec<f64> = records
+        .iter()
+        .map(|r| r["reward_mean"].as_f64().unwrap())
+        .collect();
+    let (first, last) = (mean(&rewards[..3]), mean(&rewards[37..]));
+    println!("{label}: reward {first:.2} -> {last:.2}");
+    assert!(first <= 0.4, "the base policy is at chance: {first}");
+    assert!(last >= first + 0.4, "the reward did not rise: {rewards:?}");
+    // The first step trains on tokens of the policy being trained: engine and trainer agree.
+    let log_rho = records[0]["mean_abs_log_rho"].as_f64().unwrap();
+    assert!(
+        log_rho < 1e-4,
+        "engine and trainer disagree on step 1: |log ρ| {log_rho}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+    records
+}
+
 /// A ChatAgent in Python with the openai SDK calls tools through the loopback server; GRPO
 /// teaches the model which tool call pays (examples/chat-tools/README.md). Opt-in: 40 steps take
 /// about 5 minutes on 2 cores (most of it starting Python processes that import openai), and at
@@ -216,38 +258,7 @@ fn libtorch_llama_policy_learns_the_main_recipe() {
         config.contains("LlamaForCausalLM") && config.contains("llama3"),
         "{config}"
     );
-    let out =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("recipe-llama-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let status = common::moult()
-        .arg("run")
-        .arg(dir.join("rlrun-llama.yaml"))
-        .args(["--out".as_ref(), out.as_os_str()])
-        .args(["--steps", "40", "--seed", "1", "--quiet"])
-        .status()
-        .unwrap();
-    assert!(status.success(), "moult run rlrun-llama.yaml failed");
-    let records: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(records.len(), 40);
-    let rewards: Vec<f64> = records
-        .iter()
-        .map(|r| r["reward_mean"].as_f64().unwrap())
-        .collect();
-    let (first, last) = (mean(&rewards[..3]), mean(&rewards[37..]));
-    println!("llama policy: reward {first:.2} -> {last:.2}");
-    assert!(first <= 0.4, "the base policy is at chance: {first}");
-    assert!(last >= first + 0.4, "the reward did not rise: {rewards:?}");
-    // The first step trains on tokens of the policy being trained: engine and trainer agree.
-    let log_rho = records[0]["mean_abs_log_rho"].as_f64().unwrap();
-    assert!(
-        log_rho < 1e-4,
-        "engine and trainer disagree on step 1: |log ρ| {log_rho}"
-    );
-    let _ = std::fs::remove_dir_all(&out);
+    learns_the_main_recipe(&dir.join("rlrun-llama.yaml"), "llama policy");
 }
 
 /// The main recipe with two trainer ranks (`trainer.nodes: 2`, docs/distributed.md): `moult run`
@@ -265,39 +276,9 @@ fn libtorch_two_trainer_ranks_learn_the_main_recipe() {
         text.replace("    gpusPerNode: 0\n", "    nodes: 2\n    gpusPerNode: 0\n"),
     )
     .unwrap();
-    let out =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("recipe-ranks-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    let status = common::moult()
-        .arg("run")
-        .arg(&two)
-        .args(["--out".as_ref(), out.as_os_str()])
-        .args(["--steps", "40", "--seed", "1", "--quiet"])
-        .status()
-        .unwrap();
+    let records = learns_the_main_recipe(&two, "two trainer ranks");
     let _ = std::fs::remove_file(&two);
-    assert!(status.success(), "moult run with two trainer ranks failed");
-    let records: Vec<Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
-    assert_eq!(records.len(), 40);
     for r in &records {
         assert_eq!(r["trainer_world_size"], 2, "{r}");
     }
-    let rewards: Vec<f64> = records
-        .iter()
-        .map(|r| r["reward_mean"].as_f64().unwrap())
-        .collect();
-    let (first, last) = (mean(&rewards[..3]), mean(&rewards[37..]));
-    println!("two trainer ranks: reward {first:.2} -> {last:.2}");
-    assert!(first <= 0.4, "the base policy is at chance: {first}");
-    assert!(last >= first + 0.4, "the reward did not rise: {rewards:?}");
-    let log_rho = records[0]["mean_abs_log_rho"].as_f64().unwrap();
-    assert!(
-        log_rho < 1e-4,
-        "engine and trainer disagree on step 1: |log ρ| {log_rho}"
-    );
-    let _ = std::fs::remove_dir_all(&out);
 }

@@ -264,6 +264,23 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     (a - b).abs().max().double_value(&[])
 }
 
+/// Rank 0's result file against one rank's weights and moments: the largest difference, and
+/// rank 0's (loss, grad norm) per step, flat.
+fn compare(file: &Path, weights: &[Tensor], moments: &[(Tensor, Tensor)]) -> (f64, Vec<f64>) {
+    let got: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(file)
+        .unwrap()
+        .into_iter()
+        .collect();
+    let _ = std::fs::remove_file(file);
+    let mut worst: f64 = 0.0;
+    for (i, w) in weights.iter().enumerate() {
+        worst = worst.max(max_diff(&got[&format!("w.{i}")], w));
+        worst = worst.max(max_diff(&got[&format!("m.{i}")], &moments[i].0));
+        worst = worst.max(max_diff(&got[&format!("v.{i}")], &moments[i].1));
+    }
+    (worst, Vec::<f64>::try_from(&got["stats"]).unwrap())
+}
+
 fn check(test: &str, model: &Path) {
     let mut one = Trainer::new(load(model), None, options()).unwrap();
     let Trained {
@@ -274,18 +291,7 @@ fn check(test: &str, model: &Path) {
     assert_eq!(moments.len(), weights.len());
     for world in [2, 3, 4] {
         let file = run_ranks(test, model, world);
-        let got: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&file)
-            .unwrap()
-            .into_iter()
-            .collect();
-        let _ = std::fs::remove_file(&file);
-        let mut worst: f64 = 0.0;
-        for (i, w) in weights.iter().enumerate() {
-            worst = worst.max(max_diff(&got[&format!("w.{i}")], w));
-            worst = worst.max(max_diff(&got[&format!("m.{i}")], &moments[i].0));
-            worst = worst.max(max_diff(&got[&format!("v.{i}")], &moments[i].1));
-        }
-        let theirs = Vec::<f64>::try_from(&got["stats"]).unwrap();
+        let (worst, theirs) = compare(&file, &weights, &moments);
         for (s, &(loss, norm)) in stats.iter().enumerate() {
             assert!(
                 (theirs[2 * s] - loss).abs() < 1e-5 && (theirs[2 * s + 1] - norm).abs() < 1e-5,
@@ -470,18 +476,7 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         let gap = max_diff(&lp, after_two.as_ref().unwrap());
         assert!(gap < 1e-5, "the checkpoint's logprobs differ by {gap}");
         let file = run_ranks_with(test, &model, resumed, Some(&phase("resume")));
-        let got: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&file)
-            .unwrap()
-            .into_iter()
-            .collect();
-        let _ = std::fs::remove_file(&file);
-        let mut worst: f64 = 0.0;
-        for (i, w) in weights.iter().enumerate() {
-            worst = worst.max(max_diff(&got[&format!("w.{i}")], w));
-            worst = worst.max(max_diff(&got[&format!("m.{i}")], &moments[i].0));
-            worst = worst.max(max_diff(&got[&format!("v.{i}")], &moments[i].1));
-        }
-        let theirs = Vec::<f64>::try_from(&got["stats"]).unwrap();
+        let (worst, theirs) = compare(&file, &weights, &moments);
         let (loss, norm) = stats[STEPS - 1];
         assert!(
             (theirs[0] - loss).abs() < 1e-5 && (theirs[1] - norm).abs() < 1e-5,

@@ -38,17 +38,6 @@ fn sampled_mean(model: &Qwen3Model, seqs: &[(Vec<i64>, Vec<u8>)]) -> Vec<f64> {
         .collect()
 }
 
-/// The tiny models of every family (tests/python/make_family_models.py).
-const FAMILIES: [&str; 7] = [
-    "llama-tiny",
-    "llama-tiny-bias",
-    "qwen2-tiny",
-    "mistral-tiny",
-    "mistral-tiny-window",
-    "gemma3-tiny",
-    "gemma3-tiny-linear",
-];
-
 #[test]
 fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
     let runs = [LossKind::Ppo, LossKind::Gspo, LossKind::Cispo]
@@ -151,7 +140,7 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
 
 #[test]
 fn libtorch_trainable_tensors_cover_every_named_weight_once() {
-    let families = FAMILIES.map(|name| common::family_models().join(name));
+    let families = common::FAMILIES.map(|name| common::family_models().join(name));
     for dir in [dense_model(), moe_model()].into_iter().chain(families) {
         let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
         let elements: i64 = model.trainable().iter().map(|t| t.numel() as i64).sum();

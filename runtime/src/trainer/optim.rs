@@ -39,6 +39,14 @@ impl AdamW {
         &self.state
     }
 
+    /// Bytes the moments take.
+    pub fn state_bytes(&self) -> usize {
+        self.state
+            .iter()
+            .map(|(m, v)| (m.numel() + v.numel()) * m.kind().elt_size_in_bytes())
+            .sum()
+    }
+
     /// Continues from a checkpoint: `steps` taken and the moments per parameter (in the order
     /// the parameters are given to [`AdamW::step`]).
     pub fn restore(&mut self, steps: i64, moments: Vec<(Tensor, Tensor)>) {

@@ -148,14 +148,15 @@ impl Shards {
         let _ = tch::no_grad(|| g.grad.g_mul_scalar_(factor));
     }
 
-    /// AdamW on this rank's shard, then every rank's updated shard into every rank's weights.
+    /// AdamW on this rank's shard, then every rank's updated shard into every rank's weights;
+    /// returns the seconds the all-gather took.
     pub(super) fn step(
         &mut self,
         params: &[Tensor],
         g: &ShardGrad,
         lr: f64,
         group: &dyn Collectives,
-    ) -> Result<()> {
+    ) -> Result<f64> {
         let views: Vec<Tensor> = self.pieces.iter().map(|p| piece_of(params, p)).collect();
         let grads: Vec<Option<Tensor>> = self
             .pieces
@@ -163,7 +164,14 @@ impl Shards {
             .map(|p| g.reached[p.tensor].then(|| g.grad.narrow(0, p.at, p.len)))
             .collect();
         self.optimizer.step_with(&views, &grads, lr);
-        self.all_gather_weights(params, group)
+        let started = std::time::Instant::now();
+        self.all_gather_weights(params, group)?;
+        Ok(started.elapsed().as_secs_f64())
+    }
+
+    /// Bytes of optimizer state this rank holds (its shard's moments).
+    pub(super) fn state_bytes(&self) -> usize {
+        self.optimizer.state_bytes()
     }
 
     /// Every rank's shard of the weights into every rank's full weights.

@@ -84,6 +84,8 @@ pub struct StepStats {
     pub tokens: usize,
     pub micro_batches: usize,
     pub seconds: f64,
+    /// Of `seconds`, the time in collectives between ranks (0 with one rank).
+    pub collective_seconds: f64,
     /// The loss or the gradient norm was not finite (NaN or infinite): the weights were left as
     /// they were instead of becoming NaN.
     pub skipped: bool,
@@ -221,6 +223,15 @@ impl Trainer {
         self.group.world()
     }
 
+    /// Bytes of AdamW moments this rank holds: all of them with one rank, its shard's with
+    /// several.
+    pub fn optimizer_state_bytes(&self) -> usize {
+        match &self.shards {
+            Some(shards) => shards.state_bytes(),
+            None => self.optimizer.state_bytes(),
+        }
+    }
+
     pub(super) fn group(&self) -> &dyn Collectives {
         self.group.as_ref()
     }
@@ -353,6 +364,7 @@ impl Trainer {
             None => stats.grad_norm = clip_grad_norm(&self.params, max_norm),
             Some(shards) => {
                 // Every rank's part of the metrics and the gradient, summed.
+                let collectives = Instant::now();
                 let group = self.group.as_ref();
                 let sums = Tensor::from_slice(&[
                     stats.loss,
@@ -376,6 +388,7 @@ impl Trainer {
                     shards.scale(&mut g, max_norm / stats.grad_norm);
                 }
                 shard_grad = Some(g);
+                stats.collective_seconds = collectives.elapsed().as_secs_f64();
             }
         }
         stats.learning_rate = self.opts.schedule.at(self.steps + 1);
@@ -390,7 +403,8 @@ impl Trainer {
                 "a non-finite loss or gradient: the step leaves the weights as they were"
             );
         } else if let (Some(shards), Some(g)) = (&mut self.shards, &shard_grad) {
-            shards.step(&self.params, g, stats.learning_rate, self.group.as_ref())?;
+            let gather = shards.step(&self.params, g, stats.learning_rate, self.group.as_ref())?;
+            stats.collective_seconds += gather;
         } else {
             self.optimizer.step(&self.params, stats.learning_rate);
         }

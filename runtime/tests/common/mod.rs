@@ -103,8 +103,19 @@ fn fnv(bytes: &[u8]) -> u64 {
     })
 }
 
-/// Tiny random checkpoints of the families besides Qwen3 (`llama-tiny`, `llama-tiny-bias`,
-/// `qwen2-tiny`, `mistral-tiny`), with transformers' reference logits.
+/// The tiny models of every family besides Qwen3 that `family_models()` holds.
+pub const FAMILIES: [&str; 7] = [
+    "llama-tiny",
+    "llama-tiny-bias",
+    "qwen2-tiny",
+    "mistral-tiny",
+    "mistral-tiny-window",
+    "gemma3-tiny",
+    "gemma3-tiny-linear",
+];
+
+/// Tiny random checkpoints of the families besides Qwen3 ([`FAMILIES`]:
+/// `tests/python/make_family_models.py`), with transformers' reference logits.
 pub fn family_models() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| made_by("make_family_models.py", &["make_tiny_models.py"]))

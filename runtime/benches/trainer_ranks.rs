@@ -1,0 +1,224 @@
+//! A trainer of N ranks vs one (docs/distributed.md), printed as a table of ratios measured in
+//! one invocation: for N = 1, 2, 4 rank processes on the same model and the same global batch,
+//! the step time and the part of it spent in collectives, the optimizer state each rank holds
+//! (its AdamW moments: 1/N of one rank's under ZeRO-2) and each rank's peak resident memory.
+//!
+//! `cargo bench -p moult-runtime --bench trainer_ranks` (after `source scripts/env.sh`);
+//! `-- --quick` runs the tiny model. The default model is Qwen3-0.6B's width with 4 layers
+//! (vocabulary 151936; 4 ranks of the full 28 layers would not fit this machine's 24 GB, since
+//! every rank still holds all weights and gradients). Each rank computes with one intra-op
+//! thread, so 2 ranks on a 2-core machine have a core each and 4 share them: step times say
+//! how the work splits, not how it would scale on one GPU per rank.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use moult_runtime::algorithms::losses::Aggregation;
+use moult_runtime::dist::{Rendezvous, ENV_MASTER, ENV_RANK, ENV_TIMEOUT, ENV_WORLD};
+use moult_runtime::model::Qwen3Model;
+use moult_runtime::trainer::optim::{Decay, LrSchedule};
+use moult_runtime::trainer::ranks::{follower, leader, Setup};
+use moult_runtime::trainer::step::{LossConfig, LossKind};
+use moult_runtime::trainer::train::{Sample, Trainer, TrainerOptions};
+use serde_json::{json, Value};
+use tch::{Device, Kind};
+
+mod common;
+use common::{qwen3_width_model, tiny_model};
+
+const ENV_MODEL: &str = "MOULT_BENCH_RANK_MODEL";
+const ENV_OUT: &str = "MOULT_BENCH_RANK_OUT";
+const WARMUP: usize = 1;
+const STEPS: usize = 3;
+
+fn options() -> TrainerOptions {
+    TrainerOptions {
+        loss: LossConfig {
+            kind: LossKind::Ppo,
+            eps_low: 0.2,
+            eps_high: 0.28,
+            aggregation: Aggregation::TokenMean,
+            correction: None,
+            temperature: 1.0,
+        },
+        schedule: LrSchedule {
+            peak: 1e-5,
+            warmup_steps: 0,
+            total_steps: 100,
+            decay: Decay::Constant,
+            min_ratio: 1.0,
+        },
+        weight_decay: 0.01,
+        max_grad_norm: Some(1.0),
+        micro_batch_tokens: 1024,
+        kl_coef: 0.0,
+    }
+}
+
+/// The global batch: 8 sequences of a 32-token prompt and a 64-token response.
+fn batch(step: usize, vocab: usize) -> Vec<Sample> {
+    (0..8)
+        .map(|i| {
+            let tokens: Vec<i64> = (0..96)
+                .map(|j| ((i * 7919 + j * 104_729 + step * 31) % vocab) as i64)
+                .collect();
+            Sample {
+                loss_mask: (0..96).map(|j| (j >= 32) as u8).collect(),
+                behaviour_logprobs: vec![-5.0; 96],
+                advantage: if i % 2 == 0 { 1.0 } else { -1.0 },
+                token_advantages: None,
+                replay: None,
+                tokens,
+            }
+        })
+        .collect()
+}
+
+/// This process's peak resident memory (VmHWM), bytes.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// A rank process: trains, then writes its measurements to `<out>.<rank>.json`.
+fn as_rank(out: &str) {
+    tch::set_num_threads(1);
+    let model_dir = PathBuf::from(std::env::var_os(ENV_MODEL).unwrap());
+    let load = || Qwen3Model::load(&model_dir, Kind::Float, Device::Cpu).unwrap();
+    let (rank, mut trainer) = match Rendezvous::from_env().unwrap() {
+        None => (0, Trainer::new(load(), None, options()).unwrap()),
+        Some(r) => {
+            let group = r.connect().unwrap();
+            if group.rank() > 0 {
+                let rank = group.rank();
+                let mut trainer = follower(group, Device::Cpu).unwrap();
+                trainer.follow().unwrap();
+                report(out, rank, &trainer, None);
+                return;
+            }
+            let setup = Setup {
+                model_dir: model_dir.clone(),
+                reference_dir: None,
+                dtype: "float32".into(),
+                options: options(),
+            };
+            (0, leader(load(), None, setup, None, group).unwrap())
+        }
+    };
+    let vocab = trainer.model().config().vocab_size;
+    for s in 0..WARMUP {
+        trainer.step(&batch(s, vocab)).unwrap();
+    }
+    let (mut seconds, mut collective) = (0.0, 0.0);
+    for s in 0..STEPS {
+        let started = Instant::now();
+        let stats = trainer.step(&batch(WARMUP + s, vocab)).unwrap();
+        seconds += started.elapsed().as_secs_f64();
+        collective += stats.collective_seconds;
+    }
+    let _ = trainer.stop_followers();
+    report(
+        out,
+        rank,
+        &trainer,
+        Some((seconds / STEPS as f64, collective / STEPS as f64)),
+    );
+}
+
+fn report(out: &str, rank: usize, trainer: &Trainer, times: Option<(f64, f64)>) {
+    let mut v = json!({
+        "peak_rss": peak_rss(),
+        "optimizer_state_bytes": trainer.optimizer_state_bytes(),
+    });
+    if let Some((step, collective)) = times {
+        v["step_seconds"] = json!(step);
+        v["collective_seconds"] = json!(collective);
+    }
+    std::fs::write(format!("{out}.{rank}.json"), v.to_string()).unwrap();
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `world` ranks; returns each rank's report.
+fn run(model: &Path, world: usize) -> Vec<Value> {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("bench-ranks-{world}-{}", std::process::id()));
+    let master = format!("127.0.0.1:{}", free_port());
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.env(ENV_OUT, &out).env(ENV_MODEL, model);
+            if world > 1 {
+                cmd.env(ENV_RANK, rank.to_string())
+                    .env(ENV_WORLD, world.to_string())
+                    .env(ENV_MASTER, &master)
+                    .env(ENV_TIMEOUT, "600");
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    for (rank, mut child) in children.into_iter().enumerate() {
+        assert!(
+            child.wait().unwrap().success(),
+            "rank {rank} of {world} failed"
+        );
+    }
+    (0..world)
+        .map(|r| {
+            let file = format!("{}.{r}.json", out.display());
+            let v = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+            let _ = std::fs::remove_file(&file);
+            v
+        })
+        .collect()
+}
+
+fn main() {
+    if let Ok(out) = std::env::var(ENV_OUT) {
+        as_rank(&out);
+        return;
+    }
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (label, model) = if quick {
+        ("tiny (3 layers, d=64)", tiny_model())
+    } else {
+        ("Qwen3-0.6B width, 4 layers", qwen3_width_model(4))
+    };
+    println!("model: {label}; global batch 8 x 96 tokens; {STEPS} steps after {WARMUP} warm-up\n");
+    println!("| ranks | step s | vs 1 rank | in collectives s | optimizer state per rank MB | vs 1 rank | peak RSS per rank GB | vs 1 rank |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    let mut base: Option<(f64, f64, f64)> = None;
+    for world in [1, 2, 4] {
+        let reports = run(&model, world);
+        let step = reports[0]["step_seconds"].as_f64().unwrap();
+        let collective = reports[0]["collective_seconds"].as_f64().unwrap();
+        let state = reports
+            .iter()
+            .map(|r| r["optimizer_state_bytes"].as_f64().unwrap())
+            .fold(0.0, f64::max);
+        let rss = reports
+            .iter()
+            .map(|r| r["peak_rss"].as_f64().unwrap())
+            .fold(0.0, f64::max);
+        let (s0, m0, r0) = *base.get_or_insert((step, state, rss));
+        println!(
+            "| {world} | {step:.2} | {:.2}x | {collective:.2} | {:.1} | {:.3} | {:.2} | {:.2} |",
+            step / s0,
+            state / 1e6,
+            state / m0,
+            rss / 1e9,
+            rss / r0
+        );
+    }
+}
