@@ -164,6 +164,32 @@ impl Rendezvous {
     pub fn connect(&self) -> Result<Box<dyn Collectives>> {
         gloo::Gloo::connect(self).map(|g| Box::new(g) as Box<dyn Collectives>)
     }
+
+    /// [`Rendezvous::connect`], given up after the timeout (and a margin) even where the library
+    /// would wait on: a rank 0 that died while this rank was joining it can leave the join
+    /// waiting for a peer that is gone. The abandoned attempt's thread ends with the process.
+    pub fn connect_bounded(&self) -> Result<Box<dyn Collectives>> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let attempt = self.clone();
+        std::thread::Builder::new()
+            .name(format!("rank-{}-join", self.rank))
+            .spawn(move || {
+                let _ = tx.send(attempt.connect());
+            })
+            .map_err(|e| Error::Config(format!("starting the rendezvous thread: {e}")))?;
+        rx.recv_timeout(self.timeout + Duration::from_secs(10))
+            .unwrap_or_else(|_| {
+                Err(Error::Collective {
+                    rank: self.rank,
+                    world: self.world,
+                    op: "rendezvous",
+                    message: format!(
+                        "no group at {}:{} within {:?}",
+                        self.host, self.port, self.timeout
+                    ),
+                })
+            })
+    }
 }
 
 // FFI to the C++ shim over libtorch's c10d: the calls pass live tensors and an out-pointer for

@@ -919,7 +919,7 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
 async fn cluster_run_with_a_judge_scores_every_batch_and_advances() {
-    let run = ScorerRun::start(
+    let run = RecipeRun::start(
         "cluster-judge",
         "examples/judge/make_judge.py",
         "examples/judge/judge-model",
@@ -996,7 +996,7 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
 async fn cluster_run_with_a_served_teacher_distills_and_advances() {
-    let run = ScorerRun::start(
+    let run = RecipeRun::start(
         "cluster-teacher",
         "examples/distill/make_teacher.py",
         "examples/distill/teacher",
@@ -1034,9 +1034,70 @@ async fn cluster_run_with_a_served_teacher_distills_and_advances() {
     run.finish().await;
 }
 
-/// A run whose batches a model of its own scores (a judge, a served teacher), on the test
-/// cluster with its operator and kubelet, after three committed steps.
-struct ScorerRun {
+const RANKS_RUN: &str = "ranked";
+
+/// The successor recipe with two CPU trainer ranks, one pod each, and a checkpoint every 2 steps.
+fn two_rank_run_yaml() -> String {
+    run_yaml()
+        .replace(&format!("name: {RUN}"), &format!("name: {RANKS_RUN}"))
+        .replace(
+            "trainer: {gpusPerNode: 0, dumpRollouts: true}",
+            "trainer: {nodes: 2, gpusPerNode: 0}",
+        )
+}
+
+/// Two trainer pods (`trainer.nodes: 2`, docs/distributed.md) rendezvous at pod 0 through the
+/// headless Service, train every step together (each record says `trainer_world_size: 2`), and
+/// when rank 1's process is killed the pair starts again from the newest checkpoint and the run
+/// goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_with_two_trainer_ranks_trains_and_survives_a_killed_rank() {
+    let run = RecipeRun::start(
+        "cluster-ranks",
+        "examples/successor/make_model.py",
+        "examples/successor/model",
+        &two_rank_run_yaml(),
+        RANKS_RUN,
+    )
+    .await;
+    for rank in 0..2 {
+        assert_eq!(
+            run.ns.kubectl(&[
+                "get",
+                "pod",
+                &format!("{RANKS_RUN}-trainer-{rank}"),
+                "-o",
+                "jsonpath={.status.phase}",
+            ]),
+            "Running",
+            "trainer pod {rank}"
+        );
+    }
+    for r in &run.records() {
+        assert_eq!(r["trainer_world_size"], 2, "{r}");
+    }
+    let before = step_of(&status(&run.ns, RANKS_RUN));
+    run.kubelet.kill(&format!("{RANKS_RUN}-trainer-1"));
+    wait_status(
+        (&run.ns, RANKS_RUN),
+        &run.kubelet,
+        Duration::from_secs(300),
+        "3 steps after rank 1 was killed",
+        |s| step_of(s) >= before + 3,
+    );
+    let records = run.records();
+    assert!(records.iter().all(|r| r["trainer_world_size"] == 2));
+    println!(
+        "two trainer ranks: step {before} when rank 1 was killed, step {} now",
+        step_of(&status(&run.ns, RANKS_RUN))
+    );
+    run.finish().await;
+}
+
+/// A run on the test cluster with its operator and kubelet (a judge's, a served teacher's, two
+/// trainer ranks'), after three committed steps.
+struct RecipeRun {
     ns: Namespace,
     name: &'static str,
     root: PathBuf,
@@ -1045,8 +1106,8 @@ struct ScorerRun {
     operator: Operator,
 }
 
-impl ScorerRun {
-    /// Makes the recipe's policy and the scorer's model (`script OUT`, paths from the
+impl RecipeRun {
+    /// Makes the recipe's policy and the model of `script OUT` (a scorer's, paths from the
     /// repository), applies `yaml` in namespace `ns` and waits for three steps.
     async fn start(
         ns: &str,
@@ -1054,7 +1115,7 @@ impl ScorerRun {
         model: &str,
         yaml: &str,
         name: &'static str,
-    ) -> ScorerRun {
+    ) -> RecipeRun {
         let _ = rustls::crypto::ring::default_provider().install_default();
         ensure_model();
         let made = std::process::Command::new(
@@ -1087,7 +1148,7 @@ impl ScorerRun {
             "3 scored steps",
             |s| step_of(s) >= 3,
         );
-        ScorerRun {
+        RecipeRun {
             ns,
             name,
             root,

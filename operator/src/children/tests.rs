@@ -279,13 +279,30 @@ fn the_coordinator_reads_the_held_out_tasks_from_their_claim() {
 }
 
 #[test]
-fn a_multi_rank_trainer_is_refused_with_the_field_named_before_any_pod() {
+fn a_multi_rank_gpu_trainer_is_refused_with_the_field_named_before_any_pod() {
     let mut run = example_run();
+    assert!(run.spec.trainer.gpus_per_node > 0);
     run.spec.trainer.nodes = 2;
     let Err(InvalidSpec(err)) = desired(&run, &Config::default(), "t") else {
-        panic!("a two-rank trainer was built");
+        panic!("a two-rank GPU trainer was built");
     };
-    assert!(err.starts_with("spec.trainer.nodes:"), "{err}");
+    assert!(
+        err.starts_with("spec.trainer.nodes:") && err.contains("NCCL"),
+        "{err}"
+    );
+    // CPU ranks run: one trainer pod per rank, each told the world size.
+    run.spec.trainer.gpus_per_node = 0;
+    let Ok(children) = desired(&run, &Config::default(), "t") else {
+        panic!("two CPU ranks were refused");
+    };
+    let sts = children.trainer.spec;
+    assert_eq!(sts.replicas, Some(2));
+    let env = main_container(&pod(&Some(sts.template)).clone())
+        .env
+        .clone()
+        .unwrap();
+    let world = env.iter().find(|v| v.name == "WORLD_SIZE").unwrap();
+    assert_eq!(world.value.as_deref(), Some("2"));
 }
 
 #[test]

@@ -19,6 +19,7 @@ use tch::Device;
 
 use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, TrainBatch, Version};
 use super::{env_path, env_var, post_json, retry};
+use crate::dist::Rendezvous;
 use crate::run::config::Sources;
 use crate::run::console::Console;
 use crate::run::learner::{Batch, Learner};
@@ -149,6 +150,71 @@ impl Coordinator {
 
 /// Runs the trainer until the run's last step, then idles until `shutdown` (so that a pod
 /// restart policy does not start it over).
+/// A trainer pod of rank > 0: serves its health, joins rank 0, and trains as it commands until it
+/// says stop (then waits for shutdown) or is lost (then fails, and the pod starts again).
+async fn follow(
+    rendezvous: Rendezvous,
+    opts: &TrainerProcessOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), RunError> {
+    let rank = rendezvous.rank;
+    let metrics = Arc::new(move || {
+        format!("# HELP moult_trainer_rank This pod's trainer rank.\n# TYPE moult_trainer_rank gauge\nmoult_trainer_rank {rank}\n# EOF\n")
+    });
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut stopped = stop_rx.clone();
+    super::serve_health(&opts.metrics_addr, metrics, async move {
+        let _ = stopped.wait_for(|s| *s).await;
+    })
+    .await?;
+    eprintln!(
+        "moult trainer: rank {rank} of {} joins rank 0 at {}:{}",
+        rendezvous.world, rendezvous.host, rendezvous.port
+    );
+    let device = opts.device;
+    let followed = tokio::task::spawn_blocking(move || -> Result<u64, RunError> {
+        let group = join(&rendezvous)?;
+        let mut trainer = crate::trainer::ranks::follower(group, device)?;
+        Ok(trainer.follow()?)
+    });
+    tokio::select! {
+        done = followed => {
+            let steps = done.map_err(|e| RunError::Setup(format!("trainer rank {rank}: {e}")))??;
+            eprintln!("moult trainer: rank {rank}: rank 0 stopped the trainer at step {steps}");
+        }
+        () = shutdown => {}
+    }
+    let _ = stop_tx.send(true);
+    Ok(())
+}
+
+/// Joins rank 0, trying again for as long as a restarted rank 0 may take to come back: a rank
+/// that starts again after a loss may first reach the rank 0 that has not yet noticed (it fails
+/// at its next collective and starts again), so one attempt is short and the next follows.
+fn join(rendezvous: &Rendezvous) -> Result<Box<dyn crate::dist::Collectives>, RunError> {
+    const ATTEMPT: Duration = Duration::from_secs(30);
+    let deadline = Instant::now() + Duration::from_secs(600).max(rendezvous.timeout);
+    let attempt = Rendezvous {
+        timeout: ATTEMPT.min(rendezvous.timeout),
+        ..rendezvous.clone()
+    };
+    loop {
+        match attempt.connect_bounded() {
+            Ok(group) => {
+                group
+                    .set_timeout(rendezvous.timeout)
+                    .map_err(|e| RunError::Setup(e.to_string()))?;
+                return Ok(group);
+            }
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("moult trainer: {e}; trying again");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            Err(e) => return Err(RunError::Setup(e.to_string())),
+        }
+    }
+}
+
 pub async fn run(
     opts: TrainerProcessOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -177,12 +243,29 @@ pub async fn run(
             teacher,
         },
     )?;
-    let world = parse_env("WORLD_SIZE", 1)?;
-    let rank = parse_env("RANK", 0)?;
-    if world != 1 || rank != 0 {
-        return Err(RunError::Manifest(format!(
-            "spec.trainer.nodes: the trainer runs as one rank so far (this pod is rank {rank} of {world}); sharded multi-rank training over NCCL is not built yet: set spec.trainer.nodes to 1"
-        )));
+    // Trainer ranks, one pod each (docs/distributed.md): the StatefulSet's pod index, and rank 0's
+    // stable address through the headless Service.
+    let world = parse_env("WORLD_SIZE", 1)? as usize;
+    let rank = parse_env("RANK", 0)? as usize;
+    let rendezvous = if world > 1 {
+        if cfg.run.spec.trainer.gpus_per_node > 0 {
+            return Err(RunError::Manifest(format!(
+                "spec.trainer.nodes: {world} GPU ranks need NCCL collectives, which are not built yet (docs/distributed.md): train on CPU ranks (gpusPerNode: 0) or set spec.trainer.nodes to 1"
+            )));
+        }
+        Some(Rendezvous {
+            host: env_var("MASTER_ADDR")?,
+            port: u16::try_from(parse_env("MASTER_PORT", 29500)?)
+                .map_err(|_| RunError::Setup("MASTER_PORT must be a port number".into()))?,
+            rank,
+            world,
+            timeout: Duration::from_secs(parse_env("MOULT_TRAINER_TIMEOUT_SECONDS", 120)?),
+        })
+    } else {
+        None
+    };
+    if let Some(r) = rendezvous.clone().filter(|r| r.rank > 0) {
+        return follow(r, &opts, shutdown).await;
     }
     let coordinator = Coordinator {
         http: super::coordinator_client(),
@@ -227,7 +310,14 @@ pub async fn run(
     };
     tokio::pin!(shutdown);
 
-    let mut learner = Learner::load(cfg.clone(), ckpt_root, opts.device, Console::hidden()).await?;
+    let mut learner = Learner::load_rank0(
+        cfg.clone(),
+        ckpt_root,
+        opts.device,
+        Console::hidden(),
+        rendezvous,
+    )
+    .await?;
     if let Some(note) = learner.resume_note() {
         eprintln!("moult trainer: {note}");
     }

@@ -73,7 +73,7 @@ pub(crate) struct Learner {
     /// `None` only while it computes on a blocking thread.
     trainer: Option<Trainer>,
     /// The other trainer ranks, when this process is rank 0 of several.
-    followers: Option<Followers>,
+    _followers: Option<Followers>,
     teacher: Option<Qwen3Model>,
     publisher: Option<Publisher>,
     log: Option<MetricsLog>,
@@ -139,17 +139,29 @@ impl Learner {
         device: Device,
         console: Console,
     ) -> Result<Self, RunError> {
+        Self::load_rank0(cfg, ckpt_root, device, console, None).await
+    }
+
+    /// [`Learner::load`] as rank 0 of `trainer.nodes` ranks that join at `rendezvous` (trainer
+    /// pods); without one, the other ranks are started as processes of this machine.
+    pub async fn load_rank0(
+        cfg: RunConfig,
+        ckpt_root: Option<PathBuf>,
+        device: Device,
+        console: Console,
+        rendezvous: Option<Rendezvous>,
+    ) -> Result<Self, RunError> {
         let resume = match &ckpt_root {
             Some(root) => checkpoint::latest(root)?,
             None => None,
         };
-        let (trainer, followers) = load_trainer(&cfg, resume.as_ref(), device).await?;
+        let (trainer, followers) = load_trainer(&cfg, resume.as_ref(), device, rendezvous).await?;
         let teacher = load_teacher(&cfg, &trainer, device).await?;
         Ok(Self {
             step: resume.as_ref().map_or(0, |(_, m)| m.step),
             cfg,
             trainer: Some(trainer),
-            followers,
+            _followers: followers,
             teacher,
             publisher: None,
             log: None,
@@ -347,8 +359,9 @@ impl Learner {
 
 impl Drop for Learner {
     fn drop(&mut self) {
-        // Rank 0 of several: the other ranks stop (their processes end as the followers drop).
-        if let (Some(trainer), Some(_)) = (&self.trainer, &self.followers) {
+        // Rank 0 of several: the other ranks stop (local ones' processes end as the followers
+        // drop; trainer pods exit and their StatefulSet starts them again, to wait for rank 0).
+        if let Some(trainer) = self.trainer.as_ref().filter(|t| t.world_size() > 1) {
             if let Err(e) = trainer.stop_followers() {
                 tracing::warn!("stopping the other trainer ranks: {e}");
             }
@@ -368,12 +381,13 @@ fn resume_note(cfg: &RunConfig, (dir, meta): &(PathBuf, CheckpointMeta)) -> Stri
 }
 
 /// The trainer: from the checkpoint's weights and moments (`resume`), or the model folder. With
-/// several ranks (`trainer.nodes`), this process is rank 0 and starts the others as processes of
-/// this machine (docs/distributed.md).
+/// several ranks (`trainer.nodes`), this process is rank 0: the others join at `rendezvous`, or,
+/// without one, are started as processes of this machine (docs/distributed.md).
 async fn load_trainer(
     cfg: &RunConfig,
     resume: Option<&(PathBuf, CheckpointMeta)>,
     device: Device,
+    rendezvous: Option<Rendezvous>,
 ) -> Result<(Trainer, Option<Followers>), RunError> {
     let dir = resume.map_or(cfg.model_dir.clone(), |(d, _)| d.clone());
     let trainer_opts = cfg.trainer.clone();
@@ -384,7 +398,13 @@ async fn load_trainer(
         None => None,
     };
     if cfg.trainer_ranks > 1 {
-        let (followers, rendezvous) = Followers::start(cfg.trainer_ranks, device)?;
+        let (followers, rendezvous) = match rendezvous {
+            Some(r) => (None, r),
+            None => {
+                let (f, r) = Followers::start(cfg.trainer_ranks, device)?;
+                (Some(f), r)
+            }
+        };
         let setup = Setup {
             model_dir: cfg.model_dir.clone(),
             reference_dir: reference.clone(),
@@ -402,7 +422,7 @@ async fn load_trainer(
             Ok(ranks::leader(model, reference, setup, moments, group)?)
         })
         .await??;
-        return Ok((trainer, Some(followers)));
+        return Ok((trainer, followers));
     }
     let mut trainer = blocking(move || -> Result<Trainer, RunError> {
         let model = Qwen3Model::load(&dir, Kind::Float, device)?;
