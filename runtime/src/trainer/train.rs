@@ -284,7 +284,8 @@ impl Trainer {
         Ok(())
     }
 
-    /// One optimizer step on `samples` (every rank's part of it, each rank on its own).
+    /// One optimizer step on `samples` (every rank's part of it, each rank on its own). Callers
+    /// use [`Trainer::step`] (in [`super::ranks`]), which first hands the batch to the other ranks.
     pub(super) fn step_on(&mut self, samples: &[Sample]) -> crate::model::Result<StepStats> {
         let started = Instant::now();
         // Steps run on whichever compute thread is free: set its pool each time.
