@@ -16,7 +16,7 @@ use std::time::Instant;
 use moult_runtime::engine::sampling::SamplingParams;
 use moult_runtime::engine::weights::{update_info, WeightListener, DEFAULT_PACKED_BUFFER_BYTES};
 use moult_runtime::engine::{http, EngineHandle, EngineOptions, Event};
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use tch::{Device, Kind, Tensor};
 
 mod common;
@@ -109,7 +109,7 @@ fn family_model(family: &str) -> (&'static str, PathBuf) {
 }
 
 fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHandle<()>) {
-    let m = Qwen3Model::load(model, Kind::Float, Device::Cpu).unwrap();
+    let m = CausalLm::load(model, Kind::Float, Device::Cpu).unwrap();
     let opts = EngineOptions {
         max_batch,
         max_model_len: 2048,
@@ -252,7 +252,7 @@ fn latency(rt: &tokio::runtime::Runtime, name: &str, model: &Path) {
 
 fn weight_update(rt: &tokio::runtime::Runtime, name: &str, model: &Path) {
     let (handle, _t) = engine(model, 4);
-    let source = Qwen3Model::load(model, Kind::Float, Device::Cpu).unwrap();
+    let source = CausalLm::load(model, Kind::Float, Device::Cpu).unwrap();
     let tensors: Vec<(String, Tensor)> = source
         .params()
         .iter()

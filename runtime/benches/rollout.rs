@@ -23,7 +23,7 @@ use moult_runtime::agents::{Episode, EpisodeStatus};
 use moult_runtime::chat::SamplingOverride;
 use moult_runtime::engine::client::{EngineClient, Generated};
 use moult_runtime::loopback::Segment;
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use moult_runtime::rollout::{
     next_batch, EpisodeRunner, RolloutOptions, RolloutPool, RolloutState,
 };
@@ -172,7 +172,7 @@ async fn run(max_staleness: u64, steps: usize, train: Duration) -> RunResult {
         0,
     )
     .unwrap();
-    let base = Qwen3Model::load(&model, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let base = CausalLm::load(&model, tch::Kind::Float, tch::Device::Cpu).unwrap();
     let weights: Vec<(String, Tensor)> = base
         .params()
         .iter()
@@ -249,7 +249,7 @@ async fn utilisation() {
 async fn weight_sync_rate() {
     let model = qwen3_width_model(4);
     println!("## Weight sync, Qwen3-0.6B width with 4 layers (float32)\n");
-    let base = Qwen3Model::load(&model, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let base = CausalLm::load(&model, tch::Kind::Float, tch::Device::Cpu).unwrap();
     let weights: Vec<(String, Tensor)> = base
         .params()
         .iter()

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use moult_runtime::algorithms::correction::{Correction, Level, Mode};
 use moult_runtime::algorithms::losses::Aggregation;
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
 use moult_runtime::trainer::optim::{clip_grad_norm, AdamW};
 use moult_runtime::trainer::step::{old_logprobs, policy_loss, LossConfig, LossKind, TrainSample};
@@ -61,7 +61,7 @@ impl Batch {
     /// `sequences` sequences of 96 to 160 tokens (`equal`: 128 each). The behaviour logprobs are
     /// the model's own, moved a little as an engine's would be (±0.05), and by 1 nat on every
     /// 16th sampled token, which the IS mask then drops (ρ = e⁻¹ < 0.5).
-    fn new(model: &Qwen3Model, sequences: usize, equal: bool) -> Self {
+    fn new(model: &CausalLm, sequences: usize, equal: bool) -> Self {
         let vocab = model.config().vocab_size.min(2000) as i64;
         let tokens: Vec<Vec<i64>> = (0..sequences)
             .map(|i| {
@@ -149,13 +149,13 @@ impl Side {
 
 /// moult's step, as `trainer::train::Trainer::step` takes it for a batch in one micro-batch.
 struct Moult {
-    model: Qwen3Model,
+    model: CausalLm,
     params: Vec<Tensor>,
     optimizer: AdamW,
 }
 
 impl Moult {
-    fn new(model: Qwen3Model) -> Self {
+    fn new(model: CausalLm) -> Self {
         let params = model
             .trainable()
             .into_iter()
@@ -274,7 +274,7 @@ struct Row {
 }
 
 fn measure(case: &Case, threads: usize) -> Row {
-    let model = Qwen3Model::load(&case.dir, Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(&case.dir, Kind::Float, Device::Cpu).unwrap();
     let batch = Batch::new(&model, case.sequences, case.equal);
     let samples = batch.samples();
     let mut moult = Moult::new(model);

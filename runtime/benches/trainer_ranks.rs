@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use moult_runtime::algorithms::losses::Aggregation;
 use moult_runtime::dist::{Rendezvous, ENV_MASTER, ENV_RANK, ENV_TIMEOUT, ENV_WORLD};
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use moult_runtime::trainer::optim::{Decay, LrSchedule};
 use moult_runtime::trainer::ranks::{follower, leader, Setup};
 use moult_runtime::trainer::step::{LossConfig, LossKind};
@@ -89,7 +89,7 @@ fn peak_rss() -> u64 {
 fn as_rank(out: &str) {
     tch::set_num_threads(1);
     let model_dir = PathBuf::from(std::env::var_os(ENV_MODEL).unwrap());
-    let load = || Qwen3Model::load(&model_dir, Kind::Float, Device::Cpu).unwrap();
+    let load = || CausalLm::load(&model_dir, Kind::Float, Device::Cpu).unwrap();
     let (rank, mut trainer) = match Rendezvous::from_env().unwrap() {
         None => (0, Trainer::new(load(), None, options()).unwrap()),
         Some(r) => {

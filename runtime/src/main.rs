@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 #[cfg(feature = "torch")]
 use moult_runtime::engine::{http, EngineHandle, EngineOptions};
 #[cfg(feature = "torch")]
-use moult_runtime::model::{parse_dtype, ModelConfig, Qwen3Model};
+use moult_runtime::model::{parse_dtype, CausalLm, ModelConfig};
 #[cfg(feature = "torch")]
 use tch::{Device, Kind};
 
@@ -385,7 +385,7 @@ async fn engine(args: EngineArgs) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let model = {
         let dir = args.model.clone();
-        tokio::task::spawn_blocking(move || Qwen3Model::load(&dir, kind, device)).await??
+        tokio::task::spawn_blocking(move || CausalLm::load(&dir, kind, device)).await??
     };
     tracing::info!(seconds = started.elapsed().as_secs_f32(), "model loaded");
     let opts = EngineOptions {

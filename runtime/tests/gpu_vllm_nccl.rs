@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use moult_operator::api::{EngineBackend, WeightTransport};
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use moult_runtime::run::vllm::{free_port, python, VllmProcess};
 use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
 use serde_json::{json, Value};
@@ -134,7 +134,7 @@ async fn nccl_updates_reach_a_real_vllm_on_one_gpu() {
     .await
     .unwrap();
     let weights = |dir: &Path| {
-        let m = Qwen3Model::load(dir, tch::Kind::Float, tch::Device::Cuda(0)).unwrap();
+        let m = CausalLm::load(dir, tch::Kind::Float, tch::Device::Cuda(0)).unwrap();
         m.params()
             .iter()
             .map(|(n, t)| (n.clone(), t.detach().copy()))

@@ -11,7 +11,7 @@ use moult_runtime::engine::api::{GenerateResponse, WeightVersionSpan};
 use moult_runtime::engine::npy::decode_routed_experts;
 use moult_runtime::engine::sampling::SamplingParams;
 use moult_runtime::engine::weights::{update_info, WeightListener};
-use moult_runtime::model::{LogitsFor, Qwen3Model, SeqInput};
+use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
@@ -60,7 +60,7 @@ fn assert_close(ours: &[f32], reference: &[f32], tol: f32, what: &str) {
 async fn libtorch_engine_logprobs_match_full_forward_under_concurrency() {
     let dir = common::dense_model();
     let engine = common::start_engine(&dir, common::engine_options()).await;
-    let reference = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let reference = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     let settings = [
         (0.8, Some(50), 0.9),
         (1.0, None, 1.0),
@@ -107,7 +107,7 @@ async fn libtorch_engine_logprobs_match_full_forward_under_concurrency() {
 async fn libtorch_moe_engine_routing_replays_to_the_same_logprobs() {
     let dir = common::moe_model();
     let engine = common::start_engine(&dir, common::engine_options()).await;
-    let reference = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let reference = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     let p = prompt(3, 11);
     let resp = generate(
         &engine.url,
@@ -271,7 +271,7 @@ async fn libtorch_stop_tokens_and_eos_end_generation() {
 }
 
 /// Perturbed copies of every weight: the "trainer's" next version.
-fn perturbed(model: &Qwen3Model, seed: i64) -> Vec<(String, Tensor)> {
+fn perturbed(model: &CausalLm, seed: i64) -> Vec<(String, Tensor)> {
     tch::manual_seed(seed);
     model
         .params()
@@ -357,8 +357,8 @@ fn spawn_stream(
 async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
     let dir = common::moe_model();
     let engine = common::start_engine(&dir, common::engine_options()).await;
-    let old = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
-    let new = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let old = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let new = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     let update = perturbed(&old, 11);
     tch::no_grad(|| {
         for (name, t) in &update {
@@ -453,7 +453,7 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
         seq.extend_from_slice(&tokens[..tokens.len() - 1]);
         assert_eq!(shape[0], seq.len());
         let row = shape[1] * shape[2];
-        let experts = |m: &Qwen3Model| -> Vec<Vec<i64>> {
+        let experts = |m: &CausalLm| -> Vec<Vec<i64>> {
             let input = [SeqInput {
                 tokens: &seq,
                 slot: None,
@@ -847,7 +847,7 @@ async fn libtorch_end_of_sequence_stops_unless_ignored_or_before_min_tokens() {
 async fn libtorch_nan_logits_fail_the_request_and_the_engine_goes_on() {
     let dir = common::dense_model();
     let engine = common::start_engine(&dir, common::engine_options()).await;
-    let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     let good: Vec<(String, Tensor)> = model
         .params()
         .iter()
@@ -902,7 +902,7 @@ async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() 
     // Prompts longer than a chunk are scored over several steps.
     opts.max_prefill_tokens = 16;
     let engine = common::start_engine(&dir, opts).await;
-    let reference = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let reference = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     let cases = [
         (1usize, 0i64, 0.7),
         (5, 0, 1.0),

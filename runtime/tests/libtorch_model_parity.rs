@@ -3,7 +3,7 @@
 
 mod common;
 
-use moult_runtime::model::{LogitsFor, Qwen3Model, SeqInput};
+use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
 use tch::{Device, Kind, Tensor};
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -14,7 +14,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 /// Full (no cache) packed forward of several prompts at once, split back per prompt.
-fn full_logits(model: &Qwen3Model, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option<Tensor>) {
+fn full_logits(model: &CausalLm, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option<Tensor>) {
     let seqs: Vec<SeqInput> = prompts
         .iter()
         .map(|p| SeqInput {
@@ -29,7 +29,7 @@ fn full_logits(model: &Qwen3Model, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option
 }
 
 fn check_parity(dir: &std::path::Path, packed: bool) {
-    let mut model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
+    let mut model = CausalLm::load(dir, Kind::Float, Device::Cpu).unwrap();
     if packed {
         assert!(
             model.pack_for_inference(),
@@ -87,7 +87,7 @@ fn libtorch_packed_weights_logits_match_transformers() {
 /// positions in one packed batch, gives the same logits as one full forward; sequences that
 /// finish free their slots (moving others) without disturbing the rest.
 fn check_kv_cache(dir: &std::path::Path) {
-    let model = Qwen3Model::load(dir, Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(dir, Kind::Float, Device::Cpu).unwrap();
     let prompts: Vec<Vec<i64>> = common::reference(dir)
         .into_iter()
         .map(|r| r.0)
@@ -182,7 +182,7 @@ fn libtorch_moe_kv_cache_decoding_matches_full_forward() {
 #[test]
 fn libtorch_moe_replay_reproduces_and_overrides_routing() {
     let dir = common::moe_model();
-    let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     let (prompt, hf_logits, hf_experts) = common::reference(&dir).pop().unwrap();
     let hf_experts = hf_experts.unwrap();
     let run = |replay: &Tensor| {
@@ -226,8 +226,8 @@ fn libtorch_moe_replay_reproduces_and_overrides_routing() {
 #[test]
 fn libtorch_bf16_runs_close_to_f32() {
     let dir = common::dense_model();
-    let f32_model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
-    let bf16_model = Qwen3Model::load(&dir, Kind::BFloat16, Device::Cpu).unwrap();
+    let f32_model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let bf16_model = CausalLm::load(&dir, Kind::BFloat16, Device::Cpu).unwrap();
     let prompt = common::reference(&dir).pop().unwrap().0;
     let (a, _) = full_logits(&f32_model, std::slice::from_ref(&prompt));
     let (b, _) = full_logits(&bf16_model, std::slice::from_ref(&prompt));
@@ -248,7 +248,7 @@ fn libtorch_checkpoint_mismatch_is_refused_by_name() {
     let mut weights = Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
     weights.retain(|(name, _)| name != "model.layers.1.self_attn.k_norm.weight");
     Tensor::write_safetensors(&weights, tmp.join("model.safetensors")).unwrap();
-    let err = Qwen3Model::load(&tmp, Kind::Float, Device::Cpu)
+    let err = CausalLm::load(&tmp, Kind::Float, Device::Cpu)
         .unwrap_err()
         .to_string();
     assert!(
@@ -265,7 +265,7 @@ fn libtorch_checkpoint_mismatch_is_refused_by_name() {
         Tensor::zeros([64], (Kind::Float, Device::Cpu)),
     ));
     Tensor::write_safetensors(&weights, tmp.join("model.safetensors")).unwrap();
-    let err = Qwen3Model::load(&tmp, Kind::Float, Device::Cpu)
+    let err = CausalLm::load(&tmp, Kind::Float, Device::Cpu)
         .unwrap_err()
         .to_string();
     assert!(

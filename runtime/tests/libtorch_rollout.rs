@@ -14,7 +14,7 @@ use moult_runtime::agents::env::EnvLoopOptions;
 use moult_runtime::agents::{Agent, AgentPool, PoolOptions};
 use moult_runtime::chat::{ChatSampling, ChatTemplate, Tokenizer};
 use moult_runtime::loopback::{ChatService, EngineClient, ServiceOptions};
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use moult_runtime::rollout::{next_batch, RolloutOptions, RolloutPool, RolloutState};
 use moult_runtime::weight_sync::orchestrate::WeightSync;
 use serde_json::json;
@@ -73,7 +73,7 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
     let (rollout, mut queue) =
         RolloutPool::start(agents, dataset, opts.clone(), RolloutState::default(), 0).unwrap();
 
-    let base = Qwen3Model::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let base = CausalLm::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
     let mut sync = WeightSync::new(&router_url);
     sync.connect_tcp("127.0.0.1:0", "127.0.0.1").await.unwrap();
     let mut extra = None;

@@ -13,7 +13,7 @@ use common::{
 };
 use futures::StreamExt;
 use moult_runtime::engine::sampling::SamplingParams;
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use serde_json::{json, Value};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -94,7 +94,7 @@ async fn libtorch_an_engine_killed_mid_generation_loses_no_token() {
     );
     assert!(metric(&url, "moult_router_failovers_total", "").await >= 1.0);
     assert_eq!(metric(&url, "moult_router_engines_healthy", "").await, 1.0);
-    let model = Qwen3Model::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let model = CausalLm::load(&model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
     let params = SamplingParams {
         max_tokens: MAX,
         ignore_eos: true,

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use common::{dense_model, engine_options, moe_model, start_engine};
 use moult_runtime::engine::npy::decode_routed_experts;
-use moult_runtime::model::{LogitsFor, Qwen3Model, SeqInput};
+use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
 use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
@@ -81,7 +81,7 @@ fn replay_of((tokens, _, _, routed): &Sample) -> Tensor {
 /// The trainer's logprobs of the samples (`[batch, max_len]`), replaying the engine's routing
 /// or routing on its own.
 fn trainer_logprobs(
-    model: &Qwen3Model,
+    model: &CausalLm,
     samples: &[Sample],
     temperature: f64,
     replay: bool,
@@ -101,7 +101,7 @@ fn trainer_logprobs(
     token_logprobs(model, &seqs, temperature).unwrap()
 }
 
-fn check(model: &Qwen3Model, samples: &[Sample], temperature: f64, replay: bool) {
+fn check(model: &CausalLm, samples: &[Sample], temperature: f64, replay: bool) {
     let logp = trainer_logprobs(model, samples, temperature, replay);
     for (i, (tokens, p_len, lps, _)) in samples.iter().enumerate() {
         let row: Vec<f32> = Vec::try_from(logp.get(i as i64).detach()).unwrap();
@@ -128,7 +128,7 @@ struct Mismatch {
     over_1e3: usize,
 }
 
-fn mismatch(model: &Qwen3Model, samples: &[Sample], temperature: f64, replay: bool) -> Mismatch {
+fn mismatch(model: &CausalLm, samples: &[Sample], temperature: f64, replay: bool) -> Mismatch {
     let logp = trainer_logprobs(model, samples, temperature, replay);
     let mut deltas = Vec::new();
     for (i, (_, p_len, lps, _)) in samples.iter().enumerate() {
@@ -148,7 +148,7 @@ fn mismatch(model: &Qwen3Model, samples: &[Sample], temperature: f64, replay: bo
 
 /// Of the (token, sparse layer) routings the engine reported, how many the trainer's own packed
 /// forward chooses differently (as sets of experts); and how many there are.
-fn routing_disagreements(model: &Qwen3Model, samples: &[Sample]) -> (usize, usize) {
+fn routing_disagreements(model: &CausalLm, samples: &[Sample]) -> (usize, usize) {
     let inputs: Vec<SeqInput> = samples
         .iter()
         .map(|(tokens, _, _, _)| SeqInput {
@@ -191,7 +191,7 @@ fn near_tied_moe(eps: f64) -> PathBuf {
     if dir.join("model.safetensors").exists() {
         return dir;
     }
-    let model = Qwen3Model::load(&src, Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(&src, Kind::Float, Device::Cpu).unwrap();
     let weights: Vec<(String, Tensor)> = model
         .params()
         .iter()
@@ -220,7 +220,7 @@ fn near_tied_moe(eps: f64) -> PathBuf {
 async fn libtorch_trainer_logprobs_equal_the_engines_behaviour_logprobs() {
     let dir = dense_model();
     let engine = start_engine(&dir, engine_options()).await;
-    let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     for t in [1.0, 0.7] {
         let samples = sample(&engine.url, t).await;
         tch::no_grad(|| check(&model, &samples, t, false));
@@ -248,7 +248,7 @@ async fn libtorch_trainer_logprobs_equal_the_engines_behaviour_logprobs() {
 async fn libtorch_trainer_replays_moe_routing_to_the_engines_logprobs() {
     let dir = moe_model();
     let engine = start_engine(&dir, engine_options()).await;
-    let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     let samples = sample(&engine.url, 1.0).await;
     tch::no_grad(|| check(&model, &samples, 1.0, true));
 }
@@ -272,7 +272,7 @@ async fn libtorch_routing_replay_removes_the_engine_trainer_mismatch() {
         ),
     ] {
         let engine = start_engine(&dir, engine_options()).await;
-        let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+        let model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
         let samples = sample_batched(&engine.url, SEQUENCES, TOKENS, 1.0).await;
         let (without, with, (differ, routings)) = tch::no_grad(|| {
             (

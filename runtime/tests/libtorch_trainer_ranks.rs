@@ -14,7 +14,7 @@ use std::process::Command;
 
 use moult_runtime::algorithms::losses::Aggregation;
 use moult_runtime::dist::{Rendezvous, ENV_MASTER, ENV_RANK, ENV_TIMEOUT, ENV_WORLD};
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use moult_runtime::run::checkpoint::{self, CheckpointMeta};
 use moult_runtime::trainer::optim::{Decay, LrSchedule};
 use moult_runtime::trainer::ranks::{follower, leader, Setup};
@@ -118,8 +118,8 @@ fn train_from(trainer: &mut Trainer, start: usize) -> Trained {
 /// In float64: the ranks split the batch (and its micro-batches) differently from one rank, so
 /// float32 sums round differently (~1e-5 relative on these gradients, which AdamW then
 /// amplifies where gradients nearly cancel); float64 leaves only the logic to compare.
-fn load(dir: &Path) -> Qwen3Model {
-    Qwen3Model::load(dir, Kind::Double, Device::Cpu).unwrap()
+fn load(dir: &Path) -> CausalLm {
+    CausalLm::load(dir, Kind::Double, Device::Cpu).unwrap()
 }
 
 /// The rank a process is, when the parent started it as one.
@@ -466,7 +466,7 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         // The checkpoint serves: the engine's forward on its folder scores as the trainer did.
         let (dir, meta) = checkpoint::latest(&root).unwrap().unwrap();
         assert_eq!(meta.step, 2);
-        let served = Qwen3Model::load(&dir, Kind::Double, Device::Cpu).unwrap();
+        let served = CausalLm::load(&dir, Kind::Double, Device::Cpu).unwrap();
         let tokens = &batch(5)[0].tokens;
         let seqs = [Scored {
             tokens,

@@ -8,14 +8,14 @@ mod common;
 use common::{dense_model, moe_model};
 use moult_runtime::algorithms::correction::{Correction, Level, Mode};
 use moult_runtime::algorithms::losses::Aggregation;
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
 use moult_runtime::trainer::optim::{clip_grad_norm, AdamW};
 use moult_runtime::trainer::step::{old_logprobs, policy_loss, LossConfig, LossKind, TrainSample};
 use tch::{Device, Kind, Tensor};
 
 /// Mean logprob of each sequence's sampled tokens.
-fn sampled_mean(model: &Qwen3Model, seqs: &[(Vec<i64>, Vec<u8>)]) -> Vec<f64> {
+fn sampled_mean(model: &CausalLm, seqs: &[(Vec<i64>, Vec<u8>)]) -> Vec<f64> {
     let scored: Vec<Scored> = seqs
         .iter()
         .map(|(t, _)| Scored {
@@ -48,7 +48,7 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
                 .map(|name| (common::family_models().join(name), LossKind::Ppo)),
         );
     for (dir, kind) in runs {
-        let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+        let model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
         let run = format!("{} {kind:?}", dir.file_name().unwrap().to_string_lossy());
         let params: Vec<Tensor> = model
             .trainable()
@@ -142,7 +142,7 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
 fn libtorch_trainable_tensors_cover_every_named_weight_once() {
     let families = common::FAMILIES.map(|name| common::family_models().join(name));
     for dir in [dense_model(), moe_model()].into_iter().chain(families) {
-        let model = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+        let model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
         let elements: i64 = model.trainable().iter().map(|t| t.numel() as i64).sum();
         let params = model.params();
         let named: i64 = params.values().map(|t| t.numel() as i64).sum();
@@ -204,7 +204,7 @@ fn libtorch_a_non_finite_loss_skips_the_update_and_keeps_the_weights_finite() {
 fn tiny_trainer() -> moult_runtime::trainer::train::Trainer {
     use moult_runtime::trainer::optim::{Decay, LrSchedule};
     use moult_runtime::trainer::train::{Trainer, TrainerOptions};
-    let model = Qwen3Model::load(&dense_model(), Kind::Float, Device::Cpu).unwrap();
+    let model = CausalLm::load(&dense_model(), Kind::Float, Device::Cpu).unwrap();
     let opts = TrainerOptions {
         loss: LossConfig {
             kind: LossKind::Ppo,
@@ -310,6 +310,6 @@ fn libtorch_a_full_disk_never_loses_the_last_good_checkpoint() {
         .collect();
     assert!(leftovers.is_empty(), "partial folders left: {leftovers:?}");
     // The weights it holds load.
-    let loaded = Qwen3Model::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    let loaded = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     drop(loaded);
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::{dense_model, reference_logprobs, spawn_engine, start_router, Generation};
 use moult_operator::api::{EngineBackend, WeightTransport};
 use moult_runtime::engine::sampling::SamplingParams;
-use moult_runtime::model::Qwen3Model;
+use moult_runtime::model::CausalLm;
 use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
 use serde_json::{json, Value};
 use tch::Tensor;
@@ -39,7 +39,7 @@ fn spawn_stream(
 }
 
 /// Version `v`'s weights: the checkpoint plus noise seeded by `v`.
-fn version(base: &Qwen3Model, v: i64) -> Vec<(String, Tensor)> {
+fn version(base: &CausalLm, v: i64) -> Vec<(String, Tensor)> {
     tch::manual_seed(v);
     base.params()
         .iter()
@@ -65,7 +65,7 @@ async fn updates_under_load(transport: WeightTransport) {
     let (mut b, b_url) = spawn_engine(&dir);
     let (url, _router) = start_router(&[a_url, b_url], "least-tokens").await;
 
-    let base = Qwen3Model::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let base = CausalLm::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
     const UPDATES: i64 = 3;
     let weights: Vec<Vec<(String, Tensor)>> = (1..=UPDATES).map(|v| version(&base, v)).collect();
 
@@ -133,9 +133,9 @@ async fn updates_under_load(transport: WeightTransport) {
         ignore_eos: true,
         ..SamplingParams::default()
     };
-    let models: Vec<Qwen3Model> = std::iter::once(base)
+    let models: Vec<CausalLm> = std::iter::once(base)
         .chain(weights.iter().map(|w| {
-            let m = Qwen3Model::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+            let m = CausalLm::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
             tch::no_grad(|| {
                 for (name, t) in w {
                     m.params()[name].shallow_clone().copy_(t);

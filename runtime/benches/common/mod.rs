@@ -147,7 +147,7 @@ pub async fn start_engine(model: &std::path::Path, threads: usize) -> String {
     use moult_runtime::engine::{http, EngineHandle, EngineOptions};
     let cfg = moult_runtime::model::ModelConfig::from_dir(model).unwrap();
     let m =
-        moult_runtime::model::Qwen3Model::load(model, tch::Kind::Float, tch::Device::Cpu).unwrap();
+        moult_runtime::model::CausalLm::load(model, tch::Kind::Float, tch::Device::Cpu).unwrap();
     let opts = EngineOptions {
         max_batch: 64,
         max_model_len: 2048,

@@ -28,7 +28,7 @@ use super::metrics::EngineMetrics;
 use super::sampling::SamplingParams;
 use super::weights::StagedUpdate;
 use super::ApiError;
-use crate::model::Qwen3Model;
+use crate::model::CausalLm;
 
 mod scheduler;
 
@@ -183,7 +183,7 @@ fn closed() -> ApiError {
 impl EngineHandle {
     /// Starts the engine thread on `model`.
     pub fn spawn(
-        model: Qwen3Model,
+        model: CausalLm,
         name: String,
         opts: EngineOptions,
     ) -> (Self, std::thread::JoinHandle<()>) {

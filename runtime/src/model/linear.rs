@@ -4,7 +4,7 @@
 //! (a few rows times a wide weight) 1.6–2.5x faster than the dense path, which re-packs the
 //! weight on every call; it costs ~30 µs more per call, a loss on tiny layers (measured in
 //! docs/benchmarks.md). Packing is an inference-only choice the engine makes
-//! ([`super::Qwen3Model::pack_for_inference`]); the dense weight stays the source of truth (it
+//! ([`super::CausalLm::pack_for_inference`]); the dense weight stays the source of truth (it
 //! is what checkpoints name and weight updates write), and the packed copy is refreshed after
 //! every update. With gradients required, the dense path is always used.
 

@@ -1,25 +1,26 @@
-//! Model code: Qwen3 dense and Qwen3-MoE on libtorch, loaded from a Hugging Face model folder.
+//! Model code: the decoder-only causal LMs of docs/models.md (Qwen3, Qwen3-MoE, Qwen2, Llama 3,
+//! Mistral, Gemma 3) on libtorch, loaded from a Hugging Face model folder.
 //!
-//! Contract: [`Qwen3Model::forward`] takes a *packed* batch (each sequence contributes its new
+//! Contract: [`CausalLm::forward`] takes a *packed* batch (each sequence contributes its new
 //! tokens, with or without a KV cache) and returns logits that match transformers' forward
 //! for the same checkpoint. The same function serves the engine (cache, last-position logits)
 //! and the trainer (no cache, all positions, optional routing replay), so the two cannot
 //! drift apart (docs/architecture.md#the-three-invariants, forward consistency).
 
 mod config;
+mod decoder;
 mod kv_cache;
 mod linear;
 mod loader;
 mod moe;
-mod qwen3;
 mod rope;
 
 use std::path::PathBuf;
 
 pub use config::{Architecture, ModelConfig, MoeConfig};
+pub use decoder::{CausalLm, ForwardOutput, LogitsFor, SeqInput};
 pub use kv_cache::KvCache;
 pub use loader::{dtype_name, load_safetensors_dir, parse_dtype};
-pub use qwen3::{ForwardOutput, LogitsFor, Qwen3Model, SeqInput};
 
 /// libtorch intra-op threads for computing with a model: one for small models (hidden size under
 /// 512), whose operations are too small to gain from a pool (waking one costs tens of

@@ -13,8 +13,8 @@
 use tch::{Device, Kind, Tensor};
 
 use super::config::Activation;
+use super::decoder::gated_mlp;
 use super::linear::Linear;
-use super::qwen3::gated_mlp;
 use super::{Error, Result};
 
 #[derive(Debug)]

@@ -25,7 +25,7 @@ use super::metrics::{MetricsLog, StepRecord};
 use super::teacher::TeacherStats;
 use super::{samples, RunError};
 use crate::dist::{self, Rendezvous};
-use crate::model::Qwen3Model;
+use crate::model::CausalLm;
 use crate::rollout::eval::EvalResult;
 use crate::rollout::{staleness_histogram, Group, RolloutState, RolloutStats};
 use crate::router::Activity;
@@ -74,7 +74,7 @@ pub(crate) struct Learner {
     trainer: Option<Trainer>,
     /// The other trainer ranks, when this process is rank 0 of several.
     _followers: Option<Followers>,
-    teacher: Option<Qwen3Model>,
+    teacher: Option<CausalLm>,
     publisher: Option<Publisher>,
     log: Option<MetricsLog>,
     ckpt_root: Option<PathBuf>,
@@ -415,9 +415,9 @@ async fn load_trainer(
             let group = rendezvous
                 .connect()
                 .map_err(|e| RunError::Setup(e.to_string()))?;
-            let model = Qwen3Model::load(&dir, Kind::Float, device)?;
+            let model = CausalLm::load(&dir, Kind::Float, device)?;
             let reference = reference
-                .map(|d| Qwen3Model::load(&d, Kind::Float, device))
+                .map(|d| CausalLm::load(&d, Kind::Float, device))
                 .transpose()?;
             Ok(ranks::leader(model, reference, setup, moments, group)?)
         })
@@ -425,9 +425,9 @@ async fn load_trainer(
         return Ok((trainer, followers));
     }
     let mut trainer = blocking(move || -> Result<Trainer, RunError> {
-        let model = Qwen3Model::load(&dir, Kind::Float, device)?;
+        let model = CausalLm::load(&dir, Kind::Float, device)?;
         let reference = reference
-            .map(|d| Qwen3Model::load(&d, Kind::Float, device))
+            .map(|d| CausalLm::load(&d, Kind::Float, device))
             .transpose()?;
         Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)
     })
@@ -514,7 +514,7 @@ async fn load_teacher(
     cfg: &RunConfig,
     student: &Trainer,
     device: Device,
-) -> Result<Option<Qwen3Model>, RunError> {
+) -> Result<Option<CausalLm>, RunError> {
     // A served teacher's engines score the batches before they get here.
     let Some(dir) = cfg
         .teacher_dir
@@ -524,7 +524,7 @@ async fn load_teacher(
         return Ok(None);
     };
     let student_vocab = student.model().config().vocab_size;
-    let teacher = blocking(move || Qwen3Model::load(&dir, Kind::Float, device)).await??;
+    let teacher = blocking(move || CausalLm::load(&dir, Kind::Float, device)).await??;
     if teacher.config().vocab_size != student_vocab {
         return Err(RunError::Manifest(format!(
             "spec.algorithm.teacher.path: the teacher's vocabulary ({}) is not the student's ({student_vocab}): they must share a tokenizer",
@@ -566,9 +566,9 @@ struct Learned {
 async fn learn(
     cfg: &RunConfig,
     mut trainer: Trainer,
-    teacher: Option<Qwen3Model>,
+    teacher: Option<CausalLm>,
     batch: &[Group],
-) -> Result<(Trainer, Option<Qwen3Model>, Learned), RunError> {
+) -> Result<(Trainer, Option<CausalLm>, Learned), RunError> {
     let computing = Instant::now();
     let (advantages, overlong_penalty_mean) =
         samples::advantages(cfg.estimator, cfg.overlong.as_ref(), batch)?;

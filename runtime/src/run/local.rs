@@ -21,7 +21,7 @@ use crate::agents::{AgentPool, PoolOptions};
 use crate::chat::{ChatTemplate, Tokenizer};
 use crate::engine::{http, EngineHandle, EngineOptions};
 use crate::loopback::{ChatService, EngineClient, ServiceOptions};
-use crate::model::{ModelConfig, Qwen3Model};
+use crate::model::{CausalLm, ModelConfig};
 use crate::router::{server, EnginePool};
 use crate::weight_sync::publish::{engine_kind, PublishOptions};
 use moult_operator::api::EngineBackend;
@@ -72,7 +72,7 @@ async fn engine(
     stop: watch::Receiver<bool>,
 ) -> Result<String, RunError> {
     let dir = model_dir.to_path_buf();
-    let model = tokio::task::spawn_blocking(move || Qwen3Model::load(&dir, Kind::Float, device))
+    let model = tokio::task::spawn_blocking(move || CausalLm::load(&dir, Kind::Float, device))
         .await
         .map_err(|e| RunError::Setup(e.to_string()))??;
     let name = model_dir

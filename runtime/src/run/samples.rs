@@ -11,7 +11,7 @@ use crate::agents::Episode;
 use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
 use crate::engine::npy::decode_routed_experts;
 use crate::loopback::Segment;
-use crate::model::Qwen3Model;
+use crate::model::CausalLm;
 use crate::rollout::{trained_segments, Group};
 use crate::trainer::logprobs::{token_logprobs, Scored};
 use crate::trainer::train::Sample;
@@ -82,7 +82,7 @@ pub fn advantages(
 /// ([`crate::algorithms::advantages::distillation`]), scored by `teacher` at `temperature`.
 /// Returns the mean per-token reverse KL estimate `mean_t (log μ − log π_teacher)`.
 pub fn distill(
-    teacher: &Qwen3Model,
+    teacher: &CausalLm,
     samples: &mut [Sample],
     temperature: f64,
 ) -> Result<f64, RunError> {

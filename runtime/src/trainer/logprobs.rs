@@ -4,7 +4,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::model::{LogitsFor, Qwen3Model, SeqInput};
+use crate::model::{CausalLm, LogitsFor, SeqInput};
 
 /// One sequence to score: its tokens and, for MoE models, the routing to replay
 /// (`[tokens.len(), sparse_layers, top_k]` expert ids).
@@ -18,7 +18,7 @@ pub struct Scored<'a> {
 /// engine's processed logprob without top-k/top-p), `[batch, max_len]` padded with 0; position 0
 /// (no prefix) is 0. Differentiable with respect to the model's parameters.
 pub fn token_logprobs(
-    model: &Qwen3Model,
+    model: &CausalLm,
     seqs: &[Scored<'_>],
     temperature: f64,
 ) -> crate::model::Result<Tensor> {
@@ -29,7 +29,7 @@ pub fn token_logprobs(
 /// distribution `H[i, t] = −Σ_v π(v | tokens_i[..t]) log π(v | tokens_i[..t])` (aligned like the
 /// logprobs: `H[i, t]` is the entropy of the distribution `tokens_i[t]` was drawn from).
 pub fn token_logprobs_and_entropy(
-    model: &Qwen3Model,
+    model: &CausalLm,
     seqs: &[Scored<'_>],
     temperature: f64,
 ) -> crate::model::Result<(Tensor, Tensor)> {
@@ -38,7 +38,7 @@ pub fn token_logprobs_and_entropy(
 }
 
 fn scored(
-    model: &Qwen3Model,
+    model: &CausalLm,
     seqs: &[Scored<'_>],
     temperature: f64,
     with_entropy: bool,

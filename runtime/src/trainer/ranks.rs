@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::train::{Sample, Trainer, TrainerOptions};
 use crate::dist::{Collectives, Error, Result};
-use crate::model::Qwen3Model;
+use crate::model::CausalLm;
 
 /// How long a follower waits for rank 0's next command: a run's rollouts between steps can take
 /// long. A lost rank 0 closes its connections, which a follower sees at once.
@@ -62,11 +62,11 @@ pub fn follower(group: Box<dyn Collectives>, device: Device) -> crate::model::Re
     let kind = crate::model::parse_dtype(&setup.dtype).ok_or_else(|| {
         crate::model::Error::Input(format!("rank 0 sent an unknown dtype {}", setup.dtype))
     })?;
-    let model = Qwen3Model::load(&setup.model_dir, kind, device)?;
+    let model = CausalLm::load(&setup.model_dir, kind, device)?;
     let reference = setup
         .reference_dir
         .as_ref()
-        .map(|d| Qwen3Model::load(d, kind, device))
+        .map(|d| CausalLm::load(d, kind, device))
         .transpose()?;
     let mut trainer = Trainer::with_group(model, reference, setup.options, group)
         .map_err(crate::model::Error::Input)?;
@@ -78,8 +78,8 @@ pub fn follower(group: Box<dyn Collectives>, device: Device) -> crate::model::Re
 /// (from `model`, which may hold a checkpoint's weights, and `resume`'s steps and moments), and
 /// brings the followers to its weights and optimizer state.
 pub fn leader(
-    model: Qwen3Model,
-    reference: Option<Qwen3Model>,
+    model: CausalLm,
+    reference: Option<CausalLm>,
     setup: Setup,
     resume: Option<(u64, Vec<(Tensor, Tensor)>)>,
     group: Box<dyn Collectives>,
@@ -119,7 +119,7 @@ impl Trainer {
         self.step_on(samples)
     }
 
-    /// The optimizer's moments, whole, in [`Qwen3Model::trainable`] order (for checkpoints); empty
+    /// The optimizer's moments, whole, in [`CausalLm::trainable`] order (for checkpoints); empty
     /// before the first step. With several ranks, called on rank 0.
     pub fn moments(&self) -> Result<Vec<(Tensor, Tensor)>> {
         self.command(Command::Moments, None)?;

@@ -9,7 +9,7 @@ use super::logprobs::{token_logprobs, token_logprobs_and_entropy, Scored};
 use crate::algorithms::correction::Correction;
 use crate::algorithms::losses::{aggregate, cispo, gspo, kl_k3, ppo_clip, Aggregation};
 use crate::algorithms::masked_mean;
-use crate::model::Qwen3Model;
+use crate::model::CausalLm;
 
 /// One trajectory segment as the trainer consumes it.
 #[derive(Debug)]
@@ -83,7 +83,7 @@ fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> 
 /// π_old: the sampled tokens' logprobs under the current weights, without gradient, computed
 /// once at the start of a batch.
 pub fn old_logprobs(
-    model: &Qwen3Model,
+    model: &CausalLm,
     samples: &[TrainSample<'_>],
     temperature: f64,
 ) -> crate::model::Result<Tensor> {
@@ -99,7 +99,7 @@ pub fn old_logprobs(
 
 /// The loss (with gradient) of `samples` given their π_old logprobs `logp_old`, and metrics.
 pub fn policy_loss(
-    model: &Qwen3Model,
+    model: &CausalLm,
     samples: &[TrainSample<'_>],
     logp_old: &Tensor,
     cfg: &LossConfig,
@@ -109,7 +109,7 @@ pub fn policy_loss(
 
 /// [`policy_loss`] with per-token advantages and/or a KL penalty.
 pub fn policy_loss_with(
-    model: &Qwen3Model,
+    model: &CausalLm,
     samples: &[TrainSample<'_>],
     logp_old: &Tensor,
     cfg: &LossConfig,

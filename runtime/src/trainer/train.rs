@@ -19,7 +19,7 @@ use super::shard::Shards;
 use super::step::{old_logprobs, policy_loss_with, LossConfig, LossExtras, LossKind, TrainSample};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
-use crate::model::Qwen3Model;
+use crate::model::CausalLm;
 
 /// One trajectory segment with its advantage, owned (what the run hands the trainer).
 #[derive(Debug)]
@@ -94,14 +94,14 @@ pub struct StepStats {
 /// The trainable policy with its optimizer.
 #[derive(Debug)]
 pub struct Trainer {
-    model: Qwen3Model,
+    model: CausalLm,
     params: Vec<Tensor>,
     /// One rank's optimizer; unused when `shards` holds the sharded one.
     optimizer: AdamW,
     group: Box<dyn Collectives>,
     shards: Option<Shards>,
     /// The frozen initial policy, when a KL penalty needs it.
-    reference: Option<Qwen3Model>,
+    reference: Option<CausalLm>,
     opts: TrainerOptions,
     steps: u64,
     threads: usize,
@@ -167,8 +167,8 @@ impl Trainer {
     /// Trains `model` (its weights get gradients) from optimizer step `steps` on; `reference`
     /// is needed when `opts.kl_coef` > 0.
     pub fn new(
-        model: Qwen3Model,
-        reference: Option<Qwen3Model>,
+        model: CausalLm,
+        reference: Option<CausalLm>,
         opts: TrainerOptions,
     ) -> Result<Self, String> {
         Self::with_group(model, reference, opts, Box::new(Solo))
@@ -177,8 +177,8 @@ impl Trainer {
     /// One rank of a trainer of `group.world()` ranks, not yet in sync with the others: made by
     /// [`super::ranks::leader`] and [`super::ranks::follower`].
     pub(super) fn with_group(
-        model: Qwen3Model,
-        reference: Option<Qwen3Model>,
+        model: CausalLm,
+        reference: Option<CausalLm>,
         opts: TrainerOptions,
         group: Box<dyn Collectives>,
     ) -> Result<Self, String> {
@@ -209,7 +209,7 @@ impl Trainer {
         })
     }
 
-    pub fn model(&self) -> &Qwen3Model {
+    pub fn model(&self) -> &CausalLm {
         &self.model
     }
 
@@ -236,7 +236,7 @@ impl Trainer {
         self.group.as_ref()
     }
 
-    /// The tensors the optimizer updates, in [`Qwen3Model::trainable`] order.
+    /// The tensors the optimizer updates, in [`CausalLm::trainable`] order.
     pub(super) fn trainable(&self) -> &[Tensor] {
         &self.params
     }

@@ -152,7 +152,7 @@ pub fn reference(model_dir: &Path) -> Vec<(Vec<i64>, tch::Tensor, Option<tch::Te
 
 use moult_runtime::engine::sampling::{processed_logprob, SamplingParams};
 use moult_runtime::engine::{http, EngineHandle, EngineOptions};
-use moult_runtime::model::{LogitsFor, Qwen3Model, SeqInput};
+use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
 
 /// A running engine server on an ephemeral loopback port.
 pub struct TestEngine {
@@ -176,7 +176,7 @@ pub fn engine_options() -> EngineOptions {
 
 /// Loads `model_dir` (f32, CPU) and serves it; the listener is bound before the URL is returned.
 pub async fn start_engine(model_dir: &Path, opts: EngineOptions) -> TestEngine {
-    let model = Qwen3Model::load(model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let model = CausalLm::load(model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
     let (handle, _thread) = EngineHandle::spawn(model, "tiny".into(), opts);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -191,7 +191,7 @@ pub async fn start_engine(model_dir: &Path, opts: EngineOptions) -> TestEngine {
 /// The processed logprob of each `output` token under `model`, from one full forward over
 /// prompt + output (the trainer's path), optionally replaying routing.
 pub fn reference_logprobs(
-    model: &Qwen3Model,
+    model: &CausalLm,
     prompt: &[i64],
     output: &[i64],
     params: &SamplingParams,

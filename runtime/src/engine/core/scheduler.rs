@@ -18,7 +18,7 @@ use crate::engine::npy::encode_routed_experts;
 use crate::engine::sampling::sample;
 use crate::engine::weights::StagedUpdate;
 use crate::engine::ApiError;
-use crate::model::{KvCache, LogitsFor, Qwen3Model, SeqInput};
+use crate::model::{CausalLm, KvCache, LogitsFor, SeqInput};
 
 enum PauseState {
     Running,
@@ -110,7 +110,7 @@ impl Sequence {
 }
 
 pub(super) struct Engine {
-    model: Qwen3Model,
+    model: CausalLm,
     opts: EngineOptions,
     rx: mpsc::Receiver<Command>,
     status: Arc<EngineStatus>,
@@ -126,7 +126,7 @@ pub(super) struct Engine {
 
 impl Engine {
     pub(super) fn new(
-        model: Qwen3Model,
+        model: CausalLm,
         opts: EngineOptions,
         rx: mpsc::Receiver<Command>,
         status: Arc<EngineStatus>,

@@ -1,7 +1,7 @@
-//! The decoder forward of the Qwen3 family and of the families that differ from it only by
-//! configuration (transformers' `modeling_qwen3.py`, `modeling_qwen3_moe.py`,
-//! `modeling_qwen2.py`, `modeling_llama.py`, `modeling_mistral.py`, `modeling_gemma3.py`), over a
-//! packed batch of variable-length sequences.
+//! The decoder forward of every family moult implements, one [`CausalLm`]: Qwen3 and the
+//! families that differ from it only by configuration (transformers' `modeling_qwen3.py`,
+//! `modeling_qwen3_moe.py`, `modeling_qwen2.py`, `modeling_llama.py`, `modeling_mistral.py`,
+//! `modeling_gemma3.py`), over a packed batch of variable-length sequences.
 //!
 //! Layer: `h += o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))` on `input_layernorm(h)`, then
 //! `h += mlp(post_attention_layernorm(h))`; RMSNorm computes in float32 and casts back. The q/k
@@ -34,7 +34,7 @@ use attention::{CachedBatch, Span};
 pub struct SeqInput<'a> {
     /// The tokens to run, following whatever the sequence's cache slot already holds.
     pub tokens: &'a [i64],
-    /// The sequence's slot in the [`KvCache`] passed to [`Qwen3Model::forward`]: read as the
+    /// The sequence's slot in the [`KvCache`] passed to [`CausalLm::forward`]: read as the
     /// prefix and extended with `tokens`. `None` (with no cache) runs the tokens from position 0
     /// (the trainer's path).
     pub slot: Option<usize>,
@@ -95,7 +95,7 @@ struct Layer {
 
 /// A loaded causal LM of an implemented family (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Gemma 3).
 #[derive(Debug)]
-pub struct Qwen3Model {
+pub struct CausalLm {
     cfg: ModelConfig,
     /// Every weight by checkpoint name. Each is the layer's tensor or a view into a stacked one
     /// (`q_proj` is rows of `qkv_proj`), sharing storage: an in-place update here is what the
@@ -197,7 +197,7 @@ impl WeightTaker {
     }
 }
 
-impl Qwen3Model {
+impl CausalLm {
     /// Loads `config.json` and the safetensors weights of a model folder.
     pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
@@ -377,7 +377,7 @@ impl Qwen3Model {
     }
 
     /// The tensors that own the weights' storage, each once: what an optimizer updates. Stacked
-    /// projections appear as their stacks (the checkpoint names of [`Qwen3Model::params`] are
+    /// projections appear as their stacks (the checkpoint names of [`CausalLm::params`] are
     /// views into them), a tied LM head once.
     pub fn trainable(&self) -> Vec<Tensor> {
         let mut out = vec![self.embed_tokens.shallow_clone(), self.norm.shallow_clone()];
@@ -420,7 +420,7 @@ impl Qwen3Model {
 
     /// Keeps oneDNN-packed copies of the attention, MLP and LM-head weights for inference on
     /// CPU (see [`Linear`]); returns whether it did (CPU and float32/bfloat16 only). Call
-    /// [`Qwen3Model::refresh_packed`] after writing into [`Qwen3Model::params`].
+    /// [`CausalLm::refresh_packed`] after writing into [`CausalLm::params`].
     pub fn pack_for_inference(&mut self) -> bool {
         if self.device != Device::Cpu || !matches!(self.kind, Kind::Float | Kind::BFloat16) {
             return false;

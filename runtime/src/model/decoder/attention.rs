@@ -8,11 +8,11 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{Layer, Qwen3Model};
+use super::{CausalLm, Layer};
 use crate::model::kv_cache::KvCache;
 use crate::model::rope::RopeAt;
 
-impl Qwen3Model {
+impl CausalLm {
     fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeAt) -> (Tensor, Tensor, Tensor) {
         let c = &self.cfg;
         let (heads, kv_heads) = (c.num_attention_heads as i64, c.num_key_value_heads as i64);
