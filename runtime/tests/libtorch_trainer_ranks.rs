@@ -229,8 +229,10 @@ fn run_ranks(test: &str, model: &Path, world: usize) -> PathBuf {
 
 /// [`run_ranks`] in a checkpoint phase (`ENV_PHASE`).
 fn run_ranks_with(test: &str, model: &Path, world: usize, phase: Option<&str>) -> PathBuf {
+    // Named by test and phase too: the tests of this binary run at once on the same model.
+    let phase_name = phase.map_or("", |p| p.split(':').next().unwrap_or(""));
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "ranks-{}-{world}-{}.safetensors",
+        "ranks-{test}-{phase_name}-{}-{world}-{}.safetensors",
         model.file_name().unwrap().to_string_lossy(),
         std::process::id()
     ));
