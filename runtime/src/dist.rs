@@ -106,8 +106,9 @@ pub struct Rendezvous {
     pub timeout: Duration,
 }
 
-/// Environment variables of a trainer rank (set by `moult trainer` and `moult run` for the ranks
-/// they start; docs/distributed.md).
+/// Environment variables of a trainer rank, set by `moult run` for the ranks it starts (trainer
+/// pods get torchrun's `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` from the operator
+/// instead; docs/distributed.md).
 pub const ENV_RANK: &str = "MOULT_TRAINER_RANK";
 pub const ENV_WORLD: &str = "MOULT_TRAINER_WORLD_SIZE";
 pub const ENV_MASTER: &str = "MOULT_TRAINER_MASTER";
