@@ -392,11 +392,20 @@ async fn load_trainer(
     let dir = resume.map_or(cfg.model_dir.clone(), |(d, _)| d.clone());
     let trainer_opts = cfg.trainer.clone();
     // A KL penalty is to the initial policy: the model folder's weights, frozen.
-    let reference = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
+    let reference_dir = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
     let moments = match resume {
         Some((dir, meta)) => Some((meta.step, checkpoint::load_moments(dir, device)?)),
         None => None,
     };
+    let reference = reference_dir.clone();
+    let (model, reference) = blocking(move || -> Result<_, RunError> {
+        let model = CausalLm::load(&dir, Kind::Float, device)?;
+        let reference = reference
+            .map(|d| CausalLm::load(&d, Kind::Float, device))
+            .transpose()?;
+        Ok((model, reference))
+    })
+    .await??;
     if cfg.trainer_ranks > 1 {
         let (followers, rendezvous) = match rendezvous {
             Some(r) => (None, r),
@@ -407,7 +416,7 @@ async fn load_trainer(
         };
         let setup = Setup {
             model_dir: cfg.model_dir.clone(),
-            reference_dir: reference.clone(),
+            reference_dir,
             dtype: "float32".into(),
             options: trainer_opts,
         };
@@ -415,23 +424,12 @@ async fn load_trainer(
             let group = rendezvous
                 .connect()
                 .map_err(|e| RunError::Setup(e.to_string()))?;
-            let model = CausalLm::load(&dir, Kind::Float, device)?;
-            let reference = reference
-                .map(|d| CausalLm::load(&d, Kind::Float, device))
-                .transpose()?;
             Ok(ranks::leader(model, reference, setup, moments, group)?)
         })
         .await??;
         return Ok((trainer, followers));
     }
-    let mut trainer = blocking(move || -> Result<Trainer, RunError> {
-        let model = CausalLm::load(&dir, Kind::Float, device)?;
-        let reference = reference
-            .map(|d| CausalLm::load(&d, Kind::Float, device))
-            .transpose()?;
-        Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)
-    })
-    .await??;
+    let mut trainer = Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)?;
     if let Some((step, moments)) = moments {
         trainer
             .restore(step, moments)
