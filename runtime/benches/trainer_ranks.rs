@@ -53,6 +53,7 @@ fn options() -> TrainerOptions {
         max_grad_norm: Some(1.0),
         micro_batch_tokens: 1024,
         kl_coef: 0.0,
+        sharding: Default::default(),
     }
 }
 

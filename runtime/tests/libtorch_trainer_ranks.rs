@@ -19,7 +19,7 @@ use moult_runtime::run::checkpoint::{self, CheckpointMeta};
 use moult_runtime::trainer::optim::{Decay, LrSchedule};
 use moult_runtime::trainer::ranks::{follower, leader, Setup};
 use moult_runtime::trainer::step::{LossConfig, LossKind};
-use moult_runtime::trainer::train::{Sample, Trainer, TrainerOptions};
+use moult_runtime::trainer::train::{Sample, Sharding, Trainer, TrainerOptions};
 use tch::{Device, Kind, Tensor};
 
 const STEPS: usize = 3;
@@ -34,7 +34,14 @@ const ENV_PHASE: &str = "MOULT_TEST_RANK_PHASE";
 /// after its second step.
 const ENV_MARKER: &str = "MOULT_TEST_RANK_MARKER";
 
+/// The sharding the rank processes use (`optimizer` or `full`).
+const ENV_SHARDING: &str = "MOULT_TEST_RANK_SHARDING";
+
 fn options() -> TrainerOptions {
+    let sharding = match std::env::var(ENV_SHARDING).as_deref() {
+        Ok("optimizer") => Sharding::Optimizer,
+        _ => Sharding::Full,
+    };
     TrainerOptions {
         loss: LossConfig {
             kind: LossKind::Ppo,
@@ -57,6 +64,7 @@ fn options() -> TrainerOptions {
         // Several micro-batches per rank.
         micro_batch_tokens: 40,
         kl_coef: 0.0,
+        sharding,
     }
 }
 
@@ -81,9 +89,10 @@ fn batch(step: usize) -> Vec<Sample> {
         .collect()
 }
 
-/// What a trainer ends with: its weights, its moments and each step's (loss, grad norm).
+/// What a trainer ends with: its weights (by checkpoint name), its moments and each step's
+/// (loss, grad norm).
 struct Trained {
-    weights: Vec<Tensor>,
+    weights: Vec<(String, Tensor)>,
     moments: Vec<(Tensor, Tensor)>,
     stats: Vec<(f64, f64)>,
 }
@@ -103,10 +112,10 @@ fn train_from(trainer: &mut Trainer, start: usize) -> Trained {
         })
         .collect();
     let weights = trainer
-        .model()
-        .trainable()
-        .iter()
-        .map(|t| t.detach().copy())
+        .weights()
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, t.copy()))
         .collect();
     Trained {
         weights,
@@ -200,8 +209,8 @@ fn as_rank() -> bool {
     trainer.stop_followers().unwrap();
     {
         let mut named: Vec<(String, Tensor)> = Vec::new();
-        for (i, w) in weights.into_iter().enumerate() {
-            named.push((format!("w.{i}"), w));
+        for (name, w) in weights {
+            named.push((format!("w.{name}"), w));
         }
         for (i, (m, v)) in moments.into_iter().enumerate() {
             named.push((format!("m.{i}"), m));
@@ -223,16 +232,22 @@ fn free_port() -> u16 {
 }
 
 /// Runs `world` rank processes of `test` on `model`; returns rank 0's result file.
-fn run_ranks(test: &str, model: &Path, world: usize) -> PathBuf {
-    run_ranks_with(test, model, world, None)
+fn run_ranks(test: &str, model: &Path, world: usize, sharding: &str) -> PathBuf {
+    run_ranks_with(test, model, world, sharding, None)
 }
 
 /// [`run_ranks`] in a checkpoint phase (`ENV_PHASE`).
-fn run_ranks_with(test: &str, model: &Path, world: usize, phase: Option<&str>) -> PathBuf {
+fn run_ranks_with(
+    test: &str,
+    model: &Path,
+    world: usize,
+    sharding: &str,
+    phase: Option<&str>,
+) -> PathBuf {
     // Named by test and phase too: the tests of this binary run at once on the same model.
     let phase_name = phase.map_or("", |p| p.split(':').next().unwrap_or(""));
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
-        "ranks-{test}-{phase_name}-{}-{world}-{}.safetensors",
+        "ranks-{test}-{phase_name}-{sharding}-{}-{world}-{}.safetensors",
         model.file_name().unwrap().to_string_lossy(),
         std::process::id()
     ));
@@ -248,6 +263,7 @@ fn run_ranks_with(test: &str, model: &Path, world: usize, phase: Option<&str>) -
                 .env(ENV_MASTER, &master)
                 .env(ENV_TIMEOUT, "60")
                 .env(ENV_PHASE, phase.unwrap_or(""))
+                .env(ENV_SHARDING, sharding)
                 .spawn()
                 .unwrap()
         })
@@ -268,15 +284,26 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 /// Rank 0's result file against one rank's weights and moments: the largest difference, and
 /// rank 0's (loss, grad norm) per step, flat.
-fn compare(file: &Path, weights: &[Tensor], moments: &[(Tensor, Tensor)]) -> (f64, Vec<f64>) {
+fn compare(
+    file: &Path,
+    weights: &[(String, Tensor)],
+    moments: &[(Tensor, Tensor)],
+) -> (f64, Vec<f64>) {
     let got: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(file)
         .unwrap()
         .into_iter()
         .collect();
     let _ = std::fs::remove_file(file);
     let mut worst: f64 = 0.0;
-    for (i, w) in weights.iter().enumerate() {
-        worst = worst.max(max_diff(&got[&format!("w.{i}")], w));
+    assert_eq!(
+        got.keys().filter(|k| k.starts_with("w.")).count(),
+        weights.len(),
+        "the ranks' weights have the names one rank's have"
+    );
+    for (name, w) in weights {
+        worst = worst.max(max_diff(&got[&format!("w.{name}")], w));
+    }
+    for i in 0..moments.len() {
         worst = worst.max(max_diff(&got[&format!("m.{i}")], &moments[i].0));
         worst = worst.max(max_diff(&got[&format!("v.{i}")], &moments[i].1));
     }
@@ -290,9 +317,10 @@ fn check(test: &str, model: &Path) {
         moments,
         stats,
     } = train(&mut one);
-    assert_eq!(moments.len(), weights.len());
-    for world in [2, 3, 4] {
-        let file = run_ranks(test, model, world);
+    assert_eq!(moments.len(), one.model().trainable().len());
+    // Sharded weights with 2, 3 (uneven shards) and 4 ranks; sharded optimizer state alone with 3.
+    for (world, sharding) in [(2, "full"), (3, "full"), (4, "full"), (3, "optimizer")] {
+        let file = run_ranks(test, model, world, sharding);
         let (worst, theirs) = compare(&file, &weights, &moments);
         for (s, &(loss, norm)) in stats.iter().enumerate() {
             assert!(
@@ -303,13 +331,13 @@ fn check(test: &str, model: &Path) {
             );
         }
         println!(
-            "{} with {world} ranks: largest difference from one rank {worst:.2e} (weights and moments), grad norms {:?}",
+            "{} with {world} ranks ({sharding} sharding): largest difference from one rank {worst:.2e} (weights and moments), grad norms {:?}",
             model.file_name().unwrap().to_string_lossy(),
             stats.iter().map(|s| s.1).collect::<Vec<_>>()
         );
         assert!(
             worst < 1e-5,
-            "{world} ranks differ from one rank by {worst:e}"
+            "{world} ranks ({sharding}) differ from one rank by {worst:e}"
         );
     }
 }
@@ -450,11 +478,11 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
             }));
         }
     }
-    let weights: Vec<Tensor> = one
-        .model()
-        .trainable()
-        .iter()
-        .map(|t| t.detach().copy())
+    let weights: Vec<(String, Tensor)> = one
+        .weights()
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, t.copy()))
         .collect();
     let moments = one.moments().unwrap();
     for (saved, resumed) in [(2, 4), (4, 2)] {
@@ -464,7 +492,7 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         ));
         let _ = std::fs::remove_dir_all(&root);
         let phase = |p: &str| format!("{p}:{}", root.display());
-        run_ranks_with(test, &model, saved, Some(&phase("save")));
+        run_ranks_with(test, &model, saved, "full", Some(&phase("save")));
         // The checkpoint serves: the engine's forward on its folder scores as the trainer did.
         let (dir, meta) = checkpoint::latest(&root).unwrap().unwrap();
         assert_eq!(meta.step, 2);
@@ -477,7 +505,7 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         let lp = tch::no_grad(|| token_logprobs(&served, &seqs, 1.0).unwrap());
         let gap = max_diff(&lp, after_two.as_ref().unwrap());
         assert!(gap < 1e-5, "the checkpoint's logprobs differ by {gap}");
-        let file = run_ranks_with(test, &model, resumed, Some(&phase("resume")));
+        let file = run_ranks_with(test, &model, resumed, "full", Some(&phase("resume")));
         let (worst, theirs) = compare(&file, &weights, &moments);
         let (loss, norm) = stats[STEPS - 1];
         assert!(

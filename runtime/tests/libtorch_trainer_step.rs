@@ -180,8 +180,9 @@ fn libtorch_a_non_finite_loss_skips_the_update_and_keeps_the_weights_finite() {
             replay: None,
         }]
     };
-    let snapshot =
-        |t: &Trainer| -> Vec<Tensor> { t.weights().iter().map(|(_, w)| w.copy()).collect() };
+    let snapshot = |t: &Trainer| -> Vec<Tensor> {
+        t.weights().unwrap().iter().map(|(_, w)| w.copy()).collect()
+    };
     let before = snapshot(&trainer);
     let stats = trainer.step(&batch(f64::NAN)).unwrap();
     assert!(stats.skipped, "{stats:?}");
@@ -225,6 +226,7 @@ fn tiny_trainer() -> moult_runtime::trainer::train::Trainer {
         max_grad_norm: Some(1.0),
         micro_batch_tokens: 1024,
         kl_coef: 0.0,
+        sharding: Default::default(),
     };
     Trainer::new(model, None, opts).unwrap()
 }

@@ -93,6 +93,45 @@ struct Layer {
     mlp: Mlp,
 }
 
+impl Layer {
+    /// The tensors that own this layer's weights, in [`CausalLm::trainable`] order.
+    fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+        let mlp: Vec<&Tensor> = match &self.mlp {
+            Mlp::Dense {
+                gate_up_proj,
+                down_proj,
+            } => gate_up_proj.tensors().chain(down_proj.tensors()).collect(),
+            Mlp::Sparse(moe) => std::iter::once(&moe.gate)
+                .chain(
+                    moe.experts
+                        .iter()
+                        .flat_map(|e| [&e.gate_up_proj.weight, &e.down_proj.weight]),
+                )
+                .collect(),
+        };
+        [&self.input_layernorm, &self.mlp_norm]
+            .into_iter()
+            .chain(self.attn_out_norm.as_ref())
+            .chain(self.mlp_out_norm.as_ref())
+            .chain(self.q_norm.as_ref())
+            .chain(self.k_norm.as_ref())
+            .chain(self.qkv_proj.tensors())
+            .chain(self.o_proj.tensors())
+            .chain(mlp)
+    }
+}
+
+/// Where a checkpoint-named weight lies in [`CausalLm::trainable`] ([`CausalLm::named_slices`]).
+#[derive(Debug, Clone)]
+pub struct NamedSlice {
+    pub name: String,
+    /// Index into [`CausalLm::trainable`].
+    pub tensor: usize,
+    /// First element within the flattened tensor.
+    pub offset: i64,
+    pub shape: Vec<i64>,
+}
+
 /// A loaded causal LM of an implemented family (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Gemma 3).
 #[derive(Debug)]
 pub struct CausalLm {
@@ -382,40 +421,68 @@ impl CausalLm {
     pub fn trainable(&self) -> Vec<Tensor> {
         let mut out = vec![self.embed_tokens.shallow_clone(), self.norm.shallow_clone()];
         for l in &self.layers {
-            out.extend(
-                [&l.input_layernorm, &l.mlp_norm]
-                    .into_iter()
-                    .chain(l.attn_out_norm.as_ref())
-                    .chain(l.mlp_out_norm.as_ref())
-                    .chain(l.q_norm.as_ref())
-                    .chain(l.k_norm.as_ref())
-                    .chain(l.qkv_proj.tensors())
-                    .chain(l.o_proj.tensors())
-                    .map(Tensor::shallow_clone),
-            );
-            match &l.mlp {
-                Mlp::Dense {
-                    gate_up_proj,
-                    down_proj,
-                } => out.extend(
-                    gate_up_proj
-                        .tensors()
-                        .chain(down_proj.tensors())
-                        .map(Tensor::shallow_clone),
-                ),
-                Mlp::Sparse(moe) => {
-                    out.push(moe.gate.shallow_clone());
-                    for e in &moe.experts {
-                        out.push(e.gate_up_proj.weight.shallow_clone());
-                        out.push(e.down_proj.weight.shallow_clone());
-                    }
-                }
-            }
+            out.extend(l.tensors().map(Tensor::shallow_clone));
         }
-        if self.lm_head.weight.data_ptr() != self.embed_tokens.data_ptr() {
-            out.push(self.lm_head.weight.shallow_clone());
+        if let Some(head) = self.untied_head() {
+            out.push(head.shallow_clone());
         }
         out
+    }
+
+    /// [`CausalLm::trainable`] in groups, as ranges of its indices: the embedding, the final
+    /// norm, each decoder layer in order, then the LM head when it is not tied to the embedding.
+    pub fn trainable_units(&self) -> Vec<std::ops::Range<usize>> {
+        let mut units = vec![0..1, 1..2];
+        let mut at = 2;
+        for l in &self.layers {
+            let n = l.tensors().count();
+            units.push(at..at + n);
+            at += n;
+        }
+        if self.untied_head().is_some() {
+            units.push(at..at + 1);
+        }
+        units
+    }
+
+    fn untied_head(&self) -> Option<&Tensor> {
+        (self.lm_head.weight.data_ptr() != self.embed_tokens.data_ptr())
+            .then_some(&self.lm_head.weight)
+    }
+
+    /// Where each weight of [`CausalLm::params`] lies in [`CausalLm::trainable`]: the tensor, and
+    /// the element range of its flattened form (a checkpoint name is a run of rows of a stack).
+    pub fn named_slices(&self) -> Vec<NamedSlice> {
+        let owners = self.trainable();
+        self.params
+            .iter()
+            .map(|(name, view)| {
+                let size = view.kind().elt_size_in_bytes() as i64;
+                let at = view.data_ptr() as i64;
+                let (tensor, offset) = owners
+                    .iter()
+                    .enumerate()
+                    .find_map(|(i, t)| {
+                        let start = t.data_ptr() as i64;
+                        let bytes = t.numel() as i64 * size;
+                        (at >= start && at < start + bytes).then(|| (i, (at - start) / size))
+                    })
+                    .expect("every named weight views a trainable tensor");
+                NamedSlice {
+                    name: name.clone(),
+                    tensor,
+                    offset,
+                    shape: view.size(),
+                }
+            })
+            .collect()
+    }
+
+    /// Drops the checkpoint-named views, keeping the weights only in the tensors
+    /// [`CausalLm::trainable`] returns: a trainer that shards its weights frees those tensors'
+    /// storage between uses, and a view would keep it alive. [`CausalLm::params`] is empty after.
+    pub fn forget_names(&mut self) {
+        self.params.clear();
     }
 
     /// Keeps oneDNN-packed copies of the attention, MLP and LM-head weights for inference on
@@ -470,15 +537,83 @@ impl CausalLm {
 
     /// Runs a packed batch. Each sequence's new tokens attend to its cached prefix (if it has a
     /// slot in `cache`) and to each other causally; sequences never see each other.
-    // `h += x` on a tch Tensor is in place, and autograd needs the pre-residual `h` the norms
-    // saved; the residual adds stay out of place.
-    #[allow(clippy::assign_op_pattern)]
     pub fn forward(
         &self,
         seqs: &[SeqInput<'_>],
         mut cache: Option<&mut KvCache>,
         logits_for: LogitsFor<'_>,
     ) -> Result<ForwardOutput> {
+        let packed = self.pack(seqs, cache.as_deref())?;
+        let batch = match cache.as_deref_mut() {
+            Some(cache) => {
+                cache.reserve(
+                    packed
+                        .spans
+                        .iter()
+                        .map(|s| (s.past + s.n) as usize)
+                        .max()
+                        .unwrap_or(0),
+                );
+                Some(CachedBatch::new(
+                    cache,
+                    &packed.spans,
+                    packed.token_slots.clone(),
+                    self.cfg.sliding_window.map(|w| w as i64),
+                    self.kind,
+                    self.device,
+                ))
+            }
+            None => None,
+        };
+        let ropes = self.ropes(&packed.positions);
+        let mut h = self.embed(&packed.ids);
+        let mut routed = Vec::new();
+        for l in 0..self.layers.len() {
+            let on_cache = match (cache.as_deref_mut(), &batch) {
+                (Some(cache), Some(batch)) => Some((cache, batch)),
+                _ => None,
+            };
+            let replay = packed.layer_replay(self.sparse_index(l));
+            let (out, experts) =
+                self.layer_step(l, &h, &packed, &ropes, on_cache, replay.as_ref())?;
+            h = out;
+            routed.extend(experts);
+        }
+        if let Some(cache) = cache {
+            for span in &packed.spans {
+                cache.advance(span.slot.expect("checked above"), span.n as usize);
+            }
+        }
+        let h = match logits_for {
+            LogitsFor::All => h,
+            LogitsFor::Last => h.index_select(
+                0,
+                &Tensor::from_slice(&packed.last_rows).to_device(self.device),
+            ),
+            LogitsFor::Rows(rows) => {
+                h.index_select(0, &Tensor::from_slice(rows).to_device(self.device))
+            }
+        };
+        let routed_experts = (!routed.is_empty()).then(|| Tensor::stack(&routed, 1));
+        Ok(ForwardOutput {
+            logits: self.head(&h),
+            routed_experts,
+        })
+    }
+
+    /// The trainer's forward (no cache), one stage at a time: see [`Stages`].
+    pub fn stages(&self, seqs: &[SeqInput<'_>]) -> Result<Stages<'_>> {
+        let packed = self.pack(seqs, None)?;
+        let ropes = self.ropes(&packed.positions);
+        Ok(Stages {
+            model: self,
+            packed,
+            ropes,
+        })
+    }
+
+    /// Checks a batch and lays it out packed.
+    fn pack(&self, seqs: &[SeqInput<'_>], cache: Option<&KvCache>) -> Result<Packed> {
         let c = &self.cfg;
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -502,7 +637,7 @@ impl CausalLm {
                     c.vocab_size
                 )));
             }
-            let past = match (seq.slot, cache.as_deref()) {
+            let past = match (seq.slot, cache) {
                 (None, None) => 0,
                 (Some(slot), Some(cache)) if slot < cache.used() => cache.len(slot),
                 (Some(slot), Some(_)) => {
@@ -538,99 +673,107 @@ impl CausalLm {
             last_rows.push(ids.len() as i64 - 1);
         }
         let replay = self.packed_replay(seqs, ids.len())?;
-        let ids = Tensor::from_slice(&ids).to_device(self.device);
-        let positions = Tensor::from_slice(&positions).to_device(self.device);
-        let batch = match cache.as_deref_mut() {
-            Some(cache) => {
-                cache.reserve(
-                    spans
-                        .iter()
-                        .map(|s| (s.past + s.n) as usize)
-                        .max()
-                        .unwrap_or(0),
-                );
-                Some(CachedBatch::new(
-                    cache,
-                    &spans,
-                    token_slots,
-                    c.sliding_window.map(|w| w as i64),
-                    self.kind,
-                    self.device,
-                ))
-            }
-            None => None,
-        };
+        Ok(Packed {
+            ids: Tensor::from_slice(&ids).to_device(self.device),
+            positions: Tensor::from_slice(&positions).to_device(self.device),
+            token_slots,
+            last_rows,
+            spans,
+            replay,
+        })
+    }
 
-        let rope = self.rope.at(&positions);
-        let sliding_rope = self.sliding_rope.as_ref().map(|r| r.at(&positions));
-        let mut h = self.embed_tokens.index_select(0, &ids);
-        if let Some(scale) = c.embed_scale {
+    /// The rotations at `positions`: the model's, and Gemma 3's local layers'.
+    fn ropes(&self, positions: &Tensor) -> (RopeAt, Option<RopeAt>) {
+        (
+            self.rope.at(positions),
+            self.sliding_rope.as_ref().map(|r| r.at(positions)),
+        )
+    }
+
+    /// The embeddings of `ids` (scaled where the family scales them).
+    fn embed(&self, ids: &Tensor) -> Tensor {
+        let h = self.embed_tokens.index_select(0, ids);
+        match self.cfg.embed_scale {
             // transformers rounds the scale to the weights' dtype first.
-            h = h * Tensor::from(scale as f32)
-                .to_kind(self.kind)
-                .to_device(self.device);
-        }
-        let mut routed = Vec::new();
-        for (l, layer) in self.layers.iter().enumerate() {
-            let x = self.rms(&h, &layer.input_layernorm);
-            let rope: &RopeAt = match &sliding_rope {
-                Some(local) if layer.local_rope => local,
-                _ => &rope,
-            };
-            let attn = match (cache.as_deref_mut(), &batch) {
-                (Some(cache), Some(batch)) => {
-                    self.attention_cached(l, layer, &x, rope, &positions, cache, batch, &spans)
-                }
-                _ => self.attention_uncached(layer, &x, rope, &spans),
-            };
-            let attn = match &layer.attn_out_norm {
-                Some(w) => self.rms(&attn, w),
-                None => attn,
-            };
-            h = h + attn;
-            let x = self.rms(&h, &layer.mlp_norm);
-            let mlp_out = match &layer.mlp {
-                Mlp::Dense {
-                    gate_up_proj,
-                    down_proj,
-                } => gated_mlp(&x, gate_up_proj, down_proj, c.activation),
-                Mlp::Sparse(moe) => {
-                    let layer_replay = replay.as_ref().map(|r| r.select(1, routed.len() as i64));
-                    let (out, experts) = moe.forward(&x, layer_replay.as_ref())?;
-                    routed.push(experts);
-                    out
-                }
-            };
-            let mlp_out = match &layer.mlp_out_norm {
-                Some(w) => self.rms(&mlp_out, w),
-                None => mlp_out,
-            };
-            h = h + mlp_out;
-        }
-        if let Some(cache) = cache {
-            for span in &spans {
-                cache.advance(span.slot.expect("checked above"), span.n as usize);
+            Some(scale) => {
+                h * Tensor::from(scale as f32)
+                    .to_kind(self.kind)
+                    .to_device(self.device)
             }
+            None => h,
         }
-        let h = match logits_for {
-            LogitsFor::All => h,
-            LogitsFor::Last => {
-                h.index_select(0, &Tensor::from_slice(&last_rows).to_device(self.device))
-            }
-            LogitsFor::Rows(rows) => {
-                h.index_select(0, &Tensor::from_slice(rows).to_device(self.device))
+    }
+
+    /// Which of the sparse layers layer `l` is (its index into routing tensors).
+    fn sparse_index(&self, l: usize) -> usize {
+        (0..l).filter(|&i| self.cfg.is_sparse_layer(i)).count()
+    }
+
+    /// Decoder layer `l` on `h`; a sparse layer replays `replay` (`[tokens, top_k]`) when given
+    /// and returns the experts it used.
+    // `h += x` on a tch Tensor is in place, and autograd needs the pre-residual `h` the norms
+    // saved; the residual adds stay out of place.
+    #[allow(clippy::assign_op_pattern)]
+    fn layer_step(
+        &self,
+        l: usize,
+        h: &Tensor,
+        packed: &Packed,
+        (rope, sliding_rope): &(RopeAt, Option<RopeAt>),
+        cache: Option<(&mut KvCache, &CachedBatch)>,
+        replay: Option<&Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let c = &self.cfg;
+        let layer = &self.layers[l];
+        let x = self.rms(h, &layer.input_layernorm);
+        let rope: &RopeAt = match sliding_rope {
+            Some(local) if layer.local_rope => local,
+            _ => rope,
+        };
+        let attn = match cache {
+            Some((cache, batch)) => self.attention_cached(
+                l,
+                layer,
+                &x,
+                rope,
+                &packed.positions,
+                cache,
+                batch,
+                &packed.spans,
+            ),
+            None => self.attention_uncached(layer, &x, rope, &packed.spans),
+        };
+        let attn = match &layer.attn_out_norm {
+            Some(w) => self.rms(&attn, w),
+            None => attn,
+        };
+        let h = h + attn;
+        let x = self.rms(&h, &layer.mlp_norm);
+        let (mlp_out, experts) = match &layer.mlp {
+            Mlp::Dense {
+                gate_up_proj,
+                down_proj,
+            } => (gated_mlp(&x, gate_up_proj, down_proj, c.activation), None),
+            Mlp::Sparse(moe) => {
+                let (out, experts) = moe.forward(&x, replay)?;
+                (out, Some(experts))
             }
         };
-        let logits = self.lm_head.forward(&self.rms(&h, &self.norm));
-        let logits = match c.final_logit_softcapping {
+        let mlp_out = match &layer.mlp_out_norm {
+            Some(w) => self.rms(&mlp_out, w),
+            None => mlp_out,
+        };
+        Ok((h + mlp_out, experts))
+    }
+
+    /// The final norm, the LM head and the family's soft cap: logits of the rows `h`.
+    fn head(&self, h: &Tensor) -> Tensor {
+        let logits = self.lm_head.forward(&self.rms(h, &self.norm));
+        match self.cfg.final_logit_softcapping {
             Some(cap) => (logits / cap).tanh() * cap,
             None => logits,
-        };
-        let routed_experts = (!routed.is_empty()).then(|| Tensor::stack(&routed, 1));
-        Ok(ForwardOutput {
-            logits,
-            routed_experts,
-        })
+        }
     }
 
     /// Concatenates the sequences' replay tensors, all or none.
@@ -663,5 +806,72 @@ impl CausalLm {
             )));
         }
         Ok(Some(packed))
+    }
+}
+
+/// A checked batch, laid out packed.
+#[derive(Debug)]
+struct Packed {
+    ids: Tensor,
+    positions: Tensor,
+    token_slots: Vec<i64>,
+    last_rows: Vec<i64>,
+    spans: Vec<Span>,
+    /// `[tokens, sparse layers, top_k]` routing to replay.
+    replay: Option<Tensor>,
+}
+
+impl Packed {
+    /// The routing to replay in the `sparse`-th sparse layer, `[tokens, top_k]`.
+    fn layer_replay(&self, sparse: usize) -> Option<Tensor> {
+        self.replay.as_ref().map(|r| r.select(1, sparse as i64))
+    }
+}
+
+/// The trainer's forward of one packed batch (no cache), a stage at a time, so a caller can run
+/// each decoder layer when it chooses: a trainer that shards its weights gathers each layer's
+/// just before it runs, and recomputes a layer from its input for the backward
+/// (docs/distributed.md). Composed, the stages are [`CausalLm::forward`] with `LogitsFor::All`:
+/// `head(layer(L-1, … layer(0, embed())))`.
+pub struct Stages<'m> {
+    model: &'m CausalLm,
+    packed: Packed,
+    ropes: (RopeAt, Option<RopeAt>),
+}
+
+impl Stages<'_> {
+    pub fn num_layers(&self) -> usize {
+        self.model.layers.len()
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+
+    /// The token embeddings, `[tokens, hidden]`.
+    pub fn embed(&self) -> Tensor {
+        self.model.embed(&self.packed.ids)
+    }
+
+    /// Decoder layer `l` on `h`. A sparse layer routes as `routing` says (`[tokens, top_k]`,
+    /// what an earlier run of the layer returned), else as the batch's replay says, else by its
+    /// router; it returns the experts it used.
+    pub fn layer(
+        &self,
+        l: usize,
+        h: &Tensor,
+        routing: Option<&Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let replay = match routing {
+            Some(r) => Some(r.shallow_clone()),
+            None => self.packed.layer_replay(self.model.sparse_index(l)),
+        };
+        self.model
+            .layer_step(l, h, &self.packed, &self.ropes, None, replay.as_ref())
+    }
+
+    /// The logits of the rows `h` (any rows of the last layer's output).
+    pub fn head(&self, h: &Tensor) -> Tensor {
+        self.model.head(h)
     }
 }

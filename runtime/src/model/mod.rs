@@ -18,7 +18,7 @@ mod rope;
 use std::path::PathBuf;
 
 pub use config::{Architecture, ModelConfig, MoeConfig};
-pub use decoder::{CausalLm, ForwardOutput, LogitsFor, SeqInput};
+pub use decoder::{CausalLm, ForwardOutput, LogitsFor, NamedSlice, SeqInput, Stages};
 pub use kv_cache::KvCache;
 pub use loader::{dtype_name, load_safetensors_dir, parse_dtype};
 

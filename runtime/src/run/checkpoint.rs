@@ -93,7 +93,7 @@ fn write(
     let dir = step_dir(root, meta.step);
     let _ = std::fs::remove_dir_all(tmp);
     std::fs::create_dir_all(tmp).map_err(|e| io("creating", tmp, e))?;
-    let weights = trainer.weights();
+    let weights = trainer.weights().map_err(crate::model::Error::from)?;
     let model_file = tmp.join("model.safetensors");
     Tensor::write_safetensors(&weights, &model_file).map_err(|e| io("writing", &model_file, e))?;
     let moments: Vec<(String, Tensor)> = trainer

@@ -414,6 +414,7 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
         max_grad_norm: opt.max_grad_norm,
         micro_batch_tokens: 8192,
         kl_coef: algo.loss.kl_coef,
+        sharding: Default::default(),
     })
 }
 

@@ -250,7 +250,10 @@ impl Learner {
             return Ok(0.0);
         }
         let started = Instant::now();
-        let weights = self.trainer().weights();
+        let weights = self
+            .trainer()
+            .weights()
+            .map_err(crate::model::Error::from)?;
         let publisher = self
             .publisher
             .as_mut()

@@ -43,45 +43,88 @@ fn scored(
     temperature: f64,
     with_entropy: bool,
 ) -> crate::model::Result<(Tensor, Option<Tensor>)> {
-    let inputs: Vec<SeqInput<'_>> = seqs
-        .iter()
+    let inputs = seq_inputs(seqs);
+    let logits = model.forward(&inputs, None, LogitsFor::All)?.logits;
+    let targets = Targets::new(seqs, logits.device());
+    let (picked, entropy) = picked(
+        &logits.index_select(0, &targets.rows),
+        &targets.next,
+        temperature,
+        with_entropy,
+    );
+    Ok((targets.padded(&picked), entropy.map(|h| targets.padded(&h))))
+}
+
+pub(super) fn seq_inputs<'a>(seqs: &[Scored<'a>]) -> Vec<SeqInput<'a>> {
+    seqs.iter()
         .map(|s| SeqInput {
             tokens: s.tokens,
             slot: None,
             replay: s.replay,
         })
-        .collect();
-    let logits = model.forward(&inputs, None, LogitsFor::All)?.logits;
-    let device = logits.device();
-    let width = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i64;
-    // One pass over the packed rows, not one per sequence: row r of sequence i (at packed row
-    // `offset + r`) predicts its token r + 1, which lands at `[i, r + 1]` of the padded output.
-    let (mut rows, mut next, mut at) = (Vec::new(), Vec::new(), Vec::new());
-    let mut offset = 0i64;
-    for (i, s) in seqs.iter().enumerate() {
-        let n = s.tokens.len() as i64;
-        for r in 0..n - 1 {
-            rows.push(offset + r);
-            next.push(s.tokens[r as usize + 1]);
-            at.push(i as i64 * width + r + 1);
+        .collect()
+}
+
+/// Which packed rows predict which tokens, and where each lands in the padded `[batch, width]`
+/// output. Row r of sequence i (packed row `offset + r`) predicts its token r + 1, at
+/// `[i, r + 1]`; one pass over the packed rows, not one per sequence.
+pub(super) struct Targets {
+    /// Packed rows that predict a token.
+    pub rows: Tensor,
+    /// The token each predicts.
+    pub next: Tensor,
+    /// Where each lands in the flattened output.
+    pub at: Tensor,
+    batch: i64,
+    width: i64,
+}
+
+impl Targets {
+    pub fn new(seqs: &[Scored<'_>], device: tch::Device) -> Self {
+        let width = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i64;
+        let (mut rows, mut next, mut at) = (Vec::new(), Vec::new(), Vec::new());
+        let mut offset = 0i64;
+        for (i, s) in seqs.iter().enumerate() {
+            let n = s.tokens.len() as i64;
+            for r in 0..n - 1 {
+                rows.push(offset + r);
+                next.push(s.tokens[r as usize + 1]);
+                at.push(i as i64 * width + r + 1);
+            }
+            offset += n;
         }
-        offset += n;
+        let index = |v: &[i64]| Tensor::from_slice(v).to_device(device);
+        Self {
+            rows: index(&rows),
+            next: index(&next),
+            at: index(&at),
+            batch: seqs.len() as i64,
+            width,
+        }
     }
-    let index = |v: &[i64]| Tensor::from_slice(v).to_device(device);
-    let (rows, next, at) = (index(&rows), index(&next), index(&at));
-    let logp = (logits.index_select(0, &rows).to_kind(Kind::Float) / temperature)
-        .log_softmax(-1, Kind::Float);
+
+    /// One value per target row into `[batch, width]`, 0 elsewhere.
+    pub fn padded(&self, values: &Tensor) -> Tensor {
+        Tensor::zeros([self.batch * self.width], (Kind::Float, values.device()))
+            .index_add(0, &self.at, values)
+            .view([self.batch, self.width])
+    }
+}
+
+/// The logprob of each row's `next` token under `logits` (`[rows, vocab]`) at `temperature`
+/// and, without gradient, each row's entropy.
+pub(super) fn picked(
+    logits: &Tensor,
+    next: &Tensor,
+    temperature: f64,
+    with_entropy: bool,
+) -> (Tensor, Option<Tensor>) {
+    let logp = (logits.to_kind(Kind::Float) / temperature).log_softmax(-1, Kind::Float);
     let picked = logp.gather(1, &next.unsqueeze(1), false).squeeze_dim(1);
-    let padded = |values: &Tensor| {
-        Tensor::zeros([seqs.len() as i64 * width], (Kind::Float, device))
-            .index_add(0, &at, values)
-            .view([seqs.len() as i64, width])
-    };
     let entropy = with_entropy.then(|| {
         tch::no_grad(|| {
-            let h = -(logp.exp() * &logp).sum_dim_intlist([-1i64].as_slice(), false, Kind::Float);
-            padded(&h)
+            -(logp.exp() * &logp).sum_dim_intlist([-1i64].as_slice(), false, Kind::Float)
         })
     });
-    Ok((padded(&picked), entropy))
+    (picked, entropy)
 }

@@ -4,6 +4,7 @@
 //! ([`optim`]: AdamW, gradient clipping, learning-rate schedule), and the whole step with
 //! micro-batching and gradient accumulation ([`train`]).
 
+mod layered;
 pub mod logprobs;
 pub mod optim;
 pub mod ranks;

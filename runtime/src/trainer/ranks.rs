@@ -36,6 +36,7 @@ enum Command {
     Step = 1,
     Moments = 2,
     Stop = 3,
+    Weights = 4,
 }
 
 /// Broadcasts bytes from rank 0 (`Some` there, `None` elsewhere); every rank returns them.
@@ -126,6 +127,16 @@ impl Trainer {
         self.gather_moments()
     }
 
+    /// The weights to publish or save, by checkpoint name, detached from autograd. They may
+    /// share storage with the model: use them before the next step. With sharded weights,
+    /// gathered from every rank (called on rank 0).
+    pub fn weights(&self) -> Result<Vec<(String, Tensor)>> {
+        if self.weights_sharded() {
+            self.command(Command::Weights, None)?;
+        }
+        self.gather_weights()
+    }
+
     /// Rank 0, at the end of a run: the followers return from [`Trainer::follow`].
     pub fn stop_followers(&self) -> Result<()> {
         self.command(Command::Stop, None)
@@ -151,6 +162,9 @@ impl Trainer {
                     self.gather_moments()?;
                 }
                 3 => return Ok(self.steps()),
+                4 => {
+                    self.gather_weights()?;
+                }
                 other => {
                     return Err(
                         Error::Config(format!("rank 0 sent an unknown command {other}")).into(),
@@ -189,7 +203,9 @@ impl Trainer {
         } else {
             Vec::new()
         };
-        self.restore(steps, moments).map_err(Error::Config)
+        self.restore(steps, moments).map_err(Error::Config)?;
+        self.shard_weights();
+        Ok(())
     }
 }
 

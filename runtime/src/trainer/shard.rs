@@ -1,18 +1,45 @@
-//! The optimizer state of a trainer of several ranks, sharded (ZeRO stage 2; docs/distributed.md).
+//! The state of a trainer of several ranks, sharded (docs/distributed.md).
 //!
-//! The trainable tensors, flattened one after another and padded to a multiple of the world
-//! size, are cut into one equal shard per rank. Each step every rank reduce-scatters the
-//! gradients of its part of the batch, so it holds the summed gradient of its shard only; the
-//! global gradient norm is an all-reduce of the shards' squares; each rank runs AdamW on its
-//! shard (its moments exist for that shard only) and the updated shards are all-gathered back
-//! into every rank's weights. A shard cuts tensors anywhere: its part of each tensor is a
-//! [`Piece`], and AdamW runs over pieces as it runs over whole tensors on one rank, so a tensor no
-//! token reached on any rank (an unrouted expert) is left alone exactly as one rank leaves it.
+//! The trainable tensors are grouped in units. Each unit's tensors, flattened one after another
+//! and padded to a multiple of the world size, are cut into one equal shard per rank; a rank's
+//! state is its shard of every unit, one after another. Each step every rank reduce-scatters
+//! the gradients of its part of the batch, so it holds the summed gradient of its shards only;
+//! the global gradient norm is an all-reduce of the shards' squares; each rank runs AdamW on its
+//! shards (its moments exist for them only).
+//!
+//! Two stages ([`Sharding`]). With `Optimizer` (ZeRO-2) there is one unit of every tensor and
+//! every rank keeps the whole weights: the updated shards are all-gathered back into them after
+//! each step. With `Full` (ZeRO-3) there is a unit per decoder layer (and one each for the
+//! embedding, the final norm and an untied LM head), and a rank keeps only its shards of the
+//! weights: a unit's whole tensors exist only between [`Shards::gather`] and
+//! [`Shards::release`] (see [`super::layered`]).
+//!
+//! A shard cuts tensors anywhere: its part of each tensor is a [`Piece`], and AdamW runs over
+//! pieces as it runs over whole tensors on one rank, so a tensor no token reached on any rank
+//! (an unrouted expert) is left alone exactly as one rank leaves it.
 
+use std::cell::Cell;
+use std::ops::Range;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
 use super::optim::AdamW;
 use crate::dist::{Collectives, ReduceOp, Result};
+use crate::model::NamedSlice;
+
+/// What a trainer of several ranks shards (`spec.trainer.sharding`; docs/distributed.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    /// Optimizer state and gradients (ZeRO-2): every rank keeps the whole weights.
+    Optimizer,
+    /// Weights too (ZeRO-3): each decoder layer's weights are gathered just before it runs and
+    /// recomputed for the backward.
+    #[default]
+    Full,
+}
 
 /// This rank's part of one trainable tensor.
 #[derive(Debug, Clone, Copy)]
@@ -22,113 +49,241 @@ struct Piece {
     /// Range within the flattened tensor.
     start: i64,
     len: i64,
-    /// Offset within this rank's shard.
+    /// Offset within this rank's state.
     at: i64,
+}
+
+/// A group of trainable tensors gathered together.
+#[derive(Debug)]
+struct Unit {
+    tensors: Range<usize>,
+    /// Each tensor's shape, and where it starts in the unit's flat layout.
+    shapes: Vec<Vec<i64>>,
+    offsets: Vec<i64>,
+    shard_len: i64,
+    /// Where this rank's shard of the unit starts in its state.
+    at: i64,
+}
+
+impl Unit {
+    fn numel(&self, i: usize) -> i64 {
+        self.shapes[i].iter().product()
+    }
 }
 
 #[derive(Debug)]
 pub(super) struct Shards {
-    /// Elements of each trainable tensor, and where each starts in the flat layout.
-    numels: Vec<i64>,
-    offsets: Vec<i64>,
-    shard_len: i64,
+    units: Vec<Unit>,
     pieces: Vec<Piece>,
+    /// Elements of this rank's state: its shard of every unit.
+    state_len: i64,
+    world: usize,
+    /// `Full`: this rank's shards of the weights, the only copy between gathers.
+    own: Option<Tensor>,
     optimizer: AdamW,
+    /// Seconds spent in collectives since [`Shards::take_seconds`].
+    seconds: Cell<f64>,
 }
 
-/// One step's summed gradient of this rank's shard, and which tensors got a gradient on any rank.
+/// One step's summed gradient of this rank's shards, and which tensors got a gradient (on this
+/// rank until [`Shards::finish_grad`], then on any).
 pub(super) struct ShardGrad {
     grad: Tensor,
     reached: Vec<bool>,
 }
 
 impl Shards {
-    pub(super) fn new(params: &[Tensor], rank: usize, world: usize, optimizer: AdamW) -> Self {
-        let numels: Vec<i64> = params.iter().map(|p| p.numel() as i64).collect();
+    /// The layout of `params` in `units` (ranges of their indices; `Optimizer` ignores them and
+    /// keeps one unit of everything).
+    pub(super) fn new(
+        params: &[Tensor],
+        units: Vec<Range<usize>>,
+        sharding: Sharding,
+        rank: usize,
+        world: usize,
+        optimizer: AdamW,
+    ) -> Self {
         for p in params {
             assert!(
                 p.is_contiguous(),
                 "trainable tensors own contiguous storage"
             );
         }
-        let mut offsets = Vec::with_capacity(numels.len());
-        let mut total = 0;
-        for n in &numels {
-            offsets.push(total);
-            total += n;
-        }
-        let world = world as i64;
-        let shard_len = (total + world - 1) / world;
-        let (lo, hi) = (rank as i64 * shard_len, (rank as i64 + 1) * shard_len);
-        let pieces = numels
-            .iter()
-            .zip(&offsets)
-            .enumerate()
-            .filter_map(|(tensor, (&n, &off))| {
-                let (a, b) = (off.max(lo), (off + n).min(hi));
-                (a < b).then_some(Piece {
-                    tensor,
-                    start: a - off,
-                    len: b - a,
-                    at: a - lo,
-                })
+        let units = match sharding {
+            Sharding::Optimizer => std::iter::once(0..params.len()).collect(),
+            Sharding::Full => units,
+        };
+        let mut pieces = Vec::new();
+        let mut state_len = 0;
+        let units = units
+            .into_iter()
+            .map(|tensors| {
+                let shapes: Vec<Vec<i64>> =
+                    params[tensors.clone()].iter().map(|p| p.size()).collect();
+                let mut offsets = Vec::with_capacity(shapes.len());
+                let mut total = 0;
+                for s in &shapes {
+                    offsets.push(total);
+                    total += s.iter().product::<i64>();
+                }
+                let w = world as i64;
+                let shard_len = (total + w - 1) / w;
+                let (lo, hi) = (rank as i64 * shard_len, (rank as i64 + 1) * shard_len);
+                for (i, (s, &off)) in shapes.iter().zip(&offsets).enumerate() {
+                    let n: i64 = s.iter().product();
+                    let (a, b) = (off.max(lo), (off + n).min(hi));
+                    if a < b {
+                        pieces.push(Piece {
+                            tensor: tensors.start + i,
+                            start: a - off,
+                            len: b - a,
+                            at: state_len + a - lo,
+                        });
+                    }
+                }
+                let unit = Unit {
+                    tensors,
+                    shapes,
+                    offsets,
+                    shard_len,
+                    at: state_len,
+                };
+                state_len += shard_len;
+                unit
             })
             .collect();
         Self {
-            numels,
-            offsets,
-            shard_len,
+            units,
             pieces,
+            state_len,
+            world,
+            own: None,
             optimizer,
+            seconds: Cell::new(0.0),
         }
     }
 
-    fn world_len(&self, group: &dyn Collectives) -> i64 {
-        self.shard_len * group.world() as i64
+    /// Whether the weights are sharded too (`Full`).
+    pub(super) fn full(&self) -> bool {
+        self.own.is_some()
     }
 
-    /// The flat layout of `parts` (one `[numel]` tensor per trainable tensor), padded.
-    fn flat(&self, parts: Vec<Tensor>, group: &dyn Collectives) -> Tensor {
-        let total: i64 = self.numels.iter().sum();
+    pub(super) fn units(&self) -> usize {
+        self.units.len()
+    }
+
+    /// The trainable tensors of unit `u`.
+    pub(super) fn tensors(&self, u: usize) -> Range<usize> {
+        self.units[u].tensors.clone()
+    }
+
+    /// The collectives' seconds since the last call.
+    pub(super) fn take_seconds(&self) -> f64 {
+        self.seconds.take()
+    }
+
+    fn timed<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let started = Instant::now();
+        let out = f();
+        self.seconds
+            .set(self.seconds.get() + started.elapsed().as_secs_f64());
+        out
+    }
+
+    /// `Full`: keeps this rank's shards of `params` and frees the whole tensors (once, when the
+    /// ranks agree on the weights).
+    pub(super) fn shard_weights(&mut self, params: &[Tensor]) {
+        let own = self.state_of(|_, p| piece_of(params, p), params[0].kind());
+        self.own = Some(own);
+        for u in 0..self.units.len() {
+            self.release(u, params);
+        }
+    }
+
+    /// Unit `u`'s flat layout of `parts` (one `[numel]` tensor per tensor of the unit), padded.
+    fn unit_flat(&self, u: usize, parts: Vec<Tensor>) -> Tensor {
+        let unit = &self.units[u];
+        let total: i64 = (0..unit.shapes.len()).map(|i| unit.numel(i)).sum();
         let mut parts = parts;
-        let pad = self.world_len(group) - total;
+        let pad = unit.shard_len * self.world as i64 - total;
         if pad > 0 {
             parts.push(Tensor::zeros([pad], (parts[0].kind(), parts[0].device())));
         }
         Tensor::cat(&parts, 0)
     }
 
-    /// Reduce-scatters the gradients every rank accumulated: this rank gets the sum of its shard.
+    /// An empty gradient, to [`Shards::reduce_unit`] into.
+    pub(super) fn new_grad(&self, kind: Kind) -> ShardGrad {
+        ShardGrad {
+            grad: Tensor::zeros([self.state_len], (kind, tch::Device::Cpu)),
+            reached: vec![false; self.units.last().map_or(0, |u| u.tensors.end)],
+        }
+    }
+
+    /// Reduce-scatters unit `u`'s gradients (`None` where this rank's tokens did not reach a
+    /// tensor) and adds this rank's shard of the sum into `acc`.
+    pub(super) fn reduce_unit(
+        &self,
+        u: usize,
+        grads: &[Option<Tensor>],
+        acc: &mut ShardGrad,
+        group: &dyn Collectives,
+    ) -> Result<()> {
+        let unit = &self.units[u];
+        let (kind, shard_len, at) = (acc.grad.kind(), unit.shard_len, unit.at);
+        let parts = grads
+            .iter()
+            .enumerate()
+            .map(|(i, g)| match g {
+                Some(g) => {
+                    acc.reached[unit.tensors.start + i] = true;
+                    g.detach().to_kind(kind).reshape([-1])
+                }
+                None => Tensor::zeros([unit.numel(i)], (kind, tch::Device::Cpu)),
+            })
+            .collect();
+        let flat = tch::no_grad(|| self.unit_flat(u, parts));
+        let part = Tensor::zeros([shard_len], (kind, tch::Device::Cpu));
+        self.timed(|| group.reduce_scatter(&part, &flat))?;
+        tch::no_grad(|| {
+            let _ = acc.grad.narrow(0, at, shard_len).g_add_(&part);
+        });
+        Ok(())
+    }
+
+    /// `Optimizer`: reduce-scatters the gradients every rank accumulated in `params`.
     pub(super) fn reduce_grads(
         &self,
         params: &[Tensor],
         group: &dyn Collectives,
     ) -> Result<ShardGrad> {
-        let local: Vec<bool> = params.iter().map(|p| p.grad().defined()).collect();
-        let flat = tch::no_grad(|| {
-            let parts = params
+        let mut acc = self.new_grad(params[0].kind());
+        for u in 0..self.units.len() {
+            let grads: Vec<Option<Tensor>> = params[self.units[u].tensors.clone()]
                 .iter()
-                .map(|p| {
-                    let g = p.grad();
-                    if g.defined() {
-                        g.reshape([-1])
-                    } else {
-                        Tensor::zeros([p.numel() as i64], (p.kind(), p.device()))
-                    }
-                })
+                .map(|p| Some(p.grad()).filter(Tensor::defined))
                 .collect();
-            self.flat(parts, group)
-        });
-        let grad = flat.new_zeros([self.shard_len], (flat.kind(), flat.device()));
-        group.reduce_scatter(&grad, &flat)?;
-        let flags = Tensor::from_slice(&local.iter().map(|&r| r as i32 as f32).collect::<Vec<_>>());
-        group.all_reduce(&flags, ReduceOp::Max)?;
-        let reached = Vec::<f32>::try_from(&flags)
+            self.reduce_unit(u, &grads, &mut acc, group)?;
+        }
+        self.finish_grad(&mut acc, group)?;
+        Ok(acc)
+    }
+
+    /// Makes `reached` say whether any rank's tokens reached each tensor.
+    pub(super) fn finish_grad(&self, g: &mut ShardGrad, group: &dyn Collectives) -> Result<()> {
+        let flags = Tensor::from_slice(
+            &g.reached
+                .iter()
+                .map(|&r| r as i32 as f32)
+                .collect::<Vec<_>>(),
+        );
+        self.timed(|| group.all_reduce(&flags, ReduceOp::Max))?;
+        g.reached = Vec::<f32>::try_from(&flags)
             .expect("a float vector")
             .into_iter()
             .map(|f| f > 0.0)
             .collect();
-        Ok(ShardGrad { grad, reached })
+        Ok(())
     }
 
     /// The global L2 norm of the gradient (before clipping).
@@ -139,7 +294,7 @@ impl Shards {
             .square()
             .sum(Kind::Double)
             .view([1]);
-        group.all_reduce(&squares, ReduceOp::Sum)?;
+        self.timed(|| group.all_reduce(&squares, ReduceOp::Sum))?;
         Ok(squares.double_value(&[0]).sqrt())
     }
 
@@ -148,103 +303,179 @@ impl Shards {
         let _ = tch::no_grad(|| g.grad.g_mul_scalar_(factor));
     }
 
-    /// AdamW on this rank's shard, then every rank's updated shard into every rank's weights;
-    /// returns the seconds the all-gather took.
+    /// AdamW on this rank's shards; with `Optimizer`, then every rank's updated shard into
+    /// every rank's weights.
     pub(super) fn step(
         &mut self,
         params: &[Tensor],
         g: &ShardGrad,
         lr: f64,
         group: &dyn Collectives,
-    ) -> Result<f64> {
-        let views: Vec<Tensor> = self.pieces.iter().map(|p| piece_of(params, p)).collect();
+    ) -> Result<()> {
+        let views: Vec<Tensor> = self
+            .pieces
+            .iter()
+            .map(|p| match &self.own {
+                Some(own) => own.narrow(0, p.at, p.len),
+                None => piece_of(params, p),
+            })
+            .collect();
         let grads: Vec<Option<Tensor>> = self
             .pieces
             .iter()
             .map(|p| g.reached[p.tensor].then(|| g.grad.narrow(0, p.at, p.len)))
             .collect();
         self.optimizer.step_with(&views, &grads, lr);
-        let started = std::time::Instant::now();
-        self.all_gather_weights(params, group)?;
-        Ok(started.elapsed().as_secs_f64())
+        if !self.full() {
+            let _ = self.gather(0, params, group)?;
+        }
+        Ok(())
     }
 
-    /// Bytes of optimizer state this rank holds (its shard's moments).
+    /// Bytes of optimizer state this rank holds (its shards' moments).
     pub(super) fn state_bytes(&self) -> usize {
         self.optimizer.state_bytes()
     }
 
-    /// Every rank's shard of the weights into every rank's full weights.
-    pub(super) fn all_gather_weights(
-        &self,
-        params: &[Tensor],
-        group: &dyn Collectives,
-    ) -> Result<()> {
-        let shard = self.shard_of(|_, p| piece_of(params, p), params[0].kind());
-        let full = shard.new_zeros([self.world_len(group)], (shard.kind(), shard.device()));
-        group.all_gather(&full, &shard)?;
-        tch::no_grad(|| {
-            for (i, p) in params.iter().enumerate() {
-                p.detach()
-                    .view([-1])
-                    .copy_(&full.narrow(0, self.offsets[i], self.numels[i]));
-            }
-        });
-        Ok(())
+    /// Bytes of weights this rank keeps between steps: its shards with `Full`, else none (the
+    /// whole weights are the model's).
+    pub(super) fn weight_bytes(&self) -> usize {
+        self.own
+            .as_ref()
+            .map_or(0, |o| o.numel() * o.kind().elt_size_in_bytes())
     }
 
-    /// This rank's shard built from each piece's tensor, padded.
-    fn shard_of(&self, piece: impl Fn(usize, &Piece) -> Tensor, kind: Kind) -> Tensor {
-        let shard = Tensor::zeros([self.shard_len], (kind, tch::Device::Cpu));
+    /// Every rank's shard of unit `u`'s weights into every rank's tensors of it: with `Full`,
+    /// `params` of the unit hold the whole weights until [`Shards::release`]. Returns the
+    /// unit's flat layout.
+    pub(super) fn gather(
+        &self,
+        u: usize,
+        params: &[Tensor],
+        group: &dyn Collectives,
+    ) -> Result<Tensor> {
+        let unit = &self.units[u];
+        let shard = match &self.own {
+            Some(own) => own.narrow(0, unit.at, unit.shard_len),
+            None => self
+                .state_of(|_, p| piece_of(params, p), params[0].kind())
+                .narrow(0, unit.at, unit.shard_len),
+        };
+        let full = shard.new_zeros(
+            [unit.shard_len * self.world as i64],
+            (shard.kind(), shard.device()),
+        );
+        self.timed(|| group.all_gather(&full, &shard))?;
+        let unit = &self.units[u];
         tch::no_grad(|| {
-            for (i, p) in self.pieces.iter().enumerate() {
-                shard.narrow(0, p.at, p.len).copy_(&piece(i, p));
+            for (i, t) in unit.tensors.clone().enumerate() {
+                let whole = full
+                    .narrow(0, unit.offsets[i], unit.numel(i))
+                    .view(unit.shapes[i].as_slice());
+                let mut p = params[t].shallow_clone();
+                if self.own.is_some() {
+                    p.set_data(&whole);
+                } else {
+                    p.detach().copy_(&whole);
+                }
             }
         });
-        shard
+        Ok(full)
+    }
+
+    /// `Full`: frees unit `u`'s whole tensors (their shards stay).
+    pub(super) fn release(&self, u: usize, params: &[Tensor]) {
+        for t in self.units[u].tensors.clone() {
+            let mut p = params[t].shallow_clone();
+            p.set_data(&Tensor::empty([0], (p.kind(), p.device())));
+        }
+    }
+
+    /// `Full`: the weights by checkpoint name, whole, gathered unit by unit (a collective).
+    pub(super) fn gathered_weights(
+        &self,
+        params: &[Tensor],
+        names: &[NamedSlice],
+        group: &dyn Collectives,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::with_capacity(names.len());
+        for u in 0..self.units.len() {
+            let full = self.gather(u, params, group)?;
+            self.release(u, params);
+            let unit = &self.units[u];
+            for n in names.iter().filter(|n| unit.tensors.contains(&n.tensor)) {
+                let i = n.tensor - unit.tensors.start;
+                let numel: i64 = n.shape.iter().product();
+                let whole = full
+                    .narrow(0, unit.offsets[i] + n.offset, numel)
+                    .view(n.shape.as_slice())
+                    .copy();
+                out.push((n.name.clone(), whole));
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// This rank's state built from each piece's tensor, padded.
+    fn state_of(&self, piece: impl Fn(usize, &Piece) -> Tensor, kind: Kind) -> Tensor {
+        let state = Tensor::zeros([self.state_len], (kind, tch::Device::Cpu));
+        tch::no_grad(|| {
+            for (i, p) in self.pieces.iter().enumerate() {
+                state.narrow(0, p.at, p.len).copy_(&piece(i, p));
+            }
+        });
+        state
     }
 
     /// The AdamW moments of every tensor, whole (gathered from every rank), in trainable order;
     /// empty before the first step.
     pub(super) fn gathered_moments(
         &self,
-        params: &[Tensor],
+        kind: Kind,
         group: &dyn Collectives,
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let state = self.optimizer.moments();
         // Every rank must take part, stepped or not; a rank without state contributes zeros.
         let stepped = Tensor::from_slice(&[(!state.is_empty()) as i32 as f32]);
-        group.all_reduce(&stepped, ReduceOp::Max)?;
+        self.timed(|| group.all_reduce(&stepped, ReduceOp::Max))?;
         if stepped.double_value(&[0]) == 0.0 {
             return Ok(Vec::new());
         }
-        let kind = params[0].kind();
-        let mut whole = Vec::with_capacity(2);
-        for which in 0..2 {
-            // Piece i's moments are state[i] (AdamW runs over the pieces in order).
-            let shard = self.shard_of(
-                |i, p| match state.get(i) {
-                    Some((m, v)) => [m, v][which].shallow_clone(),
-                    None => Tensor::zeros([p.len], (kind, tch::Device::Cpu)),
-                },
-                kind,
-            );
-            let full = shard.new_zeros([self.world_len(group)], (kind, shard.device()));
-            group.all_gather(&full, &shard)?;
-            whole.push(full);
-        }
-        Ok(params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
+        let state = self.optimizer.moments();
+        // Piece i's moments are state[i] (AdamW runs over the pieces in order).
+        let shards: Vec<Tensor> = (0..2)
+            .map(|which| {
+                self.state_of(
+                    |i, p| match state.get(i) {
+                        Some((m, v)) => [m, v][which].shallow_clone(),
+                        None => Tensor::zeros([p.len], (kind, tch::Device::Cpu)),
+                    },
+                    kind,
+                )
+            })
+            .collect();
+        let mut out = Vec::new();
+        for u in 0..self.units.len() {
+            let unit = &self.units[u];
+            let (at, len) = (unit.at, unit.shard_len);
+            let mut whole = Vec::with_capacity(2);
+            for shard in &shards {
+                let full = Tensor::zeros([len * self.world as i64], (kind, tch::Device::Cpu));
+                self.timed(|| group.all_gather(&full, &shard.narrow(0, at, len)))?;
+                whole.push(full);
+            }
+            let unit = &self.units[u];
+            for i in 0..unit.shapes.len() {
                 let part = |full: &Tensor| {
-                    full.narrow(0, self.offsets[i], self.numels[i])
-                        .view(p.size().as_slice())
+                    full.narrow(0, unit.offsets[i], unit.numel(i))
+                        .view(unit.shapes[i].as_slice())
                         .copy()
                 };
-                (part(&whole[0]), part(&whole[1]))
-            })
-            .collect())
+                out.push((part(&whole[0]), part(&whole[1])));
+            }
+        }
+        Ok(out)
     }
 
     /// Continues from whole moments (a checkpoint's, of any number of ranks).

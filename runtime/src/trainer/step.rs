@@ -123,6 +123,19 @@ pub fn policy_loss_with(
         })
         .collect();
     let (logp, entropy) = token_logprobs_and_entropy(model, &seqs, cfg.temperature)?;
+    Ok(loss_of(&logp, &entropy, samples, logp_old, cfg, extras))
+}
+
+/// The loss of `samples` from their logprobs under the policy `logp` (with gradient) and the
+/// entropies of their positions, as [`policy_loss_with`] computes it after the forward.
+pub(super) fn loss_of(
+    logp: &Tensor,
+    entropy: &Tensor,
+    samples: &[TrainSample<'_>],
+    logp_old: &Tensor,
+    cfg: &LossConfig,
+    extras: &LossExtras<'_>,
+) -> (Tensor, LossMetrics) {
     let (b, width) = (samples.len() as i64, logp.size()[1]);
     let device = logp.device();
     let mask = Tensor::from_slice(&padded(
@@ -165,15 +178,15 @@ pub fn policy_loss_with(
     };
     let per_token_or_seq = match cfg.kind {
         LossKind::Ppo => {
-            let l = ppo_clip(&logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
+            let l = ppo_clip(logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
             aggregate(&l, &mask, cfg.aggregation)
         }
         LossKind::Cispo => {
-            let l = cispo(&logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
+            let l = cispo(logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
             aggregate(&l, &mask, cfg.aggregation)
         }
         LossKind::Gspo => gspo(
-            &logp,
+            logp,
             logp_old,
             &adv_seq,
             &coef,
@@ -185,7 +198,7 @@ pub fn policy_loss_with(
     };
     let (per_token_or_seq, kl) = match extras.kl {
         Some((coef, logp_ref)) => {
-            let k3 = kl_k3(&logp, &logp_ref.to_device(device)) * &mask;
+            let k3 = kl_k3(logp, &logp_ref.to_device(device)) * &mask;
             let kl = aggregate(&k3, &mask, cfg.aggregation);
             let mean_kl = aggregate(&k3, &mask, Aggregation::TokenMean).double_value(&[]);
             (per_token_or_seq + kl * coef, mean_kl)
@@ -205,5 +218,5 @@ pub fn policy_loss_with(
         kl,
         tokens,
     };
-    Ok((per_token_or_seq, metrics))
+    (per_token_or_seq, metrics)
 }

@@ -13,13 +13,15 @@ use std::time::Instant;
 use serde::Serialize;
 use tch::Tensor;
 
+use super::layered::{Layered, Part};
 use super::logprobs::{token_logprobs, Scored};
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
-use super::shard::Shards;
+pub use super::shard::Sharding;
+use super::shard::{ShardGrad, Shards};
 use super::step::{old_logprobs, policy_loss_with, LossConfig, LossExtras, LossKind, TrainSample};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
-use crate::model::CausalLm;
+use crate::model::{CausalLm, NamedSlice};
 
 /// One trajectory segment with its advantage, owned (what the run hands the trainer).
 #[derive(Debug)]
@@ -64,6 +66,9 @@ pub struct TrainerOptions {
     pub micro_batch_tokens: usize,
     /// Weight of the k3 KL penalty to the reference (initial) policy; 0 for none.
     pub kl_coef: f64,
+    /// What several ranks shard (ignored with one).
+    #[serde(default)]
+    pub sharding: Sharding,
 }
 
 /// What one step did (the step's metrics).
@@ -100,6 +105,9 @@ pub struct Trainer {
     optimizer: AdamW,
     group: Box<dyn Collectives>,
     shards: Option<Shards>,
+    /// Where each checkpoint name lies in `params` (the model forgets its names when its weights
+    /// are sharded).
+    names: Vec<NamedSlice>,
     /// The frozen initial policy, when a KL penalty needs it.
     reference: Option<CausalLm>,
     opts: TrainerOptions,
@@ -151,6 +159,16 @@ fn micro_batches(samples: &[Sample], budget: usize) -> Vec<&[Sample]> {
     out
 }
 
+/// The sequences of `part` to score.
+fn scored(part: &[Sample]) -> Vec<Scored<'_>> {
+    part.iter()
+        .map(|s| Scored {
+            tokens: &s.tokens,
+            replay: s.replay.as_ref(),
+        })
+        .collect()
+}
+
 fn padded_rows(rows: &[&[f32]], width: i64) -> Tensor {
     let flat: Vec<f32> = rows
         .iter()
@@ -188,15 +206,29 @@ impl Trainer {
         if opts.micro_batch_tokens == 0 {
             return Err("micro_batch_tokens must be at least 1".into());
         }
+        let mut model = model;
         let params: Vec<Tensor> = model
             .trainable()
             .into_iter()
             .map(|t| t.set_requires_grad(true))
             .collect();
+        let names = model.named_slices();
         let adamw = || AdamW::new((0.9, 0.999), 1e-8, opts.weight_decay);
-        let shards =
-            (group.world() > 1).then(|| Shards::new(&params, group.rank(), group.world(), adamw()));
+        let shards = (group.world() > 1).then(|| {
+            Shards::new(
+                &params,
+                model.trainable_units(),
+                opts.sharding,
+                group.rank(),
+                group.world(),
+                adamw(),
+            )
+        });
+        if shards.is_some() && opts.sharding == Sharding::Full {
+            model.forget_names();
+        }
         Ok(Self {
+            names,
             threads: crate::model::compute_threads(model.config()),
             model,
             params,
@@ -232,6 +264,60 @@ impl Trainer {
         }
     }
 
+    /// Whether each rank keeps only its shards of the weights.
+    pub fn weights_sharded(&self) -> bool {
+        self.shards.as_ref().is_some_and(Shards::full)
+    }
+
+    /// The forward and backward of sharded weights.
+    fn layered(&self) -> Layered<'_> {
+        Layered {
+            model: &self.model,
+            shards: self.shards.as_ref().expect("several ranks"),
+            params: &self.params,
+            group: self.group.as_ref(),
+        }
+    }
+
+    /// Bytes of weights this rank keeps between steps: the whole model's, or with sharded
+    /// weights its shards'.
+    pub fn weight_bytes(&self) -> usize {
+        match &self.shards {
+            Some(shards) if shards.full() => shards.weight_bytes(),
+            _ => self
+                .params
+                .iter()
+                .map(|p| p.numel() * p.kind().elt_size_in_bytes())
+                .sum(),
+        }
+    }
+
+    /// Sharded weights: keeps this rank's shards and frees the whole tensors (once every rank
+    /// holds the same weights).
+    pub(super) fn shard_weights(&mut self) {
+        if let Some(shards) = self.shards.as_mut() {
+            if self.opts.sharding == Sharding::Full {
+                shards.shard_weights(&self.params);
+            }
+        }
+    }
+
+    /// The weights by checkpoint name; with sharded weights a collective (called by every
+    /// rank: [`Trainer::weights`] on rank 0 commands the others).
+    pub(super) fn gather_weights(&self) -> crate::dist::Result<Vec<(String, Tensor)>> {
+        match &self.shards {
+            Some(shards) if shards.full() => {
+                shards.gathered_weights(&self.params, &self.names, self.group.as_ref())
+            }
+            _ => Ok(self
+                .model
+                .params()
+                .iter()
+                .map(|(n, t)| (n.clone(), t.detach()))
+                .collect()),
+        }
+    }
+
     pub(super) fn group(&self) -> &dyn Collectives {
         self.group.as_ref()
     }
@@ -262,7 +348,7 @@ impl Trainer {
     /// The moments, whole; with several ranks a collective every rank calls.
     pub(super) fn gather_moments(&self) -> crate::dist::Result<Vec<(Tensor, Tensor)>> {
         match &self.shards {
-            Some(shards) => shards.gathered_moments(&self.params, self.group.as_ref()),
+            Some(shards) => shards.gathered_moments(self.params[0].kind(), self.group.as_ref()),
             None => Ok(self.local_moments()),
         }
     }
@@ -306,11 +392,28 @@ impl Trainer {
                 part.iter().map(Sample::sampled).sum::<usize>() as f64 / total_sampled.max(1) as f64
             }
         };
+        // Sharded weights: every rank runs as many micro-batches as the one with the most (an
+        // idle pass gathers and reduces with the others, computing nothing).
+        let layered = self.weights_sharded();
+        let passes = if layered {
+            let n = Tensor::from_slice(&[parts.len() as f64]);
+            self.group.all_reduce(&n, ReduceOp::Max)?;
+            n.double_value(&[0]) as usize
+        } else {
+            parts.len()
+        };
         // π_old for every micro-batch before any weight moves.
-        let mut olds = Vec::with_capacity(parts.len());
-        for part in &parts {
-            let views: Vec<TrainSample<'_>> = part.iter().map(Sample::view).collect();
-            olds.push(old_logprobs(&self.model, &views, cfg.temperature)?);
+        let mut olds = Vec::with_capacity(passes);
+        for i in 0..passes {
+            let part = parts.get(i).copied();
+            olds.push(if layered {
+                let seqs = part.map(scored);
+                self.layered().logprobs(seqs.as_deref(), cfg.temperature)?
+            } else {
+                let views: Vec<TrainSample<'_>> =
+                    part.expect("a part").iter().map(Sample::view).collect();
+                Some(old_logprobs(&self.model, &views, cfg.temperature)?)
+            });
         }
         let mut stats = StepStats {
             sequences: samples.len(),
@@ -319,7 +422,17 @@ impl Trainer {
             micro_batches: parts.len(),
             ..StepStats::default()
         };
-        for (part, old) in parts.iter().zip(&olds) {
+        let mut acc: Option<ShardGrad> = self
+            .shards
+            .as_ref()
+            .filter(|s| s.full())
+            .map(|s| s.new_grad(self.params[0].kind()));
+        for (i, old) in olds.iter().enumerate() {
+            let (Some(part), Some(old)) = (parts.get(i).copied(), old) else {
+                self.layered()
+                    .train(None, acc.as_mut().expect("sharded weights"))?;
+                continue;
+            };
             let views: Vec<TrainSample<'_>> = part.iter().map(Sample::view).collect();
             let width = old.size()[1];
             let token_advantages = part.iter().all(|s| s.token_advantages.is_some()).then(|| {
@@ -330,27 +443,35 @@ impl Trainer {
                 padded_rows(&rows, width)
             });
             let reference = match (&self.reference, self.opts.kl_coef > 0.0) {
-                (Some(reference), true) => {
-                    let seqs: Vec<Scored<'_>> = part
-                        .iter()
-                        .map(|s| Scored {
-                            tokens: &s.tokens,
-                            replay: s.replay.as_ref(),
-                        })
-                        .collect();
-                    Some(tch::no_grad(|| {
-                        token_logprobs(reference, &seqs, cfg.temperature)
-                    })?)
-                }
+                (Some(reference), true) => Some(tch::no_grad(|| {
+                    token_logprobs(reference, &scored(part), cfg.temperature)
+                })?),
                 _ => None,
             };
             let extras = LossExtras {
                 token_advantages: token_advantages.as_ref(),
                 kl: reference.as_ref().map(|r| (self.opts.kl_coef, r)),
             };
-            let (loss, m) = policy_loss_with(&self.model, &views, old, &cfg, &extras)?;
             let w = share(part);
-            (loss * w).backward();
+            let m = match acc.as_mut() {
+                Some(acc) => {
+                    let part = Part {
+                        samples: &views,
+                        old,
+                        cfg: &cfg,
+                        extras: &extras,
+                        weight: w,
+                    };
+                    self.layered()
+                        .train(Some(&part), acc)?
+                        .expect("a part's pass has metrics")
+                }
+                None => {
+                    let (loss, m) = policy_loss_with(&self.model, &views, old, &cfg, &extras)?;
+                    (loss * w).backward();
+                    m
+                }
+            };
             // Token-weighted means of the per-token metrics.
             let t = m.tokens / total_sampled.max(1) as f64;
             stats.loss += m.loss * w;
@@ -383,13 +504,21 @@ impl Trainer {
                 stats.entropy = sums[3];
                 stats.kl = sums[4];
                 stats.micro_batches = sums[5] as usize;
-                let mut g = shards.reduce_grads(&self.params, group)?;
+                let mut g = match acc.take() {
+                    Some(mut g) => {
+                        shards.finish_grad(&mut g, group)?;
+                        g
+                    }
+                    None => shards.reduce_grads(&self.params, group)?,
+                };
                 stats.grad_norm = shards.grad_norm(&g, group)?;
                 if stats.grad_norm > max_norm && stats.grad_norm > 0.0 {
                     shards.scale(&mut g, max_norm / stats.grad_norm);
                 }
                 shard_grad = Some(g);
-                stats.collective_seconds = collectives.elapsed().as_secs_f64();
+                // The micro-batches' gathers and reductions, and these.
+                stats.collective_seconds =
+                    shards.take_seconds() + collectives.elapsed().as_secs_f64();
             }
         }
         stats.learning_rate = self.opts.schedule.at(self.steps + 1);
@@ -404,8 +533,8 @@ impl Trainer {
                 "a non-finite loss or gradient: the step leaves the weights as they were"
             );
         } else if let (Some(shards), Some(g)) = (&mut self.shards, &shard_grad) {
-            let gather = shards.step(&self.params, g, stats.learning_rate, self.group.as_ref())?;
-            stats.collective_seconds += gather;
+            shards.step(&self.params, g, stats.learning_rate, self.group.as_ref())?;
+            stats.collective_seconds += shards.take_seconds();
         } else {
             self.optimizer.step(&self.params, stats.learning_rate);
         }
@@ -418,16 +547,6 @@ impl Trainer {
         self.steps += 1;
         stats.seconds = started.elapsed().as_secs_f64();
         Ok(stats)
-    }
-
-    /// The weights to publish, by checkpoint name, detached from autograd (they share storage
-    /// with the model: publish them before the next step).
-    pub fn weights(&self) -> Vec<(String, Tensor)> {
-        self.model
-            .params()
-            .iter()
-            .map(|(n, t)| (n.clone(), t.detach()))
-            .collect()
     }
 }
 
