@@ -392,8 +392,8 @@ impl EnginesSpec {
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = resources_rule("trainer.resources"))]
 pub struct TrainerSpec {
-    /// Trainer ranks, one pod each. Only 1 runs so far: the operator reports more as an invalid
-    /// spec before it creates any pod (docs/cluster.md, "Not yet").
+    /// Trainer ranks, one pod each (one process each under `moult run`); they train as one
+    /// (docs/distributed.md). Several ranks train on CPU only so far (`gpusPerNode: 0`).
     #[serde(default = "one_u32")]
     #[schemars(range(min = 1, max = 1024))]
     pub nodes: u32,
@@ -414,6 +414,21 @@ pub struct TrainerSpec {
     /// which it needs.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dump_rollouts: bool,
+    /// What several ranks shard: `Full` (the default: weights, gradients and optimizer state,
+    /// ZeRO-3) or `Optimizer` (gradients and optimizer state, ZeRO-2: every rank keeps the
+    /// whole weights, and skips the gathers and recompute). Ignored with one rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharding: Option<TrainerSharding>,
+}
+
+/// What the ranks of a trainer shard (docs/distributed.md).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum TrainerSharding {
+    /// Weights, gradients and optimizer state (ZeRO-3): each decoder layer's weights are
+    /// gathered just before it runs, and the layer is recomputed for the backward.
+    Full,
+    /// Gradients and optimizer state (ZeRO-2): every rank keeps the whole weights.
+    Optimizer,
 }
 
 impl Default for TrainerSpec {
@@ -424,6 +439,7 @@ impl Default for TrainerSpec {
             image: None,
             resources: None,
             dump_rollouts: false,
+            sharding: None,
         }
     }
 }

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
+use moult_operator::api::{
+    AgentForm, EngineBackend, Estimator, RLRun, TrainerSharding, WeightTransport,
+};
 #[cfg(feature = "torch")]
 use moult_operator::api::{Aggregation as SpecAggregation, IsLevel, IsMode, LossKind as SpecLoss};
 use serde_json::Value as Json;
@@ -29,7 +31,7 @@ use crate::trainer::optim::{Decay, LrSchedule};
 #[cfg(feature = "torch")]
 use crate::trainer::step::{LossConfig, LossKind};
 #[cfg(feature = "torch")]
-use crate::trainer::train::TrainerOptions;
+use crate::trainer::train::{Sharding, TrainerOptions};
 
 /// Everything a local run needs, resolved from the manifest.
 #[derive(Debug, Clone)]
@@ -414,7 +416,10 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
         max_grad_norm: opt.max_grad_norm,
         micro_batch_tokens: 8192,
         kl_coef: algo.loss.kl_coef,
-        sharding: Default::default(),
+        sharding: match spec.trainer.sharding {
+            Some(TrainerSharding::Optimizer) => Sharding::Optimizer,
+            Some(TrainerSharding::Full) | None => Sharding::Full,
+        },
     })
 }
 
