@@ -1,14 +1,15 @@
 //! A trainer of N ranks vs one (docs/distributed.md), printed as a table of ratios measured in
-//! one invocation: for N = 1, 2, 4 rank processes on the same model and the same global batch,
-//! the step time and the part of it spent in collectives, the optimizer state each rank holds
-//! (its AdamW moments: 1/N of one rank's under ZeRO-2) and each rank's peak resident memory.
+//! one invocation: for one rank and for 2 and 4 rank processes under each sharding (`Full`,
+//! ZeRO-3; `Optimizer`, ZeRO-2), on the same model and the same global batch: the step time and
+//! where it goes (gathering weights, the other collectives, computing), the state each rank
+//! keeps between steps (its weights and AdamW moments), and each rank's peak resident memory
+//! while training (the peak is reset after loading, which every rank does whole).
 //!
 //! `cargo bench -p moult-runtime --bench trainer_ranks` (after `source scripts/env.sh`);
-//! `-- --quick` runs the tiny model. The default model is Qwen3-0.6B's width with 4 layers
-//! (vocabulary 151936; 4 ranks of the full 28 layers would not fit this machine's 24 GB, since
-//! every rank still holds all weights and gradients). Each rank computes with one intra-op
-//! thread, so 2 ranks on a 2-core machine have a core each and 4 share them: step times say
-//! how the work splits, not how it would scale on one GPU per rank.
+//! `-- --quick` runs the tiny model. The default model is Qwen3-0.6B's shape (28 layers,
+//! vocabulary 151936, random weights). Each rank computes with one intra-op thread, so 2 ranks
+//! on a 2-core machine have a core each and 4 share them: step times say how the work splits,
+//! not how it would scale on one GPU per rank.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,7 +21,7 @@ use moult_runtime::model::CausalLm;
 use moult_runtime::trainer::optim::{Decay, LrSchedule};
 use moult_runtime::trainer::ranks::{follower, leader, Setup};
 use moult_runtime::trainer::step::{LossConfig, LossKind};
-use moult_runtime::trainer::train::{Sample, Trainer, TrainerOptions};
+use moult_runtime::trainer::train::{Sample, Sharding, Trainer, TrainerOptions};
 use serde_json::{json, Value};
 use tch::{Device, Kind};
 
@@ -29,10 +30,15 @@ use common::{qwen3_width_model, tiny_model};
 
 const ENV_MODEL: &str = "MOULT_BENCH_RANK_MODEL";
 const ENV_OUT: &str = "MOULT_BENCH_RANK_OUT";
+const ENV_SHARDING: &str = "MOULT_BENCH_RANK_SHARDING";
 const WARMUP: usize = 1;
-const STEPS: usize = 3;
+const STEPS: usize = 2;
 
 fn options() -> TrainerOptions {
+    let sharding = match std::env::var(ENV_SHARDING).as_deref() {
+        Ok("optimizer") => Sharding::Optimizer,
+        _ => Sharding::Full,
+    };
     TrainerOptions {
         loss: LossConfig {
             kind: LossKind::Ppo,
@@ -53,13 +59,13 @@ fn options() -> TrainerOptions {
         max_grad_norm: Some(1.0),
         micro_batch_tokens: 1024,
         kl_coef: 0.0,
-        sharding: Default::default(),
+        sharding,
     }
 }
 
-/// The global batch: 8 sequences of a 32-token prompt and a 64-token response.
+/// The global batch: 4 sequences of a 32-token prompt and a 64-token response.
 fn batch(step: usize, vocab: usize) -> Vec<Sample> {
-    (0..8)
+    (0..4)
         .map(|i| {
             let tokens: Vec<i64> = (0..96)
                 .map(|j| ((i * 7919 + j * 104_729 + step * 31) % vocab) as i64)
@@ -74,6 +80,12 @@ fn batch(step: usize, vocab: usize) -> Vec<Sample> {
             }
         })
         .collect()
+}
+
+/// Resets this process's peak resident memory to what it holds now.
+fn reset_peak_rss() {
+    // Linux: writing 5 to clear_refs resets VmHWM.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
 /// This process's peak resident memory (VmHWM), bytes.
@@ -98,6 +110,7 @@ fn as_rank(out: &str) {
             if group.rank() > 0 {
                 let rank = group.rank();
                 let mut trainer = follower(group, Device::Cpu).unwrap();
+                reset_peak_rss();
                 trainer.follow().unwrap();
                 report(out, rank, &trainer, None);
                 return;
@@ -111,34 +124,38 @@ fn as_rank(out: &str) {
             (0, leader(load(), None, setup, None, group).unwrap())
         }
     };
+    reset_peak_rss();
     let vocab = trainer.model().config().vocab_size;
     for s in 0..WARMUP {
         trainer.step(&batch(s, vocab)).unwrap();
     }
-    let (mut seconds, mut collective) = (0.0, 0.0);
+    let (mut seconds, mut collective, mut gather) = (0.0, 0.0, 0.0);
     for s in 0..STEPS {
         let started = Instant::now();
         let stats = trainer.step(&batch(WARMUP + s, vocab)).unwrap();
         seconds += started.elapsed().as_secs_f64();
         collective += stats.collective_seconds;
+        gather += stats.gather_seconds;
     }
     let _ = trainer.stop_followers();
+    let n = STEPS as f64;
     report(
         out,
         rank,
         &trainer,
-        Some((seconds / STEPS as f64, collective / STEPS as f64)),
+        Some((seconds / n, collective / n, gather / n)),
     );
 }
 
-fn report(out: &str, rank: usize, trainer: &Trainer, times: Option<(f64, f64)>) {
+fn report(out: &str, rank: usize, trainer: &Trainer, times: Option<(f64, f64, f64)>) {
     let mut v = json!({
         "peak_rss": peak_rss(),
-        "optimizer_state_bytes": trainer.optimizer_state_bytes(),
+        "state_bytes": trainer.optimizer_state_bytes() + trainer.weight_bytes(),
     });
-    if let Some((step, collective)) = times {
+    if let Some((step, collective, gather)) = times {
         v["step_seconds"] = json!(step);
         v["collective_seconds"] = json!(collective);
+        v["gather_seconds"] = json!(gather);
     }
     std::fs::write(format!("{out}.{rank}.json"), v.to_string()).unwrap();
 }
@@ -152,14 +169,16 @@ fn free_port() -> u16 {
 }
 
 /// Runs `world` ranks; returns each rank's report.
-fn run(model: &Path, world: usize) -> Vec<Value> {
+fn run(model: &Path, world: usize, sharding: &str) -> Vec<Value> {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("bench-ranks-{world}-{}", std::process::id()));
     let master = format!("127.0.0.1:{}", free_port());
     let children: Vec<_> = (0..world)
         .map(|rank| {
             let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.env(ENV_OUT, &out).env(ENV_MODEL, model);
+            cmd.env(ENV_OUT, &out)
+                .env(ENV_MODEL, model)
+                .env(ENV_SHARDING, sharding);
             if world > 1 {
                 cmd.env(ENV_RANK, rank.to_string())
                     .env(ENV_WORLD, world.to_string())
@@ -194,29 +213,39 @@ fn main() {
     let (label, model) = if quick {
         ("tiny (3 layers, d=64)", tiny_model())
     } else {
-        ("Qwen3-0.6B width, 4 layers", qwen3_width_model(4))
+        ("Qwen3-0.6B shape (28 layers, random weights)", qwen3_width_model(28))
     };
-    println!("model: {label}; global batch 8 x 96 tokens; {STEPS} steps after {WARMUP} warm-up\n");
-    println!("| ranks | step s | vs 1 rank | in collectives s | optimizer state per rank MB | vs 1 rank | peak RSS per rank GB | vs 1 rank |");
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "model: {label}; global batch 4 x 96 tokens; {STEPS} steps after {WARMUP} warm-up\n"
+    );
+    println!("| sharding | ranks | step s | vs 1 rank | gathering weights s | other collectives s | computing s | weights + moments per rank GB | vs 1 rank | peak RSS training, per rank GB | vs 1 rank |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut base: Option<(f64, f64, f64)> = None;
-    for world in [1, 2, 4] {
-        let reports = run(&model, world);
+    for (sharding, world) in [
+        ("-", 1),
+        ("full", 2),
+        ("full", 4),
+        ("optimizer", 2),
+        ("optimizer", 4),
+    ] {
+        let reports = run(&model, world, sharding);
         let step = reports[0]["step_seconds"].as_f64().unwrap();
         let collective = reports[0]["collective_seconds"].as_f64().unwrap();
-        let state = reports
-            .iter()
-            .map(|r| r["optimizer_state_bytes"].as_f64().unwrap())
-            .fold(0.0, f64::max);
-        let rss = reports
-            .iter()
-            .map(|r| r["peak_rss"].as_f64().unwrap())
-            .fold(0.0, f64::max);
+        let gather = reports[0]["gather_seconds"].as_f64().unwrap();
+        let most = |key: &str| {
+            reports
+                .iter()
+                .map(|r| r[key].as_f64().unwrap())
+                .fold(0.0, f64::max)
+        };
+        let (state, rss) = (most("state_bytes"), most("peak_rss"));
         let (s0, m0, r0) = *base.get_or_insert((step, state, rss));
         println!(
-            "| {world} | {step:.2} | {:.2}x | {collective:.2} | {:.1} | {:.3} | {:.2} | {:.2} |",
+            "| {sharding} | {world} | {step:.2} | {:.2}x | {gather:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.2} | {:.2} |",
             step / s0,
-            state / 1e6,
+            collective - gather,
+            step - collective,
+            state / 1e9,
             state / m0,
             rss / 1e9,
             rss / r0

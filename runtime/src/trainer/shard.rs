@@ -81,8 +81,10 @@ pub(super) struct Shards {
     /// `Full`: this rank's shards of the weights, the only copy between gathers.
     own: Option<Tensor>,
     optimizer: AdamW,
-    /// Seconds spent in collectives since [`Shards::take_seconds`].
+    /// Seconds spent in collectives since [`Shards::take_seconds`], and of them in gathers of
+    /// weights.
     seconds: Cell<f64>,
+    gathering: Cell<f64>,
 }
 
 /// One step's summed gradient of this rank's shards, and which tensors got a gradient (on this
@@ -160,6 +162,7 @@ impl Shards {
             own: None,
             optimizer,
             seconds: Cell::new(0.0),
+            gathering: Cell::new(0.0),
         }
     }
 
@@ -178,8 +181,9 @@ impl Shards {
     }
 
     /// The collectives' seconds since the last call.
-    pub(super) fn take_seconds(&self) -> f64 {
-        self.seconds.take()
+    /// The collectives' seconds since the last call, and of them the gathers' of weights.
+    pub(super) fn take_seconds(&self) -> (f64, f64) {
+        (self.seconds.take(), self.gathering.take())
     }
 
     fn timed<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -365,7 +369,10 @@ impl Shards {
             [unit.shard_len * self.world as i64],
             (shard.kind(), shard.device()),
         );
+        let started = Instant::now();
         self.timed(|| group.all_gather(&full, &shard))?;
+        self.gathering
+            .set(self.gathering.get() + started.elapsed().as_secs_f64());
         let unit = &self.units[u];
         tch::no_grad(|| {
             for (i, t) in unit.tensors.clone().enumerate() {

@@ -91,6 +91,9 @@ pub struct StepStats {
     pub seconds: f64,
     /// Of `seconds`, the time in collectives between ranks (0 with one rank).
     pub collective_seconds: f64,
+    /// Of `collective_seconds`, the all-gathers of weights (the rest reduces gradients and
+    /// metrics).
+    pub gather_seconds: f64,
     /// The loss or the gradient norm was not finite (NaN or infinite): the weights were left as
     /// they were instead of becoming NaN.
     pub skipped: bool,
@@ -486,7 +489,6 @@ impl Trainer {
             None => stats.grad_norm = clip_grad_norm(&self.params, max_norm),
             Some(shards) => {
                 // Every rank's part of the metrics and the gradient, summed.
-                let collectives = Instant::now();
                 let group = self.group.as_ref();
                 let sums = Tensor::from_slice(&[
                     stats.loss,
@@ -496,7 +498,9 @@ impl Trainer {
                     stats.kl,
                     parts.len() as f64,
                 ]);
+                let metrics_sum = Instant::now();
                 group.all_reduce(&sums, ReduceOp::Sum)?;
+                let metrics_sum = metrics_sum.elapsed().as_secs_f64();
                 let sums = Vec::<f64>::try_from(&sums).expect("a double vector");
                 stats.loss = sums[0];
                 stats.mean_abs_log_rho = sums[1];
@@ -517,8 +521,9 @@ impl Trainer {
                 }
                 shard_grad = Some(g);
                 // The micro-batches' gathers and reductions, and these.
-                stats.collective_seconds =
-                    shards.take_seconds() + collectives.elapsed().as_secs_f64();
+                let (seconds, gathers) = shards.take_seconds();
+                stats.collective_seconds = seconds + metrics_sum;
+                stats.gather_seconds = gathers;
             }
         }
         stats.learning_rate = self.opts.schedule.at(self.steps + 1);
@@ -534,7 +539,9 @@ impl Trainer {
             );
         } else if let (Some(shards), Some(g)) = (&mut self.shards, &shard_grad) {
             shards.step(&self.params, g, stats.learning_rate, self.group.as_ref())?;
-            stats.collective_seconds += shards.take_seconds();
+            let (seconds, gathers) = shards.take_seconds();
+            stats.collective_seconds += seconds;
+            stats.gather_seconds += gathers;
         } else {
             self.optimizer.step(&self.params, stats.learning_rate);
         }
