@@ -65,6 +65,18 @@ enum Command {
     /// training, with engines and agents on this machine: a checkpoint (--checkpoint), or the
     /// manifest's model. Prints the result as JSON on stdout.
     Eval(EvalArgs),
+    /// Write a checkpoint's policy as a model folder engines serve (`model.safetensors` with
+    /// whole tensors, the config and tokenizer files): for a checkpoint that trainer ranks wrote
+    /// in shards, or to take a policy out of a run's checkpoints.
+    Export(ExportArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ExportArgs {
+    /// A checkpoint folder (step-NNNNNN), or a run's checkpoints folder (its newest checkpoint).
+    checkpoint: PathBuf,
+    /// The model folder to write (it must not exist yet).
+    out: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -983,5 +995,18 @@ fn main() -> anyhow::Result<()> {
         Command::Eval(args) => runtime.block_on(eval(args)),
         #[cfg(not(feature = "torch"))]
         Command::Eval(_) => without_torch("eval"),
+        #[cfg(feature = "torch")]
+        Command::Export(args) => {
+            let from = moult_runtime::run::checkpoint::export(&args.checkpoint, &args.out)?;
+            eprintln!(
+                "moult export: {} -> {} (serve it with `moult engine --model {}`)",
+                from.display(),
+                args.out.display(),
+                args.out.display()
+            );
+            Ok(())
+        }
+        #[cfg(not(feature = "torch"))]
+        Command::Export(_) => without_torch("export"),
     }
 }

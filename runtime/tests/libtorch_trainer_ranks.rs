@@ -180,8 +180,9 @@ fn as_rank() -> bool {
         .and_then(|p| p.strip_prefix("resume:"))
         .map(|root| {
             let (dir, meta) = checkpoint::latest(Path::new(root)).unwrap().unwrap();
-            let moments = checkpoint::load_moments(&dir, Device::Cpu).unwrap();
-            (load(&dir), meta.step, moments)
+            let (model, moments) =
+                checkpoint::load_policy(&dir, Kind::Double, Device::Cpu).unwrap();
+            (model, meta.step, moments)
         });
     let (start, mut trainer) = match resume {
         Some((weights, steps, moments)) => (
@@ -451,8 +452,8 @@ fn libtorch_a_killed_rank_fails_the_others_naming_it() {
 }
 
 /// Save with 2 ranks and resume with 4, and the reverse: the continued run equals one rank's
-/// uninterrupted run; the checkpoint is a plain model folder (whole weights, whatever the ranks)
-/// whose logprobs in the engine's forward are the uninterrupted trainer's.
+/// uninterrupted run. Each rank writes its own shards; `moult export`'s folder has the whole
+/// weights, and its logprobs in the engine's forward are the uninterrupted trainer's.
 #[test]
 fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
     if as_rank() {
@@ -493,10 +494,26 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         let _ = std::fs::remove_dir_all(&root);
         let phase = |p: &str| format!("{p}:{}", root.display());
         run_ranks_with(test, &model, saved, "full", Some(&phase("save")));
-        // The checkpoint serves: the engine's forward on its folder scores as the trainer did.
+        // Each rank wrote its shards, no whole model; the export serves: the engine's forward
+        // on it scores as the trainer did.
         let (dir, meta) = checkpoint::latest(&root).unwrap().unwrap();
         assert_eq!(meta.step, 2);
-        let served = CausalLm::load(&dir, Kind::Double, Device::Cpu).unwrap();
+        assert!(!dir.join("model.safetensors").exists());
+        let shard_files: Vec<u64> = (0..saved)
+            .map(|r| {
+                let f = dir.join(format!("shards/rank-{r:05}-of-{saved:05}.safetensors"));
+                std::fs::metadata(&f).unwrap().len()
+            })
+            .collect();
+        let refused = checkpoint::model_folder(&dir).unwrap_err().to_string();
+        assert!(refused.contains("moult export"), "{refused}");
+        let exported = root.join("exported");
+        assert_eq!(checkpoint::export(&root, &exported).unwrap(), dir);
+        assert!(
+            checkpoint::export(&root, &exported).is_err(),
+            "export overwrote a folder"
+        );
+        let served = CausalLm::load(&exported, Kind::Double, Device::Cpu).unwrap();
         let tokens = &batch(5)[0].tokens;
         let seqs = [Scored {
             tokens,
@@ -515,7 +532,7 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
             theirs[1]
         );
         println!(
-            "saved by {saved} ranks, resumed on {resumed}: largest difference from one uninterrupted rank {worst:.2e}; checkpoint logprobs {gap:.2e}"
+            "saved by {saved} ranks (shard files of {shard_files:?} bytes), resumed on {resumed}: largest difference from one uninterrupted rank {worst:.2e}; exported logprobs {gap:.2e}"
         );
         assert!(worst < 1e-5, "{saved} -> {resumed} ranks: {worst:e}");
         let _ = std::fs::remove_dir_all(&root);

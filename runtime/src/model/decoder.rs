@@ -122,7 +122,7 @@ impl Layer {
 }
 
 /// Where a checkpoint-named weight lies in [`CausalLm::trainable`] ([`CausalLm::named_slices`]).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct NamedSlice {
     pub name: String,
     /// Index into [`CausalLm::trainable`].

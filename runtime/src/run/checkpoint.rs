@@ -9,6 +9,13 @@
 //!   ([`CheckpointMeta`]);
 //! - `latest.json`: which step folder is the newest complete one.
 //!
+//! A trainer of several ranks whose weights are sharded (`sharding: Full`) writes no
+//! `model.safetensors` or `optimizer.safetensors`: each rank writes its shards, with no gather,
+//! to `shards/rank-R-of-N.safetensors`, and rank 0 writes `shards/layout.json`
+//! ([`crate::trainer::train::ShardLayout`]). Loading puts the whole tensors back together, so
+//! any number of ranks resumes from it; [`export`] writes the model folder engines serve
+//! (docs/distributed.md, "Checkpoints").
+//!
 //! Writes are atomic: the folder is written under a temporary name, synced, renamed (and the
 //! rename synced), and only then does `latest.json` (itself written and renamed) point at it. A
 //! run killed at any moment leaves the previous checkpoint intact. A save that fails (a full
@@ -23,8 +30,10 @@ use tch::Tensor;
 
 use super::files::{io, sync_dir, sync_file, write_atomic};
 use super::RunError;
+use crate::model::{CausalLm, ModelConfig};
 use crate::rollout::RolloutState;
-use crate::trainer::train::Trainer;
+use crate::trainer::ranks::{LAYOUT, SHARDS};
+use crate::trainer::train::{ShardLayout, Trainer, Whole};
 
 /// The model folder's files a checkpoint carries along, so it is servable as it is.
 const MODEL_FILES: [&str; 6] = [
@@ -93,18 +102,25 @@ fn write(
     let dir = step_dir(root, meta.step);
     let _ = std::fs::remove_dir_all(tmp);
     std::fs::create_dir_all(tmp).map_err(|e| io("creating", tmp, e))?;
-    let weights = trainer.weights().map_err(crate::model::Error::from)?;
-    let model_file = tmp.join("model.safetensors");
-    Tensor::write_safetensors(&weights, &model_file).map_err(|e| io("writing", &model_file, e))?;
-    let moments: Vec<(String, Tensor)> = trainer
-        .moments()
-        .map_err(crate::model::Error::from)?
-        .into_iter()
-        .enumerate()
-        .flat_map(|(i, (m, v))| [(format!("m.{i}"), m), (format!("v.{i}"), v)])
-        .collect();
-    let optim_file = tmp.join("optimizer.safetensors");
-    Tensor::write_safetensors(&moments, &optim_file).map_err(|e| io("writing", &optim_file, e))?;
+    if trainer.weights_sharded() {
+        trainer.save_shards(tmp)?;
+        sync_dir(&tmp.join(SHARDS))?;
+    } else {
+        let weights = trainer.weights().map_err(crate::model::Error::from)?;
+        let model_file = tmp.join("model.safetensors");
+        Tensor::write_safetensors(&weights, &model_file)
+            .map_err(|e| io("writing", &model_file, e))?;
+        let moments: Vec<(String, Tensor)> = trainer
+            .moments()
+            .map_err(crate::model::Error::from)?
+            .into_iter()
+            .enumerate()
+            .flat_map(|(i, (m, v))| [(format!("m.{i}"), m), (format!("v.{i}"), v)])
+            .collect();
+        let optim_file = tmp.join("optimizer.safetensors");
+        Tensor::write_safetensors(&moments, &optim_file)
+            .map_err(|e| io("writing", &optim_file, e))?;
+    }
     for name in MODEL_FILES {
         let src = model_dir.join(name);
         if src.is_file() {
@@ -119,7 +135,10 @@ fn write(
     .map_err(|e| io("writing", &meta_file, e))?;
     for entry in std::fs::read_dir(tmp).map_err(|e| io("listing", tmp, e))? {
         let path = entry.map_err(|e| io("listing", tmp, e))?.path();
-        sync_file(&path)?;
+        // The shard files are synced by the ranks that wrote them, their folder above.
+        if path.is_file() {
+            sync_file(&path)?;
+        }
     }
     sync_dir(tmp)?;
     let _ = std::fs::remove_dir_all(&dir);
@@ -201,6 +220,21 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
 /// (`step-N`), a checkpoint root (its newest complete checkpoint), or any model folder (no
 /// metadata).
 pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), RunError> {
+    let (found, meta) = any_model_folder(dir)?;
+    // No engine loads shards as they are.
+    if let Some(layout) = sharded(&found).map_err(RunError::Checkpoint)? {
+        return Err(RunError::Checkpoint(format!(
+            "{} is a checkpoint written in shards by {} trainer ranks; `moult export {} OUT` \
+             writes a model folder engines serve (docs/distributed.md, \"Checkpoints\")",
+            found.display(),
+            layout.world,
+            dir.display()
+        )));
+    }
+    Ok((found, meta))
+}
+
+fn any_model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), RunError> {
     if dir.join("latest.json").is_file() {
         let (dir, meta) = latest(dir)?.ok_or_else(|| {
             RunError::Checkpoint(format!("no complete checkpoint under {}", dir.display()))
@@ -220,11 +254,126 @@ pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), Run
     Ok((dir.to_path_buf(), None))
 }
 
-/// The checkpoint in `dir` if it is complete (its metadata and both tensor files).
+/// The layout of the sharded checkpoint in `dir`; `None` for a checkpoint of whole tensors.
+fn sharded(dir: &Path) -> Result<Option<ShardLayout>, String> {
+    let file = dir.join(SHARDS).join(LAYOUT);
+    if !file.is_file() {
+        return Ok(None);
+    }
+    let bytes = std::fs::read(&file).map_err(|e| io("reading", &file, e).to_string())?;
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| io("parsing", &file, e).to_string())
+}
+
+/// The weights by checkpoint name and the optimizer's moments (empty before the first step) of
+/// the checkpoint in `dir`, whole, however many ranks wrote it.
+pub fn load_tensors(dir: &Path) -> Result<Whole, RunError> {
+    match sharded(dir).map_err(RunError::Checkpoint)? {
+        Some(layout) => layout
+            .unshard(|rank| {
+                let file = dir.join(SHARDS).join(layout.file_name(rank));
+                Tensor::read_safetensors(&file).map_err(|e| io("reading", &file, e).to_string())
+            })
+            .map_err(|e| RunError::Checkpoint(format!("{}: {e}", dir.display()))),
+        None => {
+            let file = dir.join("model.safetensors");
+            let weights = Tensor::read_safetensors(&file).map_err(|e| io("reading", &file, e))?;
+            Ok((weights, load_moments(dir, tch::Device::Cpu)?))
+        }
+    }
+}
+
+/// The policy and the optimizer's moments of the checkpoint in `dir`, in `kind` on `device`.
+pub fn load_policy(
+    dir: &Path,
+    kind: tch::Kind,
+    device: tch::Device,
+) -> Result<(CausalLm, Vec<(Tensor, Tensor)>), RunError> {
+    if sharded(dir).map_err(RunError::Checkpoint)?.is_none() {
+        return Ok((
+            CausalLm::load(dir, kind, device)?,
+            load_moments(dir, device)?,
+        ));
+    }
+    let (weights, moments) = load_tensors(dir)?;
+    let cfg = ModelConfig::from_dir(dir)?;
+    let weights = weights
+        .into_iter()
+        .map(|(n, t)| (n, t.to_kind(kind).to_device(device)))
+        .collect();
+    let moments = moments
+        .into_iter()
+        .map(|(m, v)| (m.to_device(device), v.to_device(device)))
+        .collect();
+    Ok((CausalLm::from_weights(cfg, weights, kind, device)?, moments))
+}
+
+/// Writes the policy of a checkpoint (`src`: a `step-N` folder, or a checkpoint root for its
+/// newest) to `out` as a model folder engines serve: `model.safetensors` with whole tensors and
+/// the model's config and tokenizer files. Returns the checkpoint's folder. `out` must not exist
+/// yet; it appears complete or not at all.
+pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
+    let (dir, _) = if src.join("latest.json").is_file() {
+        latest(src)?.ok_or_else(|| {
+            RunError::Checkpoint(format!("no complete checkpoint under {}", src.display()))
+        })?
+    } else {
+        complete(src).map_err(RunError::Checkpoint)?
+    };
+    if out.exists() {
+        return Err(RunError::Checkpoint(format!(
+            "{} exists; export writes a new folder",
+            out.display()
+        )));
+    }
+    let (weights, _) = load_tensors(&dir)?;
+    let name = out
+        .file_name()
+        .map_or_else(|| "export".into(), |n| n.to_string_lossy().into_owned());
+    let tmp = out.with_file_name(format!(".{name}.tmp{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(|e| io("creating", &tmp, e))?;
+    let written = (|| {
+        let model_file = tmp.join("model.safetensors");
+        Tensor::write_safetensors(&weights, &model_file)
+            .map_err(|e| io("writing", &model_file, e))?;
+        for file in MODEL_FILES {
+            let from = dir.join(file);
+            if from.is_file() {
+                std::fs::copy(&from, tmp.join(file)).map_err(|e| io("copying", &from, e))?;
+            }
+        }
+        for entry in std::fs::read_dir(&tmp).map_err(|e| io("listing", &tmp, e))? {
+            sync_file(&entry.map_err(|e| io("listing", &tmp, e))?.path())?;
+        }
+        sync_dir(&tmp)?;
+        std::fs::rename(&tmp, out).map_err(|e| io("renaming", &tmp, e))
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written.map(|()| dir)
+}
+
+/// The checkpoint in `dir` if it is complete (its metadata and its tensor files: the model's
+/// and the optimizer's, or every rank's shard file and their layout).
 fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), String> {
-    for file in ["model.safetensors", "optimizer.safetensors"] {
-        if !dir.join(file).is_file() {
-            return Err(format!("{} has no {file}", dir.display()));
+    match sharded(dir)? {
+        Some(layout) => {
+            for rank in 0..layout.world {
+                let file = dir.join(SHARDS).join(layout.file_name(rank));
+                if !file.is_file() {
+                    return Err(format!("{} has no {}", dir.display(), file.display()));
+                }
+            }
+        }
+        None => {
+            for file in ["model.safetensors", "optimizer.safetensors"] {
+                if !dir.join(file).is_file() {
+                    return Err(format!("{} has no {file}", dir.display()));
+                }
+            }
         }
     }
     let meta_file = dir.join("moult.json");

@@ -392,21 +392,24 @@ async fn load_trainer(
     device: Device,
     rendezvous: Option<Rendezvous>,
 ) -> Result<(Trainer, Option<Followers>), RunError> {
-    let dir = resume.map_or(cfg.model_dir.clone(), |(d, _)| d.clone());
     let trainer_opts = cfg.trainer.clone();
     // A KL penalty is to the initial policy: the model folder's weights, frozen.
     let reference_dir = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
-    let moments = match resume {
-        Some((dir, meta)) => Some((meta.step, checkpoint::load_moments(dir, device)?)),
-        None => None,
-    };
     let reference = reference_dir.clone();
-    let (model, reference) = blocking(move || -> Result<_, RunError> {
-        let model = CausalLm::load(&dir, Kind::Float, device)?;
+    let model_dir = cfg.model_dir.clone();
+    let resume = resume.map(|(d, meta)| (d.clone(), meta.step));
+    let (model, moments, reference) = blocking(move || -> Result<_, RunError> {
+        let (model, moments) = match resume {
+            Some((dir, step)) => {
+                let (model, moments) = checkpoint::load_policy(&dir, Kind::Float, device)?;
+                (model, Some((step, moments)))
+            }
+            None => (CausalLm::load(&model_dir, Kind::Float, device)?, None),
+        };
         let reference = reference
             .map(|d| CausalLm::load(&d, Kind::Float, device))
             .transpose()?;
-        Ok((model, reference))
+        Ok((model, moments, reference))
     })
     .await??;
     if cfg.trainer_ranks > 1 {

@@ -4,19 +4,23 @@
 //! collectives in the same order. A follower joins with [`follower`] (the setup comes from rank
 //! 0), then [`Trainer::follow`]s until rank 0 says stop or is lost.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use super::train::{Sample, Trainer, TrainerOptions};
-use crate::dist::{Collectives, Error, Result};
+use crate::dist::{Collectives, Error, ReduceOp, Result};
 use crate::model::CausalLm;
 
 /// How long a follower waits for rank 0's next command: a run's rollouts between steps can take
 /// long. A lost rank 0 closes its connections, which a follower sees at once.
 const COMMAND_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// The folder of a checkpoint that holds its shard files, and the layout file in it.
+pub const SHARDS: &str = "shards";
+pub const LAYOUT: &str = "layout.json";
 
 /// What every rank needs to build the same trainer, sent by rank 0 on joining.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -37,6 +41,7 @@ enum Command {
     Moments = 2,
     Stop = 3,
     Weights = 4,
+    SaveShards = 5,
 }
 
 /// Broadcasts bytes from rank 0 (`Some` there, `None` elsewhere); every rank returns them.
@@ -105,7 +110,7 @@ impl Trainer {
         }
         let group = self.group();
         group.broadcast(&Tensor::from_slice(&[command as i64]), 0)?;
-        if command == Command::Step {
+        if matches!(command, Command::Step | Command::SaveShards) {
             broadcast_bytes(group, payload)?;
         }
         Ok(())
@@ -137,6 +142,56 @@ impl Trainer {
         self.gather_weights()
     }
 
+    /// Sharded weights: every rank writes its shards of the weights and moments into
+    /// `dir/shards/` with no gather, and rank 0 the layout that puts them back together
+    /// (docs/distributed.md, "Checkpoints"). Called on rank 0; returns once every rank's file is
+    /// written and synced, or an error if any rank could not write its own.
+    pub fn save_shards(&self, dir: &Path) -> crate::model::Result<()> {
+        let path = dir.to_string_lossy();
+        self.command(Command::SaveShards, Some(path.as_bytes()))?;
+        let mine = self.write_shard(dir);
+        self.agree_written(mine)?;
+        let layout = self.shard_layout();
+        let file = dir.join(SHARDS).join(LAYOUT);
+        std::fs::write(
+            &file,
+            serde_json::to_vec_pretty(&layout).expect("the layout serialises"),
+        )
+        .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))?;
+        Ok(())
+    }
+
+    /// This rank's file of a sharded checkpoint in `dir`, written and synced.
+    fn write_shard(&self, dir: &Path) -> std::result::Result<(), String> {
+        let shards = dir.join(SHARDS);
+        let file = shards.join(self.shard_layout().file_name(self.group().rank()));
+        let written = std::fs::create_dir_all(&shards)
+            .map_err(|e| e.to_string())
+            .and_then(|()| {
+                Tensor::write_safetensors(&self.shard_tensors(), &file).map_err(|e| e.to_string())
+            })
+            .and_then(|()| {
+                std::fs::File::open(&file)
+                    .and_then(|f| f.sync_all())
+                    .map_err(|e| e.to_string())
+            });
+        written.map_err(|e| format!("writing {}: {e}", file.display()))
+    }
+
+    /// Whether every rank wrote its shard: this rank's error, or the news that another failed.
+    fn agree_written(&self, mine: std::result::Result<(), String>) -> crate::model::Result<()> {
+        let failed = Tensor::from_slice(&[mine.is_err() as i32 as f32]);
+        self.group().all_reduce(&failed, ReduceOp::Max)?;
+        match mine {
+            Err(e) => Err(crate::model::Error::Input(e)),
+            Ok(()) if failed.double_value(&[0]) > 0.0 => Err(crate::model::Error::Input(
+                "another trainer rank could not write its checkpoint shard (its log says why)"
+                    .into(),
+            )),
+            Ok(()) => Ok(()),
+        }
+    }
+
     /// Rank 0, at the end of a run: the followers return from [`Trainer::follow`].
     pub fn stop_followers(&self) -> Result<()> {
         self.command(Command::Stop, None)
@@ -164,6 +219,16 @@ impl Trainer {
                 3 => return Ok(self.steps()),
                 4 => {
                     self.gather_weights()?;
+                }
+                5 => {
+                    let bytes = broadcast_bytes(self.group(), None)?;
+                    let dir = PathBuf::from(String::from_utf8_lossy(&bytes).into_owned());
+                    let mine = self.write_shard(&dir);
+                    if let Err(e) = self.agree_written(mine) {
+                        // Rank 0 says so too, and tries again or carries on without this
+                        // checkpoint; this rank goes on with it.
+                        tracing::warn!("a checkpoint shard was not written: {e}");
+                    }
                 }
                 other => {
                     return Err(

@@ -41,6 +41,115 @@ pub enum Sharding {
     Full,
 }
 
+/// How a checkpoint written shard by shard is laid out (`shards/layout.json`;
+/// docs/distributed.md): enough to put the whole tensors back together without the model.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShardLayout {
+    /// The ranks that wrote it: `shards/rank-R-of-N.safetensors` for each.
+    pub world: usize,
+    /// Per unit: its tensors' shapes (the trainable tensors in order) and each rank's shard
+    /// length.
+    pub units: Vec<UnitLayout>,
+    /// Where each checkpoint-named weight lies in the trainable tensors.
+    pub names: Vec<NamedSlice>,
+    /// Whether the files hold AdamW moments (`m.U`, `v.U`; none before the first step).
+    pub moments: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UnitLayout {
+    pub shapes: Vec<Vec<i64>>,
+    pub shard_len: i64,
+}
+
+/// A sharded checkpoint put back together: the weights by checkpoint name and the moments of
+/// each trainable tensor (empty before the first step).
+pub type Whole = (Vec<(String, Tensor)>, Vec<(Tensor, Tensor)>);
+
+impl ShardLayout {
+    /// The file rank `rank` writes.
+    pub fn file_name(&self, rank: usize) -> String {
+        format!("rank-{rank:05}-of-{:05}.safetensors", self.world)
+    }
+
+    /// The whole tensors from every rank's file (`read(rank)` gives its tensors by name).
+    pub fn unshard(
+        &self,
+        mut read: impl FnMut(usize) -> std::result::Result<Vec<(String, Tensor)>, String>,
+    ) -> std::result::Result<Whole, String> {
+        let mut files = Vec::with_capacity(self.world);
+        for rank in 0..self.world {
+            let named: std::collections::HashMap<String, Tensor> =
+                read(rank)?.into_iter().collect();
+            files.push(named);
+        }
+        let flat = |key: &str, u: usize, len: i64| -> std::result::Result<Tensor, String> {
+            let parts = files
+                .iter()
+                .enumerate()
+                .map(|(rank, f)| {
+                    let t = f
+                        .get(key)
+                        .ok_or_else(|| format!("{} has no `{key}`", self.file_name(rank)))?;
+                    if t.size() != [len] {
+                        return Err(format!(
+                            "`{key}` of {} has shape {:?}, the layout says [{len}] for unit {u}",
+                            self.file_name(rank),
+                            t.size()
+                        ));
+                    }
+                    Ok(t.shallow_clone())
+                })
+                .collect::<std::result::Result<Vec<_>, String>>()?;
+            Ok(Tensor::cat(&parts, 0))
+        };
+        let mut tensors = Vec::new();
+        let mut moments = Vec::new();
+        for (u, unit) in self.units.iter().enumerate() {
+            let w = flat(&format!("w.{u}"), u, unit.shard_len)?;
+            let mv = if self.moments {
+                Some((
+                    flat(&format!("m.{u}"), u, unit.shard_len)?,
+                    flat(&format!("v.{u}"), u, unit.shard_len)?,
+                ))
+            } else {
+                None
+            };
+            let mut at = 0;
+            for shape in &unit.shapes {
+                let n: i64 = shape.iter().product();
+                let cut = |t: &Tensor| t.narrow(0, at, n).view(shape.as_slice());
+                tensors.push(cut(&w));
+                if let Some((m, v)) = &mv {
+                    moments.push((cut(m).copy(), cut(v).copy()));
+                }
+                at += n;
+            }
+        }
+        let weights = self
+            .names
+            .iter()
+            .map(|n| {
+                let t = tensors.get(n.tensor).ok_or_else(|| {
+                    format!(
+                        "`{}` lies in tensor {}, which no unit has",
+                        n.name, n.tensor
+                    )
+                })?;
+                let numel: i64 = n.shape.iter().product();
+                Ok((
+                    n.name.clone(),
+                    t.reshape([-1])
+                        .narrow(0, n.offset, numel)
+                        .view(n.shape.as_slice())
+                        .copy(),
+                ))
+            })
+            .collect::<std::result::Result<Vec<_>, String>>()?;
+        Ok((weights, moments))
+    }
+}
+
 /// This rank's part of one trainable tensor.
 #[derive(Debug, Clone, Copy)]
 struct Piece {
@@ -395,6 +504,52 @@ impl Shards {
         for t in self.units[u].tensors.clone() {
             let mut p = params[t].shallow_clone();
             p.set_data(&Tensor::empty([0], (p.kind(), p.device())));
+        }
+    }
+
+    /// `Full`: this rank's shard of each unit, flat, for its file of a sharded checkpoint:
+    /// weights (`w.U`) and, after a step, moments (`m.U`, `v.U`).
+    pub(super) fn shard_tensors(&self) -> Vec<(String, Tensor)> {
+        let own = self.own.as_ref().expect("sharded weights");
+        let kind = own.kind();
+        let state = self.optimizer.moments();
+        let moments: Vec<Tensor> = if state.is_empty() {
+            Vec::new()
+        } else {
+            (0..2)
+                .map(|which| {
+                    self.state_of(
+                        |i, _| [&state[i].0, &state[i].1][which].shallow_clone(),
+                        kind,
+                    )
+                })
+                .collect()
+        };
+        let mut out = Vec::new();
+        for (u, unit) in self.units.iter().enumerate() {
+            let part = |t: &Tensor| t.narrow(0, unit.at, unit.shard_len).copy();
+            out.push((format!("w.{u}"), part(own)));
+            for (key, t) in ["m", "v"].iter().zip(&moments) {
+                out.push((format!("{key}.{u}"), part(t)));
+            }
+        }
+        out
+    }
+
+    /// The layout of a checkpoint these shards write.
+    pub(super) fn layout(&self, names: &[NamedSlice]) -> ShardLayout {
+        ShardLayout {
+            world: self.world,
+            units: self
+                .units
+                .iter()
+                .map(|u| UnitLayout {
+                    shapes: u.shapes.clone(),
+                    shard_len: u.shard_len,
+                })
+                .collect(),
+            names: names.to_vec(),
+            moments: !self.optimizer.moments().is_empty(),
         }
     }
 

@@ -16,8 +16,8 @@ use tch::Tensor;
 use super::layered::{Layered, Part};
 use super::logprobs::{token_logprobs, Scored};
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
-pub use super::shard::Sharding;
 use super::shard::{ShardGrad, Shards};
+pub use super::shard::{ShardLayout, Sharding, Whole};
 use super::step::{old_logprobs, policy_loss_with, LossConfig, LossExtras, LossKind, TrainSample};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
@@ -319,6 +319,19 @@ impl Trainer {
                 .map(|(n, t)| (n.clone(), t.detach()))
                 .collect()),
         }
+    }
+
+    /// Sharded weights: the layout of this trainer's sharded checkpoint.
+    pub(super) fn shard_layout(&self) -> ShardLayout {
+        self.shards
+            .as_ref()
+            .expect("several ranks")
+            .layout(&self.names)
+    }
+
+    /// Sharded weights: this rank's file of a sharded checkpoint.
+    pub(super) fn shard_tensors(&self) -> Vec<(String, Tensor)> {
+        self.shards.as_ref().expect("several ranks").shard_tensors()
     }
 
     pub(super) fn group(&self) -> &dyn Collectives {
