@@ -22,8 +22,18 @@ use super::step::{loss_of, LossConfig, LossExtras, LossMetrics, TrainSample};
 use crate::dist::Collectives;
 use crate::model::{CausalLm, Result, Stages};
 
-/// Logits computed at once by the head: rows × vocabulary (32 Mi elements, 128 MiB in float32).
-const HEAD_CHUNK_ELEMENTS: i64 = 1 << 25;
+/// Logits computed at once by the head, rows × vocabulary: 32 Mi elements (128 MiB in float32)
+/// unless `MOULT_HEAD_CHUNK_ELEMENTS` says otherwise (docs/distributed.md).
+fn head_chunk_elements() -> i64 {
+    static ELEMENTS: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *ELEMENTS.get_or_init(|| {
+        std::env::var("MOULT_HEAD_CHUNK_ELEMENTS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &i64| n > 0)
+            .unwrap_or(1 << 25)
+    })
+}
 
 /// The first unit of [`CausalLm::trainable_units`] (the embedding), the second (the final
 /// norm); decoder layer `l` is unit `LAYERS + l`.
@@ -102,45 +112,36 @@ impl Layered<'_> {
         Ok(h.map(|h| Forwarded { h, saved }))
     }
 
-    /// The picked logprob (and entropy) of every target row, through the head in chunks; the
-    /// head's units must be gathered.
+    /// The rows of each chunk of the head: at most [`head_chunk_elements`] logits at once.
+    fn chunks(stages: &Stages<'_>, targets: &Targets) -> Vec<(i64, i64)> {
+        let rows = targets.rows.size()[0];
+        let step = (head_chunk_elements() / stages.vocab_size() as i64).max(1);
+        (0..rows)
+            .step_by(step as usize)
+            .map(|start| (start, step.min(rows - start)))
+            .collect()
+    }
+
+    /// The picked logprob and the entropy of every target row, through the head in chunks,
+    /// without gradient; the head's units must be gathered.
     fn head_rows(
         stages: &Stages<'_>,
         h: &Tensor,
         targets: &Targets,
         temperature: f64,
-        grad_out: Option<&Tensor>,
-    ) -> (Tensor, Tensor, Option<Tensor>) {
-        let rows = targets.rows.size()[0];
-        let vocab = stages.vocab_size() as i64;
-        let step = (HEAD_CHUNK_ELEMENTS / vocab).max(1);
+    ) -> (Tensor, Tensor) {
+        let _guard = tch::no_grad_guard();
         let (mut logp, mut entropy) = (Vec::new(), Vec::new());
-        let mut root: Option<Tensor> = None;
-        let mut start = 0;
-        while start < rows {
-            let len = step.min(rows - start);
+        for (start, len) in Self::chunks(stages, targets) {
             let hc = h.index_select(0, &targets.rows.narrow(0, start, len));
             let (p, e) = picked(
                 &stages.head(&hc),
                 &targets.next.narrow(0, start, len),
                 temperature,
-                grad_out.is_none(),
+                true,
             );
-            match grad_out {
-                // Σ p·∂L/∂p over the rows: its gradient is the loss's.
-                Some(g) => {
-                    let term = (&p * g.narrow(0, start, len)).sum(Kind::Float);
-                    root = Some(match root {
-                        Some(r) => r + term,
-                        None => term,
-                    });
-                }
-                None => {
-                    logp.push(p);
-                    entropy.extend(e);
-                }
-            }
-            start += len;
+            logp.push(p);
+            entropy.extend(e);
         }
         let cat = |v: Vec<Tensor>| {
             if v.is_empty() {
@@ -149,13 +150,48 @@ impl Layered<'_> {
                 Tensor::cat(&v, 0)
             }
         };
-        (cat(logp), cat(entropy), root)
+        (cat(logp), cat(entropy))
+    }
+
+    /// The head's backward, chunk by chunk (each chunk's logits freed before the next): the
+    /// gradients of `inputs` (the last hidden states `h`, then the head's weights) given
+    /// `dpicked`, the loss's gradient with respect to each target row's picked logprob.
+    fn head_backward(
+        stages: &Stages<'_>,
+        h: &Tensor,
+        inputs: &[&Tensor],
+        targets: &Targets,
+        temperature: f64,
+        dpicked: &Tensor,
+    ) -> Vec<Option<Tensor>> {
+        let mut sums: Vec<Option<Tensor>> = nones(inputs.len());
+        for (start, len) in Self::chunks(stages, targets) {
+            let hc = h.index_select(0, &targets.rows.narrow(0, start, len));
+            let (p, _) = picked(
+                &stages.head(&hc),
+                &targets.next.narrow(0, start, len),
+                temperature,
+                false,
+            );
+            // Σ p·∂L/∂p over the chunk's rows: its gradient is the loss's.
+            let root = (p * dpicked.narrow(0, start, len)).sum(Kind::Float);
+            let grads = Tensor::run_backward(&[root], inputs, false, false);
+            for (sum, g) in sums.iter_mut().zip(grads) {
+                if g.defined() {
+                    *sum = Some(match sum.take() {
+                        Some(s) => s + g,
+                        None => g,
+                    });
+                }
+            }
+        }
+        sums
     }
 
     /// π's logprobs of `seqs` without gradient (`[batch, width]`, as
     /// [`super::logprobs::token_logprobs`]); `None` runs an idle pass.
     pub fn logprobs(
-        &mut self,
+        &self,
         seqs: Option<&[Scored<'_>]>,
         temperature: f64,
     ) -> Result<Option<Tensor>> {
@@ -168,7 +204,7 @@ impl Layered<'_> {
             Ok(match (&stages, forwarded, seqs) {
                 (Some(s), Some(f), Some(seqs)) => {
                     let targets = Targets::new(seqs, f.h.device());
-                    let (logp, _, _) = Self::head_rows(s, &f.h, &targets, temperature, None);
+                    let (logp, _) = Self::head_rows(s, &f.h, &targets, temperature);
                     Some(targets.padded(&logp))
                 }
                 _ => None,
@@ -179,7 +215,7 @@ impl Layered<'_> {
     /// One micro-batch's forward and backward; its weighted gradient goes into `acc`. `None`
     /// runs an idle pass. Returns the micro-batch's loss metrics.
     pub fn train(
-        &mut self,
+        &self,
         part: Option<&Part<'_, '_>>,
         acc: &mut ShardGrad,
     ) -> Result<Option<LossMetrics>> {
@@ -217,8 +253,7 @@ impl Layered<'_> {
                 return Ok(None);
             };
             let targets = Targets::new(seqs, f.h.device());
-            let (logp, entropy, _) =
-                tch::no_grad(|| Self::head_rows(s, &f.h, &targets, part.cfg.temperature, None));
+            let (logp, entropy) = Self::head_rows(s, &f.h, &targets, part.cfg.temperature);
             let logp = targets.padded(&logp).set_requires_grad(true);
             let (loss, metrics) = loss_of(
                 &logp,
@@ -232,31 +267,24 @@ impl Layered<'_> {
                 Tensor::run_backward(&[loss * part.weight], &[&logp], false, false).remove(0);
             let dpicked = dlogp.reshape([-1]).index_select(0, &targets.at);
             let h = f.h.detach().set_requires_grad(true);
-            let (_, _, root) =
-                Self::head_rows(s, &h, &targets, part.cfg.temperature, Some(&dpicked));
             let inputs: Vec<&Tensor> = std::iter::once(&h)
                 .chain(head_params.iter().flatten())
                 .collect();
-            let grads = match root {
-                Some(root) => Tensor::run_backward(&[root], &inputs, false, false),
-                // No target rows (every sequence one token long): no gradient.
-                None => Vec::new(),
-            };
+            let grads =
+                Self::head_backward(s, &h, &inputs, &targets, part.cfg.temperature, &dpicked);
             Ok(Some((metrics, grads)))
         })?;
         let (metrics, mut grads) = match head {
-            Some((m, g)) => (Some(m), g.into_iter().map(defined).collect::<Vec<_>>()),
+            Some((m, g)) => (Some(m), g),
             None => (None, Vec::new()),
         };
-        let mut grad_h = if grads.is_empty() {
-            None
-        } else {
-            Some(
-                grads
-                    .remove(0)
-                    .unwrap_or_else(|| forwarded_zeros(&forwarded)),
-            )
-        };
+        // `None` on an idle pass. A micro-batch with no target rows (every sequence one token
+        // long) has a zero gradient.
+        let mut grad_h = (!grads.is_empty()).then(|| {
+            grads
+                .remove(0)
+                .unwrap_or_else(|| forwarded.as_ref().expect("a forward ran").h.zeros_like())
+        });
         for (&u, p) in head_units.iter().zip(&head_params) {
             let g: Vec<Option<Tensor>> = if grads.is_empty() {
                 nones(p.len())
@@ -313,10 +341,6 @@ impl Layered<'_> {
 /// `Some` for a defined gradient (autograd leaves a tensor the root does not reach undefined).
 fn defined(t: Tensor) -> Option<Tensor> {
     t.defined().then_some(t)
-}
-
-fn forwarded_zeros(f: &Option<Forwarded>) -> Tensor {
-    f.as_ref().expect("a forward ran").h.zeros_like()
 }
 
 fn nones(n: usize) -> Vec<Option<Tensor>> {
