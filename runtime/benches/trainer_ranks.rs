@@ -6,7 +6,8 @@
 //! while training (the peak is reset after loading, which every rank does whole).
 //!
 //! `cargo bench -p moult-runtime --bench trainer_ranks` (after `source scripts/env.sh`);
-//! `-- --quick` runs the tiny model. The default model is Qwen3-0.6B's shape (28 layers,
+//! `-- --quick` runs the tiny model; `-- --activations` measures the activations' memory per
+//! token and layer instead (see [`activations`]). The default model is Qwen3-0.6B's shape (28 layers,
 //! vocabulary 151936, random weights; ranks of it under `Optimizer` hold 12 GB each and do not
 //! fit two to a 24 GB machine, so those rows run with `--quick` only). Every rank computes with all cores, so ranks on one
 //! machine compete for them: step times say where the work goes, not how it would scale on one
@@ -32,6 +33,8 @@ use common::{qwen3_width_model, tiny_model};
 const ENV_MODEL: &str = "MOULT_BENCH_RANK_MODEL";
 const ENV_OUT: &str = "MOULT_BENCH_RANK_OUT";
 const ENV_SHARDING: &str = "MOULT_BENCH_RANK_SHARDING";
+/// Sequences in the global batch (4 unless set).
+const ENV_SEQS: &str = "MOULT_BENCH_RANK_SEQS";
 const WARMUP: usize = 1;
 const STEPS: usize = 2;
 
@@ -58,15 +61,20 @@ fn options() -> TrainerOptions {
         },
         weight_decay: 0.01,
         max_grad_norm: Some(1.0),
-        micro_batch_tokens: 1024,
+        // Every batch here in one micro-batch per rank.
+        micro_batch_tokens: 4096,
         kl_coef: 0.0,
         sharding,
     }
 }
 
-/// The global batch: 4 sequences of a 32-token prompt and a 64-token response.
+/// The global batch: 4 sequences (or `ENV_SEQS`) of a 32-token prompt and a 64-token response.
 fn batch(step: usize, vocab: usize) -> Vec<Sample> {
-    (0..4)
+    let seqs = std::env::var(ENV_SEQS)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    (0..seqs)
         .map(|i| {
             let tokens: Vec<i64> = (0..96)
                 .map(|j| ((i * 7919 + j * 104_729 + step * 31) % vocab) as i64)
@@ -169,7 +177,7 @@ fn free_port() -> u16 {
 }
 
 /// Runs `world` ranks; returns each rank's report.
-fn run(model: &Path, world: usize, sharding: &str) -> Vec<Value> {
+fn run(model: &Path, world: usize, sharding: &str, seqs: usize) -> Vec<Value> {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join(format!("bench-ranks-{world}-{}", std::process::id()));
     let master = format!("127.0.0.1:{}", free_port());
@@ -178,7 +186,8 @@ fn run(model: &Path, world: usize, sharding: &str) -> Vec<Value> {
             let mut cmd = Command::new(std::env::current_exe().unwrap());
             cmd.env(ENV_OUT, &out)
                 .env(ENV_MODEL, model)
-                .env(ENV_SHARDING, sharding);
+                .env(ENV_SHARDING, sharding)
+                .env(ENV_SEQS, seqs.to_string());
             if world > 1 {
                 cmd.env(ENV_RANK, rank.to_string())
                     .env(ENV_WORLD, world.to_string())
@@ -210,6 +219,10 @@ fn main() {
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");
+    if std::env::args().any(|a| a == "--activations") {
+        activations();
+        return;
+    }
     let (label, model) = if quick {
         ("tiny (3 layers, d=64)", tiny_model())
     } else {
@@ -229,7 +242,7 @@ fn main() {
         runs.extend([("optimizer", 2), ("optimizer", 4)]);
     }
     for (sharding, world) in runs {
-        let reports = run(&model, world, sharding);
+        let reports = run(&model, world, sharding, 4);
         let step = reports[0]["step_seconds"].as_f64().unwrap();
         let collective = reports[0]["collective_seconds"].as_f64().unwrap();
         let gather = reports[0]["gather_seconds"].as_f64().unwrap();
@@ -251,5 +264,40 @@ fn main() {
             rss / 1e9,
             rss / r0
         );
+    }
+}
+
+/// `--activations`: the memory a step's activations take per token and decoder layer, from the
+/// peak resident memory of the same trainer at two batch sizes (one micro-batch per rank), on a
+/// 4-layer slice of the Qwen3-0.6B shape: one rank (every layer's activations kept for the
+/// backward) and two ranks with sharded weights (each layer's input kept, one layer's
+/// activations at a time).
+fn activations() {
+    const LAYERS: usize = 4;
+    let model = qwen3_width_model(LAYERS);
+    println!("model: Qwen3-0.6B width, {LAYERS} layers; sequences of 96 tokens; 1 warm-up step, {STEPS} steps\n");
+    println!(
+        "| trainer | tokens per rank | peak RSS training GB | activations per token and layer KB |"
+    );
+    println!("| --- | --- | --- | --- |");
+    for (label, sharding, world) in [("one rank", "-", 1), ("Full, 2 ranks", "full", 2)] {
+        let mut first: Option<(f64, f64)> = None;
+        for seqs in [4, 16] {
+            let rss = run(&model, world, sharding, seqs)
+                .iter()
+                .map(|r| r["peak_rss"].as_f64().unwrap())
+                .fold(0.0, f64::max);
+            let tokens = (seqs * 96 / world) as f64;
+            let per = match first {
+                None => {
+                    first = Some((tokens, rss));
+                    "-".to_string()
+                }
+                Some((t0, r0)) => {
+                    format!("{:.1}", (rss - r0) / (tokens - t0) / LAYERS as f64 / 1e3)
+                }
+            };
+            println!("| {label} | {tokens} | {:.2} | {per} |", rss / 1e9);
+        }
     }
 }

@@ -311,6 +311,7 @@ impl Shards {
         for u in 0..self.units.len() {
             self.release(u, params);
         }
+        give_back_freed_memory();
     }
 
     /// Unit `u`'s flat layout of `parts` (one `[numel]` tensor per tensor of the unit), padded.
@@ -664,4 +665,22 @@ fn piece_of(params: &[Tensor], p: &Piece) -> Tensor {
         .detach()
         .view([-1])
         .narrow(0, p.start, p.len)
+}
+
+/// Returns the heap's free pages to the system. The whole weights every rank loaded are freed
+/// when it keeps its shards, but most of their tensors are below glibc's mmap threshold, so
+/// without this their pages would stay resident (and counted) as free heap.
+fn give_back_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[allow(unsafe_code)]
+    {
+        extern "C" {
+            fn malloc_trim(pad: usize) -> std::os::raw::c_int;
+        }
+        // SAFETY: glibc's malloc_trim takes no pointers and is safe to call at any time from any
+        // thread; it only releases memory the allocator holds free.
+        unsafe {
+            malloc_trim(0);
+        }
+    }
 }
