@@ -95,14 +95,32 @@ fn batch(step: usize, vocab: usize) -> Vec<Sample> {
 fn reset_peak_rss() {
     // Linux: writing 5 to clear_refs resets VmHWM.
     let _ = std::fs::write("/proc/self/clear_refs", "5");
+    trace_rss("training starts");
+}
+
+/// With MOULT_BENCH_TRACE_RSS set, prints this process's resident memory now and at its peak.
+fn trace_rss(at: &str) {
+    if std::env::var_os("MOULT_BENCH_TRACE_RSS").is_some() {
+        eprintln!(
+            "pid {}: {at}: RSS {:.2} GB, peak {:.2} GB",
+            std::process::id(),
+            status_bytes("VmRSS:") as f64 / 1e9,
+            peak_rss() as f64 / 1e9
+        );
+    }
 }
 
 /// This process's peak resident memory (VmHWM), bytes.
 fn peak_rss() -> u64 {
+    status_bytes("VmHWM:")
+}
+
+/// A memory line of /proc/self/status, bytes.
+fn status_bytes(key: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(key))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
 }
@@ -141,6 +159,7 @@ fn as_rank(out: &str) {
     for s in 0..STEPS {
         let started = Instant::now();
         let stats = trainer.step(&batch(WARMUP + s, vocab)).unwrap();
+        trace_rss("after a step");
         seconds += started.elapsed().as_secs_f64();
         collective += stats.collective_seconds;
         gather += stats.gather_seconds;
@@ -267,11 +286,11 @@ fn main() {
     }
 }
 
-/// `--activations`: the memory a step's activations take per token and decoder layer, from the
-/// peak resident memory of the same trainer at two batch sizes (one micro-batch per rank), on a
-/// 4-layer slice of the Qwen3-0.6B shape: one rank (every layer's activations kept for the
-/// backward) and two ranks with sharded weights (each layer's input kept, one layer's
-/// activations at a time).
+/// `--activations`: the memory a step's activations take per token, from the peak resident
+/// memory of the same trainer at two batch sizes (one micro-batch per rank), on a 4-layer slice
+/// of the Qwen3-0.6B shape: one rank (every layer's activations and the whole batch's logits
+/// kept for the backward) and two ranks with sharded weights (each layer's input kept, one
+/// layer's activations and one chunk of logits at a time).
 fn activations() {
     const LAYERS: usize = 4;
     let model = qwen3_width_model(LAYERS);
@@ -294,7 +313,7 @@ fn activations() {
                     "-".to_string()
                 }
                 Some((t0, r0)) => {
-                    format!("{:.1}", (rss - r0) / (tokens - t0) / LAYERS as f64 / 1e3)
+                    format!("{:.0}", (rss - r0) / (tokens - t0) / 1e3)
                 }
             };
             println!("| {label} | {tokens} | {:.2} | {per} |", rss / 1e9);

@@ -6,9 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use moult_operator::api::{
-    AgentForm, EngineBackend, Estimator, RLRun, TrainerSharding, WeightTransport,
-};
+use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
 #[cfg(feature = "torch")]
 use moult_operator::api::{Aggregation as SpecAggregation, IsLevel, IsMode, LossKind as SpecLoss};
 use serde_json::Value as Json;
@@ -417,8 +415,8 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
         micro_batch_tokens: 8192,
         kl_coef: algo.loss.kl_coef,
         sharding: match spec.trainer.sharding {
-            Some(TrainerSharding::Optimizer) => Sharding::Optimizer,
-            Some(TrainerSharding::Full) | None => Sharding::Full,
+            Some(moult_operator::api::TrainerSharding::Optimizer) => Sharding::Optimizer,
+            Some(moult_operator::api::TrainerSharding::Full) | None => Sharding::Full,
         },
     })
 }

@@ -178,10 +178,13 @@ impl Layered<'_> {
             let grads = Tensor::run_backward(&[root], inputs, false, false);
             for (sum, g) in sums.iter_mut().zip(grads) {
                 if g.defined() {
-                    *sum = Some(match sum.take() {
-                        Some(s) => s + g,
-                        None => g,
-                    });
+                    match sum {
+                        // In place: the LM head's gradient is as large as the head.
+                        Some(s) => {
+                            let _ = s.g_add_(&g);
+                        }
+                        None => *sum = Some(g),
+                    }
                 }
             }
         }

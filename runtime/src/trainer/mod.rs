@@ -2,7 +2,9 @@
 //! log-probabilities with gradient ([`logprobs`]), the policy loss of a batch ([`step`]) composed
 //! from the estimators, IS corrections and losses of [`crate::algorithms`], the optimizer
 //! ([`optim`]: AdamW, gradient clipping, learning-rate schedule), and the whole step with
-//! micro-batching and gradient accumulation ([`train`]).
+//! micro-batching and gradient accumulation ([`train`]); with several ranks, rank 0 leading the
+//! others ([`ranks`]) and the state sharded across them (`shard`, `layered`;
+//! docs/distributed.md).
 
 mod layered;
 pub mod logprobs;

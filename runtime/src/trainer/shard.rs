@@ -402,12 +402,22 @@ impl Shards {
 
     /// The global L2 norm of the gradient (before clipping).
     pub(super) fn grad_norm(&self, g: &ShardGrad, group: &dyn Collectives) -> Result<f64> {
-        let squares = g
-            .grad
-            .to_kind(Kind::Double)
-            .square()
-            .sum(Kind::Double)
-            .view([1]);
+        // In float64, a few million elements at a time: the whole shard in float64 would take
+        // twice its memory, twice over.
+        const CHUNK: i64 = 1 << 22;
+        let len = g.grad.size()[0];
+        let sum: f64 = (0..len)
+            .step_by(CHUNK as usize)
+            .map(|start| {
+                g.grad
+                    .narrow(0, start, CHUNK.min(len - start))
+                    .to_kind(Kind::Double)
+                    .square()
+                    .sum(Kind::Double)
+                    .double_value(&[])
+            })
+            .sum();
+        let squares = Tensor::from_slice(&[sum]);
         self.timed(|| group.all_reduce(&squares, ReduceOp::Sum))?;
         Ok(squares.double_value(&[0]).sqrt())
     }

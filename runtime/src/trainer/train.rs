@@ -5,8 +5,10 @@
 //! sequence-mean and GSPO).
 //!
 //! With several ranks ([`super::ranks`]) each rank trains on its contiguous part of the
-//! batch, with the same shares of the whole batch, and the optimizer state is sharded across
-//! the ranks ([`super::shard`]): N ranks compute the step one rank would (docs/distributed.md).
+//! batch, with the same shares of the whole batch, and the optimizer state, the gradients and
+//! (with `Sharding::Full`) the weights are sharded across the ranks ([`super::shard`]; the
+//! forward and backward of sharded weights in [`super::layered`]): N ranks compute the step
+//! one rank would (docs/distributed.md).
 
 use std::time::Instant;
 
@@ -244,6 +246,8 @@ impl Trainer {
         })
     }
 
+    /// The policy. With sharded weights its tensors are empty between steps (each rank keeps
+    /// only its shards): [`Trainer::weights`] gathers them.
     pub fn model(&self) -> &CausalLm {
         &self.model
     }
