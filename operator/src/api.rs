@@ -419,6 +419,12 @@ pub struct TrainerSpec {
     /// whole weights, and skips the gathers and recompute). Ignored with one rank.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharding: Option<TrainerSharding>,
+    /// Tokens (sampled or not) per forward and backward on each rank (8192 when unset); the
+    /// gradients of a batch accumulate over its micro-batches. Bounds activation memory
+    /// whatever the batch size (docs/distributed.md, "Memory planning").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1048576))]
+    pub micro_batch_tokens: Option<u32>,
 }
 
 /// What the ranks of a trainer shard (docs/distributed.md).
@@ -440,6 +446,7 @@ impl Default for TrainerSpec {
             resources: None,
             dump_rollouts: false,
             sharding: None,
+            micro_batch_tokens: None,
         }
     }
 }

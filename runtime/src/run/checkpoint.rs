@@ -506,6 +506,47 @@ mod tests {
     }
 
     #[test]
+    fn a_sharded_checkpoint_is_complete_with_every_rank_file_and_not_served_as_it_is() {
+        let root = std::env::temp_dir().join(format!("moult-ckpt-sharded-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        fake_checkpoint(&root, 3);
+        let dir = step_dir(&root, 3);
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            std::fs::remove_file(dir.join(file)).unwrap();
+        }
+        std::fs::write(dir.join("config.json"), "{}").unwrap();
+        let layout = ShardLayout {
+            world: 2,
+            units: Vec::new(),
+            names: Vec::new(),
+            moments: false,
+        };
+        std::fs::create_dir_all(dir.join(SHARDS)).unwrap();
+        std::fs::write(
+            dir.join(SHARDS).join(LAYOUT),
+            serde_json::to_vec(&layout).unwrap(),
+        )
+        .unwrap();
+        std::fs::write(dir.join(SHARDS).join(layout.file_name(0)), b"x").unwrap();
+        // Rank 1's file is missing: not a checkpoint to resume from.
+        let missing = complete(&dir).unwrap_err();
+        assert!(missing.contains("rank-00001-of-00002"), "{missing}");
+        std::fs::write(dir.join(SHARDS).join(layout.file_name(1)), b"x").unwrap();
+        assert_eq!(complete(&dir).unwrap().1.step, 3);
+        // Engines load whole tensors: serving it says to export it first.
+        let refused = model_folder(&dir).unwrap_err().to_string();
+        assert!(
+            refused.contains("2 trainer ranks") && refused.contains("moult export"),
+            "{refused}"
+        );
+        assert!(
+            export(&dir, &root.join("step-000003")).is_err(),
+            "export over a folder"
+        );
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
     fn prune_keeps_the_newest_and_clears_interrupted_writes() {
         let root = std::env::temp_dir().join(format!("moult-ckpt-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);

@@ -412,7 +412,7 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
         },
         weight_decay: opt.weight_decay,
         max_grad_norm: opt.max_grad_norm,
-        micro_batch_tokens: 8192,
+        micro_batch_tokens: spec.trainer.micro_batch_tokens.unwrap_or(8192) as usize,
         kl_coef: algo.loss.kl_coef,
         sharding: match spec.trainer.sharding {
             Some(moult_operator::api::TrainerSharding::Optimizer) => Sharding::Optimizer,
@@ -705,6 +705,32 @@ spec:
                 o.penalty(len)
             );
         }
+    }
+
+    #[test]
+    fn the_trainer_spec_sets_sharding_and_micro_batches() {
+        let default = trainer_options(&read("default", "  totalSteps: 1\n").unwrap(), 1).unwrap();
+        assert_eq!(
+            (default.sharding, default.micro_batch_tokens),
+            (Sharding::Full, 8192)
+        );
+        let run = read(
+            "trainer",
+            "  trainer: {nodes: 2, sharding: Optimizer, microBatchTokens: 512}\n  totalSteps: 1\n",
+        )
+        .unwrap();
+        let set = trainer_options(&run, 1).unwrap();
+        assert_eq!(
+            (set.sharding, set.micro_batch_tokens),
+            (Sharding::Optimizer, 512)
+        );
+        let zero = read(
+            "zero",
+            "  trainer: {microBatchTokens: 0}\n  totalSteps: 1\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(zero.contains("spec.trainer.microBatchTokens"), "{zero}");
     }
 
     #[test]
