@@ -121,12 +121,7 @@ fn write(
         Tensor::write_safetensors(&moments, &optim_file)
             .map_err(|e| io("writing", &optim_file, e))?;
     }
-    for name in MODEL_FILES {
-        let src = model_dir.join(name);
-        if src.is_file() {
-            std::fs::copy(&src, tmp.join(name)).map_err(|e| io("copying", &src, e))?;
-        }
-    }
+    copy_model_files(model_dir, tmp)?;
     let meta_file = tmp.join("moult.json");
     std::fs::write(
         &meta_file,
@@ -148,6 +143,17 @@ fn write(
     write_atomic(&root.join("latest.json"), pointer.to_string().as_bytes())?;
     prune(root, meta.step);
     Ok(dir)
+}
+
+/// Copies the [`MODEL_FILES`] `from` has into `to`.
+fn copy_model_files(from: &Path, to: &Path) -> Result<(), RunError> {
+    for name in MODEL_FILES {
+        let src = from.join(name);
+        if src.is_file() {
+            std::fs::copy(&src, to.join(name)).map_err(|e| io("copying", &src, e))?;
+        }
+    }
+    Ok(())
 }
 
 /// Deletes all but the newest [`KEEP`] complete checkpoints (never `latest`), and leftovers of
@@ -338,12 +344,7 @@ pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
         let model_file = tmp.join("model.safetensors");
         Tensor::write_safetensors(&weights, &model_file)
             .map_err(|e| io("writing", &model_file, e))?;
-        for file in MODEL_FILES {
-            let from = dir.join(file);
-            if from.is_file() {
-                std::fs::copy(&from, tmp.join(file)).map_err(|e| io("copying", &from, e))?;
-            }
-        }
+        copy_model_files(&dir, &tmp)?;
         for entry in std::fs::read_dir(&tmp).map_err(|e| io("listing", &tmp, e))? {
             sync_file(&entry.map_err(|e| io("listing", &tmp, e))?.path())?;
         }

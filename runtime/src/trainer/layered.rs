@@ -122,6 +122,24 @@ impl Layered<'_> {
             .collect()
     }
 
+    /// The picked logprobs (and entropies) of target rows `start..start + len`.
+    fn chunk(
+        stages: &Stages<'_>,
+        h: &Tensor,
+        targets: &Targets,
+        (start, len): (i64, i64),
+        temperature: f64,
+        with_entropy: bool,
+    ) -> (Tensor, Option<Tensor>) {
+        let hc = h.index_select(0, &targets.rows.narrow(0, start, len));
+        picked(
+            &stages.head(&hc),
+            &targets.next.narrow(0, start, len),
+            temperature,
+            with_entropy,
+        )
+    }
+
     /// The picked logprob and the entropy of every target row, through the head in chunks,
     /// without gradient; the head's units must be gathered.
     fn head_rows(
@@ -133,13 +151,7 @@ impl Layered<'_> {
         let _guard = tch::no_grad_guard();
         let (mut logp, mut entropy) = (Vec::new(), Vec::new());
         for (start, len) in Self::chunks(stages, targets) {
-            let hc = h.index_select(0, &targets.rows.narrow(0, start, len));
-            let (p, e) = picked(
-                &stages.head(&hc),
-                &targets.next.narrow(0, start, len),
-                temperature,
-                true,
-            );
+            let (p, e) = Self::chunk(stages, h, targets, (start, len), temperature, true);
             logp.push(p);
             entropy.extend(e);
         }
@@ -166,13 +178,7 @@ impl Layered<'_> {
     ) -> Vec<Option<Tensor>> {
         let mut sums: Vec<Option<Tensor>> = nones(inputs.len());
         for (start, len) in Self::chunks(stages, targets) {
-            let hc = h.index_select(0, &targets.rows.narrow(0, start, len));
-            let (p, _) = picked(
-                &stages.head(&hc),
-                &targets.next.narrow(0, start, len),
-                temperature,
-                false,
-            );
+            let (p, _) = Self::chunk(stages, h, targets, (start, len), temperature, false);
             // Σ p·∂L/∂p over the chunk's rows: its gradient is the loss's.
             let root = (p * dpicked.narrow(0, start, len)).sum(Kind::Float);
             let grads = Tensor::run_backward(&[root], inputs, false, false);
