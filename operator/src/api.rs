@@ -391,6 +391,9 @@ impl EnginesSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = resources_rule("trainer.resources"))]
+#[x_kube(validation = Rule::new("!has(self.computeDtype) || self.computeDtype != 'BFloat16' || (self.nodes >= 2 && (!has(self.sharding) || self.sharding == 'Full'))").message(
+    "trainer.computeDtype BFloat16 keeps float32 master weights in the shards of sharded weights: it needs trainer.nodes of 2 or more with sharding Full (docs/distributed.md)"
+))]
 pub struct TrainerSpec {
     /// Trainer ranks, one pod each (one process each under `moult run`); they train as one
     /// (docs/distributed.md). Several ranks train on CPU only so far (`gpusPerNode: 0`).
@@ -425,6 +428,18 @@ pub struct TrainerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1048576))]
     pub micro_batch_tokens: Option<u32>,
+    /// The dtype the trainer computes in: `Float32` (the default) or `BFloat16`, which gathers
+    /// the weights as bfloat16 and keeps float32 shards, gradient reduction and optimizer state
+    /// (several ranks with `sharding: Full` only; docs/distributed.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_dtype: Option<TrainerDtype>,
+}
+
+/// A trainer's compute dtype.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum TrainerDtype {
+    Float32,
+    BFloat16,
 }
 
 /// What the ranks of a trainer shard (docs/distributed.md).
@@ -447,6 +462,7 @@ impl Default for TrainerSpec {
             dump_rollouts: false,
             sharding: None,
             micro_batch_tokens: None,
+            compute_dtype: None,
         }
     }
 }

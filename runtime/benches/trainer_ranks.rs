@@ -65,6 +65,7 @@ fn options() -> TrainerOptions {
         micro_batch_tokens: 4096,
         kl_coef: 0.0,
         sharding,
+        bf16_compute: false,
     }
 }
 

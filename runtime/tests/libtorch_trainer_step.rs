@@ -227,6 +227,7 @@ fn tiny_trainer() -> moult_runtime::trainer::train::Trainer {
         micro_batch_tokens: 1024,
         kl_coef: 0.0,
         sharding: Default::default(),
+        bf16_compute: false,
     };
     Trainer::new(model, None, opts).unwrap()
 }

@@ -478,6 +478,24 @@ impl CausalLm {
             .collect()
     }
 
+    /// Computes in `kind` from now on (its rotary tables and scales): for a trainer that
+    /// gathers its weights in `kind` while it keeps float32 shards (docs/distributed.md,
+    /// "bfloat16 compute"). The weights themselves are the caller's to convert.
+    pub fn compute_in(&mut self, kind: Kind) {
+        let c = &self.cfg;
+        self.rope = Rope::new(
+            c.head_dim,
+            c.rope,
+            c.max_position_embeddings,
+            kind,
+            self.device,
+        );
+        self.sliding_rope = c
+            .sliding_rope
+            .map(|r| Rope::new(c.head_dim, r, c.max_position_embeddings, kind, self.device));
+        self.kind = kind;
+    }
+
     /// Drops the checkpoint-named views, keeping the weights only in the tensors
     /// [`CausalLm::trainable`] returns: a trainer that shards its weights frees those tensors'
     /// storage between uses, and a view would keep it alive. [`CausalLm::params`] is empty after.

@@ -418,6 +418,8 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
             Some(moult_operator::api::TrainerSharding::Optimizer) => Sharding::Optimizer,
             Some(moult_operator::api::TrainerSharding::Full) | None => Sharding::Full,
         },
+        bf16_compute: spec.trainer.compute_dtype
+            == Some(moult_operator::api::TrainerDtype::BFloat16),
     })
 }
 
@@ -724,6 +726,23 @@ spec:
             (set.sharding, set.micro_batch_tokens),
             (Sharding::Optimizer, 512)
         );
+        // The CRD's rule, as the API server applies it: bfloat16 needs master shards.
+        let bf16 = |trainer: &str| {
+            let run = read("bf16", &format!("  trainer: {trainer}\n  totalSteps: 1\n"))?;
+            Ok::<_, RunError>(trainer_options(&run, 1).unwrap().bf16_compute)
+        };
+        assert!(bf16("{nodes: 2, computeDtype: BFloat16}").unwrap());
+        assert!(!bf16("{nodes: 2, computeDtype: Float32}").unwrap());
+        for refused in [
+            "{computeDtype: BFloat16}",
+            "{nodes: 2, sharding: Optimizer, computeDtype: BFloat16}",
+        ] {
+            let e = bf16(refused).unwrap_err().to_string();
+            assert!(
+                e.contains("trainer.computeDtype BFloat16"),
+                "{refused}: {e}"
+            );
+        }
         let zero = read(
             "zero",
             "  trainer: {microBatchTokens: 0}\n  totalSteps: 1\n",

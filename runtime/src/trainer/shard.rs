@@ -189,6 +189,8 @@ pub(super) struct Shards {
     world: usize,
     /// `Full`: this rank's shards of the weights, the only copy between gathers.
     own: Option<Tensor>,
+    /// `Full`: the dtype weights are gathered (and computed) in, when not the shards' own.
+    compute: Option<Kind>,
     optimizer: AdamW,
     /// Seconds spent in collectives since [`Shards::take_seconds`], and of them in gathers of
     /// weights.
@@ -269,10 +271,24 @@ impl Shards {
             state_len,
             world,
             own: None,
+            compute: None,
             optimizer,
             seconds: Cell::new(0.0),
             gathering: Cell::new(0.0),
         }
+    }
+
+    /// `Full`: gathers the weights in `kind` (bfloat16 compute), keeping the shards, the
+    /// gradients' reduction and AdamW in the shards' dtype.
+    pub(super) fn gather_in(&mut self, kind: Kind) {
+        self.compute = Some(kind);
+    }
+
+    /// The dtype of the weights this rank keeps, of its gradient shard and of its moments.
+    pub(super) fn master_kind(&self, params: &[Tensor]) -> Kind {
+        self.own
+            .as_ref()
+            .map_or_else(|| params[0].kind(), Tensor::kind)
     }
 
     /// Whether the weights are sharded too (`Full`).
@@ -371,7 +387,7 @@ impl Shards {
         params: &[Tensor],
         group: &dyn Collectives,
     ) -> Result<ShardGrad> {
-        let mut acc = self.new_grad(params[0].kind());
+        let mut acc = self.new_grad(self.master_kind(params));
         for u in 0..self.units.len() {
             let grads: Vec<Option<Tensor>> = params[self.units[u].tensors.clone()]
                 .iter()
@@ -480,7 +496,13 @@ impl Shards {
     ) -> Result<Tensor> {
         let unit = &self.units[u];
         let shard = match &self.own {
-            Some(own) => own.narrow(0, unit.at, unit.shard_len),
+            Some(own) => {
+                let shard = own.narrow(0, unit.at, unit.shard_len);
+                match self.compute {
+                    Some(kind) => shard.to_kind(kind),
+                    None => shard,
+                }
+            }
             None => self
                 .state_of(|_, p| piece_of(params, p), params[0].kind())
                 .narrow(0, unit.at, unit.shard_len),

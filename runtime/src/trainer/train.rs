@@ -71,6 +71,10 @@ pub struct TrainerOptions {
     /// What several ranks shard (ignored with one).
     #[serde(default)]
     pub sharding: Sharding,
+    /// Compute in bfloat16 (weights gathered as bfloat16), keeping float32 shards, gradient
+    /// reduction and AdamW: sharded weights only.
+    #[serde(default)]
+    pub bf16_compute: bool,
 }
 
 /// What one step did (the step's metrics).
@@ -229,8 +233,23 @@ impl Trainer {
                 adamw(),
             )
         });
-        if shards.is_some() && opts.sharding == Sharding::Full {
+        let full = shards.is_some() && opts.sharding == Sharding::Full;
+        if opts.bf16_compute && !full {
+            return Err(
+                "bfloat16 compute needs sharded weights: spec.trainer.nodes of 2 or more, with \
+                 sharding: Full (docs/distributed.md)"
+                    .into(),
+            );
+        }
+        let mut shards = shards;
+        if full {
             model.forget_names();
+            if opts.bf16_compute {
+                model.compute_in(tch::Kind::BFloat16);
+                if let Some(s) = shards.as_mut() {
+                    s.gather_in(tch::Kind::BFloat16);
+                }
+            }
         }
         Ok(Self {
             names,
@@ -368,7 +387,9 @@ impl Trainer {
     /// The moments, whole; with several ranks a collective every rank calls.
     pub(super) fn gather_moments(&self) -> crate::dist::Result<Vec<(Tensor, Tensor)>> {
         match &self.shards {
-            Some(shards) => shards.gathered_moments(self.params[0].kind(), self.group.as_ref()),
+            Some(shards) => {
+                shards.gathered_moments(shards.master_kind(&self.params), self.group.as_ref())
+            }
             None => Ok(self.local_moments()),
         }
     }
@@ -446,7 +467,7 @@ impl Trainer {
             .shards
             .as_ref()
             .filter(|s| s.full())
-            .map(|s| s.new_grad(self.params[0].kind()));
+            .map(|s| s.new_grad(s.master_kind(&self.params)));
         for (i, old) in olds.iter().enumerate() {
             let (Some(part), Some(old)) = (parts.get(i).copied(), old) else {
                 self.layered()
