@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+use super::shard::shard_file_name;
 use super::train::{Sample, Trainer, TrainerOptions};
 use crate::dist::{Collectives, Error, ReduceOp, Result};
 use crate::model::CausalLm;
@@ -164,7 +165,7 @@ impl Trainer {
     /// This rank's file of a sharded checkpoint in `dir`, written and synced.
     fn write_shard(&self, dir: &Path) -> std::result::Result<(), String> {
         let shards = dir.join(SHARDS);
-        let file = shards.join(self.shard_layout().file_name(self.group().rank()));
+        let file = shards.join(shard_file_name(self.group().rank(), self.world_size()));
         let written = std::fs::create_dir_all(&shards)
             .map_err(|e| e.to_string())
             .and_then(|()| {

@@ -69,7 +69,7 @@ pub type Whole = (Vec<(String, Tensor)>, Vec<(Tensor, Tensor)>);
 impl ShardLayout {
     /// The file rank `rank` writes.
     pub fn file_name(&self, rank: usize) -> String {
-        format!("rank-{rank:05}-of-{:05}.safetensors", self.world)
+        shard_file_name(rank, self.world)
     }
 
     /// The whole tensors from every rank's file (`read(rank)` gives its tensors by name).
@@ -148,6 +148,11 @@ impl ShardLayout {
             .collect::<std::result::Result<Vec<_>, String>>()?;
         Ok((weights, moments))
     }
+}
+
+/// The file rank `rank` of `world` writes in a sharded checkpoint's `shards/`.
+pub fn shard_file_name(rank: usize, world: usize) -> String {
+    format!("rank-{rank:05}-of-{world:05}.safetensors")
 }
 
 /// This rank's part of one trainable tensor.
@@ -540,23 +545,32 @@ impl Shards {
         }
     }
 
+    /// AdamW's first and second moments laid out as this rank's state (zeros before a step).
+    fn moment_states(&self, kind: Kind) -> Vec<Tensor> {
+        let state = self.optimizer.moments();
+        // Piece i's moments are state[i] (AdamW runs over the pieces in order).
+        (0..2)
+            .map(|which| {
+                self.state_of(
+                    |i, p| match state.get(i) {
+                        Some((m, v)) => [m, v][which].shallow_clone(),
+                        None => Tensor::zeros([p.len], (kind, tch::Device::Cpu)),
+                    },
+                    kind,
+                )
+            })
+            .collect()
+    }
+
     /// `Full`: this rank's shard of each unit, flat, for its file of a sharded checkpoint:
     /// weights (`w.U`) and, after a step, moments (`m.U`, `v.U`).
     pub(super) fn shard_tensors(&self) -> Vec<(String, Tensor)> {
         let own = self.own.as_ref().expect("sharded weights");
         let kind = own.kind();
-        let state = self.optimizer.moments();
-        let moments: Vec<Tensor> = if state.is_empty() {
+        let moments = if self.optimizer.moments().is_empty() {
             Vec::new()
         } else {
-            (0..2)
-                .map(|which| {
-                    self.state_of(
-                        |i, _| [&state[i].0, &state[i].1][which].shallow_clone(),
-                        kind,
-                    )
-                })
-                .collect()
+            self.moment_states(kind)
         };
         let mut out = Vec::new();
         for (u, unit) in self.units.iter().enumerate() {
@@ -637,19 +651,7 @@ impl Shards {
         if stepped.double_value(&[0]) == 0.0 {
             return Ok(Vec::new());
         }
-        let state = self.optimizer.moments();
-        // Piece i's moments are state[i] (AdamW runs over the pieces in order).
-        let shards: Vec<Tensor> = (0..2)
-            .map(|which| {
-                self.state_of(
-                    |i, p| match state.get(i) {
-                        Some((m, v)) => [m, v][which].shallow_clone(),
-                        None => Tensor::zeros([p.len], (kind, tch::Device::Cpu)),
-                    },
-                    kind,
-                )
-            })
-            .collect();
+        let shards = self.moment_states(kind);
         let mut out = Vec::new();
         for u in 0..self.units.len() {
             let unit = &self.units[u];
