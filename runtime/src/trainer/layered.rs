@@ -18,7 +18,7 @@ use tch::{Kind, Tensor};
 
 use super::logprobs::{picked, seq_inputs, Scored, Targets};
 use super::shard::{ShardGrad, Shards};
-use super::step::{loss_of, LossConfig, LossExtras, LossMetrics, TrainSample};
+use super::step::{loss_of, scored, LossConfig, LossExtras, LossMetrics, TrainSample};
 use crate::dist::Collectives;
 use crate::model::{CausalLm, Result, Stages};
 
@@ -229,15 +229,7 @@ impl Layered<'_> {
         acc: &mut ShardGrad,
     ) -> Result<Option<LossMetrics>> {
         let model = self.model;
-        let scored: Option<Vec<Scored<'_>>> = part.map(|p| {
-            p.samples
-                .iter()
-                .map(|s| Scored {
-                    tokens: s.tokens,
-                    replay: s.replay,
-                })
-                .collect()
-        });
+        let scored: Option<Vec<Scored<'_>>> = part.map(|p| scored(p.samples));
         let stages = scored
             .as_deref()
             .map(|s| model.stages(&seq_inputs(s)))

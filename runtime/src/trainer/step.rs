@@ -80,6 +80,17 @@ fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> 
     .collect()
 }
 
+/// The sequences of `samples` to score.
+pub(super) fn scored<'a>(samples: &[TrainSample<'a>]) -> Vec<Scored<'a>> {
+    samples
+        .iter()
+        .map(|s| Scored {
+            tokens: s.tokens,
+            replay: s.replay,
+        })
+        .collect()
+}
+
 /// π_old: the sampled tokens' logprobs under the current weights, without gradient, computed
 /// once at the start of a batch.
 pub fn old_logprobs(
@@ -87,13 +98,7 @@ pub fn old_logprobs(
     samples: &[TrainSample<'_>],
     temperature: f64,
 ) -> crate::model::Result<Tensor> {
-    let seqs: Vec<Scored<'_>> = samples
-        .iter()
-        .map(|s| Scored {
-            tokens: s.tokens,
-            replay: s.replay,
-        })
-        .collect();
+    let seqs = scored(samples);
     tch::no_grad(|| token_logprobs(model, &seqs, temperature))
 }
 
@@ -115,13 +120,7 @@ pub fn policy_loss_with(
     cfg: &LossConfig,
     extras: &LossExtras<'_>,
 ) -> crate::model::Result<(Tensor, LossMetrics)> {
-    let seqs: Vec<Scored<'_>> = samples
-        .iter()
-        .map(|s| Scored {
-            tokens: s.tokens,
-            replay: s.replay,
-        })
-        .collect();
+    let seqs = scored(samples);
     let (logp, entropy) = token_logprobs_and_entropy(model, &seqs, cfg.temperature)?;
     Ok(loss_of(&logp, &entropy, samples, logp_old, cfg, extras))
 }
