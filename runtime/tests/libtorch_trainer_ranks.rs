@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use moult_runtime::algorithms::losses::Aggregation;
-use moult_runtime::dist::{Rendezvous, ENV_MASTER, ENV_RANK, ENV_TIMEOUT, ENV_WORLD};
+use moult_runtime::dist::{Collectives, Rendezvous, ENV_MASTER, ENV_RANK, ENV_TIMEOUT, ENV_WORLD};
 use moult_runtime::model::CausalLm;
 use moult_runtime::run::checkpoint::{self, CheckpointMeta};
 use moult_runtime::trainer::optim::{Decay, LrSchedule};
@@ -147,8 +147,14 @@ fn as_rank() -> bool {
     if group.rank() > 0 {
         let mut trainer = follower(group, Device::Cpu).unwrap();
         assert_eq!(trainer.world_size(), rendezvous.world);
-        let saving = std::env::var(ENV_PHASE).is_ok_and(|p| p.starts_with("save:"));
-        let expected = if saving { 2 } else { STEPS as u64 };
+        let phase = std::env::var(ENV_PHASE).unwrap_or_default();
+        let expected = if phase.starts_with("save:") {
+            2
+        } else if phase.starts_with("publish:") {
+            1
+        } else {
+            STEPS as u64
+        };
         assert_eq!(
             trainer.follow().unwrap(),
             expected,
@@ -163,6 +169,10 @@ fn as_rank() -> bool {
         options: options(),
     };
     let phase = std::env::var(ENV_PHASE).ok();
+    if let Some(transport) = phase.as_deref().and_then(|p| p.strip_prefix("publish:")) {
+        publish_from_ranks(&model, setup, group, transport);
+        return true;
+    }
     if let Some(root) = phase.as_deref().and_then(|p| p.strip_prefix("save:")) {
         let mut trainer = leader(load(&model), None, setup, None, group).unwrap();
         for step in 0..2 {
@@ -225,6 +235,107 @@ fn as_rank() -> bool {
         Tensor::write_safetensors(&named, PathBuf::from(out)).unwrap();
     }
     true
+}
+
+/// Rank 0 of the publishing test: one step in float32 (what the built-in engine holds), then the
+/// weights published to an engine through `transport` while the ranks gather them unit by unit;
+/// the engine's logprobs must be those of the trainer's weights.
+fn publish_from_ranks(model: &Path, setup: Setup, group: Box<dyn Collectives>, transport: &str) {
+    use moult_operator::api::{EngineBackend, WeightTransport};
+    use moult_runtime::engine::sampling::SamplingParams;
+    use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
+
+    let setup = Setup {
+        dtype: "float32".into(),
+        ..setup
+    };
+    let base = CausalLm::load(model, Kind::Float, Device::Cpu).unwrap();
+    let mut trainer = leader(base, None, setup, None, group).unwrap();
+    trainer.step(&batch(0)).unwrap();
+    let transport = match transport {
+        "tcp" => WeightTransport::Tcp,
+        _ => WeightTransport::Filesystem,
+    };
+    let folder = std::env::temp_dir().join(format!("moult-rank-publish-{}", std::process::id()));
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (mut engine, url) = common::spawn_engine(model);
+    let (trainer, generation, report) = runtime.block_on(async {
+        let mut publisher = Publisher::connect(&PublishOptions {
+            target: url.clone(),
+            backend: EngineBackend::Builtin,
+            transport,
+            device: Device::Cpu,
+            host: "127.0.0.1".into(),
+            port: 0,
+            folder: Some(folder.clone()),
+            engine_kind: Kind::Float,
+        })
+        .await
+        .unwrap();
+        let (trainer, gathered, sent) = publisher.publish_trainer(trainer, 1, true).await;
+        gathered.unwrap();
+        let report = sent.unwrap();
+        let body = serde_json::json!({"token_ids": &batch(5)[0].tokens[..6], "stream": true,
+            "sampling_params": {"max_tokens": 8, "ignore_eos": true, "seed": 3}});
+        let response = reqwest::Client::new()
+            .post(format!("{url}/inference/v1/generate"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let generation = common::Generation::read(response, |_| {}).await;
+        (trainer, generation, report)
+    });
+    engine.kill().unwrap();
+    engine.wait().unwrap();
+    // A bucket per unit: the embedding, each layer and the final norm (at least).
+    let layers = trainer.model().config().num_hidden_layers;
+    assert!(
+        report.buckets >= layers + 2,
+        "{} buckets for {layers} layers",
+        report.buckets
+    );
+    if transport == WeightTransport::Filesystem {
+        let index = folder.join("v1/model.safetensors.index.json");
+        assert!(index.is_file(), "one file per bucket, and their index");
+        std::fs::remove_dir_all(&folder).unwrap();
+    }
+    assert_eq!(generation.versions, vec![1; 8], "served by the new weights");
+    let trained = CausalLm::load(model, Kind::Float, Device::Cpu).unwrap();
+    tch::no_grad(|| {
+        for (name, t) in trainer.weights().unwrap() {
+            trained.params()[&name].shallow_clone().copy_(&t);
+        }
+    });
+    trainer.stop_followers().unwrap();
+    let params = SamplingParams {
+        max_tokens: 8,
+        ignore_eos: true,
+        ..SamplingParams::default()
+    };
+    let prompt = &batch(5)[0].tokens[..6];
+    let want = common::reference_logprobs(&trained, prompt, &generation.ids, &params, None);
+    let before = CausalLm::load(model, Kind::Float, Device::Cpu).unwrap();
+    let old = common::reference_logprobs(&before, prompt, &generation.ids, &params, None);
+    let gap = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    let (new_gap, old_gap) = (
+        gap(&generation.logprobs, &want),
+        gap(&generation.logprobs, &old),
+    );
+    println!(
+        "{transport:?}: {} buckets, {} bytes; engine vs trainer logprobs {new_gap:.2e}, vs the weights before the step {old_gap:.2e}",
+        report.buckets, report.bytes
+    );
+    assert!(new_gap < 1e-4, "the engine serves other weights: {new_gap}");
+    assert!(
+        old_gap > 1e-3,
+        "the step changed nothing the engine shows: {old_gap}"
+    );
 }
 
 fn free_port() -> u16 {
@@ -542,6 +653,27 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         );
         assert!(worst < 1e-5, "{saved} -> {resumed} ranks: {worst:e}");
         let _ = std::fs::remove_dir_all(&root);
+    }
+}
+
+/// A sharded trainer of two ranks publishes to a built-in engine bucket by bucket, a unit at a
+/// time as the ranks gather it, over the TCP stream and through a folder: the engine then serves
+/// the trainer's weights.
+#[test]
+fn libtorch_sharded_ranks_publish_bucket_by_bucket_over_every_transport() {
+    if as_rank() {
+        return;
+    }
+    let test = "libtorch_sharded_ranks_publish_bucket_by_bucket_over_every_transport";
+    let model = common::dense_model();
+    for transport in ["tcp", "filesystem"] {
+        run_ranks_with(
+            test,
+            &model,
+            2,
+            "full",
+            Some(&format!("publish:{transport}")),
+        );
     }
 }
 

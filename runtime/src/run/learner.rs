@@ -250,17 +250,20 @@ impl Learner {
             return Ok(0.0);
         }
         let started = Instant::now();
-        let weights = self
-            .trainer()
-            .weights()
-            .map_err(crate::model::Error::from)?;
-        let publisher = self
-            .publisher
-            .as_mut()
-            .ok_or_else(|| RunError::Setup("the weight path is not connected".into()))?;
         let mut tries = 0;
         loop {
-            match publisher.update(&weights, version, partial_rollout).await {
+            let publisher = self
+                .publisher
+                .as_mut()
+                .ok_or_else(|| RunError::Setup("the weight path is not connected".into()))?;
+            let trainer = self.trainer.take().expect("the trainer is here");
+            let (trainer, gathered, sent) = publisher
+                .publish_trainer(trainer, version, partial_rollout)
+                .await;
+            self.trainer = Some(trainer);
+            // A lost rank ends the run (the trainer cannot go on); a failed send is tried again.
+            gathered.map_err(crate::model::Error::from)?;
+            match sent {
                 Ok(_) => return Ok(started.elapsed().as_secs_f64()),
                 Err(e) if tries + 1 < self.publish_tries => {
                     tries += 1;

@@ -137,10 +137,22 @@ impl Trainer {
     /// share storage with the model: use them before the next step. With sharded weights,
     /// gathered from every rank (called on rank 0).
     pub fn weights(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut all = Vec::new();
+        self.weight_buckets(&mut |bucket| all.extend(bucket))?;
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(all)
+    }
+
+    /// [`Trainer::weights`] in buckets, each handed to `emit` as soon as it exists: with sharded
+    /// weights one unit (the embedding, a decoder layer, ...) at a time, so the whole model is
+    /// never gathered in one place, and a publisher sends one bucket while the next is gathered
+    /// (docs/weight-sync.md, "From a sharded trainer"). Every bucket is gathered even when
+    /// `emit` no longer wants them: the other ranks take part in each gather.
+    pub fn weight_buckets(&self, emit: &mut dyn FnMut(Vec<(String, Tensor)>)) -> Result<()> {
         if self.weights_sharded() {
             self.command(Command::Weights, None)?;
         }
-        self.gather_weights()
+        self.gather_weights(emit)
     }
 
     /// Sharded weights: every rank writes its shards of the weights and moments into
@@ -219,7 +231,7 @@ impl Trainer {
                 }
                 3 => return Ok(self.steps()),
                 4 => {
-                    self.gather_weights()?;
+                    self.gather_weights(&mut drop)?;
                 }
                 5 => {
                     let bytes = broadcast_bytes(self.group(), None)?;

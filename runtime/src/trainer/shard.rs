@@ -600,30 +600,36 @@ impl Shards {
         }
     }
 
-    /// `Full`: the weights by checkpoint name, whole, gathered unit by unit (a collective).
-    pub(super) fn gathered_weights(
+    /// `Full`: the weights by checkpoint name, whole, gathered unit by unit (a collective);
+    /// `emit` gets each unit's weights as soon as they are gathered, so only one unit is whole
+    /// at a time here.
+    pub(super) fn gather_units(
         &self,
         params: &[Tensor],
         names: &[NamedSlice],
         group: &dyn Collectives,
-    ) -> Result<Vec<(String, Tensor)>> {
-        let mut out = Vec::with_capacity(names.len());
+        emit: &mut dyn FnMut(Vec<(String, Tensor)>),
+    ) -> Result<()> {
         for u in 0..self.units.len() {
             let full = self.gather(u, params, group)?;
             self.release(u, params);
             let unit = &self.units[u];
-            for n in names.iter().filter(|n| unit.tensors.contains(&n.tensor)) {
-                let i = n.tensor - unit.tensors.start;
-                let numel: i64 = n.shape.iter().product();
-                let whole = full
-                    .narrow(0, unit.offsets[i] + n.offset, numel)
-                    .view(n.shape.as_slice())
-                    .copy();
-                out.push((n.name.clone(), whole));
-            }
+            let named = names
+                .iter()
+                .filter(|n| unit.tensors.contains(&n.tensor))
+                .map(|n| {
+                    let i = n.tensor - unit.tensors.start;
+                    let numel: i64 = n.shape.iter().product();
+                    let whole = full
+                        .narrow(0, unit.offsets[i] + n.offset, numel)
+                        .view(n.shape.as_slice())
+                        .copy();
+                    (n.name.clone(), whole)
+                })
+                .collect();
+            emit(named);
         }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(out)
+        Ok(())
     }
 
     /// This rank's state built from each piece's tensor, padded.

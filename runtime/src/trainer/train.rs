@@ -328,19 +328,27 @@ impl Trainer {
         }
     }
 
-    /// The weights by checkpoint name; with sharded weights a collective (called by every
-    /// rank: [`Trainer::weights`] on rank 0 commands the others).
-    pub(super) fn gather_weights(&self) -> crate::dist::Result<Vec<(String, Tensor)>> {
+    /// The weights by checkpoint name, handed to `emit` in buckets: with sharded weights one
+    /// unit (a layer) at a time as it is gathered, a collective called by every rank
+    /// ([`Trainer::weight_buckets`] on rank 0 commands the others); else all at once.
+    pub(super) fn gather_weights(
+        &self,
+        emit: &mut dyn FnMut(Vec<(String, Tensor)>),
+    ) -> crate::dist::Result<()> {
         match &self.shards {
             Some(shards) if shards.full() => {
-                shards.gathered_weights(&self.params, &self.names, self.group.as_ref())
+                shards.gather_units(&self.params, &self.names, self.group.as_ref(), emit)
             }
-            _ => Ok(self
-                .model
-                .params()
-                .iter()
-                .map(|(n, t)| (n.clone(), t.detach()))
-                .collect()),
+            _ => {
+                emit(
+                    self.model
+                        .params()
+                        .iter()
+                        .map(|(n, t)| (n.clone(), t.detach()))
+                        .collect(),
+                );
+                Ok(())
+            }
         }
     }
 

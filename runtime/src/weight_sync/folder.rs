@@ -10,6 +10,7 @@
 //! resumed on weights that may be half-replaced (the update fails, and the next one, or a
 //! restart, brings them to whole weights).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,7 @@ use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
 use super::orchestrate::{step, Control, SyncError, SyncReport};
+use super::stream::{bytes_of, WeightStream};
 
 /// How often a failed reload is tried again before the update fails.
 const RELOAD_TRIES: usize = 3;
@@ -34,40 +36,115 @@ pub fn version_dir(root: &Path, version: u64) -> PathBuf {
     root.join(format!("v{version}"))
 }
 
-/// Writes `tensors` (converted to `kind`, on the CPU) as `<root>/v<version>/model.safetensors`,
-/// through a hidden folder renamed into place, and returns the folder and the bytes written.
-pub fn write_version(
+/// The file of one bucket of a version written in several.
+fn bucket_file(index: usize) -> String {
+    format!("model-{:05}.safetensors", index + 1)
+}
+
+/// A version folder being written: buckets go to files in a hidden folder, renamed into place
+/// once every bucket is in.
+struct VersionWriter {
+    partial: PathBuf,
+    dir: PathBuf,
+    kind: Kind,
+    /// Each weight's file, and the bytes written.
+    files: BTreeMap<String, String>,
+    buckets: usize,
+    bytes: usize,
+}
+
+fn io(what: &str, p: &Path, e: std::io::Error) -> String {
+    format!("{what} {}: {e}", p.display())
+}
+
+impl VersionWriter {
+    /// Starts `<root>/v<version>`, removing what an interrupted attempt left.
+    fn start(root: &Path, version: u64, kind: Kind) -> Result<Self, String> {
+        std::fs::create_dir_all(root).map_err(|e| io("creating", root, e))?;
+        let partial = root.join(format!(".v{version}.partial"));
+        let dir = version_dir(root, version);
+        for stale in [&partial, &dir] {
+            if stale.exists() {
+                std::fs::remove_dir_all(stale).map_err(|e| io("removing", stale, e))?;
+            }
+        }
+        std::fs::create_dir_all(&partial).map_err(|e| io("creating", &partial, e))?;
+        Ok(Self {
+            partial,
+            dir,
+            kind,
+            files: BTreeMap::new(),
+            buckets: 0,
+            bytes: 0,
+        })
+    }
+
+    /// Writes one bucket, converted to the engines' dtype on the CPU, as the next file.
+    fn write(&mut self, bucket: &[(String, Tensor)]) -> Result<(), String> {
+        let converted: Vec<(String, Tensor)> = bucket
+            .iter()
+            .map(|(n, t)| {
+                let t = t.to_device(Device::Cpu).to_kind(self.kind).contiguous();
+                (n.clone(), t)
+            })
+            .collect();
+        let name = bucket_file(self.buckets);
+        let file = self.partial.join(&name);
+        Tensor::write_safetensors(&converted, &file)
+            .map_err(|e| format!("writing {}: {e}", file.display()))?;
+        self.bytes += converted.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
+        for (n, _) in &converted {
+            self.files.insert(n.clone(), name.clone());
+        }
+        self.buckets += 1;
+        Ok(())
+    }
+
+    /// Names the files as a Hugging Face folder does (`model.safetensors`, or numbered files and
+    /// `model.safetensors.index.json`), and renames the folder into place.
+    fn finish(self) -> Result<(PathBuf, usize, usize), String> {
+        if self.buckets == 1 {
+            let (from, to) = (
+                self.partial.join(bucket_file(0)),
+                self.partial.join("model.safetensors"),
+            );
+            std::fs::rename(&from, &to).map_err(|e| io("renaming into", &to, e))?;
+        } else {
+            let index = json!({"metadata": {"total_size": self.bytes}, "weight_map": self.files});
+            let file = self.partial.join("model.safetensors.index.json");
+            std::fs::write(&file, index.to_string()).map_err(|e| io("writing", &file, e))?;
+        }
+        std::fs::rename(&self.partial, &self.dir).map_err(|e| io("renaming into", &self.dir, e))?;
+        Ok((self.dir, self.bytes, self.buckets))
+    }
+}
+
+/// Writes the buckets of `weights` (converted to `kind`, on the CPU) as
+/// `<root>/v<version>/`, one file per bucket, through a hidden folder renamed into place once
+/// the stream ended whole; returns the folder, the bytes and the buckets written.
+pub async fn write_version(
     root: &Path,
     version: u64,
-    tensors: &[(String, Tensor)],
+    mut weights: WeightStream,
     kind: Kind,
-) -> Result<(PathBuf, usize), String> {
-    let io = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
-    std::fs::create_dir_all(root).map_err(|e| io("creating", root, e))?;
-    let partial = root.join(format!(".v{version}.partial"));
-    let dir = version_dir(root, version);
-    for stale in [&partial, &dir] {
-        if stale.exists() {
-            std::fs::remove_dir_all(stale).map_err(|e| io("removing", stale, e))?;
-        }
+) -> Result<(PathBuf, usize, usize), SyncError> {
+    let blocking = |e: tokio::task::JoinError| step("write")(e.to_string());
+    let root = root.to_path_buf();
+    let mut writer =
+        tokio::task::spawn_blocking(move || VersionWriter::start(&root, version, kind))
+            .await
+            .map_err(blocking)?
+            .map_err(step("write"))?;
+    while let Some(bucket) = weights.next().await? {
+        writer = tokio::task::spawn_blocking(move || writer.write(&bucket).map(|()| writer))
+            .await
+            .map_err(blocking)?
+            .map_err(step("write"))?;
     }
-    std::fs::create_dir_all(&partial).map_err(|e| io("creating", &partial, e))?;
-    let converted: Vec<(String, Tensor)> = tensors
-        .iter()
-        .map(|(n, t)| {
-            let t = t.to_device(Device::Cpu).to_kind(kind).contiguous();
-            (n.clone(), t)
-        })
-        .collect();
-    let bytes = converted
-        .iter()
-        .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
-        .sum();
-    let file = partial.join("model.safetensors");
-    Tensor::write_safetensors(&converted, &file)
-        .map_err(|e| format!("writing {}: {e}", file.display()))?;
-    std::fs::rename(&partial, &dir).map_err(|e| io("renaming into", &dir, e))?;
-    Ok((dir, bytes))
+    tokio::task::spawn_blocking(move || writer.finish())
+        .await
+        .map_err(blocking)?
+        .map_err(step("write"))
 }
 
 /// Removes every version folder under `root` but `keep` (and leftovers of interrupted writes).
@@ -113,17 +190,20 @@ impl FolderPublisher {
         version: u64,
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
+        self.update_stream(WeightStream::whole(tensors), version, partial_rollout)
+            .await
+    }
+
+    /// [`update`](Self::update) from buckets as they come: each is written as it arrives, one
+    /// file per bucket, while the engines still generate.
+    pub async fn update_stream(
+        &mut self,
+        weights: WeightStream,
+        version: u64,
+        partial_rollout: bool,
+    ) -> Result<SyncReport, SyncError> {
         let started = Instant::now();
-        let (root, kind) = (self.root.clone(), self.kind);
-        let shallow: Vec<(String, Tensor)> = tensors
-            .iter()
-            .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect();
-        let (dir, bytes) =
-            tokio::task::spawn_blocking(move || write_version(&root, version, &shallow, kind))
-                .await
-                .map_err(|e| step("write")(e.to_string()))?
-                .map_err(step("write"))?;
+        let (dir, bytes, buckets) = write_version(&self.root, version, weights, self.kind).await?;
         let written = started.elapsed();
 
         let paused_at = Instant::now();
@@ -143,13 +223,14 @@ impl FolderPublisher {
             ?written,
             ?paused,
             bytes,
+            buckets,
             "weights published from a folder"
         );
         Ok(SyncReport {
             paused,
             transfer,
             bytes,
-            buckets: 1,
+            buckets,
         })
     }
 
@@ -175,21 +256,30 @@ impl FolderPublisher {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_version_folder_appears_whole_in_the_engines_dtype_and_old_ones_go() {
+    fn read(dir: &Path, file: &str) -> Vec<(String, Tensor)> {
+        Tensor::read_safetensors(dir.join(file)).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_version_folder_appears_whole_in_the_engines_dtype_and_old_ones_go() {
         let root = std::env::temp_dir().join(format!("moult-folder-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         let w = Tensor::from_slice(&[1.5f32, -2.25, 3.0]).reshape([3, 1]);
         let tensors = vec![("model.norm.weight".to_string(), w)];
-        let (v1, bytes) = write_version(&root, 1, &tensors, Kind::BFloat16).unwrap();
-        assert_eq!(bytes, 6, "three bfloat16 values");
-        let read = Tensor::read_safetensors(v1.join("model.safetensors")).unwrap();
+        let whole = WeightStream::whole(&tensors);
+        let (v1, bytes, buckets) = write_version(&root, 1, whole, Kind::BFloat16)
+            .await
+            .unwrap();
+        assert_eq!((bytes, buckets), (6, 1), "three bfloat16 values, one file");
+        let read = read(&v1, "model.safetensors");
         assert_eq!(read[0].0, "model.norm.weight");
         assert_eq!(read[0].1.kind(), Kind::BFloat16);
         assert_eq!(read[0].1.size(), [3, 1]);
         let back: Vec<f32> = Vec::try_from(read[0].1.to_kind(Kind::Float).flatten(0, -1)).unwrap();
         assert_eq!(back, [1.5, -2.25, 3.0]);
-        let (v2, _) = write_version(&root, 2, &tensors, Kind::Float).unwrap();
+        let (v2, _, _) = write_version(&root, 2, WeightStream::whole(&tensors), Kind::Float)
+            .await
+            .unwrap();
         std::fs::create_dir_all(root.join(".v3.partial")).unwrap();
         std::fs::create_dir_all(root.join("unrelated")).unwrap();
         remove_other_versions(&root, &v2);
@@ -199,6 +289,49 @@ mod tests {
             .collect();
         left.sort();
         assert_eq!(left, ["unrelated", "v2"]);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_streamed_version_is_a_sharded_folder_and_a_short_stream_leaves_none() {
+        let root = std::env::temp_dir().join(format!("moult-folder-s-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let t = |x: f32| Tensor::from_slice(&[x, x]);
+        let (tx, stream) = WeightStream::channel();
+        let producer = tokio::task::spawn_blocking(move || {
+            tx.send(vec![("a".into(), t(1.0)), ("b".into(), t(2.0))]);
+            tx.send(vec![("c".into(), t(3.0))]);
+            tx.done();
+        });
+        let (dir, bytes, buckets) = write_version(&root, 4, stream, Kind::Float).await.unwrap();
+        producer.await.unwrap();
+        assert_eq!((bytes, buckets), (24, 2));
+        let index: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            index["weight_map"],
+            json!({"a": "model-00001.safetensors", "b": "model-00001.safetensors",
+                "c": "model-00002.safetensors"})
+        );
+        assert_eq!(read(&dir, "model-00002.safetensors")[0].0, "c");
+        // The engines' loader reads it like any sharded Hugging Face folder.
+        let loaded = crate::model::load_safetensors_dir(&dir, Kind::Float, Device::Cpu).unwrap();
+        assert_eq!(loaded.keys().collect::<Vec<_>>(), ["a", "b", "c"]);
+
+        // A trainer that stops short: an error, and no version folder appears.
+        let (tx, stream) = WeightStream::channel();
+        let producer = tokio::task::spawn_blocking(move || {
+            tx.send(vec![("a".into(), t(1.0))]);
+        });
+        let err = write_version(&root, 5, stream, Kind::Float)
+            .await
+            .unwrap_err()
+            .to_string();
+        producer.await.unwrap();
+        assert!(err.contains("stopped before"), "{err}");
+        assert!(!version_dir(&root, 5).exists());
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

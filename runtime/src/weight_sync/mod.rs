@@ -9,7 +9,8 @@
 //!   built-in engines), finish with the version, resume; and the control calls every transport
 //!   makes;
 //! - [`folder`]: the Filesystem transport (safetensors in a shared folder, reloaded by engines);
-//! - [`publish`]: the one publisher `moult run` and `moult trainer` use, over all three.
+//! - [`publish`]: the one publisher `moult run` and `moult trainer` use, over all three;
+//! - [`stream`]: the buckets an update is made of, as a trainer gathers them.
 //!
 //! The TCP data plane itself lives in [`crate::engine::weights`].
 
@@ -20,3 +21,4 @@ pub mod nccl_control;
 pub mod nccl_handshake;
 pub mod orchestrate;
 pub mod publish;
+pub mod stream;

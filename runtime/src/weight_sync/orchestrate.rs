@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tch::Tensor;
 
+use super::stream::{bytes_of, Bucket, WeightStream};
 use crate::engine::weights::{
     update_info, TcpWeightSender, WeightListener, DEFAULT_PACKED_BUFFER_BYTES,
 };
@@ -134,26 +135,6 @@ impl Control {
     }
 }
 
-/// A bucket of tensors: shallow copies, so they can move to the sending thread.
-pub(crate) type Bucket = Vec<(String, Tensor)>;
-
-pub(crate) fn buckets(tensors: &[(String, Tensor)], bucket_bytes: usize) -> Vec<Bucket> {
-    let mut out: Vec<Bucket> = Vec::new();
-    let mut size = 0;
-    for (name, t) in tensors {
-        let bytes = t.numel() * t.kind().elt_size_in_bytes();
-        if out.is_empty() || (size + bytes > bucket_bytes && size > 0) {
-            out.push(Vec::new());
-            size = 0;
-        }
-        size += bytes;
-        out.last_mut()
-            .expect("a bucket was pushed")
-            .push((name.clone(), t.shallow_clone()));
-    }
-    out
-}
-
 impl WeightSync {
     /// Updates for the engines behind `target` (a router or an engine base URL).
     pub fn new(target: &str) -> Self {
@@ -228,6 +209,17 @@ impl WeightSync {
         version: u64,
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
+        self.update_stream(WeightStream::whole(tensors), version, partial_rollout)
+            .await
+    }
+
+    /// [`update`](Self::update) from buckets as they come: each is sent as soon as it arrives.
+    pub async fn update_stream(
+        &mut self,
+        weights: WeightStream,
+        version: u64,
+        partial_rollout: bool,
+    ) -> Result<SyncReport, SyncError> {
         let Some((bind, advertise, ranks)) = self.plane.clone() else {
             return Err(SyncError::NotConnected);
         };
@@ -237,7 +229,7 @@ impl WeightSync {
         }
         let paused_at = Instant::now();
         self.control.pause(partial_rollout).await?;
-        let transferred = self.transfer(tensors, version).await;
+        let transferred = self.transfer(weights, version).await;
         if transferred.is_err() {
             // An engine may have been replaced (same address and count, but a fresh process
             // without the weight stream): the next update connects every engine again.
@@ -259,7 +251,7 @@ impl WeightSync {
 
     async fn transfer(
         &mut self,
-        tensors: &[(String, Tensor)],
+        mut weights: WeightStream,
         version: u64,
     ) -> Result<(Duration, usize, usize), SyncError> {
         let started = Instant::now();
@@ -270,36 +262,15 @@ impl WeightSync {
         )
         .await
         .map_err(step("start_weight_update"))?;
-        let all = buckets(tensors, self.bucket_bytes);
-        let count = all.len();
-        let mut bytes = 0;
-        for bucket in all {
-            bytes += bucket
-                .iter()
-                .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
-                .sum::<usize>();
-            let info = update_info(&bucket);
-            let mut sender = self.sender.take().ok_or(SyncError::NotConnected)?;
-            let flush = self.packed_buffer_bytes;
-            let send = tokio::task::spawn_blocking(move || {
-                let result = sender.send_bucket(&bucket, flush);
-                (sender, result)
-            });
-            let told = self
-                .call(
-                    reqwest::Method::POST,
-                    "/update_weights",
-                    Some(json!({"update_info": info})),
-                )
-                .await;
-            let (sender, sent) = send.await.map_err(|e| step("send")(e.to_string()))?;
-            // A stream that failed mid-bucket is desynchronised: reconnect before the next update.
-            if sent.is_ok() && told.is_ok() {
-                self.sender = Some(sender);
+        let (mut count, mut bytes) = (0, 0);
+        while let Some(pieces) = weights.next_split(self.bucket_bytes).await? {
+            for bucket in pieces {
+                count += 1;
+                bytes += bucket.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
+                self.send_bucket(bucket).await?;
             }
-            sent.map_err(|e| step("send")(e.to_string()))?;
-            told.map_err(step("update_weights"))?;
         }
+        // Only a whole stream finishes: the engines swap to the new weights at this call.
         self.call(
             reqwest::Method::POST,
             "/finish_weight_update",
@@ -309,30 +280,29 @@ impl WeightSync {
         .map_err(step("finish_weight_update"))?;
         Ok((started.elapsed(), bytes, count))
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn buckets_group_tensors_up_to_the_size() {
-        let t = |n: i64| Tensor::zeros([n], (tch::Kind::Float, tch::Device::Cpu));
-        let tensors: Vec<(String, Tensor)> = [10, 10, 30, 5, 100]
-            .iter()
-            .enumerate()
-            .map(|(i, &n)| (format!("w{i}"), t(n)))
-            .collect();
-        let b = buckets(&tensors, 80);
-        let names: Vec<Vec<&str>> = b
-            .iter()
-            .map(|b| b.iter().map(|(n, _)| n.as_str()).collect())
-            .collect();
-        // 40 + 40 bytes fill the first; a tensor larger than a bucket (w2: 120 bytes, w4) gets
-        // one of its own, and nothing joins a full one.
-        assert_eq!(
-            names,
-            vec![vec!["w0", "w1"], vec!["w2"], vec!["w3"], vec!["w4"]]
-        );
+    async fn send_bucket(&mut self, bucket: Bucket) -> Result<(), SyncError> {
+        let info = update_info(&bucket);
+        let mut sender = self.sender.take().ok_or(SyncError::NotConnected)?;
+        let flush = self.packed_buffer_bytes;
+        let send = tokio::task::spawn_blocking(move || {
+            let result = sender.send_bucket(&bucket, flush);
+            (sender, result)
+        });
+        let told = self
+            .call(
+                reqwest::Method::POST,
+                "/update_weights",
+                Some(json!({"update_info": info})),
+            )
+            .await;
+        let (sender, sent) = send.await.map_err(|e| step("send")(e.to_string()))?;
+        // A stream that failed mid-bucket is desynchronised: reconnect before the next update.
+        if sent.is_ok() && told.is_ok() {
+            self.sender = Some(sender);
+        }
+        sent.map_err(|e| step("send")(e.to_string()))?;
+        told.map_err(step("update_weights"))?;
+        Ok(())
     }
 }

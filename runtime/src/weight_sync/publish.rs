@@ -17,7 +17,9 @@ use tch::{Device, Kind, Tensor};
 
 use super::folder::FolderPublisher;
 use super::orchestrate::{SyncError, SyncReport, WeightSync};
+use super::stream::WeightStream;
 use crate::run::RunError;
+use crate::trainer::train::Trainer;
 
 /// Where and how a trainer publishes.
 #[derive(Debug, Clone)]
@@ -105,9 +107,61 @@ impl Publisher {
         version: u64,
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
+        self.update_stream(WeightStream::whole(weights), version, partial_rollout)
+            .await
+    }
+
+    /// Publishes `trainer`'s weights as `version`: the trainer gathers them bucket by bucket on
+    /// a blocking thread (with sharded weights, one unit at a time, the other ranks gathering
+    /// along) while this sends each as it comes (docs/weight-sync.md, "From a sharded
+    /// trainer"). Returns the trainer, whether the gather succeeded (a failure means a rank was
+    /// lost) and whether the update did.
+    pub async fn publish_trainer(
+        &mut self,
+        trainer: Trainer,
+        version: u64,
+        partial_rollout: bool,
+    ) -> (
+        Trainer,
+        crate::dist::Result<()>,
+        Result<SyncReport, SyncError>,
+    ) {
+        let (tx, stream) = WeightStream::channel();
+        let gather = tokio::task::spawn_blocking(move || {
+            // Every bucket is gathered even once the update stopped reading: the other ranks
+            // take part in each gather.
+            let gathered = trainer.weight_buckets(&mut |bucket| {
+                tx.send(bucket);
+            });
+            if gathered.is_ok() {
+                tx.done();
+            }
+            (trainer, gathered)
+        });
+        let sent = self.update_stream(stream, version, partial_rollout).await;
+        match gather.await {
+            Ok((trainer, gathered)) => (trainer, gathered, sent),
+            // The gather thread panicked: the trainer is gone with it.
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+
+    /// [`update`](Self::update) from buckets as a trainer gathers them: each transport sends
+    /// (or writes) a bucket while the next is gathered, and finishes the update only once the
+    /// stream ended whole.
+    pub async fn update_stream(
+        &mut self,
+        weights: WeightStream,
+        version: u64,
+        partial_rollout: bool,
+    ) -> Result<SyncReport, SyncError> {
         match self {
-            Self::Tcp(sync) => sync.update(weights, version, partial_rollout).await,
-            Self::Filesystem(folder) => folder.update(weights, version, partial_rollout).await,
+            Self::Tcp(sync) => sync.update_stream(weights, version, partial_rollout).await,
+            Self::Filesystem(folder) => {
+                folder
+                    .update_stream(weights, version, partial_rollout)
+                    .await
+            }
             #[cfg(feature = "cuda")]
             Self::Nccl(p) => p.update(weights, version, partial_rollout).await,
         }
@@ -148,10 +202,11 @@ pub fn engine_kind(
 
 #[cfg(feature = "cuda")]
 mod nccl {
-    use tch::{Kind, Tensor};
+    use tch::Kind;
 
     use crate::weight_sync::nccl::{NcclSenderConfig, NcclWeightSender};
-    use crate::weight_sync::orchestrate::{buckets, step, Control, SyncError, SyncReport};
+    use crate::weight_sync::orchestrate::{step, Control, SyncError, SyncReport};
+    use crate::weight_sync::stream::{bytes_of, WeightStream};
 
     /// Bytes per `update_weights` call.
     const BUCKET_BYTES: usize = 256 << 20;
@@ -204,7 +259,7 @@ mod nccl {
 
         pub async fn update(
             &mut self,
-            weights: &[(String, Tensor)],
+            mut weights: WeightStream,
             version: u64,
             partial_rollout: bool,
         ) -> Result<SyncReport, SyncError> {
@@ -218,31 +273,21 @@ mod nccl {
                 self.sender = Some(sender);
                 self.urls = urls;
             }
-            // In the engines' dtype: vLLM copies what it receives into its parameters.
-            let kind = self.kind;
-            let converted: Vec<(String, Tensor)> = weights
-                .iter()
-                .map(|(n, t)| (n.clone(), t.to_kind(kind).contiguous()))
-                .collect();
-            let bytes = converted
-                .iter()
-                .map(|(_, t)| t.numel() * t.kind().elt_size_in_bytes())
-                .sum();
-            let all = buckets(&converted, BUCKET_BYTES);
-            let count = all.len();
             let paused_at = std::time::Instant::now();
             self.control.pause(partial_rollout).await?;
             self.held = true;
-            let sender = self.sender.as_mut().expect("connected above");
-            let sent = sender.update(all, version).await;
-            if let Err(e) = sent {
-                // A failed sender refuses further work: connect again next time. The engines
-                // stay paused: resuming them would serve half-loaded weights.
-                self.sender = None;
-                return Err(step("nccl")(format!(
-                    "{e} (engines stay paused until an update completes)"
-                )));
-            }
+            let sent = self.send(&mut weights, version).await;
+            let (bytes, count) = match sent {
+                Ok(sent) => sent,
+                Err(e) => {
+                    // A failed sender refuses further work: connect again next time. The
+                    // engines stay paused: resuming them would serve half-loaded weights.
+                    self.sender = None;
+                    return Err(step("nccl")(format!(
+                        "{e} (engines stay paused until an update completes)"
+                    )));
+                }
+            };
             let transfer = paused_at.elapsed();
             // The router learns the version (engines that missed it are not routed to).
             self.control.set_version(version).await?;
@@ -254,6 +299,42 @@ mod nccl {
                 bytes,
                 buckets: count,
             })
+        }
+
+        /// Start, each bucket as it comes in the engines' dtype, finish (only once the stream
+        /// ended whole); the bytes and buckets sent.
+        async fn send(
+            &mut self,
+            weights: &mut WeightStream,
+            version: u64,
+        ) -> Result<(usize, usize), String> {
+            let sender = self.sender.as_mut().expect("connected above");
+            sender.start_update().await.map_err(|e| e.to_string())?;
+            let (mut bytes, mut count) = (0, 0);
+            while let Some(pieces) = weights
+                .next_split(BUCKET_BYTES)
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                for bucket in pieces {
+                    // vLLM copies what it receives into its parameters.
+                    let converted: Vec<_> = bucket
+                        .into_iter()
+                        .map(|(n, t)| (n, t.to_kind(self.kind).contiguous()))
+                        .collect();
+                    bytes += converted.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
+                    count += 1;
+                    sender
+                        .send_bucket(converted)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+            sender
+                .finish_update(version)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok((bytes, count))
         }
     }
 }
