@@ -32,7 +32,7 @@ elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "setup: installing libgloo-dev (the trainer's multi-rank collectives)"
   { apt-get install -y -qq libgloo-dev >/dev/null 2>&1 \
     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libgloo-dev >/dev/null 2>&1; }; } \
-    && touch runtime/csrc/gloo_shim.cpp `# an earlier build without the headers: build.rs runs again` \
+    && touch runtime/csrc/c10d_shim.cpp `# an earlier build without the headers: build.rs runs again` \
     || echo "setup: could not install libgloo-dev: trainers of more than one rank will refuse to start (docs/distributed.md)"
 else
   echo "setup: no Gloo headers (apt-get install libgloo-dev): trainers of more than one rank will refuse to start (docs/distributed.md)"

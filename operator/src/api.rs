@@ -387,20 +387,21 @@ impl EnginesSpec {
     }
 }
 
-/// The trainer: `nodes` ranks, one pod each, with `gpusPerNode` GPUs.
+/// The trainer: `nodes` pods of `gpusPerNode` GPUs, one rank per GPU (one per pod on CPU).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = resources_rule("trainer.resources"))]
-#[x_kube(validation = Rule::new("!has(self.computeDtype) || self.computeDtype != 'BFloat16' || (self.nodes >= 2 && (!has(self.sharding) || self.sharding == 'Full'))").message(
-    "trainer.computeDtype BFloat16 keeps float32 master weights in the shards of sharded weights: it needs trainer.nodes of 2 or more with sharding Full (docs/distributed.md)"
+#[x_kube(validation = Rule::new("!has(self.computeDtype) || self.computeDtype != 'BFloat16' || ((self.nodes >= 2 || (has(self.gpusPerNode) && self.gpusPerNode >= 2)) && (!has(self.sharding) || self.sharding == 'Full'))").message(
+    "trainer.computeDtype BFloat16 keeps float32 master weights in the shards of sharded weights: it needs two ranks or more (trainer.nodes × gpusPerNode) with sharding Full (docs/distributed.md)"
 ))]
 pub struct TrainerSpec {
-    /// Trainer ranks, one pod each (one process each under `moult run`); they train as one
-    /// (docs/distributed.md). Several ranks train on CPU only so far (`gpusPerNode: 0`).
+    /// Trainer nodes, one pod each, of `gpusPerNode` ranks (one on CPU); all `nodes ×
+    /// gpusPerNode` ranks train as one (docs/distributed.md). `moult run` starts them all as
+    /// processes of its machine.
     #[serde(default = "one_u32")]
     #[schemars(range(min = 1, max = 1024))]
     pub nodes: u32,
-    /// GPUs per trainer pod; 0 trains on CPU.
+    /// GPUs per trainer pod, one rank each; 0 trains on CPU.
     #[serde(default = "default_gpus_per_node")]
     #[schemars(range(max = 16))]
     pub gpus_per_node: u32,

@@ -1,10 +1,11 @@
 //! Collectives between the trainer's ranks (docs/distributed.md): one small interface
 //! ([`Collectives`]: all-gather, reduce-scatter, all-reduce, broadcast, barrier) over tensors.
 //!
-//! On CPU the implementation is libtorch's own c10d: a `TCPStore` for the rendezvous (rank 0
-//! listens, every rank connects, as torchrun does) and `ProcessGroupGloo` for the collectives,
-//! reached through a C++ shim (`runtime/csrc/gloo_shim.cpp`). One rank needs none of it
-//! ([`Solo`]).
+//! The implementation is libtorch's own c10d, reached through a C++ shim
+//! (`runtime/csrc/c10d_shim.cpp`): a `TCPStore` for the rendezvous (rank 0 listens, every rank
+//! connects, as torchrun does), `ProcessGroupGloo` for CPU tensors and, for a rank on a GPU,
+//! `ProcessGroupNCCL` for CUDA tensors. Each collective goes to the backend of its tensor's
+//! device (rank 0's commands and batches stay on the CPU). One rank needs none of it ([`Solo`]).
 //!
 //! Contract: every rank calls the same collectives in the same order with tensors of the same
 //! shapes. A collective that cannot complete (a rank died, the network broke) fails within the
@@ -13,7 +14,7 @@
 
 use std::time::Duration;
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 /// What a failed rendezvous or collective says.
 #[derive(Debug, thiserror::Error)]
@@ -161,21 +162,36 @@ impl Rendezvous {
         }))
     }
 
-    /// Joins the group: waits for every rank, up to the timeout.
+    /// Joins the group for CPU tensors: waits for every rank, up to the timeout.
     pub fn connect(&self) -> Result<Box<dyn Collectives>> {
-        gloo::Gloo::connect(self).map(|g| Box::new(g) as Box<dyn Collectives>)
+        self.connect_on(Device::Cpu)
+    }
+
+    /// Joins the group for a rank computing on `device`: on a GPU, CUDA tensors' collectives go
+    /// through NCCL on that GPU, CPU tensors' through Gloo.
+    pub fn connect_on(&self, device: Device) -> Result<Box<dyn Collectives>> {
+        let cuda = match device {
+            Device::Cpu => None,
+            Device::Cuda(i) => Some(i),
+            other => {
+                return Err(Error::Config(format!(
+                    "trainer ranks run on the CPU or CUDA GPUs, not {other:?}"
+                )))
+            }
+        };
+        c10d::C10d::connect(self, cuda).map(|g| Box::new(g) as Box<dyn Collectives>)
     }
 
     /// [`Rendezvous::connect`], given up after the timeout (and a margin) even where the library
     /// would wait on: a rank 0 that died while this rank was joining it can leave the join
     /// waiting for a peer that is gone. The abandoned attempt's thread ends with the process.
-    pub fn connect_bounded(&self) -> Result<Box<dyn Collectives>> {
+    pub fn connect_bounded(&self, device: Device) -> Result<Box<dyn Collectives>> {
         let (tx, rx) = std::sync::mpsc::channel();
         let attempt = self.clone();
         std::thread::Builder::new()
             .name(format!("rank-{}-join", self.rank))
             .spawn(move || {
-                let _ = tx.send(attempt.connect());
+                let _ = tx.send(attempt.connect_on(device));
             })
             .map_err(|e| Error::Config(format!("starting the rendezvous thread: {e}")))?;
         rx.recv_timeout(self.timeout + Duration::from_secs(10))
@@ -197,7 +213,7 @@ impl Rendezvous {
 // the error message, nothing else.
 #[cfg(moult_gloo)]
 #[allow(unsafe_code)]
-mod gloo {
+mod c10d {
     use std::ffi::{c_char, c_int, c_void, CStr, CString};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
@@ -208,43 +224,44 @@ mod gloo {
     use super::{Collectives, Error, ReduceOp, Rendezvous, Result};
 
     extern "C" {
-        fn moult_gloo_new(
+        fn moult_c10d_new(
             host: *const c_char,
             port: c_int,
             rank: c_int,
             world: c_int,
             timeout_ms: c_int,
+            cuda_device: c_int,
             err: *mut *mut c_char,
         ) -> *mut c_void;
-        fn moult_gloo_drop(handle: *mut c_void);
-        fn moult_gloo_free_message(err: *mut c_char);
-        fn moult_gloo_all_gather(
+        fn moult_c10d_drop(handle: *mut c_void);
+        fn moult_c10d_free_message(err: *mut c_char);
+        fn moult_c10d_all_gather(
             h: *mut c_void,
             out: *mut c_void,
             input: *mut c_void,
             err: *mut *mut c_char,
         ) -> c_int;
-        fn moult_gloo_reduce_scatter(
+        fn moult_c10d_reduce_scatter(
             h: *mut c_void,
             out: *mut c_void,
             input: *mut c_void,
             err: *mut *mut c_char,
         ) -> c_int;
-        fn moult_gloo_all_reduce(
+        fn moult_c10d_all_reduce(
             h: *mut c_void,
             t: *mut c_void,
             op: c_int,
             err: *mut *mut c_char,
         ) -> c_int;
-        fn moult_gloo_broadcast(
+        fn moult_c10d_broadcast(
             h: *mut c_void,
             t: *mut c_void,
             root: c_int,
             err: *mut *mut c_char,
         ) -> c_int;
-        fn moult_gloo_barrier(h: *mut c_void, err: *mut *mut c_char) -> c_int;
-        fn moult_gloo_set_timeout(h: *mut c_void, ms: i64, err: *mut *mut c_char) -> c_int;
-        fn moult_gloo_store_add(
+        fn moult_c10d_barrier(h: *mut c_void, err: *mut *mut c_char) -> c_int;
+        fn moult_c10d_set_timeout(h: *mut c_void, ms: i64, err: *mut *mut c_char) -> c_int;
+        fn moult_c10d_store_add(
             h: *mut c_void,
             key: *const c_char,
             delta: i64,
@@ -256,10 +273,10 @@ mod gloo {
     /// How often each rank's heartbeat counter in the store goes up.
     const HEARTBEAT: Duration = Duration::from_millis(500);
 
-    /// A c10d Gloo process group and its TCP store, with this rank's heartbeat in the store
+    /// c10d process groups (Gloo; NCCL too on a GPU) and their TCP store, with this rank's heartbeat in the store
     /// (what names a lost rank when a collective fails).
     #[derive(Debug)]
-    pub struct Gloo {
+    pub struct C10d {
         handle: Arc<Handle>,
         /// Collectives are serialised (every rank must issue them in one order).
         collective: Mutex<()>,
@@ -274,19 +291,19 @@ mod gloo {
     struct Handle(*mut c_void);
 
     // SAFETY: c10d's process group is not tied to the thread that created it; collectives go
-    // through `Gloo::collective` one at a time, and the store (the heartbeat's only use from
+    // through `C10d::collective` one at a time, and the store (the heartbeat's only use from
     // another thread) has its own lock.
     unsafe impl Send for Handle {}
     unsafe impl Sync for Handle {}
 
     impl Drop for Handle {
         fn drop(&mut self) {
-            // SAFETY: created by moult_gloo_new, dropped once, after the heartbeat thread ended.
-            unsafe { moult_gloo_drop(self.0) }
+            // SAFETY: created by moult_c10d_new, dropped once, after the heartbeat thread ended.
+            unsafe { moult_c10d_drop(self.0) }
         }
     }
 
-    impl Drop for Gloo {
+    impl Drop for C10d {
         fn drop(&mut self) {
             self.stop.store(true, Ordering::Relaxed);
             if let Some(beat) = self.heartbeat.take() {
@@ -300,7 +317,7 @@ mod gloo {
         let key = CString::new(format!("moult/heartbeat/{rank}")).expect("no NUL");
         let (mut out, mut err) = (0i64, std::ptr::null_mut());
         // SAFETY: live handle, C string and out-pointers.
-        let rc = unsafe { moult_gloo_store_add(handle.0, key.as_ptr(), delta, &mut out, &mut err) };
+        let rc = unsafe { moult_c10d_store_add(handle.0, key.as_ptr(), delta, &mut out, &mut err) };
         if rc == 0 {
             Ok(out)
         } else {
@@ -316,23 +333,25 @@ mod gloo {
         let text = unsafe { CStr::from_ptr(err) }
             .to_string_lossy()
             .into_owned();
-        unsafe { moult_gloo_free_message(err) };
+        unsafe { moult_c10d_free_message(err) };
         text
     }
 
-    impl Gloo {
-        pub fn connect(r: &Rendezvous) -> Result<Self> {
+    impl C10d {
+        /// Joins; `cuda` names the GPU whose tensors go through NCCL.
+        pub fn connect(r: &Rendezvous, cuda: Option<usize>) -> Result<Self> {
             let host = CString::new(r.host.as_str())
                 .map_err(|_| Error::Config(format!("host {:?} has a NUL byte", r.host)))?;
             let mut err = std::ptr::null_mut();
             // SAFETY: valid C string, out-pointer for the message.
             let handle = unsafe {
-                moult_gloo_new(
+                moult_c10d_new(
                     host.as_ptr(),
                     r.port as c_int,
                     r.rank as c_int,
                     r.world as c_int,
                     r.timeout.as_millis().min(i32::MAX as u128) as c_int,
+                    cuda.map_or(-1, |i| i as c_int),
                     &mut err,
                 )
             };
@@ -425,7 +444,7 @@ mod gloo {
         t.as_ptr() as *mut c_void
     }
 
-    impl Collectives for Gloo {
+    impl Collectives for C10d {
         fn rank(&self) -> usize {
             self.rank
         }
@@ -435,13 +454,13 @@ mod gloo {
         fn all_gather(&self, out: &Tensor, input: &Tensor) -> Result<()> {
             // SAFETY: live tensors for the call's duration.
             self.call("all-gather", |h, e| unsafe {
-                moult_gloo_all_gather(h, ptr(out), ptr(input), e)
+                moult_c10d_all_gather(h, ptr(out), ptr(input), e)
             })
         }
         fn reduce_scatter(&self, out: &Tensor, input: &Tensor) -> Result<()> {
             // SAFETY: as above.
             self.call("reduce-scatter", |h, e| unsafe {
-                moult_gloo_reduce_scatter(h, ptr(out), ptr(input), e)
+                moult_c10d_reduce_scatter(h, ptr(out), ptr(input), e)
             })
         }
         fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
@@ -451,18 +470,18 @@ mod gloo {
             };
             // SAFETY: as above.
             self.call("all-reduce", |h, e| unsafe {
-                moult_gloo_all_reduce(h, ptr(tensor), op, e)
+                moult_c10d_all_reduce(h, ptr(tensor), op, e)
             })
         }
         fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
             // SAFETY: as above.
             self.call("broadcast", |h, e| unsafe {
-                moult_gloo_broadcast(h, ptr(tensor), root as c_int, e)
+                moult_c10d_broadcast(h, ptr(tensor), root as c_int, e)
             })
         }
         fn barrier(&self) -> Result<()> {
             // SAFETY: as above.
-            self.call("barrier", |h, e| unsafe { moult_gloo_barrier(h, e) })
+            self.call("barrier", |h, e| unsafe { moult_c10d_barrier(h, e) })
         }
         fn timeout(&self) -> Duration {
             *self.timeout.lock().unwrap_or_else(|e| e.into_inner())
@@ -471,7 +490,7 @@ mod gloo {
             let ms = timeout.as_millis().min(i64::MAX as u128) as i64;
             // SAFETY: as above.
             self.call("set-timeout", |h, e| unsafe {
-                moult_gloo_set_timeout(h, ms, e)
+                moult_c10d_set_timeout(h, ms, e)
             })?;
             *self.timeout.lock().unwrap_or_else(|e| e.into_inner()) = timeout;
             Ok(())
@@ -480,15 +499,15 @@ mod gloo {
 }
 
 #[cfg(not(moult_gloo))]
-mod gloo {
+mod c10d {
     use super::{Error, Rendezvous, Result};
 
     /// Built without Gloo's headers: no multi-rank trainer.
     #[derive(Debug)]
-    pub enum Gloo {}
+    pub enum C10d {}
 
-    impl Gloo {
-        pub fn connect(r: &Rendezvous) -> Result<super::Solo> {
+    impl C10d {
+        pub fn connect(r: &Rendezvous, _cuda: Option<usize>) -> Result<super::Solo> {
             Err(Error::Unavailable(format!(
                 "a trainer of {} ranks needs the Gloo collectives, and this moult was built without Gloo's headers (apt-get install libgloo-dev, then rebuild; docs/distributed.md)",
                 r.world

@@ -690,7 +690,7 @@ fn trainer_rank(args: TrainerRankArgs) -> anyhow::Result<()> {
     let device = parse_device(Some(&args.device))?;
     let rendezvous = Rendezvous::from_env()?
         .context("MOULT_TRAINER_WORLD_SIZE must be above 1 for a trainer rank")?;
-    let group = rendezvous.connect()?;
+    let group = moult_runtime::cluster::trainer::join(&rendezvous, device)?;
     let rank = group.rank();
     let mut trainer = ranks::follower(group, device)
         .with_context(|| format!("trainer rank {rank}: joining rank 0"))?;

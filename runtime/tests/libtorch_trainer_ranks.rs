@@ -656,6 +656,32 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
     }
 }
 
+/// A rank that asks for a GPU where there is none (or in a build without NCCL) fails to join with
+/// an error that says so, rather than crashing or falling back to the CPU.
+#[test]
+fn libtorch_a_gpu_rank_without_a_gpu_says_why() {
+    if as_rank() || tch::Cuda::is_available() {
+        return;
+    }
+    let rendezvous = Rendezvous {
+        host: "127.0.0.1".into(),
+        port: free_port(),
+        rank: 0,
+        world: 1,
+        timeout: std::time::Duration::from_secs(10),
+    };
+    let err = rendezvous
+        .connect_on(Device::Cuda(0))
+        .unwrap_err()
+        .to_string();
+    println!("{err}");
+    assert!(err.contains("rendezvous"), "{err}");
+    assert!(
+        err.contains("CUDA") || err.contains("NCCL") || err.contains("GPU"),
+        "{err}"
+    );
+}
+
 /// A sharded trainer of two ranks publishes to a built-in engine bucket by bucket, a unit at a
 /// time as the ranks gather it, over the TCP stream and through a folder: the engine then serves
 /// the trainer's weights.

@@ -320,14 +320,6 @@ impl<'a> Ctx<'a> {
                 "spec.trainer.dumpRollouts: the trainer writes the dumps beside its checkpoints, on spec.checkpoint.claimName: set spec.checkpoint".into(),
             ));
         }
-        if run.spec.trainer.nodes > 1 && run.spec.trainer.gpus_per_node > 0 {
-            // The trainer refuses it too; said here before any GPU pod crash-loops on it. (A
-            // status exception rather than a CEL rule: the CRD keeps the multi-rank contract.)
-            return Err(InvalidSpec(format!(
-                "spec.trainer.nodes: {} GPU ranks need NCCL collectives, which are not built yet (docs/distributed.md): train on CPU ranks (gpusPerNode: 0) or set spec.trainer.nodes to 1",
-                run.spec.trainer.nodes
-            )));
-        }
         if let Some(w) = &run.spec.engines.weight_transfer {
             if w.transport == crate::api::WeightTransport::Filesystem && w.claim_name.is_none() {
                 // The schema cannot ask for it: `moult run` uses the same spec with a local folder.

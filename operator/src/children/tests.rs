@@ -279,30 +279,39 @@ fn the_coordinator_reads_the_held_out_tasks_from_their_claim() {
 }
 
 #[test]
-fn a_multi_rank_gpu_trainer_is_refused_with_the_field_named_before_any_pod() {
+fn trainer_ranks_are_one_pod_per_node_told_the_world_of_nodes() {
+    // GPU ranks: two pods of gpusPerNode GPUs each; each pod's `moult trainer` starts its
+    // node's ranks (docs/distributed.md), so WORLD_SIZE counts pods, as torchrun's does nodes.
     let mut run = example_run();
-    assert!(run.spec.trainer.gpus_per_node > 0);
+    let gpus = run.spec.trainer.gpus_per_node;
+    assert!(gpus > 0);
     run.spec.trainer.nodes = 2;
-    let Err(InvalidSpec(err)) = desired(&run, &Config::default(), "t") else {
-        panic!("a two-rank GPU trainer was built");
-    };
-    assert!(
-        err.starts_with("spec.trainer.nodes:") && err.contains("NCCL"),
-        "{err}"
-    );
-    // CPU ranks run: one trainer pod per rank, each told the world size.
-    run.spec.trainer.gpus_per_node = 0;
-    let Ok(children) = desired(&run, &Config::default(), "t") else {
-        panic!("two CPU ranks were refused");
-    };
-    let sts = children.trainer.spec;
-    assert_eq!(sts.replicas, Some(2));
-    let env = main_container(&pod(&Some(sts.template)).clone())
-        .env
-        .clone()
-        .unwrap();
-    let world = env.iter().find(|v| v.name == "WORLD_SIZE").unwrap();
-    assert_eq!(world.value.as_deref(), Some("2"));
+    for gpus in [gpus, 0] {
+        run.spec.trainer.gpus_per_node = gpus;
+        let Ok(children) = desired(&run, &Config::default(), "t") else {
+            panic!("two trainer nodes with {gpus} GPUs each were refused");
+        };
+        let sts = children.trainer.spec;
+        assert_eq!(sts.replicas, Some(2));
+        let container = main_container(&pod(&Some(sts.template)).clone()).clone();
+        let env = container.env.clone().unwrap();
+        let world = env.iter().find(|v| v.name == "WORLD_SIZE").unwrap();
+        assert_eq!(world.value.as_deref(), Some("2"));
+        let limits = container
+            .resources
+            .and_then(|r| r.limits)
+            .unwrap_or_default();
+        let requested = limits.get("nvidia.com/gpu").map(|q| q.0.clone());
+        if gpus > 0 {
+            assert_eq!(
+                requested,
+                Some(gpus.to_string()),
+                "a pod gets its node's GPUs"
+            );
+        } else {
+            assert_eq!(requested, None);
+        }
+    }
 }
 
 #[test]

@@ -22,7 +22,7 @@ use super::{env_path, env_var, post_json, retry};
 use crate::dist::Rendezvous;
 use crate::run::config::Sources;
 use crate::run::console::Console;
-use crate::run::learner::{Batch, Learner};
+use crate::run::learner::{Batch, Followers, Learner};
 use crate::run::RunError;
 use crate::weight_sync::publish::{engine_kind, PublishOptions};
 
@@ -173,7 +173,7 @@ async fn follow(
     );
     let device = opts.device;
     let followed = tokio::task::spawn_blocking(move || -> Result<u64, RunError> {
-        let group = join(&rendezvous)?;
+        let group = join(&rendezvous, device)?;
         let mut trainer = crate::trainer::ranks::follower(group, device)?;
         Ok(trainer.follow()?)
     });
@@ -188,10 +188,14 @@ async fn follow(
     Ok(())
 }
 
-/// Joins rank 0, trying again for as long as a restarted rank 0 may take to come back: a rank
-/// that starts again after a loss may first reach the rank 0 that has not yet noticed (it fails
-/// at its next collective and starts again), so one attempt is short and the next follows.
-fn join(rendezvous: &Rendezvous) -> Result<Box<dyn crate::dist::Collectives>, RunError> {
+/// Joins rank 0, trying again for as long as a restarted rank 0 may take to come back (or a rank 0
+/// still loading its model): a rank that starts again after a loss may first reach the rank 0
+/// that has not yet noticed (it fails at its next collective and starts again), so one attempt is
+/// short and the next follows.
+pub fn join(
+    rendezvous: &Rendezvous,
+    device: Device,
+) -> Result<Box<dyn crate::dist::Collectives>, RunError> {
     const ATTEMPT: Duration = Duration::from_secs(30);
     let deadline = Instant::now() + Duration::from_secs(600).max(rendezvous.timeout);
     let attempt = Rendezvous {
@@ -199,7 +203,7 @@ fn join(rendezvous: &Rendezvous) -> Result<Box<dyn crate::dist::Collectives>, Ru
         ..rendezvous.clone()
     };
     loop {
-        match attempt.connect_bounded() {
+        match attempt.connect_bounded(device) {
             Ok(group) => {
                 group
                     .set_timeout(rendezvous.timeout)
@@ -243,26 +247,33 @@ pub async fn run(
             teacher,
         },
     )?;
-    // Trainer ranks, one pod each (docs/distributed.md): the StatefulSet's pod index, and rank 0's
-    // stable address through the headless Service.
-    let world = parse_env("WORLD_SIZE", 1)? as usize;
-    let rank = parse_env("RANK", 0)? as usize;
+    // Trainer ranks (docs/distributed.md): one pod per node (the StatefulSet's pod index), one
+    // rank per GPU of it (this process the first; it starts the others, as torchrun does), and
+    // rank 0's stable address through the headless Service.
+    let pods = parse_env("WORLD_SIZE", 1)? as usize;
+    let pod = parse_env("RANK", 0)? as usize;
+    let per_pod = cfg.ranks_per_node;
+    let world = pods * per_pod;
     let rendezvous = if world > 1 {
-        if cfg.run.spec.trainer.gpus_per_node > 0 {
-            return Err(RunError::Manifest(format!(
-                "spec.trainer.nodes: {world} GPU ranks need NCCL collectives, which are not built yet (docs/distributed.md): train on CPU ranks (gpusPerNode: 0) or set spec.trainer.nodes to 1"
-            )));
-        }
         Some(Rendezvous {
             host: env_var("MASTER_ADDR")?,
             port: u16::try_from(parse_env("MASTER_PORT", 29500)?)
                 .map_err(|_| RunError::Setup("MASTER_PORT must be a port number".into()))?,
-            rank,
+            rank: pod * per_pod,
             world,
             timeout: Duration::from_secs(parse_env("MOULT_TRAINER_TIMEOUT_SECONDS", 120)?),
         })
     } else {
         None
+    };
+    // This pod's other ranks, alive as long as this process.
+    let _node_ranks = match &rendezvous {
+        Some(r) if per_pod > 1 => Some(Followers::start(
+            r,
+            r.rank + 1..r.rank + per_pod,
+            opts.device,
+        )?),
+        _ => None,
     };
     if let Some(r) = rendezvous.clone().filter(|r| r.rank > 0) {
         return follow(r, &opts, shutdown).await;

@@ -51,9 +51,11 @@ pub struct RunConfig {
     /// The trainer's settings (only in builds that train).
     #[cfg(feature = "torch")]
     pub trainer: TrainerOptions,
-    /// Trainer ranks: `trainer.nodes` (one rank per node on CPU); `moult run` starts the ranks
-    /// after the first as processes of this machine (docs/distributed.md).
+    /// Trainer ranks: `trainer.nodes × ranks_per_node`; `moult run` starts the ranks after the
+    /// first as processes of this machine, a trainer pod its node's (docs/distributed.md).
     pub trainer_ranks: usize,
+    /// Ranks per trainer node: one per GPU (`trainer.gpusPerNode`), one on CPU.
+    pub ranks_per_node: usize,
     pub engines: usize,
     pub total_steps: u64,
     /// Steps between checkpoints; `None`: no checkpoints (the manifest has no `checkpoint`).
@@ -445,14 +447,6 @@ impl RunConfig {
                  (docs/vllm.md)",
             ));
         }
-        let trainer = &run.spec.trainer;
-        if trainer.nodes > 1 && trainer.gpus_per_node > 0 {
-            return Err(bad(
-                "spec.trainer.nodes",
-                "moult run trains several ranks on the CPU only (gpusPerNode: 0); a trainer of \
-                 several GPU ranks is not built yet (docs/distributed.md)",
-            ));
-        }
         let sources = Sources::beside_manifest(&run, dir);
         Self::from_sources(run, &sources)
     }
@@ -578,7 +572,8 @@ impl RunConfig {
                 .transpose()?,
             #[cfg(feature = "torch")]
             trainer: trainer_options(&run, total_steps)?,
-            trainer_ranks: spec.trainer.nodes.max(1) as usize,
+            trainer_ranks: (spec.trainer.nodes.max(1) * spec.trainer.gpus_per_node.max(1)) as usize,
+            ranks_per_node: spec.trainer.gpus_per_node.max(1) as usize,
             engines: spec.engines.replicas as usize,
             total_steps,
             checkpoint_every: spec
@@ -709,6 +704,7 @@ spec:
         }
     }
 
+    #[cfg(feature = "torch")]
     #[test]
     fn the_trainer_spec_sets_sharding_and_micro_batches() {
         let default = trainer_options(&read("default", "  totalSteps: 1\n").unwrap(), 1).unwrap();
@@ -731,10 +727,12 @@ spec:
             let run = read("bf16", &format!("  trainer: {trainer}\n  totalSteps: 1\n"))?;
             Ok::<_, RunError>(trainer_options(&run, 1).unwrap().bf16_compute)
         };
-        assert!(bf16("{nodes: 2, computeDtype: BFloat16}").unwrap());
+        assert!(bf16("{nodes: 2, gpusPerNode: 1, computeDtype: BFloat16}").unwrap());
+        // One node of several GPUs is several ranks.
+        assert!(bf16("{gpusPerNode: 4, computeDtype: BFloat16}").unwrap());
         assert!(!bf16("{nodes: 2, computeDtype: Float32}").unwrap());
         for refused in [
-            "{computeDtype: BFloat16}",
+            "{gpusPerNode: 1, computeDtype: BFloat16}",
             "{nodes: 2, sharding: Optimizer, computeDtype: BFloat16}",
         ] {
             let e = bf16(refused).unwrap_err().to_string();

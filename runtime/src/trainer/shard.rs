@@ -192,6 +192,8 @@ pub(super) struct Shards {
     /// Elements of this rank's state: its shard of every unit.
     state_len: i64,
     world: usize,
+    /// Where the shards, gradients and gathers live: the model's device.
+    device: tch::Device,
     /// `Full`: this rank's shards of the weights, the only copy between gathers.
     own: Option<Tensor>,
     /// `Full`: the dtype weights are gathered (and computed) in, when not the shards' own.
@@ -275,6 +277,7 @@ impl Shards {
             pieces,
             state_len,
             world,
+            device: params.first().map_or(tch::Device::Cpu, Tensor::device),
             own: None,
             compute: None,
             optimizer,
@@ -350,7 +353,7 @@ impl Shards {
     /// An empty gradient, to [`Shards::reduce_unit`] into.
     pub(super) fn new_grad(&self, kind: Kind) -> ShardGrad {
         ShardGrad {
-            grad: Tensor::zeros([self.state_len], (kind, tch::Device::Cpu)),
+            grad: Tensor::zeros([self.state_len], (kind, self.device)),
             reached: vec![false; self.units.last().map_or(0, |u| u.tensors.end)],
         }
     }
@@ -374,11 +377,11 @@ impl Shards {
                     acc.reached[unit.tensors.start + i] = true;
                     g.detach().to_kind(kind).reshape([-1])
                 }
-                None => Tensor::zeros([unit.numel(i)], (kind, tch::Device::Cpu)),
+                None => Tensor::zeros([unit.numel(i)], (kind, self.device)),
             })
             .collect();
         let flat = tch::no_grad(|| self.unit_flat(u, parts));
-        let part = Tensor::zeros([shard_len], (kind, tch::Device::Cpu));
+        let part = Tensor::zeros([shard_len], (kind, self.device));
         self.timed(|| group.reduce_scatter(&part, &flat))?;
         tch::no_grad(|| {
             let _ = acc.grad.narrow(0, at, shard_len).g_add_(&part);
@@ -554,7 +557,7 @@ impl Shards {
                 self.state_of(
                     |i, p| match state.get(i) {
                         Some((m, v)) => [m, v][which].shallow_clone(),
-                        None => Tensor::zeros([p.len], (kind, tch::Device::Cpu)),
+                        None => Tensor::zeros([p.len], (kind, self.device)),
                     },
                     kind,
                 )
@@ -574,7 +577,10 @@ impl Shards {
         };
         let mut out = Vec::new();
         for (u, unit) in self.units.iter().enumerate() {
-            let part = |t: &Tensor| t.narrow(0, unit.at, unit.shard_len).copy();
+            let part = |t: &Tensor| {
+                t.narrow(0, unit.at, unit.shard_len)
+                    .to_device(tch::Device::Cpu)
+            };
             out.push((format!("w.{u}"), part(own)));
             for (key, t) in ["m", "v"].iter().zip(&moments) {
                 out.push((format!("{key}.{u}"), part(t)));
@@ -634,7 +640,7 @@ impl Shards {
 
     /// This rank's state built from each piece's tensor, padded.
     fn state_of(&self, piece: impl Fn(usize, &Piece) -> Tensor, kind: Kind) -> Tensor {
-        let state = Tensor::zeros([self.state_len], (kind, tch::Device::Cpu));
+        let state = Tensor::zeros([self.state_len], (kind, self.device));
         tch::no_grad(|| {
             for (i, p) in self.pieces.iter().enumerate() {
                 state.narrow(0, p.at, p.len).copy_(&piece(i, p));
@@ -664,7 +670,7 @@ impl Shards {
             let (at, len) = (unit.at, unit.shard_len);
             let mut whole = Vec::with_capacity(2);
             for shard in &shards {
-                let full = Tensor::zeros([len * self.world as i64], (kind, tch::Device::Cpu));
+                let full = Tensor::zeros([len * self.world as i64], (kind, self.device));
                 self.timed(|| group.all_gather(&full, &shard.narrow(0, at, len)))?;
                 whole.push(full);
             }
