@@ -1,7 +1,8 @@
 //! The moult runtime: the model code and the built-in engine, a vLLM-compatible
 //! token-in/token-out server on libtorch (docs/engine.md); chat templates and tokenizers; the
 //! loopback server agents talk to, with exact token accounting (docs/loopback.md); the two agent
-//! forms and the agent pool (docs/agents.md).
+//! forms and the agent pool (docs/agents.md); image preprocessing for vision-language models
+//! (docs/vision.md).
 
 pub mod agents;
 #[cfg(feature = "torch")]
@@ -22,6 +23,7 @@ pub mod run;
 pub mod serve;
 #[cfg(feature = "torch")]
 pub mod trainer;
+pub mod vision;
 #[cfg(feature = "torch")]
 pub mod weight_sync;
 
