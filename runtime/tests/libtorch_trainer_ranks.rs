@@ -131,7 +131,23 @@ fn train_from(trainer: &mut Trainer, start: usize) -> Trained {
 /// float32 sums round differently (~1e-5 relative on these gradients, which AdamW then
 /// amplifies where gradients nearly cancel); float64 leaves only the logic to compare.
 fn load(dir: &Path) -> CausalLm {
-    CausalLm::load(dir, Kind::Double, Device::Cpu).unwrap()
+    load_on(dir, Device::Cpu)
+}
+
+fn load_on(dir: &Path, device: Device) -> CausalLm {
+    CausalLm::load(dir, Kind::Double, device).unwrap()
+}
+
+/// Set to `cuda` (scripts/gpu-check.sh) to run rank r on GPU r, its collectives over NCCL; the
+/// single rank they are compared with stays on the CPU.
+const ENV_RANK_DEVICE: &str = "MOULT_TEST_RANK_DEVICE";
+
+/// The device of rank `rank` (the CPU unless `ENV_RANK_DEVICE=cuda`).
+fn rank_device(rank: usize) -> Device {
+    match std::env::var(ENV_RANK_DEVICE).as_deref() {
+        Ok("cuda") => Device::Cuda(rank),
+        _ => Device::Cpu,
+    }
 }
 
 /// The rank a process is, when the parent started it as one.
@@ -143,9 +159,10 @@ fn as_rank() -> bool {
     let rendezvous = Rendezvous::from_env()
         .unwrap()
         .expect("a rank's environment");
-    let group = rendezvous.connect().unwrap();
+    let device = rank_device(rendezvous.rank);
+    let group = rendezvous.connect_on(device).unwrap();
     if group.rank() > 0 {
-        let mut trainer = follower(group, Device::Cpu).unwrap();
+        let mut trainer = follower(group, device).unwrap();
         assert_eq!(trainer.world_size(), rendezvous.world);
         let phase = std::env::var(ENV_PHASE).unwrap_or_default();
         let expected = if phase.starts_with("save:") {
@@ -174,7 +191,7 @@ fn as_rank() -> bool {
         return true;
     }
     if let Some(root) = phase.as_deref().and_then(|p| p.strip_prefix("save:")) {
-        let mut trainer = leader(load(&model), None, setup, None, group).unwrap();
+        let mut trainer = leader(load_on(&model, device), None, setup, None, group).unwrap();
         for step in 0..2 {
             trainer.step(&batch(step)).unwrap();
         }
@@ -193,8 +210,7 @@ fn as_rank() -> bool {
         .and_then(|p| p.strip_prefix("resume:"))
         .map(|root| {
             let (dir, meta) = checkpoint::latest(Path::new(root)).unwrap().unwrap();
-            let (model, moments) =
-                checkpoint::load_policy(&dir, Kind::Double, Device::Cpu).unwrap();
+            let (model, moments) = checkpoint::load_policy(&dir, Kind::Double, device).unwrap();
             (model, meta.step, moments)
         });
     let (start, mut trainer) = match resume {
@@ -202,7 +218,10 @@ fn as_rank() -> bool {
             steps as usize,
             leader(weights, None, setup, Some((steps, moments)), group).unwrap(),
         ),
-        None => (0, leader(load(&model), None, setup, None, group).unwrap()),
+        None => (
+            0,
+            leader(load_on(&model, device), None, setup, None, group).unwrap(),
+        ),
     };
     assert_eq!(trainer.world_size(), rendezvous.world);
     if let Some(marker) = std::env::var_os(ENV_MARKER) {
@@ -224,11 +243,11 @@ fn as_rank() -> bool {
     {
         let mut named: Vec<(String, Tensor)> = Vec::new();
         for (name, w) in weights {
-            named.push((format!("w.{name}"), w));
+            named.push((format!("w.{name}"), w.to_device(Device::Cpu)));
         }
         for (i, (m, v)) in moments.into_iter().enumerate() {
-            named.push((format!("m.{i}"), m));
-            named.push((format!("v.{i}"), v));
+            named.push((format!("m.{i}"), m.to_device(Device::Cpu)));
+            named.push((format!("v.{i}"), v.to_device(Device::Cpu)));
         }
         let flat: Vec<f64> = stats.iter().flat_map(|&(l, g)| [l, g]).collect();
         named.push(("stats".into(), Tensor::from_slice(&flat)));
