@@ -71,7 +71,9 @@ fn turn_work(
     let render = start.elapsed().as_secs_f64() * 1e6;
     let start = Instant::now();
     let plan = session
-        .plan(&messages, rendered, |t| tokenizer.encode(t))
+        .plan(&messages, rendered, |t, _| {
+            tokenizer.encode(t).map(|ids| (ids, Vec::new()))
+        })
         .unwrap();
     assert!(plan.continues() || messages.len() == 1);
     let sample = Sampled {

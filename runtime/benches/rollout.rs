@@ -60,6 +60,7 @@ impl EpisodeRunner for Generate {
                 .generate(
                     format!("ep{index}"),
                     &prompt,
+                    &[],
                     &sampling,
                     Some(&format!("s{index}")),
                 )

@@ -501,14 +501,8 @@ fn chat_service(
     model: &std::path::Path,
     opts: moult_runtime::loopback::ServiceOptions,
 ) -> anyhow::Result<moult_runtime::loopback::ChatService> {
-    use moult_runtime::chat::{ChatTemplate, Tokenizer};
-    use moult_runtime::loopback::{ChatService, EngineClient};
-    Ok(ChatService::new(
-        EngineClient::new(engine),
-        Tokenizer::from_model_dir(model)?,
-        ChatTemplate::from_model_dir(model)?,
-        opts,
-    ))
+    moult_runtime::loopback::ChatService::from_model_dir(engine, model, opts)
+        .map_err(anyhow::Error::msg)
 }
 
 async fn agents(args: AgentsArgs) -> anyhow::Result<()> {

@@ -107,7 +107,7 @@ async fn generate(
     sampling: &Value,
 ) -> (Vec<(i64, f32, u64)>, String) {
     let mut stream = client
-        .generate(id.to_string(), prompt, sampling, Some(id))
+        .generate(id.to_string(), prompt, &[], sampling, Some(id))
         .await
         .expect("the generation starts");
     let mut tokens = Vec::new();

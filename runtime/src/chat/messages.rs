@@ -39,12 +39,63 @@ pub struct ToolCall {
     pub arguments: Json,
 }
 
+/// An image of a message, as the client sent it (docs/vision.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Image {
+    /// `data:image/png;base64,...` (or jpeg): what engines receive and segments keep.
+    pub data_url: String,
+    /// Hex SHA-256 of the image's bytes: its identity across turns and in segments.
+    pub sha256: String,
+}
+
+impl Image {
+    /// The image of a data URL; errors say what is wrong with it (a remote URL, a bad media
+    /// type, bad base64).
+    pub fn from_data_url(url: &str) -> Result<Self, crate::vision::VisionError> {
+        let image = crate::vision::parse_data_url(url)?;
+        Ok(Self::from_bytes(&image.media_type, &image.bytes))
+    }
+
+    /// The image of encoded bytes of `media_type` (`image/png`, `image/jpeg`).
+    pub fn from_bytes(media_type: &str, bytes: &[u8]) -> Self {
+        use base64::Engine as _;
+        use sha2::Digest as _;
+        let sha256 = sha2::Sha256::digest(bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let data = base64::engine::general_purpose::STANDARD.encode(bytes);
+        Self {
+            data_url: format!("data:{media_type};base64,{data}"),
+            sha256,
+        }
+    }
+
+    /// The encoded bytes.
+    pub fn bytes(&self) -> Result<Vec<u8>, crate::vision::VisionError> {
+        crate::vision::parse_data_url(&self.data_url).map(|i| i.bytes)
+    }
+}
+
+/// A piece of a message with images, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum Part {
+    Text { text: String },
+    Image { image: Image },
+}
+
 /// One chat message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Message {
     pub role: Role,
-    /// Text content; `None` for an assistant message that only calls tools.
+    /// Text content (of a message with images: its text parts, joined); `None` for an assistant
+    /// message that only calls tools.
     pub content: Option<String>,
+    /// A message with images: its text and images in order (the template renders an image
+    /// placeholder where each image was). Empty for text-only messages.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<Part>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
     /// For `Tool` messages: the call this answers.
@@ -62,6 +113,7 @@ impl Message {
         Self {
             role,
             content: Some(content.into()),
+            parts: Vec::new(),
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
@@ -69,14 +121,50 @@ impl Message {
         }
     }
 
-    /// The object a chat template reads.
+    /// A message of text and images in order; its `content` is the text parts joined.
+    pub fn with_parts(role: Role, parts: Vec<Part>) -> Self {
+        let text: String = parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Text { text } => Some(text.as_str()),
+                Part::Image { .. } => None,
+            })
+            .collect();
+        let images = parts.iter().any(|p| matches!(p, Part::Image { .. }));
+        Self {
+            parts: if images { parts } else { Vec::new() },
+            ..Self::text(role, text)
+        }
+    }
+
+    /// The message's images, in order.
+    pub fn images(&self) -> impl Iterator<Item = &Image> {
+        self.parts.iter().filter_map(|p| match p {
+            Part::Image { image } => Some(image),
+            Part::Text { .. } => None,
+        })
+    }
+
+    /// The object a chat template reads. A message with images has its content as a list of
+    /// `{"type": "text", "text"}` and `{"type": "image"}` parts, as Hugging Face processors
+    /// hand them to vision-language templates.
     pub fn to_template(&self) -> Json {
         let mut m = Map::new();
         m.insert("role".into(), Json::from(self.role.as_str()));
-        m.insert(
-            "content".into(),
-            Json::from(self.content.clone().unwrap_or_default()),
-        );
+        let content = if self.parts.is_empty() {
+            Json::from(self.content.clone().unwrap_or_default())
+        } else {
+            Json::Array(
+                self.parts
+                    .iter()
+                    .map(|p| match p {
+                        Part::Text { text } => json!({"type": "text", "text": text}),
+                        Part::Image { .. } => json!({"type": "image"}),
+                    })
+                    .collect(),
+            )
+        };
+        m.insert("content".into(), content);
         if !self.tool_calls.is_empty() {
             let calls: Vec<Json> = self
                 .tool_calls
@@ -254,6 +342,7 @@ mod tests {
         let m = Message {
             role: Role::Assistant,
             content: None,
+            parts: Vec::new(),
             tool_calls: vec![ToolCall {
                 id: "call_1".into(),
                 name: "f".into(),

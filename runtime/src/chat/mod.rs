@@ -11,8 +11,8 @@ mod tool_parser;
 
 pub use detok::DecodeStream;
 pub use messages::{
-    arguments_object, check_sampling, ChatRequest, ChatSampling, InvalidRequest, Message, Role,
-    SamplingOverride, Tool, ToolCall,
+    arguments_object, check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message,
+    Part, Role, SamplingOverride, Tool, ToolCall,
 };
 pub use pyjson::{dumps as python_json_dumps, DumpOptions};
 pub use template::{ChatTemplate, RenderOptions, TemplateError};

@@ -55,6 +55,11 @@ impl Tokenizer {
             .map_err(|e| TokenizerError::Tokenize(e.to_string()))
     }
 
+    /// The id of a token by its text (`<|image_pad|>`), if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<i64> {
+        self.inner.token_to_id(token).map(i64::from)
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

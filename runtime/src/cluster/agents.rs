@@ -17,8 +17,7 @@ use std::time::Duration;
 use super::protocol::Lease;
 use super::{env_path, post_json, retry};
 use crate::agents::{AgentPool, EpisodeStatus, PoolOptions};
-use crate::chat::{ChatTemplate, Tokenizer};
-use crate::loopback::{ChatService, EngineClient, ServiceOptions};
+use crate::loopback::{ChatService, ServiceOptions};
 use crate::run::config::Sources;
 use crate::run::RunError;
 
@@ -85,12 +84,14 @@ pub async fn run(
     };
     let coordinator = opts.coordinator.trim_end_matches('/').to_string();
     let setup = |e: &dyn std::fmt::Display| RunError::Setup(e.to_string());
-    let service = Arc::new(ChatService::new(
-        EngineClient::new(&coordinator),
-        Tokenizer::from_model_dir(&model_dir).map_err(|e| setup(&e))?,
-        ChatTemplate::from_model_dir(&model_dir).map_err(|e| setup(&e))?,
-        ServiceOptions::pool(concurrency * 2, cfg.name.clone()),
-    ));
+    let service = Arc::new(
+        ChatService::from_model_dir(
+            &coordinator,
+            &model_dir,
+            ServiceOptions::pool(concurrency * 2, cfg.name.clone()),
+        )
+        .map_err(|e| setup(&e))?,
+    );
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
         .await
         .map_err(|e| setup(&format!("binding 127.0.0.1: {e}")))?;

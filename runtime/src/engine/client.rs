@@ -18,7 +18,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures::{Stream, StreamExt};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::engine::api::{Choice, GenerateResponse, TokenLogprob};
 
@@ -58,8 +58,30 @@ pub struct EngineSampling {
 struct GenerateBody<'a, S> {
     request_id: &'a str,
     token_ids: &'a [i64],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    content_parts: &'a [ContentPart],
     sampling_params: &'a S,
     stream: bool,
+}
+
+/// A media item of a prompt, as vLLM's token-in `/inference/v1/generate` takes them beside the
+/// token ids (`content_parts`): `{"type": "image_url", "url": "data:image/png;base64,..."}`, one
+/// per image in prompt order, whose placeholder tokens the ids already hold (docs/vision.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub url: String,
+}
+
+impl ContentPart {
+    /// An image by its data URL.
+    pub fn image(data_url: &str) -> Self {
+        Self {
+            kind: "image_url".into(),
+            url: data_url.into(),
+        }
+    }
 }
 
 /// The request header naming the session a generation belongs to (routers hash on it).
@@ -101,17 +123,20 @@ impl EngineClient {
     }
 
     /// Starts generating; the stream yields each sampled token, then `Finished`. `sampling` is
-    /// the `sampling_params` object ([`EngineSampling`], or the JSON a client sent).
+    /// the `sampling_params` object ([`EngineSampling`], or the JSON a client sent);
+    /// `content_parts` the prompt's images (none for text).
     pub async fn generate<S: Serialize>(
         &self,
         request_id: String,
         prompt: &[i64],
+        content_parts: &[ContentPart],
         sampling: &S,
         session: Option<&str>,
     ) -> Result<GenerationStream, EngineError> {
         let body = GenerateBody {
             request_id: &request_id,
             token_ids: prompt,
+            content_parts,
             sampling_params: sampling,
             stream: true,
         };
@@ -146,6 +171,7 @@ impl EngineClient {
         let body = GenerateBody {
             request_id,
             token_ids: tokens,
+            content_parts: &[],
             sampling_params: &serde_json::json!({
                 "max_tokens": 1,
                 "temperature": 0.0,

@@ -15,7 +15,8 @@ use super::error::LoopbackError;
 use super::openai::async_stream;
 use super::service::{ChatService, Finish, TurnOutput, TURN_EVENT_BUFFER};
 use crate::chat::{
-    check_sampling, ChatRequest, ChatSampling, InvalidRequest, Message, Role, Tool, ToolCall,
+    check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message, Part, Role, Tool,
+    ToolCall,
 };
 
 const PROTOCOL: &str = "anthropic";
@@ -159,6 +160,8 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
         }
     };
     let mut text: Option<String> = None;
+    // A user message's text and images in order.
+    let mut parts = Vec::new();
     let mut tool_calls = Vec::new();
     let mut reasoning = None;
     for (j, b) in blocks.iter().enumerate() {
@@ -173,7 +176,11 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                     invalid(format!("{p}.text"), "a text block needs a string `text`")
                 })?;
                 text.get_or_insert_with(String::new).push_str(t);
+                parts.push(Part::Text { text: t.into() });
             }
+            ("image", Role::User) => parts.push(Part::Image {
+                image: image_block(b, &p)?,
+            }),
             ("tool_use", Role::Assistant) => {
                 let id = b
                     .get("id")
@@ -215,6 +222,7 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                 out.push(Message {
                     role: Role::Tool,
                     content: Some(content),
+                    parts: Vec::new(),
                     tool_calls: Vec::new(),
                     tool_call_id: Some(id.into()),
                     name: None,
@@ -236,15 +244,49 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
         out.push(Message {
             role,
             content: text,
+            parts: Vec::new(),
             tool_calls,
             tool_call_id: None,
             name: None,
             reasoning_content: reasoning,
         });
-    } else if let Some(text) = text {
-        out.push(Message::text(role, text));
+    } else if !parts.is_empty() {
+        out.push(Message::with_parts(role, parts));
     }
     Ok(())
+}
+
+/// An `image` block: `{"type": "image", "source": {"type": "base64", "media_type", "data"}}`.
+fn image_block(block: &Json, param: &str) -> Result<Image, InvalidRequest> {
+    let source = block
+        .get("source")
+        .ok_or_else(|| invalid(format!("{param}.source"), "an image block needs a `source`"))?;
+    match source.get("type").and_then(Json::as_str) {
+        Some("base64") => {}
+        Some("url") => {
+            return Err(invalid(
+                format!("{param}.source.type"),
+                "images by URL are not fetched: send the image inline as `source: {type: \"base64\", media_type, data}` (docs/vision.md)",
+            ))
+        }
+        _ => {
+            return Err(invalid(
+                format!("{param}.source.type"),
+                "an image source needs `type: \"base64\"`",
+            ))
+        }
+    }
+    let field = |name: &str| {
+        source.get(name).and_then(Json::as_str).ok_or_else(|| {
+            invalid(
+                format!("{param}.source.{name}"),
+                format!("a base64 image source needs a string `{name}`"),
+            )
+        })
+    };
+    let (media_type, data) = (field("media_type")?, field("data")?);
+    Image::from_data_url(&format!("data:{media_type};base64,{data}"))
+        .map_err(|e| invalid(format!("{param}.source"), e.to_string()))
 }
 
 impl MessagesRequest {

@@ -29,8 +29,10 @@ use serde_json::json;
 
 pub use crate::engine::client::EngineClient;
 pub use error::LoopbackError;
-pub use service::{ChatService, ServiceOptions, DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_TURNS};
-pub use session::{Segment, Session};
+pub use service::{
+    ChatService, ImageInputs, ServiceOptions, DEFAULT_MAX_SESSION_TOKENS, DEFAULT_MAX_TURNS,
+};
+pub use session::{Segment, SegmentImage, Session};
 
 use crate::chat::InvalidRequest;
 

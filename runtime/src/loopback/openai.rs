@@ -16,8 +16,8 @@ use tokio::sync::mpsc;
 use super::error::LoopbackError;
 use super::service::{ChatService, Finish, TurnEvent, TurnOutput, TURN_EVENT_BUFFER};
 use crate::chat::{
-    arguments_object, check_sampling, ChatRequest, ChatSampling, InvalidRequest, Message, Role,
-    Tool, ToolCall,
+    arguments_object, check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message,
+    Part, Role, Tool, ToolCall,
 };
 
 const PROTOCOL: &str = "openai";
@@ -102,44 +102,74 @@ fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidReque
     InvalidRequest::new(param, message)
 }
 
-/// Text of a `content` field: a string, null, or an array of `{"type": "text", "text"}` parts.
-fn content_text(value: &Json, param: &str) -> Result<Option<String>, InvalidRequest> {
+/// A `content` field: a string, null, or an array of `{"type": "text", "text"}` parts and, where
+/// `images` allows them, `{"type": "image_url", "image_url": {"url": "data:..."}}` parts. Returns
+/// the text (the text parts joined) and, when there was an image, every part in order.
+fn content_parts(
+    value: &Json,
+    param: &str,
+    images: bool,
+) -> Result<(Option<String>, Vec<Part>), InvalidRequest> {
     match value {
-        Json::Null => Ok(None),
-        Json::String(s) => Ok(Some(s.clone())),
-        Json::Array(parts) => {
-            let mut text = String::new();
-            for (j, part) in parts.iter().enumerate() {
+        Json::Null => Ok((None, Vec::new())),
+        Json::String(s) => Ok((Some(s.clone()), Vec::new())),
+        Json::Array(items) => {
+            let mut parts = Vec::with_capacity(items.len());
+            for (j, part) in items.iter().enumerate() {
                 let kind = part.get("type").and_then(Json::as_str);
-                match (kind, part.get("text").and_then(Json::as_str)) {
-                    (Some("text"), Some(t)) => text.push_str(t),
-                    (Some("text"), None) => {
+                match kind {
+                    Some("text") => {
+                        let text = part.get("text").and_then(Json::as_str).ok_or_else(|| {
+                            invalid(
+                                format!("{param}[{j}].text"),
+                                "a text part needs a string `text`",
+                            )
+                        })?;
+                        parts.push(Part::Text { text: text.into() });
+                    }
+                    Some("image_url") if images => {
+                        let p = format!("{param}[{j}].image_url");
+                        let url = match part.get("image_url") {
+                            Some(Json::String(url)) => url.as_str(),
+                            Some(obj) => obj.get("url").and_then(Json::as_str).ok_or_else(|| {
+                                invalid(format!("{p}.url"), "an image_url part needs a string `url`")
+                            })?,
+                            None => {
+                                return Err(invalid(&p, "an image_url part needs `image_url: {url}`"))
+                            }
+                        };
+                        let image = Image::from_data_url(url)
+                            .map_err(|e| invalid(format!("{p}.url"), e.to_string()))?;
+                        parts.push(Part::Image { image });
+                    }
+                    Some("image_url") => {
                         return Err(invalid(
-                            format!("{param}[{j}].text"),
-                            "a text part needs a string `text`",
+                            format!("{param}[{j}].type"),
+                            "images are accepted in user messages only",
                         ))
                     }
-                    (Some(other), _) => {
+                    Some(other) => {
                         return Err(invalid(
                             format!("{param}[{j}].type"),
                             format!(
-                                "content parts of type `{other}` are not supported: only `text`"
+                                "content parts of type `{other}` are not supported: only `text` and `image_url`"
                             ),
                         ))
                     }
-                    (None, _) => {
+                    None => {
                         return Err(invalid(
                             format!("{param}[{j}]"),
-                            "a content part needs a `type` (`text`)",
+                            "a content part needs a `type` (`text` or `image_url`)",
                         ))
                     }
                 }
             }
-            Ok(Some(text))
+            let message = Message::with_parts(Role::User, parts);
+            Ok((message.content, message.parts))
         }
         _ => Err(invalid(
             param,
-            "content must be a string, an array of text parts, or null",
+            "content must be a string, an array of content parts, or null",
         )),
     }
 }
@@ -169,9 +199,10 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
             ))
         }
     };
-    let content = content_text(
+    let (content, parts) = content_parts(
         obj.get("content").unwrap_or(&Json::Null),
         &format!("{param}.content"),
+        role == Role::User,
     )?;
     let mut tool_calls = Vec::new();
     if let Some(calls) = obj.get("tool_calls").filter(|v| !v.is_null()) {
@@ -236,6 +267,7 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
     Ok(Message {
         role,
         content,
+        parts,
         tool_calls,
         tool_call_id,
         name: obj.get("name").and_then(Json::as_str).map(str::to_string),

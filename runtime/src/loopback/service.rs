@@ -18,13 +18,14 @@ use rand::Rng;
 use tokio::sync::mpsc;
 
 use super::error::LoopbackError;
-use super::session::{Sampled, Segment, Session};
+use super::session::{ImageSpan, Sampled, Segment, Session};
 use super::text_stream::{Streamed, TextStream};
 use crate::chat::{
-    parser_for_template, ChatRequest, ChatTemplate, DecodeStream, InvalidRequest, NoTools,
+    parser_for_template, ChatRequest, ChatTemplate, DecodeStream, Image, InvalidRequest, NoTools,
     RenderOptions, SamplingOverride, Tokenizer, ToolCall, ToolCallParser,
 };
-use crate::engine::client::{EngineClient, EngineError, EngineSampling, Generated};
+use crate::engine::client::{ContentPart, EngineClient, EngineError, EngineSampling, Generated};
+use crate::vision::ImageProcessorConfig;
 
 /// Why a sample ended, in protocol-neutral terms.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,6 +87,8 @@ pub const TURN_EVENT_BUFFER: usize = 256;
 struct SampleContext<'a> {
     session: &'a str,
     prompt: &'a [i64],
+    /// The prompt's images, for the engine.
+    content_parts: &'a [ContentPart],
     req: &'a ChatRequest,
     parser: &'a dyn ToolCallParser,
     id_prefix: &'a str,
@@ -166,12 +169,50 @@ impl SessionSlot {
     }
 }
 
+/// How a vision-language model's prompts hold images (docs/vision.md): the chat template renders
+/// one `placeholder` token per image, and the prompt holds as many as the image's patches make.
+#[derive(Debug, Clone)]
+pub struct ImageInputs {
+    pub config: ImageProcessorConfig,
+    /// The id of `<|image_pad|>`.
+    pub placeholder: i64,
+}
+
+/// The placeholder token of Qwen2-VL and Qwen2.5-VL chat templates.
+const IMAGE_PLACEHOLDER: &str = "<|image_pad|>";
+
+impl ImageInputs {
+    /// A model folder's: `Some` when it has a `preprocessor_config.json` and its tokenizer the
+    /// image placeholder token; `None` for a text-only model.
+    pub fn from_model_dir(
+        dir: &std::path::Path,
+        tokenizer: &Tokenizer,
+    ) -> Result<Option<Self>, String> {
+        if !dir.join("preprocessor_config.json").is_file() {
+            return Ok(None);
+        }
+        let config = ImageProcessorConfig::from_model_dir(dir).map_err(|e| e.to_string())?;
+        let placeholder = tokenizer.token_id(IMAGE_PLACEHOLDER).ok_or_else(|| {
+            format!(
+                "{}: the model has a preprocessor_config.json, but its tokenizer has no {IMAGE_PLACEHOLDER} token (docs/vision.md)",
+                dir.display()
+            )
+        })?;
+        Ok(Some(Self {
+            config,
+            placeholder,
+        }))
+    }
+}
+
 /// The loopback server's state: model files, engine client and sessions.
 #[derive(Debug)]
 pub struct ChatService {
     engine: EngineClient,
     tokenizer: Tokenizer,
     template: ChatTemplate,
+    /// A vision-language model's; `None`: requests with images are refused.
+    images: Option<ImageInputs>,
     tool_parser: Box<dyn ToolCallParser>,
     opts: ServiceOptions,
     sessions: Mutex<HashMap<String, Arc<SessionSlot>>>,
@@ -218,12 +259,32 @@ impl ChatService {
             engine,
             tokenizer,
             template,
+            images: None,
             tool_parser,
             opts,
             sessions: Mutex::new(HashMap::new()),
             id_prefix: format!("lb-{}", random_hex(8)),
             next_request: AtomicU64::new(0),
         }
+    }
+
+    /// The service of the model in `dir` (its tokenizer, chat template and, for a
+    /// vision-language model, image settings) on the engine (or router) at `engine`.
+    pub fn from_model_dir(
+        engine: &str,
+        dir: &std::path::Path,
+        opts: ServiceOptions,
+    ) -> Result<Self, String> {
+        let tokenizer = Tokenizer::from_model_dir(dir).map_err(|e| e.to_string())?;
+        let template = ChatTemplate::from_model_dir(dir).map_err(|e| e.to_string())?;
+        let images = ImageInputs::from_model_dir(dir, &tokenizer)?;
+        Ok(Self::new(EngineClient::new(engine), tokenizer, template, opts).with_images(images))
+    }
+
+    /// Takes images as `images` says (`None`: refuses them).
+    pub fn with_images(mut self, images: Option<ImageInputs>) -> Self {
+        self.images = images;
+        self
     }
 
     pub fn model_name(&self) -> &str {
@@ -362,7 +423,14 @@ impl ChatService {
                 },
             )
             .map_err(LoopbackError::Template)?;
-        let plan = session.plan(&req.messages, rendered, |text| self.tokenizer.encode(text))?;
+        let plan = session.plan(&req.messages, rendered, |text, images| {
+            self.encode_with_images(text, images)
+        })?;
+        let content_parts: Vec<ContentPart> = plan
+            .images
+            .iter()
+            .map(|i| ContentPart::image(&i.data_url))
+            .collect();
         let sampling = EngineSampling {
             max_tokens: req.sampling.max_tokens,
             temperature: req.sampling.temperature.unwrap_or(1.0),
@@ -380,6 +448,7 @@ impl ChatService {
         let ctx = SampleContext {
             session: session_id,
             prompt: &plan.prompt,
+            content_parts: &content_parts,
             req: &req,
             parser,
             id_prefix,
@@ -409,6 +478,67 @@ impl ChatService {
         Ok(answer)
     }
 
+    /// The ids of rendered `text`, each image placeholder expanded to the tokens its image takes
+    /// (`images`: the images the text holds placeholders for, in order), and where each went.
+    fn encode_with_images(
+        &self,
+        text: &str,
+        images: &[&Image],
+    ) -> Result<(Vec<i64>, Vec<ImageSpan>), LoopbackError> {
+        let ids = self.tokenizer.encode(text)?;
+        let Some(inputs) = &self.images else {
+            if images.is_empty() {
+                return Ok((ids, Vec::new()));
+            }
+            return Err(InvalidRequest::new(
+                "messages",
+                "the request has images, but this model takes none (its folder has no \
+                 preprocessor_config.json); serve a vision-language model (docs/vision.md)",
+            )
+            .into());
+        };
+        let mut out = Vec::with_capacity(ids.len());
+        let mut spans = Vec::with_capacity(images.len());
+        for id in ids {
+            if id != inputs.placeholder {
+                out.push(id);
+                continue;
+            }
+            let Some(image) = images.get(spans.len()) else {
+                return Err(InvalidRequest::new(
+                    "messages",
+                    format!(
+                        "the conversation renders more image placeholders than it has images ({} images); text may not hold {IMAGE_PLACEHOLDER} itself",
+                        images.len()
+                    ),
+                )
+                .into());
+            };
+            let tokens = image
+                .bytes()
+                .and_then(|b| crate::vision::placeholder_tokens_of(&b, &inputs.config))
+                .map_err(|e| InvalidRequest::new("messages", format!("an image: {e}")))?;
+            spans.push(ImageSpan {
+                offset: out.len(),
+                tokens,
+            });
+            out.extend(std::iter::repeat_n(inputs.placeholder, tokens));
+        }
+        if spans.len() != images.len() {
+            return Err(InvalidRequest::new(
+                "messages",
+                format!(
+                    "the model's chat template ({}) rendered {} image placeholders for {} images: it does not render images (docs/vision.md)",
+                    self.template.origin(),
+                    spans.len(),
+                    images.len()
+                ),
+            )
+            .into());
+        }
+        Ok((out, spans))
+    }
+
     /// Tools the chat template would drop are refused: a template that never reads `tools`
     /// (Gemma 3's official one) would render the request as if it had none, and the model could
     /// not call them.
@@ -436,6 +566,7 @@ impl ChatService {
         let SampleContext {
             session,
             prompt,
+            content_parts,
             req,
             parser,
             id_prefix,
@@ -449,7 +580,7 @@ impl ChatService {
         );
         let mut stream = self
             .engine
-            .generate(id, prompt, &sampling, Some(session))
+            .generate(id, prompt, content_parts, &sampling, Some(session))
             .await?;
         let mut text = TextStream::new(&req.sampling.stop, *parser);
         let mut record = Sampled::default();

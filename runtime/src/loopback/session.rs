@@ -19,7 +19,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::service::TurnOutput;
-use crate::chat::{Message, Role};
+use crate::chat::{Image, Message, Role};
 
 /// Routed expert ids of positions `start..` of a segment, as the engine returned them (base64 of
 /// a `.npy` array of shape `(positions, layers, top_k)`).
@@ -27,6 +27,18 @@ use crate::chat::{Message, Role};
 pub struct RoutedExperts {
     pub start: usize,
     pub data: String,
+}
+
+/// An image in a segment's prompt (docs/vision.md): where its placeholder tokens are and the
+/// image itself, so the trainer computes the same vision features the engine did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentImage {
+    /// The position of its first placeholder token in the segment's `token_ids`.
+    pub offset: usize,
+    /// Its placeholder tokens.
+    pub tokens: usize,
+    #[serde(flatten)]
+    pub image: Image,
 }
 
 /// One accumulated token sequence: what the trainer receives.
@@ -40,6 +52,9 @@ pub struct Segment {
     /// The policy version that sampled each token (`None` where the mask is 0).
     pub versions: Vec<Option<u64>>,
     pub routed_experts: Vec<RoutedExperts>,
+    /// The images of the prompt, in order (vision-language models).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<SegmentImage>,
     /// Turns that contributed to this segment.
     pub turns: usize,
     /// On-policy distillation with a served teacher: its logprob of each token given the ones
@@ -49,6 +64,16 @@ pub struct Segment {
 }
 
 impl Segment {
+    /// Appends rendered tokens and the images among them (offsets relative to `ids`).
+    fn push_rendered_with(&mut self, ids: &[i64], images: &[SegmentImage]) {
+        let at = self.token_ids.len();
+        self.images.extend(images.iter().map(|i| SegmentImage {
+            offset: at + i.offset,
+            ..i.clone()
+        }));
+        self.push_rendered(ids);
+    }
+
     fn push_rendered(&mut self, ids: &[i64]) {
         self.token_ids.extend_from_slice(ids);
         self.loss_mask.extend(std::iter::repeat_n(0, ids.len()));
@@ -69,6 +94,13 @@ impl Segment {
     pub fn sampled_tokens(&self) -> usize {
         self.loss_mask.iter().filter(|&&m| m == 1).count()
     }
+}
+
+/// Where an image's placeholder tokens are in a run of ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageSpan {
+    pub offset: usize,
+    pub tokens: usize,
 }
 
 /// What the engine produced for one sample of a turn.
@@ -99,8 +131,12 @@ pub struct TurnPlan {
     rendered: String,
     /// Tokens of the rendering not yet in the segment (loss mask 0).
     pub new_ids: Vec<i64>,
+    /// The images among `new_ids` (offsets relative to them).
+    new_images: Vec<SegmentImage>,
     /// The whole prompt: the continued segment's tokens, then `new_ids`.
     pub prompt: Vec<i64>,
+    /// Every image of the prompt, in order: what the engine receives with it.
+    pub images: Vec<Image>,
 }
 
 impl TurnPlan {
@@ -139,12 +175,14 @@ struct Cached {
 const CACHED_TURNS: usize = 8;
 
 impl Session {
-    /// Plans a turn for `messages` rendered as `rendered`; `tokenize` encodes the new text only.
+    /// Plans a turn for `messages` rendered as `rendered`. `tokenize` encodes the new text only,
+    /// given the images it holds placeholders for (the messages' images not yet in the continued
+    /// segment), and returns each one's placeholder span in the ids.
     pub fn plan<E>(
         &self,
         messages: &[Message],
         rendered: String,
-        tokenize: impl FnOnce(&str) -> Result<Vec<i64>, E>,
+        tokenize: impl FnOnce(&str, &[&Image]) -> Result<(Vec<i64>, Vec<ImageSpan>), E>,
     ) -> Result<TurnPlan, E> {
         let continues = self.open.iter().position(|o| {
             messages.len() > o.messages.len()
@@ -152,11 +190,25 @@ impl Session {
                 && messages[o.messages.len()].role == Role::Assistant
                 && rendered.starts_with(&o.text)
         });
-        let (base_ids, base_text): (&[i64], &str) = match continues {
-            Some(i) => (&self.open[i].segment.token_ids, &self.open[i].text),
-            None => (&[], ""),
+        let (base, base_text): (Option<&Segment>, &str) = match continues {
+            Some(i) => (Some(&self.open[i].segment), &self.open[i].text),
+            None => (None, ""),
         };
-        let new_ids = tokenize(&rendered[base_text.len()..])?;
+        let base_ids: &[i64] = base.map_or(&[], |b| &b.token_ids);
+        let base_images = base.map_or(0, |b| b.images.len());
+        // A continued segment's messages are the first of these, so its images come first.
+        let images: Vec<&Image> = messages.iter().flat_map(Message::images).collect();
+        let new = images.get(base_images..).unwrap_or_default();
+        let (new_ids, spans) = tokenize(&rendered[base_text.len()..], new)?;
+        let new_images = new
+            .iter()
+            .zip(spans)
+            .map(|(image, span)| SegmentImage {
+                offset: span.offset,
+                tokens: span.tokens,
+                image: (*image).clone(),
+            })
+            .collect();
         let mut prompt = Vec::with_capacity(base_ids.len() + new_ids.len());
         prompt.extend_from_slice(base_ids);
         prompt.extend_from_slice(&new_ids);
@@ -164,7 +216,9 @@ impl Session {
             continues,
             rendered,
             new_ids,
+            new_images,
             prompt,
+            images: images.into_iter().cloned().collect(),
         })
     }
 
@@ -209,7 +263,7 @@ impl Session {
                 )
             };
             segment.turns += 1;
-            segment.push_rendered(&plan.new_ids);
+            segment.push_rendered_with(&plan.new_ids, &plan.new_images);
             segment.push_sampled(sample);
             if let Some(data) = &sample.routed_experts {
                 segment.routed_experts.push(RoutedExperts {
@@ -282,11 +336,27 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat::Part;
 
     /// A stand-in tokenizer: one id per character (a module-level test of the bookkeeping; the
     /// loopback tests use the real tokenizer and template).
-    fn chars(text: &str) -> Result<Vec<i64>, ()> {
-        Ok(text.chars().map(|c| c as i64).collect())
+    fn chars(text: &str, images: &[&Image]) -> Result<(Vec<i64>, Vec<ImageSpan>), ()> {
+        // `#` is an image's placeholder, three tokens once expanded.
+        let mut ids = Vec::new();
+        let mut spans = Vec::new();
+        for c in text.chars() {
+            if c == '#' {
+                spans.push(ImageSpan {
+                    offset: ids.len(),
+                    tokens: 3,
+                });
+                ids.extend([c as i64; 3]);
+            } else {
+                ids.push(c as i64);
+            }
+        }
+        assert_eq!(spans.len(), images.len(), "a placeholder per new image");
+        Ok((ids, spans))
     }
 
     fn user(t: &str) -> Message {
@@ -311,8 +381,9 @@ mod tests {
         let mut s: String = messages
             .iter()
             .map(|m| {
+                let images = "#".repeat(m.images().count());
                 format!(
-                    "<{}>{}|",
+                    "<{}>{images}{}|",
                     m.role.as_str(),
                     m.content.clone().unwrap_or_default()
                 )
@@ -358,6 +429,61 @@ mod tests {
             seg.versions.iter().flatten().copied().collect::<Vec<_>>(),
             vec![0, 0, 0, 1, 1, 1]
         );
+    }
+
+    fn with_image(t: &str, image: &str) -> Message {
+        Message::with_parts(
+            Role::User,
+            vec![
+                Part::Image {
+                    image: Image::from_bytes("image/png", image.as_bytes()),
+                },
+                Part::Text { text: t.into() },
+            ],
+        )
+    }
+
+    #[test]
+    fn images_are_kept_with_their_placeholders_and_continue_like_text() {
+        let mut s = Session::default();
+        let m1 = vec![with_image("what?", "png-1")];
+        assert!(!turn(&mut s, m1.clone(), "a", 0));
+        let mut m2 = m1.clone();
+        m2.extend([assistant("a"), with_image("and?", "png-2")]);
+        let plan = s.plan(&m2, render(&m2), chars).unwrap();
+        assert!(plan.continues());
+        // The engine gets both images, the first from the continued segment.
+        let hashes: Vec<&str> = plan.images.iter().map(|i| i.sha256.as_str()).collect();
+        let first = Image::from_bytes("image/png", b"png-1").sha256;
+        let second = Image::from_bytes("image/png", b"png-2").sha256;
+        assert_eq!(hashes, [first.as_str(), second.as_str()]);
+        s.commit(plan, Arc::new(m2), &[sampled("b|", 1)], vec!["b|".into()]);
+        let seg = &s.segments()[0];
+        let text: String = seg
+            .token_ids
+            .iter()
+            .map(|&c| char::from_u32(c as u32).unwrap())
+            .collect();
+        assert_eq!(
+            text,
+            "<user>###what?|<assistant>a|<user>###and?|<assistant>b|"
+        );
+        let spans: Vec<(usize, usize, &str)> = seg
+            .images
+            .iter()
+            .map(|i| (i.offset, i.tokens, i.image.sha256.as_str()))
+            .collect();
+        let at = "<user>###what?|<assistant>a|<user>".len();
+        assert_eq!(spans, [(6, 3, first.as_str()), (at, 3, second.as_str())]);
+        for i in &seg.images {
+            assert!(seg.token_ids[i.offset..i.offset + i.tokens]
+                .iter()
+                .all(|&t| t == '#' as i64));
+            assert_eq!(seg.loss_mask[i.offset], 0);
+        }
+        // Segments carry the images through JSON (to the trainer).
+        let json = serde_json::to_string(seg).unwrap();
+        assert_eq!(&serde_json::from_str::<Segment>(&json).unwrap(), seg);
     }
 
     #[test]

@@ -60,6 +60,7 @@ impl EpisodeRunner for FakeRunner {
                     logprobs: vec![0.0, -0.1, -0.2],
                     versions: vec![None, Some(v), Some(v)],
                     routed_experts: vec![],
+                    images: Vec::new(),
                     turns: 1,
                     teacher_logprobs: None,
                 }],

@@ -174,6 +174,7 @@ mod tests {
             logprobs: vec![0.0, 0.0, -0.5, -1.25],
             versions: vec![None, None, Some(3), Some(4)],
             routed_experts: Vec::new(),
+            images: Vec::new(),
             turns: 1,
             teacher_logprobs: None,
         }

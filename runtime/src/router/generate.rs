@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 
 use super::{RouteRequest, Router};
 use crate::engine::api::TokenLogprob;
-use crate::engine::client::{EngineError, Generated};
+use crate::engine::client::{ContentPart, EngineError, Generated};
 use crate::engine::ApiError;
 
 /// What the router emits for a generation: tokens, numbered from the first generated one.
@@ -46,6 +46,8 @@ pub enum Routed {
 pub struct RoutedRequest {
     pub request_id: String,
     pub prompt: Vec<i64>,
+    /// The prompt's images; a continuation on another engine sends them again.
+    pub content_parts: Vec<ContentPart>,
     /// `sampling_params`, forwarded as given (the engine validates them).
     pub params: Map<String, Json>,
     pub session: Option<String>,
@@ -156,6 +158,7 @@ async fn run(
             .generate(
                 req.request_id.clone(),
                 &prompt,
+                &req.content_parts,
                 &params,
                 req.session.as_deref(),
             )

@@ -31,7 +31,7 @@ use serde_json::{json, Map, Value};
 use super::generate::{start, Routed, RoutedRequest};
 use super::Router;
 use crate::engine::api::{AbortRequest, Choice, GenerateResponse, Usage, WeightVersionSpan};
-use crate::engine::client::SESSION_HEADER;
+use crate::engine::client::{ContentPart, SESSION_HEADER};
 use crate::engine::ApiError;
 
 /// `POST /inference/v1/generate` as the router reads it: the engine validates the rest.
@@ -40,6 +40,9 @@ use crate::engine::ApiError;
 struct GenerateBody {
     request_id: Option<String>,
     token_ids: Vec<i64>,
+    /// The prompt's images (vLLM's form), forwarded to whichever engine serves the request.
+    #[serde(default)]
+    content_parts: Vec<ContentPart>,
     #[serde(default)]
     sampling_params: Map<String, Value>,
     #[serde(default)]
@@ -80,6 +83,7 @@ async fn generate(
     let req = RoutedRequest {
         request_id: request_id.clone(),
         prompt: body.token_ids,
+        content_parts: body.content_parts,
         params,
         session: headers
             .get(SESSION_HEADER)

@@ -18,9 +18,8 @@ use super::teacher::Teacher;
 use super::vllm::VllmProcess;
 use super::RunError;
 use crate::agents::{AgentPool, PoolOptions};
-use crate::chat::{ChatTemplate, Tokenizer};
 use crate::engine::{http, EngineHandle, EngineOptions};
-use crate::loopback::{ChatService, EngineClient, ServiceOptions};
+use crate::loopback::{ChatService, ServiceOptions};
 use crate::model::{CausalLm, ModelConfig};
 use crate::router::{server, EnginePool};
 use crate::weight_sync::publish::{engine_kind, PublishOptions};
@@ -200,15 +199,15 @@ impl Stack {
         let (listener, router_url) = bind().await?;
         tokio::spawn(server::serve(listener, router, stopped(stop_rx.clone())));
 
-        let service = Arc::new(ChatService::new(
-            EngineClient::new(&router_url),
-            Tokenizer::from_model_dir(&cfg.model_dir)
-                .map_err(|e| RunError::Setup(e.to_string()))?,
-            ChatTemplate::from_model_dir(&cfg.model_dir)
-                .map_err(|e| RunError::Setup(e.to_string()))?,
-            // Sessions of running episodes, plus those closing.
-            ServiceOptions::pool(cfg.concurrency * 2, cfg.name.clone()),
-        ));
+        let service = Arc::new(
+            ChatService::from_model_dir(
+                &router_url,
+                &cfg.model_dir,
+                // Sessions of running episodes, plus those closing.
+                ServiceOptions::pool(cfg.concurrency * 2, cfg.name.clone()),
+            )
+            .map_err(RunError::Setup)?,
+        );
         let (listener, loopback_url) = bind().await?;
         tokio::spawn(crate::loopback::serve(
             listener,

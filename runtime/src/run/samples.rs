@@ -248,6 +248,7 @@ mod tests {
             logprobs: vec![0.0; len],
             versions: vec![None; len],
             routed_experts: chunks,
+            images: Vec::new(),
             turns: 1,
             teacher_logprobs: None,
         }

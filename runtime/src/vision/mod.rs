@@ -19,7 +19,8 @@ pub use config::ImageProcessorConfig;
 pub use data_url::{parse_data_url, DataUrlImage};
 pub use decode::{decode_image, RgbImage};
 pub use preprocess::{
-    image_placeholder_tokens, preprocess, preprocess_bytes, smart_resize, ProcessedImage,
+    grid_of, image_placeholder_tokens, placeholder_tokens_of, preprocess, preprocess_bytes,
+    smart_resize, ProcessedImage,
 };
 pub use resample::resize_bicubic;
 

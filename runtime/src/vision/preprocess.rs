@@ -100,6 +100,28 @@ pub fn smart_resize(
     }
 }
 
+/// The grid an image of `height` x `width` pixels is cut into (`image_grid_thw`: one frame of
+/// the resized size over the patch size), without decoding or resizing it.
+pub fn grid_of(height: u32, width: u32, config: &ImageProcessorConfig) -> Result<[u32; 3]> {
+    let (h, w) = smart_resize(
+        height,
+        width,
+        config.factor(),
+        config.min_pixels,
+        config.max_pixels,
+    )?;
+    Ok([1, h / config.patch_size, w / config.patch_size])
+}
+
+/// The placeholder tokens PNG or JPEG `bytes` take in a prompt (what [`preprocess_bytes`] would
+/// give, without resizing): the image is decoded, so bytes the engine could not read are refused
+/// here already.
+pub fn placeholder_tokens_of(bytes: &[u8], config: &ImageProcessorConfig) -> Result<usize> {
+    let image = decode_image(bytes)?;
+    let grid = grid_of(image.height, image.width, config)?;
+    Ok(image_placeholder_tokens(grid, config.merge_size))
+}
+
 /// Decodes PNG or JPEG bytes and preprocesses the image.
 pub fn preprocess_bytes(bytes: &[u8], config: &ImageProcessorConfig) -> Result<ProcessedImage> {
     preprocess(&decode_image(bytes)?, config)

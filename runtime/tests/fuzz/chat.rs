@@ -289,7 +289,9 @@ fn run(case: Case) -> Result<(), TestCaseError> {
             }
         };
         let plan = session
-            .plan(&req.messages, rendered, |t| tok.encode(t))
+            .plan(&req.messages, rendered, |t, _| {
+                tok.encode(t).map(|ids| (ids, Vec::new()))
+            })
             .map_err(|e| TestCaseError::fail(format!("tokenizing a rendering: {e}")))?;
         prop_assert!(plan.prompt.ends_with(&plan.new_ids));
         prop_assert!(plan.prompt.is_empty() || plan.routed_experts_start() < plan.prompt.len());

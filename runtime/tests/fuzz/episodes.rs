@@ -36,6 +36,7 @@ fn segment() -> impl Strategy<Value = Segment> {
                 logprobs: tokens.iter().map(|t| if t.1 { t.2 } else { 0.0 }).collect(),
                 versions: tokens.iter().map(|t| t.1.then_some(t.3)).collect(),
                 routed_experts: Vec::new(),
+                images: Vec::new(),
                 turns: 1,
                 teacher_logprobs: None,
             };
