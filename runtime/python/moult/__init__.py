@@ -26,10 +26,12 @@ each model reply until `terminated` or `truncated`::
             return moult.Step(observation="Again." if not won else "", reward=float(won), terminated=won)
 """
 
+import base64
 import dataclasses
+import io
 import os
 
-__all__ = ["ChatAgent", "Context", "Env", "Result", "Step"]
+__all__ = ["ChatAgent", "Context", "Env", "Image", "Result", "Step"]
 
 
 @dataclasses.dataclass
@@ -63,10 +65,58 @@ class Result:
 
 
 @dataclasses.dataclass
-class Step:
-    """What `Env.step` returns (a dict with these keys works too)."""
+class Image:
+    """An image in an observation, for a vision-language policy (docs/vision.md): PNG or JPEG
+    bytes. An observation is a string, or a list of strings and images in the order the model
+    sees them::
 
-    observation: str
+        return moult.Step(observation=["Here is the figure:", moult.Image.from_file("fig.png"), "What is x?"])
+    """
+
+    data: bytes
+    media_type: str = "image/png"
+
+    @classmethod
+    def from_file(cls, path):
+        with open(path, "rb") as f:
+            data = f.read()
+        media_type = "image/jpeg" if data[:2] == b"\xff\xd8" else "image/png"
+        return cls(data=data, media_type=media_type)
+
+    @classmethod
+    def from_pil(cls, image):
+        """A PIL image, saved as PNG (lossless: the model sees exactly these pixels)."""
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return cls(data=buf.getvalue(), media_type="image/png")
+
+    def to_json(self):
+        return {"type": "image", "media_type": self.media_type, "data": base64.b64encode(self.data).decode("ascii")}
+
+
+def observation_json(observation):
+    """An observation as the Env protocol sends it: a string, or a list of text and image parts."""
+    if isinstance(observation, (list, tuple)):
+        parts = []
+        for item in observation:
+            if isinstance(item, Image):
+                parts.append(item.to_json())
+            elif isinstance(item, str):
+                parts.append({"type": "text", "text": item})
+            else:
+                raise TypeError(f"an observation part is a str or moult.Image, got {item!r}")
+        return parts
+    if isinstance(observation, Image):
+        return [observation.to_json()]
+    return str(observation)
+
+
+@dataclasses.dataclass
+class Step:
+    """What `Env.step` returns (a dict with these keys works too). `observation` is a string, or a
+    list of strings and `moult.Image`s."""
+
+    observation: object
     reward: float = 0.0
     terminated: bool = False
     truncated: bool = False

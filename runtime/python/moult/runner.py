@@ -12,7 +12,6 @@ to MOULT_RESULT_FILE. An Env speaks JSON lines on stdin/stdout: requests `{"meth
 object, or `{"error"}`. The user's own prints go to stderr so they never corrupt the protocol.
 """
 
-import dataclasses
 import importlib
 import importlib.util
 import json
@@ -63,12 +62,13 @@ def run_chat(agent):
 
 
 def step_json(step):
-    if dataclasses.is_dataclass(step):
-        step = dataclasses.asdict(step)
+    if isinstance(step, moult.Step):
+        # Not dataclasses.asdict: it would copy images' bytes into dicts.
+        step = dict(step.__dict__)
     if not isinstance(step, dict) or "observation" not in step:
         raise TypeError(f"step() returned {step!r}: return moult.Step or a dict with `observation`")
     return {
-        "observation": str(step["observation"]),
+        "observation": moult.observation_json(step["observation"]),
         "reward": float(step.get("reward", 0.0)),
         "terminated": bool(step.get("terminated", False)),
         "truncated": bool(step.get("truncated", False)),
@@ -86,7 +86,7 @@ def serve_env(agent):
             req = json.loads(line)
             method = req.get("method")
             if method == "reset":
-                answer = {"observation": str(agent.reset(req.get("task")))}
+                answer = {"observation": moult.observation_json(agent.reset(req.get("task")))}
             elif method == "step":
                 answer = step_json(agent.step(req["action"]))
             elif method == "close":

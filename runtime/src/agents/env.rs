@@ -7,13 +7,87 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
 use super::AgentError;
-use crate::chat::{ChatRequest, ChatSampling, Message, Role};
+use crate::chat::{ChatRequest, ChatSampling, Image, Message, Part, Role};
 use crate::loopback::ChatService;
+
+/// What the model is shown: text, or text and images in order (a vision-language model's
+/// observations; docs/vision.md). As JSON: a string, or an array of
+/// `{"type": "text", "text"}` and `{"type": "image", "media_type": "image/png", "data": BASE64}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Observation {
+    Text(String),
+    Parts(Vec<ObservationPart>),
+}
+
+/// A piece of an observation with images.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase")]
+pub enum ObservationPart {
+    Text { text: String },
+    Image { media_type: String, data: String },
+}
+
+impl Default for Observation {
+    fn default() -> Self {
+        Self::Text(String::new())
+    }
+}
+
+impl From<String> for Observation {
+    fn from(text: String) -> Self {
+        Self::Text(text)
+    }
+}
+
+impl From<&str> for Observation {
+    fn from(text: &str) -> Self {
+        Self::Text(text.into())
+    }
+}
+
+impl Observation {
+    /// Its text (the text parts joined).
+    pub fn text(&self) -> String {
+        match self {
+            Self::Text(text) => text.clone(),
+            Self::Parts(parts) => parts
+                .iter()
+                .filter_map(|p| match p {
+                    ObservationPart::Text { text } => Some(text.as_str()),
+                    ObservationPart::Image { .. } => None,
+                })
+                .collect(),
+        }
+    }
+
+    /// The user message that shows it to the model; an image that is not a PNG or JPEG in base64
+    /// is the env's error.
+    pub fn into_message(self) -> Result<Message, AgentError> {
+        let parts = match self {
+            Self::Text(text) => return Ok(Message::text(Role::User, text)),
+            Self::Parts(parts) => parts,
+        };
+        let parts = parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| match p {
+                ObservationPart::Text { text } => Ok(Part::Text { text }),
+                ObservationPart::Image { media_type, data } => {
+                    Image::from_data_url(&format!("data:{media_type};base64,{data}"))
+                        .map(|image| Part::Image { image })
+                        .map_err(|e| AgentError::Env(format!("observation part {i}: {e}")))
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Message::with_parts(Role::User, parts))
+    }
+}
 
 /// What `step` returns.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepResult {
-    pub observation: String,
+    pub observation: Observation,
     #[serde(default)]
     pub reward: f64,
     #[serde(default)]
@@ -27,7 +101,7 @@ pub struct StepResult {
 /// A Gymnasium-shaped environment: `reset(task) -> observation`, then `step(action)` with each
 /// model reply until `terminated` or `truncated`.
 pub trait Env: Send {
-    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<String, AgentError>>;
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation, AgentError>>;
     fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult, AgentError>>;
 }
 
@@ -78,7 +152,7 @@ pub async fn run_env_episode(
     if let Some(system) = &opts.system_prompt {
         messages.push(Message::text(Role::System, system.clone()));
     }
-    messages.push(Message::text(Role::User, first));
+    messages.push(first.into_message()?);
     let mut outcome = EnvOutcome {
         reward: 0.0,
         info: Map::new(),
@@ -109,7 +183,7 @@ pub async fn run_env_episode(
             outcome.truncated = step.truncated;
             return Ok(outcome);
         }
-        messages.push(Message::text(Role::User, step.observation));
+        messages.push(step.observation.into_message()?);
     }
     Ok(outcome)
 }
@@ -153,7 +227,7 @@ pub struct Repeat {
 }
 
 impl Env for Repeat {
-    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<String, AgentError>> {
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation, AgentError>> {
         Box::pin(async move {
             self.word = task
                 .get("word")
@@ -162,7 +236,7 @@ impl Env for Repeat {
                 .to_string();
             self.tries = task.get("tries").and_then(Json::as_u64).unwrap_or(3) as usize;
             self.left = self.tries;
-            Ok(format!("Say the word {}.", self.word))
+            Ok(format!("Say the word {}.", self.word).into())
         })
     }
 
@@ -173,7 +247,7 @@ impl Env for Repeat {
             let mut info = Map::new();
             info.insert("tries".into(), Json::from(self.tries - self.left));
             Ok(StepResult {
-                observation: format!("No. Say the word {}.", self.word),
+                observation: format!("No. Say the word {}.", self.word).into(),
                 reward: if said { 1.0 } else { 0.0 },
                 terminated: said,
                 truncated: !said && self.left == 0,
@@ -186,6 +260,36 @@ impl Env for Repeat {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn observations_are_text_or_text_and_images() {
+        let text: Observation = serde_json::from_value(json!("Look.")).unwrap();
+        assert_eq!(
+            text.into_message().unwrap(),
+            Message::text(Role::User, "Look.")
+        );
+        let png = "iVBORw0KGgo="; // base64 of the PNG signature: any bytes do here
+        let parts: Observation = serde_json::from_value(json!([
+            {"type": "text", "text": "What is "},
+            {"type": "image", "media_type": "image/png", "data": png},
+            {"type": "text", "text": "?"}
+        ]))
+        .unwrap();
+        let m = parts.into_message().unwrap();
+        assert_eq!(m.content.as_deref(), Some("What is ?"));
+        assert_eq!(m.images().count(), 1);
+        assert!(m.images().next().unwrap().data_url.ends_with(png));
+        let bad: Observation = serde_json::from_value(json!([
+            {"type": "image", "media_type": "image/gif", "data": png}
+        ]))
+        .unwrap();
+        let e = bad.into_message().unwrap_err().to_string();
+        assert!(
+            e.contains("observation part 0") && e.contains("image/gif"),
+            "{e}"
+        );
+    }
 
     #[tokio::test]
     async fn repeat_rewards_the_word_and_ends() {
@@ -194,7 +298,7 @@ mod tests {
             .reset(&serde_json::json!({"word": "apple", "tries": 2}))
             .await
             .unwrap();
-        assert_eq!(obs, "Say the word apple.");
+        assert_eq!(obs, "Say the word apple.".into());
         let miss = env.step("pear").await.unwrap();
         assert_eq!(
             (miss.reward, miss.terminated, miss.truncated),

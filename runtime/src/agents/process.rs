@@ -19,7 +19,7 @@ use serde_json::Value as Json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 
-use super::env::{Env, StepResult};
+use super::env::{Env, Observation, StepResult};
 use super::sandbox::{self, Exit, Sandboxed};
 use super::AgentError;
 
@@ -493,7 +493,7 @@ impl ExternalEnv {
 }
 
 impl Env for ExternalEnv {
-    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<String, AgentError>> {
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation, AgentError>> {
         Box::pin(async move {
             let request = serde_json::json!({"method": "reset", "task": task});
             // A failure's reason quotes this episode's stderr, not an earlier one's.
@@ -507,12 +507,14 @@ impl Env for ExternalEnv {
                 answer => answer?,
             };
             self.episodes += 1;
-            v.get("observation")
-                .and_then(Json::as_str)
-                .map(str::to_string)
-                .ok_or_else(|| {
-                    AgentError::Env(format!("reset answered without an observation: {v}"))
-                })
+            let observation = v.get("observation").cloned().ok_or_else(|| {
+                AgentError::Env(format!("reset answered without an observation: {v}"))
+            })?;
+            serde_json::from_value(observation).map_err(|e| {
+                AgentError::Env(format!(
+                    "reset answered an observation that is neither text nor a list of text and image parts: {e}"
+                ))
+            })
         })
     }
 
