@@ -458,6 +458,7 @@ async fn libtorch_pause_keep_weight_update_resume_labels_every_token() {
                 tokens: &seq,
                 slot: None,
                 replay: None,
+                images: &[],
             }];
             let out = tch::no_grad(|| m.forward(&input, None, LogitsFor::Last)).unwrap();
             let t = out.routed_experts.unwrap();
@@ -952,6 +953,7 @@ async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() 
                     tokens: &tokens,
                     slot: None,
                     replay: None,
+                    images: &[],
                 }],
                 None,
                 LogitsFor::All,

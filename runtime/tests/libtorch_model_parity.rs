@@ -21,6 +21,7 @@ fn full_logits(model: &CausalLm, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option<T
             tokens: p,
             slot: None,
             replay: None,
+            images: &[],
         })
         .collect();
     let out = tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All)).unwrap();
@@ -118,6 +119,7 @@ fn check_kv_cache(dir: &std::path::Path) {
                 tokens: &prompt[fed[i]..fed[i] + chunk],
                 slot: Some(slot),
                 replay: None,
+                images: &[],
             });
             which.push((i, chunk));
         }
@@ -190,6 +192,7 @@ fn libtorch_moe_replay_reproduces_and_overrides_routing() {
             tokens: &prompt,
             slot: None,
             replay: Some(replay),
+            images: &[],
         }];
         tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All)).unwrap()
     };
@@ -215,6 +218,7 @@ fn libtorch_moe_replay_reproduces_and_overrides_routing() {
         tokens: &prompt,
         slot: None,
         replay: Some(&bad),
+        images: &[],
     }];
     let err = model
         .forward(&seqs, None, LogitsFor::All)

@@ -155,6 +155,7 @@ fn routing_disagreements(model: &CausalLm, samples: &[Sample]) -> (usize, usize)
             tokens,
             slot: None,
             replay: None,
+            images: &[],
         })
         .collect();
     let ours = model

@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::client::ContentPart;
 use super::sampling::SamplingParams;
 use super::ApiError;
 
@@ -22,6 +23,10 @@ pub struct GenerateRequest {
     pub stream: bool,
     /// Accepted for compatibility with clients that always send it; one model is served.
     pub model: Option<String>,
+    /// The prompt's images, in prompt order (vLLM's raw multimodal input):
+    /// `{"type": "image_url", "url": "data:image/png;base64,..."}`; `token_ids` already hold
+    /// each image's placeholders (docs/vision.md, "Images to the engine").
+    pub content_parts: Option<Vec<ContentPart>>,
 }
 
 /// The `sampling_params` object, as sent.
@@ -62,6 +67,8 @@ pub struct ValidRequest {
     pub params: SamplingParams,
     pub stream: bool,
     pub routed_experts_prompt_start: usize,
+    /// Checked against the model by the HTTP layer, which decodes them.
+    pub content_parts: Vec<ContentPart>,
 }
 
 fn bad(param: &str, message: String) -> ApiError {
@@ -234,6 +241,7 @@ impl GenerateRequest {
             },
             stream: self.stream,
             routed_experts_prompt_start,
+            content_parts: self.content_parts.unwrap_or_default(),
         })
     }
 }

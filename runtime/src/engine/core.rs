@@ -28,7 +28,7 @@ use super::metrics::EngineMetrics;
 use super::sampling::SamplingParams;
 use super::weights::StagedUpdate;
 use super::ApiError;
-use crate::model::CausalLm;
+use crate::model::{CausalLm, ImageInput};
 
 mod scheduler;
 
@@ -70,9 +70,21 @@ pub struct ModelInfo {
     pub device: Device,
     /// Every weight: (checkpoint name, shape).
     pub params: Vec<(String, Vec<i64>)>,
+    /// Vision-language models: how the engine takes images (`content_parts`).
+    pub vision: Option<VisionInfo>,
     pub num_experts: Option<usize>,
     pub sparse_layers: usize,
     pub top_k: usize,
+}
+
+/// What the HTTP layer needs to turn a request's images into the model's input.
+#[derive(Debug, Clone)]
+pub struct VisionInfo {
+    /// The model folder's `preprocessor_config.json`; `None` when it has none (images are then
+    /// refused, saying so).
+    pub processor: Option<crate::vision::ImageProcessorConfig>,
+    pub image_token_id: i64,
+    pub merge_size: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,6 +149,10 @@ pub struct Job {
     pub prompt: Vec<i64>,
     pub params: SamplingParams,
     pub routed_experts_prompt_start: usize,
+    /// The prompt's images, placed at their placeholders (vision-language models): kept for the
+    /// whole request, since every step's positions depend on them and a recompute (after a
+    /// weight update) encodes them again.
+    pub images: Vec<ImageInput>,
     /// Unbounded, yet bounded in practice: a request produces at most `max_tokens + 1` events,
     /// and the engine thread must never block on a slow client.
     pub events: mpsc::UnboundedSender<Event>,
@@ -200,6 +216,11 @@ impl EngineHandle {
                 .iter()
                 .map(|(n, t)| (n.clone(), t.size()))
                 .collect(),
+            vision: cfg.vl.as_ref().map(|vl| VisionInfo {
+                processor: model.image_processor().cloned(),
+                image_token_id: vl.image_token_id,
+                merge_size: vl.vision.spatial_merge_size,
+            }),
             num_experts: cfg.moe.as_ref().map(|m| m.num_experts),
             sparse_layers: cfg.num_sparse_layers(),
             top_k: cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok),
@@ -263,6 +284,19 @@ impl EngineHandle {
         params: SamplingParams,
         routed_experts_prompt_start: usize,
     ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
+        self.generate_with_images(id, prompt, Vec::new(), params, routed_experts_prompt_start)
+    }
+
+    /// [`EngineHandle::generate`] of a prompt with images, placed at their placeholders
+    /// ([`CausalLm::place_images`]).
+    pub fn generate_with_images(
+        &self,
+        id: String,
+        prompt: Vec<i64>,
+        images: Vec<ImageInput>,
+        params: SamplingParams,
+        routed_experts_prompt_start: usize,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         if self.status.refusing.load(Ordering::Acquire) {
             return Err(ApiError::unavailable(
                 "the engine is paused; retry after it resumes",
@@ -274,6 +308,7 @@ impl EngineHandle {
             prompt,
             params,
             routed_experts_prompt_start,
+            images,
             events,
         }))?;
         Ok(rx)

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Query, State};
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -22,10 +22,15 @@ use super::api::{
     AbortRequest, Choice, CollectiveRpc, FinishWeightUpdate, GenerateRequest, GenerateResponse,
     InitWeightTransfer, Logprobs, UpdateWeightVersion, UpdateWeights, Usage, WeightVersionSpan,
 };
-use super::core::{EngineHandle, Event, PauseMode};
+use super::client::ContentPart;
+use super::core::{EngineHandle, Event, ModelInfo, PauseMode};
 use super::weights::{connect, BucketLayout, StagedUpdate};
 use super::ApiError;
-use crate::model::dtype_name;
+use crate::model::{dtype_name, ImageInput};
+
+/// The largest generate request: its images travel inline as base64 data URLs (a 12-megapixel
+/// PNG is ~25 MiB); token ids alone stay far below axum's 2 MiB default.
+const GENERATE_BODY_LIMIT: usize = 64 << 20;
 
 /// The weight-transfer session: the data-plane connection and the tensors received so far.
 #[derive(Debug, Default)]
@@ -52,7 +57,10 @@ pub fn router(engine: EngineHandle) -> Router {
         next_id: AtomicU64::new(0),
     });
     Router::new()
-        .route("/inference/v1/generate", post(generate))
+        .route(
+            "/inference/v1/generate",
+            post(generate).layer(DefaultBodyLimit::max(GENERATE_BODY_LIMIT)),
+        )
         .route("/inference/v1/abort_requests", post(abort_requests))
         .route("/pause", post(pause))
         .route("/resume", post(resume))
@@ -142,9 +150,11 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
         .request_id
         .unwrap_or_else(|| format!("gen-{}", state.next_id.fetch_add(1, Ordering::Relaxed)));
     let prompt_len = req.prompt.len();
-    let mut rx = state.engine.generate(
+    let images = images_of(info, &req.prompt, req.content_parts).await?;
+    let mut rx = state.engine.generate_with_images(
         id.clone(),
         req.prompt,
+        images,
         req.params,
         req.routed_experts_prompt_start,
     )?;
@@ -160,6 +170,84 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
             .await
             .map(|r| Json(r).into_response())
     }
+}
+
+/// A request's images (`content_parts`), decoded and preprocessed off the async executor with the
+/// model folder's `preprocessor_config.json`, then placed at the prompt's placeholder runs,
+/// whose count and lengths must match the images' (docs/vision.md). Every refusal is a 400
+/// naming `content_parts`.
+async fn images_of(
+    info: &ModelInfo,
+    prompt: &[i64],
+    parts: Vec<ContentPart>,
+) -> Result<Vec<ImageInput>, ApiError> {
+    let bad = |param: &str, message: String| ApiError::bad_request(message).with_param(param);
+    let Some(vision) = &info.vision else {
+        if parts.is_empty() {
+            return Ok(Vec::new());
+        }
+        return Err(bad(
+            "content_parts",
+            format!(
+                "the model `{}` is text-only: it takes no images (vision-language models: docs/vision.md)",
+                info.name
+            ),
+        ));
+    };
+    if parts.is_empty() && !prompt.contains(&vision.image_token_id) {
+        return Ok(Vec::new());
+    }
+    let processor = match (&vision.processor, parts.is_empty()) {
+        (Some(p), _) => p.clone(),
+        (None, true) => Default::default(),
+        (None, false) => {
+            return Err(bad(
+                "content_parts",
+                format!(
+                    "the model `{}` has no preprocessor_config.json in its folder, so the engine cannot preprocess images (docs/vision.md)",
+                    info.name
+                ),
+            ))
+        }
+    };
+    let decoded = tokio::task::spawn_blocking(move || {
+        parts
+            .iter()
+            .enumerate()
+            .map(|(i, part)| {
+                if part.kind != "image_url" {
+                    return Err(bad(
+                        &format!("content_parts[{i}].type"),
+                        format!(
+                            "content part type `{}` is not supported: the engine takes images (`image_url`); videos and audio are not supported (docs/vision.md)",
+                            part.kind
+                        ),
+                    ));
+                }
+                let url_error = |e: crate::vision::VisionError| {
+                    bad(&format!("content_parts[{i}].url"), format!("content_parts[{i}]: {e}"))
+                };
+                let image = crate::vision::parse_data_url(&part.url).map_err(url_error)?;
+                crate::vision::preprocess_bytes(&image.bytes, &processor)
+                    .map(std::sync::Arc::new)
+                    .map_err(url_error)
+            })
+            .collect::<Result<Vec<_>, ApiError>>()
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+    crate::model::place_images(prompt, vision.image_token_id, vision.merge_size, decoded).map_err(
+        |e| {
+            let reason = match e {
+                crate::model::Error::Input(reason) => reason,
+                other => other.to_string(),
+            };
+            bad(
+                "content_parts",
+                format!("content_parts do not match token_ids: {reason}"),
+            )
+        },
+    )
 }
 
 fn engine_gone() -> ApiError {
@@ -567,6 +655,7 @@ mod tests {
     #[tokio::test]
     async fn a_dead_engine_thread_fails_health_and_refuses_work() {
         let engine = EngineHandle::stopped(ModelInfo {
+            vision: None,
             name: "tiny".into(),
             vocab_size: 16,
             max_model_len: 32,

@@ -26,7 +26,9 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 #[cfg(feature = "torch")]
-pub use self::core::{EngineHandle, EngineOptions, Event, FinishReason, ModelInfo, PauseMode};
+pub use self::core::{
+    EngineHandle, EngineOptions, Event, FinishReason, ModelInfo, PauseMode, VisionInfo,
+};
 
 /// An error answered to an API client, in vLLM's JSON error shape:
 /// `{"error": {"message", "type", "param", "code"}}`.

@@ -14,6 +14,8 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use crate::model::vl::config as vl_config;
+use crate::model::vl::VlConfig;
 use crate::model::{Error, Result};
 
 /// Which of the implemented model families a checkpoint is.
@@ -33,6 +35,10 @@ pub enum Architecture {
     /// `Gemma3ForCausalLM` (text only): `(1 + w)` norms around both sublayers, a scaled
     /// embedding, GeGLU, `query_pre_attn_scalar`, local (sliding) layers with their own rope base.
     Gemma3,
+    /// `Qwen2_5_VLForConditionalGeneration`: a Qwen2 text model with multimodal rotary positions
+    /// (M-RoPE) and a vision tower whose merged patches replace the image placeholder tokens
+    /// ([`ModelConfig::vl`], docs/vision.md).
+    Qwen2_5Vl,
 }
 
 /// The MLP's gate activation (`hidden_act` / `hidden_activation`).
@@ -127,6 +133,8 @@ pub struct ModelConfig {
     pub dtype: Option<String>,
     pub eos_token_ids: Vec<i64>,
     pub moe: Option<MoeConfig>,
+    /// The vision tower, image tokens and M-RoPE sections of a vision-language model.
+    pub vl: Option<VlConfig>,
 }
 
 /// `eos_token_id` is a single id or a list in HF configs.
@@ -206,7 +214,7 @@ struct RawConfig {
 }
 
 /// The architectures a checkpoint may name, as an error message lists them.
-const SUPPORTED: &str = "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM";
+const SUPPORTED: &str = "Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, Qwen2_5_VLForConditionalGeneration";
 
 fn required(value: Option<usize>, field: &str) -> Result<usize> {
     match value {
@@ -424,7 +432,16 @@ impl ModelConfig {
 
     /// Parses and checks the text of a `config.json`.
     pub fn from_json(text: &str) -> Result<Self> {
-        let raw: RawConfig = serde_json::from_str(text)
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| Error::Config(format!("not a valid config.json: {e}")))?;
+        // A vision-language checkpoint: its text model reads as a flat config, the rest apart.
+        let (value, vl) = if vl_config::is_qwen2_5_vl(&value) {
+            let (text, vl) = vl_config::split(&value)?;
+            (text, Some(vl))
+        } else {
+            (value, None)
+        };
+        let raw: RawConfig = serde_json::from_value(value)
             .map_err(|e| Error::Config(format!("not a valid config.json: {e}")))?;
         let arch_name = raw
             .architectures
@@ -436,7 +453,8 @@ impl ModelConfig {
             })?;
         if raw.vision_config.is_some() {
             return Err(Error::Config(format!(
-                "`vision_config`: {arch_name} has a vision tower, which is not supported; text-only checkpoints of the families in docs/models.md load (Gemma 3 1B is Gemma3ForCausalLM)"
+                "`vision_config`: {arch_name} has a vision tower, which is not supported; the vision-language models that load are {}, and text-only checkpoints of the families in docs/models.md (Gemma 3 1B is Gemma3ForCausalLM)",
+                vl_config::VL_ARCHITECTURES
             )));
         }
         let architecture = match arch_name.as_str() {
@@ -446,6 +464,7 @@ impl ModelConfig {
             "LlamaForCausalLM" | "llama" => Architecture::Llama,
             "MistralForCausalLM" | "mistral" => Architecture::Mistral,
             "Gemma3ForCausalLM" | "gemma3_text" => Architecture::Gemma3,
+            "Qwen2_5_VLForConditionalGeneration" | "qwen2_5_vl" => Architecture::Qwen2_5Vl,
             other => {
                 return Err(Error::Config(format!(
                 "architecture `{other}` is not supported; supported: {SUPPORTED} (docs/models.md)"
@@ -457,7 +476,7 @@ impl ModelConfig {
         // Biases: Qwen2 always has q/k/v ones; Qwen3, Llama and Gemma 3 follow `attention_bias`
         // (all four projections); only Llama has `mlp_bias`; Mistral has none.
         let (qkv_bias, o_bias) = match architecture {
-            Qwen2 => (true, false),
+            Qwen2 | Qwen2_5Vl => (true, false),
             Qwen3 | Qwen3Moe | Llama | Gemma3 => (raw.attention_bias, raw.attention_bias),
             Mistral => (false, false),
         };
@@ -535,7 +554,7 @@ impl ModelConfig {
         let (sliding_window, sliding_layers) =
             sliding_layers(&raw, architecture, num_hidden_layers)?;
         let moe = match architecture {
-            Qwen3 | Qwen2 | Llama | Mistral | Gemma3 => None,
+            Qwen3 | Qwen2 | Llama | Mistral | Gemma3 | Qwen2_5Vl => None,
             Qwen3Moe => {
                 let num_experts = required(raw.num_experts, "num_experts")?;
                 let num_experts_per_tok = required(raw.num_experts_per_tok, "num_experts_per_tok")?;
@@ -583,6 +602,15 @@ impl ModelConfig {
                 "`query_pre_attn_scalar` must be positive, got {scalar}"
             )));
         }
+        if let Some(vl) = &vl {
+            if vl.mrope_section.iter().sum::<usize>() * 2 != head_dim {
+                return Err(Error::Config(format!(
+                    "`rope_parameters.mrope_section` {:?} must sum to head_dim / 2 = {} (the rotary frequencies of a head)",
+                    vl.mrope_section,
+                    head_dim / 2
+                )));
+            }
+        }
         if let Some(cap) = raw.final_logit_softcapping.filter(|&c| c <= 0.0) {
             return Err(Error::Config(format!(
                 "`final_logit_softcapping` must be positive, got {cap}"
@@ -620,6 +648,7 @@ impl ModelConfig {
                 .map(OneOrMany::into_vec)
                 .unwrap_or_default(),
             moe,
+            vl,
         })
     }
 

@@ -11,6 +11,8 @@
 //! scales norms by `1 + w`, scales the embedding, and gates with GeLU; its sliding layers attend
 //! over a window with their own rope. Weight names are the checkpoint's
 //! (`model.layers.3.self_attn.q_proj.weight`, `model.layers.0.mlp.experts.7.down_proj.weight`).
+//! Qwen2.5-VL is Qwen2 with multimodal rotary positions and a vision tower whose output replaces
+//! the embeddings of image placeholder tokens (`multimodal`, `super::vl`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -23,9 +25,13 @@ use super::linear::Linear;
 use super::loader::load_safetensors_dir;
 use super::moe::{Expert, SparseMoe};
 use super::rope::{Rope, RopeAt};
+use super::vl::tower::VisionTower;
+use super::vl::ImageInput;
 use super::{Error, Result};
+use crate::vision::ImageProcessorConfig;
 
 mod attention;
+mod multimodal;
 
 use attention::{CachedBatch, Span};
 
@@ -40,6 +46,10 @@ pub struct SeqInput<'a> {
     pub slot: Option<usize>,
     /// Routing to replay for MoE layers: `[tokens.len(), sparse_layers, top_k]` expert ids.
     pub replay: Option<&'a Tensor>,
+    /// The sequence's images (vision-language models; `&[]` for text), every one of the whole
+    /// sequence on every call, also those before or after `tokens`: they give the positions of
+    /// the tokens after them. Made by [`CausalLm::place_images`] (docs/vision.md).
+    pub images: &'a [ImageInput],
 }
 
 /// Which positions get logits.
@@ -132,7 +142,8 @@ pub struct NamedSlice {
     pub shape: Vec<i64>,
 }
 
-/// A loaded causal LM of an implemented family (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Gemma 3).
+/// A loaded causal LM of an implemented family (Qwen3, Qwen3-MoE, Qwen2, Llama, Mistral, Gemma 3,
+/// and Qwen2.5-VL with its vision tower).
 #[derive(Debug)]
 pub struct CausalLm {
     cfg: ModelConfig,
@@ -147,6 +158,12 @@ pub struct CausalLm {
     rope: Rope,
     /// Gemma 3's local layers' rope.
     sliding_rope: Option<Rope>,
+    /// Qwen2.5-VL's vision tower (`visual.*`).
+    vision: Option<VisionTower>,
+    /// The vision tower runs without gradient ([`CausalLm::freeze_vision`]).
+    vision_frozen: bool,
+    /// The model folder's `preprocessor_config.json`, for a vision-language model that has one.
+    image_processor: Option<ImageProcessorConfig>,
     kind: Kind,
     device: Device,
 }
@@ -178,13 +195,13 @@ pub(super) fn gated_mlp(x: &Tensor, gate_up: &Linear, down: &Linear, act: Activa
 }
 
 /// Takes named weights out of the loaded map, checking each shape.
-struct WeightTaker {
+pub(super) struct WeightTaker {
     map: BTreeMap<String, Tensor>,
     taken: BTreeMap<String, Tensor>,
 }
 
 impl WeightTaker {
-    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    pub(super) fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let tensor = self.map.remove(name).ok_or_else(|| Error::Weight {
             name: name.into(),
             message: "missing from the checkpoint".into(),
@@ -219,7 +236,10 @@ impl WeightTaker {
 
     /// Takes several `[rows_i, ...]` weights (or biases) and stacks them into one
     /// `[Σ rows_i, ...]` tensor; each name then refers to its rows of the stack.
-    fn take_stacked<const N: usize>(&mut self, parts: &[(String, [usize; N])]) -> Result<Tensor> {
+    pub(super) fn take_stacked<const N: usize>(
+        &mut self,
+        parts: &[(String, [usize; N])],
+    ) -> Result<Tensor> {
         let tensors = parts
             .iter()
             .map(|(name, shape)| self.take(name, shape))
@@ -238,10 +258,14 @@ impl WeightTaker {
 
 impl CausalLm {
     /// Loads `config.json` and the safetensors weights of a model folder.
+    /// A vision-language model also reads the folder's `preprocessor_config.json` when there
+    /// is one ([`CausalLm::image_processor`]).
     pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
         let cfg = ModelConfig::from_dir(dir)?;
         let weights = load_safetensors_dir(dir, kind, device)?;
-        Self::from_weights(cfg, weights, kind, device)
+        let mut model = Self::from_weights(cfg, weights, kind, device)?;
+        model.read_image_processor(dir)?;
+        Ok(model)
     }
 
     /// Builds the model from named weights (checkpoint names).
@@ -353,6 +377,16 @@ impl CausalLm {
                 mlp,
             });
         }
+        let vision = match &c.vl {
+            Some(vl) if vl.vision.out_hidden_size != h => {
+                return Err(Error::Config(format!(
+                    "`vision_config.out_hidden_size` ({}) must be the text model's `hidden_size` ({h}): the merger's output replaces token embeddings",
+                    vl.vision.out_hidden_size
+                )))
+            }
+            Some(vl) => Some(VisionTower::load(&vl.vision, &mut w)?),
+            None => None,
+        };
         let norm = w.take("model.norm.weight", &[h])?;
         let lm_head = Linear::new(if c.tie_word_embeddings {
             // transformers may also save the tied copy; the embedding is the one that counts.
@@ -384,6 +418,9 @@ impl CausalLm {
             lm_head,
             rope,
             sliding_rope,
+            vision,
+            vision_frozen: false,
+            image_processor: None,
             kind,
             device,
         })
@@ -417,7 +454,8 @@ impl CausalLm {
 
     /// The tensors that own the weights' storage, each once: what an optimizer updates. Stacked
     /// projections appear as their stacks (the checkpoint names of [`CausalLm::params`] are
-    /// views into them), a tied LM head once.
+    /// views into them), a tied LM head once. A vision tower's tensors come last, frozen or not
+    /// ([`CausalLm::freeze_vision`]).
     pub fn trainable(&self) -> Vec<Tensor> {
         let mut out = vec![self.embed_tokens.shallow_clone(), self.norm.shallow_clone()];
         for l in &self.layers {
@@ -426,11 +464,15 @@ impl CausalLm {
         if let Some(head) = self.untied_head() {
             out.push(head.shallow_clone());
         }
+        if let Some(vision) = &self.vision {
+            out.extend(vision.tensors().into_iter().map(Tensor::shallow_clone));
+        }
         out
     }
 
     /// [`CausalLm::trainable`] in groups, as ranges of its indices: the embedding, the final
-    /// norm, each decoder layer in order, then the LM head when it is not tied to the embedding.
+    /// norm, each decoder layer in order, the LM head when it is not tied to the embedding, then
+    /// the vision tower, whole, as one unit ([`CausalLm::vision_unit`]).
     pub fn trainable_units(&self) -> Vec<std::ops::Range<usize>> {
         let mut units = vec![0..1, 1..2];
         let mut at = 2;
@@ -441,6 +483,10 @@ impl CausalLm {
         }
         if self.untied_head().is_some() {
             units.push(at..at + 1);
+            at += 1;
+        }
+        if let Some(vision) = &self.vision {
+            units.push(at..at + vision.tensors().len());
         }
         units
     }
@@ -583,8 +629,8 @@ impl CausalLm {
             }
             None => None,
         };
-        let ropes = self.ropes(&packed.positions);
-        let mut h = self.embed(&packed.ids);
+        let ropes = self.ropes(&packed);
+        let mut h = self.embed_packed(&packed);
         let mut routed = Vec::new();
         for l in 0..self.layers.len() {
             let on_cache = match (cache.as_deref_mut(), &batch) {
@@ -622,7 +668,7 @@ impl CausalLm {
     /// The trainer's forward (no cache), one stage at a time: see [`Stages`].
     pub fn stages(&self, seqs: &[SeqInput<'_>]) -> Result<Stages<'_>> {
         let packed = self.pack(seqs, None)?;
-        let ropes = self.ropes(&packed.positions);
+        let ropes = self.ropes(&packed);
         Ok(Stages {
             model: self,
             packed,
@@ -685,12 +731,14 @@ impl CausalLm {
                 past: past as i64,
                 slot: seq.slot,
             });
+            self.check_images(seq, past)?;
             ids.extend_from_slice(seq.tokens);
             positions.extend((past..past + n).map(|p| p as i64));
             token_slots.extend(std::iter::repeat_n(seq.slot.unwrap_or(0) as i64, n));
             last_rows.push(ids.len() as i64 - 1);
         }
         let replay = self.packed_replay(seqs, ids.len())?;
+        let (mrope, images) = self.pack_images(seqs, &spans);
         Ok(Packed {
             ids: Tensor::from_slice(&ids).to_device(self.device),
             positions: Tensor::from_slice(&positions).to_device(self.device),
@@ -698,15 +746,20 @@ impl CausalLm {
             last_rows,
             spans,
             replay,
+            mrope,
+            images,
         })
     }
 
-    /// The rotations at `positions`: the model's, and Gemma 3's local layers'.
-    fn ropes(&self, positions: &Tensor) -> (RopeAt, Option<RopeAt>) {
-        (
-            self.rope.at(positions),
-            self.sliding_rope.as_ref().map(|r| r.at(positions)),
-        )
+    /// The rotations of a batch: the model's (at multimodal positions when a sequence has
+    /// images), and Gemma 3's local layers'.
+    fn ropes(&self, packed: &Packed) -> (RopeAt, Option<RopeAt>) {
+        let positions = &packed.positions;
+        let rope = match (&packed.mrope, &self.cfg.vl) {
+            (Some(mrope), Some(vl)) => self.rope.at_mrope(mrope, vl.mrope_section),
+            _ => self.rope.at(positions),
+        };
+        (rope, self.sliding_rope.as_ref().map(|r| r.at(positions)))
     }
 
     /// The embeddings of `ids` (scaled where the family scales them).
@@ -837,6 +890,10 @@ struct Packed {
     spans: Vec<Span>,
     /// `[tokens, sparse layers, top_k]` routing to replay.
     replay: Option<Tensor>,
+    /// `[3, tokens]` multimodal rotary positions, when a sequence has images.
+    mrope: Option<Tensor>,
+    /// The image placeholders among the tokens, to fill with the vision tower's output.
+    images: Vec<multimodal::PackedImage>,
 }
 
 impl Packed {
@@ -866,9 +923,17 @@ impl Stages<'_> {
         self.model.cfg.vocab_size
     }
 
-    /// The token embeddings, `[tokens, hidden]`.
+    /// The token embeddings, `[tokens, hidden]`, image placeholders replaced by the vision
+    /// tower's output: a sharded trainer gathers the vision unit ([`CausalLm::vision_unit`]) with
+    /// the embedding's when [`Stages::has_images`].
     pub fn embed(&self) -> Tensor {
-        self.model.embed(&self.packed.ids)
+        self.model.embed_packed(&self.packed)
+    }
+
+    /// Whether the batch's tokens include image placeholders within it (the vision tower runs
+    /// in [`Stages::embed`]).
+    pub fn has_images(&self) -> bool {
+        !self.packed.images.is_empty()
     }
 
     /// Decoder layer `l` on `h`. A sparse layer routes as `routing` says (`[tokens, top_k]`,

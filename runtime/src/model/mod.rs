@@ -1,5 +1,6 @@
 //! Model code: the decoder-only causal LMs of docs/models.md (Qwen3, Qwen3-MoE, Qwen2, Llama 3,
-//! Mistral, Gemma 3) on libtorch, loaded from a Hugging Face model folder.
+//! Mistral, Gemma 3) and the vision-language Qwen2.5-VL (`vl`, docs/vision.md) on libtorch,
+//! loaded from a Hugging Face model folder.
 //!
 //! Contract: [`CausalLm::forward`] takes a *packed* batch (each sequence contributes its new
 //! tokens, with or without a KV cache) and returns logits that match transformers' forward
@@ -14,6 +15,7 @@ mod linear;
 mod loader;
 mod moe;
 mod rope;
+mod vl;
 
 use std::path::PathBuf;
 
@@ -21,6 +23,7 @@ pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use decoder::{CausalLm, ForwardOutput, LogitsFor, NamedSlice, SeqInput, Stages};
 pub use kv_cache::KvCache;
 pub use loader::{dtype_name, load_safetensors_dir, parse_dtype};
+pub use vl::{place_images, ImageInput, VisionConfig, VlConfig};
 
 /// libtorch intra-op threads for computing with a model: one for small models (hidden size under
 /// 512), whose operations are too small to gain from a pool (waking one costs tens of

@@ -76,6 +76,35 @@ impl Rope {
     }
 }
 
+impl Rope {
+    /// The rotation at multimodal positions `positions: [3, tokens]` (temporal, height, width):
+    /// frequency `j` of each half of the head turns with the axis whose `section` holds it
+    /// (transformers' Qwen2.5-VL `recomposition_frequencies`: the first `section[0]` frequencies
+    /// with the temporal position, the next `section[1]` with the height, the rest with the
+    /// width). With the three positions equal this is [`Rope::at`].
+    pub fn at_mrope(&self, positions: &Tensor, section: [usize; 3]) -> RopeAt {
+        let half = self.cos.size()[1] / 2;
+        let pick = |table: &Tensor| {
+            let rows: Vec<Tensor> = (0..3)
+                .map(|axis| table.index_select(0, &positions.get(axis)))
+                .collect();
+            let mut parts = Vec::with_capacity(6);
+            for first in [0, half] {
+                let mut start = first;
+                for (axis, &len) in section.iter().enumerate() {
+                    parts.push(rows[axis].narrow(1, start, len as i64));
+                    start += len as i64;
+                }
+            }
+            Tensor::cat(&parts, 1).unsqueeze(1)
+        };
+        RopeAt {
+            cos: pick(&self.cos),
+            sin: pick(&self.sin),
+        }
+    }
+}
+
 /// cos/sin rows `[tokens, 1, head_dim]` for one forward's positions.
 #[derive(Debug)]
 pub struct RopeAt {

@@ -61,6 +61,7 @@ pub(super) fn seq_inputs<'a>(seqs: &[Scored<'a>]) -> Vec<SeqInput<'a>> {
             tokens: s.tokens,
             slot: None,
             replay: s.replay,
+            images: &[],
         })
         .collect()
 }

@@ -121,6 +121,15 @@ pub fn family_models() -> &'static Path {
     DIR.get_or_init(|| made_by("make_family_models.py", &["make_tiny_models.py"]))
 }
 
+/// `qwen2.5-vl-tiny`: a tiny random Qwen2.5-VL (4 vision blocks, windowed and full; 2 text
+/// layers) with the Qwen3 tokenizer, `preprocessor_config.json`, two PNGs and transformers'
+/// reference logits with and without images (`tests/python/make_vl_model.py`).
+pub fn vl_model() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| made_by("make_vl_model.py", &[]))
+        .join("qwen2.5-vl-tiny")
+}
+
 pub fn dense_model() -> PathBuf {
     tiny_models().join("qwen3-tiny")
 }
@@ -203,6 +212,7 @@ pub fn reference_logprobs(
         tokens: &tokens,
         slot: None,
         replay,
+        images: &[],
     }];
     let logits = tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All))
         .unwrap()

@@ -468,6 +468,7 @@ impl Engine {
                 tokens: &s.tokens[start..start + n],
                 slot: Some(slot),
                 replay: None,
+                images: &s.job.images,
             })
             .collect();
         if inputs.is_empty() {
