@@ -423,6 +423,10 @@ pub struct TrainerSpec {
     /// whole weights, and skips the gathers and recompute). Ignored with one rank.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sharding: Option<TrainerSharding>,
+    /// A vision-language policy's vision tower (`visual.*`, its merger included) is not trained:
+    /// only the language model learns (docs/vision.md). Refused for a text-only policy.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub freeze_vision_tower: bool,
     /// Tokens (sampled or not) per forward and backward on each rank (8192 when unset); the
     /// gradients of a batch accumulate over its micro-batches. Bounds activation memory
     /// whatever the batch size (docs/distributed.md, "Memory planning").
@@ -464,6 +468,7 @@ impl Default for TrainerSpec {
             sharding: None,
             micro_batch_tokens: None,
             compute_dtype: None,
+            freeze_vision_tower: false,
         }
     }
 }

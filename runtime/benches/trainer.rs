@@ -80,6 +80,7 @@ impl Batch {
             .map(|t| Scored {
                 tokens: t,
                 replay: None,
+                images: &[],
             })
             .collect();
         let logp = tch::no_grad(|| token_logprobs(model, &scored, LOSS.temperature)).unwrap();
@@ -118,6 +119,7 @@ impl Batch {
                 behaviour_logprobs: &self.behaviour[i],
                 advantage: self.advantages[i],
                 replay: None,
+                images: &[],
             })
             .collect()
     }

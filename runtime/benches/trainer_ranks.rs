@@ -66,6 +66,7 @@ fn options() -> TrainerOptions {
         kl_coef: 0.0,
         sharding,
         bf16_compute: false,
+        freeze_vision: false,
     }
 }
 
@@ -86,6 +87,7 @@ fn batch(step: usize, vocab: usize) -> Vec<Sample> {
                 advantage: if i % 2 == 0 { 1.0 } else { -1.0 },
                 token_advantages: None,
                 replay: None,
+                images: Vec::new(),
                 tokens,
             }
         })

@@ -941,6 +941,7 @@ async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() 
                 &[Scored {
                     tokens: &tokens,
                     replay: None,
+                    images: &[],
                 }],
                 1.0,
             )

@@ -210,6 +210,7 @@ fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
                     &[Scored {
                         tokens: &seg.token_ids,
                         replay: None,
+                        images: &[],
                     }],
                     1.0,
                 )

@@ -96,6 +96,7 @@ fn trainer_logprobs(
         .map(|((tokens, _, _, _), r)| Scored {
             tokens,
             replay: r.as_ref(),
+            images: &[],
         })
         .collect();
     token_logprobs(model, &seqs, temperature).unwrap()
@@ -236,6 +237,7 @@ async fn libtorch_trainer_logprobs_equal_the_engines_behaviour_logprobs() {
         .map(|(t, _, _, _)| Scored {
             tokens: t,
             replay: None,
+            images: &[],
         })
         .collect();
     token_logprobs(&model, &seqs, 1.0)

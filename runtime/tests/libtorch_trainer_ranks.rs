@@ -68,6 +68,7 @@ fn options() -> TrainerOptions {
         sharding,
         // `full-bf16`: sharded weights gathered as bfloat16.
         bf16_compute: given == "full-bf16",
+        freeze_vision: false,
     }
 }
 
@@ -86,6 +87,7 @@ fn batch(step: usize) -> Vec<Sample> {
                 advantage: [1.0, -0.5, 0.25, -1.0, 0.75, 0.0, -0.25][i],
                 token_advantages: None,
                 replay: None,
+                images: Vec::new(),
                 tokens,
             }
         })
@@ -609,6 +611,7 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
             let seqs = [Scored {
                 tokens,
                 replay: None,
+                images: &[],
             }];
             after_two = Some(tch::no_grad(|| {
                 token_logprobs(one.model(), &seqs, 1.0).unwrap()
@@ -654,6 +657,7 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         let seqs = [Scored {
             tokens,
             replay: None,
+            images: &[],
         }];
         let lp = tch::no_grad(|| token_logprobs(&served, &seqs, 1.0).unwrap());
         let gap = max_diff(&lp, after_two.as_ref().unwrap());

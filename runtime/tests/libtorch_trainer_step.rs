@@ -21,6 +21,7 @@ fn sampled_mean(model: &CausalLm, seqs: &[(Vec<i64>, Vec<u8>)]) -> Vec<f64> {
         .map(|(t, _)| Scored {
             tokens: t,
             replay: None,
+            images: &[],
         })
         .collect();
     let lp = tch::no_grad(|| token_logprobs(model, &scored, 1.0).unwrap());
@@ -74,6 +75,7 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
             .map(|(t, _)| Scored {
                 tokens: t,
                 replay: None,
+                images: &[],
             })
             .collect();
         let behaviour = tch::no_grad(|| token_logprobs(&model, &scored, 1.0).unwrap());
@@ -105,6 +107,7 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
                     behaviour_logprobs: b,
                     advantage: a,
                     replay: None,
+                    images: &[],
                 })
                 .collect();
             let old = old_logprobs(&model, &samples, 1.0).unwrap();
@@ -178,6 +181,7 @@ fn libtorch_a_non_finite_loss_skips_the_update_and_keeps_the_weights_finite() {
             advantage,
             token_advantages: None,
             replay: None,
+            images: Vec::new(),
         }]
     };
     let snapshot = |t: &Trainer| -> Vec<Tensor> {
@@ -228,6 +232,7 @@ fn tiny_trainer() -> moult_runtime::trainer::train::Trainer {
         kl_coef: 0.0,
         sharding: Default::default(),
         bf16_compute: false,
+        freeze_vision: false,
     };
     Trainer::new(model, None, opts).unwrap()
 }

@@ -284,6 +284,7 @@ fn trainer_logprobs(model_dir: &Path, seqs: &[&[i64]], t: f64) -> Vec<Vec<f32>> 
         .map(|tokens| Scored {
             tokens,
             replay: None,
+            images: &[],
         })
         .collect();
     let logp = tch::no_grad(|| token_logprobs(&model, &scored, t).unwrap());

@@ -36,13 +36,15 @@ use crate::trainer::ranks::{LAYOUT, SHARDS};
 use crate::trainer::train::{ShardLayout, Trainer, Whole};
 
 /// The model folder's files a checkpoint carries along, so it is servable as it is.
-const MODEL_FILES: [&str; 6] = [
+const MODEL_FILES: [&str; 7] = [
     "config.json",
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
     "special_tokens_map.json",
+    // A vision-language model's image preprocessing (docs/vision.md).
+    "preprocessor_config.json",
 ];
 
 /// Checkpoints kept; older ones are deleted once a newer one is complete.

@@ -422,6 +422,7 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
         },
         bf16_compute: spec.trainer.compute_dtype
             == Some(moult_operator::api::TrainerDtype::BFloat16),
+        freeze_vision: spec.trainer.freeze_vision_tower,
     })
 }
 

@@ -607,7 +607,9 @@ async fn learn(
     let computing = Instant::now();
     let (advantages, overlong_penalty_mean) =
         samples::advantages(cfg.estimator, cfg.overlong.as_ref(), batch)?;
-    let mut train_samples = samples::samples(batch, &advantages, cfg.routing_replay)?;
+    let images = trainer.model().image_processor().cloned();
+    let mut train_samples =
+        samples::samples(batch, &advantages, cfg.routing_replay, images.as_ref())?;
     let (teacher, teacher_kl) = match teacher {
         Some(t) => {
             let temperature = cfg.trainer.loss.temperature;

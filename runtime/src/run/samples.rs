@@ -11,10 +11,11 @@ use crate::agents::Episode;
 use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
 use crate::engine::npy::decode_routed_experts;
 use crate::loopback::Segment;
-use crate::model::CausalLm;
+use crate::model::{CausalLm, ImageInput};
 use crate::rollout::{trained_segments, Group};
 use crate::trainer::logprobs::{token_logprobs, Scored};
 use crate::trainer::train::Sample;
+use crate::vision::ImageProcessorConfig;
 
 /// Summary statistics of a list of numbers: (mean, population std).
 pub fn mean_std(xs: &[f64]) -> (f64, f64) {
@@ -93,6 +94,7 @@ pub fn distill(
             .map(|s| Scored {
                 tokens: &s.tokens,
                 replay: None,
+                images: &s.images,
             })
             .collect();
         let teacher_lp = tch::no_grad(|| token_logprobs(teacher, &seqs, temperature))?;
@@ -202,16 +204,51 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
     Ok(Some(t))
 }
 
+/// A segment's images, preprocessed as the engine preprocessed them (`images`: the model's image
+/// settings; a segment with images for a model without them is an error).
+fn segment_images(
+    seg: &Segment,
+    images: Option<&ImageProcessorConfig>,
+) -> Result<Vec<ImageInput>, RunError> {
+    if seg.images.is_empty() {
+        return Ok(Vec::new());
+    }
+    let config = images.ok_or_else(|| {
+        RunError::Setup(
+            "a segment has images, but the policy is not a vision-language model (docs/vision.md)"
+                .into(),
+        )
+    })?;
+    seg.images
+        .iter()
+        .map(|i| {
+            let processed = i
+                .image
+                .bytes()
+                .and_then(|b| crate::vision::preprocess_bytes(&b, config))
+                .map_err(|e| {
+                    RunError::Setup(format!("a segment's image {}: {e}", i.image.sha256))
+                })?;
+            Ok(ImageInput {
+                offset: i.offset,
+                image: std::sync::Arc::new(processed),
+            })
+        })
+        .collect()
+}
+
 /// The batch as trainer samples: every segment with sampled tokens, with its episode's
-/// advantage.
+/// advantage and, for a vision-language policy (`images`: its image settings), its images.
 pub fn samples(
     batch: &[Group],
     advantages: &[Vec<f64>],
     routing_replay: bool,
+    images: Option<&ImageProcessorConfig>,
 ) -> Result<Vec<Sample>, RunError> {
     trained_segments(batch)
         .map(|(g, e, _, seg)| {
             Ok(Sample {
+                images: segment_images(seg, images)?,
                 tokens: seg.token_ids.clone(),
                 loss_mask: seg.loss_mask.clone(),
                 behaviour_logprobs: seg.logprobs.clone(),

@@ -4,14 +4,16 @@
 
 use tch::{Kind, Tensor};
 
-use crate::model::{CausalLm, LogitsFor, SeqInput};
+use crate::model::{CausalLm, ImageInput, LogitsFor, SeqInput};
 
-/// One sequence to score: its tokens and, for MoE models, the routing to replay
-/// (`[tokens.len(), sparse_layers, top_k]` expert ids).
+/// One sequence to score: its tokens, for MoE models the routing to replay
+/// (`[tokens.len(), sparse_layers, top_k]` expert ids), and for vision-language models its
+/// images at their placeholders.
 #[derive(Debug)]
 pub struct Scored<'a> {
     pub tokens: &'a [i64],
     pub replay: Option<&'a Tensor>,
+    pub images: &'a [ImageInput],
 }
 
 /// `logp[i, t]` = log π(tokens_i[t] | tokens_i[..t]) under `model` at `temperature` (the
@@ -61,7 +63,7 @@ pub(super) fn seq_inputs<'a>(seqs: &[Scored<'a>]) -> Vec<SeqInput<'a>> {
             tokens: s.tokens,
             slot: None,
             replay: s.replay,
-            images: &[],
+            images: s.images,
         })
         .collect()
 }

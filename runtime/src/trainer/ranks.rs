@@ -13,7 +13,8 @@ use tch::{Device, Kind, Tensor};
 use super::shard::shard_file_name;
 use super::train::{Sample, Trainer, TrainerOptions};
 use crate::dist::{Collectives, Error, ReduceOp, Result};
-use crate::model::CausalLm;
+use crate::model::{CausalLm, ImageInput};
+use crate::vision::ProcessedImage;
 
 /// How long a follower waits for rank 0's next command: a run's rollouts between steps can take
 /// long. A lost rank 0 closes its connections, which a follower sees at once.
@@ -288,7 +289,8 @@ impl Trainer {
 }
 
 /// A batch as bytes: per sample its length, tokens, loss mask, behaviour logprobs, advantage,
-/// optional per-token advantages and optional routing replay (`[len, layers, k]` int64).
+/// optional per-token advantages, optional routing replay (`[len, layers, k]` int64), and its
+/// images (offset, grid, patch width, pixel values).
 fn encode(samples: &[Sample]) -> Vec<u8> {
     let mut out = Vec::new();
     let put = |out: &mut Vec<u8>, x: u64| out.extend_from_slice(&x.to_le_bytes());
@@ -322,6 +324,20 @@ fn encode(samples: &[Sample]) -> Vec<u8> {
                     .for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
             }
             None => out.push(0),
+        }
+        put(&mut out, s.images.len() as u64);
+        for i in &s.images {
+            put(&mut out, i.offset as u64);
+            i.image
+                .grid_thw
+                .iter()
+                .for_each(|&d| put(&mut out, u64::from(d)));
+            put(&mut out, i.image.patch_dim as u64);
+            put(&mut out, i.image.pixel_values.len() as u64);
+            i.image
+                .pixel_values
+                .iter()
+                .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
         }
     }
     out
@@ -403,6 +419,30 @@ fn decode(bytes: &[u8]) -> std::result::Result<Vec<Sample>, String> {
                 Some(Tensor::from_slice(&ids).view(size.as_slice()))
             }
         };
+        let images = (0..r.len(bytes.len())?)
+            .map(|_| {
+                let offset = r.len(n)?;
+                let mut grid_thw = [0u32; 3];
+                for d in &mut grid_thw {
+                    *d = u32::try_from(r.u64()?).map_err(|_| "grid overflow")?;
+                }
+                let patch_dim = r.len(bytes.len())?;
+                let count = r.len(bytes.len())?;
+                let pixel_values = r
+                    .array::<4>(count)?
+                    .into_iter()
+                    .map(f32::from_le_bytes)
+                    .collect();
+                Ok(ImageInput {
+                    offset,
+                    image: std::sync::Arc::new(ProcessedImage {
+                        pixel_values,
+                        grid_thw,
+                        patch_dim,
+                    }),
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, String>>()?;
         samples.push(Sample {
             tokens,
             loss_mask,
@@ -410,6 +450,7 @@ fn decode(bytes: &[u8]) -> std::result::Result<Vec<Sample>, String> {
             advantage,
             token_advantages,
             replay,
+            images,
         });
     }
     if !r.0.is_empty() {
@@ -432,6 +473,14 @@ mod tests {
                 advantage: 0.75,
                 token_advantages: Some(vec![0.0, 1.0, -2.0]),
                 replay: Some(Tensor::from_slice(&[0i64, 1, 2, 3, 4, 5]).view([3, 1, 2])),
+                images: vec![ImageInput {
+                    offset: 1,
+                    image: std::sync::Arc::new(ProcessedImage {
+                        pixel_values: vec![0.5, -1.25, 3.0, 0.0],
+                        grid_thw: [1, 2, 2],
+                        patch_dim: 1,
+                    }),
+                }],
             },
             Sample {
                 tokens: vec![9],
@@ -440,6 +489,7 @@ mod tests {
                 advantage: -1.0,
                 token_advantages: None,
                 replay: None,
+                images: Vec::new(),
             },
         ];
         let bytes = encode(&samples);
@@ -462,6 +512,10 @@ mod tests {
                     &b.token_advantages
                 )
             );
+            assert_eq!(a.images.len(), b.images.len());
+            for (x, y) in a.images.iter().zip(&b.images) {
+                assert_eq!((x.offset, &*x.image), (y.offset, &*y.image));
+            }
             assert_eq!(a.replay.is_some(), b.replay.is_some());
             if let (Some(x), Some(y)) = (&a.replay, &b.replay) {
                 assert!(x.equal(y));

@@ -9,7 +9,7 @@ use super::logprobs::{token_logprobs, token_logprobs_and_entropy, Scored};
 use crate::algorithms::correction::Correction;
 use crate::algorithms::losses::{aggregate, cispo, gspo, kl_k3, ppo_clip, Aggregation};
 use crate::algorithms::masked_mean;
-use crate::model::CausalLm;
+use crate::model::{CausalLm, ImageInput};
 
 /// One trajectory segment as the trainer consumes it.
 #[derive(Debug)]
@@ -22,6 +22,8 @@ pub struct TrainSample<'a> {
     /// The sequence's advantage (GRPO, RLOO, ...), broadcast to its sampled tokens.
     pub advantage: f64,
     pub replay: Option<&'a Tensor>,
+    /// A vision-language model's images, at their placeholders.
+    pub images: &'a [ImageInput],
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,6 +89,7 @@ pub(super) fn scored<'a>(samples: &[TrainSample<'a>]) -> Vec<Scored<'a>> {
         .map(|s| Scored {
             tokens: s.tokens,
             replay: s.replay,
+            images: s.images,
         })
         .collect()
 }

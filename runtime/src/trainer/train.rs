@@ -23,7 +23,7 @@ pub use super::shard::{ShardLayout, Sharding, Whole};
 use super::step::{old_logprobs, policy_loss_with, LossConfig, LossExtras, LossKind, TrainSample};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
-use crate::model::{CausalLm, NamedSlice};
+use crate::model::{CausalLm, ImageInput, NamedSlice};
 
 /// One trajectory segment with its advantage, owned (what the run hands the trainer).
 #[derive(Debug)]
@@ -37,6 +37,8 @@ pub struct Sample {
     pub token_advantages: Option<Vec<f32>>,
     /// MoE routing to replay, `[tokens.len(), sparse_layers, top_k]`.
     pub replay: Option<Tensor>,
+    /// A vision-language model's images, preprocessed, at their placeholders in `tokens`.
+    pub images: Vec<ImageInput>,
 }
 
 impl Sample {
@@ -47,6 +49,7 @@ impl Sample {
             behaviour_logprobs: &self.behaviour_logprobs,
             advantage: self.advantage,
             replay: self.replay.as_ref(),
+            images: &self.images,
         }
     }
 
@@ -75,6 +78,9 @@ pub struct TrainerOptions {
     /// reduction and AdamW: sharded weights only.
     #[serde(default)]
     pub bf16_compute: bool,
+    /// A vision-language policy's vision tower stays as it is (no gradient, no update).
+    #[serde(default)]
+    pub freeze_vision: bool,
 }
 
 /// What one step did (the step's metrics).
@@ -174,6 +180,7 @@ fn scored(part: &[Sample]) -> Vec<Scored<'_>> {
         .map(|s| Scored {
             tokens: &s.tokens,
             replay: s.replay.as_ref(),
+            images: &s.images,
         })
         .collect()
 }
@@ -216,6 +223,24 @@ impl Trainer {
             return Err("micro_batch_tokens must be at least 1".into());
         }
         let mut model = model;
+        if model.vision_unit().is_some() {
+            if opts.freeze_vision {
+                model.freeze_vision();
+            }
+            if group.world() > 1 && opts.sharding == Sharding::Full {
+                return Err(
+                    "spec.trainer.sharding: Full does not shard a vision-language policy's vision \
+                     tower yet: train it with sharding: Optimizer, or on one rank (docs/vision.md)"
+                        .into(),
+                );
+            }
+        } else if opts.freeze_vision {
+            return Err(
+                "spec.trainer.freezeVisionTower: the policy has no vision tower (it is not a \
+                 vision-language model)"
+                    .into(),
+            );
+        }
         let params: Vec<Tensor> = model
             .trainable()
             .into_iter()
@@ -615,6 +640,7 @@ mod tests {
             advantage: 0.0,
             token_advantages: None,
             replay: None,
+            images: Vec::new(),
         }
     }
 

@@ -13,7 +13,7 @@ pub fn python() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python")
 }
 
-fn repo_root() -> PathBuf {
+pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
@@ -315,16 +315,25 @@ pub async fn start_loopback_with(
     opts: moult_runtime::loopback::ServiceOptions,
 ) -> (String, std::sync::Arc<moult_runtime::loopback::ChatService>) {
     use moult_runtime::chat::{ChatTemplate, Tokenizer};
-    use moult_runtime::loopback::{self, ChatService, EngineClient};
-    let service = std::sync::Arc::new(ChatService::new(
+    use moult_runtime::loopback::{ChatService, EngineClient};
+    let service = ChatService::new(
         EngineClient::new(engine_url),
         Tokenizer::from_model_dir(tokenizer_dir).unwrap(),
         ChatTemplate::from_model_dir(template_dir).unwrap(),
         opts,
-    ));
+    );
+    serve_loopback(service, max_body).await
+}
+
+/// Serves `service` as a loopback server on a free port.
+pub async fn serve_loopback(
+    service: moult_runtime::loopback::ChatService,
+    max_body: usize,
+) -> (String, std::sync::Arc<moult_runtime::loopback::ChatService>) {
+    let service = std::sync::Arc::new(service);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(loopback::serve(
+    tokio::spawn(moult_runtime::loopback::serve(
         listener,
         service.clone(),
         max_body,

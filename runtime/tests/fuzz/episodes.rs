@@ -274,7 +274,7 @@ fn run(case: Case) -> Result<(), TestCaseError> {
     };
     let (adv, _) = advantages(estimator, Some(&overlong), &batch)
         .map_err(|e| TestCaseError::fail(format!("advantages of a valid batch: {e}")))?;
-    let out = samples(&batch, &adv, case.replay)
+    let out = samples(&batch, &adv, case.replay, None)
         .map_err(|e| TestCaseError::fail(format!("samples of a valid batch: {e}")))?;
     let expected: usize = batch[0]
         .episodes
