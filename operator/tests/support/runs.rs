@@ -62,6 +62,14 @@ pub fn run_kinds() -> Vec<(String, RLRun)> {
     fs.spec.engines.weight_transfer.as_mut().unwrap().claim_name = Some("weights".into());
     add("successor on vLLM (Filesystem)", fs);
     add("distillation", example("distill/rlrun.yaml"));
+    add(
+        "vision-language geometry (built-in)",
+        example("geometry/rlrun.yaml"),
+    );
+    add(
+        "geo3k-shaped vision-language run (vLLM, NCCL, 16 ranks)",
+        example("geometry/rlrun-cluster.yaml"),
+    );
     add("ChatAgent with tools", example("chat-tools/rlrun.yaml"));
     let mut judged = example("judge/rlrun.yaml");
     judged.spec.judge = None; // a cluster refuses a judge so far
