@@ -317,7 +317,12 @@ fn libtorch_geometry_recipe_learns_to_read_the_figures() {
         .collect();
     let evals: Vec<(u64, f64)> = read("eval.jsonl")
         .iter()
-        .map(|e| (e["step"].as_u64().unwrap(), e["reward_mean"].as_f64().unwrap()))
+        .map(|e| {
+            (
+                e["step"].as_u64().unwrap(),
+                e["reward_mean"].as_f64().unwrap(),
+            )
+        })
         .collect();
     let (first, last) = (mean(&rewards[..5]), mean(&rewards[rewards.len() - 5..]));
     let (start, end) = (evals[0].1, evals.last().unwrap().1);
@@ -326,8 +331,14 @@ fn libtorch_geometry_recipe_learns_to_read_the_figures() {
         rewards.len(),
         started.elapsed()
     );
-    assert!(first <= 0.4 && start <= 0.4, "the base is at chance: {first}, {start}");
-    assert!(end >= 0.8, "the held-out evaluation did not reach 0.8: {evals:?}");
+    assert!(
+        first <= 0.4 && start <= 0.4,
+        "the base is at chance: {first}, {start}"
+    );
+    assert!(
+        end >= 0.8,
+        "the held-out evaluation did not reach 0.8: {evals:?}"
+    );
     let log_rho = records[0]["mean_abs_log_rho"].as_f64().unwrap();
     assert!(
         log_rho < 1e-4,

@@ -608,3 +608,89 @@ async fn sdk_conversations_through_the_router_on_vllm_record_vllms_tokens() {
     let (url, _router) = router(std::slice::from_ref(&vllm.url)).await;
     common::sdk_conversations_record_exact_segments(&url, &vllm.url, &model).await;
 }
+
+/// Images to vLLM (docs/vision.md): the pinned vLLM (CPU build) serving a tiny Qwen2.5-VL takes
+/// a prompt with two images in the form moult's loopback server sends it (one `<|image_pad|>`
+/// per image, the images as `content_parts` data URLs), expands the placeholders exactly as
+/// moult does, and generates what moult's built-in engine generates, with the same logprobs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_takes_images_as_moult_sends_them_and_matches_moults_engine() {
+    use base64::Engine as _;
+    const IMAGE_PAD: i64 = 151655;
+    let dir = common::vl_model_hd32();
+    let images = common::vl_model().join("images");
+    // The two-image prompt of the parity test, as transformers' processor expanded it.
+    let reference: std::collections::HashMap<String, tch::Tensor> =
+        tch::Tensor::read_safetensors(common::vl_model().join("reference.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect();
+    let len = reference["prompt_len_2"].int64_value(&[0]) as usize;
+    let expanded: Vec<i64> = Vec::try_from(&reference["prompt_2"]).unwrap()[..len].to_vec();
+    let mut collapsed = expanded.clone();
+    collapsed.dedup_by(|a, b| *a == IMAGE_PAD && *b == IMAGE_PAD);
+    let url = |name: &str| {
+        let bytes = std::fs::read(images.join(name)).unwrap();
+        format!(
+            "data:image/png;base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(bytes)
+        )
+    };
+    let body = json!({"token_ids": collapsed,
+        "content_parts": [{"type": "image_url", "url": url("a.png")},
+                          {"type": "image_url", "url": url("b.png")}],
+        "sampling_params": {"temperature": 0.0, "max_tokens": 8, "logprobs": 0, "ignore_eos": true}});
+    let generated = |v: &Value| -> (Vec<i64>, Vec<f64>) {
+        let choice = &v["choices"][0];
+        let ids = choice["token_ids"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no tokens in {v}"))
+            .iter()
+            .map(|t| t.as_i64().unwrap())
+            .collect();
+        let lps = choice["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["logprob"].as_f64().unwrap())
+            .collect();
+        (ids, lps)
+    };
+
+    let vllm = Vllm::start(&dir, "qwen2.5-vl").await;
+    let mut asked = body.clone();
+    asked["return_token_ids"] = json!(true);
+    let theirs = common::post_json(&format!("{}/inference/v1/generate", vllm.url), &asked).await;
+    drop(vllm);
+    let (mut engine, engine_url) = common::spawn_engine(&dir);
+    let ours = common::post_json(&format!("{engine_url}/inference/v1/generate"), &body).await;
+    engine.kill().unwrap();
+    engine.wait().unwrap();
+
+    // vLLM expanded each placeholder to the image's tokens, as the processor (and moult) do.
+    let prompt: Vec<i64> = theirs["prompt_token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("vLLM returned no prompt ids: {theirs}"))
+        .iter()
+        .map(|t| t.as_i64().unwrap())
+        .collect();
+    assert_eq!(prompt, expanded);
+    assert_eq!(
+        ours["usage"]["prompt_tokens"].as_u64(),
+        Some(expanded.len() as u64)
+    );
+    let ((their_ids, their_lps), (our_ids, our_lps)) = (generated(&theirs), generated(&ours));
+    assert_eq!(their_ids, our_ids, "greedy tokens");
+    let gap = their_lps
+        .iter()
+        .zip(&our_lps)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f64, f64::max);
+    println!(
+        "qwen2.5-vl: {} prompt tokens ({} sent), vLLM and moult's engine agree on {} greedy tokens, logprob gap {gap:.2e}",
+        expanded.len(),
+        collapsed.len(),
+        our_ids.len()
+    );
+    assert!(gap < 1e-4, "vLLM and moult disagree by {gap}");
+}

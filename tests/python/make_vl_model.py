@@ -18,6 +18,10 @@ generation_config.json. Then
   `grid_i` (int64 [images, 3]) and `pixel_values_i` (float32, the processor's);
 - manifest.json: per prompt, its image files in prompt order.
 
+and OUT_DIR/qwen2.5-vl-tiny-hd32/, the same architecture with text heads of 32 (two heads, one
+key/value head: vLLM's CPU attention refuses a head of 16) and the Qwen2-VL chat template, for
+the vLLM parity test (runtime/tests/vllm_engine.rs); a model folder alone.
+
 The vision tower has 4 blocks, full attention on blocks 1 and 3 and window attention (a window
 of 56 pixels: 2x2 merged tokens) on 0 and 2, so both images are cut into several windows, b's
 into partial ones (its 3x5 merged grid is not a multiple of 2). The text model has 2 layers and
@@ -174,6 +178,22 @@ def main():
     save_file(tensors, os.path.join(out, "reference.safetensors"))
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
+
+    # The same shape with text heads of 32 (vLLM's CPU attention refuses 16): a model folder
+    # alone (vLLM loads every .safetensors beside config.json), for the vLLM parity test.
+    hd32 = os.path.join(sys.argv[1], NAME + "-hd32")
+    os.makedirs(hd32, exist_ok=True)
+    config = json.loads(json.dumps(CONFIG))
+    config["text_config"].update(num_attention_heads=2, num_key_value_heads=1)
+    config["text_config"]["rope_parameters"]["mrope_section"] = [4, 6, 6]
+    wide = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config)).eval()
+    randomize(wide, 8)
+    wide.save_pretrained(hd32)
+    processor.image_processor.save_pretrained(hd32)
+    tokenizer.save_pretrained(hd32)
+    shutil.copy(os.path.join(FIXTURES, "qwen2_vl_chat_template.jinja"), os.path.join(hd32, "chat_template.jinja"))
+    with open(os.path.join(hd32, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": EOS}, f)
 
 
 if __name__ == "__main__":

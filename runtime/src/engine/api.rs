@@ -206,9 +206,12 @@ impl GenerateRequest {
                 ))
             }
         };
+        // With images the prompt grows by their placeholders: the engine checks the bound again
+        // once it has expanded them.
+        let images = self.content_parts.as_ref().is_some_and(|p| !p.is_empty());
         let routed_experts_prompt_start = match p.routed_experts_prompt_start {
             None => 0,
-            Some(s) if s >= 0 && (s as usize) < prompt_len => s as usize,
+            Some(s) if s >= 0 && ((s as usize) < prompt_len || images) => s as usize,
             Some(s) => {
                 return Err(bad(
                     "sampling_params.routed_experts_prompt_start",

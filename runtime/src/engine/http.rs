@@ -149,11 +149,26 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
     let id = req
         .request_id
         .unwrap_or_else(|| format!("gen-{}", state.next_id.fetch_add(1, Ordering::Relaxed)));
-    let prompt_len = req.prompt.len();
-    let images = images_of(info, &req.prompt, req.content_parts).await?;
+    let (prompt, images) = images_of(info, req.prompt, req.content_parts).await?;
+    if prompt.len() >= info.max_model_len {
+        return Err(ApiError::bad_request(format!(
+            "the prompt takes {} tokens with its images' placeholders, and the model's context is {}",
+            prompt.len(),
+            info.max_model_len
+        ))
+        .with_param("token_ids"));
+    }
+    let prompt_len = prompt.len();
+    if req.routed_experts_prompt_start >= prompt_len {
+        return Err(ApiError::bad_request(format!(
+            "routed_experts_prompt_start must be in [0, {prompt_len}) (the prompt length, images' placeholders included), got {}",
+            req.routed_experts_prompt_start
+        ))
+        .with_param("sampling_params.routed_experts_prompt_start"));
+    }
     let mut rx = state.engine.generate_with_images(
         id.clone(),
-        req.prompt,
+        prompt,
         images,
         req.params,
         req.routed_experts_prompt_start,
@@ -173,18 +188,19 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
 }
 
 /// A request's images (`content_parts`), decoded and preprocessed off the async executor with the
-/// model folder's `preprocessor_config.json`, then placed at the prompt's placeholder runs,
-/// whose count and lengths must match the images' (docs/vision.md). Every refusal is a 400
+/// model folder's `preprocessor_config.json`, then placed at the prompt's placeholders: one
+/// token per image (vLLM's form, expanded here as vLLM expands it) or each image's whole run
+/// (docs/vision.md). Returns the prompt with its placeholders expanded. Every refusal is a 400
 /// naming `content_parts`.
 async fn images_of(
     info: &ModelInfo,
-    prompt: &[i64],
+    prompt: Vec<i64>,
     parts: Vec<ContentPart>,
-) -> Result<Vec<ImageInput>, ApiError> {
+) -> Result<(Vec<i64>, Vec<ImageInput>), ApiError> {
     let bad = |param: &str, message: String| ApiError::bad_request(message).with_param(param);
     let Some(vision) = &info.vision else {
         if parts.is_empty() {
-            return Ok(Vec::new());
+            return Ok((prompt, Vec::new()));
         }
         return Err(bad(
             "content_parts",
@@ -195,7 +211,7 @@ async fn images_of(
         ));
     };
     if parts.is_empty() && !prompt.contains(&vision.image_token_id) {
-        return Ok(Vec::new());
+        return Ok((prompt, Vec::new()));
     }
     let processor = match (&vision.processor, parts.is_empty()) {
         (Some(p), _) => p.clone(),
@@ -236,8 +252,15 @@ async fn images_of(
     })
     .await
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
-    crate::model::place_images(prompt, vision.image_token_id, vision.merge_size, decoded).map_err(
-        |e| {
+    let prompt = crate::model::expand_placeholders(
+        prompt,
+        vision.image_token_id,
+        vision.merge_size,
+        &decoded,
+    );
+    crate::model::place_images(&prompt, vision.image_token_id, vision.merge_size, decoded)
+        .map(|images| (prompt, images))
+        .map_err(|e| {
             let reason = match e {
                 crate::model::Error::Input(reason) => reason,
                 other => other.to_string(),
@@ -246,8 +269,7 @@ async fn images_of(
                 "content_parts",
                 format!("content_parts do not match token_ids: {reason}"),
             )
-        },
-    )
+        })
 }
 
 fn engine_gone() -> ApiError {

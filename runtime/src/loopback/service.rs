@@ -445,9 +445,10 @@ impl ChatService {
         } else {
             &NoTools
         };
+        let engine_prompt = plan.engine_prompt();
         let ctx = SampleContext {
             session: session_id,
-            prompt: &plan.prompt,
+            prompt: &engine_prompt,
             content_parts: &content_parts,
             req: &req,
             parser,

@@ -137,12 +137,30 @@ pub struct TurnPlan {
     pub prompt: Vec<i64>,
     /// Every image of the prompt, in order: what the engine receives with it.
     pub images: Vec<Image>,
+    /// Where each image's placeholders are in `prompt`.
+    spans: Vec<ImageSpan>,
 }
 
 impl TurnPlan {
     /// Whether the turn continues an open segment.
     pub fn continues(&self) -> bool {
         self.continues.is_some()
+    }
+
+    /// The prompt as engines take it with its images: one placeholder token per image, which
+    /// the engine expands to the image's tokens again (vLLM's form; docs/vision.md).
+    pub fn engine_prompt(&self) -> Vec<i64> {
+        if self.spans.is_empty() {
+            return self.prompt.clone();
+        }
+        let mut out = Vec::with_capacity(self.prompt.len());
+        let mut at = 0;
+        for span in &self.spans {
+            out.extend_from_slice(&self.prompt[at..=span.offset]);
+            at = span.offset + span.tokens;
+        }
+        out.extend_from_slice(&self.prompt[at..]);
+        out
     }
 
     /// The first position whose routed experts the engine should return: the earlier positions'
@@ -200,7 +218,7 @@ impl Session {
         let images: Vec<&Image> = messages.iter().flat_map(Message::images).collect();
         let new = images.get(base_images..).unwrap_or_default();
         let (new_ids, spans) = tokenize(&rendered[base_text.len()..], new)?;
-        let new_images = new
+        let new_images: Vec<SegmentImage> = new
             .iter()
             .zip(spans)
             .map(|(image, span)| SegmentImage {
@@ -212,6 +230,18 @@ impl Session {
         let mut prompt = Vec::with_capacity(base_ids.len() + new_ids.len());
         prompt.extend_from_slice(base_ids);
         prompt.extend_from_slice(&new_ids);
+        let spans = base
+            .map_or(&[][..], |b| &b.images[..])
+            .iter()
+            .map(|i| ImageSpan {
+                offset: i.offset,
+                tokens: i.tokens,
+            })
+            .chain(new_images.iter().map(|i| ImageSpan {
+                offset: base_ids.len() + i.offset,
+                tokens: i.tokens,
+            }))
+            .collect();
         Ok(TurnPlan {
             continues,
             rendered,
@@ -219,6 +249,7 @@ impl Session {
             new_images,
             prompt,
             images: images.into_iter().cloned().collect(),
+            spans,
         })
     }
 
@@ -457,6 +488,13 @@ mod tests {
         let first = Image::from_bytes("image/png", b"png-1").sha256;
         let second = Image::from_bytes("image/png", b"png-2").sha256;
         assert_eq!(hashes, [first.as_str(), second.as_str()]);
+        // Engines get one placeholder per image, and expand it again.
+        let engine: String = plan
+            .engine_prompt()
+            .iter()
+            .map(|&c| char::from_u32(c as u32).unwrap())
+            .collect();
+        assert_eq!(engine, "<user>#what?|<assistant>a|<user>#and?|<assistant>");
         s.commit(plan, Arc::new(m2), &[sampled("b|", 1)], vec!["b|".into()]);
         let seg = &s.segments()[0];
         let text: String = seg

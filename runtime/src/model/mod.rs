@@ -23,7 +23,7 @@ pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use decoder::{CausalLm, ForwardOutput, LogitsFor, NamedSlice, SeqInput, Stages};
 pub use kv_cache::KvCache;
 pub use loader::{dtype_name, load_safetensors_dir, parse_dtype};
-pub use vl::{place_images, ImageInput, VisionConfig, VlConfig};
+pub use vl::{expand_placeholders, place_images, ImageInput, VisionConfig, VlConfig};
 
 /// libtorch intra-op threads for computing with a model: one for small models (hidden size under
 /// 512), whose operations are too small to gain from a pool (waking one costs tens of

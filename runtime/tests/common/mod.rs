@@ -125,9 +125,23 @@ pub fn family_models() -> &'static Path {
 /// layers) with the Qwen3 tokenizer, `preprocessor_config.json`, two PNGs and transformers'
 /// reference logits with and without images (`tests/python/make_vl_model.py`).
 pub fn vl_model() -> PathBuf {
+    vl_models().join("qwen2.5-vl-tiny")
+}
+
+/// [`vl_model`]'s architecture with text heads of 32, which vLLM's CPU attention serves.
+pub fn vl_model_hd32() -> PathBuf {
+    vl_models().join("qwen2.5-vl-tiny-hd32")
+}
+
+fn vl_models() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| made_by("make_vl_model.py", &[]))
-        .join("qwen2.5-vl-tiny")
+    DIR.get_or_init(|| {
+        made_by(
+            "make_vl_model.py",
+            &["../fixtures/qwen2_vl_chat_template.jinja"],
+        )
+    })
+    .clone()
 }
 
 pub fn dense_model() -> PathBuf {

@@ -56,16 +56,8 @@ impl ImageInput {
     }
 }
 
-/// Finds the placeholders of `images` (in prompt order) in `tokens`: each image's must be one
-/// run of `image_token_id` of exactly its [`image_placeholder_tokens`], and every run must
-/// belong to an image. The error says what the runs and the images are, for a client to mend
-/// its request.
-pub fn place_images(
-    tokens: &[i64],
-    image_token_id: i64,
-    merge_size: usize,
-    images: Vec<Arc<ProcessedImage>>,
-) -> Result<Vec<ImageInput>> {
+/// The runs of `image_token_id` in `tokens`.
+fn placeholder_runs(tokens: &[i64], image_token_id: i64) -> Vec<Range<usize>> {
     let mut runs: Vec<Range<usize>> = Vec::new();
     for (i, &t) in tokens.iter().enumerate() {
         if t != image_token_id {
@@ -76,6 +68,48 @@ pub fn place_images(
             _ => runs.push(i..i + 1),
         }
     }
+    runs
+}
+
+/// `tokens` with each image's placeholder expanded, as vLLM expands them: a prompt may hold one
+/// `image_token_id` per image (what a chat template renders; vLLM's form) or each image's whole
+/// run (transformers' processor's form). When there is one run per image, a run of one token
+/// becomes the image's [`image_placeholder_tokens`]; anything else is left for
+/// [`place_images`] to judge.
+pub fn expand_placeholders(
+    tokens: Vec<i64>,
+    image_token_id: i64,
+    merge_size: usize,
+    images: &[Arc<ProcessedImage>],
+) -> Vec<i64> {
+    let runs = placeholder_runs(&tokens, image_token_id);
+    if runs.len() != images.len() || runs.iter().all(|r| r.len() != 1) {
+        return tokens;
+    }
+    let mut out = Vec::with_capacity(tokens.len());
+    let mut at = 0;
+    for (run, image) in runs.iter().zip(images) {
+        out.extend_from_slice(&tokens[at..run.start]);
+        let wanted = image_placeholder_tokens(image.grid_thw, merge_size as u32);
+        let len = if run.len() == 1 { wanted } else { run.len() };
+        out.extend(std::iter::repeat_n(image_token_id, len));
+        at = run.end;
+    }
+    out.extend_from_slice(&tokens[at..]);
+    out
+}
+
+/// Finds the placeholders of `images` (in prompt order) in `tokens`: each image's must be one
+/// run of `image_token_id` of exactly its [`image_placeholder_tokens`], and every run must
+/// belong to an image. The error says what the runs and the images are, for a client to mend
+/// its request.
+pub fn place_images(
+    tokens: &[i64],
+    image_token_id: i64,
+    merge_size: usize,
+    images: Vec<Arc<ProcessedImage>>,
+) -> Result<Vec<ImageInput>> {
+    let runs = placeholder_runs(tokens, image_token_id);
     let wanted: Vec<usize> = images
         .iter()
         .map(|im| image_placeholder_tokens(im.grid_thw, merge_size as u32))
