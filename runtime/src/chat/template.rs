@@ -368,11 +368,12 @@ mod tests {
             }
             let source = std::fs::read_to_string(&path).unwrap();
             let template = ChatTemplate::new(&source, Map::new()).unwrap();
-            // Every family's template renders tools except Gemma 3's official one and
-            // DeepSeek V3.1's (which renders past tool calls but never the tool list).
+            // Every family's template renders tools except Gemma 3's official one, DeepSeek
+            // V3.1's (which renders past tool calls but never the tool list) and Qwen2-VL's.
             let without = [
                 "gemma3_it_chat_template.jinja",
                 "deepseek_v3.1_chat_template.jinja",
+                "qwen2_vl_chat_template.jinja",
             ];
             assert_eq!(
                 template.reads_tools(),
