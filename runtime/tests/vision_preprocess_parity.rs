@@ -2,7 +2,7 @@
 //! `pixel_values` and `image_grid_thw` of transformers' `Qwen2VLImageProcessorPil` for the
 //! same files, under the processor's defaults and custom min/max pixels read from the
 //! `preprocessor_config.json` transformers saved (needs the Python virtualenv with
-//! transformers; no libtorch).
+//! transformers).
 //!
 //! The PNG cases (RGB, grey, grey+alpha, RGBA, palette with and without transparency, 16-bit
 //! grey; tiny, odd, very wide, exact and large sizes) must match within 1e-6. The JPEG case is
@@ -10,9 +10,10 @@
 //! chroma upsampling may round differently, so samples can differ by a few levels before any
 //! preprocessing happens.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 use moult_runtime::vision::{
@@ -28,53 +29,10 @@ const PNG_TOLERANCE: f32 = 1e-6;
 const JPEG_MAX_TOLERANCE: f32 = 0.1;
 const JPEG_MEAN_TOLERANCE: f32 = 0.01;
 
-/// The Python that has transformers: `MOULT_PYTHON`, else the project's `.venv`.
-fn python() -> PathBuf {
-    match std::env::var_os("MOULT_PYTHON") {
-        Some(p) => PathBuf::from(p),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python"),
-    }
-}
-
-/// The output folder of `tests/python/make_image_reference.py`, made once and cached by the
-/// script's content (a copy of `tests/common`'s runner, which this test cannot use: `common`
-/// needs libtorch).
+/// The output folder of `tests/python/make_image_reference.py`, made once and cached.
 fn reference_dir() -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let script =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/make_image_reference.py");
-        let bytes = std::fs::read(&script).expect("read the reference script");
-        let digest = bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| {
-            (h ^ b as u64).wrapping_mul(0x100000001b3)
-        });
-        let base = Path::new(env!("CARGO_TARGET_TMPDIR"));
-        let dir = base.join(format!("make_image_reference-{digest:016x}"));
-        if dir.join("done").exists() {
-            return dir;
-        }
-        let staging = base.join(format!(
-            "make_image_reference-staging-{}",
-            std::process::id()
-        ));
-        let status = Command::new(python())
-            .arg(&script)
-            .arg(&staging)
-            .status()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run {} ({e}); run `bash scripts/test.sh`, which sets up the virtualenv",
-                    python().display()
-                )
-            });
-        assert!(status.success(), "{} failed", script.display());
-        std::fs::write(staging.join("done"), b"").unwrap();
-        if std::fs::rename(&staging, &dir).is_err() {
-            // Another run won the race; its copy is identical.
-            let _ = std::fs::remove_dir_all(&staging);
-        }
-        dir
-    })
+    DIR.get_or_init(|| common::made_by("make_image_reference.py", &[]))
 }
 
 #[derive(Deserialize)]

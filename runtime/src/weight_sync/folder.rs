@@ -181,21 +181,10 @@ impl FolderPublisher {
         &self.root
     }
 
-    /// Writes `tensors` as `version`, then pause (`keep` with partial rollout, else `wait`),
-    /// reload, set the version, resume. Older version folders are removed once every engine
-    /// has the new one.
-    pub async fn update(
-        &mut self,
-        tensors: &[(String, Tensor)],
-        version: u64,
-        partial_rollout: bool,
-    ) -> Result<SyncReport, SyncError> {
-        self.update_stream(WeightStream::whole(tensors), version, partial_rollout)
-            .await
-    }
-
-    /// [`update`](Self::update) from buckets as they come: each is written as it arrives, one
-    /// file per bucket, while the engines still generate.
+    /// Writes the buckets of `weights` as `version` as they come, one file per bucket, while the
+    /// engines still generate; then pause (`keep` with partial rollout, else `wait`), reload, set
+    /// the version, resume. Older version folders are removed once every engine has the new
+    /// one.
     pub async fn update_stream(
         &mut self,
         weights: WeightStream,

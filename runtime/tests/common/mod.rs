@@ -20,7 +20,7 @@ pub fn repo_root() -> PathBuf {
 /// The output folder of `tests/python/<script> OUT_DIR`, made on first use and cached by the
 /// content of the script and its `inputs` (several test binaries may race: the one that builds
 /// writes into a private folder and renames it into place).
-fn made_by(script: &str, inputs: &[&str]) -> PathBuf {
+pub fn made_by(script: &str, inputs: &[&str]) -> PathBuf {
     made_by_with(script, inputs, &[])
 }
 
