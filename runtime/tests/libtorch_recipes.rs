@@ -320,7 +320,7 @@ fn libtorch_geometry_recipe_learns_to_read_the_figures() {
         .map(|e| {
             (
                 e["step"].as_u64().unwrap(),
-                e["reward_mean"].as_f64().unwrap(),
+                e["eval_reward_mean"].as_f64().unwrap(),
             )
         })
         .collect();
