@@ -8,6 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
+use image::ImageEncoder as _;
 use moult_runtime::chat::{ChatTemplate, Image, Tokenizer};
 use moult_runtime::loopback::{ChatService, EngineClient, ImageInputs, ServiceOptions};
 use moult_runtime::model::{CausalLm, ImageInput};
@@ -31,6 +32,8 @@ async fn libtorch_sdks_send_images_and_the_trainer_recomputes_the_engine_logprob
     )
     .unwrap();
     let (mut engine, engine_url) = common::spawn_engine(&model);
+    // As in a run: the loopback server generates through a router in front of the engine.
+    let (router_url, _router) = common::start_router(&[engine_url.clone()], "least-tokens").await;
     let tokenizer = Tokenizer::from_model_dir(&model).unwrap();
     let images = ImageInputs::from_model_dir(&model, &tokenizer)
         .unwrap()
@@ -40,7 +43,7 @@ async fn libtorch_sdks_send_images_and_the_trainer_recomputes_the_engine_logprob
         ..ServiceOptions::pool(8, "tiny")
     };
     let service = ChatService::new(
-        EngineClient::new(&engine_url),
+        EngineClient::new(&router_url),
         tokenizer,
         ChatTemplate::from_model_dir(&template).unwrap(),
         opts,
@@ -137,6 +140,31 @@ async fn libtorch_sdks_send_images_and_the_trainer_recomputes_the_engine_logprob
             "{session}: trainer and engine differ by {worst}"
         );
     }
+
+    // A large image (a 5 MiB request, over axum's 2 MiB default) goes through the router too.
+    let noise: Vec<u8> = (0..1100u32 * 1000 * 3)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    let mut png = Vec::new();
+    image::codecs::png::PngEncoder::new(&mut png)
+        .write_image(&noise, 1100, 1000, image::ExtendedColorType::Rgb8)
+        .unwrap();
+    let url = Image::from_bytes("image/png", &png).data_url;
+    assert!(url.len() > 4 << 20, "{} bytes", url.len());
+    let body = serde_json::json!({"token_ids": [VISION_START, IMAGE_PAD, VISION_END, 3838],
+        "content_parts": [{"type": "image_url", "url": url}],
+        "sampling_params": {"max_tokens": 1, "temperature": 0.0}});
+    let answer = common::post_json(&format!("{router_url}/inference/v1/generate"), &body).await;
+    let generated = answer["choices"][0]["token_ids"].as_array().map(Vec::len);
+    assert_eq!(
+        generated,
+        Some(1),
+        "the large image was not served: {answer}"
+    );
+    println!(
+        "a {} MiB request through the router was served",
+        url.len() >> 20
+    );
     engine.kill().unwrap();
     engine.wait().unwrap();
     let _ = std::fs::remove_dir_all(&template);

@@ -84,6 +84,11 @@ impl ContentPart {
     }
 }
 
+/// The largest generate request an engine (or a router in front of engines) takes: images travel
+/// inline as base64 data URLs (a 12-megapixel PNG is ~25 MiB); token ids alone stay far below
+/// axum's 2 MiB default.
+pub const GENERATE_BODY_LIMIT: usize = 64 << 20;
+
 /// The request header naming the session a generation belongs to (routers hash on it).
 pub const SESSION_HEADER: &str = "x-moult-session";
 

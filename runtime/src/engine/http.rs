@@ -22,15 +22,11 @@ use super::api::{
     AbortRequest, Choice, CollectiveRpc, FinishWeightUpdate, GenerateRequest, GenerateResponse,
     InitWeightTransfer, Logprobs, UpdateWeightVersion, UpdateWeights, Usage, WeightVersionSpan,
 };
-use super::client::ContentPart;
+use super::client::{ContentPart, GENERATE_BODY_LIMIT};
 use super::core::{EngineHandle, Event, ModelInfo, PauseMode};
 use super::weights::{connect, BucketLayout, StagedUpdate};
 use super::ApiError;
 use crate::model::{dtype_name, ImageInput};
-
-/// The largest generate request: its images travel inline as base64 data URLs (a 12-megapixel
-/// PNG is ~25 MiB); token ids alone stay far below axum's 2 MiB default.
-const GENERATE_BODY_LIMIT: usize = 64 << 20;
 
 /// The weight-transfer session: the data-plane connection and the tensors received so far.
 #[derive(Debug, Default)]

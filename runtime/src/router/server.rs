@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{RawQuery, State};
+use axum::extract::{DefaultBodyLimit, RawQuery, State};
 use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -31,7 +31,7 @@ use serde_json::{json, Map, Value};
 use super::generate::{start, Routed, RoutedRequest};
 use super::Router;
 use crate::engine::api::{AbortRequest, Choice, GenerateResponse, Usage, WeightVersionSpan};
-use crate::engine::client::{ContentPart, SESSION_HEADER};
+use crate::engine::client::{ContentPart, GENERATE_BODY_LIMIT, SESSION_HEADER};
 use crate::engine::ApiError;
 
 /// `POST /inference/v1/generate` as the router reads it: the engine validates the rest.
@@ -552,7 +552,10 @@ pub fn routes(router: Arc<Router>) -> axum::Router {
 /// of a cluster run.
 pub fn api_routes(router: Arc<Router>) -> axum::Router {
     axum::Router::new()
-        .route("/inference/v1/generate", post(generate))
+        .route(
+            "/inference/v1/generate",
+            post(generate).layer(DefaultBodyLimit::max(GENERATE_BODY_LIMIT)),
+        )
         .route("/inference/v1/abort_requests", post(abort))
         .route("/pause", post(broadcast))
         .route("/resume", post(broadcast))
