@@ -33,7 +33,8 @@ async fn libtorch_sdks_send_images_and_the_trainer_recomputes_the_engine_logprob
     .unwrap();
     let (mut engine, engine_url) = common::spawn_engine(&model);
     // As in a run: the loopback server generates through a router in front of the engine.
-    let (router_url, _router) = common::start_router(&[engine_url.clone()], "least-tokens").await;
+    let (router_url, _router) =
+        common::start_router(std::slice::from_ref(&engine_url), "least-tokens").await;
     let tokenizer = Tokenizer::from_model_dir(&model).unwrap();
     let images = ImageInputs::from_model_dir(&model, &tokenizer)
         .unwrap()
