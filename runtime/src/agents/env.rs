@@ -74,7 +74,7 @@ impl Observation {
             .map(|(i, p)| match p {
                 ObservationPart::Text { text } => Ok(Part::Text { text }),
                 ObservationPart::Image { media_type, data } => {
-                    Image::from_data_url(&format!("data:{media_type};base64,{data}"))
+                    Image::from_base64(&media_type, &data)
                         .map(|image| Part::Image { image })
                         .map_err(|e| AgentError::Env(format!("observation part {i}: {e}")))
                 }

@@ -56,6 +56,12 @@ impl Image {
         Ok(Self::from_bytes(&image.media_type, &image.bytes))
     }
 
+    /// The image of base64 `data` of `media_type` (an Anthropic image block's, an Env
+    /// observation's).
+    pub fn from_base64(media_type: &str, data: &str) -> Result<Self, crate::vision::VisionError> {
+        Self::from_data_url(&format!("data:{media_type};base64,{data}"))
+    }
+
     /// The image of encoded bytes of `media_type` (`image/png`, `image/jpeg`).
     pub fn from_bytes(media_type: &str, bytes: &[u8]) -> Self {
         use base64::Engine as _;

@@ -285,7 +285,7 @@ fn image_block(block: &Json, param: &str) -> Result<Image, InvalidRequest> {
         })
     };
     let (media_type, data) = (field("media_type")?, field("data")?);
-    Image::from_data_url(&format!("data:{media_type};base64,{data}"))
+    Image::from_base64(media_type, data)
         .map_err(|e| invalid(format!("{param}.source"), e.to_string()))
 }
 

@@ -2,6 +2,9 @@
 //! each episode's segments to [`Sample`]s carrying the exact tokens, loss mask, behaviour
 //! logprobs and, with routing replay, the routed experts.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use moult_operator::api::Estimator;
 use tch::Tensor;
 
@@ -15,7 +18,7 @@ use crate::model::{CausalLm, ImageInput};
 use crate::rollout::{trained_segments, Group};
 use crate::trainer::logprobs::{token_logprobs, Scored};
 use crate::trainer::train::Sample;
-use crate::vision::ImageProcessorConfig;
+use crate::vision::{ImageProcessorConfig, ProcessedImage};
 
 /// Summary statistics of a list of numbers: (mean, population std).
 pub fn mean_std(xs: &[f64]) -> (f64, f64) {
@@ -205,10 +208,12 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
 }
 
 /// A segment's images, preprocessed as the engine preprocessed them (`images`: the model's image
-/// settings; a segment with images for a model without them is an error).
+/// settings; a segment with images for a model without them is an error). `seen` holds the
+/// batch's images preprocessed so far, by SHA-256: a group's episodes share their task's images.
 fn segment_images(
     seg: &Segment,
     images: Option<&ImageProcessorConfig>,
+    seen: &mut HashMap<String, Arc<ProcessedImage>>,
 ) -> Result<Vec<ImageInput>, RunError> {
     if seg.images.is_empty() {
         return Ok(Vec::new());
@@ -222,16 +227,24 @@ fn segment_images(
     seg.images
         .iter()
         .map(|i| {
-            let processed = i
-                .image
-                .bytes()
-                .and_then(|b| crate::vision::preprocess_bytes(&b, config))
-                .map_err(|e| {
-                    RunError::Setup(format!("a segment's image {}: {e}", i.image.sha256))
-                })?;
+            let image = match seen.get(&i.image.sha256) {
+                Some(image) => image.clone(),
+                None => {
+                    let processed = i
+                        .image
+                        .bytes()
+                        .and_then(|b| crate::vision::preprocess_bytes(&b, config))
+                        .map_err(|e| {
+                            RunError::Setup(format!("a segment's image {}: {e}", i.image.sha256))
+                        })?;
+                    let image = Arc::new(processed);
+                    seen.insert(i.image.sha256.clone(), image.clone());
+                    image
+                }
+            };
             Ok(ImageInput {
                 offset: i.offset,
-                image: std::sync::Arc::new(processed),
+                image,
             })
         })
         .collect()
@@ -245,10 +258,11 @@ pub fn samples(
     routing_replay: bool,
     images: Option<&ImageProcessorConfig>,
 ) -> Result<Vec<Sample>, RunError> {
+    let mut seen = HashMap::new();
     trained_segments(batch)
         .map(|(g, e, _, seg)| {
             Ok(Sample {
-                images: segment_images(seg, images)?,
+                images: segment_images(seg, images, &mut seen)?,
                 tokens: seg.token_ids.clone(),
                 loss_mask: seg.loss_mask.clone(),
                 behaviour_logprobs: seg.logprobs.clone(),
