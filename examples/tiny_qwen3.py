@@ -54,13 +54,17 @@ def is_current(out, name, digest):
     return False
 
 
-def save(model, out, name, digest):
-    """Writes `model` as a servable folder: weights, config, the tokenizer and template, and the
-    stamp of `digest`."""
+def save(model, out, name, digest, tokenizer_spec=None, template=TEMPLATE):
+    """Writes `model` as a servable folder: weights, config, the tokenizer (the tiny BPE one, or
+    `tokenizer_spec`, a tokenizer.json as a dict) and `template`, and the stamp of `digest`."""
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    shutil.copyfile(TOKENIZER, os.path.join(out, "tokenizer.json"))
-    shutil.copyfile(TEMPLATE, os.path.join(out, "chat_template.jinja"))
+    if tokenizer_spec is None:
+        shutil.copyfile(TOKENIZER, os.path.join(out, "tokenizer.json"))
+    else:
+        with open(os.path.join(out, "tokenizer.json"), "w") as f:
+            json.dump(tokenizer_spec, f)
+    shutil.copyfile(template, os.path.join(out, "chat_template.jinja"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": EOS_TEXT, "pad_token": "<|endoftext|>"}, f)
     with open(os.path.join(out, "generation_config.json"), "w") as f:

@@ -223,22 +223,6 @@ def evaluate(model, task, skill, processor):
         raise SystemExit("make_model: the base model is not at chance on the task, or not in its format, or lacks the skill")
 
 
-def save(model, out, digest, processor):
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    with open(os.path.join(out, "tokenizer.json"), "w") as f:
-        json.dump(tokenizer_json(), f)
-    shutil.copyfile(TEMPLATE, os.path.join(out, "chat_template.jinja"))
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": EOS_TEXT, "pad_token": "<|endoftext|>"}, f)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [EOS, 2000]}, f)
-    processor.save_pretrained(out)
-    with open(tiny_qwen3.stamp_path(out, "make_model"), "w") as f:
-        f.write(digest + "\n")
-    print(f"make_model: wrote {out}")
-
-
 def main():
     if len(sys.argv) != 2:
         raise SystemExit("usage: python make_model.py OUT_DIR")
@@ -260,7 +244,8 @@ def main():
     skill = Episodes(tok, processor, SKILL_FIRST, SKILL_NEXT)
     model = train(task, skill, processor, rng)
     evaluate(model, task, skill, processor)
-    save(model, out, digest, processor)
+    processor.save_pretrained(out)  # preprocessor_config.json, before the stamp
+    tiny_qwen3.save(model, out, "make_model", digest, tokenizer_json(), TEMPLATE)
     shutil.rmtree(staging, ignore_errors=True)
 
 
