@@ -15,7 +15,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use moult_runtime::run::vllm::{free_port, VllmProcess};
+use moult_runtime::local::vllm::{free_port, VllmProcess};
 use serde_json::json;
 
 mod common;
@@ -24,7 +24,7 @@ use common::{qwen3_width_model, root, start_engine};
 /// The tiny Qwen3 both engines serve (head_dim 32), made by the vLLM virtualenv's transformers.
 fn tiny_vllm_model() -> std::path::PathBuf {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("vllm-models");
-    let python = moult_runtime::run::vllm::python();
+    let python = moult_runtime::local::vllm::python();
     let status = std::process::Command::new(python)
         .arg(root().join("tests/python/make_vllm_models.py"))
         .arg(&dir)
@@ -221,7 +221,7 @@ async fn routers() {
     );
     let moult_url = format!("http://127.0.0.1:{moult_port}");
     // vllm-router sits beside vLLM's python in the same virtualenv.
-    let python = moult_runtime::run::vllm::python();
+    let python = moult_runtime::local::vllm::python();
     let vllm_router_bin = python.with_file_name("vllm-router");
     let theirs_port = free_port().unwrap();
     let theirs = RouterProcess(

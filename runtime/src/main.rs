@@ -545,7 +545,7 @@ async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
         (None, Some(line), Some("env")) => Agent::ExternalEnv(AgentCommand::parse(line)?),
         _ => bail!("give --agent PATH|builtin:NAME, or --agent-cmd CMD with --form chat|env"),
     };
-    let tasks = moult_runtime::run::config::read_jsonl(tasks, "--tasks")?;
+    let tasks = moult_runtime::config::read_jsonl(tasks, "--tasks")?;
     let service = Arc::new(chat_service(
         engine,
         model,
@@ -650,7 +650,7 @@ async fn trainer(args: TrainerArgs) -> anyhow::Result<()> {
     let device = match args.device.as_deref() {
         Some(d) => parse_device(Some(d))?,
         None => {
-            let gpus = moult_runtime::run::config::read_manifest(&args.config)?
+            let gpus = moult_runtime::config::read_manifest(&args.config)?
                 .spec
                 .trainer
                 .gpus_per_node;
@@ -734,8 +734,8 @@ async fn router(args: RouterArgs) -> anyhow::Result<()> {
 fn local_config(
     path: &std::path::Path,
     device: Option<&str>,
-) -> anyhow::Result<(moult_runtime::run::config::RunConfig, Device)> {
-    use moult_runtime::run::config;
+) -> anyhow::Result<(moult_runtime::config::RunConfig, Device)> {
+    use moult_runtime::config;
     let manifest = config::read_manifest(path)?;
     let dir = path
         .parent()
@@ -752,7 +752,8 @@ fn local_config(
 
 #[cfg(feature = "torch")]
 async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
-    use moult_runtime::run::{self, console::Console, RunOptions};
+    use moult_runtime::local::{self, RunOptions};
+    use moult_runtime::records::console::Console;
     let (mut cfg, device) = local_config(&args.manifest, args.device.as_deref())?;
     if let Some(steps) = args.steps {
         if steps == 0 {
@@ -771,7 +772,7 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
         cfg = cfg.synchronous();
     }
     tch::manual_seed(args.seed as i64);
-    let out = args.out.unwrap_or_else(|| run::default_out(&cfg.name));
+    let out = args.out.unwrap_or_else(|| local::default_out(&cfg.name));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     eprintln!(
         "moult run: {} ({} steps, {} tasks, {} engine(s), {}, {} mode) -> {}",
@@ -793,7 +794,7 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
     let log = out.join("moult.log");
     let console = Console::new(cfg.total_steps, !args.quiet);
     init_run_logging(&log, &console, verbose)?;
-    let summary = run::run(
+    let summary = local::run(
         cfg,
         RunOptions {
             out: out.clone(),
@@ -854,11 +855,12 @@ async fn run(args: RunArgs, verbose: bool) -> anyhow::Result<()> {
 
 #[cfg(feature = "torch")]
 async fn eval(args: EvalArgs) -> anyhow::Result<()> {
-    use moult_runtime::run::{self, console::Console, RunOptions};
+    use moult_runtime::local::{self, RunOptions};
+    use moult_runtime::records::console::Console;
     let (cfg, device) = local_config(&args.manifest, args.device.as_deref())?;
     let console = Console::new(0, !args.quiet);
     let scratch = std::env::temp_dir().join(format!("moult-eval-{}", std::process::id()));
-    let result = run::evaluate_checkpoint(
+    let result = local::evaluate_checkpoint(
         cfg,
         &RunOptions {
             out: scratch.clone(),
@@ -903,7 +905,7 @@ fn log_filter() -> tracing_subscriber::EnvFilter {
 #[cfg(feature = "torch")]
 fn init_run_logging(
     file: &std::path::Path,
-    console: &moult_runtime::run::console::Console,
+    console: &moult_runtime::records::console::Console,
     verbose: bool,
 ) -> anyhow::Result<()> {
     use tracing_subscriber::{fmt, prelude::*, EnvFilter};
@@ -991,7 +993,7 @@ fn main() -> anyhow::Result<()> {
         Command::Eval(_) => without_torch("eval"),
         #[cfg(feature = "torch")]
         Command::Export(args) => {
-            let from = moult_runtime::run::checkpoint::export(&args.checkpoint, &args.out)?;
+            let from = moult_runtime::learner::checkpoint::export(&args.checkpoint, &args.out)?;
             eprintln!(
                 "moult export: {} -> {} (serve it with `moult engine --model {}`)",
                 from.display(),

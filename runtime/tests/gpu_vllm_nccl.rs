@@ -23,8 +23,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use moult_operator::api::{EngineBackend, WeightTransport};
+use moult_runtime::local::vllm::{free_port, python, VllmProcess};
 use moult_runtime::model::CausalLm;
-use moult_runtime::run::vllm::{free_port, python, VllmProcess};
 use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
 use serde_json::{json, Value};
 

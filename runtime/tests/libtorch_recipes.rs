@@ -188,11 +188,11 @@ fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
 
     let model = CausalLm::load(&teacher, Kind::Float, Device::Cpu).unwrap();
     let dumps =
-        moult_runtime::run::dump::steps(&moult_runtime::run::dump::folder(&out.join("run")))
+        moult_runtime::stages::dump::steps(&moult_runtime::stages::dump::folder(&out.join("run")))
             .unwrap();
     assert_eq!(dumps.len(), steps);
     for (step, path) in [&dumps[0], &dumps[steps / 2], &dumps[steps - 1]] {
-        let dump = moult_runtime::run::dump::read(path).unwrap();
+        let dump = moult_runtime::stages::dump::read(path).unwrap();
         let (mut kl, mut sampled) = (0.0f64, 0usize);
         for seg in dump
             .groups

@@ -14,8 +14,8 @@ use std::process::Command;
 
 use moult_runtime::algorithms::losses::Aggregation;
 use moult_runtime::dist::{Collectives, Rendezvous, ENV_MASTER, ENV_RANK, ENV_TIMEOUT, ENV_WORLD};
+use moult_runtime::learner::checkpoint::{self, CheckpointMeta};
 use moult_runtime::model::CausalLm;
-use moult_runtime::run::checkpoint::{self, CheckpointMeta};
 use moult_runtime::trainer::optim::{Decay, LrSchedule};
 use moult_runtime::trainer::ranks::{follower, leader, Setup};
 use moult_runtime::trainer::step::{LossConfig, LossKind};

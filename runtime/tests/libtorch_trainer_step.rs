@@ -273,7 +273,7 @@ fn folder_bytes(dir: &std::path::Path) -> u64 {
 /// checkpoint, which a restart then resumes from, and leaves no partial folder behind.
 #[test]
 fn libtorch_a_full_disk_never_loses_the_last_good_checkpoint() {
-    use moult_runtime::run::checkpoint::{latest, save, CheckpointMeta};
+    use moult_runtime::learner::checkpoint::{latest, save, CheckpointMeta};
     let trainer = tiny_trainer();
     let model = dense_model();
     let meta = |step: u64| CheckpointMeta {

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use moult_runtime::engine::client::{EngineClient, Generated};
+use moult_runtime::local::vllm::{free_port, VllmProcess};
 use moult_runtime::router::{HealthOptions, Router};
-use moult_runtime::run::vllm::{free_port, VllmProcess};
 use serde_json::{json, Value};
 
 fn vllm_python() -> PathBuf {
@@ -27,7 +27,7 @@ fn vllm_python() -> PathBuf {
         "MOULT_VLLM_PYTHON is not set: install the pinned vLLM with `bash scripts/setup-vllm.sh` \
          and set it to the python that prints (scripts/test.sh does both)"
     );
-    moult_runtime::run::vllm::python()
+    moult_runtime::local::vllm::python()
 }
 
 /// The tiny models both engines serve (made once by the vLLM virtualenv's transformers).

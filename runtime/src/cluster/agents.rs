@@ -17,9 +17,9 @@ use std::time::Duration;
 use super::protocol::Lease;
 use super::{env_path, post_json, retry};
 use crate::agents::{AgentPool, EpisodeStatus, PoolOptions};
+use crate::config::Sources;
+use crate::error::RunError;
 use crate::loopback::{ChatService, ServiceOptions};
-use crate::run::config::Sources;
-use crate::run::RunError;
 
 /// How often the leases of running episodes are renewed (well within the coordinator's lease time).
 const RENEW_EVERY: Duration = Duration::from_secs(5);

@@ -27,14 +27,16 @@ use super::protocol::{
 };
 use super::remote::RemoteAgents;
 use super::status::Report;
+use crate::config::{RunConfig, Sources};
 use crate::engine::ApiError;
+use crate::error::RunError;
+use crate::records::metrics;
 use crate::rollout::eval::{self, EvalResult};
 use crate::rollout::{fill_batch, Group, RolloutPool, RolloutState};
 use crate::router::{server, EnginePool, Router};
-use crate::run::config::{RunConfig, Sources};
-use crate::run::judge::{Judge, JudgeStats};
-use crate::run::teacher::{Teacher, TeacherStats};
-use crate::run::{metrics, RunError};
+use crate::stages::judge::Judge;
+use crate::stages::teacher::Teacher;
+use crate::stages::{self, Stage, StepBatch};
 
 /// How `moult coordinator` runs.
 #[derive(Debug, Clone)]
@@ -58,14 +60,11 @@ struct Train {
     committed: u64,
     /// The newest policy version number handed out.
     issued: u64,
-    /// The groups of step `committed + 1`, kept until it is committed.
+    /// The groups of step `committed + 1` while they are gathered.
     pending: Vec<Group>,
-    /// With a judge or a served teacher: whether `pending` is scored (its rewards hold the
-    /// judge's score, its segments the teacher's, from then on), what each found, and whether
-    /// they are at it now (the groups are out of `pending` meanwhile).
-    scored: bool,
-    judged: Option<JudgeStats>,
-    taught: Option<TeacherStats>,
+    /// The batch of step `committed + 1` once gathered and through the stages, kept until it is
+    /// committed; and whether the stages are at it now (its groups are out of `pending`).
+    ready: Option<StepBatch>,
     scoring: bool,
     hellos: u64,
 }
@@ -88,10 +87,9 @@ struct Coordinator {
     /// Evaluations (`spec.eval`), and a wake-up for batch requests waiting for one.
     evals: Mutex<Evals>,
     eval_done: tokio::sync::Notify,
-    /// The judge of `spec.judge` (over the judge's engines), a served distillation teacher
-    /// (over its engines), and a wake-up for batch requests waiting for them.
-    judge: Option<Judge>,
-    teacher: Option<Teacher>,
+    /// The batch stages that run here (a served teacher over its engines, the judge of
+    /// `spec.judge` over its engines, ...), and a wake-up for batch requests waiting for them.
+    stages: Vec<Box<dyn Stage>>,
     scoring_done: tokio::sync::Notify,
 }
 
@@ -115,20 +113,18 @@ enum EvalGate {
 
 type Shared = State<Arc<Coordinator>>;
 
-/// The groups of step `step` scored by the served teacher (every token) and the judge (their
-/// rewards mixed with its scores), each where the run has one, back in the pending batch. When
-/// that failed (their engines are starting, or were replaced) the groups go back to be scored
-/// again after a pause.
-async fn score_batch(c: Arc<Coordinator>, mut groups: Vec<Group>, step: u64) {
-    let scored = c.score(&mut groups, step).await;
-    if let Err(e) = &scored {
+/// `batch` through the stages, then ready to go out. When a stage failed (a judge's or teacher's
+/// engines are starting, or were replaced) the groups go back to be staged again after a pause.
+async fn stage_batch(c: Arc<Coordinator>, mut batch: StepBatch) {
+    let staged = stages::apply(&c.stages, &mut batch).await;
+    if let Err(e) = &staged {
         tracing::warn!("{e}; scoring the batch again in {SCORING_RETRY:?}");
         tokio::time::sleep(SCORING_RETRY).await;
     }
     let mut t = c.train.lock().await;
-    t.pending = groups;
-    if let Ok((taught, judged)) = scored {
-        (t.taught, t.judged, t.scored) = (taught, judged, true);
+    match staged {
+        Ok(()) => t.ready = Some(batch),
+        Err(_) => t.pending = batch.groups,
     }
     t.scoring = false;
     drop(t);
@@ -166,23 +162,6 @@ fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
 }
 
 impl Coordinator {
-    /// The teacher's scores, then the judge's, each where the run has one.
-    async fn score(
-        &self,
-        groups: &mut [Group],
-        step: u64,
-    ) -> Result<(Option<TeacherStats>, Option<JudgeStats>), RunError> {
-        let taught = match &self.teacher {
-            Some(teacher) => Some(teacher.score_batch(groups, step).await?),
-            None => None,
-        };
-        let judged = match &self.judge {
-            Some(judge) => Some(judge.score_batch(groups, step).await?),
-            None => None,
-        };
-        Ok((taught, judged))
-    }
-
     fn status(&self) -> CoordinatorStatus {
         let mut s = self.status.lock().expect("status lock").clone();
         let remote = self.agents.stats();
@@ -347,8 +326,14 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         );
     }
     if t.scoring {
-        // The batch is with the judge or the teacher.
+        // The batch is with the stages (a judge, a teacher).
         return not_yet(&c.scoring_done, guard, c.poll).await;
+    }
+    if let Some(ready) = t.ready.as_mut() {
+        // The same batch until its step is committed (a trainer that resumed from an older
+        // checkpoint trains it as the step it asks for).
+        ready.step = q.step;
+        return Json(&*ready).into_response();
     }
     // The policy the trainer would train on next is evaluated first, when due.
     let eval = match c.eval_gate(q.step - 1) {
@@ -366,27 +351,25 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         Ok(None) => return error(StatusCode::SERVICE_UNAVAILABLE, "the rollout pool stopped"),
         Ok(Some(())) => {}
     }
-    // With a judge or a served teacher, the batch is scored (once) before it goes out.
-    if (c.judge.is_some() || c.teacher.is_some()) && !t.scored {
-        t.scoring = true;
-        let groups = std::mem::take(&mut t.pending);
-        // It cannot notify before `guard` is dropped: it hands the groups back under the lock.
-        tokio::spawn(score_batch(c.clone(), groups, q.step));
-        return not_yet(&c.scoring_done, guard, c.poll).await;
+    let batch = StepBatch {
+        step: q.step,
+        groups: std::mem::take(&mut t.pending),
+        version: c.pool.version(),
+        rollout: c.pool.state(),
+        stats: c.pool.stats(),
+        seed: c.seed,
+        eval,
+        judged: None,
+        taught: None,
+    };
+    if c.stages.is_empty() {
+        return Json(t.ready.insert(batch)).into_response();
     }
-    let state: RolloutState = c.pool.state();
-    Json(json!({
-        "step": q.step,
-        "groups": &t.pending,
-        "version": c.pool.version(),
-        "rollout": state,
-        "stats": c.pool.stats(),
-        "seed": c.seed,
-        "eval": eval,
-        "judged": t.judged,
-        "taught": t.taught,
-    }))
-    .into_response()
+    // The batch goes through the stages (once) before it goes out.
+    t.scoring = true;
+    // It cannot notify before `guard` is dropped: it hands the batch back under the lock.
+    tokio::spawn(stage_batch(c.clone(), batch));
+    not_yet(&c.scoring_done, guard, c.poll).await
 }
 
 async fn version(State(c): Shared) -> Response {
@@ -418,8 +401,7 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     }
     t.committed = commit.step;
     // Its groups are done with: their admission slots go back to generation.
-    t.pending.clear();
-    (t.scored, t.judged, t.taught) = (false, None, None);
+    t.ready = None;
     drop(t);
     // The engines serve the step's version now; the report below carries it with the step.
     c.pool.set_version(commit.version);
@@ -570,7 +552,7 @@ async fn kube_client() -> Option<kube::Client> {
 /// are read with the policy's tokenizer (`MOULT_MODEL`).
 async fn judge(
     cfg: &RunConfig,
-    opts: &crate::run::judge::JudgeOptions,
+    opts: &crate::config::JudgeOptions,
     client: Option<kube::Client>,
     ns: &str,
 ) -> Result<Judge, RunError> {
@@ -661,6 +643,7 @@ pub async fn run(
         Some(opts) => Some(judge(&cfg, opts, client.clone(), &ns).await?),
         None => None,
     };
+
     // A served distillation teacher: its engines' Service (or URLs), health-checked.
     let teacher = match cfg.served_teacher {
         Some(_) => {
@@ -675,10 +658,21 @@ pub async fn run(
         }
         None => None,
     };
+    let stages = stages::ordered(
+        &cfg.run.spec,
+        stages::Parts {
+            teacher,
+            judge,
+            dumps: None,
+        },
+    )
+    .into_iter()
+    .filter(|s| !s.on_trainer())
+    .collect();
 
     // The rollout pool over the agent pods.
     let agents = Arc::new(RemoteAgents::new(opts.lease_time));
-    let dataset = Arc::new(crate::run::ordered(&cfg.tasks, opts.seed));
+    let dataset = Arc::new(crate::config::ordered(&cfg.tasks, opts.seed));
     let (pool, queue) = RolloutPool::start(
         agents.clone(),
         dataset,
@@ -717,9 +711,7 @@ pub async fn run(
             committed,
             issued,
             pending: Vec::new(),
-            scored: false,
-            judged: None,
-            taught: None,
+            ready: None,
             scoring: false,
             hellos: 0,
         }),
@@ -734,8 +726,7 @@ pub async fn run(
         started: Instant::now(),
         evals: Mutex::new(Evals::default()),
         eval_done: tokio::sync::Notify::new(),
-        judge,
-        teacher,
+        stages,
         scoring_done: tokio::sync::Notify::new(),
         cfg,
     });

@@ -32,8 +32,8 @@ use moult_operator::api::RLRun;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::run::config::{read_manifest, RunConfig, Sources};
-use crate::run::RunError;
+use crate::config::{read_manifest, RunConfig, Sources};
+use crate::error::RunError;
 
 /// A required environment variable; the error names it and who sets it.
 pub(crate) fn env_var(name: &str) -> Result<String, RunError> {

@@ -6,7 +6,7 @@
 //! | `POST /v1/agents/renew` | agents | `{"leases": [...]}` still running: they last another lease time; answers `{"unknown": [...]}` |
 //! | `POST /v1/agents/episodes/{lease}` | agents | the finished [`Episode`]; `{"accepted": false}` for an expired lease |
 //! | `POST /v1/trainer/hello` | trainer | ([`Hello`]) the step it resumed at; answers the version to publish its weights as |
-//! | `GET /v1/trainer/batch?step=N` | trainer | the groups of step N ([`TrainBatch`]); 204 while not ready; the same batch until N is committed; 409 if N is not next or no hello was heard yet (say hello again) |
+//! | `GET /v1/trainer/batch?step=N` | trainer | the groups of step N ([`StepBatch`](crate::stages::StepBatch)); 204 while not ready; the same batch until N is committed; 409 if N is not next or no hello was heard yet (say hello again) |
 //! | `POST /v1/trainer/version` | trainer | a new policy version number ([`Version`]) for the weights about to go out |
 //! | `POST /v1/trainer/published` | trainer | ([`Version`]) the engines serve this version now |
 //! | `POST /v1/trainer/commit` | trainer | ([`Commit`]) step N done: metrics, version, checkpoint |
@@ -20,10 +20,9 @@ use serde_json::Value as Json;
 
 pub use crate::agents::Episode;
 use crate::chat::SamplingOverride;
+use crate::records::metrics::StepRecord;
 use crate::rollout::eval::EvalResult;
-use crate::rollout::{Group, RolloutState, RolloutStats};
-use crate::run::judge::JudgeStats;
-use crate::run::metrics::StepRecord;
+use crate::rollout::{RolloutState, RolloutStats};
 
 /// An episode for an agent pod to run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,32 +63,6 @@ pub struct HelloReply {
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct Version {
     pub version: u64,
-}
-
-/// The groups of one training step.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct TrainBatch {
-    pub step: u64,
-    pub groups: Vec<Group>,
-    /// The version the engines served when the batch was handed out (staleness is counted from it).
-    pub version: u64,
-    /// The data cursor after these groups were drawn (checkpointed with the step).
-    pub rollout: RolloutState,
-    pub stats: RolloutStats,
-    /// The seed of the coordinator's task order (checkpointed with the step).
-    #[serde(default)]
-    pub seed: u64,
-    /// The evaluation of the policy this step starts from (`spec.eval`), when one was due.
-    #[serde(default)]
-    pub eval: Option<EvalResult>,
-    /// With `spec.judge`: the judge's verdict on the batch (the groups' rewards hold its
-    /// scores already).
-    #[serde(default)]
-    pub judged: Option<JudgeStats>,
-    /// With a served distillation teacher: how its engines scored the batch (every trained
-    /// segment carries its scores).
-    #[serde(default)]
-    pub taught: Option<crate::run::teacher::TeacherStats>,
 }
 
 /// A checkpoint the trainer wrote.

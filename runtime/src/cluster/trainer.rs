@@ -17,14 +17,20 @@ use std::time::{Duration, Instant};
 
 use tch::Device;
 
-use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, TrainBatch, Version};
+use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, Version};
 use super::{env_path, env_var, post_json, retry};
+use crate::config::Sources;
 use crate::dist::Rendezvous;
-use crate::run::config::Sources;
-use crate::run::console::Console;
-use crate::run::learner::{Batch, Followers, Learner};
-use crate::run::RunError;
+use crate::error::RunError;
+use crate::learner::steps::{run_steps, Steps, Trained};
+use crate::learner::{Followers, Learner};
+use crate::records::console::Console;
+use crate::rollout::RolloutState;
+use crate::stages::{self, StepBatch};
 use crate::weight_sync::publish::{engine_kind, PublishOptions};
+
+/// Step, version, and the last step's busy fractions of trainer and engines (f64 bits).
+type Gauges = [AtomicU64; 4];
 
 /// How often the trainer looks for an engine that missed the last weight update.
 const BEHIND_POLL: Duration = Duration::from_secs(5);
@@ -70,7 +76,7 @@ impl Coordinator {
 
     /// The batch of `step`; `None` if the coordinator does not expect that step (it restarted):
     /// say hello again.
-    async fn batch(&self, step: u64) -> Option<TrainBatch> {
+    async fn batch(&self, step: u64) -> Option<StepBatch> {
         let url = format!("{}/v1/trainer/batch?step={step}", self.url);
         loop {
             let answer = retry(&format!("GET {url}"), || async {
@@ -288,8 +294,7 @@ pub async fn run(
     // Checkpoints and metrics of this run, on the checkpoint volume.
     let out = env_path("MOULT_CHECKPOINTS").map(|root| root.join(&cfg.name));
     let ckpt_root = out.as_ref().map(|o| o.join("checkpoints"));
-    // Step, version, and the last step's busy fractions of trainer and engines (f64 bits).
-    let gauges = Arc::new([const { AtomicU64::new(0) }; 4]);
+    let gauges: Arc<Gauges> = Arc::new([const { AtomicU64::new(0) }; 4]);
     let metrics = {
         let g = gauges.clone();
         Arc::new(move || {
@@ -334,14 +339,13 @@ pub async fn run(
     }
     // The engines hold weights for as long as a cluster needs: keep trying while they come back.
     learner.publish_tries = 20;
-    let mut step = learner.step();
-    // Where the data stood at the last batch (or the checkpoint), for a coordinator that restarts.
-    let mut data = learner.resumed().map(|(_, m)| m.rollout);
-
-    gauges[0].store(step, Ordering::Relaxed);
+    gauges[0].store(learner.step(), Ordering::Relaxed);
     eprintln!(
-        "moult trainer: {} from step {step} of {}; coordinator {}",
-        cfg.name, cfg.total_steps, coordinator.url
+        "moult trainer: {} from step {} of {}; coordinator {}",
+        cfg.name,
+        learner.step(),
+        cfg.total_steps,
+        coordinator.url
     );
 
     let engines = coordinator.engines().await;
@@ -381,119 +385,31 @@ pub async fn run(
     if let Some(out) = &out {
         learner.log_to(out)?;
     }
-    let mut hello_needed = true;
-    // The version of the last update this trainer sent (none yet: the engines' own weights).
-    let mut published: Option<u64> = None;
-    while step < cfg.total_steps {
-        if hello_needed {
-            let reply: HelloReply = coordinator
-                .post(
-                    "/v1/trainer/hello",
-                    &Hello {
-                        step,
-                        rollout: data,
-                        vocab_size: cfg.rollout.limits.vocab_size,
-                    },
-                )
-                .await;
-            if let Some(version) = reply.publish_as {
-                learner.publish(version, false).await?;
-                published = Some(version);
-                let _: serde_json::Value = coordinator
-                    .post("/v1/trainer/published", &Version { version })
-                    .await;
-                gauges[1].store(version, Ordering::Relaxed);
-                eprintln!(
-                    "moult trainer: engines serve the weights of step {step} as version {version}"
-                );
-            }
-            hello_needed = false;
-        }
-        let step_started = Instant::now();
-        let batch = tokio::select! {
-            b = coordinator.batch(step + 1) => b,
-            // An engine that missed the last update (a replaced pod, a scale-up): send it the
-            // current weights again under the same version, then wait for the batch again.
-            () = coordinator.engine_behind(), if published.is_some() => {
-                let version = published.expect("checked by the guard");
-                match learner.publish(version, false).await {
-                    Ok(_) => eprintln!(
-                        "moult trainer: an engine that joined after version {version} has it now"
-                    ),
-                    Err(e) => tracing::warn!(version, "bringing a new engine up to date: {e}"),
-                }
-                continue;
-            }
-            () = &mut shutdown => return Ok(()),
-        };
-        let Some(batch) = batch else {
-            hello_needed = true;
-            continue;
-        };
-        data = Some(batch.rollout);
-        if let (true, Some(out)) = (cfg.run.spec.trainer.dump_rollouts, &out) {
-            crate::run::dump::write(
-                &crate::run::dump::folder(out),
-                &crate::run::dump::DumpRef {
-                    step: step + 1,
-                    served: batch.version,
-                    stats: batch.stats,
-                    rollout: batch.rollout,
-                    seed: batch.seed,
-                    groups: &batch.groups,
-                },
-            )?;
-        }
-        if let Some(eval) = batch.eval.clone() {
-            learner.record_eval(eval)?;
-        }
-        let trained = learner
-            .train(
-                Batch {
-                    groups: &batch.groups,
-                    served: batch.version,
-                    stats: batch.stats,
-                    rollout: batch.rollout,
-                    seed: batch.seed,
-                    judged: batch.judged,
-                    taught: batch.taught,
-                    started: step_started,
-                },
-                // The coordinator numbers versions (they only increase, across restarts).
-                |_| async {
-                    let Version { version } = coordinator.post("/v1/trainer/version", &()).await;
-                    version
-                },
-            )
-            .await?;
-        step = learner.step();
-        let version = trained.record.policy_version;
-        gauges[2].store(
-            trained.record.trainer_busy_fraction.to_bits(),
-            Ordering::Relaxed,
-        );
-        gauges[3].store(
-            trained.record.engine_busy_fraction.to_bits(),
-            Ordering::Relaxed,
-        );
-        let saved = trained.checkpoint.map(|dir| CheckpointRef {
-            step,
-            path: dir.display().to_string(),
-        });
-        let _: serde_json::Value = coordinator
-            .post(
-                "/v1/trainer/commit",
-                &Commit {
-                    step,
-                    version,
-                    record: trained.record,
-                    checkpoint: saved,
-                },
-            )
-            .await;
-        gauges[0].store(step, Ordering::Relaxed);
-        gauges[1].store(version, Ordering::Relaxed);
-        published = Some(version);
+    let stages: Vec<_> = stages::ordered(
+        &cfg.run.spec,
+        stages::Parts {
+            dumps: out
+                .as_ref()
+                .filter(|_| cfg.run.spec.trainer.dump_rollouts)
+                .map(|out| stages::dump::folder(out)),
+            ..stages::Parts::default()
+        },
+    )
+    .into_iter()
+    .filter(|s| s.on_trainer())
+    .collect();
+    let mut steps = CoordinatorSteps {
+        coordinator: &coordinator,
+        vocab_size: cfg.rollout.limits.vocab_size,
+        hello_needed: true,
+        published: None,
+        data: learner.resumed().map(|(_, m)| m.rollout),
+        gauges: &gauges,
+        shutdown: shutdown.as_mut(),
+    };
+    run_steps(&mut learner, &mut steps, &stages).await?;
+    if learner.step() < cfg.total_steps {
+        return Ok(()); // shut down
     }
     eprintln!(
         "moult trainer: {} finished its {} steps",
@@ -501,4 +417,113 @@ pub async fn run(
     );
     shutdown.await;
     Ok(())
+}
+
+/// A trainer pod's batches: from the coordinator, which numbers the versions and takes each
+/// finished step's commit. Before the first batch (and after the coordinator restarted) the
+/// trainer says hello: its step and data cursor; the answer may ask it to publish its weights
+/// under a new version (a resumed trainer). While it waits, an engine that missed the last
+/// update (a replaced pod, a scale-up) is sent the current weights again.
+struct CoordinatorSteps<'a, S> {
+    coordinator: &'a Coordinator,
+    vocab_size: Option<usize>,
+    hello_needed: bool,
+    /// The version of the last update this trainer sent (none yet: the engines' own weights).
+    published: Option<u64>,
+    /// Where the data stood at the last batch (or the checkpoint), for a coordinator that restarts.
+    data: Option<RolloutState>,
+    gauges: &'a Gauges,
+    shutdown: std::pin::Pin<&'a mut S>,
+}
+
+impl<S: std::future::Future<Output = ()>> CoordinatorSteps<'_, S> {
+    async fn hello(&mut self, step: u64, learner: &mut Learner) -> Result<(), RunError> {
+        let hello = Hello {
+            step,
+            rollout: self.data,
+            vocab_size: self.vocab_size,
+        };
+        let reply: HelloReply = self.coordinator.post("/v1/trainer/hello", &hello).await;
+        if let Some(version) = reply.publish_as {
+            learner.publish(version, false).await?;
+            self.published = Some(version);
+            let _: serde_json::Value = self
+                .coordinator
+                .post("/v1/trainer/published", &Version { version })
+                .await;
+            self.gauges[1].store(version, Ordering::Relaxed);
+            eprintln!(
+                "moult trainer: engines serve the weights of step {step} as version {version}"
+            );
+        }
+        self.hello_needed = false;
+        Ok(())
+    }
+}
+
+impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
+    async fn next(
+        &mut self,
+        step: u64,
+        learner: &mut Learner,
+    ) -> Result<Option<StepBatch>, RunError> {
+        loop {
+            if self.hello_needed {
+                self.hello(step - 1, learner).await?;
+            }
+            let batch = tokio::select! {
+                b = self.coordinator.batch(step) => b,
+                // An engine that missed the last update: send it the current weights again
+                // under the same version, then wait for the batch again.
+                () = self.coordinator.engine_behind(), if self.published.is_some() => {
+                    let version = self.published.expect("checked by the guard");
+                    match learner.publish(version, false).await {
+                        Ok(_) => eprintln!(
+                            "moult trainer: an engine that joined after version {version} has it now"
+                        ),
+                        Err(e) => tracing::warn!(version, "bringing a new engine up to date: {e}"),
+                    }
+                    continue;
+                }
+                () = &mut self.shutdown => return Ok(None),
+            };
+            let Some(mut batch) = batch else {
+                self.hello_needed = true;
+                continue;
+            };
+            self.data = Some(batch.rollout);
+            if let Some(eval) = batch.eval.take() {
+                learner.record_eval(eval)?;
+            }
+            return Ok(Some(batch));
+        }
+    }
+
+    async fn version(&mut self, _: u64) -> u64 {
+        // The coordinator numbers versions (they only increase, across restarts).
+        let Version { version } = self.coordinator.post("/v1/trainer/version", &()).await;
+        version
+    }
+
+    async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<(), RunError> {
+        let Trained { record, checkpoint } = trained;
+        let (step, version) = (record.step, record.policy_version);
+        self.gauges[2].store(record.trainer_busy_fraction.to_bits(), Ordering::Relaxed);
+        self.gauges[3].store(record.engine_busy_fraction.to_bits(), Ordering::Relaxed);
+        let checkpoint = checkpoint.map(|dir| CheckpointRef {
+            step,
+            path: dir.display().to_string(),
+        });
+        let commit = Commit {
+            step,
+            version,
+            record,
+            checkpoint,
+        };
+        let _: serde_json::Value = self.coordinator.post("/v1/trainer/commit", &commit).await;
+        self.gauges[0].store(step, Ordering::Relaxed);
+        self.gauges[1].store(version, Ordering::Relaxed);
+        self.published = Some(version);
+        Ok(())
+    }
 }

@@ -18,7 +18,7 @@ use tch::{Device, Kind, Tensor};
 use super::folder::FolderPublisher;
 use super::orchestrate::{SyncError, SyncReport, WeightSync};
 use super::stream::WeightStream;
-use crate::run::RunError;
+use crate::error::RunError;
 use crate::trainer::train::Trainer;
 
 /// Where and how a trainer publishes.

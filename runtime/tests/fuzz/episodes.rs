@@ -9,13 +9,13 @@ use serde_json::json;
 use crate::{drive, Budget, Row};
 use moult_operator::api::Estimator;
 use moult_runtime::agents::{Episode, EpisodeStatus};
+use moult_runtime::config::Overlong;
 use moult_runtime::engine::npy::encode_routed_experts;
+use moult_runtime::learner::samples::{advantages, samples};
 use moult_runtime::loopback::session::RoutedExperts;
 use moult_runtime::loopback::Segment;
 use moult_runtime::rollout::validate::{check, EpisodeLimits};
 use moult_runtime::rollout::Group;
-use moult_runtime::run::config::Overlong;
-use moult_runtime::run::samples::{advantages, samples};
 
 const VOCAB: i64 = 100;
 

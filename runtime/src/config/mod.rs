@@ -11,8 +11,11 @@ use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTran
 use moult_operator::api::{Aggregation as SpecAggregation, IsLevel, IsMode, LossKind as SpecLoss};
 use serde_json::Value as Json;
 
-use super::judge::{self, JudgeOptions};
-use super::RunError;
+pub mod dataset;
+pub mod judge;
+
+pub use judge::JudgeOptions;
+
 use crate::agents::env::EnvLoopOptions;
 use crate::agents::process::AgentCommand;
 use crate::agents::Agent;
@@ -22,6 +25,7 @@ use crate::algorithms::correction::{Correction, Level, Mode};
 use crate::algorithms::losses::Aggregation;
 use crate::chat::ChatSampling;
 use crate::chat::SamplingOverride;
+use crate::error::RunError;
 use crate::rollout::eval::EvalOptions;
 use crate::rollout::{EpisodeLimits, RolloutOptions};
 #[cfg(feature = "torch")]
@@ -292,6 +296,16 @@ fn judge(run: &RLRun, model_dir: &Path, tasks: &[Json]) -> Result<Option<JudgeOp
     }))
 }
 
+/// The dataset in the run's fixed order (a seeded shuffle, so a resumed run's cursor means the
+/// same task).
+pub fn ordered(tasks: &[Json], seed: u64) -> Vec<Json> {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    let mut tasks = tasks.to_vec();
+    tasks.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    tasks
+}
+
 /// Tasks, one JSON value per line of `path` (blank lines skipped); errors name `field`, the
 /// manifest field or command-line flag that gave the path.
 pub fn read_jsonl(path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
@@ -474,12 +488,12 @@ impl RunConfig {
             None => PathBuf::from(&spec.model.path),
         };
         let tasks = match &sources.tasks {
-            Some(path) => super::dataset::read(&spec.agent.dataset, path, "spec.agent.dataset")?,
+            Some(path) => dataset::read(&spec.agent.dataset, path, "spec.agent.dataset")?,
             None => Vec::new(),
         };
         let eval = match (&spec.eval, &sources.eval_tasks) {
             (Some(e), Some(path)) => {
-                let mut tasks = super::dataset::read(&e.dataset, path, "spec.eval.dataset")?;
+                let mut tasks = dataset::read(&e.dataset, path, "spec.eval.dataset")?;
                 if let Some(max) = e.max_tasks {
                     tasks.truncate(max as usize);
                 }

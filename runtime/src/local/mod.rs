@@ -1,5 +1,13 @@
-//! The loop of `moult run` (see the module above); the training side is the [`Learner`] the
-//! cluster's trainer uses too.
+//! `moult run`: a whole RL run from one RLRun manifest on this machine (docs/run.md). A shell
+//! over the run core: it starts the serving side as tasks of this process ([`stack`]: built-in
+//! engines or vLLM processes ([`vllm`]) behind the router, the loopback server and the agent
+//! pool), the rollout pool over it, and runs the one step loop of [`crate::learner::steps`] with
+//! the rollout pool's batches ([`LocalSteps`]), or a folder of dumped ones (`--replay`). It decides
+//! nothing about learning. Generation never stops for training: the rollout pool keeps up to
+//! `maxStaleness + 1` batches in flight (`--sync` turns that off, for comparison).
+
+pub mod stack;
+pub mod vllm;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,14 +16,16 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tch::Device;
 
-use super::checkpoint::CheckpointMeta;
-use super::config::RunConfig;
-use super::console::Console;
-use super::learner::{Batch, Learner, Trained};
-use super::metrics::{self, StepRecord};
-use super::{dump, local, ordered, RunError};
+use crate::config::{ordered, RunConfig};
+use crate::error::RunError;
+use crate::learner::checkpoint::CheckpointMeta;
+use crate::learner::steps::{run_steps, Steps, Trained};
+use crate::learner::Learner;
+use crate::records::console::Console;
+use crate::records::metrics::{self, StepRecord};
 use crate::rollout::eval::{self, EvalOptions, EvalResult};
 use crate::rollout::{next_batch, EpisodeRunner, RolloutPool, RolloutState};
+use crate::stages::{self, dump, StepBatch};
 
 /// How `moult run` runs the manifest.
 #[derive(Debug, Clone)]
@@ -82,11 +92,14 @@ pub async fn run(
     // The status line's ticker ends with the run.
     let _ticker = crate::AbortOnDrop(console.tick());
     console.phase("loading the model");
-    let ckpt_root = out.join("checkpoints");
-    let mut learner =
-        Learner::load(cfg.clone(), Some(ckpt_root), opts.device, console.clone()).await?;
-    let resume = learner.resumed().cloned();
-    let cluster_only = crate::run::config::cluster_only_fields(&cfg.run.spec);
+    let mut learner = Learner::load(
+        cfg.clone(),
+        Some(out.join("checkpoints")),
+        opts.device,
+        console.clone(),
+    )
+    .await?;
+    let cluster_only = crate::config::cluster_only_fields(&cfg.run.spec);
     if !cluster_only.is_empty() {
         console.line(&format!(
             "moult run: set for a cluster, not used here: {}",
@@ -96,11 +109,9 @@ pub async fn run(
     if let Some(note) = learner.resume_note() {
         console.line(&format!("moult run: {note}"));
     }
-    let (state, seed) = match &resume {
-        Some((_, m)) => (m.rollout, m.seed),
-        None => (RolloutState::default(), opts.seed),
-    };
-    let mut progress = Progress::new(resume.as_ref(), started);
+    let resume = learner.resumed().map(|(_, m)| (m.rollout, m.seed));
+    let (state, seed) = resume.unwrap_or((RolloutState::default(), opts.seed));
+    let progress = Progress::new(learner.resumed(), started);
     if progress.step >= cfg.total_steps {
         console.line(&format!(
             "moult run: {} already finished ({} steps)",
@@ -108,23 +119,24 @@ pub async fn run(
         ));
     }
     console.set_step(progress.step);
-    let device = opts.device;
-
     if let Some(dir) = &opts.replay {
-        return replay(cfg, &opts, dir, learner, progress).await;
+        learner.offline = true;
+        learner.log_to(out)?;
+        let mut steps = ReplaySteps::open(dir, &cfg, console, progress)?;
+        run_steps(&mut learner, &mut steps, &[]).await?;
+        return summarize(&cfg, out, &learner, steps.progress);
     }
     console.phase("starting engines and agents");
-    let scratch = out.join("scratch");
-    let stack = local::Stack::start(&cfg, device, &scratch, console).await?;
+    let mut stack = stack::Stack::start(&cfg, opts.device, &out.join("scratch"), console).await?;
     learner
-        .connect(&stack.publish_options(&cfg, out, device)?)
+        .connect(&stack.publish_options(&cfg, out, opts.device)?)
         .await?;
     if resume.is_some() {
         // The engines loaded the original model: bring them to the checkpoint's version.
         learner.publish(progress.version, false).await?;
     }
     let dataset = Arc::new(ordered(&cfg.tasks, seed));
-    let (pool, mut queue) = RolloutPool::start(
+    let (pool, queue) = RolloutPool::start(
         stack.agents.clone(),
         dataset,
         cfg.rollout.clone(),
@@ -133,107 +145,180 @@ pub async fn run(
     )
     .map_err(|e| RunError::Setup(e.to_string()))?;
     learner.log_to(out)?;
-    let mut step_started = Instant::now();
+    let dumps = opts.dump_rollouts || cfg.run.spec.trainer.dump_rollouts;
+    let stages = stages::ordered(
+        &cfg.run.spec,
+        stages::Parts {
+            teacher: stack.teacher.take(),
+            judge: stack.judge.take(),
+            dumps: dumps.then(|| dump::folder(out)),
+        },
+    );
     tokio::pin!(shutdown);
-
-    while progress.step < cfg.total_steps {
-        // 0. With `spec.eval`, the policy of this step on the held-out tasks, when due
-        // (generation for training goes on meanwhile; the trainer waits).
-        if let Some(e) = &cfg.eval {
-            if e.due(progress.step, cfg.total_steps) {
-                tokio::select! {
-                    r = evaluate(console, stack.agents.as_ref(), e, &progress) => learner.record_eval(r)?,
-                    () = &mut shutdown => { progress.interrupted = true; break; }
-                }
-            }
-        }
-        // 1. A batch of finished groups (generated while the previous step trained).
-        let batch = tokio::select! {
-            b = watch_generation(console, &pool, next_batch(&pool, &mut queue, &cfg.rollout)) => b,
-            () = &mut shutdown => { progress.interrupted = true; break; }
-        };
-        let Some(mut batch) = batch else {
-            return Err(RunError::Setup("the rollout pool stopped".into()));
-        };
-        // With a served teacher, every token of the batch is scored by its engine.
-        let taught = match &stack.teacher {
-            Some(teacher) => {
-                console.phase("the teacher scores the batch");
-                Some(teacher.score_batch(&mut batch, progress.step + 1).await?)
-            }
-            None => None,
-        };
-        // With a judge, every reply of the batch is scored at once and the rewards mixed.
-        let judged = match &stack.judge {
-            Some(judge) => {
-                console.phase("judging the batch");
-                Some(judge.score_batch(&mut batch, progress.step + 1).await?)
-            }
-            None => None,
-        };
-        if opts.dump_rollouts || cfg.run.spec.trainer.dump_rollouts {
-            dump::write(
-                &dump::folder(out),
-                &dump::DumpRef {
-                    step: progress.step + 1,
-                    served: progress.version,
-                    stats: pool.stats(),
-                    rollout: pool.state(),
-                    seed,
-                    groups: &batch,
-                },
-            )?;
-        }
-        // 2. Advantages, samples, one optimizer step; the new weights to the engines (pause,
-        // transfer, resume) as the trainer's step count; the record; a checkpoint when due.
-        let trained = learner
-            .train(
-                Batch {
-                    groups: &batch,
-                    served: progress.version,
-                    stats: pool.stats(),
-                    rollout: pool.state(),
-                    seed,
-                    judged,
-                    taught,
-                    started: step_started,
-                },
-                |trainer| std::future::ready(trainer.steps()),
-            )
-            .await?;
-        progress.trained(learner.step(), &trained);
-        pool.set_version(progress.version);
-        drop(batch); // frees the groups' admission slots: generation goes on
-        step_started = Instant::now();
-        let done = progress.step - progress.first_step;
-        let eta = Duration::from_secs_f64(
-            started.elapsed().as_secs_f64() / done as f64
-                * (cfg.total_steps - progress.step) as f64,
-        );
-        console.line(&metrics::progress_line(
-            &trained.record,
-            cfg.total_steps,
-            Some(eta),
-        ));
-        console.set_step(progress.step);
-    }
+    let mut steps = LocalSteps {
+        cfg: &cfg,
+        console,
+        agents: stack.agents.as_ref(),
+        pool: &pool,
+        queue,
+        seed,
+        progress,
+        shutdown: shutdown.as_mut(),
+    };
+    run_steps(&mut learner, &mut steps, &stages).await?;
     // The policy the run ends with, evaluated.
+    let progress = &mut steps.progress;
     if let Some(e) = &cfg.eval {
         let last = learner.evals().last().map(|r| r.step);
         if !progress.interrupted && progress.step == cfg.total_steps && last != Some(progress.step)
         {
             tokio::select! {
-                r = evaluate(console, stack.agents.as_ref(), e, &progress) => learner.record_eval(r)?,
-                () = &mut shutdown => progress.interrupted = true,
+                r = evaluate(console, stack.agents.as_ref(), e, (progress.step, progress.version)) => learner.record_eval(r)?,
+                () = &mut steps.shutdown => progress.interrupted = true,
             }
         }
     }
     console.phase("stopping");
     // Abandon the episodes in flight before the servers go, so they end quietly.
     pool.stop();
-    drop(queue);
+    let progress = steps.progress;
     stack.shutdown().await;
     summarize(&cfg, out, &learner, progress)
+}
+
+/// `moult run`'s batches: the rollout pool's, generated while the step before trained; with
+/// `spec.eval`, each evaluation that is due before them.
+struct LocalSteps<'a, S> {
+    cfg: &'a RunConfig,
+    console: &'a Console,
+    agents: &'a dyn EpisodeRunner,
+    pool: &'a RolloutPool,
+    queue: tokio::sync::mpsc::Receiver<crate::rollout::Group>,
+    seed: u64,
+    progress: Progress,
+    shutdown: std::pin::Pin<&'a mut S>,
+}
+
+impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
+    async fn next(
+        &mut self,
+        step: u64,
+        learner: &mut Learner,
+    ) -> Result<Option<StepBatch>, RunError> {
+        let (cfg, console, pool) = (self.cfg, self.console, self.pool);
+        // The policy of the last step on the held-out tasks, when due (generation for training
+        // goes on meanwhile; the trainer waits).
+        if let Some(e) = cfg
+            .eval
+            .as_ref()
+            .filter(|e| e.due(step - 1, cfg.total_steps))
+        {
+            let at = (self.progress.step, self.progress.version);
+            tokio::select! {
+                r = evaluate(console, self.agents, e, at) => learner.record_eval(r)?,
+                () = &mut self.shutdown => return Ok(self.progress.interrupt()),
+            }
+        }
+        let batch = next_batch(pool, &mut self.queue, &cfg.rollout);
+        let groups = tokio::select! {
+            groups = watch_generation(console, pool, batch) => groups,
+            () = &mut self.shutdown => return Ok(self.progress.interrupt()),
+        };
+        let groups = groups.ok_or_else(|| RunError::Setup("the rollout pool stopped".into()))?;
+        Ok(Some(StepBatch {
+            step,
+            groups,
+            version: self.progress.version,
+            rollout: pool.state(),
+            stats: pool.stats(),
+            seed: self.seed,
+            eval: None,
+            judged: None,
+            taught: None,
+        }))
+    }
+
+    async fn version(&mut self, step: u64) -> u64 {
+        step
+    }
+
+    async fn done(&mut self, trained: Trained, batch: StepBatch) -> Result<(), RunError> {
+        self.progress.trained(&trained);
+        self.pool.set_version(self.progress.version);
+        drop(batch); // frees the groups' admission slots: generation goes on
+        let eta = self.progress.eta(self.cfg.total_steps);
+        let line = metrics::progress_line(&trained.record, self.cfg.total_steps, Some(eta));
+        self.console.line(&line);
+        self.console.set_step(self.progress.step);
+        Ok(())
+    }
+}
+
+/// `moult run --replay DIR`'s batches: the dumped ones in order (from where a checkpoint in the
+/// output folder left off), on the manifest's model and algorithm, without engines: the same
+/// data, so two algorithms, or two builds, can be compared step by step.
+struct ReplaySteps<'a> {
+    dumps: Vec<(u64, PathBuf)>,
+    total: u64,
+    console: &'a Console,
+    progress: Progress,
+}
+
+impl<'a> ReplaySteps<'a> {
+    fn open(
+        dir: &std::path::Path,
+        cfg: &RunConfig,
+        console: &'a Console,
+        progress: Progress,
+    ) -> Result<Self, RunError> {
+        let dumps = dump::steps(dir)?;
+        let total = cfg.total_steps.min(dumps.len() as u64);
+        if total < cfg.total_steps {
+            console.line(&format!(
+                "moult run: {} holds {} steps: replaying those, not the {} the run asks for",
+                dir.display(),
+                dumps.len(),
+                cfg.total_steps
+            ));
+        }
+        Ok(Self {
+            dumps,
+            total,
+            console,
+            progress,
+        })
+    }
+}
+
+impl Steps for ReplaySteps<'_> {
+    async fn next(&mut self, step: u64, _: &mut Learner) -> Result<Option<StepBatch>, RunError> {
+        let Some((_, path)) = self
+            .dumps
+            .get(step as usize - 1)
+            .filter(|_| step <= self.total)
+        else {
+            return Ok(None);
+        };
+        self.console.phase("reading the dumped batch");
+        // What a judge or teacher found is the recorded run's, not this one's.
+        Ok(Some(StepBatch {
+            judged: None,
+            taught: None,
+            ..dump::read(path)?
+        }))
+    }
+
+    async fn version(&mut self, step: u64) -> u64 {
+        step
+    }
+
+    async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<(), RunError> {
+        self.progress.trained(&trained);
+        let line = metrics::progress_line(&trained.record, self.total, None);
+        self.console.line(&line);
+        self.console.set_step(self.progress.step);
+        Ok(())
+    }
 }
 
 /// `moult eval`: the manifest's evaluation (`spec.eval`) of the policy in `checkpoint` (a
@@ -253,7 +338,7 @@ pub async fn evaluate_checkpoint(
     })?;
     let (step, version) = match checkpoint {
         Some(dir) => {
-            let (dir, meta) = super::checkpoint::model_folder(dir)?;
+            let (dir, meta) = crate::learner::checkpoint::model_folder(dir)?;
             opts.console
                 .line(&format!("moult eval: the policy in {}", dir.display()));
             cfg.model_dir = dir;
@@ -268,35 +353,23 @@ pub async fn evaluate_checkpoint(
     console.phase("starting engines and agents");
     std::fs::create_dir_all(&opts.out)
         .map_err(|e| RunError::Io(format!("creating {}: {e}", opts.out.display())))?;
-    let stack = local::Stack::start(&cfg, opts.device, &opts.out.join("scratch"), console).await?;
-    let progress = Progress {
-        first_step: step,
-        step,
-        version,
-        resumed_from: None,
-        last_checkpoint: None,
-        interrupted: false,
-        started: Instant::now(),
-    };
-    let result = evaluate(console, stack.agents.as_ref(), &eval, &progress).await;
+    let stack = stack::Stack::start(&cfg, opts.device, &opts.out.join("scratch"), console).await?;
+    let result = evaluate(console, stack.agents.as_ref(), &eval, (step, version)).await;
     stack.shutdown().await;
     Ok(result)
 }
 
-/// The evaluation of the policy `progress` stands at, with the console saying how far it is.
+/// The evaluation of the policy of `(step, version)`, with the console saying how far it is.
 async fn evaluate(
     console: &Console,
     runner: &dyn EpisodeRunner,
     opts: &EvalOptions,
-    progress: &Progress,
+    at: (u64, u64),
 ) -> EvalResult {
     console.phase("evaluating");
-    eval::evaluate(
-        runner,
-        opts,
-        (progress.step, progress.version),
-        &|done, total| console.detail(format!("evaluating: {done}/{total} episodes")),
-    )
+    eval::evaluate(runner, opts, at, &|done, total| {
+        console.detail(format!("evaluating: {done}/{total} episodes"))
+    })
     .await
 }
 
@@ -327,13 +400,27 @@ impl Progress {
         }
     }
 
-    /// After a step: `step` steps are trained.
-    fn trained(&mut self, step: u64, trained: &Trained) {
-        self.step = step;
+    /// After a step.
+    fn trained(&mut self, trained: &Trained) {
+        self.step = trained.record.step;
         self.version = trained.record.policy_version;
         if let Some(dir) = &trained.checkpoint {
             self.last_checkpoint = Some(dir.clone());
         }
+    }
+
+    /// The loop stops here, on a shutdown: no batch.
+    fn interrupt(&mut self) -> Option<StepBatch> {
+        self.interrupted = true;
+        None
+    }
+
+    /// How long the steps left will take at the pace of those this process trained.
+    fn eta(&self, total: u64) -> Duration {
+        let done = (self.step - self.first_step).max(1);
+        Duration::from_secs_f64(
+            self.started.elapsed().as_secs_f64() / done as f64 * (total - self.step) as f64,
+        )
     }
 }
 
@@ -381,65 +468,11 @@ fn summarize(
         first_eval: learner.evals().first().cloned(),
         last_eval: learner.evals().last().cloned(),
     };
-    super::files::write_atomic(
+    crate::records::files::write_atomic(
         &out.join("summary.json"),
         &serde_json::to_vec_pretty(&summary).expect("summary serializes"),
     )?;
     Ok(summary)
-}
-
-/// `moult run --replay DIR`: trains on the dumped batches in order (from where a checkpoint in
-/// the output folder left off), on the manifest's model and algorithm, without engines: the
-/// same data, so two algorithms, or two builds, can be compared step by step.
-async fn replay(
-    cfg: RunConfig,
-    opts: &RunOptions,
-    dir: &std::path::Path,
-    mut learner: Learner,
-    mut progress: Progress,
-) -> Result<Summary, RunError> {
-    let (out, console) = (&opts.out, &opts.console);
-    let steps = dump::steps(dir)?;
-    let first_step = progress.first_step;
-    let total = cfg.total_steps.min(steps.len() as u64);
-    if total < cfg.total_steps {
-        console.line(&format!(
-            "moult run: {} holds {} steps: replaying those, not the {} the run asks for",
-            dir.display(),
-            steps.len(),
-            cfg.total_steps
-        ));
-    }
-    learner.offline = true;
-    learner.log_to(out)?;
-    for (_, path) in steps
-        .iter()
-        .skip(first_step as usize)
-        .take((total - first_step.min(total)) as usize)
-    {
-        let step_started = Instant::now();
-        console.phase("reading the dumped batch");
-        let batch = dump::read(path)?;
-        let trained = learner
-            .train(
-                Batch {
-                    groups: &batch.groups,
-                    served: batch.served,
-                    stats: batch.stats,
-                    rollout: batch.rollout,
-                    seed: batch.seed,
-                    judged: None,
-                    taught: None,
-                    started: step_started,
-                },
-                |trainer| std::future::ready(trainer.steps()),
-            )
-            .await?;
-        progress.trained(learner.step(), &trained);
-        console.line(&metrics::progress_line(&trained.record, total, None));
-        console.set_step(progress.step);
-    }
-    summarize(&cfg, out, &learner, progress)
 }
 
 /// The mean of `f` over `records`, each weighted by its step's wall-clock.
@@ -481,4 +514,9 @@ fn recent_agent_reward(records: &[StepRecord], n: usize) -> Option<f64> {
         .take(n)
         .collect();
     (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64)
+}
+
+/// `<out>` of a run by default: `runs/<name>`.
+pub fn default_out(name: &str) -> PathBuf {
+    std::path::Path::new("runs").join(name)
 }

@@ -5,11 +5,29 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
+use futures::future::BoxFuture;
 
-use super::files::write_atomic;
-use super::RunError;
-use crate::rollout::{Group, RolloutState, RolloutStats};
+use super::{Stage, StepBatch};
+use crate::error::RunError;
+use crate::records::files::write_atomic;
+
+/// The stage that writes each batch, as the trainer will see it, into this folder.
+#[derive(Debug)]
+pub struct Dump(pub PathBuf);
+
+impl Stage for Dump {
+    fn phase(&self) -> &'static str {
+        "writing the batch to the rollout dump"
+    }
+
+    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>> {
+        Box::pin(async move { write(&self.0, batch) })
+    }
+
+    fn on_trainer(&self) -> bool {
+        true
+    }
+}
 
 /// The folder of a run's dumps under its output folder.
 pub fn folder(out: &Path) -> PathBuf {
@@ -20,32 +38,8 @@ fn file_name(step: u64) -> String {
     format!("step-{step:06}.json")
 }
 
-/// One step's batch, as written.
-#[derive(Debug, Serialize)]
-pub struct DumpRef<'a> {
-    /// The step this batch was trained as (1 for the first).
-    pub step: u64,
-    /// The version the engines served when the batch was handed out.
-    pub served: u64,
-    pub stats: RolloutStats,
-    pub rollout: RolloutState,
-    pub seed: u64,
-    pub groups: &'a [Group],
-}
-
-/// One step's batch, as read back.
-#[derive(Debug, Deserialize)]
-pub struct Dump {
-    pub step: u64,
-    pub served: u64,
-    pub stats: RolloutStats,
-    pub rollout: RolloutState,
-    pub seed: u64,
-    pub groups: Vec<Group>,
-}
-
 /// Writes `batch` to `<dir>/step-NNNNNN.json` (whole or not at all).
-pub fn write(dir: &Path, batch: &DumpRef<'_>) -> Result<(), RunError> {
+pub fn write(dir: &Path, batch: &StepBatch) -> Result<(), RunError> {
     std::fs::create_dir_all(dir)
         .map_err(|e| RunError::Io(format!("creating {}: {e}", dir.display())))?;
     let bytes = serde_json::to_vec(batch).expect("a batch serializes");
@@ -92,8 +86,8 @@ pub fn steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>, RunError> {
     Ok(steps)
 }
 
-/// Reads one dump.
-pub fn read(path: &Path) -> Result<Dump, RunError> {
+/// Reads one dump back as the batch it was.
+pub fn read(path: &Path) -> Result<StepBatch, RunError> {
     let bytes = std::fs::read(path)
         .map_err(|e| RunError::Io(format!("reading {}: {e}", path.display())))?;
     serde_json::from_slice(&bytes)
@@ -103,6 +97,7 @@ pub fn read(path: &Path) -> Result<Dump, RunError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rollout::{RolloutState, RolloutStats};
 
     #[test]
     fn dumps_must_number_from_one_without_gaps() {
@@ -110,13 +105,16 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         assert!(steps(&dir).is_err(), "a missing folder");
         for step in [1, 2, 4] {
-            let dump = DumpRef {
+            let dump = StepBatch {
                 step,
-                served: step - 1,
-                stats: RolloutStats::default(),
+                groups: Vec::new(),
+                version: step - 1,
                 rollout: RolloutState::default(),
+                stats: RolloutStats::default(),
                 seed: 7,
-                groups: &[],
+                eval: None,
+                judged: None,
+                taught: None,
             };
             write(&dir, &dump).unwrap();
         }
@@ -127,7 +125,11 @@ mod tests {
         let found = steps(&dir).unwrap();
         assert_eq!(found.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [1, 2]);
         let back = read(&found[1].1).unwrap();
-        assert_eq!((back.step, back.served, back.seed), (2, 1, 7));
+        assert_eq!((back.step, back.version, back.seed), (2, 1, 7));
+        // A dump an earlier version wrote names the served version `served`.
+        let old = r#"{"step":3,"served":2,"stats":{"groups_started":0,"groups_done":0,"dropped_stale":0,"dropped_failed":0},"rollout":{"cursor":0,"epoch":0},"seed":7,"groups":[]}"#;
+        std::fs::write(dir.join(file_name(3)), old).unwrap();
+        assert_eq!(read(&dir.join(file_name(3))).unwrap().version, 2);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

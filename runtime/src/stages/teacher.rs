@@ -14,8 +14,11 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 
-use super::RunError;
+use futures::future::BoxFuture;
+
+use super::{Stage, StepBatch};
 use crate::engine::client::EngineError;
+use crate::error::RunError;
 use crate::rollout::{trained_segments, Group};
 use crate::router::{Engine, EnginePool};
 
@@ -125,5 +128,18 @@ impl Teacher {
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+    }
+}
+
+impl Stage for Teacher {
+    fn phase(&self) -> &'static str {
+        "the teacher scores the batch"
+    }
+
+    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>> {
+        Box::pin(async move {
+            batch.taught = Some(self.score_batch(&mut batch.groups, batch.step).await?);
+            Ok(())
+        })
     }
 }

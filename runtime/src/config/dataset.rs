@@ -11,8 +11,8 @@ use moult_operator::api::{DatasetFormat, DatasetSpec};
 use parquet::file::reader::SerializedFileReader;
 use serde_json::{Map, Value as Json};
 
-use super::config::read_jsonl;
-use super::RunError;
+use super::read_jsonl;
+use crate::error::RunError;
 
 fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
     RunError::Manifest(format!("{field}: {why}"))

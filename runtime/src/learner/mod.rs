@@ -1,37 +1,36 @@
-//! The learner: the training side of a run, one implementation for `moult run` ([`super::run`])
-//! and `moult trainer` (the cluster's trainer pod). It loads the policy (from the newest
-//! checkpoint, or the model folder), and for each batch of finished groups: advantages → the exact
-//! token segments as samples → (distillation: the teacher's scores) → one optimizer step →
-//! publish the weights to the engines under the next version ([`Publisher`], whatever the
-//! transport) → the step's metrics record → `metrics.jsonl` → a checkpoint when one is due.
-//!
-//! What differs between the two callers stays with them: where batches come from (the local
-//! rollout pool, or the coordinator), who numbers versions (the trainer's step count, or the
-//! coordinator), and how often a failed publish is tried again (locally never: the engines are
-//! this process's; on a cluster engines come and go).
+//! The learner: the training side of a run, one for `moult run` and for `moult trainer` (the
+//! cluster's trainer pod). It loads the policy (from the newest checkpoint, or the model folder)
+//! and, called by the one step loop ([`steps::run_steps`]), for each batch: advantages → the exact
+//! token segments as samples ([`samples`]) → (distillation: the teacher's scores) → one optimizer
+//! step → the weights to the engines under the step's version ([`Publisher`], whatever the
+//! transport) → the step's metrics record → a checkpoint when one is due ([`checkpoint`]).
+
+pub mod checkpoint;
+mod followers;
+pub mod samples;
+pub(crate) mod steps;
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind};
 
-use super::checkpoint::{self, CheckpointMeta};
-use super::config::RunConfig;
-use super::console::Console;
-use super::judge::JudgeStats;
-use super::metrics::{MetricsLog, StepRecord};
-use super::teacher::TeacherStats;
-use super::{samples, RunError};
-use crate::dist::{self, Rendezvous};
+use crate::config::RunConfig;
+use crate::dist::Rendezvous;
+use crate::error::RunError;
 use crate::model::CausalLm;
+use crate::records::console::Console;
+use crate::records::metrics::{MetricsLog, StepRecord};
 use crate::rollout::eval::EvalResult;
-use crate::rollout::{staleness_histogram, Group, RolloutState, RolloutStats};
+use crate::rollout::{staleness_histogram, Group};
 use crate::router::Activity;
+use crate::stages::StepBatch;
 use crate::trainer::ranks::{self, Setup};
 use crate::trainer::train::Trainer;
 use crate::weight_sync::publish::{PublishOptions, Publisher};
+use checkpoint::CheckpointMeta;
+pub(crate) use followers::Followers;
 
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
@@ -39,32 +38,6 @@ async fn blocking<T: Send + 'static>(
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| RunError::Setup(format!("a compute thread failed: {e}")))
-}
-
-/// One batch to learn from, with what its step record and checkpoint say about it.
-pub(crate) struct Batch<'a> {
-    pub groups: &'a [Group],
-    /// The version the engines served when the batch was handed out (staleness counts from it).
-    pub served: u64,
-    /// The rollout pool's counters, for the record.
-    pub stats: RolloutStats,
-    /// Where the data stood after these groups were drawn (checkpointed with the step).
-    pub rollout: RolloutState,
-    /// The seed of the task order (checkpointed, so a resumed run draws the same tasks).
-    pub seed: u64,
-    /// The judge's verdict on the batch, when the run has one.
-    pub judged: Option<JudgeStats>,
-    /// How a served teacher scored the batch (its segments carry the scores), when it did.
-    pub taught: Option<TeacherStats>,
-    /// When the step began (waiting for the batch included).
-    pub started: Instant,
-}
-
-/// What one step produced.
-pub(crate) struct Trained {
-    pub record: StepRecord,
-    /// The checkpoint written after this step, if one was due.
-    pub checkpoint: Option<PathBuf>,
 }
 
 /// The training side of a run.
@@ -275,91 +248,102 @@ impl Learner {
         }
     }
 
-    /// One step on `batch`: learn, publish under the version `next_version` gives (called once
-    /// the optimizer step is done, with the trainer), record, log, and checkpoint when due.
-    pub async fn train<F, Fut>(
-        &mut self,
-        batch: Batch<'_>,
-        next_version: F,
-    ) -> Result<Trained, RunError>
-    where
-        F: FnOnce(&Trainer) -> Fut,
-        Fut: Future<Output = u64>,
-    {
+    /// The run's length in steps.
+    pub fn total_steps(&self) -> u64 {
+        self.cfg.total_steps
+    }
+
+    /// Whether weight updates keep requests in flight (`keep`) rather than let them finish.
+    pub fn partial_rollout(&self) -> bool {
+        self.cfg.partial_rollout
+    }
+
+    pub fn console(&self) -> &Console {
+        &self.console
+    }
+
+    /// Advantages, the exact token segments as samples, the teacher's scores (distillation) and
+    /// one optimizer step on `groups`, on a compute thread.
+    pub async fn learn(&mut self, groups: &[Group]) -> Result<Learned, RunError> {
         self.console.phase("training");
-        let staleness: BTreeMap<u64, usize> = staleness_histogram(batch.groups, batch.served)
-            .into_iter()
-            .collect();
         let trainer = self.trainer.take().expect("the trainer is here");
         let (trainer, teacher, learned) =
-            learn(&self.cfg, trainer, self.teacher.take(), batch.groups).await?;
+            learn(&self.cfg, trainer, self.teacher.take(), groups).await?;
         self.trainer = Some(trainer);
         self.teacher = teacher;
-        let version = next_version(self.trainer()).await;
-        self.console.phase("weight sync");
-        let sync = self.publish(version, self.cfg.partial_rollout).await?;
+        Ok(learned)
+    }
+
+    /// The record of step `self.step + 1`, which `learned` trained and `sync` seconds published
+    /// as `version`; written to `metrics.jsonl` (and TensorBoard), with the newest evaluation.
+    pub async fn record(
+        &mut self,
+        batch: &StepBatch,
+        learned: Learned,
+        version: u64,
+        sync: f64,
+        started: Instant,
+    ) -> Result<StepRecord, RunError> {
         self.step += 1;
         // The engines' activity over the step; the trainer's busy time over the same window.
+        let window = || (0.0, 0.0, started.elapsed().as_secs_f64());
         let (engine_busy_fraction, engine_paused_seconds, window) = match &mut self.activity {
             Some(reader) => reader.since_last().await.unwrap_or_else(|| {
                 tracing::warn!("the router did not say how busy the engines were");
-                (0.0, 0.0, batch.started.elapsed().as_secs_f64())
+                window()
             }),
-            None => (0.0, 0.0, batch.started.elapsed().as_secs_f64()),
+            None => window(),
         };
-        let trainer_busy_fraction = (learned.compute_seconds / window.max(1e-9)).clamp(0.0, 1.0);
-        let record = step_record(
-            batch.groups,
-            &learned,
-            staleness,
-            StepTimes {
-                step: batch.started.elapsed().as_secs_f64(),
-                sync,
-                elapsed: self.started.elapsed().as_secs_f64(),
-            },
-            (self.step, version),
-            batch.stats,
-        );
-        let judged = batch.judged;
+        let times = StepTimes {
+            step: started.elapsed().as_secs_f64(),
+            sync,
+            elapsed: self.started.elapsed().as_secs_f64(),
+        };
+        let (judged, taught) = (batch.judged, batch.taught);
         let record = StepRecord {
             engine_busy_fraction,
-            trainer_busy_fraction,
+            trainer_busy_fraction: (learned.compute_seconds / window.max(1e-9)).clamp(0.0, 1.0),
             engine_paused_seconds,
             agent_reward_mean: judged.map(|j| j.agent_reward_mean),
             judge_score_mean: judged.map(|j| j.judge_score_mean),
             judge_unparsed: judged.map(|j| j.unparsed),
             judge_failed: judged.map(|j| j.failed),
             judge_seconds: judged.map(|j| j.seconds),
-            teacher_seconds: batch.taught.map(|t| t.seconds),
+            teacher_seconds: taught.map(|t| t.seconds),
             trainer_world_size: self.trainer().world_size(),
-            ..record
+            ..step_record(batch, &learned, times, (self.step, version))
         }
         .with_eval(self.pending_eval.take().as_ref());
         if let Some(log) = &mut self.log {
             log.push(record.clone())?;
         }
+        Ok(record)
+    }
+
+    /// A checkpoint of the step just recorded, when one is due (every `checkpoint.intervalSteps`
+    /// and after the last step) and the run keeps checkpoints.
+    pub async fn checkpoint_if_due(
+        &mut self,
+        batch: &StepBatch,
+        version: u64,
+    ) -> Result<Option<PathBuf>, RunError> {
         let step = self.step;
-        let due = self
-            .cfg
-            .checkpoint_every
+        let due = (self.cfg.checkpoint_every)
             .is_some_and(|every| step % every == 0 || step == self.cfg.total_steps);
-        let checkpoint = match (&self.ckpt_root, due) {
-            (Some(root), true) => {
-                self.console.phase("saving a checkpoint");
-                let meta = CheckpointMeta {
-                    step,
-                    policy_version: version,
-                    rollout: batch.rollout,
-                    seed: batch.seed,
-                };
-                let trainer = self.trainer.take().expect("the trainer is here");
-                let (trainer, saved) = save_checkpoint(root, &self.cfg, trainer, meta).await?;
-                self.trainer = Some(trainer);
-                Some(saved?)
-            }
-            _ => None,
+        let Some(root) = self.ckpt_root.clone().filter(|_| due) else {
+            return Ok(None);
         };
-        Ok(Trained { record, checkpoint })
+        self.console.phase("saving a checkpoint");
+        let meta = CheckpointMeta {
+            step,
+            policy_version: version,
+            rollout: batch.rollout,
+            seed: batch.seed,
+        };
+        let trainer = self.trainer.take().expect("the trainer is here");
+        let (trainer, saved) = save_checkpoint(&root, &self.cfg, trainer, meta).await?;
+        self.trainer = Some(trainer);
+        Ok(Some(saved?))
     }
 }
 
@@ -447,102 +431,6 @@ async fn load_trainer(
     Ok((trainer, None))
 }
 
-/// Trainer ranks as processes of this machine (`moult trainer-rank`), as torchrun starts a node's
-/// ranks: the ranks after the first for `moult run`, a trainer pod's ranks after its first on a
-/// node with several GPUs. They follow rank 0 and end when it stops them, when this process
-/// drops them, or when it dies.
-pub(crate) struct Followers {
-    children: Vec<std::process::Child>,
-}
-
-impl Followers {
-    /// `moult run`: starts ranks 1..world on this machine; returns them and rank 0's rendezvous
-    /// (it listens on a free port). On a GPU, rank r computes on the r-th GPU from rank 0's.
-    fn start_all(world: usize, device: Device) -> Result<(Self, Rendezvous), RunError> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| RunError::Setup(format!("finding a port for the trainer ranks: {e}")))?
-            .port();
-        let rendezvous = Rendezvous {
-            host: "127.0.0.1".into(),
-            port,
-            rank: 0,
-            world,
-            timeout: Duration::from_secs(120),
-        };
-        let followers = Self::start(&rendezvous, 1..world, device)?;
-        Ok((followers, rendezvous))
-    }
-
-    /// Starts `ranks` of `at`'s group on this machine, the i-th of them (counting from `at`'s
-    /// own rank, this process) on the i-th GPU from `device`'s, or on the CPU.
-    pub(crate) fn start(
-        at: &Rendezvous,
-        ranks: std::ops::Range<usize>,
-        device: Device,
-    ) -> Result<Self, RunError> {
-        let exe = std::env::var_os("MOULT_BIN")
-            .map(PathBuf::from)
-            .map_or_else(std::env::current_exe, Ok)
-            .map_err(|e| RunError::Setup(format!("finding the moult binary: {e}")))?;
-        let device_of = |rank: usize| -> Result<String, RunError> {
-            match device {
-                Device::Cpu => Ok("cpu".to_string()),
-                Device::Cuda(first) => {
-                    let gpu = first + rank - at.rank;
-                    let count = tch::Cuda::device_count().max(0) as usize;
-                    if gpu >= count {
-                        return Err(RunError::Manifest(format!(
-                            "spec.trainer.gpusPerNode: trainer rank {rank} computes on GPU {gpu}, and this machine has {count} (one rank per GPU; docs/distributed.md)"
-                        )));
-                    }
-                    Ok(format!("cuda:{gpu}"))
-                }
-                other => Err(RunError::Setup(format!(
-                    "trainer ranks run on the CPU or CUDA GPUs, not {other:?}"
-                ))),
-            }
-        };
-        let mut followers = Self {
-            children: Vec::new(),
-        };
-        for rank in ranks {
-            let device = device_of(rank)?;
-            let child = std::process::Command::new(&exe)
-                .args(["trainer-rank", "--device", &device])
-                .env(dist::ENV_RANK, rank.to_string())
-                .env(dist::ENV_WORLD, at.world.to_string())
-                .env(dist::ENV_MASTER, format!("{}:{}", at.host, at.port))
-                .env(dist::ENV_TIMEOUT, at.timeout.as_secs().to_string())
-                .stdin(std::process::Stdio::null())
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .map_err(|e| {
-                    RunError::Setup(format!(
-                        "starting trainer rank {rank} ({} trainer-rank): {e}",
-                        exe.display()
-                    ))
-                })?;
-            followers.children.push(child);
-        }
-        Ok(followers)
-    }
-}
-
-impl Drop for Followers {
-    fn drop(&mut self) {
-        // Told to stop (the learner's drop), they exit on their own; give them a moment.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        for child in &mut self.children {
-            while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 /// The teacher of on-policy distillation, if the run has one; it must share the student's
 /// vocabulary.
 async fn load_teacher(
@@ -586,7 +474,7 @@ async fn save_checkpoint(
 }
 
 /// What one optimizer step on a batch produced.
-struct Learned {
+pub(crate) struct Learned {
     advantages: Vec<Vec<f64>>,
     stats: crate::trainer::train::StepStats,
     teacher_kl: Option<f64>,
@@ -663,14 +551,17 @@ fn finite_or_zero(x: f64) -> f64 {
 
 /// The metrics record of a step: the batch, what training it produced, and the times.
 fn step_record(
-    batch: &[Group],
+    batch: &StepBatch,
     learned: &Learned,
-    staleness: BTreeMap<u64, usize>,
     times: StepTimes,
     (step, version): (u64, u64),
-    rollout: RolloutStats,
 ) -> StepRecord {
+    let staleness: BTreeMap<u64, usize> = staleness_histogram(&batch.groups, batch.version)
+        .into_iter()
+        .collect();
+    let rollout = batch.stats;
     let rewards: Vec<f64> = batch
+        .groups
         .iter()
         .flat_map(|g| g.episodes.iter().map(|e| e.reward))
         .collect();

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use moult_operator::api::Estimator;
 use tch::Tensor;
 
-use super::config::Overlong;
-use super::RunError;
 use crate::agents::Episode;
 use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
+use crate::config::Overlong;
 use crate::engine::npy::decode_routed_experts;
+use crate::error::RunError;
 use crate::loopback::Segment;
 use crate::model::{CausalLm, ImageInput};
 use crate::rollout::{trained_segments, Group};
@@ -111,7 +111,7 @@ pub fn distill(
 }
 
 /// [`distill`] with the scores a served teacher gave each segment of `batch` beforehand
-/// ([`crate::run::teacher`]); `samples` are [`samples`] of the same batch.
+/// ([`crate::stages::teacher`]); `samples` are [`samples`] of the same batch.
 pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64, RunError> {
     let mut kl = ReverseKl::default();
     let mut segments = trained_segments(batch);

@@ -28,9 +28,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use super::files::{io, sync_dir, sync_file, write_atomic};
-use super::RunError;
+use crate::error::RunError;
 use crate::model::{CausalLm, ModelConfig};
+use crate::records::files::{io, sync_dir, sync_file, write_atomic};
 use crate::rollout::RolloutState;
 use crate::trainer::ranks::{LAYOUT, SHARDS};
 use crate::trainer::train::{ShardLayout, Trainer, Whole};

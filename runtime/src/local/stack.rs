@@ -11,17 +11,17 @@ use tch::{Device, Kind};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use super::config::RunConfig;
-use super::console::Console;
-use super::judge::{Judge, JudgeOptions};
-use super::teacher::Teacher;
 use super::vllm::VllmProcess;
-use super::RunError;
 use crate::agents::{AgentPool, PoolOptions};
+use crate::config::{JudgeOptions, RunConfig};
 use crate::engine::{http, EngineHandle, EngineOptions};
+use crate::error::RunError;
 use crate::loopback::{ChatService, ServiceOptions};
 use crate::model::{CausalLm, ModelConfig};
+use crate::records::console::Console;
 use crate::router::{server, EnginePool};
+use crate::stages::judge::Judge;
+use crate::stages::teacher::Teacher;
 use crate::weight_sync::publish::{engine_kind, PublishOptions};
 use moult_operator::api::EngineBackend;
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::RunError;
+use crate::error::RunError;
 use crate::rollout::eval::EvalResult;
 
 /// Records written before `trainer_world_size` existed were of one rank.

@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::path::Path;
 
-use super::RunError;
+use crate::error::RunError;
 
 pub(crate) fn io(what: &str, path: &Path, e: impl std::fmt::Display) -> RunError {
     RunError::Checkpoint(format!("{what} {}: {e}", path.display()))

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use tch::Device;
 
-use super::config::RunConfig;
-use super::console::Console;
-use super::RunError;
+use crate::config::RunConfig;
+use crate::error::RunError;
+use crate::records::console::Console;
 
 /// How long vLLM may take to serve (it imports torch, loads the model, profiles memory).
 const START_TIMEOUT: Duration = Duration::from_secs(600);

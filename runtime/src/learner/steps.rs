@@ -1,0 +1,71 @@
+//! The step loop, the one both modes run (docs/architecture.md, "A step, end to end"): next
+//! batch → batch stages → learn → publish → record → checkpoint. What differs between `moult run`
+//! and a cluster's trainer pod is where batches come from, who numbers versions and where a
+//! finished step is reported: a [`Steps`] of each mode (`local`, `cluster`, and a replay of
+//! dumped batches).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::Learner;
+use crate::error::RunError;
+use crate::records::metrics::StepRecord;
+use crate::stages::{Stage, StepBatch};
+
+/// Where a run's batches come from and where its finished steps go.
+pub(crate) trait Steps {
+    /// The batch of `step`, once there is one; `None` when the run stops here (shutdown, or no
+    /// more data). It may publish through `learner` first (engines that need the current weights).
+    async fn next(
+        &mut self,
+        step: u64,
+        learner: &mut Learner,
+    ) -> Result<Option<StepBatch>, RunError>;
+
+    /// The policy version the weights of `step` are published as.
+    async fn version(&mut self, step: u64) -> u64;
+
+    /// `step` is trained, published, recorded and (when due) checkpointed.
+    async fn done(&mut self, step: Trained, batch: StepBatch) -> Result<(), RunError>;
+}
+
+/// What one step produced.
+#[derive(Debug)]
+pub(crate) struct Trained {
+    pub record: StepRecord,
+    /// The checkpoint written after this step, if one was due.
+    pub checkpoint: Option<PathBuf>,
+}
+
+/// Trains until the run's last step, or until `steps` has no next batch.
+pub(crate) async fn run_steps(
+    learner: &mut Learner,
+    steps: &mut impl Steps,
+    stages: &[Box<dyn Stage>],
+) -> Result<(), RunError> {
+    while learner.step() < learner.total_steps() {
+        let started = Instant::now();
+        let step = learner.step() + 1;
+        // 1. A batch of finished groups (generated while the previous step trained).
+        let Some(mut batch) = steps.next(step, learner).await? else {
+            return Ok(());
+        };
+        // 2. The batch stages, in order: a teacher's scores, a judge's rewards, a dump, ...
+        for stage in stages {
+            learner.console().phase(stage.phase());
+            stage.apply(&mut batch).await?;
+        }
+        // 3. Advantages, samples, one optimizer step.
+        let learned = learner.learn(&batch.groups).await?;
+        // 4. The new weights to the engines (pause, transfer, resume) under the next version.
+        let version = steps.version(step).await;
+        let sync = learner.publish(version, learner.partial_rollout()).await?;
+        // 5. The step's record (metrics.jsonl, TensorBoard), then a checkpoint when one is due.
+        let record = learner
+            .record(&batch, learned, version, sync, started)
+            .await?;
+        let checkpoint = learner.checkpoint_if_due(&batch, version).await?;
+        steps.done(Trained { record, checkpoint }, batch).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,104 @@
+//! Batch stages: what happens to a step's batch of finished groups between the rollout pool and
+//! the trainer, in one ordered list ([`ordered`]): a served teacher scores every token
+//! ([`teacher`]), a judge mixes its scores into the rewards ([`judge`]), and the batch is written
+//! as it will be trained on ([`dump`]). Adding a stage is one file here and one line in
+//! [`ordered`] (docs/extending.md, "A new batch stage").
+//!
+//! `moult run` applies the whole list. On a cluster the coordinator applies the stages that need
+//! the run's engines or data, before it hands the batch out, and the trainer those that need its
+//! volume ([`Stage::on_trainer`]), so every stage runs once per step in both modes.
+
+pub mod dump;
+pub mod judge;
+pub mod teacher;
+
+use std::path::PathBuf;
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+
+use moult_operator::api::RLRunSpec;
+
+use crate::error::RunError;
+use crate::rollout::eval::EvalResult;
+use crate::rollout::{Group, RolloutState, RolloutStats};
+use judge::{Judge, JudgeStats};
+use teacher::{Teacher, TeacherStats};
+
+/// The groups of one training step, and what is known about them (the coordinator hands this to
+/// the trainer pod as JSON; `moult run` passes it along in memory).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct StepBatch {
+    pub step: u64,
+    pub groups: Vec<Group>,
+    /// The version the engines served when the batch was handed out (staleness is counted from
+    /// it). `served` in dumps that earlier versions wrote.
+    #[serde(alias = "served")]
+    pub version: u64,
+    /// The data cursor after these groups were drawn (checkpointed with the step).
+    pub rollout: RolloutState,
+    pub stats: RolloutStats,
+    /// The seed of the task order (checkpointed with the step).
+    #[serde(default)]
+    pub seed: u64,
+    /// The evaluation of the policy this step starts from (`spec.eval`), when one was due.
+    #[serde(default)]
+    pub eval: Option<EvalResult>,
+    /// With `spec.judge`: the judge's verdict on the batch (the groups' rewards hold its
+    /// scores already).
+    #[serde(default)]
+    pub judged: Option<JudgeStats>,
+    /// With a served distillation teacher: how its engines scored the batch (every trained
+    /// segment carries its scores).
+    #[serde(default)]
+    pub taught: Option<TeacherStats>,
+}
+
+/// One stage of the batch pipeline. It may change the groups (rewards, segments' scores) and
+/// note what it found in the batch's fields; an error stops `moult run` and, on a cluster, has
+/// the coordinator apply the stages again after a pause.
+pub trait Stage: Send + Sync + std::fmt::Debug {
+    /// What the run's status line says while the stage works ("judging the batch").
+    fn phase(&self) -> &'static str;
+
+    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>>;
+
+    /// Runs in the trainer's process (it needs the trainer's volume), not the coordinator's.
+    fn on_trainer(&self) -> bool {
+        false
+    }
+}
+
+/// What a process has for the stages; a stage is in the list when its part is here.
+#[derive(Debug, Default)]
+pub struct Parts {
+    pub teacher: Option<Teacher>,
+    pub judge: Option<Judge>,
+    /// Where dumps go (`--dump-rollouts`, `spec.trainer.dumpRollouts`).
+    pub dumps: Option<PathBuf>,
+}
+
+/// The stages of a run, in the order they apply: the teacher scores the tokens the agents
+/// sampled, the judge the replies, and the dump writes the batch as the trainer will see it.
+/// A stage with a spec field reads it from `spec`.
+pub fn ordered(_spec: &RLRunSpec, parts: Parts) -> Vec<Box<dyn Stage>> {
+    let mut stages: Vec<Box<dyn Stage>> = Vec::new();
+    if let Some(teacher) = parts.teacher {
+        stages.push(Box::new(teacher));
+    }
+    if let Some(judge) = parts.judge {
+        stages.push(Box::new(judge));
+    }
+    if let Some(dir) = parts.dumps {
+        stages.push(Box::new(dump::Dump(dir)));
+    }
+    stages
+}
+
+/// Applies `stages` to `batch`, in order.
+pub async fn apply(stages: &[Box<dyn Stage>], batch: &mut StepBatch) -> Result<(), RunError> {
+    for stage in stages {
+        stage.apply(batch).await?;
+    }
+    Ok(())
+}
