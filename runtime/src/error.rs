@@ -1,23 +1,85 @@
 //! Why a run (or one of its roles) stopped early: the one error type of the run core
-//! (`config`, `learner`, `stages`, `records`) and of the two modes above it (`local`, `cluster`).
-//! Each variant names what the user can act on: the manifest field, the file, the peer.
+//! (`config`, `records`, `stages`, `learner`) and of the two modes above it (`local`, `cluster`).
+//! Each variant carries what the user can act on as data: the manifest field, the file, the
+//! environment variable, the part that failed.
+
+use std::path::PathBuf;
 
 /// Why a run stopped early.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// The manifest (or a file it names) is unusable; the message names the field.
-    #[error("{0}")]
-    Manifest(String),
+    /// A field of the manifest (or a command-line flag) asks for what this run cannot do.
+    #[error("{field}: {reason}")]
+    Field { field: String, reason: String },
+    /// The manifest file is not a usable RLRun (not YAML, no `kind: RLRun`, invalid).
+    #[error("{}: {reason}", path.display())]
+    Manifest { path: PathBuf, reason: String },
+    /// A file or folder of the run could not be read or written.
+    #[error("{action} {}: {source}", path.display())]
+    File {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// An environment variable a role reads is missing or malformed (the operator sets them in
+    /// the pod spec).
+    #[error("setting up: {name} {problem}")]
+    Env { name: String, problem: String },
+    /// Something this process starts (a server's port, a process) did not start.
+    #[error("setting up: {what}: {source}")]
+    Start {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A compute thread (the trainer's, a model load) panicked or was cancelled.
+    #[error("setting up: a compute thread failed: {0}")]
+    Thread(#[from] tokio::task::JoinError),
+    /// The agent pool could not be made (an agent command that cannot run here).
+    #[error("setting up: {0}")]
+    Agents(#[from] crate::agents::AgentError),
+    /// The rollout pool could not start (its options).
+    #[error("setting up: {0}")]
+    Rollout(#[from] crate::rollout::RolloutError),
+    /// A part of the run (a judge, a teacher, vLLM, the rollout pool, a batch the trainer
+    /// cannot use) did not do its part; the message says which and why.
     #[error("setting up: {0}")]
     Setup(String),
+    /// A checkpoint that cannot be used or written.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     #[cfg(feature = "torch")]
     #[error(transparent)]
     Model(#[from] crate::model::Error),
     #[cfg(feature = "torch")]
+    #[error("setting up: {0}")]
+    Tensor(#[from] tch::TchError),
+    #[cfg(feature = "torch")]
     #[error("weight sync: {0}")]
     Sync(#[from] crate::weight_sync::orchestrate::SyncError),
-    #[error("checkpoint: {0}")]
-    Checkpoint(String),
-    #[error("{0}")]
-    Io(String),
+}
+
+impl RunError {
+    /// `field: reason`, the refusal of a manifest field or flag.
+    pub fn field(field: impl Into<String>, reason: impl std::fmt::Display) -> Self {
+        Self::Field {
+            field: field.into(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// A failed read or write of `path`.
+    pub fn file(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::File {
+            action,
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// Whether the manifest (or a flag) is at fault: trying again cannot help.
+    pub fn is_manifest(&self) -> bool {
+        matches!(self, Self::Field { .. } | Self::Manifest { .. })
+    }
 }

@@ -55,8 +55,10 @@ pub async fn run(
     }
     let model_dir = env_path("MOULT_MODEL").unwrap_or_else(|| PathBuf::from(&run.spec.model.path));
     // The agent's relative paths are the image's: from the working directory.
-    let dir = std::env::current_dir()
-        .map_err(|e| RunError::Setup(format!("the working directory: {e}")))?;
+    let dir = std::env::current_dir().map_err(|source| RunError::Start {
+        what: "the working directory".into(),
+        source,
+    })?;
     let cfg = super::pod_config(
         run,
         &Sources {
@@ -75,10 +77,9 @@ pub async fn run(
             .parse::<usize>()
             .ok()
             .filter(|n| *n > 0)
-            .ok_or_else(|| {
-                RunError::Setup(format!(
-                    "MOULT_CONCURRENCY must be a whole number above 0; got `{v}`"
-                ))
+            .ok_or_else(|| RunError::Env {
+                name: "MOULT_CONCURRENCY".into(),
+                problem: format!("must be a whole number above 0; got `{v}`"),
             })?,
         _ => cfg.concurrency,
     };

@@ -679,8 +679,7 @@ pub async fn run(
         cfg.rollout.clone(),
         RolloutState::default(),
         0,
-    )
-    .map_err(|e| RunError::Setup(e.to_string()))?;
+    )?;
 
     // A coordinator that restarted goes on from what the run's status says (versions only
     // increase); the trainer tells it its step.
@@ -754,7 +753,10 @@ pub async fn run(
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
-        .map_err(|e| RunError::Setup(format!("binding {addr}: {e}")))?;
+        .map_err(|source| RunError::Start {
+            what: format!("binding {addr}"),
+            source,
+        })?;
     eprintln!(
         "moult coordinator: {} ({} steps, {} tasks) on http://{addr}, engines from {engines}",
         coordinator.cfg.name,
@@ -764,5 +766,8 @@ pub async fn run(
     let served =
         crate::serve::serve(listener, crate::auth::protect_for_agents(app), shutdown).await;
     pool.stop();
-    served.map_err(|e| RunError::Io(format!("serving {addr}: {e}")))
+    served.map_err(|e| RunError::Start {
+        what: format!("serving {addr}"),
+        source: e,
+    })
 }

@@ -41,9 +41,10 @@ pub(crate) fn env_var(name: &str) -> Result<String, RunError> {
         .ok()
         .filter(|v| !v.trim().is_empty())
         .ok_or_else(|| {
-            RunError::Setup(format!(
-                "{name} is not set: the operator sets it in the pod spec (set it by hand to run this role outside a cluster)"
-            ))
+            RunError::Env {
+                name: name.into(),
+                problem: "is not set: the operator sets it in the pod spec (set it by hand to run this role outside a cluster)".into(),
+            }
         })
 }
 
@@ -116,7 +117,10 @@ pub(crate) async fn serve_health(
     use axum::routing::get;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|e| RunError::Setup(format!("--metrics-addr {addr}: {e}")))?;
+        .map_err(|source| RunError::Start {
+            what: format!("--metrics-addr {addr}"),
+            source,
+        })?;
     let app = axum::Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(move || async move { metrics() }));
@@ -126,22 +130,45 @@ pub(crate) async fn serve_health(
     Ok(())
 }
 
+/// Why a call to a peer (the coordinator) failed; the caller retries it.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CallError {
+    #[error("{url}: {source}")]
+    Send {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{url}: {status}: {body}")]
+    Status {
+        url: String,
+        status: reqwest::StatusCode,
+        body: String,
+    },
+    #[error("{url}: unexpected answer: {source}")]
+    Answer {
+        url: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
 /// A POST of `body` as JSON to `url` that must answer 2xx; the JSON answer (`Null` if empty).
 pub(crate) async fn post_json<B: serde::Serialize>(
     http: &reqwest::Client,
     url: &str,
     body: &B,
-) -> Result<serde_json::Value, String> {
-    let r = http
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .map_err(|e| format!("{url}: {e}"))?;
+) -> Result<serde_json::Value, CallError> {
+    let send = |source| CallError::Send {
+        url: url.to_string(),
+        source,
+    };
+    let r = http.post(url).json(body).send().await.map_err(send)?;
     let status = r.status();
-    let text = r.text().await.map_err(|e| format!("{url}: {e}"))?;
+    let body = r.text().await.map_err(send)?;
     if !status.is_success() {
-        return Err(format!("{url}: {status}: {text}"));
+        let url = url.to_string();
+        return Err(CallError::Status { url, status, body });
     }
-    Ok(serde_json::from_str(&text).unwrap_or(serde_json::Value::Null))
+    Ok(serde_json::from_str(&body).unwrap_or(serde_json::Value::Null))
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use tch::Device;
 
 use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, Version};
-use super::{env_path, env_var, post_json, retry};
+use super::{env_path, env_var, post_json, retry, CallError};
 use crate::config::Sources;
 use crate::dist::Rendezvous;
 use crate::error::RunError;
@@ -46,10 +46,10 @@ pub struct TrainerProcessOptions {
 
 fn parse_env(name: &str, default: u64) -> Result<u64, RunError> {
     match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => v
-            .trim()
-            .parse()
-            .map_err(|_| RunError::Setup(format!("{name} must be a whole number; got `{v}`"))),
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| RunError::Env {
+            name: name.into(),
+            problem: format!("must be a whole number; got `{v}`"),
+        }),
         _ => Ok(default),
     }
 }
@@ -69,7 +69,10 @@ impl Coordinator {
         let url = format!("{}{path}", self.url);
         retry(&format!("POST {url}"), || async {
             let v = post_json(&self.http, &url, body).await?;
-            serde_json::from_value::<R>(v).map_err(|e| format!("{url}: unexpected answer: {e}"))
+            serde_json::from_value::<R>(v).map_err(|source| CallError::Answer {
+                url: url.clone(),
+                source,
+            })
         })
         .await
     }
@@ -80,15 +83,14 @@ impl Coordinator {
         let url = format!("{}/v1/trainer/batch?step={step}", self.url);
         loop {
             let answer = retry(&format!("GET {url}"), || async {
-                let r = self
-                    .http
-                    .get(&url)
-                    .send()
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let send = |source| CallError::Send {
+                    url: url.clone(),
+                    source,
+                };
+                let r = self.http.get(&url).send().await.map_err(send)?;
                 let status = r.status();
-                let bytes = r.bytes().await.map_err(|e| e.to_string())?;
-                Ok::<_, String>((status, bytes))
+                let bytes = r.bytes().await.map_err(send)?;
+                Ok::<_, CallError>((status, bytes))
             })
             .await;
             match answer.0 {
@@ -263,8 +265,10 @@ pub async fn run(
     let rendezvous = if world > 1 {
         Some(Rendezvous {
             host: env_var("MASTER_ADDR")?,
-            port: u16::try_from(parse_env("MASTER_PORT", 29500)?)
-                .map_err(|_| RunError::Setup("MASTER_PORT must be a port number".into()))?,
+            port: u16::try_from(parse_env("MASTER_PORT", 29500)?).map_err(|_| RunError::Env {
+                name: "MASTER_PORT".into(),
+                problem: "must be a port number".into(),
+            })?,
             rank: pod * per_pod,
             world,
             timeout: Duration::from_secs(parse_env("MOULT_TRAINER_TIMEOUT_SECONDS", 120)?),
@@ -370,7 +374,7 @@ pub async fn run(
     loop {
         match learner.connect(&publish).await {
             Ok(()) => break,
-            Err(e @ RunError::Manifest(_)) => return Err(e),
+            Err(e) if e.is_manifest() => return Err(e),
             Err(e) => {
                 tracing::warn!("connecting the weight path: {e}; retrying in {wait:?}");
                 tokio::time::sleep(wait).await;

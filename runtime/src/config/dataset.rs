@@ -15,7 +15,7 @@ use super::read_jsonl;
 use crate::error::RunError;
 
 fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
-    RunError::Manifest(format!("{field}: {why}"))
+    RunError::field(field, why)
 }
 
 /// The tasks of `spec`, whose path resolves to `path` here; errors name `field` (the manifest
@@ -137,31 +137,39 @@ fn read_parquet(file: &Path, field: &str) -> Result<Vec<Json>, RunError> {
         .collect()
 }
 
+/// Why a row cannot become a task under `columns`.
+#[derive(Debug, thiserror::Error)]
+enum Unmapped {
+    #[error("is not an object, so it has no columns to map")]
+    NotAnObject,
+    #[error("no column `{from}` (for the task field `{to}`); it has {have:?}")]
+    NoColumn {
+        from: String,
+        to: String,
+        have: Vec<String>,
+    },
+}
+
 /// The task a row makes: the row itself, or with `columns`, each named field from its column.
 fn map_columns(
     row: Json,
     columns: &std::collections::BTreeMap<String, String>,
-) -> Result<Json, String> {
+) -> Result<Json, Unmapped> {
     if columns.is_empty() {
         return Ok(row);
     }
     let Json::Object(mut fields) = row else {
-        return Err("is not an object, so it has no columns to map".into());
+        return Err(Unmapped::NotAnObject);
     };
     let mut task = Map::new();
     for (to, from) in columns {
-        match fields.remove(from) {
-            Some(v) => {
-                task.insert(to.clone(), v);
-            }
-            None => {
-                let mut have: Vec<&String> = fields.keys().collect();
-                have.sort();
-                return Err(format!(
-                    "no column `{from}` (for the task field `{to}`); it has {have:?}"
-                ));
-            }
-        }
+        let Some(v) = fields.remove(from) else {
+            let mut have: Vec<String> = fields.keys().cloned().collect();
+            have.sort();
+            let (from, to) = (from.clone(), to.clone());
+            return Err(Unmapped::NoColumn { from, to, have });
+        };
+        task.insert(to.clone(), v);
     }
     Ok(Json::Object(task))
 }

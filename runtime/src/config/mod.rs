@@ -168,7 +168,7 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
 }
 
 fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
-    RunError::Manifest(format!("{field}: {why}"))
+    RunError::field(field, why)
 }
 
 /// Resolves `path` against the manifest's folder.
@@ -184,26 +184,25 @@ fn beside(manifest_dir: &Path, path: &str) -> PathBuf {
 /// Reads and checks an RLRun manifest (YAML, one document: the RLRun; other documents, such as
 /// PersistentVolumeClaims, are skipped).
 pub fn read_manifest(path: &Path) -> Result<RLRun, RunError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| RunError::Manifest(format!("cannot read {}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path).map_err(|e| RunError::file("cannot read", path, e))?;
+    let manifest = |reason: String| RunError::Manifest {
+        path: path.to_path_buf(),
+        reason,
+    };
     let mut found = None;
     for doc in serde_yaml_ng::Deserializer::from_str(&text) {
-        let value: serde_json::Value = serde::Deserialize::deserialize(doc)
-            .map_err(|e| RunError::Manifest(format!("{}: not YAML: {e}", path.display())))?;
+        let value: serde_json::Value =
+            serde::Deserialize::deserialize(doc).map_err(|e| manifest(format!("not YAML: {e}")))?;
         if value.get("kind").and_then(Json::as_str) != Some("RLRun") {
             continue;
         }
-        let run: RLRun = serde_path_to_error::deserialize(value).map_err(|e| {
-            RunError::Manifest(format!("{}: {}: {}", path.display(), e.path(), e.inner()))
-        })?;
+        let run: RLRun = serde_path_to_error::deserialize(value)
+            .map_err(|e| manifest(format!("{}: {}", e.path(), e.inner())))?;
         found = Some(run);
     }
-    let run = found.ok_or_else(|| {
-        RunError::Manifest(format!("{}: no document has `kind: RLRun`", path.display()))
-    })?;
-    run.validate().map_err(|errors| {
-        RunError::Manifest(format!("{}: {}", path.display(), errors.join("; ")))
-    })?;
+    let run = found.ok_or_else(|| manifest("no document has `kind: RLRun`".into()))?;
+    run.validate()
+        .map_err(|errors| manifest(errors.join("; ")))?;
     Ok(run)
 }
 
@@ -684,9 +683,10 @@ spec:
                 "spec.totalSteps in body should be greater than or equal to 1",
             ),
         ] {
-            let Err(RunError::Manifest(e)) = read(name, spec) else {
+            let Err(e @ RunError::Manifest { .. }) = read(name, spec) else {
                 panic!("{name}: refused as a manifest error");
             };
+            let e = e.to_string();
             assert!(
                 e.contains(&format!("{field}: ")) && e.contains(message),
                 "{name}: {e}"

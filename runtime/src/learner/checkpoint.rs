@@ -193,11 +193,11 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
         Err(e) => return Err(io("reading", &pointer, e)),
     };
     let named = serde_json::from_str::<serde_json::Value>(&text)
-        .map_err(|e| io("parsing", &pointer, e).to_string())
+        .map_err(|e| Unusable::File(io("parsing", &pointer, e)))
         .and_then(|v| {
             let name = v["path"]
                 .as_str()
-                .ok_or_else(|| format!("{}: no `path`", pointer.display()))?;
+                .ok_or_else(|| Unusable::NoPath(pointer.clone()))?;
             complete(&root.join(name))
         });
     match named {
@@ -230,7 +230,7 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
 pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), RunError> {
     let (found, meta) = any_model_folder(dir)?;
     // No engine loads shards as they are.
-    if let Some(layout) = sharded(&found).map_err(RunError::Checkpoint)? {
+    if let Some(layout) = sharded(&found)? {
         return Err(RunError::Checkpoint(format!(
             "{} is a checkpoint written in shards by {} trainer ranks; `moult export {} OUT` \
              writes a model folder engines serve (docs/distributed.md, \"Checkpoints\")",
@@ -256,28 +256,28 @@ fn any_model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), Run
         )));
     }
     if dir.join("moult.json").is_file() {
-        let (dir, meta) = complete(dir).map_err(RunError::Checkpoint)?;
+        let (dir, meta) = complete(dir)?;
         return Ok((dir, Some(meta)));
     }
     Ok((dir.to_path_buf(), None))
 }
 
 /// The layout of the sharded checkpoint in `dir`; `None` for a checkpoint of whole tensors.
-fn sharded(dir: &Path) -> Result<Option<ShardLayout>, String> {
+fn sharded(dir: &Path) -> Result<Option<ShardLayout>, RunError> {
     let file = dir.join(SHARDS).join(LAYOUT);
     if !file.is_file() {
         return Ok(None);
     }
-    let bytes = std::fs::read(&file).map_err(|e| io("reading", &file, e).to_string())?;
+    let bytes = std::fs::read(&file).map_err(|e| io("reading", &file, e))?;
     serde_json::from_slice(&bytes)
         .map(Some)
-        .map_err(|e| io("parsing", &file, e).to_string())
+        .map_err(|e| io("parsing", &file, e))
 }
 
 /// The weights by checkpoint name and the optimizer's moments (empty before the first step) of
 /// the checkpoint in `dir`, whole, however many ranks wrote it.
 pub fn load_tensors(dir: &Path) -> Result<Whole, RunError> {
-    match sharded(dir).map_err(RunError::Checkpoint)? {
+    match sharded(dir)? {
         Some(layout) => layout
             .unshard(|rank| {
                 let file = dir.join(SHARDS).join(layout.file_name(rank));
@@ -298,7 +298,7 @@ pub fn load_policy(
     kind: tch::Kind,
     device: tch::Device,
 ) -> Result<(CausalLm, Vec<(Tensor, Tensor)>), RunError> {
-    if sharded(dir).map_err(RunError::Checkpoint)?.is_none() {
+    if sharded(dir)?.is_none() {
         return Ok((
             CausalLm::load(dir, kind, device)?,
             load_moments(dir, device)?,
@@ -327,7 +327,7 @@ pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
             RunError::Checkpoint(format!("no complete checkpoint under {}", src.display()))
         })?
     } else {
-        complete(src).map_err(RunError::Checkpoint)?
+        complete(src)?
     };
     if out.exists() {
         return Err(RunError::Checkpoint(format!(
@@ -361,31 +361,54 @@ pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
 
 /// The checkpoint in `dir` if it is complete (its metadata and its tensor files: the model's
 /// and the optimizer's, or every rank's shard file and their layout).
-fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), String> {
-    match sharded(dir)? {
+fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), Unusable> {
+    let missing = |file: PathBuf| Unusable::Missing {
+        dir: dir.to_path_buf(),
+        file,
+    };
+    match sharded(dir).map_err(Unusable::File)? {
         Some(layout) => {
             for rank in 0..layout.world {
                 let file = dir.join(SHARDS).join(layout.file_name(rank));
                 if !file.is_file() {
-                    return Err(format!("{} has no {}", dir.display(), file.display()));
+                    return Err(missing(file));
                 }
             }
         }
         None => {
             for file in ["model.safetensors", "optimizer.safetensors"] {
                 if !dir.join(file).is_file() {
-                    return Err(format!("{} has no {file}", dir.display()));
+                    return Err(missing(file.into()));
                 }
             }
         }
     }
     let meta_file = dir.join("moult.json");
     let meta: CheckpointMeta = std::fs::read(&meta_file)
-        .map_err(|e| io("reading", &meta_file, e).to_string())
-        .and_then(|b| {
-            serde_json::from_slice(&b).map_err(|e| io("parsing", &meta_file, e).to_string())
-        })?;
+        .map_err(|e| io("reading", &meta_file, e))
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| io("parsing", &meta_file, e)))
+        .map_err(Unusable::File)?;
     Ok((dir.to_path_buf(), meta))
+}
+
+/// Why a checkpoint folder cannot be resumed from.
+#[derive(Debug, thiserror::Error)]
+enum Unusable {
+    #[error("{} has no {}", dir.display(), file.display())]
+    Missing { dir: PathBuf, file: PathBuf },
+    #[error("{}: no `path`", .0.display())]
+    NoPath(PathBuf),
+    #[error("{0}")]
+    File(RunError),
+}
+
+impl From<Unusable> for RunError {
+    fn from(e: Unusable) -> Self {
+        match e {
+            Unusable::File(e) => e,
+            other => RunError::Checkpoint(other.to_string()),
+        }
+    }
 }
 
 /// The steps of the `step-*` folders under `root`, ascending.
@@ -532,7 +555,7 @@ mod tests {
         .unwrap();
         std::fs::write(dir.join(SHARDS).join(layout.file_name(0)), b"x").unwrap();
         // Rank 1's file is missing: not a checkpoint to resume from.
-        let missing = complete(&dir).unwrap_err();
+        let missing = complete(&dir).unwrap_err().to_string();
         assert!(missing.contains("rank-00001-of-00002"), "{missing}");
         std::fs::write(dir.join(SHARDS).join(layout.file_name(1)), b"x").unwrap();
         assert_eq!(complete(&dir).unwrap().1.step, 3);

@@ -24,7 +24,10 @@ impl Followers {
     pub(super) fn start_all(world: usize, device: Device) -> Result<(Self, Rendezvous), RunError> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
-            .map_err(|e| RunError::Setup(format!("finding a port for the trainer ranks: {e}")))?
+            .map_err(|source| RunError::Start {
+                what: "finding a port for the trainer ranks".into(),
+                source,
+            })?
             .port();
         let rendezvous = Rendezvous {
             host: "127.0.0.1".into(),
@@ -47,7 +50,10 @@ impl Followers {
         let exe = std::env::var_os("MOULT_BIN")
             .map(PathBuf::from)
             .map_or_else(std::env::current_exe, Ok)
-            .map_err(|e| RunError::Setup(format!("finding the moult binary: {e}")))?;
+            .map_err(|source| RunError::Start {
+                what: "finding the moult binary".into(),
+                source,
+            })?;
         let device_of = |rank: usize| -> Result<String, RunError> {
             match device {
                 Device::Cpu => Ok("cpu".to_string()),
@@ -55,9 +61,10 @@ impl Followers {
                     let gpu = first + rank - at.rank;
                     let count = tch::Cuda::device_count().max(0) as usize;
                     if gpu >= count {
-                        return Err(RunError::Manifest(format!(
-                            "spec.trainer.gpusPerNode: trainer rank {rank} computes on GPU {gpu}, and this machine has {count} (one rank per GPU; docs/distributed.md)"
-                        )));
+                        return Err(RunError::field(
+                            "spec.trainer.gpusPerNode",
+                            format!("trainer rank {rank} computes on GPU {gpu}, and this machine has {count} (one rank per GPU; docs/distributed.md)"),
+                        ));
                     }
                     Ok(format!("cuda:{gpu}"))
                 }
@@ -80,11 +87,12 @@ impl Followers {
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .spawn()
-                .map_err(|e| {
-                    RunError::Setup(format!(
-                        "starting trainer rank {rank} ({} trainer-rank): {e}",
+                .map_err(|source| RunError::Start {
+                    what: format!(
+                        "starting trainer rank {rank} ({} trainer-rank)",
                         exe.display()
-                    ))
+                    ),
+                    source,
                 })?;
             followers.children.push(child);
         }

@@ -37,7 +37,7 @@ async fn blocking<T: Send + 'static>(
 ) -> Result<T, RunError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| RunError::Setup(format!("a compute thread failed: {e}")))
+        .map_err(RunError::Thread)
 }
 
 /// The training side of a run.
@@ -180,8 +180,7 @@ impl Learner {
 
     /// Writes every step record to `<out>/metrics.jsonl` from now on.
     pub fn log_to(&mut self, out: &Path) -> Result<(), RunError> {
-        std::fs::create_dir_all(out)
-            .map_err(|e| RunError::Io(format!("creating {}: {e}", out.display())))?;
+        std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", &out, e))?;
         self.log = Some(MetricsLog::open(out, self.step)?);
         Ok(())
     }
@@ -449,10 +448,13 @@ async fn load_teacher(
     let student_vocab = student.model().config().vocab_size;
     let teacher = blocking(move || CausalLm::load(&dir, Kind::Float, device)).await??;
     if teacher.config().vocab_size != student_vocab {
-        return Err(RunError::Manifest(format!(
-            "spec.algorithm.teacher.path: the teacher's vocabulary ({}) is not the student's ({student_vocab}): they must share a tokenizer",
-            teacher.config().vocab_size
-        )));
+        return Err(RunError::field(
+            "spec.algorithm.teacher.path",
+            format!(
+                "the teacher's vocabulary ({}) is not the student's ({student_vocab}): they must share a tokenizer",
+                teacher.config().vocab_size
+            ),
+        ));
     }
     Ok(Some(teacher))
 }

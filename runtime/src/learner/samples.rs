@@ -102,8 +102,7 @@ pub fn distill(
             .collect();
         let teacher_lp = tch::no_grad(|| token_logprobs(teacher, &seqs, temperature))?;
         for (i, s) in chunk.iter_mut().enumerate() {
-            let row: Vec<f32> = Vec::try_from(teacher_lp.get(i as i64))
-                .map_err(|e: tch::TchError| RunError::Setup(e.to_string()))?;
+            let row: Vec<f32> = Vec::try_from(teacher_lp.get(i as i64))?;
             kl.learn_from(s, &row[..s.tokens.len()])?;
         }
     }
@@ -152,8 +151,7 @@ impl ReverseKl {
             &Tensor::from_slice(&s.behaviour_logprobs),
             &mask,
         );
-        let adv: Vec<f32> =
-            Vec::try_from(adv).map_err(|e: tch::TchError| RunError::Setup(e.to_string()))?;
+        let adv: Vec<f32> = Vec::try_from(adv)?;
         for (a, &m) in adv.iter().zip(&s.loss_mask) {
             if m == 1 {
                 self.sum -= f64::from(*a);

@@ -86,8 +86,7 @@ pub async fn run(
 ) -> Result<Summary, RunError> {
     let started = Instant::now();
     let out = &opts.out;
-    std::fs::create_dir_all(out)
-        .map_err(|e| RunError::Io(format!("creating {}: {e}", out.display())))?;
+    std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", &out, e))?;
     let console = &opts.console;
     // The status line's ticker ends with the run.
     let _ticker = crate::AbortOnDrop(console.tick());
@@ -142,8 +141,7 @@ pub async fn run(
         cfg.rollout.clone(),
         state,
         progress.version,
-    )
-    .map_err(|e| RunError::Setup(e.to_string()))?;
+    )?;
     learner.log_to(out)?;
     let dumps = opts.dump_rollouts || cfg.run.spec.trainer.dump_rollouts;
     let stages = stages::ordered(
@@ -330,10 +328,9 @@ pub async fn evaluate_checkpoint(
     checkpoint: Option<&std::path::Path>,
 ) -> Result<EvalResult, RunError> {
     let eval = cfg.eval.clone().ok_or_else(|| {
-        RunError::Manifest(
-            "spec.eval: moult eval needs it (the held-out tasks and how to sample them; \
-             docs/run.md, \"Evaluation\")"
-                .into(),
+        RunError::field(
+            "spec.eval",
+            "moult eval needs it (the held-out tasks and how to sample them; docs/run.md, \"Evaluation\")",
         )
     })?;
     let (step, version) = match checkpoint {
@@ -351,8 +348,7 @@ pub async fn evaluate_checkpoint(
     let console = &opts.console;
     let _ticker = crate::AbortOnDrop(console.tick());
     console.phase("starting engines and agents");
-    std::fs::create_dir_all(&opts.out)
-        .map_err(|e| RunError::Io(format!("creating {}: {e}", opts.out.display())))?;
+    std::fs::create_dir_all(&opts.out).map_err(|e| RunError::file("creating", &opts.out, e))?;
     let stack = stack::Stack::start(&cfg, opts.device, &opts.out.join("scratch"), console).await?;
     let result = evaluate(console, stack.agents.as_ref(), &eval, (step, version)).await;
     stack.shutdown().await;
@@ -448,7 +444,7 @@ fn summarize(
         .collect();
     let svg = metrics::reward_svg(records, &format!("{}: reward per step", cfg.name));
     std::fs::write(out.join("reward.svg"), svg)
-        .map_err(|e| RunError::Io(format!("writing reward.svg: {e}")))?;
+        .map_err(|e| RunError::file("writing", out.join("reward.svg"), e))?;
     let summary = Summary {
         name: cfg.name.clone(),
         steps: step,

@@ -47,16 +47,16 @@ impl Drop for Stack {
 }
 
 async fn bind() -> Result<(TcpListener, String), RunError> {
-    let listener = TcpListener::bind(("127.0.0.1", 0))
-        .await
-        .map_err(|e| RunError::Setup(format!("binding 127.0.0.1: {e}")))?;
-    let url = format!(
-        "http://{}",
-        listener
+    let bound = match TcpListener::bind(("127.0.0.1", 0)).await {
+        Ok(listener) => listener
             .local_addr()
-            .map_err(|e| RunError::Setup(e.to_string()))?
-    );
-    Ok((listener, url))
+            .map(|a| (listener, format!("http://{a}"))),
+        Err(e) => Err(e),
+    };
+    bound.map_err(|source| RunError::Start {
+        what: "binding 127.0.0.1".into(),
+        source,
+    })
 }
 
 async fn stopped(mut rx: watch::Receiver<bool>) {
@@ -71,9 +71,8 @@ async fn engine(
     stop: watch::Receiver<bool>,
 ) -> Result<String, RunError> {
     let dir = model_dir.to_path_buf();
-    let model = tokio::task::spawn_blocking(move || CausalLm::load(&dir, Kind::Float, device))
-        .await
-        .map_err(|e| RunError::Setup(e.to_string()))??;
+    let model =
+        tokio::task::spawn_blocking(move || CausalLm::load(&dir, Kind::Float, device)).await??;
     let name = model_dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
@@ -230,22 +229,19 @@ impl Stack {
             }
             _ => None,
         };
-        let agents = Arc::new(
-            AgentPool::new(
-                service,
-                cfg.agent
-                    .clone()
-                    .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?,
-                PoolOptions {
-                    concurrency: cfg.concurrency,
-                    timeout: cfg.episode_timeout,
-                    loopback_url,
-                    env_loop: cfg.env_loop.clone(),
-                    scratch_dir: scratch.to_path_buf(),
-                },
-            )
-            .map_err(|e| RunError::Setup(e.to_string()))?,
-        );
+        let agents = Arc::new(AgentPool::new(
+            service,
+            cfg.agent
+                .clone()
+                .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?,
+            PoolOptions {
+                concurrency: cfg.concurrency,
+                timeout: cfg.episode_timeout,
+                loopback_url,
+                env_loop: cfg.env_loop.clone(),
+                scratch_dir: scratch.to_path_buf(),
+            },
+        )?);
         Ok(Self {
             router_url,
             agents,

@@ -39,7 +39,10 @@ pub fn free_port() -> Result<u16, RunError> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|e| RunError::Setup(format!("finding a free port for vLLM: {e}")))
+        .map_err(|source| RunError::Start {
+            what: "finding a free port for vLLM".into(),
+            source,
+        })
 }
 
 /// The last `n` lines of `path`.
@@ -72,8 +75,7 @@ impl VllmProcess {
         // `vllm serve MODEL` takes the model as its first argument; the API server module (what
         // runs here: the console script of vLLM's CPU wheel does not start) wants `--model`.
         args.insert(0, "--model".into());
-        std::fs::create_dir_all(logs)
-            .map_err(|e| RunError::Io(format!("creating {}: {e}", logs.display())))?;
+        std::fs::create_dir_all(logs).map_err(|e| RunError::file("creating", &logs, e))?;
         let log = logs.join(format!("vllm-{index}.log"));
         console.phase(format!(
             "starting vLLM engine {index} (about a minute on a CPU; log: {})",
@@ -93,11 +95,10 @@ impl VllmProcess {
         cpu_threads: Option<usize>,
     ) -> Result<Self, RunError> {
         use std::os::unix::process::CommandExt;
-        let out = std::fs::File::create(log)
-            .map_err(|e| RunError::Io(format!("creating {}: {e}", log.display())))?;
+        let out = std::fs::File::create(log).map_err(|e| RunError::file("creating", &log, e))?;
         let err = out
             .try_clone()
-            .map_err(|e| RunError::Io(format!("{}: {e}", log.display())))?;
+            .map_err(|e| RunError::file("opening", &log, e))?;
         let python = python();
         let mut command = Command::new(&python);
         command

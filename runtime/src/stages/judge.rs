@@ -204,7 +204,7 @@ impl Judge {
                     .decode(ids, true)
                     .map_err(|e| RunError::Setup(format!("judge: decoding a reply: {e}")))?;
                 let prompt = fill_prompt(&self.opts.prompt, &group.task, &reply)
-                    .map_err(|e| RunError::Manifest(format!("spec.judge.prompt: {e}")))?;
+                    .map_err(|e| RunError::field("spec.judge.prompt", e))?;
                 asks.push(self.verdict(format!("judge-{step}-{g}-{e}"), prompt));
             }
         }

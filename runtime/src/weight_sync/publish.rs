@@ -51,7 +51,7 @@ pub enum Publisher {
 }
 
 impl Publisher {
-    /// The weight path `opts` asks for. Errors are [`RunError::Manifest`] (naming the spec field)
+    /// The weight path `opts` asks for. Errors are [`RunError::Field`] (naming the spec field)
     /// when the combination cannot work, [`RunError::Setup`] when the engines could not be
     /// reached (worth trying again).
     pub async fn connect(opts: &PublishOptions) -> Result<Self, RunError> {
@@ -65,9 +65,7 @@ impl Publisher {
             }
             WeightTransport::Filesystem => {
                 let folder = opts.folder.clone().ok_or_else(|| {
-                    RunError::Manifest(
-                        "spec.engines.weightTransfer.claimName: the Filesystem transport needs a folder that the trainer and every engine share (MOULT_WEIGHTS_DIR, where the operator mounts the claim)".into(),
-                    )
+                    RunError::field("spec.engines.weightTransfer.claimName", "the Filesystem transport needs a folder that the trainer and every engine share (MOULT_WEIGHTS_DIR, where the operator mounts the claim)")
                 })?;
                 Ok(Self::Filesystem(FolderPublisher::new(
                     &opts.target,
@@ -87,17 +85,13 @@ impl Publisher {
                 ordinal,
                 opts.engine_kind,
             )))),
-            other => Err(RunError::Manifest(format!(
-                "spec.engines.weightTransfer.transport: NCCL sends weights from a trainer on a GPU; this trainer runs on {other:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)"
-            ))),
+            other => Err(RunError::field("spec.engines.weightTransfer.transport", format!("NCCL sends weights from a trainer on a GPU; this trainer runs on {other:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)"))),
         }
     }
 
     #[cfg(not(feature = "cuda"))]
     fn nccl(_: &PublishOptions) -> Result<Self, RunError> {
-        Err(RunError::Manifest(
-            "spec.engines.weightTransfer.transport: NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)".into(),
-        ))
+        Err(RunError::field("spec.engines.weightTransfer.transport", "NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)"))
     }
 
     /// Pushes `weights` as `version` (pause `keep` with partial rollout, else `wait`).
@@ -194,9 +188,7 @@ pub fn engine_kind(
         "float32" | "float" => Ok(Kind::Float),
         "bfloat16" => Ok(Kind::BFloat16),
         "float16" | "half" => Ok(Kind::Half),
-        other => Err(RunError::Manifest(format!(
-            "spec.engines.extraArgs: --dtype {other} is not one moult can send weights in (float32, bfloat16, float16, auto)"
-        ))),
+        other => Err(RunError::field("spec.engines.extraArgs", format!("--dtype {other} is not one moult can send weights in (float32, bfloat16, float16, auto)"))),
     }
 }
 
