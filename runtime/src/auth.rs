@@ -8,9 +8,9 @@
 //! call without credentials; the coordinator also takes the agent credential on the routes an
 //! agent needs ([`AGENT_ROUTES`]: leasing and returning episodes, generating) and refuses it
 //! everywhere else (403). Every HTTP client of the process sends the process's credential. The
-//! weight stream's TCP handshake proves the run token both ways without sending it
-//! ([`crate::engine::weights`]). Without
-//! either variable (a local run on loopback) nothing is checked.
+//! weight stream's TCP handshake proves the run token both ways without sending it (comparing
+//! proofs with [`same_secret`]). Without either variable (a local run on loopback) nothing is
+//! checked.
 
 use std::sync::OnceLock;
 
@@ -19,7 +19,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
-use crate::engine::ApiError;
+use crate::serve::ApiError;
 
 /// The environment variable that holds the run token.
 pub const TOKEN_ENV: &str = "MOULT_TOKEN";

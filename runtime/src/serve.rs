@@ -2,17 +2,22 @@
 //! with a header-read timeout, so a client that opens a connection and never finishes its
 //! request headers is disconnected instead of holding the connection (and its task) forever.
 //! `axum::serve` sets no timer, which leaves hyper's timeout off. Shutdown is graceful: the
-//! listener closes, and running requests (streams included) finish.
+//! listener closes, and running requests (streams included) finish. Refusals are answered in one
+//! shape, vLLM's ([`ApiError`]), by the engine, the router, the coordinator and the credential
+//! check in front of each of them.
 
 use std::future::Future;
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use serde_json::json;
 use tower::ServiceExt;
 
 /// How long a client has to send a request's headers.
@@ -68,6 +73,76 @@ pub async fn serve_with(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// An error answered to an API client, in vLLM's JSON error shape:
+/// `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message} ({status})")]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    /// A retryable refusal (paused engine, full queue): 503 with `Retry-After`.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, message)
+    }
+
+    pub fn with_param(mut self, param: &str) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY => "BadRequestError",
+            StatusCode::UNAUTHORIZED => "AuthenticationError",
+            StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::CONFLICT => "ConflictError",
+            StatusCode::TOO_MANY_REQUESTS => "RateLimitError",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            StatusCode::NOT_IMPLEMENTED => "NotImplementedError",
+            _ => "InternalServerError",
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind(),
+                "param": self.param,
+                "code": self.status.as_u16(),
+            }
+        });
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if matches!(
+            self.status,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+        ) {
+            response
+                .headers_mut()
+                .insert("retry-after", HeaderValue::from_static("1"));
+        }
+        response
+    }
 }
 
 #[cfg(test)]

@@ -7,9 +7,47 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::client::ContentPart;
 use super::sampling::SamplingParams;
-use super::ApiError;
+use crate::serve::ApiError;
+
+/// A media item of a prompt, as vLLM's token-in `/inference/v1/generate` takes them beside the
+/// token ids (`content_parts`): `{"type": "image_url", "url": "data:image/png;base64,..."}`, one
+/// per image in prompt order, whose placeholder tokens the ids already hold (docs/vision.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub url: String,
+}
+
+impl ContentPart {
+    /// An image by its data URL.
+    pub fn image(data_url: &str) -> Self {
+        Self {
+            kind: "image_url".into(),
+            url: data_url.into(),
+        }
+    }
+}
+
+/// Why a generation ended: `finish_reason` in a response, and the label of vLLM's
+/// `request_success` metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Abort,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Abort => "abort",
+        }
+    }
+}
 
 /// `POST /inference/v1/generate`.
 #[derive(Debug, Deserialize)]

@@ -18,8 +18,10 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures::{Stream, StreamExt};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
+/// What a client sends beside the token ids (defined with the other wire shapes).
+pub use crate::engine::api::ContentPart;
 use crate::engine::api::{Choice, GenerateResponse, TokenLogprob};
 
 /// Errors of talking to the engine.
@@ -62,26 +64,6 @@ struct GenerateBody<'a, S> {
     content_parts: &'a [ContentPart],
     sampling_params: &'a S,
     stream: bool,
-}
-
-/// A media item of a prompt, as vLLM's token-in `/inference/v1/generate` takes them beside the
-/// token ids (`content_parts`): `{"type": "image_url", "url": "data:image/png;base64,..."}`, one
-/// per image in prompt order, whose placeholder tokens the ids already hold (docs/vision.md).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ContentPart {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub url: String,
-}
-
-impl ContentPart {
-    /// An image by its data URL.
-    pub fn image(data_url: &str) -> Self {
-        Self {
-            kind: "image_url".into(),
-            url: data_url.into(),
-        }
-    }
 }
 
 /// The largest generate request an engine (or a router in front of engines) takes: images travel

@@ -23,12 +23,12 @@ use axum::http::StatusCode;
 use tch::{Device, Kind};
 use tokio::sync::{mpsc, oneshot};
 
-use super::api::TokenLogprob;
+use super::api::{FinishReason, TokenLogprob};
 use super::metrics::EngineMetrics;
 use super::sampling::SamplingParams;
 use super::weights::StagedUpdate;
-use super::ApiError;
 use crate::model::{CausalLm, ImageInput};
+use crate::serve::ApiError;
 
 mod scheduler;
 
@@ -101,23 +101,6 @@ impl PauseMode {
             "wait" => Some(Self::Wait),
             "abort" => Some(Self::Abort),
             _ => None,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    Stop,
-    Length,
-    Abort,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Stop => "stop",
-            Self::Length => "length",
-            Self::Abort => "abort",
         }
     }
 }

@@ -19,14 +19,15 @@ use serde_json::json;
 use tokio::sync::{mpsc, Mutex};
 
 use super::api::{
-    AbortRequest, Choice, CollectiveRpc, FinishWeightUpdate, GenerateRequest, GenerateResponse,
-    InitWeightTransfer, Logprobs, UpdateWeightVersion, UpdateWeights, Usage, WeightVersionSpan,
+    AbortRequest, Choice, CollectiveRpc, ContentPart, FinishWeightUpdate, GenerateRequest,
+    GenerateResponse, InitWeightTransfer, Logprobs, UpdateWeightVersion, UpdateWeights, Usage,
+    WeightVersionSpan,
 };
-use super::client::{ContentPart, GENERATE_BODY_LIMIT};
+use super::client::GENERATE_BODY_LIMIT;
 use super::core::{EngineHandle, Event, ModelInfo, PauseMode};
 use super::weights::{connect, BucketLayout, StagedUpdate};
-use super::ApiError;
 use crate::model::{dtype_name, ImageInput};
+use crate::serve::ApiError;
 
 /// The weight-transfer session: the data-plane connection and the tensors received so far.
 #[derive(Debug, Default)]

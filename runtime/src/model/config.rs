@@ -14,9 +14,10 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::model::vl::config as vl_config;
-use crate::model::vl::VlConfig;
-use crate::model::{Error, Result};
+use super::mlp::Activation;
+use super::vl::config as vl_config;
+use super::vl::VlConfig;
+use super::{Error, Result};
 
 /// Which of the implemented model families a checkpoint is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,17 +40,6 @@ pub enum Architecture {
     /// (M-RoPE) and a vision tower whose merged patches replace the image placeholder tokens
     /// ([`ModelConfig::vl`], docs/vision.md).
     Qwen2_5Vl,
-}
-
-/// The MLP's gate activation (`hidden_act` / `hidden_activation`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// `silu`: SwiGLU.
-    Silu,
-    /// `gelu_pytorch_tanh`: GeGLU with the tanh approximation (Gemma).
-    GeluTanh,
-    /// `gelu`: GeGLU, exact.
-    Gelu,
 }
 
 /// How the rotary frequencies are scaled (`rope_scaling` / `rope_parameters`).
@@ -508,18 +498,17 @@ impl ModelConfig {
         let activation = match raw.hidden_activation.as_ref().or(raw.hidden_act.as_ref()) {
             None if gemma => Activation::GeluTanh,
             None => Activation::Silu,
-            Some(act) => match act.as_str() {
-                "silu" | "swish" => Activation::Silu,
-                "gelu_pytorch_tanh" => Activation::GeluTanh,
-                "gelu" => Activation::Gelu,
-                other => {
+            Some(act) => match Activation::from_config_name(act) {
+                Some(activation) => activation,
+                None => {
                     let field = if raw.hidden_activation.is_some() {
                         "hidden_activation"
                     } else {
                         "hidden_act"
                     };
                     return Err(Error::Config(format!(
-                        "`{field}: {other}` is not supported; supported: silu, gelu_pytorch_tanh, gelu"
+                        "`{field}: {act}` is not supported; supported: {}",
+                        Activation::SUPPORTED
                     )));
                 }
             },

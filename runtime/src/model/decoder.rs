@@ -19,10 +19,11 @@ use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
 
-use super::config::{Activation, ModelConfig};
+use super::config::ModelConfig;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
-use super::loader::load_safetensors_dir;
+use super::loader::{load_safetensors_dir, WeightTaker};
+use super::mlp::gated_mlp;
 use super::moe::{Expert, SparseMoe};
 use super::rope::{Rope, RopeAt};
 use super::vl::tower::VisionTower;
@@ -180,82 +181,6 @@ fn rms_norm_offset(x: &Tensor, weight: &Tensor, eps: f64) -> Tensor {
     rms_norm(&x.to_kind(Kind::Float), &scale, eps).to_kind(x.kind())
 }
 
-/// `down(act(gate(x)) ⊙ up(x))` (SwiGLU, or GeGLU for Gemma), with `gate` and `up` stacked in
-/// `gate_up`.
-pub(super) fn gated_mlp(x: &Tensor, gate_up: &Linear, down: &Linear, act: Activation) -> Tensor {
-    let gu = gate_up.forward(x);
-    let i = gu.size()[1] / 2;
-    let gate = gu.narrow(1, 0, i);
-    let gate = match act {
-        Activation::Silu => gate.silu(),
-        Activation::GeluTanh => gate.gelu("tanh"),
-        Activation::Gelu => gate.gelu("none"),
-    };
-    down.forward(&(gate * gu.narrow(1, i, i)))
-}
-
-/// Takes named weights out of the loaded map, checking each shape.
-pub(super) struct WeightTaker {
-    map: BTreeMap<String, Tensor>,
-    taken: BTreeMap<String, Tensor>,
-}
-
-impl WeightTaker {
-    pub(super) fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let tensor = self.map.remove(name).ok_or_else(|| Error::Weight {
-            name: name.into(),
-            message: "missing from the checkpoint".into(),
-        })?;
-        let expected: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-        if tensor.size() != expected {
-            return Err(Error::Weight {
-                name: name.into(),
-                message: format!(
-                    "has shape {:?}, the config implies {expected:?}",
-                    tensor.size()
-                ),
-            });
-        }
-        self.taken.insert(name.to_string(), tensor.shallow_clone());
-        Ok(tensor)
-    }
-
-    /// [`WeightTaker::take`] when the config says the weight exists (a bias, a norm).
-    fn take_if(&mut self, present: bool, name: &str, shape: &[usize]) -> Result<Option<Tensor>> {
-        present.then(|| self.take(name, shape)).transpose()
-    }
-
-    /// [`WeightTaker::take_stacked`] when the config says the weights exist.
-    fn take_stacked_if<const N: usize>(
-        &mut self,
-        present: bool,
-        parts: &[(String, [usize; N])],
-    ) -> Result<Option<Tensor>> {
-        present.then(|| self.take_stacked(parts)).transpose()
-    }
-
-    /// Takes several `[rows_i, ...]` weights (or biases) and stacks them into one
-    /// `[Σ rows_i, ...]` tensor; each name then refers to its rows of the stack.
-    pub(super) fn take_stacked<const N: usize>(
-        &mut self,
-        parts: &[(String, [usize; N])],
-    ) -> Result<Tensor> {
-        let tensors = parts
-            .iter()
-            .map(|(name, shape)| self.take(name, shape))
-            .collect::<Result<Vec<_>>>()?;
-        let stacked = Tensor::cat(&tensors, 0);
-        let mut offset = 0;
-        for (name, shape) in parts {
-            let rows = shape[0] as i64;
-            self.taken
-                .insert(name.clone(), stacked.narrow(0, offset, rows));
-            offset += rows;
-        }
-        Ok(stacked)
-    }
-}
-
 impl CausalLm {
     /// Loads `config.json` and the safetensors weights of a model folder.
     /// A vision-language model also reads the folder's `preprocessor_config.json` when there
@@ -278,10 +203,7 @@ impl CausalLm {
         let c = &cfg;
         let (h, d) = (c.hidden_size, c.head_dim);
         let (q_dim, kv_dim) = (c.num_attention_heads * d, c.num_key_value_heads * d);
-        let mut w = WeightTaker {
-            map: weights,
-            taken: BTreeMap::new(),
-        };
+        let mut w = WeightTaker::new(weights);
         let embed_tokens = w.take("model.embed_tokens.weight", &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {

@@ -109,3 +109,79 @@ pub fn load_safetensors_dir(
     }
     Ok(out)
 }
+
+/// Takes named weights out of the loaded map, checking each shape.
+pub(super) struct WeightTaker {
+    /// The weights not taken yet: empty once a model has used the whole checkpoint.
+    pub(super) map: BTreeMap<String, Tensor>,
+    /// The weights taken, by name (a stacked part as its rows of the stack).
+    pub(super) taken: BTreeMap<String, Tensor>,
+}
+
+impl WeightTaker {
+    pub(super) fn new(map: BTreeMap<String, Tensor>) -> Self {
+        Self {
+            map,
+            taken: BTreeMap::new(),
+        }
+    }
+
+    pub(super) fn take(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let tensor = self.map.remove(name).ok_or_else(|| Error::Weight {
+            name: name.into(),
+            message: "missing from the checkpoint".into(),
+        })?;
+        let expected: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        if tensor.size() != expected {
+            return Err(Error::Weight {
+                name: name.into(),
+                message: format!(
+                    "has shape {:?}, the config implies {expected:?}",
+                    tensor.size()
+                ),
+            });
+        }
+        self.taken.insert(name.to_string(), tensor.shallow_clone());
+        Ok(tensor)
+    }
+
+    /// [`WeightTaker::take`] when the config says the weight exists (a bias, a norm).
+    pub(super) fn take_if(
+        &mut self,
+        present: bool,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<Tensor>> {
+        present.then(|| self.take(name, shape)).transpose()
+    }
+
+    /// [`WeightTaker::take_stacked`] when the config says the weights exist.
+    pub(super) fn take_stacked_if<const N: usize>(
+        &mut self,
+        present: bool,
+        parts: &[(String, [usize; N])],
+    ) -> Result<Option<Tensor>> {
+        present.then(|| self.take_stacked(parts)).transpose()
+    }
+
+    /// Takes several `[rows_i, ...]` weights (or biases) and stacks them into one
+    /// `[Σ rows_i, ...]` tensor; each name then refers to its rows of the stack.
+    pub(super) fn take_stacked<const N: usize>(
+        &mut self,
+        parts: &[(String, [usize; N])],
+    ) -> Result<Tensor> {
+        let tensors = parts
+            .iter()
+            .map(|(name, shape)| self.take(name, shape))
+            .collect::<Result<Vec<_>>>()?;
+        let stacked = Tensor::cat(&tensors, 0);
+        let mut offset = 0;
+        for (name, shape) in parts {
+            let rows = shape[0] as i64;
+            self.taken
+                .insert(name.clone(), stacked.narrow(0, offset, rows));
+            offset += rows;
+        }
+        Ok(stacked)
+    }
+}

@@ -13,6 +13,7 @@ mod decoder;
 mod kv_cache;
 mod linear;
 mod loader;
+mod mlp;
 mod moe;
 mod rope;
 mod vl;

@@ -12,9 +12,8 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::config::Activation;
-use super::decoder::gated_mlp;
 use super::linear::Linear;
+use super::mlp::{gated_mlp, Activation};
 use super::{Error, Result};
 
 #[derive(Debug)]

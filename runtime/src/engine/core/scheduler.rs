@@ -11,14 +11,14 @@ use rand_chacha::ChaCha8Rng;
 use tch::{Device, Kind};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Command, EngineOptions, EngineStatus, Event, FinishReason, Job, PauseMode};
-use crate::engine::api::{PromptLogprobs, RankedLogprob, TokenLogprob, TopLogprob};
+use super::{Command, EngineOptions, EngineStatus, Event, Job, PauseMode};
+use crate::engine::api::{FinishReason, PromptLogprobs, RankedLogprob, TokenLogprob, TopLogprob};
 use crate::engine::metrics::EngineMetrics;
 use crate::engine::npy::encode_routed_experts;
 use crate::engine::sampling::sample;
 use crate::engine::weights::StagedUpdate;
-use crate::engine::ApiError;
 use crate::model::{CausalLm, KvCache, LogitsFor, SeqInput};
+use crate::serve::ApiError;
 
 enum PauseState {
     Running,

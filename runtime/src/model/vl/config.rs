@@ -9,7 +9,7 @@
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use crate::model::config::Activation;
+use crate::model::mlp::Activation;
 use crate::model::{Error, Result};
 
 /// The vision tower of Qwen2.5-VL (transformers' `Qwen2_5_VLVisionConfig`).
@@ -224,15 +224,12 @@ fn vision_config(value: Option<&Value>) -> Result<VisionConfig> {
             "`vision_config.fullatt_block_indexes` names block {bad}, but the tower has {depth} (`depth`)"
         )));
     }
-    let activation = match raw.hidden_act.as_deref().unwrap_or("silu") {
-        "silu" | "swish" => Activation::Silu,
-        "gelu_pytorch_tanh" => Activation::GeluTanh,
-        "gelu" => Activation::Gelu,
-        other => {
-            return Err(Error::Config(format!(
-                "`vision_config.hidden_act: {other}` is not supported; supported: silu, gelu_pytorch_tanh, gelu"
-            )))
-        }
+    let hidden_act = raw.hidden_act.as_deref().unwrap_or("silu");
+    let Some(activation) = Activation::from_config_name(hidden_act) else {
+        return Err(Error::Config(format!(
+            "`vision_config.hidden_act: {hidden_act}` is not supported; supported: {}",
+            Activation::SUPPORTED
+        )));
     };
     let mut rope_theta = 10_000.0;
     if let Some(params) = raw.rope_parameters.as_ref().filter(|v| !v.is_null()) {

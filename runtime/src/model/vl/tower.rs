@@ -19,8 +19,9 @@
 use tch::{Kind, Tensor};
 
 use super::config::VisionConfig;
-use crate::model::decoder::{gated_mlp, WeightTaker};
 use crate::model::linear::Linear;
+use crate::model::loader::WeightTaker;
+use crate::model::mlp::gated_mlp;
 use crate::model::{Error, Result};
 use crate::vision::ProcessedImage;
 
@@ -342,7 +343,7 @@ mod tests {
             fullatt_block_indexes: vec![],
             out_hidden_size: 8,
             in_channels: 3,
-            activation: crate::model::config::Activation::Silu,
+            activation: crate::model::mlp::Activation::Silu,
             rope_theta: 10000.0,
         };
         VisionTower {
