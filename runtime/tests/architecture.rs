@@ -14,7 +14,7 @@ use std::{fs, path::Path};
 /// The rooms of `runtime/src` (a top-level folder, or a file `x.rs` as room `x`) by layer,
 /// lowest first. A room missing here fails the test: a new room is placed deliberately.
 const LAYERS: &str = "serve init < auth < vision dist < model < chat < engine < algorithms router
-    < trainer loopback < agents weight_sync < rollout < config < records < stages < learner
+    < trainer loopback < agents weight_sync < rollout < error < config < records < stages < learner
     < local cluster";
 
 /// A module's path from the crate root (`["engine", "core"]`; the root is `[]`).
