@@ -10,9 +10,13 @@
 //! finishes and returns its running episodes for up to 25 s.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 
 use super::protocol::Lease;
 use super::{env_path, post_json, retry};
@@ -37,11 +41,11 @@ pub struct AgentsProcessOptions {
     pub metrics_addr: String,
 }
 
-#[derive(Debug, Default)]
+/// This pod's `/metrics`: episodes finished, by status, and running.
+#[derive(Debug, Clone, Default)]
 struct Counts {
-    completed: AtomicU64,
-    failed: AtomicU64,
-    running: AtomicU64,
+    finished: Family<[(&'static str, &'static str); 1], Counter>,
+    running: Gauge,
 }
 
 /// Runs the agent pod's workers until `shutdown`.
@@ -126,19 +130,25 @@ pub async fn run(
         )
         .map_err(|e| setup(&e))?,
     );
-    let counts = Arc::new(Counts::default());
-    let metrics = {
-        let c = counts.clone();
-        Arc::new(move || {
-            format!(
-                "# HELP moult_agents_episodes Episodes finished by this pod.\n# TYPE moult_agents_episodes counter\nmoult_agents_episodes_total{{status=\"completed\"}} {}\nmoult_agents_episodes_total{{status=\"failed\"}} {}\n# HELP moult_agents_running Episodes running in this pod.\n# TYPE moult_agents_running gauge\nmoult_agents_running {}\n# EOF\n",
-                c.completed.load(Ordering::Relaxed),
-                c.failed.load(Ordering::Relaxed),
-                c.running.load(Ordering::Relaxed),
-            )
-        })
-    };
-    super::serve_health(&opts.metrics_addr, metrics, stopped(stop_rx.clone())).await?;
+    let counts = Counts::default();
+    let mut registry = Registry::default();
+    let (finished, running) = (counts.finished.clone(), counts.running.clone());
+    registry.register(
+        "moult_agents_episodes",
+        "Episodes finished by this pod",
+        finished,
+    );
+    registry.register(
+        "moult_agents_running",
+        "Episodes running in this pod",
+        running,
+    );
+    super::serve_health(
+        &opts.metrics_addr,
+        Arc::new(registry),
+        stopped(stop_rx.clone()),
+    )
+    .await?;
     eprintln!(
         "moult agents: {} episodes at once for {}, loopback {loopback_url}, coordinator {coordinator}",
         concurrency, cfg.name
@@ -188,14 +198,14 @@ pub async fn run(
                     _ = draining.wait_for(|d| *d) => return,
                 };
                 held.lock().expect("lease set").insert(lease.lease);
-                counts.running.fetch_add(1, Ordering::Relaxed);
+                counts.running.inc();
                 let episode = pool.episode(lease.index, lease.task, lease.sampling).await;
-                counts.running.fetch_sub(1, Ordering::Relaxed);
-                match episode.status {
-                    EpisodeStatus::Completed => &counts.completed,
-                    EpisodeStatus::Failed => &counts.failed,
-                }
-                .fetch_add(1, Ordering::Relaxed);
+                counts.running.dec();
+                let status = match episode.status {
+                    EpisodeStatus::Completed => "completed",
+                    EpisodeStatus::Failed => "failed",
+                };
+                counts.finished.get_or_create(&[("status", status)]).inc();
                 let url = format!("{coordinator}/v1/agents/episodes/{}", lease.lease);
                 let answer = retry(&format!("returning episode {}", lease.index), || {
                     post_json(&http, &url, &episode)
@@ -219,7 +229,7 @@ pub async fn run(
     // Drain: lease nothing more, finish and return the episodes running (for a while; what is
     // still running then is abandoned, and its leases expire and go to other pods).
     let _ = draining.0.send(true);
-    let running = counts.running.load(Ordering::Relaxed);
+    let running = counts.running.get();
     eprintln!("moult agents: stopping; finishing {running} running episodes");
     let drained = tokio::time::timeout(DRAIN_FOR, async {
         while workers.join_next().await.is_some() {}

@@ -457,16 +457,10 @@ async fn health() -> &'static str {
     "ok"
 }
 
-async fn prometheus(State(c): Shared) -> Response {
-    use prometheus_client::metrics::gauge::Gauge;
+async fn prometheus(State(c): Shared) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     server::register_metrics(&c.router, &mut registry);
     let s = c.status();
-    let gauge = |v: u64| {
-        let g: Gauge = Gauge::default();
-        g.set(v as i64);
-        g
-    };
     for (name, help, value) in [
         ("moult_step", "Training steps committed", s.step),
         (
@@ -515,13 +509,9 @@ async fn prometheus(State(c): Shared) -> Response {
             s.trainer_restarts,
         ),
     ] {
-        registry.register(name, help, gauge(value));
+        super::gauge(&mut registry, name, help).set(value as f64);
     }
-    let mut text = String::new();
-    match prometheus_client::encoding::text::encode(&mut text, &registry) {
-        Ok(()) => text.into_response(),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e),
-    }
+    super::encode(&registry)
 }
 
 /// The run's namespace: the manifest's, else the pod's (`POD_NAMESPACE`), else `default`.

@@ -29,6 +29,7 @@ pub mod trainer;
 use std::path::{Path, PathBuf};
 
 use moult_operator::api::RLRun;
+use prometheus_client::registry::Registry;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -108,10 +109,28 @@ pub(crate) fn coordinator_client() -> reqwest::Client {
         .expect("an HTTP client with default settings builds")
 }
 
+/// A gauge of a role's `/metrics` (prometheus-client's, shared by its clones).
+pub(crate) type Gauge = prometheus_client::metrics::gauge::Gauge<f64, std::sync::atomic::AtomicU64>;
+
+/// Registers a new gauge `name` in `registry`; the gauge to set.
+pub(crate) fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge {
+    let gauge = Gauge::default();
+    registry.register(name, help, gauge.clone());
+    gauge
+}
+
+/// `registry` as Prometheus text.
+pub(crate) fn encode(registry: &Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry)
+        .expect("writing to a String cannot fail");
+    text
+}
+
 /// The `/health` and `/metrics` server of a role that serves nothing else (trainer, agents).
 pub(crate) async fn serve_health(
     addr: &str,
-    metrics: Arc<dyn Fn() -> String + Send + Sync>,
+    metrics: Arc<Registry>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     use axum::routing::get;
@@ -123,7 +142,7 @@ pub(crate) async fn serve_health(
         })?;
     let app = axum::Router::new()
         .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(move || async move { metrics() }));
+        .route("/metrics", get(move || async move { encode(&metrics) }));
     tokio::spawn(async move {
         let _ = crate::serve::serve(listener, crate::auth::protect(app), shutdown).await;
     });

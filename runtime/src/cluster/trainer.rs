@@ -11,14 +11,14 @@
 //! on. Every call to the coordinator is retried until it answers.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use prometheus_client::registry::Registry;
 use tch::Device;
 
 use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, Version};
-use super::{env_path, env_var, post_json, retry, CallError};
+use super::{env_path, env_var, post_json, retry, CallError, Gauge};
 use crate::config::Sources;
 use crate::dist::Rendezvous;
 use crate::error::RunError;
@@ -29,8 +29,34 @@ use crate::rollout::RolloutState;
 use crate::stages::{self, StepBatch};
 use crate::weight_sync::publish::{engine_kind, PublishOptions};
 
-/// Step, version, and the last step's busy fractions of trainer and engines (f64 bits).
-type Gauges = [AtomicU64; 4];
+/// The trainer's `/metrics`.
+struct Gauges {
+    step: Gauge,
+    version: Gauge,
+    busy: Gauge,
+    engine_busy: Gauge,
+}
+
+impl Gauges {
+    fn register(registry: &mut Registry) -> Self {
+        let mut gauge = |name, help| super::gauge(registry, name, help);
+        Self {
+            step: gauge("moult_trainer_step", "Training steps done"),
+            version: gauge(
+                "moult_trainer_policy_version",
+                "Version of the weights last published",
+            ),
+            busy: gauge(
+                "moult_trainer_busy_fraction",
+                "Fraction of the last step's wall-clock the trainer computed",
+            ),
+            engine_busy: gauge(
+                "moult_trainer_engine_busy_fraction",
+                "Fraction of the last step's wall-clock the engines had work",
+            ),
+        }
+    }
+}
 
 /// How often the trainer looks for an engine that missed the last weight update.
 const BEHIND_POLL: Duration = Duration::from_secs(5);
@@ -166,12 +192,16 @@ async fn follow(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let rank = rendezvous.rank;
-    let metrics = Arc::new(move || {
-        format!("# HELP moult_trainer_rank This pod's trainer rank.\n# TYPE moult_trainer_rank gauge\nmoult_trainer_rank {rank}\n# EOF\n")
-    });
+    let mut metrics = Registry::default();
+    super::gauge(
+        &mut metrics,
+        "moult_trainer_rank",
+        "This pod's trainer rank",
+    )
+    .set(rank as f64);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stopped = stop_rx.clone();
-    super::serve_health(&opts.metrics_addr, metrics, async move {
+    super::serve_health(&opts.metrics_addr, Arc::new(metrics), async move {
         let _ = stopped.wait_for(|s| *s).await;
     })
     .await?;
@@ -298,23 +328,11 @@ pub async fn run(
     // Checkpoints and metrics of this run, on the checkpoint volume.
     let out = env_path("MOULT_CHECKPOINTS").map(|root| root.join(&cfg.name));
     let ckpt_root = out.as_ref().map(|o| o.join("checkpoints"));
-    let gauges: Arc<Gauges> = Arc::new([const { AtomicU64::new(0) }; 4]);
-    let metrics = {
-        let g = gauges.clone();
-        Arc::new(move || {
-            let fraction = |a: &AtomicU64| f64::from_bits(a.load(Ordering::Relaxed));
-            format!(
-                "# HELP moult_trainer_step Training steps done.\n# TYPE moult_trainer_step gauge\nmoult_trainer_step {}\n# HELP moult_trainer_policy_version Version of the weights last published.\n# TYPE moult_trainer_policy_version gauge\nmoult_trainer_policy_version {}\n# HELP moult_trainer_busy_fraction Fraction of the last step's wall-clock the trainer computed.\n# TYPE moult_trainer_busy_fraction gauge\nmoult_trainer_busy_fraction {}\n# HELP moult_trainer_engine_busy_fraction Fraction of the last step's wall-clock the engines had work.\n# TYPE moult_trainer_engine_busy_fraction gauge\nmoult_trainer_engine_busy_fraction {}\n# EOF\n",
-                g[0].load(Ordering::Relaxed),
-                g[1].load(Ordering::Relaxed),
-                fraction(&g[2]),
-                fraction(&g[3]),
-            )
-        })
-    };
+    let mut metrics = Registry::default();
+    let gauges = Gauges::register(&mut metrics);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut stopped = stop_rx.clone();
-    super::serve_health(&opts.metrics_addr, metrics, async move {
+    super::serve_health(&opts.metrics_addr, Arc::new(metrics), async move {
         let _ = stopped.wait_for(|s| *s).await;
     })
     .await?;
@@ -343,7 +361,7 @@ pub async fn run(
     }
     // The engines hold weights for as long as a cluster needs: keep trying while they come back.
     learner.publish_tries = 20;
-    gauges[0].store(learner.step(), Ordering::Relaxed);
+    gauges.step.set(learner.step() as f64);
     eprintln!(
         "moult trainer: {} from step {} of {}; coordinator {}",
         cfg.name,
@@ -455,7 +473,7 @@ impl<S: std::future::Future<Output = ()>> CoordinatorSteps<'_, S> {
                 .coordinator
                 .post("/v1/trainer/published", &Version { version })
                 .await;
-            self.gauges[1].store(version, Ordering::Relaxed);
+            self.gauges.version.set(version as f64);
             eprintln!(
                 "moult trainer: engines serve the weights of step {step} as version {version}"
             );
@@ -512,8 +530,8 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
     async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<(), RunError> {
         let Trained { record, checkpoint } = trained;
         let (step, version) = (record.step, record.policy_version);
-        self.gauges[2].store(record.trainer_busy_fraction.to_bits(), Ordering::Relaxed);
-        self.gauges[3].store(record.engine_busy_fraction.to_bits(), Ordering::Relaxed);
+        self.gauges.busy.set(record.trainer_busy_fraction);
+        self.gauges.engine_busy.set(record.engine_busy_fraction);
         let checkpoint = checkpoint.map(|dir| CheckpointRef {
             step,
             path: dir.display().to_string(),
@@ -525,8 +543,8 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
             checkpoint,
         };
         let _: serde_json::Value = self.coordinator.post("/v1/trainer/commit", &commit).await;
-        self.gauges[0].store(step, Ordering::Relaxed);
-        self.gauges[1].store(version, Ordering::Relaxed);
+        self.gauges.step.set(step as f64);
+        self.gauges.version.set(version as f64);
         self.published = Some(version);
         Ok(())
     }
