@@ -164,6 +164,7 @@ pub(crate) enum CallError {
         status: reqwest::StatusCode,
         body: String,
     },
+    #[cfg(feature = "torch")]
     #[error("{url}: unexpected answer: {source}")]
     Answer {
         url: String,

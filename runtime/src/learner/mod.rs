@@ -180,7 +180,7 @@ impl Learner {
 
     /// Writes every step record to `<out>/metrics.jsonl` from now on.
     pub fn log_to(&mut self, out: &Path) -> Result<(), RunError> {
-        std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", &out, e))?;
+        std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", out, e))?;
         self.log = Some(MetricsLog::open(out, self.step)?);
         Ok(())
     }

@@ -86,7 +86,7 @@ pub async fn run(
 ) -> Result<Summary, RunError> {
     let started = Instant::now();
     let out = &opts.out;
-    std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", &out, e))?;
+    std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", out, e))?;
     let console = &opts.console;
     // The status line's ticker ends with the run.
     let _ticker = crate::AbortOnDrop(console.tick());

@@ -75,7 +75,7 @@ impl VllmProcess {
         // `vllm serve MODEL` takes the model as its first argument; the API server module (what
         // runs here: the console script of vLLM's CPU wheel does not start) wants `--model`.
         args.insert(0, "--model".into());
-        std::fs::create_dir_all(logs).map_err(|e| RunError::file("creating", &logs, e))?;
+        std::fs::create_dir_all(logs).map_err(|e| RunError::file("creating", logs, e))?;
         let log = logs.join(format!("vllm-{index}.log"));
         console.phase(format!(
             "starting vLLM engine {index} (about a minute on a CPU; log: {})",
@@ -95,10 +95,10 @@ impl VllmProcess {
         cpu_threads: Option<usize>,
     ) -> Result<Self, RunError> {
         use std::os::unix::process::CommandExt;
-        let out = std::fs::File::create(log).map_err(|e| RunError::file("creating", &log, e))?;
+        let out = std::fs::File::create(log).map_err(|e| RunError::file("creating", log, e))?;
         let err = out
             .try_clone()
-            .map_err(|e| RunError::file("opening", &log, e))?;
+            .map_err(|e| RunError::file("opening", log, e))?;
         let python = python();
         let mut command = Command::new(&python);
         command

@@ -245,7 +245,7 @@ fn append_line<T: Serialize>(path: &Path, item: &T) -> Result<(), RunError> {
         .append(true)
         .open(path)
         .and_then(|mut f| f.write_all(&line))
-        .map_err(|e| RunError::file("writing", &path, e))
+        .map_err(|e| RunError::file("writing", path, e))
 }
 
 fn clock(d: Duration) -> String {

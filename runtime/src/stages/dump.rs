@@ -40,7 +40,7 @@ fn file_name(step: u64) -> String {
 
 /// Writes `batch` to `<dir>/step-NNNNNN.json` (whole or not at all).
 pub fn write(dir: &Path, batch: &StepBatch) -> Result<(), RunError> {
-    std::fs::create_dir_all(dir).map_err(|e| RunError::file("creating", &dir, e))?;
+    std::fs::create_dir_all(dir).map_err(|e| RunError::file("creating", dir, e))?;
     let bytes = serde_json::to_vec(batch).expect("a batch serializes");
     write_atomic(&dir.join(file_name(batch.step)), &bytes)
 }
@@ -87,7 +87,7 @@ pub fn steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>, RunError> {
 
 /// Reads one dump back as the batch it was.
 pub fn read(path: &Path) -> Result<StepBatch, RunError> {
-    let bytes = std::fs::read(path).map_err(|e| RunError::file("reading", &path, e))?;
+    let bytes = std::fs::read(path).map_err(|e| RunError::file("reading", path, e))?;
     serde_json::from_slice(&bytes)
         .map_err(|e| RunError::Setup(format!("{} is not a rollout dump: {e}", path.display())))
 }
