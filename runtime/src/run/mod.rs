@@ -55,11 +55,25 @@ pub enum RunError {
     Model(#[from] crate::model::Error),
     #[cfg(feature = "torch")]
     #[error("weight sync: {0}")]
-    Sync(#[from] crate::weight_sync::orchestrate::SyncError),
+    Sync(crate::weight_sync::SyncError),
     #[error("checkpoint: {0}")]
     Checkpoint(String),
     #[error("{0}")]
     Io(String),
+}
+
+#[cfg(feature = "torch")]
+impl From<crate::weight_sync::SyncError> for RunError {
+    /// A manifest asking for what cannot work is the manifest's error; a weight path that could
+    /// not be opened is a setup error (worth trying again); the rest failed a sync.
+    fn from(e: crate::weight_sync::SyncError) -> Self {
+        use crate::weight_sync::SyncError;
+        match e {
+            SyncError::Manifest { .. } => Self::Manifest(e.to_string()),
+            SyncError::Setup(e) => Self::Setup(e.to_string()),
+            e => Self::Sync(e),
+        }
+    }
 }
 
 /// The dataset in the run's fixed order (a seeded shuffle, so a resumed run's cursor means the
