@@ -69,7 +69,7 @@ impl From<crate::weight_sync::SyncError> for RunError {
     fn from(e: crate::weight_sync::SyncError) -> Self {
         use crate::weight_sync::SyncError;
         match e {
-            SyncError::Manifest { .. } => Self::Manifest(e.to_string()),
+            SyncError::Manifest(..) => Self::Manifest(e.to_string()),
             SyncError::Setup(e) => Self::Setup(e.to_string()),
             e => Self::Sync(e),
         }

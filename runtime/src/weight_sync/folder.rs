@@ -231,10 +231,7 @@ impl FolderPublisher {
                     tracing::warn!("reloading weights from {}: {e}; again", dir.display());
                     tokio::time::sleep(Duration::from_millis(500 * tries as u64)).await;
                 }
-                Err(source) => {
-                    let step = "collective_rpc reload_weights";
-                    return Err(SyncError::Call { step, source });
-                }
+                Err(e) => return Err(SyncError::Call("collective_rpc reload_weights", e)),
             }
         }
     }

@@ -37,31 +37,20 @@ type Cause = Box<dyn std::error::Error + Send + Sync>;
 /// ([`SyncError::Setup`], worth trying again).
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
-    /// An engine-API call (to the router, a coordinator or an engine) failed.
-    #[error("weight sync, {step}: {source}")]
-    Call {
-        step: &'static str,
-        #[source]
-        source: CallError,
-    },
-    /// A step of the data plane failed (listening, accepting, sending, connecting, writing).
-    #[error("weight sync, {step}: {source}")]
-    Failed {
-        step: &'static str,
-        #[source]
-        source: Cause,
-    },
-    #[error("weight sync, listen: {bind}: {source}")]
-    Listen {
-        bind: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// An engine-API call (to the router, a coordinator or an engine) failed at a step.
+    #[error("weight sync, {0}: {1}")]
+    Call(&'static str, #[source] CallError),
+    /// A step of the data plane failed (accepting, sending, connecting).
+    #[error("weight sync, {0}: {1}")]
+    Failed(&'static str, #[source] Cause),
+    /// Listening on an address failed.
+    #[error("weight sync, listen: {0}: {1}")]
+    Listen(String, #[source] std::io::Error),
+    /// Writing a version folder failed: what was done, to which path.
     #[error("weight sync, write: {what} {}: {source}", path.display())]
     Write {
         what: &'static str,
         path: PathBuf,
-        #[source]
         source: Cause,
     },
     #[error("weight sync, gather: the trainer stopped before it had gathered every weight (its log says why)")]
@@ -76,41 +65,31 @@ pub enum SyncError {
     /// An NCCL update failed after the engines began loading: they stay paused.
     #[error("weight sync, nccl: {0} (engines stay paused until an update completes)")]
     Held(Box<SyncError>),
-    /// The manifest asks for a combination that cannot work; `field` is the spec field to change.
-    #[error("{field}: {reason}")]
-    Manifest { field: &'static str, reason: String },
+    /// The manifest asks for a combination that cannot work: the spec field to change, and why.
+    #[error("{0}: {1}")]
+    Manifest(&'static str, String),
     /// The weight path could not be opened (the engines could not be reached).
     #[error("{0}")]
     Setup(Box<SyncError>),
 }
 
 impl SyncError {
-    /// `step` failed with `source`.
+    /// `step` failed with the error it is given.
     pub(crate) fn at<E: std::error::Error + Send + Sync + 'static>(
         step: &'static str,
     ) -> impl FnOnce(E) -> Self {
-        move |e| Self::Failed {
-            step,
-            source: Box::new(e),
-        }
+        move |e| Self::Failed(step, Box::new(e))
     }
 }
 
-/// An engine-API call that failed: its URL, and the refusal or why it did not arrive.
+/// An engine-API call that failed: its URL, and why it did not arrive or the status and body of
+/// the refusal.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
-    #[error("{url}: {source}")]
-    Unreachable {
-        url: String,
-        #[source]
-        source: reqwest::Error,
-    },
-    #[error("{url}: {status} {body}")]
-    Refused {
-        url: String,
-        status: reqwest::StatusCode,
-        body: String,
-    },
+    #[error("{0}: {1}")]
+    Unreachable(String, #[source] reqwest::Error),
+    #[error("{0}: {1} {2}")]
+    Refused(String, reqwest::StatusCode, String),
 }
 
 /// What one update cost.
@@ -155,12 +134,12 @@ impl Control {
         }
         let r = match req.send().await {
             Ok(r) => r,
-            Err(source) => return Err(CallError::Unreachable { url, source }),
+            Err(e) => return Err(CallError::Unreachable(url, e)),
         };
         let status = r.status();
         let body = r.text().await.unwrap_or_default();
         if !status.is_success() {
-            return Err(CallError::Refused { url, status, body });
+            return Err(CallError::Refused(url, status, body));
         }
         Ok(serde_json::from_str(&body).unwrap_or(Value::Null))
     }
@@ -175,7 +154,7 @@ impl Control {
     ) -> Result<Value, SyncError> {
         self.request(method, path, body)
             .await
-            .map_err(|source| SyncError::Call { step, source })
+            .map_err(|e| SyncError::Call(step, e))
     }
 
     /// `POST /<step>` with `body`.

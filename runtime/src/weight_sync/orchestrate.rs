@@ -66,10 +66,7 @@ impl WeightSync {
     pub async fn connect_tcp(&mut self, bind: &str, advertise: &str) -> Result<(), SyncError> {
         self.sender = None;
         let engines = self.world_size().await?;
-        let listen = |source| SyncError::Listen {
-            bind: bind.to_string(),
-            source,
-        };
+        let listen = |e| SyncError::Listen(bind.to_string(), e);
         let listener = WeightListener::bind(bind).map_err(listen)?;
         let port = listener.local_addr().map_err(listen)?.port();
         let accept = tokio::task::spawn_blocking(move || listener.accept(engines));

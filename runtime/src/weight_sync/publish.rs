@@ -64,10 +64,10 @@ impl Publisher {
                 Ok(Self::Tcp(sync))
             }
             WeightTransport::Filesystem => {
-                let folder = opts.folder.clone().ok_or_else(|| SyncError::Manifest {
-                    field: "spec.engines.weightTransfer.claimName",
-                    reason: "the Filesystem transport needs a folder that the trainer and every engine share (MOULT_WEIGHTS_DIR, where the operator mounts the claim)".into(),
-                })?;
+                let folder = opts.folder.clone().ok_or_else(|| SyncError::Manifest(
+                    "spec.engines.weightTransfer.claimName",
+                    "the Filesystem transport needs a folder that the trainer and every engine share (MOULT_WEIGHTS_DIR, where the operator mounts the claim)".into(),
+                ))?;
                 Ok(Self::Filesystem(FolderPublisher::new(
                     &opts.target,
                     folder,
@@ -86,19 +86,19 @@ impl Publisher {
                 ordinal,
                 opts.engine_kind,
             )))),
-            other => Err(SyncError::Manifest {
-                field: "spec.engines.weightTransfer.transport",
-                reason: format!("NCCL sends weights from a trainer on a GPU; this trainer runs on {other:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)"),
-            }),
+            other => Err(SyncError::Manifest(
+                "spec.engines.weightTransfer.transport",
+                format!("NCCL sends weights from a trainer on a GPU; this trainer runs on {other:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)"),
+            )),
         }
     }
 
     #[cfg(not(feature = "cuda"))]
     fn nccl(_: &PublishOptions) -> Result<Self, SyncError> {
-        Err(SyncError::Manifest {
-            field: "spec.engines.weightTransfer.transport",
-            reason: "NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)".into(),
-        })
+        Err(SyncError::Manifest(
+            "spec.engines.weightTransfer.transport",
+            "NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)".into(),
+        ))
     }
 
     /// Pushes `weights` as `version` (pause `keep` with partial rollout, else `wait`).
@@ -195,10 +195,10 @@ pub fn engine_kind(
         "float32" | "float" => Ok(Kind::Float),
         "bfloat16" => Ok(Kind::BFloat16),
         "float16" | "half" => Ok(Kind::Half),
-        other => Err(SyncError::Manifest {
-            field: "spec.engines.extraArgs",
-            reason: format!("--dtype {other} is not one moult can send weights in (float32, bfloat16, float16, auto)"),
-        }),
+        other => Err(SyncError::Manifest(
+            "spec.engines.extraArgs",
+            format!("--dtype {other} is not one moult can send weights in (float32, bfloat16, float16, auto)"),
+        )),
     }
 }
 
