@@ -12,7 +12,7 @@
 //! each step. With `Full` (ZeRO-3) there is a unit per decoder layer (and one each for the
 //! embedding, the final norm and an untied LM head), and a rank keeps only its shards of the
 //! weights: a unit's whole tensors exist only between [`Shards::gather`] and
-//! [`Shards::release`] (see [`super::layered`]).
+//! [`Shards::release`] (the forward and backward around them are `layered.rs`'s).
 //!
 //! A shard cuts tensors anywhere: its part of each tensor is a [`Piece`], and AdamW runs over
 //! pieces as it runs over whole tensors on one rank, so a tensor no token reached on any rank
