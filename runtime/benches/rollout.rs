@@ -30,6 +30,7 @@ use moult_runtime::rollout::{
 use moult_runtime::router::{policy, server, EnginePool, Router};
 use moult_runtime::weight_sync::orchestrate::WeightSync;
 use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
+use moult_runtime::weight_sync::stream::WeightStream;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use tch::Tensor;
@@ -194,7 +195,7 @@ async fn run(max_staleness: u64, steps: usize, train: Duration) -> RunResult {
             .sum::<usize>();
         tokio::time::sleep(train).await; // the training step
         paused += sync
-            .update(&weights, step, asynchronous)
+            .update_stream(WeightStream::whole(&weights), step, asynchronous)
             .await
             .unwrap()
             .paused;
@@ -308,10 +309,9 @@ async fn weight_sync_rate() {
                 let r = sync.update(&weights, v, true).await.unwrap();
                 reports.push((started.elapsed().as_secs_f64(), r));
             }
-            let mean =
-                |f: &dyn Fn(&(f64, moult_runtime::weight_sync::orchestrate::SyncReport)) -> f64| {
-                    reports.iter().map(f).sum::<f64>() / reports.len() as f64
-                };
+            let mean = |f: &dyn Fn(&(f64, moult_runtime::weight_sync::SyncReport)) -> f64| {
+                reports.iter().map(f).sum::<f64>() / reports.len() as f64
+            };
             let whole = mean(&|r| r.0);
             let paused = mean(&|r| r.1.paused.as_secs_f64());
             let transfer = mean(&|r| r.1.transfer.as_secs_f64());

@@ -1,5 +1,5 @@
 //! Collectives between the trainer's ranks (docs/distributed.md): one small interface
-//! ([`Collectives`]: all-gather, reduce-scatter, all-reduce, broadcast, barrier) over tensors.
+//! ([`Collectives`]: all-gather, reduce-scatter, all-reduce, broadcast) over tensors.
 //!
 //! The implementation is libtorch's own c10d, reached through a C++ shim
 //! (`runtime/csrc/c10d_shim.cpp`): a `TCPStore` for the rendezvous (rank 0 listens, every rank
@@ -53,7 +53,6 @@ pub trait Collectives: Send + Sync + std::fmt::Debug {
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()>;
     /// `tensor` = rank `root`'s `tensor`, in place.
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()>;
-    fn barrier(&self) -> Result<()>;
     /// The bound on one collective.
     fn timeout(&self) -> Duration;
     fn set_timeout(&self, timeout: Duration) -> Result<()>;
@@ -82,9 +81,6 @@ impl Collectives for Solo {
         Ok(())
     }
     fn broadcast(&self, _: &Tensor, _: usize) -> Result<()> {
-        Ok(())
-    }
-    fn barrier(&self) -> Result<()> {
         Ok(())
     }
     fn timeout(&self) -> Duration {
@@ -167,8 +163,9 @@ impl Rendezvous {
         self.connect_on(Device::Cpu)
     }
 
-    /// Joins the group for a rank computing on `device`: on a GPU, CUDA tensors' collectives go
-    /// through NCCL on that GPU, CPU tensors' through Gloo.
+    /// Joins the group for a rank computing on `device`, waiting for every rank up to the
+    /// timeout: on a GPU, CUDA tensors' collectives go through NCCL on that GPU, CPU tensors'
+    /// through Gloo.
     pub fn connect_on(&self, device: Device) -> Result<Box<dyn Collectives>> {
         let cuda = match device {
             Device::Cpu => None,
@@ -182,8 +179,8 @@ impl Rendezvous {
         c10d::C10d::connect(self, cuda).map(|g| Box::new(g) as Box<dyn Collectives>)
     }
 
-    /// [`Rendezvous::connect`], given up after the timeout (and a margin) even where the library
-    /// would wait on: a rank 0 that died while this rank was joining it can leave the join
+    /// [`Rendezvous::connect_on`], given up after the timeout (and a margin) even where the
+    /// library would wait on: a rank 0 that died while this rank was joining it can leave the join
     /// waiting for a peer that is gone. The abandoned attempt's thread ends with the process.
     pub fn connect_bounded(&self, device: Device) -> Result<Box<dyn Collectives>> {
         let (tx, rx) = std::sync::mpsc::channel();
@@ -259,7 +256,6 @@ mod c10d {
             root: c_int,
             err: *mut *mut c_char,
         ) -> c_int;
-        fn moult_c10d_barrier(h: *mut c_void, err: *mut *mut c_char) -> c_int;
         fn moult_c10d_set_timeout(h: *mut c_void, ms: i64, err: *mut *mut c_char) -> c_int;
         fn moult_c10d_store_add(
             h: *mut c_void,
@@ -478,10 +474,6 @@ mod c10d {
             self.call("broadcast", |h, e| unsafe {
                 moult_c10d_broadcast(h, ptr(tensor), root as c_int, e)
             })
-        }
-        fn barrier(&self) -> Result<()> {
-            // SAFETY: as above.
-            self.call("barrier", |h, e| unsafe { moult_c10d_barrier(h, e) })
         }
         fn timeout(&self) -> Duration {
             *self.timeout.lock().unwrap_or_else(|e| e.into_inner())

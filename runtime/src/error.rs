@@ -57,7 +57,21 @@ pub enum RunError {
     Tensor(#[from] tch::TchError),
     #[cfg(feature = "torch")]
     #[error("weight sync: {0}")]
-    Sync(#[from] crate::weight_sync::orchestrate::SyncError),
+    Sync(crate::weight_sync::SyncError),
+}
+
+#[cfg(feature = "torch")]
+impl From<crate::weight_sync::SyncError> for RunError {
+    /// A manifest asking for what cannot work is the manifest's error; a weight path that could
+    /// not be opened is a setup error (worth trying again); the rest failed a sync.
+    fn from(e: crate::weight_sync::SyncError) -> Self {
+        use crate::weight_sync::SyncError;
+        match e {
+            SyncError::Manifest(field, reason) => Self::field(field, reason),
+            SyncError::Setup(e) => Self::Setup(e.to_string()),
+            e => Self::Sync(e),
+        }
+    }
 }
 
 impl RunError {

@@ -17,6 +17,7 @@ use moult_runtime::loopback::{ChatService, EngineClient, ServiceOptions};
 use moult_runtime::model::CausalLm;
 use moult_runtime::rollout::{next_batch, RolloutOptions, RolloutPool, RolloutState};
 use moult_runtime::weight_sync::orchestrate::WeightSync;
+use moult_runtime::weight_sync::stream::WeightStream;
 use serde_json::json;
 use tch::Tensor;
 
@@ -140,7 +141,8 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
             .iter()
             .map(|(n, t)| (n.clone(), t.detach() + Tensor::randn_like(t) * 0.05))
             .collect();
-        let report = sync.update(&weights, step, true).await.unwrap();
+        let whole = WeightStream::whole(&weights);
+        let report = sync.update_stream(whole, step, true).await.unwrap();
         assert!(report.paused >= report.transfer);
         rollout.set_version(step);
         if let Some(url) = &new_engine {

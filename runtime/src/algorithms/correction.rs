@@ -31,6 +31,21 @@ pub enum Mode {
     Trunc,
 }
 
+/// A correction docs/algorithms.md rules out, with what is accepted.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+pub enum InvalidCorrection {
+    #[error("is level {} is a sequence-level gate and works only with mode mask, got {}", lower(.0), lower(.1))]
+    GateMode(Level, Mode),
+    #[error("IS thresholds need low < high, got low {0} and high {1}")]
+    Thresholds(f64, f64),
+    #[error("IS threshold low must be ≥ 0, got {0}")]
+    NegativeLow(f64),
+}
+
+fn lower(x: &impl std::fmt::Debug) -> String {
+    format!("{x:?}").to_lowercase()
+}
+
 /// An IS correction: level, mode and thresholds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Correction {
@@ -43,22 +58,15 @@ pub struct Correction {
 
 impl Correction {
     /// Refuses combinations docs/algorithms.md rules out, naming what is accepted.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidCorrection> {
         if matches!(self.level, Level::Seq | Level::Geo) && self.mode != Mode::Mask {
-            return Err(format!(
-                "IS level {:?} is a sequence-level gate and works only with mode mask, got {:?}",
-                self.level, self.mode
-            )
-            .to_lowercase());
+            return Err(InvalidCorrection::GateMode(self.level, self.mode));
         }
         if self.low.partial_cmp(&self.high) != Some(std::cmp::Ordering::Less) {
-            return Err(format!(
-                "IS thresholds need low < high, got low {} and high {}",
-                self.low, self.high
-            ));
+            return Err(InvalidCorrection::Thresholds(self.low, self.high));
         }
         if self.low < 0.0 {
-            return Err(format!("IS threshold low must be ≥ 0, got {}", self.low));
+            return Err(InvalidCorrection::NegativeLow(self.low));
         }
         Ok(())
     }

@@ -47,9 +47,14 @@ pub fn ppo_clip(
     eps_high: f64,
 ) -> Tensor {
     let ratio = (logp - logp_old).exp();
-    let unclipped = &ratio * advantages;
+    clipped_surrogate(&ratio, advantages, eps_low, eps_high) * coef.detach()
+}
+
+/// `−min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A)`, the objective PPO and GSPO share.
+fn clipped_surrogate(ratio: &Tensor, advantages: &Tensor, eps_low: f64, eps_high: f64) -> Tensor {
+    let unclipped = ratio * advantages;
     let clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages;
-    -(unclipped.minimum(&clipped)) * coef.detach()
+    -(unclipped.minimum(&clipped))
 }
 
 /// GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its token ratios,
@@ -67,13 +72,11 @@ pub fn gspo(
     eps_high: f64,
 ) -> Tensor {
     let s = masked_mean(&(logp - logp_old), mask).exp();
-    let unclipped = &s * advantages;
-    let clipped = s.clamp(1.0 - eps_low, 1.0 + eps_high) * advantages;
     let c = masked_sum(&coef.detach(), mask)
         / mask
             .sum_dim_intlist([-1i64].as_slice(), false, mask.kind())
             .clamp_min(1.0);
-    -(unclipped.minimum(&clipped)) * c
+    clipped_surrogate(&s, advantages, eps_low, eps_high) * c
 }
 
 /// CISPO (MiniMax-M1, 2025): the clipped ratio as a stopped weight on the policy gradient, so

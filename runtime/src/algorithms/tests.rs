@@ -265,14 +265,22 @@ fn invalid_corrections_are_refused_with_reasons() {
         low: 0.5,
         high: 2.0,
     };
-    assert!(bad.validate().unwrap_err().contains("only with mode mask"));
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("only with mode mask"));
     let bad = Correction {
         level: Level::Token,
         mode: Mode::Mask,
         low: 2.0,
         high: 1.0,
     };
-    assert!(bad.validate().unwrap_err().contains("low < high"));
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("low < high"));
 }
 
 fn clip(r: f64, lo: f64, hi: f64) -> f64 {

@@ -421,11 +421,12 @@ async fn load_trainer(
         .await??;
         return Ok((trainer, followers));
     }
-    let mut trainer = Trainer::new(model, reference, trainer_opts).map_err(RunError::Setup)?;
+    let mut trainer =
+        Trainer::new(model, reference, trainer_opts).map_err(|e| RunError::Setup(e.to_string()))?;
     if let Some((step, moments)) = moments {
         trainer
             .restore(step, moments)
-            .map_err(RunError::Checkpoint)?;
+            .map_err(|e| RunError::Checkpoint(e.to_string()))?;
     }
     Ok((trainer, None))
 }

@@ -77,7 +77,7 @@ pub fn follower(group: Box<dyn Collectives>, device: Device) -> crate::model::Re
         .map(|d| CausalLm::load(d, kind, device))
         .transpose()?;
     let mut trainer = Trainer::with_group(model, reference, setup.options, group)
-        .map_err(crate::model::Error::Input)?;
+        .map_err(|e| crate::model::Error::Input(e.to_string()))?;
     trainer.sync_ranks(None)?;
     Ok(trainer)
 }
@@ -95,7 +95,7 @@ pub fn leader(
     let bytes = serde_json::to_vec(&setup).expect("the setup serialises");
     broadcast_bytes(group.as_ref(), Some(&bytes))?;
     let mut trainer = Trainer::with_group(model, reference, setup.options, group)
-        .map_err(crate::model::Error::Input)?;
+        .map_err(|e| crate::model::Error::Input(e.to_string()))?;
     trainer.sync_ranks(resume)?;
     Ok(trainer)
 }
@@ -176,28 +176,24 @@ impl Trainer {
     }
 
     /// This rank's file of a sharded checkpoint in `dir`, written and synced.
-    fn write_shard(&self, dir: &Path) -> std::result::Result<(), String> {
+    fn write_shard(&self, dir: &Path) -> crate::model::Result<()> {
         let shards = dir.join(SHARDS);
         let file = shards.join(shard_file_name(self.group().rank(), self.world_size()));
-        let written = std::fs::create_dir_all(&shards)
-            .map_err(|e| e.to_string())
+        std::fs::create_dir_all(&shards)
             .and_then(|()| {
-                Tensor::write_safetensors(&self.shard_tensors(), &file).map_err(|e| e.to_string())
+                Tensor::write_safetensors(&self.shard_tensors(), &file)
+                    .map_err(std::io::Error::other)
             })
-            .and_then(|()| {
-                std::fs::File::open(&file)
-                    .and_then(|f| f.sync_all())
-                    .map_err(|e| e.to_string())
-            });
-        written.map_err(|e| format!("writing {}: {e}", file.display()))
+            .and_then(|()| std::fs::File::open(&file)?.sync_all())
+            .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))
     }
 
     /// Whether every rank wrote its shard: this rank's error, or the news that another failed.
-    fn agree_written(&self, mine: std::result::Result<(), String>) -> crate::model::Result<()> {
+    fn agree_written(&self, mine: crate::model::Result<()>) -> crate::model::Result<()> {
         let failed = Tensor::from_slice(&[mine.is_err() as i32 as f32]);
         self.group().all_reduce(&failed, ReduceOp::Max)?;
         match mine {
-            Err(e) => Err(crate::model::Error::Input(e)),
+            Err(e) => Err(e),
             Ok(()) if failed.double_value(&[0]) > 0.0 => Err(crate::model::Error::Input(
                 "another trainer rank could not write its checkpoint shard (its log says why)"
                     .into(),
@@ -282,10 +278,37 @@ impl Trainer {
         } else {
             Vec::new()
         };
-        self.restore(steps, moments).map_err(Error::Config)?;
+        self.restore(steps, moments)
+            .map_err(|e| Error::Config(e.to_string()))?;
         self.shard_weights();
         Ok(())
     }
+}
+
+/// A number of a batch on the wire, little-endian.
+trait Le: Copy {
+    const SIZE: usize;
+    fn put(self, out: &mut Vec<u8>);
+    fn get(bytes: &[u8]) -> Self;
+}
+
+macro_rules! le {
+    ($($t:ty),*) => {$(
+        impl Le for $t {
+            const SIZE: usize = std::mem::size_of::<$t>();
+            fn put(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get(bytes: &[u8]) -> Self {
+                Self::from_le_bytes(bytes.try_into().expect("SIZE bytes"))
+            }
+        }
+    )*};
+}
+le!(u8, i64, u64, f32, f64);
+
+fn put<T: Le>(out: &mut Vec<u8>, values: &[T]) {
+    values.iter().for_each(|v| v.put(out));
 }
 
 /// A batch as bytes: per sample its length, tokens, loss mask, behaviour logprobs, advantage,
@@ -293,146 +316,116 @@ impl Trainer {
 /// images (offset, grid, patch width, pixel values).
 fn encode(samples: &[Sample]) -> Vec<u8> {
     let mut out = Vec::new();
-    let put = |out: &mut Vec<u8>, x: u64| out.extend_from_slice(&x.to_le_bytes());
-    put(&mut out, samples.len() as u64);
+    let o = &mut out;
+    put(o, &[samples.len() as u64]);
     for s in samples {
-        put(&mut out, s.tokens.len() as u64);
-        s.tokens
-            .iter()
-            .for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
-        out.extend_from_slice(&s.loss_mask);
-        s.behaviour_logprobs
-            .iter()
-            .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
-        out.extend_from_slice(&s.advantage.to_le_bytes());
-        match &s.token_advantages {
-            Some(a) => {
-                out.push(1);
-                a.iter()
-                    .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
-            }
-            None => out.push(0),
+        put(o, &[s.tokens.len() as u64]);
+        put(o, &s.tokens);
+        put(o, &s.loss_mask);
+        put(o, &s.behaviour_logprobs);
+        put(o, &[s.advantage]);
+        put(o, &[u8::from(s.token_advantages.is_some())]);
+        put(o, s.token_advantages.as_deref().unwrap_or_default());
+        put(o, &[u8::from(s.replay.is_some())]);
+        if let Some(r) = &s.replay {
+            let size: Vec<u64> = r.size().iter().map(|&d| d as u64).collect();
+            put(o, &[size.len() as u64]);
+            put(o, &size);
+            put(
+                o,
+                &Vec::<i64>::try_from(&r.reshape([-1])).expect("int64 routing"),
+            );
         }
-        match &s.replay {
-            Some(r) => {
-                out.push(1);
-                let size = r.size();
-                put(&mut out, size.len() as u64);
-                size.iter().for_each(|&d| put(&mut out, d as u64));
-                let ids = Vec::<i64>::try_from(&r.reshape([-1])).expect("int64 routing");
-                ids.iter()
-                    .for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
-            }
-            None => out.push(0),
-        }
-        put(&mut out, s.images.len() as u64);
+        put(o, &[s.images.len() as u64]);
         for i in &s.images {
-            put(&mut out, i.offset as u64);
-            i.image
-                .grid_thw
-                .iter()
-                .for_each(|&d| put(&mut out, u64::from(d)));
-            put(&mut out, i.image.patch_dim as u64);
-            put(&mut out, i.image.pixel_values.len() as u64);
-            i.image
-                .pixel_values
-                .iter()
-                .for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+            put(o, &[i.offset as u64]);
+            put(o, &i.image.grid_thw.map(u64::from));
+            put(o, &[i.image.patch_dim as u64]);
+            put(o, &[i.image.pixel_values.len() as u64]);
+            put(o, &i.image.pixel_values);
         }
     }
     out
 }
 
-/// The inverse of [`encode`].
-fn decode(bytes: &[u8]) -> std::result::Result<Vec<Sample>, String> {
-    struct Reader<'a>(&'a [u8]);
-    impl Reader<'_> {
-        fn take(&mut self, n: usize) -> std::result::Result<&[u8], String> {
-            if self.0.len() < n {
-                return Err("truncated".into());
-            }
-            let (head, rest) = self.0.split_at(n);
-            self.0 = rest;
-            Ok(head)
+/// Why a batch from rank 0 cannot be read.
+#[derive(Debug, thiserror::Error)]
+enum BatchError {
+    #[error("truncated")]
+    Truncated,
+    #[error("length {0} exceeds the message")]
+    Length(usize),
+    /// What overflowed (`length`, `replay size`, `grid`).
+    #[error("{0} overflow")]
+    Overflow(&'static str),
+    #[error("{0} bytes left over")]
+    LeftOver(usize),
+}
+
+/// Reads a batch's bytes from the front.
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn vec<T: Le>(&mut self, n: usize) -> Result<Vec<T>, BatchError> {
+        let len = n
+            .checked_mul(T::SIZE)
+            .ok_or(BatchError::Overflow("length"))?;
+        if self.0.len() < len {
+            return Err(BatchError::Truncated);
         }
-        fn u64(&mut self) -> std::result::Result<u64, String> {
-            Ok(u64::from_le_bytes(
-                self.take(8)?.try_into().expect("8 bytes"),
-            ))
-        }
-        fn len(&mut self, limit: usize) -> std::result::Result<usize, String> {
-            let n = self.u64()? as usize;
-            (n <= limit)
-                .then_some(n)
-                .ok_or_else(|| format!("length {n} exceeds the message"))
-        }
-        fn array<const N: usize>(&mut self, n: usize) -> std::result::Result<Vec<[u8; N]>, String> {
-            Ok(self
-                .take(n.checked_mul(N).ok_or("length overflow")?)?
-                .chunks_exact(N)
-                .map(|c| c.try_into().expect("N bytes"))
-                .collect())
-        }
+        let (head, rest) = self.0.split_at(len);
+        self.0 = rest;
+        Ok(head.chunks_exact(T::SIZE).map(T::get).collect())
     }
+
+    fn one<T: Le>(&mut self) -> Result<T, BatchError> {
+        Ok(self.vec(1)?[0])
+    }
+
+    /// A length of at most `limit`.
+    fn len(&mut self, limit: usize) -> Result<usize, BatchError> {
+        let n = self.one::<u64>()? as usize;
+        (n <= limit).then_some(n).ok_or(BatchError::Length(n))
+    }
+}
+
+/// The inverse of [`encode`].
+fn decode(bytes: &[u8]) -> Result<Vec<Sample>, BatchError> {
     let mut r = Reader(bytes);
     let count = r.len(bytes.len())?;
     let mut samples = Vec::with_capacity(count);
     for _ in 0..count {
         let n = r.len(bytes.len())?;
-        let tokens = r
-            .array::<8>(n)?
-            .into_iter()
-            .map(i64::from_le_bytes)
-            .collect();
-        let loss_mask = r.take(n)?.to_vec();
-        let behaviour_logprobs = r
-            .array::<4>(n)?
-            .into_iter()
-            .map(f32::from_le_bytes)
-            .collect();
-        let advantage = f64::from_le_bytes(r.array::<8>(1)?[0]);
-        let token_advantages = match r.take(1)?[0] {
+        let tokens = r.vec(n)?;
+        let loss_mask = r.vec(n)?;
+        let behaviour_logprobs = r.vec(n)?;
+        let advantage = r.one()?;
+        let token_advantages = match r.one::<u8>()? {
             0 => None,
-            _ => Some(
-                r.array::<4>(n)?
-                    .into_iter()
-                    .map(f32::from_le_bytes)
-                    .collect(),
-            ),
+            _ => Some(r.vec(n)?),
         };
-        let replay = match r.take(1)?[0] {
+        let replay = match r.one::<u8>()? {
             0 => None,
             _ => {
                 let dims = r.len(8)?;
-                let size: Vec<i64> = (0..dims)
-                    .map(|_| r.u64().map(|d| d as i64))
-                    .collect::<std::result::Result<_, _>>()?;
+                let size: Vec<i64> = r.vec::<u64>(dims)?.iter().map(|&d| d as i64).collect();
                 let total = size
                     .iter()
                     .try_fold(1usize, |a, &d| a.checked_mul(d as usize))
-                    .ok_or("replay size overflow")?;
-                let ids: Vec<i64> = r
-                    .array::<8>(total)?
-                    .into_iter()
-                    .map(i64::from_le_bytes)
-                    .collect();
-                Some(Tensor::from_slice(&ids).view(size.as_slice()))
+                    .ok_or(BatchError::Overflow("replay size"))?;
+                Some(Tensor::from_slice(&r.vec::<i64>(total)?).view(size.as_slice()))
             }
         };
         let images = (0..r.len(bytes.len())?)
             .map(|_| {
                 let offset = r.len(n)?;
                 let mut grid_thw = [0u32; 3];
-                for d in &mut grid_thw {
-                    *d = u32::try_from(r.u64()?).map_err(|_| "grid overflow")?;
+                for (d, g) in grid_thw.iter_mut().zip(r.vec::<u64>(3)?) {
+                    *d = u32::try_from(g).map_err(|_| BatchError::Overflow("grid"))?;
                 }
                 let patch_dim = r.len(bytes.len())?;
                 let count = r.len(bytes.len())?;
-                let pixel_values = r
-                    .array::<4>(count)?
-                    .into_iter()
-                    .map(f32::from_le_bytes)
-                    .collect();
+                let pixel_values = r.vec(count)?;
                 Ok(ImageInput {
                     offset,
                     image: std::sync::Arc::new(ProcessedImage {
@@ -442,7 +435,7 @@ fn decode(bytes: &[u8]) -> std::result::Result<Vec<Sample>, String> {
                     }),
                 })
             })
-            .collect::<std::result::Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, BatchError>>()?;
         samples.push(Sample {
             tokens,
             loss_mask,
@@ -453,10 +446,10 @@ fn decode(bytes: &[u8]) -> std::result::Result<Vec<Sample>, String> {
             images,
         });
     }
-    if !r.0.is_empty() {
-        return Err(format!("{} bytes left over", r.0.len()));
+    match r.0.len() {
+        0 => Ok(samples),
+        left => Err(BatchError::LeftOver(left)),
     }
-    Ok(samples)
 }
 
 #[cfg(test)]

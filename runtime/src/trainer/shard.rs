@@ -12,7 +12,7 @@
 //! each step. With `Full` (ZeRO-3) there is a unit per decoder layer (and one each for the
 //! embedding, the final norm and an untied LM head), and a rank keeps only its shards of the
 //! weights: a unit's whole tensors exist only between [`Shards::gather`] and
-//! [`Shards::release`] (see [`super::layered`]).
+//! [`Shards::release`] (the forward and backward around them are `layered.rs`'s).
 //!
 //! A shard cuts tensors anywhere: its part of each tensor is a [`Piece`], and AdamW runs over
 //! pieces as it runs over whole tensors on one rank, so a tensor no token reached on any rank
@@ -115,15 +115,9 @@ impl ShardLayout {
             } else {
                 None
             };
-            let mut at = 0;
-            for shape in &unit.shapes {
-                let n: i64 = shape.iter().product();
-                let cut = |t: &Tensor| t.narrow(0, at, n).view(shape.as_slice());
-                tensors.push(cut(&w));
-                if let Some((m, v)) = &mv {
-                    moments.push((cut(m).copy(), cut(v).copy()));
-                }
-                at += n;
+            tensors.extend(split(&w, &unit.shapes));
+            if let Some((m, v)) = &mv {
+                moments.extend(split_moments(m, v, &unit.shapes));
             }
         }
         let weights = self
@@ -148,6 +142,23 @@ impl ShardLayout {
             .collect::<std::result::Result<Vec<_>, String>>()?;
         Ok((weights, moments))
     }
+}
+
+/// The tensors of `shapes`, one after another from the start of `flat` (views of it).
+fn split<'a>(flat: &'a Tensor, shapes: &'a [Vec<i64>]) -> impl Iterator<Item = Tensor> + 'a {
+    shapes.iter().scan(0, move |at, shape| {
+        let n: i64 = shape.iter().product();
+        *at += n;
+        Some(flat.narrow(0, *at - n, n).view(shape.as_slice()))
+    })
+}
+
+/// [`split`] of first and second moments, copied.
+fn split_moments(m: &Tensor, v: &Tensor, shapes: &[Vec<i64>]) -> Vec<(Tensor, Tensor)> {
+    split(m, shapes)
+        .zip(split(v, shapes))
+        .map(|(m, v)| (m.copy(), v.copy()))
+        .collect()
 }
 
 /// The file rank `rank` of `world` writes in a sharded checkpoint's `shards/`.
@@ -523,12 +534,8 @@ impl Shards {
         self.timed(|| group.all_gather(&full, &shard))?;
         self.gathering
             .set(self.gathering.get() + started.elapsed().as_secs_f64());
-        let unit = &self.units[u];
         tch::no_grad(|| {
-            for (i, t) in unit.tensors.clone().enumerate() {
-                let whole = full
-                    .narrow(0, unit.offsets[i], unit.numel(i))
-                    .view(unit.shapes[i].as_slice());
+            for (t, whole) in unit.tensors.clone().zip(split(&full, &unit.shapes)) {
                 let mut p = params[t].shallow_clone();
                 if self.own.is_some() {
                     p.set_data(&whole);
@@ -674,15 +681,7 @@ impl Shards {
                 self.timed(|| group.all_gather(&full, &shard.narrow(0, at, len)))?;
                 whole.push(full);
             }
-            let unit = &self.units[u];
-            for i in 0..unit.shapes.len() {
-                let part = |full: &Tensor| {
-                    full.narrow(0, unit.offsets[i], unit.numel(i))
-                        .view(unit.shapes[i].as_slice())
-                        .copy()
-                };
-                out.push((part(&whole[0]), part(&whole[1])));
-            }
+            out.extend(split_moments(&whole[0], &whole[1], &unit.shapes));
         }
         Ok(out)
     }

@@ -74,7 +74,8 @@ pub struct LossExtras<'a> {
     pub kl: Option<(f64, &'a Tensor)>,
 }
 
-fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> Vec<T> {
+/// `rows`, each padded with `pad` to `width`, one after another.
+pub(super) fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> Vec<T> {
     rows.flat_map(|mut r| {
         r.resize(width, pad);
         r

@@ -4,11 +4,11 @@
 //! loss is weighed by its share of the batch (tokens for token-mean, sequences for
 //! sequence-mean and GSPO).
 //!
-//! With several ranks ([`super::ranks`]) each rank trains on its contiguous part of the
-//! batch, with the same shares of the whole batch, and the optimizer state, the gradients and
-//! (with `Sharding::Full`) the weights are sharded across the ranks ([`super::shard`]; the
-//! forward and backward of sharded weights in [`super::layered`]): N ranks compute the step
-//! one rank would (docs/distributed.md).
+//! With several ranks (rank 0 leading the others, `ranks.rs`) each rank trains on its contiguous
+//! part of the batch, with the same shares of the whole batch, and the optimizer state, the
+//! gradients and (with `Sharding::Full`) the weights are sharded across the ranks (`shard.rs`;
+//! the forward and backward of sharded weights in `layered.rs`): N ranks compute the step one
+//! rank would (docs/distributed.md).
 
 use std::time::Instant;
 
@@ -16,14 +16,34 @@ use serde::Serialize;
 use tch::Tensor;
 
 use super::layered::{Layered, Part};
-use super::logprobs::{token_logprobs, Scored};
+use super::logprobs::token_logprobs;
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
 use super::shard::{ShardGrad, Shards};
 pub use super::shard::{ShardLayout, Sharding, Whole};
-use super::step::{old_logprobs, policy_loss_with, LossConfig, LossExtras, LossKind, TrainSample};
+use super::step::{
+    old_logprobs, padded, policy_loss_with, scored, LossConfig, LossExtras, LossKind, TrainSample,
+};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
 use crate::model::{CausalLm, ImageInput, NamedSlice};
+
+/// A trainer that cannot be built as asked, or a checkpoint that does not fit it.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    #[error("a KL penalty needs the reference model")]
+    NoReference,
+    #[error("micro_batch_tokens must be at least 1")]
+    NoMicroBatch,
+    #[error("spec.trainer.sharding: Full does not shard a vision-language policy's vision tower yet: train it with sharding: Optimizer, or on one rank (docs/vision.md)")]
+    ShardedVisionTower,
+    #[error("spec.trainer.freezeVisionTower: the policy has no vision tower (it is not a vision-language model)")]
+    NoVisionTower,
+    #[error("bfloat16 compute needs sharded weights: spec.trainer.nodes of 2 or more, with sharding: Full (docs/distributed.md)")]
+    UnshardedBf16,
+    /// A checkpoint's optimizer moments: for how many tensors, and how many the model has.
+    #[error("the checkpoint has optimizer moments for {0} tensors, the model {1}")]
+    Moments(usize, usize),
+}
 
 /// One trajectory segment with its advantage, owned (what the run hands the trainer).
 #[derive(Debug)]
@@ -174,29 +194,6 @@ fn micro_batches(samples: &[Sample], budget: usize) -> Vec<&[Sample]> {
     out
 }
 
-/// The sequences of `part` to score.
-fn scored(part: &[Sample]) -> Vec<Scored<'_>> {
-    part.iter()
-        .map(|s| Scored {
-            tokens: &s.tokens,
-            replay: s.replay.as_ref(),
-            images: &s.images,
-        })
-        .collect()
-}
-
-fn padded_rows(rows: &[&[f32]], width: i64) -> Tensor {
-    let flat: Vec<f32> = rows
-        .iter()
-        .flat_map(|r| {
-            let mut r = r.to_vec();
-            r.resize(width as usize, 0.0);
-            r
-        })
-        .collect();
-    Tensor::from_slice(&flat).view([rows.len() as i64, width])
-}
-
 impl Trainer {
     /// Trains `model` (its weights get gradients) from optimizer step `steps` on; `reference`
     /// is needed when `opts.kl_coef` > 0.
@@ -204,23 +201,23 @@ impl Trainer {
         model: CausalLm,
         reference: Option<CausalLm>,
         opts: TrainerOptions,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, TrainerError> {
         Self::with_group(model, reference, opts, Box::new(Solo))
     }
 
     /// One rank of a trainer of `group.world()` ranks, not yet in sync with the others: made by
-    /// [`super::ranks::leader`] and [`super::ranks::follower`].
+    /// the leader and the followers of `ranks.rs`.
     pub(super) fn with_group(
         model: CausalLm,
         reference: Option<CausalLm>,
         opts: TrainerOptions,
         group: Box<dyn Collectives>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, TrainerError> {
         if opts.kl_coef > 0.0 && reference.is_none() {
-            return Err("a KL penalty needs the reference model".into());
+            return Err(TrainerError::NoReference);
         }
         if opts.micro_batch_tokens == 0 {
-            return Err("micro_batch_tokens must be at least 1".into());
+            return Err(TrainerError::NoMicroBatch);
         }
         let mut model = model;
         if model.vision_unit().is_some() {
@@ -228,18 +225,10 @@ impl Trainer {
                 model.freeze_vision();
             }
             if group.world() > 1 && opts.sharding == Sharding::Full {
-                return Err(
-                    "spec.trainer.sharding: Full does not shard a vision-language policy's vision \
-                     tower yet: train it with sharding: Optimizer, or on one rank (docs/vision.md)"
-                        .into(),
-                );
+                return Err(TrainerError::ShardedVisionTower);
             }
         } else if opts.freeze_vision {
-            return Err(
-                "spec.trainer.freezeVisionTower: the policy has no vision tower (it is not a \
-                 vision-language model)"
-                    .into(),
-            );
+            return Err(TrainerError::NoVisionTower);
         }
         let params: Vec<Tensor> = model
             .trainable()
@@ -260,11 +249,7 @@ impl Trainer {
         });
         let full = shards.is_some() && opts.sharding == Sharding::Full;
         if opts.bf16_compute && !full {
-            return Err(
-                "bfloat16 compute needs sharded weights: spec.trainer.nodes of 2 or more, with \
-                 sharding: Full (docs/distributed.md)"
-                    .into(),
-            );
+            return Err(TrainerError::UnshardedBf16);
         }
         let mut shards = shards;
         if full {
@@ -428,13 +413,13 @@ impl Trainer {
     }
 
     /// Continues from a checkpoint taken after `steps` steps.
-    pub fn restore(&mut self, steps: u64, moments: Vec<(Tensor, Tensor)>) -> Result<(), String> {
+    pub fn restore(
+        &mut self,
+        steps: u64,
+        moments: Vec<(Tensor, Tensor)>,
+    ) -> Result<(), TrainerError> {
         if !moments.is_empty() && moments.len() != self.params.len() {
-            return Err(format!(
-                "the checkpoint has optimizer moments for {} tensors, the model {}",
-                moments.len(),
-                self.params.len()
-            ));
+            return Err(TrainerError::Moments(moments.len(), self.params.len()));
         }
         match &mut self.shards {
             Some(shards) => shards.restore(steps as i64, &moments),
@@ -445,7 +430,7 @@ impl Trainer {
     }
 
     /// One optimizer step on `samples` (every rank's part of it, each rank on its own). Callers
-    /// use [`Trainer::step`] (in [`super::ranks`]), which first hands the batch to the other ranks.
+    /// use [`Trainer::step`], which first hands the batch to the other ranks.
     pub(super) fn step_on(&mut self, samples: &[Sample]) -> crate::model::Result<StepStats> {
         let started = Instant::now();
         // Steps run on whichever compute thread is free: set its pool each time.
@@ -476,17 +461,20 @@ impl Trainer {
         } else {
             parts.len()
         };
+        let views: Vec<Vec<TrainSample<'_>>> = parts
+            .iter()
+            .map(|p| p.iter().map(Sample::view).collect())
+            .collect();
         // π_old for every micro-batch before any weight moves.
         let mut olds = Vec::with_capacity(passes);
         for i in 0..passes {
-            let part = parts.get(i).copied();
+            let part = views.get(i);
             olds.push(if layered {
-                let seqs = part.map(scored);
+                let seqs = part.map(|p| scored(p));
                 self.layered().logprobs(seqs.as_deref(), cfg.temperature)?
             } else {
-                let views: Vec<TrainSample<'_>> =
-                    part.expect("a part").iter().map(Sample::view).collect();
-                Some(old_logprobs(&self.model, &views, cfg.temperature)?)
+                let part = part.expect("a part");
+                Some(old_logprobs(&self.model, part, cfg.temperature)?)
             });
         }
         let mut stats = StepStats {
@@ -507,18 +495,16 @@ impl Trainer {
                     .train(None, acc.as_mut().expect("sharded weights"))?;
                 continue;
             };
-            let views: Vec<TrainSample<'_>> = part.iter().map(Sample::view).collect();
+            let views = &views[i];
             let width = old.size()[1];
             let token_advantages = part.iter().all(|s| s.token_advantages.is_some()).then(|| {
-                let rows: Vec<&[f32]> = part
-                    .iter()
-                    .map(|s| s.token_advantages.as_deref().expect("checked"))
-                    .collect();
-                padded_rows(&rows, width)
+                let rows = part.iter().flat_map(|s| s.token_advantages.clone());
+                let rows = padded(rows, width as usize, 0.0);
+                Tensor::from_slice(&rows).view([part.len() as i64, width])
             });
             let reference = match (&self.reference, self.opts.kl_coef > 0.0) {
                 (Some(reference), true) => Some(tch::no_grad(|| {
-                    token_logprobs(reference, &scored(part), cfg.temperature)
+                    token_logprobs(reference, &scored(views), cfg.temperature)
                 })?),
                 _ => None,
             };
@@ -530,7 +516,7 @@ impl Trainer {
             let m = match acc.as_mut() {
                 Some(acc) => {
                     let part = Part {
-                        samples: &views,
+                        samples: views,
                         old,
                         cfg: &cfg,
                         extras: &extras,
@@ -541,7 +527,7 @@ impl Trainer {
                         .expect("a part's pass has metrics")
                 }
                 None => {
-                    let (loss, m) = policy_loss_with(&self.model, &views, old, &cfg, &extras)?;
+                    let (loss, m) = policy_loss_with(&self.model, views, old, &cfg, &extras)?;
                     (loss * w).backward();
                     m
                 }

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-use super::orchestrate::{step, Control, SyncError, SyncReport};
 use super::stream::{bytes_of, WeightStream};
+use super::{Control, SyncError, SyncReport};
 
 /// How often a failed reload is tried again before the update fails.
 const RELOAD_TRIES: usize = 3;
@@ -53,22 +53,31 @@ struct VersionWriter {
     bytes: usize,
 }
 
-fn io(what: &str, p: &Path, e: std::io::Error) -> String {
-    format!("{what} {}: {e}", p.display())
+/// `what` (creating, removing, ...) `path` failed.
+fn io<E: std::error::Error + Send + Sync + 'static>(
+    what: &'static str,
+    path: &Path,
+) -> impl FnOnce(E) -> SyncError {
+    let path = path.to_path_buf();
+    move |e| SyncError::Write {
+        what,
+        path,
+        source: Box::new(e),
+    }
 }
 
 impl VersionWriter {
     /// Starts `<root>/v<version>`, removing what an interrupted attempt left.
-    fn start(root: &Path, version: u64, kind: Kind) -> Result<Self, String> {
-        std::fs::create_dir_all(root).map_err(|e| io("creating", root, e))?;
+    fn start(root: &Path, version: u64, kind: Kind) -> Result<Self, SyncError> {
+        std::fs::create_dir_all(root).map_err(io("creating", root))?;
         let partial = root.join(format!(".v{version}.partial"));
         let dir = version_dir(root, version);
         for stale in [&partial, &dir] {
             if stale.exists() {
-                std::fs::remove_dir_all(stale).map_err(|e| io("removing", stale, e))?;
+                std::fs::remove_dir_all(stale).map_err(io("removing", stale))?;
             }
         }
-        std::fs::create_dir_all(&partial).map_err(|e| io("creating", &partial, e))?;
+        std::fs::create_dir_all(&partial).map_err(io("creating", &partial))?;
         Ok(Self {
             partial,
             dir,
@@ -80,7 +89,7 @@ impl VersionWriter {
     }
 
     /// Writes one bucket, converted to the engines' dtype on the CPU, as the next file.
-    fn write(&mut self, bucket: &[(String, Tensor)]) -> Result<(), String> {
+    fn write(&mut self, bucket: &[(String, Tensor)]) -> Result<(), SyncError> {
         let converted: Vec<(String, Tensor)> = bucket
             .iter()
             .map(|(n, t)| {
@@ -90,8 +99,7 @@ impl VersionWriter {
             .collect();
         let name = bucket_file(self.buckets);
         let file = self.partial.join(&name);
-        Tensor::write_safetensors(&converted, &file)
-            .map_err(|e| format!("writing {}: {e}", file.display()))?;
+        Tensor::write_safetensors(&converted, &file).map_err(io("writing", &file))?;
         self.bytes += converted.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
         for (n, _) in &converted {
             self.files.insert(n.clone(), name.clone());
@@ -102,19 +110,19 @@ impl VersionWriter {
 
     /// Names the files as a Hugging Face folder does (`model.safetensors`, or numbered files and
     /// `model.safetensors.index.json`), and renames the folder into place.
-    fn finish(self) -> Result<(PathBuf, usize, usize), String> {
+    fn finish(self) -> Result<(PathBuf, usize, usize), SyncError> {
         if self.buckets == 1 {
             let (from, to) = (
                 self.partial.join(bucket_file(0)),
                 self.partial.join("model.safetensors"),
             );
-            std::fs::rename(&from, &to).map_err(|e| io("renaming into", &to, e))?;
+            std::fs::rename(&from, &to).map_err(io("renaming into", &to))?;
         } else {
             let index = json!({"metadata": {"total_size": self.bytes}, "weight_map": self.files});
             let file = self.partial.join("model.safetensors.index.json");
-            std::fs::write(&file, index.to_string()).map_err(|e| io("writing", &file, e))?;
+            std::fs::write(&file, index.to_string()).map_err(io("writing", &file))?;
         }
-        std::fs::rename(&self.partial, &self.dir).map_err(|e| io("renaming into", &self.dir, e))?;
+        std::fs::rename(&self.partial, &self.dir).map_err(io("renaming into", &self.dir))?;
         Ok((self.dir, self.bytes, self.buckets))
     }
 }
@@ -128,23 +136,16 @@ pub async fn write_version(
     mut weights: WeightStream,
     kind: Kind,
 ) -> Result<(PathBuf, usize, usize), SyncError> {
-    let blocking = |e: tokio::task::JoinError| step("write")(e.to_string());
     let root = root.to_path_buf();
-    let mut writer =
-        tokio::task::spawn_blocking(move || VersionWriter::start(&root, version, kind))
-            .await
-            .map_err(blocking)?
-            .map_err(step("write"))?;
-    while let Some(bucket) = weights.next().await? {
-        writer = tokio::task::spawn_blocking(move || writer.write(&bucket).map(|()| writer))
-            .await
-            .map_err(blocking)?
-            .map_err(step("write"))?;
-    }
-    tokio::task::spawn_blocking(move || writer.finish())
-        .await
-        .map_err(blocking)?
-        .map_err(step("write"))
+    tokio::task::spawn_blocking(move || {
+        let mut writer = VersionWriter::start(&root, version, kind)?;
+        while let Some(bucket) = weights.blocking_next()? {
+            writer.write(&bucket)?;
+        }
+        writer.finish()
+    })
+    .await
+    .map_err(SyncError::at("write"))?
 }
 
 /// Removes every version folder under `root` but `keep` (and leftovers of interrupted writes).
@@ -177,14 +178,11 @@ impl FolderPublisher {
         }
     }
 
-    pub fn root(&self) -> &Path {
-        &self.root
-    }
-
     /// Writes the buckets of `weights` as `version` as they come, one file per bucket, while the
     /// engines still generate; then pause (`keep` with partial rollout, else `wait`), reload, set
-    /// the version, resume. Older version folders are removed once every engine has the new
-    /// one.
+    /// the version, resume. An engine that failed to reload may hold part of the new weights:
+    /// the engines stay paused then. Older version folders are removed once every engine has
+    /// the new one.
     pub async fn update_stream(
         &mut self,
         weights: WeightStream,
@@ -194,18 +192,11 @@ impl FolderPublisher {
         let started = Instant::now();
         let (dir, bytes, buckets) = write_version(&self.root, version, weights, self.kind).await?;
         let written = started.elapsed();
-
-        let paused_at = Instant::now();
-        self.control.pause(partial_rollout).await?;
-        // An engine that failed may hold part of the new weights: no resume then, the engines
-        // stay paused (docs/weight-sync.md, "Weight transports").
-        self.reload(&dir).await?;
-        let transfer = paused_at.elapsed();
-        let versioned = self.control.set_version(version).await;
-        let resumed = self.control.resume().await;
-        let paused = paused_at.elapsed();
-        versioned?;
-        resumed?;
+        let reload = self.reload(&dir);
+        let ((), transfer, paused) = self
+            .control
+            .paused_update(version, partial_rollout, reload)
+            .await?;
         remove_other_versions(&self.root, &dir);
         tracing::debug!(
             version,
@@ -226,16 +217,21 @@ impl FolderPublisher {
     async fn reload(&self, dir: &Path) -> Result<(), SyncError> {
         let body = json!({"method": "reload_weights",
             "kwargs": {"weights_path": dir.display().to_string()}});
+        let post = || {
+            let body = Some(body.clone());
+            self.control
+                .request(reqwest::Method::POST, "/collective_rpc", body)
+        };
         let mut tries = 0;
         loop {
-            match self.control.post("/collective_rpc", body.clone()).await {
+            match post().await {
                 Ok(_) => return Ok(()),
                 Err(e) if tries + 1 < RELOAD_TRIES => {
                     tries += 1;
                     tracing::warn!("reloading weights from {}: {e}; again", dir.display());
                     tokio::time::sleep(Duration::from_millis(500 * tries as u64)).await;
                 }
-                Err(e) => return Err(step("collective_rpc reload_weights")(e)),
+                Err(e) => return Err(SyncError::Call("collective_rpc reload_weights", e)),
             }
         }
     }

@@ -5,14 +5,15 @@
 //! - [`nccl_control`]: the engines' weight-transfer endpoints that drive that data plane;
 //! - `nccl` (cargo feature `cuda`): the trainer's side of that data plane on cudarc's NCCL.
 //!
-//! - [`orchestrate`]: one update as the trainer side runs it: pause, transfer (TCP data plane to
-//!   built-in engines), finish with the version, resume; and the control calls every transport
-//!   makes;
+//! - [`orchestrate`]: the TCP transport: pause, transfer (TCP data plane to built-in engines),
+//!   finish with the version, resume;
 //! - [`folder`]: the Filesystem transport (safetensors in a shared folder, reloaded by engines);
 //! - [`publish`]: the one publisher `moult run` and `moult trainer` use, over all three;
 //! - [`stream`]: the buckets an update is made of, as a trainer gathers them.
 //!
-//! The TCP data plane itself lives in [`crate::engine::weights`].
+//! This module owns what every transport shares: the engine API's control calls ([`Control`]),
+//! what an update cost ([`SyncReport`]) and why one failed ([`SyncError`]). The TCP data plane
+//! itself lives in [`crate::engine::weights`].
 
 pub mod folder;
 #[cfg(feature = "cuda")]
@@ -22,3 +23,191 @@ pub mod nccl_handshake;
 pub mod orchestrate;
 pub mod publish;
 pub mod stream;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// A cause of any kind, kept as the error's source.
+type Cause = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a weight sync failed: the step and its cause; or, on connecting, a manifest asking for
+/// what cannot work ([`SyncError::Manifest`]) or engines that could not be reached
+/// ([`SyncError::Setup`], worth trying again).
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    /// An engine-API call (to the router, a coordinator or an engine) failed at a step.
+    #[error("weight sync, {0}: {1}")]
+    Call(&'static str, #[source] CallError),
+    /// A step of the data plane failed (accepting, sending, connecting).
+    #[error("weight sync, {0}: {1}")]
+    Failed(&'static str, #[source] Cause),
+    /// Listening on an address failed.
+    #[error("weight sync, listen: {0}: {1}")]
+    Listen(String, #[source] std::io::Error),
+    /// Writing a version folder failed: what was done, to which path.
+    #[error("weight sync, write: {what} {}: {source}", path.display())]
+    Write {
+        what: &'static str,
+        path: PathBuf,
+        source: Cause,
+    },
+    #[error("weight sync, gather: the trainer stopped before it had gathered every weight (its log says why)")]
+    Gather,
+    #[error("weight sync, engines: no engine is up behind the router")]
+    NoEngines,
+    #[error("weight sync: the data plane is not connected (call connect_tcp first)")]
+    NotConnected,
+    /// The NCCL data plane failed (inside [`SyncError::Held`]).
+    #[error(transparent)]
+    Nccl(#[from] nccl_handshake::NcclSyncError),
+    /// An NCCL update failed after the engines began loading: they stay paused.
+    #[error("weight sync, nccl: {0} (engines stay paused until an update completes)")]
+    Held(Box<SyncError>),
+    /// The manifest asks for a combination that cannot work: the spec field to change, and why.
+    #[error("{0}: {1}")]
+    Manifest(&'static str, String),
+    /// The weight path could not be opened (the engines could not be reached).
+    #[error("{0}")]
+    Setup(Box<SyncError>),
+}
+
+impl SyncError {
+    /// `step` failed with the error it is given.
+    pub(crate) fn at<E: std::error::Error + Send + Sync + 'static>(
+        step: &'static str,
+    ) -> impl FnOnce(E) -> Self {
+        move |e| Self::Failed(step, Box::new(e))
+    }
+}
+
+/// An engine-API call that failed: its URL, and why it did not arrive or the status and body of
+/// the refusal.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("{0}: {1}")]
+    Unreachable(String, #[source] reqwest::Error),
+    #[error("{0}: {1} {2}")]
+    Refused(String, reqwest::StatusCode, String),
+}
+
+/// What one update cost.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SyncReport {
+    /// From the pause call to the end of the resume call: engines produced nothing meanwhile.
+    pub paused: Duration,
+    /// The transfer alone (start to finish of the weight update).
+    pub transfer: Duration,
+    pub bytes: usize,
+    pub buckets: usize,
+}
+
+/// The engine API's control calls (pause, resume, the weight-update routes) to a router, a
+/// coordinator (whose router fans them out) or one engine; every transport drives updates with it.
+#[derive(Debug, Clone)]
+pub struct Control {
+    http: reqwest::Client,
+    target: String,
+}
+
+impl Control {
+    pub fn new(target: &str) -> Self {
+        Self {
+            http: crate::auth::client(),
+            target: target.trim_end_matches('/').to_string(),
+        }
+    }
+
+    /// `method path` with an optional JSON body: the answer's JSON (`null` when it has none), or
+    /// the URL, status and body of a refusal.
+    pub async fn request(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, CallError> {
+        let url = format!("{}{}", self.target, path);
+        let mut req = self.http.request(method, &url);
+        if let Some(body) = body {
+            req = req.json(&body);
+        }
+        let r = match req.send().await {
+            Ok(r) => r,
+            Err(e) => return Err(CallError::Unreachable(url, e)),
+        };
+        let status = r.status();
+        let body = r.text().await.unwrap_or_default();
+        if !status.is_success() {
+            return Err(CallError::Refused(url, status, body));
+        }
+        Ok(serde_json::from_str(&body).unwrap_or(Value::Null))
+    }
+
+    /// [`Control::request`], a failure named after `step`.
+    pub async fn call(
+        &self,
+        step: &'static str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, SyncError> {
+        self.request(method, path, body)
+            .await
+            .map_err(|e| SyncError::Call(step, e))
+    }
+
+    /// `POST /<step>` with `body`.
+    pub async fn post(&self, step: &'static str, body: Value) -> Result<Value, SyncError> {
+        let path = format!("/{step}");
+        self.call(step, reqwest::Method::POST, &path, Some(body))
+            .await
+    }
+
+    /// Pauses every engine: `keep` freezes requests in flight (partial rollout), `wait` lets
+    /// them finish under the old weights first.
+    pub async fn pause(&self, partial_rollout: bool) -> Result<(), SyncError> {
+        let mode = if partial_rollout { "keep" } else { "wait" };
+        let path = format!("/pause?mode={mode}");
+        self.call("pause", reqwest::Method::POST, &path, None)
+            .await
+            .map(drop)
+    }
+
+    pub async fn resume(&self) -> Result<(), SyncError> {
+        self.call("resume", reqwest::Method::POST, "/resume", None)
+            .await
+            .map(drop)
+    }
+
+    /// Tells every engine, and the router in front of them (which then routes only to engines
+    /// that have it), the version they now serve.
+    pub async fn set_version(&self, version: u64) -> Result<(), SyncError> {
+        let body = json!({"new_version": version.to_string()});
+        self.post("update_weight_version", body).await.map(drop)
+    }
+
+    /// One update whose engines may hold part of the new weights until it is done: pause
+    /// (`keep` with partial rollout, else `wait`), `transfer`, then set the version and resume.
+    /// A failed transfer leaves the engines paused rather than serving half-replaced weights
+    /// (docs/weight-sync.md, "Weight transports"); the next update, or a restart, brings them to
+    /// whole weights. Returns `transfer`'s output, the time from the pause to its end, and to
+    /// the end of the resume.
+    pub async fn paused_update<T>(
+        &self,
+        version: u64,
+        partial_rollout: bool,
+        transfer: impl std::future::Future<Output = Result<T, SyncError>>,
+    ) -> Result<(T, Duration, Duration), SyncError> {
+        let paused_at = Instant::now();
+        self.pause(partial_rollout).await?;
+        let out = transfer.await?;
+        let transferred = paused_at.elapsed();
+        let versioned = self.set_version(version).await;
+        let resumed = self.resume().await;
+        let paused = paused_at.elapsed();
+        versioned?;
+        resumed?;
+        Ok((out, transferred, paused))
+    }
+}

@@ -57,22 +57,47 @@ impl NcclSenderConfig {
     }
 }
 
-/// Whether this machine can run the NCCL data plane: libcuda and libnccl load and a GPU exists.
-/// `Err` says what is missing (GPU tests print it when they skip).
-pub fn nccl_available() -> Result<usize, String> {
+/// Why this machine cannot run the NCCL data plane (GPU tests print it when they skip).
+#[derive(Debug, thiserror::Error)]
+pub enum Unavailable {
+    #[error("libcuda could not be loaded (no NVIDIA driver)")]
+    NoDriver,
+    #[error("libnccl could not be loaded (set LD_LIBRARY_PATH to its directory)")]
+    NoNccl,
+    #[error("cuDeviceGetCount: {0}")]
+    DeviceCount(#[source] cudarc::driver::DriverError),
+    #[error("no CUDA device")]
+    NoDevice,
+}
+
+/// Whether this machine can run the NCCL data plane: libcuda and libnccl load and a GPU exists;
+/// the number of GPUs.
+pub fn nccl_available() -> Result<usize, Unavailable> {
     // SAFETY: dlopen of the system's libcuda by its usual names; nothing is called yet.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err("libcuda could not be loaded (no NVIDIA driver)".into());
+        return Err(Unavailable::NoDriver);
     }
     // SAFETY: as above, for libnccl.
     if !unsafe { nccl_sys::is_culib_present() } {
-        return Err("libnccl could not be loaded (set LD_LIBRARY_PATH to its directory)".into());
+        return Err(Unavailable::NoNccl);
     }
-    let count = CudaContext::device_count().map_err(|e| format!("cuDeviceGetCount: {e}"))?;
-    if count < 1 {
-        return Err("no CUDA device".into());
+    match CudaContext::device_count().map_err(Unavailable::DeviceCount)? {
+        count if count < 1 => Err(Unavailable::NoDevice),
+        count => Ok(count as usize),
     }
-    Ok(count as usize)
+}
+
+/// Why a tensor cannot be broadcast.
+#[derive(Debug, thiserror::Error)]
+pub enum Unsendable {
+    #[error("undefined tensor")]
+    Undefined,
+    #[error("on {0:?}, not a CUDA device")]
+    NotCuda(tch::Device),
+    #[error("not contiguous (send `.contiguous()`)")]
+    NotContiguous,
+    #[error("dtype {0:?} cannot be sent to vLLM")]
+    Dtype(tch::Kind),
 }
 
 /// A tensor in CUDA memory that can be broadcast.
@@ -85,11 +110,11 @@ pub fn nccl_available() -> Result<usize, String> {
 /// flight on any stream of that device: the sender synchronises the device before reading.
 pub unsafe trait DeviceTensor: Send + 'static {
     /// Refuses tensors that cannot be read as one contiguous block.
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), Unsendable> {
         Ok(())
     }
     /// The dtype as vLLM names it (`getattr(torch, name)`): `bfloat16`, `float32`, ...
-    fn dtype_name(&self) -> Result<&'static str, String>;
+    fn dtype_name(&self) -> Result<&'static str, Unsendable>;
     fn shape(&self) -> Vec<i64>;
     /// `None` when the tensor is not on a CUDA device.
     fn cuda_ordinal(&self) -> Option<usize>;
@@ -101,20 +126,20 @@ pub unsafe trait DeviceTensor: Send + 'static {
 // first of `numel × element size` bytes in libtorch's allocation on that device (libtorch uses
 // the primary context), kept alive by the tensor's reference count.
 unsafe impl DeviceTensor for tch::Tensor {
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), Unsendable> {
         if !self.defined() {
-            return Err("undefined tensor".into());
+            return Err(Unsendable::Undefined);
         }
         if !matches!(self.device(), tch::Device::Cuda(_)) {
-            return Err(format!("on {:?}, not a CUDA device", self.device()));
+            return Err(Unsendable::NotCuda(self.device()));
         }
         if !self.is_contiguous() {
-            return Err("not contiguous (send `.contiguous()`)".into());
+            return Err(Unsendable::NotContiguous);
         }
         Ok(())
     }
 
-    fn dtype_name(&self) -> Result<&'static str, String> {
+    fn dtype_name(&self) -> Result<&'static str, Unsendable> {
         use tch::Kind;
         Ok(match self.kind() {
             Kind::Float => "float32",
@@ -129,7 +154,7 @@ unsafe impl DeviceTensor for tch::Tensor {
             Kind::Bool => "bool",
             Kind::Float8e4m3fn => "float8_e4m3fn",
             Kind::Float8e5m2 => "float8_e5m2",
-            other => return Err(format!("dtype {other:?} cannot be sent to vLLM")),
+            other => return Err(Unsendable::Dtype(other)),
         })
     }
 
@@ -215,7 +240,7 @@ impl DeviceBytes {
 // SAFETY: `bytes` is a live cudarc allocation of at least `byte_len` bytes on its stream's
 // device, owned by the value; cudarc allocates in the device's primary context.
 unsafe impl DeviceTensor for DeviceBytes {
-    fn dtype_name(&self) -> Result<&'static str, String> {
+    fn dtype_name(&self) -> Result<&'static str, Unsendable> {
         Ok(self.dtype)
     }
 
@@ -271,9 +296,9 @@ impl NcclWeightSender {
         config: NcclSenderConfig,
     ) -> Result<Self, NcclSyncError> {
         config.wire.validate()?;
-        nccl_available().map_err(|message| NcclSyncError::Nccl {
+        nccl_available().map_err(|e| NcclSyncError::Nccl {
             step: Step::CommInit,
-            message,
+            message: e.to_string(),
         })?;
         let http = crate::auth::client();
         let engines: Vec<EngineControl> = engine_urls
@@ -317,10 +342,6 @@ impl NcclWeightSender {
     /// Where each engine's ranks sit.
     pub fn layout(&self) -> &RankLayout {
         &self.layout
-    }
-
-    pub fn engine_urls(&self) -> impl Iterator<Item = &str> {
-        self.engines.iter().map(EngineControl::url)
     }
 
     fn usable(&self) -> Result<(), NcclSyncError> {
@@ -447,7 +468,7 @@ fn bucket_plan<T: DeviceTensor>(
             name: name.clone(),
             message,
         };
-        t.check().map_err(bad)?;
+        t.check().map_err(|e| bad(e.to_string()))?;
         match t.cuda_ordinal() {
             Some(o) if o == ordinal => {}
             other => {
@@ -458,7 +479,7 @@ fn bucket_plan<T: DeviceTensor>(
         }
         let meta = TensorMeta {
             name: name.clone(),
-            dtype: t.dtype_name().map_err(bad)?.to_string(),
+            dtype: t.dtype_name().map_err(|e| bad(e.to_string()))?.to_string(),
             shape: t.shape(),
         };
         if meta.byte_len()? != t.byte_len() {
@@ -860,7 +881,7 @@ mod tests {
 
     // SAFETY: test double; `bucket_plan` reads only the metadata, never `device_ptr`.
     unsafe impl DeviceTensor for Described {
-        fn dtype_name(&self) -> Result<&'static str, String> {
+        fn dtype_name(&self) -> Result<&'static str, Unsendable> {
             Ok(self.dtype)
         }
         fn shape(&self) -> Vec<i64> {
@@ -990,7 +1011,7 @@ mod tests {
         match nccl_available() {
             Err(reason) => {
                 assert!(
-                    matches!(&err, NcclSyncError::Nccl { step: Step::CommInit, message } if *message == reason),
+                    matches!(&err, NcclSyncError::Nccl { step: Step::CommInit, message } if *message == reason.to_string()),
                     "{err}"
                 );
             }

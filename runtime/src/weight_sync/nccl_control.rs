@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use serde::Serialize;
+use serde_json::json;
 
 use super::nccl_handshake::{finish_body, NcclInitInfo, NcclSyncError, Step};
 use crate::engine::api::UpdateInfo;
@@ -68,55 +68,39 @@ impl EngineControl {
     /// the communicator and ran the warm-up all_reduce, so it must run concurrently with rank 0's
     /// own init.
     pub async fn init(&self, init_info: &NcclInitInfo) -> Result<(), NcclSyncError> {
-        #[derive(Serialize)]
-        struct Body<'a> {
-            init_info: &'a NcclInitInfo,
-        }
-        let request = self
-            .http
-            .post(format!("{}/init_weight_transfer_engine", self.url))
-            .json(&Body { init_info });
-        self.call(Step::InitTransfer, request, self.timeouts.transfer)
-            .await
-            .map(drop)
+        let body = json!({ "init_info": init_info });
+        let timeout = self.timeouts.transfer;
+        self.post(
+            Step::InitTransfer,
+            "init_weight_transfer_engine",
+            body,
+            timeout,
+        )
+        .await
     }
 
     /// `POST /start_weight_update`.
     pub async fn start_update(&self) -> Result<(), NcclSyncError> {
-        let request = self
-            .http
-            .post(format!("{}/start_weight_update", self.url))
-            .json(&serde_json::json!({}));
-        self.call(Step::StartUpdate, request, self.timeouts.control)
+        let timeout = self.timeouts.control;
+        self.post(Step::StartUpdate, "start_weight_update", json!({}), timeout)
             .await
-            .map(drop)
     }
 
     /// `POST /update_weights {update_info}`; returns once the bucket's broadcasts landed, so it
     /// must run concurrently with rank 0's broadcasts.
     pub async fn update_weights(&self, update_info: &UpdateInfo) -> Result<(), NcclSyncError> {
-        #[derive(Serialize)]
-        struct Body<'a> {
-            update_info: &'a UpdateInfo,
-        }
-        let request = self
-            .http
-            .post(format!("{}/update_weights", self.url))
-            .json(&Body { update_info });
-        self.call(Step::UpdateWeights, request, self.timeouts.transfer)
+        let body = json!({ "update_info": update_info });
+        let timeout = self.timeouts.transfer;
+        self.post(Step::UpdateWeights, "update_weights", body, timeout)
             .await
-            .map(drop)
     }
 
     /// `POST /finish_weight_update {weight_version}`.
     pub async fn finish_update(&self, weight_version: u64) -> Result<(), NcclSyncError> {
-        let request = self
-            .http
-            .post(format!("{}/finish_weight_update", self.url))
-            .json(&finish_body(weight_version));
-        self.call(Step::FinishUpdate, request, self.timeouts.control)
+        let body = finish_body(weight_version);
+        let timeout = self.timeouts.control;
+        self.post(Step::FinishUpdate, "finish_weight_update", body, timeout)
             .await
-            .map(drop)
     }
 
     fn error(&self, step: Step, message: String) -> NcclSyncError {
@@ -127,6 +111,18 @@ impl EngineControl {
         }
     }
 
+    /// `POST /<route>` with `body`, bounded by `timeout`.
+    async fn post(
+        &self,
+        step: Step,
+        route: &str,
+        body: serde_json::Value,
+        timeout: Duration,
+    ) -> Result<(), NcclSyncError> {
+        let request = self.http.post(format!("{}/{route}", self.url)).json(&body);
+        self.call(step, request, timeout).await.map(drop)
+    }
+
     /// Sends, bounded by `timeout`; a non-2xx answer becomes an error carrying the engine's own
     /// message (vLLM answers `{"error": ...}` or FastAPI's `{"detail": ...}`).
     async fn call(
@@ -135,29 +131,24 @@ impl EngineControl {
         request: reqwest::RequestBuilder,
         timeout: Duration,
     ) -> Result<serde_json::Value, NcclSyncError> {
-        let response = request.timeout(timeout).send().await.map_err(|e| {
+        let failed = |what: &str, e: reqwest::Error| {
             if e.is_timeout() {
-                NcclSyncError::EngineTimeout {
-                    url: self.url.clone(),
-                    step,
-                    timeout,
-                }
+                let url = self.url.clone();
+                NcclSyncError::EngineTimeout { url, step, timeout }
             } else {
-                self.error(step, format!("cannot reach the engine: {e}"))
+                self.error(step, format!("{what}: {e}"))
             }
-        })?;
+        };
+        let response = request
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|e| failed("cannot reach the engine", e))?;
         let status = response.status();
-        let text = response.text().await.map_err(|e| {
-            if e.is_timeout() {
-                NcclSyncError::EngineTimeout {
-                    url: self.url.clone(),
-                    step,
-                    timeout,
-                }
-            } else {
-                self.error(step, format!("reading the answer: {e}"))
-            }
-        })?;
+        let text = response
+            .text()
+            .await
+            .map_err(|e| failed("reading the answer", e))?;
         let body: serde_json::Value =
             serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
         if !status.is_success() {

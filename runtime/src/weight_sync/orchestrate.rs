@@ -14,37 +14,13 @@
 
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
-use tch::Tensor;
+use serde_json::json;
 
 use super::stream::{bytes_of, Bucket, WeightStream};
+use super::{Control, SyncError, SyncReport};
 use crate::engine::weights::{
     update_info, TcpWeightSender, WeightListener, DEFAULT_PACKED_BUFFER_BYTES,
 };
-
-/// Why a weight sync failed: the step and what the engines said.
-#[derive(Debug, thiserror::Error)]
-pub enum SyncError {
-    #[error("weight sync, {step}: {message}")]
-    Step { step: &'static str, message: String },
-    #[error("weight sync: the data plane is not connected (call connect_tcp first)")]
-    NotConnected,
-}
-
-pub(crate) fn step(step: &'static str) -> impl Fn(String) -> SyncError {
-    move |message| SyncError::Step { step, message }
-}
-
-/// What one update cost.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct SyncReport {
-    /// From the pause call to the end of the resume call: engines produced nothing meanwhile.
-    pub paused: Duration,
-    /// The transfer alone (start to finish of the weight update).
-    pub transfer: Duration,
-    pub bytes: usize,
-    pub buckets: usize,
-}
 
 /// Drives weight updates of the engines behind `target`.
 #[derive(Debug)]
@@ -59,82 +35,6 @@ pub struct WeightSync {
     pub packed_buffer_bytes: usize,
 }
 
-/// The engine API's control calls (pause, resume, the weight-update routes) to a router, a
-/// coordinator (whose router fans them out) or one engine; every transport drives updates with it.
-#[derive(Debug, Clone)]
-pub struct Control {
-    http: reqwest::Client,
-    target: String,
-}
-
-impl Control {
-    pub fn new(target: &str) -> Self {
-        Self {
-            http: crate::auth::client(),
-            target: target.trim_end_matches('/').to_string(),
-        }
-    }
-
-    pub fn target(&self) -> &str {
-        &self.target
-    }
-
-    /// `method path` with an optional JSON body; the answer's JSON (`null` when it has none), or
-    /// the URL, status and body of a refusal.
-    pub async fn call(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> Result<Value, String> {
-        let url = format!("{}{}", self.target, path);
-        let mut req = self.http.request(method, &url);
-        if let Some(body) = body {
-            req = req.json(&body);
-        }
-        let r = req.send().await.map_err(|e| format!("{url}: {e}"))?;
-        let status = r.status();
-        let text = r.text().await.unwrap_or_default();
-        if !status.is_success() {
-            return Err(format!("{url}: {status} {text}"));
-        }
-        Ok(serde_json::from_str(&text).unwrap_or(Value::Null))
-    }
-
-    pub async fn post(&self, path: &str, body: Value) -> Result<Value, String> {
-        self.call(reqwest::Method::POST, path, Some(body)).await
-    }
-
-    /// Pauses every engine: `keep` freezes requests in flight (partial rollout), `wait` lets
-    /// them finish under the old weights first.
-    pub async fn pause(&self, partial_rollout: bool) -> Result<(), SyncError> {
-        let mode = if partial_rollout { "keep" } else { "wait" };
-        self.call(reqwest::Method::POST, &format!("/pause?mode={mode}"), None)
-            .await
-            .map(drop)
-            .map_err(step("pause"))
-    }
-
-    pub async fn resume(&self) -> Result<(), SyncError> {
-        self.call(reqwest::Method::POST, "/resume", None)
-            .await
-            .map(drop)
-            .map_err(step("resume"))
-    }
-
-    /// Tells every engine, and the router in front of them (which then routes only to engines
-    /// that have it), the version they now serve.
-    pub async fn set_version(&self, version: u64) -> Result<(), SyncError> {
-        self.post(
-            "/update_weight_version",
-            json!({"new_version": version.to_string()}),
-        )
-        .await
-        .map(drop)
-        .map_err(step("update_weight_version"))
-    }
-}
-
 impl WeightSync {
     /// Updates for the engines behind `target` (a router or an engine base URL).
     pub fn new(target: &str) -> Self {
@@ -147,20 +47,16 @@ impl WeightSync {
         }
     }
 
-    async fn call(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> Result<Value, String> {
-        self.control.call(method, path, body).await
-    }
-
     async fn world_size(&self) -> Result<usize, SyncError> {
         let world = self
-            .call(reqwest::Method::GET, "/get_world_size", None)
-            .await
-            .map_err(step("get_world_size"))?;
+            .control
+            .call(
+                "get_world_size",
+                reqwest::Method::GET,
+                "/get_world_size",
+                None,
+            )
+            .await?;
         Ok(world["world_size"].as_u64().unwrap_or(1) as usize)
     }
 
@@ -170,50 +66,29 @@ impl WeightSync {
     pub async fn connect_tcp(&mut self, bind: &str, advertise: &str) -> Result<(), SyncError> {
         self.sender = None;
         let engines = self.world_size().await?;
-        let listener =
-            WeightListener::bind(bind).map_err(|e| step("listen")(format!("{bind}: {e}")))?;
-        let port = listener
-            .local_addr()
-            .map_err(|e| step("listen")(e.to_string()))?
-            .port();
+        let listen = |e| SyncError::Listen(bind.to_string(), e);
+        let listener = WeightListener::bind(bind).map_err(listen)?;
+        let port = listener.local_addr().map_err(listen)?.port();
         let accept = tokio::task::spawn_blocking(move || listener.accept(engines));
         let init = json!({"init_info": {"master_address": advertise, "master_port": port,
             "rank_offset": 1, "world_size": engines + 1,
             "packed_buffer_size_bytes": self.packed_buffer_bytes}});
-        let told = self
-            .call(
-                reqwest::Method::POST,
-                "/init_weight_transfer_engine",
-                Some(init),
-            )
-            .await;
-        if let Err(message) = told {
-            // Nobody will connect: end the accept by connecting to ourselves is not possible in
-            // general, so report; the listener thread ends when its socket times out.
-            return Err(step("init_weight_transfer_engine")(message));
-        }
+        // Refused, nobody will connect: the listener thread ends when its socket times out.
+        self.control
+            .post("init_weight_transfer_engine", init)
+            .await?;
         let sender = accept
             .await
-            .map_err(|e| step("accept")(e.to_string()))?
-            .map_err(|e| step("accept")(e.to_string()))?;
+            .map_err(SyncError::at("accept"))?
+            .map_err(SyncError::at("accept"))?;
         self.sender = Some(sender);
         self.plane = Some((bind.to_string(), advertise.to_string(), engines));
         Ok(())
     }
 
-    /// Pushes `tensors` as `version`: pause (`keep` with partial rollout, else `wait`), transfer in
-    /// buckets, finish, resume. The engines are resumed even when the transfer fails.
-    pub async fn update(
-        &mut self,
-        tensors: &[(String, Tensor)],
-        version: u64,
-        partial_rollout: bool,
-    ) -> Result<SyncReport, SyncError> {
-        self.update_stream(WeightStream::whole(tensors), version, partial_rollout)
-            .await
-    }
-
-    /// [`update`](Self::update) from buckets as they come: each is sent as soon as it arrives.
+    /// Pushes the buckets of `weights` as `version`, each sent as soon as it arrives: pause
+    /// (`keep` with partial rollout, else `wait`), transfer in buckets, finish, resume. The
+    /// engines are resumed even when the transfer fails.
     pub async fn update_stream(
         &mut self,
         weights: WeightStream,
@@ -255,13 +130,7 @@ impl WeightSync {
         version: u64,
     ) -> Result<(Duration, usize, usize), SyncError> {
         let started = Instant::now();
-        self.call(
-            reqwest::Method::POST,
-            "/start_weight_update",
-            Some(json!({})),
-        )
-        .await
-        .map_err(step("start_weight_update"))?;
+        self.control.post("start_weight_update", json!({})).await?;
         let (mut count, mut bytes) = (0, 0);
         while let Some(pieces) = weights.next_split(self.bucket_bytes).await? {
             for bucket in pieces {
@@ -271,13 +140,8 @@ impl WeightSync {
             }
         }
         // Only a whole stream finishes: the engines swap to the new weights at this call.
-        self.call(
-            reqwest::Method::POST,
-            "/finish_weight_update",
-            Some(json!({"weight_version": version})),
-        )
-        .await
-        .map_err(step("finish_weight_update"))?;
+        let finish = json!({"weight_version": version});
+        self.control.post("finish_weight_update", finish).await?;
         Ok((started.elapsed(), bytes, count))
     }
 
@@ -290,19 +154,15 @@ impl WeightSync {
             (sender, result)
         });
         let told = self
-            .call(
-                reqwest::Method::POST,
-                "/update_weights",
-                Some(json!({"update_info": info})),
-            )
+            .control
+            .post("update_weights", json!({"update_info": info}))
             .await;
-        let (sender, sent) = send.await.map_err(|e| step("send")(e.to_string()))?;
+        let (sender, sent) = send.await.map_err(SyncError::at("send"))?;
         // A stream that failed mid-bucket is desynchronised: reconnect before the next update.
         if sent.is_ok() && told.is_ok() {
             self.sender = Some(sender);
         }
-        sent.map_err(|e| step("send")(e.to_string()))?;
-        told.map_err(step("update_weights"))?;
-        Ok(())
+        sent.map_err(SyncError::at("send"))?;
+        told.map(drop)
     }
 }

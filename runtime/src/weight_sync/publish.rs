@@ -16,9 +16,9 @@ use moult_operator::api::{EngineBackend, WeightTransport};
 use tch::{Device, Kind, Tensor};
 
 use super::folder::FolderPublisher;
-use super::orchestrate::{SyncError, SyncReport, WeightSync};
+use super::orchestrate::WeightSync;
 use super::stream::WeightStream;
-use crate::error::RunError;
+use super::{SyncError, SyncReport};
 use crate::trainer::train::Trainer;
 
 /// Where and how a trainer publishes.
@@ -51,22 +51,23 @@ pub enum Publisher {
 }
 
 impl Publisher {
-    /// The weight path `opts` asks for. Errors are [`RunError::Field`] (naming the spec field)
-    /// when the combination cannot work, [`RunError::Setup`] when the engines could not be
+    /// The weight path `opts` asks for. Errors are [`SyncError::Manifest`] (naming the spec field)
+    /// when the combination cannot work, [`SyncError::Setup`] when the engines could not be
     /// reached (worth trying again).
-    pub async fn connect(opts: &PublishOptions) -> Result<Self, RunError> {
+    pub async fn connect(opts: &PublishOptions) -> Result<Self, SyncError> {
         match opts.transport {
             WeightTransport::Tcp => {
                 let mut sync = WeightSync::new(&opts.target);
                 sync.connect_tcp(&format!("{}:{}", opts.host, opts.port), &opts.host)
                     .await
-                    .map_err(|e| RunError::Setup(e.to_string()))?;
+                    .map_err(|e| SyncError::Setup(Box::new(e)))?;
                 Ok(Self::Tcp(sync))
             }
             WeightTransport::Filesystem => {
-                let folder = opts.folder.clone().ok_or_else(|| {
-                    RunError::field("spec.engines.weightTransfer.claimName", "the Filesystem transport needs a folder that the trainer and every engine share (MOULT_WEIGHTS_DIR, where the operator mounts the claim)")
-                })?;
+                let folder = opts.folder.clone().ok_or_else(|| SyncError::Manifest(
+                    "spec.engines.weightTransfer.claimName",
+                    "the Filesystem transport needs a folder that the trainer and every engine share (MOULT_WEIGHTS_DIR, where the operator mounts the claim)".into(),
+                ))?;
                 Ok(Self::Filesystem(FolderPublisher::new(
                     &opts.target,
                     folder,
@@ -78,20 +79,26 @@ impl Publisher {
     }
 
     #[cfg(feature = "cuda")]
-    fn nccl(opts: &PublishOptions) -> Result<Self, RunError> {
+    fn nccl(opts: &PublishOptions) -> Result<Self, SyncError> {
         match opts.device {
             Device::Cuda(ordinal) => Ok(Self::Nccl(Box::new(nccl::NcclPublisher::new(
                 &opts.target,
                 ordinal,
                 opts.engine_kind,
             )))),
-            other => Err(RunError::field("spec.engines.weightTransfer.transport", format!("NCCL sends weights from a trainer on a GPU; this trainer runs on {other:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)"))),
+            other => Err(SyncError::Manifest(
+                "spec.engines.weightTransfer.transport",
+                format!("NCCL sends weights from a trainer on a GPU; this trainer runs on {other:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)"),
+            )),
         }
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn nccl(_: &PublishOptions) -> Result<Self, RunError> {
-        Err(RunError::field("spec.engines.weightTransfer.transport", "NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)"))
+    fn nccl(_: &PublishOptions) -> Result<Self, SyncError> {
+        Err(SyncError::Manifest(
+            "spec.engines.weightTransfer.transport",
+            "NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)".into(),
+        ))
     }
 
     /// Pushes `weights` as `version` (pause `keep` with partial rollout, else `wait`).
@@ -170,7 +177,7 @@ pub fn engine_kind(
     backend: EngineBackend,
     extra_args: &[String],
     model_dtype: Option<&str>,
-) -> Result<Kind, RunError> {
+) -> Result<Kind, SyncError> {
     if backend == EngineBackend::Builtin {
         return Ok(Kind::Float);
     }
@@ -188,7 +195,10 @@ pub fn engine_kind(
         "float32" | "float" => Ok(Kind::Float),
         "bfloat16" => Ok(Kind::BFloat16),
         "float16" | "half" => Ok(Kind::Half),
-        other => Err(RunError::field("spec.engines.extraArgs", format!("--dtype {other} is not one moult can send weights in (float32, bfloat16, float16, auto)"))),
+        other => Err(SyncError::Manifest(
+            "spec.engines.extraArgs",
+            format!("--dtype {other} is not one moult can send weights in (float32, bfloat16, float16, auto)"),
+        )),
     }
 }
 
@@ -197,8 +207,8 @@ mod nccl {
     use tch::Kind;
 
     use crate::weight_sync::nccl::{NcclSenderConfig, NcclWeightSender};
-    use crate::weight_sync::orchestrate::{step, Control, SyncError, SyncReport};
     use crate::weight_sync::stream::{bytes_of, WeightStream};
+    use crate::weight_sync::{Control, SyncError, SyncReport};
 
     /// Bytes per `update_weights` call.
     const BUCKET_BYTES: usize = 256 << 20;
@@ -211,9 +221,6 @@ mod nccl {
         kind: Kind,
         sender: Option<NcclWeightSender>,
         urls: Vec<String>,
-        /// An update failed after the engines began loading: they stay paused (they may hold
-        /// half-replaced weights) until an update completes.
-        held: bool,
     }
 
     impl NcclPublisher {
@@ -224,7 +231,6 @@ mod nccl {
                 kind,
                 sender: None,
                 urls: Vec::new(),
-                held: false,
             }
         }
 
@@ -232,9 +238,8 @@ mod nccl {
         async fn engines(&self) -> Result<Vec<String>, SyncError> {
             let list = self
                 .control
-                .call(reqwest::Method::GET, "/engines", None)
-                .await
-                .map_err(step("engines"))?;
+                .call("engines", reqwest::Method::GET, "/engines", None)
+                .await?;
             let mut urls: Vec<String> = list["engines"]
                 .as_array()
                 .into_iter()
@@ -244,11 +249,14 @@ mod nccl {
                 .collect();
             urls.sort();
             if urls.is_empty() {
-                return Err(step("engines")("no engine is up behind the router".into()));
+                return Err(SyncError::NoEngines);
             }
             Ok(urls)
         }
 
+        /// Connects (again when the engines changed), then pause, send, set the version,
+        /// resume. After a failed send the engines stay paused: resuming them would serve
+        /// half-loaded weights.
         pub async fn update(
             &mut self,
             mut weights: WeightStream,
@@ -261,73 +269,66 @@ mod nccl {
                 let sender =
                     NcclWeightSender::connect(self.ordinal, &urls, NcclSenderConfig::default())
                         .await
-                        .map_err(|e| step("connect")(e.to_string()))?;
+                        .map_err(SyncError::at("connect"))?;
                 self.sender = Some(sender);
                 self.urls = urls;
             }
-            let paused_at = std::time::Instant::now();
-            self.control.pause(partial_rollout).await?;
-            self.held = true;
-            let sent = self.send(&mut weights, version).await;
-            let (bytes, count) = match sent {
-                Ok(sent) => sent,
-                Err(e) => {
-                    // A failed sender refuses further work: connect again next time. The
-                    // engines stay paused: resuming them would serve half-loaded weights.
-                    self.sender = None;
-                    return Err(step("nccl")(format!(
-                        "{e} (engines stay paused until an update completes)"
-                    )));
+            let Self {
+                control,
+                kind,
+                sender,
+                ..
+            } = self;
+            let send = async {
+                let sent = send(
+                    sender.as_mut().expect("connected above"),
+                    *kind,
+                    &mut weights,
+                    version,
+                )
+                .await;
+                if sent.is_err() {
+                    // A failed sender refuses further work: connect again next time.
+                    *sender = None;
                 }
+                sent.map_err(|e| SyncError::Held(Box::new(e)))
             };
-            let transfer = paused_at.elapsed();
-            // The router learns the version (engines that missed it are not routed to).
-            self.control.set_version(version).await?;
-            self.control.resume().await?;
-            self.held = false;
+            let ((bytes, buckets), transfer, paused) = control
+                .paused_update(version, partial_rollout, send)
+                .await?;
             Ok(SyncReport {
-                paused: paused_at.elapsed(),
+                paused,
                 transfer,
                 bytes,
-                buckets: count,
+                buckets,
             })
         }
+    }
 
-        /// Start, each bucket as it comes in the engines' dtype, finish (only once the stream
-        /// ended whole); the bytes and buckets sent.
-        async fn send(
-            &mut self,
-            weights: &mut WeightStream,
-            version: u64,
-        ) -> Result<(usize, usize), String> {
-            let sender = self.sender.as_mut().expect("connected above");
-            sender.start_update().await.map_err(|e| e.to_string())?;
-            let (mut bytes, mut count) = (0, 0);
-            while let Some(pieces) = weights
-                .next_split(BUCKET_BYTES)
-                .await
-                .map_err(|e| e.to_string())?
-            {
-                for bucket in pieces {
-                    // vLLM copies what it receives into its parameters.
-                    let converted: Vec<_> = bucket
-                        .into_iter()
-                        .map(|(n, t)| (n, t.to_kind(self.kind).contiguous()))
-                        .collect();
-                    bytes += converted.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
-                    count += 1;
-                    sender
-                        .send_bucket(converted)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                }
+    /// Start, each bucket as it comes in the engines' dtype, finish (only once the stream ended
+    /// whole); the bytes and buckets sent.
+    async fn send(
+        sender: &mut NcclWeightSender,
+        kind: Kind,
+        weights: &mut WeightStream,
+        version: u64,
+    ) -> Result<(usize, usize), SyncError> {
+        sender.start_update().await?;
+        let (mut bytes, mut count) = (0, 0);
+        while let Some(pieces) = weights.next_split(BUCKET_BYTES).await? {
+            for bucket in pieces {
+                // vLLM copies what it receives into its parameters.
+                let converted: Vec<_> = bucket
+                    .into_iter()
+                    .map(|(n, t)| (n, t.to_kind(kind).contiguous()))
+                    .collect();
+                bytes += converted.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
+                count += 1;
+                sender.send_bucket(converted).await?;
             }
-            sender
-                .finish_update(version)
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok((bytes, count))
         }
+        sender.finish_update(version).await?;
+        Ok((bytes, count))
     }
 }
 

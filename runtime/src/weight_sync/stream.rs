@@ -7,7 +7,7 @@
 use tch::Tensor;
 use tokio::sync::mpsc;
 
-use super::orchestrate::{step, SyncError};
+use super::SyncError;
 
 /// A bucket of tensors: shallow copies, so they can move to the sending thread.
 pub type Bucket = Vec<(String, Tensor)>;
@@ -92,12 +92,19 @@ impl WeightStream {
 
     /// The next bucket; `None` once every bucket came, an error if the producer stopped short.
     pub async fn next(&mut self) -> Result<Option<Bucket>, SyncError> {
-        match self.rx.recv().await {
+        Self::open(self.rx.recv().await)
+    }
+
+    /// [`WeightStream::next`] from a blocking thread.
+    pub fn blocking_next(&mut self) -> Result<Option<Bucket>, SyncError> {
+        Self::open(self.rx.blocking_recv())
+    }
+
+    fn open(message: Option<Message>) -> Result<Option<Bucket>, SyncError> {
+        match message {
             Some(Message::Bucket(b)) => Ok(Some(b)),
             Some(Message::Done) => Ok(None),
-            None => Err(step("gather")(
-                "the trainer stopped before it had gathered every weight (its log says why)".into(),
-            )),
+            None => Err(SyncError::Gather),
         }
     }
 
