@@ -530,9 +530,7 @@ async fn agents(args: AgentsArgs) -> anyhow::Result<()> {
     use std::sync::Arc;
 
     let agent = match (&args.agent, &args.agent_cmd, args.form.as_deref()) {
-        (Some(a), _, _) if a.starts_with("builtin:") => {
-            moult_runtime::agents::env::builtin_agent(&a["builtin:".len()..])?
-        }
+        (Some(a), _, _) if a.starts_with("builtin:") => Agent::builtin(&a["builtin:".len()..])?,
         (Some(module), _, _) => {
             let cmd = AgentCommand::python(&args.python, module)?;
             match describe_python(&args.python, module).await?.as_str() {
