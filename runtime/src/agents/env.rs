@@ -1,6 +1,6 @@
 //! The `Env` agent form (docs/agents.md): a Gymnasium-shaped environment; the framework owns the LLM
 //! loop. Environments are Rust types implementing [`Env`], or external processes speaking the JSON
-//! protocol of [`super::process::ExternalEnv`].
+//! protocol of `ExternalEnv` (the `process` module).
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};

@@ -1,6 +1,6 @@
 //! What a finished turn answers, protocol-neutral: each sample's content, tool calls, finish
 //! reason and tokens. The OpenAI and Anthropic adapters write it in their own shapes, and a
-//! session keeps recent answers for identical retries ([`super::session`]).
+//! session keeps recent answers for identical retries.
 
 use crate::chat::ToolCall;
 
