@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value as Json};
 use super::error::LoopbackError;
 use super::service::ChatService;
 use super::turn::{Finish, TurnOutput};
-use super::{async_stream, invalid};
+use super::{async_stream, invalid, str_field};
 use crate::chat::{
     check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message, Part, Role, Tool,
     ToolCall,
@@ -78,10 +78,7 @@ fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
         Json::Array(blocks) => {
             let mut text = String::new();
             for (j, b) in blocks.iter().enumerate() {
-                match (
-                    b.get("type").and_then(Json::as_str),
-                    b.get("text").and_then(Json::as_str),
-                ) {
+                match (str_field(b, "type"), str_field(b, "text")) {
                     (Some("text"), Some(t)) => text.push_str(t),
                     (Some(other), _) if other != "text" => {
                         return Err(invalid(
@@ -109,7 +106,7 @@ fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
 /// One Anthropic message as internal messages: tool results become `tool` messages.
 fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
     let param = format!("messages[{i}]");
-    let role = match value.get("role").and_then(Json::as_str) {
+    let role = match str_field(value, "role") {
         Some("user") => Role::User,
         Some("assistant") => Role::Assistant,
         Some(other) => {
@@ -140,13 +137,11 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
     let mut reasoning = None;
     for (j, b) in blocks.iter().enumerate() {
         let p = format!("{param}.content[{j}]");
-        let kind = b
-            .get("type")
-            .and_then(Json::as_str)
-            .ok_or_else(|| invalid(&p, "a content block needs a `type`"))?;
+        let kind =
+            str_field(b, "type").ok_or_else(|| invalid(&p, "a content block needs a `type`"))?;
         match (kind, role) {
             ("text", _) => {
-                let t = b.get("text").and_then(Json::as_str).ok_or_else(|| {
+                let t = str_field(b, "text").ok_or_else(|| {
                     invalid(format!("{p}.text"), "a text block needs a string `text`")
                 })?;
                 text.get_or_insert_with(String::new).push_str(t);
@@ -156,11 +151,9 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                 image: image_block(b, &p)?,
             }),
             ("tool_use", Role::Assistant) => {
-                let id = b
-                    .get("id")
-                    .and_then(Json::as_str)
+                let id = str_field(b, "id")
                     .ok_or_else(|| invalid(format!("{p}.id"), "a tool_use block needs an `id`"))?;
-                let name = b.get("name").and_then(Json::as_str).ok_or_else(|| {
+                let name = str_field(b, "name").ok_or_else(|| {
                     invalid(format!("{p}.name"), "a tool_use block needs a `name`")
                 })?;
                 let input = b
@@ -180,10 +173,10 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                 });
             }
             ("thinking", Role::Assistant) => {
-                reasoning = b.get("thinking").and_then(Json::as_str).map(str::to_string);
+                reasoning = str_field(b, "thinking").map(str::to_string);
             }
             ("tool_result", Role::User) => {
-                let id = b.get("tool_use_id").and_then(Json::as_str).ok_or_else(|| {
+                let id = str_field(b, "tool_use_id").ok_or_else(|| {
                     invalid(
                         format!("{p}.tool_use_id"),
                         "a tool_result block needs the `tool_use_id` it answers",
@@ -227,7 +220,7 @@ fn image_block(block: &Json, param: &str) -> Result<Image, InvalidRequest> {
     let source = block
         .get("source")
         .ok_or_else(|| invalid(format!("{param}.source"), "an image block needs a `source`"))?;
-    match source.get("type").and_then(Json::as_str) {
+    match str_field(source, "type") {
         Some("base64") => {}
         Some("url") => {
             return Err(invalid(
@@ -301,7 +294,7 @@ impl MessagesRequest {
         }
         let mut template_kwargs = Map::new();
         if let Some(thinking) = &self.thinking {
-            let enabled = match thinking.get("type").and_then(Json::as_str) {
+            let enabled = match str_field(thinking, "type") {
                 Some("enabled") | Some("adaptive") => true,
                 Some("disabled") => false,
                 _ => {

@@ -94,6 +94,11 @@ fn parse<T: DeserializeOwned>(
     })
 }
 
+/// A field of a JSON object, if it is a string.
+fn str_field<'a>(value: &'a serde_json::Value, key: &str) -> Option<&'a str> {
+    value.get(key).and_then(serde_json::Value::as_str)
+}
+
 /// A field's refusal, for the adapters' field-by-field checks.
 fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidRequest {
     InvalidRequest::new(param, message)

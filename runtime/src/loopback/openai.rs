@@ -14,7 +14,7 @@ use serde_json::{json, Map, Value as Json};
 use super::error::LoopbackError;
 use super::service::ChatService;
 use super::turn::{ChoiceOutput, Finish, TurnOutput};
-use super::{async_stream, invalid};
+use super::{async_stream, invalid, str_field};
 use crate::chat::{
     arguments_object, check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message,
     Part, Role, Tool, ToolCall,
@@ -87,10 +87,10 @@ fn content_parts(
         Json::Array(items) => {
             let mut parts = Vec::with_capacity(items.len());
             for (j, part) in items.iter().enumerate() {
-                let kind = part.get("type").and_then(Json::as_str);
+                let kind = str_field(part, "type");
                 match kind {
                     Some("text") => {
-                        let text = part.get("text").and_then(Json::as_str).ok_or_else(|| {
+                        let text = str_field(part, "text").ok_or_else(|| {
                             invalid(
                                 format!("{param}[{j}].text"),
                                 "a text part needs a string `text`",
@@ -102,7 +102,7 @@ fn content_parts(
                         let p = format!("{param}[{j}].image_url");
                         let url = match part.get("image_url") {
                             Some(Json::String(url)) => url.as_str(),
-                            Some(obj) => obj.get("url").and_then(Json::as_str).ok_or_else(|| {
+                            Some(obj) => str_field(obj, "url").ok_or_else(|| {
                                 invalid(format!("{p}.url"), "an image_url part needs a string `url`")
                             })?,
                             None => {
@@ -147,10 +147,10 @@ fn content_parts(
 
 fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
     let param = format!("messages[{i}]");
-    let obj = value
-        .as_object()
-        .ok_or_else(|| invalid(&param, "each message must be an object"))?;
-    let role = match obj.get("role").and_then(Json::as_str) {
+    if !value.is_object() {
+        return Err(invalid(&param, "each message must be an object"));
+    }
+    let role = match str_field(value, "role") {
         Some("system") | Some("developer") => Role::System,
         Some("user") => Role::User,
         Some("assistant") => Role::Assistant,
@@ -171,12 +171,12 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
         }
     };
     let (content, parts) = content_parts(
-        obj.get("content").unwrap_or(&Json::Null),
+        value.get("content").unwrap_or(&Json::Null),
         &format!("{param}.content"),
         role == Role::User,
     )?;
     let mut tool_calls = Vec::new();
-    if let Some(calls) = obj.get("tool_calls").filter(|v| !v.is_null()) {
+    if let Some(calls) = value.get("tool_calls").filter(|v| !v.is_null()) {
         if role != Role::Assistant {
             return Err(invalid(
                 format!("{param}.tool_calls"),
@@ -191,7 +191,7 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
             let function = call
                 .get("function")
                 .ok_or_else(|| invalid(&p, "a tool call needs a `function`"))?;
-            let name = function.get("name").and_then(Json::as_str).ok_or_else(|| {
+            let name = str_field(function, "name").ok_or_else(|| {
                 invalid(
                     format!("{p}.function.name"),
                     "a tool call needs a string name",
@@ -209,11 +209,7 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
                 }
             };
             tool_calls.push(ToolCall {
-                id: call
-                    .get("id")
-                    .and_then(Json::as_str)
-                    .unwrap_or_default()
-                    .to_string(),
+                id: str_field(call, "id").unwrap_or_default().to_string(),
                 name: name.to_string(),
                 arguments,
             });
@@ -225,10 +221,7 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
             format!("a {} message needs content", role.as_str()),
         ));
     }
-    let tool_call_id = obj
-        .get("tool_call_id")
-        .and_then(Json::as_str)
-        .map(str::to_string);
+    let tool_call_id = str_field(value, "tool_call_id").map(str::to_string);
     if role == Role::Tool && tool_call_id.is_none() {
         return Err(invalid(
             format!("{param}.tool_call_id"),
@@ -241,11 +234,8 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
         parts,
         tool_calls,
         tool_call_id,
-        name: obj.get("name").and_then(Json::as_str).map(str::to_string),
-        reasoning_content: obj
-            .get("reasoning_content")
-            .and_then(Json::as_str)
-            .map(str::to_string),
+        name: str_field(value, "name").map(str::to_string),
+        reasoning_content: str_field(value, "reasoning_content").map(str::to_string),
     })
 }
 
