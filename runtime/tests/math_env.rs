@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use moult_runtime::agents::env::{builtin_agent, Env};
+use moult_runtime::agents::env::Env;
 use moult_runtime::agents::process::ExternalEnv;
 use moult_runtime::agents::Agent;
 use serde_json::json;
@@ -33,7 +33,7 @@ fn math_env_python_tests_pass_on_the_real_math_verify() {
 
 #[tokio::test]
 async fn agent_env_math_runs_the_embedded_module_and_checks_equivalence() {
-    let Agent::ExternalEnv(mut cmd) = builtin_agent("math").unwrap() else {
+    let Agent::ExternalEnv(mut cmd) = Agent::builtin("math").unwrap() else {
         panic!("math is an external env")
     };
     // A run starts `python3` from PATH; here the test environment's, which has math-verify.
@@ -56,7 +56,7 @@ async fn agent_env_math_runs_the_embedded_module_and_checks_equivalence() {
     env.reset(&task).await.unwrap();
     let wrong = env.step("The answer is 2.").await.unwrap();
     assert_eq!(wrong.reward, 0.0, "{wrong:?}");
-    let err = builtin_agent("maths").unwrap_err().to_string();
+    let err = Agent::builtin("maths").unwrap_err().to_string();
     assert!(err.contains("available: repeat, math"), "{err}");
 }
 

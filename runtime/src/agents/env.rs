@@ -1,6 +1,6 @@
 //! The `Env` agent form (docs/agents.md): a Gymnasium-shaped environment; the framework owns the LLM
 //! loop. Environments are Rust types implementing [`Env`], or external processes speaking the JSON
-//! protocol of [`super::process::ExternalEnv`].
+//! protocol of `ExternalEnv` (the `process` module).
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
@@ -196,24 +196,10 @@ pub const BUILTIN: [&str; 2] = ["repeat", "math"];
 pub fn builtin(name: &str) -> Result<Box<dyn Env>, AgentError> {
     match name {
         "repeat" => Ok(Box::new(Repeat::default())),
-        other => Err(unknown(other)),
-    }
-}
-
-fn unknown(name: &str) -> AgentError {
-    AgentError::Config(format!(
-        "unknown built-in env `{name}`: available: {}",
-        BUILTIN.join(", ")
-    ))
-}
-
-/// The agent a built-in env's name stands for (`agent.env`, `builtin:NAME` on the command line).
-pub fn builtin_agent(name: &str) -> Result<super::Agent, AgentError> {
-    match name {
-        "math" => Ok(super::Agent::ExternalEnv(
-            super::process::AgentCommand::python("python3", "moult.math")?,
-        )),
-        other => builtin(other).map(|_| super::Agent::BuiltinEnv(other.to_string())),
+        other => Err(AgentError::Config(format!(
+            "unknown built-in env `{other}`: available: {}",
+            BUILTIN.join(", ")
+        ))),
     }
 }
 

@@ -57,6 +57,20 @@ pub enum Agent {
     Chat(AgentCommand),
 }
 
+impl Agent {
+    /// The agent a built-in env's name stands for (`agent.env`, `builtin:NAME` on the command
+    /// line): `math` runs through moult's Python runner, the others in-process.
+    pub fn builtin(name: &str) -> Result<Self, AgentError> {
+        match name {
+            "math" => Ok(Agent::ExternalEnv(AgentCommand::python(
+                "python3",
+                "moult.math",
+            )?)),
+            other => env::builtin(other).map(|_| Agent::BuiltinEnv(other.to_string())),
+        }
+    }
+}
+
 /// Settings of an agent pool.
 #[derive(Debug, Clone)]
 pub struct PoolOptions {

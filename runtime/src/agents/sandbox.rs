@@ -161,17 +161,27 @@ pub fn socket() -> Option<&'static Path> {
         .as_deref()
 }
 
-async fn read_hello(conn: &mut BufReader<UnixStream>) -> Result<String, String> {
+/// Why a connection's first line could not be read.
+#[derive(Debug, thiserror::Error)]
+enum HelloError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error("the connection's first line is missing or over 1 MiB")]
+    Missing,
+    #[error("the first line is not UTF-8")]
+    NotUtf8,
+}
+
+async fn read_hello(conn: &mut BufReader<UnixStream>) -> Result<String, HelloError> {
     let mut line = Vec::new();
     (&mut *conn)
         .take(HELLO_BYTES)
         .read_until(b'\n', &mut line)
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
     if !line.ends_with(b"\n") {
-        return Err("the connection's first line is missing or over 1 MiB".into());
+        return Err(HelloError::Missing);
     }
-    String::from_utf8(line).map_err(|_| "the first line is not UTF-8".into())
+    String::from_utf8(line).map_err(|_| HelloError::NotUtf8)
 }
 
 /// Writes `value` as one JSON line.

@@ -155,8 +155,6 @@ impl Message {
     /// `{"type": "text", "text"}` and `{"type": "image"}` parts, as Hugging Face processors
     /// hand them to vision-language templates.
     pub fn to_template(&self) -> Json {
-        let mut m = Map::new();
-        m.insert("role".into(), Json::from(self.role.as_str()));
         let content = if self.parts.is_empty() {
             Json::from(self.content.clone().unwrap_or_default())
         } else {
@@ -170,7 +168,7 @@ impl Message {
                     .collect(),
             )
         };
-        m.insert("content".into(), content);
+        let mut m = json!({"role": self.role.as_str(), "content": content});
         if !self.tool_calls.is_empty() {
             let calls: Vec<Json> = self
                 .tool_calls
@@ -180,18 +178,18 @@ impl Message {
                            "function": {"name": c.name, "arguments": c.arguments}})
                 })
                 .collect();
-            m.insert("tool_calls".into(), Json::Array(calls));
+            m["tool_calls"] = Json::Array(calls);
         }
-        if let Some(id) = &self.tool_call_id {
-            m.insert("tool_call_id".into(), Json::from(id.clone()));
+        for (key, value) in [
+            ("tool_call_id", &self.tool_call_id),
+            ("name", &self.name),
+            ("reasoning_content", &self.reasoning_content),
+        ] {
+            if let Some(value) = value {
+                m[key] = Json::from(value.as_str());
+            }
         }
-        if let Some(name) = &self.name {
-            m.insert("name".into(), Json::from(name.clone()));
-        }
-        if let Some(r) = &self.reasoning_content {
-            m.insert("reasoning_content".into(), Json::from(r.clone()));
-        }
-        Json::Object(m)
+        m
     }
 }
 
@@ -208,13 +206,7 @@ pub struct Tool {
 
 impl Tool {
     pub fn to_template(&self) -> Json {
-        let mut f = Map::new();
-        f.insert("name".into(), Json::from(self.name.clone()));
-        if let Some(d) = &self.description {
-            f.insert("description".into(), Json::from(d.clone()));
-        }
-        f.insert("parameters".into(), self.parameters.clone());
-        json!({"type": "function", "function": f})
+        json!({"type": "function", "function": self})
     }
 }
 
@@ -285,7 +277,8 @@ impl ChatRequest {
 }
 
 /// Why a chat request is refused: a message naming the field (`param`, as a JSON path).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
 pub struct InvalidRequest {
     pub param: Option<String>,
     pub message: String,
@@ -295,6 +288,14 @@ impl InvalidRequest {
     pub fn new(param: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             param: Some(param.into()),
+            message: message.into(),
+        }
+    }
+
+    /// A refusal of the request body as a whole (no field to name).
+    pub fn body(message: impl Into<String>) -> Self {
+        Self {
+            param: None,
             message: message.into(),
         }
     }

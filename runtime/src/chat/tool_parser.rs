@@ -24,6 +24,25 @@ pub struct ParsedOutput {
     pub tool_calls: Vec<ParsedCall>,
 }
 
+impl ParsedOutput {
+    /// `tool_calls` after `content` (`None` when empty).
+    fn new(content: &str, tool_calls: Vec<ParsedCall>) -> Self {
+        Self {
+            content: (!content.is_empty()).then(|| content.to_string()),
+            tool_calls,
+        }
+    }
+}
+
+/// The `calls` after `content` (trimmed at its end), or all of `text` as content when there are
+/// none (output that only looks like calls).
+fn calls_or_text(text: &str, content: &str, calls: Option<Vec<ParsedCall>>) -> ParsedOutput {
+    match calls {
+        Some(calls) if !calls.is_empty() => ParsedOutput::new(content.trim_end(), calls),
+        _ => NoTools.parse(text),
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParsedCall {
     pub name: String,
@@ -56,10 +75,7 @@ pub struct NoTools;
 
 impl ToolCallParser for NoTools {
     fn parse(&self, text: &str) -> ParsedOutput {
-        ParsedOutput {
-            content: (!text.is_empty()).then(|| text.to_string()),
-            tool_calls: Vec::new(),
-        }
+        ParsedOutput::new(text, Vec::new())
     }
 
     fn content_prefix_len(&self, text: &str) -> usize {
@@ -110,11 +126,7 @@ impl ToolCallParser for Hermes {
             }
             rest = next;
         }
-        let content = text[..first].trim_end();
-        ParsedOutput {
-            content: (!content.is_empty()).then(|| content.to_string()),
-            tool_calls: calls,
-        }
+        ParsedOutput::new(text[..first].trim_end(), calls)
     }
 
     fn content_prefix_len(&self, text: &str) -> usize {
@@ -170,19 +182,13 @@ impl ToolCallParser for Llama3Json {
         if !body.starts_with('{') {
             return NoTools.parse(text);
         }
-        let calls: Option<Vec<ParsedCall>> = json_values(body, ';').and_then(|values| {
+        let calls = json_values(body, ';').and_then(|values| {
             values
                 .iter()
                 .map(|v| call_from_json(&v.to_string()))
                 .collect()
         });
-        match calls {
-            Some(tool_calls) if !tool_calls.is_empty() => ParsedOutput {
-                content: None,
-                tool_calls,
-            },
-            _ => NoTools.parse(text),
-        }
+        calls_or_text(text, "", calls)
     }
 
     fn content_prefix_len(&self, text: &str) -> usize {
@@ -216,7 +222,7 @@ impl ToolCallParser for MistralTools {
             None if text.trim_start().starts_with('[') => ("", text),
             None => return NoTools.parse(text),
         };
-        let calls: Option<Vec<ParsedCall>> = json_values(body, ',').and_then(|values| {
+        let calls = json_values(body, ',').and_then(|values| {
             let mut calls = Vec::new();
             for v in values {
                 match v {
@@ -231,16 +237,7 @@ impl ToolCallParser for MistralTools {
             }
             Some(calls)
         });
-        match calls {
-            Some(tool_calls) if !tool_calls.is_empty() => {
-                let content = content.trim_end();
-                ParsedOutput {
-                    content: (!content.is_empty()).then(|| content.to_string()),
-                    tool_calls,
-                }
-            }
-            _ => NoTools.parse(text),
-        }
+        calls_or_text(text, content, calls)
     }
 
     fn content_prefix_len(&self, text: &str) -> usize {
@@ -263,13 +260,7 @@ pub struct Pythonic;
 
 impl ToolCallParser for Pythonic {
     fn parse(&self, text: &str) -> ParsedOutput {
-        match python_calls(text) {
-            Some(tool_calls) if !tool_calls.is_empty() => ParsedOutput {
-                content: None,
-                tool_calls,
-            },
-            _ => NoTools.parse(text),
-        }
+        calls_or_text(text, "", python_calls(text))
     }
 
     fn content_prefix_len(&self, text: &str) -> usize {

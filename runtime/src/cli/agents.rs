@@ -91,7 +91,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     };
     let agent = match (&args.agent, &args.agent_cmd, args.form.as_deref()) {
         (Some(a), _, _) if a.starts_with("builtin:") => {
-            moult_runtime::agents::env::builtin_agent(&a["builtin:".len()..])?
+            moult_runtime::agents::Agent::builtin(&a["builtin:".len()..])?
         }
         (Some(module), _, _) => {
             let cmd = AgentCommand::python(&args.python, module)?;

@@ -213,7 +213,7 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
     let spec = &run.spec.agent;
     if let Some(env) = &spec.env {
         if spec.command.is_empty() {
-            return crate::agents::env::builtin_agent(env).map_err(|e| bad("spec.agent.env", e));
+            return Agent::builtin(env).map_err(|e| bad("spec.agent.env", e));
         }
     }
     let Some((program, args)) = spec.command.split_first() else {

@@ -205,7 +205,7 @@ impl Stack {
                 // Sessions of running episodes, plus those closing.
                 ServiceOptions::pool(cfg.concurrency * 2, cfg.name.clone()),
             )
-            .map_err(RunError::Setup)?,
+            .map_err(|e| RunError::Setup(e.to_string()))?,
         );
         let (listener, loopback_url) = bind().await?;
         tokio::spawn(crate::loopback::serve(

@@ -9,11 +9,11 @@ use axum::response::{IntoResponse, Response};
 
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
-use tokio::sync::mpsc;
 
 use super::error::LoopbackError;
-use super::openai::async_stream;
-use super::service::{ChatService, Finish, TurnOutput, TURN_EVENT_BUFFER};
+use super::service::ChatService;
+use super::turn::{Finish, TurnOutput};
+use super::{async_stream, invalid, str_field};
 use crate::chat::{
     check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message, Part, Role, Tool,
     ToolCall,
@@ -27,53 +27,33 @@ pub struct MessagesRequest {
     pub model: String,
     pub max_tokens: i64,
     pub messages: Vec<Json>,
-    #[serde(default)]
     pub system: Option<Json>,
-    #[serde(default)]
     pub tools: Option<Vec<ToolJson>>,
-    #[serde(default)]
     pub tool_choice: Option<ToolChoice>,
-    #[serde(default)]
     pub stop_sequences: Option<Vec<String>>,
-    #[serde(default)]
     pub temperature: Option<f64>,
-    #[serde(default)]
     pub top_p: Option<f64>,
-    #[serde(default)]
     pub top_k: Option<i64>,
-    #[serde(default)]
     pub stream: Option<bool>,
     /// `{"type": "enabled" | "adaptive" | "disabled"}`: the template's `enable_thinking`.
-    #[serde(default)]
     pub thinking: Option<Json>,
     /// Only without `format` (structured output needs constrained decoding).
-    #[serde(default)]
     pub output_config: Option<Json>,
     /// Accepted and ignored: bookkeeping and placement with no effect on generation.
-    #[serde(default)]
     pub metadata: Option<Json>,
-    #[serde(default)]
     pub service_tier: Option<Json>,
-    #[serde(default)]
     pub cache_control: Option<Json>,
-    #[serde(default)]
     pub container: Option<Json>,
-    #[serde(default)]
     pub diagnostics: Option<Json>,
-    #[serde(default)]
     pub inference_geo: Option<Json>,
-    #[serde(default)]
     pub speed: Option<Json>,
-    #[serde(default)]
     pub user_profile_id: Option<Json>,
-    #[serde(default)]
     pub workspace_id: Option<Json>,
 }
 
 #[derive(Debug, Deserialize)]
 pub struct ToolJson {
     pub name: String,
-    #[serde(default)]
     pub description: Option<String>,
     pub input_schema: Json,
     /// Accepted and ignored.
@@ -87,14 +67,8 @@ pub struct ToolJson {
 pub struct ToolChoice {
     #[serde(rename = "type")]
     pub kind: String,
-    #[serde(default)]
     pub name: Option<String>,
-    #[serde(default)]
     pub disable_parallel_tool_use: Option<bool>,
-}
-
-fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest::new(param, message)
 }
 
 /// The text of `system` or of a `tool_result`'s content: a string or text blocks.
@@ -104,10 +78,7 @@ fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
         Json::Array(blocks) => {
             let mut text = String::new();
             for (j, b) in blocks.iter().enumerate() {
-                match (
-                    b.get("type").and_then(Json::as_str),
-                    b.get("text").and_then(Json::as_str),
-                ) {
+                match (str_field(b, "type"), str_field(b, "text")) {
                     (Some("text"), Some(t)) => text.push_str(t),
                     (Some(other), _) if other != "text" => {
                         return Err(invalid(
@@ -135,7 +106,7 @@ fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
 /// One Anthropic message as internal messages: tool results become `tool` messages.
 fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
     let param = format!("messages[{i}]");
-    let role = match value.get("role").and_then(Json::as_str) {
+    let role = match str_field(value, "role") {
         Some("user") => Role::User,
         Some("assistant") => Role::Assistant,
         Some(other) => {
@@ -166,13 +137,11 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
     let mut reasoning = None;
     for (j, b) in blocks.iter().enumerate() {
         let p = format!("{param}.content[{j}]");
-        let kind = b
-            .get("type")
-            .and_then(Json::as_str)
-            .ok_or_else(|| invalid(&p, "a content block needs a `type`"))?;
+        let kind =
+            str_field(b, "type").ok_or_else(|| invalid(&p, "a content block needs a `type`"))?;
         match (kind, role) {
             ("text", _) => {
-                let t = b.get("text").and_then(Json::as_str).ok_or_else(|| {
+                let t = str_field(b, "text").ok_or_else(|| {
                     invalid(format!("{p}.text"), "a text block needs a string `text`")
                 })?;
                 text.get_or_insert_with(String::new).push_str(t);
@@ -182,11 +151,9 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                 image: image_block(b, &p)?,
             }),
             ("tool_use", Role::Assistant) => {
-                let id = b
-                    .get("id")
-                    .and_then(Json::as_str)
+                let id = str_field(b, "id")
                     .ok_or_else(|| invalid(format!("{p}.id"), "a tool_use block needs an `id`"))?;
-                let name = b.get("name").and_then(Json::as_str).ok_or_else(|| {
+                let name = str_field(b, "name").ok_or_else(|| {
                     invalid(format!("{p}.name"), "a tool_use block needs a `name`")
                 })?;
                 let input = b
@@ -206,10 +173,10 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                 });
             }
             ("thinking", Role::Assistant) => {
-                reasoning = b.get("thinking").and_then(Json::as_str).map(str::to_string);
+                reasoning = str_field(b, "thinking").map(str::to_string);
             }
             ("tool_result", Role::User) => {
-                let id = b.get("tool_use_id").and_then(Json::as_str).ok_or_else(|| {
+                let id = str_field(b, "tool_use_id").ok_or_else(|| {
                     invalid(
                         format!("{p}.tool_use_id"),
                         "a tool_result block needs the `tool_use_id` it answers",
@@ -220,13 +187,8 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                     Some(c) => blocks_text(c, &format!("{p}.content"))?,
                 };
                 out.push(Message {
-                    role: Role::Tool,
-                    content: Some(content),
-                    parts: Vec::new(),
-                    tool_calls: Vec::new(),
                     tool_call_id: Some(id.into()),
-                    name: None,
-                    reasoning_content: None,
+                    ..Message::text(Role::Tool, content)
                 });
             }
             (other, _) => {
@@ -242,13 +204,10 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
     }
     if role == Role::Assistant {
         out.push(Message {
-            role,
             content: text,
-            parts: Vec::new(),
             tool_calls,
-            tool_call_id: None,
-            name: None,
             reasoning_content: reasoning,
+            ..Message::text(role, "")
         });
     } else if !parts.is_empty() {
         out.push(Message::with_parts(role, parts));
@@ -261,7 +220,7 @@ fn image_block(block: &Json, param: &str) -> Result<Image, InvalidRequest> {
     let source = block
         .get("source")
         .ok_or_else(|| invalid(format!("{param}.source"), "an image block needs a `source`"))?;
-    match source.get("type").and_then(Json::as_str) {
+    match str_field(source, "type") {
         Some("base64") => {}
         Some("url") => {
             return Err(invalid(
@@ -335,7 +294,7 @@ impl MessagesRequest {
         }
         let mut template_kwargs = Map::new();
         if let Some(thinking) = &self.thinking {
-            let enabled = match thinking.get("type").and_then(Json::as_str) {
+            let enabled = match str_field(thinking, "type") {
                 Some("enabled") | Some("adaptive") => true,
                 Some("disabled") => false,
                 _ => {
@@ -410,7 +369,9 @@ pub fn message_json(service: &ChatService, id: &str, out: &TurnOutput) -> Json {
     })
 }
 
-fn event(name: &str, data: Json) -> SseEvent {
+/// An event of the stream: named by its `type`.
+fn event(data: Json) -> SseEvent {
+    let name = data["type"].as_str().unwrap_or_default().to_string();
     SseEvent::default().event(name).data(data.to_string())
 }
 
@@ -423,7 +384,7 @@ pub async fn messages(
     let stream = req.stream.unwrap_or(false);
     let chat = match req.into_chat() {
         Ok(c) => c,
-        Err(e) => return LoopbackError::Invalid(e).anthropic(),
+        Err(e) => return LoopbackError::from(e).anthropic(),
     };
     let id = format!("msg_{}", super::random_id());
     if !stream {
@@ -432,21 +393,14 @@ pub async fn messages(
             Err(e) => e.anthropic(),
         };
     }
-    let (tx, mut rx) = mpsc::channel(TURN_EVENT_BUFFER);
-    let turn = {
-        let service = service.clone();
-        tokio::spawn(async move {
-            service
-                .turn(&session, PROTOCOL, "toolu_", chat, Some(tx))
-                .await
-        })
-    };
+    let (mut rx, turn) = service.spawn_turn(session, PROTOCOL, "toolu_", chat);
     let frames = async_stream(move |out| async move {
+        let send = |data: Json| out.send(event(data));
         let model = service.model_name().to_string();
         let start = json!({"type": "message_start", "message": {
             "id": id, "type": "message", "role": "assistant", "content": [], "model": model,
             "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 0, "output_tokens": 0}}});
-        if out.send(event("message_start", start)).await.is_err() {
+        if send(start).await.is_err() {
             return;
         }
         let mut text_open = false;
@@ -454,13 +408,13 @@ pub async fn messages(
             if !text_open {
                 text_open = true;
                 let start = json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
-                if out.send(event("content_block_start", start)).await.is_err() {
+                if send(start).await.is_err() {
                     return;
                 }
-                let _ = out.send(event("ping", json!({"type": "ping"}))).await;
+                let _ = send(json!({"type": "ping"})).await;
             }
             let delta = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ev.text}});
-            if out.send(event("content_block_delta", delta)).await.is_err() {
+            if send(delta).await.is_err() {
                 return;
             }
         }
@@ -478,48 +432,34 @@ pub async fn messages(
                 } else {
                     "api_error"
                 };
-                let _ = out
-                    .send(event(
-                        "error",
-                        json!({"type": "error", "error": {"type": kind, "message": e.to_string()}}),
-                    ))
-                    .await;
+                let _ = send(
+                    json!({"type": "error", "error": {"type": kind, "message": e.to_string()}}),
+                )
+                .await;
                 return;
             }
         };
         let c = &answer.choices[0];
         let mut index = 0;
         if text_open {
-            let _ = out
-                .send(event(
-                    "content_block_stop",
-                    json!({"type": "content_block_stop", "index": 0}),
-                ))
-                .await;
+            let _ = send(json!({"type": "content_block_stop", "index": 0})).await;
             index = 1;
         }
         for call in &c.tool_calls {
-            let start = json!({"type": "content_block_start", "index": index,
-                "content_block": {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}});
-            let _ = out.send(event("content_block_start", start)).await;
-            let delta = json!({"type": "content_block_delta", "index": index,
-                "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()}});
-            let _ = out.send(event("content_block_delta", delta)).await;
-            let _ = out
-                .send(event(
-                    "content_block_stop",
-                    json!({"type": "content_block_stop", "index": index}),
-                ))
-                .await;
+            let _ = send(json!({"type": "content_block_start", "index": index,
+                "content_block": {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}}))
+            .await;
+            let _ = send(json!({"type": "content_block_delta", "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()}}))
+            .await;
+            let _ = send(json!({"type": "content_block_stop", "index": index})).await;
             index += 1;
         }
         let (reason, sequence) = stop_reason(&c.finish);
-        let delta = json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": c.completion_tokens}});
-        let _ = out.send(event("message_delta", delta)).await;
-        let _ = out
-            .send(event("message_stop", json!({"type": "message_stop"})))
-            .await;
+        let _ = send(json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": c.completion_tokens}}))
+        .await;
+        let _ = send(json!({"type": "message_stop"})).await;
     });
     Sse::new(frames).into_response()
 }

@@ -12,8 +12,8 @@ use crate::engine::client::EngineError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoopbackError {
-    #[error("{}", .0.message)]
-    Invalid(InvalidRequest),
+    #[error(transparent)]
+    Invalid(#[from] InvalidRequest),
     #[error("the request body is larger than the limit of {0} bytes")]
     TooLarge(usize),
     #[error("{0}")]
@@ -33,12 +33,6 @@ pub enum LoopbackError {
     /// The client went away mid-turn; nothing is answered.
     #[error("the client disconnected")]
     ClientGone,
-}
-
-impl From<InvalidRequest> for LoopbackError {
-    fn from(e: InvalidRequest) -> Self {
-        LoopbackError::Invalid(e)
-    }
 }
 
 impl LoopbackError {

@@ -14,6 +14,7 @@ pub mod openai;
 pub mod service;
 pub mod session;
 pub mod text_stream;
+pub mod turn;
 
 use std::sync::Arc;
 
@@ -21,11 +22,14 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::StatusCode;
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures::Stream;
 use serde::de::DeserializeOwned;
 use serde_json::json;
+use tokio::sync::mpsc;
 
 pub use crate::engine::client::EngineClient;
 pub use error::LoopbackError;
@@ -67,29 +71,19 @@ fn parse<T: DeserializeOwned>(
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             LoopbackError::TooLarge(max_body)
         } else {
-            LoopbackError::Invalid(InvalidRequest {
-                param: None,
-                message: e.body_text(),
-            })
+            InvalidRequest::body(e.body_text()).into()
         }
     })?;
     if let Err(e) = std::str::from_utf8(&body) {
-        return Err(LoopbackError::Invalid(InvalidRequest {
-            param: None,
-            message: format!("the body is not valid UTF-8 (at byte {})", e.valid_up_to()),
-        }));
+        let at = e.valid_up_to();
+        return Err(
+            InvalidRequest::body(format!("the body is not valid UTF-8 (at byte {at})")).into(),
+        );
     }
-    let value: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
-        LoopbackError::Invalid(InvalidRequest {
-            param: None,
-            message: format!("the body is not valid JSON: {e}"),
-        })
-    })?;
+    let value: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|e| InvalidRequest::body(format!("the body is not valid JSON: {e}")))?;
     if !value.is_object() {
-        return Err(LoopbackError::Invalid(InvalidRequest {
-            param: None,
-            message: "the body must be a JSON object".into(),
-        }));
+        return Err(InvalidRequest::body("the body must be a JSON object").into());
     }
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
@@ -97,6 +91,33 @@ fn parse<T: DeserializeOwned>(
             param: (path != ".").then_some(path),
             message: format!("invalid request: {}", e.into_inner()),
         })
+    })
+}
+
+/// A field of a JSON object, if it is a string.
+fn str_field<'a>(value: &'a serde_json::Value, key: &str) -> Option<&'a str> {
+    value.get(key).and_then(serde_json::Value::as_str)
+}
+
+/// A field's refusal, for the adapters' field-by-field checks.
+fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidRequest {
+    InvalidRequest::new(param, message)
+}
+
+/// A stream fed by a task through a bounded channel: the task ends (and drops what it holds,
+/// the turn's event receiver included) as soon as the client stops reading.
+fn async_stream<F, Fut>(f: F) -> impl Stream<Item = Result<SseEvent, std::convert::Infallible>>
+where
+    F: FnOnce(mpsc::Sender<SseEvent>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    // One frame in flight is enough: the producer waits for the client either way.
+    let (tx, rx) = mpsc::channel(1);
+    let task = tokio::spawn(f(tx));
+    // The producer ends when the client's stream is dropped.
+    let guard = crate::AbortOnDrop(task);
+    futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
+        rx.recv().await.map(|ev| (Ok(ev), (rx, guard)))
     })
 }
 

@@ -8,13 +8,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 
-use futures::Stream;
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
-use tokio::sync::mpsc;
 
 use super::error::LoopbackError;
-use super::service::{ChatService, Finish, TurnEvent, TurnOutput, TURN_EVENT_BUFFER};
+use super::service::ChatService;
+use super::turn::{ChoiceOutput, Finish, TurnOutput};
+use super::{async_stream, invalid, str_field};
 use crate::chat::{
     arguments_object, check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message,
     Part, Role, Tool, ToolCall,
@@ -26,59 +26,36 @@ const MAX_N: i64 = 16;
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CompletionRequest {
-    #[serde(default)]
     pub model: Option<String>,
     pub messages: Vec<Json>,
-    #[serde(default)]
     pub tools: Option<Vec<ToolJson>>,
-    #[serde(default)]
     pub tool_choice: Option<Json>,
-    #[serde(default)]
     pub parallel_tool_calls: Option<bool>,
-    #[serde(default)]
     pub stream: Option<bool>,
-    #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
     pub max_tokens: Option<i64>,
-    #[serde(default)]
     pub max_completion_tokens: Option<i64>,
-    #[serde(default)]
     pub temperature: Option<f64>,
-    #[serde(default)]
     pub top_p: Option<f64>,
     /// vLLM's extension.
-    #[serde(default)]
     pub top_k: Option<i64>,
-    #[serde(default)]
     pub n: Option<i64>,
-    #[serde(default)]
     pub stop: Option<Json>,
-    #[serde(default)]
     pub seed: Option<i64>,
-    #[serde(default)]
     pub logprobs: Option<bool>,
-    #[serde(default)]
     pub top_logprobs: Option<i64>,
-    #[serde(default)]
     pub presence_penalty: Option<f64>,
-    #[serde(default)]
     pub frequency_penalty: Option<f64>,
     /// vLLM's extension: extra chat-template variables (`enable_thinking`).
-    #[serde(default)]
     pub chat_template_kwargs: Option<Map<String, Json>>,
     /// Accepted and ignored: bookkeeping fields with no effect on generation.
-    #[serde(default)]
     pub user: Option<Json>,
-    #[serde(default)]
     pub metadata: Option<Json>,
-    #[serde(default)]
     pub store: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
 pub struct StreamOptions {
-    #[serde(default)]
     pub include_usage: Option<bool>,
 }
 
@@ -92,14 +69,8 @@ pub struct ToolJson {
 #[derive(Debug, Deserialize)]
 pub struct FunctionJson {
     pub name: String,
-    #[serde(default)]
     pub description: Option<String>,
-    #[serde(default)]
     pub parameters: Option<Json>,
-}
-
-fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidRequest {
-    InvalidRequest::new(param, message)
 }
 
 /// A `content` field: a string, null, or an array of `{"type": "text", "text"}` parts and, where
@@ -116,10 +87,10 @@ fn content_parts(
         Json::Array(items) => {
             let mut parts = Vec::with_capacity(items.len());
             for (j, part) in items.iter().enumerate() {
-                let kind = part.get("type").and_then(Json::as_str);
+                let kind = str_field(part, "type");
                 match kind {
                     Some("text") => {
-                        let text = part.get("text").and_then(Json::as_str).ok_or_else(|| {
+                        let text = str_field(part, "text").ok_or_else(|| {
                             invalid(
                                 format!("{param}[{j}].text"),
                                 "a text part needs a string `text`",
@@ -131,7 +102,7 @@ fn content_parts(
                         let p = format!("{param}[{j}].image_url");
                         let url = match part.get("image_url") {
                             Some(Json::String(url)) => url.as_str(),
-                            Some(obj) => obj.get("url").and_then(Json::as_str).ok_or_else(|| {
+                            Some(obj) => str_field(obj, "url").ok_or_else(|| {
                                 invalid(format!("{p}.url"), "an image_url part needs a string `url`")
                             })?,
                             None => {
@@ -176,10 +147,10 @@ fn content_parts(
 
 fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
     let param = format!("messages[{i}]");
-    let obj = value
-        .as_object()
-        .ok_or_else(|| invalid(&param, "each message must be an object"))?;
-    let role = match obj.get("role").and_then(Json::as_str) {
+    if !value.is_object() {
+        return Err(invalid(&param, "each message must be an object"));
+    }
+    let role = match str_field(value, "role") {
         Some("system") | Some("developer") => Role::System,
         Some("user") => Role::User,
         Some("assistant") => Role::Assistant,
@@ -200,12 +171,12 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
         }
     };
     let (content, parts) = content_parts(
-        obj.get("content").unwrap_or(&Json::Null),
+        value.get("content").unwrap_or(&Json::Null),
         &format!("{param}.content"),
         role == Role::User,
     )?;
     let mut tool_calls = Vec::new();
-    if let Some(calls) = obj.get("tool_calls").filter(|v| !v.is_null()) {
+    if let Some(calls) = value.get("tool_calls").filter(|v| !v.is_null()) {
         if role != Role::Assistant {
             return Err(invalid(
                 format!("{param}.tool_calls"),
@@ -220,7 +191,7 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
             let function = call
                 .get("function")
                 .ok_or_else(|| invalid(&p, "a tool call needs a `function`"))?;
-            let name = function.get("name").and_then(Json::as_str).ok_or_else(|| {
+            let name = str_field(function, "name").ok_or_else(|| {
                 invalid(
                     format!("{p}.function.name"),
                     "a tool call needs a string name",
@@ -238,11 +209,7 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
                 }
             };
             tool_calls.push(ToolCall {
-                id: call
-                    .get("id")
-                    .and_then(Json::as_str)
-                    .unwrap_or_default()
-                    .to_string(),
+                id: str_field(call, "id").unwrap_or_default().to_string(),
                 name: name.to_string(),
                 arguments,
             });
@@ -254,10 +221,7 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
             format!("a {} message needs content", role.as_str()),
         ));
     }
-    let tool_call_id = obj
-        .get("tool_call_id")
-        .and_then(Json::as_str)
-        .map(str::to_string);
+    let tool_call_id = str_field(value, "tool_call_id").map(str::to_string);
     if role == Role::Tool && tool_call_id.is_none() {
         return Err(invalid(
             format!("{param}.tool_call_id"),
@@ -270,11 +234,8 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
         parts,
         tool_calls,
         tool_call_id,
-        name: obj.get("name").and_then(Json::as_str).map(str::to_string),
-        reasoning_content: obj
-            .get("reasoning_content")
-            .and_then(Json::as_str)
-            .map(str::to_string),
+        name: str_field(value, "name").map(str::to_string),
+        reasoning_content: str_field(value, "reasoning_content").map(str::to_string),
     })
 }
 
@@ -445,7 +406,7 @@ fn tool_calls_json(calls: &[ToolCall], streaming: bool) -> Json {
     )
 }
 
-fn logprobs_json(service: &ChatService, choice: &super::service::ChoiceOutput) -> Json {
+fn logprobs_json(service: &ChatService, choice: &ChoiceOutput) -> Json {
     let token = |id: i64| service.tokenizer().decode(&[id], false).unwrap_or_default();
     let content: Vec<Json> = choice
         .tokens
@@ -524,7 +485,7 @@ pub async fn chat_completions(
     let with_logprobs = req.logprobs.unwrap_or(false);
     let chat = match req.into_chat() {
         Ok(c) => c,
-        Err(e) => return LoopbackError::Invalid(e).openai(),
+        Err(e) => return LoopbackError::from(e).openai(),
     };
     let id = format!("chatcmpl-{}", super::random_id());
     if !stream {
@@ -536,112 +497,67 @@ pub async fn chat_completions(
         };
     }
     let n = chat.n;
-    let (tx, rx) = mpsc::channel(TURN_EVENT_BUFFER);
-    let turn = {
-        let service = service.clone();
-        tokio::spawn(async move {
-            service
-                .turn(&session, PROTOCOL, "call_", chat, Some(tx))
-                .await
-        })
-    };
-    Sse::new(chunks(
-        service,
-        id,
-        n,
-        include_usage,
-        with_logprobs,
-        rx,
-        turn,
-    ))
-    .into_response()
-}
-
-fn chunk(id: &str, model: &str, created: u64, choices: Json) -> SseEvent {
-    SseEvent::default().data(
-        json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices})
-            .to_string(),
-    )
-}
-
-/// The SSE frames of a streaming turn: a role chunk per choice, content deltas as they come,
-/// then per choice its tool calls and finish reason, the usage chunk if asked, and `[DONE]`.
-/// An error after the stream started is sent as an `error` object frame.
-fn chunks(
-    service: Arc<ChatService>,
-    id: String,
-    n: usize,
-    include_usage: bool,
-    with_logprobs: bool,
-    mut rx: mpsc::Receiver<TurnEvent>,
-    turn: tokio::task::JoinHandle<Result<Arc<TurnOutput>, LoopbackError>>,
-) -> impl Stream<Item = Result<SseEvent, std::convert::Infallible>> {
-    async_stream(move |tx| async move {
+    let (mut rx, turn) = service.spawn_turn(session, PROTOCOL, "call_", chat);
+    // The SSE frames: a role chunk per choice, content deltas as they come, then per choice its
+    // tool calls and finish reason, the usage chunk if asked, and `[DONE]`. An error after the
+    // stream started is sent as an `error` object frame.
+    let frames = async_stream(move |tx| async move {
         let model = service.model_name().to_string();
         let created = created();
+        let chunk = |choices: Json| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices});
+        let send = |body: Json| tx.send(SseEvent::default().data(body.to_string()));
         for i in 0..n {
-            let delta = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-            if tx.send(chunk(&id, &model, created, delta)).await.is_err() {
+            let role = json!({"role": "assistant", "content": ""});
+            if send(chunk(delta(i, role, Json::Null, None))).await.is_err() {
                 return;
             }
         }
         while let Some(ev) = rx.recv().await {
-            let delta = json!([{"index": ev.choice, "delta": {"content": ev.text}, "logprobs": null, "finish_reason": null}]);
-            if tx.send(chunk(&id, &model, created, delta)).await.is_err() {
+            let content = json!({"content": ev.text});
+            if send(chunk(delta(ev.choice, content, Json::Null, None)))
+                .await
+                .is_err()
+            {
                 return;
             }
         }
         let out = match turn.await {
             Ok(Ok(out)) => out,
             Ok(Err(e)) => {
-                let body = json!({"error": {"message": e.to_string(), "type": "server_error", "param": e.param(), "code": e.status().as_u16()}});
-                let _ = tx.send(SseEvent::default().data(body.to_string())).await;
+                let _ = send(json!({"error": {"message": e.to_string(), "type": "server_error", "param": e.param(), "code": e.status().as_u16()}})).await;
                 return;
             }
             Err(join) => {
-                let body = json!({"error": {"message": format!("the turn failed: {join}"), "type": "server_error", "param": null, "code": 500}});
-                let _ = tx.send(SseEvent::default().data(body.to_string())).await;
+                let _ = send(json!({"error": {"message": format!("the turn failed: {join}"), "type": "server_error", "param": null, "code": 500}})).await;
                 return;
             }
         };
         for (i, c) in out.choices.iter().enumerate() {
             if !c.tool_calls.is_empty() {
-                let delta = json!([{"index": i, "delta": {"tool_calls": tool_calls_json(&c.tool_calls, true)}, "logprobs": null, "finish_reason": null}]);
-                let _ = tx.send(chunk(&id, &model, created, delta)).await;
+                let calls = json!({"tool_calls": tool_calls_json(&c.tool_calls, true)});
+                let _ = send(chunk(delta(i, calls, Json::Null, None))).await;
             }
             let logprobs = if with_logprobs {
                 logprobs_json(&service, c)
             } else {
                 Json::Null
             };
-            let last = json!([{"index": i, "delta": {}, "logprobs": logprobs, "finish_reason": finish_reason(&c.finish)}]);
-            let _ = tx.send(chunk(&id, &model, created, last)).await;
+            let finish = Some(finish_reason(&c.finish));
+            let _ = send(chunk(delta(i, json!({}), logprobs, finish))).await;
         }
         if include_usage {
-            let body = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage(&out)});
-            let _ = tx.send(SseEvent::default().data(body.to_string())).await;
+            let mut last = chunk(json!([]));
+            last["usage"] = usage(&out);
+            let _ = send(last).await;
         }
         let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-    })
+    });
+    Sse::new(frames).into_response()
 }
 
-/// A stream fed by a task through a bounded channel: the task ends (and drops what it holds,
-/// the turn's event receiver included) as soon as the client stops reading.
-pub(super) fn async_stream<F, Fut>(
-    f: F,
-) -> impl Stream<Item = Result<SseEvent, std::convert::Infallible>>
-where
-    F: FnOnce(mpsc::Sender<SseEvent>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    // One frame in flight is enough: the producer waits for the client either way.
-    let (tx, rx) = mpsc::channel(1);
-    let task = tokio::spawn(f(tx));
-    // The producer ends when the client's stream is dropped.
-    let guard = crate::AbortOnDrop(task);
-    futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
-        rx.recv().await.map(|ev| (Ok(ev), (rx, guard)))
-    })
+/// The `choices` of a `chat.completion.chunk` with one choice's piece.
+fn delta(index: usize, delta: Json, logprobs: Json, finish_reason: Option<&str>) -> Json {
+    json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 }
 
 /// `GET /v1/models`.

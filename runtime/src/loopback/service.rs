@@ -20,68 +20,19 @@ use tokio::sync::mpsc;
 use super::error::LoopbackError;
 use super::session::{ImageSpan, Sampled, Segment, Session};
 use super::text_stream::{Streamed, TextStream};
+use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput};
 use crate::chat::{
     parser_for_template, ChatRequest, ChatTemplate, DecodeStream, Image, InvalidRequest, NoTools,
-    RenderOptions, SamplingOverride, Tokenizer, ToolCall, ToolCallParser,
+    RenderOptions, SamplingOverride, TemplateError, Tokenizer, TokenizerError, ToolCall,
+    ToolCallParser,
 };
 use crate::engine::client::{ContentPart, EngineClient, EngineError, EngineSampling, Generated};
-use crate::vision::ImageProcessorConfig;
-
-/// Why a sample ended, in protocol-neutral terms.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Finish {
-    /// The model ended its turn (EOS or a stop id).
-    Stop,
-    /// `max_tokens` or the context length.
-    Length,
-    /// The model called tools.
-    ToolCalls,
-    /// A stop string matched (it is not part of the content).
-    StopSequence(String),
-}
-
-/// One sampled token as reported with OpenAI `logprobs`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenInfo {
-    pub id: i64,
-    pub logprob: f32,
-    pub top: Vec<(i64, f32)>,
-}
-
-/// One sample of a finished turn, as the client sees it.
-#[derive(Debug, Clone)]
-pub struct ChoiceOutput {
-    pub content: Option<String>,
-    pub tool_calls: Vec<ToolCall>,
-    pub finish: Finish,
-    pub completion_tokens: usize,
-    pub tokens: Vec<TokenInfo>,
-}
-
-/// A finished turn: what the protocols answer, and what an identical retry is answered with.
-#[derive(Debug, Clone)]
-pub struct TurnOutput {
-    pub prompt_tokens: usize,
-    pub choices: Vec<ChoiceOutput>,
-}
-
-impl TurnOutput {
-    pub fn completion_tokens(&self) -> usize {
-        self.choices.iter().map(|c| c.completion_tokens).sum()
-    }
-}
-
-/// Content text of sample `choice` that is final and may be streamed.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TurnEvent {
-    pub choice: usize,
-    pub text: String,
-}
+use crate::vision::{ImageProcessorConfig, VisionError};
 
 /// Events buffered between a turn and a slow streaming client; past that the turn waits (and the
 /// engine keeps the tokens), so a stalled client costs memory proportional to this, not to the
 /// output.
-pub const TURN_EVENT_BUFFER: usize = 256;
+const TURN_EVENT_BUFFER: usize = 256;
 
 /// What every sample of one turn shares.
 struct SampleContext<'a> {
@@ -181,23 +132,33 @@ pub struct ImageInputs {
 /// The placeholder token of Qwen2-VL and Qwen2.5-VL chat templates.
 const IMAGE_PLACEHOLDER: &str = "<|image_pad|>";
 
+/// Why the model folder a service is made from cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelDirError {
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error(transparent)]
+    Vision(#[from] VisionError),
+    #[error("{}: the model has a preprocessor_config.json, but its tokenizer has no {IMAGE_PLACEHOLDER} token (docs/vision.md)", .0.display())]
+    NoImagePlaceholder(std::path::PathBuf),
+}
+
 impl ImageInputs {
     /// A model folder's: `Some` when it has a `preprocessor_config.json` and its tokenizer the
     /// image placeholder token; `None` for a text-only model.
     pub fn from_model_dir(
         dir: &std::path::Path,
         tokenizer: &Tokenizer,
-    ) -> Result<Option<Self>, String> {
+    ) -> Result<Option<Self>, ModelDirError> {
         if !dir.join("preprocessor_config.json").is_file() {
             return Ok(None);
         }
-        let config = ImageProcessorConfig::from_model_dir(dir).map_err(|e| e.to_string())?;
-        let placeholder = tokenizer.token_id(IMAGE_PLACEHOLDER).ok_or_else(|| {
-            format!(
-                "{}: the model has a preprocessor_config.json, but its tokenizer has no {IMAGE_PLACEHOLDER} token (docs/vision.md)",
-                dir.display()
-            )
-        })?;
+        let config = ImageProcessorConfig::from_model_dir(dir)?;
+        let placeholder = tokenizer
+            .token_id(IMAGE_PLACEHOLDER)
+            .ok_or_else(|| ModelDirError::NoImagePlaceholder(dir.to_path_buf()))?;
         Ok(Some(Self {
             config,
             placeholder,
@@ -238,6 +199,21 @@ fn request_key(protocol: &str, req: &ChatRequest) -> u64 {
     h.finish()
 }
 
+/// Streams `text` of sample `choice` to the client, if it streams and there is any.
+async fn emit(
+    events: &Option<mpsc::Sender<TurnEvent>>,
+    choice: usize,
+    text: String,
+) -> Result<(), LoopbackError> {
+    match events {
+        Some(tx) if !text.is_empty() => tx
+            .send(TurnEvent { choice, text })
+            .await
+            .map_err(|_| LoopbackError::ClientGone),
+        _ => Ok(()),
+    }
+}
+
 fn random_hex(n: usize) -> String {
     let mut rng = rand::thread_rng();
     (0..n)
@@ -274,9 +250,9 @@ impl ChatService {
         engine: &str,
         dir: &std::path::Path,
         opts: ServiceOptions,
-    ) -> Result<Self, String> {
-        let tokenizer = Tokenizer::from_model_dir(dir).map_err(|e| e.to_string())?;
-        let template = ChatTemplate::from_model_dir(dir).map_err(|e| e.to_string())?;
+    ) -> Result<Self, ModelDirError> {
+        let tokenizer = Tokenizer::from_model_dir(dir)?;
+        let template = ChatTemplate::from_model_dir(dir)?;
         let images = ImageInputs::from_model_dir(dir, &tokenizer)?;
         Ok(Self::new(EngineClient::new(engine), tokenizer, template, opts).with_images(images))
     }
@@ -373,6 +349,28 @@ impl ChatService {
         Some(s.segments())
     }
 
+    /// Runs a turn of `session` on a task of its own; its content streams on the receiver as it
+    /// is generated (a client that stops reading cancels it).
+    pub fn spawn_turn(
+        self: &Arc<Self>,
+        session: String,
+        protocol: &'static str,
+        id_prefix: &'static str,
+        req: ChatRequest,
+    ) -> (
+        mpsc::Receiver<TurnEvent>,
+        tokio::task::JoinHandle<Result<Arc<TurnOutput>, LoopbackError>>,
+    ) {
+        let (tx, rx) = mpsc::channel(TURN_EVENT_BUFFER);
+        let service = self.clone();
+        let turn = tokio::spawn(async move {
+            service
+                .turn(&session, protocol, id_prefix, req, Some(tx))
+                .await
+        });
+        (rx, turn)
+    }
+
     /// Runs one turn of `session`. `protocol` names the answer's shape (for the retry cache);
     /// `id_prefix` starts tool-call ids (`call_`, `toolu_`).
     pub async fn turn(
@@ -400,14 +398,8 @@ impl ChatService {
         }
         let key = request_key(protocol, &req);
         if let Some(answer) = session.cached(key, &req.messages) {
-            if let Some(tx) = &events {
-                for (i, c) in answer.choices.iter().enumerate() {
-                    if let Some(text) = c.content.clone() {
-                        tx.send(TurnEvent { choice: i, text })
-                            .await
-                            .map_err(|_| LoopbackError::ClientGone)?;
-                    }
-                }
+            for (i, c) in answer.choices.iter().enumerate() {
+                emit(&events, i, c.content.clone().unwrap_or_default()).await?;
             }
             return Ok(answer);
         }
@@ -564,16 +556,6 @@ impl ChatService {
         index: usize,
         sampling: EngineSampling,
     ) -> Result<(Sampled, ChoiceOutput), LoopbackError> {
-        let SampleContext {
-            session,
-            prompt,
-            content_parts,
-            req,
-            parser,
-            id_prefix,
-            events,
-            cancelled,
-        } = ctx;
         let id = format!(
             "{}-{}",
             self.id_prefix,
@@ -581,9 +563,15 @@ impl ChatService {
         );
         let mut stream = self
             .engine
-            .generate(id, prompt, content_parts, &sampling, Some(session))
+            .generate(
+                id,
+                ctx.prompt,
+                ctx.content_parts,
+                &sampling,
+                Some(ctx.session),
+            )
             .await?;
-        let mut text = TextStream::new(&req.sampling.stop, *parser);
+        let mut text = TextStream::new(&ctx.req.sampling.stop, ctx.parser);
         let mut record = Sampled::default();
         let mut tokens = Vec::new();
         let mut detok = DecodeStream::new(true);
@@ -596,8 +584,8 @@ impl ChatService {
                     top,
                     version,
                 } => {
-                    if events.as_ref().is_some_and(|tx| tx.is_closed())
-                        || cancelled.load(Ordering::Relaxed)
+                    if ctx.events.as_ref().is_some_and(|tx| tx.is_closed())
+                        || ctx.cancelled.load(Ordering::Relaxed)
                     {
                         return Err(LoopbackError::ClientGone);
                     }
@@ -610,16 +598,7 @@ impl ChatService {
                             finish = Some(Finish::StopSequence(stop));
                             break;
                         }
-                        Streamed::Content(content) => {
-                            if let (Some(tx), false) = (&events, content.is_empty()) {
-                                tx.send(TurnEvent {
-                                    choice: index,
-                                    text: content,
-                                })
-                                .await
-                                .map_err(|_| LoopbackError::ClientGone)?;
-                            }
-                        }
+                        Streamed::Content(content) => emit(&ctx.events, index, content).await?,
                     }
                 }
                 Generated::Finished {
@@ -651,16 +630,9 @@ impl ChatService {
         let tool_calls: Vec<ToolCall> = parsed
             .tool_calls
             .into_iter()
-            .map(|c| c.with_id(format!("{id_prefix}{}", random_hex(24))))
+            .map(|c| c.with_id(format!("{}{}", ctx.id_prefix, random_hex(24))))
             .collect();
-        if let (Some(tx), false) = (&events, rest.is_empty()) {
-            tx.send(TurnEvent {
-                choice: index,
-                text: rest,
-            })
-            .await
-            .map_err(|_| LoopbackError::ClientGone)?;
-        }
+        emit(&ctx.events, index, rest).await?;
         let finish = match finish {
             Finish::Stop if !tool_calls.is_empty() => Finish::ToolCalls,
             other => other,

@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use super::service::TurnOutput;
+use super::turn::TurnOutput;
 use crate::chat::{Image, Message, Role};
 
 /// Routed expert ids of positions `start..` of a segment, as the engine returned them (base64 of
@@ -65,16 +65,12 @@ pub struct Segment {
 
 impl Segment {
     /// Appends rendered tokens and the images among them (offsets relative to `ids`).
-    fn push_rendered_with(&mut self, ids: &[i64], images: &[SegmentImage]) {
+    fn push_rendered(&mut self, ids: &[i64], images: &[SegmentImage]) {
         let at = self.token_ids.len();
         self.images.extend(images.iter().map(|i| SegmentImage {
             offset: at + i.offset,
             ..i.clone()
         }));
-        self.push_rendered(ids);
-    }
-
-    fn push_rendered(&mut self, ids: &[i64]) {
         self.token_ids.extend_from_slice(ids);
         self.loss_mask.extend(std::iter::repeat_n(0, ids.len()));
         self.logprobs.extend(std::iter::repeat_n(0.0, ids.len()));
@@ -278,23 +274,13 @@ impl Session {
         self.turns += 1;
         // The last candidate takes the base segment and the rendering; only extra samples copy
         // them, so a turn costs what it adds, not the context.
-        let mut base = Some(base);
-        let mut rendered = Some(plan.rendered);
+        let mut base = Some((base, plan.rendered));
         let last = samples.len().saturating_sub(1);
         for (i, (sample, text)) in samples.iter().zip(sample_texts).enumerate() {
-            let (mut segment, mut full) = if i == last {
-                (
-                    base.take().unwrap_or_default(),
-                    rendered.take().unwrap_or_default(),
-                )
-            } else {
-                (
-                    base.clone().unwrap_or_default(),
-                    rendered.clone().unwrap_or_default(),
-                )
-            };
+            let (mut segment, mut full) =
+                if i == last { base.take() } else { base.clone() }.unwrap_or_default();
             segment.turns += 1;
-            segment.push_rendered_with(&plan.new_ids, &plan.new_images);
+            segment.push_rendered(&plan.new_ids, &plan.new_images);
             segment.push_sampled(sample);
             if let Some(data) = &sample.routed_experts {
                 segment.routed_experts.push(RoutedExperts {
@@ -341,13 +327,6 @@ impl Session {
             .cloned()
             .chain(self.open.iter().map(|o| o.segment.clone()))
             .collect()
-    }
-
-    /// Consumes the session's segments (the episode is over).
-    pub fn into_segments(self) -> Vec<Segment> {
-        let mut all = self.sealed;
-        all.extend(self.open.into_iter().map(|o| o.segment));
-        all
     }
 
     pub fn turns(&self) -> usize {

@@ -115,6 +115,14 @@ pub struct Group {
     _slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
+impl Group {
+    /// Whether a token of the group is more than `max_staleness` versions behind `now`.
+    fn stale(&self, now: u64, max_staleness: u64) -> bool {
+        self.oldest_version
+            .is_some_and(|o| now.saturating_sub(o) > max_staleness)
+    }
+}
+
 /// What the pool counted so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RolloutStats {
@@ -160,12 +168,16 @@ pub fn rewards_all_equal(episodes: &[Episode]) -> bool {
 
 /// The oldest version that sampled any token of `episodes`.
 pub fn oldest_version(episodes: &[Episode]) -> Option<u64> {
+    token_versions(episodes).min()
+}
+
+/// The version of every sampled token of `episodes`.
+fn token_versions(episodes: &[Episode]) -> impl Iterator<Item = u64> + '_ {
     episodes
         .iter()
         .flat_map(|e| e.segments.iter())
         .flat_map(|s| s.versions.iter().flatten())
         .copied()
-        .min()
 }
 
 #[derive(Debug)]
@@ -306,17 +318,15 @@ impl RolloutPool {
             tracing::warn!(task = group.task_index, %reason, "group dropped: a malformed episode");
             return None;
         }
-        if let Some(oldest) = group.oldest_version {
-            if now.saturating_sub(oldest) > opts.max_staleness {
-                stats.dropped_stale += 1;
-                tracing::debug!(
-                    task = group.task_index,
-                    oldest,
-                    now,
-                    "group dropped: too stale"
-                );
-                return None;
-            }
+        if group.stale(now, opts.max_staleness) {
+            stats.dropped_stale += 1;
+            tracing::debug!(
+                task = group.task_index,
+                oldest = group.oldest_version,
+                now,
+                "group dropped: too stale"
+            );
+            return None;
         }
         if let Some(cap) = opts.dynamic_sampling {
             let looked_at = shared.looked_at.fetch_add(1, Ordering::Relaxed) + 1;
@@ -393,29 +403,19 @@ pub async fn fill_batch(
     opts: &RolloutOptions,
     batch: &mut Vec<Group>,
 ) -> Option<()> {
-    while batch.len() < opts.batch_size {
-        let group = queue.recv().await?;
-        let now = pool.version();
-        if group
-            .oldest_version
-            .is_some_and(|o| now.saturating_sub(o) > opts.max_staleness)
-        {
-            pool.shared.stats.lock().expect("stats lock").dropped_stale += 1;
-            continue;
+    loop {
+        while batch.len() < opts.batch_size {
+            batch.push(queue.recv().await?);
         }
-        batch.push(group);
-    }
-    // Groups taken earlier may have gone stale meanwhile.
-    let before = batch.len();
-    let now = pool.version();
-    batch.retain(|g| {
-        g.oldest_version
-            .is_none_or(|o| now.saturating_sub(o) <= opts.max_staleness)
-    });
-    if batch.len() < before {
+        // Groups taken earlier may have gone stale meanwhile.
+        let before = batch.len();
+        let now = pool.version();
+        batch.retain(|g| !g.stale(now, opts.max_staleness));
+        if batch.len() == before {
+            break;
+        }
         pool.shared.stats.lock().expect("stats lock").dropped_stale +=
             (before - batch.len()) as u64;
-        return Box::pin(fill_batch(pool, queue, opts, batch)).await;
     }
     // The next step's dynamic sampling starts counting afresh.
     pool.shared.looked_at.store(0, Ordering::Relaxed);
@@ -425,14 +425,8 @@ pub async fn fill_batch(
 /// Tally of versions in a batch (for the staleness histogram the trainer reports).
 pub fn staleness_histogram(batch: &[Group], now: u64) -> HashMap<u64, usize> {
     let mut h = HashMap::new();
-    for g in batch {
-        for e in &g.episodes {
-            for s in &e.segments {
-                for v in s.versions.iter().flatten() {
-                    *h.entry(now.saturating_sub(*v)).or_insert(0) += 1;
-                }
-            }
-        }
+    for v in batch.iter().flat_map(|g| token_versions(&g.episodes)) {
+        *h.entry(now.saturating_sub(v)).or_insert(0) += 1;
     }
     h
 }

@@ -36,34 +36,88 @@ pub fn vocab_size(model_dir: &Path) -> Option<usize> {
     usize::try_from(n).ok()
 }
 
+/// Why an episode may not be trained on.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Invalid {
+    #[error("reward {0} is not a finite number")]
+    RewardNotFinite(f64),
+    #[error(
+        "reward {0} is larger in magnitude than {MAX_REWARD:e}: the advantages would overflow"
+    )]
+    RewardTooLarge(f64),
+    #[error("segment {index}: {why}")]
+    Segment { index: usize, why: BadSegment },
+}
+
+/// Why a segment of an episode may not be trained on.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BadSegment {
+    /// A served teacher's scores are filled in by the run, after this check; an episode that
+    /// brings its own would choose its advantages.
+    #[error("it carries teacher_logprobs: only the run's teacher scores tokens")]
+    TeacherLogprobs,
+    #[error("{field} has {n} entries for {len} token_ids")]
+    Length {
+        field: &'static str,
+        n: usize,
+        len: usize,
+    },
+    #[error("token id {token} at position {at} is outside the vocabulary (size {})",
+        .vocab_size.map_or_else(|| "unknown".into(), |v| v.to_string()))]
+    OutsideVocabulary {
+        token: i64,
+        at: usize,
+        vocab_size: Option<usize>,
+    },
+    #[error("logprob {logprob} at position {at} is not a finite number")]
+    LogprobNotFinite { logprob: f32, at: usize },
+    #[error("sampled token at position {at} has logprob {logprob}: a log-probability is finite and at most 0")]
+    SampledLogprob { logprob: f32, at: usize },
+    #[error("sampled token at position {at} has no policy version")]
+    NoVersion { at: usize },
+    #[error(
+        "sampled token at position {at} claims policy version {version}; the engines serve {now}"
+    )]
+    FutureVersion { at: usize, version: u64, now: u64 },
+    #[error("loss_mask {mask} at position {at}: it is 0 or 1")]
+    LossMask { mask: u8, at: usize },
+    #[error("routed experts cover positions from {next} but a chunk starts at {start}")]
+    RoutedGap { next: usize, start: usize },
+    #[error("routed experts at {start}: {why}")]
+    RoutedData { start: usize, why: String },
+    #[error("routed experts at {start} are [{}, {}] per token, earlier chunks {earlier:?}", .layout[0], .layout[1])]
+    RoutedLayout {
+        start: usize,
+        layout: [usize; 2],
+        earlier: Option<[usize; 2]>,
+    },
+    #[error("routed experts cover {covered} positions of a {len}-token segment")]
+    RoutedCoverage { covered: usize, len: usize },
+}
+
 /// Why `episode` may not be trained on, if it may not. Failed episodes are not checked (their
 /// group is dropped anyway). `now` is the version the engines serve as far as the rollout knows:
 /// a token may carry at most `now + 1` (engines resume on a new version a moment before the
 /// rollout hears of it), so a made-up version from far ahead cannot dodge the staleness bound.
-pub fn check(episode: &Episode, limits: &EpisodeLimits, now: u64) -> Result<(), String> {
+pub fn check(episode: &Episode, limits: &EpisodeLimits, now: u64) -> Result<(), Invalid> {
     if episode.status == EpisodeStatus::Failed {
         return Ok(());
     }
     if !episode.reward.is_finite() {
-        return Err(format!("reward {} is not a finite number", episode.reward));
+        return Err(Invalid::RewardNotFinite(episode.reward));
     }
     if episode.reward.abs() > MAX_REWARD {
-        return Err(format!(
-            "reward {} is larger in magnitude than {MAX_REWARD:e}: the advantages would overflow",
-            episode.reward
-        ));
+        return Err(Invalid::RewardTooLarge(episode.reward));
     }
-    for (k, segment) in episode.segments.iter().enumerate() {
-        check_segment(segment, limits, now).map_err(|e| format!("segment {k}: {e}"))?;
+    for (index, segment) in episode.segments.iter().enumerate() {
+        check_segment(segment, limits, now).map_err(|why| Invalid::Segment { index, why })?;
     }
     Ok(())
 }
 
-fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), String> {
+fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), BadSegment> {
     if s.teacher_logprobs.is_some() {
-        // A served teacher's scores are filled in by the run, after this check; an episode
-        // that brings its own would choose its advantages.
-        return Err("it carries teacher_logprobs: only the run's teacher scores tokens".into());
+        return Err(BadSegment::TeacherLogprobs);
     }
     let len = s.token_ids.len();
     for (field, n) in [
@@ -72,53 +126,41 @@ fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), St
         ("versions", s.versions.len()),
     ] {
         if n != len {
-            return Err(format!("{field} has {n} entries for {len} token_ids"));
+            return Err(BadSegment::Length { field, n, len });
         }
     }
     let newest = now.saturating_add(1);
-    for (i, &t) in s.token_ids.iter().enumerate() {
-        let in_vocab = usize::try_from(t).is_ok_and(|t| limits.vocab_size.is_none_or(|v| t < v));
-        if !in_vocab {
-            return Err(format!(
-                "token id {t} at position {i} is outside the vocabulary (size {})",
-                limits
-                    .vocab_size
-                    .map_or_else(|| "unknown".into(), |v| v.to_string())
-            ));
+    for (at, &token) in s.token_ids.iter().enumerate() {
+        let vocab_size = limits.vocab_size;
+        if !usize::try_from(token).is_ok_and(|t| vocab_size.is_none_or(|v| t < v)) {
+            return Err(BadSegment::OutsideVocabulary {
+                token,
+                at,
+                vocab_size,
+            });
         }
         // Every logprob, not only the sampled ones: a batch crosses the network as JSON, which
         // has no NaN or inf (serde writes null), so one of them would make the batch unreadable
         // to the trainer at every retry (found by fuzzing: an inf logprob under mask 0 passed).
-        if !s.logprobs[i].is_finite() {
-            return Err(format!(
-                "logprob {} at position {i} is not a finite number",
-                s.logprobs[i]
-            ));
+        let logprob = s.logprobs[at];
+        if !logprob.is_finite() {
+            return Err(BadSegment::LogprobNotFinite { logprob, at });
         }
-        match s.loss_mask[i] {
+        match s.loss_mask[at] {
             0 => {}
             1 => {
-                let lp = s.logprobs[i];
-                if !lp.is_finite() || lp > MAX_LOGPROB {
-                    return Err(format!(
-                        "sampled token at position {i} has logprob {lp}: a log-probability is finite and at most 0"
-                    ));
+                if logprob > MAX_LOGPROB {
+                    return Err(BadSegment::SampledLogprob { logprob, at });
                 }
-                match s.versions[i] {
-                    None => {
-                        return Err(format!(
-                            "sampled token at position {i} has no policy version"
-                        ))
-                    }
-                    Some(v) if v > newest => {
-                        return Err(format!(
-                            "sampled token at position {i} claims policy version {v}; the engines serve {now}"
-                        ))
+                match s.versions[at] {
+                    None => return Err(BadSegment::NoVersion { at }),
+                    Some(version) if version > newest => {
+                        return Err(BadSegment::FutureVersion { at, version, now })
                     }
                     Some(_) => {}
                 }
             }
-            m => return Err(format!("loss_mask {m} at position {i}: it is 0 or 1")),
+            mask => return Err(BadSegment::LossMask { mask, at }),
         }
     }
     check_routed_experts(s)
@@ -126,27 +168,26 @@ fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), St
 
 /// Routing chunks tile positions `0..` contiguously, each a well-formed `[rows, layers, top_k]`
 /// array of one layout, covering the segment or all of it but its last token.
-fn check_routed_experts(s: &Segment) -> Result<(), String> {
+fn check_routed_experts(s: &Segment) -> Result<(), BadSegment> {
     if s.routed_experts.is_empty() {
         return Ok(());
     }
     let mut next = 0usize;
-    let mut layout: Option<[usize; 2]> = None;
+    let mut earlier: Option<[usize; 2]> = None;
     for chunk in &s.routed_experts {
-        if chunk.start != next {
-            return Err(format!(
-                "routed experts cover positions from {next} but a chunk starts at {}",
-                chunk.start
-            ));
+        let start = chunk.start;
+        if start != next {
+            return Err(BadSegment::RoutedGap { next, start });
         }
         let (shape, _) = decode_routed_experts(&chunk.data)
-            .map_err(|e| format!("routed experts at {}: {e}", chunk.start))?;
-        let this = [shape[1], shape[2]];
-        if *layout.get_or_insert(this) != this {
-            return Err(format!(
-                "routed experts at {} are [{}, {}] per token, earlier chunks {:?}",
-                chunk.start, shape[1], shape[2], layout
-            ));
+            .map_err(|why| BadSegment::RoutedData { start, why })?;
+        let layout = [shape[1], shape[2]];
+        if *earlier.get_or_insert(layout) != layout {
+            return Err(BadSegment::RoutedLayout {
+                start,
+                layout,
+                earlier,
+            });
         }
         next = next.saturating_add(shape[0]);
     }
@@ -154,9 +195,7 @@ fn check_routed_experts(s: &Segment) -> Result<(), String> {
     // All but the last position needs at least one: the last row is a copy of the one before
     // (found by fuzzing: chunks of no rows on a 1-token segment panicked the trainer).
     if next != len && !(next > 0 && next.saturating_add(1) == len) {
-        return Err(format!(
-            "routed experts cover {next} positions of a {len}-token segment"
-        ));
+        return Err(BadSegment::RoutedCoverage { covered: next, len });
     }
     Ok(())
 }
@@ -199,7 +238,7 @@ mod tests {
     };
 
     fn verdict(s: Segment) -> Result<(), String> {
-        check(&episode(s), &LIMITS, 4)
+        check(&episode(s), &LIMITS, 4).map_err(|e| e.to_string())
     }
 
     #[test]
@@ -255,7 +294,7 @@ mod tests {
         for (why, spoil) in cases {
             let mut e = episode(segment());
             spoil(&mut e);
-            let err = check(&e, &LIMITS, 4).expect_err(why);
+            let err = check(&e, &LIMITS, 4).expect_err(why).to_string();
             assert!(err.contains(why), "{why}: {err}");
         }
         let mut e = episode(segment());
@@ -265,6 +304,7 @@ mod tests {
         e.reward = -f64::MAX;
         assert!(check(&e, &LIMITS, 4)
             .unwrap_err()
+            .to_string()
             .contains("the advantages would overflow"));
         e.reward = -MAX_REWARD;
         assert_eq!(check(&e, &LIMITS, 4), Ok(()));

@@ -51,6 +51,23 @@ struct GenerateBody {
     model: Option<String>,
 }
 
+/// A generate response (or stream chunk) of one choice.
+fn one_choice(request_id: String, choice: Choice, usage: Option<Usage>) -> GenerateResponse {
+    GenerateResponse {
+        request_id,
+        choices: vec![choice],
+        usage,
+        prompt_logprobs: None,
+    }
+}
+
+fn unfinished() -> ApiError {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "the generation ended without finishing",
+    )
+}
+
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
 }
@@ -105,33 +122,15 @@ async fn generate(
                 } => {
                     choice.finish_reason = Some(reason);
                     choice.routed_experts = routed_experts;
-                    return Ok(Json(GenerateResponse {
-                        request_id,
-                        choices: vec![choice],
-                        usage: Some(Usage::new(prompt_len, completion_tokens)),
-                        prompt_logprobs: None,
-                    })
-                    .into_response());
+                    let usage = Usage::new(prompt_len, completion_tokens);
+                    return Ok(Json(one_choice(request_id, choice, Some(usage))).into_response());
                 }
             }
         }
-        return Err(ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            "the generation ended without finishing",
-        ));
+        return Err(unfinished());
     }
     // The first event decides between an error status and a stream.
-    let first = rx.recv().await;
-    let first = match first {
-        Some(Err(e)) => return Err(e),
-        None => {
-            return Err(ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "the generation ended without finishing",
-            ))
-        }
-        Some(Ok(event)) => event,
-    };
+    let first = rx.recv().await.ok_or_else(unfinished)??;
     let stream = futures::stream::unfold((Some(first), rx, false), move |(first, mut rx, done)| {
         let request_id = request_id.clone();
         async move {
@@ -159,12 +158,7 @@ async fn generate(
                         start: index,
                         end: index + 1,
                     });
-                    let chunk = GenerateResponse {
-                        request_id,
-                        choices: vec![choice],
-                        usage: None,
-                        prompt_logprobs: None,
-                    };
+                    let chunk = one_choice(request_id, choice, None);
                     (serde_json::to_string(&chunk).expect("serializable"), false)
                 }
                 Ok(Routed::Finished {
@@ -175,12 +169,8 @@ async fn generate(
                     let mut choice = Choice::empty();
                     choice.finish_reason = Some(reason);
                     choice.routed_experts = routed_experts;
-                    let chunk = GenerateResponse {
-                        request_id,
-                        choices: vec![choice],
-                        usage: Some(Usage::new(prompt_len, completion_tokens)),
-                        prompt_logprobs: None,
-                    };
+                    let usage = Usage::new(prompt_len, completion_tokens);
+                    let chunk = one_choice(request_id, choice, Some(usage));
                     (serde_json::to_string(&chunk).expect("serializable"), true)
                 }
                 Err(e) => (
@@ -204,7 +194,6 @@ async fn generate(
 /// Sends the same call to every engine in `engines`; the answers in order, or an error naming
 /// the engines that failed.
 async fn fan_out(
-    http: &reqwest::Client,
     engines: &[Arc<super::Engine>],
     method: Method,
     path_and_query: &str,
@@ -215,7 +204,7 @@ async fn fan_out(
     }
     let calls = engines.iter().zip(bodies).map(|(e, body)| {
         let url = format!("{}{}", e.url(), path_and_query);
-        let mut req = http.request(method.clone(), &url);
+        let mut req = router_http().request(method.clone(), &url);
         if let Some(body) = body {
             req = req.json(&body);
         }
@@ -276,7 +265,7 @@ async fn broadcast(
     let finished_version =
         field.and_then(|f| crate::engine::api::reported_version(&body.as_ref()?[f]));
     let bodies = vec![body; engines.len()];
-    let answers = fan_out(&router_http(), &engines, method, &path, bodies).await?;
+    let answers = fan_out(&engines, method, &path, bodies).await?;
     // Engines have stopped generating once a pause answered (a `wait` pause answers when their
     // requests are done), and start again on resume.
     match uri.path() {
@@ -296,16 +285,18 @@ fn router_http() -> reqwest::Client {
     HTTP.get_or_init(crate::auth::client).clone()
 }
 
-async fn world_sizes(router: &Router) -> Result<Vec<u64>, ApiError> {
+/// `GET path` of every healthy engine: the engines and their answers, in order.
+async fn get_all(
+    router: &Router,
+    path: &str,
+) -> Result<(Vec<Arc<super::Engine>>, Vec<Value>), ApiError> {
     let engines = router.pool.healthy();
-    let answers = fan_out(
-        &router_http(),
-        &engines,
-        Method::GET,
-        "/get_world_size",
-        vec![None; engines.len()],
-    )
-    .await?;
+    let answers = fan_out(&engines, Method::GET, path, vec![None; engines.len()]).await?;
+    Ok((engines, answers))
+}
+
+async fn world_sizes(router: &Router) -> Result<Vec<u64>, ApiError> {
+    let (_, answers) = get_all(router, "/get_world_size").await?;
     Ok(answers
         .iter()
         .map(|a| a["world_size"].as_u64().unwrap_or(1))
@@ -336,7 +327,6 @@ async fn init_weight_transfer(
         })
         .collect();
     fan_out(
-        &router_http(),
         &engines,
         Method::POST,
         "/init_weight_transfer_engine",
@@ -347,29 +337,13 @@ async fn init_weight_transfer(
 }
 
 async fn is_paused(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
-    let engines = router.pool.healthy();
-    let answers = fan_out(
-        &router_http(),
-        &engines,
-        Method::GET,
-        "/is_paused",
-        vec![None; engines.len()],
-    )
-    .await?;
+    let (_, answers) = get_all(&router, "/is_paused").await?;
     let all = answers.iter().all(|a| a["is_paused"] == Value::Bool(true));
     Ok(Json(json!({ "is_paused": all })))
 }
 
 async fn weight_info(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
-    let engines = router.pool.healthy();
-    let answers = fan_out(
-        &router_http(),
-        &engines,
-        Method::GET,
-        "/weight_info",
-        vec![None; engines.len()],
-    )
-    .await?;
+    let (engines, answers) = get_all(&router, "/weight_info").await?;
     let per_engine: Vec<Value> = engines
         .iter()
         .zip(answers)
@@ -384,7 +358,6 @@ async fn abort(State(router): State<Arc<Router>>, body: Bytes) -> Result<Json<Va
     let body = json!({ "request_ids": req.request_ids });
     // Aborting an id an engine does not know is fine; failures only mean the engine is gone.
     let _ = fan_out(
-        &router_http(),
         &engines,
         Method::POST,
         "/inference/v1/abort_requests",
@@ -408,7 +381,6 @@ async fn models(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiErr
         .first()
         .ok_or_else(|| ApiError::unavailable("no healthy engine"))?;
     let answers = fan_out(
-        &router_http(),
         std::slice::from_ref(first),
         Method::GET,
         "/v1/models",
