@@ -35,7 +35,7 @@ const MAX_GRAD_NORM: f64 = 1.0;
 
 /// PPO-clip (DAPO's ε), token-mean, token-level IS mask [0.5, 5] (IcePop), temperature 1.
 const LOSS: LossConfig = LossConfig {
-    kind: LossKind::Ppo,
+    kind: LossKind::PpoClip,
     eps_low: 0.2,
     eps_high: 0.28,
     aggregation: Aggregation::TokenMean,

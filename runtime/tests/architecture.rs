@@ -140,6 +140,35 @@ fn docs_architecture_names_every_top_level_folder_and_file() {
     );
 }
 
+#[test]
+fn the_readme_lists_every_docs_page_and_every_room() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let readme = fs::read_to_string(root.join("README.md")).unwrap();
+    let mut missing = Vec::new();
+    for entry in fs::read_dir(root.join("docs")).unwrap().map(Result::unwrap) {
+        let name = entry.file_name().into_string().unwrap();
+        if name.ends_with(".md") && !readme.contains(&format!("(docs/{name})")) {
+            missing.push(format!("docs/{name}"));
+        }
+    }
+    // The layout table names each folder of the runtime's library.
+    for entry in fs::read_dir(root.join("runtime/src"))
+        .unwrap()
+        .map(Result::unwrap)
+    {
+        let name = entry.file_name().into_string().unwrap();
+        if entry.file_type().unwrap().is_dir() && !readme.contains(&format!("`{name}/`")) {
+            missing.push(format!("runtime/src/{name}/"));
+        }
+    }
+    missing.sort();
+    assert!(
+        missing.is_empty(),
+        "README.md does not list {}",
+        missing.join(", ")
+    );
+}
+
 /// The library's `.rs` files under `dir` (`rel` from `runtime/src`), by module.
 fn library_files(dir: &Path, rel: &str, files: &mut BTreeMap<Module, String>) {
     for entry in fs::read_dir(dir).unwrap().map(Result::unwrap) {

@@ -45,7 +45,7 @@ fn options() -> TrainerOptions {
     };
     TrainerOptions {
         loss: LossConfig {
-            kind: LossKind::Ppo,
+            kind: LossKind::PpoClip,
             eps_low: 0.2,
             eps_high: 0.28,
             aggregation: Aggregation::TokenMean,

@@ -41,12 +41,12 @@ fn sampled_mean(model: &CausalLm, seqs: &[(Vec<i64>, Vec<u8>)]) -> Vec<f64> {
 
 #[test]
 fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
-    let runs = [LossKind::Ppo, LossKind::Gspo, LossKind::Cispo]
+    let runs = [LossKind::PpoClip, LossKind::Gspo, LossKind::Cispo]
         .into_iter()
         .map(|kind| (dense_model(), kind))
         .chain(
             ["mistral-tiny-window", "gemma3-tiny", "gemma3-tiny-linear"]
-                .map(|name| (common::family_models().join(name), LossKind::Ppo)),
+                .map(|name| (common::family_models().join(name), LossKind::PpoClip)),
         );
     for (dir, kind) in runs {
         let model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
@@ -212,7 +212,7 @@ fn tiny_trainer() -> moult_runtime::trainer::train::Trainer {
     let model = CausalLm::load(&dense_model(), Kind::Float, Device::Cpu).unwrap();
     let opts = TrainerOptions {
         loss: LossConfig {
-            kind: LossKind::Ppo,
+            kind: LossKind::PpoClip,
             eps_low: 0.2,
             eps_high: 0.28,
             aggregation: Aggregation::TokenMean,

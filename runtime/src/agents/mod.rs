@@ -15,7 +15,7 @@ pub mod env;
 pub mod process;
 pub mod sandbox;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,7 @@ use serde_json::{Map, Value as Json};
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::chat::SamplingOverride;
-use crate::loopback::{ChatService, Segment};
+use crate::loopback::{ChatService, Segment, ServiceOptions};
 use env::{run_env_episode, EnvLoopOptions};
 use process::{run_chat_agent, AgentCommand, ExternalEnv};
 
@@ -44,6 +44,12 @@ pub enum AgentError {
     Model(String),
     #[error("timed out after {0:?}")]
     TimedOut(Duration),
+    /// The policy's tokenizer or chat template could not be read.
+    #[error("{0}")]
+    ModelDir(#[from] crate::loopback::service::ModelDirError),
+    /// The loopback server's socket.
+    #[error("the loopback server: {0}")]
+    Loopback(#[from] std::io::Error),
 }
 
 /// Which agent the pool runs.
@@ -149,6 +155,37 @@ impl AgentPool {
             agent,
             opts,
         })
+    }
+
+    /// A pool whose agents talk to a loopback server of their own on `listener` (127.0.0.1), in
+    /// front of the engine (or router) at `engine`, rendering with `model_dir`'s tokenizer and
+    /// chat template under the model name `name`; the server runs until `shutdown`, and
+    /// `opts.loopback_url` becomes its address.
+    pub fn serve(
+        engine: &str,
+        (model_dir, name): (&Path, String),
+        agent: Agent,
+        mut opts: PoolOptions,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> Result<Arc<Self>, AgentError> {
+        // Sessions of running episodes, plus those closing.
+        let sessions = ServiceOptions::pool(opts.concurrency * 2, name);
+        let service = Arc::new(ChatService::from_model_dir(engine, model_dir, sessions)?);
+        opts.loopback_url = format!("http://{}", listener.local_addr()?);
+        let max_body = crate::loopback::DEFAULT_MAX_BODY_BYTES;
+        tokio::spawn(crate::loopback::serve(
+            listener,
+            service.clone(),
+            max_body,
+            shutdown,
+        ));
+        Ok(Arc::new(Self::new(service, agent, opts)?))
+    }
+
+    /// The loopback server's address its agents are given.
+    pub fn loopback_url(&self) -> &str {
+        &self.opts.loopback_url
     }
 
     /// Runs every task; episodes arrive as they finish (not in task order).

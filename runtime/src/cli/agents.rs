@@ -4,7 +4,6 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use moult_runtime::agents::env::EnvLoopOptions;
@@ -12,7 +11,6 @@ use moult_runtime::agents::process::{describe_python, AgentCommand};
 use moult_runtime::agents::{Agent, AgentPool, EpisodeStatus, PoolOptions};
 use moult_runtime::chat::ChatSampling;
 use moult_runtime::cluster::agents::AgentsProcessOptions;
-use moult_runtime::loopback::{self, ChatService, ServiceOptions};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -106,30 +104,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         _ => bail!("give --agent PATH|builtin:NAME, or --agent-cmd CMD with --form chat|env"),
     };
     let tasks = moult_runtime::config::read_jsonl(tasks, "--tasks")?;
-    let service = Arc::new(
-        ChatService::from_model_dir(
-            engine,
-            model,
-            ServiceOptions::pool(args.concurrency * 2, super::folder_name(model)),
-        )
-        .map_err(anyhow::Error::msg)?,
-    );
     let listener = super::bind("127.0.0.1", args.port).await?;
-    let loopback_url = format!("http://{}", listener.local_addr()?);
-    tokio::spawn(loopback::serve(
-        listener,
-        service.clone(),
-        loopback::DEFAULT_MAX_BODY_BYTES,
-        std::future::pending(),
-    ));
     let scratch_dir = std::env::temp_dir().join(format!("moult-agents-{}", std::process::id()));
-    let pool = Arc::new(AgentPool::new(
-        service,
+    let pool = AgentPool::serve(
+        engine,
+        (model, super::folder_name(model)),
         agent,
         PoolOptions {
             concurrency: args.concurrency,
             timeout: args.timeout,
-            loopback_url: loopback_url.clone(),
+            loopback_url: String::new(),
             env_loop: EnvLoopOptions {
                 max_turns: args.max_turns,
                 sampling: ChatSampling {
@@ -142,11 +126,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             },
             scratch_dir: scratch_dir.clone(),
         },
-    )?);
+        listener,
+        std::future::pending(),
+    )?;
     let total = tasks.len();
     eprintln!(
-        "moult agents: {total} episodes, {} at once, loopback {loopback_url}",
-        args.concurrency
+        "moult agents: {total} episodes, {} at once, loopback {}",
+        args.concurrency,
+        pool.loopback_url()
     );
     let mut out: Box<dyn Write> = match &args.out {
         Some(path) => Box::new(std::io::BufWriter::new(

@@ -23,7 +23,6 @@ use super::{env_path, post_json, retry};
 use crate::agents::{AgentPool, EpisodeStatus, PoolOptions};
 use crate::config::Sources;
 use crate::error::RunError;
-use crate::loopback::{ChatService, ServiceOptions};
 
 /// How often the leases of running episodes are renewed (well within the coordinator's lease time).
 const RENEW_EVERY: Duration = Duration::from_secs(5);
@@ -88,48 +87,31 @@ pub async fn run(
         _ => cfg.concurrency,
     };
     let coordinator = opts.coordinator.trim_end_matches('/').to_string();
-    let setup = |e: &dyn std::fmt::Display| RunError::Setup(e.to_string());
-    let service = Arc::new(
-        ChatService::from_model_dir(
-            &coordinator,
-            &model_dir,
-            ServiceOptions::pool(concurrency * 2, cfg.name.clone()),
-        )
-        .map_err(|e| setup(&e))?,
-    );
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
         .await
-        .map_err(|e| setup(&format!("binding 127.0.0.1: {e}")))?;
-    let loopback_url = format!("http://{}", listener.local_addr().map_err(|e| setup(&e))?);
+        .map_err(|source| RunError::Start {
+            what: "binding 127.0.0.1".into(),
+            source,
+        })?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    tokio::spawn(crate::loopback::serve(
-        listener,
-        service.clone(),
-        crate::loopback::DEFAULT_MAX_BODY_BYTES,
-        stopped(stop_rx.clone()),
-    ));
     let scratch_dir = std::env::temp_dir().join(format!("moult-agents-{}", std::process::id()));
     let agent = cfg
         .agent
         .clone()
         .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?;
-    let pool = Arc::new(
-        AgentPool::new(
-            service,
-            agent,
-            PoolOptions {
-                concurrency,
-                timeout: cfg.episode_timeout,
-                loopback_url: loopback_url.clone(),
-                env_loop: cfg.env_loop.clone(),
-                scratch_dir,
-            },
-        )
-        .map_err(|e| setup(&e))?,
-    );
+    let pool_opts = PoolOptions {
+        concurrency,
+        timeout: cfg.episode_timeout,
+        loopback_url: String::new(),
+        env_loop: cfg.env_loop.clone(),
+        scratch_dir,
+    };
+    let model = (model_dir.as_path(), cfg.name.clone());
+    let stop = stopped(stop_rx.clone());
+    let pool = AgentPool::serve(&coordinator, model, agent, pool_opts, listener, stop)?;
     let counts = Counts::default();
     let mut registry = Registry::default();
     let (finished, running) = (counts.finished.clone(), counts.running.clone());
@@ -150,8 +132,10 @@ pub async fn run(
     )
     .await?;
     eprintln!(
-        "moult agents: {} episodes at once for {}, loopback {loopback_url}, coordinator {coordinator}",
-        concurrency, cfg.name
+        "moult agents: {} episodes at once for {}, loopback {}, coordinator {coordinator}",
+        concurrency,
+        cfg.name,
+        pool.loopback_url()
     );
     let http = super::coordinator_client();
     // The leases of the episodes running here, renewed every few seconds so that the coordinator

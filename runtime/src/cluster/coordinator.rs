@@ -653,7 +653,7 @@ pub async fn run(
         stages::Parts {
             teacher,
             judge,
-            dumps: None,
+            ..stages::Parts::default()
         },
     )
     .into_iter()

@@ -27,7 +27,7 @@ use crate::learner::{Followers, Learner};
 use crate::records::console::Console;
 use crate::rollout::RolloutState;
 use crate::stages::{self, StepBatch};
-use crate::weight_sync::publish::{engine_kind, PublishOptions};
+use crate::weight_sync::publish::PublishOptions;
 
 /// The trainer's `/metrics`.
 struct Gauges {
@@ -348,7 +348,7 @@ pub async fn run(
     };
     tokio::pin!(shutdown);
 
-    let mut learner = Learner::load_rank0(
+    let mut learner = Learner::load(
         cfg.clone(),
         ckpt_root,
         opts.device,
@@ -372,22 +372,17 @@ pub async fn run(
 
     let engines = coordinator.engines().await;
     let engines_spec = &cfg.run.spec.engines;
-    let model_cfg = crate::model::ModelConfig::from_dir(&cfg.model_dir)?;
-    let publish = PublishOptions {
-        target: coordinator.url.clone(),
-        backend: engines_spec.backend,
-        transport: engines_spec.transport(),
-        device: opts.device,
-        host: pod_ip.clone(),
-        port: moult_operator::children::WEIGHT_STREAM_PORT as u16,
+    let publish = PublishOptions::new(
+        engines_spec,
+        crate::model::ModelConfig::from_dir(&cfg.model_dir)?
+            .dtype
+            .as_deref(),
+        coordinator.url.clone(),
+        opts.device,
+        (pod_ip, moult_operator::children::WEIGHT_STREAM_PORT as u16),
         // The Filesystem transport's volume, by the path engines mount it under too.
-        folder: env_path("MOULT_WEIGHTS_DIR").map(|root| root.join(&cfg.name)),
-        engine_kind: engine_kind(
-            engines_spec.backend,
-            &engines_spec.extra_args,
-            model_cfg.dtype.as_deref(),
-        )?,
-    };
+        env_path("MOULT_WEIGHTS_DIR").map(|root| root.join(&cfg.name)),
+    )?;
     let mut wait = Duration::from_millis(500);
     loop {
         match learner.connect(&publish).await {
@@ -410,10 +405,7 @@ pub async fn run(
     let stages: Vec<_> = stages::ordered(
         &cfg.run.spec,
         stages::Parts {
-            dumps: out
-                .as_ref()
-                .filter(|_| cfg.run.spec.trainer.dump_rollouts)
-                .map(|out| stages::dump::folder(out)),
+            dumps: out.as_deref().map(stages::dump::folder),
             ..stages::Parts::default()
         },
     )

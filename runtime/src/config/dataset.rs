@@ -14,10 +14,6 @@ use serde_json::{Map, Value as Json};
 use super::read_jsonl;
 use crate::error::RunError;
 
-fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
-    RunError::field(field, why)
-}
-
 /// The tasks of `spec`, whose path resolves to `path` here; errors name `field` (the manifest
 /// field that gave the path, `spec.agent.dataset` or `spec.eval.dataset`).
 pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
@@ -32,15 +28,15 @@ pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>, R
         };
         for (i, row) in rows.into_iter().enumerate() {
             tasks.push(map_columns(row, &spec.columns).map_err(|why| {
-                bad(
-                    &format!("{field}.columns"),
+                RunError::field(
+                    format!("{field}.columns"),
                     format!("{} row {}: {why}", file.display(), i + 1),
                 )
             })?);
         }
     }
     if tasks.is_empty() {
-        return Err(bad(
+        return Err(RunError::field(
             &path_field,
             format!("{} holds no tasks", path.display()),
         ));
@@ -85,7 +81,7 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     let (dir, matcher) = if let Some((pre, post)) = name.split_once('*') {
         if post.contains('*') {
-            return Err(bad(field, "one `*` at most, in the file name"));
+            return Err(RunError::field(field, "one `*` at most, in the file name"));
         }
         (
             path.parent().unwrap_or(Path::new(".")),
@@ -96,10 +92,13 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
     } else if path.is_file() {
         return Ok(vec![path.to_path_buf()]);
     } else {
-        return Err(bad(field, format!("{} does not exist", path.display())));
+        return Err(RunError::field(
+            field,
+            format!("{} does not exist", path.display()),
+        ));
     };
     let entries = std::fs::read_dir(dir).map_err(|e| {
-        bad(
+        RunError::field(
             field,
             format!("cannot read the folder {}: {e}", dir.display()),
         )
@@ -112,7 +111,7 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
         .collect();
     found.sort();
     if found.is_empty() {
-        return Err(bad(
+        return Err(RunError::field(
             field,
             format!("no task files match {}", path.display()),
         ));
@@ -123,13 +122,13 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
 /// Every row of a Parquet file as a JSON object (column name → value).
 fn read_parquet(file: &Path, field: &str) -> Result<Vec<Json>, RunError> {
     let cannot = |e: &dyn std::fmt::Display| {
-        bad(
+        RunError::field(
             field,
             format!("{}: not a readable Parquet file: {e}", file.display()),
         )
     };
-    let f =
-        File::open(file).map_err(|e| bad(field, format!("cannot read {}: {e}", file.display())))?;
+    let f = File::open(file)
+        .map_err(|e| RunError::field(field, format!("cannot read {}: {e}", file.display())))?;
     let reader = SerializedFileReader::new(f).map_err(|e| cannot(&e))?;
     reader
         .into_iter()

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
 #[cfg(feature = "torch")]
-use moult_operator::api::{Aggregation as SpecAggregation, IsLevel, IsMode, LossKind as SpecLoss};
+use moult_operator::api::{Aggregation as SpecAggregation, IsLevel, IsMode};
 use serde_json::Value as Json;
 
 pub mod dataset;
@@ -31,7 +31,7 @@ use crate::rollout::{EpisodeLimits, RolloutOptions};
 #[cfg(feature = "torch")]
 use crate::trainer::optim::{Decay, LrSchedule};
 #[cfg(feature = "torch")]
-use crate::trainer::step::{LossConfig, LossKind};
+use crate::trainer::step::LossConfig;
 #[cfg(feature = "torch")]
 use crate::trainer::train::{Sharding, TrainerOptions};
 
@@ -167,10 +167,6 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
     .collect()
 }
 
-fn bad(field: &str, why: impl std::fmt::Display) -> RunError {
-    RunError::field(field, why)
-}
-
 /// Resolves `path` against the manifest's folder.
 fn beside(manifest_dir: &Path, path: &str) -> PathBuf {
     let p = Path::new(path);
@@ -213,11 +209,11 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
     let spec = &run.spec.agent;
     if let Some(env) = &spec.env {
         if spec.command.is_empty() {
-            return Agent::builtin(env).map_err(|e| bad("spec.agent.env", e));
+            return Agent::builtin(env).map_err(|e| RunError::field("spec.agent.env", e));
         }
     }
     let Some((program, args)) = spec.command.split_first() else {
-        return Err(bad(
+        return Err(RunError::field(
             "spec.agent.command",
             "a local run needs the agent's command (or agent.env for a built-in environment)",
         ));
@@ -230,7 +226,7 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
         [file] if is_python && file.ends_with(".py") => {
             let path = beside(dir, file);
             if !path.is_file() {
-                return Err(bad(
+                return Err(RunError::field(
                     "spec.agent.command",
                     format!("{} does not exist", path.display()),
                 ));
@@ -252,7 +248,7 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
             env: Vec::new(),
         }),
     }
-    .map_err(|e| bad("spec.agent.command", e))?;
+    .map_err(|e| RunError::field("spec.agent.command", e))?;
     Ok(match spec.form {
         AgentForm::Env => Agent::ExternalEnv(cmd),
         AgentForm::ChatAgent => Agent::Chat(cmd),
@@ -267,7 +263,7 @@ fn judge(run: &RLRun, model_dir: &Path, tasks: &[Json]) -> Result<Option<JudgeOp
     };
     let model_dir = model_dir.to_path_buf();
     if !model_dir.join("config.json").is_file() {
-        return Err(bad(
+        return Err(RunError::field(
             "spec.judge.path",
             format!(
                 "{} is not a model folder (no config.json)",
@@ -277,7 +273,7 @@ fn judge(run: &RLRun, model_dir: &Path, tasks: &[Json]) -> Result<Option<JudgeOp
     }
     for field in judge::task_fields(&spec.prompt) {
         if let Some(i) = tasks.iter().position(|t| t.get(&field).is_none()) {
-            return Err(bad(
+            return Err(RunError::field(
                 "spec.judge.prompt",
                 format!(
                     "it reads {{task.{field}}}, but task {} of spec.agent.dataset.path has no field `{field}`",
@@ -309,13 +305,13 @@ pub fn ordered(tasks: &[Json], seed: u64) -> Vec<Json> {
 /// manifest field or command-line flag that gave the path.
 pub fn read_jsonl(path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
     let text = std::fs::read_to_string(path)
-        .map_err(|e| bad(field, format!("cannot read {}: {e}", path.display())))?;
+        .map_err(|e| RunError::field(field, format!("cannot read {}: {e}", path.display())))?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
             serde_json::from_str(l).map_err(|e| {
-                bad(
+                RunError::field(
                     field,
                     format!("{}:{}: not a JSON value: {e}", path.display(), i + 1),
                 )
@@ -392,16 +388,12 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
             correction
                 .validate()
                 .map(|()| correction)
-                .map_err(|e| bad("spec.algorithm.isCorrection", e))
+                .map_err(|e| RunError::field("spec.algorithm.isCorrection", e))
         })
         .transpose()?;
     Ok(TrainerOptions {
         loss: LossConfig {
-            kind: match algo.loss.kind {
-                SpecLoss::PpoClip => LossKind::Ppo,
-                SpecLoss::Gspo => LossKind::Gspo,
-                SpecLoss::Cispo => LossKind::Cispo,
-            },
+            kind: algo.loss.kind,
             eps_low: algo.loss.eps_low,
             eps_high: algo.loss.eps_high,
             aggregation: match algo.loss.aggregation {
@@ -445,7 +437,7 @@ impl RunConfig {
         let engines = &run.spec.engines;
         if engines.replicas < 1 {
             // A cluster run may be scaled to zero engines; a local one would wait forever.
-            return Err(bad(
+            return Err(RunError::field(
                 "spec.engines.replicas",
                 "a local run needs at least 1 engine",
             ));
@@ -454,7 +446,7 @@ impl RunConfig {
             && engines.transport() != WeightTransport::Filesystem
         {
             // Found out now rather than after a minute of starting vLLM.
-            return Err(bad(
+            return Err(RunError::field(
                 "spec.engines.weightTransfer.transport",
                 "moult run publishes to vLLM engines through the Filesystem transport (set \
                  weightTransfer: {transport: Filesystem}); NCCL from moult run is not built yet \
@@ -474,7 +466,7 @@ impl RunConfig {
         let model_dir = match &sources.model_dir {
             Some(model_dir) => {
                 if !model_dir.join("config.json").is_file() {
-                    return Err(bad(
+                    return Err(RunError::field(
                         "spec.model.path",
                         format!(
                             "{} is not a model folder (no config.json)",
@@ -566,13 +558,13 @@ impl RunConfig {
                         .map_or_else(|| episode_token_budget(spec), |m| m as usize);
                     let buffer_tokens = o.buffer_tokens as usize;
                     if buffer_tokens == 0 || buffer_tokens > max_tokens {
-                        return Err(bad(
+                        return Err(RunError::field(
                             "spec.algorithm.overlong.bufferTokens",
                             format!("{buffer_tokens} is not between 1 and maxTokens ({max_tokens}: the episode's token budget, rollout.maxTokens × rollout.maxTurns, unless overlong.maxTokens says otherwise)"),
                         ));
                     }
                     if !(o.factor.is_finite() && o.factor >= 0.0) {
-                        return Err(bad(
+                        return Err(RunError::field(
                             "spec.algorithm.overlong.factor",
                             format!("{} is not a number of 0 or more", o.factor),
                         ));
@@ -598,7 +590,7 @@ impl RunConfig {
             teacher_dir: match (&sources.teacher, algo.estimator) {
                 (Some(dir), Estimator::OnPolicyDistillation) => {
                     if !dir.join("config.json").is_file() {
-                        return Err(bad(
+                        return Err(RunError::field(
                             "spec.algorithm.teacher.path",
                             format!("{} is not a model folder (no config.json)", dir.display()),
                         ));

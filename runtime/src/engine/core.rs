@@ -60,6 +60,24 @@ pub struct EngineOptions {
     pub packed_weights: Option<bool>,
 }
 
+impl EngineOptions {
+    /// The defaults for a model of `cfg` (those of `moult engine`'s flags): its whole context,
+    /// 2048 prompt tokens a step, 4096 requests waiting, its EOS ids, no routed experts;
+    /// `max_batch` sequences decoded together.
+    pub fn for_model(cfg: &crate::model::ModelConfig, max_batch: usize) -> Self {
+        Self {
+            max_batch,
+            max_model_len: cfg.max_position_embeddings,
+            max_prefill_tokens: 2048,
+            max_waiting: 4096,
+            return_routed_experts: false,
+            eos_token_ids: cfg.eos_token_ids.clone(),
+            threads: None,
+            packed_weights: None,
+        }
+    }
+}
+
 /// What the HTTP layer needs to know about the loaded model, without touching the engine thread.
 #[derive(Debug, Clone)]
 pub struct ModelInfo {

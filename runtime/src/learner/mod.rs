@@ -105,19 +105,10 @@ impl ActivityReader {
 
 impl Learner {
     /// The policy of a run whose checkpoints live under `ckpt_root`: from the newest one there,
-    /// or the model folder; the teacher of distillation too.
+    /// or the model folder; the teacher of distillation too. With several trainer ranks, this
+    /// process is rank 0, and the others join at `rendezvous` (trainer pods) or, without one,
+    /// are started as processes of this machine.
     pub async fn load(
-        cfg: RunConfig,
-        ckpt_root: Option<PathBuf>,
-        device: Device,
-        console: Console,
-    ) -> Result<Self, RunError> {
-        Self::load_rank0(cfg, ckpt_root, device, console, None).await
-    }
-
-    /// [`Learner::load`] as rank 0 of `trainer.nodes` ranks that join at `rendezvous` (trainer
-    /// pods); without one, the other ranks are started as processes of this machine.
-    pub async fn load_rank0(
         cfg: RunConfig,
         ckpt_root: Option<PathBuf>,
         device: Device,
@@ -293,16 +284,37 @@ impl Learner {
             }),
             None => window(),
         };
-        let times = StepTimes {
-            step: started.elapsed().as_secs_f64(),
-            sync,
-            elapsed: self.started.elapsed().as_secs_f64(),
-        };
+        let staleness: BTreeMap<u64, usize> = staleness_histogram(&batch.groups, batch.version)
+            .into_iter()
+            .collect();
+        let stale_tokens: usize = staleness.values().sum();
+        let rewards: Vec<f64> = (batch.groups.iter())
+            .flat_map(|g| g.episodes.iter().map(|e| e.reward))
+            .collect();
+        let (reward_mean, reward_std) = samples::mean_std(&rewards);
+        let (advantage_mean, advantage_std) = samples::mean_std(&learned.advantages.concat());
+        let (stats, rollout, step_seconds) = (&learned.stats, batch.stats, started.elapsed());
         let (judged, taught) = (batch.judged, batch.taught);
         let record = StepRecord {
-            engine_busy_fraction,
-            trainer_busy_fraction: (learned.compute_seconds / window.max(1e-9)).clamp(0.0, 1.0),
-            engine_paused_seconds,
+            step: self.step,
+            policy_version: version,
+            reward_mean,
+            reward_std,
+            episodes: rewards.len(),
+            advantage_mean,
+            advantage_std,
+            // JSON has no NaN: a step whose update was skipped records 0.
+            loss: if stats.loss.is_finite() {
+                stats.loss
+            } else {
+                0.0
+            },
+            mean_abs_log_rho: stats.mean_abs_log_rho,
+            masked_fraction: stats.masked_fraction,
+            entropy: stats.entropy,
+            kl: stats.kl,
+            teacher_kl: learned.teacher_kl,
+            overlong_penalty_mean: learned.overlong_penalty_mean,
             agent_reward_mean: judged.map(|j| j.agent_reward_mean),
             judge_score_mean: judged.map(|j| j.judge_score_mean),
             judge_unparsed: judged.map(|j| j.unparsed),
@@ -310,7 +322,34 @@ impl Learner {
             judge_seconds: judged.map(|j| j.seconds),
             teacher_seconds: taught.map(|t| t.seconds),
             trainer_world_size: self.trainer().world_size(),
-            ..step_record(batch, &learned, times, (self.step, version))
+            grad_norm: if stats.grad_norm.is_finite() {
+                stats.grad_norm
+            } else {
+                0.0
+            },
+            update_skipped: stats.skipped,
+            learning_rate: stats.learning_rate,
+            staleness_mean: (staleness.iter())
+                .map(|(k, n)| *k as f64 * *n as f64)
+                .sum::<f64>()
+                / stale_tokens.max(1) as f64,
+            staleness,
+            sequences: stats.sequences,
+            sampled_tokens: stats.sampled_tokens,
+            response_tokens_mean: stats.sampled_tokens as f64 / rewards.len().max(1) as f64,
+            tokens_per_second: stats.sampled_tokens as f64 / step_seconds.as_secs_f64().max(1e-9),
+            step_seconds: step_seconds.as_secs_f64(),
+            train_seconds: learned.train_seconds,
+            sync_seconds: sync,
+            dropped_stale: rollout.dropped_stale,
+            dropped_failed: rollout.dropped_failed,
+            dropped_invalid: rollout.dropped_invalid,
+            groups_filtered: rollout.groups_filtered,
+            elapsed_seconds: self.started.elapsed().as_secs_f64(),
+            engine_busy_fraction,
+            trainer_busy_fraction: (learned.compute_seconds / window.max(1e-9)).clamp(0.0, 1.0),
+            engine_paused_seconds,
+            ..StepRecord::default()
         }
         .with_eval(self.pending_eval.take().as_ref());
         if let Some(log) = &mut self.log {
@@ -535,98 +574,4 @@ async fn learn(
         compute_seconds: computing.elapsed().as_secs_f64(),
     };
     Ok((trainer, teacher, learned))
-}
-
-struct StepTimes {
-    step: f64,
-    sync: f64,
-    elapsed: f64,
-}
-
-/// `x`, or 0 when it is NaN or infinite (a record holds JSON numbers only).
-fn finite_or_zero(x: f64) -> f64 {
-    if x.is_finite() {
-        x
-    } else {
-        0.0
-    }
-}
-
-/// The metrics record of a step: the batch, what training it produced, and the times.
-fn step_record(
-    batch: &StepBatch,
-    learned: &Learned,
-    times: StepTimes,
-    (step, version): (u64, u64),
-) -> StepRecord {
-    let staleness: BTreeMap<u64, usize> = staleness_histogram(&batch.groups, batch.version)
-        .into_iter()
-        .collect();
-    let rollout = batch.stats;
-    let rewards: Vec<f64> = batch
-        .groups
-        .iter()
-        .flat_map(|g| g.episodes.iter().map(|e| e.reward))
-        .collect();
-    let (reward_mean, reward_std) = samples::mean_std(&rewards);
-    let Learned {
-        advantages,
-        stats,
-        teacher_kl,
-        overlong_penalty_mean,
-        train_seconds,
-        ..
-    } = learned;
-    let (advantage_mean, advantage_std) = samples::mean_std(&advantages.concat());
-    let stale_tokens: usize = staleness.values().sum();
-    StepRecord {
-        step,
-        policy_version: version,
-        reward_mean,
-        reward_std,
-        episodes: rewards.len(),
-        advantage_mean,
-        advantage_std,
-        loss: finite_or_zero(stats.loss),
-        mean_abs_log_rho: stats.mean_abs_log_rho,
-        masked_fraction: stats.masked_fraction,
-        entropy: stats.entropy,
-        kl: stats.kl,
-        grad_norm: finite_or_zero(stats.grad_norm),
-        update_skipped: stats.skipped,
-        learning_rate: stats.learning_rate,
-        teacher_kl: *teacher_kl,
-        overlong_penalty_mean: *overlong_penalty_mean,
-        agent_reward_mean: None,
-        judge_score_mean: None,
-        judge_unparsed: None,
-        judge_failed: None,
-        judge_seconds: None,
-        teacher_seconds: None,
-        trainer_world_size: 1,
-        staleness_mean: staleness
-            .iter()
-            .map(|(k, n)| *k as f64 * *n as f64)
-            .sum::<f64>()
-            / stale_tokens.max(1) as f64,
-        staleness,
-        sequences: stats.sequences,
-        sampled_tokens: stats.sampled_tokens,
-        response_tokens_mean: stats.sampled_tokens as f64 / rewards.len().max(1) as f64,
-        tokens_per_second: stats.sampled_tokens as f64 / times.step.max(1e-9),
-        step_seconds: times.step,
-        train_seconds: *train_seconds,
-        sync_seconds: times.sync,
-        dropped_stale: rollout.dropped_stale,
-        dropped_failed: rollout.dropped_failed,
-        dropped_invalid: rollout.dropped_invalid,
-        groups_filtered: rollout.groups_filtered,
-        elapsed_seconds: times.elapsed,
-        engine_busy_fraction: 0.0,
-        trainer_busy_fraction: 0.0,
-        engine_paused_seconds: 0.0,
-        eval_step: None,
-        eval_reward_mean: None,
-        eval_pass_at_k: None,
-    }
 }

@@ -91,13 +91,9 @@ pub async fn run(
     // The status line's ticker ends with the run.
     let _ticker = crate::AbortOnDrop(console.tick());
     console.phase("loading the model");
-    let mut learner = Learner::load(
-        cfg.clone(),
-        Some(out.join("checkpoints")),
-        opts.device,
-        console.clone(),
-    )
-    .await?;
+    let checkpoints = Some(out.join("checkpoints"));
+    let mut learner =
+        Learner::load(cfg.clone(), checkpoints, opts.device, console.clone(), None).await?;
     let cluster_only = crate::config::cluster_only_fields(&cfg.run.spec);
     if !cluster_only.is_empty() {
         console.line(&format!(
@@ -143,13 +139,13 @@ pub async fn run(
         progress.version,
     )?;
     learner.log_to(out)?;
-    let dumps = opts.dump_rollouts || cfg.run.spec.trainer.dump_rollouts;
     let stages = stages::ordered(
         &cfg.run.spec,
         stages::Parts {
             teacher: stack.teacher.take(),
             judge: stack.judge.take(),
-            dumps: dumps.then(|| dump::folder(out)),
+            dumps: Some(dump::folder(out)),
+            dump_rollouts: opts.dump_rollouts,
         },
     );
     tokio::pin!(shutdown);
@@ -451,9 +447,9 @@ fn summarize(
         total_steps: cfg.total_steps,
         policy_version: version,
         first_reward: trained.first().map(|r| r.reward_mean),
-        final_reward: metrics::recent_reward(records, 5),
+        final_reward: metrics::recent_mean(records, 5, |r| Some(r.reward_mean)),
         first_agent_reward: trained.first().and_then(|r| r.agent_reward_mean),
-        final_agent_reward: recent_agent_reward(records, 5),
+        final_agent_reward: metrics::recent_mean(records, 5, |r| r.agent_reward_mean),
         seconds: started.elapsed().as_secs_f64(),
         engine_busy_fraction: time_weighted(&trained, |r| r.engine_busy_fraction),
         trainer_busy_fraction: time_weighted(&trained, |r| r.trainer_busy_fraction),
@@ -499,17 +495,6 @@ async fn watch_generation<T>(
             }
         }
     }
-}
-
-/// Mean agent reward (before the judge) of the last `n` steps that recorded one.
-fn recent_agent_reward(records: &[StepRecord], n: usize) -> Option<f64> {
-    let recent: Vec<f64> = records
-        .iter()
-        .rev()
-        .filter_map(|r| r.agent_reward_mean)
-        .take(n)
-        .collect();
-    (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64)
 }
 
 /// `<out>` of a run by default: `runs/<name>`.

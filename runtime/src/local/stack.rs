@@ -16,13 +16,12 @@ use crate::agents::{AgentPool, PoolOptions};
 use crate::config::{JudgeOptions, RunConfig};
 use crate::engine::{http, EngineHandle, EngineOptions};
 use crate::error::RunError;
-use crate::loopback::{ChatService, ServiceOptions};
 use crate::model::{CausalLm, ModelConfig};
 use crate::records::console::Console;
 use crate::router::{server, EnginePool};
 use crate::stages::judge::Judge;
 use crate::stages::teacher::Teacher;
-use crate::weight_sync::publish::{engine_kind, PublishOptions};
+use crate::weight_sync::publish::PublishOptions;
 use moult_operator::api::EngineBackend;
 
 /// The running serving side; dropping it stops every server (and the vLLM processes).
@@ -90,18 +89,8 @@ async fn fixed_engine(
     device: Device,
     stop: watch::Receiver<bool>,
 ) -> Result<String, RunError> {
-    let model_cfg = ModelConfig::from_dir(model_dir)?;
-    let engine_opts = EngineOptions {
-        max_batch: batch.clamp(1, 256),
-        max_model_len: model_cfg.max_position_embeddings,
-        max_prefill_tokens: 2048,
-        max_waiting: 4096,
-        return_routed_experts: false,
-        eos_token_ids: model_cfg.eos_token_ids.clone(),
-        threads: None,
-        packed_weights: None,
-    };
-    engine(model_dir, device, engine_opts, stop).await
+    let opts = EngineOptions::for_model(&ModelConfig::from_dir(model_dir)?, batch.clamp(1, 256));
+    engine(model_dir, device, opts, stop).await
 }
 
 /// Starts the judge: a built-in engine on its model and a chat service with its tokenizer and
@@ -136,22 +125,14 @@ impl Stack {
         out: &Path,
         device: Device,
     ) -> Result<PublishOptions, RunError> {
-        let engines = &cfg.run.spec.engines;
-        let model_cfg = ModelConfig::from_dir(&cfg.model_dir)?;
-        Ok(PublishOptions {
-            target: self.router_url.clone(),
-            backend: engines.backend,
-            transport: engines.transport(),
+        Ok(PublishOptions::new(
+            &cfg.run.spec.engines,
+            ModelConfig::from_dir(&cfg.model_dir)?.dtype.as_deref(),
+            self.router_url.clone(),
             device,
-            host: "127.0.0.1".into(),
-            port: 0,
-            folder: Some(out.join("weights")),
-            engine_kind: engine_kind(
-                engines.backend,
-                &engines.extra_args,
-                model_cfg.dtype.as_deref(),
-            )?,
-        })
+            ("127.0.0.1".into(), 0),
+            Some(out.join("weights")),
+        )?)
     }
 
     pub async fn start(
@@ -163,20 +144,11 @@ impl Stack {
         let (stop, stop_rx) = watch::channel(false);
         let model_cfg = ModelConfig::from_dir(&cfg.model_dir)?;
         let opts = EngineOptions {
-            // Every running episode's turn fits in one decoding batch.
-            max_batch: cfg.concurrency.clamp(1, 256),
-            max_model_len: cfg
-                .run
-                .spec
-                .model
-                .max_model_len
+            max_model_len: (cfg.run.spec.model.max_model_len)
                 .map_or(model_cfg.max_position_embeddings, |n| n as usize),
-            max_prefill_tokens: 2048,
-            max_waiting: 4096,
             return_routed_experts: cfg.routing_replay && model_cfg.moe.is_some(),
-            eos_token_ids: model_cfg.eos_token_ids.clone(),
-            threads: None,
-            packed_weights: None,
+            // Every running episode's turn fits in one decoding batch.
+            ..EngineOptions::for_model(&model_cfg, cfg.concurrency.clamp(1, 256))
         };
         let mut urls = Vec::new();
         let mut vllm = Vec::new();
@@ -198,22 +170,6 @@ impl Stack {
         let (listener, router_url) = bind().await?;
         tokio::spawn(server::serve(listener, router, stopped(stop_rx.clone())));
 
-        let service = Arc::new(
-            ChatService::from_model_dir(
-                &router_url,
-                &cfg.model_dir,
-                // Sessions of running episodes, plus those closing.
-                ServiceOptions::pool(cfg.concurrency * 2, cfg.name.clone()),
-            )
-            .map_err(|e| RunError::Setup(e.to_string()))?,
-        );
-        let (listener, loopback_url) = bind().await?;
-        tokio::spawn(crate::loopback::serve(
-            listener,
-            service.clone(),
-            crate::loopback::DEFAULT_MAX_BODY_BYTES,
-            stopped(stop_rx.clone()),
-        ));
         // The judge and a served teacher take a step's episodes all at once.
         let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
         let judge = match &cfg.judge {
@@ -229,19 +185,19 @@ impl Stack {
             }
             _ => None,
         };
-        let agents = Arc::new(AgentPool::new(
-            service,
-            cfg.agent
-                .clone()
-                .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?,
-            PoolOptions {
-                concurrency: cfg.concurrency,
-                timeout: cfg.episode_timeout,
-                loopback_url,
-                env_loop: cfg.env_loop.clone(),
-                scratch_dir: scratch.to_path_buf(),
-            },
-        )?);
+        let agent = (cfg.agent.clone())
+            .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?;
+        let opts = PoolOptions {
+            concurrency: cfg.concurrency,
+            timeout: cfg.episode_timeout,
+            loopback_url: String::new(),
+            env_loop: cfg.env_loop.clone(),
+            scratch_dir: scratch.to_path_buf(),
+        };
+        let model = (cfg.model_dir.as_path(), cfg.name.clone());
+        let (listener, _) = bind().await?;
+        let shutdown = stopped(stop_rx.clone());
+        let agents = AgentPool::serve(&router_url, model, agent, opts, listener, shutdown)?;
         Ok(Self {
             router_url,
             agents,

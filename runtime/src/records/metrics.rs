@@ -363,10 +363,14 @@ pub fn reward_svg(records: &[StepRecord], title: &str) -> String {
     svg
 }
 
-/// Mean of the last `n` steps' mean reward.
-pub fn recent_reward(records: &[StepRecord], n: usize) -> Option<f64> {
-    let tail = &records[records.len().saturating_sub(n)..];
-    (!tail.is_empty()).then(|| tail.iter().map(|r| r.reward_mean).sum::<f64>() / tail.len() as f64)
+/// The mean of `f` over the last `n` records that have it (`None` when none has).
+pub fn recent_mean(
+    records: &[StepRecord],
+    n: usize,
+    f: impl Fn(&StepRecord) -> Option<f64>,
+) -> Option<f64> {
+    let recent: Vec<f64> = records.iter().rev().filter_map(f).take(n).collect();
+    (!recent.is_empty()).then(|| recent.iter().sum::<f64>() / recent.len() as f64)
 }
 
 #[cfg(test)]
@@ -395,7 +399,9 @@ mod tests {
         assert_eq!(steps, vec![1, 2, 3]);
         let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
         assert_eq!(text.lines().count(), 3);
-        assert!((recent_reward(log.records(), 2).unwrap() - 0.25).abs() < 1e-12);
+        assert!(
+            (recent_mean(log.records(), 2, |r| Some(r.reward_mean)).unwrap() - 0.25).abs() < 1e-12
+        );
         std::fs::remove_dir_all(&out).unwrap();
     }
 

@@ -74,14 +74,16 @@ pub trait Stage: Send + Sync + std::fmt::Debug {
 pub struct Parts {
     pub teacher: Option<Teacher>,
     pub judge: Option<Judge>,
-    /// Where dumps go (`--dump-rollouts`, `spec.trainer.dumpRollouts`).
+    /// Where this process would write rollout dumps, and whether `--dump-rollouts` asks for them
+    /// (`spec.trainer.dumpRollouts` does too).
     pub dumps: Option<PathBuf>,
+    pub dump_rollouts: bool,
 }
 
 /// The stages of a run, in the order they apply: the teacher scores the tokens the agents
 /// sampled, the judge the replies, and the dump writes the batch as the trainer will see it.
 /// A stage with a spec field reads it from `spec`.
-pub fn ordered(_spec: &RLRunSpec, parts: Parts) -> Vec<Box<dyn Stage>> {
+pub fn ordered(spec: &RLRunSpec, parts: Parts) -> Vec<Box<dyn Stage>> {
     let mut stages: Vec<Box<dyn Stage>> = Vec::new();
     if let Some(teacher) = parts.teacher {
         stages.push(Box::new(teacher));
@@ -89,7 +91,8 @@ pub fn ordered(_spec: &RLRunSpec, parts: Parts) -> Vec<Box<dyn Stage>> {
     if let Some(judge) = parts.judge {
         stages.push(Box::new(judge));
     }
-    if let Some(dir) = parts.dumps {
+    let dump = parts.dump_rollouts || spec.trainer.dump_rollouts;
+    if let Some(dir) = parts.dumps.filter(|_| dump) {
         stages.push(Box::new(dump::Dump(dir)));
     }
     stages

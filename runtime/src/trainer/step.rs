@@ -26,13 +26,8 @@ pub struct TrainSample<'a> {
     pub images: &'a [ImageInput],
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LossKind {
-    Ppo,
-    Gspo,
-    Cispo,
-}
+/// The policy loss (`algorithm.loss.kind`): the manifest's own enum.
+pub use moult_operator::api::LossKind;
 
 /// How the loss is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -180,7 +175,7 @@ pub(super) fn loss_of(
         None => mask.shallow_clone(),
     };
     let per_token_or_seq = match cfg.kind {
-        LossKind::Ppo => {
+        LossKind::PpoClip => {
             let l = ppo_clip(logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
             aggregate(&l, &mask, cfg.aggregation)
         }

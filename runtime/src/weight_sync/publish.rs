@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use moult_operator::api::{EngineBackend, WeightTransport};
+use moult_operator::api::{EngineBackend, EnginesSpec, WeightTransport};
 use tch::{Device, Kind, Tensor};
 
 use super::folder::FolderPublisher;
@@ -39,6 +39,31 @@ pub struct PublishOptions {
     pub folder: Option<PathBuf>,
     /// The dtype engines hold weights in (what the Filesystem and NCCL transports send).
     pub engine_kind: Kind,
+}
+
+impl PublishOptions {
+    /// The weight path the manifest's `engines` ask for, through `target`, for a model stored in
+    /// `model_dtype`: TCP listens on `listen` (host, port), the Filesystem transport writes to
+    /// `folder`.
+    pub fn new(
+        engines: &EnginesSpec,
+        model_dtype: Option<&str>,
+        target: String,
+        device: Device,
+        (host, port): (String, u16),
+        folder: Option<PathBuf>,
+    ) -> Result<Self, SyncError> {
+        Ok(Self {
+            target,
+            backend: engines.backend,
+            transport: engines.transport(),
+            device,
+            host,
+            port,
+            folder,
+            engine_kind: engine_kind(engines.backend, &engines.extra_args, model_dtype)?,
+        })
+    }
 }
 
 /// The weight path of a trainer.
