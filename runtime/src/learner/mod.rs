@@ -303,12 +303,7 @@ impl Learner {
             episodes: rewards.len(),
             advantage_mean,
             advantage_std,
-            // JSON has no NaN: a step whose update was skipped records 0.
-            loss: if stats.loss.is_finite() {
-                stats.loss
-            } else {
-                0.0
-            },
+            loss: finite_or_zero(stats.loss),
             mean_abs_log_rho: stats.mean_abs_log_rho,
             masked_fraction: stats.masked_fraction,
             entropy: stats.entropy,
@@ -322,11 +317,7 @@ impl Learner {
             judge_seconds: judged.map(|j| j.seconds),
             teacher_seconds: taught.map(|t| t.seconds),
             trainer_world_size: self.trainer().world_size(),
-            grad_norm: if stats.grad_norm.is_finite() {
-                stats.grad_norm
-            } else {
-                0.0
-            },
+            grad_norm: finite_or_zero(stats.grad_norm),
             update_skipped: stats.skipped,
             learning_rate: stats.learning_rate,
             staleness_mean: (staleness.iter())
@@ -574,4 +565,14 @@ async fn learn(
         compute_seconds: computing.elapsed().as_secs_f64(),
     };
     Ok((trainer, teacher, learned))
+}
+
+/// `x`, or 0 when it is NaN or infinite (a record holds JSON numbers only: a step whose update
+/// was skipped records 0).
+fn finite_or_zero(x: f64) -> f64 {
+    if x.is_finite() {
+        x
+    } else {
+        0.0
+    }
 }
