@@ -164,9 +164,17 @@ async fn start_kubelet(
     .await
 }
 
-/// The IP of a pod.
+/// The IP of a pod; empty while the pod does not exist yet (a StatefulSet creates scaled-up
+/// pods after `kubectl scale` returns) or has no IP.
 fn pod_ip(ns: &Namespace, pod: &str) -> String {
-    ns.kubectl(&["get", "pod", pod, "-o", "jsonpath={.status.podIP}"])
+    ns.kubectl(&[
+        "get",
+        "pod",
+        pod,
+        "--ignore-not-found",
+        "-o",
+        "jsonpath={.status.podIP}",
+    ])
 }
 
 fn token(ns: &Namespace, run: &str) -> String {
