@@ -624,8 +624,8 @@ pub struct OptimizerSpec {
     #[serde(default)]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub weight_decay: f64,
-    /// Gradients are clipped to this global norm; no clipping when absent.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Gradients are clipped to this global norm, 1.0 unless set; `null` turns clipping off.
+    #[serde(default = "default_max_grad_norm")]
     #[schemars(range(min = 0.0))]
     pub max_grad_norm: Option<f64>,
     /// Steps of linear learning-rate warm-up.
@@ -639,7 +639,7 @@ impl Default for OptimizerSpec {
         OptimizerSpec {
             learning_rate: default_lr(),
             weight_decay: 0.0,
-            max_grad_norm: Some(1.0),
+            max_grad_norm: default_max_grad_norm(),
             warmup_steps: 0,
         }
     }
@@ -1061,6 +1061,11 @@ fn default_eps_low() -> f64 {
 fn default_eps_high() -> f64 {
     0.28
 }
+
+fn default_max_grad_norm() -> Option<f64> {
+    Some(1.0)
+}
+
 fn default_lr() -> f64 {
     1e-6
 }

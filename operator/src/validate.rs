@@ -34,6 +34,104 @@ impl RLRun {
     }
 }
 
+impl RLRun {
+    /// The fields of a manifest (the YAML document as a value, before serde drops what it does
+    /// not know) that the RLRun schema does not have: what `kubectl apply` refuses under strict
+    /// field validation ("unknown field \"spec.rollout.maxToken\""). Each error names the path
+    /// and the nearest known field, or the fields its object has when none is near.
+    pub fn unknown_fields(manifest: &Value) -> Vec<String> {
+        let crd = crate::crd_json();
+        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        let mut errors = Vec::new();
+        unknown_fields(schema, manifest, "", &mut errors);
+        errors
+    }
+}
+
+/// ObjectMeta's fields: the CRD gives `metadata` no properties, the API server checks it against
+/// ObjectMeta itself.
+const OBJECT_META: &[&str] = &[
+    "annotations",
+    "creationTimestamp",
+    "deletionGracePeriodSeconds",
+    "deletionTimestamp",
+    "finalizers",
+    "generateName",
+    "generation",
+    "labels",
+    "managedFields",
+    "name",
+    "namespace",
+    "ownerReferences",
+    "resourceVersion",
+    "selfLink",
+    "uid",
+];
+
+fn unknown_fields(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
+    match value {
+        Value::Object(fields) => {
+            let properties = schema.get("properties").and_then(Value::as_object);
+            let mut known: Vec<&str> = properties
+                .into_iter()
+                .flat_map(|p| p.keys().map(String::as_str))
+                .collect();
+            match path {
+                // Every object has these; the CRD's schema leaves them out.
+                "" => known.extend(["apiVersion", "kind", "metadata"]),
+                "metadata" => known = OBJECT_META.to_vec(),
+                _ => {}
+            }
+            let open = known.is_empty()
+                || schema.get("x-kubernetes-preserve-unknown-fields") == Some(&Value::Bool(true));
+            for (key, v) in fields {
+                let at = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                let sub = properties
+                    .and_then(|p| p.get(key))
+                    .or_else(|| schema.get("additionalProperties").filter(|a| a.is_object()));
+                match sub {
+                    // The status is the operator's to write; the API server drops it.
+                    _ if at == "status" => {}
+                    Some(sub) => unknown_fields(sub, v, &at, errors),
+                    None if at == "metadata" => unknown_fields(&Value::Null, v, &at, errors),
+                    None if !open && !known.contains(&key.as_str()) => {
+                        errors.push(format!("{at}: unknown field; {}", hint(key, &known, path)))
+                    }
+                    None => {}
+                }
+            }
+        }
+        Value::Array(items) => {
+            if let Some(sub) = schema.get("items") {
+                for (i, v) in items.iter().enumerate() {
+                    unknown_fields(sub, v, &format!("{path}[{i}]"), errors);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// "did you mean maxTokens?" for the known field nearest to `key` (a few edits away, case
+/// aside), else the object's known fields.
+fn hint(key: &str, known: &[&str], path: &str) -> String {
+    let distance = |k: &str| strsim::levenshtein(&key.to_lowercase(), &k.to_lowercase());
+    let nearest = known
+        .iter()
+        .map(|k| (distance(k), *k))
+        .filter(|(d, k)| *d <= 2.max(k.len() / 3))
+        .min();
+    match nearest {
+        Some((_, k)) => format!("did you mean {k}?"),
+        None if path.is_empty() => format!("an RLRun has: {}", known.join(", ")),
+        None => format!("{path} has: {}", known.join(", ")),
+    }
+}
+
 /// The schema keywords the API server checks beyond types (serde has checked the types):
 /// minimum, maximum, minLength, maxLength, maxItems, maxProperties and enum, recursively.
 fn schema_errors(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
@@ -161,6 +259,50 @@ spec:
         ] {
             assert!(errors.iter().any(|e| e.contains(want)), "{want} among {errors:?}");
         }
+    }
+
+    #[test]
+    fn unknown_fields_are_named_with_the_nearest_known_one() {
+        let value = |spec: &str| -> Value {
+            serde_yaml_ng::from_str(&format!(
+                "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: r, labels: {{team: a}}}}
+spec:
+  model: {{path: /models/policy}}
+  agent: {{env: repeat, dataset: {{path: tasks.jsonl}}}}
+{spec}"
+            ))
+            .unwrap()
+        };
+        assert_eq!(
+            RLRun::unknown_fields(&value(
+                "  totalSteps: 3\n  scheduling: {nodeSelector: {any-key: x}, tolerations: [{key: k, operator: Exists}]}\n"
+            )),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            RLRun::unknown_fields(&value(
+                "  rollout: {maxToken: 4}\n  scheduling: {tolerations: [{key: k, efect: NoSchedule}]}\n  totalStep: 3\n"
+            )),
+            [
+                "spec.rollout.maxToken: unknown field; did you mean maxTokens?",
+                "spec.scheduling.tolerations[0].efect: unknown field; did you mean effect?",
+                "spec.totalStep: unknown field; did you mean totalSteps?",
+            ]
+        );
+        let mut typo = value("");
+        typo["metadata"]["nmae"] = "x".into();
+        typo["sepc"] = Value::Null;
+        typo["spec"]["model"]["lora"] = serde_json::json!({"rank": 8});
+        assert_eq!(
+            RLRun::unknown_fields(&typo),
+            [
+                "metadata.nmae: unknown field; did you mean name?",
+                "spec.model.lora: unknown field; spec.model has: claimName, maxModelLen, path",
+                "sepc: unknown field; did you mean spec?"
+            ]
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use moult_operator::api::RLRun;
 use support::{
     cluster, condition, helm, phase, small_run, wait_phase, wait_until, Namespace, Operator,
 };
@@ -252,6 +253,56 @@ fn cluster_invalid_manifests_are_rejected_with_their_messages() {
         ns.apply(&base).status.success(),
         "the base manifest itself is valid"
     );
+}
+
+/// A misspelt field: the API server refuses it under strict field validation (kubectl's default),
+/// and `RLRun::unknown_fields`, which `moult run` and every pod read manifests with, names the
+/// same path (with the field meant).
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_unknown_fields_are_refused_by_the_api_server_as_moult_run_refuses_them() {
+    let ns = Namespace::new("unknown");
+    let base = small_run("typo", 1);
+    for (from, to, path, hint) in [
+        (
+            "totalSteps: 10",
+            "totalStep: 10",
+            "spec.totalStep",
+            "did you mean totalSteps?",
+        ),
+        (
+            "engines: {replicas:",
+            "engines: {replica:",
+            "spec.engines.replica",
+            "did you mean replicas?",
+        ),
+        (
+            "totalSteps: 10",
+            "totalSteps: 10\n  rollout: {maxToken: 4}",
+            "spec.rollout.maxToken",
+            "did you mean maxTokens?",
+        ),
+        (
+            "Qwen3-0.6B}",
+            "Qwen3-0.6B, lora: {rank: 8}}",
+            "spec.model.lora",
+            "spec.model has: claimName, maxModelLen, path",
+        ),
+    ] {
+        let yaml = base.replacen(from, to, 1);
+        assert_ne!(yaml, base, "{from} is in the base manifest");
+        let out = ns.apply(&yaml);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(&format!("unknown field \"{path}\"")),
+            "the API server refuses {path}: {stderr}"
+        );
+        let value: serde_json::Value = serde_yaml_ng::from_str(&yaml).unwrap();
+        assert_eq!(
+            RLRun::unknown_fields(&value),
+            [format!("{path}: unknown field; {hint}")]
+        );
+    }
 }
 
 #[test]

@@ -61,3 +61,37 @@ fn every_kind_of_run_the_tests_build_is_a_valid_spec() {
         assert_eq!(run.validate(), Ok(()), "{kind}");
     }
 }
+
+/// Every RLRun the repository ships (examples/*/*.yaml) and the manifests the tests build use only
+/// fields the schema has: `moult run` and the API server would refuse any other.
+#[test]
+fn the_shipped_manifests_have_no_unknown_fields() {
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
+    let mut seen = 0;
+    for dir in std::fs::read_dir(examples).unwrap() {
+        for file in std::fs::read_dir(dir.unwrap().path()).into_iter().flatten() {
+            let path = file.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+                let value: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
+                if value["kind"] == "RLRun" {
+                    seen += 1;
+                    let unknown = RLRun::unknown_fields(&value);
+                    assert!(unknown.is_empty(), "{}: {unknown:?}", path.display());
+                }
+            }
+        }
+    }
+    assert!(seen >= 9, "{seen} example manifests");
+    for (kind, run) in support::runs::run_kinds() {
+        let value = serde_json::to_value(&run).unwrap();
+        assert_eq!(
+            RLRun::unknown_fields(&value),
+            Vec::<String>::new(),
+            "{kind}"
+        );
+    }
+}

@@ -166,3 +166,56 @@ spec:
         assert!(zero.validate().is_err());
     }
 }
+
+/// A field's default does not depend on its siblings: wherever the schema gives a whole block a
+/// default (what the run uses when the block is left out), each field of that default is also
+/// the field's own default (what it gets when the block is written with other fields only).
+mod sibling_defaults {
+    use serde_json::Value;
+
+    fn check(schema: &Value, path: &str, errors: &mut Vec<String>) {
+        let props = schema.get("properties").and_then(Value::as_object);
+        if let (Some(Value::Object(block)), Some(props)) = (schema.get("default"), props) {
+            for (key, value) in block {
+                let own = props.get(key).and_then(|p| p.get("default"));
+                if own != Some(value) {
+                    errors.push(format!(
+                        "{path}.{key}: {value} when {path} is left out, {} when it is written without {key}",
+                        own.map_or("nothing".to_string(), Value::to_string)
+                    ));
+                }
+            }
+        }
+        for (key, sub) in props.into_iter().flatten() {
+            check(sub, &format!("{path}.{key}"), errors);
+        }
+        if let Some(items) = schema.get("items") {
+            check(items, &format!("{path}[]"), errors);
+        }
+    }
+
+    #[test]
+    fn every_block_default_is_also_each_fields_own_default() {
+        let crd = crate::crd_json();
+        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        let mut errors = Vec::new();
+        check(spec, "spec", &mut errors);
+        assert!(errors.is_empty(), "{errors:#?}");
+    }
+}
+
+mod optimizer_defaults {
+    use crate::api::OptimizerSpec;
+
+    #[test]
+    fn clipping_stays_on_when_other_optimizer_fields_are_set_and_null_turns_it_off() {
+        let parse = |yaml: &str| serde_yaml_ng::from_str::<OptimizerSpec>(yaml).unwrap();
+        assert_eq!(parse("{learningRate: 1.0e-5}").max_grad_norm, Some(1.0));
+        assert_eq!(parse("{}"), OptimizerSpec::default());
+        let off = parse("{maxGradNorm: null}");
+        assert_eq!(off.max_grad_norm, None);
+        // Off survives a round trip (the ConfigMap every pod reads is the serialized spec).
+        let text = serde_json::to_string(&off).unwrap();
+        assert_eq!(serde_json::from_str::<OptimizerSpec>(&text).unwrap(), off);
+    }
+}

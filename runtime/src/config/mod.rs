@@ -192,6 +192,11 @@ pub fn read_manifest(path: &Path) -> Result<RLRun, RunError> {
         if value.get("kind").and_then(Json::as_str) != Some("RLRun") {
             continue;
         }
+        // As strict as `kubectl apply`: a misspelt field is refused, not silently dropped.
+        let unknown = RLRun::unknown_fields(&value);
+        if !unknown.is_empty() {
+            return Err(manifest(unknown.join("; ")));
+        }
         let run: RLRun = serde_path_to_error::deserialize(value)
             .map_err(|e| manifest(format!("{}: {}", e.path(), e.inner())))?;
         found = Some(run);
@@ -673,6 +678,13 @@ spec:
                 "  totalSteps: 0\n",
                 "spec.totalSteps",
                 "spec.totalSteps in body should be greater than or equal to 1",
+            ),
+            // Strict field validation: `kubectl apply` refuses a misspelt field, and so does this.
+            (
+                "typo",
+                "  rollout: {maxToken: 4}\n  totalSteps: 1\n",
+                "spec.rollout.maxToken",
+                "unknown field; did you mean maxTokens?",
             ),
         ] {
             let Err(e @ RunError::Manifest { .. }) = read(name, spec) else {
