@@ -5,7 +5,7 @@
 //! operator.md, "Metrics"): enough to alert on a run that is stuck. A run's series go when the
 //! run is gone (at the next reconcile of any run).
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -69,7 +69,6 @@ const PHASES: [Phase; 6] = [
     Phase::Succeeded,
     Phase::Failed,
 ];
-const COMPONENTS: [&str; 4] = ["engines", "trainer", "coordinator", "agents"];
 
 /// Every metric the operator exports.
 pub struct Metrics {
@@ -86,8 +85,9 @@ pub struct Metrics {
     pub desired_pods: Family<ComponentLabels, Gauge>,
     /// 1 for the cause that keeps a component from ready, 0 for the other causes.
     pub blocked: Family<BlockedLabels, Gauge>,
-    /// Runs (namespace, name) with series, to drop those of deleted runs.
-    runs: Mutex<HashSet<(String, String)>>,
+    /// Runs (namespace, name) with series, and the components each has series for (engines,
+    /// trainer, judge, teacher, ...), to drop those of deleted runs and removed components.
+    runs: Mutex<HashMap<(String, String), BTreeSet<&'static str>>>,
     /// Set once the controller runs; `/readyz` answers 200 from then on.
     pub ready: AtomicBool,
 }
@@ -149,7 +149,7 @@ impl Default for Metrics {
             ready_pods,
             desired_pods,
             blocked,
-            runs: Mutex::new(HashSet::new()),
+            runs: Mutex::new(HashMap::new()),
             ready: AtomicBool::new(false),
         }
     }
@@ -170,10 +170,15 @@ impl Metrics {
         phase: Option<Phase>,
         components: &[Component],
     ) {
-        self.runs
+        let now: BTreeSet<&'static str> = components.iter().map(|c| c.name).collect();
+        let before = self
+            .runs
             .lock()
             .expect("not poisoned")
-            .insert((namespace.into(), run.into()));
+            .insert((namespace.into(), run.into()), now.clone());
+        for gone in before.unwrap_or_default().difference(&now) {
+            self.remove_component(namespace, run, gone);
+        }
         for p in PHASES {
             self.run_phase
                 .get_or_create(&PhaseLabels {
@@ -210,15 +215,14 @@ impl Metrics {
         }
     }
 
-    /// Drops the series of runs not among `existing` ("namespace/name" keys).
+    /// Drops the series of runs not among `existing` ("namespace/name" keys), of every
+    /// component they had.
     pub fn retain_runs(&self, existing: &[String]) {
         let mut runs = self.runs.lock().expect("not poisoned");
-        let gone: Vec<(String, String)> = runs
-            .iter()
-            .filter(|(ns, name)| !existing.contains(&format!("{ns}/{name}")))
-            .cloned()
-            .collect();
-        for (namespace, run) in gone {
+        runs.retain(|(namespace, run), components| {
+            if existing.contains(&format!("{namespace}/{run}")) {
+                return true;
+            }
             for p in PHASES {
                 self.run_phase.remove(&PhaseLabels {
                     namespace: namespace.clone(),
@@ -226,24 +230,28 @@ impl Metrics {
                     phase: format!("{p:?}"),
                 });
             }
-            for component in COMPONENTS {
-                let labels = ComponentLabels {
-                    namespace: namespace.clone(),
-                    run: run.clone(),
-                    component: component.into(),
-                };
-                self.ready_pods.remove(&labels);
-                self.desired_pods.remove(&labels);
-                for reason in Reason::ALL {
-                    self.blocked.remove(&BlockedLabels {
-                        namespace: namespace.clone(),
-                        run: run.clone(),
-                        component: component.into(),
-                        reason: reason.as_str().into(),
-                    });
-                }
+            for component in components.iter() {
+                self.remove_component(namespace, run, component);
             }
-            runs.remove(&(namespace, run));
+            false
+        });
+    }
+
+    fn remove_component(&self, namespace: &str, run: &str, component: &str) {
+        let labels = ComponentLabels {
+            namespace: namespace.into(),
+            run: run.into(),
+            component: component.into(),
+        };
+        self.ready_pods.remove(&labels);
+        self.desired_pods.remove(&labels);
+        for reason in Reason::ALL {
+            self.blocked.remove(&BlockedLabels {
+                namespace: namespace.into(),
+                run: run.into(),
+                component: component.into(),
+                reason: reason.as_str().into(),
+            });
         }
     }
 
@@ -317,6 +325,8 @@ mod tests {
             &[
                 component("engines", 0, Some(Reason::Unschedulable)),
                 component("trainer", 2, None),
+                component("judge", 0, Some(Reason::ImagePullFailed)),
+                component("teacher", 2, None),
             ],
         );
         let text = m.encode();
@@ -330,6 +340,27 @@ mod tests {
         ] {
             assert!(text.contains(line), "{line} in:\n{text}");
         }
+        assert!(
+            text.contains("component=\"judge\",reason=\"ImagePullFailed\"} 1"),
+            "{text}"
+        );
+        // A component the spec no longer has (the judge removed) takes its series with it.
+        m.observe_run(
+            "ns",
+            "r",
+            Some(Phase::Running),
+            &[component("trainer", 2, None), component("teacher", 2, None)],
+        );
+        assert!(
+            !m.encode().contains("component=\"judge\""),
+            "{}",
+            m.encode()
+        );
+        assert!(
+            !m.encode().contains("component=\"engines\""),
+            "{}",
+            m.encode()
+        );
         m.retain_runs(&["ns/r".into()]);
         assert!(m.encode().contains("run=\"r\""));
         m.retain_runs(&[]);
