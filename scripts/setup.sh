@@ -11,7 +11,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$MOULT_ROOT"
 
 command -v cargo >/dev/null || { echo "cargo not found: install Rust with rustup first" >&2; exit 1; }
-command -v python3 >/dev/null || { echo "python3 not found: install Python 3.10+ first" >&2; exit 1; }
+command -v python3 >/dev/null || { echo "python3 not found: install Python 3.11+ first" >&2; exit 1; }
+# numpy, transformers and pillow as pinned in tests/python/requirements.txt need 3.11.
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+  echo "python3 is $(python3 -c 'import platform; print(platform.python_version())'): moult needs Python 3.11+ (the pinned numpy, transformers and pillow do); put a newer python3 first on PATH" >&2
+  exit 1
+}
+if [ "${MOULT_SETUP_FOR:-}" = tests ]; then
+  command -v openssl >/dev/null || { echo "openssl not found: the tests make their control plane's certificates with it (apt-get install openssl)" >&2; exit 1; }
+fi
 
 REQS="$MOULT_ROOT/tests/python/requirements.txt"
 STAMP="$MOULT_VENV/.moult-requirements"
