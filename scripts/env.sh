@@ -3,7 +3,8 @@
 MOULT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export MOULT_VENV="${MOULT_VENV:-$MOULT_ROOT/.venv}"
 export MOULT_PYTHON="$MOULT_VENV/bin/python"
-export PATH="$MOULT_VENV/bin:$PATH"
+# `moult` itself: the release build that scripts/demo.sh makes (docs' commands call it by name).
+export PATH="${CARGO_TARGET_DIR:-$MOULT_ROOT/target}/release:$MOULT_VENV/bin:$PATH"
 # tch builds against the libtorch inside the PyPI torch wheel.
 export LIBTORCH_USE_PYTORCH=1
 export LIBTORCH_BYPASS_VERSION_CHECK="${LIBTORCH_BYPASS_VERSION_CHECK:-0}"

@@ -35,3 +35,5 @@ if grep -P '\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d.*INFO' "$WORK/demo.log"; then
 fi
 grep -qE ' INFO ' "$OUT/moult.log" || { echo "fresh-clone: $OUT/moult.log has no INFO lines" >&2; exit 1; }
 echo "fresh-clone: a copy of the tracked files alone trained $steps steps under $DEST"
+# The docs' copy-paste blocks marked runnable, as a user pastes them after that first command.
+[ -n "${MOULT_FRESH_SKIP_DOCS:-}" ] || python3 scripts/doc-blocks.py
