@@ -167,7 +167,6 @@ pub(crate) fn moult_env(ctx: &Ctx, credential: Credential) -> Vec<EnvVar> {
     };
     vec![
         env("MOULT_CONFIG", &config_path()),
-        env("MOULT_RUN", &ctx.name),
         env("HOME", "/tmp"),
         EnvVar {
             name: variable.into(),

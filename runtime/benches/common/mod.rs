@@ -300,7 +300,7 @@ pub fn run_roles(
     let engine_url = format!("http://127.0.0.1:{engine}");
     let coordinator_url = format!("http://127.0.0.1:{coordinator}");
     let log = |name: &str| Stdio::from(std::fs::File::create(dir.join(name)).unwrap());
-    let token = [("MOULT_TOKEN", "bench-token"), ("MOULT_RUN", "successor")];
+    let token = [("MOULT_TOKEN", "bench-token")];
     let cpus = |f: fn(&Pinning) -> &'static str| pinning.as_ref().map(f);
     let started = Instant::now();
     let mut children = vec![
