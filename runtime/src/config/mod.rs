@@ -127,6 +127,10 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
             spec.eval.as_ref().is_some_and(|e| e.dataset.claim_name.is_some()),
             "eval.dataset.claimName (held-out tasks are read from eval.dataset.path here)",
         ),
+        (
+            e.backend == EngineBackend::Builtin && !e.extra_args.is_empty(),
+            "engines.extraArgs (moult engine's flags on a cluster; the built-in engines here take their defaults)",
+        ),
         (e.image.is_some(), "engines.image"),
         (e.gpus_per_engine.is_some(), "engines.gpusPerEngine"),
         (e.resources.is_some(), "engines.resources"),
