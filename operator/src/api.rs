@@ -624,14 +624,21 @@ pub struct OptimizerSpec {
     #[serde(default)]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub weight_decay: f64,
-    /// Gradients are clipped to this global norm, 1.0 unless set; `null` turns clipping off.
+    /// Gradients are clipped to this global norm, 1.0 unless set; 0 turns clipping off.
     #[serde(default = "default_max_grad_norm")]
     #[schemars(range(min = 0.0))]
-    pub max_grad_norm: Option<f64>,
+    pub max_grad_norm: f64,
     /// Steps of linear learning-rate warm-up.
     #[serde(default)]
     #[schemars(range(max = 10000000))]
     pub warmup_steps: u32,
+}
+
+impl OptimizerSpec {
+    /// The norm gradients are clipped to; none when `maxGradNorm` is 0.
+    pub fn clip_norm(&self) -> Option<f64> {
+        (self.max_grad_norm > 0.0).then_some(self.max_grad_norm)
+    }
 }
 
 impl Default for OptimizerSpec {
@@ -1062,8 +1069,8 @@ fn default_eps_high() -> f64 {
     0.28
 }
 
-fn default_max_grad_norm() -> Option<f64> {
-    Some(1.0)
+fn default_max_grad_norm() -> f64 {
+    1.0
 }
 
 fn default_lr() -> f64 {

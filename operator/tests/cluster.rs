@@ -305,6 +305,34 @@ fn cluster_unknown_fields_are_refused_by_the_api_server_as_moult_run_refuses_the
     }
 }
 
+/// The API server applies the same defaults as `moult run`: `maxGradNorm` stays 1.0 when other
+/// optimizer fields are set, and 0 (clipping off) is kept. (`null` could not be the switch:
+/// `kubectl apply` drops null fields, and the API server then defaults them.)
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_max_grad_norm_defaults_apart_from_its_siblings_and_zero_turns_it_off() {
+    let ns = Namespace::new("gradnorm");
+    for (name, optimizer, want) in [
+        ("lr-only", "{learningRate: 1.0e-5}", Some(1.0)),
+        ("clip-off", "{learningRate: 1.0e-5, maxGradNorm: 0}", None),
+    ] {
+        let yaml = small_run(name, 1).replace(
+            "totalSteps: 10",
+            &format!("totalSteps: 10\n  algorithm: {{optimizer: {optimizer}}}"),
+        );
+        let out = ns.apply(&yaml);
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stored: serde_json::Value =
+            serde_json::from_str(&ns.get(&format!("rlrun/{name}"), "{}")).unwrap();
+        let run: RLRun = serde_json::from_value(stored).unwrap();
+        assert_eq!(run.spec.algorithm.optimizer.clip_norm(), want, "{name}");
+    }
+}
+
 #[test]
 #[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
 fn cluster_children_deleted_or_edited_by_hand_are_restored_and_follow_the_spec() {

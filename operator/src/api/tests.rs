@@ -208,14 +208,11 @@ mod optimizer_defaults {
     use crate::api::OptimizerSpec;
 
     #[test]
-    fn clipping_stays_on_when_other_optimizer_fields_are_set_and_null_turns_it_off() {
+    fn clipping_stays_on_when_other_optimizer_fields_are_set_and_zero_turns_it_off() {
         let parse = |yaml: &str| serde_yaml_ng::from_str::<OptimizerSpec>(yaml).unwrap();
-        assert_eq!(parse("{learningRate: 1.0e-5}").max_grad_norm, Some(1.0));
+        assert_eq!(parse("{learningRate: 1.0e-5}").clip_norm(), Some(1.0));
         assert_eq!(parse("{}"), OptimizerSpec::default());
-        let off = parse("{maxGradNorm: null}");
-        assert_eq!(off.max_grad_norm, None);
-        // Off survives a round trip (the ConfigMap every pod reads is the serialized spec).
-        let text = serde_json::to_string(&off).unwrap();
-        assert_eq!(serde_json::from_str::<OptimizerSpec>(&text).unwrap(), off);
+        assert_eq!(parse("{maxGradNorm: 0.5}").clip_norm(), Some(0.5));
+        assert_eq!(parse("{maxGradNorm: 0}").clip_norm(), None);
     }
 }

@@ -427,7 +427,7 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
             min_ratio: 1.0,
         },
         weight_decay: opt.weight_decay,
-        max_grad_norm: opt.max_grad_norm,
+        max_grad_norm: opt.clip_norm(),
         micro_batch_tokens: spec.trainer.micro_batch_tokens.unwrap_or(8192) as usize,
         kl_coef: algo.loss.kl_coef,
         sharding: match spec.trainer.sharding {
