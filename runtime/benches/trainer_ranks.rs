@@ -135,7 +135,7 @@ fn as_rank(out: &str) {
     let (rank, mut trainer) = match Rendezvous::from_env().unwrap() {
         None => (0, Trainer::new(load(), None, options()).unwrap()),
         Some(r) => {
-            let group = r.connect().unwrap();
+            let group = r.connect_on(Device::Cpu).unwrap();
             if group.rank() > 0 {
                 let rank = group.rank();
                 let mut trainer = follower(group, Device::Cpu).unwrap();

@@ -158,14 +158,9 @@ impl Rendezvous {
         }))
     }
 
-    /// Joins the group for CPU tensors: waits for every rank, up to the timeout.
-    pub fn connect(&self) -> Result<Box<dyn Collectives>> {
-        self.connect_on(Device::Cpu)
-    }
-
     /// Joins the group for a rank computing on `device`, waiting for every rank up to the
     /// timeout: on a GPU, CUDA tensors' collectives go through NCCL on that GPU, CPU tensors'
-    /// through Gloo.
+    /// through Gloo (on the CPU, Gloo alone).
     pub fn connect_on(&self, device: Device) -> Result<Box<dyn Collectives>> {
         let cuda = match device {
             Device::Cpu => None,
@@ -220,6 +215,11 @@ mod c10d {
 
     use super::{Collectives, Error, ReduceOp, Rendezvous, Result};
 
+    /// The shim's process group, a tensor (`at::Tensor*`), and where it puts an error message.
+    type Group = *mut c_void;
+    type At = *mut c_void;
+    type Message = *mut *mut c_char;
+
     extern "C" {
         fn moult_c10d_new(
             host: *const c_char,
@@ -228,41 +228,21 @@ mod c10d {
             world: c_int,
             timeout_ms: c_int,
             cuda_device: c_int,
-            err: *mut *mut c_char,
-        ) -> *mut c_void;
-        fn moult_c10d_drop(handle: *mut c_void);
+            err: Message,
+        ) -> Group;
+        fn moult_c10d_drop(handle: Group);
         fn moult_c10d_free_message(err: *mut c_char);
-        fn moult_c10d_all_gather(
-            h: *mut c_void,
-            out: *mut c_void,
-            input: *mut c_void,
-            err: *mut *mut c_char,
-        ) -> c_int;
-        fn moult_c10d_reduce_scatter(
-            h: *mut c_void,
-            out: *mut c_void,
-            input: *mut c_void,
-            err: *mut *mut c_char,
-        ) -> c_int;
-        fn moult_c10d_all_reduce(
-            h: *mut c_void,
-            t: *mut c_void,
-            op: c_int,
-            err: *mut *mut c_char,
-        ) -> c_int;
-        fn moult_c10d_broadcast(
-            h: *mut c_void,
-            t: *mut c_void,
-            root: c_int,
-            err: *mut *mut c_char,
-        ) -> c_int;
-        fn moult_c10d_set_timeout(h: *mut c_void, ms: i64, err: *mut *mut c_char) -> c_int;
+        fn moult_c10d_all_gather(h: Group, out: At, input: At, err: Message) -> c_int;
+        fn moult_c10d_reduce_scatter(h: Group, out: At, input: At, err: Message) -> c_int;
+        fn moult_c10d_all_reduce(h: Group, t: At, op: c_int, err: Message) -> c_int;
+        fn moult_c10d_broadcast(h: Group, t: At, root: c_int, err: Message) -> c_int;
+        fn moult_c10d_set_timeout(h: Group, ms: i64, err: Message) -> c_int;
         fn moult_c10d_store_add(
-            h: *mut c_void,
+            h: Group,
             key: *const c_char,
             delta: i64,
             out: *mut i64,
-            err: *mut *mut c_char,
+            err: Message,
         ) -> c_int;
     }
 
@@ -284,7 +264,7 @@ mod c10d {
     }
 
     #[derive(Debug)]
-    struct Handle(*mut c_void);
+    struct Handle(Group);
 
     // SAFETY: c10d's process group is not tied to the thread that created it; collectives go
     // through `C10d::collective` one at a time, and the store (the heartbeat's only use from
@@ -415,11 +395,7 @@ mod c10d {
             }
         }
 
-        fn call(
-            &self,
-            op: &'static str,
-            f: impl FnOnce(*mut c_void, *mut *mut c_char) -> c_int,
-        ) -> Result<()> {
+        fn call(&self, op: &'static str, f: impl FnOnce(Group, Message) -> c_int) -> Result<()> {
             let guard = self.collective.lock().unwrap_or_else(|e| e.into_inner());
             let mut err = std::ptr::null_mut();
             if f(self.handle.0, &mut err) == 0 {
@@ -436,8 +412,8 @@ mod c10d {
         }
     }
 
-    fn ptr(t: &Tensor) -> *mut c_void {
-        t.as_ptr() as *mut c_void
+    fn ptr(t: &Tensor) -> At {
+        t.as_ptr() as At
     }
 
     impl Collectives for C10d {

@@ -179,7 +179,7 @@ impl Drop for LoadGuard {
 }
 
 /// What `GET /engines` shows.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct EngineStatus {
     pub url: String,
     pub healthy: bool,

@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
-use super::stream::{bytes_of, WeightStream};
+use super::stream::WeightStream;
 use super::{Control, SyncError, SyncReport};
 
 /// How often a failed reload is tried again before the update fails.
-const RELOAD_TRIES: usize = 3;
+const RELOAD_TRIES: u64 = 3;
 
 /// Publishes through a shared folder.
 #[derive(Debug)]
@@ -41,18 +41,6 @@ fn bucket_file(index: usize) -> String {
     format!("model-{:05}.safetensors", index + 1)
 }
 
-/// A version folder being written: buckets go to files in a hidden folder, renamed into place
-/// once every bucket is in.
-struct VersionWriter {
-    partial: PathBuf,
-    dir: PathBuf,
-    kind: Kind,
-    /// Each weight's file, and the bytes written.
-    files: BTreeMap<String, String>,
-    buckets: usize,
-    bytes: usize,
-}
-
 /// `what` (creating, removing, ...) `path` failed.
 fn io<E: std::error::Error + Send + Sync + 'static>(
     what: &'static str,
@@ -66,83 +54,51 @@ fn io<E: std::error::Error + Send + Sync + 'static>(
     }
 }
 
-impl VersionWriter {
-    /// Starts `<root>/v<version>`, removing what an interrupted attempt left.
-    fn start(root: &Path, version: u64, kind: Kind) -> Result<Self, SyncError> {
-        std::fs::create_dir_all(root).map_err(io("creating", root))?;
+/// Writes the buckets of `weights` (converted to `kind`, on the CPU) as `<root>/v<version>/`,
+/// one file per bucket, through a hidden folder (replacing what an interrupted attempt left)
+/// renamed into place once the stream ended whole; returns the folder and what was written.
+pub async fn write_version(
+    root: &Path,
+    version: u64,
+    mut weights: WeightStream,
+    kind: Kind,
+) -> Result<(PathBuf, SyncReport), SyncError> {
+    let root = root.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        std::fs::create_dir_all(&root).map_err(io("creating", &root))?;
         let partial = root.join(format!(".v{version}.partial"));
-        let dir = version_dir(root, version);
+        let dir = version_dir(&root, version);
         for stale in [&partial, &dir] {
             if stale.exists() {
                 std::fs::remove_dir_all(stale).map_err(io("removing", stale))?;
             }
         }
         std::fs::create_dir_all(&partial).map_err(io("creating", &partial))?;
-        Ok(Self {
-            partial,
-            dir,
-            kind,
-            files: BTreeMap::new(),
-            buckets: 0,
-            bytes: 0,
-        })
-    }
-
-    /// Writes one bucket, converted to the engines' dtype on the CPU, as the next file.
-    fn write(&mut self, bucket: &[(String, Tensor)]) -> Result<(), SyncError> {
-        let converted: Vec<(String, Tensor)> = bucket
-            .iter()
-            .map(|(n, t)| {
-                let t = t.to_device(Device::Cpu).to_kind(self.kind).contiguous();
-                (n.clone(), t)
-            })
-            .collect();
-        let name = bucket_file(self.buckets);
-        let file = self.partial.join(&name);
-        Tensor::write_safetensors(&converted, &file).map_err(io("writing", &file))?;
-        self.bytes += converted.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
-        for (n, _) in &converted {
-            self.files.insert(n.clone(), name.clone());
+        // What was written, and each weight's file.
+        let (mut report, mut files) = (SyncReport::default(), BTreeMap::new());
+        while let Some(bucket) = weights.blocking_next()? {
+            let converted: Vec<(String, Tensor)> = bucket
+                .into_iter()
+                .map(|(n, t)| (n, t.to_device(Device::Cpu).to_kind(kind).contiguous()))
+                .collect();
+            let name = bucket_file(report.buckets);
+            let file = partial.join(&name);
+            Tensor::write_safetensors(&converted, &file).map_err(io("writing", &file))?;
+            report.count(&converted);
+            files.extend(converted.into_iter().map(|(n, _)| (n, name.clone())));
         }
-        self.buckets += 1;
-        Ok(())
-    }
-
-    /// Names the files as a Hugging Face folder does (`model.safetensors`, or numbered files and
-    /// `model.safetensors.index.json`), and renames the folder into place.
-    fn finish(self) -> Result<(PathBuf, usize, usize), SyncError> {
-        if self.buckets == 1 {
-            let (from, to) = (
-                self.partial.join(bucket_file(0)),
-                self.partial.join("model.safetensors"),
-            );
-            std::fs::rename(&from, &to).map_err(io("renaming into", &to))?;
+        // Named as a Hugging Face folder: `model.safetensors`, or numbered files and
+        // `model.safetensors.index.json`.
+        if report.buckets == 1 {
+            let to = partial.join("model.safetensors");
+            std::fs::rename(partial.join(bucket_file(0)), &to).map_err(io("renaming into", &to))?;
         } else {
-            let index = json!({"metadata": {"total_size": self.bytes}, "weight_map": self.files});
-            let file = self.partial.join("model.safetensors.index.json");
+            let index = json!({"metadata": {"total_size": report.bytes}, "weight_map": files});
+            let file = partial.join("model.safetensors.index.json");
             std::fs::write(&file, index.to_string()).map_err(io("writing", &file))?;
         }
-        std::fs::rename(&self.partial, &self.dir).map_err(io("renaming into", &self.dir))?;
-        Ok((self.dir, self.bytes, self.buckets))
-    }
-}
-
-/// Writes the buckets of `weights` (converted to `kind`, on the CPU) as
-/// `<root>/v<version>/`, one file per bucket, through a hidden folder renamed into place once
-/// the stream ended whole; returns the folder, the bytes and the buckets written.
-pub async fn write_version(
-    root: &Path,
-    version: u64,
-    mut weights: WeightStream,
-    kind: Kind,
-) -> Result<(PathBuf, usize, usize), SyncError> {
-    let root = root.to_path_buf();
-    tokio::task::spawn_blocking(move || {
-        let mut writer = VersionWriter::start(&root, version, kind)?;
-        while let Some(bucket) = weights.blocking_next()? {
-            writer.write(&bucket)?;
-        }
-        writer.finish()
+        std::fs::rename(&partial, &dir).map_err(io("renaming into", &dir))?;
+        Ok((dir, report))
     })
     .await
     .map_err(SyncError::at("write"))?
@@ -190,46 +146,40 @@ impl FolderPublisher {
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
         let started = Instant::now();
-        let (dir, bytes, buckets) = write_version(&self.root, version, weights, self.kind).await?;
-        let written = started.elapsed();
-        let reload = self.reload(&dir);
-        let ((), transfer, paused) = self
+        let (dir, written) = write_version(&self.root, version, weights, self.kind).await?;
+        let written_in = started.elapsed();
+        let reload = async { self.reload(&dir).await.map(|()| written) };
+        let report = self
             .control
             .paused_update(version, partial_rollout, reload)
             .await?;
         remove_other_versions(&self.root, &dir);
         tracing::debug!(
             version,
-            ?written,
-            ?paused,
-            bytes,
-            buckets,
+            written = ?written_in,
+            paused = ?report.paused,
+            bytes = report.bytes,
+            buckets = report.buckets,
             "weights published from a folder"
         );
-        Ok(SyncReport {
-            paused,
-            transfer,
-            bytes,
-            buckets,
-        })
+        Ok(report)
     }
 
+    /// `reload_weights` from `dir` on every engine, tried again on failure.
     async fn reload(&self, dir: &Path) -> Result<(), SyncError> {
         let body = json!({"method": "reload_weights",
             "kwargs": {"weights_path": dir.display().to_string()}});
-        let post = || {
-            let body = Some(body.clone());
-            self.control
-                .request(reqwest::Method::POST, "/collective_rpc", body)
-        };
-        let mut tries = 0;
+        let mut tries = 1;
         loop {
-            match post().await {
+            let post = self
+                .control
+                .request(reqwest::Method::POST, "/collective_rpc", Some(&body));
+            match post.await {
                 Ok(_) => return Ok(()),
-                Err(e) if tries + 1 < RELOAD_TRIES => {
-                    tries += 1;
+                Err(e) if tries < RELOAD_TRIES => {
                     tracing::warn!("reloading weights from {}: {e}; again", dir.display());
-                    tokio::time::sleep(Duration::from_millis(500 * tries as u64)).await;
+                    tokio::time::sleep(Duration::from_millis(500 * tries)).await;
+                    tries += 1;
                 }
                 Err(e) => return Err(SyncError::Call("collective_rpc reload_weights", e)),
             }
@@ -252,17 +202,21 @@ mod tests {
         let w = Tensor::from_slice(&[1.5f32, -2.25, 3.0]).reshape([3, 1]);
         let tensors = vec![("model.norm.weight".to_string(), w)];
         let whole = WeightStream::whole(&tensors);
-        let (v1, bytes, buckets) = write_version(&root, 1, whole, Kind::BFloat16)
+        let (v1, written) = write_version(&root, 1, whole, Kind::BFloat16)
             .await
             .unwrap();
-        assert_eq!((bytes, buckets), (6, 1), "three bfloat16 values, one file");
+        assert_eq!(
+            (written.bytes, written.buckets),
+            (6, 1),
+            "three bfloat16 values, one file"
+        );
         let read = read(&v1, "model.safetensors");
         assert_eq!(read[0].0, "model.norm.weight");
         assert_eq!(read[0].1.kind(), Kind::BFloat16);
         assert_eq!(read[0].1.size(), [3, 1]);
         let back: Vec<f32> = Vec::try_from(read[0].1.to_kind(Kind::Float).flatten(0, -1)).unwrap();
         assert_eq!(back, [1.5, -2.25, 3.0]);
-        let (v2, _, _) = write_version(&root, 2, WeightStream::whole(&tensors), Kind::Float)
+        let (v2, _) = write_version(&root, 2, WeightStream::whole(&tensors), Kind::Float)
             .await
             .unwrap();
         std::fs::create_dir_all(root.join(".v3.partial")).unwrap();
@@ -288,9 +242,9 @@ mod tests {
             tx.send(vec![("c".into(), t(3.0))]);
             tx.done();
         });
-        let (dir, bytes, buckets) = write_version(&root, 4, stream, Kind::Float).await.unwrap();
+        let (dir, written) = write_version(&root, 4, stream, Kind::Float).await.unwrap();
         producer.await.unwrap();
-        assert_eq!((bytes, buckets), (24, 2));
+        assert_eq!((written.bytes, written.buckets), (24, 2));
         let index: serde_json::Value = serde_json::from_str(
             &std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap(),
         )

@@ -93,7 +93,7 @@ pub enum CallError {
 }
 
 /// What one update cost.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct SyncReport {
     /// From the pause call to the end of the resume call: engines produced nothing meanwhile.
     pub paused: Duration,
@@ -101,6 +101,17 @@ pub struct SyncReport {
     pub transfer: Duration,
     pub bytes: usize,
     pub buckets: usize,
+}
+
+impl SyncReport {
+    /// Counts one bucket sent (or written).
+    fn count(&mut self, bucket: &[(String, tch::Tensor)]) {
+        self.buckets += 1;
+        self.bytes += bucket
+            .iter()
+            .map(|(_, t)| stream::bytes_of(t))
+            .sum::<usize>();
+    }
 }
 
 /// The engine API's control calls (pause, resume, the weight-update routes) to a router, a
@@ -125,12 +136,12 @@ impl Control {
         &self,
         method: reqwest::Method,
         path: &str,
-        body: Option<Value>,
+        body: Option<&Value>,
     ) -> Result<Value, CallError> {
         let url = format!("{}{}", self.target, path);
         let mut req = self.http.request(method, &url);
         if let Some(body) = body {
-            req = req.json(&body);
+            req = req.json(body);
         }
         let r = match req.send().await {
             Ok(r) => r,
@@ -144,24 +155,20 @@ impl Control {
         Ok(serde_json::from_str(&body).unwrap_or(Value::Null))
     }
 
-    /// [`Control::request`], a failure named after `step`.
-    pub async fn call(
-        &self,
-        step: &'static str,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> Result<Value, SyncError> {
-        self.request(method, path, body)
-            .await
-            .map_err(|e| SyncError::Call(step, e))
+    /// `GET /<step>`, a failure named after `step`.
+    pub async fn get(&self, step: &'static str) -> Result<Value, SyncError> {
+        let path = format!("/{step}");
+        let answer = self.request(reqwest::Method::GET, &path, None).await;
+        answer.map_err(|e| SyncError::Call(step, e))
     }
 
-    /// `POST /<step>` with `body`.
+    /// `POST /<step>` with `body`, a failure named after `step`.
     pub async fn post(&self, step: &'static str, body: Value) -> Result<Value, SyncError> {
         let path = format!("/{step}");
-        self.call(step, reqwest::Method::POST, &path, Some(body))
-            .await
+        let answer = self
+            .request(reqwest::Method::POST, &path, Some(&body))
+            .await;
+        answer.map_err(|e| SyncError::Call(step, e))
     }
 
     /// Pauses every engine: `keep` freezes requests in flight (partial rollout), `wait` lets
@@ -169,45 +176,39 @@ impl Control {
     pub async fn pause(&self, partial_rollout: bool) -> Result<(), SyncError> {
         let mode = if partial_rollout { "keep" } else { "wait" };
         let path = format!("/pause?mode={mode}");
-        self.call("pause", reqwest::Method::POST, &path, None)
-            .await
-            .map(drop)
+        let answer = self.request(reqwest::Method::POST, &path, None).await;
+        answer.map(drop).map_err(|e| SyncError::Call("pause", e))
     }
 
     pub async fn resume(&self) -> Result<(), SyncError> {
-        self.call("resume", reqwest::Method::POST, "/resume", None)
-            .await
-            .map(drop)
-    }
-
-    /// Tells every engine, and the router in front of them (which then routes only to engines
-    /// that have it), the version they now serve.
-    pub async fn set_version(&self, version: u64) -> Result<(), SyncError> {
-        let body = json!({"new_version": version.to_string()});
-        self.post("update_weight_version", body).await.map(drop)
+        let answer = self.request(reqwest::Method::POST, "/resume", None).await;
+        answer.map(drop).map_err(|e| SyncError::Call("resume", e))
     }
 
     /// One update whose engines may hold part of the new weights until it is done: pause
-    /// (`keep` with partial rollout, else `wait`), `transfer`, then set the version and resume.
-    /// A failed transfer leaves the engines paused rather than serving half-replaced weights
+    /// (`keep` with partial rollout, else `wait`), `transfer` (which counts what it sent in the
+    /// report it is given), then tell every engine, and the router in front of them (which then
+    /// routes only to engines that have it), the version they now serve, and resume. A failed
+    /// transfer leaves the engines paused rather than serving half-replaced weights
     /// (docs/weight-sync.md, "Weight transports"); the next update, or a restart, brings them to
-    /// whole weights. Returns `transfer`'s output, the time from the pause to its end, and to
-    /// the end of the resume.
-    pub async fn paused_update<T>(
+    /// whole weights.
+    pub async fn paused_update(
         &self,
         version: u64,
         partial_rollout: bool,
-        transfer: impl std::future::Future<Output = Result<T, SyncError>>,
-    ) -> Result<(T, Duration, Duration), SyncError> {
+        transfer: impl std::future::Future<Output = Result<SyncReport, SyncError>>,
+    ) -> Result<SyncReport, SyncError> {
         let paused_at = Instant::now();
         self.pause(partial_rollout).await?;
-        let out = transfer.await?;
-        let transferred = paused_at.elapsed();
-        let versioned = self.set_version(version).await;
+        let started = Instant::now();
+        let mut report = transfer.await?;
+        report.transfer = started.elapsed();
+        let body = json!({"new_version": version.to_string()});
+        let versioned = self.post("update_weight_version", body).await;
         let resumed = self.resume().await;
-        let paused = paused_at.elapsed();
+        report.paused = paused_at.elapsed();
         versioned?;
         resumed?;
-        Ok((out, transferred, paused))
+        Ok(report)
     }
 }

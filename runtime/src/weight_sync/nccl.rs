@@ -36,7 +36,7 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use super::nccl_control::{ControlTimeouts, EngineControl};
 use super::nccl_handshake::{
     init_infos, BucketPlan, NcclSyncError, PackedWire, RankLayout, Step, TensorMeta, UniqueId,
-    NCCL_UNIQUE_ID_BYTES,
+    DTYPES,
 };
 
 /// Knobs of the NCCL data plane.
@@ -100,90 +100,67 @@ pub enum Unsendable {
     Dtype(tch::Kind),
 }
 
+/// Where a tensor's bytes are, and what the engines are told of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The dtype as vLLM names it (`getattr(torch, name)`): `bfloat16`, `float32`, ...
+    pub dtype: &'static str,
+    pub shape: Vec<i64>,
+    /// The CUDA device the bytes are on.
+    pub ordinal: Option<usize>,
+    /// The address of the first byte, and how many there are.
+    pub ptr: u64,
+    pub len: usize,
+}
+
 /// A tensor in CUDA memory that can be broadcast.
 ///
 /// # Safety
-/// Once [`DeviceTensor::check`] returned `Ok`, [`DeviceTensor::device_ptr`] must be the address
-/// of [`DeviceTensor::byte_len`] bytes in the memory of CUDA device
-/// [`DeviceTensor::cuda_ordinal`] (in its primary context), holding the tensor's elements
-/// row-major, and stay valid for as long as the value lives. Writes to them may still be in
-/// flight on any stream of that device: the sender synchronises the device before reading.
+/// A [`Placement`] that [`DeviceTensor::placement`] returns must be true: `ptr` the address of
+/// `len` bytes in the memory of CUDA device `ordinal` (in its primary context), holding the
+/// tensor's elements row-major, valid for as long as the value lives. Writes to them may still
+/// be in flight on any stream of that device: the sender synchronises the device before reading.
 pub unsafe trait DeviceTensor: Send + 'static {
-    /// Refuses tensors that cannot be read as one contiguous block.
-    fn check(&self) -> Result<(), Unsendable> {
-        Ok(())
-    }
-    /// The dtype as vLLM names it (`getattr(torch, name)`): `bfloat16`, `float32`, ...
-    fn dtype_name(&self) -> Result<&'static str, Unsendable>;
-    fn shape(&self) -> Vec<i64>;
-    /// `None` when the tensor is not on a CUDA device.
-    fn cuda_ordinal(&self) -> Option<usize>;
-    fn device_ptr(&self) -> u64;
-    fn byte_len(&self) -> usize;
+    /// Where the tensor is, or why it cannot be read as one contiguous block.
+    fn placement(&self) -> Result<Placement, Unsendable>;
 }
 
-// SAFETY: `check` refuses undefined, non-contiguous and non-CUDA tensors, so `data_ptr` is the
-// first of `numel × element size` bytes in libtorch's allocation on that device (libtorch uses
-// the primary context), kept alive by the tensor's reference count.
+// SAFETY: undefined, non-contiguous and non-CUDA tensors are refused, so `data_ptr` is the first
+// of `numel × element size` bytes in libtorch's allocation on that device (libtorch uses the
+// primary context), kept alive by the tensor's reference count.
 unsafe impl DeviceTensor for tch::Tensor {
-    fn check(&self) -> Result<(), Unsendable> {
+    fn placement(&self) -> Result<Placement, Unsendable> {
         if !self.defined() {
             return Err(Unsendable::Undefined);
         }
-        if !matches!(self.device(), tch::Device::Cuda(_)) {
+        let tch::Device::Cuda(ordinal) = self.device() else {
             return Err(Unsendable::NotCuda(self.device()));
-        }
+        };
         if !self.is_contiguous() {
             return Err(Unsendable::NotContiguous);
         }
-        Ok(())
-    }
-
-    fn dtype_name(&self) -> Result<&'static str, Unsendable> {
-        use tch::Kind;
-        Ok(match self.kind() {
-            Kind::Float => "float32",
-            Kind::BFloat16 => "bfloat16",
-            Kind::Half => "float16",
-            Kind::Double => "float64",
-            Kind::Int64 => "int64",
-            Kind::Int => "int32",
-            Kind::Int16 => "int16",
-            Kind::Int8 => "int8",
-            Kind::Uint8 => "uint8",
-            Kind::Bool => "bool",
-            Kind::Float8e4m3fn => "float8_e4m3fn",
-            Kind::Float8e5m2 => "float8_e5m2",
-            other => return Err(Unsendable::Dtype(other)),
+        Ok(Placement {
+            dtype: dtype_name(self.kind())?,
+            shape: self.size(),
+            ordinal: Some(ordinal),
+            ptr: self.data_ptr() as u64,
+            len: super::stream::bytes_of(self),
         })
     }
+}
 
-    fn shape(&self) -> Vec<i64> {
-        self.size()
-    }
-
-    fn cuda_ordinal(&self) -> Option<usize> {
-        match self.device() {
-            tch::Device::Cuda(i) => Some(i),
-            _ => None,
-        }
-    }
-
-    fn device_ptr(&self) -> u64 {
-        self.data_ptr() as u64
-    }
-
-    fn byte_len(&self) -> usize {
-        self.numel() * self.kind().elt_size_in_bytes()
-    }
+/// A libtorch dtype as vLLM names it.
+pub fn dtype_name(kind: tch::Kind) -> Result<&'static str, Unsendable> {
+    let known = DTYPES.iter().find(|(k, _)| *k == kind);
+    known.map(|(_, name)| *name).ok_or(Unsendable::Dtype(kind))
 }
 
 /// A tensor's bytes in memory cudarc owns (for callers without libtorch, and the GPU tests).
 #[derive(Debug)]
 pub struct DeviceBytes {
+    /// At least `placement.len` bytes (cudarc cannot allocate zero).
     bytes: CudaSlice<u8>,
-    dtype: &'static str,
-    shape: Vec<i64>,
+    placement: Placement,
 }
 
 impl DeviceBytes {
@@ -199,30 +176,28 @@ impl DeviceBytes {
             dtype: dtype.into(),
             shape,
         };
-        let expected = meta.byte_len()?;
-        if expected != host.len() {
+        let len = meta.byte_len()?;
+        if len != host.len() {
             return Err(NcclSyncError::Invalid(format!(
-                "{} bytes given for a {dtype} tensor of shape {:?} ({expected} bytes)",
+                "{} bytes given for a {dtype} tensor of shape {:?} ({len} bytes)",
                 host.len(),
                 meta.shape
             )));
         }
         // cudarc cannot allocate zero bytes; an empty tensor keeps one unused byte.
-        let padded;
-        let src = if host.is_empty() {
-            padded = [0u8];
-            &padded[..]
-        } else {
-            host
-        };
+        let src = if host.is_empty() { &[0u8][..] } else { host };
         let bytes = stream
             .clone_htod(src)
             .map_err(|e| cuda_error(Step::Broadcast, "copying a tensor to the GPU", e))?;
-        Ok(Self {
-            bytes,
+        let ptr = bytes.device_ptr(stream).0;
+        let placement = Placement {
             dtype,
             shape: meta.shape,
-        })
+            ordinal: Some(stream.context().ordinal()),
+            ptr,
+            len,
+        };
+        Ok(Self { bytes, placement })
     }
 
     /// The bytes, copied back to the host.
@@ -232,47 +207,21 @@ impl DeviceBytes {
             .stream()
             .clone_dtoh(&self.bytes)
             .map_err(|e| cuda_error(Step::Broadcast, "copying a tensor to the host", e))?;
-        out.truncate(DeviceTensor::byte_len(self));
+        out.truncate(self.placement.len);
         Ok(out)
     }
 }
 
-// SAFETY: `bytes` is a live cudarc allocation of at least `byte_len` bytes on its stream's
-// device, owned by the value; cudarc allocates in the device's primary context.
+// SAFETY: `bytes` is a live cudarc allocation of at least `len` bytes on its stream's device,
+// owned by the value; cudarc allocates in the device's primary context.
 unsafe impl DeviceTensor for DeviceBytes {
-    fn dtype_name(&self) -> Result<&'static str, Unsendable> {
-        Ok(self.dtype)
-    }
-
-    fn shape(&self) -> Vec<i64> {
-        self.shape.clone()
-    }
-
-    fn cuda_ordinal(&self) -> Option<usize> {
-        Some(self.bytes.stream().context().ordinal())
-    }
-
-    fn device_ptr(&self) -> u64 {
-        let (ptr, _record) = self.bytes.device_ptr(self.bytes.stream());
-        ptr
-    }
-
-    fn byte_len(&self) -> usize {
-        TensorMeta {
-            name: String::new(),
-            dtype: self.dtype.into(),
-            shape: self.shape.clone(),
-        }
-        .byte_len()
-        .unwrap_or(0)
+    fn placement(&self) -> Result<Placement, Unsendable> {
+        Ok(self.placement.clone())
     }
 }
 
 fn cuda_error(step: Step, what: &str, e: cudarc::driver::DriverError) -> NcclSyncError {
-    NcclSyncError::Nccl {
-        step,
-        message: format!("{what}: {e}"),
-    }
+    NcclSyncError::nccl(step, format!("{what}: {e}"))
 }
 
 /// The trainer's end of the NCCL data plane to a set of vLLM engines.
@@ -282,9 +231,8 @@ pub struct NcclWeightSender {
     layout: RankLayout,
     config: NcclSenderConfig,
     ordinal: usize,
-    /// `None` once a failure aborted the communicator (`broken` says why).
-    device: Option<Device>,
-    broken: String,
+    /// The GPU side, or why a failure aborted its communicator.
+    device: Result<Device, String>,
 }
 
 impl NcclWeightSender {
@@ -296,10 +244,7 @@ impl NcclWeightSender {
         config: NcclSenderConfig,
     ) -> Result<Self, NcclSyncError> {
         config.wire.validate()?;
-        nccl_available().map_err(|e| NcclSyncError::Nccl {
-            step: Step::CommInit,
-            message: e.to_string(),
-        })?;
+        nccl_available().map_err(|e| NcclSyncError::nccl(Step::CommInit, e.to_string()))?;
         let http = crate::auth::client();
         let engines: Vec<EngineControl> = engine_urls
             .iter()
@@ -314,28 +259,19 @@ impl NcclWeightSender {
             .await
             .map_err(|e| panicked(Step::CommInit, e))??;
         let infos = init_infos(&id, &layout, config.wire);
-        let cancel = Arc::new(AtomicBool::new(false));
-        let deadline = Deadline::new(config.nccl_timeout(), &engines);
         let world_size = layout.world_size();
-        let init = {
-            let cancel = cancel.clone();
-            tokio::task::spawn_blocking(move || {
-                Device::init(ctx, &id, world_size, &deadline, &cancel)
-            })
+        let init = move |deadline: &Deadline, cancel: &AtomicBool| {
+            Device::init(ctx, &id, world_size, deadline, cancel)
         };
-        let init = async { init.await.map_err(|e| panicked(Step::CommInit, e))? };
-        let posts = fan_out(
-            &cancel,
-            engines.iter().zip(&infos).map(|(e, info)| e.init(info)),
-        );
-        let (device, ()) = tokio::try_join!(init, posts)?;
+        let calls = engines.iter().zip(&infos).map(|(e, info)| e.init(info));
+        let deadline = Deadline::new(config.nccl_timeout(), &engines);
+        let device = collective(Step::CommInit, deadline, init, calls).await?;
         Ok(Self {
             engines,
             layout,
             config,
             ordinal: device_ordinal,
-            device: Some(device),
-            broken: String::new(),
+            device: Ok(device),
         })
     }
 
@@ -345,17 +281,17 @@ impl NcclWeightSender {
     }
 
     fn usable(&self) -> Result<(), NcclSyncError> {
-        match self.device {
-            Some(_) => Ok(()),
-            None => Err(NcclSyncError::Broken(self.broken.clone())),
+        match &self.device {
+            Ok(_) => Ok(()),
+            Err(why) => Err(NcclSyncError::Broken(why.clone())),
         }
     }
 
     /// `POST /start_weight_update` on every engine.
     pub async fn start_update(&mut self) -> Result<(), NcclSyncError> {
         self.usable()?;
-        let never = AtomicBool::new(false);
-        fan_out(&never, self.engines.iter().map(EngineControl::start_update)).await
+        let calls = self.engines.iter().map(EngineControl::start_update);
+        fan_out(&AtomicBool::new(false), calls).await
     }
 
     /// Sends one bucket: `POST /update_weights` with its `update_info` on every engine while rank
@@ -367,38 +303,28 @@ impl NcclWeightSender {
     ) -> Result<(), NcclSyncError> {
         self.usable()?;
         // Checked before any engine hears of the bucket.
-        let plan = bucket_plan(&tensors, self.ordinal, self.config.wire)?;
+        let (plan, ptrs) = bucket_plan(&tensors, self.ordinal, self.config.wire)?;
         let info = plan.update_info();
         // Until this call returns, the device is with the broadcast task; if the caller drops
         // this future meanwhile, the task finishes (or aborts) on its own and the sender stays
         // unusable with this reason.
-        self.broken = "a send_bucket call was dropped before it finished".into();
-        let mut device = self.device.take().expect("checked by usable()");
-        let cancel = Arc::new(AtomicBool::new(false));
-        let deadline = Deadline::new(self.config.nccl_timeout(), &self.engines);
-        let broadcast = {
-            let cancel = cancel.clone();
-            tokio::task::spawn_blocking(move || {
-                let result = device.broadcast(&plan, &tensors, &deadline, &cancel);
-                // A failed collective leaves the communicator unusable: drop (abort) it here.
-                result.map(|()| device)
-            })
+        let dropped = Err("a send_bucket call was dropped before it finished".into());
+        let mut device = std::mem::replace(&mut self.device, dropped).expect("checked by usable()");
+        // A failed collective leaves the communicator unusable: drop (abort) it there.
+        let broadcast = move |deadline: &Deadline, cancel: &AtomicBool| {
+            let sent = device.broadcast(&plan, &ptrs, deadline, cancel);
+            drop(tensors); // alive until the GPU is done reading them
+            sent.map(|()| device)
         };
-        let broadcast = async { broadcast.await.map_err(|e| panicked(Step::Broadcast, e))? };
-        let posts = fan_out(
-            &cancel,
-            self.engines.iter().map(|e| e.update_weights(&info)),
-        );
-        match tokio::try_join!(broadcast, posts) {
-            Ok((device, ())) => {
-                self.device = Some(device);
-                self.broken.clear();
+        let calls = self.engines.iter().map(|e| e.update_weights(&info));
+        let deadline = Deadline::new(self.config.nccl_timeout(), &self.engines);
+        match collective(Step::Broadcast, deadline, broadcast, calls).await {
+            Ok(device) => {
+                self.device = Ok(device);
                 Ok(())
             }
             Err(e) => {
-                // The broadcast task, if still running, sees `cancel` and aborts the comm.
-                cancel.store(true, Ordering::Release);
-                self.broken = e.to_string();
+                self.device = Err(e.to_string());
                 Err(e)
             }
         }
@@ -407,12 +333,8 @@ impl NcclWeightSender {
     /// `POST /finish_weight_update {weight_version}` on every engine.
     pub async fn finish_update(&mut self, weight_version: u64) -> Result<(), NcclSyncError> {
         self.usable()?;
-        let never = AtomicBool::new(false);
-        fan_out(
-            &never,
-            self.engines.iter().map(|e| e.finish_update(weight_version)),
-        )
-        .await
+        let calls = self.engines.iter().map(|e| e.finish_update(weight_version));
+        fan_out(&AtomicBool::new(false), calls).await
     }
 
     /// One whole update: start, every bucket in order, finish with `weight_version`.
@@ -449,66 +371,74 @@ where
     .map(drop)
 }
 
-fn panicked(step: Step, e: tokio::task::JoinError) -> NcclSyncError {
-    NcclSyncError::Nccl {
-        step,
-        message: format!("the CUDA thread failed: {e}"),
-    }
+/// Rank 0's side of a collective (`gpu`, on a blocking thread, bounded by `deadline`) together
+/// with the engines' HTTP `calls`, which return only once their side of it is done. The first
+/// engine to fail raises the flag `gpu`'s waits poll, so rank 0 stops waiting for a peer that
+/// will not join and aborts the communicator.
+async fn collective<T: Send + 'static, F: Future<Output = Result<(), NcclSyncError>>>(
+    step: Step,
+    deadline: Deadline,
+    gpu: impl FnOnce(&Deadline, &AtomicBool) -> Result<T, NcclSyncError> + Send + 'static,
+    calls: impl Iterator<Item = F>,
+) -> Result<T, NcclSyncError> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let task = {
+        let cancel = cancel.clone();
+        tokio::task::spawn_blocking(move || gpu(&deadline, &cancel))
+    };
+    let gpu = async { task.await.map_err(|e| panicked(step, e))? };
+    let (out, ()) = tokio::try_join!(gpu, fan_out(&cancel, calls))?;
+    Ok(out)
 }
 
-/// Checks every tensor and plans the bucket.
+fn panicked(step: Step, e: tokio::task::JoinError) -> NcclSyncError {
+    NcclSyncError::nccl(step, format!("the CUDA thread failed: {e}"))
+}
+
+/// Checks every tensor and plans the bucket; each tensor's address.
 fn bucket_plan<T: DeviceTensor>(
     tensors: &[(String, T)],
     ordinal: usize,
     wire: PackedWire,
-) -> Result<BucketPlan, NcclSyncError> {
-    let mut metas = Vec::with_capacity(tensors.len());
+) -> Result<(BucketPlan, Vec<u64>), NcclSyncError> {
+    let (mut metas, mut ptrs) = (Vec::new(), Vec::new());
     for (name, t) in tensors {
         let bad = |message: String| NcclSyncError::Tensor {
             name: name.clone(),
             message,
         };
-        t.check().map_err(|e| bad(e.to_string()))?;
-        match t.cuda_ordinal() {
-            Some(o) if o == ordinal => {}
-            other => {
-                return Err(bad(format!(
-                    "on CUDA device {other:?}, but the sender broadcasts from device {ordinal}"
-                )))
-            }
+        let at = t.placement().map_err(|e| bad(e.to_string()))?;
+        if at.ordinal != Some(ordinal) {
+            return Err(bad(format!(
+                "on CUDA device {:?}, but the sender broadcasts from device {ordinal}",
+                at.ordinal
+            )));
         }
         let meta = TensorMeta {
             name: name.clone(),
-            dtype: t.dtype_name().map_err(|e| bad(e.to_string()))?.to_string(),
-            shape: t.shape(),
+            dtype: at.dtype.to_string(),
+            shape: at.shape,
         };
-        if meta.byte_len()? != t.byte_len() {
+        let len = meta.byte_len()?;
+        if len != at.len {
             return Err(bad(format!(
-                "{} bytes, but {} of shape {:?} take {}",
-                t.byte_len(),
-                meta.dtype,
-                meta.shape,
-                meta.byte_len()?
+                "{} bytes, but {} of shape {:?} take {len}",
+                at.len, meta.dtype, meta.shape
             )));
         }
         metas.push(meta);
+        ptrs.push(at.ptr);
     }
-    BucketPlan::new(metas, wire)
+    Ok((BucketPlan::new(metas, wire)?, ptrs))
 }
 
 /// Opens the device's primary context and mints the unique id.
 fn open(ordinal: usize) -> Result<(Arc<CudaContext>, UniqueId), NcclSyncError> {
     let ctx = CudaContext::new(ordinal)
         .map_err(|e| cuda_error(Step::CommInit, &format!("opening CUDA device {ordinal}"), e))?;
-    let id = cudarc::nccl::Id::new().map_err(|e| NcclSyncError::Nccl {
-        step: Step::CommInit,
-        message: format!("ncclGetUniqueId: {:?}", e.0),
-    })?;
-    let mut bytes = [0u8; NCCL_UNIQUE_ID_BYTES];
-    for (b, c) in bytes.iter_mut().zip(id.internal()) {
-        *b = *c as u8;
-    }
-    Ok((ctx, UniqueId(bytes)))
+    let id = cudarc::nccl::Id::new()
+        .map_err(|e| NcclSyncError::nccl(Step::CommInit, format!("ncclGetUniqueId: {:?}", e.0)))?;
+    Ok((ctx, UniqueId(id.internal().map(|c| c as u8))))
 }
 
 /// When a wait gives up, and whom to name then.
@@ -541,6 +471,7 @@ impl Deadline {
 }
 
 /// An NCCL communicator in non-blocking mode; dropping it aborts it.
+#[derive(Debug)]
 struct Comm {
     raw: nccl_sys::ncclComm_t,
 }
@@ -601,15 +532,12 @@ impl Comm {
             nccl::comm_init_rank_config(&mut raw, world_size as i32, id, rank as i32, &mut config)
         };
         let comm = (!raw.is_null()).then_some(Self { raw });
+        let failed = |message: String| NcclSyncError::nccl(Step::CommInit, message);
         match status {
-            Ok(_) => comm.ok_or_else(|| NcclSyncError::Nccl {
-                step: Step::CommInit,
-                message: "ncclCommInitRankConfig returned no communicator".into(),
-            }),
-            Err(e) => Err(NcclSyncError::Nccl {
-                step: Step::CommInit,
-                message: describe(comm.as_ref(), e.0),
-            }),
+            Ok(_) => {
+                comm.ok_or_else(|| failed("ncclCommInitRankConfig returned no communicator".into()))
+            }
+            Err(e) => Err(failed(describe(comm.as_ref(), e.0))),
         }
     }
 
@@ -618,10 +546,7 @@ impl Comm {
         let mut state = nccl_sys::ncclResult_t::ncclSuccess;
         // SAFETY: `raw` is live; `state` is valid for the write.
         let status = unsafe { nccl_sys::ncclCommGetAsyncError(self.raw, &mut state) };
-        let failed = |r| NcclSyncError::Nccl {
-            step,
-            message: describe(Some(self), r),
-        };
+        let failed = |r| NcclSyncError::nccl(step, describe(Some(self), r));
         if status != nccl_sys::ncclResult_t::ncclSuccess {
             return Err(failed(status));
         }
@@ -638,10 +563,9 @@ impl Comm {
         step: Step,
         status: Result<nccl::NcclStatus, nccl::NcclError>,
     ) -> Result<(), NcclSyncError> {
-        status.map(drop).map_err(|e| NcclSyncError::Nccl {
-            step,
-            message: describe(Some(self), e.0),
-        })
+        status
+            .map(drop)
+            .map_err(|e| NcclSyncError::nccl(step, describe(Some(self), e.0)))
     }
 }
 
@@ -665,20 +589,13 @@ fn describe(comm: Option<&Comm>, result: nccl_sys::ncclResult_t) -> String {
 
 /// The trainer's GPU side: communicator, packing buffer, stream and context. Fields drop in this
 /// order: the abort first, so no collective still uses the buffer or the stream when they go.
+#[derive(Debug)]
 struct Device {
     comm: Comm,
     /// Grown to the largest multi-tensor chunk and reused across buckets.
     pack: Option<CudaSlice<u8>>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
-}
-
-impl std::fmt::Debug for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Device")
-            .field("ordinal", &self.ctx.ordinal())
-            .finish_non_exhaustive()
-    }
 }
 
 /// How often a wait looks at the GPU and the communicator.
@@ -737,11 +654,11 @@ impl Device {
         self.wait_stream(step, deadline, cancel)
     }
 
-    /// Broadcasts a bucket's chunks from rank 0, in order.
-    fn broadcast<T: DeviceTensor>(
+    /// Broadcasts a bucket's chunks from rank 0, in order, reading each tensor at `ptrs`.
+    fn broadcast(
         &mut self,
         plan: &BucketPlan,
-        tensors: &[(String, T)],
+        ptrs: &[u64],
         deadline: &Deadline,
         cancel: &AtomicBool,
     ) -> Result<(), NcclSyncError> {
@@ -757,7 +674,7 @@ impl Device {
             let first = chunk.tensors.start;
             let source = if chunk.tensors.len() == 1 && !chunk.is_empty() {
                 // One tensor: broadcast straight from its memory.
-                tensors[first].1.device_ptr()
+                ptrs[first]
             } else {
                 // Several (or an empty chunk): pack them, in order, into the reusable buffer.
                 // The copies queue behind the previous chunk's broadcast on the same stream.
@@ -775,12 +692,14 @@ impl Device {
                     unsafe {
                         cudarc::driver::result::memcpy_dtod_async(
                             pack + at as u64,
-                            tensors[i].1.device_ptr(),
+                            ptrs[i],
                             len,
                             self.stream.cu_stream(),
                         )
                     }
-                    .map_err(|e| cuda_error(step, &format!("packing `{}`", tensors[i].0), e))?;
+                    .map_err(|e| {
+                        cuda_error(step, &format!("packing `{}`", plan.tensors[i].name), e)
+                    })?;
                 }
                 pack
             };
@@ -871,39 +790,21 @@ mod tests {
 
     use super::*;
 
+    // SAFETY: test double; `bucket_plan` reads only the placement, never the bytes at `ptr`.
+    unsafe impl DeviceTensor for Placement {
+        fn placement(&self) -> Result<Placement, Unsendable> {
+            Ok(self.clone())
+        }
+    }
+
     /// A tensor that only describes itself (never read: the checks fail or stop before CUDA).
-    struct Described {
-        dtype: &'static str,
-        shape: Vec<i64>,
-        ordinal: Option<usize>,
-        bytes: usize,
-    }
-
-    // SAFETY: test double; `bucket_plan` reads only the metadata, never `device_ptr`.
-    unsafe impl DeviceTensor for Described {
-        fn dtype_name(&self) -> Result<&'static str, Unsendable> {
-            Ok(self.dtype)
-        }
-        fn shape(&self) -> Vec<i64> {
-            self.shape.clone()
-        }
-        fn cuda_ordinal(&self) -> Option<usize> {
-            self.ordinal
-        }
-        fn device_ptr(&self) -> u64 {
-            unreachable!("a test double is never read")
-        }
-        fn byte_len(&self) -> usize {
-            self.bytes
-        }
-    }
-
-    fn described(shape: Vec<i64>, ordinal: Option<usize>, bytes: usize) -> Described {
-        Described {
+    fn described(shape: Vec<i64>, ordinal: Option<usize>, len: usize) -> Placement {
+        Placement {
             dtype: "bfloat16",
             shape,
             ordinal,
-            bytes,
+            ptr: 0,
+            len,
         }
     }
 
@@ -917,7 +818,7 @@ mod tests {
             ("a".to_string(), described(vec![2, 2], Some(1), 8)),
             ("b".to_string(), described(vec![3], Some(1), 6)),
         ];
-        let plan = bucket_plan(&ok, 1, wire).unwrap();
+        let (plan, _) = bucket_plan(&ok, 1, wire).unwrap();
         assert_eq!(plan.total_bytes(), 14);
         assert_eq!(plan.chunks.len(), 1);
         assert_eq!(plan.update_info().dtype_names, ["bfloat16", "bfloat16"]);
@@ -942,9 +843,7 @@ mod tests {
     #[test]
     fn libtorch_tensors_off_the_gpu_are_refused_with_their_dtype_named() {
         let cpu = tch::Tensor::zeros([4, 2], (tch::Kind::BFloat16, tch::Device::Cpu));
-        assert_eq!(DeviceTensor::dtype_name(&cpu).unwrap(), "bfloat16");
-        assert_eq!(DeviceTensor::byte_len(&cpu), 16);
-        assert_eq!(DeviceTensor::cuda_ordinal(&cpu), None);
+        assert_eq!(dtype_name(cpu.kind()).unwrap(), "bfloat16");
         let err = bucket_plan(
             &[("lm_head.weight".to_string(), cpu)],
             0,
@@ -959,11 +858,9 @@ mod tests {
             (tch::Kind::Int64, "int64"),
         ];
         for (kind, name) in kinds {
-            let t = tch::Tensor::zeros([1], (kind, tch::Device::Cpu));
-            assert_eq!(DeviceTensor::dtype_name(&t).unwrap(), name);
+            assert_eq!(dtype_name(kind).unwrap(), name);
         }
-        let complex = tch::Tensor::zeros([1], (tch::Kind::ComplexFloat, tch::Device::Cpu));
-        assert!(DeviceTensor::dtype_name(&complex).is_err());
+        assert!(dtype_name(tch::Kind::ComplexFloat).is_err());
     }
 
     /// An engine failing its HTTP call raises the cancel flag the NCCL wait polls, so rank 0 stops

@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use serde::Serialize;
+use tch::Kind;
 
 use crate::engine::api::UpdateInfo;
 
@@ -106,6 +107,16 @@ pub enum NcclSyncError {
     Broken(String),
 }
 
+impl NcclSyncError {
+    /// NCCL or CUDA failed at `step`.
+    pub fn nccl(step: Step, message: impl Into<String>) -> Self {
+        Self::Nccl {
+            step,
+            message: message.into(),
+        }
+    }
+}
+
 /// The 128 bytes of an `ncclUniqueId`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct UniqueId(pub [u8; NCCL_UNIQUE_ID_BYTES]);
@@ -114,6 +125,13 @@ impl fmt::Debug for UniqueId {
     /// Redacted: anyone holding the id can join the communicator (vLLM hides it from `repr`).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("UniqueId(..)")
+    }
+}
+
+impl Serialize for UniqueId {
+    /// As `nccl_unique_id_b64`.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_b64())
     }
 }
 
@@ -145,7 +163,6 @@ impl UniqueId {
 /// Where every engine's ranks sit in the one communicator; the trainer is rank 0.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankLayout {
-    engine_world_sizes: Vec<u32>,
     rank_offsets: Vec<u32>,
     world_size: u32,
 }
@@ -177,7 +194,6 @@ impl RankLayout {
                 })?;
         }
         Ok(Self {
-            engine_world_sizes: engine_world_sizes.to_vec(),
             rank_offsets,
             world_size: next,
         })
@@ -194,12 +210,6 @@ impl RankLayout {
 
     pub fn rank_offset(&self, engine: usize) -> u32 {
         self.rank_offsets[engine]
-    }
-
-    /// The communicator ranks of engine `engine`.
-    pub fn ranks(&self, engine: usize) -> Range<u32> {
-        let start = self.rank_offsets[engine];
-        start..start + self.engine_world_sizes[engine]
     }
 }
 
@@ -223,25 +233,26 @@ impl Default for PackedWire {
 
 impl PackedWire {
     pub fn validate(&self) -> Result<(), NcclSyncError> {
+        let zero = |field: &str| {
+            Err(NcclSyncError::Invalid(format!(
+                "{field} must be at least 1"
+            )))
+        };
         if self.buffer_size_bytes == 0 {
-            return Err(NcclSyncError::Invalid(
-                "packed_buffer_size_bytes must be at least 1".into(),
-            ));
+            return zero("packed_buffer_size_bytes");
         }
         if self.num_buffers == 0 {
-            return Err(NcclSyncError::Invalid(
-                "packed_num_buffers must be at least 1".into(),
-            ));
+            return zero("packed_num_buffers");
         }
         Ok(())
     }
 }
 
 /// `init_info` of `POST /init_weight_transfer_engine` for one engine (vLLM's
-/// `NCCLWeightTransferInitInfo` in its unique-id rendezvous mode).
-#[derive(Clone, Serialize, PartialEq, Eq)]
+/// `NCCLWeightTransferInitInfo` in its unique-id rendezvous mode). Its `Debug` hides the id.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct NcclInitInfo {
-    pub nccl_unique_id_b64: String,
+    pub nccl_unique_id_b64: UniqueId,
     pub rank_offset: u32,
     pub world_size: u32,
     pub packed: bool,
@@ -249,24 +260,11 @@ pub struct NcclInitInfo {
     pub packed_num_buffers: u32,
 }
 
-impl fmt::Debug for NcclInitInfo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NcclInitInfo")
-            .field("nccl_unique_id_b64", &"..")
-            .field("rank_offset", &self.rank_offset)
-            .field("world_size", &self.world_size)
-            .field("packed_buffer_size_bytes", &self.packed_buffer_size_bytes)
-            .field("packed_num_buffers", &self.packed_num_buffers)
-            .finish()
-    }
-}
-
 /// One `init_info` per engine, in the layout's order.
 pub fn init_infos(id: &UniqueId, layout: &RankLayout, wire: PackedWire) -> Vec<NcclInitInfo> {
-    let b64 = id.to_b64();
     (0..layout.engines())
         .map(|i| NcclInitInfo {
-            nccl_unique_id_b64: b64.clone(),
+            nccl_unique_id_b64: id.clone(),
             rank_offset: layout.rank_offset(i),
             world_size: layout.world_size(),
             packed: true,
@@ -276,17 +274,21 @@ pub fn init_infos(id: &UniqueId, layout: &RankLayout, wire: PackedWire) -> Vec<N
         .collect()
 }
 
-/// Bytes per element of a dtype as vLLM names it (`getattr(torch, name)`), for the dtypes a
-/// checkpoint holds.
-pub fn dtype_size(dtype: &str) -> Option<usize> {
-    Some(match dtype {
-        "float64" | "int64" => 8,
-        "float32" | "int32" => 4,
-        "bfloat16" | "float16" | "int16" => 2,
-        "int8" | "uint8" | "bool" | "float8_e4m3fn" | "float8_e5m2" => 1,
-        _ => return None,
-    })
-}
+/// The dtypes a checkpoint holds, as vLLM names them (`getattr(torch, name)`).
+pub const DTYPES: [(Kind, &str); 12] = [
+    (Kind::Float, "float32"),
+    (Kind::BFloat16, "bfloat16"),
+    (Kind::Half, "float16"),
+    (Kind::Double, "float64"),
+    (Kind::Int64, "int64"),
+    (Kind::Int, "int32"),
+    (Kind::Int16, "int16"),
+    (Kind::Int8, "int8"),
+    (Kind::Uint8, "uint8"),
+    (Kind::Bool, "bool"),
+    (Kind::Float8e4m3fn, "float8_e4m3fn"),
+    (Kind::Float8e5m2, "float8_e5m2"),
+];
 
 /// One tensor of a bucket as the engine is told about it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -303,23 +305,25 @@ impl TensorMeta {
             name: self.name.clone(),
             message,
         };
-        let size = dtype_size(&self.dtype).ok_or_else(|| {
-            bad(format!(
-                "dtype `{}` is not one of float32, bfloat16, float16, float64, int64, int32, int16, int8, uint8, bool, float8_e4m3fn, float8_e5m2",
-                self.dtype
-            ))
-        })?;
-        let mut elements: usize = 1;
-        for &d in &self.shape {
+        let size = DTYPES
+            .iter()
+            .find(|(_, name)| *name == self.dtype)
+            .map(|(kind, _)| kind.elt_size_in_bytes())
+            .ok_or_else(|| {
+                let names: Vec<&str> = DTYPES.iter().map(|(_, name)| *name).collect();
+                bad(format!(
+                    "dtype `{}` is not one of {}",
+                    self.dtype,
+                    names.join(", ")
+                ))
+            })?;
+        let overflows = || bad(format!("shape {:?} overflows", self.shape));
+        let elements = self.shape.iter().try_fold(1usize, |n, &d| {
             let d = usize::try_from(d)
                 .map_err(|_| bad(format!("shape {:?} has a negative dimension", self.shape)))?;
-            elements = elements
-                .checked_mul(d)
-                .ok_or_else(|| bad(format!("shape {:?} overflows", self.shape)))?;
-        }
-        elements
-            .checked_mul(size)
-            .ok_or_else(|| bad(format!("shape {:?} overflows", self.shape)))
+            n.checked_mul(d).ok_or_else(overflows)
+        })?;
+        elements.checked_mul(size).ok_or_else(overflows)
     }
 }
 
@@ -415,11 +419,6 @@ impl BucketPlan {
         self.offsets.last().map_or(0, |r| r.end)
     }
 
-    /// The bytes of the largest chunk (the size of a packing buffer that fits every chunk).
-    pub fn largest_chunk(&self) -> usize {
-        self.chunks.iter().map(Chunk::len).max().unwrap_or(0)
-    }
-
     /// `update_info` of `POST /update_weights`: names, dtype_names and shapes, nothing else.
     pub fn update_info(&self) -> UpdateInfo {
         UpdateInfo {
@@ -489,8 +488,6 @@ mod tests {
             (0..3).map(|i| layout.rank_offset(i)).collect::<Vec<_>>(),
             [1, 3, 4]
         );
-        assert_eq!(layout.ranks(0), 1..3);
-        assert_eq!(layout.ranks(2), 4..8);
         let single = RankLayout::new(&[1]).unwrap();
         assert_eq!((single.rank_offset(0), single.world_size()), (1, 2));
     }
@@ -652,7 +649,10 @@ mod tests {
         assert_eq!(plan.offsets, vec![0..256, 256..288, 288..292]);
         assert_eq!(plan.total_bytes(), 292);
         assert_eq!(plan.chunks.len(), 2);
-        assert_eq!(plan.largest_chunk(), 256);
+        assert_eq!(
+            plan.chunks.iter().map(Chunk::len).collect::<Vec<_>>(),
+            [256, 36]
+        );
         let json = serde_json::to_value(plan.update_info()).unwrap();
         assert_eq!(
             json,

@@ -12,11 +12,11 @@
 //! ([`crate::engine::weights`]). A failed update still resumes the engines, so a broken transfer
 //! never leaves a run paused.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::json;
 
-use super::stream::{bytes_of, Bucket, WeightStream};
+use super::stream::{Bucket, WeightStream};
 use super::{Control, SyncError, SyncReport};
 use crate::engine::weights::{
     update_info, TcpWeightSender, WeightListener, DEFAULT_PACKED_BUFFER_BYTES,
@@ -48,15 +48,7 @@ impl WeightSync {
     }
 
     async fn world_size(&self) -> Result<usize, SyncError> {
-        let world = self
-            .control
-            .call(
-                "get_world_size",
-                reqwest::Method::GET,
-                "/get_world_size",
-                None,
-            )
-            .await?;
+        let world = self.control.get("get_world_size").await?;
         Ok(world["world_size"].as_u64().unwrap_or(1) as usize)
     }
 
@@ -104,7 +96,9 @@ impl WeightSync {
         }
         let paused_at = Instant::now();
         self.control.pause(partial_rollout).await?;
+        let started = Instant::now();
         let transferred = self.transfer(weights, version).await;
+        let transfer = started.elapsed();
         if transferred.is_err() {
             // An engine may have been replaced (same address and count, but a fresh process
             // without the weight stream): the next update connects every engine again.
@@ -114,35 +108,33 @@ impl WeightSync {
         // one it still holds the previous weights whole, so resuming is safe.
         let resumed = self.control.resume().await;
         let paused = paused_at.elapsed();
-        let (transfer, bytes, buckets) = transferred?;
+        let sent = transferred?;
         resumed?;
         Ok(SyncReport {
             paused,
             transfer,
-            bytes,
-            buckets,
+            ..sent
         })
     }
 
+    /// Start, each bucket as it comes, finish (only once the stream ended whole); what was sent.
     async fn transfer(
         &mut self,
         mut weights: WeightStream,
         version: u64,
-    ) -> Result<(Duration, usize, usize), SyncError> {
-        let started = Instant::now();
+    ) -> Result<SyncReport, SyncError> {
         self.control.post("start_weight_update", json!({})).await?;
-        let (mut count, mut bytes) = (0, 0);
+        let mut sent = SyncReport::default();
         while let Some(pieces) = weights.next_split(self.bucket_bytes).await? {
             for bucket in pieces {
-                count += 1;
-                bytes += bucket.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
+                sent.count(&bucket);
                 self.send_bucket(bucket).await?;
             }
         }
         // Only a whole stream finishes: the engines swap to the new weights at this call.
         let finish = json!({"weight_version": version});
         self.control.post("finish_weight_update", finish).await?;
-        Ok((started.elapsed(), bytes, count))
+        Ok(sent)
     }
 
     async fn send_bucket(&mut self, bucket: Bucket) -> Result<(), SyncError> {

@@ -99,31 +99,24 @@ impl Publisher {
                     opts.engine_kind,
                 )))
             }
-            WeightTransport::Nccl => Self::nccl(opts),
+            WeightTransport::Nccl => {
+                #[cfg(feature = "cuda")]
+                if let Device::Cuda(ordinal) = opts.device {
+                    let publisher =
+                        nccl::NcclPublisher::new(&opts.target, ordinal, opts.engine_kind);
+                    return Ok(Self::Nccl(Box::new(publisher)));
+                }
+                let why = if cfg!(feature = "cuda") {
+                    format!("NCCL sends weights from a trainer on a GPU; this trainer runs on {:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)", opts.device)
+                } else {
+                    "NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)".into()
+                };
+                Err(SyncError::Manifest(
+                    "spec.engines.weightTransfer.transport",
+                    why,
+                ))
+            }
         }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn nccl(opts: &PublishOptions) -> Result<Self, SyncError> {
-        match opts.device {
-            Device::Cuda(ordinal) => Ok(Self::Nccl(Box::new(nccl::NcclPublisher::new(
-                &opts.target,
-                ordinal,
-                opts.engine_kind,
-            )))),
-            other => Err(SyncError::Manifest(
-                "spec.engines.weightTransfer.transport",
-                format!("NCCL sends weights from a trainer on a GPU; this trainer runs on {other:?} (give spec.trainer.gpusPerNode, or use transport Filesystem)"),
-            )),
-        }
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn nccl(_: &PublishOptions) -> Result<Self, SyncError> {
-        Err(SyncError::Manifest(
-            "spec.engines.weightTransfer.transport",
-            "NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)".into(),
-        ))
     }
 
     /// Pushes `weights` as `version` (pause `keep` with partial rollout, else `wait`).
@@ -231,8 +224,9 @@ pub fn engine_kind(
 mod nccl {
     use tch::Kind;
 
+    use crate::router::pool::EngineStatus;
     use crate::weight_sync::nccl::{NcclSenderConfig, NcclWeightSender};
-    use crate::weight_sync::stream::{bytes_of, WeightStream};
+    use crate::weight_sync::stream::WeightStream;
     use crate::weight_sync::{Control, SyncError, SyncReport};
 
     /// Bytes per `update_weights` call.
@@ -244,8 +238,8 @@ mod nccl {
         control: Control,
         ordinal: usize,
         kind: Kind,
-        sender: Option<NcclWeightSender>,
-        urls: Vec<String>,
+        /// The engines the sender is connected to, and the sender.
+        sender: Option<(Vec<String>, NcclWeightSender)>,
     }
 
     impl NcclPublisher {
@@ -255,22 +249,18 @@ mod nccl {
                 ordinal,
                 kind,
                 sender: None,
-                urls: Vec::new(),
             }
         }
 
         /// The engines up behind the router.
         async fn engines(&self) -> Result<Vec<String>, SyncError> {
-            let list = self
-                .control
-                .call("engines", reqwest::Method::GET, "/engines", None)
-                .await?;
-            let mut urls: Vec<String> = list["engines"]
-                .as_array()
+            let mut listed = self.control.get("engines").await?;
+            let engines: Vec<EngineStatus> =
+                serde_json::from_value(listed["engines"].take()).unwrap_or_default();
+            let mut urls: Vec<String> = engines
                 .into_iter()
-                .flatten()
-                .filter(|e| e["healthy"].as_bool() == Some(true))
-                .filter_map(|e| e["url"].as_str().map(String::from))
+                .filter(|e| e.healthy)
+                .map(|e| e.url)
                 .collect();
             urls.sort();
             if urls.is_empty() {
@@ -289,57 +279,45 @@ mod nccl {
             partial_rollout: bool,
         ) -> Result<SyncReport, SyncError> {
             let urls = self.engines().await?;
-            if self.sender.is_none() || urls != self.urls {
-                self.sender = None;
-                let sender =
-                    NcclWeightSender::connect(self.ordinal, &urls, NcclSenderConfig::default())
-                        .await
-                        .map_err(SyncError::at("connect"))?;
-                self.sender = Some(sender);
-                self.urls = urls;
-            }
             let Self {
                 control,
+                ordinal,
                 kind,
                 sender,
-                ..
             } = self;
+            if sender
+                .as_ref()
+                .is_none_or(|(connected, _)| *connected != urls)
+            {
+                *sender = None;
+                let new = NcclWeightSender::connect(*ordinal, &urls, NcclSenderConfig::default())
+                    .await
+                    .map_err(SyncError::at("connect"))?;
+                *sender = Some((urls, new));
+            }
             let send = async {
-                let sent = send(
-                    sender.as_mut().expect("connected above"),
-                    *kind,
-                    &mut weights,
-                    version,
-                )
-                .await;
+                let (_, connected) = sender.as_mut().expect("connected above");
+                let sent = send(connected, *kind, &mut weights, version).await;
                 if sent.is_err() {
                     // A failed sender refuses further work: connect again next time.
                     *sender = None;
                 }
                 sent.map_err(|e| SyncError::Held(Box::new(e)))
             };
-            let ((bytes, buckets), transfer, paused) = control
-                .paused_update(version, partial_rollout, send)
-                .await?;
-            Ok(SyncReport {
-                paused,
-                transfer,
-                bytes,
-                buckets,
-            })
+            control.paused_update(version, partial_rollout, send).await
         }
     }
 
     /// Start, each bucket as it comes in the engines' dtype, finish (only once the stream ended
-    /// whole); the bytes and buckets sent.
+    /// whole); what was sent.
     async fn send(
         sender: &mut NcclWeightSender,
         kind: Kind,
         weights: &mut WeightStream,
         version: u64,
-    ) -> Result<(usize, usize), SyncError> {
+    ) -> Result<SyncReport, SyncError> {
         sender.start_update().await?;
-        let (mut bytes, mut count) = (0, 0);
+        let mut sent = SyncReport::default();
         while let Some(pieces) = weights.next_split(BUCKET_BYTES).await? {
             for bucket in pieces {
                 // vLLM copies what it receives into its parameters.
@@ -347,13 +325,12 @@ mod nccl {
                     .into_iter()
                     .map(|(n, t)| (n, t.to_kind(kind).contiguous()))
                     .collect();
-                bytes += converted.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
-                count += 1;
+                sent.count(&converted);
                 sender.send_bucket(converted).await?;
             }
         }
         sender.finish_update(version).await?;
-        Ok((bytes, count))
+        Ok(sent)
     }
 }
 

@@ -36,17 +36,11 @@ pub fn bytes_of(t: &Tensor) -> usize {
     t.numel() * t.kind().elt_size_in_bytes()
 }
 
-/// What travels: a bucket, or the word that every bucket was sent.
-#[derive(Debug)]
-enum Message {
-    Bucket(Bucket),
-    Done,
-}
-
-/// The receiving end: what a transport reads one update's buckets from.
+/// The receiving end: what a transport reads one update's buckets from. Each message is a
+/// bucket, or `None`: every bucket was sent.
 #[derive(Debug)]
 pub struct WeightStream {
-    rx: mpsc::Receiver<Message>,
+    rx: mpsc::Receiver<Option<Bucket>>,
 }
 
 /// The producing end. A stream ends whole only with [`BucketSender::done`]; a producer dropped
@@ -54,19 +48,19 @@ pub struct WeightStream {
 /// with part of the weights.
 #[derive(Debug)]
 pub struct BucketSender {
-    tx: mpsc::Sender<Message>,
+    tx: mpsc::Sender<Option<Bucket>>,
 }
 
 impl BucketSender {
     /// Hands a bucket over, waiting while the consumer still holds the previous one (call from a
     /// blocking thread). `false` once the consumer is gone (its update failed or ended early).
     pub fn send(&self, bucket: Bucket) -> bool {
-        self.tx.blocking_send(Message::Bucket(bucket)).is_ok()
+        self.tx.blocking_send(Some(bucket)).is_ok()
     }
 
     /// Every bucket was sent (call from a blocking thread).
     pub fn done(self) {
-        let _ = self.tx.blocking_send(Message::Done);
+        let _ = self.tx.blocking_send(None);
     }
 }
 
@@ -84,28 +78,20 @@ impl WeightStream {
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
-        tx.try_send(Message::Bucket(bucket))
+        tx.try_send(Some(bucket))
             .expect("an empty channel has room");
-        tx.try_send(Message::Done).expect("room for two");
+        tx.try_send(None).expect("room for two");
         WeightStream { rx }
     }
 
     /// The next bucket; `None` once every bucket came, an error if the producer stopped short.
     pub async fn next(&mut self) -> Result<Option<Bucket>, SyncError> {
-        Self::open(self.rx.recv().await)
+        self.rx.recv().await.ok_or(SyncError::Gather)
     }
 
     /// [`WeightStream::next`] from a blocking thread.
     pub fn blocking_next(&mut self) -> Result<Option<Bucket>, SyncError> {
-        Self::open(self.rx.blocking_recv())
-    }
-
-    fn open(message: Option<Message>) -> Result<Option<Bucket>, SyncError> {
-        match message {
-            Some(Message::Bucket(b)) => Ok(Some(b)),
-            Some(Message::Done) => Ok(None),
-            None => Err(SyncError::Gather),
-        }
+        self.rx.blocking_recv().ok_or(SyncError::Gather)
     }
 
     /// The next bucket split into pieces of about `bucket_bytes`.
