@@ -28,12 +28,6 @@ pub enum ObservationPart {
     Image { media_type: String, data: String },
 }
 
-impl Default for Observation {
-    fn default() -> Self {
-        Self::Text(String::new())
-    }
-}
-
 impl From<String> for Observation {
     fn from(text: String) -> Self {
         Self::Text(text)
@@ -79,7 +73,7 @@ impl Observation {
 }
 
 /// What `step` returns.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepResult {
     pub observation: Observation,
     #[serde(default)]

@@ -76,11 +76,13 @@ pub fn final_reply_ids(segments: &[Segment]) -> &[i64] {
     let Some(last) = segments.last() else {
         return &[];
     };
-    let mask = &last.loss_mask;
-    let Some(end) = mask.iter().rposition(|&m| m == 1).map(|i| i + 1) else {
-        return &[];
-    };
-    let start = mask[..end]
+    // No sampled token: `end` 0, an empty reply.
+    let end = last
+        .loss_mask
+        .iter()
+        .rposition(|&m| m == 1)
+        .map_or(0, |i| i + 1);
+    let start = last.loss_mask[..end]
         .iter()
         .rposition(|&m| m != 1)
         .map_or(0, |i| i + 1);
