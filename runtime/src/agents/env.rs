@@ -28,21 +28,9 @@ pub enum ObservationPart {
     Image { media_type: String, data: String },
 }
 
-impl Default for Observation {
-    fn default() -> Self {
-        Self::Text(String::new())
-    }
-}
-
 impl From<String> for Observation {
     fn from(text: String) -> Self {
         Self::Text(text)
-    }
-}
-
-impl From<&str> for Observation {
-    fn from(text: &str) -> Self {
-        Self::Text(text.into())
     }
 }
 
@@ -85,7 +73,7 @@ impl Observation {
 }
 
 /// What `step` returns.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepResult {
     pub observation: Observation,
     #[serde(default)]
@@ -128,38 +116,22 @@ impl Default for EnvLoopOptions {
     }
 }
 
-/// What an `Env` episode produced besides its segments.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EnvOutcome {
-    /// The sum of the step rewards.
-    pub reward: f64,
-    pub info: Map<String, Json>,
-    pub turns: usize,
-    pub truncated: bool,
-}
-
 /// Runs one episode: the observation goes to the model as a user message, its reply to `step`,
-/// until the env says it is over or `max_turns` replies were made.
+/// until the env says it is over or `max_turns` replies were made. The sum of the step rewards,
+/// and the last step's info.
 pub async fn run_env_episode(
     service: &ChatService,
     session: &str,
     env: &mut dyn Env,
     task: &Json,
     opts: &EnvLoopOptions,
-) -> Result<EnvOutcome, AgentError> {
+) -> Result<(f64, Map<String, Json>), AgentError> {
     let first = env.reset(task).await?;
-    let mut messages = Vec::new();
-    if let Some(system) = &opts.system_prompt {
-        messages.push(Message::text(Role::System, system.clone()));
-    }
+    let system = opts.system_prompt.iter();
+    let mut messages: Vec<Message> = system.map(|s| Message::text(Role::System, s)).collect();
     messages.push(first.into_message()?);
-    let mut outcome = EnvOutcome {
-        reward: 0.0,
-        info: Map::new(),
-        turns: 0,
-        truncated: true,
-    };
-    while outcome.turns < opts.max_turns {
+    let (mut reward, mut info) = (0.0, Map::new());
+    for _ in 0..opts.max_turns {
         let request = ChatRequest {
             messages: messages.clone(),
             tools: Vec::new(),
@@ -173,19 +145,17 @@ pub async fn run_env_episode(
             .await
             .map_err(|e| AgentError::Model(e.to_string()))?;
         let reply = answer.choices[0].content.clone().unwrap_or_default();
-        outcome.turns += 1;
         let step = env.step(&reply).await?;
-        outcome.reward += step.reward;
-        outcome.info = step.info;
+        reward += step.reward;
+        info = step.info;
         // The reply goes back exactly as answered, so the next rendering extends the segment.
         messages.push(Message::text(Role::Assistant, reply));
         if step.terminated || step.truncated {
-            outcome.truncated = step.truncated;
-            return Ok(outcome);
+            break;
         }
         messages.push(step.observation.into_message()?);
     }
-    Ok(outcome)
+    Ok((reward, info))
 }
 
 /// The built-in environments, by name: Rust ones run in-process, `math` is Python (PyPI's
@@ -230,8 +200,7 @@ impl Env for Repeat {
         Box::pin(async move {
             self.left = self.left.saturating_sub(1);
             let said = action.contains(&self.word);
-            let mut info = Map::new();
-            info.insert("tries".into(), Json::from(self.tries - self.left));
+            let info = Map::from_iter([("tries".into(), Json::from(self.tries - self.left))]);
             Ok(StepResult {
                 observation: format!("No. Say the word {}.", self.word).into(),
                 reward: if said { 1.0 } else { 0.0 },
@@ -284,7 +253,7 @@ mod tests {
             .reset(&serde_json::json!({"word": "apple", "tries": 2}))
             .await
             .unwrap();
-        assert_eq!(obs, "Say the word apple.".into());
+        assert_eq!(obs, Observation::Text("Say the word apple.".into()));
         let miss = env.step("pear").await.unwrap();
         assert_eq!(
             (miss.reward, miss.terminated, miss.truncated),

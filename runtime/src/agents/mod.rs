@@ -24,7 +24,7 @@ use serde_json::{Map, Value as Json};
 use tokio::sync::{mpsc, Semaphore};
 
 use crate::chat::SamplingOverride;
-use crate::loopback::{ChatService, Segment, ServiceOptions};
+use crate::loopback::{self, ChatService, Segment, ServiceOptions};
 use env::{run_env_episode, EnvLoopOptions};
 use process::{run_chat_agent, AgentCommand, ExternalEnv};
 
@@ -68,10 +68,7 @@ impl Agent {
     /// line): `math` runs through moult's Python runner, the others in-process.
     pub fn builtin(name: &str) -> Result<Self, AgentError> {
         match name {
-            "math" => Ok(Agent::ExternalEnv(AgentCommand::python(
-                "python3",
-                "moult.math",
-            )?)),
+            "math" => AgentCommand::python("python3", "moult.math").map(Agent::ExternalEnv),
             other => env::builtin(other).map(|_| Agent::BuiltinEnv(other.to_string())),
         }
     }
@@ -127,12 +124,6 @@ pub struct AgentPool {
     idle_envs: Mutex<Vec<ExternalEnv>>,
 }
 
-/// Finished episodes buffered before the consumer reads them: one per running episode is enough
-/// to never stall a finished one.
-fn episode_buffer(concurrency: usize) -> usize {
-    concurrency.max(1)
-}
-
 impl AgentPool {
     pub fn new(
         service: Arc<ChatService>,
@@ -173,8 +164,8 @@ impl AgentPool {
         let sessions = ServiceOptions::pool(opts.concurrency * 2, name);
         let service = Arc::new(ChatService::from_model_dir(engine, model_dir, sessions)?);
         opts.loopback_url = format!("http://{}", listener.local_addr()?);
-        let max_body = crate::loopback::DEFAULT_MAX_BODY_BYTES;
-        tokio::spawn(crate::loopback::serve(
+        let max_body = loopback::DEFAULT_MAX_BODY_BYTES;
+        tokio::spawn(loopback::serve(
             listener,
             service.clone(),
             max_body,
@@ -190,7 +181,9 @@ impl AgentPool {
 
     /// Runs every task; episodes arrive as they finish (not in task order).
     pub fn run(self: Arc<Self>, tasks: Vec<Json>) -> mpsc::Receiver<Episode> {
-        let (tx, rx) = mpsc::channel(episode_buffer(self.opts.concurrency));
+        // Finished episodes buffered before the consumer reads them: one per running episode is
+        // enough to never stall a finished one.
+        let (tx, rx) = mpsc::channel(self.opts.concurrency.max(1));
         tokio::spawn(async move {
             for (index, task) in tasks.into_iter().enumerate() {
                 // In task order: each episode starts once a slot is free, and holds it.
@@ -236,25 +229,22 @@ impl AgentPool {
         task: Json,
         sampling: Option<SamplingOverride>,
     ) -> Episode {
-        let session = format!("ep{index}-{}", crate::loopback::random_id());
+        let session = format!("ep{index}-{}", loopback::random_id());
         let started = Instant::now();
+        let timeout = self.opts.timeout;
         let outcome = match self.service.open(&session, sampling) {
-            Ok(()) => tokio::time::timeout(self.opts.timeout, self.play(&session, &task)).await,
-            Err(e) => Ok(Err(AgentError::Crashed(format!(
+            Ok(()) => tokio::time::timeout(timeout, self.play(&session, &task))
+                .await
+                .unwrap_or(Err(AgentError::TimedOut(timeout))),
+            Err(e) => Err(AgentError::Crashed(format!(
                 "the loopback session could not be opened: {e}"
-            )))),
+            ))),
         };
         // Closing the session cancels a turn still running (a killed agent's, a timed-out one's).
         let segments = self.service.take(&session).await.unwrap_or_default();
         let (status, reason, reward, info) = match outcome {
-            Ok(Ok((reward, info))) => (EpisodeStatus::Completed, None, reward, info),
-            Ok(Err(e)) => (EpisodeStatus::Failed, Some(e.to_string()), 0.0, Map::new()),
-            Err(_) => (
-                EpisodeStatus::Failed,
-                Some(AgentError::TimedOut(self.opts.timeout).to_string()),
-                0.0,
-                Map::new(),
-            ),
+            Ok((reward, info)) => (EpisodeStatus::Completed, None, reward, info),
+            Err(e) => (EpisodeStatus::Failed, Some(e.to_string()), 0.0, Map::new()),
         };
         Episode {
             index,
@@ -274,18 +264,11 @@ impl AgentPool {
         session: &str,
         task: &Json,
     ) -> Result<(f64, Map<String, Json>), AgentError> {
+        let env_loop = &self.opts.env_loop;
         match &self.agent {
             Agent::BuiltinEnv(name) => {
                 let mut env = env::builtin(name)?;
-                let out = run_env_episode(
-                    &self.service,
-                    session,
-                    env.as_mut(),
-                    task,
-                    &self.opts.env_loop,
-                )
-                .await?;
-                Ok((out.reward, out.info))
+                run_env_episode(&self.service, session, env.as_mut(), task, env_loop).await
             }
             Agent::ExternalEnv(cmd) => {
                 let idle = self.idle_envs.lock().expect("idle envs lock").pop();
@@ -295,22 +278,18 @@ impl AgentPool {
                 };
                 // An error or a timeout drops (kills) the process here; only a completed episode
                 // hands it back.
-                let out =
-                    run_env_episode(&self.service, session, &mut env, task, &self.opts.env_loop)
-                        .await?;
-                {
-                    let mut idle = self.idle_envs.lock().expect("idle envs lock");
-                    if idle.len() < self.opts.concurrency {
-                        idle.push(env);
-                    }
+                let out = run_env_episode(&self.service, session, &mut env, task, env_loop).await?;
+                let mut idle = self.idle_envs.lock().expect("idle envs lock");
+                if idle.len() < self.opts.concurrency {
+                    idle.push(env);
                 }
-                Ok((out.reward, out.info))
+                Ok(out)
             }
             Agent::Chat(cmd) => {
                 let base = &self.opts.loopback_url;
                 let openai = format!("{base}/s/{session}/v1");
                 let anthropic = format!("{base}/s/{session}");
-                let vars: Vec<(String, String)> = [
+                let vars = [
                     ("MOULT_SESSION_ID", session.to_string()),
                     ("MOULT_OPENAI_BASE_URL", openai.clone()),
                     ("MOULT_ANTHROPIC_BASE_URL", anthropic.clone()),
@@ -320,13 +299,10 @@ impl AgentPool {
                     ("OPENAI_API_KEY", "moult".into()),
                     ("ANTHROPIC_BASE_URL", anthropic),
                     ("ANTHROPIC_API_KEY", "moult".into()),
-                ]
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect();
+                ];
+                let vars = vars.map(|(k, v)| (k.to_string(), v)).to_vec();
                 let result_file = self.opts.scratch_dir.join(format!("{session}.json"));
-                let out = run_chat_agent(cmd, &vars, task, &result_file).await?;
-                Ok((out.reward, out.info))
+                run_chat_agent(cmd, vars, task, &result_file).await
             }
         }
     }

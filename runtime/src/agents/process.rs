@@ -5,22 +5,20 @@
 //!
 //! Agent code is untrusted (docs/security.md): every child starts with a cleared environment
 //! ([`agent_environment`]: no credential, only what programs need to run), in a process group of
-//! its own, and the whole group is killed when its episode is dropped (timeout, pool shutdown) or
-//! its process has answered, so nothing an agent started outlives it. Its stderr's tail is kept
+//! its own ([`ProcessGroup`]), and the whole group is killed when its episode is dropped
+//! (timeout, pool shutdown) or its process has answered, so nothing an agent started outlives it. Its stderr's tail is kept
 //! for the failure reason. An external env process may serve many episodes: each `reset` starts
 //! the next one; its answers are read a bounded line at a time.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use futures::future::BoxFuture;
 use serde_json::Value as Json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, Command};
 
 use super::env::{Env, Observation, StepResult};
-use super::sandbox::{self, Exit, Sandboxed};
+use super::sandbox::{self, Exit, ProcessGroup, Sandboxed};
 use super::AgentError;
 
 const PACKAGE: [(&str, &str); 3] = [
@@ -119,10 +117,9 @@ pub fn agent_environment(vars: impl Iterator<Item = (String, String)>) -> Vec<(S
 type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 type Writer = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
 
-/// An agent program running in a process group of its own (its pid is the group's id): dropping
-/// it kills the whole group, whatever the program started, even once the program itself has
-/// exited. It runs as a child of this process, or in the agent pod's sandbox container where
-/// `MOULT_AGENT_SANDBOX` names one ([`super::sandbox`]), with the same streams and lifetime.
+/// An agent program in a process group of its own, killed whole when this is dropped. It runs as
+/// a child of this process, or in the agent pod's sandbox container where `MOULT_AGENT_SANDBOX`
+/// names one ([`super::sandbox`]), with the same streams and lifetime.
 struct Group {
     running: Running,
     stdin: Option<Writer>,
@@ -131,11 +128,7 @@ struct Group {
 }
 
 enum Running {
-    Local {
-        child: Child,
-        /// Kept from the start: `Child::id` forgets the pid once the child has been waited for.
-        pgid: Option<nix::unistd::Pid>,
-    },
+    Local(ProcessGroup),
     /// Closing the control connection (dropping this) kills the group in the sandbox.
     Sandboxed(Sandboxed),
 }
@@ -143,8 +136,8 @@ enum Running {
 impl Group {
     /// Starts `cmd` with `extra` variables on top of its environment, its three streams piped.
     async fn spawn(cmd: &AgentCommand, extra: Vec<(String, String)>) -> Result<Self, AgentError> {
-        let mut env = cmd.environment();
-        env.extend(extra);
+        let mut env = agent_environment(std::env::vars());
+        env.extend(cmd.env.iter().cloned().chain(extra));
         if let Some(socket) = sandbox::socket() {
             let mut p = Sandboxed::spawn(socket, &cmd.program, &cmd.args, env).await?;
             return Ok(Self {
@@ -154,33 +147,20 @@ impl Group {
                 running: Running::Sandboxed(p),
             });
         }
-        let mut child = Command::new(&cmd.program)
-            .args(&cmd.args)
-            .env_clear()
-            .envs(env)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .process_group(0)
-            .spawn()
-            .map_err(|e| AgentError::Crashed(format!("cannot start `{}`: {e}", cmd.program)))?;
-        let pgid = child
-            .id()
-            .and_then(|p| i32::try_from(p).ok())
-            .map(nix::unistd::Pid::from_raw);
+        let mut p = ProcessGroup::spawn(&cmd.program, &cmd.args, env)?;
         Ok(Self {
-            stdin: child.stdin.take().map(|s| Box::new(s) as Writer),
-            stdout: child.stdout.take().map(|s| Box::new(s) as Reader),
-            stderr: child.stderr.take().map(|s| Box::new(s) as Reader),
-            running: Running::Local { child, pgid },
+            stdin: p.child.stdin.take().map(|s| Box::new(s) as Writer),
+            stdout: p.child.stdout.take().map(|s| Box::new(s) as Reader),
+            stderr: p.child.stderr.take().map(|s| Box::new(s) as Reader),
+            running: Running::Local(p),
         })
     }
 
     /// Waits for the program (not what it started) to end.
     async fn wait(&mut self) -> Result<Exit, AgentError> {
         match &mut self.running {
-            Running::Local { child, .. } => child
+            Running::Local(p) => p
+                .child
                 .wait()
                 .await
                 .map(Exit::of)
@@ -188,17 +168,26 @@ impl Group {
             Running::Sandboxed(p) => p.wait().await,
         }
     }
-}
 
-impl Drop for Group {
-    fn drop(&mut self) {
-        if let Running::Local { child, pgid } = &mut self.running {
-            if let Some(pgid) = *pgid {
-                // ESRCH (the group is gone already) is the common case, not an error.
-                let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
-            }
-            let _ = child.start_kill();
+    /// Runs `cmd` to its end with `extra` variables and `input` on its stdin; whatever it
+    /// started dies with it. Its stdout and stderr are kept (their tails).
+    async fn run(
+        cmd: &AgentCommand,
+        extra: Vec<(String, String)>,
+        input: String,
+    ) -> Result<(Exit, Tail, Tail), AgentError> {
+        let mut group = Self::spawn(cmd, extra).await?;
+        if let Some(mut stdin) = group.stdin.take() {
+            // The program may not read its stdin: written aside (an input larger than the pipe's
+            // buffer would block here otherwise), and a closed pipe is not an error.
+            tokio::spawn(async move {
+                let _ = stdin.write_all(input.as_bytes()).await;
+            });
         }
+        let stdout = Tail::keep(group.stdout.take());
+        let stderr = Tail::keep(group.stderr.take());
+        let exit = group.wait().await?;
+        Ok((exit, stdout, stderr))
     }
 }
 
@@ -239,29 +228,16 @@ impl AgentCommand {
             env: Vec::new(),
         })
     }
-
-    /// The environment the program starts with: [`agent_environment`] of this process's, and
-    /// the command's own variables.
-    fn environment(&self) -> Vec<(String, String)> {
-        let mut env = agent_environment(std::env::vars());
-        env.extend(self.env.iter().cloned());
-        env
-    }
 }
 
 /// Asks a Python agent module which form it is (`chat` or `env`).
 pub async fn describe_python(python: &str, module: &str) -> Result<String, AgentError> {
     let mut cmd = AgentCommand::python(python, module)?;
     cmd.args[2] = "describe".into();
-    let mut group = Group::spawn(&cmd, Vec::new())
+    let (exit, stdout, stderr) = Group::run(&cmd, Vec::new(), String::new())
         .await
         .map_err(|e| AgentError::Config(format!("cannot run `{python}`: {e}")))?;
-    drop(group.stdin.take());
-    let stdout = Tail::keep(group.stdout.take());
-    let stderr = Tail::keep(group.stderr.take());
-    let exit = group.wait().await?;
     // The streams end with the program; their last bytes may still be on their way.
-    drop(group);
     let (out, err) = (stdout.finished().await, stderr.finished().await);
     if !exit.success() {
         return Err(AgentError::Config(format!(
@@ -335,22 +311,15 @@ impl Tail {
     }
 }
 
-/// What a ChatAgent process reported.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ChatOutcome {
-    pub reward: f64,
-    pub info: serde_json::Map<String, Json>,
-}
-
 /// Runs one ChatAgent episode: the program gets the loopback base URLs, the session id and the
 /// task in its environment (and the task on stdin), and writes `{"reward", "info"}` to
-/// `MOULT_RESULT_FILE`.
+/// `MOULT_RESULT_FILE`; its reward and info.
 pub async fn run_chat_agent(
     cmd: &AgentCommand,
-    env: &[(String, String)],
+    mut env: Vec<(String, String)>,
     task: &Json,
     result_file: &Path,
-) -> Result<ChatOutcome, AgentError> {
+) -> Result<(f64, serde_json::Map<String, Json>), AgentError> {
     let _ = std::fs::remove_file(result_file);
     let task_text = task.to_string();
     // The task goes in a file (an environment variable's size is limited by the kernel), and in
@@ -363,29 +332,15 @@ pub async fn run_chat_agent(
         ))
     })?;
     let _task_file = RemoveOnDrop(task_file.clone());
-    let mut extra: Vec<(String, String)> = env.to_vec();
-    extra.push(("MOULT_TASK_FILE".into(), task_file.display().to_string()));
-    extra.push((
+    env.push(("MOULT_TASK_FILE".into(), task_file.display().to_string()));
+    env.push((
         "MOULT_RESULT_FILE".into(),
         result_file.display().to_string(),
     ));
     if task_text.len() <= TASK_ENV_BYTES {
-        extra.push(("MOULT_TASK".into(), task_text.clone()));
+        env.push(("MOULT_TASK".into(), task_text.clone()));
     }
-    let mut group = Group::spawn(cmd, extra).await?;
-    if let Some(mut stdin) = group.stdin.take() {
-        // The agent may not read its stdin: written aside (a task larger than the pipe's buffer
-        // would block here otherwise), and a closed pipe is not an error.
-        let line = format!("{task_text}\n");
-        tokio::spawn(async move {
-            let _ = stdin.write_all(line.as_bytes()).await;
-        });
-    }
-    let stdout = Tail::keep(group.stdout.take());
-    let stderr = Tail::keep(group.stderr.take());
-    let exit = group.wait().await?;
-    // Whatever the agent left running goes with it.
-    drop(group);
+    let (exit, stdout, stderr) = Group::run(cmd, env, format!("{task_text}\n")).await?;
     let result = std::fs::read_to_string(result_file);
     let _ = std::fs::remove_file(result_file);
     if !exit.success() {
@@ -402,17 +357,12 @@ pub async fn run_chat_agent(
     })?;
     let v: Json = serde_json::from_str(&text)
         .map_err(|e| AgentError::Crashed(format!("the agent's result is not JSON: {e}")))?;
-    let reward = v.get("reward").and_then(Json::as_f64).ok_or_else(|| {
+    let reward = v["reward"].as_f64().ok_or_else(|| {
         AgentError::Crashed(format!(
             "the agent's result has no numeric `reward`: {text}"
         ))
     })?;
-    let info = v
-        .get("info")
-        .and_then(Json::as_object)
-        .cloned()
-        .unwrap_or_default();
-    Ok(ChatOutcome { reward, info })
+    Ok((reward, v["info"].as_object().cloned().unwrap_or_default()))
 }
 
 /// An environment in another process, over JSON lines on its stdin/stdout. It serves episodes

@@ -18,14 +18,19 @@
 //! the group).
 
 use std::collections::HashMap;
+use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
+use tokio::process::{Child, Command};
+use tokio::sync::Notify;
 
 use super::AgentError;
 
@@ -49,12 +54,8 @@ fn addressable(socket: &Path) -> std::io::Result<(Option<std::fs::File>, PathBuf
     if socket.as_os_str().len() < 100 {
         return Ok((None, socket.to_path_buf()));
     }
-    let name = socket.file_name().ok_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "the socket path names no file",
-        )
-    })?;
+    let no_file = || std::io::Error::other("the socket path names no file");
+    let name = socket.file_name().ok_or_else(no_file)?;
     let folder = match socket.parent() {
         Some(p) if !p.as_os_str().is_empty() => std::fs::File::open(p)?,
         _ => std::fs::File::open(".")?,
@@ -67,16 +68,14 @@ fn addressable(socket: &Path) -> std::io::Result<(Option<std::fs::File>, PathBuf
 async fn connect(socket: &Path) -> std::io::Result<UnixStream> {
     let deadline = Instant::now() + STARTUP;
     loop {
-        let attempt = match addressable(socket) {
-            Ok((_folder, address)) => UnixStream::connect(address).await,
-            Err(e) => Err(e),
+        let attempt = async {
+            let (_folder, address) = addressable(socket)?;
+            UnixStream::connect(address).await
         };
-        match attempt {
+        match attempt.await {
             Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                ) && Instant::now() < deadline =>
+                if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::ConnectionRefused)
+                    && Instant::now() < deadline =>
             {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
@@ -161,27 +160,26 @@ pub fn socket() -> Option<&'static Path> {
         .as_deref()
 }
 
-/// Why a connection's first line could not be read.
-#[derive(Debug, thiserror::Error)]
-enum HelloError {
-    #[error(transparent)]
-    Io(#[from] std::io::Error),
-    #[error("the connection's first line is missing or over 1 MiB")]
-    Missing,
-    #[error("the first line is not UTF-8")]
-    NotUtf8,
-}
-
-async fn read_hello(conn: &mut BufReader<UnixStream>) -> Result<String, HelloError> {
+/// A connection's first line (or the control connection's next one).
+async fn read_hello(conn: &mut BufReader<UnixStream>) -> std::io::Result<String> {
     let mut line = Vec::new();
     (&mut *conn)
         .take(HELLO_BYTES)
         .read_until(b'\n', &mut line)
         .await?;
     if !line.ends_with(b"\n") {
-        return Err(HelloError::Missing);
+        let missing = "the connection's first line is missing or over 1 MiB";
+        return Err(std::io::Error::other(missing));
     }
-    String::from_utf8(line).map_err(|_| HelloError::NotUtf8)
+    String::from_utf8(line).map_err(|_| std::io::Error::other("the first line is not UTF-8"))
+}
+
+/// Connects to the sandbox and says what the connection is for: the first line of each
+/// connection (see the module docs).
+async fn open(socket: &Path, hello: impl Serialize) -> std::io::Result<UnixStream> {
+    let mut conn = connect(socket).await?;
+    send_line(&mut conn, &hello).await?;
+    Ok(conn)
 }
 
 /// Writes `value` as one JSON line.
@@ -202,7 +200,6 @@ pub struct Sandboxed {
     pub stdin: Option<UnixStream>,
     pub stdout: Option<UnixStream>,
     pub stderr: Option<UnixStream>,
-    pub pid: u32,
 }
 
 impl Sandboxed {
@@ -213,60 +210,50 @@ impl Sandboxed {
         args: &[String],
         env: Vec<(String, String)>,
     ) -> Result<Self, AgentError> {
-        let unreachable = |e: std::io::Error| {
-            AgentError::Crashed(format!(
-                "cannot reach the agent sandbox at {} ({SANDBOX_ENV}): {e}",
-                socket.display()
-            ))
-        };
         let id = format!("{:032x}", rand::random::<u128>());
-        let mut streams = Vec::with_capacity(3);
-        for stream in [Stream::Stdin, Stream::Stdout, Stream::Stderr] {
-            let mut conn = connect(socket).await.map_err(unreachable)?;
-            send_line(
-                &mut conn,
-                &Attach {
+        let attach = |stream| {
+            open(
+                socket,
+                Attach {
                     attach: id.clone(),
                     stream,
                 },
             )
-            .await
-            .map_err(unreachable)?;
-            streams.push(conn);
-        }
-        let mut control = connect(socket).await.map_err(unreachable)?;
-        send_line(
-            &mut control,
-            &Spawn {
-                spawn: id,
-                program: program.to_string(),
-                args: args.to_vec(),
-                env,
-            },
-        )
-        .await
-        .map_err(unreachable)?;
+        };
+        let spawn = Spawn {
+            spawn: id.clone(),
+            program: program.to_string(),
+            args: args.to_vec(),
+            env,
+        };
+        let connected = async {
+            let stdin = attach(Stream::Stdin).await?;
+            let stdout = attach(Stream::Stdout).await?;
+            let stderr = attach(Stream::Stderr).await?;
+            Ok(([stdin, stdout, stderr], open(socket, spawn).await?))
+        };
+        let ([stdin, stdout, stderr], control) = connected.await.map_err(|e: std::io::Error| {
+            AgentError::Crashed(format!(
+                "cannot reach the agent sandbox at {} ({SANDBOX_ENV}): {e}",
+                socket.display()
+            ))
+        })?;
         let mut control = BufReader::new(control);
         let answer = read_hello(&mut control)
             .await
             .map_err(|e| AgentError::Crashed(format!("the agent sandbox did not answer: {e}")))?;
-        let pid = match serde_json::from_str::<Answer>(&answer) {
-            Ok(Answer::Started { pid }) => pid,
-            Ok(Answer::Failed { error }) => return Err(AgentError::Crashed(error)),
-            _ => {
-                return Err(AgentError::Crashed(format!(
-                    "the agent sandbox answered {answer:?}"
-                )))
-            }
-        };
-        let mut streams = streams.into_iter();
-        Ok(Self {
-            control,
-            stdin: streams.next(),
-            stdout: streams.next(),
-            stderr: streams.next(),
-            pid,
-        })
+        match serde_json::from_str::<Answer>(&answer) {
+            Ok(Answer::Started { .. }) => Ok(Self {
+                control,
+                stdin: Some(stdin),
+                stdout: Some(stdout),
+                stderr: Some(stderr),
+            }),
+            Ok(Answer::Failed { error }) => Err(AgentError::Crashed(error)),
+            _ => Err(AgentError::Crashed(format!(
+                "the agent sandbox answered {answer:?}"
+            ))),
+        }
     }
 
     /// Waits for the program to end.
@@ -283,11 +270,8 @@ impl Sandboxed {
     }
 }
 
-/// Connections waiting for their partners, by program id.
-#[derive(Default)]
-struct Pending {
-    streams: HashMap<(String, Stream), (UnixStream, Instant)>,
-}
+/// Connections waiting for their partners, by program id, with when each arrived.
+type Pending = HashMap<(String, Stream), (UnixStream, Instant)>;
 
 /// Serves the sandbox on `socket` until the process ends: starts the programs `moult agents`
 /// asks for (see the module docs).
@@ -295,8 +279,8 @@ pub async fn serve(socket: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(socket);
     let (_folder, address) = addressable(socket)?;
     let listener = UnixListener::bind(address)?;
-    let pending = Arc::new(Mutex::new(Pending::default()));
-    let arrived = Arc::new(tokio::sync::Notify::new());
+    let pending = Arc::new(Mutex::new(Pending::new()));
+    let arrived = Arc::new(Notify::new());
     loop {
         let (conn, _) = listener.accept().await?;
         let (pending, arrived) = (pending.clone(), arrived.clone());
@@ -308,8 +292,8 @@ pub async fn serve(socket: &Path) -> std::io::Result<()> {
             if let Ok(attach) = serde_json::from_str::<Attach>(&hello) {
                 let mut p = pending.lock().expect("pending lock");
                 // Partners that never came are dropped with the next arrival.
-                p.streams.retain(|_, (_, at)| at.elapsed() < PAIRING * 3);
-                p.streams.insert(
+                p.retain(|_, (_, at)| at.elapsed() < PAIRING * 3);
+                p.insert(
                     (attach.attach, attach.stream),
                     (conn.into_inner(), Instant::now()),
                 );
@@ -326,7 +310,7 @@ pub async fn serve(socket: &Path) -> std::io::Result<()> {
 async fn streams_of(
     id: &str,
     pending: &Mutex<Pending>,
-    arrived: &tokio::sync::Notify,
+    arrived: &Notify,
 ) -> Option<[UnixStream; 3]> {
     let deadline = tokio::time::Instant::now() + PAIRING;
     loop {
@@ -334,16 +318,8 @@ async fn streams_of(
         {
             let mut p = pending.lock().expect("pending lock");
             let all = [Stream::Stdin, Stream::Stdout, Stream::Stderr];
-            if all
-                .iter()
-                .all(|s| p.streams.contains_key(&(id.to_string(), *s)))
-            {
-                let mut take = |s| p.streams.remove(&(id.to_string(), s)).map(|(c, _)| c);
-                return Some([
-                    take(Stream::Stdin)?,
-                    take(Stream::Stdout)?,
-                    take(Stream::Stderr)?,
-                ]);
+            if all.iter().all(|s| p.contains_key(&(id.to_string(), *s))) {
+                return Some(all.map(|s| p.remove(&(id.to_string(), s)).expect("present").0));
             }
         }
         if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -352,74 +328,100 @@ async fn streams_of(
     }
 }
 
-/// Runs one program for its control connection.
-async fn run(
-    spawn: Spawn,
-    mut control: UnixStream,
-    pending: &Mutex<Pending>,
-    arrived: &tokio::sync::Notify,
+/// A program in a process group of its own (its pid is the group's id), its three streams
+/// piped: dropping it kills the whole group, whatever the program started, even once the program
+/// itself has exited. Both sides start programs this way: `moult agents` without a sandbox, and
+/// the sandbox.
+#[derive(Debug)]
+pub struct ProcessGroup {
+    pub child: Child,
+    /// Kept from the start: `Child::id` forgets the pid once the child has been waited for.
+    group: Option<Pid>,
+}
+
+impl ProcessGroup {
+    /// Starts `program` with exactly `env`.
+    pub fn spawn(
+        program: &str,
+        args: &[String],
+        env: Vec<(String, String)>,
+    ) -> Result<Self, AgentError> {
+        let child = Command::new(program)
+            .args(args)
+            .env_clear()
+            .envs(env)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| AgentError::Crashed(format!("cannot start `{program}`: {e}")))?;
+        let group = child.id().and_then(|p| i32::try_from(p).ok());
+        Ok(Self {
+            child,
+            group: group.map(Pid::from_raw),
+        })
+    }
+
+    fn kill(&mut self) {
+        if let Some(group) = self.group {
+            // ESRCH (the group is gone already) is the common case, not an error.
+            let _ = killpg(group, Signal::SIGKILL);
+        }
+        let _ = self.child.start_kill();
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Copies `from` to `to` as the bytes come, in a task of its own, and closes `to` at the end.
+fn pump(
+    mut from: impl AsyncRead + Send + Unpin + 'static,
+    mut to: impl AsyncWrite + Send + Unpin + 'static,
 ) {
-    let Some([stdin_conn, stdout_conn, stderr_conn]) =
-        streams_of(&spawn.spawn, pending, arrived).await
-    else {
-        let error = "the program's streams did not arrive".to_string();
-        let _ = send_line(&mut control, &Answer::Failed { error }).await;
-        return;
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut from, &mut to).await;
+        let _ = to.shutdown().await;
+    });
+}
+
+/// Runs one program for its control connection.
+async fn run(spawn: Spawn, mut control: UnixStream, pending: &Mutex<Pending>, arrived: &Notify) {
+    let started = match streams_of(&spawn.spawn, pending, arrived).await {
+        None => Err("the program's streams did not arrive".to_string()),
+        Some(streams) => ProcessGroup::spawn(&spawn.program, &spawn.args, spawn.env)
+            .map(|p| (p, streams))
+            .map_err(|e| e.to_string()),
     };
-    let mut child = match tokio::process::Command::new(&spawn.program)
-        .args(&spawn.args)
-        .env_clear()
-        .envs(spawn.env)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-    {
-        Ok(child) => child,
-        Err(e) => {
-            let error = format!("cannot start `{}`: {e}", spawn.program);
+    let (mut p, [stdin, stdout, stderr]) = match started {
+        Ok(started) => started,
+        Err(error) => {
             let _ = send_line(&mut control, &Answer::Failed { error }).await;
             return;
         }
     };
-    let pid = child.id().unwrap_or_default();
-    let group = i32::try_from(pid).ok().map(nix::unistd::Pid::from_raw);
     // The streams' bytes, copied as they come; each copy ends with its stream.
-    let (mut from_agents, _) = stdin_conn.into_split();
-    let mut child_stdin = child.stdin.take().expect("piped");
-    tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut from_agents, &mut child_stdin).await;
-    });
-    for (mut out, conn) in [
-        (
-            Box::new(child.stdout.take().expect("piped"))
-                as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
-            stdout_conn,
-        ),
-        (
-            Box::new(child.stderr.take().expect("piped")) as _,
-            stderr_conn,
-        ),
-    ] {
-        tokio::spawn(async move {
-            let (_, mut to_agents) = conn.into_split();
-            let _ = tokio::io::copy(&mut out, &mut to_agents).await;
-            let _ = to_agents.shutdown().await;
-        });
-    }
-    let (control_read, mut control_write) = control.into_split();
+    pump(stdin, p.child.stdin.take().expect("piped"));
+    pump(p.child.stdout.take().expect("piped"), stdout);
+    pump(p.child.stderr.take().expect("piped"), stderr);
+    let (mut control_read, mut control_write) = control.into_split();
     let mut closed = Box::pin(async move {
         // The agents' side sends nothing more: the read ends when it closes the connection.
-        let mut control_read = control_read;
         let mut sink = [0u8; 64];
         while matches!(control_read.read(&mut sink).await, Ok(n) if n > 0) {}
     });
-    let started = send_line(&mut control_write, &Answer::Started { pid }).await;
-    if started.is_ok() {
+    let pid = p.child.id().unwrap_or_default();
+    if send_line(&mut control_write, &Answer::Started { pid })
+        .await
+        .is_ok()
+    {
         tokio::select! {
-            status = child.wait() => {
+            status = p.child.wait() => {
                 if let Ok(status) = status {
                     let _ = send_line(&mut control_write, &Answer::Ended { exit: Exit::of(status) }).await;
                 }
@@ -429,11 +431,8 @@ async fn run(
             () = &mut closed => {}
         }
     }
-    if let Some(group) = group {
-        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
-    }
-    let _ = child.start_kill();
-    let _ = child.wait().await;
+    p.kill();
+    let _ = p.child.wait().await;
 }
 
 #[cfg(test)]

@@ -21,8 +21,13 @@ pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>, R
     let files = files(path, &path_field)?;
     let mut tasks = Vec::new();
     for file in &files {
-        let format = spec.format.unwrap_or_else(|| format_of(file));
-        let rows = match format {
+        let parquet = file.extension().is_some_and(|e| e == "parquet");
+        let by_name = if parquet {
+            DatasetFormat::Parquet
+        } else {
+            DatasetFormat::Jsonl
+        };
+        let rows = match spec.format.unwrap_or(by_name) {
             DatasetFormat::Jsonl => read_jsonl(file, &path_field)?,
             DatasetFormat::Parquet => read_parquet(file, &path_field)?,
         };
@@ -44,51 +49,18 @@ pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>, R
     Ok(tasks)
 }
 
-/// A file's format by its extension.
-fn format_of(file: &Path) -> DatasetFormat {
-    match file.extension().and_then(|e| e.to_str()) {
-        Some("parquet") => DatasetFormat::Parquet,
-        _ => DatasetFormat::Jsonl,
-    }
-}
-
-/// Which files of a folder are task files.
-enum Matcher {
-    /// Those the file name's one `*` matches: what comes before it and after it.
-    Pattern(String, String),
-    /// `.jsonl`, `.json` and `.parquet` files.
-    TaskFiles,
-}
-
-impl Matcher {
-    fn matches(&self, name: &str) -> bool {
-        match self {
-            Matcher::Pattern(pre, post) => {
-                name.len() >= pre.len() + post.len()
-                    && name.starts_with(pre)
-                    && name.ends_with(post)
-            }
-            Matcher::TaskFiles => [".jsonl", ".json", ".parquet"]
-                .iter()
-                .any(|ext| name.ends_with(ext)),
-        }
-    }
-}
-
 /// The files `path` names: itself, the `.jsonl`/`.json`/`.parquet` files of a folder, or those
 /// its file name's one `*` matches; in name order.
 fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    let (dir, matcher) = if let Some((pre, post)) = name.split_once('*') {
+    // A pattern's folder, and what comes before its `*` and after it; or a folder's task files.
+    let (dir, pattern) = if let Some((pre, post)) = name.split_once('*') {
         if post.contains('*') {
             return Err(RunError::field(field, "one `*` at most, in the file name"));
         }
-        (
-            path.parent().unwrap_or(Path::new(".")),
-            Matcher::Pattern(pre.to_string(), post.to_string()),
-        )
+        (path.parent().unwrap_or(Path::new(".")), Some((pre, post)))
     } else if path.is_dir() {
-        (path, Matcher::TaskFiles)
+        (path, None)
     } else if path.is_file() {
         return Ok(vec![path.to_path_buf()]);
     } else {
@@ -106,7 +78,16 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
     let mut found: Vec<PathBuf> = entries
         .flatten()
         .filter(|e| e.path().is_file())
-        .filter(|e| e.file_name().to_str().is_some_and(|n| matcher.matches(n)))
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| match pattern {
+                Some((pre, post)) => {
+                    n.len() >= pre.len() + post.len() && n.starts_with(pre) && n.ends_with(post)
+                }
+                None => [".jsonl", ".json", ".parquet"]
+                    .iter()
+                    .any(|ext| n.ends_with(ext)),
+            })
+        })
         .map(|e| e.path())
         .collect();
     found.sort();

@@ -2,6 +2,9 @@
 //! `{task.FIELD}` placeholders, checked against the dataset before a run starts and filled for
 //! each episode by the judge stage (docs/algorithms.md, "LLM as judge").
 
+use std::sync::LazyLock;
+
+use regex::Regex;
 use serde_json::Value as Json;
 
 /// The judge settings of a run (from `spec.judge`).
@@ -22,57 +25,17 @@ pub struct MissingField {
     pub task: Json,
 }
 
-/// One placeholder of a judge prompt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Placeholder {
-    Response,
-    Task,
-    TaskField(String),
-}
-
-/// The placeholders of `template` with their byte ranges, in order. A placeholder is `{response}`,
-/// `{task}` or `{task.FIELD}` (FIELD of letters, digits, `_` and `-`); any other brace is text.
-fn placeholders(template: &str) -> Vec<(std::ops::Range<usize>, Placeholder)> {
-    let mut found = Vec::new();
-    let mut from = 0;
-    while let Some(open) = template[from..].find('{').map(|i| from + i) {
-        let Some(close) = template[open..].find('}').map(|i| open + i) else {
-            break;
-        };
-        let inner = &template[open + 1..close];
-        let field_ok = |f: &str| {
-            !f.is_empty()
-                && f.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-        };
-        let placeholder = match inner {
-            "response" => Some(Placeholder::Response),
-            "task" => Some(Placeholder::Task),
-            _ => inner
-                .strip_prefix("task.")
-                .filter(|f| field_ok(f))
-                .map(|f| Placeholder::TaskField(f.to_string())),
-        };
-        match placeholder {
-            Some(p) => {
-                found.push((open..close + 1, p));
-                from = close + 1;
-            }
-            // Not a placeholder (e.g. a JSON example in the prompt): go on after this brace.
-            None => from = open + 1,
-        }
-    }
-    found
-}
+/// A placeholder of a judge prompt: `{response}`, `{task}` or `{task.FIELD}` (FIELD of letters,
+/// digits, `_` and `-`, captured second); any other brace is text.
+static PLACEHOLDER: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"\{(response|task|task\.([A-Za-z0-9_-]+))\}").expect("the pattern is valid")
+});
 
 /// The task fields a prompt reads (`{task.FIELD}`), to check the dataset before a run starts.
 pub fn task_fields(template: &str) -> Vec<String> {
-    placeholders(template)
-        .into_iter()
-        .filter_map(|(_, p)| match p {
-            Placeholder::TaskField(f) => Some(f),
-            _ => None,
-        })
+    let fields = PLACEHOLDER.captures_iter(template);
+    fields
+        .filter_map(|c| Some(c.get(2)?.as_str().to_string()))
         .collect()
 }
 
@@ -83,23 +46,22 @@ pub fn task_fields(template: &str) -> Vec<String> {
 pub fn fill_prompt(template: &str, task: &Json, response: &str) -> Result<String, MissingField> {
     let mut out = String::with_capacity(template.len() + response.len());
     let mut at = 0;
-    for (range, p) in placeholders(template) {
-        out.push_str(&template[at..range.start]);
-        match p {
-            Placeholder::Response => out.push_str(response),
-            Placeholder::Task => out.push_str(&task.to_string()),
-            Placeholder::TaskField(f) => match task.get(&f) {
+    for c in PLACEHOLDER.captures_iter(template) {
+        let whole = c.get(0).expect("a match has its whole");
+        out.push_str(&template[at..whole.start()]);
+        match (&c[1], c.get(2).map(|f| f.as_str())) {
+            ("response", _) => out.push_str(response),
+            (_, None) => out.push_str(&task.to_string()),
+            (_, Some(field)) => match task.get(field) {
                 Some(Json::String(s)) => out.push_str(s),
                 Some(v) => out.push_str(&v.to_string()),
                 None => {
-                    return Err(MissingField {
-                        field: f,
-                        task: task.clone(),
-                    })
+                    let (field, task) = (field.to_string(), task.clone());
+                    return Err(MissingField { field, task });
                 }
             },
         }
-        at = range.end;
+        at = whole.end();
     }
     out.push_str(&template[at..]);
     Ok(out)

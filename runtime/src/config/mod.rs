@@ -171,14 +171,13 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
     .collect()
 }
 
-/// Resolves `path` against the manifest's folder.
-fn beside(manifest_dir: &Path, path: &str) -> PathBuf {
-    let p = Path::new(path);
-    if p.is_absolute() {
-        p.to_path_buf()
-    } else {
-        manifest_dir.join(p)
+/// `dir`, checked to be a model folder (it has a `config.json`); a refusal names `field`.
+fn model_folder(dir: &Path, field: &str) -> Result<PathBuf, RunError> {
+    if !dir.join("config.json").is_file() {
+        let why = format!("{} is not a model folder (no config.json)", dir.display());
+        return Err(RunError::field(field, why));
     }
+    Ok(dir.to_path_buf())
 }
 
 /// Reads and checks an RLRun manifest (YAML, one document: the RLRun; other documents, such as
@@ -233,7 +232,7 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
         .is_some_and(|n| n.starts_with("python"));
     let cmd = match args {
         [file] if is_python && file.ends_with(".py") => {
-            let path = beside(dir, file);
+            let path = dir.join(file);
             if !path.is_file() {
                 return Err(RunError::field(
                     "spec.agent.command",
@@ -249,7 +248,7 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
             program: program.clone(),
             args: args
                 .iter()
-                .map(|a| match beside(dir, a) {
+                .map(|a| match dir.join(a) {
                     p if !Path::new(a).is_absolute() && p.exists() => p.display().to_string(),
                     _ => a.clone(),
                 })
@@ -264,22 +263,17 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
     })
 }
 
-/// The judge of `spec.judge`, whose model folder is `model_dir` here: it exists, and every task
-/// has the fields its prompt reads.
-fn judge(run: &RLRun, model_dir: &Path, tasks: &[Json]) -> Result<Option<JudgeOptions>, RunError> {
-    let Some(spec) = &run.spec.judge else {
+/// The judge of `spec.judge`, whose model folder is `model_dir` here (`None`: this process does
+/// not judge): it exists, and every task has the fields its prompt reads.
+fn judge(
+    run: &RLRun,
+    model_dir: Option<&Path>,
+    tasks: &[Json],
+) -> Result<Option<JudgeOptions>, RunError> {
+    let (Some(spec), Some(model_dir)) = (&run.spec.judge, model_dir) else {
         return Ok(None);
     };
-    let model_dir = model_dir.to_path_buf();
-    if !model_dir.join("config.json").is_file() {
-        return Err(RunError::field(
-            "spec.judge.path",
-            format!(
-                "{} is not a model folder (no config.json)",
-                model_dir.display()
-            ),
-        ));
-    }
+    let model_dir = model_folder(model_dir, "spec.judge.path")?;
     for field in judge::task_fields(&spec.prompt) {
         if let Some(i) = tasks.iter().position(|t| t.get(&field).is_none()) {
             return Err(RunError::field(
@@ -355,17 +349,17 @@ impl Sources {
     pub fn beside_manifest(run: &RLRun, dir: &Path) -> Self {
         Self {
             dir: dir.to_path_buf(),
-            model_dir: Some(beside(dir, &run.spec.model.path)),
-            tasks: Some(beside(dir, &run.spec.agent.dataset.path)),
-            eval_tasks: run.spec.eval.as_ref().map(|e| beside(dir, &e.dataset.path)),
+            model_dir: Some(dir.join(&run.spec.model.path)),
+            tasks: Some(dir.join(&run.spec.agent.dataset.path)),
+            eval_tasks: run.spec.eval.as_ref().map(|e| dir.join(&e.dataset.path)),
             agent: true,
             teacher: run
                 .spec
                 .algorithm
                 .teacher
                 .as_ref()
-                .map(|t| beside(dir, &t.path)),
-            judge: run.spec.judge.as_ref().map(|j| beside(dir, &j.path)),
+                .map(|t| dir.join(&t.path)),
+            judge: run.spec.judge.as_ref().map(|j| dir.join(&j.path)),
         }
     }
 }
@@ -473,18 +467,7 @@ impl RunConfig {
         let dir = sources.dir.as_path();
         let name = run.metadata.name.clone().unwrap_or_else(|| "run".into());
         let model_dir = match &sources.model_dir {
-            Some(model_dir) => {
-                if !model_dir.join("config.json").is_file() {
-                    return Err(RunError::field(
-                        "spec.model.path",
-                        format!(
-                            "{} is not a model folder (no config.json)",
-                            model_dir.display()
-                        ),
-                    ));
-                }
-                model_dir.clone()
-            }
+            Some(dir) => model_folder(dir, "spec.model.path")?,
             None => PathBuf::from(&spec.model.path),
         };
         let tasks = match &sources.tasks {
@@ -513,10 +496,7 @@ impl RunConfig {
             }
             _ => None,
         };
-        let judge = match &sources.judge {
-            Some(judge_dir) => judge(&run, judge_dir, &tasks)?,
-            None => None,
-        };
+        let judge = judge(&run, sources.judge.as_deref(), &tasks)?;
         // What the spec alone decides (rollout.temperature > 0, the flags of engines.extraArgs,
         // ...) was checked by `read_manifest` through `RLRun::validate`: the CRD's own rules, so
         // the API server refuses the same manifests (docs/operator.md, "One validation").
@@ -598,13 +578,7 @@ impl RunConfig {
             routing_replay: spec.routing_replay,
             teacher_dir: match (&sources.teacher, algo.estimator) {
                 (Some(dir), Estimator::OnPolicyDistillation) => {
-                    if !dir.join("config.json").is_file() {
-                        return Err(RunError::field(
-                            "spec.algorithm.teacher.path",
-                            format!("{} is not a model folder (no config.json)", dir.display()),
-                        ));
-                    }
-                    Some(dir.clone())
+                    Some(model_folder(dir, "spec.algorithm.teacher.path")?)
                 }
                 _ => None,
             },

@@ -49,14 +49,15 @@ impl Console {
             ProgressStyle::with_template("{spinner} step {pos}/{len} · {msg}")
                 .expect("the template is valid"),
         );
+        let phase = Phase {
+            what: "setting up".into(),
+            since: Instant::now(),
+            notes: 0,
+        };
         let console = Console {
             bar,
             show,
-            phase: Arc::new(Mutex::new(Phase {
-                what: "setting up".into(),
-                since: Instant::now(),
-                notes: 0,
-            })),
+            phase: Arc::new(Mutex::new(phase)),
         };
         console.refresh();
         console
@@ -74,14 +75,11 @@ impl Console {
 
     /// The run is now doing `what` (e.g. "training"); the status line shows it with its age.
     pub fn phase(&self, what: impl Into<Cow<'static, str>>) {
-        {
-            let mut p = self.phase.lock().expect("console lock");
-            *p = Phase {
-                what: what.into(),
-                since: Instant::now(),
-                notes: 0,
-            };
-        }
+        *self.phase.lock().expect("console lock") = Phase {
+            what: what.into(),
+            since: Instant::now(),
+            notes: 0,
+        };
         self.refresh();
     }
 
@@ -131,10 +129,9 @@ impl Console {
     /// A permanent line above the status line (a step's progress line, a note); nothing with
     /// `show: false`.
     pub fn line(&self, text: &str) {
-        if !self.show {
-            return;
+        if self.show {
+            self.write_stderr(format!("{text}\n").as_bytes());
         }
-        self.write_stderr(format!("{text}\n").as_bytes());
     }
 
     /// Writes to stderr with the status line lifted out of the way.
@@ -157,18 +154,15 @@ impl Console {
     }
 
     /// A writer for log lines (a `tracing` console layer) that does not tear the status line.
-    pub fn writer(&self) -> ConsoleWriter {
-        ConsoleWriter(self.clone())
+    pub fn writer(&self) -> Console {
+        self.clone()
     }
 }
 
-/// stderr for log lines while a [`Console`] draws; `MakeWriter` for `tracing_subscriber`.
-#[derive(Clone, Debug)]
-pub struct ConsoleWriter(Console);
-
-impl Write for ConsoleWriter {
+/// stderr for log lines while the console draws.
+impl Write for Console {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.write_stderr(buf);
+        self.write_stderr(buf);
         Ok(buf.len())
     }
 
@@ -177,8 +171,8 @@ impl Write for ConsoleWriter {
     }
 }
 
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for ConsoleWriter {
-    type Writer = ConsoleWriter;
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Console {
+    type Writer = Console;
 
     fn make_writer(&'a self) -> Self::Writer {
         self.clone()

@@ -6,6 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::RunError;
@@ -125,12 +126,6 @@ impl StepRecord {
     }
 }
 
-/// Whether a field of a step record is an evaluation's: TensorBoard has those at the step the
-/// evaluation measured (from `eval.jsonl`), not at the record's.
-fn is_eval_field(tag: &str) -> bool {
-    tag.starts_with("eval_")
-}
-
 /// `metrics.jsonl`, appended one line per step, and the same numbers as TensorBoard events under
 /// `<out>/tensorboard/`.
 #[derive(Debug)]
@@ -149,18 +144,10 @@ impl MetricsLog {
     /// the later ones again, so each step appears once).
     pub fn open(out: &Path, resume_step: u64) -> Result<Self, RunError> {
         let path = out.join("metrics.jsonl");
-        let records: Vec<StepRecord> = read_lines(&path)?
-            .into_iter()
-            .filter(|r: &StepRecord| r.step <= resume_step)
-            .collect();
-        super::files::write_atomic(&path, &lines(&records))?;
+        let records = keep_lines(&path, |r: &StepRecord| r.step <= resume_step)?;
         // The evaluation at `resume_step` is run again after the resume.
         let eval_path = out.join("eval.jsonl");
-        let evals: Vec<EvalResult> = read_lines(&eval_path)?
-            .into_iter()
-            .filter(|e: &EvalResult| e.step < resume_step)
-            .collect();
-        super::files::write_atomic(&eval_path, &lines(&evals))?;
+        let evals = keep_lines(&eval_path, |e: &EvalResult| e.step < resume_step)?;
         let tensorboard = super::tensorboard::EventWriter::create(&out.join("tensorboard"))
             .inspect_err(|e| tracing::warn!("no TensorBoard events for this run: {e}"))
             .ok();
@@ -174,11 +161,7 @@ impl MetricsLog {
     }
 
     pub fn push(&mut self, record: StepRecord) -> Result<(), RunError> {
-        append_line(&self.path, &record)?;
-        let value = serde_json::to_value(&record).expect("records serialize");
-        let mut scalars = super::tensorboard::scalars_of(&value);
-        scalars.retain(|(tag, _)| !is_eval_field(tag));
-        self.tensorboard_scalars(record.step, &scalars);
+        self.append(false, record.step, &record)?;
         self.records.push(record);
         Ok(())
     }
@@ -186,18 +169,26 @@ impl MetricsLog {
     /// Appends an evaluation to `eval.jsonl`, and its numbers to TensorBoard at the step it
     /// measured.
     pub fn push_eval(&mut self, eval: EvalResult) -> Result<(), RunError> {
-        append_line(&self.eval_path, &eval)?;
-        let value = serde_json::to_value(&eval).expect("evaluations serialize");
-        let mut scalars = super::tensorboard::scalars_of(&value);
-        scalars.retain(|(tag, _)| is_eval_field(tag));
-        self.tensorboard_scalars(eval.step, &scalars);
+        self.append(true, eval.step, &eval)?;
         self.evals.push(eval);
         Ok(())
     }
 
-    fn tensorboard_scalars(&mut self, step: u64, scalars: &[(String, f64)]) {
+    /// Appends `item` to `eval.jsonl` (an evaluation) or `metrics.jsonl`, and its numbers to
+    /// TensorBoard at `step`. A step record's `eval_` fields are left out there: TensorBoard has
+    /// them at the step the evaluation measured, from `eval.jsonl`.
+    fn append(&mut self, eval: bool, step: u64, item: &impl Serialize) -> Result<(), RunError> {
+        let path = if eval { &self.eval_path } else { &self.path };
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .and_then(|mut f| f.write_all(&lines(std::slice::from_ref(item))))
+            .map_err(|e| RunError::file("writing", path, e))?;
+        let value = serde_json::to_value(item).expect("records serialize");
+        let mut scalars = super::tensorboard::scalars_of(&value);
+        scalars.retain(|(tag, _)| tag.starts_with("eval_") == eval);
         if let Some(tb) = &mut self.tensorboard {
-            if let Err(e) = tb.scalars(step, scalars) {
+            if let Err(e) = tb.scalars(step, &scalars) {
                 tracing::warn!(
                     "writing {}: {e}; no more TensorBoard events",
                     tb.path().display()
@@ -205,6 +196,7 @@ impl MetricsLog {
                 self.tensorboard = None;
             }
         }
+        Ok(())
     }
 
     pub fn records(&self) -> &[StepRecord] {
@@ -216,17 +208,24 @@ impl MetricsLog {
     }
 }
 
-/// The JSON lines of `path` that parse as `T` (none when there is no file).
-fn read_lines<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>, RunError> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => Ok(text
+/// The JSON lines of `path` that parse as `T` and pass `keep` (none when there is no file),
+/// written back as the whole file.
+fn keep_lines<T: Serialize + DeserializeOwned>(
+    path: &Path,
+    keep: impl Fn(&T) -> bool,
+) -> Result<Vec<T>, RunError> {
+    let items: Vec<T> = match std::fs::read_to_string(path) {
+        Ok(text) => text
             .lines()
-            .filter_map(|l| serde_json::from_str::<T>(l).ok())
-            .collect()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .filter(keep)
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         // Anything else (permissions, I/O): stop rather than write the log anew, empty.
-        Err(e) => Err(super::files::io("reading", path, e)),
-    }
+        Err(e) => return Err(super::files::io("reading", path, e)),
+    };
+    super::files::write_atomic(path, &lines(&items))?;
+    Ok(items)
 }
 
 fn lines<T: Serialize>(items: &[T]) -> Vec<u8> {
@@ -236,16 +235,6 @@ fn lines<T: Serialize>(items: &[T]) -> Vec<u8> {
         text.push(b'\n');
     }
     text
-}
-
-fn append_line<T: Serialize>(path: &Path, item: &T) -> Result<(), RunError> {
-    let mut line = serde_json::to_vec(item).expect("records serialize");
-    line.push(b'\n');
-    std::fs::OpenOptions::new()
-        .append(true)
-        .open(path)
-        .and_then(|mut f| f.write_all(&line))
-        .map_err(|e| RunError::file("writing", path, e))
 }
 
 fn clock(d: Duration) -> String {
@@ -285,45 +274,22 @@ pub fn progress_line(r: &StepRecord, total: u64, eta: Option<Duration>) -> Strin
 /// The reward curve as an SVG image: mean reward per step, with its ±std band.
 pub fn reward_svg(records: &[StepRecord], title: &str) -> String {
     let (w, h, left, right, top, bottom) = (720.0, 400.0, 60.0, 20.0, 40.0, 50.0);
-    let steps: Vec<f64> = records.iter().map(|r| r.step as f64).collect();
-    let (x0, x1) = (
-        steps.first().copied().unwrap_or(0.0),
-        steps.last().copied().unwrap_or(1.0).max(1.0),
-    );
-    let lo = records
-        .iter()
-        .map(|r| r.reward_mean - r.reward_std)
-        .fold(f64::INFINITY, f64::min)
-        .min(0.0);
-    let hi = records
-        .iter()
-        .map(|r| r.reward_mean + r.reward_std)
-        .fold(f64::NEG_INFINITY, f64::max)
-        .max(1.0);
+    let x0 = records.first().map_or(0.0, |r| r.step as f64);
+    let x1 = records.last().map_or(1.0, |r| r.step as f64).max(1.0);
+    let (lo, hi) = records.iter().fold((0.0f64, 1.0f64), |(lo, hi), r| {
+        let (mean, std) = (r.reward_mean, r.reward_std);
+        (lo.min(mean - std), hi.max(mean + std))
+    });
     let x = |s: f64| left + (s - x0) / (x1 - x0).max(1.0) * (w - left - right);
     let y = |v: f64| top + (hi - v) / (hi - lo).max(1e-9) * (h - top - bottom);
-    let line = |f: &dyn Fn(&StepRecord) -> f64| -> String {
-        records
-            .iter()
-            .map(|r| format!("{:.1},{:.1}", x(r.step as f64), y(f(r))))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let band = {
-        let upper = line(&|r| r.reward_mean + r.reward_std);
-        let lower: Vec<String> = records
-            .iter()
-            .rev()
-            .map(|r| {
-                format!(
-                    "{:.1},{:.1}",
-                    x(r.step as f64),
-                    y(r.reward_mean - r.reward_std)
-                )
-            })
-            .collect();
-        format!("{upper} {}", lower.join(" "))
-    };
+    let point = |r: &StepRecord, v: f64| format!("{:.1},{:.1}", x(r.step as f64), y(v));
+    let upper = records
+        .iter()
+        .map(|r| point(r, r.reward_mean + r.reward_std));
+    let lower = records
+        .iter()
+        .rev()
+        .map(|r| point(r, r.reward_mean - r.reward_std));
     let mut svg = format!(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
@@ -333,24 +299,27 @@ pub fn reward_svg(records: &[StepRecord], title: &str) -> String {
 "##,
         tx = w / 2.0,
         title = title.replace('&', "&amp;").replace('<', "&lt;"),
-        mean = line(&|r| r.reward_mean),
+        band = upper.chain(lower).collect::<Vec<_>>().join(" "),
+        mean = records
+            .iter()
+            .map(|r| point(r, r.reward_mean))
+            .collect::<Vec<_>>()
+            .join(" "),
     );
+    // Five ticks on each axis: a grid line and label per reward, a label per step.
     for k in 0..=4 {
-        let v = lo + (hi - lo) * k as f64 / 4.0;
+        let (v, s) = (
+            lo + (hi - lo) * k as f64 / 4.0,
+            x0 + (x1 - x0) * k as f64 / 4.0,
+        );
         svg += &format!(
-            "<line x1=\"{left}\" x2=\"{:.1}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{v:.2}</text>\n",
+            "<line x1=\"{left}\" x2=\"{:.1}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{v:.2}</text>\n<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{s:.0}</text>\n",
             w - right,
             left - 6.0,
             y(v) + 4.0,
-            yy = y(v),
-        );
-    }
-    for k in 0..=4 {
-        let s = x0 + (x1 - x0) * k as f64 / 4.0;
-        svg += &format!(
-            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{s:.0}</text>\n",
             x(s),
-            h - bottom + 18.0
+            h - bottom + 18.0,
+            yy = y(v),
         );
     }
     svg += &format!(

@@ -126,11 +126,7 @@ impl EventWriter {
 pub fn scalars_of(record: &serde_json::Value) -> Vec<(String, f64)> {
     fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<(String, f64)>) {
         match v {
-            serde_json::Value::Number(n) => {
-                if let Some(x) = n.as_f64() {
-                    out.push((prefix.to_string(), x));
-                }
-            }
+            serde_json::Value::Number(n) => out.extend(n.as_f64().map(|x| (prefix.to_string(), x))),
             serde_json::Value::Bool(b) => out.push((prefix.to_string(), f64::from(u8::from(*b)))),
             serde_json::Value::Object(map) => {
                 for (k, v) in map {

@@ -69,50 +69,39 @@ pub async fn evaluate(
     progress: &(dyn Fn(usize, usize) + Send + Sync),
 ) -> EvalResult {
     let started = Instant::now();
-    let k = opts.samples.max(1);
-    let total = opts.tasks.len() * k;
-    // (task, reward, passed) per episode, in whatever order they finish.
-    let mut outcomes = Vec::with_capacity(total);
+    let (tasks, k) = (opts.tasks.len(), opts.samples.max(1));
+    let total = tasks * k;
     let mut episodes = futures::stream::iter((0..total).map(|i| {
         let task = opts.tasks[i / k].clone();
         async move { (i / k, runner.run(i, task, Some(opts.sampling)).await) }
     }))
     .buffer_unordered(opts.concurrency.max(1));
-    while let Some((task, episode)) = episodes.next().await {
-        let failed = episode.status == EpisodeStatus::Failed;
-        if failed {
-            tracing::warn!(task, reason = ?episode.reason, "an evaluation episode failed");
-        }
-        let reward = if failed { 0.0 } else { episode.reward };
-        outcomes.push((task, reward, !failed && reward >= opts.pass_reward, failed));
-        progress(outcomes.len(), total);
-    }
-    summarize(&outcomes, opts.tasks.len(), k, (step, version), started)
-}
-
-/// The numbers of an evaluation from its episodes' `(task, reward, passed, failed)`.
-fn summarize(
-    outcomes: &[(usize, f64, bool, bool)],
-    tasks: usize,
-    k: usize,
-    (step, policy_version): (u64, u64),
-    started: Instant,
-) -> EvalResult {
-    let n = outcomes.len().max(1) as f64;
+    let (mut done, mut failed, mut passed, mut reward) = (0, 0, 0, 0.0);
     let mut task_passed = vec![false; tasks];
-    for &(task, _, passed, _) in outcomes {
-        task_passed[task] |= passed;
+    while let Some((task, episode)) = episodes.next().await {
+        if episode.status == EpisodeStatus::Failed {
+            // Counted as reward 0, not passed.
+            tracing::warn!(task, reason = ?episode.reason, "an evaluation episode failed");
+            failed += 1;
+        } else {
+            let pass = episode.reward >= opts.pass_reward;
+            (reward, passed) = (reward + episode.reward, passed + usize::from(pass));
+            task_passed[task] |= pass;
+        }
+        done += 1;
+        progress(done, total);
     }
+    let n = total.max(1) as f64;
     EvalResult {
         step,
-        policy_version,
-        eval_reward_mean: outcomes.iter().map(|o| o.1).sum::<f64>() / n,
+        policy_version: version,
+        eval_reward_mean: reward / n,
         eval_pass_at_k: task_passed.iter().filter(|p| **p).count() as f64 / tasks.max(1) as f64,
-        eval_pass_at_1: outcomes.iter().filter(|o| o.2).count() as f64 / n,
+        eval_pass_at_1: passed as f64 / n,
         eval_k: k,
         eval_tasks: tasks,
-        eval_episodes: outcomes.len(),
-        eval_failed: outcomes.iter().filter(|o| o.3).count(),
+        eval_episodes: total,
+        eval_failed: failed,
         eval_seconds: started.elapsed().as_secs_f64(),
     }
 }

@@ -198,7 +198,7 @@ struct Shared {
 pub struct RolloutPool {
     shared: Arc<Shared>,
     /// The task that draws tasks; it owns every group's task, so aborting it stops them all.
-    driver: Arc<Mutex<Option<tokio::task::AbortHandle>>>,
+    driver: tokio::task::AbortHandle,
 }
 
 impl RolloutPool {
@@ -232,19 +232,15 @@ impl RolloutPool {
         let permits = Arc::new(Semaphore::new(opts.max_groups()));
         // The queue itself never blocks a finished group: the permits already bound it.
         let (tx, rx) = mpsc::channel(opts.max_groups());
-        let pool = Self {
-            shared: shared.clone(),
-            driver: Arc::new(Mutex::new(None)),
-        };
+        let pool_shared = shared.clone();
         let driver = tokio::spawn(async move {
             let mut next_episode = 0usize;
             // Dropping the set (when this task is aborted) aborts every running group.
             let mut groups = tokio::task::JoinSet::new();
             loop {
                 while groups.try_join_next().is_some() {}
-                let permit = match permits.clone().acquire_owned().await {
-                    Ok(p) => p,
-                    Err(_) => return,
+                let Ok(permit) = permits.clone().acquire_owned().await else {
+                    return;
                 };
                 if tx.is_closed() {
                     return;
@@ -252,11 +248,8 @@ impl RolloutPool {
                 let (task_index, epoch) = {
                     let mut s = shared.state.lock().expect("state lock");
                     let at = (s.cursor, s.epoch);
-                    s.cursor += 1;
-                    if s.cursor == dataset.len() {
-                        s.cursor = 0;
-                        s.epoch += 1;
-                    }
+                    s.cursor = (s.cursor + 1) % dataset.len();
+                    s.epoch += usize::from(s.cursor == 0);
                     at
                 };
                 shared.stats.lock().expect("stats lock").groups_started += 1;
@@ -290,8 +283,14 @@ impl RolloutPool {
                 });
             }
         });
-        *pool.driver.lock().expect("driver lock") = Some(driver.abort_handle());
-        Ok((pool, rx))
+        let driver = driver.abort_handle();
+        Ok((
+            Self {
+                shared: pool_shared,
+                driver,
+            },
+            rx,
+        ))
     }
 
     /// Checks a finished group against failures, malformed episodes and the staleness bound.
@@ -299,44 +298,33 @@ impl RolloutPool {
         let limits = *shared.limits.lock().expect("limits lock");
         let mut stats = shared.stats.lock().expect("stats lock");
         stats.groups_done += 1;
-        if let Some(failed) = group
-            .episodes
-            .iter()
-            .find(|e| e.status == EpisodeStatus::Failed)
-        {
+        let (task, episodes) = (group.task_index, &group.episodes);
+        if let Some(failed) = episodes.iter().find(|e| e.status == EpisodeStatus::Failed) {
             stats.dropped_failed += 1;
-            tracing::warn!(task = group.task_index, reason = ?failed.reason, "group dropped: an episode failed");
+            tracing::warn!(task, reason = ?failed.reason, "group dropped: an episode failed");
             return None;
         }
         let now = shared.version.load(Ordering::Relaxed);
-        if let Some(reason) = group
-            .episodes
+        if let Some(reason) = episodes
             .iter()
             .find_map(|e| validate::check(e, &limits, now).err())
         {
             stats.dropped_invalid += 1;
-            tracing::warn!(task = group.task_index, %reason, "group dropped: a malformed episode");
+            tracing::warn!(task, %reason, "group dropped: a malformed episode");
             return None;
         }
         if group.stale(now, opts.max_staleness) {
             stats.dropped_stale += 1;
-            tracing::debug!(
-                task = group.task_index,
-                oldest = group.oldest_version,
-                now,
-                "group dropped: too stale"
-            );
+            let oldest = group.oldest_version;
+            tracing::debug!(task, oldest, now, "group dropped: too stale");
             return None;
         }
         if let Some(cap) = opts.dynamic_sampling {
             let looked_at = shared.looked_at.fetch_add(1, Ordering::Relaxed) + 1;
-            if looked_at <= cap as u64 && rewards_all_equal(&group.episodes) {
+            if looked_at <= cap as u64 && rewards_all_equal(episodes) {
                 stats.groups_filtered += 1;
-                tracing::debug!(
-                    task = group.task_index,
-                    reward = group.episodes.first().map(|e| e.reward),
-                    "group dropped: every reward is equal"
-                );
+                let reward = episodes.first().map(|e| e.reward);
+                tracing::debug!(task, reward, "group dropped: every reward is equal");
                 return None;
             }
         }
@@ -346,9 +334,7 @@ impl RolloutPool {
     /// Stops drawing tasks and abandons the episodes in flight (their agents are killed and
     /// their engine requests aborted): the end of a run.
     pub fn stop(&self) {
-        if let Some(driver) = self.driver.lock().expect("driver lock").take() {
-            driver.abort();
-        }
+        self.driver.abort();
     }
 
     /// Token ids of later episodes must be below `vocab_size` (a coordinator learns it from the

@@ -12,9 +12,10 @@
 //! (the judge is broken, and training on all-zero scores would only hide it); a cluster's
 //! coordinator asks again after a pause (the judge's engines may be starting or replaced).
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use futures::future::BoxFuture;
+use regex::Regex;
 
 use super::{Stage, StepBatch};
 use crate::chat::{ChatRequest, ChatSampling, Message, Role, Tokenizer};
@@ -50,44 +51,23 @@ pub struct JudgeStats {
 /// yes/no (1/0), whichever comes first; `None` when there is neither. Text up to a closing
 /// `</think>` is the judge's reasoning and not read.
 pub fn parse_score(answer: &str) -> Option<f64> {
+    // A number (`3`, `0.75`, `.5`) or a word; the first number, or word that is yes or no, counts.
+    static TOKEN: LazyLock<Regex> = LazyLock::new(|| {
+        Regex::new(r"[0-9]+(\.[0-9]+)?|\.[0-9]+|[A-Za-z]+").expect("the pattern is valid")
+    });
     let answer = answer.rsplit_once("</think>").map_or(answer, |(_, a)| a);
-    let bytes = answer.as_bytes();
-    let mut i = 0;
-    while i < bytes.len() {
-        let c = bytes[i];
-        if c.is_ascii_digit() || (c == b'.' && bytes.get(i + 1).is_some_and(u8::is_ascii_digit)) {
-            let negative = i > 0 && bytes[i - 1] == b'-';
-            let mut end = i;
-            while end < bytes.len() && bytes[end].is_ascii_digit() {
-                end += 1;
+    TOKEN
+        .find_iter(answer)
+        .find_map(|m| match m.as_str().to_ascii_lowercase().as_str() {
+            "yes" => Some(1.0),
+            "no" => Some(0.0),
+            word if word.starts_with(|c: char| c.is_ascii_alphabetic()) => None,
+            number => {
+                let value: f64 = number.parse().ok()?;
+                let negative = answer[..m.start()].ends_with('-');
+                Some(if negative { -value } else { value }.clamp(0.0, 1.0))
             }
-            if end + 1 < bytes.len() && bytes[end] == b'.' && bytes[end + 1].is_ascii_digit() {
-                end += 1;
-                while end < bytes.len() && bytes[end].is_ascii_digit() {
-                    end += 1;
-                }
-            }
-            let text = &answer[i..end];
-            let value: f64 = text.parse().ok()?;
-            let value = if negative { -value } else { value };
-            return Some(value.clamp(0.0, 1.0));
-        }
-        if c.is_ascii_alphabetic() {
-            let mut end = i;
-            while end < bytes.len() && bytes[end].is_ascii_alphabetic() {
-                end += 1;
-            }
-            match answer[i..end].to_ascii_lowercase().as_str() {
-                "yes" => return Some(1.0),
-                "no" => return Some(0.0),
-                _ => {}
-            }
-            i = end;
-            continue;
-        }
-        i += 1;
-    }
-    None
+        })
 }
 
 /// The token ids of the episode's final reply: the last run of sampled tokens (loss mask 1) of
@@ -96,11 +76,13 @@ pub fn final_reply_ids(segments: &[Segment]) -> &[i64] {
     let Some(last) = segments.last() else {
         return &[];
     };
-    let mask = &last.loss_mask;
-    let Some(end) = mask.iter().rposition(|&m| m == 1).map(|i| i + 1) else {
-        return &[];
-    };
-    let start = mask[..end]
+    // No sampled token: `end` 0, an empty reply.
+    let end = last
+        .loss_mask
+        .iter()
+        .rposition(|&m| m == 1)
+        .map_or(0, |i| i + 1);
+    let start = last.loss_mask[..end]
         .iter()
         .rposition(|&m| m != 1)
         .map_or(0, |i| i + 1);
@@ -108,6 +90,7 @@ pub fn final_reply_ids(segments: &[Segment]) -> &[i64] {
 }
 
 /// One episode's verdict.
+#[derive(Clone, Copy, PartialEq)]
 enum Verdict {
     Score(f64),
     Unparsed,
@@ -115,14 +98,6 @@ enum Verdict {
 }
 
 impl Judge {
-    pub fn new(service: Arc<ChatService>, policy_tokenizer: Tokenizer, opts: JudgeOptions) -> Self {
-        Self {
-            service,
-            policy_tokenizer,
-            opts,
-        }
-    }
-
     /// A judge asking the engines behind `engine_url` (which serve `opts.model_dir`), with the
     /// judge's tokenizer and chat template, about replies read with the tokenizer of the
     /// policy in `policy_dir`; room for the `episodes` of a step at once.
@@ -140,9 +115,12 @@ impl Judge {
             // One session per reply of a step, each taken as soon as it is answered.
             crate::loopback::ServiceOptions::pool(episodes.max(1), "judge"),
         );
-        let policy_tokenizer =
-            Tokenizer::from_model_dir(policy_dir).map_err(|e| RunError::Setup(e.to_string()))?;
-        Ok(Self::new(Arc::new(service), policy_tokenizer, opts.clone()))
+        Ok(Self {
+            service: Arc::new(service),
+            policy_tokenizer: Tokenizer::from_model_dir(policy_dir)
+                .map_err(|e| RunError::Setup(e.to_string()))?,
+            opts: opts.clone(),
+        })
     }
 
     /// Asks the judge about one reply (one user message, greedy, `maxTokens`).
@@ -209,22 +187,13 @@ impl Judge {
             }
         }
         let verdicts = futures::future::join_all(asks).await;
-        let mut stats = JudgeStats::default();
         let n = verdicts.len();
-        let scores: Vec<f64> = verdicts
-            .into_iter()
-            .map(|verdict| match verdict {
-                Verdict::Score(s) => s,
-                Verdict::Unparsed => {
-                    stats.unparsed += 1;
-                    0.0
-                }
-                Verdict::Failed => {
-                    stats.failed += 1;
-                    0.0
-                }
-            })
-            .collect();
+        let count = |v: Verdict| verdicts.iter().filter(|&&w| w == v).count();
+        let mut stats = JudgeStats {
+            unparsed: count(Verdict::Unparsed),
+            failed: count(Verdict::Failed),
+            ..JudgeStats::default()
+        };
         if n > 0 && stats.failed == n {
             // The batch is left as it was: it may be judged again (a judge that is starting).
             return Err(RunError::Setup(format!(
@@ -232,7 +201,12 @@ impl Judge {
             )));
         }
         let episodes = batch.iter_mut().flat_map(|g| g.episodes.iter_mut());
-        for (episode, score) in episodes.zip(scores) {
+        for (episode, verdict) in episodes.zip(verdicts) {
+            let score = if let Verdict::Score(s) = verdict {
+                s
+            } else {
+                0.0
+            };
             stats.agent_reward_mean += episode.reward;
             stats.judge_score_mean += score;
             episode.reward = self.opts.agent_weight * episode.reward + self.opts.weight * score;

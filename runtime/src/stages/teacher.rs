@@ -12,9 +12,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-
 use futures::future::BoxFuture;
+use futures::{StreamExt, TryStreamExt};
 
 use super::{Stage, StepBatch};
 use crate::engine::client::EngineError;
@@ -65,15 +64,11 @@ impl Teacher {
             })
             .collect();
         let tokens = asks.iter().map(|(_, _, t)| t.len()).sum();
-        let scores: Vec<_> = futures::stream::iter(asks)
-            .map(|(at, id, tokens)| async move { (at, self.score(&id, &tokens).await) })
+        let scored: Vec<_> = futures::stream::iter(asks)
+            .map(|(at, id, tokens)| async move { self.score(&id, &tokens).await.map(|s| (at, s)) })
             .buffer_unordered(IN_FLIGHT)
-            .collect()
-            .await;
-        let mut scored = Vec::with_capacity(scores.len());
-        for (at, score) in scores {
-            scored.push((at, score?));
-        }
+            .try_collect()
+            .await?;
         for ((g, e, s), logprobs) in scored {
             batch[g].episodes[e].segments[s].teacher_logprobs = Some(logprobs);
         }
