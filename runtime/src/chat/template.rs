@@ -115,15 +115,6 @@ fn alias_reasoning(messages: &Json) -> Json {
     messages
 }
 
-/// A special token in `tokenizer_config.json`: a string or an `AddedToken` object.
-fn token_text(v: &Json) -> Option<Json> {
-    match v {
-        Json::String(_) => Some(v.clone()),
-        Json::Object(o) => o.get("content").cloned(),
-        _ => None,
-    }
-}
-
 impl ChatTemplate {
     /// Compiles `source` with the special tokens it may reference (`bos_token`, ...).
     pub fn new(source: &str, special_tokens: Map<String, Json>) -> Result<Self, TemplateError> {
@@ -182,16 +173,12 @@ impl ChatTemplate {
             })?,
             Err(_) => Map::new(),
         };
-        let special_tokens: Map<String, Json> =
-            ["bos_token", "eos_token", "pad_token", "unk_token"]
-                .iter()
-                .filter_map(|k| {
-                    config
-                        .get(*k)
-                        .and_then(token_text)
-                        .map(|v| (k.to_string(), v))
-                })
-                .collect();
+        // A special token is a string or an `AddedToken` object.
+        let token = |v: &Json| v.get("content").unwrap_or(v).as_str().map(Json::from);
+        let special_tokens = ["bos_token", "eos_token", "pad_token", "unk_token"]
+            .into_iter()
+            .filter_map(|k| Some((k.to_string(), token(config.get(k)?)?)))
+            .collect();
         let file = dir.join("chat_template.jinja");
         let mut origin = file.display().to_string();
         let source = if let Ok(text) = std::fs::read_to_string(&file) {
