@@ -322,8 +322,18 @@ pub fn check_sampling(
     Ok(())
 }
 
-/// Parses tool-call arguments given as a JSON string (OpenAI sends them so) into an object.
-pub fn arguments_object(param: &str, text: &str) -> Result<Json, InvalidRequest> {
+/// Tool-call arguments as sent: none (`{}`), an object, or a JSON string of one (OpenAI sends
+/// them so).
+pub fn arguments_object(param: &str, value: Option<&Json>) -> Result<Json, InvalidRequest> {
+    let text = match value {
+        None | Some(Json::Null) => return Ok(Json::Object(Map::new())),
+        Some(v @ Json::Object(_)) => return Ok(v.clone()),
+        Some(Json::String(text)) => text,
+        Some(_) => {
+            let message = "arguments must be a JSON string (or object)";
+            return Err(InvalidRequest::new(param, message));
+        }
+    };
     if text.trim().is_empty() {
         return Ok(Json::Object(Map::new()));
     }
@@ -368,18 +378,10 @@ mod tests {
 
     #[test]
     fn arguments_must_be_an_object() {
-        assert_eq!(arguments_object("a", "").unwrap(), json!({}));
-        assert_eq!(
-            arguments_object("a", "{\"k\": 2}").unwrap(),
-            json!({"k": 2})
-        );
-        assert!(arguments_object("a", "[1]")
-            .unwrap_err()
-            .message
-            .contains("object"));
-        assert!(arguments_object("a", "{")
-            .unwrap_err()
-            .message
-            .contains("JSON"));
+        let text = |t: &str| arguments_object("a", Some(&json!(t)));
+        assert_eq!(text("").unwrap(), json!({}));
+        assert_eq!(text("{\"k\": 2}").unwrap(), json!({"k": 2}));
+        assert!(text("[1]").unwrap_err().message.contains("object"));
+        assert!(text("{").unwrap_err().message.contains("JSON"));
     }
 }

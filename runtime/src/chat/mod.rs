@@ -14,10 +14,9 @@ pub use messages::{
     arguments_object, check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message,
     Part, Role, SamplingOverride, Tool, ToolCall,
 };
-pub use pyjson::{dumps as python_json_dumps, DumpOptions};
 pub use template::{ChatTemplate, RenderOptions, TemplateError};
 pub use tokenizer::{Tokenizer, TokenizerError};
 pub use tool_parser::{
-    parser_for_template, Hermes, Llama3Json, MistralTools, NoTools, ParsedCall, ParsedOutput,
-    Pythonic, ToolCallParser,
+    parser_for_template, Hermes, Llama3Json, MistralTools, NoTools, ParsedOutput, Pythonic,
+    ToolCallParser,
 };

@@ -15,121 +15,72 @@ pub struct DumpOptions {
 }
 
 pub fn dumps(value: &Value, opts: &DumpOptions) -> String {
-    let (item, key) = opts.separators.clone().unwrap_or_else(|| {
-        if opts.indent.is_some() {
-            (",".into(), ": ".into())
-        } else {
-            (", ".into(), ": ".into())
-        }
-    });
+    let item = if opts.indent.is_some() { "," } else { ", " };
+    let (item, key) = (opts.separators.clone()).unwrap_or((item.into(), ": ".into()));
     let mut out = String::new();
     write(value, opts, &item, &key, 0, &mut out);
     out
 }
 
-fn newline(opts: &DumpOptions, depth: usize, out: &mut String) {
-    if let Some(indent) = opts.indent {
-        out.push('\n');
-        out.push_str(&" ".repeat(indent * depth));
-    }
-}
-
 fn write(value: &Value, opts: &DumpOptions, item: &str, key: &str, depth: usize, out: &mut String) {
-    match value {
-        Value::Null => out.push_str("null"),
-        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
-        Value::Number(n) => out.push_str(&python_number(n)),
-        Value::String(s) => write_str(s, out),
-        Value::Array(items) => {
-            if items.is_empty() {
-                out.push_str("[]");
-                return;
-            }
-            out.push('[');
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item);
-                }
-                newline(opts, depth + 1, out);
-                write(v, opts, item, key, depth + 1, out);
-            }
-            newline(opts, depth, out);
-            out.push(']');
-        }
+    let (open, close, entries): (char, char, Vec<(Option<&String>, &Value)>) = match value {
+        Value::Null => return out.push_str("null"),
+        Value::Bool(b) => return out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => return out.push_str(&python_number(n)),
+        Value::String(s) => return write_str(s, out),
+        Value::Array(items) => ('[', ']', items.iter().map(|v| (None, v)).collect()),
         Value::Object(map) => {
-            if map.is_empty() {
-                out.push_str("{}");
-                return;
-            }
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            let mut entries: Vec<_> = map.iter().map(|(k, v)| (Some(k), v)).collect();
             if opts.sort_keys {
-                entries.sort_by(|a, b| a.0.cmp(b.0));
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
             }
-            out.push('{');
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item);
-                }
-                newline(opts, depth + 1, out);
-                write_str(k, out);
-                out.push_str(key);
-                write(v, opts, item, key, depth + 1, out);
-            }
-            newline(opts, depth, out);
-            out.push('}');
+            ('{', '}', entries)
         }
+    };
+    out.push(open);
+    if entries.is_empty() {
+        return out.push(close);
     }
+    let newline = |depth: usize, out: &mut String| {
+        if let Some(indent) = opts.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(indent * depth));
+        }
+    };
+    for (i, (k, v)) in entries.into_iter().enumerate() {
+        if i > 0 {
+            out.push_str(item);
+        }
+        newline(depth + 1, out);
+        if let Some(k) = k {
+            write_str(k, out);
+            out.push_str(key);
+        }
+        write(v, opts, item, key, depth + 1, out);
+    }
+    newline(depth, out);
+    out.push(close);
 }
 
+/// A JSON string as Python writes it with `ensure_ascii=False`: the same escapes as serde_json's
+/// (`\"`, `\\`, `\n`, `\r`, `\t`, `\b`, `\f`, other control characters as `\u00XX`).
 fn write_str(s: &str, out: &mut String) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
+    out.push_str(&serde_json::to_string(s).expect("a string serializes"));
 }
 
 /// Integers as written; floats as Python's `repr` (shortest round-trip, `1.0`, `1e-05`, `1e+16`).
+/// A JSON number is never NaN or infinite.
 fn python_number(n: &serde_json::Number) -> String {
-    if let Some(i) = n.as_i64() {
-        return i.to_string();
-    }
-    if let Some(u) = n.as_u64() {
-        return u.to_string();
-    }
-    let f = n.as_f64().unwrap_or(f64::NAN);
-    if f.is_nan() {
-        return "NaN".into();
-    }
-    if f.is_infinite() {
-        return if f > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
-    }
+    let Some(f) = n.as_f64().filter(|_| n.is_f64()) else {
+        return n.to_string();
+    };
     // Rust's `{:e}` is the shortest round-trip digits; Python switches to exponent notation
-    // below 1e-4 and at or above 1e16.
+    // below 1e-4 and at or above 1e16, as Rust's `{:?}` does (which also writes `1.0`).
     let sci = format!("{f:e}");
     let (mantissa, exp) = sci.split_once('e').expect("`{:e}` has an exponent");
     let exp: i32 = exp.parse().expect("integer exponent");
     if (-4..16).contains(&exp) {
-        let plain = format!("{f}");
-        if plain.contains('.') {
-            plain
-        } else {
-            format!("{plain}.0")
-        }
+        format!("{f:?}")
     } else {
         let sign = if exp < 0 { "-" } else { "+" };
         format!("{mantissa}e{sign}{:02}", exp.abs())

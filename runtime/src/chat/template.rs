@@ -53,12 +53,10 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
         .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let indent: Option<usize> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
-    let separators: Option<Vec<String>> = kwargs.get("separators")?;
     let _ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
-    kwargs.assert_all_used()?;
-    let separators = match separators {
+    let separators = match kwargs.get::<Option<Vec<String>>>("separators")?.as_deref() {
         None => None,
-        Some(s) if s.len() == 2 => Some((s[0].clone(), s[1].clone())),
+        Some([item, key]) => Some((item.clone(), key.clone())),
         Some(_) => {
             return Err(minijinja::Error::new(
                 ErrorKind::InvalidOperation,
@@ -66,6 +64,7 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
             ))
         }
     };
+    kwargs.assert_all_used()?;
     let opts = DumpOptions {
         indent,
         sort_keys: sort_keys.unwrap_or(false),
@@ -80,124 +79,40 @@ fn raise_exception(message: String) -> Result<Value, minijinja::Error> {
 
 /// `strftime_now(format)`: the current UTC date and time, for the directives templates use.
 fn strftime_now(format: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    strftime(secs, &format)
+    strftime(chrono::Utc::now().timestamp(), &format)
 }
 
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-const DAYS: [&str; 7] = [
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-];
-
-/// Formats Unix seconds (UTC) with `%d %m %Y %y %b %B %a %A %H %M %S %j %%`.
+/// Formats Unix seconds (UTC) as Python's `strftime` does; a format chrono cannot read is
+/// returned as it is.
 fn strftime(secs: i64, format: &str) -> String {
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    let cumulative = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = cumulative[(month - 1) as usize] + day + i64::from(leap && month > 2);
-    let weekday = DAYS[days.rem_euclid(7) as usize];
+    use std::fmt::Write as _;
+    let time = chrono::DateTime::from_timestamp(secs, 0).unwrap_or_default();
     let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", year % 100)),
-            Some('b') => out.push_str(&MONTHS[(month - 1) as usize][..3]),
-            Some('B') => out.push_str(MONTHS[(month - 1) as usize]),
-            Some('a') => out.push_str(&weekday[..3]),
-            Some('A') => out.push_str(weekday),
-            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", rem % 3600 / 60)),
-            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
-            Some('j') => out.push_str(&format!("{yday:03}")),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
+    match write!(out, "{}", time.format(format)) {
+        Ok(()) => out,
+        Err(_) => format.to_string(),
     }
-    out
 }
 
 /// transformers fills `reasoning_content` (and `thinking`) from whichever reasoning field a
 /// message carries, so templates reading any of the names see it.
 fn alias_reasoning(messages: &Json) -> Json {
-    let Some(list) = messages.as_array() else {
-        return messages.clone();
-    };
-    Json::Array(
-        list.iter()
-            .map(|m| {
-                let Some(obj) = m.as_object() else {
-                    return m.clone();
-                };
-                let reasoning = ["reasoning_content", "thinking", "reasoning"]
-                    .iter()
-                    .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned());
-                match reasoning {
-                    None => m.clone(),
-                    Some(r) => {
-                        let mut out = Map::new();
-                        out.insert("thinking".into(), r.clone());
-                        for (k, v) in obj {
-                            out.insert(k.clone(), v.clone());
-                        }
-                        out.insert("reasoning_content".into(), r);
-                        Json::Object(out)
-                    }
-                }
-            })
-            .collect(),
-    )
-}
-
-/// A special token in `tokenizer_config.json`: a string or an `AddedToken` object.
-fn token_text(v: &Json) -> Option<Json> {
-    match v {
-        Json::String(_) => Some(v.clone()),
-        Json::Object(o) => o.get("content").cloned(),
-        _ => None,
+    let mut messages = messages.clone();
+    for m in messages.as_array_mut().into_iter().flatten() {
+        let Some(obj) = m.as_object_mut() else {
+            continue;
+        };
+        let reasoning = ["reasoning_content", "thinking", "reasoning"]
+            .iter()
+            .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned());
+        if let Some(r) = reasoning {
+            if !obj.contains_key("thinking") {
+                obj.shift_insert(0, "thinking".into(), r.clone());
+            }
+            obj.insert("reasoning_content".into(), r);
+        }
     }
+    messages
 }
 
 impl ChatTemplate {
@@ -258,16 +173,12 @@ impl ChatTemplate {
             })?,
             Err(_) => Map::new(),
         };
-        let special_tokens: Map<String, Json> =
-            ["bos_token", "eos_token", "pad_token", "unk_token"]
-                .iter()
-                .filter_map(|k| {
-                    config
-                        .get(*k)
-                        .and_then(token_text)
-                        .map(|v| (k.to_string(), v))
-                })
-                .collect();
+        // A special token is a string or an `AddedToken` object.
+        let token = |v: &Json| v.get("content").unwrap_or(v).as_str().map(Json::from);
+        let special_tokens = ["bos_token", "eos_token", "pad_token", "unk_token"]
+            .into_iter()
+            .filter_map(|k| Some((k.to_string(), token(config.get(k)?)?)))
+            .collect();
         let file = dir.join("chat_template.jinja");
         let mut origin = file.display().to_string();
         let source = if let Ok(text) = std::fs::read_to_string(&file) {

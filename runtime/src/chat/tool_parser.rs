@@ -20,13 +20,13 @@ use super::messages::ToolCall;
 pub struct ParsedOutput {
     /// Text before the first tool call (`None` when empty).
     pub content: Option<String>,
-    /// Calls without ids; the server assigns them.
-    pub tool_calls: Vec<ParsedCall>,
+    /// Calls with empty ids; the server assigns them.
+    pub tool_calls: Vec<ToolCall>,
 }
 
 impl ParsedOutput {
     /// `tool_calls` after `content` (`None` when empty).
-    fn new(content: &str, tool_calls: Vec<ParsedCall>) -> Self {
+    fn new(content: &str, tool_calls: Vec<ToolCall>) -> Self {
         Self {
             content: (!content.is_empty()).then(|| content.to_string()),
             tool_calls,
@@ -36,26 +36,10 @@ impl ParsedOutput {
 
 /// The `calls` after `content` (trimmed at its end), or all of `text` as content when there are
 /// none (output that only looks like calls).
-fn calls_or_text(text: &str, content: &str, calls: Option<Vec<ParsedCall>>) -> ParsedOutput {
+fn calls_or_text(text: &str, content: &str, calls: Option<Vec<ToolCall>>) -> ParsedOutput {
     match calls {
         Some(calls) if !calls.is_empty() => ParsedOutput::new(content.trim_end(), calls),
         _ => NoTools.parse(text),
-    }
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct ParsedCall {
-    pub name: String,
-    pub arguments: Json,
-}
-
-impl ParsedCall {
-    pub fn with_id(self, id: String) -> ToolCall {
-        ToolCall {
-            id,
-            name: self.name,
-            arguments: self.arguments,
-        }
     }
 }
 
@@ -90,8 +74,8 @@ pub struct Hermes;
 const START: &str = "<tool_call>";
 const END: &str = "</tool_call>";
 
-fn call_from_json(body: &str) -> Option<ParsedCall> {
-    let v: Json = serde_json::from_str(body.trim()).ok()?;
+/// A call object `{"name", "arguments"}` (or `"parameters"`).
+fn call_from_json(v: &Json) -> Option<ToolCall> {
     let name = v.get("name")?.as_str()?.to_string();
     let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
         None | Some(Json::Null) => Json::Object(Map::new()),
@@ -103,7 +87,11 @@ fn call_from_json(body: &str) -> Option<ParsedCall> {
         },
         Some(_) => return None,
     };
-    Some(ParsedCall { name, arguments })
+    Some(ToolCall {
+        id: String::new(),
+        name,
+        arguments,
+    })
 }
 
 impl ToolCallParser for Hermes {
@@ -120,7 +108,10 @@ impl ToolCallParser for Hermes {
                 // Cut off by max_tokens: parse what is there.
                 None => (body_start, ""),
             };
-            match call_from_json(body) {
+            match serde_json::from_str(body.trim())
+                .ok()
+                .and_then(|v| call_from_json(&v))
+            {
                 Some(call) => calls.push(call),
                 None => return NoTools.parse(text),
             }
@@ -155,12 +146,6 @@ pub struct Llama3Json;
 
 const PYTHON_TAG: &str = "<|python_tag|>";
 
-/// `text` without leading whitespace and a leading `marker`.
-fn after_marker<'a>(text: &'a str, marker: &str) -> &'a str {
-    let t = text.trim_start();
-    t.strip_prefix(marker).unwrap_or(t).trim_start()
-}
-
 /// Consecutive JSON values of `text` separated by whitespace or `separator`; `None` if anything
 /// else is in between or a value does not parse.
 fn json_values(text: &str, separator: char) -> Option<Vec<Json>> {
@@ -178,16 +163,13 @@ fn json_values(text: &str, separator: char) -> Option<Vec<Json>> {
 
 impl ToolCallParser for Llama3Json {
     fn parse(&self, text: &str) -> ParsedOutput {
-        let body = after_marker(text, PYTHON_TAG);
+        let t = text.trim_start();
+        let body = t.strip_prefix(PYTHON_TAG).unwrap_or(t).trim_start();
         if !body.starts_with('{') {
             return NoTools.parse(text);
         }
-        let calls = json_values(body, ';').and_then(|values| {
-            values
-                .iter()
-                .map(|v| call_from_json(&v.to_string()))
-                .collect()
-        });
+        let calls =
+            json_values(body, ';').and_then(|values| values.iter().map(call_from_json).collect());
         calls_or_text(text, "", calls)
     }
 
@@ -222,20 +204,13 @@ impl ToolCallParser for MistralTools {
             None if text.trim_start().starts_with('[') => ("", text),
             None => return NoTools.parse(text),
         };
+        // One list of calls, or calls one by one.
         let calls = json_values(body, ',').and_then(|values| {
-            let mut calls = Vec::new();
-            for v in values {
-                match v {
-                    Json::Array(items) => {
-                        for item in items {
-                            calls.push(call_from_json(&item.to_string())?);
-                        }
-                    }
-                    item @ Json::Object(_) => calls.push(call_from_json(&item.to_string())?),
-                    _ => return None,
-                }
-            }
-            Some(calls)
+            let items = values.into_iter().flat_map(|v| match v {
+                Json::Array(items) => items,
+                item => vec![item],
+            });
+            items.map(|item| call_from_json(&item)).collect()
         });
         calls_or_text(text, content, calls)
     }
@@ -274,27 +249,17 @@ impl ToolCallParser for Pythonic {
 }
 
 /// The calls of `text` if all of it (but trailing whitespace) is a Python list of calls.
-fn python_calls(text: &str) -> Option<Vec<ParsedCall>> {
+fn python_calls(text: &str) -> Option<Vec<ToolCall>> {
     let mut p = PyParser {
         s: text.trim_end().as_bytes(),
         at: 0,
     };
-    p.eat(b'[')?;
-    let mut calls = Vec::new();
-    loop {
-        p.skip_ws();
-        if p.eat(b']').is_some() {
-            break;
-        }
-        calls.push(p.call()?);
-        p.skip_ws();
-        if p.eat(b',').is_none() {
-            p.skip_ws();
-            p.eat(b']')?;
-            break;
-        }
+    if !text.starts_with('[') {
+        return None;
     }
-    p.skip_ws();
+    p.at = 1;
+    let mut calls = Vec::new();
+    p.items(b']', |p| p.call().map(|c| calls.push(c)))?;
     (p.at == p.s.len()).then_some(calls)
 }
 
@@ -315,16 +280,17 @@ impl PyParser<'_> {
         }
     }
 
+    /// `c`, after any whitespace.
     fn eat(&mut self, c: u8) -> Option<()> {
+        self.skip_ws();
         (self.peek() == Some(c)).then(|| self.at += 1)
     }
 
     fn ident(&mut self) -> Option<String> {
         let start = self.at;
         // A letter first, as vLLM's pattern for calls and keywords wants.
-        match self.peek() {
-            Some(c) if c.is_ascii_alphabetic() => self.at += 1,
-            _ => return None,
+        if !self.peek()?.is_ascii_alphabetic() {
+            return None;
         }
         while matches!(self.peek(), Some(c) if c.is_ascii_alphanumeric() || c == b'_') {
             self.at += 1;
@@ -333,30 +299,19 @@ impl PyParser<'_> {
     }
 
     /// `name(key=value, ...)`.
-    fn call(&mut self) -> Option<ParsedCall> {
+    fn call(&mut self) -> Option<ToolCall> {
         let name = self.ident()?;
-        self.skip_ws();
         self.eat(b'(')?;
         let mut arguments = Map::new();
-        loop {
-            self.skip_ws();
-            if self.eat(b')').is_some() {
-                break;
-            }
-            let key = self.ident()?;
-            self.skip_ws();
-            self.eat(b'=')?;
-            self.skip_ws();
-            let value = self.value()?;
-            arguments.insert(key, value);
-            self.skip_ws();
-            if self.eat(b',').is_none() {
-                self.skip_ws();
-                self.eat(b')')?;
-                break;
-            }
-        }
-        Some(ParsedCall {
+        self.items(b')', |p| {
+            let key = p.ident()?;
+            p.eat(b'=')?;
+            p.skip_ws();
+            arguments.insert(key, p.value()?);
+            Some(())
+        })?;
+        Some(ToolCall {
+            id: String::new(),
             name,
             arguments: Json::Object(arguments),
         })
@@ -369,10 +324,7 @@ impl PyParser<'_> {
             b'[' => {
                 self.at += 1;
                 let mut items = Vec::new();
-                self.items(b']', |p| {
-                    items.push(p.value()?);
-                    Some(())
-                })?;
+                self.items(b']', |p| p.value().map(|v| items.push(v)))?;
                 Some(Json::Array(items))
             }
             b'{' => {
@@ -385,7 +337,6 @@ impl PyParser<'_> {
                         k @ (Json::Number(_) | Json::Bool(_) | Json::Null) => k.to_string(),
                         _ => return None,
                     };
-                    p.skip_ws();
                     p.eat(b':')?;
                     p.skip_ws();
                     map.insert(key, p.value()?);
@@ -407,14 +358,11 @@ impl PyParser<'_> {
     /// Comma-separated items up to `close` (a trailing comma allowed), each read by `item`.
     fn items(&mut self, close: u8, mut item: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
         loop {
-            self.skip_ws();
             if self.eat(close).is_some() {
                 return Some(());
             }
             item(self)?;
-            self.skip_ws();
             if self.eat(b',').is_none() {
-                self.skip_ws();
                 return self.eat(close);
             }
         }
@@ -450,36 +398,28 @@ impl PyParser<'_> {
                 b'\\' => {
                     let e = self.peek()?;
                     self.at += 1;
-                    let simple = match e {
-                        b'n' => Some(b'\n'),
-                        b't' => Some(b'\t'),
-                        b'r' => Some(b'\r'),
-                        b'0' => Some(0),
-                        b'\\' | b'\'' | b'"' => Some(e),
+                    let digits = match e {
+                        b'x' => 2,
+                        b'u' => 4,
+                        b'U' => 8,
                         b'\n' => continue,
-                        _ => None,
-                    };
-                    match simple {
-                        Some(b) => out.push(b),
-                        None => {
-                            let digits = match e {
-                                b'x' => 2,
-                                b'u' => 4,
-                                b'U' => 8,
-                                _ => {
-                                    // Python keeps an unknown escape as it is.
-                                    out.extend([b'\\', e]);
-                                    continue;
-                                }
-                            };
-                            let hex =
-                                std::str::from_utf8(self.s.get(self.at..self.at + digits)?).ok()?;
-                            let ch = char::from_u32(u32::from_str_radix(hex, 16).ok()?)?;
-                            self.at += digits;
-                            let mut buf = [0; 4];
-                            out.extend(ch.encode_utf8(&mut buf).as_bytes());
+                        _ => {
+                            out.extend(match e {
+                                b'n' => &b"\n"[..],
+                                b't' => b"\t",
+                                b'r' => b"\r",
+                                b'0' => b"\0",
+                                b'\\' | b'\'' | b'"' => &self.s[self.at - 1..self.at],
+                                // Python keeps an unknown escape as it is.
+                                _ => &self.s[self.at - 2..self.at],
+                            });
+                            continue;
                         }
-                    }
+                    };
+                    let hex = std::str::from_utf8(self.s.get(self.at..self.at + digits)?).ok()?;
+                    let ch = char::from_u32(u32::from_str_radix(hex, 16).ok()?)?;
+                    self.at += digits;
+                    out.extend(ch.encode_utf8(&mut [0; 4]).as_bytes());
                 }
                 c => out.push(c),
             }
@@ -520,11 +460,13 @@ mod tests {
         assert_eq!(
             out.tool_calls,
             vec![
-                ParsedCall {
+                ToolCall {
+                    id: String::new(),
                     name: "get_weather".into(),
                     arguments: json!({"city": "Paris"})
                 },
-                ParsedCall {
+                ToolCall {
+                    id: String::new(),
                     name: "now".into(),
                     arguments: json!({})
                 }
@@ -556,11 +498,13 @@ mod tests {
         assert_eq!(
             out.tool_calls,
             vec![
-                ParsedCall {
+                ToolCall {
+                    id: String::new(),
                     name: "get_weather".into(),
                     arguments: json!({"city": "Paris"})
                 },
-                ParsedCall {
+                ToolCall {
+                    id: String::new(),
                     name: "now".into(),
                     arguments: json!({})
                 }
@@ -619,15 +563,18 @@ mod tests {
         assert_eq!(
             out.tool_calls,
             vec![
-                ParsedCall {
+                ToolCall {
+                    id: String::new(),
                     name: "get_weather".into(),
                     arguments: json!({"city": "Paris", "days": 3, "hourly": true})
                 },
-                ParsedCall {
+                ToolCall {
+                    id: String::new(),
                     name: "now".into(),
                     arguments: json!({})
                 },
-                ParsedCall {
+                ToolCall {
+                    id: String::new(),
                     name: "find".into(),
                     arguments: json!({
                         "q": "a \"b\"\né",

@@ -4,22 +4,20 @@
 
 use std::sync::Arc;
 
-use axum::response::sse::{Event as SseEvent, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::sse::Event as SseEvent;
+use axum::response::Response;
 
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
 
 use super::error::LoopbackError;
 use super::service::ChatService;
-use super::turn::{Finish, TurnOutput};
-use super::{async_stream, invalid, str_field};
+use super::turn::{Finish, TurnEvent, TurnOutput};
+use super::{bounded, invalid, random_id, required, str_field, Protocol};
 use crate::chat::{
     check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message, Part, Role, Tool,
     ToolCall,
 };
-
-const PROTOCOL: &str = "anthropic";
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -56,51 +54,42 @@ pub struct ToolJson {
     pub name: String,
     pub description: Option<String>,
     pub input_schema: Json,
-    /// Accepted and ignored.
-    #[serde(default, rename = "type")]
-    pub _kind: Option<String>,
-    #[serde(default, rename = "cache_control")]
-    pub _cache_control: Option<Json>,
 }
 
 #[derive(Debug, Deserialize)]
 pub struct ToolChoice {
     #[serde(rename = "type")]
     pub kind: String,
-    pub name: Option<String>,
-    pub disable_parallel_tool_use: Option<bool>,
 }
 
 /// The text of `system` or of a `tool_result`'s content: a string or text blocks.
 fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
-    match value {
-        Json::String(s) => Ok(s.clone()),
-        Json::Array(blocks) => {
-            let mut text = String::new();
-            for (j, b) in blocks.iter().enumerate() {
-                match (str_field(b, "type"), str_field(b, "text")) {
-                    (Some("text"), Some(t)) => text.push_str(t),
-                    (Some(other), _) if other != "text" => {
-                        return Err(invalid(
-                            format!("{param}[{j}].type"),
-                            format!("blocks of type `{other}` are not supported here: only `text`"),
-                        ))
-                    }
-                    _ => {
-                        return Err(invalid(
-                            format!("{param}[{j}]"),
-                            "a text block needs `type: \"text\"` and a string `text`",
-                        ))
-                    }
-                }
-            }
-            Ok(text)
+    let blocks = match value {
+        Json::String(s) => return Ok(s.clone()),
+        Json::Array(blocks) => blocks,
+        _ => {
+            return Err(invalid(
+                param,
+                "must be a string or an array of text blocks",
+            ))
         }
-        _ => Err(invalid(
-            param,
-            "must be a string or an array of text blocks",
-        )),
+    };
+    let mut text = String::new();
+    for (j, b) in blocks.iter().enumerate() {
+        match (str_field(b, "type"), str_field(b, "text")) {
+            (Some("text"), Some(t)) => text.push_str(t),
+            (Some(other), _) if other != "text" => {
+                let message =
+                    format!("blocks of type `{other}` are not supported here: only `text`");
+                return Err(invalid(format!("{param}[{j}].type"), message));
+            }
+            _ => {
+                let message = "a text block needs `type: \"text\"` and a string `text`";
+                return Err(invalid(format!("{param}[{j}]"), message));
+            }
+        }
     }
+    Ok(text)
 }
 
 /// One Anthropic message as internal messages: tool results become `tool` messages.
@@ -124,64 +113,53 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
         }
         Json::Array(blocks) => blocks,
         _ => {
-            return Err(invalid(
-                format!("{param}.content"),
-                "content must be a string or an array of content blocks",
-            ))
+            let message = "content must be a string or an array of content blocks";
+            return Err(invalid(format!("{param}.content"), message));
         }
     };
-    let mut text: Option<String> = None;
-    // A user message's text and images in order.
+    // An assistant message's text, calls and thinking; a user message's text and images in order.
+    let mut assistant = Message {
+        content: None,
+        ..Message::text(role, "")
+    };
     let mut parts = Vec::new();
-    let mut tool_calls = Vec::new();
-    let mut reasoning = None;
     for (j, b) in blocks.iter().enumerate() {
         let p = format!("{param}.content[{j}]");
         let kind =
             str_field(b, "type").ok_or_else(|| invalid(&p, "a content block needs a `type`"))?;
         match (kind, role) {
             ("text", _) => {
-                let t = str_field(b, "text").ok_or_else(|| {
-                    invalid(format!("{p}.text"), "a text block needs a string `text`")
-                })?;
-                text.get_or_insert_with(String::new).push_str(t);
+                let t = required(b, &p, "text", "a text block needs a string `text`")?;
+                let text = assistant.content.get_or_insert_with(String::new);
+                text.push_str(t);
                 parts.push(Part::Text { text: t.into() });
             }
             ("image", Role::User) => parts.push(Part::Image {
                 image: image_block(b, &p)?,
             }),
             ("tool_use", Role::Assistant) => {
-                let id = str_field(b, "id")
-                    .ok_or_else(|| invalid(format!("{p}.id"), "a tool_use block needs an `id`"))?;
-                let name = str_field(b, "name").ok_or_else(|| {
-                    invalid(format!("{p}.name"), "a tool_use block needs a `name`")
-                })?;
-                let input = b
-                    .get("input")
-                    .cloned()
-                    .unwrap_or_else(|| Json::Object(Map::new()));
-                if !input.is_object() {
-                    return Err(invalid(
-                        format!("{p}.input"),
-                        "tool_use input must be an object",
-                    ));
-                }
-                tool_calls.push(ToolCall {
+                let id = required(b, &p, "id", "a tool_use block needs an `id`")?;
+                let name = required(b, &p, "name", "a tool_use block needs a `name`")?;
+                let arguments = match b.get("input") {
+                    None => Json::Object(Map::new()),
+                    Some(input @ Json::Object(_)) => input.clone(),
+                    Some(_) => {
+                        let message = "tool_use input must be an object";
+                        return Err(invalid(format!("{p}.input"), message));
+                    }
+                };
+                assistant.tool_calls.push(ToolCall {
                     id: id.into(),
                     name: name.into(),
-                    arguments: input,
+                    arguments,
                 });
             }
             ("thinking", Role::Assistant) => {
-                reasoning = str_field(b, "thinking").map(str::to_string);
+                assistant.reasoning_content = str_field(b, "thinking").map(str::to_string);
             }
             ("tool_result", Role::User) => {
-                let id = str_field(b, "tool_use_id").ok_or_else(|| {
-                    invalid(
-                        format!("{p}.tool_use_id"),
-                        "a tool_result block needs the `tool_use_id` it answers",
-                    )
-                })?;
+                let message = "a tool_result block needs the `tool_use_id` it answers";
+                let id = required(b, &p, "tool_use_id", message)?;
                 let content = match b.get("content") {
                     None | Some(Json::Null) => String::new(),
                     Some(c) => blocks_text(c, &format!("{p}.content"))?,
@@ -203,12 +181,7 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
         }
     }
     if role == Role::Assistant {
-        out.push(Message {
-            content: text,
-            tool_calls,
-            reasoning_content: reasoning,
-            ..Message::text(role, "")
-        });
+        out.push(assistant);
     } else if !parts.is_empty() {
         out.push(Message::with_parts(role, parts));
     }
@@ -220,32 +193,26 @@ fn image_block(block: &Json, param: &str) -> Result<Image, InvalidRequest> {
     let source = block
         .get("source")
         .ok_or_else(|| invalid(format!("{param}.source"), "an image block needs a `source`"))?;
+    let param = format!("{param}.source");
     match str_field(source, "type") {
         Some("base64") => {}
         Some("url") => {
             return Err(invalid(
-                format!("{param}.source.type"),
+                format!("{param}.type"),
                 "images by URL are not fetched: send the image inline as `source: {type: \"base64\", media_type, data}` (docs/vision.md)",
             ))
         }
         _ => {
-            return Err(invalid(
-                format!("{param}.source.type"),
-                "an image source needs `type: \"base64\"`",
-            ))
+            let message = "an image source needs `type: \"base64\"`";
+            return Err(invalid(format!("{param}.type"), message));
         }
     }
-    let field = |name: &str| {
-        source.get(name).and_then(Json::as_str).ok_or_else(|| {
-            invalid(
-                format!("{param}.source.{name}"),
-                format!("a base64 image source needs a string `{name}`"),
-            )
-        })
+    let field = |name| {
+        let message = format!("a base64 image source needs a string `{name}`");
+        required(source, &param, name, &message)
     };
     let (media_type, data) = (field("media_type")?, field("data")?);
-    Image::from_base64(media_type, data)
-        .map_err(|e| invalid(format!("{param}.source"), e.to_string()))
+    Image::from_base64(media_type, data).map_err(|e| invalid(&param, e.to_string()))
 }
 
 impl MessagesRequest {
@@ -253,12 +220,7 @@ impl MessagesRequest {
         if self.messages.is_empty() {
             return Err(invalid("messages", "messages must not be empty"));
         }
-        if self.max_tokens < 1 {
-            return Err(invalid(
-                "max_tokens",
-                format!("max_tokens must be at least 1, got {}", self.max_tokens),
-            ));
-        }
+        let max_tokens = bounded("max_tokens", self.max_tokens, 1, None)?;
         let mut messages = Vec::new();
         if let Some(system) = &self.system {
             messages.push(Message::text(Role::System, blocks_text(system, "system")?));
@@ -287,10 +249,8 @@ impl MessagesRequest {
         check_sampling(self.temperature, 1.0, self.top_p)?;
         let stop = self.stop_sequences.unwrap_or_default();
         if stop.iter().any(String::is_empty) {
-            return Err(invalid(
-                "stop_sequences",
-                "stop sequences must not be empty strings",
-            ));
+            let message = "stop sequences must not be empty strings";
+            return Err(invalid("stop_sequences", message));
         }
         let mut template_kwargs = Map::new();
         if let Some(thinking) = &self.thinking {
@@ -298,10 +258,8 @@ impl MessagesRequest {
                 Some("enabled") | Some("adaptive") => true,
                 Some("disabled") => false,
                 _ => {
-                    return Err(invalid(
-                        "thinking.type",
-                        "thinking.type must be enabled, adaptive or disabled",
-                    ))
+                    let message = "thinking.type must be enabled, adaptive or disabled";
+                    return Err(invalid("thinking.type", message));
                 }
             };
             template_kwargs.insert("enable_thinking".into(), Json::Bool(enabled));
@@ -318,13 +276,12 @@ impl MessagesRequest {
             tools,
             parse_tool_calls,
             sampling: ChatSampling {
-                max_tokens: Some(self.max_tokens as usize),
+                max_tokens: Some(max_tokens),
                 temperature: self.temperature,
                 top_p: self.top_p,
                 top_k: self.top_k,
-                seed: None,
                 stop,
-                logprobs: None,
+                ..ChatSampling::default()
             },
             n: 1,
             template_kwargs,
@@ -341,32 +298,12 @@ fn stop_reason(f: &Finish) -> (&'static str, Option<&str>) {
     }
 }
 
-/// The `message` object.
-pub fn message_json(service: &ChatService, id: &str, out: &TurnOutput) -> Json {
-    let c = &out.choices[0];
-    let mut content = Vec::new();
-    if let Some(text) = c.content.as_deref().filter(|t| !t.is_empty()) {
-        content.push(json!({"type": "text", "text": text}));
-    }
-    for call in &c.tool_calls {
-        content.push(
-            json!({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}),
-        );
-    }
-    if content.is_empty() {
-        content.push(json!({"type": "text", "text": ""}));
-    }
-    let (reason, sequence) = stop_reason(&c.finish);
-    json!({
-        "id": id,
-        "type": "message",
-        "role": "assistant",
-        "model": service.model_name(),
-        "content": content,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": {"input_tokens": out.prompt_tokens, "output_tokens": c.completion_tokens},
-    })
+/// An Anthropic answer: a `message` object, or the `message_start` … `message_stop` events
+/// (the text block opens with the first content; an error after the stream started is an
+/// `error` event).
+pub struct Answer {
+    id: String,
+    text_open: bool,
 }
 
 /// An event of the stream: named by its `type`.
@@ -375,56 +312,77 @@ fn event(data: Json) -> SseEvent {
     SseEvent::default().event(name).data(data.to_string())
 }
 
-/// `POST /s/{session}/v1/messages`.
-pub async fn messages(
-    service: Arc<ChatService>,
-    session: String,
-    req: MessagesRequest,
-) -> Response {
-    let stream = req.stream.unwrap_or(false);
-    let chat = match req.into_chat() {
-        Ok(c) => c,
-        Err(e) => return LoopbackError::from(e).anthropic(),
-    };
-    let id = format!("msg_{}", super::random_id());
-    if !stream {
-        return match service.turn(&session, PROTOCOL, "toolu_", chat, None).await {
-            Ok(out) => axum::Json(message_json(&service, &id, &out)).into_response(),
-            Err(e) => e.anthropic(),
+impl Protocol for Answer {
+    type Request = MessagesRequest;
+    const NAME: &'static str = "anthropic";
+    const CALL_ID: &'static str = "toolu_";
+
+    fn read(req: MessagesRequest) -> Result<(ChatRequest, bool, Self), InvalidRequest> {
+        let stream = req.stream.unwrap_or(false);
+        let answer = Self {
+            id: format!("msg_{}", random_id()),
+            text_open: false,
         };
+        Ok((req.into_chat()?, stream, answer))
     }
-    let (mut rx, turn) = service.spawn_turn(session, PROTOCOL, "toolu_", chat);
-    let frames = async_stream(move |out| async move {
-        let send = |data: Json| out.send(event(data));
-        let model = service.model_name().to_string();
-        let start = json!({"type": "message_start", "message": {
-            "id": id, "type": "message", "role": "assistant", "content": [], "model": model,
-            "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": 0, "output_tokens": 0}}});
-        if send(start).await.is_err() {
-            return;
+
+    fn error(e: &LoopbackError) -> Response {
+        e.anthropic()
+    }
+
+    fn answer(&self, service: &ChatService, out: &TurnOutput) -> Json {
+        let c = &out.choices[0];
+        let mut content = Vec::new();
+        if let Some(text) = c.content.as_deref().filter(|t| !t.is_empty()) {
+            content.push(json!({"type": "text", "text": text}));
         }
-        let mut text_open = false;
-        while let Some(ev) = rx.recv().await {
-            if !text_open {
-                text_open = true;
-                let start = json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}});
-                if send(start).await.is_err() {
-                    return;
-                }
-                let _ = send(json!({"type": "ping"})).await;
-            }
-            let delta = json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": ev.text}});
-            if send(delta).await.is_err() {
-                return;
-            }
+        for call in &c.tool_calls {
+            content.push(
+                json!({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}),
+            );
         }
-        let result = match turn.await {
-            Ok(r) => r,
-            Err(join) => Err(LoopbackError::Engine(
-                crate::engine::client::EngineError::Stream(join.to_string()),
-            )),
-        };
-        let answer = match result {
+        if content.is_empty() {
+            content.push(json!({"type": "text", "text": ""}));
+        }
+        let (reason, sequence) = stop_reason(&c.finish);
+        json!({
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": service.model_name(),
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": {"input_tokens": out.prompt_tokens, "output_tokens": c.completion_tokens},
+        })
+    }
+
+    fn open(&mut self, service: &ChatService) -> Vec<SseEvent> {
+        vec![event(json!({"type": "message_start", "message": {
+            "id": self.id, "type": "message", "role": "assistant", "content": [],
+            "model": service.model_name(), "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": 0, "output_tokens": 0}}}))]
+    }
+
+    fn content(&mut self, _: &ChatService, ev: TurnEvent) -> Vec<SseEvent> {
+        let mut frames = Vec::new();
+        if !self.text_open {
+            self.text_open = true;
+            frames.push(event(json!({"type": "content_block_start", "index": 0,
+                "content_block": {"type": "text", "text": ""}})));
+            frames.push(event(json!({"type": "ping"})));
+        }
+        frames.push(event(json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": ev.text}})));
+        frames
+    }
+
+    fn close(
+        &mut self,
+        _: &ChatService,
+        out: Result<Arc<TurnOutput>, LoopbackError>,
+    ) -> Vec<SseEvent> {
+        let answer = match out {
             Ok(a) => a,
             Err(e) => {
                 let kind = if e.status().is_client_error() {
@@ -432,34 +390,27 @@ pub async fn messages(
                 } else {
                     "api_error"
                 };
-                let _ = send(
-                    json!({"type": "error", "error": {"type": kind, "message": e.to_string()}}),
-                )
-                .await;
-                return;
+                let error = json!({"type": kind, "message": e.to_string()});
+                return vec![event(json!({"type": "error", "error": error}))];
             }
         };
         let c = &answer.choices[0];
-        let mut index = 0;
-        if text_open {
-            let _ = send(json!({"type": "content_block_stop", "index": 0})).await;
-            index = 1;
+        let mut frames = Vec::new();
+        if self.text_open {
+            frames.push(event(json!({"type": "content_block_stop", "index": 0})));
         }
-        for call in &c.tool_calls {
-            let _ = send(json!({"type": "content_block_start", "index": index,
-                "content_block": {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}}))
-            .await;
-            let _ = send(json!({"type": "content_block_delta", "index": index,
-                "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()}}))
-            .await;
-            let _ = send(json!({"type": "content_block_stop", "index": index})).await;
-            index += 1;
+        for (index, call) in (usize::from(self.text_open)..).zip(&c.tool_calls) {
+            frames.push(event(json!({"type": "content_block_start", "index": index,
+                "content_block": {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}})));
+            frames.push(event(json!({"type": "content_block_delta", "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()}})));
+            frames.push(event(json!({"type": "content_block_stop", "index": index})));
         }
         let (reason, sequence) = stop_reason(&c.finish);
-        let _ = send(json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-            "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": c.completion_tokens}}))
-        .await;
-        let _ = send(json!({"type": "message_stop"})).await;
-    });
-    Sse::new(frames).into_response()
+        frames.push(event(json!({"type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": c.completion_tokens}})));
+        frames.push(event(json!({"type": "message_stop"})));
+        frames
+    }
 }

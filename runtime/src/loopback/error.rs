@@ -33,6 +33,8 @@ pub enum LoopbackError {
     /// The client went away mid-turn; nothing is answered.
     #[error("the client disconnected")]
     ClientGone,
+    #[error("the turn failed: {0}")]
+    Panicked(String),
 }
 
 impl LoopbackError {
@@ -44,9 +46,9 @@ impl LoopbackError {
             LoopbackError::TooManySessions(_)
             | LoopbackError::TurnLimit(_)
             | LoopbackError::TokenLimit(_) => StatusCode::TOO_MANY_REQUESTS,
-            LoopbackError::Tokenizer(_) | LoopbackError::ClientGone => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            LoopbackError::Tokenizer(_)
+            | LoopbackError::ClientGone
+            | LoopbackError::Panicked(_) => StatusCode::INTERNAL_SERVER_ERROR,
             LoopbackError::Engine(EngineError::Refused { status, .. }) => {
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
             }

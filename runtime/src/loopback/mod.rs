@@ -22,7 +22,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::StatusCode;
-use axum::response::sse::Event as SseEvent;
+use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -38,22 +38,18 @@ pub use service::{
 };
 pub use session::{Segment, SegmentImage, Session};
 
-use crate::chat::InvalidRequest;
+use crate::chat::{ChatRequest, InvalidRequest};
+use turn::{TurnEvent, TurnOutput};
 
 /// Request bodies larger than this are refused with 413: long agent conversations are a few MB
 /// at most, and the server must not buffer unbounded input.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 
-/// A random id for responses (`chatcmpl-…`, `msg_…`).
+/// A random id for responses and tool calls (`chatcmpl-…`, `msg_…`, `call_…`).
 pub fn random_id() -> String {
     use rand::Rng;
-    let mut rng = rand::thread_rng();
-    (0..24)
-        .map(|_| {
-            let i = rng.gen_range(0..62);
-            (b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[i]) as char
-        })
-        .collect()
+    let chars = rand::thread_rng().sample_iter(rand::distributions::Alphanumeric);
+    chars.take(24).map(char::from).collect()
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +95,31 @@ fn str_field<'a>(value: &'a serde_json::Value, key: &str) -> Option<&'a str> {
     value.get(key).and_then(serde_json::Value::as_str)
 }
 
+/// The string field `key` of `value`, or a refusal naming `{param}.{key}` with `message`.
+fn required<'a>(
+    value: &'a serde_json::Value,
+    param: &str,
+    key: &str,
+    message: &str,
+) -> Result<&'a str, InvalidRequest> {
+    str_field(value, key).ok_or_else(|| invalid(format!("{param}.{key}"), message))
+}
+
+/// `value` of `param` as a count, if it is at least `min` (and at most `max`).
+fn bounded(param: &str, value: i64, min: i64, max: Option<i64>) -> Result<usize, InvalidRequest> {
+    match max {
+        _ if value >= min && max.is_none_or(|max| value <= max) => Ok(value as usize),
+        Some(max) => Err(invalid(
+            param,
+            format!("{param} must be between {min} and {max}, got {value}"),
+        )),
+        None => Err(invalid(
+            param,
+            format!("{param} must be at least {min}, got {value}"),
+        )),
+    }
+}
+
 /// A field's refusal, for the adapters' field-by-field checks.
 fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidRequest {
     InvalidRequest::new(param, message)
@@ -121,26 +142,73 @@ where
     })
 }
 
-async fn openai_chat(
-    State(state): State<AppState>,
-    Path(session): Path<String>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match parse::<openai::CompletionRequest>(body, state.max_body) {
-        Ok(req) => openai::chat_completions(state.service, session, req).await,
-        Err(e) => e.openai(),
-    }
+/// What differs between the protocols when they answer a turn; [`respond`] does the rest.
+trait Protocol: Sized + Send + 'static {
+    type Request: DeserializeOwned;
+    /// The answer's shape, for the retry cache.
+    const NAME: &'static str;
+    /// How tool-call ids start (`call_`, `toolu_`).
+    const CALL_ID: &'static str;
+    /// The internal request, whether the answer streams, and the answer's own state.
+    fn read(req: Self::Request) -> Result<(ChatRequest, bool, Self), InvalidRequest>;
+    /// An error in the protocol's shape.
+    fn error(e: &LoopbackError) -> Response;
+    /// The whole answer of a finished turn.
+    fn answer(&self, service: &ChatService, out: &TurnOutput) -> serde_json::Value;
+    /// The stream's frames before any content.
+    fn open(&mut self, service: &ChatService) -> Vec<SseEvent>;
+    /// The frames of a piece of content.
+    fn content(&mut self, service: &ChatService, ev: TurnEvent) -> Vec<SseEvent>;
+    /// The last frames, once the turn finished or failed.
+    fn close(
+        &mut self,
+        service: &ChatService,
+        out: Result<Arc<TurnOutput>, LoopbackError>,
+    ) -> Vec<SseEvent>;
 }
 
-async fn anthropic_messages(
+/// `POST` of a chat request in protocol `P`: runs the turn, and answers it whole or streams it.
+async fn respond<P: Protocol>(
     State(state): State<AppState>,
     Path(session): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match parse::<anthropic::MessagesRequest>(body, state.max_body) {
-        Ok(req) => anthropic::messages(state.service, session, req).await,
-        Err(e) => e.anthropic(),
+    let read = parse::<P::Request>(body, state.max_body).and_then(|r| Ok(P::read(r)?));
+    let (chat, stream, mut answer) = match read {
+        Ok(read) => read,
+        Err(e) => return P::error(&e),
+    };
+    let service = state.service;
+    if !stream {
+        return match service
+            .turn(&session, P::NAME, P::CALL_ID, chat, None)
+            .await
+        {
+            Ok(out) => Json(answer.answer(&service, &out)).into_response(),
+            Err(e) => P::error(&e),
+        };
     }
+    let (mut rx, turn) = service.spawn_turn(session, P::NAME, P::CALL_ID, chat);
+    let frames = async_stream(move |tx| async move {
+        let mut frames = answer.open(&service);
+        loop {
+            for frame in frames {
+                if tx.send(frame).await.is_err() {
+                    return;
+                }
+            }
+            frames = match rx.recv().await {
+                Some(ev) => answer.content(&service, ev),
+                None => break,
+            };
+        }
+        for frame in answer.close(&service, turn.await) {
+            if tx.send(frame).await.is_err() {
+                return;
+            }
+        }
+    });
+    Sse::new(frames).into_response()
 }
 
 async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {
@@ -174,9 +242,15 @@ async fn not_found(uri: axum::http::Uri) -> Response {
 pub fn router(service: Arc<ChatService>, max_body: usize) -> Router {
     let state = AppState { service, max_body };
     Router::new()
-        .route("/s/{session}/v1/chat/completions", post(openai_chat))
+        .route(
+            "/s/{session}/v1/chat/completions",
+            post(respond::<openai::Answer>),
+        )
         .route("/s/{session}/v1/models", get(models))
-        .route("/s/{session}/v1/messages", post(anthropic_messages))
+        .route(
+            "/s/{session}/v1/messages",
+            post(respond::<anthropic::Answer>),
+        )
         .route("/s/{session}/trajectory", get(trajectory))
         .route("/s/{session}", axum::routing::delete(delete_session))
         .route("/v1/models", get(models))

@@ -5,22 +5,21 @@
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::response::sse::{Event as SseEvent, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::sse::Event as SseEvent;
+use axum::response::Response;
 
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
 
 use super::error::LoopbackError;
 use super::service::ChatService;
-use super::turn::{ChoiceOutput, Finish, TurnOutput};
-use super::{async_stream, invalid, str_field};
+use super::turn::{ChoiceOutput, Finish, TurnEvent, TurnOutput};
+use super::{bounded, invalid, random_id, required, str_field, Protocol};
 use crate::chat::{
     arguments_object, check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message,
     Part, Role, Tool, ToolCall,
 };
 
-const PROTOCOL: &str = "openai";
 const MAX_N: i64 = 16;
 
 #[derive(Debug, Deserialize)]
@@ -73,76 +72,64 @@ pub struct FunctionJson {
     pub parameters: Option<Json>,
 }
 
-/// A `content` field: a string, null, or an array of `{"type": "text", "text"}` parts and, where
-/// `images` allows them, `{"type": "image_url", "image_url": {"url": "data:..."}}` parts. Returns
-/// the text (the text parts joined) and, when there was an image, every part in order.
-fn content_parts(
-    value: &Json,
-    param: &str,
-    images: bool,
-) -> Result<(Option<String>, Vec<Part>), InvalidRequest> {
-    match value {
-        Json::Null => Ok((None, Vec::new())),
-        Json::String(s) => Ok((Some(s.clone()), Vec::new())),
-        Json::Array(items) => {
-            let mut parts = Vec::with_capacity(items.len());
-            for (j, part) in items.iter().enumerate() {
-                let kind = str_field(part, "type");
-                match kind {
-                    Some("text") => {
-                        let text = str_field(part, "text").ok_or_else(|| {
-                            invalid(
-                                format!("{param}[{j}].text"),
-                                "a text part needs a string `text`",
-                            )
-                        })?;
-                        parts.push(Part::Text { text: text.into() });
-                    }
-                    Some("image_url") if images => {
-                        let p = format!("{param}[{j}].image_url");
-                        let url = match part.get("image_url") {
-                            Some(Json::String(url)) => url.as_str(),
-                            Some(obj) => str_field(obj, "url").ok_or_else(|| {
-                                invalid(format!("{p}.url"), "an image_url part needs a string `url`")
-                            })?,
-                            None => {
-                                return Err(invalid(&p, "an image_url part needs `image_url: {url}`"))
-                            }
-                        };
-                        let image = Image::from_data_url(url)
-                            .map_err(|e| invalid(format!("{p}.url"), e.to_string()))?;
-                        parts.push(Part::Image { image });
-                    }
-                    Some("image_url") => {
-                        return Err(invalid(
-                            format!("{param}[{j}].type"),
-                            "images are accepted in user messages only",
-                        ))
-                    }
-                    Some(other) => {
-                        return Err(invalid(
-                            format!("{param}[{j}].type"),
-                            format!(
-                                "content parts of type `{other}` are not supported: only `text` and `image_url`"
-                            ),
-                        ))
-                    }
-                    None => {
-                        return Err(invalid(
-                            format!("{param}[{j}]"),
-                            "a content part needs a `type` (`text` or `image_url`)",
-                        ))
-                    }
-                }
-            }
-            let message = Message::with_parts(Role::User, parts);
-            Ok((message.content, message.parts))
+/// A message of `role` with `content`: a string, null, or an array of `{"type": "text", "text"}`
+/// parts and, in user messages, `{"type": "image_url", "image_url": {"url": "data:..."}}` parts.
+fn with_content(role: Role, content: &Json, param: &str) -> Result<Message, InvalidRequest> {
+    let items = match content {
+        Json::Null => {
+            let text = Message::text(role, "");
+            return Ok(Message {
+                content: None,
+                ..text
+            });
         }
-        _ => Err(invalid(
-            param,
-            "content must be a string, an array of content parts, or null",
-        )),
+        Json::String(s) => return Ok(Message::text(role, s.clone())),
+        Json::Array(items) => items,
+        _ => {
+            let message = "content must be a string, an array of content parts, or null";
+            return Err(invalid(param, message));
+        }
+    };
+    let mut parts = Vec::with_capacity(items.len());
+    for (j, part) in items.iter().enumerate() {
+        let p = format!("{param}[{j}]");
+        parts.push(match str_field(part, "type") {
+            Some("text") => {
+                let text = required(part, &p, "text", "a text part needs a string `text`")?;
+                Part::Text { text: text.into() }
+            }
+            Some("image_url") if role == Role::User => Part::Image {
+                image: image_url(part, &format!("{p}.image_url"))?,
+            },
+            Some("image_url") => {
+                let message = "images are accepted in user messages only";
+                return Err(invalid(format!("{p}.type"), message));
+            }
+            Some(other) => {
+                return Err(invalid(
+                    format!("{p}.type"),
+                    format!(
+                        "content parts of type `{other}` are not supported: only `text` and `image_url`"
+                    ),
+                ))
+            }
+            None => {
+                let message = "a content part needs a `type` (`text` or `image_url`)";
+                return Err(invalid(&p, message));
+            }
+        });
     }
+    Ok(Message::with_parts(role, parts))
+}
+
+/// The image of an `image_url` part: `{"url": "data:..."}` or the URL itself.
+fn image_url(part: &Json, p: &str) -> Result<Image, InvalidRequest> {
+    let url = match part.get("image_url") {
+        Some(Json::String(url)) => url.as_str(),
+        Some(obj) => required(obj, p, "url", "an image_url part needs a string `url`")?,
+        None => return Err(invalid(p, "an image_url part needs `image_url: {url}`")),
+    };
+    Image::from_data_url(url).map_err(|e| invalid(format!("{p}.url"), e.to_string()))
 }
 
 fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
@@ -164,104 +151,51 @@ fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
             ))
         }
         None => {
-            return Err(invalid(
-                format!("{param}.role"),
-                "a message needs a string `role`",
-            ))
+            let message = "a message needs a string `role`";
+            return Err(invalid(format!("{param}.role"), message));
         }
     };
-    let (content, parts) = content_parts(
-        value.get("content").unwrap_or(&Json::Null),
-        &format!("{param}.content"),
-        role == Role::User,
-    )?;
-    let mut tool_calls = Vec::new();
+    let content = value.get("content").unwrap_or(&Json::Null);
+    let mut message = with_content(role, content, &format!("{param}.content"))?;
     if let Some(calls) = value.get("tool_calls").filter(|v| !v.is_null()) {
+        let p = format!("{param}.tool_calls");
         if role != Role::Assistant {
-            return Err(invalid(
-                format!("{param}.tool_calls"),
-                "only assistant messages carry tool_calls",
-            ));
+            return Err(invalid(p, "only assistant messages carry tool_calls"));
         }
         let calls = calls
             .as_array()
-            .ok_or_else(|| invalid(format!("{param}.tool_calls"), "tool_calls must be an array"))?;
+            .ok_or_else(|| invalid(&p, "tool_calls must be an array"))?;
         for (j, call) in calls.iter().enumerate() {
-            let p = format!("{param}.tool_calls[{j}]");
+            let p = format!("{p}[{j}]");
             let function = call
                 .get("function")
                 .ok_or_else(|| invalid(&p, "a tool call needs a `function`"))?;
-            let name = str_field(function, "name").ok_or_else(|| {
-                invalid(
-                    format!("{p}.function.name"),
-                    "a tool call needs a string name",
-                )
-            })?;
-            let arguments = match function.get("arguments") {
-                None | Some(Json::Null) => Json::Object(Map::new()),
-                Some(Json::String(s)) => arguments_object(&format!("{p}.function.arguments"), s)?,
-                Some(v @ Json::Object(_)) => v.clone(),
-                Some(_) => {
-                    return Err(invalid(
-                        format!("{p}.function.arguments"),
-                        "arguments must be a JSON string (or object)",
-                    ))
-                }
-            };
-            tool_calls.push(ToolCall {
+            let p = format!("{p}.function");
+            message.tool_calls.push(ToolCall {
                 id: str_field(call, "id").unwrap_or_default().to_string(),
-                name: name.to_string(),
-                arguments,
+                name: required(function, &p, "name", "a tool call needs a string name")?.into(),
+                arguments: arguments_object(&format!("{p}.arguments"), function.get("arguments"))?,
             });
         }
     }
-    if content.is_none() && tool_calls.is_empty() && role != Role::Assistant {
+    if message.content.is_none() && message.tool_calls.is_empty() && role != Role::Assistant {
         return Err(invalid(
             format!("{param}.content"),
             format!("a {} message needs content", role.as_str()),
         ));
     }
-    let tool_call_id = str_field(value, "tool_call_id").map(str::to_string);
-    if role == Role::Tool && tool_call_id.is_none() {
-        return Err(invalid(
-            format!("{param}.tool_call_id"),
-            "a tool message needs the tool_call_id it answers",
-        ));
+    let field = |key| str_field(value, key).map(str::to_string);
+    message.tool_call_id = field("tool_call_id");
+    if role == Role::Tool && message.tool_call_id.is_none() {
+        let message = "a tool message needs the tool_call_id it answers";
+        return Err(invalid(format!("{param}.tool_call_id"), message));
     }
-    Ok(Message {
-        role,
-        content,
-        parts,
-        tool_calls,
-        tool_call_id,
-        name: str_field(value, "name").map(str::to_string),
-        reasoning_content: str_field(value, "reasoning_content").map(str::to_string),
-    })
-}
-
-fn positive(param: &str, value: Option<i64>) -> Result<Option<usize>, InvalidRequest> {
-    match value {
-        None => Ok(None),
-        Some(v) if v >= 1 => Ok(Some(v as usize)),
-        Some(v) => Err(invalid(
-            param,
-            format!("{param} must be at least 1, got {v}"),
-        )),
-    }
+    message.name = field("name");
+    message.reasoning_content = field("reasoning_content");
+    Ok(message)
 }
 
 impl CompletionRequest {
-    /// Whether the answer streams, and whether the stream ends with a usage chunk.
-    pub fn streaming(&self) -> (bool, bool) {
-        let stream = self.stream.unwrap_or(false);
-        let usage = self
-            .stream_options
-            .as_ref()
-            .and_then(|o| o.include_usage)
-            .unwrap_or(false);
-        (stream, usage)
-    }
-
     pub fn into_chat(self) -> Result<ChatRequest, InvalidRequest> {
         if self.messages.is_empty() {
             return Err(invalid("messages", "messages must not be empty"));
@@ -332,30 +266,15 @@ impl CompletionRequest {
         if stop.len() > 4 {
             return Err(invalid("stop", "at most 4 stop sequences"));
         }
-        let n = match self.n {
-            None => 1,
-            Some(n) if (1..=MAX_N).contains(&n) => n as usize,
-            Some(n) => {
-                return Err(invalid(
-                    "n",
-                    format!("n must be between 1 and {MAX_N}, got {n}"),
-                ))
-            }
-        };
+        let n = self.n.map_or(Ok(1), |n| bounded("n", n, 1, Some(MAX_N)))?;
         let top_logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
             (false, None) => None,
             (false, Some(_)) => {
                 return Err(invalid("top_logprobs", "top_logprobs needs logprobs: true"))
             }
-            (true, None) => Some(0),
-            (true, Some(k)) if (0..=20).contains(&k) => Some(k as usize),
-            (true, Some(k)) => {
-                return Err(invalid(
-                    "top_logprobs",
-                    format!("top_logprobs must be between 0 and 20, got {k}"),
-                ))
-            }
+            (true, k) => Some(bounded("top_logprobs", k.unwrap_or(0), 0, Some(20))?),
         };
+        let positive = |param, v: Option<i64>| v.map(|v| bounded(param, v, 1, None)).transpose();
         let max_tokens = positive("max_completion_tokens", self.max_completion_tokens)?
             .or(positive("max_tokens", self.max_tokens)?);
         check_sampling(self.temperature, 2.0, self.top_p)?;
@@ -406,158 +325,166 @@ fn tool_calls_json(calls: &[ToolCall], streaming: bool) -> Json {
     )
 }
 
-fn logprobs_json(service: &ChatService, choice: &ChoiceOutput) -> Json {
-    let token = |id: i64| service.tokenizer().decode(&[id], false).unwrap_or_default();
-    let content: Vec<Json> = choice
-        .tokens
-        .iter()
-        .map(|t| {
-            let text = token(t.id);
-            json!({
-                "token": text,
-                "logprob": t.logprob,
-                "bytes": text.as_bytes(),
-                "top_logprobs": t.top.iter().map(|&(id, lp)| {
-                    let text = token(id);
-                    json!({"token": text, "logprob": lp, "bytes": text.as_bytes()})
-                }).collect::<Vec<_>>(),
-            })
-        })
-        .collect();
-    json!({ "content": content })
-}
-
 fn usage(out: &TurnOutput) -> Json {
+    let completion: usize = out.choices.iter().map(|c| c.completion_tokens).sum();
     json!({
         "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens(),
-        "total_tokens": out.prompt_tokens + out.completion_tokens(),
+        "completion_tokens": completion,
+        "total_tokens": out.prompt_tokens + completion,
     })
-}
-
-fn created() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
-/// The `chat.completion` object.
-pub fn completion_json(
-    service: &ChatService,
-    id: &str,
-    out: &TurnOutput,
-    with_logprobs: bool,
-) -> Json {
-    let choices: Vec<Json> = out
-        .choices
-        .iter()
-        .enumerate()
-        .map(|(i, c)| {
-            let mut message = json!({"role": "assistant", "content": c.content});
-            if !c.tool_calls.is_empty() {
-                message["tool_calls"] = tool_calls_json(&c.tool_calls, false);
-            }
-            json!({
-                "index": i,
-                "message": message,
-                "logprobs": if with_logprobs { logprobs_json(service, c) } else { Json::Null },
-                "finish_reason": finish_reason(&c.finish),
-            })
-        })
-        .collect();
-    json!({
-        "id": id,
-        "object": "chat.completion",
-        "created": created(),
-        "model": service.model_name(),
-        "choices": choices,
-        "usage": usage(out),
-    })
-}
-
-/// `POST /s/{session}/v1/chat/completions`.
-pub async fn chat_completions(
-    service: Arc<ChatService>,
-    session: String,
-    req: CompletionRequest,
-) -> Response {
-    let (stream, include_usage) = req.streaming();
-    let with_logprobs = req.logprobs.unwrap_or(false);
-    let chat = match req.into_chat() {
-        Ok(c) => c,
-        Err(e) => return LoopbackError::from(e).openai(),
-    };
-    let id = format!("chatcmpl-{}", super::random_id());
-    if !stream {
-        return match service.turn(&session, PROTOCOL, "call_", chat, None).await {
-            Ok(out) => {
-                axum::Json(completion_json(&service, &id, &out, with_logprobs)).into_response()
-            }
-            Err(e) => e.openai(),
-        };
-    }
-    let n = chat.n;
-    let (mut rx, turn) = service.spawn_turn(session, PROTOCOL, "call_", chat);
-    // The SSE frames: a role chunk per choice, content deltas as they come, then per choice its
-    // tool calls and finish reason, the usage chunk if asked, and `[DONE]`. An error after the
-    // stream started is sent as an `error` object frame.
-    let frames = async_stream(move |tx| async move {
-        let model = service.model_name().to_string();
-        let created = created();
-        let chunk = |choices: Json| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices});
-        let send = |body: Json| tx.send(SseEvent::default().data(body.to_string()));
-        for i in 0..n {
-            let role = json!({"role": "assistant", "content": ""});
-            if send(chunk(delta(i, role, Json::Null, None))).await.is_err() {
-                return;
-            }
-        }
-        while let Some(ev) = rx.recv().await {
-            let content = json!({"content": ev.text});
-            if send(chunk(delta(ev.choice, content, Json::Null, None)))
-                .await
-                .is_err()
-            {
-                return;
-            }
-        }
-        let out = match turn.await {
-            Ok(Ok(out)) => out,
-            Ok(Err(e)) => {
-                let _ = send(json!({"error": {"message": e.to_string(), "type": "server_error", "param": e.param(), "code": e.status().as_u16()}})).await;
-                return;
-            }
-            Err(join) => {
-                let _ = send(json!({"error": {"message": format!("the turn failed: {join}"), "type": "server_error", "param": null, "code": 500}})).await;
-                return;
-            }
-        };
-        for (i, c) in out.choices.iter().enumerate() {
-            if !c.tool_calls.is_empty() {
-                let calls = json!({"tool_calls": tool_calls_json(&c.tool_calls, true)});
-                let _ = send(chunk(delta(i, calls, Json::Null, None))).await;
-            }
-            let logprobs = if with_logprobs {
-                logprobs_json(&service, c)
-            } else {
-                Json::Null
-            };
-            let finish = Some(finish_reason(&c.finish));
-            let _ = send(chunk(delta(i, json!({}), logprobs, finish))).await;
-        }
-        if include_usage {
-            let mut last = chunk(json!([]));
-            last["usage"] = usage(&out);
-            let _ = send(last).await;
-        }
-        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-    });
-    Sse::new(frames).into_response()
 }
 
 /// The `choices` of a `chat.completion.chunk` with one choice's piece.
 fn delta(index: usize, delta: Json, logprobs: Json, finish_reason: Option<&str>) -> Json {
     json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+}
+
+/// An OpenAI answer: a `chat.completion`, or its `chat.completion.chunk` frames (a role chunk
+/// per choice, content deltas as they come, then per choice its tool calls and finish reason,
+/// the usage chunk if asked, and `[DONE]`; an error after the stream started is an `error`
+/// object frame).
+pub struct Answer {
+    id: String,
+    created: u64,
+    n: usize,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+impl Answer {
+    /// A `chat.completion.chunk` with `choices`.
+    fn chunk(&self, service: &ChatService, choices: Json) -> Json {
+        json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+               "model": service.model_name(), "choices": choices})
+    }
+
+    fn logprobs(&self, service: &ChatService, choice: &ChoiceOutput) -> Json {
+        if !self.logprobs {
+            return Json::Null;
+        }
+        let token = |id: i64| service.tokenizer().decode(&[id], false).unwrap_or_default();
+        let entry = |id: i64, logprob: f32| {
+            let text = token(id);
+            json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
+        };
+        let content: Vec<Json> = choice
+            .tokens
+            .iter()
+            .map(|t| {
+                let mut v = entry(t.id, t.logprob);
+                v["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+                v
+            })
+            .collect();
+        json!({ "content": content })
+    }
+}
+
+fn frame(body: Json) -> SseEvent {
+    SseEvent::default().data(body.to_string())
+}
+
+impl Protocol for Answer {
+    type Request = CompletionRequest;
+    const NAME: &'static str = "openai";
+    const CALL_ID: &'static str = "call_";
+
+    fn read(req: CompletionRequest) -> Result<(ChatRequest, bool, Self), InvalidRequest> {
+        let stream = req.stream.unwrap_or(false);
+        let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage);
+        let logprobs = req.logprobs.unwrap_or(false);
+        let chat = req.into_chat()?;
+        let answer = Self {
+            id: format!("chatcmpl-{}", random_id()),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            n: chat.n,
+            logprobs,
+            include_usage: include_usage.unwrap_or(false),
+        };
+        Ok((chat, stream, answer))
+    }
+
+    fn error(e: &LoopbackError) -> Response {
+        e.openai()
+    }
+
+    fn answer(&self, service: &ChatService, out: &TurnOutput) -> Json {
+        let choices: Vec<Json> = out
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut message = json!({"role": "assistant", "content": c.content});
+                if !c.tool_calls.is_empty() {
+                    message["tool_calls"] = tool_calls_json(&c.tool_calls, false);
+                }
+                json!({
+                    "index": i,
+                    "message": message,
+                    "logprobs": self.logprobs(service, c),
+                    "finish_reason": finish_reason(&c.finish),
+                })
+            })
+            .collect();
+        json!({
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": service.model_name(),
+            "choices": choices,
+            "usage": usage(out),
+        })
+    }
+
+    fn open(&mut self, service: &ChatService) -> Vec<SseEvent> {
+        let role = json!({"role": "assistant", "content": ""});
+        (0..self.n)
+            .map(|i| frame(self.chunk(service, delta(i, role.clone(), Json::Null, None))))
+            .collect()
+    }
+
+    fn content(&mut self, service: &ChatService, ev: TurnEvent) -> Vec<SseEvent> {
+        let content = json!({"content": ev.text});
+        vec![frame(
+            self.chunk(service, delta(ev.choice, content, Json::Null, None)),
+        )]
+    }
+
+    fn close(
+        &mut self,
+        service: &ChatService,
+        out: Result<Arc<TurnOutput>, LoopbackError>,
+    ) -> Vec<SseEvent> {
+        let out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                let code = e.status().as_u16();
+                return vec![frame(json!({"error": {"message": e.to_string(),
+                    "type": "server_error", "param": e.param(), "code": code}}))];
+            }
+        };
+        let mut frames = Vec::new();
+        for (i, c) in out.choices.iter().enumerate() {
+            if !c.tool_calls.is_empty() {
+                let calls = json!({"tool_calls": tool_calls_json(&c.tool_calls, true)});
+                frames.push(frame(
+                    self.chunk(service, delta(i, calls, Json::Null, None)),
+                ));
+            }
+            let (logprobs, finish) = (self.logprobs(service, c), finish_reason(&c.finish));
+            let last = delta(i, json!({}), logprobs, Some(finish));
+            frames.push(frame(self.chunk(service, last)));
+        }
+        if self.include_usage {
+            let mut last = self.chunk(service, json!([]));
+            last["usage"] = usage(&out);
+            frames.push(frame(last));
+        }
+        frames.push(SseEvent::default().data("[DONE]"));
+        frames
+    }
 }
 
 /// `GET /v1/models`.

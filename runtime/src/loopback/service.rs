@@ -8,23 +8,22 @@
 //! nothing.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use rand::Rng;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 
 use super::error::LoopbackError;
-use super::session::{ImageSpan, Sampled, Segment, Session};
+use super::session::{Sampled, Segment, SegmentImage, Session};
 use super::text_stream::{Streamed, TextStream};
 use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput};
 use crate::chat::{
     parser_for_template, ChatRequest, ChatTemplate, DecodeStream, Image, InvalidRequest, NoTools,
-    RenderOptions, SamplingOverride, TemplateError, Tokenizer, TokenizerError, ToolCall,
-    ToolCallParser,
+    RenderOptions, SamplingOverride, TemplateError, Tokenizer, TokenizerError, ToolCallParser,
 };
 use crate::engine::client::{ContentPart, EngineClient, EngineError, EngineSampling, Generated};
 use crate::vision::{ImageProcessorConfig, VisionError};
@@ -40,7 +39,9 @@ struct SampleContext<'a> {
     prompt: &'a [i64],
     /// The prompt's images, for the engine.
     content_parts: &'a [ContentPart],
-    req: &'a ChatRequest,
+    /// Sample `i` gets seed `seed + i`.
+    sampling: EngineSampling,
+    stop: &'a [String],
     parser: &'a dyn ToolCallParser,
     id_prefix: &'a str,
     events: Option<mpsc::Sender<TurnEvent>>,
@@ -102,15 +103,6 @@ struct SessionSlot {
 }
 
 impl SessionSlot {
-    fn new(sampling: Option<SamplingOverride>) -> Self {
-        Self {
-            cancelled: AtomicBool::new(false),
-            sampling,
-            state: tokio::sync::Mutex::new(Session::default()),
-            used: Mutex::new(Instant::now()),
-        }
-    }
-
     fn touch(&self) {
         *self.used.lock().expect("session use lock") = Instant::now();
     }
@@ -214,13 +206,6 @@ async fn emit(
     }
 }
 
-fn random_hex(n: usize) -> String {
-    let mut rng = rand::thread_rng();
-    (0..n)
-        .map(|_| char::from_digit(rng.gen_range(0..16), 16).expect("hex digit"))
-        .collect()
-}
-
 impl ChatService {
     /// A service for the model in `model_dir` (tokenizer.json and a chat template) generating on
     /// the engine at `engine`.
@@ -239,7 +224,7 @@ impl ChatService {
             tool_parser,
             opts,
             sessions: Mutex::new(HashMap::new()),
-            id_prefix: format!("lb-{}", random_hex(8)),
+            id_prefix: format!("lb-{}", &super::random_id()[..8]),
             next_request: AtomicU64::new(0),
         }
     }
@@ -319,7 +304,12 @@ impl ChatService {
         if sessions.len() >= self.opts.max_sessions {
             return Err(LoopbackError::TooManySessions(self.opts.max_sessions));
         }
-        let s = Arc::new(SessionSlot::new(sampling));
+        let s = Arc::new(SessionSlot {
+            cancelled: AtomicBool::new(false),
+            sampling,
+            state: tokio::sync::Mutex::new(Session::default()),
+            used: Mutex::new(Instant::now()),
+        });
         sessions.insert(id.to_string(), s.clone());
         Ok(s)
     }
@@ -359,15 +349,15 @@ impl ChatService {
         req: ChatRequest,
     ) -> (
         mpsc::Receiver<TurnEvent>,
-        tokio::task::JoinHandle<Result<Arc<TurnOutput>, LoopbackError>>,
+        impl Future<Output = Result<Arc<TurnOutput>, LoopbackError>>,
     ) {
         let (tx, rx) = mpsc::channel(TURN_EVENT_BUFFER);
         let service = self.clone();
         let turn = tokio::spawn(async move {
-            service
-                .turn(&session, protocol, id_prefix, req, Some(tx))
-                .await
+            let turn = service.turn(&session, protocol, id_prefix, req, Some(tx));
+            turn.await
         });
+        let turn = turn.map(|r| r.unwrap_or_else(|e| Err(LoopbackError::Panicked(e.to_string()))));
         (rx, turn)
     }
 
@@ -421,7 +411,7 @@ impl ChatService {
         let content_parts: Vec<ContentPart> = plan
             .images
             .iter()
-            .map(|i| ContentPart::image(&i.data_url))
+            .map(|i| ContentPart::image(&i.image.data_url))
             .collect();
         let sampling = EngineSampling {
             max_tokens: req.sampling.max_tokens,
@@ -442,18 +432,15 @@ impl ChatService {
             session: session_id,
             prompt: &engine_prompt,
             content_parts: &content_parts,
-            req: &req,
+            sampling,
+            stop: &req.sampling.stop,
             parser,
             id_prefix,
             events,
             cancelled: &slot.cancelled,
         };
-        let samples = futures::future::try_join_all((0..req.n).map(|i| {
-            let mut sampling = sampling.clone();
-            sampling.seed = sampling.seed.map(|s| s.wrapping_add(i as u64));
-            self.sample(&ctx, i, sampling)
-        }))
-        .await?;
+        let samples = (0..req.n).map(|i| self.sample(&ctx, i));
+        let samples = futures::future::try_join_all(samples).await?;
         let (records, choices): (Vec<Sampled>, Vec<ChoiceOutput>) = samples.into_iter().unzip();
         let texts = records
             .iter()
@@ -477,18 +464,18 @@ impl ChatService {
         &self,
         text: &str,
         images: &[&Image],
-    ) -> Result<(Vec<i64>, Vec<ImageSpan>), LoopbackError> {
+    ) -> Result<(Vec<i64>, Vec<SegmentImage>), LoopbackError> {
         let ids = self.tokenizer.encode(text)?;
+        let refuse = |message: String| Err(InvalidRequest::new("messages", message).into());
         let Some(inputs) = &self.images else {
             if images.is_empty() {
                 return Ok((ids, Vec::new()));
             }
-            return Err(InvalidRequest::new(
-                "messages",
+            return refuse(
                 "the request has images, but this model takes none (its folder has no \
-                 preprocessor_config.json); serve a vision-language model (docs/vision.md)",
-            )
-            .into());
+                 preprocessor_config.json); serve a vision-language model (docs/vision.md)"
+                    .into(),
+            );
         };
         let mut out = Vec::with_capacity(ids.len());
         let mut spans = Vec::with_capacity(images.len());
@@ -498,36 +485,29 @@ impl ChatService {
                 continue;
             }
             let Some(image) = images.get(spans.len()) else {
-                return Err(InvalidRequest::new(
-                    "messages",
-                    format!(
-                        "the conversation renders more image placeholders than it has images ({} images); text may not hold {IMAGE_PLACEHOLDER} itself",
-                        images.len()
-                    ),
-                )
-                .into());
+                return refuse(format!(
+                    "the conversation renders more image placeholders than it has images ({} images); text may not hold {IMAGE_PLACEHOLDER} itself",
+                    images.len()
+                ));
             };
             let tokens = image
                 .bytes()
                 .and_then(|b| crate::vision::placeholder_tokens_of(&b, &inputs.config))
                 .map_err(|e| InvalidRequest::new("messages", format!("an image: {e}")))?;
-            spans.push(ImageSpan {
+            spans.push(SegmentImage {
                 offset: out.len(),
                 tokens,
+                image: (*image).clone(),
             });
             out.extend(std::iter::repeat_n(inputs.placeholder, tokens));
         }
         if spans.len() != images.len() {
-            return Err(InvalidRequest::new(
-                "messages",
-                format!(
-                    "the model's chat template ({}) rendered {} image placeholders for {} images: it does not render images (docs/vision.md)",
-                    self.template.origin(),
-                    spans.len(),
-                    images.len()
-                ),
-            )
-            .into());
+            return refuse(format!(
+                "the model's chat template ({}) rendered {} image placeholders for {} images: it does not render images (docs/vision.md)",
+                self.template.origin(),
+                spans.len(),
+                images.len()
+            ));
         }
         Ok((out, spans))
     }
@@ -554,8 +534,9 @@ impl ChatService {
         &self,
         ctx: &SampleContext<'_>,
         index: usize,
-        sampling: EngineSampling,
     ) -> Result<(Sampled, ChoiceOutput), LoopbackError> {
+        let mut sampling = ctx.sampling.clone();
+        sampling.seed = sampling.seed.map(|s| s.wrapping_add(index as u64));
         let id = format!(
             "{}-{}",
             self.id_prefix,
@@ -571,12 +552,15 @@ impl ChatService {
                 Some(ctx.session),
             )
             .await?;
-        let mut text = TextStream::new(&ctx.req.sampling.stop, ctx.parser);
+        let mut text = TextStream::new(ctx.stop, ctx.parser);
         let mut record = Sampled::default();
         let mut tokens = Vec::new();
         let mut detok = DecodeStream::new(true);
-        let mut finish = None;
-        while let Some(event) = stream.next().await {
+        let finish = loop {
+            let Some(event) = stream.next().await else {
+                let e = EngineError::Stream("the stream ended without a finish".into());
+                return Err(e.into());
+            };
             match event? {
                 Generated::Token {
                     id,
@@ -594,10 +578,7 @@ impl ChatService {
                     record.versions.push(version);
                     tokens.push(TokenInfo { id, logprob, top });
                     match text.push(&detok.step(&self.tokenizer, id)?) {
-                        Streamed::Stopped(stop) => {
-                            finish = Some(Finish::StopSequence(stop));
-                            break;
-                        }
+                        Streamed::Stopped(stop) => break Finish::StopSequence(stop),
                         Streamed::Content(content) => emit(&ctx.events, index, content).await?,
                     }
                 }
@@ -606,47 +587,37 @@ impl ChatService {
                     routed_experts,
                 } => {
                     record.routed_experts = routed_experts;
-                    finish = Some(match reason.as_str() {
+                    break match reason.as_str() {
                         "length" => Finish::Length,
                         "stop" => Finish::Stop,
                         other => {
-                            return Err(LoopbackError::Engine(EngineError::Stream(format!(
-                                "the engine ended the request with `{other}`"
-                            ))))
+                            let e = format!("the engine ended the request with `{other}`");
+                            return Err(EngineError::Stream(e).into());
                         }
-                    });
-                    break;
+                    };
                 }
             }
-        }
+        };
         // A stop string ended it early: the rest is not generated (dropping the stream aborts it).
         drop(stream);
-        let finish = finish.ok_or_else(|| {
-            LoopbackError::Engine(EngineError::Stream(
-                "the stream ended without a finish".into(),
-            ))
-        })?;
         let (parsed, rest) = text.finish();
-        let tool_calls: Vec<ToolCall> = parsed
-            .tool_calls
-            .into_iter()
-            .map(|c| c.with_id(format!("{}{}", ctx.id_prefix, random_hex(24))))
-            .collect();
         emit(&ctx.events, index, rest).await?;
+        let mut tool_calls = parsed.tool_calls;
+        for call in &mut tool_calls {
+            call.id = format!("{}{}", ctx.id_prefix, super::random_id());
+        }
         let finish = match finish {
             Finish::Stop if !tool_calls.is_empty() => Finish::ToolCalls,
             other => other,
         };
-        Ok((
-            record.clone(),
-            ChoiceOutput {
-                content: parsed.content,
-                tool_calls,
-                finish,
-                completion_tokens: record.token_ids.len(),
-                tokens,
-            },
-        ))
+        let choice = ChoiceOutput {
+            content: parsed.content,
+            tool_calls,
+            finish,
+            completion_tokens: record.token_ids.len(),
+            tokens,
+        };
+        Ok((record, choice))
     }
 }
 

@@ -92,13 +92,6 @@ impl Segment {
     }
 }
 
-/// Where an image's placeholder tokens are in a run of ids.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ImageSpan {
-    pub offset: usize,
-    pub tokens: usize,
-}
-
 /// What the engine produced for one sample of a turn.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Sampled {
@@ -131,10 +124,9 @@ pub struct TurnPlan {
     new_images: Vec<SegmentImage>,
     /// The whole prompt: the continued segment's tokens, then `new_ids`.
     pub prompt: Vec<i64>,
-    /// Every image of the prompt, in order: what the engine receives with it.
-    pub images: Vec<Image>,
-    /// Where each image's placeholders are in `prompt`.
-    spans: Vec<ImageSpan>,
+    /// Every image of the prompt, in order, and where its placeholders are in `prompt`: what
+    /// the engine receives with it.
+    pub images: Vec<SegmentImage>,
 }
 
 impl TurnPlan {
@@ -146,12 +138,9 @@ impl TurnPlan {
     /// The prompt as engines take it with its images: one placeholder token per image, which
     /// the engine expands to the image's tokens again (vLLM's form; docs/vision.md).
     pub fn engine_prompt(&self) -> Vec<i64> {
-        if self.spans.is_empty() {
-            return self.prompt.clone();
-        }
         let mut out = Vec::with_capacity(self.prompt.len());
         let mut at = 0;
-        for span in &self.spans {
+        for span in &self.images {
             out.extend_from_slice(&self.prompt[at..=span.offset]);
             at = span.offset + span.tokens;
         }
@@ -191,12 +180,12 @@ const CACHED_TURNS: usize = 8;
 impl Session {
     /// Plans a turn for `messages` rendered as `rendered`. `tokenize` encodes the new text only,
     /// given the images it holds placeholders for (the messages' images not yet in the continued
-    /// segment), and returns each one's placeholder span in the ids.
+    /// segment), and returns the ids and each image with its placeholders' place in them.
     pub fn plan<E>(
         &self,
         messages: &[Message],
         rendered: String,
-        tokenize: impl FnOnce(&str, &[&Image]) -> Result<(Vec<i64>, Vec<ImageSpan>), E>,
+        tokenize: impl FnOnce(&str, &[&Image]) -> Result<(Vec<i64>, Vec<SegmentImage>), E>,
     ) -> Result<TurnPlan, E> {
         let continues = self.open.iter().position(|o| {
             messages.len() > o.messages.len()
@@ -209,43 +198,23 @@ impl Session {
             None => (None, ""),
         };
         let base_ids: &[i64] = base.map_or(&[], |b| &b.token_ids);
-        let base_images = base.map_or(0, |b| b.images.len());
+        let base_images: &[SegmentImage] = base.map_or(&[], |b| &b.images);
         // A continued segment's messages are the first of these, so its images come first.
         let images: Vec<&Image> = messages.iter().flat_map(Message::images).collect();
-        let new = images.get(base_images..).unwrap_or_default();
-        let (new_ids, spans) = tokenize(&rendered[base_text.len()..], new)?;
-        let new_images: Vec<SegmentImage> = new
-            .iter()
-            .zip(spans)
-            .map(|(image, span)| SegmentImage {
-                offset: span.offset,
-                tokens: span.tokens,
-                image: (*image).clone(),
-            })
-            .collect();
-        let mut prompt = Vec::with_capacity(base_ids.len() + new_ids.len());
-        prompt.extend_from_slice(base_ids);
-        prompt.extend_from_slice(&new_ids);
-        let spans = base
-            .map_or(&[][..], |b| &b.images[..])
-            .iter()
-            .map(|i| ImageSpan {
-                offset: i.offset,
-                tokens: i.tokens,
-            })
-            .chain(new_images.iter().map(|i| ImageSpan {
-                offset: base_ids.len() + i.offset,
-                tokens: i.tokens,
-            }))
-            .collect();
+        let new = images.get(base_images.len()..).unwrap_or_default();
+        let (new_ids, new_images) = tokenize(&rendered[base_text.len()..], new)?;
+        let images = base_images.iter().cloned();
+        let images = images.chain(new_images.iter().map(|i| SegmentImage {
+            offset: base_ids.len() + i.offset,
+            ..i.clone()
+        }));
         Ok(TurnPlan {
             continues,
+            images: images.collect(),
             rendered,
+            prompt: [base_ids, &new_ids].concat(),
             new_ids,
             new_images,
-            prompt,
-            images: images.into_iter().cloned().collect(),
-            spans,
         })
     }
 
@@ -260,21 +229,12 @@ impl Session {
         sample_texts: Vec<String>,
     ) {
         let routed_start = plan.routed_experts_start();
-        let base = match plan.continues {
-            Some(i) => {
-                let base = self.open.swap_remove(i);
-                self.sealed.extend(self.open.drain(..).map(|o| o.segment));
-                base.segment
-            }
-            None => {
-                self.sealed.extend(self.open.drain(..).map(|o| o.segment));
-                Segment::default()
-            }
-        };
+        let base = plan.continues.map(|i| self.open.swap_remove(i).segment);
+        self.sealed.extend(self.open.drain(..).map(|o| o.segment));
         self.turns += 1;
         // The last candidate takes the base segment and the rendering; only extra samples copy
         // them, so a turn costs what it adds, not the context.
-        let mut base = Some((base, plan.rendered));
+        let mut base = Some((base.unwrap_or_default(), plan.rendered));
         let last = samples.len().saturating_sub(1);
         for (i, (sample, text)) in samples.iter().zip(sample_texts).enumerate() {
             let (mut segment, mut full) =
@@ -350,15 +310,16 @@ mod tests {
 
     /// A stand-in tokenizer: one id per character (a module-level test of the bookkeeping; the
     /// loopback tests use the real tokenizer and template).
-    fn chars(text: &str, images: &[&Image]) -> Result<(Vec<i64>, Vec<ImageSpan>), ()> {
+    fn chars(text: &str, images: &[&Image]) -> Result<(Vec<i64>, Vec<SegmentImage>), ()> {
         // `#` is an image's placeholder, three tokens once expanded.
         let mut ids = Vec::new();
         let mut spans = Vec::new();
         for c in text.chars() {
             if c == '#' {
-                spans.push(ImageSpan {
+                spans.push(SegmentImage {
                     offset: ids.len(),
                     tokens: 3,
+                    image: images[spans.len()].clone(),
                 });
                 ids.extend([c as i64; 3]);
             } else {
@@ -463,7 +424,11 @@ mod tests {
         let plan = s.plan(&m2, render(&m2), chars).unwrap();
         assert!(plan.continues());
         // The engine gets both images, the first from the continued segment.
-        let hashes: Vec<&str> = plan.images.iter().map(|i| i.sha256.as_str()).collect();
+        let hashes: Vec<&str> = plan
+            .images
+            .iter()
+            .map(|i| i.image.sha256.as_str())
+            .collect();
         let first = Image::from_bytes("image/png", b"png-1").sha256;
         let second = Image::from_bytes("image/png", b"png-2").sha256;
         assert_eq!(hashes, [first.as_str(), second.as_str()]);

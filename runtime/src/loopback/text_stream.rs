@@ -77,13 +77,13 @@ impl<'a> TextStream<'a> {
             .parser
             .content_prefix_len(&self.text)
             .min(self.text.len() - partial_stop_len(&self.text, stops));
-        if safe > self.sent {
-            let content = self.text[self.sent..safe].to_string();
-            self.sent = safe;
-            Streamed::Content(content)
-        } else {
-            Streamed::Content(String::new())
-        }
+        let content = self
+            .text
+            .get(self.sent..safe)
+            .unwrap_or_default()
+            .to_string();
+        self.sent = self.sent.max(safe);
+        Streamed::Content(content)
     }
 
     /// The text so far (cut before a stop string that matched).

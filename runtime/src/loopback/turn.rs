@@ -42,12 +42,6 @@ pub struct TurnOutput {
     pub choices: Vec<ChoiceOutput>,
 }
 
-impl TurnOutput {
-    pub fn completion_tokens(&self) -> usize {
-        self.choices.iter().map(|c| c.completion_tokens).sum()
-    }
-}
-
 /// Content text of sample `choice` that is final and may be streamed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TurnEvent {
