@@ -18,7 +18,7 @@ use tch::{Kind, Tensor};
 
 use super::logprobs::{picked, seq_inputs, Targets};
 use super::shard::{ShardGrad, Shards};
-use super::step::{loss_of, scored, LossConfig, LossExtras, LossMetrics, Sample};
+use super::step::{loss_of, scored, KlPenalty, LossConfig, LossMetrics, Sample};
 use crate::dist::Collectives;
 use crate::model::{CausalLm, Result, Stages};
 
@@ -47,7 +47,8 @@ pub(super) struct Part<'a> {
     /// π_old of the samples.
     pub old: &'a Tensor,
     pub cfg: &'a LossConfig,
-    pub extras: LossExtras,
+    /// The KL penalty's weight and the reference's logprobs, with one.
+    pub kl: Option<KlPenalty>,
     /// The micro-batch's share of the whole batch's loss.
     pub weight: f64,
 }
@@ -169,7 +170,7 @@ impl Layered<'_> {
                 part.samples,
                 part.old,
                 part.cfg,
-                &part.extras,
+                part.kl.as_ref(),
             );
             let dlogp =
                 Tensor::run_backward(&[loss * part.weight], &[&logp], false, false).remove(0);
@@ -232,9 +233,10 @@ impl Layered<'_> {
             Some(g) => g.into_iter().map(defined).collect(),
             None => nones(x.iter().count() + params.len()),
         };
-        let dx = x.and_then(|_| grads.remove(0));
+        let dx = x.map(|_| grads.remove(0));
         self.shards.reduce_unit(u, &grads, acc, self.group)?;
-        Ok(g.map(|g| dx.unwrap_or_else(|| g.zeros_like())))
+        Ok(g.zip(dx)
+            .map(|(g, dx)| dx.unwrap_or_else(|| g.zeros_like())))
     }
 }
 

@@ -169,8 +169,7 @@ impl Trainer {
     pub fn save_shards(&self, dir: &Path) -> crate::model::Result<()> {
         let path = dir.to_string_lossy();
         self.command(Command::SaveShards, Some(path.as_bytes()))?;
-        let mine = self.write_shard(dir);
-        self.agree_written(mine)?;
+        self.write_shard(dir)?;
         let layout = (self.shards.as_ref())
             .expect("several ranks")
             .layout(&self.names);
@@ -179,35 +178,30 @@ impl Trainer {
             &file,
             serde_json::to_vec_pretty(&layout).expect("the layout serialises"),
         )
-        .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))?;
-        Ok(())
+        .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))
     }
 
-    /// This rank's file of a sharded checkpoint in `dir`, written and synced.
+    /// This rank's file of a sharded checkpoint in `dir`, written and synced; then whether every
+    /// rank wrote its own: this rank's error, or the news that another failed.
     fn write_shard(&self, dir: &Path) -> crate::model::Result<()> {
         let shards = dir.join(SHARDS);
         let file = shards.join(shard_file_name(self.group.rank(), self.world_size()));
-        std::fs::create_dir_all(&shards)
+        let mine = std::fs::create_dir_all(&shards)
             .and_then(|()| {
                 let tensors = self.shards.as_ref().expect("several ranks").shard_tensors();
                 Tensor::write_safetensors(&tensors, &file).map_err(std::io::Error::other)
             })
             .and_then(|()| std::fs::File::open(&file)?.sync_all())
-            .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))
-    }
-
-    /// Whether every rank wrote its shard: this rank's error, or the news that another failed.
-    fn agree_written(&self, mine: crate::model::Result<()>) -> crate::model::Result<()> {
-        let failed = Tensor::from_slice(&[mine.is_err() as i32 as f32]);
+            .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())));
+        let failed = Tensor::from_slice(&[f32::from(u8::from(mine.is_err()))]);
         self.group.all_reduce(&failed, ReduceOp::Max)?;
-        match mine {
-            Err(e) => Err(e),
-            Ok(()) if failed.double_value(&[0]) > 0.0 => Err(crate::model::Error::Input(
+        if mine.is_ok() && failed.double_value(&[0]) > 0.0 {
+            return Err(crate::model::Error::Input(
                 "another trainer rank could not write its checkpoint shard (its log says why)"
                     .into(),
-            )),
-            Ok(()) => Ok(()),
+            ));
         }
+        mine
     }
 
     /// Rank 0, at the end of a run: the followers return from [`Trainer::follow`].
@@ -241,8 +235,7 @@ impl Trainer {
                 5 => {
                     let bytes = broadcast_bytes(self.group.as_ref(), None)?;
                     let dir = PathBuf::from(String::from_utf8_lossy(&bytes).into_owned());
-                    let mine = self.write_shard(&dir);
-                    if let Err(e) = self.agree_written(mine) {
+                    if let Err(e) = self.write_shard(&dir) {
                         // Rank 0 says so too, and tries again or carries on without this
                         // checkpoint; this rank goes on with it.
                         tracing::warn!("a checkpoint shard was not written: {e}");

@@ -67,17 +67,10 @@ pub struct LossMetrics {
     pub tokens: f64,
 }
 
-/// What a loss may take beyond each sample's sequence advantage. Tensors are `[batch, width]`
-/// with `width` the longest sample's length (as [`token_logprobs`] pads).
-#[derive(Debug, Default)]
-pub struct LossExtras {
-    /// Per-token advantages (on-policy distillation) in place of the samples' `advantage`; GSPO
-    /// takes their masked mean per sequence.
-    pub token_advantages: Option<Tensor>,
-    /// A KL penalty `coef · k3(π_θ, π_ref)` (aggregated like the loss) against these reference
-    /// logprobs.
-    pub kl: Option<(f64, Tensor)>,
-}
+/// A KL penalty `coef · k3(π_θ, π_ref)` (aggregated like the loss): `coef` and the reference
+/// policy's logprobs, `[batch, width]` with `width` the longest sample's length (as
+/// [`token_logprobs`] pads).
+pub type KlPenalty = (f64, Tensor);
 
 /// `rows`, each padded with `pad` to `width`, one after another.
 pub(super) fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> Vec<T> {
@@ -118,20 +111,20 @@ pub fn policy_loss(
     logp_old: &Tensor,
     cfg: &LossConfig,
 ) -> crate::model::Result<(Tensor, LossMetrics)> {
-    policy_loss_with(model, samples, logp_old, cfg, &LossExtras::default())
+    policy_loss_with(model, samples, logp_old, cfg, None)
 }
 
-/// [`policy_loss`] with per-token advantages and/or a KL penalty.
+/// [`policy_loss`] with a KL penalty.
 pub fn policy_loss_with(
     model: &CausalLm,
     samples: &[Sample],
     logp_old: &Tensor,
     cfg: &LossConfig,
-    extras: &LossExtras,
+    kl: Option<&KlPenalty>,
 ) -> crate::model::Result<(Tensor, LossMetrics)> {
     let seqs = scored(samples);
     let (logp, entropy) = token_logprobs_and_entropy(model, &seqs, cfg.temperature)?;
-    Ok(loss_of(&logp, &entropy, samples, logp_old, cfg, extras))
+    Ok(loss_of(&logp, &entropy, samples, logp_old, cfg, kl))
 }
 
 /// The loss of `samples` from their logprobs under the policy `logp` (with gradient) and the
@@ -142,7 +135,7 @@ pub(super) fn loss_of(
     samples: &[Sample],
     logp_old: &Tensor,
     cfg: &LossConfig,
-    extras: &LossExtras,
+    kl: Option<&KlPenalty>,
 ) -> (Tensor, LossMetrics) {
     let (b, width) = (samples.len() as i64, logp.size()[1]);
     let device = logp.device();
@@ -162,17 +155,22 @@ pub(super) fn loss_of(
             .map(|s| s.behaviour_logprobs.to_vec())
             .collect(),
     );
-    let adv_seq: Vec<f32> = samples.iter().map(|s| s.advantage as f32).collect();
-    let adv_seq = Tensor::from_slice(&adv_seq).to_device(device);
-    let (adv_seq, adv_tok) = match &extras.token_advantages {
-        Some(per_token) => {
-            let adv_tok = per_token.to_device(device) * &mask;
-            (masked_mean(&adv_tok, &mask), adv_tok)
-        }
-        None => {
-            let adv_tok = adv_seq.unsqueeze(1) * &mask;
-            (adv_seq, adv_tok)
-        }
+    // Per-token advantages (on-policy distillation) replace the sequences' when every sample
+    // has them; GSPO takes their masked mean per sequence.
+    let (adv_seq, adv_tok) = if samples.iter().all(|s| s.token_advantages.is_some()) {
+        let adv_tok = rows(
+            samples
+                .iter()
+                .flat_map(|s| s.token_advantages.clone())
+                .collect(),
+        );
+        let adv_tok = adv_tok * &mask;
+        (masked_mean(&adv_tok, &mask), adv_tok)
+    } else {
+        let adv_seq: Vec<f32> = samples.iter().map(|s| s.advantage as f32).collect();
+        let adv_seq = Tensor::from_slice(&adv_seq).to_device(device);
+        let adv_tok = adv_seq.unsqueeze(1) * &mask;
+        (adv_seq, adv_tok)
     };
     let log_rho = (logp_old - &behaviour) * &mask;
     let coef = match &cfg.correction {
@@ -194,7 +192,7 @@ pub(super) fn loss_of(
             aggregate(&l, &mask, cfg.aggregation)
         }
     };
-    let (per_token_or_seq, kl) = match &extras.kl {
+    let (per_token_or_seq, kl) = match kl {
         Some((coef, logp_ref)) => {
             let k3 = kl_k3(logp, &logp_ref.to_device(device)) * &mask;
             let kl = aggregate(&k3, &mask, cfg.aggregation);

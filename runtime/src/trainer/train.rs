@@ -22,7 +22,7 @@ use super::shard::{ShardGrad, Shards};
 pub use super::shard::{ShardLayout, Sharding, Whole};
 pub use super::step::Sample;
 use super::step::{
-    old_logprobs, padded, policy_loss_with, scored, LossConfig, LossExtras, LossKind, LossMetrics,
+    old_logprobs, policy_loss_with, scored, KlPenalty, LossConfig, LossKind, LossMetrics,
 };
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
@@ -470,7 +470,7 @@ impl Trainer {
                 samples,
                 old,
                 cfg,
-                extras: self.extras(samples, old)?,
+                kl: self.kl_penalty(samples)?,
                 weight,
             }),
             _ => None,
@@ -478,7 +478,8 @@ impl Trainer {
         match (acc, part) {
             (Some(acc), part) => self.layered().train(part.as_ref(), acc),
             (None, Some(p)) => {
-                let (loss, m) = policy_loss_with(&self.model, p.samples, p.old, cfg, &p.extras)?;
+                let (loss, m) =
+                    policy_loss_with(&self.model, p.samples, p.old, cfg, p.kl.as_ref())?;
                 (loss * weight).backward();
                 Ok(Some(m))
             }
@@ -486,26 +487,16 @@ impl Trainer {
         }
     }
 
-    /// What the loss of `part` takes beyond its samples: per-token advantages (distillation),
-    /// and the reference policy's logprobs for a KL penalty.
-    fn extras(&self, part: &[Sample], old: &Tensor) -> crate::model::Result<LossExtras> {
-        let width = old.size()[1];
-        let token_advantages = part.iter().all(|s| s.token_advantages.is_some()).then(|| {
-            let rows = part.iter().flat_map(|s| s.token_advantages.clone());
-            let rows = padded(rows, width as usize, 0.0);
-            Tensor::from_slice(&rows).view([part.len() as i64, width])
-        });
+    /// A KL penalty's weight and the reference policy's logprobs of `part`, when the trainer
+    /// has one.
+    fn kl_penalty(&self, part: &[Sample]) -> crate::model::Result<Option<KlPenalty>> {
         let temperature = self.opts.loss.temperature;
-        let kl = match (&self.reference, self.opts.kl_coef) {
+        Ok(match (&self.reference, self.opts.kl_coef) {
             (Some(reference), coef) if coef > 0.0 => Some((
                 coef,
                 tch::no_grad(|| token_logprobs(reference, &scored(part), temperature))?,
             )),
             _ => None,
-        };
-        Ok(LossExtras {
-            token_advantages,
-            kl,
         })
     }
 }
