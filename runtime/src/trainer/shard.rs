@@ -220,7 +220,7 @@ impl Shards {
             "trainable tensors own contiguous storage"
         );
         let units = match sharding {
-            Sharding::Optimizer => vec![0..params.len()],
+            Sharding::Optimizer => std::iter::once(0..params.len()).collect(),
             Sharding::Full => units,
         };
         let (mut pieces, mut state_len) = (Vec::new(), 0);
