@@ -19,7 +19,7 @@ use moult_runtime::algorithms::losses::Aggregation;
 use moult_runtime::model::CausalLm;
 use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
 use moult_runtime::trainer::optim::{clip_grad_norm, AdamW};
-use moult_runtime::trainer::step::{old_logprobs, policy_loss, LossConfig, LossKind, TrainSample};
+use moult_runtime::trainer::step::{old_logprobs, policy_loss, LossConfig, LossKind, Sample};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
@@ -111,15 +111,16 @@ impl Batch {
         self.tokens.iter().map(Vec::len).sum()
     }
 
-    fn samples(&self) -> Vec<TrainSample<'_>> {
+    fn samples(&self) -> Vec<Sample> {
         (0..self.tokens.len())
-            .map(|i| TrainSample {
-                tokens: &self.tokens[i],
-                loss_mask: &self.loss_mask[i],
-                behaviour_logprobs: &self.behaviour[i],
+            .map(|i| Sample {
+                tokens: self.tokens[i].clone(),
+                loss_mask: self.loss_mask[i].clone(),
+                behaviour_logprobs: self.behaviour[i].clone(),
                 advantage: self.advantages[i],
+                token_advantages: None,
                 replay: None,
-                images: &[],
+                images: Vec::new(),
             })
             .collect()
     }
@@ -171,7 +172,7 @@ impl Moult {
     }
 
     /// One step: its phases, the loss, the gradient norm before clipping.
-    fn step(&mut self, samples: &[TrainSample<'_>]) -> (Phases, f64, f64) {
+    fn step(&mut self, samples: &[Sample]) -> (Phases, f64, f64) {
         let mut clock = Instant::now();
         let mut lap = || {
             let ms = clock.elapsed().as_secs_f64() * 1e3;

@@ -11,7 +11,7 @@ use moult_runtime::algorithms::losses::Aggregation;
 use moult_runtime::model::CausalLm;
 use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
 use moult_runtime::trainer::optim::{clip_grad_norm, AdamW};
-use moult_runtime::trainer::step::{old_logprobs, policy_loss, LossConfig, LossKind, TrainSample};
+use moult_runtime::trainer::step::{old_logprobs, policy_loss, LossConfig, LossKind, Sample};
 use tch::{Device, Kind, Tensor};
 
 /// Mean logprob of each sequence's sampled tokens.
@@ -97,17 +97,18 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
         };
         let mut opt = AdamW::new((0.9, 0.999), 1e-8, 0.0);
         for step in 0..8 {
-            let samples: Vec<TrainSample> = seqs
+            let samples: Vec<Sample> = seqs
                 .iter()
                 .zip(&rows)
                 .zip([1.0, -1.0])
-                .map(|(((t, m), b), a)| TrainSample {
-                    tokens: t,
-                    loss_mask: m,
-                    behaviour_logprobs: b,
+                .map(|(((t, m), b), a)| Sample {
+                    tokens: t.clone(),
+                    loss_mask: m.clone(),
+                    behaviour_logprobs: b.clone(),
                     advantage: a,
+                    token_advantages: None,
                     replay: None,
-                    images: &[],
+                    images: Vec::new(),
                 })
                 .collect();
             let old = old_logprobs(&model, &samples, 1.0).unwrap();

@@ -75,11 +75,11 @@ impl Correction {
     /// `log_rho` = log π_old(a_t) − log μ(a_t).
     pub fn coefficients(&self, log_rho: &Tensor, mask: &Tensor) -> Tensor {
         let rho = log_rho.exp();
+        let inside = |x: &Tensor, low: f64, high: f64| {
+            x.ge(low).logical_and(&x.le(high)).to_kind(rho.kind())
+        };
         let coef = match (self.level, self.mode) {
-            (Level::Token, Mode::Mask) => {
-                let keep = rho.ge(self.low).logical_and(&rho.le(self.high));
-                &rho * keep.to_kind(rho.kind())
-            }
+            (Level::Token, Mode::Mask) => &rho * inside(&rho, self.low, self.high),
             (Level::Token, Mode::Clip) => rho.clamp(self.low, self.high),
             (Level::Token, Mode::Trunc) => rho.clamp_max(self.high),
             (Level::Seq | Level::Geo, _) => {
@@ -88,12 +88,7 @@ impl Correction {
                     Level::Seq => masked_sum(log_rho, mask),
                     _ => masked_mean(log_rho, mask),
                 };
-                let keep = log_u
-                    .ge(self.low.ln())
-                    .logical_and(&log_u.le(self.high.ln()))
-                    .to_kind(rho.kind())
-                    .unsqueeze(-1);
-                &rho * keep
+                &rho * inside(&log_u, self.low.ln(), self.high.ln()).unsqueeze(-1)
             }
         };
         coef * mask

@@ -76,42 +76,39 @@ pub fn save(
     trainer: &Trainer,
     meta: &CheckpointMeta,
 ) -> Result<PathBuf, RunError> {
+    std::fs::create_dir_all(root).map_err(|e| io("creating", root, e))?;
+    let dir = step_dir(root, meta.step);
     let tmp = root.join(format!(".step-{:06}.tmp{}", meta.step, std::process::id()));
-    match write(root, &tmp, model_dir, trainer, meta) {
-        Ok(dir) => Ok(dir),
-        Err(first) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            let Some(newest) = latest_step(root) else {
-                return Err(first);
-            };
-            tracing::warn!("{first}; pruning older checkpoints and trying again");
-            prune_to(root, newest, 1);
-            write(root, &tmp, model_dir, trainer, meta).inspect_err(|_| {
-                let _ = std::fs::remove_dir_all(&tmp);
-            })
-        }
+    let write = || write_folder(&tmp, &dir, |tmp| fill(tmp, model_dir, trainer, meta));
+    if let Err(first) = write() {
+        let Some((_, newest)) = latest(root).ok().flatten() else {
+            return Err(first);
+        };
+        tracing::warn!("{first}; pruning older checkpoints and trying again");
+        prune(root, newest.step, 1);
+        write()?;
     }
+    sync_dir(root)?;
+    let pointer = serde_json::json!({"step": meta.step, "path": dir.file_name().map(|n| n.to_string_lossy().into_owned())});
+    write_atomic(&root.join("latest.json"), pointer.to_string().as_bytes())?;
+    prune(root, meta.step, KEEP);
+    Ok(dir)
 }
 
-fn write(
-    root: &Path,
+/// A checkpoint's files in `tmp`: the weights and moments (whole, or this rank's shards and
+/// the others'), the model's files and the metadata.
+fn fill(
     tmp: &Path,
     model_dir: &Path,
     trainer: &Trainer,
     meta: &CheckpointMeta,
-) -> Result<PathBuf, RunError> {
-    std::fs::create_dir_all(root).map_err(|e| io("creating", root, e))?;
-    let dir = step_dir(root, meta.step);
-    let _ = std::fs::remove_dir_all(tmp);
-    std::fs::create_dir_all(tmp).map_err(|e| io("creating", tmp, e))?;
+) -> Result<(), RunError> {
     if trainer.weights_sharded() {
         trainer.save_shards(tmp)?;
         sync_dir(&tmp.join(SHARDS))?;
     } else {
         let weights = trainer.weights().map_err(crate::model::Error::from)?;
-        let model_file = tmp.join("model.safetensors");
-        Tensor::write_safetensors(&weights, &model_file)
-            .map_err(|e| io("writing", &model_file, e))?;
+        write_tensors(&tmp.join("model.safetensors"), &weights)?;
         let moments: Vec<(String, Tensor)> = trainer
             .moments()
             .map_err(crate::model::Error::from)?
@@ -119,9 +116,7 @@ fn write(
             .enumerate()
             .flat_map(|(i, (m, v))| [(format!("m.{i}"), m), (format!("v.{i}"), v)])
             .collect();
-        let optim_file = tmp.join("optimizer.safetensors");
-        Tensor::write_safetensors(&moments, &optim_file)
-            .map_err(|e| io("writing", &optim_file, e))?;
+        write_tensors(&tmp.join("optimizer.safetensors"), &moments)?;
     }
     copy_model_files(model_dir, tmp)?;
     let meta_file = tmp.join("moult.json");
@@ -129,22 +124,39 @@ fn write(
         &meta_file,
         serde_json::to_vec_pretty(meta).expect("meta serializes"),
     )
-    .map_err(|e| io("writing", &meta_file, e))?;
-    for entry in std::fs::read_dir(tmp).map_err(|e| io("listing", tmp, e))? {
-        let path = entry.map_err(|e| io("listing", tmp, e))?.path();
-        // The shard files are synced by the ranks that wrote them, their folder above.
-        if path.is_file() {
-            sync_file(&path)?;
+    .map_err(|e| io("writing", &meta_file, e))
+}
+
+/// Fills the folder `tmp` with `fill`, syncs its files and itself, and renames it to `dest`
+/// (replacing it): `dest` appears complete or not at all. A failed write removes `tmp`.
+fn write_folder(
+    tmp: &Path,
+    dest: &Path,
+    fill: impl FnOnce(&Path) -> Result<(), RunError>,
+) -> Result<(), RunError> {
+    let _ = std::fs::remove_dir_all(tmp);
+    let written = (|| {
+        std::fs::create_dir_all(tmp).map_err(|e| io("creating", tmp, e))?;
+        fill(tmp)?;
+        for entry in std::fs::read_dir(tmp).map_err(|e| io("listing", tmp, e))? {
+            let path = entry.map_err(|e| io("listing", tmp, e))?.path();
+            // The shard files are synced by the ranks that wrote them, their folder above.
+            if path.is_file() {
+                sync_file(&path)?;
+            }
         }
+        sync_dir(tmp)?;
+        let _ = std::fs::remove_dir_all(dest);
+        std::fs::rename(tmp, dest).map_err(|e| io("renaming", tmp, e))
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(tmp);
     }
-    sync_dir(tmp)?;
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::rename(tmp, &dir).map_err(|e| io("renaming", tmp, e))?;
-    sync_dir(root)?;
-    let pointer = serde_json::json!({"step": meta.step, "path": dir.file_name().map(|n| n.to_string_lossy().into_owned())});
-    write_atomic(&root.join("latest.json"), pointer.to_string().as_bytes())?;
-    prune(root, meta.step);
-    Ok(dir)
+    written
+}
+
+fn write_tensors(file: &Path, tensors: &[(String, Tensor)]) -> Result<(), RunError> {
+    Tensor::write_safetensors(tensors, file).map_err(|e| io("writing", file, e))
 }
 
 /// Copies the [`MODEL_FILES`] `from` has into `to`.
@@ -158,14 +170,9 @@ fn copy_model_files(from: &Path, to: &Path) -> Result<(), RunError> {
     Ok(())
 }
 
-/// Deletes all but the newest [`KEEP`] complete checkpoints (never `latest`), and leftovers of
+/// Deletes all but the newest `keep` complete checkpoints (never `latest`), and leftovers of
 /// interrupted writes.
-fn prune(root: &Path, latest: u64) {
-    prune_to(root, latest, KEEP);
-}
-
-/// [`prune`] keeping `keep` checkpoints (`latest` among them).
-fn prune_to(root: &Path, latest: u64, keep: usize) {
+fn prune(root: &Path, latest: u64, keep: usize) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };
@@ -200,35 +207,39 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
                 .ok_or_else(|| Unusable::NoPath(pointer.clone()))?;
             complete(&root.join(name))
         });
-    match named {
-        Ok(found) => Ok(Some(found)),
-        Err(why) => {
-            let fallback = step_folders(root)
-                .into_iter()
-                .rev()
-                .find_map(|step| complete(&step_dir(root, step)).ok());
-            match &fallback {
-                Some((dir, _)) => tracing::warn!(
-                    "{why}; resuming from {}, the newest complete checkpoint",
-                    dir.display()
-                ),
-                None => {
-                    return Err(RunError::Checkpoint(format!(
-                        "{why}, and no other complete checkpoint is under {}",
-                        root.display()
-                    )))
-                }
-            }
-            Ok(fallback)
-        }
-    }
+    let why = match named {
+        Ok(found) => return Ok(Some(found)),
+        Err(why) => why,
+    };
+    let mut newest = step_folders(root).into_iter().rev();
+    let Some((dir, meta)) = newest.find_map(|step| complete(&step_dir(root, step)).ok()) else {
+        return Err(RunError::Checkpoint(format!(
+            "{why}, and no other complete checkpoint is under {}",
+            root.display()
+        )));
+    };
+    tracing::warn!(
+        "{why}; resuming from {}, the newest complete checkpoint",
+        dir.display()
+    );
+    Ok(Some((dir, meta)))
 }
 
 /// The model folder `dir` names for serving, and its checkpoint metadata: a checkpoint folder
 /// (`step-N`), a checkpoint root (its newest complete checkpoint), or any model folder (no
 /// metadata).
 pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), RunError> {
-    let (found, meta) = any_model_folder(dir)?;
+    let (latest, config) = (dir.join("latest.json"), dir.join("config.json"));
+    if !latest.is_file() && !config.is_file() {
+        return Err(RunError::Checkpoint(format!(
+            "{} is neither a model folder (no config.json) nor a checkpoint folder (no latest.json)",
+            dir.display()
+        )));
+    }
+    if !latest.is_file() && !dir.join("moult.json").is_file() {
+        return Ok((dir.to_path_buf(), None));
+    }
+    let (found, meta) = checkpoint_at(dir)?;
     // No engine loads shards as they are.
     if let Some(layout) = sharded(&found)? {
         return Err(RunError::Checkpoint(format!(
@@ -239,27 +250,17 @@ pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), Run
             dir.display()
         )));
     }
-    Ok((found, meta))
+    Ok((found, Some(meta)))
 }
 
-fn any_model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), RunError> {
+/// The checkpoint `dir` names: a checkpoint root's newest complete one, or `dir` itself.
+fn checkpoint_at(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
     if dir.join("latest.json").is_file() {
-        let (dir, meta) = latest(dir)?.ok_or_else(|| {
+        return latest(dir)?.ok_or_else(|| {
             RunError::Checkpoint(format!("no complete checkpoint under {}", dir.display()))
-        })?;
-        return Ok((dir, Some(meta)));
+        });
     }
-    if !dir.join("config.json").is_file() {
-        return Err(RunError::Checkpoint(format!(
-            "{} is neither a model folder (no config.json) nor a checkpoint folder (no latest.json)",
-            dir.display()
-        )));
-    }
-    if dir.join("moult.json").is_file() {
-        let (dir, meta) = complete(dir)?;
-        return Ok((dir, Some(meta)));
-    }
-    Ok((dir.to_path_buf(), None))
+    Ok(complete(dir)?)
 }
 
 /// The layout of the sharded checkpoint in `dir`; `None` for a checkpoint of whole tensors.
@@ -268,10 +269,12 @@ fn sharded(dir: &Path) -> Result<Option<ShardLayout>, RunError> {
     if !file.is_file() {
         return Ok(None);
     }
-    let bytes = std::fs::read(&file).map_err(|e| io("reading", &file, e))?;
-    serde_json::from_slice(&bytes)
-        .map(Some)
-        .map_err(|e| io("parsing", &file, e))
+    read_json(&file).map(Some)
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T, RunError> {
+    let bytes = std::fs::read(file).map_err(|e| io("reading", file, e))?;
+    serde_json::from_slice(&bytes).map_err(|e| io("parsing", file, e))
 }
 
 /// The weights by checkpoint name and the optimizer's moments (empty before the first step) of
@@ -322,13 +325,7 @@ pub fn load_policy(
 /// the model's config and tokenizer files. Returns the checkpoint's folder. `out` must not exist
 /// yet; it appears complete or not at all.
 pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
-    let (dir, _) = if src.join("latest.json").is_file() {
-        latest(src)?.ok_or_else(|| {
-            RunError::Checkpoint(format!("no complete checkpoint under {}", src.display()))
-        })?
-    } else {
-        complete(src)?
-    };
+    let (dir, _) = checkpoint_at(src)?;
     if out.exists() {
         return Err(RunError::Checkpoint(format!(
             "{} exists; export writes a new folder",
@@ -340,54 +337,30 @@ pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
         .file_name()
         .map_or_else(|| "export".into(), |n| n.to_string_lossy().into_owned());
     let tmp = out.with_file_name(format!(".{name}.tmp{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| io("creating", &tmp, e))?;
-    let written = (|| {
-        let model_file = tmp.join("model.safetensors");
-        Tensor::write_safetensors(&weights, &model_file)
-            .map_err(|e| io("writing", &model_file, e))?;
-        copy_model_files(&dir, &tmp)?;
-        for entry in std::fs::read_dir(&tmp).map_err(|e| io("listing", &tmp, e))? {
-            sync_file(&entry.map_err(|e| io("listing", &tmp, e))?.path())?;
-        }
-        sync_dir(&tmp)?;
-        std::fs::rename(&tmp, out).map_err(|e| io("renaming", &tmp, e))
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    written.map(|()| dir)
+    write_folder(&tmp, out, |tmp| {
+        write_tensors(&tmp.join("model.safetensors"), &weights)?;
+        copy_model_files(&dir, tmp)
+    })?;
+    Ok(dir)
 }
 
 /// The checkpoint in `dir` if it is complete (its metadata and its tensor files: the model's
 /// and the optimizer's, or every rank's shard file and their layout).
 fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), Unusable> {
-    let missing = |file: PathBuf| Unusable::Missing {
-        dir: dir.to_path_buf(),
-        file,
+    // Joined to `dir`, an absolute path stays as it is.
+    let files: Vec<PathBuf> = match sharded(dir).map_err(Unusable::File)? {
+        Some(layout) => (0..layout.world)
+            .map(|rank| dir.join(SHARDS).join(layout.file_name(rank)))
+            .collect(),
+        None => ["model.safetensors", "optimizer.safetensors"]
+            .map(PathBuf::from)
+            .into(),
     };
-    match sharded(dir).map_err(Unusable::File)? {
-        Some(layout) => {
-            for rank in 0..layout.world {
-                let file = dir.join(SHARDS).join(layout.file_name(rank));
-                if !file.is_file() {
-                    return Err(missing(file));
-                }
-            }
-        }
-        None => {
-            for file in ["model.safetensors", "optimizer.safetensors"] {
-                if !dir.join(file).is_file() {
-                    return Err(missing(file.into()));
-                }
-            }
-        }
+    if let Some(file) = files.into_iter().find(|f| !dir.join(f).is_file()) {
+        let dir = dir.to_path_buf();
+        return Err(Unusable::Missing { dir, file });
     }
-    let meta_file = dir.join("moult.json");
-    let meta: CheckpointMeta = std::fs::read(&meta_file)
-        .map_err(|e| io("reading", &meta_file, e))
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| io("parsing", &meta_file, e)))
-        .map_err(Unusable::File)?;
+    let meta = read_json(&dir.join("moult.json")).map_err(Unusable::File)?;
     Ok((dir.to_path_buf(), meta))
 }
 
@@ -428,29 +401,19 @@ fn step_folders(root: &Path) -> Vec<u64> {
     steps
 }
 
-/// The step of the newest complete checkpoint under `root`.
-fn latest_step(root: &Path) -> Option<u64> {
-    latest(root).ok().flatten().map(|(_, meta)| meta.step)
-}
-
 /// The optimizer moments of the checkpoint in `dir`, in trainable-tensor order.
 pub fn load_moments(dir: &Path, device: tch::Device) -> Result<Vec<(Tensor, Tensor)>, RunError> {
     let file = dir.join("optimizer.safetensors");
-    let mut named: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&file)
+    let named: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&file)
         .map_err(|e| io("reading", &file, e))?
         .into_iter()
         .collect();
-    let count = named.len() / 2;
-    (0..count)
-        .map(|i| {
-            let mut take = |k: &str| {
-                named
-                    .remove(&format!("{k}.{i}"))
-                    .map(|t| t.to_device(device))
-                    .ok_or_else(|| io("reading", &file, format!("no tensor `{k}.{i}`")))
-            };
-            Ok((take("m")?, take("v")?))
-        })
+    let take = |key: String| {
+        let t = named.get(&key).map(|t| t.to_device(device));
+        t.ok_or_else(|| io("reading", &file, format!("no tensor `{key}`")))
+    };
+    (0..named.len() / 2)
+        .map(|i| Ok((take(format!("m.{i}"))?, take(format!("v.{i}"))?)))
         .collect()
 }
 
@@ -580,7 +543,7 @@ mod tests {
             std::fs::create_dir_all(step_dir(&root, step)).unwrap();
         }
         std::fs::create_dir_all(root.join(".step-000025.tmp1")).unwrap();
-        prune(&root, 20);
+        prune(&root, 20, KEEP);
         let mut left: Vec<String> = std::fs::read_dir(&root)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -78,16 +78,12 @@ const ACTIVITY_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl ActivityReader {
     async fn read(http: &reqwest::Client, url: &str) -> Option<Activity> {
-        let v: serde_json::Value = http
-            .get(url)
-            .timeout(ACTIVITY_TIMEOUT)
-            .send()
-            .await
-            .ok()?
-            .json()
-            .await
-            .ok()?;
-        serde_json::from_value(v.get("activity")?.clone()).ok()
+        #[derive(serde::Deserialize)]
+        struct Engines {
+            activity: Activity,
+        }
+        let response = http.get(url).timeout(ACTIVITY_TIMEOUT).send().await.ok()?;
+        Some(response.json::<Engines>().await.ok()?.activity)
     }
 
     /// Busy fraction of the engines and their paused seconds since the last reading, and the
@@ -115,10 +111,8 @@ impl Learner {
         console: Console,
         rendezvous: Option<Rendezvous>,
     ) -> Result<Self, RunError> {
-        let resume = match &ckpt_root {
-            Some(root) => checkpoint::latest(root)?,
-            None => None,
-        };
+        let resume = ckpt_root.as_deref().map(checkpoint::latest).transpose()?;
+        let resume = resume.flatten();
         let (trainer, followers) = load_trainer(&cfg, resume.as_ref(), device, rendezvous).await?;
         let teacher = load_teacher(&cfg, &trainer, device).await?;
         Ok(Self {
@@ -147,7 +141,14 @@ impl Learner {
 
     /// What a process resuming from a checkpoint says ("resuming NAME from DIR (step S, ...)").
     pub fn resume_note(&self) -> Option<String> {
-        self.resume.as_ref().map(|r| resume_note(&self.cfg, r))
+        let (dir, meta) = self.resume.as_ref()?;
+        Some(format!(
+            "resuming {} from {} (step {}, version {})",
+            self.cfg.name,
+            dir.display(),
+            meta.step,
+            meta.policy_version
+        ))
     }
 
     /// Steps trained so far (the checkpoint's, when resumed).
@@ -198,6 +199,21 @@ impl Learner {
         }
         self.pending_eval = Some(eval);
         Ok(())
+    }
+
+    /// Runs `f` with the trainer on a compute thread; the trainer comes back either way.
+    async fn on_trainer<T: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&mut Trainer) -> T + Send + 'static,
+    ) -> Result<T, RunError> {
+        let mut trainer = self.trainer.take().expect("the trainer is here");
+        let (trainer, out) = blocking(move || {
+            let out = f(&mut trainer);
+            (trainer, out)
+        })
+        .await?;
+        self.trainer = Some(trainer);
+        Ok(out)
     }
 
     fn trainer(&self) -> &Trainer {
@@ -253,15 +269,42 @@ impl Learner {
     }
 
     /// Advantages, the exact token segments as samples, the teacher's scores (distillation) and
-    /// one optimizer step on `groups`, on a compute thread.
+    /// one optimizer step on `groups`; the trainer and teacher move to a compute thread and back.
     pub async fn learn(&mut self, groups: &[Group]) -> Result<Learned, RunError> {
         self.console.phase("training");
-        let trainer = self.trainer.take().expect("the trainer is here");
-        let (trainer, teacher, learned) =
-            learn(&self.cfg, trainer, self.teacher.take(), groups).await?;
-        self.trainer = Some(trainer);
-        self.teacher = teacher;
-        Ok(learned)
+        let (cfg, computing) = (&self.cfg, Instant::now());
+        let (advantages, overlong_penalty_mean) =
+            samples::advantages(cfg.estimator, cfg.overlong.as_ref(), groups)?;
+        let images = self.trainer().model().image_processor().cloned();
+        let mut train_samples =
+            samples::samples(groups, &advantages, cfg.routing_replay, images.as_ref())?;
+        let teacher_kl = match self.teacher.take() {
+            Some(t) => {
+                let temperature = cfg.trainer.loss.temperature;
+                let (t, scored, kl) = blocking(move || {
+                    let kl = samples::distill(&t, &mut train_samples, temperature);
+                    (t, train_samples, kl)
+                })
+                .await?;
+                (self.teacher, train_samples) = (Some(t), scored);
+                Some(kl?)
+            }
+            // A served teacher's scores came with the batch.
+            None if cfg.served_teacher.is_some() => {
+                Some(samples::distill_served(groups, &mut train_samples)?)
+            }
+            None => None,
+        };
+        let started = Instant::now();
+        let stats = self.on_trainer(move |t| t.step(&train_samples)).await??;
+        Ok(Learned {
+            advantages,
+            stats,
+            teacher_kl,
+            overlong_penalty_mean,
+            train_seconds: started.elapsed().as_secs_f64(),
+            compute_seconds: computing.elapsed().as_secs_f64(),
+        })
     }
 
     /// The record of step `self.step + 1`, which `learned` trained and `sync` seconds published
@@ -369,10 +412,9 @@ impl Learner {
             rollout: batch.rollout,
             seed: batch.seed,
         };
-        let trainer = self.trainer.take().expect("the trainer is here");
-        let (trainer, saved) = save_checkpoint(&root, &self.cfg, trainer, meta).await?;
-        self.trainer = Some(trainer);
-        Ok(Some(saved?))
+        let model_dir = self.cfg.model_dir.clone();
+        let saved = self.on_trainer(move |t| checkpoint::save(&root, &model_dir, t, &meta));
+        Ok(Some(saved.await??))
     }
 }
 
@@ -388,17 +430,6 @@ impl Drop for Learner {
     }
 }
 
-/// What a process resuming from a checkpoint says.
-fn resume_note(cfg: &RunConfig, (dir, meta): &(PathBuf, CheckpointMeta)) -> String {
-    format!(
-        "resuming {} from {} (step {}, version {})",
-        cfg.name,
-        dir.display(),
-        meta.step,
-        meta.policy_version
-    )
-}
-
 /// The trainer: from the checkpoint's weights and moments (`resume`), or the model folder. With
 /// several ranks (`trainer.nodes`), this process is rank 0: the others join at `rendezvous`, or,
 /// without one, are started as processes of this machine (docs/distributed.md).
@@ -408,24 +439,20 @@ async fn load_trainer(
     device: Device,
     rendezvous: Option<Rendezvous>,
 ) -> Result<(Trainer, Option<Followers>), RunError> {
-    let trainer_opts = cfg.trainer.clone();
     // A KL penalty is to the initial policy: the model folder's weights, frozen.
     let reference_dir = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
-    let reference = reference_dir.clone();
-    let model_dir = cfg.model_dir.clone();
+    let (reference, model_dir) = (reference_dir.clone(), cfg.model_dir.clone());
     let resume = resume.map(|(d, meta)| (d.clone(), meta.step));
     let (model, moments, reference) = blocking(move || -> Result<_, RunError> {
+        let load = |dir: &Path| CausalLm::load(dir, Kind::Float, device);
         let (model, moments) = match resume {
             Some((dir, step)) => {
                 let (model, moments) = checkpoint::load_policy(&dir, Kind::Float, device)?;
                 (model, Some((step, moments)))
             }
-            None => (CausalLm::load(&model_dir, Kind::Float, device)?, None),
+            None => (load(&model_dir)?, None),
         };
-        let reference = reference
-            .map(|d| CausalLm::load(&d, Kind::Float, device))
-            .transpose()?;
-        Ok((model, moments, reference))
+        Ok((model, moments, reference.as_deref().map(load).transpose()?))
     })
     .await??;
     if cfg.trainer_ranks > 1 {
@@ -440,7 +467,7 @@ async fn load_trainer(
             model_dir: cfg.model_dir.clone(),
             reference_dir,
             dtype: "float32".into(),
-            options: trainer_opts,
+            options: cfg.trainer.clone(),
         };
         let trainer = blocking(move || -> Result<Trainer, RunError> {
             let group = rendezvous
@@ -451,8 +478,8 @@ async fn load_trainer(
         .await??;
         return Ok((trainer, followers));
     }
-    let mut trainer =
-        Trainer::new(model, reference, trainer_opts).map_err(|e| RunError::Setup(e.to_string()))?;
+    let mut trainer = Trainer::new(model, reference, cfg.trainer.clone())
+        .map_err(|e| RunError::Setup(e.to_string()))?;
     if let Some((step, moments)) = moments {
         trainer
             .restore(step, moments)
@@ -490,22 +517,6 @@ async fn load_teacher(
     Ok(Some(teacher))
 }
 
-/// Saves a checkpoint of `trainer` under `root` on a compute thread; the trainer comes back
-/// whether or not the save worked.
-async fn save_checkpoint(
-    root: &Path,
-    cfg: &RunConfig,
-    trainer: Trainer,
-    meta: CheckpointMeta,
-) -> Result<(Trainer, Result<PathBuf, RunError>), RunError> {
-    let (root, model_dir) = (root.to_path_buf(), cfg.model_dir.clone());
-    blocking(move || {
-        let saved = checkpoint::save(&root, &model_dir, &trainer, &meta);
-        (trainer, saved)
-    })
-    .await
-}
-
 /// What one optimizer step on a batch produced.
 pub(crate) struct Learned {
     advantages: Vec<Vec<f64>>,
@@ -515,56 +526,6 @@ pub(crate) struct Learned {
     train_seconds: f64,
     /// Everything the step computed: advantages, samples, the teacher, the optimizer step.
     compute_seconds: f64,
-}
-
-/// Advantages, the exact token segments as trainer samples, the teacher's scores (distillation),
-/// and one optimizer step. The trainer and teacher move to a compute thread and back.
-async fn learn(
-    cfg: &RunConfig,
-    mut trainer: Trainer,
-    teacher: Option<CausalLm>,
-    batch: &[Group],
-) -> Result<(Trainer, Option<CausalLm>, Learned), RunError> {
-    let computing = Instant::now();
-    let (advantages, overlong_penalty_mean) =
-        samples::advantages(cfg.estimator, cfg.overlong.as_ref(), batch)?;
-    let images = trainer.model().image_processor().cloned();
-    let mut train_samples =
-        samples::samples(batch, &advantages, cfg.routing_replay, images.as_ref())?;
-    let (teacher, teacher_kl) = match teacher {
-        Some(t) => {
-            let temperature = cfg.trainer.loss.temperature;
-            let (t, scored, kl) = blocking(move || {
-                let kl = samples::distill(&t, &mut train_samples, temperature);
-                (t, train_samples, kl)
-            })
-            .await?;
-            train_samples = scored;
-            (Some(t), Some(kl?))
-        }
-        // A served teacher's scores came with the batch.
-        None if cfg.served_teacher.is_some() => (
-            None,
-            Some(samples::distill_served(batch, &mut train_samples)?),
-        ),
-        None => (None, None),
-    };
-    let started = Instant::now();
-    let (trainer, stats) = blocking(move || {
-        let stats = trainer.step(&train_samples);
-        (trainer, stats)
-    })
-    .await?;
-    let stats = stats?;
-    let learned = Learned {
-        advantages,
-        stats,
-        teacher_kl,
-        overlong_penalty_mean,
-        train_seconds: started.elapsed().as_secs_f64(),
-        compute_seconds: computing.elapsed().as_secs_f64(),
-    };
-    Ok((trainer, teacher, learned))
 }
 
 /// `x`, or 0 when it is NaN or infinite (a record holds JSON numbers only: a step whose update

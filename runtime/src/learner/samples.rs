@@ -2,7 +2,7 @@
 //! each episode's segments to [`Sample`]s carrying the exact tokens, loss mask, behaviour
 //! logprobs and, with routing replay, the routed experts.
 
-use std::collections::HashMap;
+use std::collections::hash_map::{Entry, HashMap};
 use std::sync::Arc;
 
 use moult_operator::api::Estimator;
@@ -225,19 +225,15 @@ fn segment_images(
     seg.images
         .iter()
         .map(|i| {
-            let image = match seen.get(&i.image.sha256) {
-                Some(image) => image.clone(),
-                None => {
-                    let processed = i
-                        .image
-                        .bytes()
+            let image = match seen.entry(i.image.sha256.clone()) {
+                Entry::Occupied(seen) => seen.get().clone(),
+                Entry::Vacant(new) => {
+                    let processed = (i.image.bytes())
                         .and_then(|b| crate::vision::preprocess_bytes(&b, config))
                         .map_err(|e| {
                             RunError::Setup(format!("a segment's image {}: {e}", i.image.sha256))
                         })?;
-                    let image = Arc::new(processed);
-                    seen.insert(i.image.sha256.clone(), image.clone());
-                    image
+                    new.insert(Arc::new(processed)).clone()
                 }
             };
             Ok(ImageInput {
@@ -266,11 +262,10 @@ pub fn samples(
                 behaviour_logprobs: seg.logprobs.clone(),
                 advantage: advantages[g][e],
                 token_advantages: None,
-                replay: if routing_replay {
-                    replay_tensor(seg)?
-                } else {
-                    None
-                },
+                replay: routing_replay
+                    .then(|| replay_tensor(seg))
+                    .transpose()?
+                    .flatten(),
             })
         })
         .collect()

@@ -16,9 +16,9 @@
 
 use tch::{Kind, Tensor};
 
-use super::logprobs::{picked, seq_inputs, Scored, Targets};
+use super::logprobs::{picked, seq_inputs, Targets};
 use super::shard::{ShardGrad, Shards};
-use super::step::{loss_of, scored, LossConfig, LossExtras, LossMetrics, TrainSample};
+use super::step::{loss_of, scored, KlPenalty, LossConfig, LossMetrics, Sample};
 use crate::dist::Collectives;
 use crate::model::{CausalLm, Result, Stages};
 
@@ -42,18 +42,22 @@ const NORM: usize = 1;
 const LAYERS: usize = 2;
 
 /// One micro-batch's part of a training step.
-pub(super) struct Part<'a, 'b> {
-    pub samples: &'a [TrainSample<'b>],
+pub(super) struct Part<'a> {
+    pub samples: &'a [Sample],
     /// π_old of the samples.
     pub old: &'a Tensor,
     pub cfg: &'a LossConfig,
-    pub extras: &'a LossExtras<'a>,
+    /// The KL penalty's weight and the reference's logprobs, with one.
+    pub kl: Option<KlPenalty>,
     /// The micro-batch's share of the whole batch's loss.
     pub weight: f64,
 }
 
-/// The forward's output: the last layer's hidden states, each layer's input and routing.
-struct Forwarded {
+/// A micro-batch's forward: its stages, which rows are targets, the last layer's hidden states,
+/// and each layer's input and routing (when kept for the backward).
+struct Forwarded<'m> {
+    stages: Stages<'m>,
+    targets: Targets,
     h: Tensor,
     saved: Vec<(Tensor, Option<Tensor>)>,
 }
@@ -79,6 +83,12 @@ impl Layered<'_> {
         }
     }
 
+    /// The trainable tensors of unit `u` (whole only while it is gathered).
+    fn unit_params(&self, u: usize) -> Vec<Tensor> {
+        let params = &self.params[self.shards.tensors(u)];
+        params.iter().map(Tensor::shallow_clone).collect()
+    }
+
     /// Runs `f` with `units` gathered, then frees them.
     fn with<T>(&self, units: &[usize], f: impl FnOnce() -> Result<T>) -> Result<T> {
         for &u in units {
@@ -93,12 +103,16 @@ impl Layered<'_> {
 
     /// The layers without gradient; `None` on an idle pass. `save` keeps each layer's input and
     /// routing for the backward.
-    fn forward(&self, stages: Option<&Stages<'_>>, save: bool) -> Result<Option<Forwarded>> {
+    fn forward(&self, samples: Option<&[Sample]>, save: bool) -> Result<Option<Forwarded<'_>>> {
+        let seqs = samples.map(scored);
+        let stages = (seqs.as_deref())
+            .map(|s| self.model.stages(&seq_inputs(s)))
+            .transpose()?;
         let _guard = tch::no_grad_guard();
-        let mut h = self.with(&[EMBED], || Ok(stages.map(|s| s.embed())))?;
+        let mut h = self.with(&[EMBED], || Ok(stages.as_ref().map(Stages::embed)))?;
         let mut saved = Vec::new();
         for l in 0..self.layers() {
-            let out = self.with(&[LAYERS + l], || match (stages, &h) {
+            let out = self.with(&[LAYERS + l], || match (&stages, &h) {
                 (Some(s), Some(x)) => s.layer(l, x, None).map(Some),
                 _ => Ok(None),
             })?;
@@ -109,55 +123,160 @@ impl Layered<'_> {
                 h = Some(y);
             }
         }
-        Ok(h.map(|h| Forwarded { h, saved }))
+        Ok(stages
+            .zip(h)
+            .zip(seqs)
+            .map(|((stages, h), seqs)| Forwarded {
+                targets: Targets::new(&seqs, h.device()),
+                stages,
+                h,
+                saved,
+            }))
     }
 
+    /// π's logprobs of `samples` without gradient (`[batch, width]`, as
+    /// [`super::logprobs::token_logprobs`]); `None` runs an idle pass.
+    pub fn logprobs(&self, samples: Option<&[Sample]>, temperature: f64) -> Result<Option<Tensor>> {
+        let forwarded = self.forward(samples, false)?;
+        self.with(&[NORM, self.head_unit()], || {
+            Ok(forwarded.map(|f| f.targets.padded(&f.head_rows(temperature).0)))
+        })
+    }
+
+    /// One micro-batch's forward and backward; its weighted gradient goes into `acc`. `None`
+    /// runs an idle pass. Returns the micro-batch's loss metrics.
+    pub fn train(
+        &self,
+        part: Option<&Part<'_>>,
+        acc: &mut ShardGrad,
+    ) -> Result<Option<LossMetrics>> {
+        let forwarded = self.forward(part.map(|p| p.samples), true)?;
+        let head_units = [NORM, self.head_unit()];
+        let head_params: Vec<Tensor> = head_units
+            .iter()
+            .flat_map(|&u| self.unit_params(u))
+            .collect();
+        // The head: the loss, then its backward in chunks.
+        let head = self.with(&head_units, || {
+            let (Some(f), Some(part)) = (&forwarded, part) else {
+                return Ok(None);
+            };
+            let (logp, entropy) = f.head_rows(part.cfg.temperature);
+            let logp = f.targets.padded(&logp).set_requires_grad(true);
+            let entropy = f.targets.padded(&entropy);
+            let (loss, metrics) = loss_of(
+                &logp,
+                &entropy,
+                part.samples,
+                part.old,
+                part.cfg,
+                part.kl.as_ref(),
+            );
+            let dlogp =
+                Tensor::run_backward(&[loss * part.weight], &[&logp], false, false).remove(0);
+            let dpicked = dlogp.reshape([-1]).index_select(0, &f.targets.at);
+            let grads = f.head_backward(&head_params, part.cfg.temperature, &dpicked);
+            Ok(Some((metrics, grads)))
+        })?;
+        let (metrics, mut grads) = match head {
+            Some((m, g)) => (Some(m), g),
+            None => (None, nones(head_params.len() + 1)),
+        };
+        // `None` on an idle pass. A micro-batch with no target rows (every sequence one token
+        // long) has a zero gradient.
+        let dh = grads.remove(0);
+        let mut grad_h = (forwarded.as_ref()).map(|f| dh.unwrap_or_else(|| f.h.zeros_like()));
+        for u in head_units {
+            let g: Vec<Option<Tensor>> = grads.drain(..self.shards.tensors(u).len()).collect();
+            self.shards.reduce_unit(u, &g, acc, self.group)?;
+        }
+        // The layers, from the top, each recomputed from its input; then the embedding.
+        let (stages, mut saved) = match forwarded {
+            Some(f) => (Some(f.stages), f.saved),
+            None => (None, Vec::new()),
+        };
+        let s = || stages.as_ref().expect("a forward ran");
+        for l in (0..self.layers()).rev() {
+            let (x, routing) = saved.pop().unzip();
+            grad_h = self.backward(LAYERS + l, x.as_ref(), grad_h.as_ref(), acc, |x| {
+                let routing = routing.flatten();
+                Ok(s().layer(l, x.expect("an input"), routing.as_ref())?.0)
+            })?;
+        }
+        self.backward(EMBED, None, grad_h.as_ref(), acc, |_| Ok(s().embed()))?;
+        Ok(metrics)
+    }
+
+    /// Unit `u`'s backward, the unit gathered: `forward` recomputes its output from its input
+    /// `x` (none for the embedding), whose vector-Jacobian product with `g` gives the gradients
+    /// of `x` (returned; zeros where `x` does not reach the output) and of the unit's weights
+    /// (reduce-scattered into `acc`). `None` for `g` runs an idle pass.
+    fn backward(
+        &self,
+        u: usize,
+        x: Option<&Tensor>,
+        g: Option<&Tensor>,
+        acc: &mut ShardGrad,
+        forward: impl FnOnce(Option<&Tensor>) -> Result<Tensor>,
+    ) -> Result<Option<Tensor>> {
+        let params = self.unit_params(u);
+        let x = x.map(|x| x.detach().set_requires_grad(true));
+        let grads = self.with(&[u], || {
+            let Some(g) = g else {
+                return Ok(None);
+            };
+            let root = (forward(x.as_ref())? * g).sum(g.kind());
+            let inputs: Vec<&Tensor> = x.iter().chain(&params).collect();
+            Ok(Some(Tensor::run_backward(&[root], &inputs, false, false)))
+        })?;
+        let mut grads: Vec<Option<Tensor>> = match grads {
+            Some(g) => g.into_iter().map(defined).collect(),
+            None => nones(x.iter().count() + params.len()),
+        };
+        let dx = x.map(|_| grads.remove(0));
+        self.shards.reduce_unit(u, &grads, acc, self.group)?;
+        Ok(g.zip(dx)
+            .map(|(g, dx)| dx.unwrap_or_else(|| g.zeros_like())))
+    }
+}
+
+impl Forwarded<'_> {
     /// The rows of each chunk of the head: at most [`head_chunk_elements`] logits at once.
-    fn chunks(stages: &Stages<'_>, targets: &Targets) -> Vec<(i64, i64)> {
-        let rows = targets.rows.size()[0];
-        let step = (head_chunk_elements() / stages.vocab_size() as i64).max(1);
+    fn chunks(&self) -> Vec<(i64, i64)> {
+        let rows = self.targets.rows.size()[0];
+        let step = (head_chunk_elements() / self.stages.vocab_size() as i64).max(1);
         (0..rows)
             .step_by(step as usize)
             .map(|start| (start, step.min(rows - start)))
             .collect()
     }
 
-    /// The picked logprobs (and entropies) of target rows `start..start + len`.
+    /// The picked logprobs (and entropies) of target rows `start..start + len`, from `h`.
     fn chunk(
-        stages: &Stages<'_>,
+        &self,
         h: &Tensor,
-        targets: &Targets,
         (start, len): (i64, i64),
         temperature: f64,
         with_entropy: bool,
     ) -> (Tensor, Option<Tensor>) {
-        let hc = h.index_select(0, &targets.rows.narrow(0, start, len));
-        picked(
-            &stages.head(&hc),
-            &targets.next.narrow(0, start, len),
-            temperature,
-            with_entropy,
-        )
+        let hc = h.index_select(0, &self.targets.rows.narrow(0, start, len));
+        let next = self.targets.next.narrow(0, start, len);
+        picked(&self.stages.head(&hc), &next, temperature, with_entropy)
     }
 
     /// The picked logprob and the entropy of every target row, through the head in chunks,
     /// without gradient; the head's units must be gathered.
-    fn head_rows(
-        stages: &Stages<'_>,
-        h: &Tensor,
-        targets: &Targets,
-        temperature: f64,
-    ) -> (Tensor, Tensor) {
+    fn head_rows(&self, temperature: f64) -> (Tensor, Tensor) {
         let _guard = tch::no_grad_guard();
         let (mut logp, mut entropy) = (Vec::new(), Vec::new());
-        for (start, len) in Self::chunks(stages, targets) {
-            let (p, e) = Self::chunk(stages, h, targets, (start, len), temperature, true);
+        for chunk in self.chunks() {
+            let (p, e) = self.chunk(&self.h, chunk, temperature, true);
             logp.push(p);
             entropy.extend(e);
         }
         let cat = |v: Vec<Tensor>| {
             if v.is_empty() {
-                Tensor::zeros([0], (Kind::Float, h.device()))
+                Tensor::zeros([0], (Kind::Float, self.h.device()))
             } else {
                 Tensor::cat(&v, 0)
             }
@@ -166,176 +285,34 @@ impl Layered<'_> {
     }
 
     /// The head's backward, chunk by chunk (each chunk's logits freed before the next): the
-    /// gradients of `inputs` (the last hidden states `h`, then the head's weights) given
+    /// gradients of the last hidden states, then of the head's weights `params`, given
     /// `dpicked`, the loss's gradient with respect to each target row's picked logprob.
     fn head_backward(
-        stages: &Stages<'_>,
-        h: &Tensor,
-        inputs: &[&Tensor],
-        targets: &Targets,
+        &self,
+        params: &[Tensor],
         temperature: f64,
         dpicked: &Tensor,
     ) -> Vec<Option<Tensor>> {
+        let h = self.h.detach().set_requires_grad(true);
+        let inputs: Vec<&Tensor> = std::iter::once(&h).chain(params).collect();
         let mut sums: Vec<Option<Tensor>> = nones(inputs.len());
-        for (start, len) in Self::chunks(stages, targets) {
-            let (p, _) = Self::chunk(stages, h, targets, (start, len), temperature, false);
+        for (start, len) in self.chunks() {
+            let (p, _) = self.chunk(&h, (start, len), temperature, false);
             // Σ p·∂L/∂p over the chunk's rows: its gradient is the loss's.
             let root = (p * dpicked.narrow(0, start, len)).sum(Kind::Float);
-            let grads = Tensor::run_backward(&[root], inputs, false, false);
-            for (sum, g) in sums.iter_mut().zip(grads) {
-                if g.defined() {
-                    match sum {
-                        // In place: the LM head's gradient is as large as the head.
-                        Some(s) => {
-                            let _ = s.g_add_(&g);
-                        }
-                        None => *sum = Some(g),
+            let grads = Tensor::run_backward(&[root], &inputs, false, false);
+            for (sum, g) in sums.iter_mut().zip(grads.into_iter().map(defined)) {
+                match (sum.as_mut(), g) {
+                    // In place: the LM head's gradient is as large as the head.
+                    (Some(s), Some(g)) => {
+                        let _ = s.g_add_(&g);
                     }
+                    (None, g) => *sum = g,
+                    (Some(_), None) => {}
                 }
             }
         }
         sums
-    }
-
-    /// π's logprobs of `seqs` without gradient (`[batch, width]`, as
-    /// [`super::logprobs::token_logprobs`]); `None` runs an idle pass.
-    pub fn logprobs(
-        &self,
-        seqs: Option<&[Scored<'_>]>,
-        temperature: f64,
-    ) -> Result<Option<Tensor>> {
-        let model = self.model;
-        let stages = seqs.map(|s| model.stages(&seq_inputs(s))).transpose()?;
-        let forwarded = self.forward(stages.as_ref(), false)?;
-        let units = [NORM, self.head_unit()];
-        let _guard = tch::no_grad_guard();
-        self.with(&units, || {
-            Ok(match (&stages, forwarded, seqs) {
-                (Some(s), Some(f), Some(seqs)) => {
-                    let targets = Targets::new(seqs, f.h.device());
-                    let (logp, _) = Self::head_rows(s, &f.h, &targets, temperature);
-                    Some(targets.padded(&logp))
-                }
-                _ => None,
-            })
-        })
-    }
-
-    /// One micro-batch's forward and backward; its weighted gradient goes into `acc`. `None`
-    /// runs an idle pass. Returns the micro-batch's loss metrics.
-    pub fn train(
-        &self,
-        part: Option<&Part<'_, '_>>,
-        acc: &mut ShardGrad,
-    ) -> Result<Option<LossMetrics>> {
-        let model = self.model;
-        let scored: Option<Vec<Scored<'_>>> = part.map(|p| scored(p.samples));
-        let stages = scored
-            .as_deref()
-            .map(|s| model.stages(&seq_inputs(s)))
-            .transpose()?;
-        let forwarded = self.forward(stages.as_ref(), true)?;
-        let head_units = [NORM, self.head_unit()];
-        let all_params = self.params;
-        let unit_params = |shards: &Shards, u: usize| -> Vec<Tensor> {
-            all_params[shards.tensors(u)]
-                .iter()
-                .map(Tensor::shallow_clone)
-                .collect()
-        };
-        let head_params: Vec<Vec<Tensor>> = head_units
-            .iter()
-            .map(|&u| unit_params(self.shards, u))
-            .collect();
-        // The head: the loss, then its backward in chunks.
-        let head = self.with(&head_units, || {
-            let (Some(s), Some(f), Some(seqs), Some(part)) = (&stages, &forwarded, &scored, part)
-            else {
-                return Ok(None);
-            };
-            let targets = Targets::new(seqs, f.h.device());
-            let (logp, entropy) = Self::head_rows(s, &f.h, &targets, part.cfg.temperature);
-            let logp = targets.padded(&logp).set_requires_grad(true);
-            let (loss, metrics) = loss_of(
-                &logp,
-                &targets.padded(&entropy),
-                part.samples,
-                part.old,
-                part.cfg,
-                part.extras,
-            );
-            let dlogp =
-                Tensor::run_backward(&[loss * part.weight], &[&logp], false, false).remove(0);
-            let dpicked = dlogp.reshape([-1]).index_select(0, &targets.at);
-            let h = f.h.detach().set_requires_grad(true);
-            let inputs: Vec<&Tensor> = std::iter::once(&h)
-                .chain(head_params.iter().flatten())
-                .collect();
-            let grads =
-                Self::head_backward(s, &h, &inputs, &targets, part.cfg.temperature, &dpicked);
-            Ok(Some((metrics, grads)))
-        })?;
-        let (metrics, mut grads) = match head {
-            Some((m, g)) => (Some(m), g),
-            None => (None, Vec::new()),
-        };
-        // `None` on an idle pass. A micro-batch with no target rows (every sequence one token
-        // long) has a zero gradient.
-        let mut grad_h = (!grads.is_empty()).then(|| {
-            grads
-                .remove(0)
-                .unwrap_or_else(|| forwarded.as_ref().expect("a forward ran").h.zeros_like())
-        });
-        for (&u, p) in head_units.iter().zip(&head_params) {
-            let g: Vec<Option<Tensor>> = if grads.is_empty() {
-                nones(p.len())
-            } else {
-                grads.drain(..p.len()).collect()
-            };
-            self.shards.reduce_unit(u, &g, acc, self.group)?;
-        }
-        // The layers, from the top, each recomputed from its input.
-        let mut saved = forwarded.map(|f| f.saved).unwrap_or_default();
-        for l in (0..self.layers()).rev() {
-            let u = LAYERS + l;
-            let params = unit_params(self.shards, u);
-            let input = saved.pop();
-            let grads = self.with(&[u], || {
-                let (Some(s), Some((x, routing)), Some(g)) = (&stages, &input, &grad_h) else {
-                    return Ok(None);
-                };
-                let x = x.detach().set_requires_grad(true);
-                let (y, _) = s.layer(l, &x, routing.as_ref())?;
-                let root = (y * g).sum(g.kind());
-                let inputs: Vec<&Tensor> = std::iter::once(&x).chain(&params).collect();
-                Ok(Some(Tensor::run_backward(&[root], &inputs, false, false)))
-            })?;
-            let mut grads: Vec<Option<Tensor>> = match grads {
-                Some(g) => g.into_iter().map(defined).collect(),
-                None => nones(params.len() + 1),
-            };
-            let dx = grads.remove(0);
-            if grad_h.is_some() {
-                grad_h = Some(dx.unwrap_or_else(|| grad_h.as_ref().expect("set").zeros_like()));
-            }
-            self.shards.reduce_unit(u, &grads, acc, self.group)?;
-        }
-        // The embedding.
-        let params = unit_params(self.shards, EMBED);
-        let grads = self.with(&[EMBED], || {
-            let (Some(s), Some(g)) = (&stages, &grad_h) else {
-                return Ok(None);
-            };
-            let root = (s.embed() * g).sum(g.kind());
-            let inputs: Vec<&Tensor> = params.iter().collect();
-            Ok(Some(Tensor::run_backward(&[root], &inputs, false, false)))
-        })?;
-        let grads: Vec<Option<Tensor>> = match grads {
-            Some(g) => g.into_iter().map(defined).collect(),
-            None => nones(params.len()),
-        };
-        self.shards.reduce_unit(EMBED, &grads, acc, self.group)?;
-        Ok(metrics)
     }
 }
 

@@ -105,22 +105,20 @@ impl AdamW {
 /// Scales every gradient so their global L2 norm is at most `max_norm`; returns the norm before
 /// clipping (the `grad_norm` metric).
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
-    let squares: f64 = params
+    let grads: Vec<Tensor> = params
         .iter()
-        .filter_map(|p| {
-            let g = p.grad();
-            g.defined().then(|| g.norm().double_value(&[]).powi(2))
-        })
+        .map(Tensor::grad)
+        .filter(Tensor::defined)
+        .collect();
+    let squares: f64 = grads
+        .iter()
+        .map(|g| g.norm().double_value(&[]).powi(2))
         .sum();
     let norm = squares.sqrt();
     if norm > max_norm && norm > 0.0 {
-        let scale = max_norm / norm;
         tch::no_grad(|| {
-            for p in params {
-                let mut g = p.grad();
-                if g.defined() {
-                    let _ = g.g_mul_scalar_(scale);
-                }
+            for mut g in grads {
+                let _ = g.g_mul_scalar_(max_norm / norm);
             }
         });
     }

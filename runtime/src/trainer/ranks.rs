@@ -71,15 +71,10 @@ pub fn follower(group: Box<dyn Collectives>, device: Device) -> crate::model::Re
         crate::model::Error::Input(format!("rank 0 sent an unknown dtype {}", setup.dtype))
     })?;
     let model = CausalLm::load(&setup.model_dir, kind, device)?;
-    let reference = setup
-        .reference_dir
-        .as_ref()
+    let reference = (setup.reference_dir.as_ref())
         .map(|d| CausalLm::load(d, kind, device))
         .transpose()?;
-    let mut trainer = Trainer::with_group(model, reference, setup.options, group)
-        .map_err(|e| crate::model::Error::Input(e.to_string()))?;
-    trainer.sync_ranks(None)?;
-    Ok(trainer)
+    joined(model, reference, setup.options, None, group)
 }
 
 /// Rank 0 of several: sends the setup every follower builds its trainer from, builds its own
@@ -94,7 +89,18 @@ pub fn leader(
 ) -> crate::model::Result<Trainer> {
     let bytes = serde_json::to_vec(&setup).expect("the setup serialises");
     broadcast_bytes(group.as_ref(), Some(&bytes))?;
-    let mut trainer = Trainer::with_group(model, reference, setup.options, group)
+    joined(model, reference, setup.options, resume, group)
+}
+
+/// This rank's trainer, in sync with rank 0's weights and `resume` (given on rank 0).
+fn joined(
+    model: CausalLm,
+    reference: Option<CausalLm>,
+    options: TrainerOptions,
+    resume: Option<(u64, Vec<(Tensor, Tensor)>)>,
+    group: Box<dyn Collectives>,
+) -> crate::model::Result<Trainer> {
+    let mut trainer = Trainer::with_group(model, reference, options, group)
         .map_err(|e| crate::model::Error::Input(e.to_string()))?;
     trainer.sync_ranks(resume)?;
     Ok(trainer)
@@ -102,7 +108,7 @@ pub fn leader(
 
 impl Trainer {
     fn leads(&self) -> bool {
-        self.world_size() > 1 && self.group().rank() == 0
+        self.world_size() > 1 && self.group.rank() == 0
     }
 
     /// Rank 0: tells the followers what to do next.
@@ -110,10 +116,10 @@ impl Trainer {
         if !self.leads() {
             return Ok(());
         }
-        let group = self.group();
-        group.broadcast(&Tensor::from_slice(&[command as i64]), 0)?;
+        self.group
+            .broadcast(&Tensor::from_slice(&[command as i64]), 0)?;
         if matches!(command, Command::Step | Command::SaveShards) {
-            broadcast_bytes(group, payload)?;
+            broadcast_bytes(self.group.as_ref(), payload)?;
         }
         Ok(())
     }
@@ -163,43 +169,39 @@ impl Trainer {
     pub fn save_shards(&self, dir: &Path) -> crate::model::Result<()> {
         let path = dir.to_string_lossy();
         self.command(Command::SaveShards, Some(path.as_bytes()))?;
-        let mine = self.write_shard(dir);
-        self.agree_written(mine)?;
-        let layout = self.shard_layout();
+        self.write_shard(dir)?;
+        let layout = (self.shards.as_ref())
+            .expect("several ranks")
+            .layout(&self.names);
         let file = dir.join(SHARDS).join(LAYOUT);
         std::fs::write(
             &file,
             serde_json::to_vec_pretty(&layout).expect("the layout serialises"),
         )
-        .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))?;
-        Ok(())
+        .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))
     }
 
-    /// This rank's file of a sharded checkpoint in `dir`, written and synced.
+    /// This rank's file of a sharded checkpoint in `dir`, written and synced; then whether every
+    /// rank wrote its own: this rank's error, or the news that another failed.
     fn write_shard(&self, dir: &Path) -> crate::model::Result<()> {
         let shards = dir.join(SHARDS);
-        let file = shards.join(shard_file_name(self.group().rank(), self.world_size()));
-        std::fs::create_dir_all(&shards)
+        let file = shards.join(shard_file_name(self.group.rank(), self.world_size()));
+        let mine = std::fs::create_dir_all(&shards)
             .and_then(|()| {
-                Tensor::write_safetensors(&self.shard_tensors(), &file)
-                    .map_err(std::io::Error::other)
+                let tensors = self.shards.as_ref().expect("several ranks").shard_tensors();
+                Tensor::write_safetensors(&tensors, &file).map_err(std::io::Error::other)
             })
             .and_then(|()| std::fs::File::open(&file)?.sync_all())
-            .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))
-    }
-
-    /// Whether every rank wrote its shard: this rank's error, or the news that another failed.
-    fn agree_written(&self, mine: crate::model::Result<()>) -> crate::model::Result<()> {
-        let failed = Tensor::from_slice(&[mine.is_err() as i32 as f32]);
-        self.group().all_reduce(&failed, ReduceOp::Max)?;
-        match mine {
-            Err(e) => Err(e),
-            Ok(()) if failed.double_value(&[0]) > 0.0 => Err(crate::model::Error::Input(
+            .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())));
+        let failed = Tensor::from_slice(&[f32::from(u8::from(mine.is_err()))]);
+        self.group.all_reduce(&failed, ReduceOp::Max)?;
+        if mine.is_ok() && failed.double_value(&[0]) > 0.0 {
+            return Err(crate::model::Error::Input(
                 "another trainer rank could not write its checkpoint shard (its log says why)"
                     .into(),
-            )),
-            Ok(()) => Ok(()),
+            ));
         }
+        mine
     }
 
     /// Rank 0, at the end of a run: the followers return from [`Trainer::follow`].
@@ -210,14 +212,14 @@ impl Trainer {
     /// A follower: does what rank 0 commands until it says stop; returns the steps taken.
     pub fn follow(&mut self) -> crate::model::Result<u64> {
         let command = Tensor::zeros([1], (Kind::Int64, Device::Cpu));
-        let group_timeout = self.timeout();
+        let group_timeout = self.group.timeout();
         loop {
-            self.group().set_timeout(COMMAND_WAIT)?;
-            self.group().broadcast(&command, 0)?;
-            self.group().set_timeout(group_timeout)?;
+            self.group.set_timeout(COMMAND_WAIT)?;
+            self.group.broadcast(&command, 0)?;
+            self.group.set_timeout(group_timeout)?;
             match command.int64_value(&[0]) {
                 1 => {
-                    let bytes = broadcast_bytes(self.group(), None)?;
+                    let bytes = broadcast_bytes(self.group.as_ref(), None)?;
                     let samples = decode(&bytes).map_err(|e| {
                         Error::Config(format!("rank 0 sent a batch this rank cannot read: {e}"))
                     })?;
@@ -231,10 +233,9 @@ impl Trainer {
                     self.gather_weights(&mut drop)?;
                 }
                 5 => {
-                    let bytes = broadcast_bytes(self.group(), None)?;
+                    let bytes = broadcast_bytes(self.group.as_ref(), None)?;
                     let dir = PathBuf::from(String::from_utf8_lossy(&bytes).into_owned());
-                    let mine = self.write_shard(&dir);
-                    if let Err(e) = self.agree_written(mine) {
+                    if let Err(e) = self.write_shard(&dir) {
                         // Rank 0 says so too, and tries again or carries on without this
                         // checkpoint; this rank goes on with it.
                         tracing::warn!("a checkpoint shard was not written: {e}");
@@ -252,182 +253,142 @@ impl Trainer {
     /// Every rank takes rank 0's weights, and the steps and whole optimizer moments rank 0
     /// resumes from (`resume`, given on rank 0), once, on joining; each keeps its shard.
     fn sync_ranks(&mut self, resume: Option<(u64, Vec<(Tensor, Tensor)>)>) -> Result<()> {
-        let group = self.group();
-        tch::no_grad(|| -> Result<()> {
-            for p in self.trainable() {
-                group.broadcast(&p.detach(), 0)?;
-            }
-            Ok(())
-        })?;
+        let group = self.group.as_ref();
+        tch::no_grad(|| (self.params.iter()).try_for_each(|p| group.broadcast(&p.detach(), 0)))?;
         let (steps, moments) = resume.unwrap_or((0, Vec::new()));
         let head = Tensor::from_slice(&[steps as i64, !moments.is_empty() as i64]);
         group.broadcast(&head, 0)?;
         let (steps, has_moments) = (head.int64_value(&[0]) as u64, head.int64_value(&[1]) == 1);
-        let moments = if has_moments {
-            let mut all = Vec::new();
-            for (i, p) in self.trainable().iter().enumerate() {
-                let (m, v) = match moments.get(i) {
-                    Some((m, v)) => (m.shallow_clone(), v.shallow_clone()),
-                    None => (p.zeros_like(), p.zeros_like()),
-                };
-                group.broadcast(&m, 0)?;
-                group.broadcast(&v, 0)?;
-                all.push((m, v));
-            }
-            all
-        } else {
-            Vec::new()
-        };
-        self.restore(steps, moments)
+        let mut all = Vec::new();
+        for (i, p) in self.params.iter().enumerate().filter(|_| has_moments) {
+            let (m, v) = match moments.get(i) {
+                Some((m, v)) => (m.shallow_clone(), v.shallow_clone()),
+                None => (p.zeros_like(), p.zeros_like()),
+            };
+            group.broadcast(&m, 0)?;
+            group.broadcast(&v, 0)?;
+            all.push((m, v));
+        }
+        self.restore(steps, all)
             .map_err(|e| Error::Config(e.to_string()))?;
         self.shard_weights();
         Ok(())
     }
 }
 
-/// A number of a batch on the wire, little-endian.
-trait Le: Copy {
-    const SIZE: usize;
-    fn put(self, out: &mut Vec<u8>);
-    fn get(bytes: &[u8]) -> Self;
+/// A batch on the wire from rank 0 to the others: protobuf, declared with prost's derive.
+#[derive(Clone, PartialEq, prost::Message)]
+struct WireBatch {
+    #[prost(message, repeated, tag = "1")]
+    samples: Vec<WireSample>,
 }
 
-macro_rules! le {
-    ($($t:ty),*) => {$(
-        impl Le for $t {
-            const SIZE: usize = std::mem::size_of::<$t>();
-            fn put(self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
-            }
-            fn get(bytes: &[u8]) -> Self {
-                Self::from_le_bytes(bytes.try_into().expect("SIZE bytes"))
-            }
-        }
-    )*};
+/// A [`Sample`] on the wire.
+#[derive(Clone, PartialEq, prost::Message)]
+struct WireSample {
+    #[prost(int64, repeated, tag = "1")]
+    tokens: Vec<i64>,
+    #[prost(bytes = "vec", tag = "2")]
+    loss_mask: Vec<u8>,
+    #[prost(float, repeated, tag = "3")]
+    behaviour_logprobs: Vec<f32>,
+    #[prost(double, tag = "4")]
+    advantage: f64,
+    #[prost(message, optional, tag = "5")]
+    token_advantages: Option<Floats>,
+    /// The routing replay's shape (empty without one) and its expert ids.
+    #[prost(int64, repeated, tag = "6")]
+    replay_size: Vec<i64>,
+    #[prost(int64, repeated, tag = "7")]
+    replay: Vec<i64>,
+    #[prost(message, repeated, tag = "8")]
+    images: Vec<WireImage>,
 }
-le!(u8, i64, u64, f32, f64);
 
-fn put<T: Le>(out: &mut Vec<u8>, values: &[T]) {
-    values.iter().for_each(|v| v.put(out));
+#[derive(Clone, PartialEq, prost::Message)]
+struct Floats {
+    #[prost(float, repeated, tag = "1")]
+    values: Vec<f32>,
 }
 
-/// A batch as bytes: per sample its length, tokens, loss mask, behaviour logprobs, advantage,
-/// optional per-token advantages, optional routing replay (`[len, layers, k]` int64), and its
-/// images (offset, grid, patch width, pixel values).
+#[derive(Clone, PartialEq, prost::Message)]
+struct WireImage {
+    #[prost(uint64, tag = "1")]
+    offset: u64,
+    #[prost(uint32, repeated, tag = "2")]
+    grid_thw: Vec<u32>,
+    #[prost(uint64, tag = "3")]
+    patch_dim: u64,
+    #[prost(float, repeated, tag = "4")]
+    pixel_values: Vec<f32>,
+}
+
+/// A batch as bytes.
 fn encode(samples: &[Sample]) -> Vec<u8> {
-    let mut out = Vec::new();
-    let o = &mut out;
-    put(o, &[samples.len() as u64]);
-    for s in samples {
-        put(o, &[s.tokens.len() as u64]);
-        put(o, &s.tokens);
-        put(o, &s.loss_mask);
-        put(o, &s.behaviour_logprobs);
-        put(o, &[s.advantage]);
-        put(o, &[u8::from(s.token_advantages.is_some())]);
-        put(o, s.token_advantages.as_deref().unwrap_or_default());
-        put(o, &[u8::from(s.replay.is_some())]);
-        if let Some(r) = &s.replay {
-            let size: Vec<u64> = r.size().iter().map(|&d| d as u64).collect();
-            put(o, &[size.len() as u64]);
-            put(o, &size);
-            put(
-                o,
-                &Vec::<i64>::try_from(&r.reshape([-1])).expect("int64 routing"),
-            );
-        }
-        put(o, &[s.images.len() as u64]);
-        for i in &s.images {
-            put(o, &[i.offset as u64]);
-            put(o, &i.image.grid_thw.map(u64::from));
-            put(o, &[i.image.patch_dim as u64]);
-            put(o, &[i.image.pixel_values.len() as u64]);
-            put(o, &i.image.pixel_values);
-        }
-    }
-    out
+    let samples = samples.iter().map(|s| WireSample {
+        tokens: s.tokens.clone(),
+        loss_mask: s.loss_mask.clone(),
+        behaviour_logprobs: s.behaviour_logprobs.clone(),
+        advantage: s.advantage,
+        token_advantages: s.token_advantages.clone().map(|values| Floats { values }),
+        replay_size: s.replay.as_ref().map_or_else(Vec::new, Tensor::size),
+        replay: (s.replay.as_ref()).map_or_else(Vec::new, |r| {
+            Vec::try_from(&r.reshape([-1])).expect("int64 routing")
+        }),
+        images: (s.images.iter())
+            .map(|i| WireImage {
+                offset: i.offset as u64,
+                grid_thw: i.image.grid_thw.to_vec(),
+                patch_dim: i.image.patch_dim as u64,
+                pixel_values: i.image.pixel_values.clone(),
+            })
+            .collect(),
+    });
+    prost::Message::encode_to_vec(&WireBatch {
+        samples: samples.collect(),
+    })
 }
 
 /// Why a batch from rank 0 cannot be read.
 #[derive(Debug, thiserror::Error)]
 enum BatchError {
-    #[error("truncated")]
-    Truncated,
-    #[error("length {0} exceeds the message")]
-    Length(usize),
-    /// What overflowed (`length`, `replay size`, `grid`).
-    #[error("{0} overflow")]
-    Overflow(&'static str),
-    #[error("{0} bytes left over")]
-    LeftOver(usize),
-}
-
-/// Reads a batch's bytes from the front.
-struct Reader<'a>(&'a [u8]);
-
-impl Reader<'_> {
-    fn vec<T: Le>(&mut self, n: usize) -> Result<Vec<T>, BatchError> {
-        let len = n
-            .checked_mul(T::SIZE)
-            .ok_or(BatchError::Overflow("length"))?;
-        if self.0.len() < len {
-            return Err(BatchError::Truncated);
-        }
-        let (head, rest) = self.0.split_at(len);
-        self.0 = rest;
-        Ok(head.chunks_exact(T::SIZE).map(T::get).collect())
-    }
-
-    fn one<T: Le>(&mut self) -> Result<T, BatchError> {
-        Ok(self.vec(1)?[0])
-    }
-
-    /// A length of at most `limit`.
-    fn len(&mut self, limit: usize) -> Result<usize, BatchError> {
-        let n = self.one::<u64>()? as usize;
-        (n <= limit).then_some(n).ok_or(BatchError::Length(n))
-    }
+    #[error(transparent)]
+    Decode(#[from] prost::DecodeError),
+    #[error("a sample's tokens, loss mask, logprobs and advantages differ in length")]
+    Lengths,
+    #[error("a routing replay of shape {0:?} has {1} expert ids")]
+    Replay(Vec<i64>, usize),
+    #[error("an image's grid is not 3 numbers, or its offset lies past its sample")]
+    Image,
 }
 
 /// The inverse of [`encode`].
 fn decode(bytes: &[u8]) -> Result<Vec<Sample>, BatchError> {
-    let mut r = Reader(bytes);
-    let count = r.len(bytes.len())?;
-    let mut samples = Vec::with_capacity(count);
-    for _ in 0..count {
-        let n = r.len(bytes.len())?;
-        let tokens = r.vec(n)?;
-        let loss_mask = r.vec(n)?;
-        let behaviour_logprobs = r.vec(n)?;
-        let advantage = r.one()?;
-        let token_advantages = match r.one::<u8>()? {
-            0 => None,
-            _ => Some(r.vec(n)?),
-        };
-        let replay = match r.one::<u8>()? {
-            0 => None,
-            _ => {
-                let dims = r.len(8)?;
-                let size: Vec<i64> = r.vec::<u64>(dims)?.iter().map(|&d| d as i64).collect();
-                let total = size
-                    .iter()
-                    .try_fold(1usize, |a, &d| a.checked_mul(d as usize))
-                    .ok_or(BatchError::Overflow("replay size"))?;
-                Some(Tensor::from_slice(&r.vec::<i64>(total)?).view(size.as_slice()))
+    let batch: WireBatch = prost::Message::decode(bytes)?;
+    let sample = |s: WireSample| {
+        let n = s.tokens.len();
+        let advantages = s.token_advantages.as_ref().map_or(n, |a| a.values.len());
+        if [s.loss_mask.len(), s.behaviour_logprobs.len(), advantages] != [n; 3] {
+            return Err(BatchError::Lengths);
+        }
+        let numel =
+            (s.replay_size.iter()).try_fold(1usize, |a, &d| a.checked_mul(d.try_into().ok()?));
+        let replay = match (s.replay_size.is_empty(), numel) {
+            (true, _) => None,
+            (false, Some(numel)) if numel == s.replay.len() => {
+                Some(Tensor::from_slice(&s.replay).view(s.replay_size.as_slice()))
             }
+            _ => return Err(BatchError::Replay(s.replay_size, s.replay.len())),
         };
-        let images = (0..r.len(bytes.len())?)
-            .map(|_| {
-                let offset = r.len(n)?;
-                let mut grid_thw = [0u32; 3];
-                for (d, g) in grid_thw.iter_mut().zip(r.vec::<u64>(3)?) {
-                    *d = u32::try_from(g).map_err(|_| BatchError::Overflow("grid"))?;
+        let images = (s.images.into_iter())
+            .map(|i| {
+                let grid_thw = <[u32; 3]>::try_from(i.grid_thw).map_err(|_| BatchError::Image)?;
+                if i.offset as usize > n {
+                    return Err(BatchError::Image);
                 }
-                let patch_dim = r.len(bytes.len())?;
-                let count = r.len(bytes.len())?;
-                let pixel_values = r.vec(count)?;
+                let (pixel_values, patch_dim) = (i.pixel_values, i.patch_dim as usize);
                 Ok(ImageInput {
-                    offset,
+                    offset: i.offset as usize,
                     image: std::sync::Arc::new(ProcessedImage {
                         pixel_values,
                         grid_thw,
@@ -435,21 +396,18 @@ fn decode(bytes: &[u8]) -> Result<Vec<Sample>, BatchError> {
                     }),
                 })
             })
-            .collect::<Result<Vec<_>, BatchError>>()?;
-        samples.push(Sample {
-            tokens,
-            loss_mask,
-            behaviour_logprobs,
-            advantage,
-            token_advantages,
+            .collect::<Result<_, _>>()?;
+        Ok(Sample {
+            tokens: s.tokens,
+            loss_mask: s.loss_mask,
+            behaviour_logprobs: s.behaviour_logprobs,
+            advantage: s.advantage,
+            token_advantages: s.token_advantages.map(|a| a.values),
             replay,
             images,
-        });
-    }
-    match r.0.len() {
-        0 => Ok(samples),
-        left => Err(BatchError::LeftOver(left)),
-    }
+        })
+    };
+    batch.samples.into_iter().map(sample).collect()
 }
 
 #[cfg(test)]

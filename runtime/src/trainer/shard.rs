@@ -19,6 +19,7 @@
 //! (an unrouted expert) is left alone exactly as one rank leaves it.
 
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -77,71 +78,50 @@ impl ShardLayout {
         &self,
         mut read: impl FnMut(usize) -> std::result::Result<Vec<(String, Tensor)>, String>,
     ) -> std::result::Result<Whole, String> {
-        let mut files = Vec::with_capacity(self.world);
-        for rank in 0..self.world {
-            let named: std::collections::HashMap<String, Tensor> =
-                read(rank)?.into_iter().collect();
-            files.push(named);
-        }
-        let flat = |key: &str, u: usize, len: i64| -> std::result::Result<Tensor, String> {
-            let parts = files
-                .iter()
-                .enumerate()
-                .map(|(rank, f)| {
-                    let t = f
-                        .get(key)
-                        .ok_or_else(|| format!("{} has no `{key}`", self.file_name(rank)))?;
-                    if t.size() != [len] {
-                        return Err(format!(
-                            "`{key}` of {} has shape {:?}, the layout says [{len}] for unit {u}",
-                            self.file_name(rank),
-                            t.size()
-                        ));
-                    }
-                    Ok(t.shallow_clone())
+        let files = (0..self.world)
+            .map(|rank| Ok(read(rank)?.into_iter().collect()))
+            .collect::<std::result::Result<Vec<HashMap<String, Tensor>>, String>>()?;
+        // Unit `u`'s tensors `key` (`w`, `m` or `v`) flat: every rank's shard, in rank order.
+        let flat = |key: &str, u: usize| -> std::result::Result<Tensor, String> {
+            let (key, len) = (format!("{key}.{u}"), self.units[u].shard_len);
+            let parts = (files.iter().enumerate())
+                .map(|(rank, f)| match f.get(&key) {
+                    Some(t) if t.size() == [len] => Ok(t.shallow_clone()),
+                    Some(t) => Err(format!(
+                        "`{key}` of {} has shape {:?}, the layout says [{len}] for unit {u}",
+                        self.file_name(rank),
+                        t.size()
+                    )),
+                    None => Err(format!("{} has no `{key}`", self.file_name(rank))),
                 })
                 .collect::<std::result::Result<Vec<_>, String>>()?;
             Ok(Tensor::cat(&parts, 0))
         };
-        let mut tensors = Vec::new();
-        let mut moments = Vec::new();
+        let (mut tensors, mut moments) = (Vec::new(), Vec::new());
         for (u, unit) in self.units.iter().enumerate() {
-            let w = flat(&format!("w.{u}"), u, unit.shard_len)?;
-            let mv = if self.moments {
-                Some((
-                    flat(&format!("m.{u}"), u, unit.shard_len)?,
-                    flat(&format!("v.{u}"), u, unit.shard_len)?,
-                ))
-            } else {
-                None
-            };
-            tensors.extend(split(&w, &unit.shapes));
-            if let Some((m, v)) = &mv {
-                moments.extend(split_moments(m, v, &unit.shapes));
+            tensors.extend(split(&flat("w", u)?, &unit.shapes));
+            if self.moments {
+                moments.extend(split_moments(&flat("m", u)?, &flat("v", u)?, &unit.shapes));
             }
         }
-        let weights = self
-            .names
-            .iter()
-            .map(|n| {
-                let t = tensors.get(n.tensor).ok_or_else(|| {
-                    format!(
-                        "`{}` lies in tensor {}, which no unit has",
-                        n.name, n.tensor
-                    )
-                })?;
-                let numel: i64 = n.shape.iter().product();
-                Ok((
-                    n.name.clone(),
-                    t.reshape([-1])
-                        .narrow(0, n.offset, numel)
-                        .view(n.shape.as_slice())
-                        .copy(),
-                ))
+        let weights = (self.names.iter())
+            .map(|n| match tensors.get(n.tensor) {
+                Some(t) => Ok(named(&t.reshape([-1]), 0, n)),
+                None => Err(format!(
+                    "`{}` lies in tensor {}, which no unit has",
+                    n.name, n.tensor
+                )),
             })
             .collect::<std::result::Result<Vec<_>, String>>()?;
         Ok((weights, moments))
     }
+}
+
+/// The weight `n` names, copied out of the flat `flat` where its tensor starts at `start`.
+fn named(flat: &Tensor, start: i64, n: &NamedSlice) -> (String, Tensor) {
+    let numel: i64 = n.shape.iter().product();
+    let t = flat.narrow(0, start + n.offset, numel);
+    (n.name.clone(), t.view(n.shape.as_slice()).copy())
 }
 
 /// The tensors of `shapes`, one after another from the start of `flat` (views of it).
@@ -233,30 +213,30 @@ impl Shards {
         rank: usize,
         world: usize,
         optimizer: AdamW,
+        compute: Option<Kind>,
     ) -> Self {
-        for p in params {
-            assert!(
-                p.is_contiguous(),
-                "trainable tensors own contiguous storage"
-            );
-        }
+        assert!(
+            params.iter().all(Tensor::is_contiguous),
+            "trainable tensors own contiguous storage"
+        );
         let units = match sharding {
             Sharding::Optimizer => std::iter::once(0..params.len()).collect(),
             Sharding::Full => units,
         };
-        let mut pieces = Vec::new();
-        let mut state_len = 0;
+        let (mut pieces, mut state_len) = (Vec::new(), 0);
         let units = units
             .into_iter()
             .map(|tensors| {
                 let shapes: Vec<Vec<i64>> =
-                    params[tensors.clone()].iter().map(|p| p.size()).collect();
-                let mut offsets = Vec::with_capacity(shapes.len());
-                let mut total = 0;
-                for s in &shapes {
-                    offsets.push(total);
-                    total += s.iter().product::<i64>();
-                }
+                    params[tensors.clone()].iter().map(Tensor::size).collect();
+                let numels = shapes.iter().map(|s| s.iter().product::<i64>());
+                let offsets: Vec<i64> = (numels.clone())
+                    .scan(0, |at, n| {
+                        *at += n;
+                        Some(*at - n)
+                    })
+                    .collect();
+                let total: i64 = numels.sum();
                 let w = world as i64;
                 let shard_len = (total + w - 1) / w;
                 let (lo, hi) = (rank as i64 * shard_len, (rank as i64 + 1) * shard_len);
@@ -290,17 +270,11 @@ impl Shards {
             world,
             device: params.first().map_or(tch::Device::Cpu, Tensor::device),
             own: None,
-            compute: None,
+            compute,
             optimizer,
             seconds: Cell::new(0.0),
             gathering: Cell::new(0.0),
         }
-    }
-
-    /// `Full`: gathers the weights in `kind` (bfloat16 compute), keeping the shards, the
-    /// gradients' reduction and AdamW in the shards' dtype.
-    pub(super) fn gather_in(&mut self, kind: Kind) {
-        self.compute = Some(kind);
     }
 
     /// The dtype of the weights this rank keeps, of its gradient shard and of its moments.
@@ -324,13 +298,13 @@ impl Shards {
         self.units[u].tensors.clone()
     }
 
-    /// The collectives' seconds since the last call.
     /// The collectives' seconds since the last call, and of them the gathers' of weights.
     pub(super) fn take_seconds(&self) -> (f64, f64) {
         (self.seconds.take(), self.gathering.take())
     }
 
-    fn timed<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    /// Runs the collective `f`, counting its seconds.
+    pub(super) fn timed<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let started = Instant::now();
         let out = f();
         self.seconds
@@ -400,7 +374,8 @@ impl Shards {
         Ok(())
     }
 
-    /// `Optimizer`: reduce-scatters the gradients every rank accumulated in `params`.
+    /// `Optimizer`: reduce-scatters the gradients every rank accumulated in `params` (then
+    /// [`Shards::finish_grad`]).
     pub(super) fn reduce_grads(
         &self,
         params: &[Tensor],
@@ -414,29 +389,27 @@ impl Shards {
                 .collect();
             self.reduce_unit(u, &grads, &mut acc, group)?;
         }
-        self.finish_grad(&mut acc, group)?;
         Ok(acc)
     }
 
     /// Makes `reached` say whether any rank's tokens reached each tensor.
     pub(super) fn finish_grad(&self, g: &mut ShardGrad, group: &dyn Collectives) -> Result<()> {
-        let flags = Tensor::from_slice(
-            &g.reached
-                .iter()
-                .map(|&r| r as i32 as f32)
-                .collect::<Vec<_>>(),
-        );
+        let flags: Vec<f32> = g.reached.iter().map(|&r| f32::from(u8::from(r))).collect();
+        let flags = Tensor::from_slice(&flags);
         self.timed(|| group.all_reduce(&flags, ReduceOp::Max))?;
-        g.reached = Vec::<f32>::try_from(&flags)
-            .expect("a float vector")
-            .into_iter()
-            .map(|f| f > 0.0)
-            .collect();
+        let flags = Vec::<f32>::try_from(&flags).expect("a float vector");
+        g.reached = flags.into_iter().map(|f| f > 0.0).collect();
         Ok(())
     }
 
-    /// The global L2 norm of the gradient (before clipping).
-    pub(super) fn grad_norm(&self, g: &ShardGrad, group: &dyn Collectives) -> Result<f64> {
+    /// Scales the gradient so its global L2 norm is at most `max_norm`; returns the norm before
+    /// clipping (as [`super::optim::clip_grad_norm`] on one rank).
+    pub(super) fn clip(
+        &self,
+        g: &mut ShardGrad,
+        max_norm: f64,
+        group: &dyn Collectives,
+    ) -> Result<f64> {
         // In float64, a few million elements at a time: the whole shard in float64 would take
         // twice its memory, twice over.
         const CHUNK: i64 = 1 << 22;
@@ -454,12 +427,11 @@ impl Shards {
             .sum();
         let squares = Tensor::from_slice(&[sum]);
         self.timed(|| group.all_reduce(&squares, ReduceOp::Sum))?;
-        Ok(squares.double_value(&[0]).sqrt())
-    }
-
-    /// Scales the shard's gradient (clipping to a global norm).
-    pub(super) fn scale(&self, g: &mut ShardGrad, factor: f64) {
-        let _ = tch::no_grad(|| g.grad.g_mul_scalar_(factor));
+        let norm = squares.double_value(&[0]).sqrt();
+        if norm > max_norm && norm > 0.0 {
+            let _ = tch::no_grad(|| g.grad.g_mul_scalar_(max_norm / norm));
+        }
+        Ok(norm)
     }
 
     /// AdamW on this rank's shards; with `Optimizer`, then every rank's updated shard into
@@ -516,11 +488,7 @@ impl Shards {
         let unit = &self.units[u];
         let shard = match &self.own {
             Some(own) => {
-                let shard = own.narrow(0, unit.at, unit.shard_len);
-                match self.compute {
-                    Some(kind) => shard.to_kind(kind),
-                    None => shard,
-                }
+                (own.narrow(0, unit.at, unit.shard_len)).to_kind(self.compute.unwrap_or(own.kind()))
             }
             None => self
                 .state_of(|_, p| piece_of(params, p), params[0].kind())
@@ -627,20 +595,13 @@ impl Shards {
             let full = self.gather(u, params, group)?;
             self.release(u, params);
             let unit = &self.units[u];
-            let named = names
-                .iter()
-                .filter(|n| unit.tensors.contains(&n.tensor))
-                .map(|n| {
-                    let i = n.tensor - unit.tensors.start;
-                    let numel: i64 = n.shape.iter().product();
-                    let whole = full
-                        .narrow(0, unit.offsets[i] + n.offset, numel)
-                        .view(n.shape.as_slice())
-                        .copy();
-                    (n.name.clone(), whole)
-                })
-                .collect();
-            emit(named);
+            let start = |n: &NamedSlice| unit.offsets[n.tensor - unit.tensors.start];
+            emit(
+                (names.iter())
+                    .filter(|n| unit.tensors.contains(&n.tensor))
+                    .map(|n| named(&full, start(n), n))
+                    .collect(),
+            );
         }
         Ok(())
     }
@@ -688,18 +649,13 @@ impl Shards {
 
     /// Continues from whole moments (a checkpoint's, of any number of ranks).
     pub(super) fn restore(&mut self, steps: i64, moments: &[(Tensor, Tensor)]) {
-        let pieces = if moments.is_empty() {
-            Vec::new()
-        } else {
-            self.pieces
-                .iter()
-                .map(|p| {
-                    let cut = |t: &Tensor| t.reshape([-1]).narrow(0, p.start, p.len).copy();
-                    let (m, v) = &moments[p.tensor];
-                    (cut(m), cut(v))
-                })
-                .collect()
-        };
+        let pieces = (self.pieces.iter().filter(|_| !moments.is_empty()))
+            .map(|p| {
+                let cut = |t: &Tensor| t.reshape([-1]).narrow(0, p.start, p.len).copy();
+                let (m, v) = &moments[p.tensor];
+                (cut(m), cut(v))
+            })
+            .collect();
         self.optimizer.restore(steps, pieces);
     }
 }

@@ -11,19 +11,29 @@ use crate::algorithms::losses::{aggregate, cispo, gspo, kl_k3, ppo_clip, Aggrega
 use crate::algorithms::masked_mean;
 use crate::model::{CausalLm, ImageInput};
 
-/// One trajectory segment as the trainer consumes it.
+/// One trajectory segment with its advantage, owned (what the run hands the trainer).
 #[derive(Debug)]
-pub struct TrainSample<'a> {
-    pub tokens: &'a [i64],
+pub struct Sample {
+    pub tokens: Vec<i64>,
     /// 1 where the engine sampled the token.
-    pub loss_mask: &'a [u8],
+    pub loss_mask: Vec<u8>,
     /// The engine's logprob of each token (0 where the mask is 0).
-    pub behaviour_logprobs: &'a [f32],
+    pub behaviour_logprobs: Vec<f32>,
     /// The sequence's advantage (GRPO, RLOO, ...), broadcast to its sampled tokens.
     pub advantage: f64,
-    pub replay: Option<&'a Tensor>,
-    /// A vision-language model's images, at their placeholders.
-    pub images: &'a [ImageInput],
+    /// Per-token advantages (on-policy distillation), `tokens.len()` long; replace `advantage`.
+    pub token_advantages: Option<Vec<f32>>,
+    /// MoE routing to replay, `[tokens.len(), sparse_layers, top_k]`.
+    pub replay: Option<Tensor>,
+    /// A vision-language model's images, preprocessed, at their placeholders in `tokens`.
+    pub images: Vec<ImageInput>,
+}
+
+impl Sample {
+    /// Tokens the engine sampled (trained on).
+    pub fn sampled(&self) -> usize {
+        self.loss_mask.iter().filter(|&&m| m == 1).count()
+    }
 }
 
 /// The policy loss (`algorithm.loss.kind`): the manifest's own enum.
@@ -57,17 +67,10 @@ pub struct LossMetrics {
     pub tokens: f64,
 }
 
-/// What a loss may take beyond each sample's sequence advantage. Tensors are `[batch, width]`
-/// with `width` the longest sample's length (as [`token_logprobs`] pads).
-#[derive(Debug, Default)]
-pub struct LossExtras<'a> {
-    /// Per-token advantages (on-policy distillation) in place of the samples' `advantage`; GSPO
-    /// takes their masked mean per sequence.
-    pub token_advantages: Option<&'a Tensor>,
-    /// A KL penalty `coef · k3(π_θ, π_ref)` (aggregated like the loss) against these reference
-    /// logprobs.
-    pub kl: Option<(f64, &'a Tensor)>,
-}
+/// A KL penalty `coef · k3(π_θ, π_ref)` (aggregated like the loss): `coef` and the reference
+/// policy's logprobs, `[batch, width]` with `width` the longest sample's length (as
+/// [`token_logprobs`] pads).
+pub type KlPenalty = (f64, Tensor);
 
 /// `rows`, each padded with `pad` to `width`, one after another.
 pub(super) fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> Vec<T> {
@@ -79,13 +82,13 @@ pub(super) fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, 
 }
 
 /// The sequences of `samples` to score.
-pub(super) fn scored<'a>(samples: &[TrainSample<'a>]) -> Vec<Scored<'a>> {
+pub(super) fn scored(samples: &[Sample]) -> Vec<Scored<'_>> {
     samples
         .iter()
         .map(|s| Scored {
-            tokens: s.tokens,
-            replay: s.replay,
-            images: s.images,
+            tokens: &s.tokens,
+            replay: s.replay.as_ref(),
+            images: &s.images,
         })
         .collect()
 }
@@ -94,7 +97,7 @@ pub(super) fn scored<'a>(samples: &[TrainSample<'a>]) -> Vec<Scored<'a>> {
 /// once at the start of a batch.
 pub fn old_logprobs(
     model: &CausalLm,
-    samples: &[TrainSample<'_>],
+    samples: &[Sample],
     temperature: f64,
 ) -> crate::model::Result<Tensor> {
     let seqs = scored(samples);
@@ -104,24 +107,24 @@ pub fn old_logprobs(
 /// The loss (with gradient) of `samples` given their π_old logprobs `logp_old`, and metrics.
 pub fn policy_loss(
     model: &CausalLm,
-    samples: &[TrainSample<'_>],
+    samples: &[Sample],
     logp_old: &Tensor,
     cfg: &LossConfig,
 ) -> crate::model::Result<(Tensor, LossMetrics)> {
-    policy_loss_with(model, samples, logp_old, cfg, &LossExtras::default())
+    policy_loss_with(model, samples, logp_old, cfg, None)
 }
 
-/// [`policy_loss`] with per-token advantages and/or a KL penalty.
+/// [`policy_loss`] with a KL penalty.
 pub fn policy_loss_with(
     model: &CausalLm,
-    samples: &[TrainSample<'_>],
+    samples: &[Sample],
     logp_old: &Tensor,
     cfg: &LossConfig,
-    extras: &LossExtras<'_>,
+    kl: Option<&KlPenalty>,
 ) -> crate::model::Result<(Tensor, LossMetrics)> {
     let seqs = scored(samples);
     let (logp, entropy) = token_logprobs_and_entropy(model, &seqs, cfg.temperature)?;
-    Ok(loss_of(&logp, &entropy, samples, logp_old, cfg, extras))
+    Ok(loss_of(&logp, &entropy, samples, logp_old, cfg, kl))
 }
 
 /// The loss of `samples` from their logprobs under the policy `logp` (with gradient) and the
@@ -129,90 +132,82 @@ pub fn policy_loss_with(
 pub(super) fn loss_of(
     logp: &Tensor,
     entropy: &Tensor,
-    samples: &[TrainSample<'_>],
+    samples: &[Sample],
     logp_old: &Tensor,
     cfg: &LossConfig,
-    extras: &LossExtras<'_>,
+    kl: Option<&KlPenalty>,
 ) -> (Tensor, LossMetrics) {
     let (b, width) = (samples.len() as i64, logp.size()[1]);
     let device = logp.device();
-    let mask = Tensor::from_slice(&padded(
+    let rows = |rows: Vec<Vec<f32>>| {
+        let rows = padded(rows.into_iter(), width as usize, 0.0f32);
+        Tensor::from_slice(&rows).view([b, width]).to_device(device)
+    };
+    let mask = rows(
         samples
             .iter()
-            .map(|s| s.loss_mask.iter().map(|&m| f32::from(m)).collect()),
-        width as usize,
-        0.0f32,
-    ))
-    .view([b, width])
-    .to_device(device);
-    let behaviour = Tensor::from_slice(&padded(
-        samples.iter().map(|s| s.behaviour_logprobs.to_vec()),
-        width as usize,
-        0.0f32,
-    ))
-    .view([b, width])
-    .to_device(device);
-    let adv_seq = Tensor::from_slice(
-        &samples
+            .map(|s| s.loss_mask.iter().map(|&m| f32::from(m)).collect())
+            .collect(),
+    );
+    let behaviour = rows(
+        samples
             .iter()
-            .map(|s| s.advantage as f32)
-            .collect::<Vec<_>>(),
-    )
-    .to_device(device);
-    let (adv_seq, adv_tok) = match extras.token_advantages {
-        Some(per_token) => {
-            let adv_tok = per_token.to_device(device) * &mask;
-            (masked_mean(&adv_tok, &mask), adv_tok)
-        }
-        None => {
-            let adv_tok = adv_seq.unsqueeze(1) * &mask;
-            (adv_seq, adv_tok)
-        }
+            .map(|s| s.behaviour_logprobs.to_vec())
+            .collect(),
+    );
+    // Per-token advantages (on-policy distillation) replace the sequences' when every sample
+    // has them; GSPO takes their masked mean per sequence.
+    let (adv_seq, adv_tok) = if samples.iter().all(|s| s.token_advantages.is_some()) {
+        let adv_tok = rows(
+            samples
+                .iter()
+                .flat_map(|s| s.token_advantages.clone())
+                .collect(),
+        );
+        let adv_tok = adv_tok * &mask;
+        (masked_mean(&adv_tok, &mask), adv_tok)
+    } else {
+        let adv_seq: Vec<f32> = samples.iter().map(|s| s.advantage as f32).collect();
+        let adv_seq = Tensor::from_slice(&adv_seq).to_device(device);
+        let adv_tok = adv_seq.unsqueeze(1) * &mask;
+        (adv_seq, adv_tok)
     };
     let log_rho = (logp_old - &behaviour) * &mask;
     let coef = match &cfg.correction {
         Some(c) => c.coefficients(&log_rho, &mask),
         None => mask.shallow_clone(),
     };
+    let (eps_low, eps_high) = (cfg.eps_low, cfg.eps_high);
     let per_token_or_seq = match cfg.kind {
-        LossKind::PpoClip => {
-            let l = ppo_clip(logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
+        LossKind::Gspo => {
+            gspo(logp, logp_old, &adv_seq, &coef, &mask, eps_low, eps_high).mean(Kind::Float)
+        }
+        kind => {
+            let loss = if kind == LossKind::Cispo {
+                cispo
+            } else {
+                ppo_clip
+            };
+            let l = loss(logp, logp_old, &adv_tok, &coef, eps_low, eps_high);
             aggregate(&l, &mask, cfg.aggregation)
         }
-        LossKind::Cispo => {
-            let l = cispo(logp, logp_old, &adv_tok, &coef, cfg.eps_low, cfg.eps_high);
-            aggregate(&l, &mask, cfg.aggregation)
-        }
-        LossKind::Gspo => gspo(
-            logp,
-            logp_old,
-            &adv_seq,
-            &coef,
-            &mask,
-            cfg.eps_low,
-            cfg.eps_high,
-        )
-        .mean(Kind::Float),
     };
-    let (per_token_or_seq, kl) = match extras.kl {
+    let (per_token_or_seq, kl) = match kl {
         Some((coef, logp_ref)) => {
             let k3 = kl_k3(logp, &logp_ref.to_device(device)) * &mask;
             let kl = aggregate(&k3, &mask, cfg.aggregation);
             let mean_kl = aggregate(&k3, &mask, Aggregation::TokenMean).double_value(&[]);
-            (per_token_or_seq + kl * coef, mean_kl)
+            (per_token_or_seq + kl * *coef, mean_kl)
         }
         None => (per_token_or_seq, 0.0),
     };
     let tokens = mask.sum(Kind::Float).double_value(&[]);
+    let token_mean = |x: &Tensor| (x * &mask).sum(Kind::Float).double_value(&[]) / tokens.max(1.0);
     let metrics = LossMetrics {
         loss: per_token_or_seq.double_value(&[]),
-        mean_abs_log_rho: (log_rho.abs() * &mask).sum(Kind::Float).double_value(&[])
-            / tokens.max(1.0),
-        masked_fraction: ((coef.eq(0.0).to_kind(Kind::Float) * &mask)
-            .sum(Kind::Float)
-            .double_value(&[]))
-            / tokens.max(1.0),
-        entropy: (entropy * &mask).sum(Kind::Float).double_value(&[]) / tokens.max(1.0),
+        mean_abs_log_rho: token_mean(&log_rho.abs()),
+        masked_fraction: token_mean(&coef.eq(0.0).to_kind(Kind::Float)),
+        entropy: token_mean(entropy),
         kl,
         tokens,
     };

@@ -20,12 +20,13 @@ use super::logprobs::token_logprobs;
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
 use super::shard::{ShardGrad, Shards};
 pub use super::shard::{ShardLayout, Sharding, Whole};
+pub use super::step::Sample;
 use super::step::{
-    old_logprobs, padded, policy_loss_with, scored, LossConfig, LossExtras, LossKind, TrainSample,
+    old_logprobs, policy_loss_with, scored, KlPenalty, LossConfig, LossKind, LossMetrics,
 };
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
-use crate::model::{CausalLm, ImageInput, NamedSlice};
+use crate::model::{CausalLm, NamedSlice};
 
 /// A trainer that cannot be built as asked, or a checkpoint that does not fit it.
 #[derive(Debug, thiserror::Error)]
@@ -43,39 +44,6 @@ pub enum TrainerError {
     /// A checkpoint's optimizer moments: for how many tensors, and how many the model has.
     #[error("the checkpoint has optimizer moments for {0} tensors, the model {1}")]
     Moments(usize, usize),
-}
-
-/// One trajectory segment with its advantage, owned (what the run hands the trainer).
-#[derive(Debug)]
-pub struct Sample {
-    pub tokens: Vec<i64>,
-    pub loss_mask: Vec<u8>,
-    pub behaviour_logprobs: Vec<f32>,
-    /// The sequence's advantage.
-    pub advantage: f64,
-    /// Per-token advantages (on-policy distillation), `tokens.len()` long; replace `advantage`.
-    pub token_advantages: Option<Vec<f32>>,
-    /// MoE routing to replay, `[tokens.len(), sparse_layers, top_k]`.
-    pub replay: Option<Tensor>,
-    /// A vision-language model's images, preprocessed, at their placeholders in `tokens`.
-    pub images: Vec<ImageInput>,
-}
-
-impl Sample {
-    fn view(&self) -> TrainSample<'_> {
-        TrainSample {
-            tokens: &self.tokens,
-            loss_mask: &self.loss_mask,
-            behaviour_logprobs: &self.behaviour_logprobs,
-            advantage: self.advantage,
-            replay: self.replay.as_ref(),
-            images: &self.images,
-        }
-    }
-
-    fn sampled(&self) -> usize {
-        self.loss_mask.iter().filter(|&&m| m == 1).count()
-    }
 }
 
 /// How the trainer trains.
@@ -135,14 +103,15 @@ pub struct StepStats {
 #[derive(Debug)]
 pub struct Trainer {
     model: CausalLm,
-    params: Vec<Tensor>,
+    /// The tensors the optimizer updates, in [`CausalLm::trainable`] order.
+    pub(super) params: Vec<Tensor>,
     /// One rank's optimizer; unused when `shards` holds the sharded one.
     optimizer: AdamW,
-    group: Box<dyn Collectives>,
-    shards: Option<Shards>,
+    pub(super) group: Box<dyn Collectives>,
+    pub(super) shards: Option<Shards>,
     /// Where each checkpoint name lies in `params` (the model forgets its names when its weights
     /// are sharded).
-    names: Vec<NamedSlice>,
+    pub(super) names: Vec<NamedSlice>,
     /// The frozen initial policy, when a KL penalty needs it.
     reference: Option<CausalLm>,
     opts: TrainerOptions,
@@ -153,27 +122,21 @@ pub struct Trainer {
 /// Rank `rank`'s contiguous part of a batch of `world` ranks: cut where the running token count
 /// crosses each rank's equal share.
 fn rank_part(samples: &[Sample], rank: usize, world: usize) -> &[Sample] {
+    let starts: Vec<usize> = (samples.iter())
+        .scan(0, |seen, s| {
+            *seen += s.tokens.len();
+            Some(*seen - s.tokens.len())
+        })
+        .collect();
     let total: usize = samples.iter().map(|s| s.tokens.len()).sum();
     let cut = |r: usize| {
-        let target = total * r / world;
-        let mut seen = 0;
-        samples
-            .iter()
-            .position(|s| {
-                let before = seen;
-                seen += s.tokens.len();
-                before >= target
-            })
-            .unwrap_or(samples.len())
-    };
-    let (start, end) = (
-        cut(rank),
-        if rank + 1 == world {
+        if r == world {
             samples.len()
         } else {
-            cut(rank + 1)
-        },
-    );
+            starts.partition_point(|&before| before < total * r / world)
+        }
+    };
+    let (start, end) = (cut(rank), cut(rank + 1));
     &samples[start..end.max(start)]
 }
 
@@ -208,7 +171,7 @@ impl Trainer {
     /// One rank of a trainer of `group.world()` ranks, not yet in sync with the others: made by
     /// the leader and the followers of `ranks.rs`.
     pub(super) fn with_group(
-        model: CausalLm,
+        mut model: CausalLm,
         reference: Option<CausalLm>,
         opts: TrainerOptions,
         group: Box<dyn Collectives>,
@@ -219,16 +182,19 @@ impl Trainer {
         if opts.micro_batch_tokens == 0 {
             return Err(TrainerError::NoMicroBatch);
         }
-        let mut model = model;
+        let full = group.world() > 1 && opts.sharding == Sharding::Full;
         if model.vision_unit().is_some() {
             if opts.freeze_vision {
                 model.freeze_vision();
             }
-            if group.world() > 1 && opts.sharding == Sharding::Full {
+            if full {
                 return Err(TrainerError::ShardedVisionTower);
             }
         } else if opts.freeze_vision {
             return Err(TrainerError::NoVisionTower);
+        }
+        if opts.bf16_compute && !full {
+            return Err(TrainerError::UnshardedBf16);
         }
         let params: Vec<Tensor> = model
             .trainable()
@@ -237,29 +203,17 @@ impl Trainer {
             .collect();
         let names = model.named_slices();
         let adamw = || AdamW::new((0.9, 0.999), 1e-8, opts.weight_decay);
+        let compute = opts.bf16_compute.then_some(tch::Kind::BFloat16);
         let shards = (group.world() > 1).then(|| {
-            Shards::new(
-                &params,
-                model.trainable_units(),
-                opts.sharding,
-                group.rank(),
-                group.world(),
-                adamw(),
-            )
+            let units = model.trainable_units();
+            let (rank, world) = (group.rank(), group.world());
+            Shards::new(&params, units, opts.sharding, rank, world, adamw(), compute)
         });
-        let full = shards.is_some() && opts.sharding == Sharding::Full;
-        if opts.bf16_compute && !full {
-            return Err(TrainerError::UnshardedBf16);
-        }
-        let mut shards = shards;
         if full {
             model.forget_names();
-            if opts.bf16_compute {
-                model.compute_in(tch::Kind::BFloat16);
-                if let Some(s) = shards.as_mut() {
-                    s.gather_in(tch::Kind::BFloat16);
-                }
-            }
+        }
+        if let Some(kind) = compute {
+            model.compute_in(kind);
         }
         Ok(Self {
             names,
@@ -350,9 +304,9 @@ impl Trainer {
                 shards.gather_units(&self.params, &self.names, self.group.as_ref(), emit)
             }
             _ => {
+                let params = self.model.params();
                 emit(
-                    self.model
-                        .params()
+                    params
                         .iter()
                         .map(|(n, t)| (n.clone(), t.detach()))
                         .collect(),
@@ -362,54 +316,16 @@ impl Trainer {
         }
     }
 
-    /// Sharded weights: the layout of this trainer's sharded checkpoint.
-    pub(super) fn shard_layout(&self) -> ShardLayout {
-        self.shards
-            .as_ref()
-            .expect("several ranks")
-            .layout(&self.names)
-    }
-
-    /// Sharded weights: this rank's file of a sharded checkpoint.
-    pub(super) fn shard_tensors(&self) -> Vec<(String, Tensor)> {
-        self.shards.as_ref().expect("several ranks").shard_tensors()
-    }
-
-    pub(super) fn group(&self) -> &dyn Collectives {
-        self.group.as_ref()
-    }
-
-    /// The tensors the optimizer updates, in [`CausalLm::trainable`] order.
-    pub(super) fn trainable(&self) -> &[Tensor] {
-        &self.params
-    }
-
-    /// The group's bound on one collective.
-    pub(super) fn timeout(&self) -> std::time::Duration {
-        self.group.timeout()
-    }
-
-    /// One rank's whole moments (empty before the first step, or when sharded).
-    pub(super) fn local_moments(&self) -> Vec<(Tensor, Tensor)> {
-        match &self.shards {
-            Some(_) => Vec::new(),
-            None => self
-                .optimizer
-                .moments()
-                .iter()
-                .map(|(m, v)| (m.shallow_clone(), v.shallow_clone()))
-                .collect(),
-        }
-    }
-
-    /// The moments, whole; with several ranks a collective every rank calls.
+    /// The moments, whole; with several ranks a collective every rank calls (empty before the
+    /// first step).
     pub(super) fn gather_moments(&self) -> crate::dist::Result<Vec<(Tensor, Tensor)>> {
-        match &self.shards {
-            Some(shards) => {
-                shards.gathered_moments(shards.master_kind(&self.params), self.group.as_ref())
-            }
-            None => Ok(self.local_moments()),
-        }
+        let Some(shards) = &self.shards else {
+            let moments = self.optimizer.moments().iter();
+            return Ok(moments
+                .map(|(m, v)| (m.shallow_clone(), v.shallow_clone()))
+                .collect());
+        };
+        shards.gathered_moments(shards.master_kind(&self.params), self.group.as_ref())
     }
 
     /// Continues from a checkpoint taken after `steps` steps.
@@ -435,12 +351,9 @@ impl Trainer {
         let started = Instant::now();
         // Steps run on whichever compute thread is free: set its pool each time.
         tch::set_num_threads(self.threads as i32);
-        let cfg = self.opts.loss;
-        let (rank, world) = (self.group.rank(), self.group.world());
-        let parts = micro_batches(
-            rank_part(samples, rank, world),
-            self.opts.micro_batch_tokens,
-        );
+        let (cfg, group) = (self.opts.loss, self.group.as_ref());
+        let mine = rank_part(samples, group.rank(), group.world());
+        let parts = micro_batches(mine, self.opts.micro_batch_tokens);
         let total_sampled: usize = samples.iter().map(Sample::sampled).sum();
         let share = |part: &[Sample]| match (cfg.kind, cfg.aggregation) {
             (LossKind::Gspo, _)
@@ -451,139 +364,62 @@ impl Trainer {
                 part.iter().map(Sample::sampled).sum::<usize>() as f64 / total_sampled.max(1) as f64
             }
         };
+        let mut acc: Option<ShardGrad> = (self.shards.as_ref())
+            .filter(|s| s.full())
+            .map(|s| s.new_grad(s.master_kind(&self.params)));
         // Sharded weights: every rank runs as many micro-batches as the one with the most (an
         // idle pass gathers and reduces with the others, computing nothing).
-        let layered = self.weights_sharded();
-        let passes = if layered {
+        let passes = if acc.is_some() {
             let n = Tensor::from_slice(&[parts.len() as f64]);
-            self.group.all_reduce(&n, ReduceOp::Max)?;
+            group.all_reduce(&n, ReduceOp::Max)?;
             n.double_value(&[0]) as usize
         } else {
             parts.len()
         };
-        let views: Vec<Vec<TrainSample<'_>>> = parts
-            .iter()
-            .map(|p| p.iter().map(Sample::view).collect())
-            .collect();
-        // π_old for every micro-batch before any weight moves.
-        let mut olds = Vec::with_capacity(passes);
+        // Summed over the micro-batches: the loss weighed by each one's share, the per-token
+        // metrics by its sampled tokens; and the micro-batches.
+        let mut sums = [0.0, 0.0, 0.0, 0.0, 0.0, parts.len() as f64];
         for i in 0..passes {
-            let part = views.get(i);
-            olds.push(if layered {
-                let seqs = part.map(|p| scored(p));
-                self.layered().logprobs(seqs.as_deref(), cfg.temperature)?
-            } else {
-                let part = part.expect("a part");
-                Some(old_logprobs(&self.model, part, cfg.temperature)?)
-            });
+            let part = parts.get(i).copied();
+            let w = part.map_or(0.0, share);
+            if let Some(m) = self.pass(part, w, acc.as_mut())? {
+                let t = m.tokens / total_sampled.max(1) as f64;
+                let terms = [m.loss * w, m.mean_abs_log_rho * t, m.masked_fraction * t];
+                let terms = terms.into_iter().chain([m.entropy * t, m.kl * t]);
+                sums.iter_mut().zip(terms).for_each(|(sum, x)| *sum += x);
+            }
         }
+        let max_norm = self.opts.max_grad_norm.unwrap_or(f64::INFINITY);
+        let (grad_norm, shard_grad) = match &self.shards {
+            None => (clip_grad_norm(&self.params, max_norm), None),
+            Some(shards) => {
+                // Every rank's part of the metrics and the gradient, summed.
+                let summed = Tensor::from_slice(&sums);
+                shards.timed(|| group.all_reduce(&summed, ReduceOp::Sum))?;
+                sums.copy_from_slice(&Vec::<f64>::try_from(&summed).expect("a double vector"));
+                let mut g = match acc {
+                    Some(g) => g,
+                    None => shards.reduce_grads(&self.params, group)?,
+                };
+                shards.finish_grad(&mut g, group)?;
+                (shards.clip(&mut g, max_norm, group)?, Some(g))
+            }
+        };
+        let [loss, mean_abs_log_rho, masked_fraction, entropy, kl, micro_batches] = sums;
         let mut stats = StepStats {
+            loss,
+            mean_abs_log_rho,
+            masked_fraction,
+            entropy,
+            kl,
+            grad_norm,
+            learning_rate: self.opts.schedule.at(self.steps + 1),
             sequences: samples.len(),
             sampled_tokens: total_sampled,
             tokens: samples.iter().map(|s| s.tokens.len()).sum(),
-            micro_batches: parts.len(),
+            micro_batches: micro_batches as usize,
             ..StepStats::default()
         };
-        let mut acc: Option<ShardGrad> = self
-            .shards
-            .as_ref()
-            .filter(|s| s.full())
-            .map(|s| s.new_grad(s.master_kind(&self.params)));
-        for (i, old) in olds.iter().enumerate() {
-            let (Some(part), Some(old)) = (parts.get(i).copied(), old) else {
-                self.layered()
-                    .train(None, acc.as_mut().expect("sharded weights"))?;
-                continue;
-            };
-            let views = &views[i];
-            let width = old.size()[1];
-            let token_advantages = part.iter().all(|s| s.token_advantages.is_some()).then(|| {
-                let rows = part.iter().flat_map(|s| s.token_advantages.clone());
-                let rows = padded(rows, width as usize, 0.0);
-                Tensor::from_slice(&rows).view([part.len() as i64, width])
-            });
-            let reference = match (&self.reference, self.opts.kl_coef > 0.0) {
-                (Some(reference), true) => Some(tch::no_grad(|| {
-                    token_logprobs(reference, &scored(views), cfg.temperature)
-                })?),
-                _ => None,
-            };
-            let extras = LossExtras {
-                token_advantages: token_advantages.as_ref(),
-                kl: reference.as_ref().map(|r| (self.opts.kl_coef, r)),
-            };
-            let w = share(part);
-            let m = match acc.as_mut() {
-                Some(acc) => {
-                    let part = Part {
-                        samples: views,
-                        old,
-                        cfg: &cfg,
-                        extras: &extras,
-                        weight: w,
-                    };
-                    self.layered()
-                        .train(Some(&part), acc)?
-                        .expect("a part's pass has metrics")
-                }
-                None => {
-                    let (loss, m) = policy_loss_with(&self.model, views, old, &cfg, &extras)?;
-                    (loss * w).backward();
-                    m
-                }
-            };
-            // Token-weighted means of the per-token metrics.
-            let t = m.tokens / total_sampled.max(1) as f64;
-            stats.loss += m.loss * w;
-            stats.mean_abs_log_rho += m.mean_abs_log_rho * t;
-            stats.masked_fraction += m.masked_fraction * t;
-            stats.entropy += m.entropy * t;
-            stats.kl += m.kl * t;
-        }
-        let max_norm = self.opts.max_grad_norm.unwrap_or(f64::INFINITY);
-        let mut shard_grad = None;
-        match &self.shards {
-            None => stats.grad_norm = clip_grad_norm(&self.params, max_norm),
-            Some(shards) => {
-                // Every rank's part of the metrics and the gradient, summed.
-                let group = self.group.as_ref();
-                let sums = Tensor::from_slice(&[
-                    stats.loss,
-                    stats.mean_abs_log_rho,
-                    stats.masked_fraction,
-                    stats.entropy,
-                    stats.kl,
-                    parts.len() as f64,
-                ]);
-                let metrics_sum = Instant::now();
-                group.all_reduce(&sums, ReduceOp::Sum)?;
-                let metrics_sum = metrics_sum.elapsed().as_secs_f64();
-                let sums = Vec::<f64>::try_from(&sums).expect("a double vector");
-                stats.loss = sums[0];
-                stats.mean_abs_log_rho = sums[1];
-                stats.masked_fraction = sums[2];
-                stats.entropy = sums[3];
-                stats.kl = sums[4];
-                stats.micro_batches = sums[5] as usize;
-                let mut g = match acc.take() {
-                    Some(mut g) => {
-                        shards.finish_grad(&mut g, group)?;
-                        g
-                    }
-                    None => shards.reduce_grads(&self.params, group)?,
-                };
-                stats.grad_norm = shards.grad_norm(&g, group)?;
-                if stats.grad_norm > max_norm && stats.grad_norm > 0.0 {
-                    shards.scale(&mut g, max_norm / stats.grad_norm);
-                }
-                shard_grad = Some(g);
-                // The micro-batches' gathers and reductions, and these.
-                let (seconds, gathers) = shards.take_seconds();
-                stats.collective_seconds = seconds + metrics_sum;
-                stats.gather_seconds = gathers;
-            }
-        }
-        stats.learning_rate = self.opts.schedule.at(self.steps + 1);
         // One non-finite value (an overflow, a NaN that got into the batch) would make every
         // weight NaN through AdamW, and the engines would serve them: skip the update instead
         // (docs/security.md, "Bad data").
@@ -596,11 +432,12 @@ impl Trainer {
             );
         } else if let (Some(shards), Some(g)) = (&mut self.shards, &shard_grad) {
             shards.step(&self.params, g, stats.learning_rate, self.group.as_ref())?;
-            let (seconds, gathers) = shards.take_seconds();
-            stats.collective_seconds += seconds;
-            stats.gather_seconds += gathers;
         } else {
             self.optimizer.step(&self.params, stats.learning_rate);
+        }
+        if let Some(shards) = &self.shards {
+            // The micro-batches' gathers and reductions, the step's, and the optimizer's.
+            (stats.collective_seconds, stats.gather_seconds) = shards.take_seconds();
         }
         for p in &self.params {
             let mut g = p.grad();
@@ -611,6 +448,56 @@ impl Trainer {
         self.steps += 1;
         stats.seconds = started.elapsed().as_secs_f64();
         Ok(stats)
+    }
+
+    /// One micro-batch's forward and backward, its gradient weighed by `weight` into the
+    /// weights' gradients or, with sharded weights, into `acc`; π_old first (no weight moves
+    /// before the optimizer step). `None` runs a sharded rank's idle pass.
+    fn pass(
+        &self,
+        part: Option<&[Sample]>,
+        weight: f64,
+        acc: Option<&mut ShardGrad>,
+    ) -> crate::model::Result<Option<LossMetrics>> {
+        let cfg = &self.opts.loss;
+        let old = if acc.is_some() {
+            self.layered().logprobs(part, cfg.temperature)?
+        } else {
+            (part.map(|p| old_logprobs(&self.model, p, cfg.temperature))).transpose()?
+        };
+        let part = match (part, &old) {
+            (Some(samples), Some(old)) => Some(Part {
+                samples,
+                old,
+                cfg,
+                kl: self.kl_penalty(samples)?,
+                weight,
+            }),
+            _ => None,
+        };
+        match (acc, part) {
+            (Some(acc), part) => self.layered().train(part.as_ref(), acc),
+            (None, Some(p)) => {
+                let (loss, m) =
+                    policy_loss_with(&self.model, p.samples, p.old, cfg, p.kl.as_ref())?;
+                (loss * weight).backward();
+                Ok(Some(m))
+            }
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// A KL penalty's weight and the reference policy's logprobs of `part`, when the trainer
+    /// has one.
+    fn kl_penalty(&self, part: &[Sample]) -> crate::model::Result<Option<KlPenalty>> {
+        let temperature = self.opts.loss.temperature;
+        Ok(match (&self.reference, self.opts.kl_coef) {
+            (Some(reference), coef) if coef > 0.0 => Some((
+                coef,
+                tch::no_grad(|| token_logprobs(reference, &scored(part), temperature))?,
+            )),
+            _ => None,
+        })
     }
 }
 
