@@ -18,6 +18,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
+use super::remote::RemoteStats;
 pub use crate::agents::Episode;
 use crate::chat::SamplingOverride;
 use crate::records::metrics::StepRecord;
@@ -92,16 +93,11 @@ pub struct CoordinatorStatus {
     /// The data cursor: the next task to draw, and the epoch.
     pub data: RolloutState,
     pub rollout: RolloutStats,
-    /// Episodes waiting for an agent, and leased to one.
-    pub episodes_waiting: usize,
-    pub episodes_leased: usize,
-    /// Leases that expired (their agent went silent) and were run again.
-    pub leases_expired: u64,
+    /// The queue of episodes for agent pods.
+    #[serde(flatten)]
+    pub agents: RemoteStats,
     /// The newest evaluation on held-out tasks (`spec.eval`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalResult>,
-    /// Episodes returned, and answers to unknown (expired or repeated) leases ignored.
-    pub episodes_returned: u64,
-    pub episodes_ignored: u64,
     pub trainer_restarts: u64,
 }

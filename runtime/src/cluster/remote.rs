@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use tokio::sync::{oneshot, Notify};
 
@@ -40,13 +41,16 @@ struct Queue {
 }
 
 /// Counts of the queue, for status and metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoteStats {
-    pub waiting: usize,
-    pub leased: usize,
-    pub expired: u64,
-    pub returned: u64,
-    pub ignored: u64,
+    /// Episodes waiting for an agent, and leased to one.
+    pub episodes_waiting: usize,
+    pub episodes_leased: usize,
+    /// Leases that expired (their agent went silent) and were run again.
+    pub leases_expired: u64,
+    /// Episodes returned, and answers to unknown (expired or repeated) leases ignored.
+    pub episodes_returned: u64,
+    pub episodes_ignored: u64,
 }
 
 /// Episodes for agent pods to lease.
@@ -121,19 +125,15 @@ impl RemoteAgents {
             let notified = self.ready.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            let now = tokio::time::Instant::now();
             if let Some(lease) = self.try_lease() {
                 return Some(lease);
+            } else if now >= deadline {
+                return None;
             }
             // Wake up for new work, an expiring lease, or the end of the wait.
-            let tick = deadline.min(tokio::time::Instant::now() + Duration::from_secs(1));
-            tokio::select! {
-                () = &mut notified => {}
-                () = tokio::time::sleep_until(tick) => {
-                    if tokio::time::Instant::now() >= deadline {
-                        return self.try_lease();
-                    }
-                }
-            }
+            let tick = deadline.min(now + Duration::from_secs(1));
+            let _ = tokio::time::timeout_at(tick, notified).await;
         }
     }
 
@@ -172,11 +172,11 @@ impl RemoteAgents {
     pub fn stats(&self) -> RemoteStats {
         let q = self.queue.lock().expect("queue lock");
         RemoteStats {
-            waiting: q.waiting.len(),
-            leased: q.leased.len(),
-            expired: q.expired,
-            returned: q.returned,
-            ignored: q.ignored,
+            episodes_waiting: q.waiting.len(),
+            episodes_leased: q.leased.len(),
+            leases_expired: q.expired,
+            episodes_returned: q.returned,
+            episodes_ignored: q.ignored,
         }
     }
 }
@@ -265,8 +265,11 @@ mod tests {
         let ep = episode.await.unwrap();
         assert_eq!((ep.index, ep.reward), (7, 1.0));
         let s = agents.stats();
-        assert_eq!((s.expired, s.returned, s.ignored), (1, 1, 2));
-        assert_eq!((s.waiting, s.leased), (0, 0));
+        assert_eq!(
+            (s.leases_expired, s.episodes_returned, s.episodes_ignored),
+            (1, 1, 2)
+        );
+        assert_eq!((s.episodes_waiting, s.episodes_leased), (0, 0));
     }
 
     #[tokio::test]
@@ -284,7 +287,7 @@ mod tests {
         assert_eq!(agents.renew(&[lease.lease + 1]), [lease.lease + 1]);
         assert!(agents.complete(lease.lease, finished(1.0)));
         assert_eq!(episode.await.unwrap().reward, 1.0);
-        assert_eq!(agents.stats().expired, 0);
+        assert_eq!(agents.stats().leases_expired, 0);
     }
 
     #[tokio::test]
@@ -293,7 +296,7 @@ mod tests {
         let runner = agents.clone();
         let abandoned = tokio::spawn(async move { runner.run(1, Json::Null, None).await });
         tokio::task::yield_now().await;
-        while agents.stats().waiting == 0 {
+        while agents.stats().episodes_waiting == 0 {
             tokio::task::yield_now().await;
         }
         abandoned.abort();

@@ -74,10 +74,6 @@ impl Router {
         self
     }
 
-    pub fn engine_patience(&self) -> Duration {
-        self.engine_patience
-    }
-
     /// The engine for `request` among those up and current, skipping `exclude` (engines that
     /// already failed it).
     pub fn pick(&self, request: &RouteRequest<'_>, exclude: &[String]) -> Option<Arc<Engine>> {
