@@ -512,13 +512,10 @@ fn namespace(cfg: &RunConfig) -> String {
 /// A Kubernetes client from the pod's service account (or `KUBECONFIG`), if there is one.
 async fn kube_client() -> Option<kube::Client> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    match kube::Client::try_default().await {
-        Ok(c) => Some(c),
-        Err(e) => {
-            tracing::info!("no Kubernetes API ({e}): the RLRun's status will not be written");
-            None
-        }
-    }
+    let client = kube::Client::try_default().await.inspect_err(|e| {
+        tracing::info!("no Kubernetes API ({e}): the RLRun's status will not be written");
+    });
+    client.ok()
 }
 
 /// The judge of `spec.judge` as the coordinator asks it: a router of its own over the judge's

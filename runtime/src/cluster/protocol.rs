@@ -18,7 +18,6 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
-use super::remote::RemoteStats;
 pub use crate::agents::Episode;
 use crate::chat::SamplingOverride;
 use crate::records::metrics::StepRecord;
@@ -80,6 +79,19 @@ pub struct Commit {
     pub version: u64,
     pub record: StepRecord,
     pub checkpoint: Option<CheckpointRef>,
+}
+
+/// Counts of the queue of episodes for agent pods ([`super::remote`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteStats {
+    /// Episodes waiting for an agent, and leased to one.
+    pub episodes_waiting: usize,
+    pub episodes_leased: usize,
+    /// Leases that expired (their agent went silent) and were run again.
+    pub leases_expired: u64,
+    /// Episodes returned, and answers to unknown (expired or repeated) leases ignored.
+    pub episodes_returned: u64,
+    pub episodes_ignored: u64,
 }
 
 /// `GET /v1/status`: where the run stands, as the coordinator sees it.

@@ -13,11 +13,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use tokio::sync::{oneshot, Notify};
 
-use super::protocol::Lease;
+use super::protocol::{Lease, RemoteStats};
 use crate::agents::{Episode, EpisodeStatus};
 use crate::chat::SamplingOverride;
 use crate::rollout::EpisodeRunner;
@@ -38,19 +37,6 @@ struct Queue {
     expired: u64,
     returned: u64,
     ignored: u64,
-}
-
-/// Counts of the queue, for status and metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RemoteStats {
-    /// Episodes waiting for an agent, and leased to one.
-    pub episodes_waiting: usize,
-    pub episodes_leased: usize,
-    /// Leases that expired (their agent went silent) and were run again.
-    pub leases_expired: u64,
-    /// Episodes returned, and answers to unknown (expired or repeated) leases ignored.
-    pub episodes_returned: u64,
-    pub episodes_ignored: u64,
 }
 
 /// Episodes for agent pods to lease.

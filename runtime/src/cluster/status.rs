@@ -61,7 +61,8 @@ pub async fn read(client: Client, namespace: &str, name: &str) -> Report {
     }
 }
 
-/// Writes the newest report to the RLRun `name` in `namespace` whenever one arrives.
+/// Writes the newest report to the RLRun `name` in `namespace` whenever one arrives; a write
+/// that fails is retried until it succeeds or a newer report supersedes it.
 pub async fn write_reports(
     client: Client,
     namespace: String,
@@ -70,23 +71,14 @@ pub async fn write_reports(
 ) {
     let api: Api<RLRun> = Api::namespaced(client, &namespace);
     let params = PatchParams::apply(FIELD_MANAGER).force();
+    let what = format!("writing the status of RLRun {name}");
     while reports.changed().await.is_ok() {
-        let report = reports.borrow_and_update().clone();
-        let body = patch_body(&report);
-        let mut wait = std::time::Duration::from_millis(500);
-        loop {
-            match api.patch_status(&name, &params, &Patch::Apply(&body)).await {
-                Ok(_) => break,
-                Err(e) => {
-                    tracing::warn!(run = %name, "writing the RLRun's status: {e}; retrying");
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(std::time::Duration::from_secs(10));
-                    // A newer report supersedes this one.
-                    if reports.has_changed().unwrap_or(false) {
-                        break;
-                    }
-                }
-            }
+        let body = patch_body(&reports.borrow_and_update());
+        let patch = Patch::Apply(&body);
+        let write = super::retry(&what, || api.patch_status(&name, &params, &patch));
+        tokio::select! {
+            _ = write => {}
+            _ = reports.changed() => reports.mark_changed(),
         }
     }
 }

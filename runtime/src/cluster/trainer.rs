@@ -128,10 +128,8 @@ impl Coordinator {
     async fn engine_behind(&self) {
         loop {
             tokio::time::sleep(BEHIND_POLL).await;
-            let Some(v) = self.get("/engines").await else {
-                continue;
-            };
-            let mut engines = v["engines"].as_array().into_iter().flatten();
+            let pool = self.get("/engines").await.unwrap_or_default();
+            let mut engines = pool["engines"].as_array().into_iter().flatten();
             if engines.any(|e| e["healthy"] == true && e["routable"] == false) {
                 return;
             }
@@ -272,14 +270,11 @@ pub async fn run(
         None
     };
     // This pod's other ranks, alive as long as this process.
-    let _node_ranks = match &rendezvous {
-        Some(r) if per_pod > 1 => Some(Followers::start(
-            r,
-            r.rank + 1..r.rank + per_pod,
-            opts.device,
-        )?),
-        _ => None,
-    };
+    let _node_ranks = rendezvous
+        .as_ref()
+        .filter(|_| per_pod > 1)
+        .map(|r| Followers::start(r, r.rank + 1..r.rank + per_pod, opts.device))
+        .transpose()?;
     if let Some(r) = rendezvous.clone().filter(|r| r.rank > 0) {
         return follow(r, &opts, shutdown).await;
     }

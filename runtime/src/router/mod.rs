@@ -34,13 +34,8 @@ pub fn for_run(pool: Arc<EnginePool>, backend: moult_operator::api::EngineBacken
         pool.clone()
             .check_health(HealthOptions::for_backend(backend)),
     );
-    Arc::new(
-        Router::new(
-            pool,
-            policy::by_name("consistent-hash").expect("a known policy"),
-        )
-        .with_engine_patience(RUN_ENGINE_PATIENCE),
-    )
+    let router = Router::new(pool, Box::new(ConsistentHash::default()));
+    Arc::new(router.with_engine_patience(RUN_ENGINE_PATIENCE))
 }
 
 /// A pool of engines and the policy that spreads requests over it.

@@ -337,11 +337,6 @@ impl EnginePool {
         self.all().into_iter().filter(|e| e.healthy()).collect()
     }
 
-    /// The version of the last weight update that went out, if any.
-    pub fn expected_version(&self) -> Option<u64> {
-        u64::try_from(self.expected.load(Ordering::Relaxed)).ok()
-    }
-
     /// A weight update to `version` reached `engines`.
     pub fn updated(&self, engines: &[Arc<Engine>], version: u64) {
         self.expected.store(version as i64, Ordering::Relaxed);
@@ -350,11 +345,10 @@ impl EnginePool {
         }
     }
 
+    /// Whether `e` serves the version of the last weight update (any, before the first).
     fn current(&self, e: &Engine) -> bool {
-        match self.expected_version() {
-            None => true,
-            Some(v) => e.version() == Some(v),
-        }
+        let expected = u64::try_from(self.expected.load(Ordering::Relaxed)).ok();
+        expected.is_none() || e.version() == expected
     }
 
     /// The engines that are up and serve the current weights (generation goes to these).

@@ -315,13 +315,13 @@ async fn weight_info(State(router): State<Arc<Router>>) -> Result<Json<Value>, A
 async fn abort(State(router): State<Arc<Router>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let req: AbortRequest = parse(&body)?;
     let engines = router.pool.healthy();
-    let body = json!({ "request_ids": req.request_ids });
+    let bodies = vec![Some(json!({ "request_ids": req.request_ids })); engines.len()];
     // Aborting an id an engine does not know is fine; failures only mean the engine is gone.
     let _ = fan_out(
         &engines,
         Method::POST,
         "/inference/v1/abort_requests",
-        vec![Some(body); engines.len()],
+        bodies,
     )
     .await;
     Ok(Json(json!({"status": "ok"})))
