@@ -18,10 +18,12 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use serde_json::{json, Value};
+
 use super::protocol::Lease;
-use super::{env_path, post_json, retry};
+use super::{call, env_number, env_path, retry};
 use crate::agents::{AgentPool, EpisodeStatus, PoolOptions};
-use crate::config::Sources;
+use crate::config::{RunConfig, Sources};
 use crate::error::RunError;
 
 /// How often the leases of running episodes are renewed (well within the coordinator's lease time).
@@ -40,13 +42,6 @@ pub struct AgentsProcessOptions {
     pub metrics_addr: String,
 }
 
-/// This pod's `/metrics`: episodes finished, by status, and running.
-#[derive(Debug, Clone, Default)]
-struct Counts {
-    finished: Family<[(&'static str, &'static str); 1], Counter>,
-    running: Gauge,
-}
-
 /// Runs the agent pod's workers until `shutdown`.
 pub async fn run(
     opts: AgentsProcessOptions,
@@ -62,30 +57,14 @@ pub async fn run(
         what: "the working directory".into(),
         source,
     })?;
-    let cfg = super::pod_config(
-        run,
-        &Sources {
-            dir,
-            model_dir: Some(model_dir.clone()),
-            tasks: None,
-            eval_tasks: None,
-            judge: None,
-            agent: true,
-            teacher: None,
-        },
-    )?;
-    let concurrency = match std::env::var("MOULT_CONCURRENCY") {
-        Ok(v) if !v.trim().is_empty() => v
-            .trim()
-            .parse::<usize>()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| RunError::Env {
-                name: "MOULT_CONCURRENCY".into(),
-                problem: format!("must be a whole number above 0; got `{v}`"),
-            })?,
-        _ => cfg.concurrency,
+    let sources = Sources {
+        dir,
+        model_dir: Some(model_dir.clone()),
+        agent: true,
+        ..Sources::default()
     };
+    let cfg = RunConfig::from_sources(run, &sources)?;
+    let concurrency = env_number("MOULT_CONCURRENCY", cfg.concurrency as u64, 1)? as usize;
     let coordinator = opts.coordinator.trim_end_matches('/').to_string();
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
         .await
@@ -93,11 +72,6 @@ pub async fn run(
             what: "binding 127.0.0.1".into(),
             source,
         })?;
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-        let _ = rx.wait_for(|s| *s).await;
-    };
-    let scratch_dir = std::env::temp_dir().join(format!("moult-agents-{}", std::process::id()));
     let agent = cfg
         .agent
         .clone()
@@ -107,30 +81,24 @@ pub async fn run(
         timeout: cfg.episode_timeout,
         loopback_url: String::new(),
         env_loop: cfg.env_loop.clone(),
-        scratch_dir,
+        scratch_dir: std::env::temp_dir().join(format!("moult-agents-{}", std::process::id())),
     };
     let model = (model_dir.as_path(), cfg.name.clone());
-    let stop = stopped(stop_rx.clone());
+    // The loopback server stops when this function returns (its sender goes).
+    let (_stop_loopback, stop) = tokio::sync::oneshot::channel::<()>();
+    let stop = async {
+        let _ = stop.await;
+    };
     let pool = AgentPool::serve(&coordinator, model, agent, pool_opts, listener, stop)?;
-    let counts = Counts::default();
+    // This pod's `/metrics`: episodes finished, by status, and running.
+    let finished = Family::<[(&'static str, &'static str); 1], Counter>::default();
+    let running = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
     let mut registry = Registry::default();
-    let (finished, running) = (counts.finished.clone(), counts.running.clone());
-    registry.register(
-        "moult_agents_episodes",
-        "Episodes finished by this pod",
-        finished,
-    );
-    registry.register(
-        "moult_agents_running",
-        "Episodes running in this pod",
-        running,
-    );
-    super::serve_health(
-        &opts.metrics_addr,
-        Arc::new(registry),
-        stopped(stop_rx.clone()),
-    )
-    .await?;
+    let help = "Episodes finished by this pod";
+    registry.register("moult_agents_episodes", help, finished.clone());
+    let help = "Episodes running in this pod";
+    registry.register("moult_agents_running", help, running.clone());
+    let _health = super::serve_health(&opts.metrics_addr, registry).await?;
     eprintln!(
         "moult agents: {} episodes at once for {}, loopback {}, coordinator {coordinator}",
         concurrency,
@@ -156,9 +124,8 @@ pub async fn run(
                 if leases.is_empty() {
                     continue;
                 }
-                if let Err(e) =
-                    post_json(&http, &url, &serde_json::json!({ "leases": leases })).await
-                {
+                let renew = http.post(&url).json(&json!({ "leases": leases }));
+                if let Err(e) = call::<Value>(&url, renew).await {
                     tracing::warn!("renewing {} leases: {e}", leases.len());
                 }
             }
@@ -167,13 +134,13 @@ pub async fn run(
     let draining = tokio::sync::watch::channel(false);
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
-        let (pool, http, coordinator, counts, held) = (
+        let (pool, http, coordinator, held) = (
             pool.clone(),
             http.clone(),
             coordinator.clone(),
-            counts.clone(),
             held.clone(),
         );
+        let (finished, running) = (finished.clone(), running.clone());
         let mut draining = draining.1.clone();
         workers.spawn(async move {
             loop {
@@ -182,17 +149,17 @@ pub async fn run(
                     _ = draining.wait_for(|d| *d) => return,
                 };
                 held.lock().expect("lease set").insert(lease.lease);
-                counts.running.inc();
+                running.inc();
                 let episode = pool.episode(lease.index, lease.task, lease.sampling).await;
-                counts.running.dec();
+                running.dec();
                 let status = match episode.status {
                     EpisodeStatus::Completed => "completed",
                     EpisodeStatus::Failed => "failed",
                 };
-                counts.finished.get_or_create(&[("status", status)]).inc();
+                finished.get_or_create(&[("status", status)]).inc();
                 let url = format!("{coordinator}/v1/agents/episodes/{}", lease.lease);
-                let answer = retry(&format!("returning episode {}", lease.index), || {
-                    post_json(&http, &url, &episode)
+                let answer: Value = retry(&format!("returning episode {}", lease.index), || {
+                    call(&url, http.post(&url).json(&episode))
                 })
                 .await;
                 held.lock().expect("lease set").remove(&lease.lease);
@@ -213,8 +180,10 @@ pub async fn run(
     // Drain: lease nothing more, finish and return the episodes running (for a while; what is
     // still running then is abandoned, and its leases expire and go to other pods).
     let _ = draining.0.send(true);
-    let running = counts.running.get();
-    eprintln!("moult agents: stopping; finishing {running} running episodes");
+    eprintln!(
+        "moult agents: stopping; finishing {} running episodes",
+        running.get()
+    );
     let drained = tokio::time::timeout(DRAIN_FOR, async {
         while workers.join_next().await.is_some() {}
     })
@@ -224,7 +193,6 @@ pub async fn run(
     }
     workers.shutdown().await;
     renewer.abort();
-    let _ = stop_tx.send(true);
     Ok(())
 }
 
@@ -232,26 +200,8 @@ pub async fn run(
 async fn next_lease(http: &reqwest::Client, coordinator: &str) -> Lease {
     let url = format!("{coordinator}/v1/agents/lease");
     loop {
-        let answer = retry(&format!("POST {url}"), || async {
-            let r = http
-                .post(&url)
-                .send()
-                .await
-                .map_err(|e| format!("{url}: {e}"))?;
-            let status = r.status();
-            if status == reqwest::StatusCode::NO_CONTENT {
-                return Ok(None);
-            }
-            let text = r.text().await.map_err(|e| format!("{url}: {e}"))?;
-            if !status.is_success() {
-                return Err(format!("{url}: {status}: {text}"));
-            }
-            serde_json::from_str::<Lease>(&text)
-                .map(Some)
-                .map_err(|e| format!("{url}: not a lease: {e}"))
-        })
-        .await;
-        if let Some(lease) = answer {
+        let lease = retry(&format!("POST {url}"), || call(&url, http.post(&url))).await;
+        if let Some(lease) = lease {
             return lease;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use moult_operator::api::{CheckpointStatus, Phase};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
@@ -84,13 +85,13 @@ struct Coordinator {
     /// The seed of the task order (the trainer checkpoints it with each step).
     seed: u64,
     started: Instant,
-    /// Evaluations (`spec.eval`), and a wake-up for batch requests waiting for one.
+    /// Evaluations (`spec.eval`).
     evals: Mutex<Evals>,
-    eval_done: tokio::sync::Notify,
     /// The batch stages that run here (a served teacher over its engines, the judge of
-    /// `spec.judge` over its engines, ...), and a wake-up for batch requests waiting for them.
+    /// `spec.judge` over its engines, ...).
     stages: Vec<Box<dyn Stage>>,
-    scoring_done: tokio::sync::Notify,
+    /// Wakes batch requests that wait for an evaluation or the stages.
+    wake: tokio::sync::Notify,
 }
 
 /// The evaluations of this coordinator.
@@ -128,18 +129,18 @@ async fn stage_batch(c: Arc<Coordinator>, mut batch: StepBatch) {
     }
     t.scoring = false;
     drop(t);
-    c.scoring_done.notify_waiters();
+    c.wake.notify_waiters();
 }
 
-/// "Not yet" (204) to a batch request, once `done` is notified or `poll` has passed. Registered
-/// for `done` before `guard` (the training state's lock) goes, so a notification sent under that
-/// lock is not missed.
+/// "Not yet" (204) to a batch request, once an evaluation or the stages are done or `poll` has
+/// passed. Registered for the wake-up before `guard` (the training state's lock) goes, so a
+/// notification sent under that lock is not missed.
 async fn not_yet(
-    done: &tokio::sync::Notify,
+    wake: &tokio::sync::Notify,
     guard: tokio::sync::MutexGuard<'_, Train>,
     poll: Duration,
 ) -> Response {
-    let done = done.notified();
+    let done = wake.notified();
     tokio::pin!(done);
     done.as_mut().enable();
     drop(guard);
@@ -163,17 +164,13 @@ fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
 
 impl Coordinator {
     fn status(&self) -> CoordinatorStatus {
-        let mut s = self.status.lock().expect("status lock").clone();
-        let remote = self.agents.stats();
-        s.rollout = self.pool.stats();
-        s.policy_version = self.pool.version();
-        s.data = self.pool.state();
-        s.episodes_waiting = remote.waiting;
-        s.episodes_leased = remote.leased;
-        s.leases_expired = remote.expired;
-        s.episodes_returned = remote.returned;
-        s.episodes_ignored = remote.ignored;
-        s
+        CoordinatorStatus {
+            rollout: self.pool.stats(),
+            policy_version: self.pool.version(),
+            data: self.pool.state(),
+            agents: self.agents.stats(),
+            ..self.status.lock().expect("status lock").clone()
+        }
     }
 
     /// The evaluation of the policy of `step` (served now): done, running, or started here when
@@ -209,26 +206,19 @@ impl Coordinator {
     fn evaluated(&self, r: EvalResult) {
         eprintln!("{}", eval::line(&r));
         self.status.lock().expect("status lock").eval = Some(r.clone());
-        let mut report = self.reports.borrow().clone();
-        report.metrics.eval_step = Some(r.step);
-        report.metrics.eval_reward = Some(round4(r.eval_reward_mean));
-        report.metrics.eval_pass_at_k = Some(round4(r.eval_pass_at_k));
-        report.succeeded = report.step >= self.cfg.total_steps;
-        self.reports.send_replace(report);
+        self.reports.send_modify(|report| {
+            report.metrics.eval_step = Some(r.step);
+            report.metrics.eval_reward = Some(round4(r.eval_reward_mean));
+            report.metrics.eval_pass_at_k = Some(round4(r.eval_pass_at_k));
+            let done = report.step >= self.cfg.total_steps;
+            report.phase = done.then_some(Phase::Succeeded);
+        });
         {
             let mut evals = self.evals.lock().expect("evals lock");
             evals.running = None;
             evals.last = Some(r);
         }
-        self.eval_done.notify_waiters();
-    }
-
-    /// The engines serve `version` now.
-    fn published(&self, version: u64) {
-        self.pool.set_version(version);
-        let mut report = self.reports.borrow().clone();
-        report.policy_version = version;
-        self.reports.send_replace(report);
+        self.wake.notify_waiters();
     }
 }
 
@@ -266,6 +256,7 @@ async fn renew(State(c): Shared, Json(l): Json<Leases>) -> Response {
 async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
     let mut t = c.train.lock().await;
     t.hellos += 1;
+    let mut status = c.status.lock().expect("status lock");
     if t.hellos > 1 {
         tracing::warn!(
             step = hello.step,
@@ -273,10 +264,11 @@ async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
             "the trainer restarted; it resumes from step {}",
             hello.step
         );
-        c.status.lock().expect("status lock").trainer_restarts += 1;
+        status.trainer_restarts += 1;
     }
     t.committed = hello.step;
-    c.status.lock().expect("status lock").step = hello.step;
+    status.step = hello.step;
+    drop(status);
     if let Some(vocab_size) = hello.vocab_size {
         c.pool.set_vocab_size(vocab_size);
     }
@@ -327,7 +319,7 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     }
     if t.scoring {
         // The batch is with the stages (a judge, a teacher).
-        return not_yet(&c.scoring_done, guard, c.poll).await;
+        return not_yet(&c.wake, guard, c.poll).await;
     }
     if let Some(ready) = t.ready.as_mut() {
         // The same batch until its step is committed (a trainer that resumed from an older
@@ -339,7 +331,7 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     let eval = match c.eval_gate(q.step - 1) {
         EvalGate::NotDue => None,
         EvalGate::Done(r) => Some(r),
-        EvalGate::Running => return not_yet(&c.eval_done, guard, c.poll).await,
+        EvalGate::Running => return not_yet(&c.wake, guard, c.poll).await,
     };
     match tokio::time::timeout(
         c.poll,
@@ -351,16 +343,10 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         Ok(None) => return error(StatusCode::SERVICE_UNAVAILABLE, "the rollout pool stopped"),
         Ok(Some(())) => {}
     }
+    let groups = std::mem::take(&mut t.pending);
     let batch = StepBatch {
-        step: q.step,
-        groups: std::mem::take(&mut t.pending),
-        version: c.pool.version(),
-        rollout: c.pool.state(),
-        stats: c.pool.stats(),
-        seed: c.seed,
         eval,
-        judged: None,
-        taught: None,
+        ..StepBatch::drawn(q.step, groups, &c.pool, c.seed)
     };
     if c.stages.is_empty() {
         return Json(t.ready.insert(batch)).into_response();
@@ -369,7 +355,7 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     t.scoring = true;
     // It cannot notify before `guard` is dropped: it hands the batch back under the lock.
     tokio::spawn(stage_batch(c.clone(), batch));
-    not_yet(&c.scoring_done, guard, c.poll).await
+    not_yet(&c.wake, guard, c.poll).await
 }
 
 async fn version(State(c): Shared) -> Response {
@@ -378,8 +364,11 @@ async fn version(State(c): Shared) -> Response {
     Json(Version { version: t.issued }).into_response()
 }
 
+/// The engines serve `v` now.
 async fn published(State(c): Shared, Json(v): Json<Version>) -> Response {
-    c.published(v.version);
+    c.pool.set_version(v.version);
+    c.reports
+        .send_modify(|report| report.policy_version = v.version);
     Json(json!({})).into_response()
 }
 
@@ -416,36 +405,32 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     }
     // The new policy's evaluation starts now when due (the next batch waits for it).
     let eval_running = matches!(c.eval_gate(commit.step), EvalGate::Running);
-    let mut report = c.reports.borrow().clone();
-    report.step = commit.step;
-    report.policy_version = commit.version;
-    report.metrics = moult_operator::api::RunMetrics {
-        reward: Some(round4(r.reward_mean)),
-        response_length: Some(round4(r.response_tokens_mean)),
-        masked_fraction: Some(round4(r.masked_fraction)),
-        ..report.metrics
-    };
-    if let Some(CheckpointRef { step, path }) = &commit.checkpoint {
-        report.checkpoint = Some((
-            *step,
-            path.clone(),
-            Time(k8s_openapi::jiff::Timestamp::now()),
-        ));
-    }
-    // After the last step the run has succeeded, once the final evaluation (when due) is done.
-    report.succeeded = commit.step >= c.cfg.total_steps && !eval_running;
-    c.reports.send_replace(report);
-    let done = commit.step;
-    let eta = (done > 0).then(|| {
-        Duration::from_secs_f64(
-            c.started.elapsed().as_secs_f64() / done as f64
-                * c.cfg.total_steps.saturating_sub(done) as f64,
-        )
+    c.reports.send_modify(|report| {
+        report.step = commit.step;
+        report.policy_version = commit.version;
+        report.metrics.reward = Some(round4(r.reward_mean));
+        report.metrics.response_length = Some(round4(r.response_tokens_mean));
+        report.metrics.masked_fraction = Some(round4(r.masked_fraction));
+        if let Some(CheckpointRef { step, path }) = &commit.checkpoint {
+            report.last_checkpoint = Some(CheckpointStatus {
+                step: *step,
+                path: path.clone(),
+                time: Time(k8s_openapi::jiff::Timestamp::now()),
+            });
+        }
+        // After the last step the run has succeeded, once the final evaluation (when due) is
+        // done.
+        let done = commit.step >= c.cfg.total_steps && !eval_running;
+        report.phase = done.then_some(Phase::Succeeded);
     });
-    eprintln!(
-        "{}",
-        metrics::progress_line(r, c.cfg.total_steps, eta.filter(|_| done > 1))
-    );
+    // The time left, from the mean step time so far (after the first step, which loads).
+    let (done, total) = (commit.step, c.cfg.total_steps);
+    let eta = (done > 1).then(|| {
+        c.started
+            .elapsed()
+            .mul_f64(total.saturating_sub(done) as f64 / done as f64)
+    });
+    eprintln!("{}", metrics::progress_line(r, total, eta));
     Json(json!({"committed": commit.step})).into_response()
 }
 
@@ -471,17 +456,17 @@ async fn prometheus(State(c): Shared) -> String {
         (
             "moult_episodes_waiting",
             "Episodes waiting for an agent pod",
-            s.episodes_waiting as u64,
+            s.agents.episodes_waiting as u64,
         ),
         (
             "moult_episodes_leased",
             "Episodes an agent pod is running",
-            s.episodes_leased as u64,
+            s.agents.episodes_leased as u64,
         ),
         (
             "moult_leases_expired",
             "Episodes run again because their agent pod went silent",
-            s.leases_expired,
+            s.agents.leases_expired,
         ),
         (
             "moult_groups_dropped_stale",
@@ -527,13 +512,10 @@ fn namespace(cfg: &RunConfig) -> String {
 /// A Kubernetes client from the pod's service account (or `KUBECONFIG`), if there is one.
 async fn kube_client() -> Option<kube::Client> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    match kube::Client::try_default().await {
-        Ok(c) => Some(c),
-        Err(e) => {
-            tracing::info!("no Kubernetes API ({e}): the RLRun's status will not be written");
-            None
-        }
-    }
+    let client = kube::Client::try_default().await.inspect_err(|e| {
+        tracing::info!("no Kubernetes API ({e}): the RLRun's status will not be written");
+    });
+    client.ok()
 }
 
 /// The judge of `spec.judge` as the coordinator asks it: a router of its own over the judge's
@@ -608,18 +590,14 @@ pub async fn run(
         run.spec.judge.as_ref().map(|j| {
             super::env_path("MOULT_JUDGE_MODEL").unwrap_or_else(|| config_dir.join(&j.path))
         });
-    let mut cfg = super::pod_config(
-        run,
-        &Sources {
-            dir: config_dir,
-            model_dir: None,
-            tasks: Some(tasks),
-            eval_tasks,
-            agent: false,
-            teacher: None,
-            judge: judge_dir,
-        },
-    )?;
+    let sources = Sources {
+        dir: config_dir,
+        tasks: Some(tasks),
+        eval_tasks,
+        judge: judge_dir,
+        ..Sources::default()
+    };
+    let mut cfg = RunConfig::from_sources(run, &sources)?;
     if let Some(e) = &mut cfg.eval {
         e.concurrency = agent_slots;
     }
@@ -628,7 +606,8 @@ pub async fn run(
 
     // The router, over the engines of the Service (or a fixed list).
     let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns)?;
-    let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
+    let backend = cfg.run.spec.engines.backend;
+    let router = crate::router::for_run(pool, backend);
     let judge = match &cfg.judge {
         Some(opts) => Some(judge(&cfg, opts, client.clone(), &ns).await?),
         None => None,
@@ -638,12 +617,8 @@ pub async fn run(
     let teacher = match cfg.served_teacher {
         Some(_) => {
             let (pool, _) = engine_pool("MOULT_TEACHER_ENGINES", client.clone(), &ns)?;
-            tokio::spawn(
-                pool.clone()
-                    .check_health(crate::router::HealthOptions::for_backend(
-                        cfg.run.spec.engines.backend,
-                    )),
-            );
+            let health = crate::router::HealthOptions::for_backend(backend);
+            tokio::spawn(pool.clone().check_health(health));
             Some(Teacher::new(pool))
         }
         None => None,
@@ -714,9 +689,8 @@ pub async fn run(
         seed: opts.seed,
         started: Instant::now(),
         evals: Mutex::new(Evals::default()),
-        eval_done: tokio::sync::Notify::new(),
         stages,
-        scoring_done: tokio::sync::Notify::new(),
+        wake: tokio::sync::Notify::new(),
         cfg,
     });
     let app = server::api_routes(router)

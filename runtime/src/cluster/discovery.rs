@@ -8,13 +8,13 @@
 //! it exits) or fail over to another engine. `MOULT_ENGINES` may instead be a comma-separated
 //! list of URLs, for running the roles by hand without a cluster.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use futures::TryStreamExt;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::runtime::watcher::{self, Event};
-use kube::{Api, Client, ResourceExt};
+use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::{Api, Client};
 
 use crate::router::EnginePool;
 
@@ -62,35 +62,23 @@ pub fn reconcile(pool: &EnginePool, want: &BTreeSet<String>) {
 }
 
 /// Follows the EndpointSlices of Service `service` in `namespace` into `pool`, forever
-/// (reconnecting after API errors).
+/// (reconnecting after API errors). The slices are kept in a reflector's store (which swaps in a
+/// relisted set whole), and the pool follows the store after every event.
 pub async fn follow(client: Client, namespace: String, service: String, pool: Arc<EnginePool>) {
     let api: Api<EndpointSlice> = Api::namespaced(client, &namespace);
     let config =
         watcher::Config::default().labels(&format!("kubernetes.io/service-name={service}"));
-    let mut slices: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    let mut init: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    let apply = |slices: &BTreeMap<String, BTreeSet<String>>| {
-        let want: BTreeSet<String> = slices.values().flatten().cloned().collect();
-        reconcile(&pool, &want);
-    };
-    let mut stream = std::pin::pin!(watcher::watcher(api, config));
+    let (slices, writer) = reflector::store();
+    let mut events = std::pin::pin!(watcher::watcher(api, config).reflect(writer));
     loop {
-        match stream.try_next().await {
-            Ok(Some(Event::Apply(s))) => {
-                slices.insert(s.name_any(), ready_urls(&s, 8000));
-                apply(&slices);
-            }
-            Ok(Some(Event::Delete(s))) => {
-                slices.remove(&s.name_any());
-                apply(&slices);
-            }
-            Ok(Some(Event::Init)) => init.clear(),
-            Ok(Some(Event::InitApply(s))) => {
-                init.insert(s.name_any(), ready_urls(&s, 8000));
-            }
-            Ok(Some(Event::InitDone)) => {
-                slices = std::mem::take(&mut init);
-                apply(&slices);
+        match events.try_next().await {
+            Ok(Some(_)) => {
+                let want = slices
+                    .state()
+                    .iter()
+                    .flat_map(|s| ready_urls(s, 8000))
+                    .collect();
+                reconcile(&pool, &want);
             }
             Ok(None) => return,
             Err(e) => {

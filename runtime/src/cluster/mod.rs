@@ -27,13 +27,14 @@ pub mod status;
 pub mod trainer;
 
 use std::path::{Path, PathBuf};
-
-use moult_operator::api::RLRun;
-use prometheus_client::registry::Registry;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::{read_manifest, RunConfig, Sources};
+use moult_operator::api::RLRun;
+use prometheus_client::registry::Registry;
+use tokio::sync::oneshot;
+
+use crate::config::read_manifest;
 use crate::error::RunError;
 
 /// A required environment variable; the error names it and who sets it.
@@ -56,18 +57,33 @@ pub(crate) fn env_path(name: &str) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// A whole number of at least `min` from the environment; `default` when it is not set.
+pub(crate) fn env_number(name: &str, default: u64, min: u64) -> Result<u64, RunError> {
+    let v = std::env::var(name).unwrap_or_default();
+    if v.trim().is_empty() {
+        return Ok(default);
+    }
+    let above = if min > 0 {
+        format!(" above {}", min - 1)
+    } else {
+        String::new()
+    };
+    v.trim()
+        .parse()
+        .ok()
+        .filter(|n| *n >= min)
+        .ok_or_else(|| RunError::Env {
+            name: name.into(),
+            problem: format!("must be a whole number{above}; got `{v}`"),
+        })
+}
+
 /// The manifest at `config` and its folder.
 pub(crate) fn manifest(config: &Path) -> Result<(RLRun, PathBuf), RunError> {
     let dir = config
         .parent()
         .map_or_else(|| PathBuf::from("."), PathBuf::from);
     Ok((read_manifest(config)?, dir))
-}
-
-/// The run config of a pod: the manifest the operator mounted (`--config`), with the files of
-/// this pod's role.
-pub fn pod_config(run: RLRun, sources: &Sources) -> Result<RunConfig, RunError> {
-    RunConfig::from_sources(run, sources)
 }
 
 /// Retries `f` until it succeeds, waiting 0.5 s doubling to 10 s between tries and logging each
@@ -127,12 +143,12 @@ pub(crate) fn encode(registry: &Registry) -> String {
     text
 }
 
-/// The `/health` and `/metrics` server of a role that serves nothing else (trainer, agents).
+/// The `/health` and `/metrics` server of a role that serves nothing else (trainer, agents); it
+/// stops when the returned sender is dropped.
 pub(crate) async fn serve_health(
     addr: &str,
-    metrics: Arc<Registry>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), RunError> {
+    metrics: Registry,
+) -> Result<oneshot::Sender<()>, RunError> {
     use axum::routing::get;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
@@ -140,13 +156,17 @@ pub(crate) async fn serve_health(
             what: format!("--metrics-addr {addr}"),
             source,
         })?;
+    let metrics = Arc::new(metrics);
     let app = axum::Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(move || async move { encode(&metrics) }));
-    tokio::spawn(async move {
-        let _ = crate::serve::serve(listener, crate::auth::protect(app), shutdown).await;
-    });
-    Ok(())
+    let (stop, stopped) = oneshot::channel();
+    let stopped = async {
+        let _ = stopped.await;
+    };
+    let app = crate::auth::protect(app);
+    tokio::spawn(async move { crate::serve::serve(listener, app, stopped).await });
+    Ok(stop)
 }
 
 /// Why a call to a peer (the coordinator) failed; the caller retries it.
@@ -164,7 +184,6 @@ pub(crate) enum CallError {
         status: reqwest::StatusCode,
         body: String,
     },
-    #[cfg(feature = "torch")]
     #[error("{url}: unexpected answer: {source}")]
     Answer {
         url: String,
@@ -173,22 +192,23 @@ pub(crate) enum CallError {
     },
 }
 
-/// A POST of `body` as JSON to `url` that must answer 2xx; the JSON answer (`Null` if empty).
-pub(crate) async fn post_json<B: serde::Serialize>(
-    http: &reqwest::Client,
+/// Sends `request` (to `url`), which must answer 2xx; its JSON answer, where an empty one (a 204,
+/// "nothing yet") reads as `null`.
+pub(crate) async fn call<T: serde::de::DeserializeOwned>(
     url: &str,
-    body: &B,
-) -> Result<serde_json::Value, CallError> {
+    request: reqwest::RequestBuilder,
+) -> Result<T, CallError> {
     let send = |source| CallError::Send {
         url: url.to_string(),
         source,
     };
-    let r = http.post(url).json(body).send().await.map_err(send)?;
+    let r = request.send().await.map_err(send)?;
     let status = r.status();
     let body = r.text().await.map_err(send)?;
+    let url = url.to_string();
     if !status.is_success() {
-        let url = url.to_string();
         return Err(CallError::Status { url, status, body });
     }
-    Ok(serde_json::from_str(&body).unwrap_or(serde_json::Value::Null))
+    let json = if body.is_empty() { "null" } else { &body };
+    serde_json::from_str(json).map_err(|source| CallError::Answer { url, source })
 }

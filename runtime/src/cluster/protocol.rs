@@ -81,6 +81,19 @@ pub struct Commit {
     pub checkpoint: Option<CheckpointRef>,
 }
 
+/// Counts of the queue of episodes for agent pods ([`super::remote`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteStats {
+    /// Episodes waiting for an agent, and leased to one.
+    pub episodes_waiting: usize,
+    pub episodes_leased: usize,
+    /// Leases that expired (their agent went silent) and were run again.
+    pub leases_expired: u64,
+    /// Episodes returned, and answers to unknown (expired or repeated) leases ignored.
+    pub episodes_returned: u64,
+    pub episodes_ignored: u64,
+}
+
 /// `GET /v1/status`: where the run stands, as the coordinator sees it.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct CoordinatorStatus {
@@ -92,16 +105,11 @@ pub struct CoordinatorStatus {
     /// The data cursor: the next task to draw, and the epoch.
     pub data: RolloutState,
     pub rollout: RolloutStats,
-    /// Episodes waiting for an agent, and leased to one.
-    pub episodes_waiting: usize,
-    pub episodes_leased: usize,
-    /// Leases that expired (their agent went silent) and were run again.
-    pub leases_expired: u64,
+    /// The queue of episodes for agent pods.
+    #[serde(flatten)]
+    pub agents: RemoteStats,
     /// The newest evaluation on held-out tasks (`spec.eval`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalResult>,
-    /// Episodes returned, and answers to unknown (expired or repeated) leases ignored.
-    pub episodes_returned: u64,
-    pub episodes_ignored: u64,
     pub trainer_restarts: u64,
 }

@@ -16,7 +16,7 @@ use futures::future::BoxFuture;
 use serde_json::Value as Json;
 use tokio::sync::{oneshot, Notify};
 
-use super::protocol::Lease;
+use super::protocol::{Lease, RemoteStats};
 use crate::agents::{Episode, EpisodeStatus};
 use crate::chat::SamplingOverride;
 use crate::rollout::EpisodeRunner;
@@ -37,16 +37,6 @@ struct Queue {
     expired: u64,
     returned: u64,
     ignored: u64,
-}
-
-/// Counts of the queue, for status and metrics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RemoteStats {
-    pub waiting: usize,
-    pub leased: usize,
-    pub expired: u64,
-    pub returned: u64,
-    pub ignored: u64,
 }
 
 /// Episodes for agent pods to lease.
@@ -121,19 +111,15 @@ impl RemoteAgents {
             let notified = self.ready.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            let now = tokio::time::Instant::now();
             if let Some(lease) = self.try_lease() {
                 return Some(lease);
+            } else if now >= deadline {
+                return None;
             }
             // Wake up for new work, an expiring lease, or the end of the wait.
-            let tick = deadline.min(tokio::time::Instant::now() + Duration::from_secs(1));
-            tokio::select! {
-                () = &mut notified => {}
-                () = tokio::time::sleep_until(tick) => {
-                    if tokio::time::Instant::now() >= deadline {
-                        return self.try_lease();
-                    }
-                }
-            }
+            let tick = deadline.min(now + Duration::from_secs(1));
+            let _ = tokio::time::timeout_at(tick, notified).await;
         }
     }
 
@@ -172,11 +158,11 @@ impl RemoteAgents {
     pub fn stats(&self) -> RemoteStats {
         let q = self.queue.lock().expect("queue lock");
         RemoteStats {
-            waiting: q.waiting.len(),
-            leased: q.leased.len(),
-            expired: q.expired,
-            returned: q.returned,
-            ignored: q.ignored,
+            episodes_waiting: q.waiting.len(),
+            episodes_leased: q.leased.len(),
+            leases_expired: q.expired,
+            episodes_returned: q.returned,
+            episodes_ignored: q.ignored,
         }
     }
 }
@@ -265,8 +251,11 @@ mod tests {
         let ep = episode.await.unwrap();
         assert_eq!((ep.index, ep.reward), (7, 1.0));
         let s = agents.stats();
-        assert_eq!((s.expired, s.returned, s.ignored), (1, 1, 2));
-        assert_eq!((s.waiting, s.leased), (0, 0));
+        assert_eq!(
+            (s.leases_expired, s.episodes_returned, s.episodes_ignored),
+            (1, 1, 2)
+        );
+        assert_eq!((s.episodes_waiting, s.episodes_leased), (0, 0));
     }
 
     #[tokio::test]
@@ -284,7 +273,7 @@ mod tests {
         assert_eq!(agents.renew(&[lease.lease + 1]), [lease.lease + 1]);
         assert!(agents.complete(lease.lease, finished(1.0)));
         assert_eq!(episode.await.unwrap().reward, 1.0);
-        assert_eq!(agents.stats().expired, 0);
+        assert_eq!(agents.stats().leases_expired, 0);
     }
 
     #[tokio::test]
@@ -293,7 +282,7 @@ mod tests {
         let runner = agents.clone();
         let abandoned = tokio::spawn(async move { runner.run(1, Json::Null, None).await });
         tokio::task::yield_now().await;
-        while agents.stats().waiting == 0 {
+        while agents.stats().episodes_waiting == 0 {
             tokio::task::yield_now().await;
         }
         abandoned.abort();

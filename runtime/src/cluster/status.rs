@@ -5,50 +5,37 @@
 //! own RLRun's status. Writes happen off the training path: the newest report replaces one not yet
 //! written, so a slow API server never holds up a step.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, Resource};
-use moult_operator::api::{CheckpointStatus, RLRun, RunMetrics};
+use moult_operator::api::{CheckpointStatus, Phase, RLRun, RunMetrics};
+use serde::Serialize;
 use serde_json::json;
 use tokio::sync::watch;
 
 /// The field manager of the coordinator's status writes.
 pub const FIELD_MANAGER: &str = "moult-coordinator";
 
-/// One report of where the run stands.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// One report of where the run stands: the coordinator's fields of the RLRun's status.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Report {
-    pub step: u64,
+    /// `Succeeded` once the last step is committed (which the operator keeps).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
     pub policy_version: u64,
+    pub step: u64,
     pub metrics: RunMetrics,
-    /// Step and path of the newest checkpoint, and when the coordinator heard of it.
-    pub checkpoint: Option<(u64, String, Time)>,
-    /// The last step is committed: the run's phase becomes `Succeeded` (which the operator keeps).
-    pub succeeded: bool,
+    /// The newest checkpoint, and when the coordinator heard of it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_checkpoint: Option<CheckpointStatus>,
 }
 
-/// The status patch of `report` (only the coordinator's fields).
+/// The status patch of `report`.
 pub fn patch_body(report: &Report) -> serde_json::Value {
-    let mut status = json!({
-        "policyVersion": report.policy_version,
-        "step": report.step,
-        "metrics": report.metrics,
-    });
-    if report.succeeded {
-        status["phase"] = json!("Succeeded");
-    }
-    if let Some((step, path, time)) = &report.checkpoint {
-        status["lastCheckpoint"] = serde_json::to_value(CheckpointStatus {
-            step: *step,
-            path: path.clone(),
-            time: time.clone(),
-        })
-        .expect("a checkpoint status serializes");
-    }
     json!({
         "apiVersion": RLRun::api_version(&()),
         "kind": RLRun::kind(&()),
-        "status": status,
+        "status": report,
     })
 }
 
@@ -60,11 +47,11 @@ pub async fn read(client: Client, namespace: &str, name: &str) -> Report {
         Ok(run) => {
             let s = run.status.unwrap_or_default();
             Report {
-                step: s.step.unwrap_or(0),
+                phase: None,
                 policy_version: s.policy_version.unwrap_or(0),
+                step: s.step.unwrap_or(0),
                 metrics: s.metrics.unwrap_or_default(),
-                checkpoint: s.last_checkpoint.map(|c| (c.step, c.path, c.time)),
-                succeeded: false,
+                last_checkpoint: s.last_checkpoint,
             }
         }
         Err(e) => {
@@ -74,7 +61,8 @@ pub async fn read(client: Client, namespace: &str, name: &str) -> Report {
     }
 }
 
-/// Writes the newest report to the RLRun `name` in `namespace` whenever one arrives.
+/// Writes the newest report to the RLRun `name` in `namespace` whenever one arrives; a write
+/// that fails is retried until it succeeds or a newer report supersedes it.
 pub async fn write_reports(
     client: Client,
     namespace: String,
@@ -83,23 +71,14 @@ pub async fn write_reports(
 ) {
     let api: Api<RLRun> = Api::namespaced(client, &namespace);
     let params = PatchParams::apply(FIELD_MANAGER).force();
+    let what = format!("writing the status of RLRun {name}");
     while reports.changed().await.is_ok() {
-        let report = reports.borrow_and_update().clone();
-        let body = patch_body(&report);
-        let mut wait = std::time::Duration::from_millis(500);
-        loop {
-            match api.patch_status(&name, &params, &Patch::Apply(&body)).await {
-                Ok(_) => break,
-                Err(e) => {
-                    tracing::warn!(run = %name, "writing the RLRun's status: {e}; retrying");
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(std::time::Duration::from_secs(10));
-                    // A newer report supersedes this one.
-                    if reports.has_changed().unwrap_or(false) {
-                        break;
-                    }
-                }
-            }
+        let body = patch_body(&reports.borrow_and_update());
+        let patch = Patch::Apply(&body);
+        let write = super::retry(&what, || api.patch_status(&name, &params, &patch));
+        tokio::select! {
+            _ = write => {}
+            _ = reports.changed() => reports.mark_changed(),
         }
     }
 }
@@ -107,6 +86,7 @@ pub async fn write_reports(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     #[test]
     fn the_patch_holds_only_the_coordinators_fields() {
@@ -119,8 +99,8 @@ mod tests {
                 masked_fraction: None,
                 ..RunMetrics::default()
             },
-            checkpoint: None,
-            succeeded: false,
+            last_checkpoint: None,
+            phase: None,
         });
         assert_eq!(body["kind"], "RLRun");
         let status = body["status"].as_object().unwrap();
@@ -134,8 +114,12 @@ mod tests {
             step: 9,
             policy_version: 9,
             metrics: RunMetrics::default(),
-            checkpoint: Some((9, "/checkpoints/r/step-000009".into(), time)),
-            succeeded: true,
+            last_checkpoint: Some(CheckpointStatus {
+                step: 9,
+                path: "/checkpoints/r/step-000009".into(),
+                time,
+            }),
+            phase: Some(Phase::Succeeded),
         });
         assert_eq!(done["status"]["phase"], "Succeeded");
         assert_eq!(done["status"]["lastCheckpoint"]["step"], 9);

@@ -11,15 +11,14 @@
 //! on. Every call to the coordinator is retried until it answers.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
 use tch::Device;
 
 use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, Version};
-use super::{env_path, env_var, post_json, retry, CallError, Gauge};
-use crate::config::Sources;
+use super::{call, env_number, env_path, env_var, retry, CallError, Gauge};
+use crate::config::{RunConfig, Sources};
 use crate::dist::Rendezvous;
 use crate::error::RunError;
 use crate::learner::steps::{run_steps, Steps, Trained};
@@ -70,16 +69,6 @@ pub struct TrainerProcessOptions {
     pub device: Device,
 }
 
-fn parse_env(name: &str, default: u64) -> Result<u64, RunError> {
-    match std::env::var(name) {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map_err(|_| RunError::Env {
-            name: name.into(),
-            problem: format!("must be a whole number; got `{v}`"),
-        }),
-        _ => Ok(default),
-    }
-}
-
 /// Talks to the coordinator.
 struct Coordinator {
     http: reqwest::Client,
@@ -93,14 +82,16 @@ impl Coordinator {
         body: &B,
     ) -> R {
         let url = format!("{}{path}", self.url);
-        retry(&format!("POST {url}"), || async {
-            let v = post_json(&self.http, &url, body).await?;
-            serde_json::from_value::<R>(v).map_err(|source| CallError::Answer {
-                url: url.clone(),
-                source,
-            })
+        retry(&format!("POST {url}"), || {
+            call(&url, self.http.post(&url).json(body))
         })
         .await
+    }
+
+    /// `GET path`'s JSON answer, `None` when the coordinator does not answer it.
+    async fn get(&self, path: &str) -> Option<serde_json::Value> {
+        let url = format!("{}{path}", self.url);
+        call(&url, self.http.get(&url)).await.ok()
     }
 
     /// The batch of `step`; `None` if the coordinator does not expect that step (it restarted):
@@ -109,29 +100,24 @@ impl Coordinator {
         let url = format!("{}/v1/trainer/batch?step={step}", self.url);
         loop {
             let answer = retry(&format!("GET {url}"), || async {
-                let send = |source| CallError::Send {
-                    url: url.clone(),
-                    source,
-                };
-                let r = self.http.get(&url).send().await.map_err(send)?;
-                let status = r.status();
-                let bytes = r.bytes().await.map_err(send)?;
-                Ok::<_, CallError>((status, bytes))
+                match call(&url, self.http.get(&url)).await {
+                    Err(CallError::Status { status, body, .. })
+                        if status == reqwest::StatusCode::CONFLICT =>
+                    {
+                        Ok(Err(body))
+                    }
+                    answer => answer.map(Ok),
+                }
             })
             .await;
-            match answer.0 {
-                reqwest::StatusCode::NO_CONTENT => continue,
-                reqwest::StatusCode::CONFLICT => {
-                    tracing::warn!("{url}: {}", String::from_utf8_lossy(&answer.1));
+            match answer {
+                Ok(Some(batch)) => return Some(batch),
+                Ok(None) => {} // not ready yet (204)
+                Err(conflict) => {
+                    tracing::warn!("{url}: {conflict}");
                     return None;
                 }
-                s if s.is_success() => match serde_json::from_slice(&answer.1) {
-                    Ok(batch) => return Some(batch),
-                    Err(e) => tracing::warn!("{url}: not a batch: {e}; asking again"),
-                },
-                s => tracing::warn!("{url}: {s}: {}", String::from_utf8_lossy(&answer.1)),
             }
-            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
 
@@ -140,19 +126,11 @@ impl Coordinator {
     /// generation until an update reaches it, so with no other engine the run would wait for a
     /// batch that never comes. Polls every [`BEHIND_POLL`].
     async fn engine_behind(&self) {
-        let url = format!("{}/engines", self.url);
         loop {
             tokio::time::sleep(BEHIND_POLL).await;
-            let behind = async {
-                let v: serde_json::Value =
-                    self.http.get(&url).send().await.ok()?.json().await.ok()?;
-                let engines = v["engines"].as_array()?;
-                Some(engines.iter().any(|e| {
-                    e["healthy"].as_bool() == Some(true) && e["routable"].as_bool() == Some(false)
-                }))
-            }
-            .await;
-            if behind == Some(true) {
+            let pool = self.get("/engines").await.unwrap_or_default();
+            let mut engines = pool["engines"].as_array().into_iter().flatten();
+            if engines.any(|e| e["healthy"] == true && e["routable"] == false) {
                 return;
             }
         }
@@ -160,16 +138,10 @@ impl Coordinator {
 
     /// Waits until at least one engine is behind the router.
     async fn engines(&self) -> usize {
-        let url = format!("{}/get_world_size", self.url);
         let mut logged = false;
         loop {
-            let world = async {
-                let r = self.http.get(&url).send().await.ok()?;
-                let v: serde_json::Value = r.json().await.ok()?;
-                v["world_size"].as_u64()
-            }
-            .await;
-            match world {
+            let world = self.get("/get_world_size").await;
+            match world.and_then(|v| v["world_size"].as_u64()) {
                 Some(n) if n > 0 => return n as usize,
                 _ if !logged => {
                     eprintln!("moult trainer: waiting for engines behind {}", self.url);
@@ -199,12 +171,7 @@ async fn follow(
         "This pod's trainer rank",
     )
     .set(rank as f64);
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut stopped = stop_rx.clone();
-    super::serve_health(&opts.metrics_addr, Arc::new(metrics), async move {
-        let _ = stopped.wait_for(|s| *s).await;
-    })
-    .await?;
+    let _health = super::serve_health(&opts.metrics_addr, metrics).await?;
     eprintln!(
         "moult trainer: rank {rank} of {} joins rank 0 at {}:{}",
         rendezvous.world, rendezvous.host, rendezvous.port
@@ -222,7 +189,6 @@ async fn follow(
         }
         () = shutdown => {}
     }
-    let _ = stop_tx.send(true);
     Ok(())
 }
 
@@ -273,48 +239,42 @@ pub async fn run(
         .as_ref()
         .filter(|t| t.replicas.is_none())
         .map(|t| env_path("MOULT_TEACHER").unwrap_or_else(|| config_dir.join(&t.path)));
-    let cfg = super::pod_config(
-        manifest,
-        &Sources {
-            dir: config_dir,
-            model_dir: Some(model_dir),
-            tasks: None,
-            eval_tasks: None,
-            judge: None,
-            agent: false,
-            teacher,
-        },
-    )?;
+    let sources = Sources {
+        dir: config_dir,
+        model_dir: Some(model_dir),
+        teacher,
+        ..Sources::default()
+    };
+    let cfg = RunConfig::from_sources(manifest, &sources)?;
     // Trainer ranks (docs/distributed.md): one pod per node (the StatefulSet's pod index), one
     // rank per GPU of it (this process the first; it starts the others, as torchrun does), and
     // rank 0's stable address through the headless Service.
-    let pods = parse_env("WORLD_SIZE", 1)? as usize;
-    let pod = parse_env("RANK", 0)? as usize;
+    let pods = env_number("WORLD_SIZE", 1, 0)? as usize;
+    let pod = env_number("RANK", 0, 0)? as usize;
     let per_pod = cfg.ranks_per_node;
     let world = pods * per_pod;
     let rendezvous = if world > 1 {
         Some(Rendezvous {
             host: env_var("MASTER_ADDR")?,
-            port: u16::try_from(parse_env("MASTER_PORT", 29500)?).map_err(|_| RunError::Env {
-                name: "MASTER_PORT".into(),
-                problem: "must be a port number".into(),
+            port: u16::try_from(env_number("MASTER_PORT", 29500, 0)?).map_err(|_| {
+                RunError::Env {
+                    name: "MASTER_PORT".into(),
+                    problem: "must be a port number".into(),
+                }
             })?,
             rank: pod * per_pod,
             world,
-            timeout: Duration::from_secs(parse_env("MOULT_TRAINER_TIMEOUT_SECONDS", 120)?),
+            timeout: Duration::from_secs(env_number("MOULT_TRAINER_TIMEOUT_SECONDS", 120, 0)?),
         })
     } else {
         None
     };
     // This pod's other ranks, alive as long as this process.
-    let _node_ranks = match &rendezvous {
-        Some(r) if per_pod > 1 => Some(Followers::start(
-            r,
-            r.rank + 1..r.rank + per_pod,
-            opts.device,
-        )?),
-        _ => None,
-    };
+    let _node_ranks = rendezvous
+        .as_ref()
+        .filter(|_| per_pod > 1)
+        .map(|r| Followers::start(r, r.rank + 1..r.rank + per_pod, opts.device))
+        .transpose()?;
     if let Some(r) = rendezvous.clone().filter(|r| r.rank > 0) {
         return follow(r, &opts, shutdown).await;
     }
@@ -330,22 +290,7 @@ pub async fn run(
     let ckpt_root = out.as_ref().map(|o| o.join("checkpoints"));
     let mut metrics = Registry::default();
     let gauges = Gauges::register(&mut metrics);
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut stopped = stop_rx.clone();
-    super::serve_health(&opts.metrics_addr, Arc::new(metrics), async move {
-        let _ = stopped.wait_for(|s| *s).await;
-    })
-    .await?;
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = stop_tx.send(true);
-    });
-    let shutdown = {
-        let mut rx = stop_rx;
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
-    };
+    let _health = super::serve_health(&opts.metrics_addr, metrics).await?;
     tokio::pin!(shutdown);
 
     let mut learner = Learner::load(

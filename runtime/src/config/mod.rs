@@ -324,7 +324,7 @@ pub fn read_jsonl(path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
 }
 
 /// Where a process finds the files a manifest names.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Sources {
     /// Relative paths of the agent's command are taken from here.
     pub dir: PathBuf,

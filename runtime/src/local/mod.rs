@@ -219,17 +219,7 @@ impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
             () = &mut self.shutdown => return Ok(self.progress.interrupt()),
         };
         let groups = groups.ok_or_else(|| RunError::Setup("the rollout pool stopped".into()))?;
-        Ok(Some(StepBatch {
-            step,
-            groups,
-            version: self.progress.version,
-            rollout: pool.state(),
-            stats: pool.stats(),
-            seed: self.seed,
-            eval: None,
-            judged: None,
-            taught: None,
-        }))
+        Ok(Some(StepBatch::drawn(step, groups, pool, self.seed)))
     }
 
     async fn version(&mut self, step: u64) -> u64 {

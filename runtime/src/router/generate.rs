@@ -87,15 +87,11 @@ async fn pick_patiently(
         if let Some(engine) = router.pick(route, failed) {
             return Some(engine);
         }
-        if since.elapsed() >= router.engine_patience() || tx.is_closed() {
+        if since.elapsed() >= router.engine_patience || tx.is_closed() {
             return None;
         }
         tokio::time::sleep(ENGINE_POLL).await;
     }
-}
-
-fn int_param(params: &Map<String, Json>, name: &str) -> Option<i64> {
-    params.get(name).and_then(Json::as_i64)
 }
 
 async fn run(
@@ -103,8 +99,8 @@ async fn run(
     req: RoutedRequest,
     tx: &mpsc::Sender<Result<Routed, ApiError>>,
 ) -> Result<(), ApiError> {
-    let max_tokens = int_param(&req.params, "max_tokens");
-    let min_tokens = int_param(&req.params, "min_tokens");
+    let max_tokens = req.params.get("max_tokens").and_then(Json::as_i64);
+    let min_tokens = req.params.get("min_tokens").and_then(Json::as_i64);
     let mut generated: Vec<i64> = Vec::new();
     let mut failed: Vec<String> = Vec::new();
     let mut busy_since: Option<Instant> = None;
@@ -244,14 +240,15 @@ async fn run(
                         message,
                     ));
                 }
-                Some(Err(e)) => {
-                    tracing::warn!(engine = %engine.url(), error = %e, "engine died mid-generation");
-                    engine.mark_down();
-                    failed.push(engine.url().to_string());
-                    break;
-                }
-                None => {
-                    tracing::warn!(engine = %engine.url(), "engine stream ended unfinished");
+                ended => {
+                    match ended {
+                        Some(Err(e)) => {
+                            tracing::warn!(engine = %engine.url(), error = %e, "engine died mid-generation");
+                        }
+                        _ => {
+                            tracing::warn!(engine = %engine.url(), "engine stream ended unfinished")
+                        }
+                    }
                     engine.mark_down();
                     failed.push(engine.url().to_string());
                     break;

@@ -34,13 +34,8 @@ pub fn for_run(pool: Arc<EnginePool>, backend: moult_operator::api::EngineBacken
         pool.clone()
             .check_health(HealthOptions::for_backend(backend)),
     );
-    Arc::new(
-        Router::new(
-            pool,
-            policy::by_name("consistent-hash").expect("a known policy"),
-        )
-        .with_engine_patience(RUN_ENGINE_PATIENCE),
-    )
+    let router = Router::new(pool, Box::new(ConsistentHash::default()));
+    Arc::new(router.with_engine_patience(RUN_ENGINE_PATIENCE))
 }
 
 /// A pool of engines and the policy that spreads requests over it.
@@ -72,10 +67,6 @@ impl Router {
     pub fn with_engine_patience(mut self, patience: Duration) -> Self {
         self.engine_patience = patience;
         self
-    }
-
-    pub fn engine_patience(&self) -> Duration {
-        self.engine_patience
     }
 
     /// The engine for `request` among those up and current, skipping `exclude` (engines that

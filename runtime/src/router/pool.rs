@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::engine::api::reported_version;
 use crate::engine::client::EngineClient;
 
 /// One engine's state, shared by the pool and the requests it serves.
@@ -26,12 +27,9 @@ pub struct Engine {
     healthy: AtomicBool,
     /// Consecutive failed probes.
     failures: AtomicU64,
-    requests: AtomicU64,
-    tokens: AtomicU64,
     /// The weight version it serves, as last seen (-1: not known).
     version: AtomicI64,
-    /// How long it has had work: requests in flight while not paused.
-    busy: Mutex<BusyClock>,
+    load: Mutex<Load>,
 }
 
 /// Time accumulated over the intervals in which something held.
@@ -63,19 +61,21 @@ impl Stopwatch {
     }
 }
 
-/// An engine's busy time: it runs while the engine has requests in flight and is not paused
-/// (requests held through a pause are in flight, but the engine does nothing with them).
+/// An engine's load: requests in flight and tokens outstanding (prompt plus the most they may
+/// still generate), and its busy clock, which runs while it has requests in flight and is not
+/// paused (requests held through a pause are in flight, but the engine does nothing with them).
 #[derive(Debug, Default)]
-struct BusyClock {
-    in_flight: u64,
+struct Load {
+    requests: u64,
+    tokens: u64,
     paused: bool,
-    watch: Stopwatch,
+    busy: Stopwatch,
 }
 
-impl BusyClock {
-    /// Starts or stops the clock as the state now says.
+impl Load {
+    /// Starts or stops the busy clock as the state now says.
     fn settle(&mut self) {
-        self.watch.set(self.in_flight > 0 && !self.paused);
+        self.busy.set(self.requests > 0 && !self.paused);
     }
 }
 
@@ -85,20 +85,18 @@ impl Engine {
             client: EngineClient::new(url),
             healthy: AtomicBool::new(true),
             failures: AtomicU64::new(0),
-            requests: AtomicU64::new(0),
-            tokens: AtomicU64::new(0),
             version: AtomicI64::new(-1),
-            busy: Mutex::default(),
+            load: Mutex::default(),
         }
     }
 
-    fn busy(&self) -> std::sync::MutexGuard<'_, BusyClock> {
-        self.busy.lock().expect("busy clock lock")
+    fn load(&self) -> std::sync::MutexGuard<'_, Load> {
+        self.load.lock().expect("engine load lock")
     }
 
     /// Seconds this engine has had requests in flight while not paused.
     pub fn busy_seconds(&self) -> f64 {
-        self.busy().watch.seconds()
+        self.load().busy.seconds()
     }
 
     /// The weight version it serves, if known.
@@ -120,22 +118,21 @@ impl Engine {
 
     /// Requests in flight on this engine.
     pub fn requests(&self) -> u64 {
-        self.requests.load(Ordering::Relaxed)
+        self.load().requests
     }
 
     /// Tokens outstanding (prompt plus the most it may still generate) on this engine.
     pub fn tokens(&self) -> u64 {
-        self.tokens.load(Ordering::Relaxed)
+        self.load().tokens
     }
 
     /// Counts a request's load until the guard drops.
     pub fn track(self: &Arc<Self>, tokens: u64) -> LoadGuard {
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        self.tokens.fetch_add(tokens, Ordering::Relaxed);
-        let mut busy = self.busy();
-        busy.in_flight += 1;
-        busy.settle();
-        drop(busy);
+        let mut load = self.load();
+        load.requests += 1;
+        load.tokens += tokens;
+        load.settle();
+        drop(load);
         LoadGuard {
             engine: self.clone(),
             tokens,
@@ -170,11 +167,10 @@ pub struct LoadGuard {
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        self.engine.requests.fetch_sub(1, Ordering::Relaxed);
-        self.engine.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
-        let mut busy = self.engine.busy();
-        busy.in_flight -= 1;
-        busy.settle();
+        let mut load = self.engine.load();
+        load.requests -= 1;
+        load.tokens -= self.tokens;
+        load.settle();
     }
 }
 
@@ -188,18 +184,6 @@ pub struct EngineStatus {
     pub version: Option<u64>,
     pub requests: u64,
     pub tokens: u64,
-}
-
-/// The `weight_version` an engine's `/weight_info` reports.
-async fn weight_version(http: &reqwest::Client, url: &str, timeout: Duration) -> Option<u64> {
-    let r = http
-        .get(format!("{url}/weight_info"))
-        .timeout(timeout)
-        .send()
-        .await
-        .ok()?;
-    let v: serde_json::Value = r.json().await.ok()?;
-    crate::engine::api::reported_version(&v["weight_version"])
 }
 
 /// Settings of the health checker.
@@ -297,7 +281,7 @@ impl EnginePool {
         tracing::info!(engine = %url, "engine joined");
         let engine = Engine::new(url);
         // One that joins during a pause gets the pause too (the next resume reaches it).
-        engine.busy().paused = self.pause_clock().watch.running();
+        engine.load().paused = self.pause_clock().watch.running();
         engines.push(Arc::new(engine));
         true
     }
@@ -306,20 +290,13 @@ impl EnginePool {
     pub fn remove(&self, url: &str) -> bool {
         let url = url.trim_end_matches('/');
         let mut engines = self.engines.write().expect("pool lock");
-        let before = engines.len();
-        let mut left = 0.0;
-        engines.retain(|e| {
-            let stays = e.url() != url;
-            if !stays {
-                left += e.busy_seconds();
-            }
-            stays
-        });
-        self.pause_clock().retired_busy += left;
-        if engines.len() < before {
-            tracing::info!(engine = %url, "engine left");
-        }
-        engines.len() < before
+        let Some(i) = engines.iter().position(|e| e.url() == url) else {
+            return false;
+        };
+        let gone = engines.remove(i);
+        self.pause_clock().retired_busy += gone.busy_seconds();
+        tracing::info!(engine = %url, "engine left");
+        true
     }
 
     fn pause_clock(&self) -> std::sync::MutexGuard<'_, PauseClock> {
@@ -332,9 +309,9 @@ impl EnginePool {
         // Not held while taking the engines' lock (`add` takes them in the other order).
         self.pause_clock().watch.set(paused);
         for e in self.all() {
-            let mut busy = e.busy();
-            busy.paused = paused;
-            busy.settle();
+            let mut load = e.load();
+            load.paused = paused;
+            load.settle();
         }
     }
 
@@ -360,11 +337,6 @@ impl EnginePool {
         self.all().into_iter().filter(|e| e.healthy()).collect()
     }
 
-    /// The version of the last weight update that went out, if any.
-    pub fn expected_version(&self) -> Option<u64> {
-        u64::try_from(self.expected.load(Ordering::Relaxed)).ok()
-    }
-
     /// A weight update to `version` reached `engines`.
     pub fn updated(&self, engines: &[Arc<Engine>], version: u64) {
         self.expected.store(version as i64, Ordering::Relaxed);
@@ -373,11 +345,10 @@ impl EnginePool {
         }
     }
 
+    /// Whether `e` serves the version of the last weight update (any, before the first).
     fn current(&self, e: &Engine) -> bool {
-        match self.expected_version() {
-            None => true,
-            Some(v) => e.version() == Some(v),
-        }
+        let expected = u64::try_from(self.expected.load(Ordering::Relaxed)).ok();
+        expected.is_none() || e.version() == expected
     }
 
     /// The engines that are up and serve the current weights (generation goes to these).
@@ -405,17 +376,19 @@ impl EnginePool {
     /// Probes every engine's `/health` once.
     pub async fn probe_all(&self, http: &reqwest::Client, opts: &HealthOptions) {
         let engines = self.all();
+        let get = |e: &Engine, path| http.get(format!("{}{path}", e.url())).timeout(opts.timeout);
         futures::future::join_all(engines.iter().map(|e| async move {
-            let ok = http
-                .get(format!("{}/health", e.url()))
-                .timeout(opts.timeout)
-                .send()
-                .await
-                .is_ok_and(|r| r.status().is_success());
+            let health = get(e, "/health").send().await;
+            let ok = health.is_ok_and(|r| r.status().is_success());
             e.probe_result(ok, opts.failures_to_down);
             // An engine not known to serve the current weights: ask which it serves.
             if ok && !self.current(e) {
-                if let Some(v) = weight_version(http, e.url(), opts.timeout).await {
+                let info = get(e, "/weight_info").send();
+                let info = async { info.await.ok()?.json::<serde_json::Value>().await.ok() };
+                if let Some(v) = info
+                    .await
+                    .and_then(|v| reported_version(&v["weight_version"]))
+                {
                     e.set_version(v);
                 }
             }

@@ -15,10 +15,11 @@
 //!   `/health` (200 while an engine is up), `/metrics`, `/v1/models`;
 //! - `GET /engines`, `POST /engines {"url"}` (join), `DELETE /engines {"url"}` (leave).
 
+use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, RawQuery, State};
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -27,10 +28,11 @@ use axum::Json;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
+use tokio_stream::wrappers::ReceiverStream;
 
 use super::generate::{start, Routed, RoutedRequest};
 use super::Router;
-use crate::engine::api::{AbortRequest, Choice, GenerateResponse, Usage, WeightVersionSpan};
+use crate::engine::api::{AbortRequest, Choice, GenerateResponse, Usage};
 use crate::engine::client::{ContentPart, GENERATE_BODY_LIMIT, SESSION_HEADER};
 use crate::engine::ApiError;
 
@@ -111,84 +113,64 @@ async fn generate(
     if !body.stream {
         let mut choice = Choice::empty();
         while let Some(event) = rx.recv().await {
-            match event? {
-                Routed::Token {
-                    logprob, version, ..
-                } => choice.push_token(logprob, version),
-                Routed::Finished {
-                    reason,
-                    routed_experts,
-                    completion_tokens,
-                } => {
-                    choice.finish_reason = Some(reason);
-                    choice.routed_experts = routed_experts;
-                    let usage = Usage::new(prompt_len, completion_tokens);
-                    return Ok(Json(one_choice(request_id, choice, Some(usage))).into_response());
-                }
+            if let Some(usage) = add(&mut choice, event?, prompt_len) {
+                return Ok(Json(one_choice(request_id, choice, Some(usage))).into_response());
             }
         }
         return Err(unfinished());
     }
-    // The first event decides between an error status and a stream.
+    // The first event decides between an error status and a stream. The stream ends with the
+    // generation (its sender goes after the finish or an error), each of which ends in `[DONE]`.
     let first = rx.recv().await.ok_or_else(unfinished)??;
-    let stream = futures::stream::unfold((Some(first), rx, false), move |(first, mut rx, done)| {
-        let request_id = request_id.clone();
-        async move {
-            if done {
-                return None;
-            }
-            let event = match first {
-                Some(e) => Ok(e),
-                None => match rx.recv().await {
-                    Some(e) => e,
-                    None => return None,
-                },
-            };
-            let (data, finished) = match event {
-                Ok(Routed::Token {
-                    index,
-                    logprob,
-                    version,
-                }) => {
-                    let mut choice = Choice::empty();
-                    choice.token_ids.push(logprob.token_id);
-                    choice.logprobs.content.push(logprob);
-                    choice.weight_versions.push(WeightVersionSpan {
-                        version,
-                        start: index,
-                        end: index + 1,
-                    });
-                    let chunk = one_choice(request_id, choice, None);
-                    (serde_json::to_string(&chunk).expect("serializable"), false)
+    let events = futures::stream::once(async { Ok(first) }).chain(ReceiverStream::new(rx));
+    let stream = events.flat_map(move |event| {
+        let (data, last) = match event {
+            Ok(event) => {
+                // A chunk holds one token, whose version span counts from the first generated.
+                let offset = match &event {
+                    Routed::Token { index, .. } => *index,
+                    Routed::Finished { .. } => 0,
+                };
+                let mut choice = Choice::empty();
+                let usage = add(&mut choice, event, prompt_len);
+                for span in &mut choice.weight_versions {
+                    (span.start, span.end) = (span.start + offset, span.end + offset);
                 }
-                Ok(Routed::Finished {
-                    reason,
-                    routed_experts,
-                    completion_tokens,
-                }) => {
-                    let mut choice = Choice::empty();
-                    choice.finish_reason = Some(reason);
-                    choice.routed_experts = routed_experts;
-                    let usage = Usage::new(prompt_len, completion_tokens);
-                    let chunk = one_choice(request_id, choice, Some(usage));
-                    (serde_json::to_string(&chunk).expect("serializable"), true)
-                }
-                Err(e) => (
-                    json!({"error": {"message": e.message, "code": e.status.as_u16()}}).to_string(),
-                    true,
-                ),
-            };
-            let mut events = vec![Ok::<_, std::convert::Infallible>(
-                SseEvent::default().data(data),
-            )];
-            if finished {
-                events.push(Ok(SseEvent::default().data("[DONE]")));
+                let last = usage.is_some();
+                let chunk = one_choice(request_id.clone(), choice, usage);
+                (serde_json::to_string(&chunk).expect("serializable"), last)
             }
-            Some((futures::stream::iter(events), (None, rx, finished)))
-        }
-    })
-    .flatten();
+            Err(e) => (
+                json!({"error": {"message": e.message, "code": e.status.as_u16()}}).to_string(),
+                true,
+            ),
+        };
+        let done = last.then(|| "[DONE]".to_string());
+        let data = [Some(data), done].into_iter().flatten();
+        futures::stream::iter(data.map(|d| Ok::<_, Infallible>(SseEvent::default().data(d))))
+    });
     Ok(Sse::new(stream).into_response())
+}
+
+/// Adds a routed event to `choice`: a token, or the finish (then the usage is known).
+fn add(choice: &mut Choice, event: Routed, prompt_len: usize) -> Option<Usage> {
+    match event {
+        Routed::Token {
+            logprob, version, ..
+        } => {
+            choice.push_token(logprob, version);
+            None
+        }
+        Routed::Finished {
+            reason,
+            routed_experts,
+            completion_tokens,
+        } => {
+            choice.finish_reason = Some(reason);
+            choice.routed_experts = routed_experts;
+            Some(Usage::new(prompt_len, completion_tokens))
+        }
+    }
 }
 
 /// Sends the same call to every engine in `engines`; the answers in order, or an error naming
@@ -202,39 +184,34 @@ async fn fan_out(
     if engines.is_empty() {
         return Err(ApiError::unavailable("no healthy engine"));
     }
-    let calls = engines.iter().zip(bodies).map(|(e, body)| {
+    let calls = engines.iter().zip(bodies).map(|(e, body)| async {
         let url = format!("{}{}", e.url(), path_and_query);
         let mut req = router_http().request(method.clone(), &url);
         if let Some(body) = body {
             req = req.json(&body);
         }
-        async move {
-            let r = req.send().await.map_err(|err| format!("{url}: {err}"))?;
-            let status = r.status();
-            let text = r.text().await.unwrap_or_default();
-            if !status.is_success() {
-                return Err(format!("{url}: {status} {text}"));
-            }
-            Ok(serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        let r = req.send().await.map_err(|err| format!("{url}: {err}"))?;
+        let status = r.status();
+        let text = r.text().await.unwrap_or_default();
+        if !status.is_success() {
+            return Err(format!("{url}: {status} {text}"));
         }
+        Ok(serde_json::from_str(&text).unwrap_or(Value::String(text)))
     });
     let results = futures::future::join_all(calls).await;
-    let errors: Vec<String> = results
-        .iter()
-        .filter_map(|r| r.as_ref().err().cloned())
-        .collect();
-    if !errors.is_empty() {
-        return Err(ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            format!(
-                "{} of {} engines failed: {}",
-                errors.len(),
-                engines.len(),
-                errors.join("; ")
-            ),
-        ));
+    let errors: Vec<String> = results.iter().filter_map(|r| r.clone().err()).collect();
+    if errors.is_empty() {
+        return Ok(results.into_iter().flatten().collect());
     }
-    Ok(results.into_iter().map(|r| r.expect("checked")).collect())
+    Err(ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        format!(
+            "{} of {} engines failed: {}",
+            errors.len(),
+            engines.len(),
+            errors.join("; ")
+        ),
+    ))
 }
 
 /// A control call sent unchanged to every healthy engine; answers with the first engine's reply.
@@ -242,19 +219,11 @@ async fn broadcast(
     State(router): State<Arc<Router>>,
     method: Method,
     uri: axum::http::Uri,
-    RawQuery(query): RawQuery,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let engines = router.pool.healthy();
-    let body: Option<Value> = if body.is_empty() {
-        None
-    } else {
-        Some(parse(&body)?)
-    };
-    let path = match query {
-        Some(q) => format!("{}?{q}", uri.path()),
-        None => uri.path().to_string(),
-    };
+    let body: Option<Value> = (!body.is_empty()).then(|| parse(&body)).transpose()?;
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     // The version engines serve once the call succeeded: the NCCL/TCP transports finish with it,
     // vLLM's reload from a folder sets it with `update_weight_version`.
     let field = match uri.path() {
@@ -265,7 +234,7 @@ async fn broadcast(
     let finished_version =
         field.and_then(|f| crate::engine::api::reported_version(&body.as_ref()?[f]));
     let bodies = vec![body; engines.len()];
-    let answers = fan_out(&engines, method, &path, bodies).await?;
+    let answers = fan_out(&engines, method, path, bodies).await?;
     // Engines have stopped generating once a pause answered (a `wait` pause answers when their
     // requests are done), and start again on resume.
     match uri.path() {
@@ -295,17 +264,15 @@ async fn get_all(
     Ok((engines, answers))
 }
 
-async fn world_sizes(router: &Router) -> Result<Vec<u64>, ApiError> {
-    let (_, answers) = get_all(router, "/get_world_size").await?;
-    Ok(answers
-        .iter()
-        .map(|a| a["world_size"].as_u64().unwrap_or(1))
-        .collect())
+fn world_size(answer: &Value) -> u64 {
+    answer["world_size"].as_u64().unwrap_or(1)
 }
 
 async fn get_world_size(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
-    let total: u64 = world_sizes(&router).await?.iter().sum();
-    Ok(Json(json!({ "world_size": total })))
+    let (_, answers) = get_all(&router, "/get_world_size").await?;
+    Ok(Json(
+        json!({ "world_size": answers.iter().map(world_size).sum::<u64>() }),
+    ))
 }
 
 async fn init_weight_transfer(
@@ -313,26 +280,19 @@ async fn init_weight_transfer(
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let body: Value = parse(&body)?;
-    let base = body["init_info"]["rank_offset"].as_u64().unwrap_or(1);
-    let sizes = world_sizes(&router).await?;
-    let engines = router.pool.healthy();
-    let mut offset = base;
+    let mut offset = body["init_info"]["rank_offset"].as_u64().unwrap_or(1);
+    let (engines, sizes) = get_all(&router, "/get_world_size").await?;
     let bodies = sizes
         .iter()
         .map(|size| {
             let mut b = body.clone();
             b["init_info"]["rank_offset"] = json!(offset);
-            offset += size;
+            offset += world_size(size);
             Some(b)
         })
         .collect();
-    fan_out(
-        &engines,
-        Method::POST,
-        "/init_weight_transfer_engine",
-        bodies,
-    )
-    .await?;
+    let path = "/init_weight_transfer_engine";
+    fan_out(&engines, Method::POST, path, bodies).await?;
     Ok(Json(json!({"status": "ok", "engines": engines.len()})))
 }
 
@@ -355,13 +315,13 @@ async fn weight_info(State(router): State<Arc<Router>>) -> Result<Json<Value>, A
 async fn abort(State(router): State<Arc<Router>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let req: AbortRequest = parse(&body)?;
     let engines = router.pool.healthy();
-    let body = json!({ "request_ids": req.request_ids });
+    let bodies = vec![Some(json!({ "request_ids": req.request_ids })); engines.len()];
     // Aborting an id an engine does not know is fine; failures only mean the engine is gone.
     let _ = fan_out(
         &engines,
         Method::POST,
         "/inference/v1/abort_requests",
-        vec![Some(body); engines.len()],
+        bodies,
     )
     .await;
     Ok(Json(json!({"status": "ok"})))
@@ -376,33 +336,19 @@ async fn health(State(router): State<Arc<Router>>) -> StatusCode {
 }
 
 async fn models(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
-    let engines = router.pool.routable();
-    let first = engines
-        .first()
-        .ok_or_else(|| ApiError::unavailable("no healthy engine"))?;
-    let answers = fan_out(
-        std::slice::from_ref(first),
-        Method::GET,
-        "/v1/models",
-        vec![None],
-    )
-    .await?;
+    let first: Vec<_> = router.pool.routable().into_iter().take(1).collect();
+    let answers = fan_out(&first, Method::GET, "/v1/models", vec![None]).await?;
     Ok(Json(answers.into_iter().next().unwrap_or(Value::Null)))
 }
 
-#[derive(Debug, Clone, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
-struct EngineLabel {
-    engine: String,
-}
-
 /// Prometheus metrics, read from the pool at scrape time.
-async fn metrics(State(router): State<Arc<Router>>) -> Result<String, ApiError> {
+async fn metrics(State(router): State<Arc<Router>>) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     register_metrics(&router, &mut registry);
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry)
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    Ok(text)
+        .expect("writing to a String cannot fail");
+    text
 }
 
 /// The router's metrics (engines, health, load, failovers), added to `registry`.
@@ -411,62 +357,48 @@ pub fn register_metrics(router: &Router, registry: &mut prometheus_client::regis
     use prometheus_client::metrics::family::Family;
     use prometheus_client::metrics::gauge::Gauge;
     let engines = router.pool.all();
-    let count = |n: usize| {
-        let g: Gauge = Gauge::default();
-        g.set(n as i64);
-        g
-    };
-    registry.register(
-        "moult_router_engines",
-        "Engines in the pool",
-        count(engines.len()),
-    );
-    registry.register(
-        "moult_router_engines_healthy",
-        "Engines up",
-        count(engines.iter().filter(|e| e.healthy()).count()),
-    );
-    registry.register(
-        "moult_router_engines_routable",
-        "Engines up and serving the current weights",
-        count(router.pool.routable().len()),
-    );
+    let healthy = engines.iter().filter(|e| e.healthy()).count();
+    for (name, help, n) in [
+        ("moult_router_engines", "Engines in the pool", engines.len()),
+        ("moult_router_engines_healthy", "Engines up", healthy),
+        (
+            "moult_router_engines_routable",
+            "Engines up and serving the current weights",
+            router.pool.routable().len(),
+        ),
+    ] {
+        let gauge: Gauge = Gauge::default();
+        gauge.set(n as i64);
+        registry.register(name, help, gauge);
+    }
     let failovers: Counter = Counter::default();
     failovers.inc_by(router.failovers());
-    registry.register(
-        "moult_router_failovers",
-        "Requests continued on another engine",
-        failovers,
-    );
-    let running = Family::<EngineLabel, Gauge>::default();
+    let help = "Requests continued on another engine";
+    registry.register("moult_router_failovers", help, failovers);
+    let running = Family::<[(&'static str, String); 1], Gauge>::default();
     for e in &engines {
-        running
-            .get_or_create(&EngineLabel {
-                engine: e.url().to_string(),
-            })
-            .set(e.requests() as i64);
+        let engine = [("engine", e.url().to_string())];
+        running.get_or_create(&engine).set(e.requests() as i64);
     }
-    registry.register(
-        "moult_router_requests_running",
-        "Requests in flight per engine",
-        running,
-    );
+    let help = "Requests in flight per engine";
+    registry.register("moult_router_requests_running", help, running);
     let activity = router.pool.activity();
-    let seconds = |s: f64| {
-        let c: Counter<f64, std::sync::atomic::AtomicU64> = Counter::default();
-        c.inc_by(s);
-        c
-    };
-    registry.register(
-        "moult_router_engine_busy_seconds",
-        "Seconds engines had requests in flight while not paused, summed over engines",
-        seconds(activity.busy_seconds),
-    );
-    registry.register(
-        "moult_router_engine_paused_seconds",
-        "Seconds the engines were paused for weight sync",
-        seconds(activity.paused_seconds),
-    );
+    for (name, help, seconds) in [
+        (
+            "moult_router_engine_busy_seconds",
+            "Seconds engines had requests in flight while not paused, summed over engines",
+            activity.busy_seconds,
+        ),
+        (
+            "moult_router_engine_paused_seconds",
+            "Seconds the engines were paused for weight sync",
+            activity.paused_seconds,
+        ),
+    ] {
+        let counter: Counter<f64, std::sync::atomic::AtomicU64> = Counter::default();
+        counter.inc_by(seconds);
+        registry.register(name, help, counter);
+    }
 }
 
 #[derive(Debug, Deserialize)]

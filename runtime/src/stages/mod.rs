@@ -21,7 +21,7 @@ use moult_operator::api::RLRunSpec;
 
 use crate::error::RunError;
 use crate::rollout::eval::EvalResult;
-use crate::rollout::{Group, RolloutState, RolloutStats};
+use crate::rollout::{Group, RolloutPool, RolloutState, RolloutStats};
 use judge::{Judge, JudgeStats};
 use teacher::{Teacher, TeacherStats};
 
@@ -52,6 +52,24 @@ pub struct StepBatch {
     /// segment carries its scores).
     #[serde(default)]
     pub taught: Option<TeacherStats>,
+}
+
+impl StepBatch {
+    /// The batch of `step`: `groups`, just drawn from `pool` (whose version, data cursor and
+    /// counts it records), in the task order of `seed`.
+    pub fn drawn(step: u64, groups: Vec<Group>, pool: &RolloutPool, seed: u64) -> Self {
+        Self {
+            step,
+            groups,
+            version: pool.version(),
+            rollout: pool.state(),
+            stats: pool.stats(),
+            seed,
+            eval: None,
+            judged: None,
+            taught: None,
+        }
+    }
 }
 
 /// One stage of the batch pipeline. It may change the groups (rewards, segments' scores) and
