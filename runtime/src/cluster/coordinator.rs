@@ -269,9 +269,7 @@ async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
     t.committed = hello.step;
     status.step = hello.step;
     drop(status);
-    if let Some(vocab_size) = hello.vocab_size {
-        c.pool.set_vocab_size(vocab_size);
-    }
+    c.pool.learn_limits(hello.limits);
     // The first hello this coordinator hears, from a trainer that has been training: this
     // coordinator restarted, and the trainer knows where the data stood.
     if let (1, Some(rollout)) = (t.hellos, hello.rollout) {

@@ -22,7 +22,7 @@ pub use crate::agents::Episode;
 use crate::chat::SamplingOverride;
 use crate::records::metrics::StepRecord;
 use crate::rollout::eval::EvalResult;
-use crate::rollout::{RolloutState, RolloutStats};
+use crate::rollout::{EpisodeLimits, RolloutState, RolloutStats};
 
 /// An episode for an agent pod to run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -45,10 +45,10 @@ pub struct Hello {
     /// (and so lost its cursor) continues from there.
     #[serde(default)]
     pub rollout: Option<RolloutState>,
-    /// The policy's vocabulary size: the coordinator (which has no model folder) refuses
-    /// episodes with token ids outside it from then on (docs/security.md, "Bad data").
-    #[serde(default)]
-    pub vocab_size: Option<usize>,
+    /// The policy's vocabulary size and positions: the coordinator (which has no model folder)
+    /// refuses episodes outside them from then on (docs/security.md, "Bad data").
+    #[serde(flatten)]
+    pub limits: EpisodeLimits,
 }
 
 /// The answer to [`Hello`].

@@ -24,7 +24,7 @@ use crate::error::RunError;
 use crate::learner::steps::{run_steps, Steps, Trained};
 use crate::learner::{Followers, Learner};
 use crate::records::console::Console;
-use crate::rollout::RolloutState;
+use crate::rollout::{EpisodeLimits, RolloutState};
 use crate::stages::{self, StepBatch};
 use crate::weight_sync::publish::PublishOptions;
 
@@ -359,7 +359,7 @@ pub async fn run(
     .collect();
     let mut steps = CoordinatorSteps {
         coordinator: &coordinator,
-        vocab_size: cfg.rollout.limits.vocab_size,
+        limits: cfg.rollout.limits,
         hello_needed: true,
         published: None,
         data: learner.resumed().map(|(_, m)| m.rollout),
@@ -385,7 +385,7 @@ pub async fn run(
 /// update (a replaced pod, a scale-up) is sent the current weights again.
 struct CoordinatorSteps<'a, S> {
     coordinator: &'a Coordinator,
-    vocab_size: Option<usize>,
+    limits: EpisodeLimits,
     hello_needed: bool,
     /// The version of the last update this trainer sent (none yet: the engines' own weights).
     published: Option<u64>,
@@ -400,7 +400,7 @@ impl<S: std::future::Future<Output = ()>> CoordinatorSteps<'_, S> {
         let hello = Hello {
             step,
             rollout: self.data,
-            vocab_size: self.vocab_size,
+            limits: self.limits,
         };
         let reply: HelloReply = self.coordinator.post("/v1/trainer/hello", &hello).await;
         if let Some(version) = reply.publish_as {

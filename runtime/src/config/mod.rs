@@ -27,7 +27,7 @@ use crate::chat::ChatSampling;
 use crate::chat::SamplingOverride;
 use crate::error::RunError;
 use crate::rollout::eval::EvalOptions;
-use crate::rollout::{EpisodeLimits, RolloutOptions};
+use crate::rollout::RolloutOptions;
 #[cfg(feature = "torch")]
 use crate::trainer::optim::{Decay, LrSchedule};
 #[cfg(feature = "torch")]
@@ -502,10 +502,8 @@ impl RunConfig {
         // the API server refuses the same manifests (docs/operator.md, "One validation").
         let algo = &spec.algorithm;
         let total_steps = u64::from(spec.total_steps);
-        // Episodes are checked against the policy's vocabulary where this process has the model.
-        let limits = EpisodeLimits {
-            vocab_size: crate::rollout::validate::vocab_size(&model_dir),
-        };
+        // Episodes are checked against the policy's limits where this process has the model.
+        let limits = crate::rollout::validate::limits(&model_dir);
         Ok(Self {
             name,
             model_dir,

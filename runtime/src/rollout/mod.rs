@@ -337,10 +337,12 @@ impl RolloutPool {
         self.driver.abort();
     }
 
-    /// Token ids of later episodes must be below `vocab_size` (a coordinator learns it from the
-    /// trainer, which has the model).
-    pub fn set_vocab_size(&self, vocab_size: usize) {
-        self.shared.limits.lock().expect("limits lock").vocab_size = Some(vocab_size);
+    /// Later episodes are checked against these limits too, where they are known (a
+    /// coordinator learns them from the trainer, which has the model).
+    pub fn learn_limits(&self, learned: EpisodeLimits) {
+        let mut limits = self.shared.limits.lock().expect("limits lock");
+        limits.vocab_size = learned.vocab_size.or(limits.vocab_size);
+        limits.max_positions = learned.max_positions.or(limits.max_positions);
     }
 
     /// The engines now serve `version` (called after each weight sync).

@@ -18,22 +18,36 @@ const MAX_LOGPROB: f32 = 1e-3;
 /// fuzzing, `runtime/tests/fuzz.rs`); no reward scale in use comes near this.
 pub const MAX_REWARD: f64 = 1e12;
 
-/// What an episode is checked against.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What an episode is checked against: the policy's, so that no episode can make the trainer's
+/// forward fail (a trainer that fails on a batch fails on it again at every restart).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EpisodeLimits {
     /// Token ids must be below this (the policy's `vocab_size`); unchecked when unknown.
+    #[serde(default)]
     pub vocab_size: Option<usize>,
+    /// A segment has at most this many tokens (the policy's `max_position_embeddings`);
+    /// unchecked when unknown.
+    #[serde(default)]
+    pub max_positions: Option<usize>,
 }
 
-/// The policy's vocabulary size from `<model_dir>/config.json` (`vocab_size`, or
-/// `text_config.vocab_size` for multimodal configs); `None` when there is no readable config.
-pub fn vocab_size(model_dir: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(model_dir.join("config.json")).ok()?;
-    let cfg: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let n = cfg["vocab_size"]
-        .as_u64()
-        .or_else(|| cfg["text_config"]["vocab_size"].as_u64())?;
-    usize::try_from(n).ok()
+/// The policy's limits from `<model_dir>/config.json` (`vocab_size` and
+/// `max_position_embeddings`, or under `text_config` for multimodal configs); unknown when there
+/// is no readable config.
+pub fn limits(model_dir: &Path) -> EpisodeLimits {
+    let cfg: serde_json::Value = std::fs::read_to_string(model_dir.join("config.json"))
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default();
+    let read = |key: &str| {
+        (cfg[key].as_u64())
+            .or_else(|| cfg["text_config"][key].as_u64())
+            .and_then(|n| usize::try_from(n).ok())
+    };
+    EpisodeLimits {
+        vocab_size: read("vocab_size"),
+        max_positions: read("max_position_embeddings"),
+    }
 }
 
 /// Why an episode may not be trained on.
@@ -56,6 +70,8 @@ pub enum BadSegment {
     /// brings its own would choose its advantages.
     #[error("it carries teacher_logprobs: only the run's teacher scores tokens")]
     TeacherLogprobs,
+    #[error("{len} tokens: the policy takes at most {max} positions")]
+    TooLong { len: usize, max: usize },
     #[error("{field} has {n} entries for {len} token_ids")]
     Length {
         field: &'static str,
@@ -120,6 +136,9 @@ fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), Ba
         return Err(BadSegment::TeacherLogprobs);
     }
     let len = s.token_ids.len();
+    if let Some(max) = limits.max_positions.filter(|max| len > *max) {
+        return Err(BadSegment::TooLong { len, max });
+    }
     for (field, n) in [
         ("loss_mask", s.loss_mask.len()),
         ("logprobs", s.logprobs.len()),
@@ -235,10 +254,33 @@ mod tests {
 
     const LIMITS: EpisodeLimits = EpisodeLimits {
         vocab_size: Some(100),
+        max_positions: Some(64),
     };
 
     fn verdict(s: Segment) -> Result<(), String> {
         check(&episode(s), &LIMITS, 4).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn limits_are_read_from_the_models_config() {
+        let dir = std::env::temp_dir().join(format!("moult-limits-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (config, want) in [
+            (
+                r#"{"vocab_size": 100, "max_position_embeddings": 512}"#,
+                (Some(100), Some(512)),
+            ),
+            (
+                r#"{"text_config": {"vocab_size": 7, "max_position_embeddings": 9}}"#,
+                (Some(7), Some(9)),
+            ),
+            ("not json", (None, None)),
+        ] {
+            std::fs::write(dir.join("config.json"), config).unwrap();
+            let l = limits(&dir);
+            assert_eq!((l.vocab_size, l.max_positions), want, "{config}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -257,7 +299,16 @@ mod tests {
     #[test]
     fn each_kind_of_malformed_episode_is_refused_with_its_reason() {
         type Spoil = fn(&mut Episode);
-        let cases: [(&str, Spoil); 13] = [
+        let cases: [(&str, Spoil); 14] = [
+            // A forged segment longer than the policy's positions (it stopped the trainer at
+            // every restart before this check).
+            ("65 tokens: the policy takes at most 64 positions", |e| {
+                let s = &mut e.segments[0];
+                s.token_ids.resize(65, 5);
+                s.loss_mask.resize(65, 0);
+                s.logprobs.resize(65, 0.0);
+                s.versions.resize(65, None);
+            }),
             ("outside the vocabulary", |e| {
                 e.segments[0].token_ids[1] = 100
             }),
