@@ -16,12 +16,11 @@ impl RLRun {
     /// `kubectl apply` would refuse, for a manifest that never meets an API server. Each error
     /// names the field path.
     pub fn validate(&self) -> Result<(), Vec<String>> {
-        let crd = crate::crd_json();
-        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
         let object = serde_json::to_value(self).expect("an RLRun serializes");
         let mut errors = Vec::new();
         if let Some(spec) = object.get("spec") {
-            schema_errors(&schema["properties"]["spec"], spec, "spec", &mut errors);
+            let schema = &crate::rlrun_schema()["properties"]["spec"];
+            schema_errors(schema, spec, "spec", &mut errors);
         }
         if let Err(cel) = kube::core::cel::validate_cel(self) {
             errors.extend(cel.into_iter().map(|e| e.to_string()));
@@ -32,18 +31,14 @@ impl RLRun {
             Err(errors)
         }
     }
-}
 
-impl RLRun {
     /// The fields of a manifest (the YAML document as a value, before serde drops what it does
     /// not know) that the RLRun schema does not have: what `kubectl apply` refuses under strict
     /// field validation ("unknown field \"spec.rollout.maxToken\""). Each error names the path
     /// and the nearest known field, or the fields its object has when none is near.
     pub fn unknown_fields(manifest: &Value) -> Vec<String> {
-        let crd = crate::crd_json();
-        let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
         let mut errors = Vec::new();
-        unknown_fields(schema, manifest, "", &mut errors);
+        unknown_fields(crate::rlrun_schema(), manifest, "", &mut errors);
         errors
     }
 }
@@ -90,10 +85,7 @@ fn unknown_fields(schema: &Value, value: &Value, path: &str, errors: &mut Vec<St
                 } else {
                     format!("{path}.{key}")
                 };
-                let sub = properties
-                    .and_then(|p| p.get(key))
-                    .or_else(|| schema.get("additionalProperties").filter(|a| a.is_object()));
-                match sub {
+                match field_schema(schema, key) {
                     // The status is the operator's to write; the API server drops it.
                     _ if at == "status" => {}
                     Some(sub) => unknown_fields(sub, v, &at, errors),
@@ -114,6 +106,12 @@ fn unknown_fields(schema: &Value, value: &Value, path: &str, errors: &mut Vec<St
         }
         _ => {}
     }
+}
+
+/// The schema of an object's field `key`: its property, or the map's value schema.
+fn field_schema<'a>(schema: &'a Value, key: &str) -> Option<&'a Value> {
+    (schema.get("properties").and_then(|p| p.get(key)))
+        .or_else(|| schema.get("additionalProperties").filter(|a| a.is_object()))
 }
 
 /// "did you mean maxTokens?" for the known field nearest to `key` (a few edits away, case
@@ -186,11 +184,7 @@ fn schema_errors(schema: &Value, value: &Value, path: &str, errors: &mut Vec<Str
                 ));
             }
             for (key, v) in fields {
-                let sub = schema
-                    .get("properties")
-                    .and_then(|p| p.get(key))
-                    .or_else(|| schema.get("additionalProperties").filter(|a| a.is_object()));
-                if let Some(sub) = sub {
+                if let Some(sub) = field_schema(schema, key) {
                     schema_errors(sub, v, &format!("{path}.{key}"), errors);
                 }
             }

@@ -66,8 +66,7 @@ fn schema_fields(schema: &serde_json::Value, path: &str, out: &mut Vec<String>) 
 
 #[test]
 fn every_spec_field_has_a_row() {
-    let crd = moult_operator::crd_json();
-    let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    let spec = &moult_operator::rlrun_schema()["properties"]["spec"];
     let mut fields = Vec::new();
     schema_fields(spec, "", &mut fields);
     assert!(fields.len() > 60, "{fields:?}");

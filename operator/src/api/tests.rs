@@ -196,8 +196,7 @@ mod sibling_defaults {
 
     #[test]
     fn every_block_default_is_also_each_fields_own_default() {
-        let crd = crate::crd_json();
-        let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+        let spec = &crate::rlrun_schema()["properties"]["spec"];
         let mut errors = Vec::new();
         check(spec, "spec", &mut errors);
         assert!(errors.is_empty(), "{errors:#?}");
