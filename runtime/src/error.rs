@@ -46,6 +46,9 @@ pub enum RunError {
     /// cannot use) did not do its part; the message says which and why.
     #[error("setting up: {0}")]
     Setup(String),
+    /// A batch the trainer cannot learn from (it is quarantined; docs/security.md, "Bad data").
+    #[error("a batch the trainer cannot learn from: {0}")]
+    Batch(String),
     /// A checkpoint that cannot be used or written.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
@@ -89,6 +92,20 @@ impl RunError {
             action,
             path: path.into(),
             source,
+        }
+    }
+
+    /// Whether the batch being learned from is at fault (its data, not the trainer): it is set
+    /// aside and the run goes on with the next.
+    pub fn is_batch(&self) -> bool {
+        #[cfg(feature = "torch")]
+        use crate::model::Error as Model;
+        match self {
+            Self::Batch(_) => true,
+            // Its tokens or shapes, or its size (out of memory on a batch larger than the rest).
+            #[cfg(feature = "torch")]
+            Self::Tensor(_) | Self::Model(Model::Input(_) | Model::Torch(_)) => true,
+            _ => false,
         }
     }
 

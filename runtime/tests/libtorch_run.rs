@@ -1,7 +1,8 @@
 //! `moult run` end to end on the README's main recipe (examples/successor): the real binary reads
 //! the real manifest, runs the built-in engine, router, Python Env agents, rollout pool, trainer
 //! and weight sync, and the policy learns. A run killed with SIGKILL resumes from its last
-//! checkpoint and finishes with every step trained once and versions that only increase.
+//! checkpoint and finishes with every step trained once and versions that only increase. And the
+//! cluster roles as processes, where an agent's forged episodes never stop the trainer.
 
 mod common;
 
@@ -545,4 +546,242 @@ fn libtorch_eval_scores_a_policy_on_the_held_out_tasks() {
     let err = String::from_utf8_lossy(&refused.stderr);
     assert!(err.contains("neither a model folder"), "{err}");
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `moult ROLE ARGS` with the run's token, its output kept in `log`; with `banner`, the URL that
+/// follows it in the role's output (`{banner}http://ADDR ...`), read as it comes.
+fn spawn_role(
+    args: &[&std::ffi::OsStr],
+    env: &[(&str, &Path)],
+    log: PathBuf,
+    banner: Option<&'static str>,
+) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader, Write};
+    let mut child = common::moult()
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_os_str())))
+        .env("MOULT_TOKEN", ROLES_TOKEN)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().unwrap());
+    let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().unwrap());
+    for (stream, log) in [(out, log.with_extension("out")), (err, log)] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut file = std::fs::File::create(log).unwrap();
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let at = banner.and_then(|b| line.split_once(&format!("{b}http://")));
+                if let Some((_, url)) = at {
+                    let addr = url.split([' ', ',']).next().unwrap_or_default();
+                    let _ = tx.send(format!("http://{addr}"));
+                }
+                let _ = writeln!(file, "{line}");
+            }
+        });
+    }
+    let url = match banner {
+        Some(_) => rx
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap_or_default(),
+        None => String::new(),
+    };
+    (child, url)
+}
+
+const ROLES_TOKEN: &str = "forged-episodes-test-token";
+
+/// A forged episode of a lease: one segment of `prompt` tokens (0 loss mask) then two sampled
+/// ones, with `image` as the segment's image when given.
+fn forged(lease: &Value, prompt: Vec<i64>, image: Option<Value>) -> Value {
+    let n = prompt.len();
+    let mask = [vec![0; n], vec![1, 1]].concat();
+    let logprobs = [vec![0.0; n], vec![-0.5, -0.5]].concat();
+    let versions = [vec![None; n], vec![Some(0), Some(0)]].concat();
+    let ids: Vec<i64> = prompt.into_iter().chain([40, 41]).collect();
+    let mut segment = serde_json::json!({
+        "token_ids": ids, "loss_mask": mask, "logprobs": logprobs, "versions": versions,
+        "routed_experts": [], "turns": 1,
+    });
+    if let Some(image) = image {
+        segment["images"] = serde_json::json!([image]);
+    }
+    let index = lease["index"].as_u64().unwrap();
+    serde_json::json!({
+        "index": index, "session": format!("forged-{index}"), "task": lease["task"],
+        "status": "completed", "reward": (index % 2) as f64, "info": {}, "seconds": 0.1,
+        "segments": [segment],
+    })
+}
+
+/// The cluster roles as processes of this machine (`moult engine`, `moult coordinator`, `moult
+/// trainer`, `moult agents`, with the run's token, as in the operator's pods) and an agent pod
+/// that forges episodes with its agent credential before the trainer starts: whole groups with a
+/// 600-token segment (the policy takes 512 positions), with a token outside the vocabulary, and
+/// with an image for a policy that has no vision tower (valid to the validator, refused by the
+/// trainer). The first two are dropped when their batch is drawn, the third batch is
+/// quarantined; the trainer never stops, and the run reaches its last step.
+#[test]
+fn libtorch_forged_episodes_before_the_trainer_starts_never_stop_it() {
+    let root = out_dir("forged");
+    let manifest = edited_recipe(&root, |run| {
+        run["spec"]["totalSteps"] = 4.into();
+        run["spec"].as_object_mut().unwrap().remove("eval");
+    });
+    let model = recipe().parent().unwrap().join("model");
+    let arg = |s: &str| std::ffi::OsString::from(s);
+    let (mut engine, engine_url) = spawn_role(
+        &[
+            arg("engine").as_ref(),
+            arg("--model").as_ref(),
+            model.as_os_str(),
+            arg("--port").as_ref(),
+            arg("0").as_ref(),
+        ],
+        &[],
+        root.join("engine.log"),
+        Some("listening on "),
+    );
+    let engines = PathBuf::from(&engine_url);
+    let (mut coordinator, url) = spawn_role(
+        &[
+            arg("coordinator").as_ref(),
+            arg("--config").as_ref(),
+            manifest.as_os_str(),
+            arg("--host").as_ref(),
+            arg("127.0.0.1").as_ref(),
+            arg("--port").as_ref(),
+            arg("0").as_ref(),
+            arg("--lease-time").as_ref(),
+            arg("10s").as_ref(),
+        ],
+        &[("MOULT_ENGINES", &engines)],
+        root.join("coordinator.log"),
+        Some(" tasks) on "),
+    );
+    assert!(
+        url.starts_with("http://127.0.0.1:"),
+        "the coordinator's URL: {url:?}"
+    );
+    let agent = moult_operator::credentials::agent_credential(ROLES_TOKEN);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let http = reqwest::Client::new();
+    // A call's status and JSON answer (null when there is none).
+    let call = |req: reqwest::RequestBuilder| {
+        rt.block_on(async {
+            let r = req.send().await.unwrap();
+            (r.status(), r.json::<Value>().await.unwrap_or(Value::Null))
+        })
+    };
+    let post = |path: &str, body: &Value| {
+        call(
+            http.post(format!("{url}{path}"))
+                .bearer_auth(&agent)
+                .json(body),
+        )
+    };
+    // Lease until three groups (episodes 8g..8g+8) are wholly ours; the rest expire to the
+    // honest agents.
+    let mut groups: std::collections::BTreeMap<u64, Vec<Value>> = Default::default();
+    for _ in 0..128 {
+        if groups.values().filter(|g| g.len() == 8).count() == 3 {
+            break;
+        }
+        let (status, lease) = post("/v1/agents/lease", &serde_json::json!({}));
+        assert!(status.is_success(), "{status}");
+        if lease.is_null() {
+            continue; // none yet (204)
+        }
+        groups
+            .entry(lease["index"].as_u64().unwrap() / 8)
+            .or_default()
+            .push(lease);
+    }
+    let whole: Vec<Vec<Value>> = groups.into_values().filter(|g| g.len() == 8).collect();
+    assert_eq!(whole.len(), 3, "three whole groups leased");
+    let png = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==";
+    let image = serde_json::json!({"offset": 0, "tokens": 1, "data_url": png, "sha256": "00"});
+    for (g, leases) in whole.iter().enumerate() {
+        for (k, lease) in leases.iter().enumerate() {
+            let episode = match (g, k) {
+                (0, 0) => forged(lease, vec![5; 600], None),
+                (1, 0) => forged(lease, vec![5, 2003 + 50, 6], None),
+                (2, _) => forged(lease, vec![5, 6, 7], Some(image.clone())),
+                _ => forged(lease, vec![5, 6, 7], None),
+            };
+            let path = format!("/v1/agents/episodes/{}", lease["lease"]);
+            let (_, answer) = post(&path, &episode);
+            assert_eq!(answer["accepted"], true, "{answer}");
+        }
+    }
+    let checkpoints = root.join("checkpoints");
+    let (mut trainer, _) = spawn_role(
+        &[
+            arg("trainer").as_ref(),
+            arg("--config").as_ref(),
+            manifest.as_os_str(),
+            arg("--metrics-addr").as_ref(),
+            arg("127.0.0.1:0").as_ref(),
+        ],
+        &[
+            ("MOULT_MODEL", &model),
+            ("MOULT_COORDINATOR", Path::new(&url)),
+            ("MOULT_CHECKPOINTS", &checkpoints),
+        ],
+        root.join("trainer.log"),
+        None,
+    );
+    let (mut agents, _) = spawn_role(
+        &[
+            arg("agents").as_ref(),
+            arg("--config").as_ref(),
+            manifest.as_os_str(),
+            arg("--coordinator").as_ref(),
+            arg(&url).as_ref(),
+            arg("--metrics-addr").as_ref(),
+            arg("127.0.0.1:0").as_ref(),
+        ],
+        &[("MOULT_MODEL", &model)],
+        root.join("agents.log"),
+        None,
+    );
+    let out = checkpoints.join("successor");
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while metrics(&out).len() < 4 {
+        let log = std::fs::read_to_string(root.join("trainer.log")).unwrap_or_default();
+        assert!(
+            trainer.try_wait().unwrap().is_none(),
+            "the trainer stopped:\n{log}"
+        );
+        assert!(Instant::now() < deadline, "no progress:\n{log}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (_, status) = call(
+        http.get(format!("{url}/v1/status"))
+            .bearer_auth(ROLES_TOKEN),
+    );
+    for child in [&mut agents, &mut trainer, &mut coordinator, &mut engine] {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    assert_eq!(status["trainer_restarts"], 0, "{status}");
+    let rollout = &status["rollout"];
+    assert!(
+        rollout["dropped_invalid"].as_u64().unwrap() >= 2,
+        "{status}"
+    );
+    assert_eq!(rollout["batches_quarantined"], 1, "{status}");
+    let last = metrics(&out).pop().unwrap();
+    assert_eq!(last["batches_quarantined"], 1, "{last}");
+    let quarantined: Vec<_> = std::fs::read_dir(out.join("quarantine")).unwrap().collect();
+    assert_eq!(quarantined.len(), 1);
+    let file = std::fs::read_to_string(quarantined[0].as_ref().unwrap().path()).unwrap();
+    assert!(
+        file.contains("not a vision-language model"),
+        "{}",
+        &file[..file.len().min(400)]
+    );
+    let _ = std::fs::remove_dir_all(&root);
 }

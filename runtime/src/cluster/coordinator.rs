@@ -24,7 +24,7 @@ use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
 use super::protocol::{
-    CheckpointRef, Commit, CoordinatorStatus, Episode, Hello, HelloReply, Version,
+    CheckpointRef, Commit, CoordinatorStatus, Episode, Hello, HelloReply, Quarantined, Version,
 };
 use super::remote::RemoteAgents;
 use super::status::Report;
@@ -265,6 +265,10 @@ async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
             hello.step
         );
         status.trainer_restarts += 1;
+        // A trainer that keeps stopping on one batch sets it aside when it gets it again.
+        if let Some(ready) = t.ready.as_mut() {
+            ready.restarts += 1;
+        }
     }
     t.committed = hello.step;
     status.step = hello.step;
@@ -432,6 +436,21 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     Json(json!({"committed": commit.step})).into_response()
 }
 
+/// The trainer set the batch of a step aside: its groups are dropped (their slots go back to
+/// generation), and the step's next batch request draws new ones.
+async fn quarantine(State(c): Shared, Json(q): Json<Quarantined>) -> Response {
+    let mut t = c.train.lock().await;
+    if q.step == t.committed + 1 && t.ready.take().is_some() {
+        c.pool.quarantined();
+        tracing::warn!(
+            step = q.step,
+            "the trainer set the batch aside: {}",
+            q.error
+        );
+    }
+    Json(json!({})).into_response()
+}
+
 async fn status(State(c): Shared) -> Json<CoordinatorStatus> {
     Json(c.status())
 }
@@ -485,6 +504,11 @@ async fn prometheus(State(c): Shared) -> String {
             "moult_groups_filtered",
             "Groups dynamic sampling dropped because every reward was equal",
             s.rollout.groups_filtered,
+        ),
+        (
+            "moult_batches_quarantined",
+            "Batches the trainer could not learn from, set aside",
+            s.rollout.batches_quarantined,
         ),
         (
             "moult_trainer_restarts",
@@ -709,6 +733,7 @@ pub async fn run(
                 .route("/v1/trainer/version", post(version))
                 .route("/v1/trainer/published", post(published))
                 .route("/v1/trainer/commit", post(commit))
+                .route("/v1/trainer/quarantine", post(quarantine))
                 .layer(DefaultBodyLimit::max(CONTROL_BODY_LIMIT))
                 .with_state(coordinator.clone()),
         );
@@ -719,8 +744,12 @@ pub async fn run(
             what: format!("binding {addr}"),
             source,
         })?;
+    // The address bound (a port of 0 picks one).
+    let bound = listener
+        .local_addr()
+        .map_or(addr.clone(), |a| a.to_string());
     eprintln!(
-        "moult coordinator: {} ({} steps, {} tasks) on http://{addr}, engines from {engines}",
+        "moult coordinator: {} ({} steps, {} tasks) on http://{bound}, engines from {engines}",
         coordinator.cfg.name,
         total_steps,
         coordinator.cfg.tasks.len()

@@ -10,6 +10,7 @@
 //! | `POST /v1/trainer/version` | trainer | a new policy version number ([`Version`]) for the weights about to go out |
 //! | `POST /v1/trainer/published` | trainer | ([`Version`]) the engines serve this version now |
 //! | `POST /v1/trainer/commit` | trainer | ([`Commit`]) step N done: metrics, version, checkpoint |
+//! | `POST /v1/trainer/quarantine` | trainer | ([`Quarantined`]) step N's batch was set aside: the next batch request draws another |
 //! | `GET /v1/status` | anyone with the token | [`CoordinatorStatus`] |
 //!
 //! Policy versions are issued by the coordinator, one per publication, so they only increase even
@@ -79,6 +80,13 @@ pub struct Commit {
     pub version: u64,
     pub record: StepRecord,
     pub checkpoint: Option<CheckpointRef>,
+}
+
+/// The trainer could not learn from the batch of `step` (docs/security.md, "Bad data").
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Quarantined {
+    pub step: u64,
+    pub error: String,
 }
 
 /// Counts of the queue of episodes for agent pods ([`super::remote`]).

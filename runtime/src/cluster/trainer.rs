@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use prometheus_client::registry::Registry;
 use tch::Device;
 
-use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, Version};
+use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, Quarantined, Version};
 use super::{call, env_number, env_path, env_var, retry, CallError, Gauge};
 use crate::config::{RunConfig, Sources};
 use crate::dist::Rendezvous;
@@ -483,6 +483,15 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
         self.gauges.step.set(step as f64);
         self.gauges.version.set(version as f64);
         self.published = Some(version);
+        Ok(())
+    }
+
+    async fn quarantined(&mut self, step: u64, error: RunError) -> Result<(), RunError> {
+        let body = Quarantined {
+            step,
+            error: error.to_string(),
+        };
+        let _: serde_json::Value = self.coordinator.post("/v1/trainer/quarantine", &body).await;
         Ok(())
     }
 }

@@ -50,6 +50,8 @@ pub(crate) struct Learner {
     teacher: Option<CausalLm>,
     publisher: Option<Publisher>,
     log: Option<MetricsLog>,
+    /// The run's output folder, once [`Learner::log_to`] named it.
+    out: Option<PathBuf>,
     ckpt_root: Option<PathBuf>,
     resume: Option<(PathBuf, CheckpointMeta)>,
     console: Console,
@@ -123,6 +125,7 @@ impl Learner {
             teacher,
             publisher: None,
             log: None,
+            out: None,
             ckpt_root,
             resume,
             console,
@@ -170,9 +173,11 @@ impl Learner {
         Ok(())
     }
 
-    /// Writes every step record to `<out>/metrics.jsonl` from now on.
+    /// Writes every step record to `<out>/metrics.jsonl` from now on, and batches set aside to
+    /// `<out>/quarantine/`.
     pub fn log_to(&mut self, out: &Path) -> Result<(), RunError> {
         std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", out, e))?;
+        self.out = Some(out.to_path_buf());
         self.log = Some(MetricsLog::open(out, self.step)?);
         Ok(())
     }
@@ -266,6 +271,26 @@ impl Learner {
 
     pub fn console(&self) -> &Console {
         &self.console
+    }
+
+    /// Sets `batch` aside: written with `error` to `<out>/quarantine/step-<N>-<ms>.json` (with an
+    /// output folder), to be looked at later (docs/security.md, "Bad data").
+    pub fn quarantine(&self, batch: &StepBatch, error: &RunError) -> Result<(), RunError> {
+        tracing::warn!(
+            step = batch.step,
+            "{error}: the batch is set aside, the step drawn again"
+        );
+        let Some(dir) = self.out.as_ref().map(|o| o.join("quarantine")) else {
+            return Ok(());
+        };
+        std::fs::create_dir_all(&dir).map_err(|e| RunError::file("creating", &dir, e))?;
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        let body = serde_json::json!({"error": error.to_string(), "batch": batch});
+        let text = serde_json::to_vec(&body).expect("a batch serialises");
+        let path = dir.join(format!("step-{}-{ms}.json", batch.step));
+        crate::records::files::write_atomic(&path, &text)
     }
 
     /// Advantages, the exact token segments as samples, the teacher's scores (distillation) and
@@ -379,6 +404,7 @@ impl Learner {
             dropped_failed: rollout.dropped_failed,
             dropped_invalid: rollout.dropped_invalid,
             groups_filtered: rollout.groups_filtered,
+            batches_quarantined: rollout.batches_quarantined,
             elapsed_seconds: self.started.elapsed().as_secs_f64(),
             engine_busy_fraction,
             trainer_busy_fraction: (learned.compute_seconds / window.max(1e-9)).clamp(0.0, 1.0),

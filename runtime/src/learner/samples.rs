@@ -49,7 +49,7 @@ pub fn advantages(
 ) -> Result<(Vec<Vec<f64>>, Option<f64>), RunError> {
     let g = batch.first().map_or(0, |b| b.episodes.len());
     if batch.iter().any(|b| b.episodes.len() != g) {
-        return Err(RunError::Setup(
+        return Err(RunError::Batch(
             "groups of unequal size in one batch".into(),
         ));
     }
@@ -116,15 +116,15 @@ pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64, Ru
     let mut segments = trained_segments(batch);
     for s in samples.iter_mut() {
         let (_, _, _, seg) = segments.next().ok_or_else(|| {
-            RunError::Setup("distillation: more samples than trained segments".into())
+            RunError::Batch("distillation: more samples than trained segments".into())
         })?;
         let scores = seg.teacher_logprobs.as_deref().ok_or_else(|| {
-            RunError::Setup(
+            RunError::Batch(
                 "distillation: a segment came without the served teacher's scores (a replayed dump must come from a run with algorithm.teacher.replicas too)".into(),
             )
         })?;
         if scores.len() != s.tokens.len() {
-            return Err(RunError::Setup(format!(
+            return Err(RunError::Batch(format!(
                 "distillation: the teacher scored {} tokens of a {}-token segment",
                 scores.len(),
                 s.tokens.len()
@@ -178,12 +178,12 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
     let mut next = 0usize;
     for chunk in &segment.routed_experts {
         if chunk.start != next {
-            return Err(RunError::Setup(format!(
+            return Err(RunError::Batch(format!(
                 "routed experts cover positions from {next} but a chunk starts at {}",
                 chunk.start
             )));
         }
-        let (shape, ids) = decode_routed_experts(&chunk.data).map_err(RunError::Setup)?;
+        let (shape, ids) = decode_routed_experts(&chunk.data).map_err(RunError::Batch)?;
         let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
         rows.push(Tensor::from_slice(&ids).view([
             shape[0] as i64,
@@ -198,7 +198,7 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
         let last = t.get(next as i64 - 1).unsqueeze(0);
         t = Tensor::cat(&[t, last], 0);
     } else if next != len {
-        return Err(RunError::Setup(format!(
+        return Err(RunError::Batch(format!(
             "routed experts cover {next} positions of a {len}-token segment"
         )));
     }
@@ -217,7 +217,7 @@ fn segment_images(
         return Ok(Vec::new());
     }
     let config = images.ok_or_else(|| {
-        RunError::Setup(
+        RunError::Batch(
             "a segment has images, but the policy is not a vision-language model (docs/vision.md)"
                 .into(),
         )
@@ -231,7 +231,7 @@ fn segment_images(
                     let processed = (i.image.bytes())
                         .and_then(|b| crate::vision::preprocess_bytes(&b, config))
                         .map_err(|e| {
-                            RunError::Setup(format!("a segment's image {}: {e}", i.image.sha256))
+                            RunError::Batch(format!("a segment's image {}: {e}", i.image.sha256))
                         })?;
                     new.insert(Arc::new(processed)).clone()
                 }

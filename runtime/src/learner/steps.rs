@@ -27,7 +27,19 @@ pub(crate) trait Steps {
 
     /// `step` is trained, published, recorded and (when due) checkpointed.
     async fn done(&mut self, step: Trained, batch: StepBatch) -> Result<(), RunError>;
+
+    /// The batch of `step` was set aside (`error` says why): the next call to
+    /// [`Steps::next`] draws the step's batch again. By default the run stops with `error` (a
+    /// replay has no other batch for the step).
+    async fn quarantined(&mut self, step: u64, error: RunError) -> Result<(), RunError> {
+        let _ = step;
+        Err(error)
+    }
 }
+
+/// The run stops at this many batches in a row the trainer cannot learn from: the fault is then
+/// not the data.
+const QUARANTINED_IN_A_ROW: usize = 3;
 
 /// What one step produced.
 #[derive(Debug)]
@@ -43,6 +55,7 @@ pub(crate) async fn run_steps(
     steps: &mut impl Steps,
     stages: &[Box<dyn Stage>],
 ) -> Result<(), RunError> {
+    let mut quarantined = 0;
     while learner.step() < learner.total_steps() {
         let started = Instant::now();
         let step = learner.step() + 1;
@@ -55,8 +68,22 @@ pub(crate) async fn run_steps(
             learner.console().phase(stage.phase());
             stage.apply(&mut batch).await?;
         }
-        // 3. Advantages, samples, one optimizer step.
-        let learned = learner.learn(&batch.groups).await?;
+        // 3. Advantages, samples, one optimizer step; a batch the trainer cannot learn from (or
+        // that stopped trainers before) is set aside, and the step drawn again.
+        let learned = match batch.stops_trainers() {
+            Some(e) => Err(e),
+            None => learner.learn(&batch.groups).await,
+        };
+        let learned = match learned {
+            Err(e) if e.is_batch() && quarantined + 1 < QUARANTINED_IN_A_ROW => {
+                quarantined += 1;
+                learner.quarantine(&batch, &e)?;
+                steps.quarantined(step, e).await?;
+                continue;
+            }
+            learned => learned?,
+        };
+        quarantined = 0;
         // 4. The new weights to the engines (pause, transfer, resume) under the next version.
         let version = steps.version(step).await;
         let sync = learner.publish(version, learner.partial_rollout()).await?;

@@ -236,6 +236,11 @@ impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
         self.console.set_step(self.progress.step);
         Ok(())
     }
+
+    async fn quarantined(&mut self, _: u64, _: RunError) -> Result<(), RunError> {
+        self.pool.quarantined();
+        Ok(())
+    }
 }
 
 /// `moult run --replay DIR`'s batches: the dumped ones in order (from where a checkpoint in the

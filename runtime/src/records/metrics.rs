@@ -90,6 +90,10 @@ pub struct StepRecord {
     /// Groups dynamic sampling dropped because every reward was equal (so far in the run).
     #[serde(default)]
     pub groups_filtered: u64,
+    /// Batches the trainer could not learn from, set aside in `<out>/quarantine/` (so far in the
+    /// run; docs/security.md, "Bad data").
+    #[serde(default)]
+    pub batches_quarantined: u64,
     /// Seconds since the run (this process) started.
     pub elapsed_seconds: f64,
     /// Fraction of the step's wall-clock in which the engines had work (requests in flight,

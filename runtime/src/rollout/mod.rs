@@ -14,7 +14,9 @@
 //!   `max_groups_per_step` groups; then such groups are taken as they come, so a run never stalls.
 //! - **Failures**: a group with a failed episode is dropped whole (its reason logged and counted):
 //!   group-normalised advantages need every sample. So is a group with an episode that fails
-//!   [`validate::check`] (malformed data from agent code), counted apart.
+//!   [`validate::check`] (malformed data from agent code), counted apart, whether it fails when
+//!   it finishes or, against limits learned since (a coordinator hears the policy's vocabulary
+//!   and positions in the trainer's hello), when its batch is drawn.
 //! - The **data cursor** (next task, epoch) is part of the state, so a restarted run continues
 //!   where it stopped ([`RolloutState`]).
 
@@ -121,6 +123,15 @@ impl Group {
         self.oldest_version
             .is_some_and(|o| now.saturating_sub(o) > max_staleness)
     }
+
+    /// Why the group may not be trained on, if an episode of it is malformed (logged).
+    fn invalid(&self, limits: &EpisodeLimits, now: u64) -> Option<validate::Invalid> {
+        let invalid = (self.episodes.iter()).find_map(|e| validate::check(e, limits, now).err());
+        if let Some(reason) = &invalid {
+            tracing::warn!(task = self.task_index, %reason, "group dropped: a malformed episode");
+        }
+        invalid
+    }
 }
 
 /// What the pool counted so far.
@@ -136,6 +147,9 @@ pub struct RolloutStats {
     /// Groups dropped by dynamic sampling: every reward equal.
     #[serde(default)]
     pub groups_filtered: u64,
+    /// Batches the trainer could not learn from, set aside (docs/security.md, "Bad data").
+    #[serde(default)]
+    pub batches_quarantined: u64,
 }
 
 /// The segments of `batch` the trainer learns from (those with sampled tokens), in batch order,
@@ -305,12 +319,8 @@ impl RolloutPool {
             return None;
         }
         let now = shared.version.load(Ordering::Relaxed);
-        if let Some(reason) = episodes
-            .iter()
-            .find_map(|e| validate::check(e, &limits, now).err())
-        {
+        if group.invalid(&limits, now).is_some() {
             stats.dropped_invalid += 1;
-            tracing::warn!(task, %reason, "group dropped: a malformed episode");
             return None;
         }
         if group.stale(now, opts.max_staleness) {
@@ -343,6 +353,15 @@ impl RolloutPool {
         let mut limits = self.shared.limits.lock().expect("limits lock");
         limits.vocab_size = learned.vocab_size.or(limits.vocab_size);
         limits.max_positions = learned.max_positions.or(limits.max_positions);
+    }
+
+    /// The trainer set a batch aside instead of learning from it (its groups are dropped).
+    pub fn quarantined(&self) {
+        self.shared
+            .stats
+            .lock()
+            .expect("stats lock")
+            .batches_quarantined += 1;
     }
 
     /// The engines now serve `version` (called after each weight sync).
@@ -395,15 +414,23 @@ pub async fn fill_batch(
         while batch.len() < opts.batch_size {
             batch.push(queue.recv().await?);
         }
-        // Groups taken earlier may have gone stale meanwhile.
+        // Groups taken earlier may have gone stale meanwhile, and groups admitted before the
+        // policy's limits were known are checked against them now.
+        let (now, limits) = (
+            pool.version(),
+            *pool.shared.limits.lock().expect("limits lock"),
+        );
         let before = batch.len();
-        let now = pool.version();
         batch.retain(|g| !g.stale(now, opts.max_staleness));
+        let stale = before - batch.len();
+        batch.retain(|g| g.invalid(&limits, now).is_none());
+        let invalid = before - stale - batch.len();
         if batch.len() == before {
             break;
         }
-        pool.shared.stats.lock().expect("stats lock").dropped_stale +=
-            (before - batch.len()) as u64;
+        let mut stats = pool.shared.stats.lock().expect("stats lock");
+        stats.dropped_stale += stale as u64;
+        stats.dropped_invalid += invalid as u64;
     }
     // The next step's dynamic sampling starts counting afresh.
     pool.shared.looked_at.store(0, Ordering::Relaxed);

@@ -197,6 +197,33 @@ async fn a_group_with_a_malformed_episode_is_dropped_and_the_rest_go_on() {
 }
 
 #[tokio::test]
+async fn groups_admitted_before_the_limits_were_known_are_checked_when_drawn() {
+    let runner = Arc::new(FakeRunner::default());
+    let data = Arc::new(vec![json!({"ms": 2, "token": 1000}), json!({"ms": 2})]);
+    let o = opts(2, 2, 1);
+    let (pool, mut queue) =
+        RolloutPool::start(runner, data, o.clone(), RolloutState::default(), 0).unwrap();
+    // Both tasks' groups finish and are admitted while the vocabulary is unknown.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(pool.stats().dropped_invalid, 0);
+    // Then the trainer's hello brings it (a coordinator): no batch carries token 1000.
+    pool.learn_limits(EpisodeLimits {
+        vocab_size: Some(1000),
+        max_positions: None,
+    });
+    for _ in 0..2 {
+        let batch = next_batch(&pool, &mut queue, &o).await.unwrap();
+        assert!(
+            batch.iter().all(|g| g.task_index == 1),
+            "only well-formed groups"
+        );
+    }
+    let stats = pool.stats();
+    assert!(stats.dropped_invalid >= 1, "{stats:?}");
+    assert_eq!(stats.dropped_stale, 0, "counted as malformed, not stale");
+}
+
+#[tokio::test]
 async fn bad_settings_are_refused() {
     let runner = Arc::new(FakeRunner::default());
     let err = RolloutPool::start(

@@ -113,6 +113,7 @@ mod tests {
                 eval: None,
                 judged: None,
                 taught: None,
+                restarts: 0,
             };
             write(&dir, &dump).unwrap();
         }

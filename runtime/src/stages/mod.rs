@@ -52,6 +52,10 @@ pub struct StepBatch {
     /// segment carries its scores).
     #[serde(default)]
     pub taught: Option<TeacherStats>,
+    /// Trainers that started again while they held this batch (handed out, never committed):
+    /// a batch that keeps stopping the trainer is set aside ([`StepBatch::stops_trainers`]).
+    #[serde(default)]
+    pub restarts: u32,
 }
 
 impl StepBatch {
@@ -68,7 +72,19 @@ impl StepBatch {
             eval: None,
             judged: None,
             taught: None,
+            restarts: 0,
         }
+    }
+
+    /// Why the trainer should set this batch aside without learning from it: it was handed out
+    /// twice before and each trainer stopped on it (a crash the trainer could not report).
+    pub fn stops_trainers(&self) -> Option<RunError> {
+        (self.restarts >= 2).then(|| {
+            RunError::Batch(format!(
+                "the trainer stopped {} times while it held this batch, without committing it",
+                self.restarts
+            ))
+        })
     }
 }
 
