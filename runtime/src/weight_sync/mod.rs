@@ -3,7 +3,8 @@
 //! - [`nccl_handshake`]: the messages of the NCCL data plane to vLLM engines (unique id as base64,
 //!   rank offsets, world size), pure and tested everywhere;
 //! - [`nccl_control`]: the engines' weight-transfer endpoints that drive that data plane;
-//! - `nccl` (cargo feature `cuda`): the trainer's side of that data plane on cudarc's NCCL.
+//! - `nccl` (cargo feature `cuda`): the trainer's side of that data plane on cudarc's NCCL, and
+//!   the NCCL transport's publisher.
 //!
 //! - [`orchestrate`]: the TCP transport: pause, transfer (TCP data plane to built-in engines),
 //!   finish with the version, resume;
@@ -128,6 +129,11 @@ impl Control {
             http: crate::auth::client(),
             target: target.trim_end_matches('/').to_string(),
         }
+    }
+
+    /// The router, coordinator or engine the calls go to.
+    pub fn url(&self) -> &str {
+        &self.target
     }
 
     /// `method path` with an optional JSON body: the answer's JSON (`null` when it has none), or

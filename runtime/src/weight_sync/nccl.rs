@@ -8,7 +8,8 @@
 //! deadlock every rank). An update is [`NcclWeightSender::start_update`], one
 //! [`NcclWeightSender::send_bucket`] per bucket (`POST /update_weights` on every engine while rank
 //! 0 broadcasts the bucket's packed chunks, cut as [`BucketPlan`] says), then
-//! [`NcclWeightSender::finish_update`]. The caller pauses and resumes the engines around it.
+//! [`NcclWeightSender::finish_update`]. [`NcclPublisher`], the NCCL weight transport, pauses and
+//! resumes the engines around it.
 //!
 //! Nothing waits forever: the communicator is non-blocking, every wait polls it with a deadline,
 //! and any failure (an engine refusing, a timeout, an NCCL error) aborts it (`ncclCommAbort`),
@@ -16,7 +17,7 @@
 //! refuses further work; connect a new one (vLLM accepts a new `init_weight_transfer_engine`).
 //!
 //! Tensors are anything implementing [`DeviceTensor`]: libtorch tensors on the sender's GPU
-//! (what the trainer holds), or [`DeviceBytes`] owned by cudarc.
+//! (what the trainer holds), or memory cudarc owns (the GPU tests).
 
 // FFI is the point of this module: cudarc's safe `Comm` can neither initialise without blocking
 // (a missing engine would hang `ncclCommInitRank` for ever) nor be aborted on our terms, and
@@ -32,12 +33,16 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
+use tch::Kind;
 
 use super::nccl_control::{ControlTimeouts, EngineControl};
 use super::nccl_handshake::{
     init_infos, BucketPlan, NcclSyncError, PackedWire, RankLayout, Step, TensorMeta, UniqueId,
     DTYPES,
 };
+use super::stream::WeightStream;
+use super::{Control, SyncError, SyncReport};
+use crate::router::pool::EngineStatus;
 
 /// Knobs of the NCCL data plane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -155,71 +160,6 @@ pub fn dtype_name(kind: tch::Kind) -> Result<&'static str, Unsendable> {
     known.map(|(_, name)| *name).ok_or(Unsendable::Dtype(kind))
 }
 
-/// A tensor's bytes in memory cudarc owns (for callers without libtorch, and the GPU tests).
-#[derive(Debug)]
-pub struct DeviceBytes {
-    /// At least `placement.len` bytes (cudarc cannot allocate zero).
-    bytes: CudaSlice<u8>,
-    placement: Placement,
-}
-
-impl DeviceBytes {
-    /// Copies `host` (the tensor's raw bytes, row-major) to `stream`'s device.
-    pub fn from_host(
-        stream: &Arc<CudaStream>,
-        host: &[u8],
-        dtype: &'static str,
-        shape: Vec<i64>,
-    ) -> Result<Self, NcclSyncError> {
-        let meta = TensorMeta {
-            name: "DeviceBytes".into(),
-            dtype: dtype.into(),
-            shape,
-        };
-        let len = meta.byte_len()?;
-        if len != host.len() {
-            return Err(NcclSyncError::Invalid(format!(
-                "{} bytes given for a {dtype} tensor of shape {:?} ({len} bytes)",
-                host.len(),
-                meta.shape
-            )));
-        }
-        // cudarc cannot allocate zero bytes; an empty tensor keeps one unused byte.
-        let src = if host.is_empty() { &[0u8][..] } else { host };
-        let bytes = stream
-            .clone_htod(src)
-            .map_err(|e| cuda_error(Step::Broadcast, "copying a tensor to the GPU", e))?;
-        let ptr = bytes.device_ptr(stream).0;
-        let placement = Placement {
-            dtype,
-            shape: meta.shape,
-            ordinal: Some(stream.context().ordinal()),
-            ptr,
-            len,
-        };
-        Ok(Self { bytes, placement })
-    }
-
-    /// The bytes, copied back to the host.
-    pub fn to_host(&self) -> Result<Vec<u8>, NcclSyncError> {
-        let mut out = self
-            .bytes
-            .stream()
-            .clone_dtoh(&self.bytes)
-            .map_err(|e| cuda_error(Step::Broadcast, "copying a tensor to the host", e))?;
-        out.truncate(self.placement.len);
-        Ok(out)
-    }
-}
-
-// SAFETY: `bytes` is a live cudarc allocation of at least `len` bytes on its stream's device,
-// owned by the value; cudarc allocates in the device's primary context.
-unsafe impl DeviceTensor for DeviceBytes {
-    fn placement(&self) -> Result<Placement, Unsendable> {
-        Ok(self.placement.clone())
-    }
-}
-
 fn cuda_error(step: Step, what: &str, e: cudarc::driver::DriverError) -> NcclSyncError {
     NcclSyncError::nccl(step, format!("{what}: {e}"))
 }
@@ -244,11 +184,10 @@ impl NcclWeightSender {
         config: NcclSenderConfig,
     ) -> Result<Self, NcclSyncError> {
         config.wire.validate()?;
-        nccl_available().map_err(|e| NcclSyncError::nccl(Step::CommInit, e.to_string()))?;
-        let http = crate::auth::client();
+        nccl_available().map_err(|e| NcclSyncError::nccl(Step::COMM_INIT, e.to_string()))?;
         let engines: Vec<EngineControl> = engine_urls
             .iter()
-            .map(|url| EngineControl::new(http.clone(), url, config.timeouts))
+            .map(|url| EngineControl::new(url, config.timeouts))
             .collect();
         let sizes = futures::future::try_join_all(engines.iter().map(|e| e.world_size())).await?;
         let layout = RankLayout::new(&sizes)?;
@@ -257,7 +196,7 @@ impl NcclWeightSender {
         // ncclGetUniqueId also opens rank 0's bootstrap listener, which the id points at.
         let (ctx, id) = tokio::task::spawn_blocking(move || open(device_ordinal))
             .await
-            .map_err(|e| panicked(Step::CommInit, e))??;
+            .map_err(|e| panicked(Step::COMM_INIT, e))??;
         let infos = init_infos(&id, &layout, config.wire);
         let world_size = layout.world_size();
         let init = move |deadline: &Deadline, cancel: &AtomicBool| {
@@ -265,7 +204,7 @@ impl NcclWeightSender {
         };
         let calls = engines.iter().zip(&infos).map(|(e, info)| e.init(info));
         let deadline = Deadline::new(config.nccl_timeout(), &engines);
-        let device = collective(Step::CommInit, deadline, init, calls).await?;
+        let device = collective(Step::COMM_INIT, deadline, init, calls).await?;
         Ok(Self {
             engines,
             layout,
@@ -281,10 +220,8 @@ impl NcclWeightSender {
     }
 
     fn usable(&self) -> Result<(), NcclSyncError> {
-        match &self.device {
-            Ok(_) => Ok(()),
-            Err(why) => Err(NcclSyncError::Broken(why.clone())),
-        }
+        let broken = |why: &String| NcclSyncError::Broken(why.clone());
+        self.device.as_ref().map(drop).map_err(broken)
     }
 
     /// `POST /start_weight_update` on every engine.
@@ -318,7 +255,7 @@ impl NcclWeightSender {
         };
         let calls = self.engines.iter().map(|e| e.update_weights(&info));
         let deadline = Deadline::new(self.config.nccl_timeout(), &self.engines);
-        match collective(Step::Broadcast, deadline, broadcast, calls).await {
+        match collective(Step::BROADCAST, deadline, broadcast, calls).await {
             Ok(device) => {
                 self.device = Ok(device);
                 Ok(())
@@ -434,10 +371,15 @@ fn bucket_plan<T: DeviceTensor>(
 
 /// Opens the device's primary context and mints the unique id.
 fn open(ordinal: usize) -> Result<(Arc<CudaContext>, UniqueId), NcclSyncError> {
-    let ctx = CudaContext::new(ordinal)
-        .map_err(|e| cuda_error(Step::CommInit, &format!("opening CUDA device {ordinal}"), e))?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| {
+        cuda_error(
+            Step::COMM_INIT,
+            &format!("opening CUDA device {ordinal}"),
+            e,
+        )
+    })?;
     let id = cudarc::nccl::Id::new()
-        .map_err(|e| NcclSyncError::nccl(Step::CommInit, format!("ncclGetUniqueId: {:?}", e.0)))?;
+        .map_err(|e| NcclSyncError::nccl(Step::COMM_INIT, format!("ncclGetUniqueId: {:?}", e.0)))?;
     Ok((ctx, UniqueId(id.internal().map(|c| c as u8))))
 }
 
@@ -532,7 +474,7 @@ impl Comm {
             nccl::comm_init_rank_config(&mut raw, world_size as i32, id, rank as i32, &mut config)
         };
         let comm = (!raw.is_null()).then_some(Self { raw });
-        let failed = |message: String| NcclSyncError::nccl(Step::CommInit, message);
+        let failed = |message: String| NcclSyncError::nccl(Step::COMM_INIT, message);
         match status {
             Ok(_) => {
                 comm.ok_or_else(|| failed("ncclCommInitRankConfig returned no communicator".into()))
@@ -611,12 +553,12 @@ impl Device {
         cancel: &AtomicBool,
     ) -> Result<Self, NcclSyncError> {
         ctx.bind_to_thread()
-            .map_err(|e| cuda_error(Step::CommInit, "binding the CUDA context", e))?;
+            .map_err(|e| cuda_error(Step::COMM_INIT, "binding the CUDA context", e))?;
         let stream = ctx
             .new_stream()
-            .map_err(|e| cuda_error(Step::CommInit, "creating a stream", e))?;
+            .map_err(|e| cuda_error(Step::COMM_INIT, "creating a stream", e))?;
         let comm = Comm::start_init(id, world_size, 0)?;
-        wait(&comm, Step::CommInit, deadline, cancel, || Ok(true))?;
+        wait(&comm, Step::COMM_INIT, deadline, cancel, || Ok(true))?;
         let mut device = Self {
             ctx,
             stream,
@@ -629,7 +571,7 @@ impl Device {
 
     /// One float32 element, all_reduce(SUM), as vLLM's `PyNcclCommunicator` does after init.
     fn warm_up(&mut self, deadline: &Deadline, cancel: &AtomicBool) -> Result<(), NcclSyncError> {
-        let step = Step::WarmUp;
+        let step = Step::WARM_UP;
         let mut one = self
             .stream
             .alloc_zeros::<f32>(1)
@@ -662,7 +604,7 @@ impl Device {
         deadline: &Deadline,
         cancel: &AtomicBool,
     ) -> Result<(), NcclSyncError> {
-        let step = Step::Broadcast;
+        let step = Step::BROADCAST;
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_error(step, "binding the CUDA context", e))?;
@@ -672,13 +614,13 @@ impl Device {
             .map_err(|e| cuda_error(step, "waiting for the tensors' pending writes", e))?;
         for chunk in &plan.chunks {
             let first = chunk.tensors.start;
-            let source = if chunk.tensors.len() == 1 && !chunk.is_empty() {
+            let source = if chunk.tensors.len() == 1 && !chunk.bytes.is_empty() {
                 // One tensor: broadcast straight from its memory.
                 ptrs[first]
             } else {
                 // Several (or an empty chunk): pack them, in order, into the reusable buffer.
                 // The copies queue behind the previous chunk's broadcast on the same stream.
-                let pack = self.pack_buffer(chunk.len().max(1))?;
+                let pack = self.pack_buffer(chunk.bytes.len().max(1))?;
                 for i in chunk.tensors.clone() {
                     let at = plan.offsets[i].start - chunk.bytes.start;
                     let len = plan.offsets[i].len();
@@ -710,7 +652,7 @@ impl Device {
                 nccl::broadcast(
                     source as *const _,
                     source as *mut _,
-                    chunk.len(),
+                    chunk.bytes.len(),
                     nccl_sys::ncclDataType_t::ncclUint8,
                     0,
                     self.comm.raw,
@@ -730,7 +672,7 @@ impl Device {
             self.pack = None;
             self.pack =
                 Some(self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
-                    cuda_error(Step::Broadcast, "allocating the packing buffer", e)
+                    cuda_error(Step::BROADCAST, "allocating the packing buffer", e)
                 })?);
         }
         let pack = self.pack.as_ref().expect("just set");
@@ -781,6 +723,113 @@ fn wait(
         }
         std::thread::sleep(POLL);
     }
+}
+
+/// Bytes per `update_weights` call of [`NcclPublisher`].
+const BUCKET_BYTES: usize = 256 << 20;
+
+/// The NCCL weight transport: updates from the trainer's GPU to the engines the coordinator (or
+/// router) lists.
+#[derive(Debug)]
+pub struct NcclPublisher {
+    control: Control,
+    ordinal: usize,
+    kind: Kind,
+    /// The engines the sender is connected to, and the sender.
+    sender: Option<(Vec<String>, NcclWeightSender)>,
+}
+
+impl NcclPublisher {
+    pub fn new(target: &str, ordinal: usize, kind: Kind) -> Self {
+        Self {
+            control: Control::new(target),
+            ordinal,
+            kind,
+            sender: None,
+        }
+    }
+
+    /// The engines up behind the router.
+    async fn engines(&self) -> Result<Vec<String>, SyncError> {
+        let mut listed = self.control.get("engines").await?;
+        let engines: Vec<EngineStatus> =
+            serde_json::from_value(listed["engines"].take()).unwrap_or_default();
+        let mut urls: Vec<String> = engines
+            .into_iter()
+            .filter(|e| e.healthy)
+            .map(|e| e.url)
+            .collect();
+        urls.sort();
+        if urls.is_empty() {
+            return Err(SyncError::NoEngines);
+        }
+        Ok(urls)
+    }
+
+    /// Connects (again when the engines changed), then pause, send, set the version, resume.
+    /// After a failed send the engines stay paused: resuming them would serve half-loaded
+    /// weights.
+    pub async fn update(
+        &mut self,
+        mut weights: WeightStream,
+        version: u64,
+        partial_rollout: bool,
+    ) -> Result<SyncReport, SyncError> {
+        let urls = self.engines().await?;
+        if self
+            .sender
+            .as_ref()
+            .is_none_or(|(connected, _)| *connected != urls)
+        {
+            self.sender = None;
+            let config = NcclSenderConfig::default();
+            let new = NcclWeightSender::connect(self.ordinal, &urls, config)
+                .await
+                .map_err(SyncError::at("connect"))?;
+            self.sender = Some((urls, new));
+        }
+        let Self {
+            control,
+            kind,
+            sender,
+            ..
+        } = self;
+        let send = async {
+            let (_, connected) = sender.as_mut().expect("connected above");
+            let sent = send_stream(connected, *kind, &mut weights, version).await;
+            if sent.is_err() {
+                // A failed sender refuses further work: connect again next time.
+                *sender = None;
+            }
+            sent.map_err(|e| SyncError::Held(Box::new(e)))
+        };
+        control.paused_update(version, partial_rollout, send).await
+    }
+}
+
+/// Start, each bucket as it comes in the engines' dtype, finish (only once the stream ended
+/// whole); what was sent.
+async fn send_stream(
+    sender: &mut NcclWeightSender,
+    kind: Kind,
+    weights: &mut WeightStream,
+    version: u64,
+) -> Result<SyncReport, SyncError> {
+    sender.start_update().await?;
+    let mut sent = SyncReport::default();
+    while let Some(pieces) = weights.next_split(BUCKET_BYTES).await? {
+        for bucket in pieces {
+            // vLLM copies what it receives into its parameters.
+            let converted: Vec<_> = bucket
+                .into_iter()
+                .map(|(n, t)| (n, t.to_kind(kind).contiguous()))
+                .collect();
+            sent.count(&converted);
+            sender.send_bucket(converted).await?;
+        }
+    }
+    sender.finish_update(version).await?;
+    Ok(sent)
 }
 
 #[cfg(test)]
@@ -869,7 +918,7 @@ mod tests {
     async fn an_engine_failing_cancels_the_collective_wait() {
         let refused = || NcclSyncError::Engine {
             url: "http://e1".into(),
-            step: Step::UpdateWeights,
+            step: Step::UPDATE_WEIGHTS,
             message: "HTTP 400".into(),
         };
         let cancel = AtomicBool::new(false);
@@ -908,13 +957,13 @@ mod tests {
         match nccl_available() {
             Err(reason) => {
                 assert!(
-                    matches!(&err, NcclSyncError::Nccl { step: Step::CommInit, message } if *message == reason.to_string()),
+                    matches!(&err, NcclSyncError::Nccl { step: Step::COMM_INIT, message } if *message == reason.to_string()),
                     "{err}"
                 );
             }
             Ok(_) => {
                 assert!(
-                    matches!(&err, NcclSyncError::Engine { url: u, step: Step::GetWorldSize, .. } if *u == url),
+                    matches!(&err, NcclSyncError::Engine { url: u, step: Step::GET_WORLD_SIZE, .. } if *u == url),
                     "{err}"
                 );
             }

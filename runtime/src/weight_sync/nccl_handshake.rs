@@ -41,31 +41,25 @@ pub const VLLM_PACKED_BUFFER_BYTES: u64 = 1 << 30;
 /// streams. It changes no byte on the wire, only the engine's memory (`buffer × num_buffers`).
 pub const VLLM_PACKED_NUM_BUFFERS: u32 = 2;
 
-/// The step of the data plane an error happened in.
+/// The step of the data plane an error happened in: an engine call, named by its request line
+/// (which is also what is sent), or the trainer's NCCL work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    GetWorldSize,
-    InitTransfer,
-    CommInit,
-    WarmUp,
-    StartUpdate,
-    UpdateWeights,
-    Broadcast,
-    FinishUpdate,
+pub struct Step(pub &'static str);
+
+impl Step {
+    pub const GET_WORLD_SIZE: Step = Step("GET /get_world_size");
+    pub const INIT_TRANSFER: Step = Step("POST /init_weight_transfer_engine");
+    pub const START_UPDATE: Step = Step("POST /start_weight_update");
+    pub const UPDATE_WEIGHTS: Step = Step("POST /update_weights");
+    pub const FINISH_UPDATE: Step = Step("POST /finish_weight_update");
+    pub const COMM_INIT: Step = Step("ncclCommInitRank");
+    pub const WARM_UP: Step = Step("the warm-up all_reduce");
+    pub const BROADCAST: Step = Step("the packed broadcast");
 }
 
 impl fmt::Display for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Step::GetWorldSize => "GET /get_world_size",
-            Step::InitTransfer => "POST /init_weight_transfer_engine",
-            Step::CommInit => "ncclCommInitRank",
-            Step::WarmUp => "the warm-up all_reduce",
-            Step::StartUpdate => "POST /start_weight_update",
-            Step::UpdateWeights => "POST /update_weights",
-            Step::Broadcast => "the packed broadcast",
-            Step::FinishUpdate => "POST /finish_weight_update",
-        })
+        f.write_str(self.0)
     }
 }
 
@@ -204,10 +198,6 @@ impl RankLayout {
         self.world_size
     }
 
-    pub fn engines(&self) -> usize {
-        self.rank_offsets.len()
-    }
-
     pub fn rank_offset(&self, engine: usize) -> u32 {
         self.rank_offsets[engine]
     }
@@ -233,18 +223,16 @@ impl Default for PackedWire {
 
 impl PackedWire {
     pub fn validate(&self) -> Result<(), NcclSyncError> {
-        let zero = |field: &str| {
-            Err(NcclSyncError::Invalid(format!(
+        let sizes = [
+            ("packed_buffer_size_bytes", self.buffer_size_bytes),
+            ("packed_num_buffers", self.num_buffers.into()),
+        ];
+        match sizes.iter().find(|(_, size)| *size == 0) {
+            Some((field, _)) => Err(NcclSyncError::Invalid(format!(
                 "{field} must be at least 1"
-            )))
-        };
-        if self.buffer_size_bytes == 0 {
-            return zero("packed_buffer_size_bytes");
+            ))),
+            None => Ok(()),
         }
-        if self.num_buffers == 0 {
-            return zero("packed_num_buffers");
-        }
-        Ok(())
     }
 }
 
@@ -262,10 +250,12 @@ pub struct NcclInitInfo {
 
 /// One `init_info` per engine, in the layout's order.
 pub fn init_infos(id: &UniqueId, layout: &RankLayout, wire: PackedWire) -> Vec<NcclInitInfo> {
-    (0..layout.engines())
-        .map(|i| NcclInitInfo {
+    layout
+        .rank_offsets
+        .iter()
+        .map(|&rank_offset| NcclInitInfo {
             nccl_unique_id_b64: id.clone(),
-            rank_offset: layout.rank_offset(i),
+            rank_offset,
             world_size: layout.world_size(),
             packed: true,
             packed_buffer_size_bytes: wire.buffer_size_bytes,
@@ -333,16 +323,6 @@ impl TensorMeta {
 pub struct Chunk {
     pub tensors: Range<usize>,
     pub bytes: Range<usize>,
-}
-
-impl Chunk {
-    pub fn len(&self) -> usize {
-        self.bytes.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
-    }
 }
 
 /// Cuts a bucket of tensors of `byte_lens` into broadcasts as vLLM's packed consumer does: whole
@@ -650,7 +630,10 @@ mod tests {
         assert_eq!(plan.total_bytes(), 292);
         assert_eq!(plan.chunks.len(), 2);
         assert_eq!(
-            plan.chunks.iter().map(Chunk::len).collect::<Vec<_>>(),
+            plan.chunks
+                .iter()
+                .map(|c| c.bytes.len())
+                .collect::<Vec<_>>(),
             [256, 36]
         );
         let json = serde_json::to_value(plan.update_info()).unwrap();
@@ -705,7 +688,7 @@ mod tests {
     fn steps_read_as_endpoints() {
         let err = NcclSyncError::Engine {
             url: "http://e0:8000".into(),
-            step: Step::UpdateWeights,
+            step: Step::UPDATE_WEIGHTS,
             message: "boom".into(),
         };
         assert_eq!(

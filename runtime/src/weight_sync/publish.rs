@@ -16,6 +16,8 @@ use moult_operator::api::{EngineBackend, EnginesSpec, WeightTransport};
 use tch::{Device, Kind, Tensor};
 
 use super::folder::FolderPublisher;
+#[cfg(feature = "cuda")]
+use super::nccl::NcclPublisher;
 use super::orchestrate::WeightSync;
 use super::stream::WeightStream;
 use super::{SyncError, SyncReport};
@@ -72,7 +74,7 @@ pub enum Publisher {
     Tcp(WeightSync),
     Filesystem(FolderPublisher),
     #[cfg(feature = "cuda")]
-    Nccl(Box<nccl::NcclPublisher>),
+    Nccl(Box<NcclPublisher>),
 }
 
 impl Publisher {
@@ -102,8 +104,7 @@ impl Publisher {
             WeightTransport::Nccl => {
                 #[cfg(feature = "cuda")]
                 if let Device::Cuda(ordinal) = opts.device {
-                    let publisher =
-                        nccl::NcclPublisher::new(&opts.target, ordinal, opts.engine_kind);
+                    let publisher = NcclPublisher::new(&opts.target, ordinal, opts.engine_kind);
                     return Ok(Self::Nccl(Box::new(publisher)));
                 }
                 let why = if cfg!(feature = "cuda") {
@@ -217,120 +218,6 @@ pub fn engine_kind(
             "spec.engines.extraArgs",
             format!("--dtype {other} is not one moult can send weights in (float32, bfloat16, float16, auto)"),
         )),
-    }
-}
-
-#[cfg(feature = "cuda")]
-mod nccl {
-    use tch::Kind;
-
-    use crate::router::pool::EngineStatus;
-    use crate::weight_sync::nccl::{NcclSenderConfig, NcclWeightSender};
-    use crate::weight_sync::stream::WeightStream;
-    use crate::weight_sync::{Control, SyncError, SyncReport};
-
-    /// Bytes per `update_weights` call.
-    const BUCKET_BYTES: usize = 256 << 20;
-
-    /// The NCCL weight path to the engines the coordinator (or router) lists.
-    #[derive(Debug)]
-    pub struct NcclPublisher {
-        control: Control,
-        ordinal: usize,
-        kind: Kind,
-        /// The engines the sender is connected to, and the sender.
-        sender: Option<(Vec<String>, NcclWeightSender)>,
-    }
-
-    impl NcclPublisher {
-        pub fn new(target: &str, ordinal: usize, kind: Kind) -> Self {
-            Self {
-                control: Control::new(target),
-                ordinal,
-                kind,
-                sender: None,
-            }
-        }
-
-        /// The engines up behind the router.
-        async fn engines(&self) -> Result<Vec<String>, SyncError> {
-            let mut listed = self.control.get("engines").await?;
-            let engines: Vec<EngineStatus> =
-                serde_json::from_value(listed["engines"].take()).unwrap_or_default();
-            let mut urls: Vec<String> = engines
-                .into_iter()
-                .filter(|e| e.healthy)
-                .map(|e| e.url)
-                .collect();
-            urls.sort();
-            if urls.is_empty() {
-                return Err(SyncError::NoEngines);
-            }
-            Ok(urls)
-        }
-
-        /// Connects (again when the engines changed), then pause, send, set the version,
-        /// resume. After a failed send the engines stay paused: resuming them would serve
-        /// half-loaded weights.
-        pub async fn update(
-            &mut self,
-            mut weights: WeightStream,
-            version: u64,
-            partial_rollout: bool,
-        ) -> Result<SyncReport, SyncError> {
-            let urls = self.engines().await?;
-            let Self {
-                control,
-                ordinal,
-                kind,
-                sender,
-            } = self;
-            if sender
-                .as_ref()
-                .is_none_or(|(connected, _)| *connected != urls)
-            {
-                *sender = None;
-                let new = NcclWeightSender::connect(*ordinal, &urls, NcclSenderConfig::default())
-                    .await
-                    .map_err(SyncError::at("connect"))?;
-                *sender = Some((urls, new));
-            }
-            let send = async {
-                let (_, connected) = sender.as_mut().expect("connected above");
-                let sent = send(connected, *kind, &mut weights, version).await;
-                if sent.is_err() {
-                    // A failed sender refuses further work: connect again next time.
-                    *sender = None;
-                }
-                sent.map_err(|e| SyncError::Held(Box::new(e)))
-            };
-            control.paused_update(version, partial_rollout, send).await
-        }
-    }
-
-    /// Start, each bucket as it comes in the engines' dtype, finish (only once the stream ended
-    /// whole); what was sent.
-    async fn send(
-        sender: &mut NcclWeightSender,
-        kind: Kind,
-        weights: &mut WeightStream,
-        version: u64,
-    ) -> Result<SyncReport, SyncError> {
-        sender.start_update().await?;
-        let mut sent = SyncReport::default();
-        while let Some(pieces) = weights.next_split(BUCKET_BYTES).await? {
-            for bucket in pieces {
-                // vLLM copies what it receives into its parameters.
-                let converted: Vec<_> = bucket
-                    .into_iter()
-                    .map(|(n, t)| (n, t.to_kind(kind).contiguous()))
-                    .collect();
-                sent.count(&converted);
-                sender.send_bucket(converted).await?;
-            }
-        }
-        sender.finish_update(version).await?;
-        Ok(sent)
     }
 }
 
