@@ -407,7 +407,12 @@ async fn gpu_engines_receive_every_byte_of_packed_buckets() {
             }
             buckets.push(bucket);
         }
-        sender.update(buckets, version).await.unwrap();
+        // One whole update: start, every bucket in order, finish with the version.
+        sender.start_update().await.unwrap();
+        for bucket in buckets {
+            sender.send_bucket(bucket).await.unwrap();
+        }
+        sender.finish_update(version).await.unwrap();
         for engine in &engines {
             let mut seen = engine.seen.lock().unwrap();
             assert_eq!(seen.received, expected, "version {version}");

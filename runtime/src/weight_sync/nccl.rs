@@ -199,12 +199,10 @@ impl NcclWeightSender {
             .map_err(|e| panicked(Step::COMM_INIT, e))??;
         let infos = init_infos(&id, &layout, config.wire);
         let world_size = layout.world_size();
-        let init = move |deadline: &Deadline, cancel: &AtomicBool| {
-            Device::init(ctx, &id, world_size, deadline, cancel)
-        };
+        let init = move |deadline: &Deadline| Device::init(ctx, &id, world_size, deadline);
         let calls = engines.iter().zip(&infos).map(|(e, info)| e.init(info));
-        let deadline = Deadline::new(config.nccl_timeout(), &engines);
-        let device = collective(Step::COMM_INIT, deadline, init, calls).await?;
+        let timeout = config.nccl_timeout();
+        let device = collective(Step::COMM_INIT, timeout, &engines, init, calls).await?;
         Ok(Self {
             engines,
             layout,
@@ -248,23 +246,20 @@ impl NcclWeightSender {
         let dropped = Err("a send_bucket call was dropped before it finished".into());
         let mut device = std::mem::replace(&mut self.device, dropped).expect("checked by usable()");
         // A failed collective leaves the communicator unusable: drop (abort) it there.
-        let broadcast = move |deadline: &Deadline, cancel: &AtomicBool| {
-            let sent = device.broadcast(&plan, &ptrs, deadline, cancel);
+        let broadcast = move |deadline: &Deadline| {
+            let sent = device.broadcast(&plan, &ptrs, deadline);
             drop(tensors); // alive until the GPU is done reading them
             sent.map(|()| device)
         };
         let calls = self.engines.iter().map(|e| e.update_weights(&info));
-        let deadline = Deadline::new(self.config.nccl_timeout(), &self.engines);
-        match collective(Step::BROADCAST, deadline, broadcast, calls).await {
-            Ok(device) => {
-                self.device = Ok(device);
-                Ok(())
-            }
-            Err(e) => {
-                self.device = Err(e.to_string());
-                Err(e)
-            }
-        }
+        let timeout = self.config.nccl_timeout();
+        let (device, sent) =
+            match collective(Step::BROADCAST, timeout, &self.engines, broadcast, calls).await {
+                Ok(device) => (Ok(device), Ok(())),
+                Err(e) => (Err(e.to_string()), Err(e)),
+            };
+        self.device = device;
+        sent
     }
 
     /// `POST /finish_weight_update {weight_version}` on every engine.
@@ -272,19 +267,6 @@ impl NcclWeightSender {
         self.usable()?;
         let calls = self.engines.iter().map(|e| e.finish_update(weight_version));
         fan_out(&AtomicBool::new(false), calls).await
-    }
-
-    /// One whole update: start, every bucket in order, finish with `weight_version`.
-    pub async fn update<T: DeviceTensor>(
-        &mut self,
-        buckets: Vec<Vec<(String, T)>>,
-        weight_version: u64,
-    ) -> Result<(), NcclSyncError> {
-        self.start_update().await?;
-        for bucket in buckets {
-            self.send_bucket(bucket).await?;
-        }
-        self.finish_update(weight_version).await
     }
 }
 
@@ -308,21 +290,26 @@ where
     .map(drop)
 }
 
-/// Rank 0's side of a collective (`gpu`, on a blocking thread, bounded by `deadline`) together
-/// with the engines' HTTP `calls`, which return only once their side of it is done. The first
+/// Rank 0's side of a collective (`gpu`, on a blocking thread, bounded by `timeout`) together
+/// with the `engines`' HTTP `calls`, which return only once their side of it is done. The first
 /// engine to fail raises the flag `gpu`'s waits poll, so rank 0 stops waiting for a peer that
 /// will not join and aborts the communicator.
 async fn collective<T: Send + 'static, F: Future<Output = Result<(), NcclSyncError>>>(
     step: Step,
-    deadline: Deadline,
-    gpu: impl FnOnce(&Deadline, &AtomicBool) -> Result<T, NcclSyncError> + Send + 'static,
+    timeout: Duration,
+    engines: &[EngineControl],
+    gpu: impl FnOnce(&Deadline) -> Result<T, NcclSyncError> + Send + 'static,
     calls: impl Iterator<Item = F>,
 ) -> Result<T, NcclSyncError> {
-    let cancel = Arc::new(AtomicBool::new(false));
-    let task = {
-        let cancel = cancel.clone();
-        tokio::task::spawn_blocking(move || gpu(&deadline, &cancel))
+    let urls: Vec<&str> = engines.iter().map(EngineControl::url).collect();
+    let deadline = Deadline {
+        at: Instant::now() + timeout,
+        timeout,
+        engines: urls.join(", "),
+        cancel: Arc::default(),
     };
+    let cancel = deadline.cancel.clone();
+    let task = tokio::task::spawn_blocking(move || gpu(&deadline));
     let gpu = async { task.await.map_err(|e| panicked(step, e))? };
     let (out, ()) = tokio::try_join!(gpu, fan_out(&cancel, calls))?;
     Ok(out)
@@ -383,33 +370,13 @@ fn open(ordinal: usize) -> Result<(Arc<CudaContext>, UniqueId), NcclSyncError> {
     Ok((ctx, UniqueId(id.internal().map(|c| c as u8))))
 }
 
-/// When a wait gives up, and whom to name then.
+/// When a wait on the GPU gives up: at `at`, or once an engine failed its side of the
+/// collective (`cancel`); and whom to name then.
 struct Deadline {
     at: Instant,
     timeout: Duration,
     engines: String,
-}
-
-impl Deadline {
-    fn new(timeout: Duration, engines: &[EngineControl]) -> Self {
-        Self {
-            at: Instant::now() + timeout,
-            timeout,
-            engines: engines
-                .iter()
-                .map(EngineControl::url)
-                .collect::<Vec<_>>()
-                .join(", "),
-        }
-    }
-
-    fn expired(&self, step: Step) -> NcclSyncError {
-        NcclSyncError::CommTimeout {
-            step,
-            timeout: self.timeout,
-            engines: self.engines.clone(),
-        }
-    }
+    cancel: Arc<AtomicBool>,
 }
 
 /// An NCCL communicator in non-blocking mode; dropping it aborts it.
@@ -550,7 +517,6 @@ impl Device {
         id: &UniqueId,
         world_size: u32,
         deadline: &Deadline,
-        cancel: &AtomicBool,
     ) -> Result<Self, NcclSyncError> {
         ctx.bind_to_thread()
             .map_err(|e| cuda_error(Step::COMM_INIT, "binding the CUDA context", e))?;
@@ -558,19 +524,19 @@ impl Device {
             .new_stream()
             .map_err(|e| cuda_error(Step::COMM_INIT, "creating a stream", e))?;
         let comm = Comm::start_init(id, world_size, 0)?;
-        wait(&comm, Step::COMM_INIT, deadline, cancel, || Ok(true))?;
+        wait(&comm, Step::COMM_INIT, deadline, || Ok(true))?;
         let mut device = Self {
             ctx,
             stream,
             comm,
             pack: None,
         };
-        device.warm_up(deadline, cancel)?;
+        device.warm_up(deadline)?;
         Ok(device)
     }
 
     /// One float32 element, all_reduce(SUM), as vLLM's `PyNcclCommunicator` does after init.
-    fn warm_up(&mut self, deadline: &Deadline, cancel: &AtomicBool) -> Result<(), NcclSyncError> {
+    fn warm_up(&mut self, deadline: &Deadline) -> Result<(), NcclSyncError> {
         let step = Step::WARM_UP;
         let mut one = self
             .stream
@@ -593,7 +559,7 @@ impl Device {
             };
             self.comm.enqueued(step, status)?;
         }
-        self.wait_stream(step, deadline, cancel)
+        self.wait_stream(step, deadline)
     }
 
     /// Broadcasts a bucket's chunks from rank 0, in order, reading each tensor at `ptrs`.
@@ -602,7 +568,6 @@ impl Device {
         plan: &BucketPlan,
         ptrs: &[u64],
         deadline: &Deadline,
-        cancel: &AtomicBool,
     ) -> Result<(), NcclSyncError> {
         let step = Step::BROADCAST;
         self.ctx
@@ -660,9 +625,9 @@ impl Device {
                 )
             };
             self.comm.enqueued(step, status)?;
-            wait(&self.comm, step, deadline, cancel, || Ok(true))?;
+            wait(&self.comm, step, deadline, || Ok(true))?;
         }
-        self.wait_stream(step, deadline, cancel)
+        self.wait_stream(step, deadline)
     }
 
     /// The packing buffer's address, grown to at least `bytes`.
@@ -681,17 +646,12 @@ impl Device {
     }
 
     /// Waits for everything queued on the stream.
-    fn wait_stream(
-        &self,
-        step: Step,
-        deadline: &Deadline,
-        cancel: &AtomicBool,
-    ) -> Result<(), NcclSyncError> {
+    fn wait_stream(&self, step: Step, deadline: &Deadline) -> Result<(), NcclSyncError> {
         let event = self
             .stream
             .record_event(None)
             .map_err(|e| cuda_error(step, "recording an event", e))?;
-        wait(&self.comm, step, deadline, cancel, || {
+        wait(&self.comm, step, deadline, || {
             event
                 .try_is_complete()
                 .map_err(|e| cuda_error(step, "waiting for the GPU", e))
@@ -700,26 +660,30 @@ impl Device {
 }
 
 /// Polls until the communicator has no call in progress and `done()` holds. Fails on an NCCL
-/// error, on `cancel` (an engine failed its side), or at the deadline; the caller then drops the
+/// error, once an engine failed its side, or at the deadline; the caller then drops the
 /// communicator, aborting it.
 fn wait(
     comm: &Comm,
     step: Step,
     deadline: &Deadline,
-    cancel: &AtomicBool,
     mut done: impl FnMut() -> Result<bool, NcclSyncError>,
 ) -> Result<(), NcclSyncError> {
     loop {
         if comm.ready(step)? && done()? {
             return Ok(());
         }
-        if cancel.load(Ordering::Acquire) {
+        if deadline.cancel.load(Ordering::Acquire) {
             return Err(NcclSyncError::Broken(format!(
                 "an engine failed during {step}"
             )));
         }
         if Instant::now() >= deadline.at {
-            return Err(deadline.expired(step));
+            let (timeout, engines) = (deadline.timeout, deadline.engines.clone());
+            return Err(NcclSyncError::CommTimeout {
+                step,
+                timeout,
+                engines,
+            });
         }
         std::thread::sleep(POLL);
     }

@@ -123,12 +123,10 @@ impl EngineControl {
                 let message = ["error", "detail", "message"]
                     .iter()
                     .find_map(|k| body.get(k))
-                    .map(|m| match m {
-                        Value::String(s) => s.clone(),
-                        Value::Object(o) if o.contains_key("message") => {
-                            o["message"].as_str().unwrap_or_default().to_string()
-                        }
-                        other => other.to_string(),
+                    .map(|m| {
+                        // OpenAI's shape: `{"error": {"message": ...}}`.
+                        let m = m.get("message").unwrap_or(m);
+                        m.as_str().map_or_else(|| m.to_string(), str::to_string)
                     })
                     .unwrap_or_else(|| body.to_string());
                 format!("HTTP {}: {message}", status.as_u16())
