@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 
 use moult_operator::api::{EngineBackend, EnginesSpec, WeightTransport};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
 use super::folder::FolderPublisher;
 #[cfg(feature = "cuda")]
@@ -28,7 +28,6 @@ use crate::trainer::train::Trainer;
 pub struct PublishOptions {
     /// The router or coordinator in front of the engines.
     pub target: String,
-    pub backend: EngineBackend,
     pub transport: WeightTransport,
     /// The trainer's device (NCCL sends from its GPU).
     pub device: Device,
@@ -57,7 +56,6 @@ impl PublishOptions {
     ) -> Result<Self, SyncError> {
         Ok(Self {
             target,
-            backend: engines.backend,
             transport: engines.transport(),
             device,
             host,
@@ -118,17 +116,6 @@ impl Publisher {
                 ))
             }
         }
-    }
-
-    /// Pushes `weights` as `version` (pause `keep` with partial rollout, else `wait`).
-    pub async fn update(
-        &mut self,
-        weights: &[(String, Tensor)],
-        version: u64,
-        partial_rollout: bool,
-    ) -> Result<SyncReport, SyncError> {
-        self.update_stream(WeightStream::whole(weights), version, partial_rollout)
-            .await
     }
 
     /// Publishes `trainer`'s weights as `version`: the trainer gathers them bucket by bucket on
@@ -228,7 +215,6 @@ mod tests {
     fn opts(transport: WeightTransport) -> PublishOptions {
         PublishOptions {
             target: "http://127.0.0.1:1".into(),
-            backend: EngineBackend::Vllm,
             transport,
             device: Device::Cpu,
             host: "127.0.0.1".into(),
