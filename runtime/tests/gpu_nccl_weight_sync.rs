@@ -357,7 +357,7 @@ async fn gpu_engines_receive_every_byte_of_packed_buckets() {
         nccl_timeout: None,
     };
     let mut sender = NcclWeightSender::connect(0, &urls, config).await.unwrap();
-    assert_eq!(sender.layout().world_size() as usize, 1 + engines.len());
+    assert_eq!(sender.world_size() as usize, 1 + engines.len());
     for (i, engine) in engines.iter().enumerate() {
         let info = engine.seen.lock().unwrap().init_info.clone().unwrap();
         assert_eq!(info["rank_offset"], 1 + i);

@@ -1,8 +1,8 @@
 //! The trainer's side of the NCCL weight-sync data plane to vLLM engines (docs/engine.md), on
 //! cudarc's bindings of libcuda and libnccl, both loaded at run time (feature `cuda`).
 //!
-//! [`NcclWeightSender::connect`] asks every engine its world size, lays out the ranks (the
-//! trainer is rank 0), mints the unique id, and then enters `ncclCommInitRank` as rank 0 while
+//! [`NcclWeightSender::connect`] asks every engine its world size, mints the unique id, lays out
+//! the ranks (the trainer is rank 0), and then enters `ncclCommInitRank` as rank 0 while
 //! `POST /init_weight_transfer_engine` runs on every engine, followed by the one-element float32
 //! all_reduce(SUM) that vLLM's communicator issues right after init (a peer that skipped it would
 //! deadlock every rank). An update is [`NcclWeightSender::start_update`], one
@@ -37,8 +37,7 @@ use tch::Kind;
 
 use super::nccl_control::{ControlTimeouts, EngineControl};
 use super::nccl_handshake::{
-    init_infos, BucketPlan, NcclSyncError, PackedWire, RankLayout, Step, TensorMeta, UniqueId,
-    DTYPES,
+    init_infos, BucketPlan, NcclSyncError, PackedWire, Step, TensorMeta, UniqueId, DTYPES,
 };
 use super::stream::WeightStream;
 use super::{Control, SyncError, SyncReport};
@@ -168,7 +167,8 @@ fn cuda_error(step: Step, what: &str, e: cudarc::driver::DriverError) -> NcclSyn
 #[derive(Debug)]
 pub struct NcclWeightSender {
     engines: Vec<EngineControl>,
-    layout: RankLayout,
+    /// Ranks in the communicator: the trainer and every engine rank.
+    world_size: u32,
     config: NcclSenderConfig,
     ordinal: usize,
     /// The GPU side, or why a failure aborted its communicator.
@@ -190,31 +190,29 @@ impl NcclWeightSender {
             .map(|url| EngineControl::new(url, config.timeouts))
             .collect();
         let sizes = futures::future::try_join_all(engines.iter().map(|e| e.world_size())).await?;
-        let layout = RankLayout::new(&sizes)?;
-        tracing::info!(engines = ?engine_urls, ?sizes, world_size = layout.world_size(), "NCCL weight transfer: connecting");
-
         // ncclGetUniqueId also opens rank 0's bootstrap listener, which the id points at.
         let (ctx, id) = tokio::task::spawn_blocking(move || open(device_ordinal))
             .await
             .map_err(|e| panicked(Step::COMM_INIT, e))??;
-        let infos = init_infos(&id, &layout, config.wire);
-        let world_size = layout.world_size();
+        let infos = init_infos(&id, &sizes, config.wire)?;
+        let world_size = infos[0].world_size;
+        tracing::info!(engines = ?engine_urls, ?sizes, world_size, "NCCL weight transfer: connecting");
         let init = move |deadline: &Deadline| Device::init(ctx, &id, world_size, deadline);
         let calls = engines.iter().zip(&infos).map(|(e, info)| e.init(info));
         let timeout = config.nccl_timeout();
         let device = collective(Step::COMM_INIT, timeout, &engines, init, calls).await?;
         Ok(Self {
             engines,
-            layout,
+            world_size,
             config,
             ordinal: device_ordinal,
             device: Ok(device),
         })
     }
 
-    /// Where each engine's ranks sit.
-    pub fn layout(&self) -> &RankLayout {
-        &self.layout
+    /// Ranks in the communicator: the trainer and every engine rank.
+    pub fn world_size(&self) -> u32 {
+        self.world_size
     }
 
     fn usable(&self) -> Result<(), NcclSyncError> {

@@ -147,7 +147,7 @@ mod tests {
 
     use super::*;
     use crate::weight_sync::nccl_handshake::{
-        init_infos, BucketPlan, PackedWire, RankLayout, TensorMeta, UniqueId,
+        init_infos, BucketPlan, PackedWire, TensorMeta, UniqueId,
     };
 
     type Log = Arc<Mutex<Vec<(String, serde_json::Value)>>>;
@@ -205,9 +205,8 @@ mod tests {
         assert!(!control.url().ends_with('/'));
         assert_eq!(control.world_size().await.unwrap(), 2);
 
-        let layout = RankLayout::new(&[1, 2]).unwrap();
         let id = UniqueId([7; 128]);
-        let info = &init_infos(&id, &layout, PackedWire::default())[1];
+        let info = &init_infos(&id, &[1, 2], PackedWire::default()).unwrap()[1];
         control.init(info).await.unwrap();
         control.start_update().await.unwrap();
         let plan = BucketPlan::new(

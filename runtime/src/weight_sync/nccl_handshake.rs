@@ -7,9 +7,10 @@
 //! `vllm/entrypoints/serve/dev/rlhf/api_router.py`; see `docs/weight-sync.md`):
 //! - [`UniqueId`]: the 128 raw bytes of `ncclGetUniqueId`, sent as `nccl_unique_id_b64`, standard
 //!   (RFC 4648, padded, not URL-safe) base64, exactly as vLLM's `decode_nccl_unique_id` checks;
-//! - [`RankLayout`]: engine `i` gets `rank_offset = 1 + Σ world_size(j < i)` (vLLM ranks each of
-//!   its workers `dp_rank * tp * pp + rank + rank_offset`, `GET /get_world_size` being tp·pp·dp);
-//! - [`NcclInitInfo`]: the `init_info` of `POST /init_weight_transfer_engine`. vLLM takes exactly
+//! - [`NcclInitInfo`]: the `init_info` of `POST /init_weight_transfer_engine`, one per engine
+//!   ([`init_infos`]): engine `i` gets `rank_offset = 1 + Σ world_size(j < i)` (vLLM ranks each of
+//!   its workers `dp_rank * tp * pp + rank + rank_offset`, `GET /get_world_size` being tp·pp·dp),
+//!   and `world_size` counts the trainer and every engine rank. vLLM takes exactly
 //!   one rendezvous (the unique id *or* `master_address`/`master_port`), and the packed-broadcast
 //!   wire parameters (`packed`, `packed_buffer_size_bytes`, `packed_num_buffers`) travel here,
 //!   once, not per update;
@@ -154,55 +155,6 @@ impl UniqueId {
     }
 }
 
-/// Where every engine's ranks sit in the one communicator; the trainer is rank 0.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RankLayout {
-    rank_offsets: Vec<u32>,
-    world_size: u32,
-}
-
-impl RankLayout {
-    /// `engine_world_sizes[i]` is engine `i`'s `GET /get_world_size`.
-    pub fn new(engine_world_sizes: &[u32]) -> Result<Self, NcclSyncError> {
-        if engine_world_sizes.is_empty() {
-            return Err(NcclSyncError::Invalid(
-                "the NCCL weight transfer needs at least one engine".into(),
-            ));
-        }
-        let mut rank_offsets = Vec::with_capacity(engine_world_sizes.len());
-        let mut next: u32 = 1;
-        for (i, &size) in engine_world_sizes.iter().enumerate() {
-            if size == 0 {
-                return Err(NcclSyncError::Invalid(format!(
-                    "engine {i} reports world_size 0; it must be at least 1"
-                )));
-            }
-            rank_offsets.push(next);
-            next = next
-                .checked_add(size)
-                .filter(|&n| n <= i32::MAX as u32)
-                .ok_or_else(|| {
-                    NcclSyncError::Invalid(format!(
-                        "the engines' world sizes {engine_world_sizes:?} add up to more ranks than NCCL takes (i32)"
-                    ))
-                })?;
-        }
-        Ok(Self {
-            rank_offsets,
-            world_size: next,
-        })
-    }
-
-    /// Ranks in the communicator: the trainer plus every engine rank.
-    pub fn world_size(&self) -> u32 {
-        self.world_size
-    }
-
-    pub fn rank_offset(&self, engine: usize) -> u32 {
-        self.rank_offsets[engine]
-    }
-}
-
 /// The packed-broadcast parameters both sides must agree on (sent once, in `init_info`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PackedWire {
@@ -248,20 +200,46 @@ pub struct NcclInitInfo {
     pub packed_num_buffers: u32,
 }
 
-/// One `init_info` per engine, in the layout's order.
-pub fn init_infos(id: &UniqueId, layout: &RankLayout, wire: PackedWire) -> Vec<NcclInitInfo> {
-    layout
-        .rank_offsets
-        .iter()
-        .map(|&rank_offset| NcclInitInfo {
-            nccl_unique_id_b64: id.clone(),
-            rank_offset,
-            world_size: layout.world_size(),
-            packed: true,
-            packed_buffer_size_bytes: wire.buffer_size_bytes,
-            packed_num_buffers: wire.num_buffers,
-        })
-        .collect()
+/// One `init_info` per engine, in order, `engine_world_sizes[i]` being engine `i`'s
+/// `GET /get_world_size`: the trainer is rank 0, and each engine's ranks follow the earlier
+/// engines'.
+pub fn init_infos(
+    id: &UniqueId,
+    engine_world_sizes: &[u32],
+    wire: PackedWire,
+) -> Result<Vec<NcclInitInfo>, NcclSyncError> {
+    if engine_world_sizes.is_empty() {
+        return Err(NcclSyncError::Invalid(
+            "the NCCL weight transfer needs at least one engine".into(),
+        ));
+    }
+    let mut rank_offsets = Vec::with_capacity(engine_world_sizes.len());
+    let mut next: u32 = 1;
+    for (i, &size) in engine_world_sizes.iter().enumerate() {
+        if size == 0 {
+            return Err(NcclSyncError::Invalid(format!(
+                "engine {i} reports world_size 0; it must be at least 1"
+            )));
+        }
+        rank_offsets.push(next);
+        next = next
+            .checked_add(size)
+            .filter(|&n| n <= i32::MAX as u32)
+            .ok_or_else(|| {
+                NcclSyncError::Invalid(format!(
+                    "the engines' world sizes {engine_world_sizes:?} add up to more ranks than NCCL takes (i32)"
+                ))
+            })?;
+    }
+    let info = |rank_offset| NcclInitInfo {
+        nccl_unique_id_b64: id.clone(),
+        rank_offset,
+        world_size: next,
+        packed: true,
+        packed_buffer_size_bytes: wire.buffer_size_bytes,
+        packed_num_buffers: wire.num_buffers,
+    };
+    Ok(rank_offsets.into_iter().map(info).collect())
 }
 
 /// The dtypes a checkpoint holds, as vLLM names them (`getattr(torch, name)`).
@@ -462,34 +440,34 @@ mod tests {
     #[test]
     fn rank_offsets_follow_earlier_engines_world_sizes() {
         // A tp=2 engine, a tp=1 engine, a tp=4 (or tp·dp) engine.
-        let layout = RankLayout::new(&[2, 1, 4]).unwrap();
-        assert_eq!(layout.world_size(), 8);
+        let infos = init_infos(&id(), &[2, 1, 4], PackedWire::default()).unwrap();
+        assert!(infos.iter().all(|i| i.world_size == 8));
         assert_eq!(
-            (0..3).map(|i| layout.rank_offset(i)).collect::<Vec<_>>(),
+            infos.iter().map(|i| i.rank_offset).collect::<Vec<_>>(),
             [1, 3, 4]
         );
-        let single = RankLayout::new(&[1]).unwrap();
-        assert_eq!((single.rank_offset(0), single.world_size()), (1, 2));
+        let single = &init_infos(&id(), &[1], PackedWire::default()).unwrap()[0];
+        assert_eq!((single.rank_offset, single.world_size), (1, 2));
     }
 
     #[test]
     fn bad_layouts_are_refused_with_the_engine() {
-        assert!(RankLayout::new(&[]).is_err());
-        let err = RankLayout::new(&[1, 0]).unwrap_err().to_string();
+        let layout = |sizes: &[u32]| init_infos(&id(), sizes, PackedWire::default());
+        assert!(layout(&[]).is_err());
+        let err = layout(&[1, 0]).unwrap_err().to_string();
         assert!(err.contains("engine 1 reports world_size 0"), "{err}");
-        assert!(RankLayout::new(&[u32::MAX]).is_err());
-        assert!(RankLayout::new(&[i32::MAX as u32 - 1]).is_ok());
-        assert!(RankLayout::new(&[i32::MAX as u32]).is_err());
+        assert!(layout(&[u32::MAX]).is_err());
+        assert!(layout(&[i32::MAX as u32 - 1]).is_ok());
+        assert!(layout(&[i32::MAX as u32]).is_err());
     }
 
     #[test]
     fn init_info_json_is_vllms_unique_id_mode() {
-        let layout = RankLayout::new(&[2, 1]).unwrap();
         let wire = PackedWire {
             buffer_size_bytes: 1 << 20,
             num_buffers: 2,
         };
-        let infos = init_infos(&id(), &layout, wire);
+        let infos = init_infos(&id(), &[2, 1], wire).unwrap();
         let json: Vec<serde_json::Value> = infos
             .iter()
             .map(|i| serde_json::to_value(i).unwrap())
