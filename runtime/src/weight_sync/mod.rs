@@ -28,6 +28,7 @@ pub mod stream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use reqwest::Method;
 use serde_json::{json, Value};
 
 /// A cause of any kind, kept as the error's source.
@@ -140,7 +141,7 @@ impl Control {
     /// the URL, status and body of a refusal.
     pub async fn request(
         &self,
-        method: reqwest::Method,
+        method: Method,
         path: &str,
         body: Option<&Value>,
     ) -> Result<Value, CallError> {
@@ -149,10 +150,8 @@ impl Control {
         if let Some(body) = body {
             req = req.json(body);
         }
-        let r = match req.send().await {
-            Ok(r) => r,
-            Err(e) => return Err(CallError::Unreachable(url, e)),
-        };
+        let unreachable = |e| CallError::Unreachable(url.clone(), e);
+        let r = req.send().await.map_err(unreachable)?;
         let status = r.status();
         let body = r.text().await.unwrap_or_default();
         if !status.is_success() {
@@ -163,17 +162,14 @@ impl Control {
 
     /// `GET /<step>`, a failure named after `step`.
     pub async fn get(&self, step: &'static str) -> Result<Value, SyncError> {
-        let path = format!("/{step}");
-        let answer = self.request(reqwest::Method::GET, &path, None).await;
+        let answer = self.request(Method::GET, &format!("/{step}"), None).await;
         answer.map_err(|e| SyncError::Call(step, e))
     }
 
     /// `POST /<step>` with `body`, a failure named after `step`.
     pub async fn post(&self, step: &'static str, body: Value) -> Result<Value, SyncError> {
         let path = format!("/{step}");
-        let answer = self
-            .request(reqwest::Method::POST, &path, Some(&body))
-            .await;
+        let answer = self.request(Method::POST, &path, Some(&body)).await;
         answer.map_err(|e| SyncError::Call(step, e))
     }
 
@@ -182,12 +178,12 @@ impl Control {
     pub async fn pause(&self, partial_rollout: bool) -> Result<(), SyncError> {
         let mode = if partial_rollout { "keep" } else { "wait" };
         let path = format!("/pause?mode={mode}");
-        let answer = self.request(reqwest::Method::POST, &path, None).await;
+        let answer = self.request(Method::POST, &path, None).await;
         answer.map(drop).map_err(|e| SyncError::Call("pause", e))
     }
 
     pub async fn resume(&self) -> Result<(), SyncError> {
-        let answer = self.request(reqwest::Method::POST, "/resume", None).await;
+        let answer = self.request(Method::POST, "/resume", None).await;
         answer.map(drop).map_err(|e| SyncError::Call("resume", e))
     }
 
