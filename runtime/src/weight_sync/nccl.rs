@@ -61,32 +61,21 @@ impl NcclSenderConfig {
     }
 }
 
-/// Why this machine cannot run the NCCL data plane (GPU tests print it when they skip).
-#[derive(Debug, thiserror::Error)]
-pub enum Unavailable {
-    #[error("libcuda could not be loaded (no NVIDIA driver)")]
-    NoDriver,
-    #[error("libnccl could not be loaded (set LD_LIBRARY_PATH to its directory)")]
-    NoNccl,
-    #[error("cuDeviceGetCount: {0}")]
-    DeviceCount(#[source] cudarc::driver::DriverError),
-    #[error("no CUDA device")]
-    NoDevice,
-}
-
 /// Whether this machine can run the NCCL data plane: libcuda and libnccl load and a GPU exists;
-/// the number of GPUs.
-pub fn nccl_available() -> Result<usize, Unavailable> {
+/// the number of GPUs, or what is missing (GPU tests print it when they cannot run).
+pub fn nccl_available() -> Result<usize, NcclSyncError> {
+    let missing = |what: &str| Err(NcclSyncError::nccl(Step::COMM_INIT, what));
     // SAFETY: dlopen of the system's libcuda by its usual names; nothing is called yet.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(Unavailable::NoDriver);
+        return missing("libcuda could not be loaded (no NVIDIA driver)");
     }
     // SAFETY: as above, for libnccl.
     if !unsafe { nccl_sys::is_culib_present() } {
-        return Err(Unavailable::NoNccl);
+        return missing("libnccl could not be loaded (set LD_LIBRARY_PATH to its directory)");
     }
-    match CudaContext::device_count().map_err(Unavailable::DeviceCount)? {
-        count if count < 1 => Err(Unavailable::NoDevice),
+    let count = CudaContext::device_count();
+    match count.map_err(|e| cuda_error(Step::COMM_INIT, "cuDeviceGetCount", e))? {
+        count if count < 1 => missing("no CUDA device"),
         count => Ok(count as usize),
     }
 }
@@ -184,7 +173,7 @@ impl NcclWeightSender {
         config: NcclSenderConfig,
     ) -> Result<Self, NcclSyncError> {
         config.wire.validate()?;
-        nccl_available().map_err(|e| NcclSyncError::nccl(Step::COMM_INIT, e.to_string()))?;
+        nccl_available()?;
         let engines: Vec<EngineControl> = engine_urls
             .iter()
             .map(|url| EngineControl::new(url, config.timeouts))
@@ -919,7 +908,7 @@ mod tests {
         match nccl_available() {
             Err(reason) => {
                 assert!(
-                    matches!(&err, NcclSyncError::Nccl { step: Step::COMM_INIT, message } if *message == reason.to_string()),
+                    matches!(&err, NcclSyncError::Nccl { step: Step::COMM_INIT, .. } if err.to_string() == reason.to_string()),
                     "{err}"
                 );
             }
