@@ -139,7 +139,7 @@ impl FolderPublisher {
     /// the version, resume. An engine that failed to reload may hold part of the new weights:
     /// the engines stay paused then. Older version folders are removed once every engine has
     /// the new one.
-    pub async fn update_stream(
+    pub async fn update(
         &mut self,
         weights: WeightStream,
         version: u64,

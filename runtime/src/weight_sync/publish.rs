@@ -153,9 +153,10 @@ impl Publisher {
         }
     }
 
-    /// [`update`](Self::update) from buckets as a trainer gathers them: each transport sends
-    /// (or writes) a bucket while the next is gathered, and finishes the update only once the
-    /// stream ended whole.
+    /// Pushes the buckets of `weights` as `version` (pause `keep` with partial rollout, else
+    /// `wait`) as they come (`WeightStream::whole` for weights already whole): each transport
+    /// sends (or writes) a bucket while the next is gathered, and finishes the update only once
+    /// the stream ended whole.
     pub async fn update_stream(
         &mut self,
         weights: WeightStream,
@@ -164,11 +165,7 @@ impl Publisher {
     ) -> Result<SyncReport, SyncError> {
         match self {
             Self::Tcp(sync) => sync.update_stream(weights, version, partial_rollout).await,
-            Self::Filesystem(folder) => {
-                folder
-                    .update_stream(weights, version, partial_rollout)
-                    .await
-            }
+            Self::Filesystem(folder) => folder.update(weights, version, partial_rollout).await,
             #[cfg(feature = "cuda")]
             Self::Nccl(p) => p.update(weights, version, partial_rollout).await,
         }
