@@ -61,7 +61,7 @@ impl PublishOptions {
             host,
             port,
             folder,
-            engine_kind: engine_kind(engines.backend, &engines.extra_args, model_dtype)?,
+            engine_kind: engine_kind(engines, model_dtype)?,
         })
     }
 }
@@ -176,14 +176,11 @@ impl Publisher {
 /// float32); for vLLM its `--dtype` among `extra_args`, else (`auto`) the checkpoint's own
 /// (`model_dtype`), else float32. vLLM converts what it loads to its parameters' dtype, so this
 /// decides the bytes moved per update, not what the engine computes with.
-pub fn engine_kind(
-    backend: EngineBackend,
-    extra_args: &[String],
-    model_dtype: Option<&str>,
-) -> Result<Kind, SyncError> {
-    if backend == EngineBackend::Builtin {
+pub fn engine_kind(engines: &EnginesSpec, model_dtype: Option<&str>) -> Result<Kind, SyncError> {
+    if engines.backend == EngineBackend::Builtin {
         return Ok(Kind::Float);
     }
+    let extra_args = &engines.extra_args;
     let flag = extra_args
         .iter()
         .position(|a| a == "--dtype")
@@ -254,30 +251,34 @@ mod tests {
 
     #[test]
     fn engines_get_weights_in_their_own_dtype() {
-        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let vllm = EngineBackend::Vllm;
+        let spec = |backend, args: &[&str]| EnginesSpec {
+            backend,
+            extra_args: args.iter().map(|s| s.to_string()).collect(),
+            ..EnginesSpec::default()
+        };
+        let vllm = |args: &[&str]| spec(EngineBackend::Vllm, args);
         assert_eq!(
-            engine_kind(EngineBackend::Builtin, &[], Some("bfloat16")).unwrap(),
+            engine_kind(&spec(EngineBackend::Builtin, &[]), Some("bfloat16")).unwrap(),
             Kind::Float
         );
         assert_eq!(
-            engine_kind(vllm, &[], Some("bfloat16")).unwrap(),
+            engine_kind(&vllm(&[]), Some("bfloat16")).unwrap(),
             Kind::BFloat16
         );
-        assert_eq!(engine_kind(vllm, &[], None).unwrap(), Kind::Float);
+        assert_eq!(engine_kind(&vllm(&[]), None).unwrap(), Kind::Float);
         assert_eq!(
-            engine_kind(vllm, &args(&["--dtype", "float32"]), Some("bfloat16")).unwrap(),
+            engine_kind(&vllm(&["--dtype", "float32"]), Some("bfloat16")).unwrap(),
             Kind::Float
         );
         assert_eq!(
-            engine_kind(vllm, &args(&["--dtype=half"]), None).unwrap(),
+            engine_kind(&vllm(&["--dtype=half"]), None).unwrap(),
             Kind::Half
         );
         assert_eq!(
-            engine_kind(vllm, &args(&["--dtype", "auto"]), Some("float16")).unwrap(),
+            engine_kind(&vllm(&["--dtype", "auto"]), Some("float16")).unwrap(),
             Kind::Half
         );
-        let err = engine_kind(vllm, &args(&["--dtype", "fp8"]), None)
+        let err = engine_kind(&vllm(&["--dtype", "fp8"]), None)
             .unwrap_err()
             .to_string();
         assert!(err.contains("spec.engines.extraArgs"), "{err}");
