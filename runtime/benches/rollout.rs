@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use futures::StreamExt;
-use moult_operator::api::{EngineBackend, WeightTransport};
+use moult_operator::api::WeightTransport;
 use moult_runtime::agents::{Episode, EpisodeStatus};
 use moult_runtime::chat::SamplingOverride;
 use moult_runtime::engine::client::{EngineClient, Generated};
@@ -292,7 +292,6 @@ async fn weight_sync_rate() {
             tokio::spawn(server::serve(listener, router, std::future::pending()));
             let mut sync = Publisher::connect(&PublishOptions {
                 target: url,
-                backend: EngineBackend::Builtin,
                 transport,
                 device: tch::Device::Cpu,
                 host: "127.0.0.1".into(),
@@ -302,11 +301,12 @@ async fn weight_sync_rate() {
             })
             .await
             .unwrap();
-            sync.update(&weights, 1, true).await.unwrap(); // warm-up (buffers)
+            let whole = || WeightStream::whole(&weights);
+            sync.update_stream(whole(), 1, true).await.unwrap(); // warm-up (buffers)
             let mut reports = Vec::new();
             for v in 2..5 {
                 let started = Instant::now();
-                let r = sync.update(&weights, v, true).await.unwrap();
+                let r = sync.update_stream(whole(), v, true).await.unwrap();
                 reports.push((started.elapsed().as_secs_f64(), r));
             }
             let mean = |f: &dyn Fn(&(f64, moult_runtime::weight_sync::SyncReport)) -> f64| {

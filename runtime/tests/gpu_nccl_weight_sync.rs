@@ -16,6 +16,8 @@
 //! the same GPU within one host identity ("Duplicate GPU detected"), and the stand-in engines run
 //! in this process, so the exchange test needs two GPUs; the failure tests need one.
 #![cfg(feature = "cuda")]
+// The tensors sent here live in memory cudarc owns, and `DeviceTensor` is an unsafe trait.
+#![allow(unsafe_code)]
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,11 +26,11 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nccl::{Comm, Id, ReduceOp};
 use moult_runtime::engine::api::UpdateInfo;
 use moult_runtime::weight_sync::nccl::{
-    nccl_available, DeviceBytes, NcclSenderConfig, NcclWeightSender,
+    nccl_available, DeviceTensor, NcclSenderConfig, NcclWeightSender, Placement, Unsendable,
 };
 use moult_runtime::weight_sync::nccl_control::ControlTimeouts;
 use moult_runtime::weight_sync::nccl_handshake::{
@@ -46,6 +48,50 @@ fn gpus(needed: usize) -> usize {
         "GPU test needs {needed} CUDA devices (NCCL refuses two ranks of one communicator on one GPU), found {count}"
     );
     count
+}
+
+/// A tensor's bytes in memory cudarc owns: what the sender broadcasts here, without libtorch.
+struct DeviceBytes {
+    /// At least `placement.len` bytes (cudarc cannot allocate zero).
+    bytes: CudaSlice<u8>,
+    placement: Placement,
+}
+
+impl DeviceBytes {
+    /// Copies `host` (the tensor's raw bytes, row-major) to `stream`'s device.
+    fn from_host(
+        stream: &Arc<CudaStream>,
+        host: &[u8],
+        dtype: &'static str,
+        shape: Vec<i64>,
+    ) -> Self {
+        // cudarc cannot allocate zero bytes; an empty tensor keeps one unused byte.
+        let src = if host.is_empty() { &[0u8][..] } else { host };
+        let bytes = stream.clone_htod(src).unwrap();
+        let placement = Placement {
+            dtype,
+            shape,
+            ordinal: Some(stream.context().ordinal()),
+            ptr: bytes.device_ptr(stream).0,
+            len: host.len(),
+        };
+        Self { bytes, placement }
+    }
+
+    /// The bytes, copied back to the host.
+    fn to_host(&self) -> Vec<u8> {
+        let mut out = self.bytes.stream().clone_dtoh(&self.bytes).unwrap();
+        out.truncate(self.placement.len);
+        out
+    }
+}
+
+// SAFETY: `bytes` is a live cudarc allocation of at least `len` bytes on its stream's device,
+// owned by the value; cudarc allocates in the device's primary context.
+unsafe impl DeviceTensor for DeviceBytes {
+    fn placement(&self) -> Result<Placement, Unsendable> {
+        Ok(self.placement.clone())
+    }
 }
 
 /// What a stand-in engine recorded.
@@ -210,9 +256,9 @@ fn engine_rank(
             for chunk in &plan.chunks {
                 // torch.empty(n, uint8) on the device, broadcast from rank 0.
                 let mut buf = stream
-                    .alloc_zeros::<u8>(chunk.len().max(1))
+                    .alloc_zeros::<u8>(chunk.bytes.len().max(1))
                     .map_err(|e| e.to_string())?;
-                let mut view = buf.slice_mut(0..chunk.len());
+                let mut view = buf.slice_mut(0..chunk.bytes.len());
                 comm.broadcast_in_place(&mut view, 0)
                     .map_err(|e| format!("broadcast: {:?}", e.0))?;
                 let host = stream.clone_dtoh(&buf).map_err(|e| e.to_string())?;
@@ -311,7 +357,7 @@ async fn gpu_engines_receive_every_byte_of_packed_buckets() {
         nccl_timeout: None,
     };
     let mut sender = NcclWeightSender::connect(0, &urls, config).await.unwrap();
-    assert_eq!(sender.layout().world_size() as usize, 1 + engines.len());
+    assert_eq!(sender.world_size() as usize, 1 + engines.len());
     for (i, engine) in engines.iter().enumerate() {
         let info = engine.seen.lock().unwrap().init_info.clone().unwrap();
         assert_eq!(info["rank_offset"], 1 + i);
@@ -354,14 +400,19 @@ async fn gpu_engines_receive_every_byte_of_packed_buckets() {
                     shape: shape.clone(),
                 };
                 let bytes = pattern(meta.byte_len().unwrap(), version as u8 * 16 + i as u8);
-                let tensor = DeviceBytes::from_host(&stream, &bytes, dtype, shape.clone()).unwrap();
-                assert_eq!(tensor.to_host().unwrap(), bytes);
+                let tensor = DeviceBytes::from_host(&stream, &bytes, dtype, shape.clone());
+                assert_eq!(tensor.to_host(), bytes);
                 expected.push((name.to_string(), bytes));
                 bucket.push((name.to_string(), tensor));
             }
             buckets.push(bucket);
         }
-        sender.update(buckets, version).await.unwrap();
+        // One whole update: start, every bucket in order, finish with the version.
+        sender.start_update().await.unwrap();
+        for bucket in buckets {
+            sender.send_bucket(bucket).await.unwrap();
+        }
+        sender.finish_update(version).await.unwrap();
         for engine in &engines {
             let mut seen = engine.seen.lock().unwrap();
             assert_eq!(seen.received, expected, "version {version}");
@@ -391,7 +442,7 @@ async fn gpu_an_engine_refusing_init_fails_connect_promptly() {
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, NcclSyncError::Engine { url: u, step: Step::InitTransfer, .. } if *u == url),
+        matches!(&err, NcclSyncError::Engine { url: u, step: Step::INIT_TRANSFER, .. } if *u == url),
         "{err}"
     );
     assert!(
@@ -425,7 +476,7 @@ async fn gpu_an_engine_that_never_joins_times_out() {
         matches!(
             err,
             NcclSyncError::CommTimeout {
-                step: Step::CommInit,
+                step: Step::COMM_INIT,
                 ..
             }
         ),

@@ -22,10 +22,11 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use moult_operator::api::{EngineBackend, WeightTransport};
+use moult_operator::api::WeightTransport;
 use moult_runtime::local::vllm::{free_port, python, VllmProcess};
 use moult_runtime::model::CausalLm;
 use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
+use moult_runtime::weight_sync::stream::WeightStream;
 use serde_json::{json, Value};
 
 fn models() -> PathBuf {
@@ -123,7 +124,6 @@ async fn nccl_updates_reach_a_real_vllm_on_one_gpu() {
         common::start_router(std::slice::from_ref(&engine.url), "consistent-hash").await;
     let mut publisher = Publisher::connect(&PublishOptions {
         target: router.clone(),
-        backend: EngineBackend::Vllm,
         transport: WeightTransport::Nccl,
         device: tch::Device::Cuda(0),
         host: "127.0.0.1".into(),
@@ -143,7 +143,7 @@ async fn nccl_updates_reach_a_real_vllm_on_one_gpu() {
     // Two updates, v1's weights again and then v2's: the second must replace every weight.
     for (version, dir) in [(1u64, &v1), (2, &v2)] {
         let report = publisher
-            .update(&weights(dir), version, true)
+            .update_stream(WeightStream::whole(&weights(dir)), version, true)
             .await
             .unwrap_or_else(|e| panic!("update {version}: {e}"));
         println!("update {version}: {report:?}");

@@ -262,7 +262,7 @@ fn as_rank() -> bool {
 /// weights published to an engine through `transport` while the ranks gather them unit by unit;
 /// the engine's logprobs must be those of the trainer's weights.
 fn publish_from_ranks(model: &Path, setup: Setup, group: Box<dyn Collectives>, transport: &str) {
-    use moult_operator::api::{EngineBackend, WeightTransport};
+    use moult_operator::api::WeightTransport;
     use moult_runtime::engine::sampling::SamplingParams;
     use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
 
@@ -283,7 +283,6 @@ fn publish_from_ranks(model: &Path, setup: Setup, group: Box<dyn Collectives>, t
     let (trainer, generation, report) = runtime.block_on(async {
         let mut publisher = Publisher::connect(&PublishOptions {
             target: url.clone(),
-            backend: EngineBackend::Builtin,
             transport,
             device: Device::Cpu,
             host: "127.0.0.1".into(),

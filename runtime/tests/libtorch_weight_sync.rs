@@ -9,10 +9,11 @@ mod common;
 use std::time::Duration;
 
 use common::{dense_model, reference_logprobs, spawn_engine, start_router, Generation};
-use moult_operator::api::{EngineBackend, WeightTransport};
+use moult_operator::api::WeightTransport;
 use moult_runtime::engine::sampling::SamplingParams;
 use moult_runtime::model::CausalLm;
 use moult_runtime::weight_sync::publish::{PublishOptions, Publisher};
+use moult_runtime::weight_sync::stream::WeightStream;
 use serde_json::{json, Value};
 use tch::Tensor;
 use tokio::sync::watch;
@@ -87,7 +88,6 @@ async fn updates_under_load(transport: WeightTransport) {
     let folder = std::env::temp_dir().join(format!("moult-fs-sync-{}", std::process::id()));
     let mut sync = Publisher::connect(&PublishOptions {
         target: url.clone(),
-        backend: EngineBackend::Builtin,
         transport,
         device: tch::Device::Cpu,
         host: "127.0.0.1".into(),
@@ -110,7 +110,8 @@ async fn updates_under_load(transport: WeightTransport) {
                 .unwrap()
                 .unwrap();
         }
-        reports.push(sync.update(w, k as u64 + 1, true).await.unwrap());
+        let update = sync.update_stream(WeightStream::whole(w), k as u64 + 1, true);
+        reports.push(update.await.unwrap());
     }
     let buckets = if transport == WeightTransport::Tcp {
         2

@@ -65,7 +65,6 @@ pub async fn write_version(
 ) -> Result<(PathBuf, SyncReport), SyncError> {
     let root = root.to_path_buf();
     tokio::task::spawn_blocking(move || {
-        std::fs::create_dir_all(&root).map_err(io("creating", &root))?;
         let partial = root.join(format!(".v{version}.partial"));
         let dir = version_dir(&root, version);
         for stale in [&partial, &dir] {
@@ -73,6 +72,7 @@ pub async fn write_version(
                 std::fs::remove_dir_all(stale).map_err(io("removing", stale))?;
             }
         }
+        // Creates `root` too, when it is new.
         std::fs::create_dir_all(&partial).map_err(io("creating", &partial))?;
         // What was written, and each weight's file.
         let (mut report, mut files) = (SyncReport::default(), BTreeMap::new());
@@ -139,7 +139,7 @@ impl FolderPublisher {
     /// the version, resume. An engine that failed to reload may hold part of the new weights:
     /// the engines stay paused then. Older version folders are removed once every engine has
     /// the new one.
-    pub async fn update_stream(
+    pub async fn update(
         &mut self,
         weights: WeightStream,
         version: u64,

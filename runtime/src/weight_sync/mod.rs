@@ -3,7 +3,8 @@
 //! - [`nccl_handshake`]: the messages of the NCCL data plane to vLLM engines (unique id as base64,
 //!   rank offsets, world size), pure and tested everywhere;
 //! - [`nccl_control`]: the engines' weight-transfer endpoints that drive that data plane;
-//! - `nccl` (cargo feature `cuda`): the trainer's side of that data plane on cudarc's NCCL.
+//! - `nccl` (cargo feature `cuda`): the trainer's side of that data plane on cudarc's NCCL, and
+//!   the NCCL transport's publisher.
 //!
 //! - [`orchestrate`]: the TCP transport: pause, transfer (TCP data plane to built-in engines),
 //!   finish with the version, resume;
@@ -27,6 +28,7 @@ pub mod stream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use reqwest::Method;
 use serde_json::{json, Value};
 
 /// A cause of any kind, kept as the error's source.
@@ -130,11 +132,16 @@ impl Control {
         }
     }
 
+    /// The router, coordinator or engine the calls go to.
+    pub fn url(&self) -> &str {
+        &self.target
+    }
+
     /// `method path` with an optional JSON body: the answer's JSON (`null` when it has none), or
     /// the URL, status and body of a refusal.
     pub async fn request(
         &self,
-        method: reqwest::Method,
+        method: Method,
         path: &str,
         body: Option<&Value>,
     ) -> Result<Value, CallError> {
@@ -143,10 +150,8 @@ impl Control {
         if let Some(body) = body {
             req = req.json(body);
         }
-        let r = match req.send().await {
-            Ok(r) => r,
-            Err(e) => return Err(CallError::Unreachable(url, e)),
-        };
+        let unreachable = |e| CallError::Unreachable(url.clone(), e);
+        let r = req.send().await.map_err(unreachable)?;
         let status = r.status();
         let body = r.text().await.unwrap_or_default();
         if !status.is_success() {
@@ -157,17 +162,14 @@ impl Control {
 
     /// `GET /<step>`, a failure named after `step`.
     pub async fn get(&self, step: &'static str) -> Result<Value, SyncError> {
-        let path = format!("/{step}");
-        let answer = self.request(reqwest::Method::GET, &path, None).await;
+        let answer = self.request(Method::GET, &format!("/{step}"), None).await;
         answer.map_err(|e| SyncError::Call(step, e))
     }
 
     /// `POST /<step>` with `body`, a failure named after `step`.
     pub async fn post(&self, step: &'static str, body: Value) -> Result<Value, SyncError> {
         let path = format!("/{step}");
-        let answer = self
-            .request(reqwest::Method::POST, &path, Some(&body))
-            .await;
+        let answer = self.request(Method::POST, &path, Some(&body)).await;
         answer.map_err(|e| SyncError::Call(step, e))
     }
 
@@ -176,12 +178,12 @@ impl Control {
     pub async fn pause(&self, partial_rollout: bool) -> Result<(), SyncError> {
         let mode = if partial_rollout { "keep" } else { "wait" };
         let path = format!("/pause?mode={mode}");
-        let answer = self.request(reqwest::Method::POST, &path, None).await;
+        let answer = self.request(Method::POST, &path, None).await;
         answer.map(drop).map_err(|e| SyncError::Call("pause", e))
     }
 
     pub async fn resume(&self) -> Result<(), SyncError> {
-        let answer = self.request(reqwest::Method::POST, "/resume", None).await;
+        let answer = self.request(Method::POST, "/resume", None).await;
         answer.map(drop).map_err(|e| SyncError::Call("resume", e))
     }
 

@@ -1,14 +1,15 @@
 //! The trainer's side of the NCCL weight-sync data plane to vLLM engines (docs/engine.md), on
 //! cudarc's bindings of libcuda and libnccl, both loaded at run time (feature `cuda`).
 //!
-//! [`NcclWeightSender::connect`] asks every engine its world size, lays out the ranks (the
-//! trainer is rank 0), mints the unique id, and then enters `ncclCommInitRank` as rank 0 while
+//! [`NcclWeightSender::connect`] asks every engine its world size, mints the unique id, lays out
+//! the ranks (the trainer is rank 0), and then enters `ncclCommInitRank` as rank 0 while
 //! `POST /init_weight_transfer_engine` runs on every engine, followed by the one-element float32
 //! all_reduce(SUM) that vLLM's communicator issues right after init (a peer that skipped it would
 //! deadlock every rank). An update is [`NcclWeightSender::start_update`], one
 //! [`NcclWeightSender::send_bucket`] per bucket (`POST /update_weights` on every engine while rank
 //! 0 broadcasts the bucket's packed chunks, cut as [`BucketPlan`] says), then
-//! [`NcclWeightSender::finish_update`]. The caller pauses and resumes the engines around it.
+//! [`NcclWeightSender::finish_update`]. [`NcclPublisher`], the NCCL weight transport, pauses and
+//! resumes the engines around it.
 //!
 //! Nothing waits forever: the communicator is non-blocking, every wait polls it with a deadline,
 //! and any failure (an engine refusing, a timeout, an NCCL error) aborts it (`ncclCommAbort`),
@@ -16,7 +17,7 @@
 //! refuses further work; connect a new one (vLLM accepts a new `init_weight_transfer_engine`).
 //!
 //! Tensors are anything implementing [`DeviceTensor`]: libtorch tensors on the sender's GPU
-//! (what the trainer holds), or [`DeviceBytes`] owned by cudarc.
+//! (what the trainer holds), or memory cudarc owns (the GPU tests).
 
 // FFI is the point of this module: cudarc's safe `Comm` can neither initialise without blocking
 // (a missing engine would hang `ncclCommInitRank` for ever) nor be aborted on our terms, and
@@ -32,12 +33,15 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
+use tch::Kind;
 
 use super::nccl_control::{ControlTimeouts, EngineControl};
 use super::nccl_handshake::{
-    init_infos, BucketPlan, NcclSyncError, PackedWire, RankLayout, Step, TensorMeta, UniqueId,
-    DTYPES,
+    init_infos, BucketPlan, NcclSyncError, PackedWire, Step, TensorMeta, UniqueId, DTYPES,
 };
+use super::stream::WeightStream;
+use super::{Control, SyncError, SyncReport};
+use crate::router::pool::EngineStatus;
 
 /// Knobs of the NCCL data plane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -57,32 +61,21 @@ impl NcclSenderConfig {
     }
 }
 
-/// Why this machine cannot run the NCCL data plane (GPU tests print it when they skip).
-#[derive(Debug, thiserror::Error)]
-pub enum Unavailable {
-    #[error("libcuda could not be loaded (no NVIDIA driver)")]
-    NoDriver,
-    #[error("libnccl could not be loaded (set LD_LIBRARY_PATH to its directory)")]
-    NoNccl,
-    #[error("cuDeviceGetCount: {0}")]
-    DeviceCount(#[source] cudarc::driver::DriverError),
-    #[error("no CUDA device")]
-    NoDevice,
-}
-
 /// Whether this machine can run the NCCL data plane: libcuda and libnccl load and a GPU exists;
-/// the number of GPUs.
-pub fn nccl_available() -> Result<usize, Unavailable> {
+/// the number of GPUs, or what is missing (GPU tests print it when they cannot run).
+pub fn nccl_available() -> Result<usize, NcclSyncError> {
+    let missing = |what: &str| Err(NcclSyncError::nccl(Step::COMM_INIT, what));
     // SAFETY: dlopen of the system's libcuda by its usual names; nothing is called yet.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(Unavailable::NoDriver);
+        return missing("libcuda could not be loaded (no NVIDIA driver)");
     }
     // SAFETY: as above, for libnccl.
     if !unsafe { nccl_sys::is_culib_present() } {
-        return Err(Unavailable::NoNccl);
+        return missing("libnccl could not be loaded (set LD_LIBRARY_PATH to its directory)");
     }
-    match CudaContext::device_count().map_err(Unavailable::DeviceCount)? {
-        count if count < 1 => Err(Unavailable::NoDevice),
+    let count = CudaContext::device_count();
+    match count.map_err(|e| cuda_error(Step::COMM_INIT, "cuDeviceGetCount", e))? {
+        count if count < 1 => missing("no CUDA device"),
         count => Ok(count as usize),
     }
 }
@@ -155,71 +148,6 @@ pub fn dtype_name(kind: tch::Kind) -> Result<&'static str, Unsendable> {
     known.map(|(_, name)| *name).ok_or(Unsendable::Dtype(kind))
 }
 
-/// A tensor's bytes in memory cudarc owns (for callers without libtorch, and the GPU tests).
-#[derive(Debug)]
-pub struct DeviceBytes {
-    /// At least `placement.len` bytes (cudarc cannot allocate zero).
-    bytes: CudaSlice<u8>,
-    placement: Placement,
-}
-
-impl DeviceBytes {
-    /// Copies `host` (the tensor's raw bytes, row-major) to `stream`'s device.
-    pub fn from_host(
-        stream: &Arc<CudaStream>,
-        host: &[u8],
-        dtype: &'static str,
-        shape: Vec<i64>,
-    ) -> Result<Self, NcclSyncError> {
-        let meta = TensorMeta {
-            name: "DeviceBytes".into(),
-            dtype: dtype.into(),
-            shape,
-        };
-        let len = meta.byte_len()?;
-        if len != host.len() {
-            return Err(NcclSyncError::Invalid(format!(
-                "{} bytes given for a {dtype} tensor of shape {:?} ({len} bytes)",
-                host.len(),
-                meta.shape
-            )));
-        }
-        // cudarc cannot allocate zero bytes; an empty tensor keeps one unused byte.
-        let src = if host.is_empty() { &[0u8][..] } else { host };
-        let bytes = stream
-            .clone_htod(src)
-            .map_err(|e| cuda_error(Step::Broadcast, "copying a tensor to the GPU", e))?;
-        let ptr = bytes.device_ptr(stream).0;
-        let placement = Placement {
-            dtype,
-            shape: meta.shape,
-            ordinal: Some(stream.context().ordinal()),
-            ptr,
-            len,
-        };
-        Ok(Self { bytes, placement })
-    }
-
-    /// The bytes, copied back to the host.
-    pub fn to_host(&self) -> Result<Vec<u8>, NcclSyncError> {
-        let mut out = self
-            .bytes
-            .stream()
-            .clone_dtoh(&self.bytes)
-            .map_err(|e| cuda_error(Step::Broadcast, "copying a tensor to the host", e))?;
-        out.truncate(self.placement.len);
-        Ok(out)
-    }
-}
-
-// SAFETY: `bytes` is a live cudarc allocation of at least `len` bytes on its stream's device,
-// owned by the value; cudarc allocates in the device's primary context.
-unsafe impl DeviceTensor for DeviceBytes {
-    fn placement(&self) -> Result<Placement, Unsendable> {
-        Ok(self.placement.clone())
-    }
-}
-
 fn cuda_error(step: Step, what: &str, e: cudarc::driver::DriverError) -> NcclSyncError {
     NcclSyncError::nccl(step, format!("{what}: {e}"))
 }
@@ -228,7 +156,8 @@ fn cuda_error(step: Step, what: &str, e: cudarc::driver::DriverError) -> NcclSyn
 #[derive(Debug)]
 pub struct NcclWeightSender {
     engines: Vec<EngineControl>,
-    layout: RankLayout,
+    /// Ranks in the communicator: the trainer and every engine rank.
+    world_size: u32,
     config: NcclSenderConfig,
     ordinal: usize,
     /// The GPU side, or why a failure aborted its communicator.
@@ -244,47 +173,40 @@ impl NcclWeightSender {
         config: NcclSenderConfig,
     ) -> Result<Self, NcclSyncError> {
         config.wire.validate()?;
-        nccl_available().map_err(|e| NcclSyncError::nccl(Step::CommInit, e.to_string()))?;
-        let http = crate::auth::client();
+        nccl_available()?;
         let engines: Vec<EngineControl> = engine_urls
             .iter()
-            .map(|url| EngineControl::new(http.clone(), url, config.timeouts))
+            .map(|url| EngineControl::new(url, config.timeouts))
             .collect();
         let sizes = futures::future::try_join_all(engines.iter().map(|e| e.world_size())).await?;
-        let layout = RankLayout::new(&sizes)?;
-        tracing::info!(engines = ?engine_urls, ?sizes, world_size = layout.world_size(), "NCCL weight transfer: connecting");
-
         // ncclGetUniqueId also opens rank 0's bootstrap listener, which the id points at.
         let (ctx, id) = tokio::task::spawn_blocking(move || open(device_ordinal))
             .await
-            .map_err(|e| panicked(Step::CommInit, e))??;
-        let infos = init_infos(&id, &layout, config.wire);
-        let world_size = layout.world_size();
-        let init = move |deadline: &Deadline, cancel: &AtomicBool| {
-            Device::init(ctx, &id, world_size, deadline, cancel)
-        };
+            .map_err(|e| panicked(Step::COMM_INIT, e))??;
+        let infos = init_infos(&id, &sizes, config.wire)?;
+        let world_size = infos[0].world_size;
+        tracing::info!(engines = ?engine_urls, ?sizes, world_size, "NCCL weight transfer: connecting");
+        let init = move |deadline: &Deadline| Device::init(ctx, &id, world_size, deadline);
         let calls = engines.iter().zip(&infos).map(|(e, info)| e.init(info));
-        let deadline = Deadline::new(config.nccl_timeout(), &engines);
-        let device = collective(Step::CommInit, deadline, init, calls).await?;
+        let timeout = config.nccl_timeout();
+        let device = collective(Step::COMM_INIT, timeout, &engines, init, calls).await?;
         Ok(Self {
             engines,
-            layout,
+            world_size,
             config,
             ordinal: device_ordinal,
             device: Ok(device),
         })
     }
 
-    /// Where each engine's ranks sit.
-    pub fn layout(&self) -> &RankLayout {
-        &self.layout
+    /// Ranks in the communicator: the trainer and every engine rank.
+    pub fn world_size(&self) -> u32 {
+        self.world_size
     }
 
     fn usable(&self) -> Result<(), NcclSyncError> {
-        match &self.device {
-            Ok(_) => Ok(()),
-            Err(why) => Err(NcclSyncError::Broken(why.clone())),
-        }
+        let broken = |why: &String| NcclSyncError::Broken(why.clone());
+        self.device.as_ref().map(drop).map_err(broken)
     }
 
     /// `POST /start_weight_update` on every engine.
@@ -311,23 +233,20 @@ impl NcclWeightSender {
         let dropped = Err("a send_bucket call was dropped before it finished".into());
         let mut device = std::mem::replace(&mut self.device, dropped).expect("checked by usable()");
         // A failed collective leaves the communicator unusable: drop (abort) it there.
-        let broadcast = move |deadline: &Deadline, cancel: &AtomicBool| {
-            let sent = device.broadcast(&plan, &ptrs, deadline, cancel);
+        let broadcast = move |deadline: &Deadline| {
+            let sent = device.broadcast(&plan, &ptrs, deadline);
             drop(tensors); // alive until the GPU is done reading them
             sent.map(|()| device)
         };
         let calls = self.engines.iter().map(|e| e.update_weights(&info));
-        let deadline = Deadline::new(self.config.nccl_timeout(), &self.engines);
-        match collective(Step::Broadcast, deadline, broadcast, calls).await {
-            Ok(device) => {
-                self.device = Ok(device);
-                Ok(())
-            }
-            Err(e) => {
-                self.device = Err(e.to_string());
-                Err(e)
-            }
-        }
+        let timeout = self.config.nccl_timeout();
+        let (device, sent) =
+            match collective(Step::BROADCAST, timeout, &self.engines, broadcast, calls).await {
+                Ok(device) => (Ok(device), Ok(())),
+                Err(e) => (Err(e.to_string()), Err(e)),
+            };
+        self.device = device;
+        sent
     }
 
     /// `POST /finish_weight_update {weight_version}` on every engine.
@@ -335,19 +254,6 @@ impl NcclWeightSender {
         self.usable()?;
         let calls = self.engines.iter().map(|e| e.finish_update(weight_version));
         fan_out(&AtomicBool::new(false), calls).await
-    }
-
-    /// One whole update: start, every bucket in order, finish with `weight_version`.
-    pub async fn update<T: DeviceTensor>(
-        &mut self,
-        buckets: Vec<Vec<(String, T)>>,
-        weight_version: u64,
-    ) -> Result<(), NcclSyncError> {
-        self.start_update().await?;
-        for bucket in buckets {
-            self.send_bucket(bucket).await?;
-        }
-        self.finish_update(weight_version).await
     }
 }
 
@@ -371,21 +277,26 @@ where
     .map(drop)
 }
 
-/// Rank 0's side of a collective (`gpu`, on a blocking thread, bounded by `deadline`) together
-/// with the engines' HTTP `calls`, which return only once their side of it is done. The first
+/// Rank 0's side of a collective (`gpu`, on a blocking thread, bounded by `timeout`) together
+/// with the `engines`' HTTP `calls`, which return only once their side of it is done. The first
 /// engine to fail raises the flag `gpu`'s waits poll, so rank 0 stops waiting for a peer that
 /// will not join and aborts the communicator.
 async fn collective<T: Send + 'static, F: Future<Output = Result<(), NcclSyncError>>>(
     step: Step,
-    deadline: Deadline,
-    gpu: impl FnOnce(&Deadline, &AtomicBool) -> Result<T, NcclSyncError> + Send + 'static,
+    timeout: Duration,
+    engines: &[EngineControl],
+    gpu: impl FnOnce(&Deadline) -> Result<T, NcclSyncError> + Send + 'static,
     calls: impl Iterator<Item = F>,
 ) -> Result<T, NcclSyncError> {
-    let cancel = Arc::new(AtomicBool::new(false));
-    let task = {
-        let cancel = cancel.clone();
-        tokio::task::spawn_blocking(move || gpu(&deadline, &cancel))
+    let urls: Vec<&str> = engines.iter().map(EngineControl::url).collect();
+    let deadline = Deadline {
+        at: Instant::now() + timeout,
+        timeout,
+        engines: urls.join(", "),
+        cancel: Arc::default(),
     };
+    let cancel = deadline.cancel.clone();
+    let task = tokio::task::spawn_blocking(move || gpu(&deadline));
     let gpu = async { task.await.map_err(|e| panicked(step, e))? };
     let (out, ()) = tokio::try_join!(gpu, fan_out(&cancel, calls))?;
     Ok(out)
@@ -434,40 +345,25 @@ fn bucket_plan<T: DeviceTensor>(
 
 /// Opens the device's primary context and mints the unique id.
 fn open(ordinal: usize) -> Result<(Arc<CudaContext>, UniqueId), NcclSyncError> {
-    let ctx = CudaContext::new(ordinal)
-        .map_err(|e| cuda_error(Step::CommInit, &format!("opening CUDA device {ordinal}"), e))?;
+    let ctx = CudaContext::new(ordinal).map_err(|e| {
+        cuda_error(
+            Step::COMM_INIT,
+            &format!("opening CUDA device {ordinal}"),
+            e,
+        )
+    })?;
     let id = cudarc::nccl::Id::new()
-        .map_err(|e| NcclSyncError::nccl(Step::CommInit, format!("ncclGetUniqueId: {:?}", e.0)))?;
+        .map_err(|e| NcclSyncError::nccl(Step::COMM_INIT, format!("ncclGetUniqueId: {:?}", e.0)))?;
     Ok((ctx, UniqueId(id.internal().map(|c| c as u8))))
 }
 
-/// When a wait gives up, and whom to name then.
+/// When a wait on the GPU gives up: at `at`, or once an engine failed its side of the
+/// collective (`cancel`); and whom to name then.
 struct Deadline {
     at: Instant,
     timeout: Duration,
     engines: String,
-}
-
-impl Deadline {
-    fn new(timeout: Duration, engines: &[EngineControl]) -> Self {
-        Self {
-            at: Instant::now() + timeout,
-            timeout,
-            engines: engines
-                .iter()
-                .map(EngineControl::url)
-                .collect::<Vec<_>>()
-                .join(", "),
-        }
-    }
-
-    fn expired(&self, step: Step) -> NcclSyncError {
-        NcclSyncError::CommTimeout {
-            step,
-            timeout: self.timeout,
-            engines: self.engines.clone(),
-        }
-    }
+    cancel: Arc<AtomicBool>,
 }
 
 /// An NCCL communicator in non-blocking mode; dropping it aborts it.
@@ -532,7 +428,7 @@ impl Comm {
             nccl::comm_init_rank_config(&mut raw, world_size as i32, id, rank as i32, &mut config)
         };
         let comm = (!raw.is_null()).then_some(Self { raw });
-        let failed = |message: String| NcclSyncError::nccl(Step::CommInit, message);
+        let failed = |message: String| NcclSyncError::nccl(Step::COMM_INIT, message);
         match status {
             Ok(_) => {
                 comm.ok_or_else(|| failed("ncclCommInitRankConfig returned no communicator".into()))
@@ -608,28 +504,27 @@ impl Device {
         id: &UniqueId,
         world_size: u32,
         deadline: &Deadline,
-        cancel: &AtomicBool,
     ) -> Result<Self, NcclSyncError> {
         ctx.bind_to_thread()
-            .map_err(|e| cuda_error(Step::CommInit, "binding the CUDA context", e))?;
+            .map_err(|e| cuda_error(Step::COMM_INIT, "binding the CUDA context", e))?;
         let stream = ctx
             .new_stream()
-            .map_err(|e| cuda_error(Step::CommInit, "creating a stream", e))?;
+            .map_err(|e| cuda_error(Step::COMM_INIT, "creating a stream", e))?;
         let comm = Comm::start_init(id, world_size, 0)?;
-        wait(&comm, Step::CommInit, deadline, cancel, || Ok(true))?;
+        wait(&comm, Step::COMM_INIT, deadline, || Ok(true))?;
         let mut device = Self {
             ctx,
             stream,
             comm,
             pack: None,
         };
-        device.warm_up(deadline, cancel)?;
+        device.warm_up(deadline)?;
         Ok(device)
     }
 
     /// One float32 element, all_reduce(SUM), as vLLM's `PyNcclCommunicator` does after init.
-    fn warm_up(&mut self, deadline: &Deadline, cancel: &AtomicBool) -> Result<(), NcclSyncError> {
-        let step = Step::WarmUp;
+    fn warm_up(&mut self, deadline: &Deadline) -> Result<(), NcclSyncError> {
+        let step = Step::WARM_UP;
         let mut one = self
             .stream
             .alloc_zeros::<f32>(1)
@@ -651,7 +546,7 @@ impl Device {
             };
             self.comm.enqueued(step, status)?;
         }
-        self.wait_stream(step, deadline, cancel)
+        self.wait_stream(step, deadline)
     }
 
     /// Broadcasts a bucket's chunks from rank 0, in order, reading each tensor at `ptrs`.
@@ -660,9 +555,8 @@ impl Device {
         plan: &BucketPlan,
         ptrs: &[u64],
         deadline: &Deadline,
-        cancel: &AtomicBool,
     ) -> Result<(), NcclSyncError> {
-        let step = Step::Broadcast;
+        let step = Step::BROADCAST;
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_error(step, "binding the CUDA context", e))?;
@@ -672,13 +566,13 @@ impl Device {
             .map_err(|e| cuda_error(step, "waiting for the tensors' pending writes", e))?;
         for chunk in &plan.chunks {
             let first = chunk.tensors.start;
-            let source = if chunk.tensors.len() == 1 && !chunk.is_empty() {
+            let source = if chunk.tensors.len() == 1 && !chunk.bytes.is_empty() {
                 // One tensor: broadcast straight from its memory.
                 ptrs[first]
             } else {
                 // Several (or an empty chunk): pack them, in order, into the reusable buffer.
                 // The copies queue behind the previous chunk's broadcast on the same stream.
-                let pack = self.pack_buffer(chunk.len().max(1))?;
+                let pack = self.pack_buffer(chunk.bytes.len().max(1))?;
                 for i in chunk.tensors.clone() {
                     let at = plan.offsets[i].start - chunk.bytes.start;
                     let len = plan.offsets[i].len();
@@ -710,7 +604,7 @@ impl Device {
                 nccl::broadcast(
                     source as *const _,
                     source as *mut _,
-                    chunk.len(),
+                    chunk.bytes.len(),
                     nccl_sys::ncclDataType_t::ncclUint8,
                     0,
                     self.comm.raw,
@@ -718,9 +612,9 @@ impl Device {
                 )
             };
             self.comm.enqueued(step, status)?;
-            wait(&self.comm, step, deadline, cancel, || Ok(true))?;
+            wait(&self.comm, step, deadline, || Ok(true))?;
         }
-        self.wait_stream(step, deadline, cancel)
+        self.wait_stream(step, deadline)
     }
 
     /// The packing buffer's address, grown to at least `bytes`.
@@ -730,7 +624,7 @@ impl Device {
             self.pack = None;
             self.pack =
                 Some(self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
-                    cuda_error(Step::Broadcast, "allocating the packing buffer", e)
+                    cuda_error(Step::BROADCAST, "allocating the packing buffer", e)
                 })?);
         }
         let pack = self.pack.as_ref().expect("just set");
@@ -739,17 +633,12 @@ impl Device {
     }
 
     /// Waits for everything queued on the stream.
-    fn wait_stream(
-        &self,
-        step: Step,
-        deadline: &Deadline,
-        cancel: &AtomicBool,
-    ) -> Result<(), NcclSyncError> {
+    fn wait_stream(&self, step: Step, deadline: &Deadline) -> Result<(), NcclSyncError> {
         let event = self
             .stream
             .record_event(None)
             .map_err(|e| cuda_error(step, "recording an event", e))?;
-        wait(&self.comm, step, deadline, cancel, || {
+        wait(&self.comm, step, deadline, || {
             event
                 .try_is_complete()
                 .map_err(|e| cuda_error(step, "waiting for the GPU", e))
@@ -758,29 +647,140 @@ impl Device {
 }
 
 /// Polls until the communicator has no call in progress and `done()` holds. Fails on an NCCL
-/// error, on `cancel` (an engine failed its side), or at the deadline; the caller then drops the
+/// error, once an engine failed its side, or at the deadline; the caller then drops the
 /// communicator, aborting it.
 fn wait(
     comm: &Comm,
     step: Step,
     deadline: &Deadline,
-    cancel: &AtomicBool,
     mut done: impl FnMut() -> Result<bool, NcclSyncError>,
 ) -> Result<(), NcclSyncError> {
     loop {
         if comm.ready(step)? && done()? {
             return Ok(());
         }
-        if cancel.load(Ordering::Acquire) {
+        if deadline.cancel.load(Ordering::Acquire) {
             return Err(NcclSyncError::Broken(format!(
                 "an engine failed during {step}"
             )));
         }
         if Instant::now() >= deadline.at {
-            return Err(deadline.expired(step));
+            let (timeout, engines) = (deadline.timeout, deadline.engines.clone());
+            return Err(NcclSyncError::CommTimeout {
+                step,
+                timeout,
+                engines,
+            });
         }
         std::thread::sleep(POLL);
     }
+}
+
+/// Bytes per `update_weights` call of [`NcclPublisher`].
+const BUCKET_BYTES: usize = 256 << 20;
+
+/// The NCCL weight transport: updates from the trainer's GPU to the engines the coordinator (or
+/// router) lists.
+#[derive(Debug)]
+pub struct NcclPublisher {
+    control: Control,
+    ordinal: usize,
+    kind: Kind,
+    /// The engines the sender is connected to, and the sender.
+    sender: Option<(Vec<String>, NcclWeightSender)>,
+}
+
+impl NcclPublisher {
+    pub fn new(target: &str, ordinal: usize, kind: Kind) -> Self {
+        Self {
+            control: Control::new(target),
+            ordinal,
+            kind,
+            sender: None,
+        }
+    }
+
+    /// The engines up behind the router.
+    async fn engines(&self) -> Result<Vec<String>, SyncError> {
+        let mut listed = self.control.get("engines").await?;
+        let engines: Vec<EngineStatus> =
+            serde_json::from_value(listed["engines"].take()).unwrap_or_default();
+        let mut urls: Vec<String> = engines
+            .into_iter()
+            .filter(|e| e.healthy)
+            .map(|e| e.url)
+            .collect();
+        urls.sort();
+        if urls.is_empty() {
+            return Err(SyncError::NoEngines);
+        }
+        Ok(urls)
+    }
+
+    /// Connects (again when the engines changed), then pause, send, set the version, resume.
+    /// After a failed send the engines stay paused: resuming them would serve half-loaded
+    /// weights.
+    pub async fn update(
+        &mut self,
+        mut weights: WeightStream,
+        version: u64,
+        partial_rollout: bool,
+    ) -> Result<SyncReport, SyncError> {
+        let urls = self.engines().await?;
+        if self
+            .sender
+            .as_ref()
+            .is_none_or(|(connected, _)| *connected != urls)
+        {
+            self.sender = None;
+            let config = NcclSenderConfig::default();
+            let new = NcclWeightSender::connect(self.ordinal, &urls, config)
+                .await
+                .map_err(SyncError::at("connect"))?;
+            self.sender = Some((urls, new));
+        }
+        let Self {
+            control,
+            kind,
+            sender,
+            ..
+        } = self;
+        let send = async {
+            let (_, connected) = sender.as_mut().expect("connected above");
+            let sent = send_stream(connected, *kind, &mut weights, version).await;
+            if sent.is_err() {
+                // A failed sender refuses further work: connect again next time.
+                *sender = None;
+            }
+            sent.map_err(|e| SyncError::Held(Box::new(e)))
+        };
+        control.paused_update(version, partial_rollout, send).await
+    }
+}
+
+/// Start, each bucket as it comes in the engines' dtype, finish (only once the stream ended
+/// whole); what was sent.
+async fn send_stream(
+    sender: &mut NcclWeightSender,
+    kind: Kind,
+    weights: &mut WeightStream,
+    version: u64,
+) -> Result<SyncReport, SyncError> {
+    sender.start_update().await?;
+    let mut sent = SyncReport::default();
+    while let Some(pieces) = weights.next_split(BUCKET_BYTES).await? {
+        for bucket in pieces {
+            // vLLM copies what it receives into its parameters.
+            let converted: Vec<_> = bucket
+                .into_iter()
+                .map(|(n, t)| (n, t.to_kind(kind).contiguous()))
+                .collect();
+            sent.count(&converted);
+            sender.send_bucket(converted).await?;
+        }
+    }
+    sender.finish_update(version).await?;
+    Ok(sent)
 }
 
 #[cfg(test)]
@@ -869,7 +869,7 @@ mod tests {
     async fn an_engine_failing_cancels_the_collective_wait() {
         let refused = || NcclSyncError::Engine {
             url: "http://e1".into(),
-            step: Step::UpdateWeights,
+            step: Step::UPDATE_WEIGHTS,
             message: "HTTP 400".into(),
         };
         let cancel = AtomicBool::new(false);
@@ -908,13 +908,13 @@ mod tests {
         match nccl_available() {
             Err(reason) => {
                 assert!(
-                    matches!(&err, NcclSyncError::Nccl { step: Step::CommInit, message } if *message == reason.to_string()),
+                    matches!(&err, NcclSyncError::Nccl { step: Step::COMM_INIT, .. } if err.to_string() == reason.to_string()),
                     "{err}"
                 );
             }
             Ok(_) => {
                 assert!(
-                    matches!(&err, NcclSyncError::Engine { url: u, step: Step::GetWorldSize, .. } if *u == url),
+                    matches!(&err, NcclSyncError::Engine { url: u, step: Step::GET_WORLD_SIZE, .. } if *u == url),
                     "{err}"
                 );
             }

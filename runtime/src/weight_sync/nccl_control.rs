@@ -1,6 +1,7 @@
 //! The HTTP half of the NCCL weight-sync data plane: the weight-transfer endpoints of one engine
-//! (docs/engine.md, vLLM's `vllm/entrypoints/serve/dev/rlhf/api_router.py`), each call bounded by a
-//! timeout and failing with an error that names the engine and the step.
+//! (docs/engine.md, vLLM's `vllm/entrypoints/serve/dev/rlhf/api_router.py`), called through the
+//! engine API's [`Control`], each call bounded by a timeout and failing with an error that names
+//! the engine and the step.
 //!
 //! Always compiled, so the exact requests the trainer sends are tested against a recording
 //! engine without GPUs; the NCCL side (`nccl`, feature `cuda`) runs them concurrently with its
@@ -8,9 +9,10 @@
 
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::nccl_handshake::{finish_body, NcclInitInfo, NcclSyncError, Step};
+use super::{CallError, Control};
 use crate::engine::api::UpdateInfo;
 
 /// How long each kind of call may take.
@@ -35,31 +37,28 @@ impl Default for ControlTimeouts {
 /// One engine's weight-transfer endpoints.
 #[derive(Debug, Clone)]
 pub struct EngineControl {
-    http: reqwest::Client,
-    url: String,
+    control: Control,
     timeouts: ControlTimeouts,
 }
 
 impl EngineControl {
-    pub fn new(http: reqwest::Client, base_url: &str, timeouts: ControlTimeouts) -> Self {
+    pub fn new(base_url: &str, timeouts: ControlTimeouts) -> Self {
         Self {
-            http,
-            url: base_url.trim_end_matches('/').to_string(),
+            control: Control::new(base_url),
             timeouts,
         }
     }
 
     pub fn url(&self) -> &str {
-        &self.url
+        self.control.url()
     }
 
     /// `GET /get_world_size` → `{"world_size": n}` (tp · pp · dp in vLLM).
     pub async fn world_size(&self) -> Result<u32, NcclSyncError> {
-        let step = Step::GetWorldSize;
-        let request = self.http.get(format!("{}/get_world_size", self.url));
-        let body = self.call(step, request, self.timeouts.control).await?;
+        let step = Step::GET_WORLD_SIZE;
+        let body = self.call(step, None).await?;
         body.get("world_size")
-            .and_then(serde_json::Value::as_u64)
+            .and_then(Value::as_u64)
             .and_then(|n| u32::try_from(n).ok())
             .ok_or_else(|| self.error(step, format!("expected {{\"world_size\": n}}, got {body}")))
     }
@@ -69,103 +68,71 @@ impl EngineControl {
     /// own init.
     pub async fn init(&self, init_info: &NcclInitInfo) -> Result<(), NcclSyncError> {
         let body = json!({ "init_info": init_info });
-        let timeout = self.timeouts.transfer;
-        self.post(
-            Step::InitTransfer,
-            "init_weight_transfer_engine",
-            body,
-            timeout,
-        )
-        .await
+        self.call(Step::INIT_TRANSFER, Some(body)).await.map(drop)
     }
 
-    /// `POST /start_weight_update`.
     pub async fn start_update(&self) -> Result<(), NcclSyncError> {
-        let timeout = self.timeouts.control;
-        self.post(Step::StartUpdate, "start_weight_update", json!({}), timeout)
+        self.call(Step::START_UPDATE, Some(json!({})))
             .await
+            .map(drop)
     }
 
     /// `POST /update_weights {update_info}`; returns once the bucket's broadcasts landed, so it
     /// must run concurrently with rank 0's broadcasts.
     pub async fn update_weights(&self, update_info: &UpdateInfo) -> Result<(), NcclSyncError> {
         let body = json!({ "update_info": update_info });
-        let timeout = self.timeouts.transfer;
-        self.post(Step::UpdateWeights, "update_weights", body, timeout)
-            .await
+        self.call(Step::UPDATE_WEIGHTS, Some(body)).await.map(drop)
     }
 
-    /// `POST /finish_weight_update {weight_version}`.
     pub async fn finish_update(&self, weight_version: u64) -> Result<(), NcclSyncError> {
         let body = finish_body(weight_version);
-        let timeout = self.timeouts.control;
-        self.post(Step::FinishUpdate, "finish_weight_update", body, timeout)
-            .await
+        self.call(Step::FINISH_UPDATE, Some(body)).await.map(drop)
     }
 
     fn error(&self, step: Step, message: String) -> NcclSyncError {
         NcclSyncError::Engine {
-            url: self.url.clone(),
+            url: self.url().into(),
             step,
             message,
         }
     }
 
-    /// `POST /<route>` with `body`, bounded by `timeout`.
-    async fn post(
-        &self,
-        step: Step,
-        route: &str,
-        body: serde_json::Value,
-        timeout: Duration,
-    ) -> Result<(), NcclSyncError> {
-        let request = self.http.post(format!("{}/{route}", self.url)).json(&body);
-        self.call(step, request, timeout).await.map(drop)
-    }
-
-    /// Sends, bounded by `timeout`; a non-2xx answer becomes an error carrying the engine's own
-    /// message (vLLM answers `{"error": ...}` or FastAPI's `{"detail": ...}`).
-    async fn call(
-        &self,
-        step: Step,
-        request: reqwest::RequestBuilder,
-        timeout: Duration,
-    ) -> Result<serde_json::Value, NcclSyncError> {
-        let failed = |what: &str, e: reqwest::Error| {
-            if e.is_timeout() {
-                let url = self.url.clone();
-                NcclSyncError::EngineTimeout { url, step, timeout }
-            } else {
-                self.error(step, format!("{what}: {e}"))
+    /// The request `step` names, with `body`, bounded by the timeout of its kind; a refusal
+    /// carries the engine's own message (vLLM answers `{"error": ...}` or FastAPI's
+    /// `{"detail": ...}`).
+    async fn call(&self, step: Step, body: Option<Value>) -> Result<Value, NcclSyncError> {
+        let (method, path) = step
+            .0
+            .split_once(' ')
+            .expect("an engine call's request line");
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("GET or POST");
+        let timeout = match step {
+            Step::INIT_TRANSFER | Step::UPDATE_WEIGHTS => self.timeouts.transfer,
+            _ => self.timeouts.control,
+        };
+        let request = self.control.request(method, path, body.as_ref());
+        let message = match tokio::time::timeout(timeout, request).await {
+            Ok(Ok(answer)) => return Ok(answer),
+            Err(_) => {
+                let url = self.url().into();
+                return Err(NcclSyncError::EngineTimeout { url, step, timeout });
+            }
+            Ok(Err(CallError::Unreachable(_, e))) => format!("cannot reach the engine: {e}"),
+            Ok(Err(CallError::Refused(_, status, text))) => {
+                let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+                let message = ["error", "detail", "message"]
+                    .iter()
+                    .find_map(|k| body.get(k))
+                    .map(|m| {
+                        // OpenAI's shape: `{"error": {"message": ...}}`.
+                        let m = m.get("message").unwrap_or(m);
+                        m.as_str().map_or_else(|| m.to_string(), str::to_string)
+                    })
+                    .unwrap_or_else(|| body.to_string());
+                format!("HTTP {}: {message}", status.as_u16())
             }
         };
-        let response = request
-            .timeout(timeout)
-            .send()
-            .await
-            .map_err(|e| failed("cannot reach the engine", e))?;
-        let status = response.status();
-        let text = response
-            .text()
-            .await
-            .map_err(|e| failed("reading the answer", e))?;
-        let body: serde_json::Value =
-            serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
-        if !status.is_success() {
-            let message = ["error", "detail", "message"]
-                .iter()
-                .find_map(|k| body.get(k))
-                .map(|m| match m {
-                    serde_json::Value::String(s) => s.clone(),
-                    serde_json::Value::Object(o) if o.contains_key("message") => {
-                        o["message"].as_str().unwrap_or_default().to_string()
-                    }
-                    other => other.to_string(),
-                })
-                .unwrap_or_else(|| body.to_string());
-            return Err(self.error(step, format!("HTTP {}: {message}", status.as_u16())));
-        }
-        Ok(body)
+        Err(self.error(step, message))
     }
 }
 
@@ -180,7 +147,7 @@ mod tests {
 
     use super::*;
     use crate::weight_sync::nccl_handshake::{
-        init_infos, BucketPlan, PackedWire, RankLayout, TensorMeta, UniqueId,
+        init_infos, BucketPlan, PackedWire, TensorMeta, UniqueId,
     };
 
     type Log = Arc<Mutex<Vec<(String, serde_json::Value)>>>;
@@ -234,13 +201,12 @@ mod tests {
     #[tokio::test]
     async fn control_calls_send_what_vllm_parses() {
         let (url, log) = engine(2).await;
-        let control = EngineControl::new(reqwest::Client::new(), &url, ControlTimeouts::default());
+        let control = EngineControl::new(&url, ControlTimeouts::default());
         assert!(!control.url().ends_with('/'));
         assert_eq!(control.world_size().await.unwrap(), 2);
 
-        let layout = RankLayout::new(&[1, 2]).unwrap();
         let id = UniqueId([7; 128]);
-        let info = &init_infos(&id, &layout, PackedWire::default())[1];
+        let info = &init_infos(&id, &[1, 2], PackedWire::default()).unwrap()[1];
         control.init(info).await.unwrap();
         control.start_update().await.unwrap();
         let plan = BucketPlan::new(
@@ -291,7 +257,7 @@ mod tests {
     #[tokio::test]
     async fn refusals_name_the_engine_step_and_message() {
         let (url, _) = engine(1).await;
-        let control = EngineControl::new(reqwest::Client::new(), &url, ControlTimeouts::default());
+        let control = EngineControl::new(&url, ControlTimeouts::default());
         let bad = UpdateInfo {
             names: vec!["w".into()],
             dtype_names: vec!["float32".into()],
@@ -324,13 +290,13 @@ mod tests {
             control: Duration::from_millis(200),
             transfer: Duration::from_millis(200),
         };
-        let control = EngineControl::new(reqwest::Client::new(), &url, timeouts);
+        let control = EngineControl::new(&url, timeouts);
         let err = control.start_update().await.unwrap_err();
         assert!(
             matches!(
                 err,
                 NcclSyncError::EngineTimeout {
-                    step: Step::StartUpdate,
+                    step: Step::START_UPDATE,
                     ..
                 }
             ),
@@ -342,7 +308,7 @@ mod tests {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", closed.local_addr().unwrap());
         drop(closed);
-        let control = EngineControl::new(reqwest::Client::new(), &url, timeouts);
+        let control = EngineControl::new(&url, timeouts);
         let err = control.world_size().await.unwrap_err().to_string();
         assert!(
             err.contains("GET /get_world_size: cannot reach the engine"),

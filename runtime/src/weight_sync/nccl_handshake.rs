@@ -7,9 +7,10 @@
 //! `vllm/entrypoints/serve/dev/rlhf/api_router.py`; see `docs/weight-sync.md`):
 //! - [`UniqueId`]: the 128 raw bytes of `ncclGetUniqueId`, sent as `nccl_unique_id_b64`, standard
 //!   (RFC 4648, padded, not URL-safe) base64, exactly as vLLM's `decode_nccl_unique_id` checks;
-//! - [`RankLayout`]: engine `i` gets `rank_offset = 1 + Σ world_size(j < i)` (vLLM ranks each of
-//!   its workers `dp_rank * tp * pp + rank + rank_offset`, `GET /get_world_size` being tp·pp·dp);
-//! - [`NcclInitInfo`]: the `init_info` of `POST /init_weight_transfer_engine`. vLLM takes exactly
+//! - [`NcclInitInfo`]: the `init_info` of `POST /init_weight_transfer_engine`, one per engine
+//!   ([`init_infos`]): engine `i` gets `rank_offset = 1 + Σ world_size(j < i)` (vLLM ranks each of
+//!   its workers `dp_rank * tp * pp + rank + rank_offset`, `GET /get_world_size` being tp·pp·dp),
+//!   and `world_size` counts the trainer and every engine rank. vLLM takes exactly
 //!   one rendezvous (the unique id *or* `master_address`/`master_port`), and the packed-broadcast
 //!   wire parameters (`packed`, `packed_buffer_size_bytes`, `packed_num_buffers`) travel here,
 //!   once, not per update;
@@ -41,31 +42,25 @@ pub const VLLM_PACKED_BUFFER_BYTES: u64 = 1 << 30;
 /// streams. It changes no byte on the wire, only the engine's memory (`buffer × num_buffers`).
 pub const VLLM_PACKED_NUM_BUFFERS: u32 = 2;
 
-/// The step of the data plane an error happened in.
+/// The step of the data plane an error happened in: an engine call, named by its request line
+/// (which is also what is sent), or the trainer's NCCL work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
-    GetWorldSize,
-    InitTransfer,
-    CommInit,
-    WarmUp,
-    StartUpdate,
-    UpdateWeights,
-    Broadcast,
-    FinishUpdate,
+pub struct Step(pub &'static str);
+
+impl Step {
+    pub const GET_WORLD_SIZE: Step = Step("GET /get_world_size");
+    pub const INIT_TRANSFER: Step = Step("POST /init_weight_transfer_engine");
+    pub const START_UPDATE: Step = Step("POST /start_weight_update");
+    pub const UPDATE_WEIGHTS: Step = Step("POST /update_weights");
+    pub const FINISH_UPDATE: Step = Step("POST /finish_weight_update");
+    pub const COMM_INIT: Step = Step("ncclCommInitRank");
+    pub const WARM_UP: Step = Step("the warm-up all_reduce");
+    pub const BROADCAST: Step = Step("the packed broadcast");
 }
 
 impl fmt::Display for Step {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Step::GetWorldSize => "GET /get_world_size",
-            Step::InitTransfer => "POST /init_weight_transfer_engine",
-            Step::CommInit => "ncclCommInitRank",
-            Step::WarmUp => "the warm-up all_reduce",
-            Step::StartUpdate => "POST /start_weight_update",
-            Step::UpdateWeights => "POST /update_weights",
-            Step::Broadcast => "the packed broadcast",
-            Step::FinishUpdate => "POST /finish_weight_update",
-        })
+        f.write_str(self.0)
     }
 }
 
@@ -160,59 +155,6 @@ impl UniqueId {
     }
 }
 
-/// Where every engine's ranks sit in the one communicator; the trainer is rank 0.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RankLayout {
-    rank_offsets: Vec<u32>,
-    world_size: u32,
-}
-
-impl RankLayout {
-    /// `engine_world_sizes[i]` is engine `i`'s `GET /get_world_size`.
-    pub fn new(engine_world_sizes: &[u32]) -> Result<Self, NcclSyncError> {
-        if engine_world_sizes.is_empty() {
-            return Err(NcclSyncError::Invalid(
-                "the NCCL weight transfer needs at least one engine".into(),
-            ));
-        }
-        let mut rank_offsets = Vec::with_capacity(engine_world_sizes.len());
-        let mut next: u32 = 1;
-        for (i, &size) in engine_world_sizes.iter().enumerate() {
-            if size == 0 {
-                return Err(NcclSyncError::Invalid(format!(
-                    "engine {i} reports world_size 0; it must be at least 1"
-                )));
-            }
-            rank_offsets.push(next);
-            next = next
-                .checked_add(size)
-                .filter(|&n| n <= i32::MAX as u32)
-                .ok_or_else(|| {
-                    NcclSyncError::Invalid(format!(
-                        "the engines' world sizes {engine_world_sizes:?} add up to more ranks than NCCL takes (i32)"
-                    ))
-                })?;
-        }
-        Ok(Self {
-            rank_offsets,
-            world_size: next,
-        })
-    }
-
-    /// Ranks in the communicator: the trainer plus every engine rank.
-    pub fn world_size(&self) -> u32 {
-        self.world_size
-    }
-
-    pub fn engines(&self) -> usize {
-        self.rank_offsets.len()
-    }
-
-    pub fn rank_offset(&self, engine: usize) -> u32 {
-        self.rank_offsets[engine]
-    }
-}
-
 /// The packed-broadcast parameters both sides must agree on (sent once, in `init_info`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PackedWire {
@@ -233,18 +175,16 @@ impl Default for PackedWire {
 
 impl PackedWire {
     pub fn validate(&self) -> Result<(), NcclSyncError> {
-        let zero = |field: &str| {
-            Err(NcclSyncError::Invalid(format!(
+        let sizes = [
+            ("packed_buffer_size_bytes", self.buffer_size_bytes),
+            ("packed_num_buffers", self.num_buffers.into()),
+        ];
+        match sizes.iter().find(|(_, size)| *size == 0) {
+            Some((field, _)) => Err(NcclSyncError::Invalid(format!(
                 "{field} must be at least 1"
-            )))
-        };
-        if self.buffer_size_bytes == 0 {
-            return zero("packed_buffer_size_bytes");
+            ))),
+            None => Ok(()),
         }
-        if self.num_buffers == 0 {
-            return zero("packed_num_buffers");
-        }
-        Ok(())
     }
 }
 
@@ -260,18 +200,46 @@ pub struct NcclInitInfo {
     pub packed_num_buffers: u32,
 }
 
-/// One `init_info` per engine, in the layout's order.
-pub fn init_infos(id: &UniqueId, layout: &RankLayout, wire: PackedWire) -> Vec<NcclInitInfo> {
-    (0..layout.engines())
-        .map(|i| NcclInitInfo {
-            nccl_unique_id_b64: id.clone(),
-            rank_offset: layout.rank_offset(i),
-            world_size: layout.world_size(),
-            packed: true,
-            packed_buffer_size_bytes: wire.buffer_size_bytes,
-            packed_num_buffers: wire.num_buffers,
-        })
-        .collect()
+/// One `init_info` per engine, in order, `engine_world_sizes[i]` being engine `i`'s
+/// `GET /get_world_size`: the trainer is rank 0, and each engine's ranks follow the earlier
+/// engines'.
+pub fn init_infos(
+    id: &UniqueId,
+    engine_world_sizes: &[u32],
+    wire: PackedWire,
+) -> Result<Vec<NcclInitInfo>, NcclSyncError> {
+    if engine_world_sizes.is_empty() {
+        return Err(NcclSyncError::Invalid(
+            "the NCCL weight transfer needs at least one engine".into(),
+        ));
+    }
+    let mut rank_offsets = Vec::with_capacity(engine_world_sizes.len());
+    let mut next: u32 = 1;
+    for (i, &size) in engine_world_sizes.iter().enumerate() {
+        if size == 0 {
+            return Err(NcclSyncError::Invalid(format!(
+                "engine {i} reports world_size 0; it must be at least 1"
+            )));
+        }
+        rank_offsets.push(next);
+        next = next
+            .checked_add(size)
+            .filter(|&n| n <= i32::MAX as u32)
+            .ok_or_else(|| {
+                NcclSyncError::Invalid(format!(
+                    "the engines' world sizes {engine_world_sizes:?} add up to more ranks than NCCL takes (i32)"
+                ))
+            })?;
+    }
+    let info = |rank_offset| NcclInitInfo {
+        nccl_unique_id_b64: id.clone(),
+        rank_offset,
+        world_size: next,
+        packed: true,
+        packed_buffer_size_bytes: wire.buffer_size_bytes,
+        packed_num_buffers: wire.num_buffers,
+    };
+    Ok(rank_offsets.into_iter().map(info).collect())
 }
 
 /// The dtypes a checkpoint holds, as vLLM names them (`getattr(torch, name)`).
@@ -333,16 +301,6 @@ impl TensorMeta {
 pub struct Chunk {
     pub tensors: Range<usize>,
     pub bytes: Range<usize>,
-}
-
-impl Chunk {
-    pub fn len(&self) -> usize {
-        self.bytes.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
-    }
 }
 
 /// Cuts a bucket of tensors of `byte_lens` into broadcasts as vLLM's packed consumer does: whole
@@ -482,34 +440,34 @@ mod tests {
     #[test]
     fn rank_offsets_follow_earlier_engines_world_sizes() {
         // A tp=2 engine, a tp=1 engine, a tp=4 (or tp·dp) engine.
-        let layout = RankLayout::new(&[2, 1, 4]).unwrap();
-        assert_eq!(layout.world_size(), 8);
+        let infos = init_infos(&id(), &[2, 1, 4], PackedWire::default()).unwrap();
+        assert!(infos.iter().all(|i| i.world_size == 8));
         assert_eq!(
-            (0..3).map(|i| layout.rank_offset(i)).collect::<Vec<_>>(),
+            infos.iter().map(|i| i.rank_offset).collect::<Vec<_>>(),
             [1, 3, 4]
         );
-        let single = RankLayout::new(&[1]).unwrap();
-        assert_eq!((single.rank_offset(0), single.world_size()), (1, 2));
+        let single = &init_infos(&id(), &[1], PackedWire::default()).unwrap()[0];
+        assert_eq!((single.rank_offset, single.world_size), (1, 2));
     }
 
     #[test]
     fn bad_layouts_are_refused_with_the_engine() {
-        assert!(RankLayout::new(&[]).is_err());
-        let err = RankLayout::new(&[1, 0]).unwrap_err().to_string();
+        let layout = |sizes: &[u32]| init_infos(&id(), sizes, PackedWire::default());
+        assert!(layout(&[]).is_err());
+        let err = layout(&[1, 0]).unwrap_err().to_string();
         assert!(err.contains("engine 1 reports world_size 0"), "{err}");
-        assert!(RankLayout::new(&[u32::MAX]).is_err());
-        assert!(RankLayout::new(&[i32::MAX as u32 - 1]).is_ok());
-        assert!(RankLayout::new(&[i32::MAX as u32]).is_err());
+        assert!(layout(&[u32::MAX]).is_err());
+        assert!(layout(&[i32::MAX as u32 - 1]).is_ok());
+        assert!(layout(&[i32::MAX as u32]).is_err());
     }
 
     #[test]
     fn init_info_json_is_vllms_unique_id_mode() {
-        let layout = RankLayout::new(&[2, 1]).unwrap();
         let wire = PackedWire {
             buffer_size_bytes: 1 << 20,
             num_buffers: 2,
         };
-        let infos = init_infos(&id(), &layout, wire);
+        let infos = init_infos(&id(), &[2, 1], wire).unwrap();
         let json: Vec<serde_json::Value> = infos
             .iter()
             .map(|i| serde_json::to_value(i).unwrap())
@@ -650,7 +608,10 @@ mod tests {
         assert_eq!(plan.total_bytes(), 292);
         assert_eq!(plan.chunks.len(), 2);
         assert_eq!(
-            plan.chunks.iter().map(Chunk::len).collect::<Vec<_>>(),
+            plan.chunks
+                .iter()
+                .map(|c| c.bytes.len())
+                .collect::<Vec<_>>(),
             [256, 36]
         );
         let json = serde_json::to_value(plan.update_info()).unwrap();
@@ -705,7 +666,7 @@ mod tests {
     fn steps_read_as_endpoints() {
         let err = NcclSyncError::Engine {
             url: "http://e0:8000".into(),
-            step: Step::UpdateWeights,
+            step: Step::UPDATE_WEIGHTS,
             message: "boom".into(),
         };
         assert_eq!(

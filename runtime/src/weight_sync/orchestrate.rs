@@ -53,7 +53,7 @@ impl WeightSync {
     }
 
     /// Opens the TCP data plane: listens on `bind` (`127.0.0.1:0`, `0.0.0.0:29500`), tells every
-    /// engine to connect to `advertise:port`, and waits for all of them. [`update`](Self::update)
+    /// engine to connect to `advertise:port`, and waits for all of them. [`update_stream`](Self::update_stream)
     /// connects again by itself when engines joined or left since.
     pub async fn connect_tcp(&mut self, bind: &str, advertise: &str) -> Result<(), SyncError> {
         self.sender = None;

@@ -13,9 +13,11 @@
 use std::path::PathBuf;
 
 use moult_operator::api::{EngineBackend, EnginesSpec, WeightTransport};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
 use super::folder::FolderPublisher;
+#[cfg(feature = "cuda")]
+use super::nccl::NcclPublisher;
 use super::orchestrate::WeightSync;
 use super::stream::WeightStream;
 use super::{SyncError, SyncReport};
@@ -26,7 +28,6 @@ use crate::trainer::train::Trainer;
 pub struct PublishOptions {
     /// The router or coordinator in front of the engines.
     pub target: String,
-    pub backend: EngineBackend,
     pub transport: WeightTransport,
     /// The trainer's device (NCCL sends from its GPU).
     pub device: Device,
@@ -55,13 +56,12 @@ impl PublishOptions {
     ) -> Result<Self, SyncError> {
         Ok(Self {
             target,
-            backend: engines.backend,
             transport: engines.transport(),
             device,
             host,
             port,
             folder,
-            engine_kind: engine_kind(engines.backend, &engines.extra_args, model_dtype)?,
+            engine_kind: engine_kind(engines, model_dtype)?,
         })
     }
 }
@@ -72,7 +72,7 @@ pub enum Publisher {
     Tcp(WeightSync),
     Filesystem(FolderPublisher),
     #[cfg(feature = "cuda")]
-    Nccl(Box<nccl::NcclPublisher>),
+    Nccl(Box<NcclPublisher>),
 }
 
 impl Publisher {
@@ -102,8 +102,7 @@ impl Publisher {
             WeightTransport::Nccl => {
                 #[cfg(feature = "cuda")]
                 if let Device::Cuda(ordinal) = opts.device {
-                    let publisher =
-                        nccl::NcclPublisher::new(&opts.target, ordinal, opts.engine_kind);
+                    let publisher = NcclPublisher::new(&opts.target, ordinal, opts.engine_kind);
                     return Ok(Self::Nccl(Box::new(publisher)));
                 }
                 let why = if cfg!(feature = "cuda") {
@@ -117,17 +116,6 @@ impl Publisher {
                 ))
             }
         }
-    }
-
-    /// Pushes `weights` as `version` (pause `keep` with partial rollout, else `wait`).
-    pub async fn update(
-        &mut self,
-        weights: &[(String, Tensor)],
-        version: u64,
-        partial_rollout: bool,
-    ) -> Result<SyncReport, SyncError> {
-        self.update_stream(WeightStream::whole(weights), version, partial_rollout)
-            .await
     }
 
     /// Publishes `trainer`'s weights as `version`: the trainer gathers them bucket by bucket on
@@ -165,9 +153,10 @@ impl Publisher {
         }
     }
 
-    /// [`update`](Self::update) from buckets as a trainer gathers them: each transport sends
-    /// (or writes) a bucket while the next is gathered, and finishes the update only once the
-    /// stream ended whole.
+    /// Pushes the buckets of `weights` as `version` (pause `keep` with partial rollout, else
+    /// `wait`) as they come (`WeightStream::whole` for weights already whole): each transport
+    /// sends (or writes) a bucket while the next is gathered, and finishes the update only once
+    /// the stream ended whole.
     pub async fn update_stream(
         &mut self,
         weights: WeightStream,
@@ -176,11 +165,7 @@ impl Publisher {
     ) -> Result<SyncReport, SyncError> {
         match self {
             Self::Tcp(sync) => sync.update_stream(weights, version, partial_rollout).await,
-            Self::Filesystem(folder) => {
-                folder
-                    .update_stream(weights, version, partial_rollout)
-                    .await
-            }
+            Self::Filesystem(folder) => folder.update(weights, version, partial_rollout).await,
             #[cfg(feature = "cuda")]
             Self::Nccl(p) => p.update(weights, version, partial_rollout).await,
         }
@@ -191,14 +176,11 @@ impl Publisher {
 /// float32); for vLLM its `--dtype` among `extra_args`, else (`auto`) the checkpoint's own
 /// (`model_dtype`), else float32. vLLM converts what it loads to its parameters' dtype, so this
 /// decides the bytes moved per update, not what the engine computes with.
-pub fn engine_kind(
-    backend: EngineBackend,
-    extra_args: &[String],
-    model_dtype: Option<&str>,
-) -> Result<Kind, SyncError> {
-    if backend == EngineBackend::Builtin {
+pub fn engine_kind(engines: &EnginesSpec, model_dtype: Option<&str>) -> Result<Kind, SyncError> {
+    if engines.backend == EngineBackend::Builtin {
         return Ok(Kind::Float);
     }
+    let extra_args = &engines.extra_args;
     let flag = extra_args
         .iter()
         .position(|a| a == "--dtype")
@@ -220,120 +202,6 @@ pub fn engine_kind(
     }
 }
 
-#[cfg(feature = "cuda")]
-mod nccl {
-    use tch::Kind;
-
-    use crate::router::pool::EngineStatus;
-    use crate::weight_sync::nccl::{NcclSenderConfig, NcclWeightSender};
-    use crate::weight_sync::stream::WeightStream;
-    use crate::weight_sync::{Control, SyncError, SyncReport};
-
-    /// Bytes per `update_weights` call.
-    const BUCKET_BYTES: usize = 256 << 20;
-
-    /// The NCCL weight path to the engines the coordinator (or router) lists.
-    #[derive(Debug)]
-    pub struct NcclPublisher {
-        control: Control,
-        ordinal: usize,
-        kind: Kind,
-        /// The engines the sender is connected to, and the sender.
-        sender: Option<(Vec<String>, NcclWeightSender)>,
-    }
-
-    impl NcclPublisher {
-        pub fn new(target: &str, ordinal: usize, kind: Kind) -> Self {
-            Self {
-                control: Control::new(target),
-                ordinal,
-                kind,
-                sender: None,
-            }
-        }
-
-        /// The engines up behind the router.
-        async fn engines(&self) -> Result<Vec<String>, SyncError> {
-            let mut listed = self.control.get("engines").await?;
-            let engines: Vec<EngineStatus> =
-                serde_json::from_value(listed["engines"].take()).unwrap_or_default();
-            let mut urls: Vec<String> = engines
-                .into_iter()
-                .filter(|e| e.healthy)
-                .map(|e| e.url)
-                .collect();
-            urls.sort();
-            if urls.is_empty() {
-                return Err(SyncError::NoEngines);
-            }
-            Ok(urls)
-        }
-
-        /// Connects (again when the engines changed), then pause, send, set the version,
-        /// resume. After a failed send the engines stay paused: resuming them would serve
-        /// half-loaded weights.
-        pub async fn update(
-            &mut self,
-            mut weights: WeightStream,
-            version: u64,
-            partial_rollout: bool,
-        ) -> Result<SyncReport, SyncError> {
-            let urls = self.engines().await?;
-            let Self {
-                control,
-                ordinal,
-                kind,
-                sender,
-            } = self;
-            if sender
-                .as_ref()
-                .is_none_or(|(connected, _)| *connected != urls)
-            {
-                *sender = None;
-                let new = NcclWeightSender::connect(*ordinal, &urls, NcclSenderConfig::default())
-                    .await
-                    .map_err(SyncError::at("connect"))?;
-                *sender = Some((urls, new));
-            }
-            let send = async {
-                let (_, connected) = sender.as_mut().expect("connected above");
-                let sent = send(connected, *kind, &mut weights, version).await;
-                if sent.is_err() {
-                    // A failed sender refuses further work: connect again next time.
-                    *sender = None;
-                }
-                sent.map_err(|e| SyncError::Held(Box::new(e)))
-            };
-            control.paused_update(version, partial_rollout, send).await
-        }
-    }
-
-    /// Start, each bucket as it comes in the engines' dtype, finish (only once the stream ended
-    /// whole); what was sent.
-    async fn send(
-        sender: &mut NcclWeightSender,
-        kind: Kind,
-        weights: &mut WeightStream,
-        version: u64,
-    ) -> Result<SyncReport, SyncError> {
-        sender.start_update().await?;
-        let mut sent = SyncReport::default();
-        while let Some(pieces) = weights.next_split(BUCKET_BYTES).await? {
-            for bucket in pieces {
-                // vLLM copies what it receives into its parameters.
-                let converted: Vec<_> = bucket
-                    .into_iter()
-                    .map(|(n, t)| (n, t.to_kind(kind).contiguous()))
-                    .collect();
-                sent.count(&converted);
-                sender.send_bucket(converted).await?;
-            }
-        }
-        sender.finish_update(version).await?;
-        Ok(sent)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -341,7 +209,6 @@ mod tests {
     fn opts(transport: WeightTransport) -> PublishOptions {
         PublishOptions {
             target: "http://127.0.0.1:1".into(),
-            backend: EngineBackend::Vllm,
             transport,
             device: Device::Cpu,
             host: "127.0.0.1".into(),
@@ -384,30 +251,34 @@ mod tests {
 
     #[test]
     fn engines_get_weights_in_their_own_dtype() {
-        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let vllm = EngineBackend::Vllm;
+        let spec = |backend, args: &[&str]| EnginesSpec {
+            backend,
+            extra_args: args.iter().map(|s| s.to_string()).collect(),
+            ..EnginesSpec::default()
+        };
+        let vllm = |args: &[&str]| spec(EngineBackend::Vllm, args);
         assert_eq!(
-            engine_kind(EngineBackend::Builtin, &[], Some("bfloat16")).unwrap(),
+            engine_kind(&spec(EngineBackend::Builtin, &[]), Some("bfloat16")).unwrap(),
             Kind::Float
         );
         assert_eq!(
-            engine_kind(vllm, &[], Some("bfloat16")).unwrap(),
+            engine_kind(&vllm(&[]), Some("bfloat16")).unwrap(),
             Kind::BFloat16
         );
-        assert_eq!(engine_kind(vllm, &[], None).unwrap(), Kind::Float);
+        assert_eq!(engine_kind(&vllm(&[]), None).unwrap(), Kind::Float);
         assert_eq!(
-            engine_kind(vllm, &args(&["--dtype", "float32"]), Some("bfloat16")).unwrap(),
+            engine_kind(&vllm(&["--dtype", "float32"]), Some("bfloat16")).unwrap(),
             Kind::Float
         );
         assert_eq!(
-            engine_kind(vllm, &args(&["--dtype=half"]), None).unwrap(),
+            engine_kind(&vllm(&["--dtype=half"]), None).unwrap(),
             Kind::Half
         );
         assert_eq!(
-            engine_kind(vllm, &args(&["--dtype", "auto"]), Some("float16")).unwrap(),
+            engine_kind(&vllm(&["--dtype", "auto"]), Some("float16")).unwrap(),
             Kind::Half
         );
-        let err = engine_kind(vllm, &args(&["--dtype", "fp8"]), None)
+        let err = engine_kind(&vllm(&["--dtype", "fp8"]), None)
             .unwrap_err()
             .to_string();
         assert!(err.contains("spec.engines.extraArgs"), "{err}");

@@ -289,7 +289,7 @@ fn check_plan(metas: Vec<TensorMeta>, buffer: u64) -> Result<(), TestCaseError> 
         prop_assert_eq!(c.bytes.end, plan.offsets[c.tensors.end - 1].end);
         let limit = usize::try_from(buffer).unwrap_or(usize::MAX);
         if i + 1 < plan.chunks.len() {
-            prop_assert!(c.len() > limit);
+            prop_assert!(c.bytes.len() > limit);
         }
         let without_last = plan.offsets[c.tensors.end - 1].start - c.bytes.start;
         prop_assert!(without_last <= limit);
