@@ -9,6 +9,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value as Json};
 
+use super::template::{ChatTemplate, RenderOptions, TemplateError};
+
 /// Who speaks a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -37,6 +39,15 @@ pub struct ToolCall {
     pub name: String,
     /// The arguments object (`{}` when the model gave none).
     pub arguments: Json,
+}
+
+impl ToolCall {
+    /// The call in OpenAI's shape, which chat templates read too, with `arguments` (an object
+    /// for templates, its JSON text for OpenAI clients).
+    pub fn to_openai(&self, arguments: Json) -> Json {
+        let function = json!({"name": self.name, "arguments": arguments});
+        json!({"id": self.id, "type": "function", "function": function})
+    }
 }
 
 /// An image of a message, as the client sent it (docs/vision.md).
@@ -115,15 +126,24 @@ pub struct Message {
 }
 
 impl Message {
-    pub fn text(role: Role, content: impl Into<String>) -> Self {
+    /// A message of `role` with nothing in it yet (no content: `None`).
+    pub fn new(role: Role) -> Self {
         Self {
             role,
-            content: Some(content.into()),
+            content: None,
             parts: Vec::new(),
             tool_calls: Vec::new(),
             tool_call_id: None,
             name: None,
             reasoning_content: None,
+        }
+    }
+
+    pub fn text(role: Role, content: impl Into<String>) -> Self {
+        let content = Some(content.into());
+        Self {
+            content,
+            ..Self::new(role)
         }
     }
 
@@ -155,30 +175,19 @@ impl Message {
     /// `{"type": "text", "text"}` and `{"type": "image"}` parts, as Hugging Face processors
     /// hand them to vision-language templates.
     pub fn to_template(&self) -> Json {
+        let part = |p: &Part| match p {
+            Part::Text { text } => json!({"type": "text", "text": text}),
+            Part::Image { .. } => json!({"type": "image"}),
+        };
         let content = if self.parts.is_empty() {
             Json::from(self.content.clone().unwrap_or_default())
         } else {
-            Json::Array(
-                self.parts
-                    .iter()
-                    .map(|p| match p {
-                        Part::Text { text } => json!({"type": "text", "text": text}),
-                        Part::Image { .. } => json!({"type": "image"}),
-                    })
-                    .collect(),
-            )
+            self.parts.iter().map(part).collect()
         };
         let mut m = json!({"role": self.role.as_str(), "content": content});
         if !self.tool_calls.is_empty() {
-            let calls: Vec<Json> = self
-                .tool_calls
-                .iter()
-                .map(|c| {
-                    json!({"id": c.id, "type": "function",
-                           "function": {"name": c.name, "arguments": c.arguments}})
-                })
-                .collect();
-            m["tool_calls"] = Json::Array(calls);
+            let calls = self.tool_calls.iter();
+            m["tool_calls"] = calls.map(|c| c.to_openai(c.arguments.clone())).collect();
         }
         for (key, value) in [
             ("tool_call_id", &self.tool_call_id),
@@ -264,15 +273,18 @@ pub struct ChatRequest {
 }
 
 impl ChatRequest {
-    /// The messages as a chat template reads them.
-    pub fn template_messages(&self) -> Json {
-        Json::Array(self.messages.iter().map(Message::to_template).collect())
-    }
-
-    /// The tools as a chat template reads them, `None` when there are none.
-    pub fn template_tools(&self) -> Option<Json> {
-        (!self.tools.is_empty())
-            .then(|| Json::Array(self.tools.iter().map(Tool::to_template).collect()))
+    /// The prompt of this request by `template`: its messages, tools and template variables,
+    /// ending where the assistant's reply starts.
+    pub fn render(&self, template: &ChatTemplate) -> Result<String, TemplateError> {
+        let messages = self.messages.iter().map(Message::to_template).collect();
+        let tools = self.tools.iter().map(Tool::to_template);
+        let opts = RenderOptions {
+            tools: (!self.tools.is_empty()).then(|| tools.collect()),
+            documents: None,
+            add_generation_prompt: true,
+            extra: self.template_kwargs.clone(),
+        };
+        template.render(&Json::Array(messages), &opts)
     }
 }
 

@@ -13,7 +13,7 @@ use serde_json::{json, Map, Value as Json};
 use super::error::LoopbackError;
 use super::service::ChatService;
 use super::turn::{Finish, TurnEvent, TurnOutput};
-use super::{bounded, invalid, random_id, required, str_field, Protocol};
+use super::{bounded, invalid, random_id, At, Protocol};
 use crate::chat::{
     check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message, Part, Role, Tool,
     ToolCall,
@@ -63,29 +63,25 @@ pub struct ToolChoice {
 }
 
 /// The text of `system` or of a `tool_result`'s content: a string or text blocks.
-fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
-    let blocks = match value {
-        Json::String(s) => return Ok(s.clone()),
-        Json::Array(blocks) => blocks,
-        _ => {
-            return Err(invalid(
-                param,
-                "must be a string or an array of text blocks",
-            ))
-        }
-    };
+fn blocks_text(at: &At) -> Result<String, InvalidRequest> {
+    match at.value {
+        Some(Json::String(s)) => return Ok(s.clone()),
+        Some(Json::Array(_)) => {}
+        _ => return Err(at.refuse("must be a string or an array of text blocks")),
+    }
     let mut text = String::new();
-    for (j, b) in blocks.iter().enumerate() {
-        match (str_field(b, "type"), str_field(b, "text")) {
+    for block in at.items() {
+        let kind = block.key("type");
+        match (kind.str(), block.key("text").str()) {
             (Some("text"), Some(t)) => text.push_str(t),
             (Some(other), _) if other != "text" => {
                 let message =
                     format!("blocks of type `{other}` are not supported here: only `text`");
-                return Err(invalid(format!("{param}[{j}].type"), message));
+                return Err(kind.refuse(message));
             }
             _ => {
                 let message = "a text block needs `type: \"text\"` and a string `text`";
-                return Err(invalid(format!("{param}[{j}]"), message));
+                return Err(block.refuse(message));
             }
         }
     }
@@ -93,60 +89,55 @@ fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
 }
 
 /// One Anthropic message as internal messages: tool results become `tool` messages.
-fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
-    let param = format!("messages[{i}]");
-    let role = match str_field(value, "role") {
+fn push_messages(m: &At, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
+    let at = m.key("role");
+    let role = match at.str() {
         Some("user") => Role::User,
         Some("assistant") => Role::Assistant,
         Some(other) => {
-            return Err(invalid(format!("{param}.role"), format!("unknown role `{other}`: expected user or assistant (the system prompt goes in `system`)")))
+            return Err(at.refuse(format!("unknown role `{other}`: expected user or assistant (the system prompt goes in `system`)")))
         }
-        None => return Err(invalid(format!("{param}.role"), "a message needs a string `role`")),
+        None => return Err(at.refuse("a message needs a string `role`")),
     };
-    let content = value
-        .get("content")
-        .ok_or_else(|| invalid(format!("{param}.content"), "a message needs content"))?;
-    let blocks = match content {
-        Json::String(s) => {
+    let content = m.key("content");
+    match content.value {
+        None => return Err(content.refuse("a message needs content")),
+        Some(Json::String(s)) => {
             out.push(Message::text(role, s.clone()));
             return Ok(());
         }
-        Json::Array(blocks) => blocks,
-        _ => {
+        Some(Json::Array(_)) => {}
+        Some(_) => {
             let message = "content must be a string or an array of content blocks";
-            return Err(invalid(format!("{param}.content"), message));
+            return Err(content.refuse(message));
         }
-    };
+    }
     // An assistant message's text, calls and thinking; a user message's text and images in order.
-    let mut assistant = Message {
-        content: None,
-        ..Message::text(role, "")
-    };
+    let mut assistant = Message::new(role);
     let mut parts = Vec::new();
-    for (j, b) in blocks.iter().enumerate() {
-        let p = format!("{param}.content[{j}]");
-        let kind =
-            str_field(b, "type").ok_or_else(|| invalid(&p, "a content block needs a `type`"))?;
-        match (kind, role) {
+    for b in content.items() {
+        let kind = b.key("type");
+        let name = kind
+            .str()
+            .ok_or_else(|| b.refuse("a content block needs a `type`"))?;
+        match (name, role) {
             ("text", _) => {
-                let t = required(b, &p, "text", "a text block needs a string `text`")?;
+                let t = b.key("text").string("a text block needs a string `text`")?;
                 let text = assistant.content.get_or_insert_with(String::new);
                 text.push_str(t);
                 parts.push(Part::Text { text: t.into() });
             }
             ("image", Role::User) => parts.push(Part::Image {
-                image: image_block(b, &p)?,
+                image: image_block(&b)?,
             }),
             ("tool_use", Role::Assistant) => {
-                let id = required(b, &p, "id", "a tool_use block needs an `id`")?;
-                let name = required(b, &p, "name", "a tool_use block needs a `name`")?;
-                let arguments = match b.get("input") {
+                let id = b.key("id").string("a tool_use block needs an `id`")?;
+                let name = b.key("name").string("a tool_use block needs a `name`")?;
+                let input = b.key("input");
+                let arguments = match input.value {
                     None => Json::Object(Map::new()),
                     Some(input @ Json::Object(_)) => input.clone(),
-                    Some(_) => {
-                        let message = "tool_use input must be an object";
-                        return Err(invalid(format!("{p}.input"), message));
-                    }
+                    Some(_) => return Err(input.refuse("tool_use input must be an object")),
                 };
                 assistant.tool_calls.push(ToolCall {
                     id: id.into(),
@@ -155,14 +146,14 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                 });
             }
             ("thinking", Role::Assistant) => {
-                assistant.reasoning_content = str_field(b, "thinking").map(str::to_string);
+                assistant.reasoning_content = b.key("thinking").str().map(str::to_string);
             }
             ("tool_result", Role::User) => {
                 let message = "a tool_result block needs the `tool_use_id` it answers";
-                let id = required(b, &p, "tool_use_id", message)?;
-                let content = match b.get("content") {
-                    None | Some(Json::Null) => String::new(),
-                    Some(c) => blocks_text(c, &format!("{p}.content"))?,
+                let id = b.key("tool_use_id").string(message)?;
+                let content = match b.key("content") {
+                    c if c.value.is_none_or(Json::is_null) => String::new(),
+                    c => blocks_text(&c)?,
                 };
                 out.push(Message {
                     tool_call_id: Some(id.into()),
@@ -170,13 +161,10 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
                 });
             }
             (other, _) => {
-                return Err(invalid(
-                    format!("{p}.type"),
-                    format!(
-                        "content blocks of type `{other}` are not supported in {} messages",
-                        role.as_str()
-                    ),
-                ))
+                return Err(kind.refuse(format!(
+                    "content blocks of type `{other}` are not supported in {} messages",
+                    role.as_str()
+                )))
             }
         }
     }
@@ -189,30 +177,23 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
 }
 
 /// An `image` block: `{"type": "image", "source": {"type": "base64", "media_type", "data"}}`.
-fn image_block(block: &Json, param: &str) -> Result<Image, InvalidRequest> {
-    let source = block
-        .get("source")
-        .ok_or_else(|| invalid(format!("{param}.source"), "an image block needs a `source`"))?;
-    let param = format!("{param}.source");
-    match str_field(source, "type") {
+fn image_block(block: &At) -> Result<Image, InvalidRequest> {
+    let source = block.key("source");
+    if source.value.is_none() {
+        return Err(source.refuse("an image block needs a `source`"));
+    }
+    let kind = source.key("type");
+    match kind.str() {
         Some("base64") => {}
-        Some("url") => {
-            return Err(invalid(
-                format!("{param}.type"),
-                "images by URL are not fetched: send the image inline as `source: {type: \"base64\", media_type, data}` (docs/vision.md)",
-            ))
-        }
-        _ => {
-            let message = "an image source needs `type: \"base64\"`";
-            return Err(invalid(format!("{param}.type"), message));
-        }
+        Some("url") => return Err(kind.refuse("images by URL are not fetched: send the image inline as `source: {type: \"base64\", media_type, data}` (docs/vision.md)")),
+        _ => return Err(kind.refuse("an image source needs `type: \"base64\"`")),
     }
     let field = |name| {
         let message = format!("a base64 image source needs a string `{name}`");
-        required(source, &param, name, &message)
+        source.key(name).string(&message)
     };
     let (media_type, data) = (field("media_type")?, field("data")?);
-    Image::from_base64(media_type, data).map_err(|e| invalid(&param, e.to_string()))
+    Image::from_base64(media_type, data).map_err(|e| source.refuse(e.to_string()))
 }
 
 impl MessagesRequest {
@@ -223,10 +204,11 @@ impl MessagesRequest {
         let max_tokens = bounded("max_tokens", self.max_tokens, 1, None)?;
         let mut messages = Vec::new();
         if let Some(system) = &self.system {
-            messages.push(Message::text(Role::System, blocks_text(system, "system")?));
+            let system = blocks_text(&At::new(system, "system".into()))?;
+            messages.push(Message::text(Role::System, system));
         }
         for (i, m) in self.messages.iter().enumerate() {
-            push_messages(m, i, &mut messages)?;
+            push_messages(&At::new(m, format!("messages[{i}]")), &mut messages)?;
         }
         let tools = self
             .tools
@@ -254,7 +236,7 @@ impl MessagesRequest {
         }
         let mut template_kwargs = Map::new();
         if let Some(thinking) = &self.thinking {
-            let enabled = match str_field(thinking, "type") {
+            let enabled = match thinking.get("type").and_then(Json::as_str) {
                 Some("enabled") | Some("adaptive") => true,
                 Some("disabled") => false,
                 _ => {
@@ -314,7 +296,6 @@ fn event(data: Json) -> SseEvent {
 
 impl Protocol for Answer {
     type Request = MessagesRequest;
-    const NAME: &'static str = "anthropic";
     const CALL_ID: &'static str = "toolu_";
 
     fn read(req: MessagesRequest) -> Result<(ChatRequest, bool, Self), InvalidRequest> {

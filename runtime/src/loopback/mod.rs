@@ -26,10 +26,9 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::Stream;
+use futures::{stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde_json::json;
-use tokio::sync::mpsc;
 
 pub use crate::engine::client::EngineClient;
 pub use error::LoopbackError;
@@ -90,19 +89,47 @@ fn parse<T: DeserializeOwned>(
     })
 }
 
-/// A field of a JSON object, if it is a string.
-fn str_field<'a>(value: &'a serde_json::Value, key: &str) -> Option<&'a str> {
-    value.get(key).and_then(serde_json::Value::as_str)
+/// A value of a request body and its path (`messages[2].content`): the adapters walk the body
+/// with it, so every refusal names the field it refuses.
+#[derive(Debug, Clone)]
+struct At<'a> {
+    /// `None`: the field is absent.
+    value: Option<&'a serde_json::Value>,
+    path: String,
 }
 
-/// The string field `key` of `value`, or a refusal naming `{param}.{key}` with `message`.
-fn required<'a>(
-    value: &'a serde_json::Value,
-    param: &str,
-    key: &str,
-    message: &str,
-) -> Result<&'a str, InvalidRequest> {
-    str_field(value, key).ok_or_else(|| invalid(format!("{param}.{key}"), message))
+impl<'a> At<'a> {
+    fn new(value: &'a serde_json::Value, path: String) -> Self {
+        let value = Some(value);
+        Self { value, path }
+    }
+
+    /// Field `key` of this object.
+    fn key(&self, key: &str) -> Self {
+        let value = self.value.and_then(|v| v.get(key));
+        let path = format!("{}.{key}", self.path);
+        Self { value, path }
+    }
+
+    /// The items of this array (none if it is not one).
+    fn items(&self) -> impl Iterator<Item = At<'a>> + '_ {
+        let items = self.value.and_then(serde_json::Value::as_array);
+        let items = items.into_iter().flatten().enumerate();
+        items.map(|(i, v)| At::new(v, format!("{}[{i}]", self.path)))
+    }
+
+    fn str(&self) -> Option<&'a str> {
+        self.value.and_then(serde_json::Value::as_str)
+    }
+
+    /// This string, or a refusal with `message`.
+    fn string(&self, message: &str) -> Result<&'a str, InvalidRequest> {
+        self.str().ok_or_else(|| self.refuse(message))
+    }
+
+    fn refuse(&self, message: impl Into<String>) -> InvalidRequest {
+        InvalidRequest::new(&self.path, message)
+    }
 }
 
 /// `value` of `param` as a count, if it is at least `min` (and at most `max`).
@@ -125,29 +152,11 @@ fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidReque
     InvalidRequest::new(param, message)
 }
 
-/// A stream fed by a task through a bounded channel: the task ends (and drops what it holds,
-/// the turn's event receiver included) as soon as the client stops reading.
-fn async_stream<F, Fut>(f: F) -> impl Stream<Item = Result<SseEvent, std::convert::Infallible>>
-where
-    F: FnOnce(mpsc::Sender<SseEvent>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    // One frame in flight is enough: the producer waits for the client either way.
-    let (tx, rx) = mpsc::channel(1);
-    let task = tokio::spawn(f(tx));
-    // The producer ends when the client's stream is dropped.
-    let guard = crate::AbortOnDrop(task);
-    futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
-        rx.recv().await.map(|ev| (Ok(ev), (rx, guard)))
-    })
-}
-
 /// What differs between the protocols when they answer a turn; [`respond`] does the rest.
 trait Protocol: Sized + Send + 'static {
     type Request: DeserializeOwned;
-    /// The answer's shape, for the retry cache.
-    const NAME: &'static str;
-    /// How tool-call ids start (`call_`, `toolu_`).
+    /// How tool-call ids start (`call_`, `toolu_`); also tells the protocols' answers apart in
+    /// the retry cache.
     const CALL_ID: &'static str;
     /// The internal request, whether the answer streams, and the answer's own state.
     fn read(req: Self::Request) -> Result<(ChatRequest, bool, Self), InvalidRequest>;
@@ -174,41 +183,34 @@ async fn respond<P: Protocol>(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let read = parse::<P::Request>(body, state.max_body).and_then(|r| Ok(P::read(r)?));
-    let (chat, stream, mut answer) = match read {
+    let (chat, streams, mut answer) = match read {
         Ok(read) => read,
         Err(e) => return P::error(&e),
     };
     let service = state.service;
-    if !stream {
-        return match service
-            .turn(&session, P::NAME, P::CALL_ID, chat, None)
-            .await
-        {
+    if !streams {
+        return match service.turn(&session, P::CALL_ID, chat, None).await {
             Ok(out) => Json(answer.answer(&service, &out)).into_response(),
             Err(e) => P::error(&e),
         };
     }
-    let (mut rx, turn) = service.spawn_turn(session, P::NAME, P::CALL_ID, chat);
-    let frames = async_stream(move |tx| async move {
-        let mut frames = answer.open(&service);
-        loop {
-            for frame in frames {
-                if tx.send(frame).await.is_err() {
-                    return;
-                }
-            }
-            frames = match rx.recv().await {
+    let (rx, turn) = service.spawn_turn(session, P::CALL_ID, chat);
+    let opening = stream::iter(answer.open(&service));
+    // The content as it comes, then the last frames. A client that goes away drops this stream
+    // and the turn's event receiver with it, which cancels the turn.
+    let state = (rx, Some(turn), answer, service);
+    let rest = stream::unfold(
+        state,
+        |(mut rx, mut turn, mut answer, service)| async move {
+            let frames = match rx.recv().await {
                 Some(ev) => answer.content(&service, ev),
-                None => break,
+                None => answer.close(&service, turn.take()?.await),
             };
-        }
-        for frame in answer.close(&service, turn.await) {
-            if tx.send(frame).await.is_err() {
-                return;
-            }
-        }
-    });
-    Sse::new(frames).into_response()
+            Some((stream::iter(frames), (rx, turn, answer, service)))
+        },
+    );
+    let frames = opening.chain(rest.flatten());
+    Sse::new(frames.map(Ok::<_, std::convert::Infallible>)).into_response()
 }
 
 async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,7 @@ use super::text_stream::{Streamed, TextStream};
 use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput};
 use crate::chat::{
     parser_for_template, ChatRequest, ChatTemplate, DecodeStream, Image, InvalidRequest, NoTools,
-    RenderOptions, SamplingOverride, TemplateError, Tokenizer, TokenizerError, ToolCallParser,
+    SamplingOverride, TemplateError, Tokenizer, TokenizerError, ToolCallParser,
 };
 use crate::engine::client::{ContentPart, EngineClient, EngineError, EngineSampling, Generated};
 use crate::vision::{ImageProcessorConfig, VisionError};
@@ -38,7 +38,7 @@ struct SampleContext<'a> {
     session: &'a str,
     prompt: &'a [i64],
     /// The prompt's images, for the engine.
-    content_parts: &'a [ContentPart],
+    content_parts: &'a Vec<ContentPart>,
     /// Sample `i` gets seed `seed + i`.
     sampling: EngineSampling,
     stop: &'a [String],
@@ -169,15 +169,13 @@ pub struct ChatService {
     tool_parser: Box<dyn ToolCallParser>,
     opts: ServiceOptions,
     sessions: Mutex<HashMap<String, Arc<SessionSlot>>>,
-    /// Engine request ids: a per-process random prefix and a counter.
-    id_prefix: String,
-    next_request: AtomicU64,
 }
 
-/// A hash of a request without its messages (which retries compare separately, cheaply).
-fn request_key(protocol: &str, req: &ChatRequest) -> u64 {
+/// A hash of a request without its messages (which retries compare separately, cheaply), and of
+/// the protocol's tool-call id prefix (the answers of the protocols differ).
+fn request_key(id_prefix: &str, req: &ChatRequest) -> u64 {
     let mut h = std::hash::DefaultHasher::new();
-    protocol.hash(&mut h);
+    id_prefix.hash(&mut h);
     let rest = (
         &req.tools,
         req.parse_tool_calls,
@@ -224,8 +222,6 @@ impl ChatService {
             tool_parser,
             opts,
             sessions: Mutex::new(HashMap::new()),
-            id_prefix: format!("lb-{}", &super::random_id()[..8]),
-            next_request: AtomicU64::new(0),
         }
     }
 
@@ -320,8 +316,8 @@ impl ChatService {
             .sessions
             .lock()
             .expect("sessions lock")
-            .get(session)
-            .cloned()?;
+            .get(session)?
+            .clone();
         let s = slot.state.lock().await;
         Some((s.turns(), s.segments()))
     }
@@ -344,7 +340,6 @@ impl ChatService {
     pub fn spawn_turn(
         self: &Arc<Self>,
         session: String,
-        protocol: &'static str,
         id_prefix: &'static str,
         req: ChatRequest,
     ) -> (
@@ -354,19 +349,17 @@ impl ChatService {
         let (tx, rx) = mpsc::channel(TURN_EVENT_BUFFER);
         let service = self.clone();
         let turn = tokio::spawn(async move {
-            let turn = service.turn(&session, protocol, id_prefix, req, Some(tx));
+            let turn = service.turn(&session, id_prefix, req, Some(tx));
             turn.await
         });
         let turn = turn.map(|r| r.unwrap_or_else(|e| Err(LoopbackError::Panicked(e.to_string()))));
         (rx, turn)
     }
 
-    /// Runs one turn of `session`. `protocol` names the answer's shape (for the retry cache);
-    /// `id_prefix` starts tool-call ids (`call_`, `toolu_`).
+    /// Runs one turn of `session`; `id_prefix` starts tool-call ids (`call_`, `toolu_`).
     pub async fn turn(
         &self,
         session_id: &str,
-        protocol: &'static str,
         id_prefix: &str,
         mut req: ChatRequest,
         events: Option<mpsc::Sender<TurnEvent>>,
@@ -386,54 +379,42 @@ impl ChatService {
         if session.tokens() >= self.opts.max_session_tokens {
             return Err(LoopbackError::TokenLimit(self.opts.max_session_tokens));
         }
-        let key = request_key(protocol, &req);
+        let key = request_key(id_prefix, &req);
         if let Some(answer) = session.cached(key, &req.messages) {
             for (i, c) in answer.choices.iter().enumerate() {
                 emit(&events, i, c.content.clone().unwrap_or_default()).await?;
             }
             return Ok(answer);
         }
-        let rendered = self
-            .template
-            .render(
-                &req.template_messages(),
-                &RenderOptions {
-                    tools: req.template_tools(),
-                    documents: None,
-                    add_generation_prompt: true,
-                    extra: req.template_kwargs.clone(),
-                },
-            )
+        let rendered = req
+            .render(&self.template)
             .map_err(LoopbackError::Template)?;
         let plan = session.plan(&req.messages, rendered, |text, images| {
             self.encode_with_images(text, images)
         })?;
-        let content_parts: Vec<ContentPart> = plan
-            .images
-            .iter()
-            .map(|i| ContentPart::image(&i.image.data_url))
-            .collect();
-        let sampling = EngineSampling {
-            max_tokens: req.sampling.max_tokens,
-            temperature: req.sampling.temperature.unwrap_or(1.0),
-            top_p: req.sampling.top_p.unwrap_or(1.0),
-            top_k: req.sampling.top_k,
-            seed: req.sampling.seed,
-            logprobs: req.sampling.logprobs.unwrap_or(0),
-            routed_experts_prompt_start: plan.routed_experts_start(),
-        };
+        let images = plan.images.iter();
         let parser: &dyn ToolCallParser = if req.parse_tool_calls {
             self.tool_parser.as_ref()
         } else {
             &NoTools
         };
-        let engine_prompt = plan.engine_prompt();
+        let sampling = &req.sampling;
         let ctx = SampleContext {
             session: session_id,
-            prompt: &engine_prompt,
-            content_parts: &content_parts,
-            sampling,
-            stop: &req.sampling.stop,
+            prompt: &plan.engine_prompt(),
+            content_parts: &images
+                .map(|i| ContentPart::image(&i.image.data_url))
+                .collect(),
+            sampling: EngineSampling {
+                max_tokens: sampling.max_tokens,
+                temperature: sampling.temperature.unwrap_or(1.0),
+                top_p: sampling.top_p.unwrap_or(1.0),
+                top_k: sampling.top_k,
+                seed: sampling.seed,
+                logprobs: sampling.logprobs.unwrap_or(0),
+                routed_experts_prompt_start: plan.routed_experts_start(),
+            },
+            stop: &sampling.stop,
             parser,
             id_prefix,
             events,
@@ -442,12 +423,11 @@ impl ChatService {
         let samples = (0..req.n).map(|i| self.sample(&ctx, i));
         let samples = futures::future::try_join_all(samples).await?;
         let (records, choices): (Vec<Sampled>, Vec<ChoiceOutput>) = samples.into_iter().unzip();
-        let texts = records
-            .iter()
-            .map(|r| self.tokenizer.decode(&r.token_ids, false))
-            .collect::<Result<Vec<_>, _>>()?;
+        let decode = |r: &Sampled| self.tokenizer.decode(&r.token_ids, false);
+        let texts = records.iter().map(decode).collect::<Result<Vec<_>, _>>()?;
+        let prompt_tokens = plan.prompt.len();
         let answer = Arc::new(TurnOutput {
-            prompt_tokens: plan.prompt.len(),
+            prompt_tokens,
             choices,
         });
         let messages = Arc::new(req.messages);
@@ -537,21 +517,11 @@ impl ChatService {
     ) -> Result<(Sampled, ChoiceOutput), LoopbackError> {
         let mut sampling = ctx.sampling.clone();
         sampling.seed = sampling.seed.map(|s| s.wrapping_add(index as u64));
-        let id = format!(
-            "{}-{}",
-            self.id_prefix,
-            self.next_request.fetch_add(1, Ordering::Relaxed)
-        );
-        let mut stream = self
-            .engine
-            .generate(
-                id,
-                ctx.prompt,
-                ctx.content_parts,
-                &sampling,
-                Some(ctx.session),
-            )
-            .await?;
+        let id = format!("lb-{}", super::random_id());
+        let (prompt, parts) = (ctx.prompt, ctx.content_parts);
+        let session = Some(ctx.session);
+        let generation = self.engine.generate(id, prompt, parts, &sampling, session);
+        let mut stream = generation.await?;
         let mut text = TextStream::new(ctx.stop, ctx.parser);
         let mut record = Sampled::default();
         let mut tokens = Vec::new();
@@ -664,10 +634,7 @@ mod tests {
             .unwrap()
         };
         let weather = json!([{"name": "get_weather", "parameters": {"type": "object"}}]);
-        match service
-            .turn("s1", "openai", "call_", request(weather), None)
-            .await
-        {
+        match service.turn("s1", "call_", request(weather), None).await {
             Err(LoopbackError::Invalid(e)) => {
                 assert_eq!(e.param.as_deref(), Some("tools"));
                 let file = dir.join("chat_template.jinja").display().to_string();
@@ -678,10 +645,7 @@ mod tests {
             other => panic!("expected the tools to be refused, got {other:?}"),
         }
         // Without tools the request passes the check (and stops at the unopened session).
-        match service
-            .turn("s1", "openai", "call_", request(json!([])), None)
-            .await
-        {
+        match service.turn("s1", "call_", request(json!([])), None).await {
             Err(LoopbackError::NotFound(_)) => {}
             other => panic!("expected the unopened session's 404, got {other:?}"),
         }
