@@ -75,7 +75,7 @@ fn turn_work(
             tokenizer.encode(t).map(|ids| (ids, Vec::new()))
         })
         .unwrap();
-    assert!(plan.continues() || messages.len() == 1);
+    assert!(plan.continues.is_some() || messages.len() == 1);
     let sample = Sampled {
         token_ids: reply_ids.to_vec(),
         logprobs: vec![-0.5; reply_ids.len()],

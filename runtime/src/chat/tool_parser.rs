@@ -13,7 +13,7 @@
 
 use serde_json::{Map, Value as Json};
 
-use super::messages::ToolCall;
+use super::messages::{arguments_object, ToolCall};
 
 /// A finished output split into what the client sees.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,16 +77,9 @@ const END: &str = "</tool_call>";
 /// A call object `{"name", "arguments"}` (or `"parameters"`).
 fn call_from_json(v: &Json) -> Option<ToolCall> {
     let name = v.get("name")?.as_str()?.to_string();
-    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
-        None | Some(Json::Null) => Json::Object(Map::new()),
-        Some(a @ Json::Object(_)) => a.clone(),
-        // Some models write the arguments as a JSON string.
-        Some(Json::String(s)) => match serde_json::from_str::<Json>(s) {
-            Ok(a @ Json::Object(_)) => a,
-            _ => return None,
-        },
-        Some(_) => return None,
-    };
+    // Some models write the arguments as a JSON string, as OpenAI clients send them.
+    let arguments = v.get("arguments").or_else(|| v.get("parameters"));
+    let arguments = arguments_object("arguments", arguments).ok()?;
     Some(ToolCall {
         id: String::new(),
         name,

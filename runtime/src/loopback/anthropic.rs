@@ -313,29 +313,18 @@ impl Protocol for Answer {
 
     fn answer(&self, service: &ChatService, out: &TurnOutput) -> Json {
         let c = &out.choices[0];
-        let mut content = Vec::new();
-        if let Some(text) = c.content.as_deref().filter(|t| !t.is_empty()) {
-            content.push(json!({"type": "text", "text": text}));
-        }
-        for call in &c.tool_calls {
-            content.push(
-                json!({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}),
-            );
-        }
+        let text = c.content.as_deref().filter(|t| !t.is_empty());
+        let text = text.map(|text| json!({"type": "text", "text": text}));
+        let call = |c: &ToolCall| json!({"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments});
+        let calls = c.tool_calls.iter().map(call);
+        let mut content: Vec<Json> = text.into_iter().chain(calls).collect();
         if content.is_empty() {
             content.push(json!({"type": "text", "text": ""}));
         }
         let (reason, sequence) = stop_reason(&c.finish);
-        json!({
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": service.model_name(),
-            "content": content,
-            "stop_reason": reason,
-            "stop_sequence": sequence,
-            "usage": {"input_tokens": out.prompt_tokens, "output_tokens": c.completion_tokens},
-        })
+        json!({"id": self.id, "type": "message", "role": "assistant", "model": service.model_name(),
+               "content": content, "stop_reason": reason, "stop_sequence": sequence,
+               "usage": {"input_tokens": out.prompt_tokens, "output_tokens": c.completion_tokens}})
     }
 
     fn open(&mut self, service: &ChatService) -> Vec<SseEvent> {

@@ -73,12 +73,9 @@ impl LoopbackError {
             503 => "service_unavailable",
             _ => "server_error",
         };
-        let body = json!({"error": {
-            "message": self.to_string(),
-            "type": kind,
-            "param": self.param(),
-            "code": null,
-        }});
+        let (message, param) = (self.to_string(), self.param());
+        let body =
+            json!({"error": {"message": message, "type": kind, "param": param, "code": null}});
         (status, Json(body)).into_response()
     }
 
@@ -93,10 +90,9 @@ impl LoopbackError {
             503 | 529 => "overloaded_error",
             _ => "api_error",
         };
-        let message = match self.param() {
-            Some(p) => format!("{p}: {self}"),
-            None => self.to_string(),
-        };
+        let message = self
+            .param()
+            .map_or(self.to_string(), |p| format!("{p}: {self}"));
         let body = json!({"type": "error", "error": {"type": kind, "message": message}});
         (status, Json(body)).into_response()
     }

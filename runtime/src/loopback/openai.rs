@@ -189,23 +189,21 @@ impl CompletionRequest {
         let messages = self.messages.iter().enumerate();
         let messages = messages.map(|(i, m)| message(&At::new(m, format!("messages[{i}]"))));
         let messages = messages.collect::<Result<Vec<_>, _>>()?;
-        let mut tools = Vec::new();
-        for (i, t) in self.tools.unwrap_or_default().into_iter().enumerate() {
-            if t.kind != "function" {
-                return Err(invalid(
-                    format!("tools[{i}].type"),
-                    format!("tool type `{}` is not supported: only `function`", t.kind),
-                ));
-            }
-            tools.push(Tool {
-                name: t.function.name,
-                description: t.function.description,
-                parameters: t
-                    .function
+        let tools = self.tools.unwrap_or_default().into_iter().enumerate();
+        let tools = tools.map(|(i, ToolJson { kind, function: f })| match kind.as_str() {
+            "function" => Ok(Tool {
+                name: f.name,
+                description: f.description,
+                parameters: f
                     .parameters
-                    .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
-            });
-        }
+                    .unwrap_or(json!({"type": "object", "properties": {}})),
+            }),
+            _ => Err(invalid(
+                format!("tools[{i}].type"),
+                format!("tool type `{kind}` is not supported: only `function`"),
+            )),
+        });
+        let tools = tools.collect::<Result<_, _>>()?;
         let parse_tool_calls = match &self.tool_choice {
             None => true,
             Some(Json::String(s)) if s == "auto" => true,
@@ -229,16 +227,12 @@ impl CompletionRequest {
         let stop = match self.stop {
             None | Some(Json::Null) => Vec::new(),
             Some(Json::String(s)) => vec![s],
-            Some(Json::Array(items)) => items
-                .into_iter()
-                .map(|v| match v {
-                    Json::String(s) if !s.is_empty() => Ok(s),
-                    _ => Err(invalid(
-                        "stop",
-                        "stop must be a non-empty string or an array of them",
-                    )),
-                })
-                .collect::<Result<_, _>>()?,
+            Some(Json::Array(items)) => {
+                let message = "stop must be a non-empty string or an array of them";
+                let item = |v: Json| v.as_str().filter(|s| !s.is_empty()).map(str::to_string);
+                let stop = items.into_iter().map(item).collect::<Option<_>>();
+                stop.ok_or_else(|| invalid("stop", message))?
+            }
             Some(_) => {
                 return Err(invalid(
                     "stop",
@@ -302,16 +296,8 @@ fn tool_calls_json(calls: &[ToolCall], streaming: bool) -> Json {
 
 fn usage(out: &TurnOutput) -> Json {
     let completion: usize = out.choices.iter().map(|c| c.completion_tokens).sum();
-    json!({
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": out.prompt_tokens + completion,
-    })
-}
-
-/// The `choices` of a `chat.completion.chunk` with one choice's piece.
-fn delta(index: usize, delta: Json, logprobs: Json, finish_reason: Option<&str>) -> Json {
-    json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+    json!({"prompt_tokens": out.prompt_tokens, "completion_tokens": completion,
+           "total_tokens": out.prompt_tokens + completion})
 }
 
 /// An OpenAI answer: a `chat.completion`, or its `chat.completion.chunk` frames (a role chunk
@@ -331,6 +317,21 @@ impl Answer {
     fn chunk(&self, service: &ChatService, choices: Json) -> Json {
         json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                "model": service.model_name(), "choices": choices})
+    }
+
+    /// The frame of a chunk with one choice's piece.
+    fn delta(
+        &self,
+        service: &ChatService,
+        index: usize,
+        delta: Json,
+        last: Option<&ChoiceOutput>,
+    ) -> SseEvent {
+        let logprobs = last.map_or(Json::Null, |c| self.logprobs(service, c));
+        let finish = last.map(|c| finish_reason(&c.finish));
+        let choice =
+            json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish});
+        frame(self.chunk(service, json!([choice])))
     }
 
     fn logprobs(&self, service: &ChatService, choice: &ChoiceOutput) -> Json {
@@ -363,11 +364,10 @@ impl Protocol for Answer {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage);
         let logprobs = req.logprobs.unwrap_or(false);
         let chat = req.into_chat()?;
+        let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH);
         let answer = Self {
             id: format!("chatcmpl-{}", random_id()),
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            created: since_epoch.map_or(0, |d| d.as_secs()),
             n: chat.n,
             logprobs,
             include_usage: include_usage.unwrap_or(false),
@@ -380,45 +380,27 @@ impl Protocol for Answer {
     }
 
     fn answer(&self, service: &ChatService, out: &TurnOutput) -> Json {
-        let choices: Vec<Json> = out
-            .choices
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut message = json!({"role": "assistant", "content": c.content});
-                if !c.tool_calls.is_empty() {
-                    message["tool_calls"] = tool_calls_json(&c.tool_calls, false);
-                }
-                json!({
-                    "index": i,
-                    "message": message,
-                    "logprobs": self.logprobs(service, c),
-                    "finish_reason": finish_reason(&c.finish),
-                })
-            })
-            .collect();
-        json!({
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": service.model_name(),
-            "choices": choices,
-            "usage": usage(out),
-        })
+        let choice = |(i, c): (usize, &ChoiceOutput)| {
+            let mut message = json!({"role": "assistant", "content": c.content});
+            if !c.tool_calls.is_empty() {
+                message["tool_calls"] = tool_calls_json(&c.tool_calls, false);
+            }
+            let (logprobs, finish) = (self.logprobs(service, c), finish_reason(&c.finish));
+            json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        };
+        let choices: Json = out.choices.iter().enumerate().map(choice).collect();
+        json!({"id": self.id, "object": "chat.completion", "created": self.created,
+               "model": service.model_name(), "choices": choices, "usage": usage(out)})
     }
 
     fn open(&mut self, service: &ChatService) -> Vec<SseEvent> {
         let role = json!({"role": "assistant", "content": ""});
-        (0..self.n)
-            .map(|i| frame(self.chunk(service, delta(i, role.clone(), Json::Null, None))))
-            .collect()
+        let role = |i| self.delta(service, i, role.clone(), None);
+        (0..self.n).map(role).collect()
     }
 
     fn content(&mut self, service: &ChatService, ev: TurnEvent) -> Vec<SseEvent> {
-        let content = json!({"content": ev.text});
-        vec![frame(
-            self.chunk(service, delta(ev.choice, content, Json::Null, None)),
-        )]
+        vec![self.delta(service, ev.choice, json!({"content": ev.text}), None)]
     }
 
     fn close(
@@ -438,13 +420,9 @@ impl Protocol for Answer {
         for (i, c) in out.choices.iter().enumerate() {
             if !c.tool_calls.is_empty() {
                 let calls = json!({"tool_calls": tool_calls_json(&c.tool_calls, true)});
-                frames.push(frame(
-                    self.chunk(service, delta(i, calls, Json::Null, None)),
-                ));
+                frames.push(self.delta(service, i, calls, None));
             }
-            let (logprobs, finish) = (self.logprobs(service, c), finish_reason(&c.finish));
-            let last = delta(i, json!({}), logprobs, Some(finish));
-            frames.push(frame(self.chunk(service, last)));
+            frames.push(self.delta(service, i, json!({}), Some(c)));
         }
         if self.include_usage {
             let mut last = self.chunk(service, json!([]));

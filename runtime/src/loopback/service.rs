@@ -518,20 +518,16 @@ impl ChatService {
         let mut sampling = ctx.sampling.clone();
         sampling.seed = sampling.seed.map(|s| s.wrapping_add(index as u64));
         let id = format!("lb-{}", super::random_id());
-        let (prompt, parts) = (ctx.prompt, ctx.content_parts);
-        let session = Some(ctx.session);
+        let (prompt, parts, session) = (ctx.prompt, ctx.content_parts, Some(ctx.session));
         let generation = self.engine.generate(id, prompt, parts, &sampling, session);
         let mut stream = generation.await?;
         let mut text = TextStream::new(ctx.stop, ctx.parser);
         let mut record = Sampled::default();
         let mut tokens = Vec::new();
         let mut detok = DecodeStream::new(true);
+        let unfinished = || EngineError::Stream("the stream ended without a finish".into());
         let finish = loop {
-            let Some(event) = stream.next().await else {
-                let e = EngineError::Stream("the stream ended without a finish".into());
-                return Err(e.into());
-            };
-            match event? {
+            match stream.next().await.ok_or_else(unfinished)?? {
                 Generated::Token {
                     id,
                     logprob,

@@ -116,7 +116,7 @@ struct Open {
 #[derive(Debug)]
 pub struct TurnPlan {
     /// Index of the open candidate the turn continues; `None` opens a new segment.
-    continues: Option<usize>,
+    pub continues: Option<usize>,
     rendered: String,
     /// Tokens of the rendering not yet in the segment (loss mask 0).
     pub new_ids: Vec<i64>,
@@ -130,11 +130,6 @@ pub struct TurnPlan {
 }
 
 impl TurnPlan {
-    /// Whether the turn continues an open segment.
-    pub fn continues(&self) -> bool {
-        self.continues.is_some()
-    }
-
     /// The prompt as engines take it with its images: one placeholder token per image, which
     /// the engine expands to the image's tokens again (vLLM's form; docs/vision.md).
     pub fn engine_prompt(&self) -> Vec<i64> {
@@ -366,7 +361,7 @@ mod tests {
 
     fn turn(s: &mut Session, messages: Vec<Message>, reply: &str, version: u64) -> bool {
         let plan = s.plan(&messages, render(&messages), chars).unwrap();
-        let continued = plan.continues();
+        let continued = plan.continues.is_some();
         let sample = sampled(&format!("{reply}|"), version);
         s.commit(
             plan,
@@ -422,7 +417,7 @@ mod tests {
         let mut m2 = m1.clone();
         m2.extend([assistant("a"), with_image("and?", "png-2")]);
         let plan = s.plan(&m2, render(&m2), chars).unwrap();
-        assert!(plan.continues());
+        assert!(plan.continues.is_some());
         // The engine gets both images, the first from the continued segment.
         let hashes: Vec<&str> = plan
             .images
