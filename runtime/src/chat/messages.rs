@@ -320,16 +320,12 @@ pub fn check_sampling(
     top_p: Option<f64>,
 ) -> Result<(), InvalidRequest> {
     if let Some(t) = temperature.filter(|t| !(0.0..=max_temperature).contains(t)) {
-        return Err(InvalidRequest::new(
-            "temperature",
-            format!("temperature must be between 0 and {max_temperature}, got {t}"),
-        ));
+        let message = format!("temperature must be between 0 and {max_temperature}, got {t}");
+        return Err(InvalidRequest::new("temperature", message));
     }
     if let Some(p) = top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
-        return Err(InvalidRequest::new(
-            "top_p",
-            format!("top_p must be in (0, 1], got {p}"),
-        ));
+        let message = format!("top_p must be in (0, 1], got {p}");
+        return Err(InvalidRequest::new("top_p", message));
     }
     Ok(())
 }
@@ -337,13 +333,15 @@ pub fn check_sampling(
 /// Tool-call arguments as sent: none (`{}`), an object, or a JSON string of one (OpenAI sends
 /// them so).
 pub fn arguments_object(param: &str, value: Option<&Json>) -> Result<Json, InvalidRequest> {
+    let invalid = |message: String| InvalidRequest::new(param, message);
     let text = match value {
-        None | Some(Json::Null) => return Ok(Json::Object(Map::new())),
+        None | Some(Json::Null) => "",
         Some(v @ Json::Object(_)) => return Ok(v.clone()),
         Some(Json::String(text)) => text,
         Some(_) => {
-            let message = "arguments must be a JSON string (or object)";
-            return Err(InvalidRequest::new(param, message));
+            return Err(invalid(
+                "arguments must be a JSON string (or object)".into(),
+            ))
         }
     };
     if text.trim().is_empty() {
@@ -351,14 +349,10 @@ pub fn arguments_object(param: &str, value: Option<&Json>) -> Result<Json, Inval
     }
     match serde_json::from_str::<Json>(text) {
         Ok(v @ Json::Object(_)) => Ok(v),
-        Ok(_) => Err(InvalidRequest::new(
-            param,
-            "tool call arguments must be a JSON object",
-        )),
-        Err(e) => Err(InvalidRequest::new(
-            param,
-            format!("tool call arguments are not valid JSON: {e}"),
-        )),
+        Ok(_) => Err(invalid("tool call arguments must be a JSON object".into())),
+        Err(e) => Err(invalid(format!(
+            "tool call arguments are not valid JSON: {e}"
+        ))),
     }
 }
 

@@ -49,20 +49,15 @@ pub struct RenderOptions {
 }
 
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
-    let json = serde_json::to_value(&value)
-        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let invalid = |message: String| minijinja::Error::new(ErrorKind::InvalidOperation, message);
+    let json = serde_json::to_value(&value).map_err(|e| invalid(format!("tojson: {e}")))?;
     let indent: Option<usize> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let _ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let separators = match kwargs.get::<Option<Vec<String>>>("separators")?.as_deref() {
         None => None,
         Some([item, key]) => Some((item.clone(), key.clone())),
-        Some(_) => {
-            return Err(minijinja::Error::new(
-                ErrorKind::InvalidOperation,
-                "tojson: separators must be a pair",
-            ))
-        }
+        Some(_) => return Err(invalid("tojson: separators must be a pair".into())),
     };
     kwargs.assert_all_used()?;
     let opts = DumpOptions {
@@ -147,11 +142,10 @@ impl ChatTemplate {
             .map_err(TemplateError::Compile)?;
         // A static look at the variables the template may read: one that never reads `tools`
         // renders a request's tools nowhere (Gemma 3's official template).
-        let reads_tools = env
+        let template = env
             .get_template("chat_template")
-            .map_err(TemplateError::Compile)?
-            .undeclared_variables(false)
-            .contains("tools");
+            .map_err(TemplateError::Compile)?;
+        let reads_tools = template.undeclared_variables(false).contains("tools");
         Ok(Self {
             env,
             source: source.to_string(),
@@ -166,11 +160,13 @@ impl ChatTemplate {
     /// templates of which `default` is taken); special tokens from `tokenizer_config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, TemplateError> {
         let config_path = dir.join("tokenizer_config.json");
+        let load = |path: &Path, message: String| TemplateError::Load {
+            path: path.display().to_string(),
+            message,
+        };
         let config: Map<String, Json> = match std::fs::read_to_string(&config_path) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| TemplateError::Load {
-                path: config_path.display().to_string(),
-                message: format!("not a JSON object: {e}"),
-            })?,
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| load(&config_path, format!("not a JSON object: {e}")))?,
             Err(_) => Map::new(),
         };
         // A special token is a string or an `AddedToken` object.
@@ -192,16 +188,18 @@ impl ChatTemplate {
                     .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
                     .and_then(|t| t.get("template").and_then(Json::as_str))
                     .map(str::to_string)
-                    .ok_or_else(|| TemplateError::Load {
-                        path: config_path.display().to_string(),
-                        message: "chat_template lists named templates but none is called `default`".into(),
+                    .ok_or_else(|| {
+                        load(
+                            &config_path,
+                            "chat_template lists named templates but none is called `default`"
+                                .into(),
+                        )
                     })?,
-                _ => {
-                    return Err(TemplateError::Load {
-                        path: dir.display().to_string(),
-                        message: "has neither chat_template.jinja nor a chat_template in tokenizer_config.json".into(),
-                    })
-                }
+                _ => return Err(load(
+                    dir,
+                    "has neither chat_template.jinja nor a chat_template in tokenizer_config.json"
+                        .into(),
+                )),
             }
         };
         let mut template = Self::new(&source, special_tokens)?;
@@ -228,19 +226,13 @@ impl ChatTemplate {
     /// Renders `messages` (a JSON array of message objects, as transformers takes them).
     pub fn render(&self, messages: &Json, opts: &RenderOptions) -> Result<String, TemplateError> {
         let mut ctx = self.special_tokens.clone();
-        for (k, v) in &opts.extra {
-            ctx.insert(k.clone(), v.clone());
-        }
+        ctx.extend(opts.extra.clone());
         ctx.insert("messages".into(), alias_reasoning(messages));
-        ctx.insert("tools".into(), opts.tools.clone().unwrap_or(Json::Null));
-        ctx.insert(
-            "documents".into(),
-            opts.documents.clone().unwrap_or(Json::Null),
-        );
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(opts.add_generation_prompt),
-        );
+        let (tools, documents) = (opts.tools.clone(), opts.documents.clone());
+        ctx.insert("tools".into(), tools.unwrap_or_default());
+        ctx.insert("documents".into(), documents.unwrap_or_default());
+        let generation_prompt = Json::Bool(opts.add_generation_prompt);
+        ctx.insert("add_generation_prompt".into(), generation_prompt);
         let template = self
             .env
             .get_template("chat_template")

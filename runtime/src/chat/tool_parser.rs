@@ -92,19 +92,13 @@ impl ToolCallParser for Hermes {
         let Some(first) = text.find(START) else {
             return NoTools.parse(text);
         };
-        let mut calls = Vec::new();
-        let mut rest = &text[first..];
+        let (mut calls, mut rest) = (Vec::new(), &text[first..]);
         while let Some(start) = rest.find(START) {
-            let body_start = &rest[start + START.len()..];
-            let (body, next) = match body_start.find(END) {
-                Some(end) => (&body_start[..end], &body_start[end + END.len()..]),
-                // Cut off by max_tokens: parse what is there.
-                None => (body_start, ""),
-            };
-            match serde_json::from_str(body.trim())
-                .ok()
-                .and_then(|v| call_from_json(&v))
-            {
+            let body = &rest[start + START.len()..];
+            // Cut off by max_tokens: parse what is there.
+            let (body, next) = body.split_once(END).unwrap_or((body, ""));
+            let value = serde_json::from_str(body.trim()).ok();
+            match value.and_then(|v| call_from_json(&v)) {
                 Some(call) => calls.push(call),
                 None => return NoTools.parse(text),
             }
@@ -167,18 +161,14 @@ impl ToolCallParser for Llama3Json {
     }
 
     fn content_prefix_len(&self, text: &str) -> usize {
-        // Only an output that starts as a call is one: hold back whitespace, the tag or a part of
-        // it, and anything after a leading `{`.
+        // Only an output that starts as a call is one: hold back whitespace (a prefix of the tag),
+        // the tag or a part of it, and anything after a leading `{`.
         let t = text.trim_start();
-        if t.is_empty()
-            || t.starts_with('{')
-            || PYTHON_TAG.starts_with(t)
-            || t.starts_with(PYTHON_TAG)
-        {
-            0
-        } else {
-            text.len()
+        let call = t.starts_with('{') || PYTHON_TAG.starts_with(t) || t.starts_with(PYTHON_TAG);
+        if call {
+            return 0;
         }
+        text.len()
     }
 }
 
@@ -233,11 +223,11 @@ impl ToolCallParser for Pythonic {
 
     fn content_prefix_len(&self, text: &str) -> usize {
         // Only an output that opens with `[` can be calls (vLLM streams anything else as it comes).
-        if text.is_empty() || text.starts_with('[') {
-            0
-        } else {
-            text.len()
+        let call = text.is_empty() || text.starts_with('[');
+        if call {
+            return 0;
         }
+        text.len()
     }
 }
 

@@ -40,25 +40,25 @@ pub enum LoopbackError {
 impl LoopbackError {
     pub fn status(&self) -> StatusCode {
         match self {
-            LoopbackError::Invalid(_) | LoopbackError::Template(_) => StatusCode::BAD_REQUEST,
-            LoopbackError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            LoopbackError::NotFound(_) => StatusCode::NOT_FOUND,
-            LoopbackError::TooManySessions(_)
-            | LoopbackError::TurnLimit(_)
-            | LoopbackError::TokenLimit(_) => StatusCode::TOO_MANY_REQUESTS,
-            LoopbackError::Tokenizer(_)
-            | LoopbackError::ClientGone
-            | LoopbackError::Panicked(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            LoopbackError::Engine(EngineError::Refused { status, .. }) => {
+            Self::Invalid(_) | Self::Template(_) => StatusCode::BAD_REQUEST,
+            Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::TooManySessions(_) | Self::TurnLimit(_) | Self::TokenLimit(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            Self::Tokenizer(_) | Self::ClientGone | Self::Panicked(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            Self::Engine(EngineError::Refused { status, .. }) => {
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
             }
-            LoopbackError::Engine(_) => StatusCode::BAD_GATEWAY,
+            Self::Engine(_) => StatusCode::BAD_GATEWAY,
         }
     }
 
     pub fn param(&self) -> Option<&str> {
         match self {
-            LoopbackError::Invalid(e) => e.param.as_deref(),
+            Self::Invalid(e) => e.param.as_deref(),
             _ => None,
         }
     }

@@ -78,9 +78,9 @@ impl Segment {
     }
 
     fn push_sampled(&mut self, sample: &Sampled) {
+        let n = sample.token_ids.len();
         self.token_ids.extend_from_slice(&sample.token_ids);
-        self.loss_mask
-            .extend(std::iter::repeat_n(1, sample.token_ids.len()));
+        self.loss_mask.extend(std::iter::repeat_n(1, n));
         self.logprobs.extend_from_slice(&sample.logprobs);
         self.versions
             .extend(sample.versions.iter().map(|&v| Some(v)));
@@ -256,12 +256,9 @@ impl Session {
     /// but the messages) and the same messages. Messages are compared only when their count
     /// matches, so a growing conversation never pays for the check.
     pub fn cached(&self, key: u64, messages: &[Message]) -> Option<Arc<TurnOutput>> {
-        self.cache
-            .iter()
-            .find(|c| {
-                c.key == key && c.messages.len() == messages.len() && c.messages[..] == *messages
-            })
-            .map(|c| c.answer.clone())
+        // Slices compare their lengths first.
+        let same = |c: &&Cached| c.key == key && c.messages[..] == *messages;
+        self.cache.iter().find(same).map(|c| c.answer.clone())
     }
 
     pub fn remember(&mut self, key: u64, messages: Arc<Vec<Message>>, answer: Arc<TurnOutput>) {
