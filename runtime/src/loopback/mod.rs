@@ -62,19 +62,14 @@ fn parse<T: DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     max_body: usize,
 ) -> Result<T, LoopbackError> {
-    let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            LoopbackError::TooLarge(max_body)
-        } else {
-            InvalidRequest::body(e.body_text()).into()
-        }
+    let body = body.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => LoopbackError::TooLarge(max_body),
+        _ => InvalidRequest::body(e.body_text()).into(),
     })?;
-    if let Err(e) = std::str::from_utf8(&body) {
+    std::str::from_utf8(&body).map_err(|e| {
         let at = e.valid_up_to();
-        return Err(
-            InvalidRequest::body(format!("the body is not valid UTF-8 (at byte {at})")).into(),
-        );
-    }
+        InvalidRequest::body(format!("the body is not valid UTF-8 (at byte {at})"))
+    })?;
     let value: serde_json::Value = serde_json::from_slice(&body)
         .map_err(|e| InvalidRequest::body(format!("the body is not valid JSON: {e}")))?;
     if !value.is_object() {
