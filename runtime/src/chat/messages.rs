@@ -209,7 +209,8 @@ pub struct Tool {
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
-    /// JSON Schema of the arguments.
+    /// JSON Schema of the arguments (Anthropic calls it `input_schema`).
+    #[serde(alias = "input_schema")]
     pub parameters: Json,
 }
 

@@ -26,7 +26,7 @@ pub struct MessagesRequest {
     pub max_tokens: i64,
     pub messages: Vec<Json>,
     pub system: Option<Json>,
-    pub tools: Option<Vec<ToolJson>>,
+    pub tools: Option<Vec<Tool>>,
     pub tool_choice: Option<ToolChoice>,
     pub stop_sequences: Option<Vec<String>>,
     pub temperature: Option<f64>,
@@ -47,13 +47,6 @@ pub struct MessagesRequest {
     pub speed: Option<Json>,
     pub user_profile_id: Option<Json>,
     pub workspace_id: Option<Json>,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct ToolJson {
-    pub name: String,
-    pub description: Option<String>,
-    pub input_schema: Json,
 }
 
 #[derive(Debug, Deserialize)]
@@ -210,16 +203,6 @@ impl MessagesRequest {
         for (i, m) in self.messages.iter().enumerate() {
             push_messages(&At::new(m, format!("messages[{i}]")), &mut messages)?;
         }
-        let tools = self
-            .tools
-            .unwrap_or_default()
-            .into_iter()
-            .map(|t| Tool {
-                name: t.name,
-                description: t.description,
-                parameters: t.input_schema,
-            })
-            .collect();
         let parse_tool_calls = match self.tool_choice.as_ref().map(|c| c.kind.as_str()) {
             None | Some("auto") => true,
             Some("none") => false,
@@ -236,7 +219,7 @@ impl MessagesRequest {
         }
         let mut template_kwargs = Map::new();
         if let Some(thinking) = &self.thinking {
-            let enabled = match thinking.get("type").and_then(Json::as_str) {
+            let enabled = match thinking["type"].as_str() {
                 Some("enabled") | Some("adaptive") => true,
                 Some("disabled") => false,
                 _ => {
@@ -246,16 +229,12 @@ impl MessagesRequest {
             };
             template_kwargs.insert("enable_thinking".into(), Json::Bool(enabled));
         }
-        if self
-            .output_config
-            .as_ref()
-            .is_some_and(|c| c.get("format").is_some_and(|f| !f.is_null()))
-        {
+        if !self.output_config.unwrap_or_default()["format"].is_null() {
             return Err(invalid("output_config.format", "structured output needs constrained decoding, which the loopback server does not do"));
         }
         Ok(ChatRequest {
             messages,
-            tools,
+            tools: self.tools.unwrap_or_default(),
             parse_tool_calls,
             sampling: ChatSampling {
                 max_tokens: Some(max_tokens),
