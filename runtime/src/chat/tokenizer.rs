@@ -42,14 +42,10 @@ impl Tokenizer {
 
     /// The text of `ids`; special tokens kept unless `skip_special_tokens`.
     pub fn decode(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String, TokenizerError> {
-        let ids: Vec<u32> = ids
-            .iter()
-            .map(|&id| {
-                u32::try_from(id).map_err(|_| {
-                    TokenizerError::Tokenize(format!("token id {id} is negative or too large"))
-                })
-            })
-            .collect::<Result<_, _>>()?;
+        let ids = ids.iter().map(|&id| u32::try_from(id).map_err(|_| id));
+        let ids: Vec<u32> = ids.collect::<Result<_, _>>().map_err(|id| {
+            TokenizerError::Tokenize(format!("token id {id} is negative or too large"))
+        })?;
         self.inner
             .decode(&ids, skip_special_tokens)
             .map_err(|e| TokenizerError::Tokenize(e.to_string()))

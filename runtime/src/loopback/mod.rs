@@ -235,7 +235,7 @@ async fn not_found(uri: axum::http::Uri) -> Response {
     .openai()
 }
 
-/// The loopback server's routes.
+/// The loopback server's routes, served with [`crate::serve::serve`].
 pub fn router(service: Arc<ChatService>, max_body: usize) -> Router {
     let state = AppState { service, max_body };
     Router::new()
@@ -255,14 +255,4 @@ pub fn router(service: Arc<ChatService>, max_body: usize) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
-}
-
-/// Serves on `listener` until `shutdown` resolves.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    service: Arc<ChatService>,
-    max_body: usize,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    crate::serve::serve(listener, router(service, max_body), shutdown).await
 }

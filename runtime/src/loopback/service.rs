@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -174,19 +174,10 @@ pub struct ChatService {
 /// A hash of a request without its messages (which retries compare separately, cheaply), and of
 /// the protocol's tool-call id prefix (the answers of the protocols differ).
 fn request_key(id_prefix: &str, req: &ChatRequest) -> u64 {
-    let mut h = std::hash::DefaultHasher::new();
-    id_prefix.hash(&mut h);
-    let rest = (
-        &req.tools,
-        req.parse_tool_calls,
-        &req.sampling,
-        req.n,
-        &req.template_kwargs,
-    );
-    serde_json::to_string(&rest)
-        .expect("a chat request serializes")
-        .hash(&mut h);
-    h.finish()
+    let (tools, sampling, kwargs) = (&req.tools, &req.sampling, &req.template_kwargs);
+    let rest = (tools, req.parse_tool_calls, sampling, req.n, kwargs);
+    let rest = serde_json::to_string(&rest).expect("a chat request serializes");
+    BuildHasherDefault::<DefaultHasher>::default().hash_one((id_prefix, rest))
 }
 
 /// Streams `text` of sample `choice` to the client, if it streams and there is any.
