@@ -334,24 +334,20 @@ pub fn check_sampling(
 /// Tool-call arguments as sent: none (`{}`), an object, or a JSON string of one (OpenAI sends
 /// them so).
 pub fn arguments_object(param: &str, value: Option<&Json>) -> Result<Json, InvalidRequest> {
-    let invalid = |message: String| InvalidRequest::new(param, message);
+    let invalid = |message: &str| InvalidRequest::new(param, message);
     let text = match value {
         None | Some(Json::Null) => "",
         Some(v @ Json::Object(_)) => return Ok(v.clone()),
         Some(Json::String(text)) => text,
-        Some(_) => {
-            return Err(invalid(
-                "arguments must be a JSON string (or object)".into(),
-            ))
-        }
+        Some(_) => return Err(invalid("arguments must be a JSON string (or object)")),
     };
     if text.trim().is_empty() {
         return Ok(Json::Object(Map::new()));
     }
     match serde_json::from_str::<Json>(text) {
         Ok(v @ Json::Object(_)) => Ok(v),
-        Ok(_) => Err(invalid("tool call arguments must be a JSON object".into())),
-        Err(e) => Err(invalid(format!(
+        Ok(_) => Err(invalid("tool call arguments must be a JSON object")),
+        Err(e) => Err(invalid(&format!(
             "tool call arguments are not valid JSON: {e}"
         ))),
     }

@@ -93,10 +93,8 @@ fn strftime(secs: i64, format: &str) -> String {
 /// message carries, so templates reading any of the names see it.
 fn alias_reasoning(messages: &Json) -> Json {
     let mut messages = messages.clone();
-    for m in messages.as_array_mut().into_iter().flatten() {
-        let Some(obj) = m.as_object_mut() else {
-            continue;
-        };
+    let all = messages.as_array_mut().into_iter().flatten();
+    for obj in all.filter_map(Json::as_object_mut) {
         let reasoning = ["reasoning_content", "thinking", "reasoning"]
             .iter()
             .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned());
@@ -160,13 +158,13 @@ impl ChatTemplate {
     /// templates of which `default` is taken); special tokens from `tokenizer_config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, TemplateError> {
         let config_path = dir.join("tokenizer_config.json");
-        let load = |path: &Path, message: String| TemplateError::Load {
+        let load = |path: &Path, message: &str| TemplateError::Load {
             path: path.display().to_string(),
-            message,
+            message: message.to_string(),
         };
         let config: Map<String, Json> = match std::fs::read_to_string(&config_path) {
             Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| load(&config_path, format!("not a JSON object: {e}")))?,
+                .map_err(|e| load(&config_path, &format!("not a JSON object: {e}")))?,
             Err(_) => Map::new(),
         };
         // A special token is a string or an `AddedToken` object.
@@ -176,30 +174,20 @@ impl ChatTemplate {
             .filter_map(|k| Some((k.to_string(), token(config.get(k)?)?)))
             .collect();
         let file = dir.join("chat_template.jinja");
-        let mut origin = file.display().to_string();
-        let source = if let Ok(text) = std::fs::read_to_string(&file) {
-            text
-        } else {
-            origin = format!("the chat_template of {}", config_path.display());
-            match config.get("chat_template") {
-                Some(Json::String(s)) => s.clone(),
-                Some(Json::Array(named)) => named
-                    .iter()
-                    .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-                    .and_then(|t| t.get("template").and_then(Json::as_str))
-                    .map(str::to_string)
-                    .ok_or_else(|| {
-                        load(
-                            &config_path,
-                            "chat_template lists named templates but none is called `default`"
-                                .into(),
-                        )
-                    })?,
-                _ => return Err(load(
-                    dir,
-                    "has neither chat_template.jinja nor a chat_template in tokenizer_config.json"
-                        .into(),
-                )),
+        let (source, origin) = match std::fs::read_to_string(&file) {
+            Ok(text) => (text, file.display().to_string()),
+            Err(_) => {
+                let default = |t: &&Json| t["name"] == "default";
+                let source = match config.get("chat_template") {
+                    Some(s @ Json::String(_)) => Some(s),
+                    Some(Json::Array(named)) => named.iter().find(default).map(|t| &t["template"]),
+                    _ => return Err(load(dir, "has neither chat_template.jinja nor a chat_template in tokenizer_config.json")),
+                };
+                let message = "chat_template lists named templates but none is called `default`";
+                let source = source.and_then(Json::as_str);
+                let source = source.ok_or_else(|| load(&config_path, message))?;
+                let origin = format!("the chat_template of {}", config_path.display());
+                (source.to_string(), origin)
             }
         };
         let mut template = Self::new(&source, special_tokens)?;

@@ -338,11 +338,8 @@ impl ChatService {
         impl Future<Output = Result<Arc<TurnOutput>, LoopbackError>>,
     ) {
         let (tx, rx) = mpsc::channel(TURN_EVENT_BUFFER);
-        let service = self.clone();
-        let turn = tokio::spawn(async move {
-            let turn = service.turn(&session, id_prefix, req, Some(tx));
-            turn.await
-        });
+        let this = self.clone();
+        let turn = tokio::spawn(async move { this.turn(&session, id_prefix, req, Some(tx)).await });
         let turn = turn.map(|r| r.unwrap_or_else(|e| Err(LoopbackError::Panicked(e.to_string()))));
         (rx, turn)
     }
