@@ -38,6 +38,8 @@ pub use service::{
 pub use session::{Segment, SegmentImage, Session};
 
 use crate::chat::{ChatRequest, InvalidRequest};
+use anthropic::Answer as Anthropic;
+use openai::Answer as OpenAi;
 use turn::{TurnEvent, TurnOutput};
 
 /// Request bodies larger than this are refused with 413: long agent conversations are a few MB
@@ -239,15 +241,9 @@ async fn not_found(uri: axum::http::Uri) -> Response {
 pub fn router(service: Arc<ChatService>, max_body: usize) -> Router {
     let state = AppState { service, max_body };
     Router::new()
-        .route(
-            "/s/{session}/v1/chat/completions",
-            post(respond::<openai::Answer>),
-        )
+        .route("/s/{session}/v1/chat/completions", post(respond::<OpenAi>))
         .route("/s/{session}/v1/models", get(models))
-        .route(
-            "/s/{session}/v1/messages",
-            post(respond::<anthropic::Answer>),
-        )
+        .route("/s/{session}/v1/messages", post(respond::<Anthropic>))
         .route("/s/{session}/trajectory", get(trajectory))
         .route("/s/{session}", axum::routing::delete(delete_session))
         .route("/v1/models", get(models))

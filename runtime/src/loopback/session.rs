@@ -156,17 +156,10 @@ impl TurnPlan {
 pub struct Session {
     sealed: Vec<Segment>,
     open: Vec<Open>,
-    /// Recent answers by request hash, for identical retries (bounded: `CACHED_TURNS`).
-    cache: VecDeque<Cached>,
+    /// Recent answered requests, for identical retries (bounded: `CACHED_TURNS`): a retry has
+    /// the same key (a hash of everything but the messages) and the same messages.
+    cache: VecDeque<(u64, Arc<Vec<Message>>, Arc<TurnOutput>)>,
     turns: usize,
-}
-
-/// An answered request: a retry has the same key (everything but the messages) and messages.
-#[derive(Debug)]
-struct Cached {
-    key: u64,
-    messages: Arc<Vec<Message>>,
-    answer: Arc<TurnOutput>,
 }
 
 /// Answers kept for retries: a retry comes right after its original, so a few suffice.
@@ -257,19 +250,18 @@ impl Session {
     /// matches, so a growing conversation never pays for the check.
     pub fn cached(&self, key: u64, messages: &[Message]) -> Option<Arc<TurnOutput>> {
         // Slices compare their lengths first.
-        let same = |c: &&Cached| c.key == key && c.messages[..] == *messages;
-        self.cache.iter().find(same).map(|c| c.answer.clone())
+        let cached = self
+            .cache
+            .iter()
+            .find(|(k, m, _)| *k == key && m[..] == *messages);
+        cached.map(|(_, _, answer)| answer.clone())
     }
 
     pub fn remember(&mut self, key: u64, messages: Arc<Vec<Message>>, answer: Arc<TurnOutput>) {
         if self.cache.len() == CACHED_TURNS {
             self.cache.pop_front();
         }
-        self.cache.push_back(Cached {
-            key,
-            messages,
-            answer,
-        });
+        self.cache.push_back((key, messages, answer));
     }
 
     /// All segments, sealed first, then the open candidates.
