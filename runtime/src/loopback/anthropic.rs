@@ -2,8 +2,6 @@
 //! `anthropic` SDK reads: a `message` object, or the `message_start` … `message_stop` event
 //! stream (as in `tests/fixtures/anthropic_sse/`).
 
-use std::sync::Arc;
-
 use axum::response::sse::Event as SseEvent;
 use axum::response::Response;
 
@@ -12,7 +10,7 @@ use serde_json::{json, Map, Value as Json};
 
 use super::error::LoopbackError;
 use super::service::ChatService;
-use super::turn::{Finish, TurnEvent, TurnOutput};
+use super::turn::{Finish, TurnEvent, TurnOutput, TurnResult};
 use super::{bounded, invalid, random_id, At, Protocol};
 use crate::chat::{
     check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message, Part, Role, Tool,
@@ -115,17 +113,17 @@ fn push_messages(m: &At, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
             .ok_or_else(|| b.refuse("a content block needs a `type`"))?;
         match (name, role) {
             ("text", _) => {
-                let t = b.key("text").string("a text block needs a string `text`")?;
+                let t = b.string("text", "a text block needs a string `text`")?;
                 let text = assistant.content.get_or_insert_with(String::new);
-                text.push_str(t);
-                parts.push(Part::Text { text: t.into() });
+                text.push_str(&t);
+                parts.push(Part::Text { text: t });
             }
             ("image", Role::User) => parts.push(Part::Image {
                 image: image_block(&b)?,
             }),
             ("tool_use", Role::Assistant) => {
-                let id = b.key("id").string("a tool_use block needs an `id`")?;
-                let name = b.key("name").string("a tool_use block needs a `name`")?;
+                let id = b.string("id", "a tool_use block needs an `id`")?;
+                let name = b.string("name", "a tool_use block needs a `name`")?;
                 let input = b.key("input");
                 let arguments = match input.value {
                     None => Json::Object(Map::new()),
@@ -133,8 +131,8 @@ fn push_messages(m: &At, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
                     Some(_) => return Err(input.refuse("tool_use input must be an object")),
                 };
                 assistant.tool_calls.push(ToolCall {
-                    id: id.into(),
-                    name: name.into(),
+                    id,
+                    name,
                     arguments,
                 });
             }
@@ -143,13 +141,13 @@ fn push_messages(m: &At, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
             }
             ("tool_result", Role::User) => {
                 let message = "a tool_result block needs the `tool_use_id` it answers";
-                let id = b.key("tool_use_id").string(message)?;
+                let id = b.string("tool_use_id", message)?;
                 let content = match b.key("content") {
                     c if c.value.is_none_or(Json::is_null) => String::new(),
                     c => blocks_text(&c)?,
                 };
                 out.push(Message {
-                    tool_call_id: Some(id.into()),
+                    tool_call_id: Some(id),
                     ..Message::text(Role::Tool, content)
                 });
             }
@@ -183,10 +181,10 @@ fn image_block(block: &At) -> Result<Image, InvalidRequest> {
     }
     let field = |name| {
         let message = format!("a base64 image source needs a string `{name}`");
-        source.key(name).string(&message)
+        source.string(name, &message)
     };
     let (media_type, data) = (field("media_type")?, field("data")?);
-    Image::from_base64(media_type, data).map_err(|e| source.refuse(e.to_string()))
+    Image::from_base64(&media_type, &data).map_err(|e| source.refuse(e.to_string()))
 }
 
 impl MessagesRequest {
@@ -326,11 +324,7 @@ impl Protocol for Answer {
         frames
     }
 
-    fn close(
-        &mut self,
-        _: &ChatService,
-        out: Result<Arc<TurnOutput>, LoopbackError>,
-    ) -> Vec<SseEvent> {
+    fn close(&mut self, _: &ChatService, out: TurnResult) -> Vec<SseEvent> {
         let answer = match out {
             Ok(a) => a,
             Err(e) => {

@@ -40,7 +40,7 @@ pub use session::{Segment, SegmentImage, Session};
 use crate::chat::{ChatRequest, InvalidRequest};
 use anthropic::Answer as Anthropic;
 use openai::Answer as OpenAi;
-use turn::{TurnEvent, TurnOutput};
+use turn::{TurnEvent, TurnOutput, TurnResult};
 
 /// Request bodies larger than this are refused with 413: long agent conversations are a few MB
 /// at most, and the server must not buffer unbounded input.
@@ -119,9 +119,12 @@ impl<'a> At<'a> {
         self.value.and_then(serde_json::Value::as_str)
     }
 
-    /// This string, or a refusal with `message`.
-    fn string(&self, message: &str) -> Result<&'a str, InvalidRequest> {
-        self.str().ok_or_else(|| self.refuse(message))
+    /// The string field `key` of this object, or a refusal of it with `message`.
+    fn string(&self, key: &str, message: &str) -> Result<String, InvalidRequest> {
+        let at = self.key(key);
+        at.str()
+            .map(str::to_string)
+            .ok_or_else(|| at.refuse(message))
     }
 
     fn refuse(&self, message: impl Into<String>) -> InvalidRequest {
@@ -166,11 +169,7 @@ trait Protocol: Sized + Send + 'static {
     /// The frames of a piece of content.
     fn content(&mut self, service: &ChatService, ev: TurnEvent) -> Vec<SseEvent>;
     /// The last frames, once the turn finished or failed.
-    fn close(
-        &mut self,
-        service: &ChatService,
-        out: Result<Arc<TurnOutput>, LoopbackError>,
-    ) -> Vec<SseEvent>;
+    fn close(&mut self, service: &ChatService, out: TurnResult) -> Vec<SseEvent>;
 }
 
 /// `POST` of a chat request in protocol `P`: runs the turn, and answers it whole or streams it.

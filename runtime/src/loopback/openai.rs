@@ -2,7 +2,6 @@
 //! `openai` SDK reads: `chat.completion`, and `chat.completion.chunk` SSE frames ending in
 //! `data: [DONE]`.
 
-use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::response::sse::Event as SseEvent;
@@ -13,7 +12,7 @@ use serde_json::{json, Map, Value as Json};
 
 use super::error::LoopbackError;
 use super::service::ChatService;
-use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput};
+use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput, TurnResult};
 use super::{bounded, invalid, random_id, At, Protocol};
 use crate::chat::{
     arguments_object, check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message,
@@ -88,10 +87,7 @@ fn with_content(role: Role, content: &At) -> Result<Message, InvalidRequest> {
         let kind = part.key("type");
         Ok(match kind.str() {
             Some("text") => Part::Text {
-                text: part
-                    .key("text")
-                    .string("a text part needs a string `text`")?
-                    .into(),
+                text: part.string("text", "a text part needs a string `text`")?,
             },
             Some("image_url") if role == Role::User => Part::Image {
                 image: image_url(&part.key("image_url"))?,
@@ -114,13 +110,12 @@ fn with_content(role: Role, content: &At) -> Result<Message, InvalidRequest> {
 
 /// The image of an `image_url` part's `image_url`: `{"url": "data:..."}` or the URL itself.
 fn image_url(at: &At) -> Result<Image, InvalidRequest> {
-    let url = at.key("url");
     let data_url = match at.value {
-        Some(Json::String(s)) => s.as_str(),
-        Some(_) => url.string("an image_url part needs a string `url`")?,
+        Some(Json::String(s)) => s.clone(),
+        Some(_) => at.string("url", "an image_url part needs a string `url`")?,
         None => return Err(at.refuse("an image_url part needs `image_url: {url}`")),
     };
-    Image::from_data_url(data_url).map_err(|e| url.refuse(e.to_string()))
+    Image::from_data_url(&data_url).map_err(|e| at.key("url").refuse(e.to_string()))
 }
 
 fn message(m: &At) -> Result<Message, InvalidRequest> {
@@ -159,10 +154,7 @@ fn message(m: &At) -> Result<Message, InvalidRequest> {
         let arguments = function.key("arguments");
         message.tool_calls.push(ToolCall {
             id: call.key("id").str().unwrap_or_default().to_string(),
-            name: function
-                .key("name")
-                .string("a tool call needs a string name")?
-                .into(),
+            name: function.string("name", "a tool call needs a string name")?,
             arguments: arguments_object(&arguments.path, arguments.value)?,
         });
     }
@@ -403,11 +395,7 @@ impl Protocol for Answer {
         vec![self.delta(service, ev.choice, json!({"content": ev.text}), None)]
     }
 
-    fn close(
-        &mut self,
-        service: &ChatService,
-        out: Result<Arc<TurnOutput>, LoopbackError>,
-    ) -> Vec<SseEvent> {
+    fn close(&mut self, service: &ChatService, out: TurnResult) -> Vec<SseEvent> {
         let out = match out {
             Ok(out) => out,
             Err(e) => {

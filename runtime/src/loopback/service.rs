@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,9 +19,9 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 
 use super::error::LoopbackError;
-use super::session::{Sampled, Segment, SegmentImage, Session};
+use super::session::{Encoded, Sampled, Segment, SegmentImage, Session};
 use super::text_stream::{Streamed, TextStream};
-use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput};
+use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput, TurnResult};
 use crate::chat::{
     parser_for_template, ChatRequest, ChatTemplate, DecodeStream, Image, InvalidRequest, NoTools,
     SamplingOverride, TemplateError, Tokenizer, TokenizerError, ToolCallParser,
@@ -134,14 +135,14 @@ pub enum ModelDirError {
     #[error(transparent)]
     Vision(#[from] VisionError),
     #[error("{}: the model has a preprocessor_config.json, but its tokenizer has no {IMAGE_PLACEHOLDER} token (docs/vision.md)", .0.display())]
-    NoImagePlaceholder(std::path::PathBuf),
+    NoImagePlaceholder(PathBuf),
 }
 
 impl ImageInputs {
     /// A model folder's: `Some` when it has a `preprocessor_config.json` and its tokenizer the
     /// image placeholder token; `None` for a text-only model.
     pub fn from_model_dir(
-        dir: &std::path::Path,
+        dir: &Path,
         tokenizer: &Tokenizer,
     ) -> Result<Option<Self>, ModelDirError> {
         if !dir.join("preprocessor_config.json").is_file() {
@@ -220,7 +221,7 @@ impl ChatService {
     /// vision-language model, image settings) on the engine (or router) at `engine`.
     pub fn from_model_dir(
         engine: &str,
-        dir: &std::path::Path,
+        dir: &Path,
         opts: ServiceOptions,
     ) -> Result<Self, ModelDirError> {
         let tokenizer = Tokenizer::from_model_dir(dir)?;
@@ -333,10 +334,7 @@ impl ChatService {
         session: String,
         id_prefix: &'static str,
         req: ChatRequest,
-    ) -> (
-        mpsc::Receiver<TurnEvent>,
-        impl Future<Output = Result<Arc<TurnOutput>, LoopbackError>>,
-    ) {
+    ) -> (mpsc::Receiver<TurnEvent>, impl Future<Output = TurnResult>) {
         let (tx, rx) = mpsc::channel(TURN_EVENT_BUFFER);
         let this = self.clone();
         let turn = tokio::spawn(async move { this.turn(&session, id_prefix, req, Some(tx)).await });
@@ -351,7 +349,7 @@ impl ChatService {
         id_prefix: &str,
         mut req: ChatRequest,
         events: Option<mpsc::Sender<TurnEvent>>,
-    ) -> Result<Arc<TurnOutput>, LoopbackError> {
+    ) -> TurnResult {
         self.check_tools(&req)?;
         let slot = self.session(session_id)?;
         if let Some(sampling) = &slot.sampling {
@@ -428,11 +426,7 @@ impl ChatService {
 
     /// The ids of rendered `text`, each image placeholder expanded to the tokens its image takes
     /// (`images`: the images the text holds placeholders for, in order), and where each went.
-    fn encode_with_images(
-        &self,
-        text: &str,
-        images: &[&Image],
-    ) -> Result<(Vec<i64>, Vec<SegmentImage>), LoopbackError> {
+    fn encode_with_images(&self, text: &str, images: &[&Image]) -> Result<Encoded, LoopbackError> {
         let ids = self.tokenizer.encode(text)?;
         let refuse = |message: String| Err(InvalidRequest::new("messages", message).into());
         let Some(inputs) = &self.images else {
@@ -579,7 +573,6 @@ impl ChatService {
 mod tests {
     use super::*;
     use serde_json::{json, Value};
-    use std::path::Path;
 
     /// Gemma 3's official template never reads `tools`: a request with tools is refused with a
     /// message naming the template file, before any session or engine is involved, and the

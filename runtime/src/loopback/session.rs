@@ -92,6 +92,9 @@ impl Segment {
     }
 }
 
+/// Encoded text: its ids, and the images among them with their placeholders' place.
+pub type Encoded = (Vec<i64>, Vec<SegmentImage>);
+
 /// What the engine produced for one sample of a turn.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Sampled {
@@ -173,7 +176,7 @@ impl Session {
         &self,
         messages: &[Message],
         rendered: String,
-        tokenize: impl FnOnce(&str, &[&Image]) -> Result<(Vec<i64>, Vec<SegmentImage>), E>,
+        tokenize: impl FnOnce(&str, &[&Image]) -> Result<Encoded, E>,
     ) -> Result<TurnPlan, E> {
         let continues = self.open.iter().position(|o| {
             messages.len() > o.messages.len()
