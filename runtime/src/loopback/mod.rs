@@ -230,10 +230,8 @@ async fn delete_session(State(state): State<AppState>, Path(session): Path<Strin
 }
 
 async fn not_found(uri: axum::http::Uri) -> Response {
-    LoopbackError::NotFound(format!(
-        "no route {uri}: agents use /s/{{session}}/v1/chat/completions (OpenAI) or /s/{{session}}/v1/messages (Anthropic)"
-    ))
-    .openai()
+    let message = format!("no route {uri}: agents use /s/{{session}}/v1/chat/completions (OpenAI) or /s/{{session}}/v1/messages (Anthropic)");
+    LoopbackError::NotFound(message).openai()
 }
 
 /// The loopback server's routes, served with [`crate::serve::serve`].

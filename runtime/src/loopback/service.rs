@@ -34,6 +34,9 @@ use crate::vision::{ImageProcessorConfig, VisionError};
 /// output.
 const TURN_EVENT_BUFFER: usize = 256;
 
+/// Where a turn streams its content as it is generated; `None`: the client does not stream.
+pub type Events = Option<mpsc::Sender<TurnEvent>>;
+
 /// What every sample of one turn shares.
 struct SampleContext<'a> {
     session: &'a str,
@@ -45,7 +48,7 @@ struct SampleContext<'a> {
     stop: &'a [String],
     parser: &'a dyn ToolCallParser,
     id_prefix: &'a str,
-    events: Option<mpsc::Sender<TurnEvent>>,
+    events: Events,
     cancelled: &'a AtomicBool,
 }
 
@@ -182,18 +185,12 @@ fn request_key(id_prefix: &str, req: &ChatRequest) -> u64 {
 }
 
 /// Streams `text` of sample `choice` to the client, if it streams and there is any.
-async fn emit(
-    events: &Option<mpsc::Sender<TurnEvent>>,
-    choice: usize,
-    text: String,
-) -> Result<(), LoopbackError> {
-    match events {
-        Some(tx) if !text.is_empty() => tx
-            .send(TurnEvent { choice, text })
-            .await
-            .map_err(|_| LoopbackError::ClientGone),
-        _ => Ok(()),
-    }
+async fn emit(events: &Events, choice: usize, text: String) -> Result<(), LoopbackError> {
+    let Some(tx) = events.as_ref().filter(|_| !text.is_empty()) else {
+        return Ok(());
+    };
+    let sent = tx.send(TurnEvent { choice, text }).await;
+    sent.map_err(|_| LoopbackError::ClientGone)
 }
 
 impl ChatService {
@@ -265,10 +262,8 @@ impl ChatService {
     pub fn open(&self, id: &str, sampling: Option<SamplingOverride>) -> Result<(), LoopbackError> {
         let mut sessions = self.sessions.lock().expect("sessions lock");
         if sessions.contains_key(id) {
-            return Err(LoopbackError::Invalid(InvalidRequest::new(
-                "session",
-                format!("session {id} is open already"),
-            )));
+            let message = format!("session {id} is open already");
+            return Err(InvalidRequest::new("session", message).into());
         }
         self.insert(&mut sessions, id, sampling).map(drop)
     }
@@ -348,7 +343,7 @@ impl ChatService {
         session_id: &str,
         id_prefix: &str,
         mut req: ChatRequest,
-        events: Option<mpsc::Sender<TurnEvent>>,
+        events: Events,
     ) -> TurnResult {
         self.check_tools(&req)?;
         let slot = self.session(session_id)?;
@@ -428,15 +423,15 @@ impl ChatService {
     /// (`images`: the images the text holds placeholders for, in order), and where each went.
     fn encode_with_images(&self, text: &str, images: &[&Image]) -> Result<Encoded, LoopbackError> {
         let ids = self.tokenizer.encode(text)?;
-        let refuse = |message: String| Err(InvalidRequest::new("messages", message).into());
+        let refuse = |message: &str| Err(InvalidRequest::new("messages", message).into());
+        let n = images.len();
         let Some(inputs) = &self.images else {
             if images.is_empty() {
                 return Ok((ids, Vec::new()));
             }
             return refuse(
                 "the request has images, but this model takes none (its folder has no \
-                 preprocessor_config.json); serve a vision-language model (docs/vision.md)"
-                    .into(),
+                 preprocessor_config.json); serve a vision-language model (docs/vision.md)",
             );
         };
         let mut out = Vec::with_capacity(ids.len());
@@ -447,10 +442,7 @@ impl ChatService {
                 continue;
             }
             let Some(image) = images.get(spans.len()) else {
-                return refuse(format!(
-                    "the conversation renders more image placeholders than it has images ({} images); text may not hold {IMAGE_PLACEHOLDER} itself",
-                    images.len()
-                ));
+                return refuse(&format!("the conversation renders more image placeholders than it has images ({n} images); text may not hold {IMAGE_PLACEHOLDER} itself"));
             };
             let tokens = image
                 .bytes()
@@ -463,13 +455,9 @@ impl ChatService {
             });
             out.extend(std::iter::repeat_n(inputs.placeholder, tokens));
         }
-        if spans.len() != images.len() {
-            return refuse(format!(
-                "the model's chat template ({}) rendered {} image placeholders for {} images: it does not render images (docs/vision.md)",
-                self.template.origin(),
-                spans.len(),
-                images.len()
-            ));
+        if spans.len() != n {
+            let (origin, found) = (self.template.origin(), spans.len());
+            return refuse(&format!("the model's chat template ({origin}) rendered {found} image placeholders for {n} images: it does not render images (docs/vision.md)"));
         }
         Ok((out, spans))
     }
@@ -481,15 +469,13 @@ impl ChatService {
         if req.tools.is_empty() || self.template.reads_tools() {
             return Ok(());
         }
-        Err(InvalidRequest::new(
-            "tools",
-            format!(
-                "the request has tools, but the model's chat template ({}) never renders tools, \
-                 so the model would not see them; send the request without tools, or serve the \
-                 model with a chat template that renders them (docs/chat.md, \"Tool calls\")",
-                self.template.origin()
-            ),
-        ))
+        let origin = self.template.origin();
+        let message = format!(
+            "the request has tools, but the model's chat template ({origin}) never renders tools, \
+             so the model would not see them; send the request without tools, or serve the model \
+             with a chat template that renders them (docs/chat.md, \"Tool calls\")"
+        );
+        Err(InvalidRequest::new("tools", message))
     }
 
     async fn sample(
