@@ -250,12 +250,8 @@ pub struct SamplingOverride {
 impl SamplingOverride {
     /// `sampling` with the set fields replaced.
     pub fn apply(&self, sampling: &mut ChatSampling) {
-        if let Some(t) = self.temperature {
-            sampling.temperature = Some(t);
-        }
-        if let Some(m) = self.max_tokens {
-            sampling.max_tokens = Some(m);
-        }
+        sampling.temperature = self.temperature.or(sampling.temperature);
+        sampling.max_tokens = self.max_tokens.or(sampling.max_tokens);
     }
 }
 

@@ -29,16 +29,12 @@ pub struct TextStream<'a> {
 
 /// How many trailing bytes of `text` could be the start of one of the stop strings.
 fn partial_stop_len(text: &str, stops: &[String]) -> usize {
-    stops
-        .iter()
-        .flat_map(|s| {
-            (1..s.len())
-                .rev()
-                .filter(move |&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
-                .take(1)
-        })
-        .max()
-        .unwrap_or(0)
+    let partial = |s: &String| {
+        (1..s.len())
+            .rev()
+            .find(|&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
+    };
+    stops.iter().filter_map(partial).max().unwrap_or(0)
 }
 
 impl<'a> TextStream<'a> {
