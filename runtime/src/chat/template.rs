@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use minijinja::value::{Kwargs, Serde, Value, ValueKind};
+use minijinja::value::{Kwargs, Serde, Value, ValueKind as Kind};
 use minijinja::{Environment, ErrorKind};
 use serde_json::{Map, Value as Json};
 
@@ -127,11 +127,7 @@ impl ChatTemplate {
         env.add_test("iterable", |v: Value| {
             matches!(
                 v.kind(),
-                ValueKind::String
-                    | ValueKind::Seq
-                    | ValueKind::Map
-                    | ValueKind::Iterable
-                    | ValueKind::Bytes
+                Kind::String | Kind::Seq | Kind::Map | Kind::Iterable | Kind::Bytes
             )
         });
         env.add_function("raise_exception", raise_exception);

@@ -502,9 +502,8 @@ impl ChatService {
                     top,
                     version,
                 } => {
-                    if ctx.events.as_ref().is_some_and(|tx| tx.is_closed())
-                        || ctx.cancelled.load(Ordering::Relaxed)
-                    {
+                    let gone = ctx.events.as_ref().is_some_and(|tx| tx.is_closed());
+                    if gone || ctx.cancelled.load(Ordering::Relaxed) {
                         return Err(LoopbackError::ClientGone);
                     }
                     record.token_ids.push(id);

@@ -268,12 +268,14 @@ impl Session {
     }
 
     /// All segments, sealed first, then the open candidates.
-    pub fn segments(&self) -> Vec<Segment> {
+    fn all(&self) -> impl Iterator<Item = &Segment> {
         self.sealed
             .iter()
-            .cloned()
-            .chain(self.open.iter().map(|o| o.segment.clone()))
-            .collect()
+            .chain(self.open.iter().map(|o| &o.segment))
+    }
+
+    pub fn segments(&self) -> Vec<Segment> {
+        self.all().cloned().collect()
     }
 
     pub fn turns(&self) -> usize {
@@ -282,11 +284,7 @@ impl Session {
 
     /// Tokens recorded over all segments, open candidates included.
     pub fn tokens(&self) -> usize {
-        self.sealed
-            .iter()
-            .chain(self.open.iter().map(|o| &o.segment))
-            .map(|s| s.token_ids.len())
-            .sum()
+        self.all().map(|s| s.token_ids.len()).sum()
     }
 }
 
