@@ -77,10 +77,8 @@ impl Image {
     pub fn from_bytes(media_type: &str, bytes: &[u8]) -> Self {
         use base64::Engine as _;
         use sha2::Digest as _;
-        let sha256 = sha2::Sha256::digest(bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let digest = sha2::Sha256::digest(bytes);
+        let sha256 = digest.iter().map(|b| format!("{b:02x}")).collect();
         let data = base64::engine::general_purpose::STANDARD.encode(bytes);
         Self {
             data_url: format!("data:{media_type};base64,{data}"),

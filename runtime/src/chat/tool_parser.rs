@@ -233,15 +233,11 @@ impl ToolCallParser for Pythonic {
 
 /// The calls of `text` if all of it (but trailing whitespace) is a Python list of calls.
 fn python_calls(text: &str) -> Option<Vec<ToolCall>> {
-    let mut p = PyParser {
-        s: text.trim_end().as_bytes(),
-        at: 0,
-    };
     if !text.starts_with('[') {
         return None;
     }
-    p.at = 1;
-    let mut calls = Vec::new();
+    let s = text.trim_end().as_bytes();
+    let (mut p, mut calls) = (PyParser { s, at: 1 }, Vec::new());
     p.items(b']', |p| p.call().map(|c| calls.push(c)))?;
     (p.at == p.s.len()).then_some(calls)
 }

@@ -25,7 +25,7 @@ pub enum LoopbackError {
     #[error("this session has reached its limit of {0} recorded tokens")]
     TokenLimit(usize),
     #[error("the chat template cannot render this conversation: {0}")]
-    Template(#[source] TemplateError),
+    Template(#[from] TemplateError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]

@@ -202,13 +202,12 @@ impl ChatService {
         template: ChatTemplate,
         opts: ServiceOptions,
     ) -> Self {
-        let tool_parser = parser_for_template(template.source());
         Self {
             engine,
             tokenizer,
+            tool_parser: parser_for_template(template.source()),
             template,
             images: None,
-            tool_parser,
             opts,
             sessions: Mutex::new(HashMap::new()),
         }
@@ -367,13 +366,11 @@ impl ChatService {
             }
             return Ok(answer);
         }
-        let rendered = req
-            .render(&self.template)
-            .map_err(LoopbackError::Template)?;
+        let rendered = req.render(&self.template)?;
         let plan = session.plan(&req.messages, rendered, |text, images| {
             self.encode_with_images(text, images)
         })?;
-        let images = plan.images.iter();
+        let image = |i: &SegmentImage| ContentPart::image(&i.image.data_url);
         let parser: &dyn ToolCallParser = if req.parse_tool_calls {
             self.tool_parser.as_ref()
         } else {
@@ -383,9 +380,7 @@ impl ChatService {
         let ctx = SampleContext {
             session: session_id,
             prompt: &plan.engine_prompt(),
-            content_parts: &images
-                .map(|i| ContentPart::image(&i.image.data_url))
-                .collect(),
+            content_parts: &plan.images.iter().map(image).collect(),
             sampling: EngineSampling {
                 max_tokens: sampling.max_tokens,
                 temperature: sampling.temperature.unwrap_or(1.0),
