@@ -112,14 +112,9 @@ impl ChatTemplate {
     /// Compiles `source` with the special tokens it may reference (`bos_token`, ...).
     pub fn new(source: &str, special_tokens: Map<String, Json>) -> Result<Self, TemplateError> {
         let mut env = Environment::new();
-        let syntax = env
-            .syntax()
-            .to_builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-            .map_err(TemplateError::Compile)?;
-        env.set_syntax(syntax);
+        let mut syntax = env.syntax().to_builder();
+        syntax.trim_blocks(true).lstrip_blocks(true);
+        env.set_syntax(syntax.build().map_err(TemplateError::Compile)?);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         // Python's notion: none is not iterable (minijinja iterates it as empty), and templates
@@ -136,9 +131,8 @@ impl ChatTemplate {
             .map_err(TemplateError::Compile)?;
         // A static look at the variables the template may read: one that never reads `tools`
         // renders a request's tools nowhere (Gemma 3's official template).
-        let template = env
-            .get_template("chat_template")
-            .map_err(TemplateError::Compile)?;
+        let template = env.get_template("chat_template");
+        let template = template.map_err(TemplateError::Compile)?;
         let reads_tools = template.undeclared_variables(false).contains("tools");
         Ok(Self {
             env,
@@ -217,13 +211,9 @@ impl ChatTemplate {
         ctx.insert("documents".into(), documents.unwrap_or_default());
         let generation_prompt = Json::Bool(opts.add_generation_prompt);
         ctx.insert("add_generation_prompt".into(), generation_prompt);
-        let template = self
-            .env
-            .get_template("chat_template")
-            .map_err(TemplateError::Render)?;
-        template
-            .render(Value::from(Serde(&ctx)))
-            .map_err(TemplateError::Render)
+        let template = self.env.get_template("chat_template");
+        let rendered = template.and_then(|t| t.render(Value::from(Serde(&ctx))));
+        rendered.map_err(TemplateError::Render)
     }
 }
 

@@ -122,9 +122,8 @@ impl<'a> At<'a> {
     /// The string field `key` of this object, or a refusal of it with `message`.
     fn string(&self, key: &str, message: &str) -> Result<String, InvalidRequest> {
         let at = self.key(key);
-        at.str()
-            .map(str::to_string)
-            .ok_or_else(|| at.refuse(message))
+        let string = at.str().map(str::to_string);
+        string.ok_or_else(|| at.refuse(message))
     }
 
     fn refuse(&self, message: impl Into<String>) -> InvalidRequest {

@@ -12,7 +12,7 @@ use std::future::Future;
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
@@ -152,9 +152,9 @@ impl ImageInputs {
             return Ok(None);
         }
         let config = ImageProcessorConfig::from_model_dir(dir)?;
-        let placeholder = tokenizer
-            .token_id(IMAGE_PLACEHOLDER)
-            .ok_or_else(|| ModelDirError::NoImagePlaceholder(dir.to_path_buf()))?;
+        let placeholder = tokenizer.token_id(IMAGE_PLACEHOLDER);
+        let placeholder =
+            placeholder.ok_or_else(|| ModelDirError::NoImagePlaceholder(dir.into()))?;
         Ok(Some(Self {
             config,
             placeholder,
@@ -240,9 +240,13 @@ impl ChatService {
         &self.tokenizer
     }
 
+    fn sessions(&self) -> MutexGuard<'_, HashMap<String, Arc<SessionSlot>>> {
+        self.sessions.lock().expect("sessions lock")
+    }
+
     /// The session `id`: made here unless sessions are registered ([`Self::open`]).
     fn session(&self, id: &str) -> Result<Arc<SessionSlot>, LoopbackError> {
-        let mut sessions = self.sessions.lock().expect("sessions lock");
+        let mut sessions = self.sessions();
         if let Some(s) = sessions.get(id) {
             s.touch();
             return Ok(s.clone());
@@ -259,7 +263,7 @@ impl ChatService {
     /// Opens session `id` for an episode (the agent pool, before it starts the agent); with
     /// `sampling`, its turns sample that way whatever the agent asks (evaluation episodes).
     pub fn open(&self, id: &str, sampling: Option<SamplingOverride>) -> Result<(), LoopbackError> {
-        let mut sessions = self.sessions.lock().expect("sessions lock");
+        let mut sessions = self.sessions();
         if sessions.contains_key(id) {
             let message = format!("session {id} is open already");
             return Err(InvalidRequest::new("session", message).into());
@@ -298,12 +302,7 @@ impl ChatService {
 
     /// The segments recorded so far for `session` (waits for a running turn to finish).
     pub async fn trajectory(&self, session: &str) -> Option<(usize, Vec<Segment>)> {
-        let slot = self
-            .sessions
-            .lock()
-            .expect("sessions lock")
-            .get(session)?
-            .clone();
+        let slot = self.sessions().get(session)?.clone();
         let s = slot.state.lock().await;
         Some((s.turns(), s.segments()))
     }
@@ -311,11 +310,7 @@ impl ChatService {
     /// Removes a session and returns its segments (the episode is over). A turn still running
     /// is cancelled: it stops its engine requests at the next token and records nothing.
     pub async fn take(&self, session: &str) -> Option<Vec<Segment>> {
-        let slot = self
-            .sessions
-            .lock()
-            .expect("sessions lock")
-            .remove(session)?;
+        let slot = self.sessions().remove(session)?;
         slot.cancelled.store(true, Ordering::Relaxed);
         let s = slot.state.lock().await;
         Some(s.segments())
