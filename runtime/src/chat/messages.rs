@@ -147,13 +147,11 @@ impl Message {
 
     /// A message of text and images in order; its `content` is the text parts joined.
     pub fn with_parts(role: Role, parts: Vec<Part>) -> Self {
-        let text: String = parts
-            .iter()
-            .filter_map(|p| match p {
-                Part::Text { text } => Some(text.as_str()),
-                Part::Image { .. } => None,
-            })
-            .collect();
+        let text = |p: &Part| match p {
+            Part::Text { text } => Some(text.clone()),
+            Part::Image { .. } => None,
+        };
+        let text: String = parts.iter().filter_map(text).collect();
         let images = parts.iter().any(|p| matches!(p, Part::Image { .. }));
         Self {
             parts: if images { parts } else { Vec::new() },

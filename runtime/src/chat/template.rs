@@ -159,10 +159,9 @@ impl ChatTemplate {
         };
         // A special token is a string or an `AddedToken` object.
         let token = |v: &Json| v.get("content").unwrap_or(v).as_str().map(Json::from);
-        let special_tokens = ["bos_token", "eos_token", "pad_token", "unk_token"]
-            .into_iter()
-            .filter_map(|k| Some((k.to_string(), token(config.get(k)?)?)))
-            .collect();
+        let names = ["bos_token", "eos_token", "pad_token", "unk_token"];
+        let special = |k: &str| Some((k.to_string(), token(config.get(k)?)?));
+        let special_tokens = names.into_iter().filter_map(special).collect();
         let file = dir.join("chat_template.jinja");
         let (source, origin) = match std::fs::read_to_string(&file) {
             Ok(text) => (text, file.display().to_string()),

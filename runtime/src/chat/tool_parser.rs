@@ -116,12 +116,9 @@ impl ToolCallParser for Hermes {
 /// or before a suffix that may be its start, and before the whitespace there (a finished
 /// output's content ends trimmed before its first call).
 fn content_before(text: &str, marker: &str) -> usize {
-    let end = text.find(marker).unwrap_or_else(|| {
-        (1..marker.len())
-            .rev()
-            .find(|&k| text.ends_with(&marker[..k]))
-            .map_or(text.len(), |k| text.len() - k)
-    });
+    let ends = |k: &usize| text.ends_with(&marker[..*k]);
+    let partial = (1..marker.len()).rev().find(ends).unwrap_or(0);
+    let end = text.find(marker).unwrap_or(text.len() - partial);
     text[..end].trim_end().len()
 }
 
@@ -352,9 +349,8 @@ impl PyParser<'_> {
         while matches!(self.peek(), Some(c) if c.is_ascii_digit() || b"+-.eE_".contains(&c)) {
             self.at += 1;
         }
-        let text = std::str::from_utf8(&self.s[start..self.at])
-            .ok()?
-            .replace('_', "");
+        let text = std::str::from_utf8(&self.s[start..self.at]).ok()?;
+        let text = text.replace('_', "");
         let text = text.strip_prefix('+').unwrap_or(&text);
         if let Ok(i) = text.parse::<i64>() {
             return Some(Json::from(i));

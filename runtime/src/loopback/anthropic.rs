@@ -276,12 +276,9 @@ impl Protocol for Answer {
     const CALL_ID: &'static str = "toolu_";
 
     fn read(req: MessagesRequest) -> Result<(ChatRequest, bool, Self), InvalidRequest> {
-        let stream = req.stream.unwrap_or(false);
-        let answer = Self {
-            id: format!("msg_{}", random_id()),
-            text_open: false,
-        };
-        Ok((req.into_chat()?, stream, answer))
+        let (stream, id) = (req.stream.unwrap_or(false), format!("msg_{}", random_id()));
+        let text_open = false;
+        Ok((req.into_chat()?, stream, Self { id, text_open }))
     }
 
     fn error(e: &LoopbackError) -> Response {

@@ -396,9 +396,8 @@ impl ChatService {
         let (records, choices): (Vec<Sampled>, Vec<ChoiceOutput>) = samples.into_iter().unzip();
         let decode = |r: &Sampled| self.tokenizer.decode(&r.token_ids, false);
         let texts = records.iter().map(decode).collect::<Result<Vec<_>, _>>()?;
-        let prompt_tokens = plan.prompt.len();
         let answer = Arc::new(TurnOutput {
-            prompt_tokens,
+            prompt_tokens: plan.prompt.len(),
             choices,
         });
         let messages = Arc::new(req.messages);

@@ -184,12 +184,10 @@ impl Session {
                 && messages[o.messages.len()].role == Role::Assistant
                 && rendered.starts_with(&o.text)
         });
-        let (base, base_text): (Option<&Segment>, &str) = match continues {
-            Some(i) => (Some(&self.open[i].segment), &self.open[i].text),
-            None => (None, ""),
-        };
-        let base_ids: &[i64] = base.map_or(&[], |b| &b.token_ids);
-        let base_images: &[SegmentImage] = base.map_or(&[], |b| &b.images);
+        let base = continues.map(|i| &self.open[i]);
+        let base_text = base.map_or("", |o| o.text.as_str());
+        let base_ids: &[i64] = base.map_or(&[], |o| &o.segment.token_ids);
+        let base_images: &[SegmentImage] = base.map_or(&[], |o| &o.segment.images);
         // A continued segment's messages are the first of these, so its images come first.
         let images: Vec<&Image> = messages.iter().flat_map(Message::images).collect();
         let new = images.get(base_images.len()..).unwrap_or_default();
