@@ -41,8 +41,6 @@ impl DecodeStream {
 }
 
 fn common_prefix(a: &str, b: &str) -> usize {
-    a.char_indices()
-        .zip(b.chars())
-        .find(|((_, x), y)| x != y)
-        .map_or(a.len().min(b.len()), |((i, _), _)| i)
+    let first_difference = a.char_indices().zip(b.chars()).find(|((_, x), y)| x != y);
+    first_difference.map_or(a.len().min(b.len()), |((i, _), _)| i)
 }

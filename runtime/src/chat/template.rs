@@ -95,10 +95,9 @@ fn alias_reasoning(messages: &Json) -> Json {
     let mut messages = messages.clone();
     let all = messages.as_array_mut().into_iter().flatten();
     for obj in all.filter_map(Json::as_object_mut) {
-        let reasoning = ["reasoning_content", "thinking", "reasoning"]
-            .iter()
-            .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned());
-        if let Some(r) = reasoning {
+        let keys = ["reasoning_content", "thinking", "reasoning"];
+        let set = |key: &&str| obj.get(*key).filter(|v| !v.is_null()).cloned();
+        if let Some(r) = keys.iter().find_map(set) {
             if !obj.contains_key("thinking") {
                 obj.shift_insert(0, "thinking".into(), r.clone());
             }

@@ -83,7 +83,7 @@ impl Segment {
         self.loss_mask.extend(std::iter::repeat_n(1, n));
         self.logprobs.extend_from_slice(&sample.logprobs);
         self.versions
-            .extend(sample.versions.iter().map(|&v| Some(v)));
+            .extend(sample.versions.iter().copied().map(Some));
     }
 
     /// Number of sampled (trainable) tokens.
@@ -251,11 +251,9 @@ impl Session {
     /// matches, so a growing conversation never pays for the check.
     pub fn cached(&self, key: u64, messages: &[Message]) -> Option<Arc<TurnOutput>> {
         // Slices compare their lengths first.
-        let cached = self
-            .cache
-            .iter()
-            .find(|(k, m, _)| *k == key && m[..] == *messages);
-        cached.map(|(_, _, answer)| answer.clone())
+        let mut cache = self.cache.iter();
+        let found = cache.find(|(k, m, _)| *k == key && m[..] == *messages);
+        found.map(|(_, _, answer)| answer.clone())
     }
 
     pub fn remember(&mut self, key: u64, messages: Arc<Vec<Message>>, answer: Arc<TurnOutput>) {

@@ -29,11 +29,8 @@ pub struct TextStream<'a> {
 
 /// How many trailing bytes of `text` could be the start of one of the stop strings.
 fn partial_stop_len(text: &str, stops: &[String]) -> usize {
-    let partial = |s: &String| {
-        (1..s.len())
-            .rev()
-            .find(|&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
-    };
+    let starts = |s: &String, k: usize| s.is_char_boundary(k) && text.ends_with(&s[..k]);
+    let partial = |s: &String| (1..s.len()).rev().find(|&k| starts(s, k));
     stops.iter().filter_map(partial).max().unwrap_or(0)
 }
 
