@@ -75,7 +75,7 @@ fn turn_work(
             tokenizer.encode(t).map(|ids| (ids, Vec::new()))
         })
         .unwrap();
-    assert!(plan.continues() || messages.len() == 1);
+    assert!(plan.continues.is_some() || messages.len() == 1);
     let sample = Sampled {
         token_ids: reply_ids.to_vec(),
         logprobs: vec![-0.5; reply_ids.len()],
@@ -175,10 +175,10 @@ async fn requests_per_second() {
     ));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let lb = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(loopback::serve(
+    let app = loopback::router(service, loopback::DEFAULT_MAX_BODY_BYTES);
+    tokio::spawn(moult_runtime::serve::serve(
         listener,
-        service,
-        loopback::DEFAULT_MAX_BODY_BYTES,
+        app,
         std::future::pending(),
     ));
     let prompt = Tokenizer::from_model_dir(&dir)

@@ -141,7 +141,7 @@ pub async fn run_env_episode(
             template_kwargs: opts.template_kwargs.clone(),
         };
         let answer = service
-            .turn(session, "env", "call_", request, None)
+            .turn(session, "call_", request, None)
             .await
             .map_err(|e| AgentError::Model(e.to_string()))?;
         let reply = answer.choices[0].content.clone().unwrap_or_default();

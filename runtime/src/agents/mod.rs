@@ -164,13 +164,8 @@ impl AgentPool {
         let sessions = ServiceOptions::pool(opts.concurrency * 2, name);
         let service = Arc::new(ChatService::from_model_dir(engine, model_dir, sessions)?);
         opts.loopback_url = format!("http://{}", listener.local_addr()?);
-        let max_body = loopback::DEFAULT_MAX_BODY_BYTES;
-        tokio::spawn(loopback::serve(
-            listener,
-            service.clone(),
-            max_body,
-            shutdown,
-        ));
+        let app = loopback::router(service.clone(), loopback::DEFAULT_MAX_BODY_BYTES);
+        tokio::spawn(crate::serve::serve(listener, app, shutdown));
         Ok(Arc::new(Self::new(service, agent, opts)?))
     }
 

@@ -26,30 +26,21 @@ impl DecodeStream {
     /// Adds one id; returns the text it completes (possibly empty).
     pub fn step(&mut self, tokenizer: &Tokenizer, id: i64) -> Result<String, TokenizerError> {
         self.ids.push(id);
-        let window = &self.ids[self.prefix_offset..];
-        let before = tokenizer.decode(
-            &window[..self.read_offset - self.prefix_offset],
-            self.skip_special_tokens,
-        )?;
-        let after = tokenizer.decode(window, self.skip_special_tokens)?;
-        if after.len() > before.len() && !after.ends_with('\u{FFFD}') {
-            // `after` extends `before` except where a dangling partial character was completed.
-            let delta = match after.get(before.len()..) {
-                Some(d) if after.starts_with(&before) => d.to_string(),
-                _ => after[common_prefix(&before, &after)..].to_string(),
-            };
-            self.prefix_offset = self.read_offset;
-            self.read_offset = self.ids.len();
-            Ok(delta)
-        } else {
-            Ok(String::new())
+        let (window, skip) = (&self.ids[self.prefix_offset..], self.skip_special_tokens);
+        let before = tokenizer.decode(&window[..self.read_offset - self.prefix_offset], skip)?;
+        let after = tokenizer.decode(window, skip)?;
+        if after.len() <= before.len() || after.ends_with('\u{FFFD}') {
+            return Ok(String::new());
         }
+        // `after` extends `before` except where a dangling partial character was completed.
+        let delta = after[common_prefix(&before, &after)..].to_string();
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        Ok(delta)
     }
 }
 
 fn common_prefix(a: &str, b: &str) -> usize {
-    a.char_indices()
-        .zip(b.chars())
-        .find(|((_, x), y)| x != y)
-        .map_or(a.len().min(b.len()), |((i, _), _)| i)
+    let first_difference = a.char_indices().zip(b.chars()).find(|((_, x), y)| x != y);
+    first_difference.map_or(a.len().min(b.len()), |((i, _), _)| i)
 }

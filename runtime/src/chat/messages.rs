@@ -9,6 +9,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value as Json};
 
+use super::template::{ChatTemplate, RenderOptions, TemplateError};
+
 /// Who speaks a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -39,6 +41,15 @@ pub struct ToolCall {
     pub arguments: Json,
 }
 
+impl ToolCall {
+    /// The call in OpenAI's shape, which chat templates read too, with `arguments` (an object
+    /// for templates, its JSON text for OpenAI clients).
+    pub fn to_openai(&self, arguments: Json) -> Json {
+        let function = json!({"name": self.name, "arguments": arguments});
+        json!({"id": self.id, "type": "function", "function": function})
+    }
+}
+
 /// An image of a message, as the client sent it (docs/vision.md).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Image {
@@ -66,10 +77,8 @@ impl Image {
     pub fn from_bytes(media_type: &str, bytes: &[u8]) -> Self {
         use base64::Engine as _;
         use sha2::Digest as _;
-        let sha256 = sha2::Sha256::digest(bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let digest = sha2::Sha256::digest(bytes);
+        let sha256 = digest.iter().map(|b| format!("{b:02x}")).collect();
         let data = base64::engine::general_purpose::STANDARD.encode(bytes);
         Self {
             data_url: format!("data:{media_type};base64,{data}"),
@@ -115,10 +124,11 @@ pub struct Message {
 }
 
 impl Message {
-    pub fn text(role: Role, content: impl Into<String>) -> Self {
+    /// A message of `role` with nothing in it yet (no content: `None`).
+    pub fn new(role: Role) -> Self {
         Self {
             role,
-            content: Some(content.into()),
+            content: None,
             parts: Vec::new(),
             tool_calls: Vec::new(),
             tool_call_id: None,
@@ -127,15 +137,21 @@ impl Message {
         }
     }
 
+    pub fn text(role: Role, content: impl Into<String>) -> Self {
+        let content = Some(content.into());
+        Self {
+            content,
+            ..Self::new(role)
+        }
+    }
+
     /// A message of text and images in order; its `content` is the text parts joined.
     pub fn with_parts(role: Role, parts: Vec<Part>) -> Self {
-        let text: String = parts
-            .iter()
-            .filter_map(|p| match p {
-                Part::Text { text } => Some(text.as_str()),
-                Part::Image { .. } => None,
-            })
-            .collect();
+        let text = |p: &Part| match p {
+            Part::Text { text } => Some(text.clone()),
+            Part::Image { .. } => None,
+        };
+        let text: String = parts.iter().filter_map(text).collect();
         let images = parts.iter().any(|p| matches!(p, Part::Image { .. }));
         Self {
             parts: if images { parts } else { Vec::new() },
@@ -155,30 +171,19 @@ impl Message {
     /// `{"type": "text", "text"}` and `{"type": "image"}` parts, as Hugging Face processors
     /// hand them to vision-language templates.
     pub fn to_template(&self) -> Json {
+        let part = |p: &Part| match p {
+            Part::Text { text } => json!({"type": "text", "text": text}),
+            Part::Image { .. } => json!({"type": "image"}),
+        };
         let content = if self.parts.is_empty() {
             Json::from(self.content.clone().unwrap_or_default())
         } else {
-            Json::Array(
-                self.parts
-                    .iter()
-                    .map(|p| match p {
-                        Part::Text { text } => json!({"type": "text", "text": text}),
-                        Part::Image { .. } => json!({"type": "image"}),
-                    })
-                    .collect(),
-            )
+            self.parts.iter().map(part).collect()
         };
         let mut m = json!({"role": self.role.as_str(), "content": content});
         if !self.tool_calls.is_empty() {
-            let calls: Vec<Json> = self
-                .tool_calls
-                .iter()
-                .map(|c| {
-                    json!({"id": c.id, "type": "function",
-                           "function": {"name": c.name, "arguments": c.arguments}})
-                })
-                .collect();
-            m["tool_calls"] = Json::Array(calls);
+            let calls = self.tool_calls.iter();
+            m["tool_calls"] = calls.map(|c| c.to_openai(c.arguments.clone())).collect();
         }
         for (key, value) in [
             ("tool_call_id", &self.tool_call_id),
@@ -200,7 +205,8 @@ pub struct Tool {
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
-    /// JSON Schema of the arguments.
+    /// JSON Schema of the arguments (Anthropic calls it `input_schema`).
+    #[serde(alias = "input_schema")]
     pub parameters: Json,
 }
 
@@ -240,12 +246,8 @@ pub struct SamplingOverride {
 impl SamplingOverride {
     /// `sampling` with the set fields replaced.
     pub fn apply(&self, sampling: &mut ChatSampling) {
-        if let Some(t) = self.temperature {
-            sampling.temperature = Some(t);
-        }
-        if let Some(m) = self.max_tokens {
-            sampling.max_tokens = Some(m);
-        }
+        sampling.temperature = self.temperature.or(sampling.temperature);
+        sampling.max_tokens = self.max_tokens.or(sampling.max_tokens);
     }
 }
 
@@ -264,15 +266,18 @@ pub struct ChatRequest {
 }
 
 impl ChatRequest {
-    /// The messages as a chat template reads them.
-    pub fn template_messages(&self) -> Json {
-        Json::Array(self.messages.iter().map(Message::to_template).collect())
-    }
-
-    /// The tools as a chat template reads them, `None` when there are none.
-    pub fn template_tools(&self) -> Option<Json> {
-        (!self.tools.is_empty())
-            .then(|| Json::Array(self.tools.iter().map(Tool::to_template).collect()))
+    /// The prompt of this request by `template`: its messages, tools and template variables,
+    /// ending where the assistant's reply starts.
+    pub fn render(&self, template: &ChatTemplate) -> Result<String, TemplateError> {
+        let messages = self.messages.iter().map(Message::to_template).collect();
+        let tools = self.tools.iter().map(Tool::to_template);
+        let opts = RenderOptions {
+            tools: (!self.tools.is_empty()).then(|| tools.collect()),
+            documents: None,
+            add_generation_prompt: true,
+            extra: self.template_kwargs.clone(),
+        };
+        template.render(&Json::Array(messages), &opts)
     }
 }
 
@@ -308,16 +313,12 @@ pub fn check_sampling(
     top_p: Option<f64>,
 ) -> Result<(), InvalidRequest> {
     if let Some(t) = temperature.filter(|t| !(0.0..=max_temperature).contains(t)) {
-        return Err(InvalidRequest::new(
-            "temperature",
-            format!("temperature must be between 0 and {max_temperature}, got {t}"),
-        ));
+        let message = format!("temperature must be between 0 and {max_temperature}, got {t}");
+        return Err(InvalidRequest::new("temperature", message));
     }
     if let Some(p) = top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
-        return Err(InvalidRequest::new(
-            "top_p",
-            format!("top_p must be in (0, 1], got {p}"),
-        ));
+        let message = format!("top_p must be in (0, 1], got {p}");
+        return Err(InvalidRequest::new("top_p", message));
     }
     Ok(())
 }
@@ -325,28 +326,22 @@ pub fn check_sampling(
 /// Tool-call arguments as sent: none (`{}`), an object, or a JSON string of one (OpenAI sends
 /// them so).
 pub fn arguments_object(param: &str, value: Option<&Json>) -> Result<Json, InvalidRequest> {
+    let invalid = |message: &str| InvalidRequest::new(param, message);
     let text = match value {
-        None | Some(Json::Null) => return Ok(Json::Object(Map::new())),
+        None | Some(Json::Null) => "",
         Some(v @ Json::Object(_)) => return Ok(v.clone()),
         Some(Json::String(text)) => text,
-        Some(_) => {
-            let message = "arguments must be a JSON string (or object)";
-            return Err(InvalidRequest::new(param, message));
-        }
+        Some(_) => return Err(invalid("arguments must be a JSON string (or object)")),
     };
     if text.trim().is_empty() {
         return Ok(Json::Object(Map::new()));
     }
     match serde_json::from_str::<Json>(text) {
         Ok(v @ Json::Object(_)) => Ok(v),
-        Ok(_) => Err(InvalidRequest::new(
-            param,
-            "tool call arguments must be a JSON object",
-        )),
-        Err(e) => Err(InvalidRequest::new(
-            param,
-            format!("tool call arguments are not valid JSON: {e}"),
-        )),
+        Ok(_) => Err(invalid("tool call arguments must be a JSON object")),
+        Err(e) => Err(invalid(&format!(
+            "tool call arguments are not valid JSON: {e}"
+        ))),
     }
 }
 

@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use minijinja::value::{Kwargs, Serde, Value, ValueKind};
+use minijinja::value::{Kwargs, Serde, Value, ValueKind as Kind};
 use minijinja::{Environment, ErrorKind};
 use serde_json::{Map, Value as Json};
 
@@ -49,20 +49,15 @@ pub struct RenderOptions {
 }
 
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
-    let json = serde_json::to_value(&value)
-        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let invalid = |message: String| minijinja::Error::new(ErrorKind::InvalidOperation, message);
+    let json = serde_json::to_value(&value).map_err(|e| invalid(format!("tojson: {e}")))?;
     let indent: Option<usize> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     let _ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let separators = match kwargs.get::<Option<Vec<String>>>("separators")?.as_deref() {
         None => None,
         Some([item, key]) => Some((item.clone(), key.clone())),
-        Some(_) => {
-            return Err(minijinja::Error::new(
-                ErrorKind::InvalidOperation,
-                "tojson: separators must be a pair",
-            ))
-        }
+        Some(_) => return Err(invalid("tojson: separators must be a pair".into())),
     };
     kwargs.assert_all_used()?;
     let opts = DumpOptions {
@@ -98,14 +93,11 @@ fn strftime(secs: i64, format: &str) -> String {
 /// message carries, so templates reading any of the names see it.
 fn alias_reasoning(messages: &Json) -> Json {
     let mut messages = messages.clone();
-    for m in messages.as_array_mut().into_iter().flatten() {
-        let Some(obj) = m.as_object_mut() else {
-            continue;
-        };
-        let reasoning = ["reasoning_content", "thinking", "reasoning"]
-            .iter()
-            .find_map(|k| obj.get(*k).filter(|v| !v.is_null()).cloned());
-        if let Some(r) = reasoning {
+    let all = messages.as_array_mut().into_iter().flatten();
+    for obj in all.filter_map(Json::as_object_mut) {
+        let keys = ["reasoning_content", "thinking", "reasoning"];
+        let set = |key: &&str| obj.get(*key).filter(|v| !v.is_null()).cloned();
+        if let Some(r) = keys.iter().find_map(set) {
             if !obj.contains_key("thinking") {
                 obj.shift_insert(0, "thinking".into(), r.clone());
             }
@@ -119,14 +111,9 @@ impl ChatTemplate {
     /// Compiles `source` with the special tokens it may reference (`bos_token`, ...).
     pub fn new(source: &str, special_tokens: Map<String, Json>) -> Result<Self, TemplateError> {
         let mut env = Environment::new();
-        let syntax = env
-            .syntax()
-            .to_builder()
-            .trim_blocks(true)
-            .lstrip_blocks(true)
-            .build()
-            .map_err(TemplateError::Compile)?;
-        env.set_syntax(syntax);
+        let mut syntax = env.syntax().to_builder();
+        syntax.trim_blocks(true).lstrip_blocks(true);
+        env.set_syntax(syntax.build().map_err(TemplateError::Compile)?);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         // Python's notion: none is not iterable (minijinja iterates it as empty), and templates
@@ -134,11 +121,7 @@ impl ChatTemplate {
         env.add_test("iterable", |v: Value| {
             matches!(
                 v.kind(),
-                ValueKind::String
-                    | ValueKind::Seq
-                    | ValueKind::Map
-                    | ValueKind::Iterable
-                    | ValueKind::Bytes
+                Kind::String | Kind::Seq | Kind::Map | Kind::Iterable | Kind::Bytes
             )
         });
         env.add_function("raise_exception", raise_exception);
@@ -147,11 +130,9 @@ impl ChatTemplate {
             .map_err(TemplateError::Compile)?;
         // A static look at the variables the template may read: one that never reads `tools`
         // renders a request's tools nowhere (Gemma 3's official template).
-        let reads_tools = env
-            .get_template("chat_template")
-            .map_err(TemplateError::Compile)?
-            .undeclared_variables(false)
-            .contains("tools");
+        let template = env.get_template("chat_template");
+        let template = template.map_err(TemplateError::Compile)?;
+        let reads_tools = template.undeclared_variables(false).contains("tools");
         Ok(Self {
             env,
             source: source.to_string(),
@@ -166,42 +147,35 @@ impl ChatTemplate {
     /// templates of which `default` is taken); special tokens from `tokenizer_config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, TemplateError> {
         let config_path = dir.join("tokenizer_config.json");
+        let load = |path: &Path, message: &str| TemplateError::Load {
+            path: path.display().to_string(),
+            message: message.to_string(),
+        };
         let config: Map<String, Json> = match std::fs::read_to_string(&config_path) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| TemplateError::Load {
-                path: config_path.display().to_string(),
-                message: format!("not a JSON object: {e}"),
-            })?,
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| load(&config_path, &format!("not a JSON object: {e}")))?,
             Err(_) => Map::new(),
         };
         // A special token is a string or an `AddedToken` object.
         let token = |v: &Json| v.get("content").unwrap_or(v).as_str().map(Json::from);
-        let special_tokens = ["bos_token", "eos_token", "pad_token", "unk_token"]
-            .into_iter()
-            .filter_map(|k| Some((k.to_string(), token(config.get(k)?)?)))
-            .collect();
+        let names = ["bos_token", "eos_token", "pad_token", "unk_token"];
+        let special = |k: &str| Some((k.to_string(), token(config.get(k)?)?));
+        let special_tokens = names.into_iter().filter_map(special).collect();
         let file = dir.join("chat_template.jinja");
-        let mut origin = file.display().to_string();
-        let source = if let Ok(text) = std::fs::read_to_string(&file) {
-            text
-        } else {
-            origin = format!("the chat_template of {}", config_path.display());
-            match config.get("chat_template") {
-                Some(Json::String(s)) => s.clone(),
-                Some(Json::Array(named)) => named
-                    .iter()
-                    .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-                    .and_then(|t| t.get("template").and_then(Json::as_str))
-                    .map(str::to_string)
-                    .ok_or_else(|| TemplateError::Load {
-                        path: config_path.display().to_string(),
-                        message: "chat_template lists named templates but none is called `default`".into(),
-                    })?,
-                _ => {
-                    return Err(TemplateError::Load {
-                        path: dir.display().to_string(),
-                        message: "has neither chat_template.jinja nor a chat_template in tokenizer_config.json".into(),
-                    })
-                }
+        let (source, origin) = match std::fs::read_to_string(&file) {
+            Ok(text) => (text, file.display().to_string()),
+            Err(_) => {
+                let default = |t: &&Json| t["name"] == "default";
+                let source = match config.get("chat_template") {
+                    Some(s @ Json::String(_)) => Some(s),
+                    Some(Json::Array(named)) => named.iter().find(default).map(|t| &t["template"]),
+                    _ => return Err(load(dir, "has neither chat_template.jinja nor a chat_template in tokenizer_config.json")),
+                };
+                let message = "chat_template lists named templates but none is called `default`";
+                let source = source.and_then(Json::as_str);
+                let source = source.ok_or_else(|| load(&config_path, message))?;
+                let origin = format!("the chat_template of {}", config_path.display());
+                (source.to_string(), origin)
             }
         };
         let mut template = Self::new(&source, special_tokens)?;
@@ -228,26 +202,16 @@ impl ChatTemplate {
     /// Renders `messages` (a JSON array of message objects, as transformers takes them).
     pub fn render(&self, messages: &Json, opts: &RenderOptions) -> Result<String, TemplateError> {
         let mut ctx = self.special_tokens.clone();
-        for (k, v) in &opts.extra {
-            ctx.insert(k.clone(), v.clone());
-        }
+        ctx.extend(opts.extra.clone());
         ctx.insert("messages".into(), alias_reasoning(messages));
-        ctx.insert("tools".into(), opts.tools.clone().unwrap_or(Json::Null));
-        ctx.insert(
-            "documents".into(),
-            opts.documents.clone().unwrap_or(Json::Null),
-        );
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(opts.add_generation_prompt),
-        );
-        let template = self
-            .env
-            .get_template("chat_template")
-            .map_err(TemplateError::Render)?;
-        template
-            .render(Value::from(Serde(&ctx)))
-            .map_err(TemplateError::Render)
+        let (tools, documents) = (opts.tools.clone(), opts.documents.clone());
+        ctx.insert("tools".into(), tools.unwrap_or_default());
+        ctx.insert("documents".into(), documents.unwrap_or_default());
+        let generation_prompt = Json::Bool(opts.add_generation_prompt);
+        ctx.insert("add_generation_prompt".into(), generation_prompt);
+        let template = self.env.get_template("chat_template");
+        let rendered = template.and_then(|t| t.render(Value::from(Serde(&ctx))));
+        rendered.map_err(TemplateError::Render)
     }
 }
 

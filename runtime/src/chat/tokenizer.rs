@@ -33,26 +33,19 @@ impl Tokenizer {
 
     /// The ids of `text`, special tokens in it included, none added.
     pub fn encode(&self, text: &str) -> Result<Vec<i64>, TokenizerError> {
-        let encoding = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| TokenizerError::Tokenize(e.to_string()))?;
+        let encoding = self.inner.encode(text, false);
+        let encoding = encoding.map_err(|e| TokenizerError::Tokenize(e.to_string()))?;
         Ok(encoding.get_ids().iter().map(|&id| i64::from(id)).collect())
     }
 
     /// The text of `ids`; special tokens kept unless `skip_special_tokens`.
     pub fn decode(&self, ids: &[i64], skip_special_tokens: bool) -> Result<String, TokenizerError> {
-        let ids: Vec<u32> = ids
-            .iter()
-            .map(|&id| {
-                u32::try_from(id).map_err(|_| {
-                    TokenizerError::Tokenize(format!("token id {id} is negative or too large"))
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        self.inner
-            .decode(&ids, skip_special_tokens)
-            .map_err(|e| TokenizerError::Tokenize(e.to_string()))
+        let ids = ids.iter().map(|&id| u32::try_from(id).map_err(|_| id));
+        let ids: Vec<u32> = ids.collect::<Result<_, _>>().map_err(|id| {
+            TokenizerError::Tokenize(format!("token id {id} is negative or too large"))
+        })?;
+        let text = self.inner.decode(&ids, skip_special_tokens);
+        text.map_err(|e| TokenizerError::Tokenize(e.to_string()))
     }
 
     /// The id of a token by its text (`<|image_pad|>`), if the vocabulary has it.

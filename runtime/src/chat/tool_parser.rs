@@ -13,7 +13,7 @@
 
 use serde_json::{Map, Value as Json};
 
-use super::messages::ToolCall;
+use super::messages::{arguments_object, ToolCall};
 
 /// A finished output split into what the client sees.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,16 +77,9 @@ const END: &str = "</tool_call>";
 /// A call object `{"name", "arguments"}` (or `"parameters"`).
 fn call_from_json(v: &Json) -> Option<ToolCall> {
     let name = v.get("name")?.as_str()?.to_string();
-    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
-        None | Some(Json::Null) => Json::Object(Map::new()),
-        Some(a @ Json::Object(_)) => a.clone(),
-        // Some models write the arguments as a JSON string.
-        Some(Json::String(s)) => match serde_json::from_str::<Json>(s) {
-            Ok(a @ Json::Object(_)) => a,
-            _ => return None,
-        },
-        Some(_) => return None,
-    };
+    // Some models write the arguments as a JSON string, as OpenAI clients send them.
+    let arguments = v.get("arguments").or_else(|| v.get("parameters"));
+    let arguments = arguments_object("arguments", arguments).ok()?;
     Some(ToolCall {
         id: String::new(),
         name,
@@ -99,19 +92,13 @@ impl ToolCallParser for Hermes {
         let Some(first) = text.find(START) else {
             return NoTools.parse(text);
         };
-        let mut calls = Vec::new();
-        let mut rest = &text[first..];
+        let (mut calls, mut rest) = (Vec::new(), &text[first..]);
         while let Some(start) = rest.find(START) {
-            let body_start = &rest[start + START.len()..];
-            let (body, next) = match body_start.find(END) {
-                Some(end) => (&body_start[..end], &body_start[end + END.len()..]),
-                // Cut off by max_tokens: parse what is there.
-                None => (body_start, ""),
-            };
-            match serde_json::from_str(body.trim())
-                .ok()
-                .and_then(|v| call_from_json(&v))
-            {
+            let body = &rest[start + START.len()..];
+            // Cut off by max_tokens: parse what is there.
+            let (body, next) = body.split_once(END).unwrap_or((body, ""));
+            let value = serde_json::from_str(body.trim()).ok();
+            match value.and_then(|v| call_from_json(&v)) {
                 Some(call) => calls.push(call),
                 None => return NoTools.parse(text),
             }
@@ -129,12 +116,9 @@ impl ToolCallParser for Hermes {
 /// or before a suffix that may be its start, and before the whitespace there (a finished
 /// output's content ends trimmed before its first call).
 fn content_before(text: &str, marker: &str) -> usize {
-    let end = text.find(marker).unwrap_or_else(|| {
-        (1..marker.len())
-            .rev()
-            .find(|&k| text.ends_with(&marker[..k]))
-            .map_or(text.len(), |k| text.len() - k)
-    });
+    let ends = |k: &usize| text.ends_with(&marker[..*k]);
+    let partial = (1..marker.len()).rev().find(ends).unwrap_or(0);
+    let end = text.find(marker).unwrap_or(text.len() - partial);
     text[..end].trim_end().len()
 }
 
@@ -174,18 +158,14 @@ impl ToolCallParser for Llama3Json {
     }
 
     fn content_prefix_len(&self, text: &str) -> usize {
-        // Only an output that starts as a call is one: hold back whitespace, the tag or a part of
-        // it, and anything after a leading `{`.
+        // Only an output that starts as a call is one: hold back whitespace (a prefix of the tag),
+        // the tag or a part of it, and anything after a leading `{`.
         let t = text.trim_start();
-        if t.is_empty()
-            || t.starts_with('{')
-            || PYTHON_TAG.starts_with(t)
-            || t.starts_with(PYTHON_TAG)
-        {
-            0
-        } else {
-            text.len()
+        let call = t.starts_with('{') || PYTHON_TAG.starts_with(t) || t.starts_with(PYTHON_TAG);
+        if call {
+            return 0;
         }
+        text.len()
     }
 }
 
@@ -240,25 +220,21 @@ impl ToolCallParser for Pythonic {
 
     fn content_prefix_len(&self, text: &str) -> usize {
         // Only an output that opens with `[` can be calls (vLLM streams anything else as it comes).
-        if text.is_empty() || text.starts_with('[') {
-            0
-        } else {
-            text.len()
+        let call = text.is_empty() || text.starts_with('[');
+        if call {
+            return 0;
         }
+        text.len()
     }
 }
 
 /// The calls of `text` if all of it (but trailing whitespace) is a Python list of calls.
 fn python_calls(text: &str) -> Option<Vec<ToolCall>> {
-    let mut p = PyParser {
-        s: text.trim_end().as_bytes(),
-        at: 0,
-    };
     if !text.starts_with('[') {
         return None;
     }
-    p.at = 1;
-    let mut calls = Vec::new();
+    let s = text.trim_end().as_bytes();
+    let (mut p, mut calls) = (PyParser { s, at: 1 }, Vec::new());
     p.items(b']', |p| p.call().map(|c| calls.push(c)))?;
     (p.at == p.s.len()).then_some(calls)
 }
@@ -373,9 +349,8 @@ impl PyParser<'_> {
         while matches!(self.peek(), Some(c) if c.is_ascii_digit() || b"+-.eE_".contains(&c)) {
             self.at += 1;
         }
-        let text = std::str::from_utf8(&self.s[start..self.at])
-            .ok()?
-            .replace('_', "");
+        let text = std::str::from_utf8(&self.s[start..self.at]).ok()?;
+        let text = text.replace('_', "");
         let text = text.strip_prefix('+').unwrap_or(&text);
         if let Ok(i) = text.parse::<i64>() {
             return Some(Json::from(i));

@@ -2,8 +2,6 @@
 //! `anthropic` SDK reads: a `message` object, or the `message_start` … `message_stop` event
 //! stream (as in `tests/fixtures/anthropic_sse/`).
 
-use std::sync::Arc;
-
 use axum::response::sse::Event as SseEvent;
 use axum::response::Response;
 
@@ -12,8 +10,8 @@ use serde_json::{json, Map, Value as Json};
 
 use super::error::LoopbackError;
 use super::service::ChatService;
-use super::turn::{Finish, TurnEvent, TurnOutput};
-use super::{bounded, invalid, random_id, required, str_field, Protocol};
+use super::turn::{Finish, TurnEvent, TurnOutput, TurnResult};
+use super::{bounded, invalid, random_id, At, Protocol};
 use crate::chat::{
     check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message, Part, Role, Tool,
     ToolCall,
@@ -26,7 +24,7 @@ pub struct MessagesRequest {
     pub max_tokens: i64,
     pub messages: Vec<Json>,
     pub system: Option<Json>,
-    pub tools: Option<Vec<ToolJson>>,
+    pub tools: Option<Vec<Tool>>,
     pub tool_choice: Option<ToolChoice>,
     pub stop_sequences: Option<Vec<String>>,
     pub temperature: Option<f64>,
@@ -50,42 +48,31 @@ pub struct MessagesRequest {
 }
 
 #[derive(Debug, Deserialize)]
-pub struct ToolJson {
-    pub name: String,
-    pub description: Option<String>,
-    pub input_schema: Json,
-}
-
-#[derive(Debug, Deserialize)]
 pub struct ToolChoice {
     #[serde(rename = "type")]
     pub kind: String,
 }
 
 /// The text of `system` or of a `tool_result`'s content: a string or text blocks.
-fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
-    let blocks = match value {
-        Json::String(s) => return Ok(s.clone()),
-        Json::Array(blocks) => blocks,
-        _ => {
-            return Err(invalid(
-                param,
-                "must be a string or an array of text blocks",
-            ))
-        }
-    };
+fn blocks_text(at: &At) -> Result<String, InvalidRequest> {
+    match at.value {
+        Some(Json::String(s)) => return Ok(s.clone()),
+        Some(Json::Array(_)) => {}
+        _ => return Err(at.refuse("must be a string or an array of text blocks")),
+    }
     let mut text = String::new();
-    for (j, b) in blocks.iter().enumerate() {
-        match (str_field(b, "type"), str_field(b, "text")) {
+    for block in at.items() {
+        let kind = block.key("type");
+        match (kind.str(), block.key("text").str()) {
             (Some("text"), Some(t)) => text.push_str(t),
             (Some(other), _) if other != "text" => {
                 let message =
                     format!("blocks of type `{other}` are not supported here: only `text`");
-                return Err(invalid(format!("{param}[{j}].type"), message));
+                return Err(kind.refuse(message));
             }
             _ => {
                 let message = "a text block needs `type: \"text\"` and a string `text`";
-                return Err(invalid(format!("{param}[{j}]"), message));
+                return Err(block.refuse(message));
             }
         }
     }
@@ -93,90 +80,82 @@ fn blocks_text(value: &Json, param: &str) -> Result<String, InvalidRequest> {
 }
 
 /// One Anthropic message as internal messages: tool results become `tool` messages.
-fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
-    let param = format!("messages[{i}]");
-    let role = match str_field(value, "role") {
+fn push_messages(m: &At, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
+    let at = m.key("role");
+    let role = match at.str() {
         Some("user") => Role::User,
         Some("assistant") => Role::Assistant,
         Some(other) => {
-            return Err(invalid(format!("{param}.role"), format!("unknown role `{other}`: expected user or assistant (the system prompt goes in `system`)")))
+            return Err(at.refuse(format!("unknown role `{other}`: expected user or assistant (the system prompt goes in `system`)")))
         }
-        None => return Err(invalid(format!("{param}.role"), "a message needs a string `role`")),
+        None => return Err(at.refuse("a message needs a string `role`")),
     };
-    let content = value
-        .get("content")
-        .ok_or_else(|| invalid(format!("{param}.content"), "a message needs content"))?;
-    let blocks = match content {
-        Json::String(s) => {
+    let content = m.key("content");
+    match content.value {
+        None => return Err(content.refuse("a message needs content")),
+        Some(Json::String(s)) => {
             out.push(Message::text(role, s.clone()));
             return Ok(());
         }
-        Json::Array(blocks) => blocks,
-        _ => {
+        Some(Json::Array(_)) => {}
+        Some(_) => {
             let message = "content must be a string or an array of content blocks";
-            return Err(invalid(format!("{param}.content"), message));
+            return Err(content.refuse(message));
         }
-    };
+    }
     // An assistant message's text, calls and thinking; a user message's text and images in order.
-    let mut assistant = Message {
-        content: None,
-        ..Message::text(role, "")
-    };
+    let mut assistant = Message::new(role);
     let mut parts = Vec::new();
-    for (j, b) in blocks.iter().enumerate() {
-        let p = format!("{param}.content[{j}]");
-        let kind =
-            str_field(b, "type").ok_or_else(|| invalid(&p, "a content block needs a `type`"))?;
-        match (kind, role) {
+    for b in content.items() {
+        let kind = b.key("type");
+        let name = kind
+            .str()
+            .ok_or_else(|| b.refuse("a content block needs a `type`"))?;
+        match (name, role) {
             ("text", _) => {
-                let t = required(b, &p, "text", "a text block needs a string `text`")?;
+                let t = b.string("text", "a text block needs a string `text`")?;
                 let text = assistant.content.get_or_insert_with(String::new);
-                text.push_str(t);
-                parts.push(Part::Text { text: t.into() });
+                text.push_str(&t);
+                parts.push(Part::Text { text: t });
             }
             ("image", Role::User) => parts.push(Part::Image {
-                image: image_block(b, &p)?,
+                image: image_block(&b)?,
             }),
             ("tool_use", Role::Assistant) => {
-                let id = required(b, &p, "id", "a tool_use block needs an `id`")?;
-                let name = required(b, &p, "name", "a tool_use block needs a `name`")?;
-                let arguments = match b.get("input") {
+                let id = b.string("id", "a tool_use block needs an `id`")?;
+                let name = b.string("name", "a tool_use block needs a `name`")?;
+                let input = b.key("input");
+                let arguments = match input.value {
                     None => Json::Object(Map::new()),
                     Some(input @ Json::Object(_)) => input.clone(),
-                    Some(_) => {
-                        let message = "tool_use input must be an object";
-                        return Err(invalid(format!("{p}.input"), message));
-                    }
+                    Some(_) => return Err(input.refuse("tool_use input must be an object")),
                 };
                 assistant.tool_calls.push(ToolCall {
-                    id: id.into(),
-                    name: name.into(),
+                    id,
+                    name,
                     arguments,
                 });
             }
             ("thinking", Role::Assistant) => {
-                assistant.reasoning_content = str_field(b, "thinking").map(str::to_string);
+                assistant.reasoning_content = b.key("thinking").str().map(str::to_string);
             }
             ("tool_result", Role::User) => {
                 let message = "a tool_result block needs the `tool_use_id` it answers";
-                let id = required(b, &p, "tool_use_id", message)?;
-                let content = match b.get("content") {
-                    None | Some(Json::Null) => String::new(),
-                    Some(c) => blocks_text(c, &format!("{p}.content"))?,
+                let id = b.string("tool_use_id", message)?;
+                let content = match b.key("content") {
+                    c if c.value.is_none_or(Json::is_null) => String::new(),
+                    c => blocks_text(&c)?,
                 };
                 out.push(Message {
-                    tool_call_id: Some(id.into()),
+                    tool_call_id: Some(id),
                     ..Message::text(Role::Tool, content)
                 });
             }
             (other, _) => {
-                return Err(invalid(
-                    format!("{p}.type"),
-                    format!(
-                        "content blocks of type `{other}` are not supported in {} messages",
-                        role.as_str()
-                    ),
-                ))
+                return Err(kind.refuse(format!(
+                    "content blocks of type `{other}` are not supported in {} messages",
+                    role.as_str()
+                )))
             }
         }
     }
@@ -189,30 +168,23 @@ fn push_messages(value: &Json, i: usize, out: &mut Vec<Message>) -> Result<(), I
 }
 
 /// An `image` block: `{"type": "image", "source": {"type": "base64", "media_type", "data"}}`.
-fn image_block(block: &Json, param: &str) -> Result<Image, InvalidRequest> {
-    let source = block
-        .get("source")
-        .ok_or_else(|| invalid(format!("{param}.source"), "an image block needs a `source`"))?;
-    let param = format!("{param}.source");
-    match str_field(source, "type") {
+fn image_block(block: &At) -> Result<Image, InvalidRequest> {
+    let source = block.key("source");
+    if source.value.is_none() {
+        return Err(source.refuse("an image block needs a `source`"));
+    }
+    let kind = source.key("type");
+    match kind.str() {
         Some("base64") => {}
-        Some("url") => {
-            return Err(invalid(
-                format!("{param}.type"),
-                "images by URL are not fetched: send the image inline as `source: {type: \"base64\", media_type, data}` (docs/vision.md)",
-            ))
-        }
-        _ => {
-            let message = "an image source needs `type: \"base64\"`";
-            return Err(invalid(format!("{param}.type"), message));
-        }
+        Some("url") => return Err(kind.refuse("images by URL are not fetched: send the image inline as `source: {type: \"base64\", media_type, data}` (docs/vision.md)")),
+        _ => return Err(kind.refuse("an image source needs `type: \"base64\"`")),
     }
     let field = |name| {
         let message = format!("a base64 image source needs a string `{name}`");
-        required(source, &param, name, &message)
+        source.string(name, &message)
     };
     let (media_type, data) = (field("media_type")?, field("data")?);
-    Image::from_base64(media_type, data).map_err(|e| invalid(&param, e.to_string()))
+    Image::from_base64(&media_type, &data).map_err(|e| source.refuse(e.to_string()))
 }
 
 impl MessagesRequest {
@@ -223,21 +195,12 @@ impl MessagesRequest {
         let max_tokens = bounded("max_tokens", self.max_tokens, 1, None)?;
         let mut messages = Vec::new();
         if let Some(system) = &self.system {
-            messages.push(Message::text(Role::System, blocks_text(system, "system")?));
+            let system = blocks_text(&At::new(system, "system".into()))?;
+            messages.push(Message::text(Role::System, system));
         }
         for (i, m) in self.messages.iter().enumerate() {
-            push_messages(m, i, &mut messages)?;
+            push_messages(&At::new(m, format!("messages[{i}]")), &mut messages)?;
         }
-        let tools = self
-            .tools
-            .unwrap_or_default()
-            .into_iter()
-            .map(|t| Tool {
-                name: t.name,
-                description: t.description,
-                parameters: t.input_schema,
-            })
-            .collect();
         let parse_tool_calls = match self.tool_choice.as_ref().map(|c| c.kind.as_str()) {
             None | Some("auto") => true,
             Some("none") => false,
@@ -254,7 +217,7 @@ impl MessagesRequest {
         }
         let mut template_kwargs = Map::new();
         if let Some(thinking) = &self.thinking {
-            let enabled = match str_field(thinking, "type") {
+            let enabled = match thinking["type"].as_str() {
                 Some("enabled") | Some("adaptive") => true,
                 Some("disabled") => false,
                 _ => {
@@ -264,16 +227,12 @@ impl MessagesRequest {
             };
             template_kwargs.insert("enable_thinking".into(), Json::Bool(enabled));
         }
-        if self
-            .output_config
-            .as_ref()
-            .is_some_and(|c| c.get("format").is_some_and(|f| !f.is_null()))
-        {
+        if !self.output_config.unwrap_or_default()["format"].is_null() {
             return Err(invalid("output_config.format", "structured output needs constrained decoding, which the loopback server does not do"));
         }
         Ok(ChatRequest {
             messages,
-            tools,
+            tools: self.tools.unwrap_or_default(),
             parse_tool_calls,
             sampling: ChatSampling {
                 max_tokens: Some(max_tokens),
@@ -314,16 +273,12 @@ fn event(data: Json) -> SseEvent {
 
 impl Protocol for Answer {
     type Request = MessagesRequest;
-    const NAME: &'static str = "anthropic";
     const CALL_ID: &'static str = "toolu_";
 
     fn read(req: MessagesRequest) -> Result<(ChatRequest, bool, Self), InvalidRequest> {
-        let stream = req.stream.unwrap_or(false);
-        let answer = Self {
-            id: format!("msg_{}", random_id()),
-            text_open: false,
-        };
-        Ok((req.into_chat()?, stream, answer))
+        let (stream, id) = (req.stream.unwrap_or(false), format!("msg_{}", random_id()));
+        let text_open = false;
+        Ok((req.into_chat()?, stream, Self { id, text_open }))
     }
 
     fn error(e: &LoopbackError) -> Response {
@@ -332,29 +287,18 @@ impl Protocol for Answer {
 
     fn answer(&self, service: &ChatService, out: &TurnOutput) -> Json {
         let c = &out.choices[0];
-        let mut content = Vec::new();
-        if let Some(text) = c.content.as_deref().filter(|t| !t.is_empty()) {
-            content.push(json!({"type": "text", "text": text}));
-        }
-        for call in &c.tool_calls {
-            content.push(
-                json!({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}),
-            );
-        }
+        let text = c.content.as_deref().filter(|t| !t.is_empty());
+        let text = text.map(|text| json!({"type": "text", "text": text}));
+        let call = |c: &ToolCall| json!({"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments});
+        let calls = c.tool_calls.iter().map(call);
+        let mut content: Vec<Json> = text.into_iter().chain(calls).collect();
         if content.is_empty() {
             content.push(json!({"type": "text", "text": ""}));
         }
         let (reason, sequence) = stop_reason(&c.finish);
-        json!({
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": service.model_name(),
-            "content": content,
-            "stop_reason": reason,
-            "stop_sequence": sequence,
-            "usage": {"input_tokens": out.prompt_tokens, "output_tokens": c.completion_tokens},
-        })
+        json!({"id": self.id, "type": "message", "role": "assistant", "model": service.model_name(),
+               "content": content, "stop_reason": reason, "stop_sequence": sequence,
+               "usage": {"input_tokens": out.prompt_tokens, "output_tokens": c.completion_tokens}})
     }
 
     fn open(&mut self, service: &ChatService) -> Vec<SseEvent> {
@@ -377,11 +321,7 @@ impl Protocol for Answer {
         frames
     }
 
-    fn close(
-        &mut self,
-        _: &ChatService,
-        out: Result<Arc<TurnOutput>, LoopbackError>,
-    ) -> Vec<SseEvent> {
+    fn close(&mut self, _: &ChatService, out: TurnResult) -> Vec<SseEvent> {
         let answer = match out {
             Ok(a) => a,
             Err(e) => {

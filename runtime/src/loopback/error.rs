@@ -25,7 +25,7 @@ pub enum LoopbackError {
     #[error("this session has reached its limit of {0} recorded tokens")]
     TokenLimit(usize),
     #[error("the chat template cannot render this conversation: {0}")]
-    Template(#[source] TemplateError),
+    Template(#[from] TemplateError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error(transparent)]
@@ -40,25 +40,25 @@ pub enum LoopbackError {
 impl LoopbackError {
     pub fn status(&self) -> StatusCode {
         match self {
-            LoopbackError::Invalid(_) | LoopbackError::Template(_) => StatusCode::BAD_REQUEST,
-            LoopbackError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-            LoopbackError::NotFound(_) => StatusCode::NOT_FOUND,
-            LoopbackError::TooManySessions(_)
-            | LoopbackError::TurnLimit(_)
-            | LoopbackError::TokenLimit(_) => StatusCode::TOO_MANY_REQUESTS,
-            LoopbackError::Tokenizer(_)
-            | LoopbackError::ClientGone
-            | LoopbackError::Panicked(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            LoopbackError::Engine(EngineError::Refused { status, .. }) => {
+            Self::Invalid(_) | Self::Template(_) => StatusCode::BAD_REQUEST,
+            Self::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::TooManySessions(_) | Self::TurnLimit(_) | Self::TokenLimit(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            Self::Tokenizer(_) | Self::ClientGone | Self::Panicked(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
+            Self::Engine(EngineError::Refused { status, .. }) => {
                 StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
             }
-            LoopbackError::Engine(_) => StatusCode::BAD_GATEWAY,
+            Self::Engine(_) => StatusCode::BAD_GATEWAY,
         }
     }
 
     pub fn param(&self) -> Option<&str> {
         match self {
-            LoopbackError::Invalid(e) => e.param.as_deref(),
+            Self::Invalid(e) => e.param.as_deref(),
             _ => None,
         }
     }
@@ -73,12 +73,9 @@ impl LoopbackError {
             503 => "service_unavailable",
             _ => "server_error",
         };
-        let body = json!({"error": {
-            "message": self.to_string(),
-            "type": kind,
-            "param": self.param(),
-            "code": null,
-        }});
+        let (message, param) = (self.to_string(), self.param());
+        let body =
+            json!({"error": {"message": message, "type": kind, "param": param, "code": null}});
         (status, Json(body)).into_response()
     }
 
@@ -93,10 +90,9 @@ impl LoopbackError {
             503 | 529 => "overloaded_error",
             _ => "api_error",
         };
-        let message = match self.param() {
-            Some(p) => format!("{p}: {self}"),
-            None => self.to_string(),
-        };
+        let message = self
+            .param()
+            .map_or(self.to_string(), |p| format!("{p}: {self}"));
         let body = json!({"type": "error", "error": {"type": kind, "message": message}});
         (status, Json(body)).into_response()
     }

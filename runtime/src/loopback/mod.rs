@@ -26,10 +26,9 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use futures::Stream;
+use futures::{stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde_json::json;
-use tokio::sync::mpsc;
 
 pub use crate::engine::client::EngineClient;
 pub use error::LoopbackError;
@@ -39,7 +38,9 @@ pub use service::{
 pub use session::{Segment, SegmentImage, Session};
 
 use crate::chat::{ChatRequest, InvalidRequest};
-use turn::{TurnEvent, TurnOutput};
+use anthropic::Answer as Anthropic;
+use openai::Answer as OpenAi;
+use turn::{TurnEvent, TurnOutput, TurnResult};
 
 /// Request bodies larger than this are refused with 413: long agent conversations are a few MB
 /// at most, and the server must not buffer unbounded input.
@@ -63,19 +64,14 @@ fn parse<T: DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     max_body: usize,
 ) -> Result<T, LoopbackError> {
-    let body = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            LoopbackError::TooLarge(max_body)
-        } else {
-            InvalidRequest::body(e.body_text()).into()
-        }
+    let body = body.map_err(|e| match e.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => LoopbackError::TooLarge(max_body),
+        _ => InvalidRequest::body(e.body_text()).into(),
     })?;
-    if let Err(e) = std::str::from_utf8(&body) {
+    std::str::from_utf8(&body).map_err(|e| {
         let at = e.valid_up_to();
-        return Err(
-            InvalidRequest::body(format!("the body is not valid UTF-8 (at byte {at})")).into(),
-        );
-    }
+        InvalidRequest::body(format!("the body is not valid UTF-8 (at byte {at})"))
+    })?;
     let value: serde_json::Value = serde_json::from_slice(&body)
         .map_err(|e| InvalidRequest::body(format!("the body is not valid JSON: {e}")))?;
     if !value.is_object() {
@@ -90,19 +86,49 @@ fn parse<T: DeserializeOwned>(
     })
 }
 
-/// A field of a JSON object, if it is a string.
-fn str_field<'a>(value: &'a serde_json::Value, key: &str) -> Option<&'a str> {
-    value.get(key).and_then(serde_json::Value::as_str)
+/// A value of a request body and its path (`messages[2].content`): the adapters walk the body
+/// with it, so every refusal names the field it refuses.
+#[derive(Debug, Clone)]
+struct At<'a> {
+    /// `None`: the field is absent.
+    value: Option<&'a serde_json::Value>,
+    path: String,
 }
 
-/// The string field `key` of `value`, or a refusal naming `{param}.{key}` with `message`.
-fn required<'a>(
-    value: &'a serde_json::Value,
-    param: &str,
-    key: &str,
-    message: &str,
-) -> Result<&'a str, InvalidRequest> {
-    str_field(value, key).ok_or_else(|| invalid(format!("{param}.{key}"), message))
+impl<'a> At<'a> {
+    fn new(value: &'a serde_json::Value, path: String) -> Self {
+        let value = Some(value);
+        Self { value, path }
+    }
+
+    /// Field `key` of this object.
+    fn key(&self, key: &str) -> Self {
+        let value = self.value.and_then(|v| v.get(key));
+        let path = format!("{}.{key}", self.path);
+        Self { value, path }
+    }
+
+    /// The items of this array (none if it is not one).
+    fn items(&self) -> impl Iterator<Item = At<'a>> + '_ {
+        let items = self.value.and_then(serde_json::Value::as_array);
+        let items = items.into_iter().flatten().enumerate();
+        items.map(|(i, v)| At::new(v, format!("{}[{i}]", self.path)))
+    }
+
+    fn str(&self) -> Option<&'a str> {
+        self.value.and_then(serde_json::Value::as_str)
+    }
+
+    /// The string field `key` of this object, or a refusal of it with `message`.
+    fn string(&self, key: &str, message: &str) -> Result<String, InvalidRequest> {
+        let at = self.key(key);
+        let string = at.str().map(str::to_string);
+        string.ok_or_else(|| at.refuse(message))
+    }
+
+    fn refuse(&self, message: impl Into<String>) -> InvalidRequest {
+        InvalidRequest::new(&self.path, message)
+    }
 }
 
 /// `value` of `param` as a count, if it is at least `min` (and at most `max`).
@@ -125,29 +151,11 @@ fn invalid(param: impl Into<String>, message: impl Into<String>) -> InvalidReque
     InvalidRequest::new(param, message)
 }
 
-/// A stream fed by a task through a bounded channel: the task ends (and drops what it holds,
-/// the turn's event receiver included) as soon as the client stops reading.
-fn async_stream<F, Fut>(f: F) -> impl Stream<Item = Result<SseEvent, std::convert::Infallible>>
-where
-    F: FnOnce(mpsc::Sender<SseEvent>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    // One frame in flight is enough: the producer waits for the client either way.
-    let (tx, rx) = mpsc::channel(1);
-    let task = tokio::spawn(f(tx));
-    // The producer ends when the client's stream is dropped.
-    let guard = crate::AbortOnDrop(task);
-    futures::stream::unfold((rx, guard), |(mut rx, guard)| async move {
-        rx.recv().await.map(|ev| (Ok(ev), (rx, guard)))
-    })
-}
-
 /// What differs between the protocols when they answer a turn; [`respond`] does the rest.
 trait Protocol: Sized + Send + 'static {
     type Request: DeserializeOwned;
-    /// The answer's shape, for the retry cache.
-    const NAME: &'static str;
-    /// How tool-call ids start (`call_`, `toolu_`).
+    /// How tool-call ids start (`call_`, `toolu_`); also tells the protocols' answers apart in
+    /// the retry cache.
     const CALL_ID: &'static str;
     /// The internal request, whether the answer streams, and the answer's own state.
     fn read(req: Self::Request) -> Result<(ChatRequest, bool, Self), InvalidRequest>;
@@ -160,11 +168,7 @@ trait Protocol: Sized + Send + 'static {
     /// The frames of a piece of content.
     fn content(&mut self, service: &ChatService, ev: TurnEvent) -> Vec<SseEvent>;
     /// The last frames, once the turn finished or failed.
-    fn close(
-        &mut self,
-        service: &ChatService,
-        out: Result<Arc<TurnOutput>, LoopbackError>,
-    ) -> Vec<SseEvent>;
+    fn close(&mut self, service: &ChatService, out: TurnResult) -> Vec<SseEvent>;
 }
 
 /// `POST` of a chat request in protocol `P`: runs the turn, and answers it whole or streams it.
@@ -174,41 +178,34 @@ async fn respond<P: Protocol>(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let read = parse::<P::Request>(body, state.max_body).and_then(|r| Ok(P::read(r)?));
-    let (chat, stream, mut answer) = match read {
+    let (chat, streams, mut answer) = match read {
         Ok(read) => read,
         Err(e) => return P::error(&e),
     };
     let service = state.service;
-    if !stream {
-        return match service
-            .turn(&session, P::NAME, P::CALL_ID, chat, None)
-            .await
-        {
+    if !streams {
+        return match service.turn(&session, P::CALL_ID, chat, None).await {
             Ok(out) => Json(answer.answer(&service, &out)).into_response(),
             Err(e) => P::error(&e),
         };
     }
-    let (mut rx, turn) = service.spawn_turn(session, P::NAME, P::CALL_ID, chat);
-    let frames = async_stream(move |tx| async move {
-        let mut frames = answer.open(&service);
-        loop {
-            for frame in frames {
-                if tx.send(frame).await.is_err() {
-                    return;
-                }
-            }
-            frames = match rx.recv().await {
+    let (rx, turn) = service.spawn_turn(session, P::CALL_ID, chat);
+    let opening = stream::iter(answer.open(&service));
+    // The content as it comes, then the last frames. A client that goes away drops this stream
+    // and the turn's event receiver with it, which cancels the turn.
+    let state = (rx, Some(turn), answer, service);
+    let rest = stream::unfold(
+        state,
+        |(mut rx, mut turn, mut answer, service)| async move {
+            let frames = match rx.recv().await {
                 Some(ev) => answer.content(&service, ev),
-                None => break,
+                None => answer.close(&service, turn.take()?.await),
             };
-        }
-        for frame in answer.close(&service, turn.await) {
-            if tx.send(frame).await.is_err() {
-                return;
-            }
-        }
-    });
-    Sse::new(frames).into_response()
+            Some((stream::iter(frames), (rx, turn, answer, service)))
+        },
+    );
+    let frames = opening.chain(rest.flatten());
+    Sse::new(frames.map(Ok::<_, std::convert::Infallible>)).into_response()
 }
 
 async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {
@@ -232,25 +229,17 @@ async fn delete_session(State(state): State<AppState>, Path(session): Path<Strin
 }
 
 async fn not_found(uri: axum::http::Uri) -> Response {
-    LoopbackError::NotFound(format!(
-        "no route {uri}: agents use /s/{{session}}/v1/chat/completions (OpenAI) or /s/{{session}}/v1/messages (Anthropic)"
-    ))
-    .openai()
+    let message = format!("no route {uri}: agents use /s/{{session}}/v1/chat/completions (OpenAI) or /s/{{session}}/v1/messages (Anthropic)");
+    LoopbackError::NotFound(message).openai()
 }
 
-/// The loopback server's routes.
+/// The loopback server's routes, served with [`crate::serve::serve`].
 pub fn router(service: Arc<ChatService>, max_body: usize) -> Router {
     let state = AppState { service, max_body };
     Router::new()
-        .route(
-            "/s/{session}/v1/chat/completions",
-            post(respond::<openai::Answer>),
-        )
+        .route("/s/{session}/v1/chat/completions", post(respond::<OpenAi>))
         .route("/s/{session}/v1/models", get(models))
-        .route(
-            "/s/{session}/v1/messages",
-            post(respond::<anthropic::Answer>),
-        )
+        .route("/s/{session}/v1/messages", post(respond::<Anthropic>))
         .route("/s/{session}/trajectory", get(trajectory))
         .route("/s/{session}", axum::routing::delete(delete_session))
         .route("/v1/models", get(models))
@@ -258,14 +247,4 @@ pub fn router(service: Arc<ChatService>, max_body: usize) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
-}
-
-/// Serves on `listener` until `shutdown` resolves.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    service: Arc<ChatService>,
-    max_body: usize,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    crate::serve::serve(listener, router(service, max_body), shutdown).await
 }

@@ -2,7 +2,6 @@
 //! `openai` SDK reads: `chat.completion`, and `chat.completion.chunk` SSE frames ending in
 //! `data: [DONE]`.
 
-use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::response::sse::Event as SseEvent;
@@ -13,8 +12,8 @@ use serde_json::{json, Map, Value as Json};
 
 use super::error::LoopbackError;
 use super::service::ChatService;
-use super::turn::{ChoiceOutput, Finish, TurnEvent, TurnOutput};
-use super::{bounded, invalid, random_id, required, str_field, Protocol};
+use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput, TurnResult};
+use super::{bounded, invalid, random_id, At, Protocol};
 use crate::chat::{
     arguments_object, check_sampling, ChatRequest, ChatSampling, Image, InvalidRequest, Message,
     Part, Role, Tool, ToolCall,
@@ -74,121 +73,100 @@ pub struct FunctionJson {
 
 /// A message of `role` with `content`: a string, null, or an array of `{"type": "text", "text"}`
 /// parts and, in user messages, `{"type": "image_url", "image_url": {"url": "data:..."}}` parts.
-fn with_content(role: Role, content: &Json, param: &str) -> Result<Message, InvalidRequest> {
-    let items = match content {
-        Json::Null => {
-            let text = Message::text(role, "");
-            return Ok(Message {
-                content: None,
-                ..text
-            });
-        }
-        Json::String(s) => return Ok(Message::text(role, s.clone())),
-        Json::Array(items) => items,
+fn with_content(role: Role, content: &At) -> Result<Message, InvalidRequest> {
+    match content.value {
+        None | Some(Json::Null) => return Ok(Message::new(role)),
+        Some(Json::String(s)) => return Ok(Message::text(role, s.clone())),
+        Some(Json::Array(_)) => {}
         _ => {
             let message = "content must be a string, an array of content parts, or null";
-            return Err(invalid(param, message));
+            return Err(content.refuse(message));
         }
-    };
-    let mut parts = Vec::with_capacity(items.len());
-    for (j, part) in items.iter().enumerate() {
-        let p = format!("{param}[{j}]");
-        parts.push(match str_field(part, "type") {
-            Some("text") => {
-                let text = required(part, &p, "text", "a text part needs a string `text`")?;
-                Part::Text { text: text.into() }
-            }
+    }
+    let parts = content.items().map(|part| {
+        let kind = part.key("type");
+        Ok(match kind.str() {
+            Some("text") => Part::Text {
+                text: part.string("text", "a text part needs a string `text`")?,
+            },
             Some("image_url") if role == Role::User => Part::Image {
-                image: image_url(part, &format!("{p}.image_url"))?,
+                image: image_url(&part.key("image_url"))?,
             },
             Some("image_url") => {
-                let message = "images are accepted in user messages only";
-                return Err(invalid(format!("{p}.type"), message));
+                return Err(kind.refuse("images are accepted in user messages only"));
             }
             Some(other) => {
-                return Err(invalid(
-                    format!("{p}.type"),
-                    format!(
-                        "content parts of type `{other}` are not supported: only `text` and `image_url`"
-                    ),
-                ))
+                return Err(kind.refuse(format!(
+                    "content parts of type `{other}` are not supported: only `text` and `image_url`"
+                )))
             }
             None => {
-                let message = "a content part needs a `type` (`text` or `image_url`)";
-                return Err(invalid(&p, message));
+                return Err(part.refuse("a content part needs a `type` (`text` or `image_url`)"))
             }
-        });
-    }
-    Ok(Message::with_parts(role, parts))
+        })
+    });
+    Ok(Message::with_parts(role, parts.collect::<Result<_, _>>()?))
 }
 
-/// The image of an `image_url` part: `{"url": "data:..."}` or the URL itself.
-fn image_url(part: &Json, p: &str) -> Result<Image, InvalidRequest> {
-    let url = match part.get("image_url") {
-        Some(Json::String(url)) => url.as_str(),
-        Some(obj) => required(obj, p, "url", "an image_url part needs a string `url`")?,
-        None => return Err(invalid(p, "an image_url part needs `image_url: {url}`")),
+/// The image of an `image_url` part's `image_url`: `{"url": "data:..."}` or the URL itself.
+fn image_url(at: &At) -> Result<Image, InvalidRequest> {
+    let data_url = match at.value {
+        Some(Json::String(s)) => s.clone(),
+        Some(_) => at.string("url", "an image_url part needs a string `url`")?,
+        None => return Err(at.refuse("an image_url part needs `image_url: {url}`")),
     };
-    Image::from_data_url(url).map_err(|e| invalid(format!("{p}.url"), e.to_string()))
+    Image::from_data_url(&data_url).map_err(|e| at.key("url").refuse(e.to_string()))
 }
 
-fn message(value: &Json, i: usize) -> Result<Message, InvalidRequest> {
-    let param = format!("messages[{i}]");
-    if !value.is_object() {
-        return Err(invalid(&param, "each message must be an object"));
+fn message(m: &At) -> Result<Message, InvalidRequest> {
+    if !m.value.is_some_and(Json::is_object) {
+        return Err(m.refuse("each message must be an object"));
     }
-    let role = match str_field(value, "role") {
+    let at = m.key("role");
+    let role = match at.str() {
         Some("system") | Some("developer") => Role::System,
         Some("user") => Role::User,
         Some("assistant") => Role::Assistant,
         Some("tool") => Role::Tool,
         Some(other) => {
-            return Err(invalid(
-                format!("{param}.role"),
-                format!(
-                    "unknown role `{other}`: expected system, developer, user, assistant or tool"
-                ),
-            ))
+            return Err(at.refuse(format!(
+                "unknown role `{other}`: expected system, developer, user, assistant or tool"
+            )))
         }
-        None => {
-            let message = "a message needs a string `role`";
-            return Err(invalid(format!("{param}.role"), message));
-        }
+        None => return Err(at.refuse("a message needs a string `role`")),
     };
-    let content = value.get("content").unwrap_or(&Json::Null);
-    let mut message = with_content(role, content, &format!("{param}.content"))?;
-    if let Some(calls) = value.get("tool_calls").filter(|v| !v.is_null()) {
-        let p = format!("{param}.tool_calls");
-        if role != Role::Assistant {
-            return Err(invalid(p, "only assistant messages carry tool_calls"));
+    let content = m.key("content");
+    let mut message = with_content(role, &content)?;
+    let calls = m.key("tool_calls");
+    match calls.value {
+        None | Some(Json::Null) => {}
+        Some(_) if role != Role::Assistant => {
+            return Err(calls.refuse("only assistant messages carry tool_calls"))
         }
-        let calls = calls
-            .as_array()
-            .ok_or_else(|| invalid(&p, "tool_calls must be an array"))?;
-        for (j, call) in calls.iter().enumerate() {
-            let p = format!("{p}[{j}]");
-            let function = call
-                .get("function")
-                .ok_or_else(|| invalid(&p, "a tool call needs a `function`"))?;
-            let p = format!("{p}.function");
-            message.tool_calls.push(ToolCall {
-                id: str_field(call, "id").unwrap_or_default().to_string(),
-                name: required(function, &p, "name", "a tool call needs a string name")?.into(),
-                arguments: arguments_object(&format!("{p}.arguments"), function.get("arguments"))?,
-            });
+        Some(Json::Array(_)) => {}
+        Some(_) => return Err(calls.refuse("tool_calls must be an array")),
+    }
+    for call in calls.items() {
+        let function = call.key("function");
+        if function.value.is_none() {
+            return Err(call.refuse("a tool call needs a `function`"));
         }
+        let arguments = function.key("arguments");
+        message.tool_calls.push(ToolCall {
+            id: call.key("id").str().unwrap_or_default().to_string(),
+            name: function.string("name", "a tool call needs a string name")?,
+            arguments: arguments_object(&arguments.path, arguments.value)?,
+        });
     }
     if message.content.is_none() && message.tool_calls.is_empty() && role != Role::Assistant {
-        return Err(invalid(
-            format!("{param}.content"),
-            format!("a {} message needs content", role.as_str()),
-        ));
+        let message = format!("a {} message needs content", role.as_str());
+        return Err(content.refuse(message));
     }
-    let field = |key| str_field(value, key).map(str::to_string);
+    let field = |key| m.key(key).str().map(str::to_string);
     message.tool_call_id = field("tool_call_id");
     if role == Role::Tool && message.tool_call_id.is_none() {
         let message = "a tool message needs the tool_call_id it answers";
-        return Err(invalid(format!("{param}.tool_call_id"), message));
+        return Err(m.key("tool_call_id").refuse(message));
     }
     message.name = field("name");
     message.reasoning_content = field("reasoning_content");
@@ -200,29 +178,24 @@ impl CompletionRequest {
         if self.messages.is_empty() {
             return Err(invalid("messages", "messages must not be empty"));
         }
-        let messages = self
-            .messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| message(m, i))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut tools = Vec::new();
-        for (i, t) in self.tools.unwrap_or_default().into_iter().enumerate() {
-            if t.kind != "function" {
-                return Err(invalid(
-                    format!("tools[{i}].type"),
-                    format!("tool type `{}` is not supported: only `function`", t.kind),
-                ));
-            }
-            tools.push(Tool {
-                name: t.function.name,
-                description: t.function.description,
-                parameters: t
-                    .function
+        let messages = self.messages.iter().enumerate();
+        let messages = messages.map(|(i, m)| message(&At::new(m, format!("messages[{i}]"))));
+        let messages = messages.collect::<Result<Vec<_>, _>>()?;
+        let tools = self.tools.unwrap_or_default().into_iter().enumerate();
+        let tools = tools.map(|(i, ToolJson { kind, function: f })| match kind.as_str() {
+            "function" => Ok(Tool {
+                name: f.name,
+                description: f.description,
+                parameters: f
                     .parameters
-                    .unwrap_or_else(|| json!({"type": "object", "properties": {}})),
-            });
-        }
+                    .unwrap_or(json!({"type": "object", "properties": {}})),
+            }),
+            _ => Err(invalid(
+                format!("tools[{i}].type"),
+                format!("tool type `{kind}` is not supported: only `function`"),
+            )),
+        });
+        let tools = tools.collect::<Result<_, _>>()?;
         let parse_tool_calls = match &self.tool_choice {
             None => true,
             Some(Json::String(s)) if s == "auto" => true,
@@ -246,16 +219,12 @@ impl CompletionRequest {
         let stop = match self.stop {
             None | Some(Json::Null) => Vec::new(),
             Some(Json::String(s)) => vec![s],
-            Some(Json::Array(items)) => items
-                .into_iter()
-                .map(|v| match v {
-                    Json::String(s) if !s.is_empty() => Ok(s),
-                    _ => Err(invalid(
-                        "stop",
-                        "stop must be a non-empty string or an array of them",
-                    )),
-                })
-                .collect::<Result<_, _>>()?,
+            Some(Json::Array(items)) => {
+                let message = "stop must be a non-empty string or an array of them";
+                let item = |v: Json| v.as_str().filter(|s| !s.is_empty()).map(str::to_string);
+                let stop = items.into_iter().map(item).collect::<Option<_>>();
+                stop.ok_or_else(|| invalid("stop", message))?
+            }
             Some(_) => {
                 return Err(invalid(
                     "stop",
@@ -305,38 +274,22 @@ fn finish_reason(f: &Finish) -> &'static str {
     }
 }
 
+/// The calls as OpenAI answers them: arguments as a JSON string, and in a stream with `index`.
 fn tool_calls_json(calls: &[ToolCall], streaming: bool) -> Json {
-    Json::Array(
-        calls
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut v = json!({
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments.to_string()},
-                });
-                if streaming {
-                    v["index"] = json!(i);
-                }
-                v
-            })
-            .collect(),
-    )
+    let call = |(i, c): (usize, &ToolCall)| {
+        let mut v = c.to_openai(c.arguments.to_string().into());
+        if streaming {
+            v["index"] = json!(i);
+        }
+        v
+    };
+    calls.iter().enumerate().map(call).collect()
 }
 
 fn usage(out: &TurnOutput) -> Json {
     let completion: usize = out.choices.iter().map(|c| c.completion_tokens).sum();
-    json!({
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": out.prompt_tokens + completion,
-    })
-}
-
-/// The `choices` of a `chat.completion.chunk` with one choice's piece.
-fn delta(index: usize, delta: Json, logprobs: Json, finish_reason: Option<&str>) -> Json {
-    json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+    json!({"prompt_tokens": out.prompt_tokens, "completion_tokens": completion,
+           "total_tokens": out.prompt_tokens + completion})
 }
 
 /// An OpenAI answer: a `chat.completion`, or its `chat.completion.chunk` frames (a role chunk
@@ -358,25 +311,35 @@ impl Answer {
                "model": service.model_name(), "choices": choices})
     }
 
+    /// The frame of a chunk with one choice's piece.
+    fn delta(
+        &self,
+        service: &ChatService,
+        index: usize,
+        delta: Json,
+        last: Option<&ChoiceOutput>,
+    ) -> SseEvent {
+        let logprobs = last.map_or(Json::Null, |c| self.logprobs(service, c));
+        let finish = last.map(|c| finish_reason(&c.finish));
+        let choice =
+            json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish});
+        frame(self.chunk(service, json!([choice])))
+    }
+
     fn logprobs(&self, service: &ChatService, choice: &ChoiceOutput) -> Json {
         if !self.logprobs {
             return Json::Null;
         }
-        let token = |id: i64| service.tokenizer().decode(&[id], false).unwrap_or_default();
         let entry = |id: i64, logprob: f32| {
-            let text = token(id);
+            let text = service.tokenizer().decode(&[id], false).unwrap_or_default();
             json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
         };
-        let content: Vec<Json> = choice
-            .tokens
-            .iter()
-            .map(|t| {
-                let mut v = entry(t.id, t.logprob);
-                v["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
-                v
-            })
-            .collect();
-        json!({ "content": content })
+        let token = |t: &TokenInfo| {
+            let mut v = entry(t.id, t.logprob);
+            v["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+            v
+        };
+        json!({ "content": choice.tokens.iter().map(token).collect::<Json>() })
     }
 }
 
@@ -386,7 +349,6 @@ fn frame(body: Json) -> SseEvent {
 
 impl Protocol for Answer {
     type Request = CompletionRequest;
-    const NAME: &'static str = "openai";
     const CALL_ID: &'static str = "call_";
 
     fn read(req: CompletionRequest) -> Result<(ChatRequest, bool, Self), InvalidRequest> {
@@ -394,11 +356,10 @@ impl Protocol for Answer {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage);
         let logprobs = req.logprobs.unwrap_or(false);
         let chat = req.into_chat()?;
+        let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH);
         let answer = Self {
             id: format!("chatcmpl-{}", random_id()),
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            created: since_epoch.map_or(0, |d| d.as_secs()),
             n: chat.n,
             logprobs,
             include_usage: include_usage.unwrap_or(false),
@@ -411,52 +372,30 @@ impl Protocol for Answer {
     }
 
     fn answer(&self, service: &ChatService, out: &TurnOutput) -> Json {
-        let choices: Vec<Json> = out
-            .choices
-            .iter()
-            .enumerate()
-            .map(|(i, c)| {
-                let mut message = json!({"role": "assistant", "content": c.content});
-                if !c.tool_calls.is_empty() {
-                    message["tool_calls"] = tool_calls_json(&c.tool_calls, false);
-                }
-                json!({
-                    "index": i,
-                    "message": message,
-                    "logprobs": self.logprobs(service, c),
-                    "finish_reason": finish_reason(&c.finish),
-                })
-            })
-            .collect();
-        json!({
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": service.model_name(),
-            "choices": choices,
-            "usage": usage(out),
-        })
+        let choice = |(i, c): (usize, &ChoiceOutput)| {
+            let mut message = json!({"role": "assistant", "content": c.content});
+            if !c.tool_calls.is_empty() {
+                message["tool_calls"] = tool_calls_json(&c.tool_calls, false);
+            }
+            let (logprobs, finish) = (self.logprobs(service, c), finish_reason(&c.finish));
+            json!({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        };
+        let choices: Json = out.choices.iter().enumerate().map(choice).collect();
+        json!({"id": self.id, "object": "chat.completion", "created": self.created,
+               "model": service.model_name(), "choices": choices, "usage": usage(out)})
     }
 
     fn open(&mut self, service: &ChatService) -> Vec<SseEvent> {
         let role = json!({"role": "assistant", "content": ""});
-        (0..self.n)
-            .map(|i| frame(self.chunk(service, delta(i, role.clone(), Json::Null, None))))
-            .collect()
+        let role = |i| self.delta(service, i, role.clone(), None);
+        (0..self.n).map(role).collect()
     }
 
     fn content(&mut self, service: &ChatService, ev: TurnEvent) -> Vec<SseEvent> {
-        let content = json!({"content": ev.text});
-        vec![frame(
-            self.chunk(service, delta(ev.choice, content, Json::Null, None)),
-        )]
+        vec![self.delta(service, ev.choice, json!({"content": ev.text}), None)]
     }
 
-    fn close(
-        &mut self,
-        service: &ChatService,
-        out: Result<Arc<TurnOutput>, LoopbackError>,
-    ) -> Vec<SseEvent> {
+    fn close(&mut self, service: &ChatService, out: TurnResult) -> Vec<SseEvent> {
         let out = match out {
             Ok(out) => out,
             Err(e) => {
@@ -469,13 +408,9 @@ impl Protocol for Answer {
         for (i, c) in out.choices.iter().enumerate() {
             if !c.tool_calls.is_empty() {
                 let calls = json!({"tool_calls": tool_calls_json(&c.tool_calls, true)});
-                frames.push(frame(
-                    self.chunk(service, delta(i, calls, Json::Null, None)),
-                ));
+                frames.push(self.delta(service, i, calls, None));
             }
-            let (logprobs, finish) = (self.logprobs(service, c), finish_reason(&c.finish));
-            let last = delta(i, json!({}), logprobs, Some(finish));
-            frames.push(frame(self.chunk(service, last)));
+            frames.push(self.delta(service, i, json!({}), Some(c)));
         }
         if self.include_usage {
             let mut last = self.chunk(service, json!([]));

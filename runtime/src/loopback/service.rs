@@ -9,21 +9,22 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use futures::{FutureExt, StreamExt};
 use tokio::sync::mpsc;
 
 use super::error::LoopbackError;
-use super::session::{Sampled, Segment, SegmentImage, Session};
+use super::session::{Encoded, Sampled, Segment, SegmentImage, Session};
 use super::text_stream::{Streamed, TextStream};
-use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput};
+use super::turn::{ChoiceOutput, Finish, TokenInfo, TurnEvent, TurnOutput, TurnResult};
 use crate::chat::{
     parser_for_template, ChatRequest, ChatTemplate, DecodeStream, Image, InvalidRequest, NoTools,
-    RenderOptions, SamplingOverride, TemplateError, Tokenizer, TokenizerError, ToolCallParser,
+    SamplingOverride, TemplateError, Tokenizer, TokenizerError, ToolCallParser,
 };
 use crate::engine::client::{ContentPart, EngineClient, EngineError, EngineSampling, Generated};
 use crate::vision::{ImageProcessorConfig, VisionError};
@@ -33,18 +34,21 @@ use crate::vision::{ImageProcessorConfig, VisionError};
 /// output.
 const TURN_EVENT_BUFFER: usize = 256;
 
+/// Where a turn streams its content as it is generated; `None`: the client does not stream.
+pub type Events = Option<mpsc::Sender<TurnEvent>>;
+
 /// What every sample of one turn shares.
 struct SampleContext<'a> {
     session: &'a str,
     prompt: &'a [i64],
     /// The prompt's images, for the engine.
-    content_parts: &'a [ContentPart],
+    content_parts: &'a Vec<ContentPart>,
     /// Sample `i` gets seed `seed + i`.
     sampling: EngineSampling,
     stop: &'a [String],
     parser: &'a dyn ToolCallParser,
     id_prefix: &'a str,
-    events: Option<mpsc::Sender<TurnEvent>>,
+    events: Events,
     cancelled: &'a AtomicBool,
 }
 
@@ -134,23 +138,23 @@ pub enum ModelDirError {
     #[error(transparent)]
     Vision(#[from] VisionError),
     #[error("{}: the model has a preprocessor_config.json, but its tokenizer has no {IMAGE_PLACEHOLDER} token (docs/vision.md)", .0.display())]
-    NoImagePlaceholder(std::path::PathBuf),
+    NoImagePlaceholder(PathBuf),
 }
 
 impl ImageInputs {
     /// A model folder's: `Some` when it has a `preprocessor_config.json` and its tokenizer the
     /// image placeholder token; `None` for a text-only model.
     pub fn from_model_dir(
-        dir: &std::path::Path,
+        dir: &Path,
         tokenizer: &Tokenizer,
     ) -> Result<Option<Self>, ModelDirError> {
         if !dir.join("preprocessor_config.json").is_file() {
             return Ok(None);
         }
         let config = ImageProcessorConfig::from_model_dir(dir)?;
-        let placeholder = tokenizer
-            .token_id(IMAGE_PLACEHOLDER)
-            .ok_or_else(|| ModelDirError::NoImagePlaceholder(dir.to_path_buf()))?;
+        let placeholder = tokenizer.token_id(IMAGE_PLACEHOLDER);
+        let placeholder =
+            placeholder.ok_or_else(|| ModelDirError::NoImagePlaceholder(dir.into()))?;
         Ok(Some(Self {
             config,
             placeholder,
@@ -169,41 +173,24 @@ pub struct ChatService {
     tool_parser: Box<dyn ToolCallParser>,
     opts: ServiceOptions,
     sessions: Mutex<HashMap<String, Arc<SessionSlot>>>,
-    /// Engine request ids: a per-process random prefix and a counter.
-    id_prefix: String,
-    next_request: AtomicU64,
 }
 
-/// A hash of a request without its messages (which retries compare separately, cheaply).
-fn request_key(protocol: &str, req: &ChatRequest) -> u64 {
-    let mut h = std::hash::DefaultHasher::new();
-    protocol.hash(&mut h);
-    let rest = (
-        &req.tools,
-        req.parse_tool_calls,
-        &req.sampling,
-        req.n,
-        &req.template_kwargs,
-    );
-    serde_json::to_string(&rest)
-        .expect("a chat request serializes")
-        .hash(&mut h);
-    h.finish()
+/// A hash of a request without its messages (which retries compare separately, cheaply), and of
+/// the protocol's tool-call id prefix (the answers of the protocols differ).
+fn request_key(id_prefix: &str, req: &ChatRequest) -> u64 {
+    let (tools, sampling, kwargs) = (&req.tools, &req.sampling, &req.template_kwargs);
+    let rest = (tools, req.parse_tool_calls, sampling, req.n, kwargs);
+    let rest = serde_json::to_string(&rest).expect("a chat request serializes");
+    BuildHasherDefault::<DefaultHasher>::default().hash_one((id_prefix, rest))
 }
 
 /// Streams `text` of sample `choice` to the client, if it streams and there is any.
-async fn emit(
-    events: &Option<mpsc::Sender<TurnEvent>>,
-    choice: usize,
-    text: String,
-) -> Result<(), LoopbackError> {
-    match events {
-        Some(tx) if !text.is_empty() => tx
-            .send(TurnEvent { choice, text })
-            .await
-            .map_err(|_| LoopbackError::ClientGone),
-        _ => Ok(()),
-    }
+async fn emit(events: &Events, choice: usize, text: String) -> Result<(), LoopbackError> {
+    let Some(tx) = events.as_ref().filter(|_| !text.is_empty()) else {
+        return Ok(());
+    };
+    let sent = tx.send(TurnEvent { choice, text }).await;
+    sent.map_err(|_| LoopbackError::ClientGone)
 }
 
 impl ChatService {
@@ -215,17 +202,14 @@ impl ChatService {
         template: ChatTemplate,
         opts: ServiceOptions,
     ) -> Self {
-        let tool_parser = parser_for_template(template.source());
         Self {
             engine,
             tokenizer,
+            tool_parser: parser_for_template(template.source()),
             template,
             images: None,
-            tool_parser,
             opts,
             sessions: Mutex::new(HashMap::new()),
-            id_prefix: format!("lb-{}", &super::random_id()[..8]),
-            next_request: AtomicU64::new(0),
         }
     }
 
@@ -233,7 +217,7 @@ impl ChatService {
     /// vision-language model, image settings) on the engine (or router) at `engine`.
     pub fn from_model_dir(
         engine: &str,
-        dir: &std::path::Path,
+        dir: &Path,
         opts: ServiceOptions,
     ) -> Result<Self, ModelDirError> {
         let tokenizer = Tokenizer::from_model_dir(dir)?;
@@ -256,9 +240,13 @@ impl ChatService {
         &self.tokenizer
     }
 
+    fn sessions(&self) -> MutexGuard<'_, HashMap<String, Arc<SessionSlot>>> {
+        self.sessions.lock().expect("sessions lock")
+    }
+
     /// The session `id`: made here unless sessions are registered ([`Self::open`]).
     fn session(&self, id: &str) -> Result<Arc<SessionSlot>, LoopbackError> {
-        let mut sessions = self.sessions.lock().expect("sessions lock");
+        let mut sessions = self.sessions();
         if let Some(s) = sessions.get(id) {
             s.touch();
             return Ok(s.clone());
@@ -275,12 +263,10 @@ impl ChatService {
     /// Opens session `id` for an episode (the agent pool, before it starts the agent); with
     /// `sampling`, its turns sample that way whatever the agent asks (evaluation episodes).
     pub fn open(&self, id: &str, sampling: Option<SamplingOverride>) -> Result<(), LoopbackError> {
-        let mut sessions = self.sessions.lock().expect("sessions lock");
+        let mut sessions = self.sessions();
         if sessions.contains_key(id) {
-            return Err(LoopbackError::Invalid(InvalidRequest::new(
-                "session",
-                format!("session {id} is open already"),
-            )));
+            let message = format!("session {id} is open already");
+            return Err(InvalidRequest::new("session", message).into());
         }
         self.insert(&mut sessions, id, sampling).map(drop)
     }
@@ -316,12 +302,7 @@ impl ChatService {
 
     /// The segments recorded so far for `session` (waits for a running turn to finish).
     pub async fn trajectory(&self, session: &str) -> Option<(usize, Vec<Segment>)> {
-        let slot = self
-            .sessions
-            .lock()
-            .expect("sessions lock")
-            .get(session)
-            .cloned()?;
+        let slot = self.sessions().get(session)?.clone();
         let s = slot.state.lock().await;
         Some((s.turns(), s.segments()))
     }
@@ -329,11 +310,7 @@ impl ChatService {
     /// Removes a session and returns its segments (the episode is over). A turn still running
     /// is cancelled: it stops its engine requests at the next token and records nothing.
     pub async fn take(&self, session: &str) -> Option<Vec<Segment>> {
-        let slot = self
-            .sessions
-            .lock()
-            .expect("sessions lock")
-            .remove(session)?;
+        let slot = self.sessions().remove(session)?;
         slot.cancelled.store(true, Ordering::Relaxed);
         let s = slot.state.lock().await;
         Some(s.segments())
@@ -344,33 +321,24 @@ impl ChatService {
     pub fn spawn_turn(
         self: &Arc<Self>,
         session: String,
-        protocol: &'static str,
         id_prefix: &'static str,
         req: ChatRequest,
-    ) -> (
-        mpsc::Receiver<TurnEvent>,
-        impl Future<Output = Result<Arc<TurnOutput>, LoopbackError>>,
-    ) {
+    ) -> (mpsc::Receiver<TurnEvent>, impl Future<Output = TurnResult>) {
         let (tx, rx) = mpsc::channel(TURN_EVENT_BUFFER);
-        let service = self.clone();
-        let turn = tokio::spawn(async move {
-            let turn = service.turn(&session, protocol, id_prefix, req, Some(tx));
-            turn.await
-        });
+        let this = self.clone();
+        let turn = tokio::spawn(async move { this.turn(&session, id_prefix, req, Some(tx)).await });
         let turn = turn.map(|r| r.unwrap_or_else(|e| Err(LoopbackError::Panicked(e.to_string()))));
         (rx, turn)
     }
 
-    /// Runs one turn of `session`. `protocol` names the answer's shape (for the retry cache);
-    /// `id_prefix` starts tool-call ids (`call_`, `toolu_`).
+    /// Runs one turn of `session`; `id_prefix` starts tool-call ids (`call_`, `toolu_`).
     pub async fn turn(
         &self,
         session_id: &str,
-        protocol: &'static str,
         id_prefix: &str,
         mut req: ChatRequest,
-        events: Option<mpsc::Sender<TurnEvent>>,
-    ) -> Result<Arc<TurnOutput>, LoopbackError> {
+        events: Events,
+    ) -> TurnResult {
         self.check_tools(&req)?;
         let slot = self.session(session_id)?;
         if let Some(sampling) = &slot.sampling {
@@ -386,54 +354,38 @@ impl ChatService {
         if session.tokens() >= self.opts.max_session_tokens {
             return Err(LoopbackError::TokenLimit(self.opts.max_session_tokens));
         }
-        let key = request_key(protocol, &req);
+        let key = request_key(id_prefix, &req);
         if let Some(answer) = session.cached(key, &req.messages) {
             for (i, c) in answer.choices.iter().enumerate() {
                 emit(&events, i, c.content.clone().unwrap_or_default()).await?;
             }
             return Ok(answer);
         }
-        let rendered = self
-            .template
-            .render(
-                &req.template_messages(),
-                &RenderOptions {
-                    tools: req.template_tools(),
-                    documents: None,
-                    add_generation_prompt: true,
-                    extra: req.template_kwargs.clone(),
-                },
-            )
-            .map_err(LoopbackError::Template)?;
+        let rendered = req.render(&self.template)?;
         let plan = session.plan(&req.messages, rendered, |text, images| {
             self.encode_with_images(text, images)
         })?;
-        let content_parts: Vec<ContentPart> = plan
-            .images
-            .iter()
-            .map(|i| ContentPart::image(&i.image.data_url))
-            .collect();
-        let sampling = EngineSampling {
-            max_tokens: req.sampling.max_tokens,
-            temperature: req.sampling.temperature.unwrap_or(1.0),
-            top_p: req.sampling.top_p.unwrap_or(1.0),
-            top_k: req.sampling.top_k,
-            seed: req.sampling.seed,
-            logprobs: req.sampling.logprobs.unwrap_or(0),
-            routed_experts_prompt_start: plan.routed_experts_start(),
-        };
+        let image = |i: &SegmentImage| ContentPart::image(&i.image.data_url);
         let parser: &dyn ToolCallParser = if req.parse_tool_calls {
             self.tool_parser.as_ref()
         } else {
             &NoTools
         };
-        let engine_prompt = plan.engine_prompt();
+        let sampling = &req.sampling;
         let ctx = SampleContext {
             session: session_id,
-            prompt: &engine_prompt,
-            content_parts: &content_parts,
-            sampling,
-            stop: &req.sampling.stop,
+            prompt: &plan.engine_prompt(),
+            content_parts: &plan.images.iter().map(image).collect(),
+            sampling: EngineSampling {
+                max_tokens: sampling.max_tokens,
+                temperature: sampling.temperature.unwrap_or(1.0),
+                top_p: sampling.top_p.unwrap_or(1.0),
+                top_k: sampling.top_k,
+                seed: sampling.seed,
+                logprobs: sampling.logprobs.unwrap_or(0),
+                routed_experts_prompt_start: plan.routed_experts_start(),
+            },
+            stop: &sampling.stop,
             parser,
             id_prefix,
             events,
@@ -442,10 +394,8 @@ impl ChatService {
         let samples = (0..req.n).map(|i| self.sample(&ctx, i));
         let samples = futures::future::try_join_all(samples).await?;
         let (records, choices): (Vec<Sampled>, Vec<ChoiceOutput>) = samples.into_iter().unzip();
-        let texts = records
-            .iter()
-            .map(|r| self.tokenizer.decode(&r.token_ids, false))
-            .collect::<Result<Vec<_>, _>>()?;
+        let decode = |r: &Sampled| self.tokenizer.decode(&r.token_ids, false);
+        let texts = records.iter().map(decode).collect::<Result<Vec<_>, _>>()?;
         let answer = Arc::new(TurnOutput {
             prompt_tokens: plan.prompt.len(),
             choices,
@@ -460,21 +410,17 @@ impl ChatService {
 
     /// The ids of rendered `text`, each image placeholder expanded to the tokens its image takes
     /// (`images`: the images the text holds placeholders for, in order), and where each went.
-    fn encode_with_images(
-        &self,
-        text: &str,
-        images: &[&Image],
-    ) -> Result<(Vec<i64>, Vec<SegmentImage>), LoopbackError> {
+    fn encode_with_images(&self, text: &str, images: &[&Image]) -> Result<Encoded, LoopbackError> {
         let ids = self.tokenizer.encode(text)?;
-        let refuse = |message: String| Err(InvalidRequest::new("messages", message).into());
+        let refuse = |message: &str| Err(InvalidRequest::new("messages", message).into());
+        let n = images.len();
         let Some(inputs) = &self.images else {
             if images.is_empty() {
                 return Ok((ids, Vec::new()));
             }
             return refuse(
                 "the request has images, but this model takes none (its folder has no \
-                 preprocessor_config.json); serve a vision-language model (docs/vision.md)"
-                    .into(),
+                 preprocessor_config.json); serve a vision-language model (docs/vision.md)",
             );
         };
         let mut out = Vec::with_capacity(ids.len());
@@ -485,10 +431,7 @@ impl ChatService {
                 continue;
             }
             let Some(image) = images.get(spans.len()) else {
-                return refuse(format!(
-                    "the conversation renders more image placeholders than it has images ({} images); text may not hold {IMAGE_PLACEHOLDER} itself",
-                    images.len()
-                ));
+                return refuse(&format!("the conversation renders more image placeholders than it has images ({n} images); text may not hold {IMAGE_PLACEHOLDER} itself"));
             };
             let tokens = image
                 .bytes()
@@ -501,13 +444,9 @@ impl ChatService {
             });
             out.extend(std::iter::repeat_n(inputs.placeholder, tokens));
         }
-        if spans.len() != images.len() {
-            return refuse(format!(
-                "the model's chat template ({}) rendered {} image placeholders for {} images: it does not render images (docs/vision.md)",
-                self.template.origin(),
-                spans.len(),
-                images.len()
-            ));
+        if spans.len() != n {
+            let (origin, found) = (self.template.origin(), spans.len());
+            return refuse(&format!("the model's chat template ({origin}) rendered {found} image placeholders for {n} images: it does not render images (docs/vision.md)"));
         }
         Ok((out, spans))
     }
@@ -519,15 +458,13 @@ impl ChatService {
         if req.tools.is_empty() || self.template.reads_tools() {
             return Ok(());
         }
-        Err(InvalidRequest::new(
-            "tools",
-            format!(
-                "the request has tools, but the model's chat template ({}) never renders tools, \
-                 so the model would not see them; send the request without tools, or serve the \
-                 model with a chat template that renders them (docs/chat.md, \"Tool calls\")",
-                self.template.origin()
-            ),
-        ))
+        let origin = self.template.origin();
+        let message = format!(
+            "the request has tools, but the model's chat template ({origin}) never renders tools, \
+             so the model would not see them; send the request without tools, or serve the model \
+             with a chat template that renders them (docs/chat.md, \"Tool calls\")"
+        );
+        Err(InvalidRequest::new("tools", message))
     }
 
     async fn sample(
@@ -537,40 +474,25 @@ impl ChatService {
     ) -> Result<(Sampled, ChoiceOutput), LoopbackError> {
         let mut sampling = ctx.sampling.clone();
         sampling.seed = sampling.seed.map(|s| s.wrapping_add(index as u64));
-        let id = format!(
-            "{}-{}",
-            self.id_prefix,
-            self.next_request.fetch_add(1, Ordering::Relaxed)
-        );
-        let mut stream = self
-            .engine
-            .generate(
-                id,
-                ctx.prompt,
-                ctx.content_parts,
-                &sampling,
-                Some(ctx.session),
-            )
-            .await?;
+        let id = format!("lb-{}", super::random_id());
+        let (prompt, parts, session) = (ctx.prompt, ctx.content_parts, Some(ctx.session));
+        let generation = self.engine.generate(id, prompt, parts, &sampling, session);
+        let mut stream = generation.await?;
         let mut text = TextStream::new(ctx.stop, ctx.parser);
         let mut record = Sampled::default();
         let mut tokens = Vec::new();
         let mut detok = DecodeStream::new(true);
+        let unfinished = || EngineError::Stream("the stream ended without a finish".into());
         let finish = loop {
-            let Some(event) = stream.next().await else {
-                let e = EngineError::Stream("the stream ended without a finish".into());
-                return Err(e.into());
-            };
-            match event? {
+            match stream.next().await.ok_or_else(unfinished)?? {
                 Generated::Token {
                     id,
                     logprob,
                     top,
                     version,
                 } => {
-                    if ctx.events.as_ref().is_some_and(|tx| tx.is_closed())
-                        || ctx.cancelled.load(Ordering::Relaxed)
-                    {
+                    let gone = ctx.events.as_ref().is_some_and(|tx| tx.is_closed());
+                    if gone || ctx.cancelled.load(Ordering::Relaxed) {
                         return Err(LoopbackError::ClientGone);
                     }
                     record.token_ids.push(id);
@@ -625,7 +547,6 @@ impl ChatService {
 mod tests {
     use super::*;
     use serde_json::{json, Value};
-    use std::path::Path;
 
     /// Gemma 3's official template never reads `tools`: a request with tools is refused with a
     /// message naming the template file, before any session or engine is involved, and the
@@ -664,10 +585,7 @@ mod tests {
             .unwrap()
         };
         let weather = json!([{"name": "get_weather", "parameters": {"type": "object"}}]);
-        match service
-            .turn("s1", "openai", "call_", request(weather), None)
-            .await
-        {
+        match service.turn("s1", "call_", request(weather), None).await {
             Err(LoopbackError::Invalid(e)) => {
                 assert_eq!(e.param.as_deref(), Some("tools"));
                 let file = dir.join("chat_template.jinja").display().to_string();
@@ -678,10 +596,7 @@ mod tests {
             other => panic!("expected the tools to be refused, got {other:?}"),
         }
         // Without tools the request passes the check (and stops at the unopened session).
-        match service
-            .turn("s1", "openai", "call_", request(json!([])), None)
-            .await
-        {
+        match service.turn("s1", "call_", request(json!([])), None).await {
             Err(LoopbackError::NotFound(_)) => {}
             other => panic!("expected the unopened session's 404, got {other:?}"),
         }

@@ -78,12 +78,12 @@ impl Segment {
     }
 
     fn push_sampled(&mut self, sample: &Sampled) {
+        let n = sample.token_ids.len();
         self.token_ids.extend_from_slice(&sample.token_ids);
-        self.loss_mask
-            .extend(std::iter::repeat_n(1, sample.token_ids.len()));
+        self.loss_mask.extend(std::iter::repeat_n(1, n));
         self.logprobs.extend_from_slice(&sample.logprobs);
         self.versions
-            .extend(sample.versions.iter().map(|&v| Some(v)));
+            .extend(sample.versions.iter().copied().map(Some));
     }
 
     /// Number of sampled (trainable) tokens.
@@ -91,6 +91,9 @@ impl Segment {
         self.loss_mask.iter().filter(|&&m| m == 1).count()
     }
 }
+
+/// Encoded text: its ids, and the images among them with their placeholders' place.
+pub type Encoded = (Vec<i64>, Vec<SegmentImage>);
 
 /// What the engine produced for one sample of a turn.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -116,7 +119,7 @@ struct Open {
 #[derive(Debug)]
 pub struct TurnPlan {
     /// Index of the open candidate the turn continues; `None` opens a new segment.
-    continues: Option<usize>,
+    pub continues: Option<usize>,
     rendered: String,
     /// Tokens of the rendering not yet in the segment (loss mask 0).
     pub new_ids: Vec<i64>,
@@ -130,11 +133,6 @@ pub struct TurnPlan {
 }
 
 impl TurnPlan {
-    /// Whether the turn continues an open segment.
-    pub fn continues(&self) -> bool {
-        self.continues.is_some()
-    }
-
     /// The prompt as engines take it with its images: one placeholder token per image, which
     /// the engine expands to the image's tokens again (vLLM's form; docs/vision.md).
     pub fn engine_prompt(&self) -> Vec<i64> {
@@ -161,17 +159,10 @@ impl TurnPlan {
 pub struct Session {
     sealed: Vec<Segment>,
     open: Vec<Open>,
-    /// Recent answers by request hash, for identical retries (bounded: `CACHED_TURNS`).
-    cache: VecDeque<Cached>,
+    /// Recent answered requests, for identical retries (bounded: `CACHED_TURNS`): a retry has
+    /// the same key (a hash of everything but the messages) and the same messages.
+    cache: VecDeque<(u64, Arc<Vec<Message>>, Arc<TurnOutput>)>,
     turns: usize,
-}
-
-/// An answered request: a retry has the same key (everything but the messages) and messages.
-#[derive(Debug)]
-struct Cached {
-    key: u64,
-    messages: Arc<Vec<Message>>,
-    answer: Arc<TurnOutput>,
 }
 
 /// Answers kept for retries: a retry comes right after its original, so a few suffice.
@@ -185,7 +176,7 @@ impl Session {
         &self,
         messages: &[Message],
         rendered: String,
-        tokenize: impl FnOnce(&str, &[&Image]) -> Result<(Vec<i64>, Vec<SegmentImage>), E>,
+        tokenize: impl FnOnce(&str, &[&Image]) -> Result<Encoded, E>,
     ) -> Result<TurnPlan, E> {
         let continues = self.open.iter().position(|o| {
             messages.len() > o.messages.len()
@@ -193,12 +184,10 @@ impl Session {
                 && messages[o.messages.len()].role == Role::Assistant
                 && rendered.starts_with(&o.text)
         });
-        let (base, base_text): (Option<&Segment>, &str) = match continues {
-            Some(i) => (Some(&self.open[i].segment), &self.open[i].text),
-            None => (None, ""),
-        };
-        let base_ids: &[i64] = base.map_or(&[], |b| &b.token_ids);
-        let base_images: &[SegmentImage] = base.map_or(&[], |b| &b.images);
+        let base = continues.map(|i| &self.open[i]);
+        let base_text = base.map_or("", |o| o.text.as_str());
+        let base_ids: &[i64] = base.map_or(&[], |o| &o.segment.token_ids);
+        let base_images: &[SegmentImage] = base.map_or(&[], |o| &o.segment.images);
         // A continued segment's messages are the first of these, so its images come first.
         let images: Vec<&Image> = messages.iter().flat_map(Message::images).collect();
         let new = images.get(base_images.len()..).unwrap_or_default();
@@ -261,32 +250,28 @@ impl Session {
     /// but the messages) and the same messages. Messages are compared only when their count
     /// matches, so a growing conversation never pays for the check.
     pub fn cached(&self, key: u64, messages: &[Message]) -> Option<Arc<TurnOutput>> {
-        self.cache
-            .iter()
-            .find(|c| {
-                c.key == key && c.messages.len() == messages.len() && c.messages[..] == *messages
-            })
-            .map(|c| c.answer.clone())
+        // Slices compare their lengths first.
+        let mut cache = self.cache.iter();
+        let found = cache.find(|(k, m, _)| *k == key && m[..] == *messages);
+        found.map(|(_, _, answer)| answer.clone())
     }
 
     pub fn remember(&mut self, key: u64, messages: Arc<Vec<Message>>, answer: Arc<TurnOutput>) {
         if self.cache.len() == CACHED_TURNS {
             self.cache.pop_front();
         }
-        self.cache.push_back(Cached {
-            key,
-            messages,
-            answer,
-        });
+        self.cache.push_back((key, messages, answer));
     }
 
     /// All segments, sealed first, then the open candidates.
-    pub fn segments(&self) -> Vec<Segment> {
+    fn all(&self) -> impl Iterator<Item = &Segment> {
         self.sealed
             .iter()
-            .cloned()
-            .chain(self.open.iter().map(|o| o.segment.clone()))
-            .collect()
+            .chain(self.open.iter().map(|o| &o.segment))
+    }
+
+    pub fn segments(&self) -> Vec<Segment> {
+        self.all().cloned().collect()
     }
 
     pub fn turns(&self) -> usize {
@@ -295,11 +280,7 @@ impl Session {
 
     /// Tokens recorded over all segments, open candidates included.
     pub fn tokens(&self) -> usize {
-        self.sealed
-            .iter()
-            .chain(self.open.iter().map(|o| &o.segment))
-            .map(|s| s.token_ids.len())
-            .sum()
+        self.all().map(|s| s.token_ids.len()).sum()
     }
 }
 
@@ -366,7 +347,7 @@ mod tests {
 
     fn turn(s: &mut Session, messages: Vec<Message>, reply: &str, version: u64) -> bool {
         let plan = s.plan(&messages, render(&messages), chars).unwrap();
-        let continued = plan.continues();
+        let continued = plan.continues.is_some();
         let sample = sampled(&format!("{reply}|"), version);
         s.commit(
             plan,
@@ -422,7 +403,7 @@ mod tests {
         let mut m2 = m1.clone();
         m2.extend([assistant("a"), with_image("and?", "png-2")]);
         let plan = s.plan(&m2, render(&m2), chars).unwrap();
-        assert!(plan.continues());
+        assert!(plan.continues.is_some());
         // The engine gets both images, the first from the continued segment.
         let hashes: Vec<&str> = plan
             .images

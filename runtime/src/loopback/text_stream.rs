@@ -29,16 +29,9 @@ pub struct TextStream<'a> {
 
 /// How many trailing bytes of `text` could be the start of one of the stop strings.
 fn partial_stop_len(text: &str, stops: &[String]) -> usize {
-    stops
-        .iter()
-        .flat_map(|s| {
-            (1..s.len())
-                .rev()
-                .filter(move |&k| s.is_char_boundary(k) && text.ends_with(&s[..k]))
-                .take(1)
-        })
-        .max()
-        .unwrap_or(0)
+    let starts = |s: &String, k: usize| s.is_char_boundary(k) && text.ends_with(&s[..k]);
+    let partial = |s: &String| (1..s.len()).rev().find(|&k| starts(s, k));
+    stops.iter().filter_map(partial).max().unwrap_or(0)
 }
 
 impl<'a> TextStream<'a> {
@@ -56,32 +49,19 @@ impl<'a> TextStream<'a> {
     pub fn push(&mut self, piece: &str) -> Streamed {
         let before = self.text.len();
         self.text.push_str(piece);
-        let stops = self.stops;
-        if !stops.is_empty() {
-            // Only a stop string that ends in the new piece can be new.
-            let from = before.saturating_sub(stops.iter().map(String::len).max().unwrap_or(0));
-            let from = (0..=from)
-                .rev()
-                .find(|&i| self.text.is_char_boundary(i))
-                .unwrap_or(0);
-            if let Some((at, stop)) = stops
-                .iter()
-                .filter_map(|s| self.text[from..].find(s.as_str()).map(|i| (from + i, s)))
-                .min_by_key(|(at, _)| *at)
-            {
-                self.text.truncate(at);
-                return Streamed::Stopped(stop.clone());
-            }
+        let (stops, text) = (self.stops, &self.text);
+        // Only a stop string that ends in the new piece can be new.
+        let from = before.saturating_sub(stops.iter().map(String::len).max().unwrap_or(0));
+        let from = (0..=from).rev().find(|&i| text.is_char_boundary(i));
+        let from = from.unwrap_or(0);
+        let found = |s: &'a String| Some((from + text[from..].find(s.as_str())?, s));
+        if let Some((at, stop)) = stops.iter().filter_map(found).min_by_key(|(at, _)| *at) {
+            self.text.truncate(at);
+            return Streamed::Stopped(stop.clone());
         }
-        let safe = self
-            .parser
-            .content_prefix_len(&self.text)
-            .min(self.text.len() - partial_stop_len(&self.text, stops));
-        let content = self
-            .text
-            .get(self.sent..safe)
-            .unwrap_or_default()
-            .to_string();
+        let held = partial_stop_len(text, stops);
+        let safe = self.parser.content_prefix_len(text).min(text.len() - held);
+        let content = text.get(self.sent..safe).unwrap_or_default().to_string();
         self.sent = self.sent.max(safe);
         Streamed::Content(content)
     }
@@ -94,12 +74,8 @@ impl<'a> TextStream<'a> {
     /// The finished output, and the content not streamed yet.
     pub fn finish(self) -> (ParsedOutput, String) {
         let parsed = self.parser.parse(&self.text);
-        let rest = match &parsed.content {
-            Some(content) if content.len() > self.sent && content.is_char_boundary(self.sent) => {
-                content[self.sent..].to_string()
-            }
-            _ => String::new(),
-        };
+        let rest = parsed.content.as_deref().and_then(|c| c.get(self.sent..));
+        let rest = rest.unwrap_or_default().to_string();
         (parsed, rest)
     }
 }

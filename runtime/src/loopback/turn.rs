@@ -2,6 +2,9 @@
 //! reason and tokens. The OpenAI and Anthropic adapters write it in their own shapes, and a
 //! session keeps recent answers for identical retries.
 
+use std::sync::Arc;
+
+use super::error::LoopbackError;
 use crate::chat::ToolCall;
 
 /// Why a sample ended, in protocol-neutral terms.
@@ -41,6 +44,9 @@ pub struct TurnOutput {
     pub prompt_tokens: usize,
     pub choices: Vec<ChoiceOutput>,
 }
+
+/// How a turn ends: its answer (shared with the retry cache), or why it failed.
+pub type TurnResult = Result<Arc<TurnOutput>, LoopbackError>;
 
 /// Content text of sample `choice` that is final and may be streamed.
 #[derive(Debug, Clone, PartialEq)]

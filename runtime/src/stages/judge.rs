@@ -138,11 +138,7 @@ impl Judge {
             template_kwargs: serde_json::Map::new(),
         };
         let answer = match self.service.open(&session, None) {
-            Ok(()) => {
-                self.service
-                    .turn(&session, "judge", "call_", request, None)
-                    .await
-            }
+            Ok(()) => self.service.turn(&session, "call_", request, None).await,
             Err(e) => Err(e),
         };
         // The judge's own trajectory is not trained on: drop the session either way.

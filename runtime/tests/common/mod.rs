@@ -347,10 +347,10 @@ pub async fn serve_loopback(
     let service = std::sync::Arc::new(service);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(moult_runtime::loopback::serve(
+    let app = moult_runtime::loopback::router(service.clone(), max_body);
+    tokio::spawn(moult_runtime::serve::serve(
         listener,
-        service.clone(),
-        max_body,
+        app,
         std::future::pending(),
     ));
     (url, service)

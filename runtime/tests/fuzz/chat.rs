@@ -15,7 +15,7 @@ use serde_json::{json, Map, Value as Json};
 use crate::fuzz::streaming::tiny_tokenizer;
 use crate::{drive, Budget, Row};
 use moult_runtime::agents::{Episode, EpisodeStatus};
-use moult_runtime::chat::{ChatRequest, ChatTemplate, RenderOptions};
+use moult_runtime::chat::{ChatRequest, ChatTemplate};
 use moult_runtime::loopback::anthropic::MessagesRequest;
 use moult_runtime::loopback::openai::CompletionRequest;
 use moult_runtime::loopback::session::{Sampled, Session};
@@ -273,15 +273,7 @@ fn run(case: Case) -> Result<(), TestCaseError> {
                 continue;
             }
         };
-        let rendered = match template.render(
-            &req.template_messages(),
-            &RenderOptions {
-                tools: req.template_tools(),
-                documents: None,
-                add_generation_prompt: true,
-                extra: req.template_kwargs.clone(),
-            },
-        ) {
+        let rendered = match req.render(template) {
             Ok(r) => r,
             Err(_) => {
                 messages.pop();
