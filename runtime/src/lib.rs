@@ -33,13 +33,3 @@ pub mod trainer;
 pub mod vision;
 #[cfg(feature = "torch")]
 pub mod weight_sync;
-
-/// Aborts a background task when dropped: a task that lives exactly as long as its owner (a
-/// client's stream, a run's status line).
-pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}

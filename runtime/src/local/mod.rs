@@ -89,7 +89,7 @@ pub async fn run(
     std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", out, e))?;
     let console = &opts.console;
     // The status line's ticker ends with the run.
-    let _ticker = crate::AbortOnDrop(console.tick());
+    let _ticker = AbortOnDrop(console.tick());
     console.phase("loading the model");
     let checkpoints = Some(out.join("checkpoints"));
     let mut learner =
@@ -337,7 +337,7 @@ pub async fn evaluate_checkpoint(
     // Evaluation rewards are the agents' own: no judge.
     cfg.judge = None;
     let console = &opts.console;
-    let _ticker = crate::AbortOnDrop(console.tick());
+    let _ticker = AbortOnDrop(console.tick());
     console.phase("starting engines and agents");
     std::fs::create_dir_all(&opts.out).map_err(|e| RunError::file("creating", &opts.out, e))?;
     let stack = stack::Stack::start(&cfg, opts.device, &opts.out.join("scratch"), console).await?;
@@ -495,4 +495,14 @@ async fn watch_generation<T>(
 /// `<out>` of a run by default: `runs/<name>`.
 pub fn default_out(name: &str) -> PathBuf {
     std::path::Path::new("runs").join(name)
+}
+
+/// Aborts a background task when dropped: a task that lives exactly as long as its owner (a
+/// run's status line).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
