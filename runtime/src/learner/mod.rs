@@ -254,20 +254,6 @@ impl Learner {
         }
     }
 
-    /// The run's length in steps.
-    pub fn total_steps(&self) -> u64 {
-        self.cfg.total_steps
-    }
-
-    /// Whether weight updates keep requests in flight (`keep`) rather than let them finish.
-    pub fn partial_rollout(&self) -> bool {
-        self.cfg.partial_rollout
-    }
-
-    pub fn console(&self) -> &Console {
-        &self.console
-    }
-
     /// Advantages, the exact token segments as samples, the teacher's scores (distillation) and
     /// one optimizer step on `groups`; the trainer and teacher move to a compute thread and back.
     pub async fn learn(&mut self, groups: &[Group]) -> Result<Learned, RunError> {
@@ -446,10 +432,8 @@ async fn load_trainer(
     let (model, moments, reference) = blocking(move || -> Result<_, RunError> {
         let load = |dir: &Path| CausalLm::load(dir, Kind::Float, device);
         let (model, moments) = match resume {
-            Some((dir, step)) => {
-                let (model, moments) = checkpoint::load_policy(&dir, Kind::Float, device)?;
-                (model, Some((step, moments)))
-            }
+            Some((dir, step)) => checkpoint::load_policy(&dir, Kind::Float, device)
+                .map(|(model, moments)| (model, Some((step, moments))))?,
             None => (load(&model_dir)?, None),
         };
         Ok((model, moments, reference.as_deref().map(load).transpose()?))

@@ -14,9 +14,9 @@ use crate::config::Overlong;
 use crate::engine::npy::decode_routed_experts;
 use crate::error::RunError;
 use crate::loopback::Segment;
-use crate::model::{CausalLm, ImageInput};
+use crate::model::{CausalLm, ImageInput, SeqInput};
 use crate::rollout::{trained_segments, Group};
-use crate::trainer::logprobs::{token_logprobs, Scored};
+use crate::trainer::logprobs::token_logprobs;
 use crate::trainer::train::Sample;
 use crate::vision::{ImageProcessorConfig, ProcessedImage};
 
@@ -92,10 +92,11 @@ pub fn distill(
 ) -> Result<f64, RunError> {
     let mut kl = ReverseKl::default();
     for chunk in samples.chunks_mut(16) {
-        let seqs: Vec<Scored<'_>> = chunk
+        let seqs: Vec<SeqInput<'_>> = chunk
             .iter()
-            .map(|s| Scored {
+            .map(|s| SeqInput {
                 tokens: &s.tokens,
+                slot: None,
                 replay: None,
                 images: &s.images,
             })

@@ -16,7 +16,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::logprobs::{picked, seq_inputs, Targets};
+use super::logprobs::{picked, Targets};
 use super::shard::{ShardGrad, Shards};
 use super::step::{loss_of, scored, KlPenalty, LossConfig, LossMetrics, Sample};
 use crate::dist::Collectives;
@@ -44,8 +44,6 @@ const LAYERS: usize = 2;
 /// One micro-batch's part of a training step.
 pub(super) struct Part<'a> {
     pub samples: &'a [Sample],
-    /// π_old of the samples.
-    pub old: &'a Tensor,
     pub cfg: &'a LossConfig,
     /// The KL penalty's weight and the reference's logprobs, with one.
     pub kl: Option<KlPenalty>,
@@ -101,12 +99,12 @@ impl Layered<'_> {
         out
     }
 
-    /// The layers without gradient; `None` on an idle pass. `save` keeps each layer's input and
-    /// routing for the backward.
-    fn forward(&self, samples: Option<&[Sample]>, save: bool) -> Result<Option<Forwarded<'_>>> {
+    /// The layers without gradient, keeping each layer's input and routing for the backward;
+    /// `None` on an idle pass.
+    fn forward(&self, samples: Option<&[Sample]>) -> Result<Option<Forwarded<'_>>> {
         let seqs = samples.map(scored);
         let stages = (seqs.as_deref())
-            .map(|s| self.model.stages(&seq_inputs(s)))
+            .map(|s| self.model.stages(s))
             .transpose()?;
         let _guard = tch::no_grad_guard();
         let mut h = self.with(&[EMBED], || Ok(stages.as_ref().map(Stages::embed)))?;
@@ -117,9 +115,7 @@ impl Layered<'_> {
                 _ => Ok(None),
             })?;
             if let (Some(x), Some((y, routing))) = (h.take(), out) {
-                if save {
-                    saved.push((x, routing));
-                }
+                saved.push((x, routing));
                 h = Some(y);
             }
         }
@@ -134,15 +130,6 @@ impl Layered<'_> {
             }))
     }
 
-    /// π's logprobs of `samples` without gradient (`[batch, width]`, as
-    /// [`super::logprobs::token_logprobs`]); `None` runs an idle pass.
-    pub fn logprobs(&self, samples: Option<&[Sample]>, temperature: f64) -> Result<Option<Tensor>> {
-        let forwarded = self.forward(samples, false)?;
-        self.with(&[NORM, self.head_unit()], || {
-            Ok(forwarded.map(|f| f.targets.padded(&f.head_rows(temperature).0)))
-        })
-    }
-
     /// One micro-batch's forward and backward; its weighted gradient goes into `acc`. `None`
     /// runs an idle pass. Returns the micro-batch's loss metrics.
     pub fn train(
@@ -150,7 +137,7 @@ impl Layered<'_> {
         part: Option<&Part<'_>>,
         acc: &mut ShardGrad,
     ) -> Result<Option<LossMetrics>> {
-        let forwarded = self.forward(part.map(|p| p.samples), true)?;
+        let forwarded = self.forward(part.map(|p| p.samples))?;
         let head_units = [NORM, self.head_unit()];
         let head_params: Vec<Tensor> = head_units
             .iter()
@@ -164,14 +151,8 @@ impl Layered<'_> {
             let (logp, entropy) = f.head_rows(part.cfg.temperature);
             let logp = f.targets.padded(&logp).set_requires_grad(true);
             let entropy = f.targets.padded(&entropy);
-            let (loss, metrics) = loss_of(
-                &logp,
-                &entropy,
-                part.samples,
-                part.old,
-                part.cfg,
-                part.kl.as_ref(),
-            );
+            let (loss, metrics) =
+                loss_of(&logp, &entropy, part.samples, part.cfg, part.kl.as_ref());
             let dlogp =
                 Tensor::run_backward(&[loss * part.weight], &[&logp], false, false).remove(0);
             let dpicked = dlogp.reshape([-1]).index_select(0, &f.targets.at);

@@ -37,6 +37,8 @@ pub struct Setup {
     pub options: TrainerOptions,
 }
 
+/// What rank 0 tells the followers to do next: the first byte of each command it broadcasts,
+/// the rest its payload (a batch, a folder).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Command {
     Step = 1,
@@ -112,14 +114,12 @@ impl Trainer {
     }
 
     /// Rank 0: tells the followers what to do next.
-    fn command(&self, command: Command, payload: Option<&[u8]>) -> Result<()> {
-        if !self.leads() {
-            return Ok(());
-        }
-        self.group
-            .broadcast(&Tensor::from_slice(&[command as i64]), 0)?;
-        if matches!(command, Command::Step | Command::SaveShards) {
-            broadcast_bytes(self.group.as_ref(), payload)?;
+    fn command(&self, command: Command, payload: &[u8]) -> Result<()> {
+        if self.leads() {
+            broadcast_bytes(
+                self.group.as_ref(),
+                Some(&[&[command as u8], payload].concat()),
+            )?;
         }
         Ok(())
     }
@@ -128,7 +128,7 @@ impl Trainer {
     /// which hands the batch to the others).
     pub fn step(&mut self, samples: &[Sample]) -> crate::model::Result<super::train::StepStats> {
         if self.leads() {
-            self.command(Command::Step, Some(&encode(samples)))?;
+            self.command(Command::Step, &encode(samples))?;
         }
         self.step_on(samples)
     }
@@ -136,7 +136,7 @@ impl Trainer {
     /// The optimizer's moments, whole, in [`CausalLm::trainable`] order (for checkpoints); empty
     /// before the first step. With several ranks, called on rank 0.
     pub fn moments(&self) -> Result<Vec<(Tensor, Tensor)>> {
-        self.command(Command::Moments, None)?;
+        self.command(Command::Moments, &[])?;
         self.gather_moments()
     }
 
@@ -157,7 +157,7 @@ impl Trainer {
     /// `emit` no longer wants them: the other ranks take part in each gather.
     pub fn weight_buckets(&self, emit: &mut dyn FnMut(Vec<(String, Tensor)>)) -> Result<()> {
         if self.weights_sharded() {
-            self.command(Command::Weights, None)?;
+            self.command(Command::Weights, &[])?;
         }
         self.gather_weights(emit)
     }
@@ -168,7 +168,7 @@ impl Trainer {
     /// written and synced, or an error if any rank could not write its own.
     pub fn save_shards(&self, dir: &Path) -> crate::model::Result<()> {
         let path = dir.to_string_lossy();
-        self.command(Command::SaveShards, Some(path.as_bytes()))?;
+        self.command(Command::SaveShards, path.as_bytes())?;
         self.write_shard(dir)?;
         let layout = (self.shards.as_ref())
             .expect("several ranks")
@@ -206,21 +206,20 @@ impl Trainer {
 
     /// Rank 0, at the end of a run: the followers return from [`Trainer::follow`].
     pub fn stop_followers(&self) -> Result<()> {
-        self.command(Command::Stop, None)
+        self.command(Command::Stop, &[])
     }
 
     /// A follower: does what rank 0 commands until it says stop; returns the steps taken.
     pub fn follow(&mut self) -> crate::model::Result<u64> {
-        let command = Tensor::zeros([1], (Kind::Int64, Device::Cpu));
         let group_timeout = self.group.timeout();
         loop {
             self.group.set_timeout(COMMAND_WAIT)?;
-            self.group.broadcast(&command, 0)?;
+            let bytes = broadcast_bytes(self.group.as_ref(), None)?;
             self.group.set_timeout(group_timeout)?;
-            match command.int64_value(&[0]) {
+            let (&command, payload) = bytes.split_first().unwrap_or((&0, &[]));
+            match command {
                 1 => {
-                    let bytes = broadcast_bytes(self.group.as_ref(), None)?;
-                    let samples = decode(&bytes).map_err(|e| {
+                    let samples = decode(payload).map_err(|e| {
                         Error::Config(format!("rank 0 sent a batch this rank cannot read: {e}"))
                     })?;
                     self.step_on(&samples)?;
@@ -233,8 +232,7 @@ impl Trainer {
                     self.gather_weights(&mut drop)?;
                 }
                 5 => {
-                    let bytes = broadcast_bytes(self.group.as_ref(), None)?;
-                    let dir = PathBuf::from(String::from_utf8_lossy(&bytes).into_owned());
+                    let dir = PathBuf::from(String::from_utf8_lossy(payload).into_owned());
                     if let Err(e) = self.write_shard(&dir) {
                         // Rank 0 says so too, and tries again or carries on without this
                         // checkpoint; this rank goes on with it.

@@ -170,12 +170,6 @@ struct Unit {
     at: i64,
 }
 
-impl Unit {
-    fn numel(&self, i: usize) -> i64 {
-        self.shapes[i].iter().product()
-    }
-}
-
 #[derive(Debug)]
 pub(super) struct Shards {
     units: Vec<Unit>,
@@ -183,8 +177,10 @@ pub(super) struct Shards {
     /// Elements of this rank's state: its shard of every unit.
     state_len: i64,
     world: usize,
-    /// Where the shards, gradients and gathers live: the model's device.
+    /// Where the shards, gradients and gathers live: the model's device; and the dtype of the
+    /// weights this rank keeps, of its gradient shard and of its moments.
     device: tch::Device,
+    kind: Kind,
     /// `Full`: this rank's shards of the weights, the only copy between gathers.
     own: Option<Tensor>,
     /// `Full`: the dtype weights are gathered (and computed) in, when not the shards' own.
@@ -269,19 +265,13 @@ impl Shards {
             state_len,
             world,
             device: params.first().map_or(tch::Device::Cpu, Tensor::device),
+            kind: params.first().map_or(Kind::Float, Tensor::kind),
             own: None,
             compute,
             optimizer,
             seconds: Cell::new(0.0),
             gathering: Cell::new(0.0),
         }
-    }
-
-    /// The dtype of the weights this rank keeps, of its gradient shard and of its moments.
-    pub(super) fn master_kind(&self, params: &[Tensor]) -> Kind {
-        self.own
-            .as_ref()
-            .map_or_else(|| params[0].kind(), Tensor::kind)
     }
 
     /// Whether the weights are sharded too (`Full`).
@@ -315,7 +305,7 @@ impl Shards {
     /// `Full`: keeps this rank's shards of `params` and frees the whole tensors (once, when the
     /// ranks agree on the weights).
     pub(super) fn shard_weights(&mut self, params: &[Tensor]) {
-        let own = self.state_of(|_, p| piece_of(params, p), params[0].kind());
+        let own = self.state_of(|_, p| piece_of(params, p), self.kind);
         self.own = Some(own);
         for u in 0..self.units.len() {
             self.release(u, params);
@@ -323,22 +313,10 @@ impl Shards {
         give_back_freed_memory();
     }
 
-    /// Unit `u`'s flat layout of `parts` (one `[numel]` tensor per tensor of the unit), padded.
-    fn unit_flat(&self, u: usize, parts: Vec<Tensor>) -> Tensor {
-        let unit = &self.units[u];
-        let total: i64 = (0..unit.shapes.len()).map(|i| unit.numel(i)).sum();
-        let mut parts = parts;
-        let pad = unit.shard_len * self.world as i64 - total;
-        if pad > 0 {
-            parts.push(Tensor::zeros([pad], (parts[0].kind(), parts[0].device())));
-        }
-        Tensor::cat(&parts, 0)
-    }
-
     /// An empty gradient, to [`Shards::reduce_unit`] into.
-    pub(super) fn new_grad(&self, kind: Kind) -> ShardGrad {
+    pub(super) fn new_grad(&self) -> ShardGrad {
         ShardGrad {
-            grad: Tensor::zeros([self.state_len], (kind, self.device)),
+            grad: Tensor::zeros([self.state_len], (self.kind, self.device)),
             reached: vec![false; self.units.last().map_or(0, |u| u.tensors.end)],
         }
     }
@@ -353,19 +331,21 @@ impl Shards {
         group: &dyn Collectives,
     ) -> Result<()> {
         let unit = &self.units[u];
-        let (kind, shard_len, at) = (acc.grad.kind(), unit.shard_len, unit.at);
-        let parts = grads
-            .iter()
-            .enumerate()
-            .map(|(i, g)| match g {
+        let (kind, shard_len, at) = (self.kind, unit.shard_len, unit.at);
+        // The unit's flat layout, padded.
+        let mut parts: Vec<Tensor> = (grads.iter().zip(&unit.shapes).enumerate())
+            .map(|(i, (g, shape))| match g {
                 Some(g) => {
                     acc.reached[unit.tensors.start + i] = true;
                     g.detach().to_kind(kind).reshape([-1])
                 }
-                None => Tensor::zeros([unit.numel(i)], (kind, self.device)),
+                None => Tensor::zeros([shape.iter().product::<i64>()], (kind, self.device)),
             })
             .collect();
-        let flat = tch::no_grad(|| self.unit_flat(u, parts));
+        let pad =
+            shard_len * self.world as i64 - parts.iter().map(Tensor::numel).sum::<usize>() as i64;
+        parts.push(Tensor::zeros([pad], (kind, self.device)));
+        let flat = tch::no_grad(|| Tensor::cat(&parts, 0));
         let part = Tensor::zeros([shard_len], (kind, self.device));
         self.timed(|| group.reduce_scatter(&part, &flat))?;
         tch::no_grad(|| {
@@ -381,7 +361,7 @@ impl Shards {
         params: &[Tensor],
         group: &dyn Collectives,
     ) -> Result<ShardGrad> {
-        let mut acc = self.new_grad(self.master_kind(params));
+        let mut acc = self.new_grad();
         for u in 0..self.units.len() {
             let grads: Vec<Option<Tensor>> = params[self.units[u].tensors.clone()]
                 .iter()
@@ -490,16 +470,14 @@ impl Shards {
             Some(own) => {
                 (own.narrow(0, unit.at, unit.shard_len)).to_kind(self.compute.unwrap_or(own.kind()))
             }
-            None => self
-                .state_of(|_, p| piece_of(params, p), params[0].kind())
-                .narrow(0, unit.at, unit.shard_len),
+            None => self.state_of(|_, p| piece_of(params, p), self.kind).narrow(
+                0,
+                unit.at,
+                unit.shard_len,
+            ),
         };
-        let full = shard.new_zeros(
-            [unit.shard_len * self.world as i64],
-            (shard.kind(), shard.device()),
-        );
         let started = Instant::now();
-        self.timed(|| group.all_gather(&full, &shard))?;
+        let full = self.all_gather(u, &shard, group)?;
         self.gathering
             .set(self.gathering.get() + started.elapsed().as_secs_f64());
         tch::no_grad(|| {
@@ -515,6 +493,14 @@ impl Shards {
         Ok(full)
     }
 
+    /// Every rank's `shard` of unit `u`, one after another (a collective).
+    fn all_gather(&self, u: usize, shard: &Tensor, group: &dyn Collectives) -> Result<Tensor> {
+        let len = self.units[u].shard_len * self.world as i64;
+        let full = shard.new_zeros([len], (shard.kind(), shard.device()));
+        self.timed(|| group.all_gather(&full, shard))?;
+        Ok(full)
+    }
+
     /// `Full`: frees unit `u`'s whole tensors (their shards stay).
     pub(super) fn release(&self, u: usize, params: &[Tensor]) {
         for t in self.units[u].tensors.clone() {
@@ -524,32 +510,25 @@ impl Shards {
     }
 
     /// AdamW's first and second moments laid out as this rank's state (zeros before a step).
-    fn moment_states(&self, kind: Kind) -> Vec<Tensor> {
+    fn moment_states(&self) -> [Tensor; 2] {
         let state = self.optimizer.moments();
         // Piece i's moments are state[i] (AdamW runs over the pieces in order).
-        (0..2)
-            .map(|which| {
-                self.state_of(
-                    |i, p| match state.get(i) {
-                        Some((m, v)) => [m, v][which].shallow_clone(),
-                        None => Tensor::zeros([p.len], (kind, self.device)),
-                    },
-                    kind,
-                )
-            })
-            .collect()
+        [0, 1].map(|which| {
+            self.state_of(
+                |i, p| match state.get(i) {
+                    Some((m, v)) => [m, v][which].shallow_clone(),
+                    None => Tensor::zeros([p.len], (self.kind, self.device)),
+                },
+                self.kind,
+            )
+        })
     }
 
     /// `Full`: this rank's shard of each unit, flat, for its file of a sharded checkpoint:
     /// weights (`w.U`) and, after a step, moments (`m.U`, `v.U`).
     pub(super) fn shard_tensors(&self) -> Vec<(String, Tensor)> {
         let own = self.own.as_ref().expect("sharded weights");
-        let kind = own.kind();
-        let moments = if self.optimizer.moments().is_empty() {
-            Vec::new()
-        } else {
-            self.moment_states(kind)
-        };
+        let moments = (!self.optimizer.moments().is_empty()).then(|| self.moment_states());
         let mut out = Vec::new();
         for (u, unit) in self.units.iter().enumerate() {
             let part = |t: &Tensor| {
@@ -557,7 +536,7 @@ impl Shards {
                     .to_device(tch::Device::Cpu)
             };
             out.push((format!("w.{u}"), part(own)));
-            for (key, t) in ["m", "v"].iter().zip(&moments) {
+            for (key, t) in ["m", "v"].iter().zip(moments.iter().flatten()) {
                 out.push((format!("{key}.{u}"), part(t)));
             }
         }
@@ -621,7 +600,6 @@ impl Shards {
     /// empty before the first step.
     pub(super) fn gathered_moments(
         &self,
-        kind: Kind,
         group: &dyn Collectives,
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let state = self.optimizer.moments();
@@ -631,18 +609,12 @@ impl Shards {
         if stepped.double_value(&[0]) == 0.0 {
             return Ok(Vec::new());
         }
-        let shards = self.moment_states(kind);
+        let [m, v] = self.moment_states();
         let mut out = Vec::new();
-        for u in 0..self.units.len() {
-            let unit = &self.units[u];
-            let (at, len) = (unit.at, unit.shard_len);
-            let mut whole = Vec::with_capacity(2);
-            for shard in &shards {
-                let full = Tensor::zeros([len * self.world as i64], (kind, self.device));
-                self.timed(|| group.all_gather(&full, &shard.narrow(0, at, len)))?;
-                whole.push(full);
-            }
-            out.extend(split_moments(&whole[0], &whole[1], &unit.shapes));
+        for (u, unit) in self.units.iter().enumerate() {
+            let gather =
+                |s: &Tensor| self.all_gather(u, &s.narrow(0, unit.at, unit.shard_len), group);
+            out.extend(split_moments(&gather(&m)?, &gather(&v)?, &unit.shapes));
         }
         Ok(out)
     }

@@ -1,6 +1,6 @@
-//! One training step over a batch of trajectory segments: π_old once, then the loss in
-//! micro-batches whose gradients accumulate, gradient clipping, one AdamW step at the scheduled
-//! learning rate. The result is exactly the step on the whole batch at once: each micro-batch's
+//! One training step over a batch of trajectory segments: the loss in micro-batches whose
+//! gradients accumulate, gradient clipping, one AdamW step at the scheduled learning rate. The
+//! weights move once per batch, so π_old is each micro-batch's own forward, detached. The result is exactly the step on the whole batch at once: each micro-batch's
 //! loss is weighed by its share of the batch (tokens for token-mean, sequences for
 //! sequence-mean and GSPO).
 //!
@@ -21,9 +21,7 @@ use super::optim::{clip_grad_norm, AdamW, LrSchedule};
 use super::shard::{ShardGrad, Shards};
 pub use super::shard::{ShardLayout, Sharding, Whole};
 pub use super::step::Sample;
-use super::step::{
-    old_logprobs, policy_loss_with, scored, KlPenalty, LossConfig, LossKind, LossMetrics,
-};
+use super::step::{policy_loss, scored, KlPenalty, LossConfig, LossKind, LossMetrics};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
 use crate::model::{CausalLm, NamedSlice};
@@ -325,7 +323,7 @@ impl Trainer {
                 .map(|(m, v)| (m.shallow_clone(), v.shallow_clone()))
                 .collect());
         };
-        shards.gathered_moments(shards.master_kind(&self.params), self.group.as_ref())
+        shards.gathered_moments(self.group.as_ref())
     }
 
     /// Continues from a checkpoint taken after `steps` steps.
@@ -366,7 +364,7 @@ impl Trainer {
         };
         let mut acc: Option<ShardGrad> = (self.shards.as_ref())
             .filter(|s| s.full())
-            .map(|s| s.new_grad(s.master_kind(&self.params)));
+            .map(Shards::new_grad);
         // Sharded weights: every rank runs as many micro-batches as the one with the most (an
         // idle pass gathers and reduces with the others, computing nothing).
         let passes = if acc.is_some() {
@@ -451,35 +449,28 @@ impl Trainer {
     }
 
     /// One micro-batch's forward and backward, its gradient weighed by `weight` into the
-    /// weights' gradients or, with sharded weights, into `acc`; π_old first (no weight moves
-    /// before the optimizer step). `None` runs a sharded rank's idle pass.
+    /// weights' gradients or, with sharded weights, into `acc`. `None` runs a sharded rank's
+    /// idle pass.
     fn pass(
         &self,
-        part: Option<&[Sample]>,
+        samples: Option<&[Sample]>,
         weight: f64,
         acc: Option<&mut ShardGrad>,
     ) -> crate::model::Result<Option<LossMetrics>> {
         let cfg = &self.opts.loss;
-        let old = if acc.is_some() {
-            self.layered().logprobs(part, cfg.temperature)?
-        } else {
-            (part.map(|p| old_logprobs(&self.model, p, cfg.temperature))).transpose()?
-        };
-        let part = match (part, &old) {
-            (Some(samples), Some(old)) => Some(Part {
+        let part = match samples {
+            Some(samples) => Some(Part {
                 samples,
-                old,
                 cfg,
                 kl: self.kl_penalty(samples)?,
                 weight,
             }),
-            _ => None,
+            None => None,
         };
         match (acc, part) {
             (Some(acc), part) => self.layered().train(part.as_ref(), acc),
             (None, Some(p)) => {
-                let (loss, m) =
-                    policy_loss_with(&self.model, p.samples, p.old, cfg, p.kl.as_ref())?;
+                let (loss, m) = policy_loss(&self.model, p.samples, cfg, p.kl.as_ref())?;
                 (loss * weight).backward();
                 Ok(Some(m))
             }
