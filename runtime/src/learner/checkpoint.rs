@@ -23,6 +23,7 @@
 //! more; the newest complete checkpoint is never deleted. When `latest.json` names a folder that
 //! is gone or incomplete, [`latest`] falls back to the newest complete `step-*` folder.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -279,20 +280,15 @@ fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T, RunError>
 
 /// The weights by checkpoint name and the optimizer's moments (empty before the first step) of
 /// the checkpoint in `dir`, whole, however many ranks wrote it.
-pub fn load_tensors(dir: &Path) -> Result<Whole, RunError> {
-    match sharded(dir)? {
-        Some(layout) => layout
-            .unshard(|rank| {
-                let file = dir.join(SHARDS).join(layout.file_name(rank));
-                Tensor::read_safetensors(&file).map_err(|e| io("reading", &file, e).to_string())
-            })
-            .map_err(|e| RunError::Checkpoint(format!("{}: {e}", dir.display()))),
-        None => {
-            let file = dir.join("model.safetensors");
-            let weights = Tensor::read_safetensors(&file).map_err(|e| io("reading", &file, e))?;
-            Ok((weights, load_moments(dir, tch::Device::Cpu)?))
-        }
-    }
+fn load_tensors(dir: &Path) -> Result<Whole, RunError> {
+    let Some(layout) = sharded(dir)? else {
+        let weights = read_tensors(&dir.join("model.safetensors"))?;
+        return Ok((weights, load_moments(dir)?));
+    };
+    let files = (0..layout.world)
+        .map(|rank| read_tensors(&dir.join(SHARDS).join(layout.file_name(rank))))
+        .collect::<Result<_, _>>()?;
+    (layout.unshard(files)).map_err(|e| RunError::Checkpoint(format!("{}: {e}", dir.display())))
 }
 
 /// The policy and the optimizer's moments of the checkpoint in `dir`, in `kind` on `device`.
@@ -301,23 +297,21 @@ pub fn load_policy(
     kind: tch::Kind,
     device: tch::Device,
 ) -> Result<(CausalLm, Vec<(Tensor, Tensor)>), RunError> {
-    if sharded(dir)?.is_none() {
-        return Ok((
-            CausalLm::load(dir, kind, device)?,
-            load_moments(dir, device)?,
-        ));
-    }
-    let (weights, moments) = load_tensors(dir)?;
-    let cfg = ModelConfig::from_dir(dir)?;
-    let weights = weights
-        .into_iter()
-        .map(|(n, t)| (n, t.to_kind(kind).to_device(device)))
-        .collect();
-    let moments = moments
-        .into_iter()
-        .map(|(m, v)| (m.to_device(device), v.to_device(device)))
-        .collect();
-    Ok((CausalLm::from_weights(cfg, weights, kind, device)?, moments))
+    let (model, moments) = if sharded(dir)?.is_none() {
+        (CausalLm::load(dir, kind, device)?, load_moments(dir)?)
+    } else {
+        let (weights, moments) = load_tensors(dir)?;
+        let weights = (weights.into_iter())
+            .map(|(n, t)| (n, t.to_kind(kind).to_device(device)))
+            .collect();
+        let cfg = ModelConfig::from_dir(dir)?;
+        (CausalLm::from_weights(cfg, weights, kind, device)?, moments)
+    };
+    let to = |t: Tensor| t.to_device(device);
+    Ok((
+        model,
+        moments.into_iter().map(|(m, v)| (to(m), to(v))).collect(),
+    ))
 }
 
 /// Writes the policy of a checkpoint (`src`: a `step-N` folder, or a checkpoint root for its
@@ -402,19 +396,22 @@ fn step_folders(root: &Path) -> Vec<u64> {
 }
 
 /// The optimizer moments of the checkpoint in `dir`, in trainable-tensor order.
-pub fn load_moments(dir: &Path, device: tch::Device) -> Result<Vec<(Tensor, Tensor)>, RunError> {
+fn load_moments(dir: &Path) -> Result<Vec<(Tensor, Tensor)>, RunError> {
     let file = dir.join("optimizer.safetensors");
-    let named: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&file)
-        .map_err(|e| io("reading", &file, e))?
-        .into_iter()
-        .collect();
-    let take = |key: String| {
-        let t = named.get(&key).map(|t| t.to_device(device));
-        t.ok_or_else(|| io("reading", &file, format!("no tensor `{key}`")))
-    };
+    let mut named: HashMap<String, Tensor> = read_tensors(&file)?.into_iter().collect();
     (0..named.len() / 2)
-        .map(|i| Ok((take(format!("m.{i}"))?, take(format!("v.{i}"))?)))
+        .map(|i| {
+            let mut take = |key: String| {
+                let missing = || io("reading", &file, format!("no tensor `{key}`"));
+                named.remove(&key).ok_or_else(missing)
+            };
+            Ok((take(format!("m.{i}"))?, take(format!("v.{i}"))?))
+        })
         .collect()
+}
+
+fn read_tensors(file: &Path) -> Result<Vec<(String, Tensor)>, RunError> {
+    Tensor::read_safetensors(file).map_err(|e| io("reading", file, e))
 }
 
 #[cfg(test)]

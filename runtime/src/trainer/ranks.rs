@@ -137,7 +137,13 @@ impl Trainer {
     /// before the first step. With several ranks, called on rank 0.
     pub fn moments(&self) -> Result<Vec<(Tensor, Tensor)>> {
         self.command(Command::Moments, &[])?;
-        self.gather_moments()
+        let Some(shards) = &self.shards else {
+            let moments = self.optimizer.moments().iter();
+            return Ok(moments
+                .map(|(m, v)| (m.shallow_clone(), v.shallow_clone()))
+                .collect());
+        };
+        shards.gathered_moments(self.group.as_ref())
     }
 
     /// The weights to publish or save, by checkpoint name, detached from autograd. They may
@@ -156,10 +162,22 @@ impl Trainer {
     /// (docs/weight-sync.md, "From a sharded trainer"). Every bucket is gathered even when
     /// `emit` no longer wants them: the other ranks take part in each gather.
     pub fn weight_buckets(&self, emit: &mut dyn FnMut(Vec<(String, Tensor)>)) -> Result<()> {
-        if self.weights_sharded() {
-            self.command(Command::Weights, &[])?;
+        match &self.shards {
+            Some(shards) if shards.full() => {
+                self.command(Command::Weights, &[])?;
+                shards.gather_units(&self.params, &self.names, self.group.as_ref(), emit)
+            }
+            _ => {
+                let params = self.model.params();
+                emit(
+                    params
+                        .iter()
+                        .map(|(n, t)| (n.clone(), t.detach()))
+                        .collect(),
+                );
+                Ok(())
+            }
         }
-        self.gather_weights(emit)
     }
 
     /// Sharded weights: every rank writes its shards of the weights and moments into
@@ -224,13 +242,9 @@ impl Trainer {
                     })?;
                     self.step_on(&samples)?;
                 }
-                2 => {
-                    self.gather_moments()?;
-                }
+                2 => _ = self.moments()?,
                 3 => return Ok(self.steps()),
-                4 => {
-                    self.gather_weights(&mut drop)?;
-                }
+                4 => self.weight_buckets(&mut drop)?,
                 5 => {
                     let dir = PathBuf::from(String::from_utf8_lossy(payload).into_owned());
                     if let Err(e) = self.write_shard(&dir) {

@@ -73,14 +73,10 @@ impl ShardLayout {
         shard_file_name(rank, self.world)
     }
 
-    /// The whole tensors from every rank's file (`read(rank)` gives its tensors by name).
-    pub fn unshard(
-        &self,
-        mut read: impl FnMut(usize) -> std::result::Result<Vec<(String, Tensor)>, String>,
-    ) -> std::result::Result<Whole, String> {
-        let files = (0..self.world)
-            .map(|rank| Ok(read(rank)?.into_iter().collect()))
-            .collect::<std::result::Result<Vec<HashMap<String, Tensor>>, String>>()?;
+    /// The whole tensors from every rank's file (`files[rank]`: its tensors by name).
+    pub fn unshard(&self, files: Vec<Vec<(String, Tensor)>>) -> std::result::Result<Whole, String> {
+        let files: Vec<HashMap<String, Tensor>> =
+            files.into_iter().map(|f| f.into_iter().collect()).collect();
         // Unit `u`'s tensors `key` (`w`, `m` or `v`) flat: every rank's shard, in rank order.
         let flat = |key: &str, u: usize| -> std::result::Result<Tensor, String> {
             let (key, len) = (format!("{key}.{u}"), self.units[u].shard_len);

@@ -1,8 +1,8 @@
 //! One training step over a batch of trajectory segments: the loss in micro-batches whose
 //! gradients accumulate, gradient clipping, one AdamW step at the scheduled learning rate. The
-//! weights move once per batch, so π_old is each micro-batch's own forward, detached. The result is exactly the step on the whole batch at once: each micro-batch's
-//! loss is weighed by its share of the batch (tokens for token-mean, sequences for
-//! sequence-mean and GSPO).
+//! weights move once per batch, so π_old is each micro-batch's own forward, detached. The result
+//! is exactly the step on the whole batch at once: each micro-batch's loss is weighed by its
+//! share of the batch (tokens for token-mean, sequences for sequence-mean and GSPO).
 //!
 //! With several ranks (rank 0 leading the others, `ranks.rs`) each rank trains on its contiguous
 //! part of the batch, with the same shares of the whole batch, and the optimizer state, the
@@ -100,11 +100,11 @@ pub struct StepStats {
 /// The trainable policy with its optimizer.
 #[derive(Debug)]
 pub struct Trainer {
-    model: CausalLm,
+    pub(super) model: CausalLm,
     /// The tensors the optimizer updates, in [`CausalLm::trainable`] order.
     pub(super) params: Vec<Tensor>,
     /// One rank's optimizer; unused when `shards` holds the sharded one.
-    optimizer: AdamW,
+    pub(super) optimizer: AdamW,
     pub(super) group: Box<dyn Collectives>,
     pub(super) shards: Option<Shards>,
     /// Where each checkpoint name lies in `params` (the model forgets its names when its weights
@@ -257,16 +257,6 @@ impl Trainer {
         self.shards.as_ref().is_some_and(Shards::full)
     }
 
-    /// The forward and backward of sharded weights.
-    fn layered(&self) -> Layered<'_> {
-        Layered {
-            model: &self.model,
-            shards: self.shards.as_ref().expect("several ranks"),
-            params: &self.params,
-            group: self.group.as_ref(),
-        }
-    }
-
     /// Bytes of weights this rank keeps between steps: the whole model's, or with sharded
     /// weights its shards'.
     pub fn weight_bytes(&self) -> usize {
@@ -288,42 +278,6 @@ impl Trainer {
                 shards.shard_weights(&self.params);
             }
         }
-    }
-
-    /// The weights by checkpoint name, handed to `emit` in buckets: with sharded weights one
-    /// unit (a layer) at a time as it is gathered, a collective called by every rank
-    /// ([`Trainer::weight_buckets`] on rank 0 commands the others); else all at once.
-    pub(super) fn gather_weights(
-        &self,
-        emit: &mut dyn FnMut(Vec<(String, Tensor)>),
-    ) -> crate::dist::Result<()> {
-        match &self.shards {
-            Some(shards) if shards.full() => {
-                shards.gather_units(&self.params, &self.names, self.group.as_ref(), emit)
-            }
-            _ => {
-                let params = self.model.params();
-                emit(
-                    params
-                        .iter()
-                        .map(|(n, t)| (n.clone(), t.detach()))
-                        .collect(),
-                );
-                Ok(())
-            }
-        }
-    }
-
-    /// The moments, whole; with several ranks a collective every rank calls (empty before the
-    /// first step).
-    pub(super) fn gather_moments(&self) -> crate::dist::Result<Vec<(Tensor, Tensor)>> {
-        let Some(shards) = &self.shards else {
-            let moments = self.optimizer.moments().iter();
-            return Ok(moments
-                .map(|(m, v)| (m.shallow_clone(), v.shallow_clone()))
-                .collect());
-        };
-        shards.gathered_moments(self.group.as_ref())
     }
 
     /// Continues from a checkpoint taken after `steps` steps.
@@ -395,10 +349,7 @@ impl Trainer {
                 let summed = Tensor::from_slice(&sums);
                 shards.timed(|| group.all_reduce(&summed, ReduceOp::Sum))?;
                 sums.copy_from_slice(&Vec::<f64>::try_from(&summed).expect("a double vector"));
-                let mut g = match acc {
-                    Some(g) => g,
-                    None => shards.reduce_grads(&self.params, group)?,
-                };
+                let mut g = acc.map_or_else(|| shards.reduce_grads(&self.params, group), Ok)?;
                 shards.finish_grad(&mut g, group)?;
                 (shards.clip(&mut g, max_norm, group)?, Some(g))
             }
@@ -468,7 +419,17 @@ impl Trainer {
             None => None,
         };
         match (acc, part) {
-            (Some(acc), part) => self.layered().train(part.as_ref(), acc),
+            (Some(acc), part) => {
+                let shards = self.shards.as_ref().expect("several ranks");
+                let (model, params, group) = (&self.model, &self.params[..], self.group.as_ref());
+                Layered {
+                    model,
+                    shards,
+                    params,
+                    group,
+                }
+                .train(part.as_ref(), acc)
+            }
             (None, Some(p)) => {
                 let (loss, m) = policy_loss(&self.model, p.samples, cfg, p.kl.as_ref())?;
                 (loss * weight).backward();
