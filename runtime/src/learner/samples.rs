@@ -177,11 +177,7 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
         }
         let (shape, ids) = decode_routed_experts(&chunk.data).map_err(RunError::Setup)?;
         let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
-        rows.push(Tensor::from_slice(&ids).view([
-            shape[0] as i64,
-            shape[1] as i64,
-            shape[2] as i64,
-        ]));
+        rows.push(Tensor::from_slice(&ids).view(shape.map(|d| d as i64)));
         next += shape[0];
     }
     let mut t = Tensor::cat(&rows, 0);

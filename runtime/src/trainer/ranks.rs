@@ -39,14 +39,11 @@ pub struct Setup {
 
 /// What rank 0 tells the followers to do next: the first byte of each command it broadcasts,
 /// the rest its payload (a batch, a folder).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Command {
-    Step = 1,
-    Moments = 2,
-    Stop = 3,
-    Weights = 4,
-    SaveShards = 5,
-}
+const STEP: u8 = 1;
+const MOMENTS: u8 = 2;
+const STOP: u8 = 3;
+const WEIGHTS: u8 = 4;
+const SAVE_SHARDS: u8 = 5;
 
 /// Broadcasts bytes from rank 0 (`Some` there, `None` elsewhere); every rank returns them.
 fn broadcast_bytes(group: &dyn Collectives, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
@@ -114,12 +111,10 @@ impl Trainer {
     }
 
     /// Rank 0: tells the followers what to do next.
-    fn command(&self, command: Command, payload: &[u8]) -> Result<()> {
+    fn command(&self, command: u8, payload: &[u8]) -> Result<()> {
         if self.leads() {
-            broadcast_bytes(
-                self.group.as_ref(),
-                Some(&[&[command as u8], payload].concat()),
-            )?;
+            let bytes = [&[command], payload].concat();
+            broadcast_bytes(self.group.as_ref(), Some(&bytes))?;
         }
         Ok(())
     }
@@ -128,7 +123,7 @@ impl Trainer {
     /// which hands the batch to the others).
     pub fn step(&mut self, samples: &[Sample]) -> crate::model::Result<super::train::StepStats> {
         if self.leads() {
-            self.command(Command::Step, &encode(samples))?;
+            self.command(STEP, &encode(samples))?;
         }
         self.step_on(samples)
     }
@@ -136,12 +131,10 @@ impl Trainer {
     /// The optimizer's moments, whole, in [`CausalLm::trainable`] order (for checkpoints); empty
     /// before the first step. With several ranks, called on rank 0.
     pub fn moments(&self) -> Result<Vec<(Tensor, Tensor)>> {
-        self.command(Command::Moments, &[])?;
+        self.command(MOMENTS, &[])?;
         let Some(shards) = &self.shards else {
-            let moments = self.optimizer.moments().iter();
-            return Ok(moments
-                .map(|(m, v)| (m.shallow_clone(), v.shallow_clone()))
-                .collect());
+            let clone = |(m, v): &(Tensor, Tensor)| (m.shallow_clone(), v.shallow_clone());
+            return Ok(self.optimizer.moments().iter().map(clone).collect());
         };
         shards.gathered_moments(self.group.as_ref())
     }
@@ -164,17 +157,12 @@ impl Trainer {
     pub fn weight_buckets(&self, emit: &mut dyn FnMut(Vec<(String, Tensor)>)) -> Result<()> {
         match &self.shards {
             Some(shards) if shards.full() => {
-                self.command(Command::Weights, &[])?;
+                self.command(WEIGHTS, &[])?;
                 shards.gather_units(&self.params, &self.names, self.group.as_ref(), emit)
             }
             _ => {
-                let params = self.model.params();
-                emit(
-                    params
-                        .iter()
-                        .map(|(n, t)| (n.clone(), t.detach()))
-                        .collect(),
-                );
+                let detached = |(n, t): (&String, &Tensor)| (n.clone(), t.detach());
+                emit(self.model.params().iter().map(detached).collect());
                 Ok(())
             }
         }
@@ -185,8 +173,7 @@ impl Trainer {
     /// (docs/distributed.md, "Checkpoints"). Called on rank 0; returns once every rank's file is
     /// written and synced, or an error if any rank could not write its own.
     pub fn save_shards(&self, dir: &Path) -> crate::model::Result<()> {
-        let path = dir.to_string_lossy();
-        self.command(Command::SaveShards, path.as_bytes())?;
+        self.command(SAVE_SHARDS, dir.to_string_lossy().as_bytes())?;
         self.write_shard(dir)?;
         let layout = (self.shards.as_ref())
             .expect("several ranks")
@@ -224,7 +211,7 @@ impl Trainer {
 
     /// Rank 0, at the end of a run: the followers return from [`Trainer::follow`].
     pub fn stop_followers(&self) -> Result<()> {
-        self.command(Command::Stop, &[])
+        self.command(STOP, &[])
     }
 
     /// A follower: does what rank 0 commands until it says stop; returns the steps taken.
@@ -236,16 +223,16 @@ impl Trainer {
             self.group.set_timeout(group_timeout)?;
             let (&command, payload) = bytes.split_first().unwrap_or((&0, &[]));
             match command {
-                1 => {
+                STEP => {
                     let samples = decode(payload).map_err(|e| {
                         Error::Config(format!("rank 0 sent a batch this rank cannot read: {e}"))
                     })?;
                     self.step_on(&samples)?;
                 }
-                2 => _ = self.moments()?,
-                3 => return Ok(self.steps()),
-                4 => self.weight_buckets(&mut drop)?,
-                5 => {
+                MOMENTS => _ = self.moments()?,
+                STOP => return Ok(self.steps()),
+                WEIGHTS => self.weight_buckets(&mut drop)?,
+                SAVE_SHARDS => {
                     let dir = PathBuf::from(String::from_utf8_lossy(payload).into_owned());
                     if let Err(e) = self.write_shard(&dir) {
                         // Rank 0 says so too, and tries again or carries on without this

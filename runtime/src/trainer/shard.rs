@@ -50,17 +50,11 @@ pub struct ShardLayout {
     pub world: usize,
     /// Per unit: its tensors' shapes (the trainable tensors in order) and each rank's shard
     /// length.
-    pub units: Vec<UnitLayout>,
+    pub units: Vec<Unit>,
     /// Where each checkpoint-named weight lies in the trainable tensors.
     pub names: Vec<NamedSlice>,
     /// Whether the files hold AdamW moments (`m.U`, `v.U`; none before the first step).
     pub moments: bool,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct UnitLayout {
-    pub shapes: Vec<Vec<i64>>,
-    pub shard_len: i64,
 }
 
 /// A sharded checkpoint put back together: the weights by checkpoint name and the moments of
@@ -154,15 +148,20 @@ struct Piece {
     at: i64,
 }
 
-/// A group of trainable tensors gathered together.
-#[derive(Debug)]
-struct Unit {
+/// A group of trainable tensors gathered together; its shapes and shard length are also its
+/// layout in a sharded checkpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Unit {
+    /// Each tensor's shape, and the length of each rank's shard of the unit.
+    pub shapes: Vec<Vec<i64>>,
+    pub shard_len: i64,
+    #[serde(skip)]
     tensors: Range<usize>,
-    /// Each tensor's shape, and where it starts in the unit's flat layout.
-    shapes: Vec<Vec<i64>>,
+    /// Where each tensor starts in the unit's flat layout.
+    #[serde(skip)]
     offsets: Vec<i64>,
-    shard_len: i64,
     /// Where this rank's shard of the unit starts in its state.
+    #[serde(skip)]
     at: i64,
 }
 
@@ -215,48 +214,37 @@ impl Shards {
             Sharding::Optimizer => std::iter::once(0..params.len()).collect(),
             Sharding::Full => units,
         };
-        let (mut pieces, mut state_len) = (Vec::new(), 0);
-        let units = units
-            .into_iter()
-            .map(|tensors| {
-                let shapes: Vec<Vec<i64>> =
-                    params[tensors.clone()].iter().map(Tensor::size).collect();
-                let numels = shapes.iter().map(|s| s.iter().product::<i64>());
-                let offsets: Vec<i64> = (numels.clone())
-                    .scan(0, |at, n| {
-                        *at += n;
-                        Some(*at - n)
-                    })
-                    .collect();
-                let total: i64 = numels.sum();
-                let w = world as i64;
-                let shard_len = (total + w - 1) / w;
-                let (lo, hi) = (rank as i64 * shard_len, (rank as i64 + 1) * shard_len);
-                for (i, (s, &off)) in shapes.iter().zip(&offsets).enumerate() {
-                    let n: i64 = s.iter().product();
-                    let (a, b) = (off.max(lo), (off + n).min(hi));
-                    if a < b {
-                        pieces.push(Piece {
-                            tensor: tensors.start + i,
-                            start: a - off,
-                            len: b - a,
-                            at: state_len + a - lo,
-                        });
-                    }
+        let (mut pieces, mut state_len, mut out, w) = (Vec::new(), 0, Vec::new(), world as i64);
+        for tensors in units {
+            let unit = &params[tensors.clone()];
+            let total: i64 = unit.iter().map(|p| p.numel() as i64).sum();
+            let shard_len = (total + w - 1) / w;
+            let (lo, hi) = (rank as i64 * shard_len, (rank as i64 + 1) * shard_len);
+            let (mut offsets, mut off) = (Vec::new(), 0);
+            for (tensor, p) in tensors.clone().zip(unit) {
+                let (a, b) = (off.max(lo), (off + p.numel() as i64).min(hi));
+                if a < b {
+                    pieces.push(Piece {
+                        tensor,
+                        start: a - off,
+                        len: b - a,
+                        at: state_len + a - lo,
+                    });
                 }
-                let unit = Unit {
-                    tensors,
-                    shapes,
-                    offsets,
-                    shard_len,
-                    at: state_len,
-                };
-                state_len += shard_len;
-                unit
-            })
-            .collect();
+                offsets.push(off);
+                off += p.numel() as i64;
+            }
+            out.push(Unit {
+                shapes: unit.iter().map(Tensor::size).collect(),
+                shard_len,
+                tensors,
+                offsets,
+                at: state_len,
+            });
+            state_len += shard_len;
+        }
         Self {
-            units,
+            units: out,
             pieces,
             state_len,
             world,
@@ -543,14 +531,7 @@ impl Shards {
     pub(super) fn layout(&self, names: &[NamedSlice]) -> ShardLayout {
         ShardLayout {
             world: self.world,
-            units: self
-                .units
-                .iter()
-                .map(|u| UnitLayout {
-                    shapes: u.shapes.clone(),
-                    shard_len: u.shard_len,
-                })
-                .collect(),
+            units: self.units.clone(),
             names: names.to_vec(),
             moments: !self.optimizer.moments().is_empty(),
         }
