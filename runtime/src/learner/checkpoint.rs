@@ -201,16 +201,15 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
         Err(e) => return Err(io("reading", &pointer, e)),
     };
     let named = serde_json::from_str::<serde_json::Value>(&text)
-        .map_err(|e| Unusable::File(io("parsing", &pointer, e)))
+        .map_err(|e| io("parsing", &pointer, e))
         .and_then(|v| {
-            let name = v["path"]
-                .as_str()
-                .ok_or_else(|| Unusable::NoPath(pointer.clone()))?;
-            complete(&root.join(name))
+            let name = v["path"].as_str();
+            complete(&root.join(name.ok_or_else(|| io("reading", &pointer, "no `path`"))?))
         });
     let why = match named {
         Ok(found) => return Ok(Some(found)),
-        Err(why) => why,
+        Err(RunError::Checkpoint(why)) => why,
+        Err(why) => why.to_string(),
     };
     let mut newest = step_folders(root).into_iter().rev();
     let Some((dir, meta)) = newest.find_map(|step| complete(&step_dir(root, step)).ok()) else {
@@ -261,7 +260,7 @@ fn checkpoint_at(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
             RunError::Checkpoint(format!("no complete checkpoint under {}", dir.display()))
         });
     }
-    Ok(complete(dir)?)
+    complete(dir)
 }
 
 /// The layout of the sharded checkpoint in `dir`; `None` for a checkpoint of whole tensors.
@@ -340,9 +339,9 @@ pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
 
 /// The checkpoint in `dir` if it is complete (its metadata and its tensor files: the model's
 /// and the optimizer's, or every rank's shard file and their layout).
-fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), Unusable> {
+fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
     // Joined to `dir`, an absolute path stays as it is.
-    let files: Vec<PathBuf> = match sharded(dir).map_err(Unusable::File)? {
+    let files: Vec<PathBuf> = match sharded(dir)? {
         Some(layout) => (0..layout.world)
             .map(|rank| dir.join(SHARDS).join(layout.file_name(rank)))
             .collect(),
@@ -351,31 +350,10 @@ fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), Unusable> {
             .into(),
     };
     if let Some(file) = files.into_iter().find(|f| !dir.join(f).is_file()) {
-        let dir = dir.to_path_buf();
-        return Err(Unusable::Missing { dir, file });
+        let (dir, file) = (dir.display(), file.display());
+        return Err(RunError::Checkpoint(format!("{dir} has no {file}")));
     }
-    let meta = read_json(&dir.join("moult.json")).map_err(Unusable::File)?;
-    Ok((dir.to_path_buf(), meta))
-}
-
-/// Why a checkpoint folder cannot be resumed from.
-#[derive(Debug, thiserror::Error)]
-enum Unusable {
-    #[error("{} has no {}", dir.display(), file.display())]
-    Missing { dir: PathBuf, file: PathBuf },
-    #[error("{}: no `path`", .0.display())]
-    NoPath(PathBuf),
-    #[error("{0}")]
-    File(RunError),
-}
-
-impl From<Unusable> for RunError {
-    fn from(e: Unusable) -> Self {
-        match e {
-            Unusable::File(e) => e,
-            other => RunError::Checkpoint(other.to_string()),
-        }
-    }
+    Ok((dir.to_path_buf(), read_json(&dir.join("moult.json"))?))
 }
 
 /// The steps of the `step-*` folders under `root`, ascending.

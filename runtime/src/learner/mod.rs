@@ -408,10 +408,12 @@ impl Drop for Learner {
     fn drop(&mut self) {
         // Rank 0 of several: the other ranks stop (local ones' processes end as the followers
         // drop; trainer pods exit and their StatefulSet starts them again, to wait for rank 0).
-        if let Some(trainer) = self.trainer.as_ref().filter(|t| t.world_size() > 1) {
-            if let Err(e) = trainer.stop_followers() {
-                tracing::warn!("stopping the other trainer ranks: {e}");
-            }
+        if let Err(e) = self
+            .trainer
+            .as_ref()
+            .map_or(Ok(()), Trainer::stop_followers)
+        {
+            tracing::warn!("stopping the other trainer ranks: {e}");
         }
     }
 }

@@ -388,11 +388,8 @@ impl Trainer {
             // The micro-batches' gathers and reductions, the step's, and the optimizer's.
             (stats.collective_seconds, stats.gather_seconds) = shards.take_seconds();
         }
-        for p in &self.params {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.zero_();
-            }
+        for mut g in self.params.iter().map(Tensor::grad).filter(Tensor::defined) {
+            let _ = g.zero_();
         }
         self.steps += 1;
         stats.seconds = started.elapsed().as_secs_f64();
