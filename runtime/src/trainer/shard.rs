@@ -427,17 +427,11 @@ impl Shards {
         Ok(())
     }
 
-    /// Bytes of optimizer state this rank holds (its shards' moments).
+    /// Bytes this rank keeps between steps: its shards' moments and, with `Full`, its shards of
+    /// the weights (else the whole weights are the model's).
     pub(super) fn state_bytes(&self) -> usize {
-        self.optimizer.state_bytes()
-    }
-
-    /// Bytes of weights this rank keeps between steps: its shards with `Full`, else none (the
-    /// whole weights are the model's).
-    pub(super) fn weight_bytes(&self) -> usize {
-        self.own
-            .as_ref()
-            .map_or(0, |o| o.numel() * o.kind().elt_size_in_bytes())
+        let own = self.own.as_ref();
+        self.optimizer.state_bytes() + own.map_or(0, |o| o.numel() * o.kind().elt_size_in_bytes())
     }
 
     /// Every rank's shard of unit `u`'s weights into every rank's tensors of it: with `Full`,

@@ -181,15 +181,11 @@ impl Trainer {
             return Err(TrainerError::NoMicroBatch);
         }
         let full = group.world() > 1 && opts.sharding == Sharding::Full;
-        if model.vision_unit().is_some() {
-            if opts.freeze_vision {
-                model.freeze_vision();
-            }
-            if full {
-                return Err(TrainerError::ShardedVisionTower);
-            }
-        } else if opts.freeze_vision {
-            return Err(TrainerError::NoVisionTower);
+        match (model.vision_unit().is_some(), opts.freeze_vision) {
+            (true, _) if full => return Err(TrainerError::ShardedVisionTower),
+            (true, true) => model.freeze_vision(),
+            (false, true) => return Err(TrainerError::NoVisionTower),
+            _ => {}
         }
         if opts.bf16_compute && !full {
             return Err(TrainerError::UnshardedBf16);
@@ -243,31 +239,25 @@ impl Trainer {
         self.group.world()
     }
 
-    /// Bytes of AdamW moments this rank holds: all of them with one rank, its shard's with
-    /// several.
-    pub fn optimizer_state_bytes(&self) -> usize {
+    /// Bytes of weights and AdamW moments this rank keeps between steps: all of them with one
+    /// rank; with several its shard of the moments and the whole weights, or with sharded
+    /// weights its shards of both.
+    pub fn state_bytes(&self) -> usize {
+        let whole = || {
+            self.params
+                .iter()
+                .map(|p| p.numel() * p.kind().elt_size_in_bytes())
+        };
         match &self.shards {
-            Some(shards) => shards.state_bytes(),
-            None => self.optimizer.state_bytes(),
+            Some(shards) if shards.full() => shards.state_bytes(),
+            Some(shards) => shards.state_bytes() + whole().sum::<usize>(),
+            None => self.optimizer.state_bytes() + whole().sum::<usize>(),
         }
     }
 
     /// Whether each rank keeps only its shards of the weights.
     pub fn weights_sharded(&self) -> bool {
         self.shards.as_ref().is_some_and(Shards::full)
-    }
-
-    /// Bytes of weights this rank keeps between steps: the whole model's, or with sharded
-    /// weights its shards'.
-    pub fn weight_bytes(&self) -> usize {
-        match &self.shards {
-            Some(shards) if shards.full() => shards.weight_bytes(),
-            _ => self
-                .params
-                .iter()
-                .map(|p| p.numel() * p.kind().elt_size_in_bytes())
-                .sum(),
-        }
     }
 
     /// Sharded weights: keeps this rank's shards and frees the whole tensors (once every rank
