@@ -41,16 +41,6 @@ const EMBED: usize = 0;
 const NORM: usize = 1;
 const LAYERS: usize = 2;
 
-/// One micro-batch's part of a training step.
-pub(super) struct Part<'a> {
-    pub samples: &'a [Sample],
-    pub cfg: &'a LossConfig,
-    /// The KL penalty's weight and the reference's logprobs, with one.
-    pub kl: Option<KlPenalty>,
-    /// The micro-batch's share of the whole batch's loss.
-    pub weight: f64,
-}
-
 /// A micro-batch's forward: its stages, which rows are targets, the last layer's hidden states,
 /// and each layer's input and routing (when kept for the backward).
 struct Forwarded<'m> {
@@ -130,14 +120,18 @@ impl Layered<'_> {
             }))
     }
 
-    /// One micro-batch's forward and backward; its weighted gradient goes into `acc`. `None`
+    /// One micro-batch's forward and backward (its loss with the KL penalty `kl`, when there is
+    /// one); its gradient, weighed by `weight` (its share of the batch), goes into `acc`. `None`
     /// runs an idle pass. Returns the micro-batch's loss metrics.
     pub fn train(
         &self,
-        part: Option<&Part<'_>>,
+        samples: Option<&[Sample]>,
+        cfg: &LossConfig,
+        kl: Option<&KlPenalty>,
+        weight: f64,
         acc: &mut ShardGrad,
     ) -> Result<Option<LossMetrics>> {
-        let forwarded = self.forward(part.map(|p| p.samples))?;
+        let forwarded = self.forward(samples)?;
         let head_units = [NORM, self.head_unit()];
         let head_params: Vec<Tensor> = head_units
             .iter()
@@ -145,18 +139,16 @@ impl Layered<'_> {
             .collect();
         // The head: the loss, then its backward in chunks.
         let head = self.with(&head_units, || {
-            let (Some(f), Some(part)) = (&forwarded, part) else {
+            let (Some(f), Some(samples)) = (&forwarded, samples) else {
                 return Ok(None);
             };
-            let (logp, entropy) = f.head_rows(part.cfg.temperature);
+            let (logp, entropy) = f.head_rows(cfg.temperature);
             let logp = f.targets.padded(&logp).set_requires_grad(true);
             let entropy = f.targets.padded(&entropy);
-            let (loss, metrics) =
-                loss_of(&logp, &entropy, part.samples, part.cfg, part.kl.as_ref());
-            let dlogp =
-                Tensor::run_backward(&[loss * part.weight], &[&logp], false, false).remove(0);
+            let (loss, metrics) = loss_of(&logp, &entropy, samples, cfg, kl);
+            let dlogp = Tensor::run_backward(&[loss * weight], &[&logp], false, false).remove(0);
             let dpicked = dlogp.reshape([-1]).index_select(0, &f.targets.at);
-            let grads = f.head_backward(&head_params, part.cfg.temperature, &dpicked);
+            let grads = f.head_backward(&head_params, cfg.temperature, &dpicked);
             Ok(Some((metrics, grads)))
         })?;
         let (metrics, mut grads) = match head {

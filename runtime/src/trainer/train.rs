@@ -15,7 +15,7 @@ use std::time::Instant;
 use serde::Serialize;
 use tch::Tensor;
 
-use super::layered::{Layered, Part};
+use super::layered::Layered;
 use super::logprobs::token_logprobs;
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
 use super::shard::{ShardGrad, Shards};
@@ -396,29 +396,21 @@ impl Trainer {
         acc: Option<&mut ShardGrad>,
     ) -> crate::model::Result<Option<LossMetrics>> {
         let cfg = &self.opts.loss;
-        let part = match samples {
-            Some(samples) => Some(Part {
-                samples,
-                cfg,
-                kl: self.kl_penalty(samples)?,
-                weight,
-            }),
-            None => None,
-        };
-        match (acc, part) {
-            (Some(acc), part) => {
+        let kl = samples.map(|s| self.kl_penalty(s)).transpose()?.flatten();
+        match (acc, samples) {
+            (Some(acc), samples) => {
                 let shards = self.shards.as_ref().expect("several ranks");
                 let (model, params, group) = (&self.model, &self.params[..], self.group.as_ref());
-                Layered {
+                let layered = Layered {
                     model,
                     shards,
                     params,
                     group,
-                }
-                .train(part.as_ref(), acc)
+                };
+                layered.train(samples, cfg, kl.as_ref(), weight, acc)
             }
-            (None, Some(p)) => {
-                let (loss, m) = policy_loss(&self.model, p.samples, cfg, p.kl.as_ref())?;
+            (None, Some(samples)) => {
+                let (loss, m) = policy_loss(&self.model, samples, cfg, kl.as_ref())?;
                 (loss * weight).backward();
                 Ok(Some(m))
             }
