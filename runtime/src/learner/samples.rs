@@ -49,16 +49,13 @@ pub fn advantages(
             "groups of unequal size in one batch".into(),
         ));
     }
-    let penalties: Vec<f64> = batch
-        .iter()
-        .flat_map(|b| &b.episodes)
+    let episodes = batch.iter().flat_map(|b| &b.episodes);
+    let penalties: Vec<f64> = (episodes.clone())
         .map(|e| overlong.map_or(0.0, |o| o.penalty(sampled_tokens(e))))
         .collect();
-    let rewards: Vec<f64> = batch
-        .iter()
-        .flat_map(|b| b.episodes.iter().map(|e| e.reward))
+    let rewards: Vec<f64> = episodes
         .zip(&penalties)
-        .map(|(r, p)| r + p)
+        .map(|(e, p)| e.reward + p)
         .collect();
     let r = Tensor::from_slice(&rewards).view([batch.len() as i64, g as i64]);
     let a = match estimator {
@@ -70,11 +67,8 @@ pub fn advantages(
         Estimator::OnPolicyDistillation => r.zeros_like(),
     };
     let flat: Vec<f64> = Vec::try_from(a.flatten(0, -1)).expect("advantages are doubles");
-    let penalty_mean = overlong.map(|_| mean_std(&penalties).0);
-    Ok((
-        flat.chunks(g.max(1)).map(<[f64]>::to_vec).collect(),
-        penalty_mean,
-    ))
+    let per_group = flat.chunks(g.max(1)).map(<[f64]>::to_vec).collect();
+    Ok((per_group, overlong.map(|_| mean_std(&penalties).0)))
 }
 
 /// On-policy distillation: each sampled token's advantage is the teacher's logprob of it minus

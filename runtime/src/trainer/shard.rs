@@ -289,7 +289,7 @@ impl Shards {
     /// `Full`: keeps this rank's shards of `params` and frees the whole tensors (once, when the
     /// ranks agree on the weights).
     pub(super) fn shard_weights(&mut self, params: &[Tensor]) {
-        let own = self.state_of(|_, p| piece_of(params, p), self.kind);
+        let own = self.state_of(|_, p| piece_of(params, p));
         self.own = Some(own);
         for u in 0..self.units.len() {
             self.release(u, params);
@@ -377,12 +377,9 @@ impl Shards {
         // In float64, a few million elements at a time: the whole shard in float64 would take
         // twice its memory, twice over.
         const CHUNK: i64 = 1 << 22;
-        let len = g.grad.size()[0];
-        let sum: f64 = (0..len)
-            .step_by(CHUNK as usize)
-            .map(|start| {
-                g.grad
-                    .narrow(0, start, CHUNK.min(len - start))
+        let sum: f64 = (g.grad.split(CHUNK, 0).iter())
+            .map(|chunk| {
+                chunk
                     .to_kind(Kind::Double)
                     .square()
                     .sum(Kind::Double)
@@ -444,15 +441,10 @@ impl Shards {
         group: &dyn Collectives,
     ) -> Result<Tensor> {
         let unit = &self.units[u];
+        let (at, len, compute) = (unit.at, unit.shard_len, self.compute.unwrap_or(self.kind));
         let shard = match &self.own {
-            Some(own) => {
-                (own.narrow(0, unit.at, unit.shard_len)).to_kind(self.compute.unwrap_or(own.kind()))
-            }
-            None => self.state_of(|_, p| piece_of(params, p), self.kind).narrow(
-                0,
-                unit.at,
-                unit.shard_len,
-            ),
+            Some(own) => own.narrow(0, at, len).to_kind(compute),
+            None => self.state_of(|_, p| piece_of(params, p)).narrow(0, at, len),
         };
         let started = Instant::now();
         let full = self.all_gather(u, &shard, group)?;
@@ -492,13 +484,10 @@ impl Shards {
         let state = self.optimizer.moments();
         // Piece i's moments are state[i] (AdamW runs over the pieces in order).
         [0, 1].map(|which| {
-            self.state_of(
-                |i, p| match state.get(i) {
-                    Some((m, v)) => [m, v][which].shallow_clone(),
-                    None => Tensor::zeros([p.len], (self.kind, self.device)),
-                },
-                self.kind,
-            )
+            self.state_of(|i, p| match state.get(i) {
+                Some((m, v)) => [m, v][which].shallow_clone(),
+                None => Tensor::zeros([p.len], (self.kind, self.device)),
+            })
         })
     }
 
@@ -557,8 +546,8 @@ impl Shards {
     }
 
     /// This rank's state built from each piece's tensor, padded.
-    fn state_of(&self, piece: impl Fn(usize, &Piece) -> Tensor, kind: Kind) -> Tensor {
-        let state = Tensor::zeros([self.state_len], (kind, self.device));
+    fn state_of(&self, piece: impl Fn(usize, &Piece) -> Tensor) -> Tensor {
+        let state = Tensor::zeros([self.state_len], (self.kind, self.device));
         tch::no_grad(|| {
             for (i, p) in self.pieces.iter().enumerate() {
                 state.narrow(0, p.at, p.len).copy_(&piece(i, p));
