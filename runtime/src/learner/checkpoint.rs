@@ -33,7 +33,7 @@ use crate::error::RunError;
 use crate::model::{CausalLm, ModelConfig};
 use crate::records::files::{io, sync_dir, sync_file, write_atomic};
 use crate::rollout::RolloutState;
-use crate::trainer::ranks::{LAYOUT, SHARDS};
+use crate::trainer::ranks::SHARDS;
 use crate::trainer::train::{ShardLayout, Trainer, Whole};
 
 /// The model folder's files a checkpoint carries along, so it is servable as it is.
@@ -47,6 +47,9 @@ const MODEL_FILES: [&str; 7] = [
     // A vision-language model's image preprocessing (docs/vision.md).
     "preprocessor_config.json",
 ];
+
+/// The layout of a sharded checkpoint, in its `shards/` folder.
+const LAYOUT: &str = "layout.json";
 
 /// Checkpoints kept; older ones are deleted once a newer one is complete.
 const KEEP: usize = 2;
@@ -105,7 +108,8 @@ fn fill(
     meta: &CheckpointMeta,
 ) -> Result<(), RunError> {
     if trainer.weights_sharded() {
-        trainer.save_shards(tmp)?;
+        let layout = trainer.save_shards(tmp)?;
+        write_json(&tmp.join(SHARDS).join(LAYOUT), &layout)?;
         sync_dir(&tmp.join(SHARDS))?;
     } else {
         let weights = trainer.weights().map_err(crate::model::Error::from)?;
@@ -120,12 +124,7 @@ fn fill(
         write_tensors(&tmp.join("optimizer.safetensors"), &moments)?;
     }
     copy_model_files(model_dir, tmp)?;
-    let meta_file = tmp.join("moult.json");
-    std::fs::write(
-        &meta_file,
-        serde_json::to_vec_pretty(meta).expect("meta serializes"),
-    )
-    .map_err(|e| io("writing", &meta_file, e))
+    write_json(&tmp.join("moult.json"), meta)
 }
 
 /// Fills the folder `tmp` with `fill`, syncs its files and itself, and renames it to `dest`
@@ -270,6 +269,11 @@ fn sharded(dir: &Path) -> Result<Option<ShardLayout>, RunError> {
         return Ok(None);
     }
     read_json(&file).map(Some)
+}
+
+fn write_json(file: &Path, value: &impl Serialize) -> Result<(), RunError> {
+    let json = serde_json::to_vec_pretty(value).expect("plain data serializes");
+    std::fs::write(file, json).map_err(|e| io("writing", file, e))
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T, RunError> {

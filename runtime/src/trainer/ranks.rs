@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::shard::shard_file_name;
+use super::shard::{shard_file_name, ShardLayout};
 use super::train::{Sample, Trainer, TrainerOptions};
 use crate::dist::{Collectives, Error, ReduceOp, Result};
 use crate::model::{CausalLm, ImageInput};
@@ -20,9 +20,8 @@ use crate::vision::ProcessedImage;
 /// long. A lost rank 0 closes its connections, which a follower sees at once.
 const COMMAND_WAIT: Duration = Duration::from_secs(24 * 3600);
 
-/// The folder of a checkpoint that holds its shard files, and the layout file in it.
+/// The folder of a checkpoint that holds its shard files.
 pub const SHARDS: &str = "shards";
-pub const LAYOUT: &str = "layout.json";
 
 /// What every rank needs to build the same trainer, sent by rank 0 on joining.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -169,21 +168,17 @@ impl Trainer {
     }
 
     /// Sharded weights: every rank writes its shards of the weights and moments into
-    /// `dir/shards/` with no gather, and rank 0 the layout that puts them back together
-    /// (docs/distributed.md, "Checkpoints"). Called on rank 0; returns once every rank's file is
-    /// written and synced, or an error if any rank could not write its own.
-    pub fn save_shards(&self, dir: &Path) -> crate::model::Result<()> {
+    /// `dir/shards/` with no gather (docs/distributed.md, "Checkpoints"). Called on rank 0;
+    /// returns once every rank's file is written and synced (or an error if any rank could not
+    /// write its own), with the layout that puts them back together.
+    pub fn save_shards(&self, dir: &Path) -> crate::model::Result<ShardLayout> {
         self.command(SAVE_SHARDS, dir.to_string_lossy().as_bytes())?;
         self.write_shard(dir)?;
-        let layout = (self.shards.as_ref())
+        Ok(self
+            .shards
+            .as_ref()
             .expect("several ranks")
-            .layout(&self.names);
-        let file = dir.join(SHARDS).join(LAYOUT);
-        std::fs::write(
-            &file,
-            serde_json::to_vec_pretty(&layout).expect("the layout serialises"),
-        )
-        .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))
+            .layout(&self.names))
     }
 
     /// This rank's file of a sharded checkpoint in `dir`, written and synced; then whether every
