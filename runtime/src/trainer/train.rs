@@ -15,7 +15,6 @@ use std::time::Instant;
 use serde::Serialize;
 use tch::Tensor;
 
-use super::layered::Layered;
 use super::logprobs::token_logprobs;
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
 use super::shard::{ShardGrad, Shards};
@@ -398,17 +397,7 @@ impl Trainer {
         let cfg = &self.opts.loss;
         let kl = samples.map(|s| self.kl_penalty(s)).transpose()?.flatten();
         match (acc, samples) {
-            (Some(acc), samples) => {
-                let shards = self.shards.as_ref().expect("several ranks");
-                let (model, params, group) = (&self.model, &self.params[..], self.group.as_ref());
-                let layered = Layered {
-                    model,
-                    shards,
-                    params,
-                    group,
-                };
-                layered.train(samples, cfg, kl.as_ref(), weight, acc)
-            }
+            (Some(acc), samples) => self.train_sharded(samples, cfg, kl.as_ref(), weight, acc),
             (None, Some(samples)) => {
                 let (loss, m) = policy_loss(&self.model, samples, cfg, kl.as_ref())?;
                 (loss * weight).backward();
