@@ -20,7 +20,7 @@ use super::optim::{clip_grad_norm, AdamW, LrSchedule};
 use super::shard::{ShardGrad, Shards};
 pub use super::shard::{ShardLayout, Sharding, Whole};
 pub use super::step::Sample;
-use super::step::{policy_loss, scored, KlPenalty, LossConfig, LossKind, LossMetrics};
+use super::step::{policy_loss, scored, LossConfig, LossKind, LossMetrics};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
 use crate::model::{CausalLm, NamedSlice};
@@ -394,8 +394,15 @@ impl Trainer {
         weight: f64,
         acc: Option<&mut ShardGrad>,
     ) -> crate::model::Result<Option<LossMetrics>> {
-        let cfg = &self.opts.loss;
-        let kl = samples.map(|s| self.kl_penalty(s)).transpose()?.flatten();
+        let (cfg, coef) = (&self.opts.loss, self.opts.kl_coef);
+        // A KL penalty's weight and the reference policy's logprobs of the samples.
+        let kl = match (&self.reference, samples) {
+            (Some(reference), Some(s)) if coef > 0.0 => {
+                let logp = tch::no_grad(|| token_logprobs(reference, &scored(s), cfg.temperature));
+                Some((coef, logp?))
+            }
+            _ => None,
+        };
         match (acc, samples) {
             (Some(acc), samples) => self.train_sharded(samples, cfg, kl.as_ref(), weight, acc),
             (None, Some(samples)) => {
@@ -405,19 +412,6 @@ impl Trainer {
             }
             (None, None) => Ok(None),
         }
-    }
-
-    /// A KL penalty's weight and the reference policy's logprobs of `part`, when the trainer
-    /// has one.
-    fn kl_penalty(&self, part: &[Sample]) -> crate::model::Result<Option<KlPenalty>> {
-        let temperature = self.opts.loss.temperature;
-        Ok(match (&self.reference, self.opts.kl_coef) {
-            (Some(reference), coef) if coef > 0.0 => Some((
-                coef,
-                tch::no_grad(|| token_logprobs(reference, &scored(part), temperature))?,
-            )),
-            _ => None,
-        })
     }
 }
 
