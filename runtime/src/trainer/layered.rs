@@ -17,7 +17,7 @@
 use tch::{Kind, Tensor};
 
 use super::logprobs::{picked, Targets};
-use super::shard::{ShardGrad, Shards};
+use super::shard::ShardGrad;
 use super::step::{loss_of, scored, KlPenalty, LossConfig, LossMetrics, Sample};
 use super::train::Trainer;
 use crate::model::{Result, Stages};
@@ -51,10 +51,6 @@ struct Forwarded<'m> {
 }
 
 impl Trainer {
-    fn shards(&self) -> &Shards {
-        self.shards.as_ref().expect("several ranks")
-    }
-
     fn layers(&self) -> usize {
         self.model.config().num_hidden_layers
     }

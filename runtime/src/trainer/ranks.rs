@@ -174,11 +174,7 @@ impl Trainer {
     pub fn save_shards(&self, dir: &Path) -> crate::model::Result<ShardLayout> {
         self.command(SAVE_SHARDS, dir.to_string_lossy().as_bytes())?;
         self.write_shard(dir)?;
-        Ok(self
-            .shards
-            .as_ref()
-            .expect("several ranks")
-            .layout(&self.names))
+        Ok(self.shards().layout(&self.names))
     }
 
     /// This rank's file of a sharded checkpoint in `dir`, written and synced; then whether every
@@ -188,7 +184,7 @@ impl Trainer {
         let file = shards.join(shard_file_name(self.group.rank(), self.world_size()));
         let mine = std::fs::create_dir_all(&shards)
             .and_then(|()| {
-                let tensors = self.shards.as_ref().expect("several ranks").shard_tensors();
+                let tensors = self.shards().shard_tensors();
                 Tensor::write_safetensors(&tensors, &file).map_err(std::io::Error::other)
             })
             .and_then(|()| std::fs::File::open(&file)?.sync_all())

@@ -254,6 +254,11 @@ impl Trainer {
         }
     }
 
+    /// The state sharded across several ranks (there are several).
+    pub(super) fn shards(&self) -> &Shards {
+        self.shards.as_ref().expect("several ranks")
+    }
+
     /// Whether each rank keeps only its shards of the weights.
     pub fn weights_sharded(&self) -> bool {
         self.shards.as_ref().is_some_and(Shards::full)
