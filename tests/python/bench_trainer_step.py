@@ -9,8 +9,8 @@ sequence), "advantages" (one per sequence), and the settings "threads", "warmup"
 "weight_decay", "max_grad_norm".
 
 A step, as moult's (`policy_loss`, backward, `clip_grad_norm`, AdamW): the logprobs with
-gradient, π_old their detached copy (one update per batch); token-level IS mask between behaviour and π_old
-(coef = ρ if is_low ≤ ρ ≤ is_high else 0); PPO-clip with asymmetric ε, token-mean; the metrics
+gradient, π_old their detached copy (one update per batch); token-level IS mask between
+behaviour and π_old (coef = ρ if is_low ≤ ρ ≤ is_high else 0); PPO-clip with asymmetric ε, token-mean; the metrics
 moult's loss reports (entropy, mean |log ρ|, masked fraction); `loss.backward()`;
 `clip_grad_norm_`; `torch.optim.AdamW.step()`; `zero_grad()`. Sequences are right-padded to the
 longest (transformers' batched forward with an attention mask).
