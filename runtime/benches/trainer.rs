@@ -1,10 +1,9 @@
 //! Trainer benchmark, printed as a table of ratios measured in one invocation (this machine is
 //! noisy; compare within a run, never against a fixed number): one training step of moult
-//! (`old_logprobs`, `policy_loss`, backward, `clip_grad_norm`, AdamW) vs the same step written
+//! (`policy_loss`, backward, `clip_grad_norm`, AdamW) vs the same step written
 //! in PyTorch with transformers' `Qwen3ForCausalLM` (`tests/python/bench_trainer_step.py`), on
 //! the same checkpoint, batch, loss and optimizer settings and the same number of intra-op
-//! threads. Also printed: where each side's step goes (π_old forward, loss forward, backward,
-//! optimizer), and both sides' first losses and gradient norm, which must agree.
+//! threads. Also printed: where each side's step goes (loss forward, backward, optimizer), and both sides' first losses and gradient norm, which must agree.
 //!
 //! `cargo bench -p moult-runtime --bench trainer` (after `source scripts/env.sh`); `-- --quick`
 //! runs the tiny model only, with fewer steps; `-- --threads N` sets both sides' intra-op threads
@@ -17,9 +16,10 @@ use std::time::Instant;
 use moult_runtime::algorithms::correction::{Correction, Level, Mode};
 use moult_runtime::algorithms::losses::Aggregation;
 use moult_runtime::model::CausalLm;
-use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+use moult_runtime::model::SeqInput;
+use moult_runtime::trainer::logprobs::token_logprobs;
 use moult_runtime::trainer::optim::{clip_grad_norm, AdamW};
-use moult_runtime::trainer::step::{old_logprobs, policy_loss, LossConfig, LossKind, Sample};
+use moult_runtime::trainer::step::{policy_loss, LossConfig, LossKind, Sample};
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
@@ -75,9 +75,10 @@ impl Batch {
             .iter()
             .map(|t| (0..t.len()).map(|j| u8::from(j >= PROMPT)).collect())
             .collect();
-        let scored: Vec<Scored> = tokens
+        let scored: Vec<SeqInput> = tokens
             .iter()
-            .map(|t| Scored {
+            .map(|t| SeqInput {
+                slot: None,
                 tokens: t,
                 replay: None,
                 images: &[],
@@ -126,9 +127,9 @@ impl Batch {
     }
 }
 
-/// The phases of a step, in milliseconds: π_old forward (no gradient), loss forward, backward,
-/// optimizer (clipping, AdamW, zeroing the gradients).
-type Phases = [f64; 4];
+/// The phases of a step, in milliseconds: loss forward (π_old is its detached logprobs),
+/// backward, optimizer (clipping, AdamW, zeroing the gradients).
+type Phases = [f64; 3];
 
 /// One side's measured steps, and the losses and gradient norms of its first two steps (from
 /// the checkpoint's weights, and after one update).
@@ -179,9 +180,7 @@ impl Moult {
             clock = Instant::now();
             ms
         };
-        let old = old_logprobs(&self.model, samples, LOSS.temperature).unwrap();
-        let old_ms = lap();
-        let (loss, metrics) = policy_loss(&self.model, samples, &old, &LOSS).unwrap();
+        let (loss, metrics) = policy_loss(&self.model, samples, &LOSS, None).unwrap();
         let loss_ms = lap();
         loss.backward();
         let backward_ms = lap();
@@ -195,7 +194,7 @@ impl Moult {
         }
         let optimizer_ms = lap();
         (
-            [old_ms, loss_ms, backward_ms, optimizer_ms],
+            [loss_ms, backward_ms, optimizer_ms],
             metrics.loss,
             grad_norm,
         )
@@ -366,11 +365,11 @@ fn main() {
     println!();
     println!("Median ms per phase, moult / PyTorch:");
     println!();
-    println!("| model, batch | π_old forward | loss forward | backward | optimizer |");
-    println!("| --- | --- | --- | --- | --- |");
+    println!("| model, batch | loss forward | backward | optimizer |");
+    println!("| --- | --- | --- | --- |");
     for r in &rows {
         let (o, t) = (r.ours.median_phases(), r.theirs.median_phases());
-        let cells: Vec<String> = (0..4)
+        let cells: Vec<String> = (0..3)
             .map(|i| format!("{:.1} / {:.1}", o[i], t[i]))
             .collect();
         println!("| {} | {} |", r.name, cells.join(" | "));

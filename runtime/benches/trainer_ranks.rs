@@ -180,7 +180,7 @@ fn as_rank(out: &str) {
 fn report(out: &str, rank: usize, trainer: &Trainer, times: Option<(f64, f64, f64)>) {
     let mut v = json!({
         "peak_rss": peak_rss(),
-        "state_bytes": trainer.optimizer_state_bytes() + trainer.weight_bytes(),
+        "state_bytes": trainer.state_bytes(),
     });
     if let Some((step, collective, gather)) = times {
         v["step_seconds"] = json!(step);

@@ -897,7 +897,7 @@ async fn libtorch_nan_logits_fail_the_request_and_the_engine_goes_on() {
 /// top tokens are the reference's; streaming requests and the router refuse them by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() {
-    use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+    use moult_runtime::trainer::logprobs::token_logprobs;
     let dir = common::dense_model();
     let mut opts = common::engine_options();
     // Prompts longer than a chunk are scored over several steps.
@@ -938,7 +938,8 @@ async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() 
         let want = tch::no_grad(|| {
             token_logprobs(
                 &reference,
-                &[Scored {
+                &[SeqInput {
+                    slot: None,
                     tokens: &tokens,
                     replay: None,
                     images: &[],

@@ -123,7 +123,8 @@ fn libtorch_chat_tools_recipe_improves() {
 #[test]
 fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
     use moult_runtime::model::CausalLm;
-    use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+    use moult_runtime::model::SeqInput;
+    use moult_runtime::trainer::logprobs::token_logprobs;
     use tch::{Device, Kind};
 
     recipe("successor");
@@ -207,7 +208,8 @@ fn libtorch_distillation_from_a_served_teacher_is_exact_and_learns() {
             let own = tch::no_grad(|| {
                 token_logprobs(
                     &model,
-                    &[Scored {
+                    &[SeqInput {
+                        slot: None,
                         tokens: &seg.token_ids,
                         replay: None,
                         images: &[],

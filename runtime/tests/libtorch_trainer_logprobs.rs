@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use common::{dense_model, engine_options, moe_model, start_engine};
 use moult_runtime::engine::npy::decode_routed_experts;
 use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
-use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+use moult_runtime::trainer::logprobs::token_logprobs;
 use serde_json::{json, Value};
 use tch::{Device, Kind, Tensor};
 
@@ -90,10 +90,11 @@ fn trainer_logprobs(
         .iter()
         .map(|s| replay.then(|| replay_of(s)))
         .collect();
-    let seqs: Vec<Scored> = samples
+    let seqs: Vec<SeqInput> = samples
         .iter()
         .zip(&replays)
-        .map(|((tokens, _, _, _), r)| Scored {
+        .map(|((tokens, _, _, _), r)| SeqInput {
+            slot: None,
             tokens,
             replay: r.as_ref(),
             images: &[],
@@ -232,9 +233,10 @@ async fn libtorch_trainer_logprobs_equal_the_engines_behaviour_logprobs() {
     let params = model.params();
     let w = params.values().next().unwrap();
     let _ = w.shallow_clone().set_requires_grad(true);
-    let seqs: Vec<Scored> = samples
+    let seqs: Vec<SeqInput> = samples
         .iter()
-        .map(|(t, _, _, _)| Scored {
+        .map(|(t, _, _, _)| SeqInput {
+            slot: None,
             tokens: t,
             replay: None,
             images: &[],

@@ -596,7 +596,8 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
     if as_rank() {
         return;
     }
-    use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+    use moult_runtime::model::SeqInput;
+    use moult_runtime::trainer::logprobs::token_logprobs;
     let test = "libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number";
     let model = common::dense_model();
     let mut one = Trainer::new(load(&model), None, options()).unwrap();
@@ -607,7 +608,8 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         stats.push((st.loss, st.grad_norm));
         if s == 1 {
             let tokens = &batch(5)[0].tokens;
-            let seqs = [Scored {
+            let seqs = [SeqInput {
+                slot: None,
                 tokens,
                 replay: None,
                 images: &[],
@@ -653,7 +655,8 @@ fn libtorch_a_checkpoint_of_some_ranks_resumes_on_any_number() {
         );
         let served = CausalLm::load(&exported, Kind::Double, Device::Cpu).unwrap();
         let tokens = &batch(5)[0].tokens;
-        let seqs = [Scored {
+        let seqs = [SeqInput {
+            slot: None,
             tokens,
             replay: None,
             images: &[],

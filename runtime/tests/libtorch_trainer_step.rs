@@ -9,16 +9,18 @@ use common::{dense_model, moe_model};
 use moult_runtime::algorithms::correction::{Correction, Level, Mode};
 use moult_runtime::algorithms::losses::Aggregation;
 use moult_runtime::model::CausalLm;
-use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+use moult_runtime::model::SeqInput;
+use moult_runtime::trainer::logprobs::token_logprobs;
 use moult_runtime::trainer::optim::{clip_grad_norm, AdamW};
-use moult_runtime::trainer::step::{old_logprobs, policy_loss, LossConfig, LossKind, Sample};
+use moult_runtime::trainer::step::{policy_loss, LossConfig, LossKind, Sample};
 use tch::{Device, Kind, Tensor};
 
 /// Mean logprob of each sequence's sampled tokens.
 fn sampled_mean(model: &CausalLm, seqs: &[(Vec<i64>, Vec<u8>)]) -> Vec<f64> {
-    let scored: Vec<Scored> = seqs
+    let scored: Vec<SeqInput> = seqs
         .iter()
-        .map(|(t, _)| Scored {
+        .map(|(t, _)| SeqInput {
+            slot: None,
             tokens: t,
             replay: None,
             images: &[],
@@ -70,9 +72,10 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
         let seqs = vec![(good, mask.clone()), (bad, mask)];
         let before = sampled_mean(&model, &seqs);
         // On-policy: the behaviour logprobs are the model's own.
-        let scored: Vec<Scored> = seqs
+        let scored: Vec<SeqInput> = seqs
             .iter()
-            .map(|(t, _)| Scored {
+            .map(|(t, _)| SeqInput {
+                slot: None,
                 tokens: t,
                 replay: None,
                 images: &[],
@@ -111,8 +114,7 @@ fn libtorch_each_loss_moves_probability_toward_positive_advantages() {
                     images: Vec::new(),
                 })
                 .collect();
-            let old = old_logprobs(&model, &samples, 1.0).unwrap();
-            let (loss, metrics) = policy_loss(&model, &samples, &old, &cfg).unwrap();
+            let (loss, metrics) = policy_loss(&model, &samples, &cfg, None).unwrap();
             if step == 0 {
                 assert!(metrics.mean_abs_log_rho < 1e-5, "{run}: on-policy");
                 assert_eq!(metrics.masked_fraction, 0.0);

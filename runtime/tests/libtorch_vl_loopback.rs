@@ -11,8 +11,9 @@ use std::sync::Arc;
 use image::ImageEncoder as _;
 use moult_runtime::chat::{ChatTemplate, Image, Tokenizer};
 use moult_runtime::loopback::{ChatService, EngineClient, ImageInputs, ServiceOptions};
+use moult_runtime::model::SeqInput;
 use moult_runtime::model::{CausalLm, ImageInput};
-use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+use moult_runtime::trainer::logprobs::token_logprobs;
 use moult_runtime::vision::{image_placeholder_tokens, preprocess_bytes};
 use tch::{Device, Kind};
 
@@ -112,7 +113,8 @@ async fn libtorch_sdks_send_images_and_the_trainer_recomputes_the_engine_logprob
         let pads = seg.token_ids.iter().filter(|&&t| t == IMAGE_PAD).count();
         assert_eq!(pads, seg.images.iter().map(|i| i.tokens).sum::<usize>());
 
-        let seqs = [Scored {
+        let seqs = [SeqInput {
+            slot: None,
             tokens: &seg.token_ids,
             replay: None,
             images: &processed,

@@ -277,11 +277,13 @@ async fn vllm_samples(url: &str, temperature: f64) -> Vec<(Vec<i64>, usize, Vec<
 /// moult's trainer's logprob of every token of each sequence at temperature `t`.
 fn trainer_logprobs(model_dir: &Path, seqs: &[&[i64]], t: f64) -> Vec<Vec<f32>> {
     use moult_runtime::model::CausalLm;
-    use moult_runtime::trainer::logprobs::{token_logprobs, Scored};
+    use moult_runtime::model::SeqInput;
+    use moult_runtime::trainer::logprobs::token_logprobs;
     let model = CausalLm::load(model_dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
-    let scored: Vec<Scored> = seqs
+    let scored: Vec<SeqInput> = seqs
         .iter()
-        .map(|tokens| Scored {
+        .map(|tokens| SeqInput {
+            slot: None,
             tokens,
             replay: None,
             images: &[],

@@ -8,14 +8,14 @@ sequence), "advantages" (one per sequence), and the settings "threads", "warmup"
 "temperature", "eps_low", "eps_high", "is_low", "is_high", "lr", "betas", "adam_eps",
 "weight_decay", "max_grad_norm".
 
-A step, as moult's (`old_logprobs`, `policy_loss`, backward, `clip_grad_norm`, AdamW): π_old
-without gradient; the logprobs with gradient; token-level IS mask between behaviour and π_old
-(coef = ρ if is_low ≤ ρ ≤ is_high else 0); PPO-clip with asymmetric ε, token-mean; the metrics
+A step, as moult's (`policy_loss`, backward, `clip_grad_norm`, AdamW): the logprobs with
+gradient, π_old their detached copy (one update per batch); token-level IS mask between
+behaviour and π_old (coef = ρ if is_low ≤ ρ ≤ is_high else 0); PPO-clip with asymmetric ε, token-mean; the metrics
 moult's loss reports (entropy, mean |log ρ|, masked fraction); `loss.backward()`;
 `clip_grad_norm_`; `torch.optim.AdamW.step()`; `zero_grad()`. Sequences are right-padded to the
 longest (transformers' batched forward with an attention mask).
 
-Prints one JSON line: {"phases_ms": [[π_old forward, loss forward, backward, optimizer] per
+Prints one JSON line: {"phases_ms": [[loss forward, backward, optimizer] per
 measured step], "losses": [every step, warm-up included], "grad_norms": [...], "threads",
 "padded_tokens"}.
 """
@@ -74,10 +74,8 @@ def main():
             ms, clock[0] = (now - clock[0]) * 1e3, now
             return ms
 
-        with torch.no_grad():
-            logp_old, _ = token_logprobs(model, ids, attention, temperature)
-        old_ms = lap()
         logp, logp_all = token_logprobs(model, ids, attention, temperature)
+        logp_old = logp.detach()
         log_rho = (logp_old - behaviour) * mask
         rho = log_rho.exp()
         coef = rho * ((rho >= b["is_low"]) & (rho <= b["is_high"])).float() * mask
@@ -102,7 +100,7 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
         optimizer_ms = lap()
-        return [old_ms, loss_ms, backward_ms, optimizer_ms], loss_value, grad_norm.item()
+        return [loss_ms, backward_ms, optimizer_ms], loss_value, grad_norm.item()
 
     losses, grad_norms, phases = [], [], []
     for i in range(b["warmup"] + b["steps"]):

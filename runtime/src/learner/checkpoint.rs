@@ -23,6 +23,7 @@
 //! more; the newest complete checkpoint is never deleted. When `latest.json` names a folder that
 //! is gone or incomplete, [`latest`] falls back to the newest complete `step-*` folder.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -32,7 +33,7 @@ use crate::error::RunError;
 use crate::model::{CausalLm, ModelConfig};
 use crate::records::files::{io, sync_dir, sync_file, write_atomic};
 use crate::rollout::RolloutState;
-use crate::trainer::ranks::{LAYOUT, SHARDS};
+use crate::trainer::ranks::SHARDS;
 use crate::trainer::train::{ShardLayout, Trainer, Whole};
 
 /// The model folder's files a checkpoint carries along, so it is servable as it is.
@@ -46,6 +47,9 @@ const MODEL_FILES: [&str; 7] = [
     // A vision-language model's image preprocessing (docs/vision.md).
     "preprocessor_config.json",
 ];
+
+/// The layout of a sharded checkpoint, in its `shards/` folder.
+const LAYOUT: &str = "layout.json";
 
 /// Checkpoints kept; older ones are deleted once a newer one is complete.
 const KEEP: usize = 2;
@@ -104,7 +108,8 @@ fn fill(
     meta: &CheckpointMeta,
 ) -> Result<(), RunError> {
     if trainer.weights_sharded() {
-        trainer.save_shards(tmp)?;
+        let layout = trainer.save_shards(tmp)?;
+        write_json(&tmp.join(SHARDS).join(LAYOUT), &layout)?;
         sync_dir(&tmp.join(SHARDS))?;
     } else {
         let weights = trainer.weights().map_err(crate::model::Error::from)?;
@@ -119,12 +124,7 @@ fn fill(
         write_tensors(&tmp.join("optimizer.safetensors"), &moments)?;
     }
     copy_model_files(model_dir, tmp)?;
-    let meta_file = tmp.join("moult.json");
-    std::fs::write(
-        &meta_file,
-        serde_json::to_vec_pretty(meta).expect("meta serializes"),
-    )
-    .map_err(|e| io("writing", &meta_file, e))
+    write_json(&tmp.join("moult.json"), meta)
 }
 
 /// Fills the folder `tmp` with `fill`, syncs its files and itself, and renames it to `dest`
@@ -200,16 +200,15 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
         Err(e) => return Err(io("reading", &pointer, e)),
     };
     let named = serde_json::from_str::<serde_json::Value>(&text)
-        .map_err(|e| Unusable::File(io("parsing", &pointer, e)))
+        .map_err(|e| io("parsing", &pointer, e))
         .and_then(|v| {
-            let name = v["path"]
-                .as_str()
-                .ok_or_else(|| Unusable::NoPath(pointer.clone()))?;
-            complete(&root.join(name))
+            let name = v["path"].as_str();
+            complete(&root.join(name.ok_or_else(|| io("reading", &pointer, "no `path`"))?))
         });
     let why = match named {
         Ok(found) => return Ok(Some(found)),
-        Err(why) => why,
+        Err(RunError::Checkpoint(why)) => why,
+        Err(why) => why.to_string(),
     };
     let mut newest = step_folders(root).into_iter().rev();
     let Some((dir, meta)) = newest.find_map(|step| complete(&step_dir(root, step)).ok()) else {
@@ -260,7 +259,7 @@ fn checkpoint_at(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
             RunError::Checkpoint(format!("no complete checkpoint under {}", dir.display()))
         });
     }
-    Ok(complete(dir)?)
+    complete(dir)
 }
 
 /// The layout of the sharded checkpoint in `dir`; `None` for a checkpoint of whole tensors.
@@ -272,6 +271,11 @@ fn sharded(dir: &Path) -> Result<Option<ShardLayout>, RunError> {
     read_json(&file).map(Some)
 }
 
+fn write_json(file: &Path, value: &impl Serialize) -> Result<(), RunError> {
+    let json = serde_json::to_vec_pretty(value).expect("plain data serializes");
+    std::fs::write(file, json).map_err(|e| io("writing", file, e))
+}
+
 fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T, RunError> {
     let bytes = std::fs::read(file).map_err(|e| io("reading", file, e))?;
     serde_json::from_slice(&bytes).map_err(|e| io("parsing", file, e))
@@ -279,20 +283,15 @@ fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T, RunError>
 
 /// The weights by checkpoint name and the optimizer's moments (empty before the first step) of
 /// the checkpoint in `dir`, whole, however many ranks wrote it.
-pub fn load_tensors(dir: &Path) -> Result<Whole, RunError> {
-    match sharded(dir)? {
-        Some(layout) => layout
-            .unshard(|rank| {
-                let file = dir.join(SHARDS).join(layout.file_name(rank));
-                Tensor::read_safetensors(&file).map_err(|e| io("reading", &file, e).to_string())
-            })
-            .map_err(|e| RunError::Checkpoint(format!("{}: {e}", dir.display()))),
-        None => {
-            let file = dir.join("model.safetensors");
-            let weights = Tensor::read_safetensors(&file).map_err(|e| io("reading", &file, e))?;
-            Ok((weights, load_moments(dir, tch::Device::Cpu)?))
-        }
-    }
+fn load_tensors(dir: &Path) -> Result<Whole, RunError> {
+    let Some(layout) = sharded(dir)? else {
+        let weights = read_tensors(&dir.join("model.safetensors"))?;
+        return Ok((weights, load_moments(dir)?));
+    };
+    let files = (0..layout.world)
+        .map(|rank| read_tensors(&dir.join(SHARDS).join(layout.file_name(rank))))
+        .collect::<Result<_, _>>()?;
+    (layout.unshard(files)).map_err(|e| RunError::Checkpoint(format!("{}: {e}", dir.display())))
 }
 
 /// The policy and the optimizer's moments of the checkpoint in `dir`, in `kind` on `device`.
@@ -301,23 +300,21 @@ pub fn load_policy(
     kind: tch::Kind,
     device: tch::Device,
 ) -> Result<(CausalLm, Vec<(Tensor, Tensor)>), RunError> {
-    if sharded(dir)?.is_none() {
-        return Ok((
-            CausalLm::load(dir, kind, device)?,
-            load_moments(dir, device)?,
-        ));
-    }
-    let (weights, moments) = load_tensors(dir)?;
-    let cfg = ModelConfig::from_dir(dir)?;
-    let weights = weights
-        .into_iter()
-        .map(|(n, t)| (n, t.to_kind(kind).to_device(device)))
-        .collect();
-    let moments = moments
-        .into_iter()
-        .map(|(m, v)| (m.to_device(device), v.to_device(device)))
-        .collect();
-    Ok((CausalLm::from_weights(cfg, weights, kind, device)?, moments))
+    let (model, moments) = if sharded(dir)?.is_none() {
+        (CausalLm::load(dir, kind, device)?, load_moments(dir)?)
+    } else {
+        let (weights, moments) = load_tensors(dir)?;
+        let weights = (weights.into_iter())
+            .map(|(n, t)| (n, t.to_kind(kind).to_device(device)))
+            .collect();
+        let cfg = ModelConfig::from_dir(dir)?;
+        (CausalLm::from_weights(cfg, weights, kind, device)?, moments)
+    };
+    let to = |t: Tensor| t.to_device(device);
+    Ok((
+        model,
+        moments.into_iter().map(|(m, v)| (to(m), to(v))).collect(),
+    ))
 }
 
 /// Writes the policy of a checkpoint (`src`: a `step-N` folder, or a checkpoint root for its
@@ -346,9 +343,9 @@ pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
 
 /// The checkpoint in `dir` if it is complete (its metadata and its tensor files: the model's
 /// and the optimizer's, or every rank's shard file and their layout).
-fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), Unusable> {
+fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
     // Joined to `dir`, an absolute path stays as it is.
-    let files: Vec<PathBuf> = match sharded(dir).map_err(Unusable::File)? {
+    let files: Vec<PathBuf> = match sharded(dir)? {
         Some(layout) => (0..layout.world)
             .map(|rank| dir.join(SHARDS).join(layout.file_name(rank)))
             .collect(),
@@ -357,31 +354,10 @@ fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), Unusable> {
             .into(),
     };
     if let Some(file) = files.into_iter().find(|f| !dir.join(f).is_file()) {
-        let dir = dir.to_path_buf();
-        return Err(Unusable::Missing { dir, file });
+        let (dir, file) = (dir.display(), file.display());
+        return Err(RunError::Checkpoint(format!("{dir} has no {file}")));
     }
-    let meta = read_json(&dir.join("moult.json")).map_err(Unusable::File)?;
-    Ok((dir.to_path_buf(), meta))
-}
-
-/// Why a checkpoint folder cannot be resumed from.
-#[derive(Debug, thiserror::Error)]
-enum Unusable {
-    #[error("{} has no {}", dir.display(), file.display())]
-    Missing { dir: PathBuf, file: PathBuf },
-    #[error("{}: no `path`", .0.display())]
-    NoPath(PathBuf),
-    #[error("{0}")]
-    File(RunError),
-}
-
-impl From<Unusable> for RunError {
-    fn from(e: Unusable) -> Self {
-        match e {
-            Unusable::File(e) => e,
-            other => RunError::Checkpoint(other.to_string()),
-        }
-    }
+    Ok((dir.to_path_buf(), read_json(&dir.join("moult.json"))?))
 }
 
 /// The steps of the `step-*` folders under `root`, ascending.
@@ -402,19 +378,22 @@ fn step_folders(root: &Path) -> Vec<u64> {
 }
 
 /// The optimizer moments of the checkpoint in `dir`, in trainable-tensor order.
-pub fn load_moments(dir: &Path, device: tch::Device) -> Result<Vec<(Tensor, Tensor)>, RunError> {
+fn load_moments(dir: &Path) -> Result<Vec<(Tensor, Tensor)>, RunError> {
     let file = dir.join("optimizer.safetensors");
-    let named: std::collections::HashMap<String, Tensor> = Tensor::read_safetensors(&file)
-        .map_err(|e| io("reading", &file, e))?
-        .into_iter()
-        .collect();
-    let take = |key: String| {
-        let t = named.get(&key).map(|t| t.to_device(device));
-        t.ok_or_else(|| io("reading", &file, format!("no tensor `{key}`")))
-    };
+    let mut named: HashMap<String, Tensor> = read_tensors(&file)?.into_iter().collect();
     (0..named.len() / 2)
-        .map(|i| Ok((take(format!("m.{i}"))?, take(format!("v.{i}"))?)))
+        .map(|i| {
+            let mut take = |key: String| {
+                let missing = || io("reading", &file, format!("no tensor `{key}`"));
+                named.remove(&key).ok_or_else(missing)
+            };
+            Ok((take(format!("m.{i}"))?, take(format!("v.{i}"))?))
+        })
         .collect()
+}
+
+fn read_tensors(file: &Path) -> Result<Vec<(String, Tensor)>, RunError> {
+    Tensor::read_safetensors(file).map_err(|e| io("reading", file, e))
 }
 
 #[cfg(test)]

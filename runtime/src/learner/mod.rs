@@ -259,20 +259,6 @@ impl Learner {
         }
     }
 
-    /// The run's length in steps.
-    pub fn total_steps(&self) -> u64 {
-        self.cfg.total_steps
-    }
-
-    /// Whether weight updates keep requests in flight (`keep`) rather than let them finish.
-    pub fn partial_rollout(&self) -> bool {
-        self.cfg.partial_rollout
-    }
-
-    pub fn console(&self) -> &Console {
-        &self.console
-    }
-
     /// Sets `batch` aside: written with `error` to `<out>/quarantine/step-<N>-<ms>.json` (with an
     /// output folder), to be looked at later (docs/security.md, "Bad data").
     pub fn quarantine(&self, batch: &StepBatch, error: &RunError) -> Result<(), RunError> {
@@ -448,10 +434,12 @@ impl Drop for Learner {
     fn drop(&mut self) {
         // Rank 0 of several: the other ranks stop (local ones' processes end as the followers
         // drop; trainer pods exit and their StatefulSet starts them again, to wait for rank 0).
-        if let Some(trainer) = self.trainer.as_ref().filter(|t| t.world_size() > 1) {
-            if let Err(e) = trainer.stop_followers() {
-                tracing::warn!("stopping the other trainer ranks: {e}");
-            }
+        if let Err(e) = self
+            .trainer
+            .as_ref()
+            .map_or(Ok(()), Trainer::stop_followers)
+        {
+            tracing::warn!("stopping the other trainer ranks: {e}");
         }
     }
 }
@@ -472,10 +460,8 @@ async fn load_trainer(
     let (model, moments, reference) = blocking(move || -> Result<_, RunError> {
         let load = |dir: &Path| CausalLm::load(dir, Kind::Float, device);
         let (model, moments) = match resume {
-            Some((dir, step)) => {
-                let (model, moments) = checkpoint::load_policy(&dir, Kind::Float, device)?;
-                (model, Some((step, moments)))
-            }
+            Some((dir, step)) => checkpoint::load_policy(&dir, Kind::Float, device)
+                .map(|(model, moments)| (model, Some((step, moments))))?,
             None => (load(&model_dir)?, None),
         };
         Ok((model, moments, reference.as_deref().map(load).transpose()?))

@@ -14,9 +14,9 @@ use crate::config::Overlong;
 use crate::engine::npy::decode_routed_experts;
 use crate::error::RunError;
 use crate::loopback::Segment;
-use crate::model::{CausalLm, ImageInput};
+use crate::model::{CausalLm, ImageInput, SeqInput};
 use crate::rollout::{trained_segments, Group};
-use crate::trainer::logprobs::{token_logprobs, Scored};
+use crate::trainer::logprobs::token_logprobs;
 use crate::trainer::train::Sample;
 use crate::vision::{ImageProcessorConfig, ProcessedImage};
 
@@ -33,11 +33,7 @@ pub fn mean_std(xs: &[f64]) -> (f64, f64) {
 
 /// Tokens the policy sampled in `episode` (over all its segments).
 pub fn sampled_tokens(episode: &Episode) -> usize {
-    episode
-        .segments
-        .iter()
-        .map(|s| s.loss_mask.iter().filter(|&&m| m == 1).count())
-        .sum()
+    episode.segments.iter().map(Segment::sampled_tokens).sum()
 }
 
 /// Each episode's advantage, per group, from the groups' rewards, shaped by `overlong` when
@@ -53,16 +49,13 @@ pub fn advantages(
             "groups of unequal size in one batch".into(),
         ));
     }
-    let penalties: Vec<f64> = batch
-        .iter()
-        .flat_map(|b| &b.episodes)
+    let episodes = batch.iter().flat_map(|b| &b.episodes);
+    let penalties: Vec<f64> = (episodes.clone())
         .map(|e| overlong.map_or(0.0, |o| o.penalty(sampled_tokens(e))))
         .collect();
-    let rewards: Vec<f64> = batch
-        .iter()
-        .flat_map(|b| b.episodes.iter().map(|e| e.reward))
+    let rewards: Vec<f64> = episodes
         .zip(&penalties)
-        .map(|(r, p)| r + p)
+        .map(|(e, p)| e.reward + p)
         .collect();
     let r = Tensor::from_slice(&rewards).view([batch.len() as i64, g as i64]);
     let a = match estimator {
@@ -74,11 +67,8 @@ pub fn advantages(
         Estimator::OnPolicyDistillation => r.zeros_like(),
     };
     let flat: Vec<f64> = Vec::try_from(a.flatten(0, -1)).expect("advantages are doubles");
-    let penalty_mean = overlong.map(|_| mean_std(&penalties).0);
-    Ok((
-        flat.chunks(g.max(1)).map(<[f64]>::to_vec).collect(),
-        penalty_mean,
-    ))
+    let per_group = flat.chunks(g.max(1)).map(<[f64]>::to_vec).collect();
+    Ok((per_group, overlong.map(|_| mean_std(&penalties).0)))
 }
 
 /// On-policy distillation: each sampled token's advantage is the teacher's logprob of it minus
@@ -90,81 +80,77 @@ pub fn distill(
     samples: &mut [Sample],
     temperature: f64,
 ) -> Result<f64, RunError> {
-    let mut kl = ReverseKl::default();
-    for chunk in samples.chunks_mut(16) {
-        let seqs: Vec<Scored<'_>> = chunk
+    let mut scores = Vec::with_capacity(samples.len());
+    for chunk in samples.chunks(16) {
+        let seqs: Vec<SeqInput<'_>> = chunk
             .iter()
-            .map(|s| Scored {
+            .map(|s| SeqInput {
                 tokens: &s.tokens,
+                slot: None,
                 replay: None,
                 images: &s.images,
             })
             .collect();
         let teacher_lp = tch::no_grad(|| token_logprobs(teacher, &seqs, temperature))?;
-        for (i, s) in chunk.iter_mut().enumerate() {
+        for (i, s) in chunk.iter().enumerate() {
             let row: Vec<f32> = Vec::try_from(teacher_lp.get(i as i64))?;
-            kl.learn_from(s, &row[..s.tokens.len()])?;
+            scores.push(row[..s.tokens.len()].to_vec());
         }
     }
-    Ok(kl.mean())
+    teacher_advantages(samples, &scores)
 }
 
 /// [`distill`] with the scores a served teacher gave each segment of `batch` beforehand
 /// ([`crate::stages::teacher`]); `samples` are [`samples`] of the same batch.
 pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64, RunError> {
-    let mut kl = ReverseKl::default();
     let mut segments = trained_segments(batch);
-    for s in samples.iter_mut() {
-        let (_, _, _, seg) = segments.next().ok_or_else(|| {
-            RunError::Batch("distillation: more samples than trained segments".into())
-        })?;
-        let scores = seg.teacher_logprobs.as_deref().ok_or_else(|| {
-            RunError::Batch(
-                "distillation: a segment came without the served teacher's scores (a replayed dump must come from a run with algorithm.teacher.replicas too)".into(),
-            )
-        })?;
-        if scores.len() != s.tokens.len() {
-            return Err(RunError::Batch(format!(
-                "distillation: the teacher scored {} tokens of a {}-token segment",
-                scores.len(),
-                s.tokens.len()
-            )));
-        }
-        kl.learn_from(s, scores)?;
-    }
-    Ok(kl.mean())
+    let scores = (samples.iter())
+        .map(|s| {
+            let (_, _, _, seg) = segments.next().ok_or_else(|| {
+                RunError::Batch("distillation: more samples than trained segments".into())
+            })?;
+            let scores = seg.teacher_logprobs.as_deref().ok_or_else(|| {
+                RunError::Batch(
+                    "distillation: a segment came without the served teacher's scores (a replayed dump must come from a run with algorithm.teacher.replicas too)".into(),
+                )
+            })?;
+            if scores.len() != s.tokens.len() {
+                return Err(RunError::Batch(format!(
+                    "distillation: the teacher scored {} tokens of a {}-token segment",
+                    scores.len(),
+                    s.tokens.len()
+                )));
+            }
+            Ok(scores)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    teacher_advantages(samples, &scores)
 }
 
-/// The mean per-token reverse KL estimate over the samples given their teacher's scores.
-#[derive(Default)]
-struct ReverseKl {
-    sum: f64,
-    count: usize,
-}
-
-impl ReverseKl {
-    /// Sets `s`'s per-token advantages from the teacher's logprob of each of its tokens.
-    fn learn_from(&mut self, s: &mut Sample, teacher: &[f32]) -> Result<(), RunError> {
+/// Sets each sample's per-token advantages from the teacher's logprob of each of its tokens;
+/// returns the mean per-token reverse KL estimate over the samples.
+fn teacher_advantages(
+    samples: &mut [Sample],
+    teacher: &[impl AsRef<[f32]>],
+) -> Result<f64, RunError> {
+    let (mut sum, mut count) = (0.0, 0);
+    for (s, teacher) in samples.iter_mut().zip(teacher) {
         let mask = Tensor::from_slice(&s.loss_mask).to_kind(tch::Kind::Float);
         let adv = crate::algorithms::advantages::distillation(
-            &Tensor::from_slice(teacher),
+            &Tensor::from_slice(teacher.as_ref()),
             &Tensor::from_slice(&s.behaviour_logprobs),
             &mask,
         );
         let adv: Vec<f32> = Vec::try_from(adv)?;
         for (a, &m) in adv.iter().zip(&s.loss_mask) {
             if m == 1 {
-                self.sum -= f64::from(*a);
-                self.count += 1;
+                sum -= f64::from(*a);
+                count += 1;
             }
         }
         s.token_advantages = Some(adv);
-        Ok(())
     }
-
-    fn mean(&self) -> f64 {
-        self.sum / self.count.max(1) as f64
-    }
+    Ok(sum / count.max(1) as f64)
 }
 
 /// The routing to replay for `segment`, `[tokens, sparse_layers, top_k]`: the engine's chunks
@@ -185,11 +171,7 @@ pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
         }
         let (shape, ids) = decode_routed_experts(&chunk.data).map_err(RunError::Batch)?;
         let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
-        rows.push(Tensor::from_slice(&ids).view([
-            shape[0] as i64,
-            shape[1] as i64,
-            shape[2] as i64,
-        ]));
+        rows.push(Tensor::from_slice(&ids).view(shape.map(|d| d as i64)));
         next += shape[0];
     }
     let mut t = Tensor::cat(&rows, 0);

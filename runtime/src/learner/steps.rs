@@ -56,16 +56,16 @@ pub(crate) async fn run_steps(
     stages: &[Box<dyn Stage>],
 ) -> Result<(), RunError> {
     let mut quarantined = 0;
-    while learner.step() < learner.total_steps() {
+    while learner.step < learner.cfg.total_steps {
         let started = Instant::now();
-        let step = learner.step() + 1;
+        let step = learner.step + 1;
         // 1. A batch of finished groups (generated while the previous step trained).
         let Some(mut batch) = steps.next(step, learner).await? else {
             return Ok(());
         };
         // 2. The batch stages, in order: a teacher's scores, a judge's rewards, a dump, ...
         for stage in stages {
-            learner.console().phase(stage.phase());
+            learner.console.phase(stage.phase());
             stage.apply(&mut batch).await?;
         }
         // 3. Advantages, samples, one optimizer step; a batch the trainer cannot learn from (or
@@ -86,7 +86,9 @@ pub(crate) async fn run_steps(
         quarantined = 0;
         // 4. The new weights to the engines (pause, transfer, resume) under the next version.
         let version = steps.version(step).await;
-        let sync = learner.publish(version, learner.partial_rollout()).await?;
+        let sync = learner
+            .publish(version, learner.cfg.partial_rollout)
+            .await?;
         // 5. The step's record (metrics.jsonl, TensorBoard), then a checkpoint when one is due.
         let record = learner
             .record(&batch, learned, version, sync, started)

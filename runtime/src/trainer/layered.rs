@@ -16,11 +16,11 @@
 
 use tch::{Kind, Tensor};
 
-use super::logprobs::{picked, seq_inputs, Targets};
-use super::shard::{ShardGrad, Shards};
+use super::logprobs::{picked, Targets};
+use super::shard::ShardGrad;
 use super::step::{loss_of, scored, KlPenalty, LossConfig, LossMetrics, Sample};
-use crate::dist::Collectives;
-use crate::model::{CausalLm, Result, Stages};
+use super::train::Trainer;
+use crate::model::{Result, Stages};
 
 /// Logits computed at once by the head, rows × vocabulary: 32 Mi elements (128 MiB in float32)
 /// unless `MOULT_HEAD_CHUNK_ELEMENTS` says otherwise (docs/distributed.md).
@@ -41,18 +41,6 @@ const EMBED: usize = 0;
 const NORM: usize = 1;
 const LAYERS: usize = 2;
 
-/// One micro-batch's part of a training step.
-pub(super) struct Part<'a> {
-    pub samples: &'a [Sample],
-    /// π_old of the samples.
-    pub old: &'a Tensor,
-    pub cfg: &'a LossConfig,
-    /// The KL penalty's weight and the reference's logprobs, with one.
-    pub kl: Option<KlPenalty>,
-    /// The micro-batch's share of the whole batch's loss.
-    pub weight: f64,
-}
-
 /// A micro-batch's forward: its stages, which rows are targets, the last layer's hidden states,
 /// and each layer's input and routing (when kept for the backward).
 struct Forwarded<'m> {
@@ -62,21 +50,14 @@ struct Forwarded<'m> {
     saved: Vec<(Tensor, Option<Tensor>)>,
 }
 
-pub(super) struct Layered<'a> {
-    pub model: &'a CausalLm,
-    pub shards: &'a Shards,
-    pub params: &'a [Tensor],
-    pub group: &'a dyn Collectives,
-}
-
-impl Layered<'_> {
+impl Trainer {
     fn layers(&self) -> usize {
         self.model.config().num_hidden_layers
     }
 
     /// The unit of the LM head's weight: its own when untied, else the embedding.
     fn head_unit(&self) -> usize {
-        if self.shards.units() > LAYERS + self.layers() {
+        if self.shards().units() > LAYERS + self.layers() {
             LAYERS + self.layers()
         } else {
             EMBED
@@ -85,41 +66,39 @@ impl Layered<'_> {
 
     /// The trainable tensors of unit `u` (whole only while it is gathered).
     fn unit_params(&self, u: usize) -> Vec<Tensor> {
-        let params = &self.params[self.shards.tensors(u)];
+        let params = &self.params[self.shards().tensors(u)];
         params.iter().map(Tensor::shallow_clone).collect()
     }
 
     /// Runs `f` with `units` gathered, then frees them.
-    fn with<T>(&self, units: &[usize], f: impl FnOnce() -> Result<T>) -> Result<T> {
+    fn with_units<T>(&self, units: &[usize], f: impl FnOnce() -> Result<T>) -> Result<T> {
         for &u in units {
-            let _ = self.shards.gather(u, self.params, self.group)?;
+            let _ = self.shards().gather(u, &self.params, self.group.as_ref())?;
         }
         let out = f();
         for &u in units {
-            self.shards.release(u, self.params);
+            self.shards().release(u, &self.params);
         }
         out
     }
 
-    /// The layers without gradient; `None` on an idle pass. `save` keeps each layer's input and
-    /// routing for the backward.
-    fn forward(&self, samples: Option<&[Sample]>, save: bool) -> Result<Option<Forwarded<'_>>> {
+    /// The layers without gradient, keeping each layer's input and routing for the backward;
+    /// `None` on an idle pass.
+    fn forward_layers(&self, samples: Option<&[Sample]>) -> Result<Option<Forwarded<'_>>> {
         let seqs = samples.map(scored);
         let stages = (seqs.as_deref())
-            .map(|s| self.model.stages(&seq_inputs(s)))
+            .map(|s| self.model.stages(s))
             .transpose()?;
         let _guard = tch::no_grad_guard();
-        let mut h = self.with(&[EMBED], || Ok(stages.as_ref().map(Stages::embed)))?;
+        let mut h = self.with_units(&[EMBED], || Ok(stages.as_ref().map(Stages::embed)))?;
         let mut saved = Vec::new();
         for l in 0..self.layers() {
-            let out = self.with(&[LAYERS + l], || match (&stages, &h) {
+            let out = self.with_units(&[LAYERS + l], || match (&stages, &h) {
                 (Some(s), Some(x)) => s.layer(l, x, None).map(Some),
                 _ => Ok(None),
             })?;
             if let (Some(x), Some((y, routing))) = (h.take(), out) {
-                if save {
-                    saved.push((x, routing));
-                }
+                saved.push((x, routing));
                 h = Some(y);
             }
         }
@@ -134,48 +113,35 @@ impl Layered<'_> {
             }))
     }
 
-    /// π's logprobs of `samples` without gradient (`[batch, width]`, as
-    /// [`super::logprobs::token_logprobs`]); `None` runs an idle pass.
-    pub fn logprobs(&self, samples: Option<&[Sample]>, temperature: f64) -> Result<Option<Tensor>> {
-        let forwarded = self.forward(samples, false)?;
-        self.with(&[NORM, self.head_unit()], || {
-            Ok(forwarded.map(|f| f.targets.padded(&f.head_rows(temperature).0)))
-        })
-    }
-
-    /// One micro-batch's forward and backward; its weighted gradient goes into `acc`. `None`
+    /// One micro-batch's forward and backward (its loss with the KL penalty `kl`, when there is
+    /// one); its gradient, weighed by `weight` (its share of the batch), goes into `acc`. `None`
     /// runs an idle pass. Returns the micro-batch's loss metrics.
-    pub fn train(
+    pub(super) fn train_sharded(
         &self,
-        part: Option<&Part<'_>>,
+        samples: Option<&[Sample]>,
+        cfg: &LossConfig,
+        kl: Option<&KlPenalty>,
+        weight: f64,
         acc: &mut ShardGrad,
     ) -> Result<Option<LossMetrics>> {
-        let forwarded = self.forward(part.map(|p| p.samples), true)?;
+        let forwarded = self.forward_layers(samples)?;
         let head_units = [NORM, self.head_unit()];
         let head_params: Vec<Tensor> = head_units
             .iter()
             .flat_map(|&u| self.unit_params(u))
             .collect();
         // The head: the loss, then its backward in chunks.
-        let head = self.with(&head_units, || {
-            let (Some(f), Some(part)) = (&forwarded, part) else {
+        let head = self.with_units(&head_units, || {
+            let (Some(f), Some(samples)) = (&forwarded, samples) else {
                 return Ok(None);
             };
-            let (logp, entropy) = f.head_rows(part.cfg.temperature);
+            let (logp, entropy) = f.head_rows(cfg.temperature);
             let logp = f.targets.padded(&logp).set_requires_grad(true);
             let entropy = f.targets.padded(&entropy);
-            let (loss, metrics) = loss_of(
-                &logp,
-                &entropy,
-                part.samples,
-                part.old,
-                part.cfg,
-                part.kl.as_ref(),
-            );
-            let dlogp =
-                Tensor::run_backward(&[loss * part.weight], &[&logp], false, false).remove(0);
+            let (loss, metrics) = loss_of(&logp, &entropy, samples, cfg, kl);
+            let dlogp = Tensor::run_backward(&[loss * weight], &[&logp], false, false).remove(0);
             let dpicked = dlogp.reshape([-1]).index_select(0, &f.targets.at);
-            let grads = f.head_backward(&head_params, part.cfg.temperature, &dpicked);
+            let grads = f.head_backward(&head_params, cfg.temperature, &dpicked);
             Ok(Some((metrics, grads)))
         })?;
         let (metrics, mut grads) = match head {
@@ -187,8 +153,8 @@ impl Layered<'_> {
         let dh = grads.remove(0);
         let mut grad_h = (forwarded.as_ref()).map(|f| dh.unwrap_or_else(|| f.h.zeros_like()));
         for u in head_units {
-            let g: Vec<Option<Tensor>> = grads.drain(..self.shards.tensors(u).len()).collect();
-            self.shards.reduce_unit(u, &g, acc, self.group)?;
+            let g: Vec<Option<Tensor>> = grads.drain(..self.shards().tensors(u).len()).collect();
+            self.shards().reduce_unit(u, &g, acc, self.group.as_ref())?;
         }
         // The layers, from the top, each recomputed from its input; then the embedding.
         let (stages, mut saved) = match forwarded {
@@ -198,12 +164,12 @@ impl Layered<'_> {
         let s = || stages.as_ref().expect("a forward ran");
         for l in (0..self.layers()).rev() {
             let (x, routing) = saved.pop().unzip();
-            grad_h = self.backward(LAYERS + l, x.as_ref(), grad_h.as_ref(), acc, |x| {
+            grad_h = self.backward_unit(LAYERS + l, x.as_ref(), grad_h.as_ref(), acc, |x| {
                 let routing = routing.flatten();
                 Ok(s().layer(l, x.expect("an input"), routing.as_ref())?.0)
             })?;
         }
-        self.backward(EMBED, None, grad_h.as_ref(), acc, |_| Ok(s().embed()))?;
+        self.backward_unit(EMBED, None, grad_h.as_ref(), acc, |_| Ok(s().embed()))?;
         Ok(metrics)
     }
 
@@ -211,7 +177,7 @@ impl Layered<'_> {
     /// `x` (none for the embedding), whose vector-Jacobian product with `g` gives the gradients
     /// of `x` (returned; zeros where `x` does not reach the output) and of the unit's weights
     /// (reduce-scattered into `acc`). `None` for `g` runs an idle pass.
-    fn backward(
+    fn backward_unit(
         &self,
         u: usize,
         x: Option<&Tensor>,
@@ -221,7 +187,7 @@ impl Layered<'_> {
     ) -> Result<Option<Tensor>> {
         let params = self.unit_params(u);
         let x = x.map(|x| x.detach().set_requires_grad(true));
-        let grads = self.with(&[u], || {
+        let grads = self.with_units(&[u], || {
             let Some(g) = g else {
                 return Ok(None);
             };
@@ -234,7 +200,8 @@ impl Layered<'_> {
             None => nones(x.iter().count() + params.len()),
         };
         let dx = x.map(|_| grads.remove(0));
-        self.shards.reduce_unit(u, &grads, acc, self.group)?;
+        self.shards()
+            .reduce_unit(u, &grads, acc, self.group.as_ref())?;
         Ok(g.zip(dx)
             .map(|(g, dx)| dx.unwrap_or_else(|| g.zeros_like())))
     }

@@ -1,52 +1,34 @@
-//! Recomputing the log-probabilities of sampled tokens under the trainer's weights (π_old at the
-//! start of a batch, π_θ while training), with gradient, in one packed forward (docs/architecture.md#the-three-invariants
+//! Recomputing the log-probabilities of sampled tokens under the trainer's weights (π_θ while
+//! training; detached, π_old), with gradient, in one packed forward (docs/architecture.md#the-three-invariants
 //! invariant 3: the same model code as the engine, MoE routing replayed from the engine).
 
 use tch::{Kind, Tensor};
 
-use crate::model::{CausalLm, ImageInput, LogitsFor, SeqInput};
-
-/// One sequence to score: its tokens, for MoE models the routing to replay
-/// (`[tokens.len(), sparse_layers, top_k]` expert ids), and for vision-language models its
-/// images at their placeholders.
-#[derive(Debug)]
-pub struct Scored<'a> {
-    pub tokens: &'a [i64],
-    pub replay: Option<&'a Tensor>,
-    pub images: &'a [ImageInput],
-}
+use crate::model::{CausalLm, LogitsFor, SeqInput};
 
 /// `logp[i, t]` = log π(tokens_i[t] | tokens_i[..t]) under `model` at `temperature` (the
 /// engine's processed logprob without top-k/top-p), `[batch, max_len]` padded with 0; position 0
-/// (no prefix) is 0. Differentiable with respect to the model's parameters.
+/// (no prefix) is 0. Differentiable with respect to the model's parameters. Each sequence runs
+/// from position 0 (`slot: None`), with its MoE routing to replay and its images.
 pub fn token_logprobs(
     model: &CausalLm,
-    seqs: &[Scored<'_>],
+    seqs: &[SeqInput<'_>],
     temperature: f64,
 ) -> crate::model::Result<Tensor> {
-    Ok(scored(model, seqs, temperature, false)?.0)
+    Ok(token_logprobs_and_entropy(model, seqs, temperature, false)?.0)
 }
 
-/// [`token_logprobs`] and, without gradient, the entropy of each position's next-token
-/// distribution `H[i, t] = −Σ_v π(v | tokens_i[..t]) log π(v | tokens_i[..t])` (aligned like the
-/// logprobs: `H[i, t]` is the entropy of the distribution `tokens_i[t]` was drawn from).
+/// [`token_logprobs`] and, `with_entropy`, without gradient, the entropy of each position's
+/// next-token distribution `H[i, t] = −Σ_v π(v | tokens_i[..t]) log π(v | tokens_i[..t])`
+/// (aligned like the logprobs: `H[i, t]` is the entropy of the distribution `tokens_i[t]` was
+/// drawn from).
 pub fn token_logprobs_and_entropy(
     model: &CausalLm,
-    seqs: &[Scored<'_>],
-    temperature: f64,
-) -> crate::model::Result<(Tensor, Tensor)> {
-    let (logp, entropy) = scored(model, seqs, temperature, true)?;
-    Ok((logp, entropy.expect("asked for")))
-}
-
-fn scored(
-    model: &CausalLm,
-    seqs: &[Scored<'_>],
+    seqs: &[SeqInput<'_>],
     temperature: f64,
     with_entropy: bool,
 ) -> crate::model::Result<(Tensor, Option<Tensor>)> {
-    let inputs = seq_inputs(seqs);
-    let logits = model.forward(&inputs, None, LogitsFor::All)?.logits;
+    let logits = model.forward(seqs, None, LogitsFor::All)?.logits;
     let targets = Targets::new(seqs, logits.device());
     let (picked, entropy) = picked(
         &logits.index_select(0, &targets.rows),
@@ -55,17 +37,6 @@ fn scored(
         with_entropy,
     );
     Ok((targets.padded(&picked), entropy.map(|h| targets.padded(&h))))
-}
-
-pub(super) fn seq_inputs<'a>(seqs: &[Scored<'a>]) -> Vec<SeqInput<'a>> {
-    seqs.iter()
-        .map(|s| SeqInput {
-            tokens: s.tokens,
-            slot: None,
-            replay: s.replay,
-            images: s.images,
-        })
-        .collect()
 }
 
 /// Which packed rows predict which tokens, and where each lands in the padded `[batch, width]`
@@ -83,7 +54,7 @@ pub(super) struct Targets {
 }
 
 impl Targets {
-    pub fn new(seqs: &[Scored<'_>], device: tch::Device) -> Self {
+    pub fn new(seqs: &[SeqInput<'_>], device: tch::Device) -> Self {
         let width = seqs.iter().map(|s| s.tokens.len()).max().unwrap_or(0) as i64;
         let (mut rows, mut next, mut at) = (Vec::new(), Vec::new(), Vec::new());
         let mut offset = 0i64;

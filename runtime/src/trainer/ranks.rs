@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use super::shard::shard_file_name;
+use super::shard::{shard_file_name, ShardLayout};
 use super::train::{Sample, Trainer, TrainerOptions};
 use crate::dist::{Collectives, Error, ReduceOp, Result};
 use crate::model::{CausalLm, ImageInput};
@@ -20,9 +20,8 @@ use crate::vision::ProcessedImage;
 /// long. A lost rank 0 closes its connections, which a follower sees at once.
 const COMMAND_WAIT: Duration = Duration::from_secs(24 * 3600);
 
-/// The folder of a checkpoint that holds its shard files, and the layout file in it.
+/// The folder of a checkpoint that holds its shard files.
 pub const SHARDS: &str = "shards";
-pub const LAYOUT: &str = "layout.json";
 
 /// What every rank needs to build the same trainer, sent by rank 0 on joining.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -37,14 +36,13 @@ pub struct Setup {
     pub options: TrainerOptions,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Command {
-    Step = 1,
-    Moments = 2,
-    Stop = 3,
-    Weights = 4,
-    SaveShards = 5,
-}
+/// What rank 0 tells the followers to do next: the first byte of each command it broadcasts,
+/// the rest its payload (a batch, a folder).
+const STEP: u8 = 1;
+const MOMENTS: u8 = 2;
+const STOP: u8 = 3;
+const WEIGHTS: u8 = 4;
+const SAVE_SHARDS: u8 = 5;
 
 /// Broadcasts bytes from rank 0 (`Some` there, `None` elsewhere); every rank returns them.
 fn broadcast_bytes(group: &dyn Collectives, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
@@ -112,14 +110,10 @@ impl Trainer {
     }
 
     /// Rank 0: tells the followers what to do next.
-    fn command(&self, command: Command, payload: Option<&[u8]>) -> Result<()> {
-        if !self.leads() {
-            return Ok(());
-        }
-        self.group
-            .broadcast(&Tensor::from_slice(&[command as i64]), 0)?;
-        if matches!(command, Command::Step | Command::SaveShards) {
-            broadcast_bytes(self.group.as_ref(), payload)?;
+    fn command(&self, command: u8, payload: &[u8]) -> Result<()> {
+        if self.leads() {
+            let bytes = [&[command], payload].concat();
+            broadcast_bytes(self.group.as_ref(), Some(&bytes))?;
         }
         Ok(())
     }
@@ -128,7 +122,7 @@ impl Trainer {
     /// which hands the batch to the others).
     pub fn step(&mut self, samples: &[Sample]) -> crate::model::Result<super::train::StepStats> {
         if self.leads() {
-            self.command(Command::Step, Some(&encode(samples)))?;
+            self.command(STEP, &encode(samples))?;
         }
         self.step_on(samples)
     }
@@ -136,8 +130,12 @@ impl Trainer {
     /// The optimizer's moments, whole, in [`CausalLm::trainable`] order (for checkpoints); empty
     /// before the first step. With several ranks, called on rank 0.
     pub fn moments(&self) -> Result<Vec<(Tensor, Tensor)>> {
-        self.command(Command::Moments, None)?;
-        self.gather_moments()
+        self.command(MOMENTS, &[])?;
+        let Some(shards) = &self.shards else {
+            let clone = |(m, v): &(Tensor, Tensor)| (m.shallow_clone(), v.shallow_clone());
+            return Ok(self.optimizer.moments().iter().map(clone).collect());
+        };
+        shards.gathered_moments(self.group.as_ref())
     }
 
     /// The weights to publish or save, by checkpoint name, detached from autograd. They may
@@ -156,29 +154,27 @@ impl Trainer {
     /// (docs/weight-sync.md, "From a sharded trainer"). Every bucket is gathered even when
     /// `emit` no longer wants them: the other ranks take part in each gather.
     pub fn weight_buckets(&self, emit: &mut dyn FnMut(Vec<(String, Tensor)>)) -> Result<()> {
-        if self.weights_sharded() {
-            self.command(Command::Weights, None)?;
+        match &self.shards {
+            Some(shards) if shards.full() => {
+                self.command(WEIGHTS, &[])?;
+                shards.gather_units(&self.params, &self.names, self.group.as_ref(), emit)
+            }
+            _ => {
+                let detached = |(n, t): (&String, &Tensor)| (n.clone(), t.detach());
+                emit(self.model.params().iter().map(detached).collect());
+                Ok(())
+            }
         }
-        self.gather_weights(emit)
     }
 
     /// Sharded weights: every rank writes its shards of the weights and moments into
-    /// `dir/shards/` with no gather, and rank 0 the layout that puts them back together
-    /// (docs/distributed.md, "Checkpoints"). Called on rank 0; returns once every rank's file is
-    /// written and synced, or an error if any rank could not write its own.
-    pub fn save_shards(&self, dir: &Path) -> crate::model::Result<()> {
-        let path = dir.to_string_lossy();
-        self.command(Command::SaveShards, Some(path.as_bytes()))?;
+    /// `dir/shards/` with no gather (docs/distributed.md, "Checkpoints"). Called on rank 0;
+    /// returns once every rank's file is written and synced (or an error if any rank could not
+    /// write its own), with the layout that puts them back together.
+    pub fn save_shards(&self, dir: &Path) -> crate::model::Result<ShardLayout> {
+        self.command(SAVE_SHARDS, dir.to_string_lossy().as_bytes())?;
         self.write_shard(dir)?;
-        let layout = (self.shards.as_ref())
-            .expect("several ranks")
-            .layout(&self.names);
-        let file = dir.join(SHARDS).join(LAYOUT);
-        std::fs::write(
-            &file,
-            serde_json::to_vec_pretty(&layout).expect("the layout serialises"),
-        )
-        .map_err(|e| crate::model::Error::Input(format!("writing {}: {e}", file.display())))
+        Ok(self.shards().layout(&self.names))
     }
 
     /// This rank's file of a sharded checkpoint in `dir`, written and synced; then whether every
@@ -188,7 +184,7 @@ impl Trainer {
         let file = shards.join(shard_file_name(self.group.rank(), self.world_size()));
         let mine = std::fs::create_dir_all(&shards)
             .and_then(|()| {
-                let tensors = self.shards.as_ref().expect("several ranks").shard_tensors();
+                let tensors = self.shards().shard_tensors();
                 Tensor::write_safetensors(&tensors, &file).map_err(std::io::Error::other)
             })
             .and_then(|()| std::fs::File::open(&file)?.sync_all())
@@ -206,35 +202,29 @@ impl Trainer {
 
     /// Rank 0, at the end of a run: the followers return from [`Trainer::follow`].
     pub fn stop_followers(&self) -> Result<()> {
-        self.command(Command::Stop, None)
+        self.command(STOP, &[])
     }
 
     /// A follower: does what rank 0 commands until it says stop; returns the steps taken.
     pub fn follow(&mut self) -> crate::model::Result<u64> {
-        let command = Tensor::zeros([1], (Kind::Int64, Device::Cpu));
         let group_timeout = self.group.timeout();
         loop {
             self.group.set_timeout(COMMAND_WAIT)?;
-            self.group.broadcast(&command, 0)?;
+            let bytes = broadcast_bytes(self.group.as_ref(), None)?;
             self.group.set_timeout(group_timeout)?;
-            match command.int64_value(&[0]) {
-                1 => {
-                    let bytes = broadcast_bytes(self.group.as_ref(), None)?;
-                    let samples = decode(&bytes).map_err(|e| {
+            let (&command, payload) = bytes.split_first().unwrap_or((&0, &[]));
+            match command {
+                STEP => {
+                    let samples = decode(payload).map_err(|e| {
                         Error::Config(format!("rank 0 sent a batch this rank cannot read: {e}"))
                     })?;
                     self.step_on(&samples)?;
                 }
-                2 => {
-                    self.gather_moments()?;
-                }
-                3 => return Ok(self.steps()),
-                4 => {
-                    self.gather_weights(&mut drop)?;
-                }
-                5 => {
-                    let bytes = broadcast_bytes(self.group.as_ref(), None)?;
-                    let dir = PathBuf::from(String::from_utf8_lossy(&bytes).into_owned());
+                MOMENTS => _ = self.moments()?,
+                STOP => return Ok(self.steps()),
+                WEIGHTS => self.weight_buckets(&mut drop)?,
+                SAVE_SHARDS => {
+                    let dir = PathBuf::from(String::from_utf8_lossy(payload).into_owned());
                     if let Err(e) = self.write_shard(&dir) {
                         // Rank 0 says so too, and tries again or carries on without this
                         // checkpoint; this rank goes on with it.

@@ -50,17 +50,11 @@ pub struct ShardLayout {
     pub world: usize,
     /// Per unit: its tensors' shapes (the trainable tensors in order) and each rank's shard
     /// length.
-    pub units: Vec<UnitLayout>,
+    pub units: Vec<Unit>,
     /// Where each checkpoint-named weight lies in the trainable tensors.
     pub names: Vec<NamedSlice>,
     /// Whether the files hold AdamW moments (`m.U`, `v.U`; none before the first step).
     pub moments: bool,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct UnitLayout {
-    pub shapes: Vec<Vec<i64>>,
-    pub shard_len: i64,
 }
 
 /// A sharded checkpoint put back together: the weights by checkpoint name and the moments of
@@ -73,14 +67,10 @@ impl ShardLayout {
         shard_file_name(rank, self.world)
     }
 
-    /// The whole tensors from every rank's file (`read(rank)` gives its tensors by name).
-    pub fn unshard(
-        &self,
-        mut read: impl FnMut(usize) -> std::result::Result<Vec<(String, Tensor)>, String>,
-    ) -> std::result::Result<Whole, String> {
-        let files = (0..self.world)
-            .map(|rank| Ok(read(rank)?.into_iter().collect()))
-            .collect::<std::result::Result<Vec<HashMap<String, Tensor>>, String>>()?;
+    /// The whole tensors from every rank's file (`files[rank]`: its tensors by name).
+    pub fn unshard(&self, files: Vec<Vec<(String, Tensor)>>) -> std::result::Result<Whole, String> {
+        let files: Vec<HashMap<String, Tensor>> =
+            files.into_iter().map(|f| f.into_iter().collect()).collect();
         // Unit `u`'s tensors `key` (`w`, `m` or `v`) flat: every rank's shard, in rank order.
         let flat = |key: &str, u: usize| -> std::result::Result<Tensor, String> {
             let (key, len) = (format!("{key}.{u}"), self.units[u].shard_len);
@@ -158,22 +148,21 @@ struct Piece {
     at: i64,
 }
 
-/// A group of trainable tensors gathered together.
-#[derive(Debug)]
-struct Unit {
+/// A group of trainable tensors gathered together; its shapes and shard length are also its
+/// layout in a sharded checkpoint.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Unit {
+    /// Each tensor's shape, and the length of each rank's shard of the unit.
+    pub shapes: Vec<Vec<i64>>,
+    pub shard_len: i64,
+    #[serde(skip)]
     tensors: Range<usize>,
-    /// Each tensor's shape, and where it starts in the unit's flat layout.
-    shapes: Vec<Vec<i64>>,
+    /// Where each tensor starts in the unit's flat layout.
+    #[serde(skip)]
     offsets: Vec<i64>,
-    shard_len: i64,
     /// Where this rank's shard of the unit starts in its state.
+    #[serde(skip)]
     at: i64,
-}
-
-impl Unit {
-    fn numel(&self, i: usize) -> i64 {
-        self.shapes[i].iter().product()
-    }
 }
 
 #[derive(Debug)]
@@ -183,8 +172,10 @@ pub(super) struct Shards {
     /// Elements of this rank's state: its shard of every unit.
     state_len: i64,
     world: usize,
-    /// Where the shards, gradients and gathers live: the model's device.
+    /// Where the shards, gradients and gathers live: the model's device; and the dtype of the
+    /// weights this rank keeps, of its gradient shard and of its moments.
     device: tch::Device,
+    kind: Kind,
     /// `Full`: this rank's shards of the weights, the only copy between gathers.
     own: Option<Tensor>,
     /// `Full`: the dtype weights are gathered (and computed) in, when not the shards' own.
@@ -223,65 +214,48 @@ impl Shards {
             Sharding::Optimizer => std::iter::once(0..params.len()).collect(),
             Sharding::Full => units,
         };
-        let (mut pieces, mut state_len) = (Vec::new(), 0);
-        let units = units
-            .into_iter()
-            .map(|tensors| {
-                let shapes: Vec<Vec<i64>> =
-                    params[tensors.clone()].iter().map(Tensor::size).collect();
-                let numels = shapes.iter().map(|s| s.iter().product::<i64>());
-                let offsets: Vec<i64> = (numels.clone())
-                    .scan(0, |at, n| {
-                        *at += n;
-                        Some(*at - n)
-                    })
-                    .collect();
-                let total: i64 = numels.sum();
-                let w = world as i64;
-                let shard_len = (total + w - 1) / w;
-                let (lo, hi) = (rank as i64 * shard_len, (rank as i64 + 1) * shard_len);
-                for (i, (s, &off)) in shapes.iter().zip(&offsets).enumerate() {
-                    let n: i64 = s.iter().product();
-                    let (a, b) = (off.max(lo), (off + n).min(hi));
-                    if a < b {
-                        pieces.push(Piece {
-                            tensor: tensors.start + i,
-                            start: a - off,
-                            len: b - a,
-                            at: state_len + a - lo,
-                        });
-                    }
+        let (mut pieces, mut state_len, mut out, w) = (Vec::new(), 0, Vec::new(), world as i64);
+        for tensors in units {
+            let unit = &params[tensors.clone()];
+            let total: i64 = unit.iter().map(|p| p.numel() as i64).sum();
+            let shard_len = (total + w - 1) / w;
+            let (lo, hi) = (rank as i64 * shard_len, (rank as i64 + 1) * shard_len);
+            let (mut offsets, mut off) = (Vec::new(), 0);
+            for (tensor, p) in tensors.clone().zip(unit) {
+                let (a, b) = (off.max(lo), (off + p.numel() as i64).min(hi));
+                if a < b {
+                    pieces.push(Piece {
+                        tensor,
+                        start: a - off,
+                        len: b - a,
+                        at: state_len + a - lo,
+                    });
                 }
-                let unit = Unit {
-                    tensors,
-                    shapes,
-                    offsets,
-                    shard_len,
-                    at: state_len,
-                };
-                state_len += shard_len;
-                unit
-            })
-            .collect();
+                offsets.push(off);
+                off += p.numel() as i64;
+            }
+            out.push(Unit {
+                shapes: unit.iter().map(Tensor::size).collect(),
+                shard_len,
+                tensors,
+                offsets,
+                at: state_len,
+            });
+            state_len += shard_len;
+        }
         Self {
-            units,
+            units: out,
             pieces,
             state_len,
             world,
             device: params.first().map_or(tch::Device::Cpu, Tensor::device),
+            kind: params.first().map_or(Kind::Float, Tensor::kind),
             own: None,
             compute,
             optimizer,
             seconds: Cell::new(0.0),
             gathering: Cell::new(0.0),
         }
-    }
-
-    /// The dtype of the weights this rank keeps, of its gradient shard and of its moments.
-    pub(super) fn master_kind(&self, params: &[Tensor]) -> Kind {
-        self.own
-            .as_ref()
-            .map_or_else(|| params[0].kind(), Tensor::kind)
     }
 
     /// Whether the weights are sharded too (`Full`).
@@ -315,7 +289,7 @@ impl Shards {
     /// `Full`: keeps this rank's shards of `params` and frees the whole tensors (once, when the
     /// ranks agree on the weights).
     pub(super) fn shard_weights(&mut self, params: &[Tensor]) {
-        let own = self.state_of(|_, p| piece_of(params, p), params[0].kind());
+        let own = self.state_of(|_, p| piece_of(params, p));
         self.own = Some(own);
         for u in 0..self.units.len() {
             self.release(u, params);
@@ -323,22 +297,10 @@ impl Shards {
         give_back_freed_memory();
     }
 
-    /// Unit `u`'s flat layout of `parts` (one `[numel]` tensor per tensor of the unit), padded.
-    fn unit_flat(&self, u: usize, parts: Vec<Tensor>) -> Tensor {
-        let unit = &self.units[u];
-        let total: i64 = (0..unit.shapes.len()).map(|i| unit.numel(i)).sum();
-        let mut parts = parts;
-        let pad = unit.shard_len * self.world as i64 - total;
-        if pad > 0 {
-            parts.push(Tensor::zeros([pad], (parts[0].kind(), parts[0].device())));
-        }
-        Tensor::cat(&parts, 0)
-    }
-
     /// An empty gradient, to [`Shards::reduce_unit`] into.
-    pub(super) fn new_grad(&self, kind: Kind) -> ShardGrad {
+    pub(super) fn new_grad(&self) -> ShardGrad {
         ShardGrad {
-            grad: Tensor::zeros([self.state_len], (kind, self.device)),
+            grad: Tensor::zeros([self.state_len], (self.kind, self.device)),
             reached: vec![false; self.units.last().map_or(0, |u| u.tensors.end)],
         }
     }
@@ -353,19 +315,21 @@ impl Shards {
         group: &dyn Collectives,
     ) -> Result<()> {
         let unit = &self.units[u];
-        let (kind, shard_len, at) = (acc.grad.kind(), unit.shard_len, unit.at);
-        let parts = grads
-            .iter()
-            .enumerate()
-            .map(|(i, g)| match g {
+        let (kind, shard_len, at) = (self.kind, unit.shard_len, unit.at);
+        // The unit's flat layout, padded.
+        let mut parts: Vec<Tensor> = (grads.iter().zip(&unit.shapes).enumerate())
+            .map(|(i, (g, shape))| match g {
                 Some(g) => {
                     acc.reached[unit.tensors.start + i] = true;
                     g.detach().to_kind(kind).reshape([-1])
                 }
-                None => Tensor::zeros([unit.numel(i)], (kind, self.device)),
+                None => Tensor::zeros([shape.iter().product::<i64>()], (kind, self.device)),
             })
             .collect();
-        let flat = tch::no_grad(|| self.unit_flat(u, parts));
+        let pad =
+            shard_len * self.world as i64 - parts.iter().map(Tensor::numel).sum::<usize>() as i64;
+        parts.push(Tensor::zeros([pad], (kind, self.device)));
+        let flat = tch::no_grad(|| Tensor::cat(&parts, 0));
         let part = Tensor::zeros([shard_len], (kind, self.device));
         self.timed(|| group.reduce_scatter(&part, &flat))?;
         tch::no_grad(|| {
@@ -381,7 +345,7 @@ impl Shards {
         params: &[Tensor],
         group: &dyn Collectives,
     ) -> Result<ShardGrad> {
-        let mut acc = self.new_grad(self.master_kind(params));
+        let mut acc = self.new_grad();
         for u in 0..self.units.len() {
             let grads: Vec<Option<Tensor>> = params[self.units[u].tensors.clone()]
                 .iter()
@@ -413,12 +377,9 @@ impl Shards {
         // In float64, a few million elements at a time: the whole shard in float64 would take
         // twice its memory, twice over.
         const CHUNK: i64 = 1 << 22;
-        let len = g.grad.size()[0];
-        let sum: f64 = (0..len)
-            .step_by(CHUNK as usize)
-            .map(|start| {
-                g.grad
-                    .narrow(0, start, CHUNK.min(len - start))
+        let sum: f64 = (g.grad.split(CHUNK, 0).iter())
+            .map(|chunk| {
+                chunk
                     .to_kind(Kind::Double)
                     .square()
                     .sum(Kind::Double)
@@ -463,17 +424,11 @@ impl Shards {
         Ok(())
     }
 
-    /// Bytes of optimizer state this rank holds (its shards' moments).
+    /// Bytes this rank keeps between steps: its shards' moments and, with `Full`, its shards of
+    /// the weights (else the whole weights are the model's).
     pub(super) fn state_bytes(&self) -> usize {
-        self.optimizer.state_bytes()
-    }
-
-    /// Bytes of weights this rank keeps between steps: its shards with `Full`, else none (the
-    /// whole weights are the model's).
-    pub(super) fn weight_bytes(&self) -> usize {
-        self.own
-            .as_ref()
-            .map_or(0, |o| o.numel() * o.kind().elt_size_in_bytes())
+        let own = self.own.as_ref();
+        self.optimizer.state_bytes() + own.map_or(0, |o| o.numel() * o.kind().elt_size_in_bytes())
     }
 
     /// Every rank's shard of unit `u`'s weights into every rank's tensors of it: with `Full`,
@@ -486,20 +441,13 @@ impl Shards {
         group: &dyn Collectives,
     ) -> Result<Tensor> {
         let unit = &self.units[u];
+        let (at, len, compute) = (unit.at, unit.shard_len, self.compute.unwrap_or(self.kind));
         let shard = match &self.own {
-            Some(own) => {
-                (own.narrow(0, unit.at, unit.shard_len)).to_kind(self.compute.unwrap_or(own.kind()))
-            }
-            None => self
-                .state_of(|_, p| piece_of(params, p), params[0].kind())
-                .narrow(0, unit.at, unit.shard_len),
+            Some(own) => own.narrow(0, at, len).to_kind(compute),
+            None => self.state_of(|_, p| piece_of(params, p)).narrow(0, at, len),
         };
-        let full = shard.new_zeros(
-            [unit.shard_len * self.world as i64],
-            (shard.kind(), shard.device()),
-        );
         let started = Instant::now();
-        self.timed(|| group.all_gather(&full, &shard))?;
+        let full = self.all_gather(u, &shard, group)?;
         self.gathering
             .set(self.gathering.get() + started.elapsed().as_secs_f64());
         tch::no_grad(|| {
@@ -515,6 +463,14 @@ impl Shards {
         Ok(full)
     }
 
+    /// Every rank's `shard` of unit `u`, one after another (a collective).
+    fn all_gather(&self, u: usize, shard: &Tensor, group: &dyn Collectives) -> Result<Tensor> {
+        let len = self.units[u].shard_len * self.world as i64;
+        let full = shard.new_zeros([len], (shard.kind(), shard.device()));
+        self.timed(|| group.all_gather(&full, shard))?;
+        Ok(full)
+    }
+
     /// `Full`: frees unit `u`'s whole tensors (their shards stay).
     pub(super) fn release(&self, u: usize, params: &[Tensor]) {
         for t in self.units[u].tensors.clone() {
@@ -524,32 +480,22 @@ impl Shards {
     }
 
     /// AdamW's first and second moments laid out as this rank's state (zeros before a step).
-    fn moment_states(&self, kind: Kind) -> Vec<Tensor> {
+    fn moment_states(&self) -> [Tensor; 2] {
         let state = self.optimizer.moments();
         // Piece i's moments are state[i] (AdamW runs over the pieces in order).
-        (0..2)
-            .map(|which| {
-                self.state_of(
-                    |i, p| match state.get(i) {
-                        Some((m, v)) => [m, v][which].shallow_clone(),
-                        None => Tensor::zeros([p.len], (kind, self.device)),
-                    },
-                    kind,
-                )
+        [0, 1].map(|which| {
+            self.state_of(|i, p| match state.get(i) {
+                Some((m, v)) => [m, v][which].shallow_clone(),
+                None => Tensor::zeros([p.len], (self.kind, self.device)),
             })
-            .collect()
+        })
     }
 
     /// `Full`: this rank's shard of each unit, flat, for its file of a sharded checkpoint:
     /// weights (`w.U`) and, after a step, moments (`m.U`, `v.U`).
     pub(super) fn shard_tensors(&self) -> Vec<(String, Tensor)> {
         let own = self.own.as_ref().expect("sharded weights");
-        let kind = own.kind();
-        let moments = if self.optimizer.moments().is_empty() {
-            Vec::new()
-        } else {
-            self.moment_states(kind)
-        };
+        let moments = (!self.optimizer.moments().is_empty()).then(|| self.moment_states());
         let mut out = Vec::new();
         for (u, unit) in self.units.iter().enumerate() {
             let part = |t: &Tensor| {
@@ -557,7 +503,7 @@ impl Shards {
                     .to_device(tch::Device::Cpu)
             };
             out.push((format!("w.{u}"), part(own)));
-            for (key, t) in ["m", "v"].iter().zip(&moments) {
+            for (key, t) in ["m", "v"].iter().zip(moments.iter().flatten()) {
                 out.push((format!("{key}.{u}"), part(t)));
             }
         }
@@ -568,14 +514,7 @@ impl Shards {
     pub(super) fn layout(&self, names: &[NamedSlice]) -> ShardLayout {
         ShardLayout {
             world: self.world,
-            units: self
-                .units
-                .iter()
-                .map(|u| UnitLayout {
-                    shapes: u.shapes.clone(),
-                    shard_len: u.shard_len,
-                })
-                .collect(),
+            units: self.units.clone(),
             names: names.to_vec(),
             moments: !self.optimizer.moments().is_empty(),
         }
@@ -607,8 +546,8 @@ impl Shards {
     }
 
     /// This rank's state built from each piece's tensor, padded.
-    fn state_of(&self, piece: impl Fn(usize, &Piece) -> Tensor, kind: Kind) -> Tensor {
-        let state = Tensor::zeros([self.state_len], (kind, self.device));
+    fn state_of(&self, piece: impl Fn(usize, &Piece) -> Tensor) -> Tensor {
+        let state = Tensor::zeros([self.state_len], (self.kind, self.device));
         tch::no_grad(|| {
             for (i, p) in self.pieces.iter().enumerate() {
                 state.narrow(0, p.at, p.len).copy_(&piece(i, p));
@@ -621,7 +560,6 @@ impl Shards {
     /// empty before the first step.
     pub(super) fn gathered_moments(
         &self,
-        kind: Kind,
         group: &dyn Collectives,
     ) -> Result<Vec<(Tensor, Tensor)>> {
         let state = self.optimizer.moments();
@@ -631,18 +569,12 @@ impl Shards {
         if stepped.double_value(&[0]) == 0.0 {
             return Ok(Vec::new());
         }
-        let shards = self.moment_states(kind);
+        let [m, v] = self.moment_states();
         let mut out = Vec::new();
-        for u in 0..self.units.len() {
-            let unit = &self.units[u];
-            let (at, len) = (unit.at, unit.shard_len);
-            let mut whole = Vec::with_capacity(2);
-            for shard in &shards {
-                let full = Tensor::zeros([len * self.world as i64], (kind, self.device));
-                self.timed(|| group.all_gather(&full, &shard.narrow(0, at, len)))?;
-                whole.push(full);
-            }
-            out.extend(split_moments(&whole[0], &whole[1], &unit.shapes));
+        for (u, unit) in self.units.iter().enumerate() {
+            let gather =
+                |s: &Tensor| self.all_gather(u, &s.narrow(0, unit.at, unit.shard_len), group);
+            out.extend(split_moments(&gather(&m)?, &gather(&v)?, &unit.shapes));
         }
         Ok(out)
     }

@@ -5,11 +5,11 @@
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use super::logprobs::{token_logprobs, token_logprobs_and_entropy, Scored};
+use super::logprobs::token_logprobs_and_entropy;
 use crate::algorithms::correction::Correction;
 use crate::algorithms::losses::{aggregate, cispo, gspo, kl_k3, ppo_clip, Aggregation};
 use crate::algorithms::masked_mean;
-use crate::model::{CausalLm, ImageInput};
+use crate::model::{CausalLm, ImageInput, SeqInput};
 
 /// One trajectory segment with its advantage, owned (what the run hands the trainer).
 #[derive(Debug)]
@@ -69,102 +69,70 @@ pub struct LossMetrics {
 
 /// A KL penalty `coef · k3(π_θ, π_ref)` (aggregated like the loss): `coef` and the reference
 /// policy's logprobs, `[batch, width]` with `width` the longest sample's length (as
-/// [`token_logprobs`] pads).
+/// [`super::logprobs::token_logprobs`] pads).
 pub type KlPenalty = (f64, Tensor);
 
-/// `rows`, each padded with `pad` to `width`, one after another.
-pub(super) fn padded<T: Copy>(rows: impl Iterator<Item = Vec<T>>, width: usize, pad: T) -> Vec<T> {
-    rows.flat_map(|mut r| {
-        r.resize(width, pad);
-        r
-    })
-    .collect()
-}
-
-/// The sequences of `samples` to score.
-pub(super) fn scored(samples: &[Sample]) -> Vec<Scored<'_>> {
+/// The sequences of `samples` to score, each from position 0 with its routing and images.
+pub(super) fn scored(samples: &[Sample]) -> Vec<SeqInput<'_>> {
     samples
         .iter()
-        .map(|s| Scored {
+        .map(|s| SeqInput {
             tokens: &s.tokens,
+            slot: None,
             replay: s.replay.as_ref(),
             images: &s.images,
         })
         .collect()
 }
 
-/// π_old: the sampled tokens' logprobs under the current weights, without gradient, computed
-/// once at the start of a batch.
-pub fn old_logprobs(
-    model: &CausalLm,
-    samples: &[Sample],
-    temperature: f64,
-) -> crate::model::Result<Tensor> {
-    let seqs = scored(samples);
-    tch::no_grad(|| token_logprobs(model, &seqs, temperature))
-}
-
-/// The loss (with gradient) of `samples` given their π_old logprobs `logp_old`, and metrics.
+/// The loss (with gradient) of `samples`, with a KL penalty when given, and metrics. π_old is
+/// the policy before this batch's one optimizer step: the forward's own logprobs, detached.
 pub fn policy_loss(
     model: &CausalLm,
     samples: &[Sample],
-    logp_old: &Tensor,
-    cfg: &LossConfig,
-) -> crate::model::Result<(Tensor, LossMetrics)> {
-    policy_loss_with(model, samples, logp_old, cfg, None)
-}
-
-/// [`policy_loss`] with a KL penalty.
-pub fn policy_loss_with(
-    model: &CausalLm,
-    samples: &[Sample],
-    logp_old: &Tensor,
     cfg: &LossConfig,
     kl: Option<&KlPenalty>,
 ) -> crate::model::Result<(Tensor, LossMetrics)> {
     let seqs = scored(samples);
-    let (logp, entropy) = token_logprobs_and_entropy(model, &seqs, cfg.temperature)?;
-    Ok(loss_of(&logp, &entropy, samples, logp_old, cfg, kl))
+    let (logp, entropy) = token_logprobs_and_entropy(model, &seqs, cfg.temperature, true)?;
+    Ok(loss_of(
+        &logp,
+        &entropy.expect("asked for"),
+        samples,
+        cfg,
+        kl,
+    ))
 }
 
-/// The loss of `samples` from their logprobs under the policy `logp` (with gradient) and the
-/// entropies of their positions, as [`policy_loss_with`] computes it after the forward.
+/// The loss of `samples` from their logprobs under the policy `logp` (with gradient; detached,
+/// they are π_old's) and the entropies of their positions, as [`policy_loss`] computes it after
+/// the forward.
 pub(super) fn loss_of(
     logp: &Tensor,
     entropy: &Tensor,
     samples: &[Sample],
-    logp_old: &Tensor,
     cfg: &LossConfig,
     kl: Option<&KlPenalty>,
 ) -> (Tensor, LossMetrics) {
     let (b, width) = (samples.len() as i64, logp.size()[1]);
-    let device = logp.device();
-    let rows = |rows: Vec<Vec<f32>>| {
-        let rows = padded(rows.into_iter(), width as usize, 0.0f32);
+    let (device, logp_old) = (logp.device(), &logp.detach());
+    // One row per sample, padded with 0 to `width`.
+    let rows = |row: &dyn Fn(&Sample) -> Vec<f32>| {
+        let rows: Vec<f32> = (samples.iter())
+            .flat_map(|s| {
+                let mut r = row(s);
+                r.resize(width as usize, 0.0);
+                r
+            })
+            .collect();
         Tensor::from_slice(&rows).view([b, width]).to_device(device)
     };
-    let mask = rows(
-        samples
-            .iter()
-            .map(|s| s.loss_mask.iter().map(|&m| f32::from(m)).collect())
-            .collect(),
-    );
-    let behaviour = rows(
-        samples
-            .iter()
-            .map(|s| s.behaviour_logprobs.to_vec())
-            .collect(),
-    );
+    let mask = rows(&|s| s.loss_mask.iter().map(|&m| f32::from(m)).collect());
+    let behaviour = rows(&|s| s.behaviour_logprobs.clone());
     // Per-token advantages (on-policy distillation) replace the sequences' when every sample
     // has them; GSPO takes their masked mean per sequence.
     let (adv_seq, adv_tok) = if samples.iter().all(|s| s.token_advantages.is_some()) {
-        let adv_tok = rows(
-            samples
-                .iter()
-                .flat_map(|s| s.token_advantages.clone())
-                .collect(),
-        );
-        let adv_tok = adv_tok * &mask;
+        let adv_tok = rows(&|s| s.token_advantages.clone().unwrap_or_default()) * &mask;
         (masked_mean(&adv_tok, &mask), adv_tok)
     } else {
         let adv_seq: Vec<f32> = samples.iter().map(|s| s.advantage as f32).collect();

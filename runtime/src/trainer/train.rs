@@ -1,8 +1,8 @@
-//! One training step over a batch of trajectory segments: π_old once, then the loss in
-//! micro-batches whose gradients accumulate, gradient clipping, one AdamW step at the scheduled
-//! learning rate. The result is exactly the step on the whole batch at once: each micro-batch's
-//! loss is weighed by its share of the batch (tokens for token-mean, sequences for
-//! sequence-mean and GSPO).
+//! One training step over a batch of trajectory segments: the loss in micro-batches whose
+//! gradients accumulate, gradient clipping, one AdamW step at the scheduled learning rate. The
+//! weights move once per batch, so π_old is each micro-batch's own forward, detached. The result
+//! is exactly the step on the whole batch at once: each micro-batch's loss is weighed by its
+//! share of the batch (tokens for token-mean, sequences for sequence-mean and GSPO).
 //!
 //! With several ranks (rank 0 leading the others, `ranks.rs`) each rank trains on its contiguous
 //! part of the batch, with the same shares of the whole batch, and the optimizer state, the
@@ -15,15 +15,12 @@ use std::time::Instant;
 use serde::Serialize;
 use tch::Tensor;
 
-use super::layered::{Layered, Part};
 use super::logprobs::token_logprobs;
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
 use super::shard::{ShardGrad, Shards};
 pub use super::shard::{ShardLayout, Sharding, Whole};
 pub use super::step::Sample;
-use super::step::{
-    old_logprobs, policy_loss_with, scored, KlPenalty, LossConfig, LossKind, LossMetrics,
-};
+use super::step::{policy_loss, scored, LossConfig, LossKind, LossMetrics};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
 use crate::model::{CausalLm, NamedSlice};
@@ -102,11 +99,11 @@ pub struct StepStats {
 /// The trainable policy with its optimizer.
 #[derive(Debug)]
 pub struct Trainer {
-    model: CausalLm,
+    pub(super) model: CausalLm,
     /// The tensors the optimizer updates, in [`CausalLm::trainable`] order.
     pub(super) params: Vec<Tensor>,
     /// One rank's optimizer; unused when `shards` holds the sharded one.
-    optimizer: AdamW,
+    pub(super) optimizer: AdamW,
     pub(super) group: Box<dyn Collectives>,
     pub(super) shards: Option<Shards>,
     /// Where each checkpoint name lies in `params` (the model forgets its names when its weights
@@ -183,15 +180,11 @@ impl Trainer {
             return Err(TrainerError::NoMicroBatch);
         }
         let full = group.world() > 1 && opts.sharding == Sharding::Full;
-        if model.vision_unit().is_some() {
-            if opts.freeze_vision {
-                model.freeze_vision();
-            }
-            if full {
-                return Err(TrainerError::ShardedVisionTower);
-            }
-        } else if opts.freeze_vision {
-            return Err(TrainerError::NoVisionTower);
+        match (model.vision_unit().is_some(), opts.freeze_vision) {
+            (true, _) if full => return Err(TrainerError::ShardedVisionTower),
+            (true, true) => model.freeze_vision(),
+            (false, true) => return Err(TrainerError::NoVisionTower),
+            _ => {}
         }
         if opts.bf16_compute && !full {
             return Err(TrainerError::UnshardedBf16);
@@ -245,41 +238,30 @@ impl Trainer {
         self.group.world()
     }
 
-    /// Bytes of AdamW moments this rank holds: all of them with one rank, its shard's with
-    /// several.
-    pub fn optimizer_state_bytes(&self) -> usize {
+    /// Bytes of weights and AdamW moments this rank keeps between steps: all of them with one
+    /// rank; with several its shard of the moments and the whole weights, or with sharded
+    /// weights its shards of both.
+    pub fn state_bytes(&self) -> usize {
+        let whole = || {
+            self.params
+                .iter()
+                .map(|p| p.numel() * p.kind().elt_size_in_bytes())
+        };
         match &self.shards {
-            Some(shards) => shards.state_bytes(),
-            None => self.optimizer.state_bytes(),
+            Some(shards) if shards.full() => shards.state_bytes(),
+            Some(shards) => shards.state_bytes() + whole().sum::<usize>(),
+            None => self.optimizer.state_bytes() + whole().sum::<usize>(),
         }
+    }
+
+    /// The state sharded across several ranks (there are several).
+    pub(super) fn shards(&self) -> &Shards {
+        self.shards.as_ref().expect("several ranks")
     }
 
     /// Whether each rank keeps only its shards of the weights.
     pub fn weights_sharded(&self) -> bool {
         self.shards.as_ref().is_some_and(Shards::full)
-    }
-
-    /// The forward and backward of sharded weights.
-    fn layered(&self) -> Layered<'_> {
-        Layered {
-            model: &self.model,
-            shards: self.shards.as_ref().expect("several ranks"),
-            params: &self.params,
-            group: self.group.as_ref(),
-        }
-    }
-
-    /// Bytes of weights this rank keeps between steps: the whole model's, or with sharded
-    /// weights its shards'.
-    pub fn weight_bytes(&self) -> usize {
-        match &self.shards {
-            Some(shards) if shards.full() => shards.weight_bytes(),
-            _ => self
-                .params
-                .iter()
-                .map(|p| p.numel() * p.kind().elt_size_in_bytes())
-                .sum(),
-        }
     }
 
     /// Sharded weights: keeps this rank's shards and frees the whole tensors (once every rank
@@ -290,42 +272,6 @@ impl Trainer {
                 shards.shard_weights(&self.params);
             }
         }
-    }
-
-    /// The weights by checkpoint name, handed to `emit` in buckets: with sharded weights one
-    /// unit (a layer) at a time as it is gathered, a collective called by every rank
-    /// ([`Trainer::weight_buckets`] on rank 0 commands the others); else all at once.
-    pub(super) fn gather_weights(
-        &self,
-        emit: &mut dyn FnMut(Vec<(String, Tensor)>),
-    ) -> crate::dist::Result<()> {
-        match &self.shards {
-            Some(shards) if shards.full() => {
-                shards.gather_units(&self.params, &self.names, self.group.as_ref(), emit)
-            }
-            _ => {
-                let params = self.model.params();
-                emit(
-                    params
-                        .iter()
-                        .map(|(n, t)| (n.clone(), t.detach()))
-                        .collect(),
-                );
-                Ok(())
-            }
-        }
-    }
-
-    /// The moments, whole; with several ranks a collective every rank calls (empty before the
-    /// first step).
-    pub(super) fn gather_moments(&self) -> crate::dist::Result<Vec<(Tensor, Tensor)>> {
-        let Some(shards) = &self.shards else {
-            let moments = self.optimizer.moments().iter();
-            return Ok(moments
-                .map(|(m, v)| (m.shallow_clone(), v.shallow_clone()))
-                .collect());
-        };
-        shards.gathered_moments(shards.master_kind(&self.params), self.group.as_ref())
     }
 
     /// Continues from a checkpoint taken after `steps` steps.
@@ -366,7 +312,7 @@ impl Trainer {
         };
         let mut acc: Option<ShardGrad> = (self.shards.as_ref())
             .filter(|s| s.full())
-            .map(|s| s.new_grad(s.master_kind(&self.params)));
+            .map(Shards::new_grad);
         // Sharded weights: every rank runs as many micro-batches as the one with the most (an
         // idle pass gathers and reduces with the others, computing nothing).
         let passes = if acc.is_some() {
@@ -397,10 +343,7 @@ impl Trainer {
                 let summed = Tensor::from_slice(&sums);
                 shards.timed(|| group.all_reduce(&summed, ReduceOp::Sum))?;
                 sums.copy_from_slice(&Vec::<f64>::try_from(&summed).expect("a double vector"));
-                let mut g = match acc {
-                    Some(g) => g,
-                    None => shards.reduce_grads(&self.params, group)?,
-                };
+                let mut g = acc.map_or_else(|| shards.reduce_grads(&self.params, group), Ok)?;
                 shards.finish_grad(&mut g, group)?;
                 (shards.clip(&mut g, max_norm, group)?, Some(g))
             }
@@ -439,11 +382,8 @@ impl Trainer {
             // The micro-batches' gathers and reductions, the step's, and the optimizer's.
             (stats.collective_seconds, stats.gather_seconds) = shards.take_seconds();
         }
-        for p in &self.params {
-            let mut g = p.grad();
-            if g.defined() {
-                let _ = g.zero_();
-            }
+        for mut g in self.params.iter().map(Tensor::grad).filter(Tensor::defined) {
+            let _ = g.zero_();
         }
         self.steps += 1;
         stats.seconds = started.elapsed().as_secs_f64();
@@ -451,53 +391,32 @@ impl Trainer {
     }
 
     /// One micro-batch's forward and backward, its gradient weighed by `weight` into the
-    /// weights' gradients or, with sharded weights, into `acc`; π_old first (no weight moves
-    /// before the optimizer step). `None` runs a sharded rank's idle pass.
+    /// weights' gradients or, with sharded weights, into `acc`. `None` runs a sharded rank's
+    /// idle pass.
     fn pass(
         &self,
-        part: Option<&[Sample]>,
+        samples: Option<&[Sample]>,
         weight: f64,
         acc: Option<&mut ShardGrad>,
     ) -> crate::model::Result<Option<LossMetrics>> {
-        let cfg = &self.opts.loss;
-        let old = if acc.is_some() {
-            self.layered().logprobs(part, cfg.temperature)?
-        } else {
-            (part.map(|p| old_logprobs(&self.model, p, cfg.temperature))).transpose()?
-        };
-        let part = match (part, &old) {
-            (Some(samples), Some(old)) => Some(Part {
-                samples,
-                old,
-                cfg,
-                kl: self.kl_penalty(samples)?,
-                weight,
-            }),
+        let (cfg, coef) = (&self.opts.loss, self.opts.kl_coef);
+        // A KL penalty's weight and the reference policy's logprobs of the samples.
+        let kl = match (&self.reference, samples) {
+            (Some(reference), Some(s)) if coef > 0.0 => {
+                let logp = tch::no_grad(|| token_logprobs(reference, &scored(s), cfg.temperature));
+                Some((coef, logp?))
+            }
             _ => None,
         };
-        match (acc, part) {
-            (Some(acc), part) => self.layered().train(part.as_ref(), acc),
-            (None, Some(p)) => {
-                let (loss, m) =
-                    policy_loss_with(&self.model, p.samples, p.old, cfg, p.kl.as_ref())?;
+        match (acc, samples) {
+            (Some(acc), samples) => self.train_sharded(samples, cfg, kl.as_ref(), weight, acc),
+            (None, Some(samples)) => {
+                let (loss, m) = policy_loss(&self.model, samples, cfg, kl.as_ref())?;
                 (loss * weight).backward();
                 Ok(Some(m))
             }
             (None, None) => Ok(None),
         }
-    }
-
-    /// A KL penalty's weight and the reference policy's logprobs of `part`, when the trainer
-    /// has one.
-    fn kl_penalty(&self, part: &[Sample]) -> crate::model::Result<Option<KlPenalty>> {
-        let temperature = self.opts.loss.temperature;
-        Ok(match (&self.reference, self.opts.kl_coef) {
-            (Some(reference), coef) if coef > 0.0 => Some((
-                coef,
-                tch::no_grad(|| token_logprobs(reference, &scored(part), temperature))?,
-            )),
-            _ => None,
-        })
     }
 }
 
