@@ -56,7 +56,7 @@ def main():
                 continue
             rooms[room] = rooms.get(room, 0) + code_lines(p)
             text = open(p, encoding="utf-8", errors="replace").read().split("#[cfg(test)]")[0]
-            strings += len(re.findall(r"->\s*Result<[^;{]*,\s*String>", text))
+            strings += len(re.findall(r"->\s*(?:std::result::)?Result<[^;{]*,\s*String>", text))
     total = sum(rooms.values())
     print(f"RL path: {total} lines (budget {budget})")
     for room, n in sorted(rooms.items(), key=lambda x: -x[1]):

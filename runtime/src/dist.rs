@@ -288,17 +288,17 @@ mod c10d {
         }
     }
 
-    /// Adds `delta` to rank `rank`'s heartbeat counter; returns it.
-    fn beat(handle: &Handle, rank: usize, delta: i64) -> std::result::Result<i64, String> {
+    /// Adds `delta` to rank `rank`'s heartbeat counter; returns it (`None`: the store did not
+    /// answer, which is all its callers need to know).
+    fn beat(handle: &Handle, rank: usize, delta: i64) -> Option<i64> {
         let key = CString::new(format!("moult/heartbeat/{rank}")).expect("no NUL");
         let (mut out, mut err) = (0i64, std::ptr::null_mut());
         // SAFETY: live handle, C string and out-pointers.
         let rc = unsafe { moult_c10d_store_add(handle.0, key.as_ptr(), delta, &mut out, &mut err) };
-        if rc == 0 {
-            Ok(out)
-        } else {
-            Err(take_message(err))
+        if rc != 0 {
+            take_message(err);
         }
+        (rc == 0).then_some(out)
     }
 
     fn take_message(err: *mut c_char) -> String {
@@ -374,14 +374,14 @@ mod c10d {
         /// Which ranks stopped: those whose heartbeat did not move over a few beats, or rank 0
         /// when the store it holds cannot be reached.
         fn lost_ranks(&self) -> String {
-            let read = || -> std::result::Result<Vec<i64>, String> {
+            let read = || -> Option<Vec<i64>> {
                 (0..self.world).map(|r| beat(&self.handle, r, 0)).collect()
             };
-            let Ok(before) = read() else {
+            let Some(before) = read() else {
                 return "rank 0 was lost (the rendezvous store it holds does not answer)".into();
             };
             std::thread::sleep(HEARTBEAT * 4);
-            let Ok(after) = read() else {
+            let Some(after) = read() else {
                 return "rank 0 was lost (the rendezvous store it holds does not answer)".into();
             };
             let lost: Vec<String> = (0..self.world)

@@ -61,6 +61,23 @@ pub struct ShardLayout {
 /// each trainable tensor (empty before the first step).
 pub type Whole = (Vec<(String, Tensor)>, Vec<(Tensor, Tensor)>);
 
+/// Why a sharded checkpoint's files cannot be put back together.
+#[derive(Debug, thiserror::Error)]
+pub enum UnshardError {
+    #[error("`{key}` of {file} has shape {shape:?}, the layout says [{len}] for unit {unit}")]
+    Shape {
+        key: String,
+        file: String,
+        shape: Vec<i64>,
+        len: i64,
+        unit: usize,
+    },
+    #[error("{file} has no `{key}`")]
+    Missing { file: String, key: String },
+    #[error("`{name}` lies in tensor {tensor}, which no unit has")]
+    NoUnit { name: String, tensor: usize },
+}
+
 impl ShardLayout {
     /// The file rank `rank` writes.
     pub fn file_name(&self, rank: usize) -> String {
@@ -68,23 +85,31 @@ impl ShardLayout {
     }
 
     /// The whole tensors from every rank's file (`files[rank]`: its tensors by name).
-    pub fn unshard(&self, files: Vec<Vec<(String, Tensor)>>) -> std::result::Result<Whole, String> {
+    pub fn unshard(
+        &self,
+        files: Vec<Vec<(String, Tensor)>>,
+    ) -> std::result::Result<Whole, UnshardError> {
         let files: Vec<HashMap<String, Tensor>> =
             files.into_iter().map(|f| f.into_iter().collect()).collect();
         // Unit `u`'s tensors `key` (`w`, `m` or `v`) flat: every rank's shard, in rank order.
-        let flat = |key: &str, u: usize| -> std::result::Result<Tensor, String> {
-            let (key, len) = (format!("{key}.{u}"), self.units[u].shard_len);
+        let flat = |key: &str, unit: usize| -> std::result::Result<Tensor, UnshardError> {
+            let (key, len) = (format!("{key}.{unit}"), self.units[unit].shard_len);
             let parts = (files.iter().enumerate())
                 .map(|(rank, f)| match f.get(&key) {
                     Some(t) if t.size() == [len] => Ok(t.shallow_clone()),
-                    Some(t) => Err(format!(
-                        "`{key}` of {} has shape {:?}, the layout says [{len}] for unit {u}",
-                        self.file_name(rank),
-                        t.size()
-                    )),
-                    None => Err(format!("{} has no `{key}`", self.file_name(rank))),
+                    Some(t) => Err(UnshardError::Shape {
+                        key: key.clone(),
+                        file: self.file_name(rank),
+                        shape: t.size(),
+                        len,
+                        unit,
+                    }),
+                    None => Err(UnshardError::Missing {
+                        file: self.file_name(rank),
+                        key: key.clone(),
+                    }),
                 })
-                .collect::<std::result::Result<Vec<_>, String>>()?;
+                .collect::<std::result::Result<Vec<_>, _>>()?;
             Ok(Tensor::cat(&parts, 0))
         };
         let (mut tensors, mut moments) = (Vec::new(), Vec::new());
@@ -97,12 +122,12 @@ impl ShardLayout {
         let weights = (self.names.iter())
             .map(|n| match tensors.get(n.tensor) {
                 Some(t) => Ok(named(&t.reshape([-1]), 0, n)),
-                None => Err(format!(
-                    "`{}` lies in tensor {}, which no unit has",
-                    n.name, n.tensor
-                )),
+                None => Err(UnshardError::NoUnit {
+                    name: n.name.clone(),
+                    tensor: n.tensor,
+                }),
             })
-            .collect::<std::result::Result<Vec<_>, String>>()?;
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok((weights, moments))
     }
 }
