@@ -115,6 +115,10 @@ pub struct Group {
     /// with the coordinator's original.
     #[serde(skip)]
     _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The limits its episodes passed [`validate::check`] under: a batch draw checks again
+    /// only a group admitted before the limits it knows now.
+    #[serde(skip)]
+    checked: EpisodeLimits,
 }
 
 impl Group {
@@ -288,6 +292,7 @@ impl RolloutPool {
                         task,
                         episodes,
                         _slot: Some(permit),
+                        checked: EpisodeLimits::default(),
                     };
                     // A dropped group frees its slot at once; an admitted one when the trainer
                     // is done with it.
@@ -308,7 +313,7 @@ impl RolloutPool {
     }
 
     /// Checks a finished group against failures, malformed episodes and the staleness bound.
-    fn admit(shared: &Shared, opts: &RolloutOptions, group: Group) -> Option<Group> {
+    fn admit(shared: &Shared, opts: &RolloutOptions, mut group: Group) -> Option<Group> {
         let limits = *shared.limits.lock().expect("limits lock");
         let mut stats = shared.stats.lock().expect("stats lock");
         stats.groups_done += 1;
@@ -338,6 +343,7 @@ impl RolloutPool {
                 return None;
             }
         }
+        group.checked = limits;
         Some(group)
     }
 
@@ -423,7 +429,11 @@ pub async fn fill_batch(
         let before = batch.len();
         batch.retain(|g| !g.stale(now, opts.max_staleness));
         let stale = before - batch.len();
-        batch.retain(|g| g.invalid(&limits, now).is_none());
+        batch.retain_mut(|g| {
+            let valid = g.checked == limits || g.invalid(&limits, now).is_none();
+            g.checked = limits;
+            valid
+        });
         let invalid = before - stale - batch.len();
         if batch.len() == before {
             break;
