@@ -448,10 +448,11 @@ pub enum TrainerDtype {
 }
 
 /// What the ranks of a trainer shard (docs/distributed.md).
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub enum TrainerSharding {
     /// Weights, gradients and optimizer state (ZeRO-3): each decoder layer's weights are
     /// gathered just before it runs, and the layer is recomputed for the backward.
+    #[default]
     Full,
     /// Gradients and optimizer state (ZeRO-2): every rank keeps the whole weights.
     Optimizer,
@@ -632,6 +633,26 @@ pub struct OptimizerSpec {
     #[serde(default)]
     #[schemars(range(max = 10000000))]
     pub warmup_steps: u32,
+    /// How the learning rate falls after the warm-up: `Constant` unless set.
+    #[serde(default)]
+    pub decay: LrDecay,
+    /// Where `Linear` and `Cosine` decay end at `totalSteps`, as a fraction of `learningRate`
+    /// (0 unless set).
+    #[serde(default)]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub min_learning_rate_ratio: f64,
+}
+
+/// How the learning rate falls after the warm-up (`algorithm.optimizer.decay`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum LrDecay {
+    /// Stays at `learningRate`.
+    #[default]
+    Constant,
+    /// Falls in a straight line to `minLearningRateRatio` × `learningRate` at `totalSteps`.
+    Linear,
+    /// Falls along a half cosine to `minLearningRateRatio` × `learningRate` at `totalSteps`.
+    Cosine,
 }
 
 impl OptimizerSpec {
@@ -648,6 +669,8 @@ impl Default for OptimizerSpec {
             weight_decay: 0.0,
             max_grad_norm: default_max_grad_norm(),
             warmup_steps: 0,
+            decay: LrDecay::Constant,
+            min_learning_rate_ratio: 0.0,
         }
     }
 }

@@ -15,36 +15,9 @@ use tch::Tensor;
 
 use super::{masked_mean, masked_sum};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Level {
-    Token,
-    Seq,
-    Geo,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    Mask,
-    Clip,
-    Trunc,
-}
-
-/// A correction docs/algorithms.md rules out, with what is accepted.
-#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
-pub enum InvalidCorrection {
-    #[error("is level {} is a sequence-level gate and works only with mode mask, got {}", lower(.0), lower(.1))]
-    GateMode(Level, Mode),
-    #[error("IS thresholds need low < high, got low {0} and high {1}")]
-    Thresholds(f64, f64),
-    #[error("IS threshold low must be ≥ 0, got {0}")]
-    NegativeLow(f64),
-}
-
-fn lower(x: &impl std::fmt::Debug) -> String {
-    format!("{x:?}").to_lowercase()
-}
+/// The statistic and the mode: the manifest's own enums (`spec.algorithm.isCorrection`, whose CEL
+/// rules refuse what docs/algorithms.md rules out before a `Correction` is made).
+pub use moult_operator::api::{IsLevel as Level, IsMode as Mode};
 
 /// An IS correction: level, mode and thresholds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -57,20 +30,6 @@ pub struct Correction {
 }
 
 impl Correction {
-    /// Refuses combinations docs/algorithms.md rules out, naming what is accepted.
-    pub fn validate(&self) -> Result<(), InvalidCorrection> {
-        if matches!(self.level, Level::Seq | Level::Geo) && self.mode != Mode::Mask {
-            return Err(InvalidCorrection::GateMode(self.level, self.mode));
-        }
-        if self.low.partial_cmp(&self.high) != Some(std::cmp::Ordering::Less) {
-            return Err(InvalidCorrection::Thresholds(self.low, self.high));
-        }
-        if self.low < 0.0 {
-            return Err(InvalidCorrection::NegativeLow(self.low));
-        }
-        Ok(())
-    }
-
     /// The per-token coefficients `[batch, time]` (0 where `mask` is 0), from
     /// `log_rho` = log π_old(a_t) − log μ(a_t).
     pub fn coefficients(&self, log_rho: &Tensor, mask: &Tensor) -> Tensor {

@@ -199,7 +199,6 @@ fn is_corrections_match_the_level_mode_table() {
         },
     ];
     for c in cases {
-        c.validate().unwrap();
         let got = rows(&c.coefficients(&log_rho, &m));
         for i in 0..B {
             let want = reference_coef(&c, &rows(&log_rho)[i], &rows(&m)[i]);
@@ -255,32 +254,6 @@ fn is_masks_keep_the_band_edges_and_drop_just_outside() {
     assert!(vec1(&c.coefficients(&padded, &pmask))
         .iter()
         .all(|&v| v == 0.0));
-}
-
-#[test]
-fn invalid_corrections_are_refused_with_reasons() {
-    let bad = Correction {
-        level: Level::Seq,
-        mode: Mode::Clip,
-        low: 0.5,
-        high: 2.0,
-    };
-    assert!(bad
-        .validate()
-        .unwrap_err()
-        .to_string()
-        .contains("only with mode mask"));
-    let bad = Correction {
-        level: Level::Token,
-        mode: Mode::Mask,
-        low: 2.0,
-        high: 1.0,
-    };
-    assert!(bad
-        .validate()
-        .unwrap_err()
-        .to_string()
-        .contains("low < high"));
 }
 
 fn clip(r: f64, lo: f64, hi: f64) -> f64 {

@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
 #[cfg(feature = "torch")]
-use moult_operator::api::{Aggregation as SpecAggregation, IsLevel, IsMode};
+use moult_operator::api::Aggregation as SpecAggregation;
+use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
 use serde_json::Value as Json;
 
 pub mod dataset;
@@ -20,7 +20,7 @@ use crate::agents::env::EnvLoopOptions;
 use crate::agents::process::AgentCommand;
 use crate::agents::Agent;
 #[cfg(feature = "torch")]
-use crate::algorithms::correction::{Correction, Level, Mode};
+use crate::algorithms::correction::Correction;
 #[cfg(feature = "torch")]
 use crate::algorithms::losses::Aggregation;
 use crate::chat::ChatSampling;
@@ -29,11 +29,11 @@ use crate::error::RunError;
 use crate::rollout::eval::EvalOptions;
 use crate::rollout::RolloutOptions;
 #[cfg(feature = "torch")]
-use crate::trainer::optim::{Decay, LrSchedule};
+use crate::trainer::optim::LrSchedule;
 #[cfg(feature = "torch")]
 use crate::trainer::step::LossConfig;
 #[cfg(feature = "torch")]
-use crate::trainer::train::{Sharding, TrainerOptions};
+use crate::trainer::train::TrainerOptions;
 
 /// Everything a local run needs, resolved from the manifest.
 #[derive(Debug, Clone)]
@@ -364,37 +364,19 @@ impl Sources {
     }
 }
 
-/// The trainer's settings from the manifest: loss, IS correction (checked), schedule, optimizer.
+/// The trainer's settings from the manifest: loss, IS correction, schedule, optimizer.
 #[cfg(feature = "torch")]
-fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunError> {
+fn trainer_options(run: &RLRun, total_steps: u64) -> TrainerOptions {
     let spec = &run.spec;
     let algo = &spec.algorithm;
     let opt = &algo.optimizer;
-    let correction = algo
-        .is_correction
-        .as_ref()
-        .map(|c| {
-            let correction = Correction {
-                level: match c.level {
-                    IsLevel::Token => Level::Token,
-                    IsLevel::Seq => Level::Seq,
-                    IsLevel::Geo => Level::Geo,
-                },
-                mode: match c.mode {
-                    IsMode::Mask => Mode::Mask,
-                    IsMode::Clip => Mode::Clip,
-                    IsMode::Trunc => Mode::Trunc,
-                },
-                low: c.low.unwrap_or(0.0),
-                high: c.high,
-            };
-            correction
-                .validate()
-                .map(|()| correction)
-                .map_err(|e| RunError::field("spec.algorithm.isCorrection", e))
-        })
-        .transpose()?;
-    Ok(TrainerOptions {
+    let correction = algo.is_correction.as_ref().map(|c| Correction {
+        level: c.level,
+        mode: c.mode,
+        low: c.low.unwrap_or(0.0),
+        high: c.high,
+    });
+    TrainerOptions {
         loss: LossConfig {
             kind: algo.loss.kind,
             eps_low: algo.loss.eps_low,
@@ -417,21 +399,18 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> Result<TrainerOptions, RunE
             peak: opt.learning_rate,
             warmup_steps: u64::from(opt.warmup_steps),
             total_steps,
-            decay: Decay::Constant,
-            min_ratio: 1.0,
+            decay: opt.decay,
+            min_ratio: opt.min_learning_rate_ratio,
         },
         weight_decay: opt.weight_decay,
         max_grad_norm: opt.clip_norm(),
         micro_batch_tokens: spec.trainer.micro_batch_tokens.unwrap_or(8192) as usize,
         kl_coef: algo.loss.kl_coef,
-        sharding: match spec.trainer.sharding {
-            Some(moult_operator::api::TrainerSharding::Optimizer) => Sharding::Optimizer,
-            Some(moult_operator::api::TrainerSharding::Full) | None => Sharding::Full,
-        },
+        sharding: spec.trainer.sharding.unwrap_or_default(),
         bf16_compute: spec.trainer.compute_dtype
             == Some(moult_operator::api::TrainerDtype::BFloat16),
         freeze_vision: spec.trainer.freeze_vision_tower,
-    })
+    }
 }
 
 impl RunConfig {
@@ -564,7 +543,7 @@ impl RunConfig {
                 })
                 .transpose()?,
             #[cfg(feature = "torch")]
-            trainer: trainer_options(&run, total_steps)?,
+            trainer: trainer_options(&run, total_steps),
             trainer_ranks: (spec.trainer.nodes.max(1) * spec.trainer.gpus_per_node.max(1)) as usize,
             ranks_per_node: spec.trainer.gpus_per_node.max(1) as usize,
             engines: spec.engines.replicas as usize,
@@ -702,7 +681,8 @@ spec:
     #[cfg(feature = "torch")]
     #[test]
     fn the_trainer_spec_sets_sharding_and_micro_batches() {
-        let default = trainer_options(&read("default", "  totalSteps: 1\n").unwrap(), 1).unwrap();
+        use crate::trainer::train::Sharding;
+        let default = trainer_options(&read("default", "  totalSteps: 1\n").unwrap(), 1);
         assert_eq!(
             (default.sharding, default.micro_batch_tokens),
             (Sharding::Full, 8192)
@@ -712,15 +692,33 @@ spec:
             "  trainer: {nodes: 2, sharding: Optimizer, microBatchTokens: 512}\n  totalSteps: 1\n",
         )
         .unwrap();
-        let set = trainer_options(&run, 1).unwrap();
+        let set = trainer_options(&run, 1);
         assert_eq!(
             (set.sharding, set.micro_batch_tokens),
             (Sharding::Optimizer, 512)
         );
+        // The learning-rate schedule: constant unless a decay is set.
+        assert_eq!(set.schedule.at(1), set.schedule.at(1_000));
+        let run = read(
+            "decay",
+            "  algorithm: {optimizer: {learningRate: 1.0e-5, decay: Cosine, minLearningRateRatio: 0.1}}\n  totalSteps: 10\n",
+        )
+        .unwrap();
+        let schedule = trainer_options(&run, 10).schedule;
+        assert!(
+            (schedule.at(10) - 1e-6).abs() < 1e-15,
+            "{}",
+            schedule.at(10)
+        );
+        assert!(
+            (schedule.at(5) - 5.5e-6).abs() < 1e-15,
+            "{}",
+            schedule.at(5)
+        );
         // The CRD's rule, as the API server applies it: bfloat16 needs master shards.
         let bf16 = |trainer: &str| {
             let run = read("bf16", &format!("  trainer: {trainer}\n  totalSteps: 1\n"))?;
-            Ok::<_, RunError>(trainer_options(&run, 1).unwrap().bf16_compute)
+            Ok::<_, RunError>(trainer_options(&run, 1).bf16_compute)
         };
         assert!(bf16("{nodes: 2, gpusPerNode: 1, computeDtype: BFloat16}").unwrap());
         // One node of several GPUs is several ranks.

@@ -136,13 +136,9 @@ pub struct LrSchedule {
     pub min_ratio: f64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Decay {
-    Constant,
-    Linear,
-    Cosine,
-}
+/// How the learning rate falls after the warm-up: the manifest's own enum
+/// (`algorithm.optimizer.decay`).
+pub use moult_operator::api::LrDecay as Decay;
 
 impl LrSchedule {
     /// The learning rate of step `step` (1-based: the first update is step 1).

@@ -30,17 +30,9 @@ use super::optim::AdamW;
 use crate::dist::{Collectives, ReduceOp, Result};
 use crate::model::NamedSlice;
 
-/// What a trainer of several ranks shards (`spec.trainer.sharding`; docs/distributed.md).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Sharding {
-    /// Optimizer state and gradients (ZeRO-2): every rank keeps the whole weights.
-    Optimizer,
-    /// Weights too (ZeRO-3): each decoder layer's weights are gathered just before it runs and
-    /// recomputed for the backward.
-    #[default]
-    Full,
-}
+/// What a trainer of several ranks shards: the manifest's own enum (`spec.trainer.sharding`;
+/// docs/distributed.md), `Full` (ZeRO-3) unless set.
+pub use moult_operator::api::TrainerSharding as Sharding;
 
 /// How a checkpoint written shard by shard is laid out (`shards/layout.json`;
 /// docs/distributed.md): enough to put the whole tensors back together without the model.
