@@ -147,7 +147,8 @@ impl Group {
                 running: Running::Sandboxed(p),
             });
         }
-        let mut p = ProcessGroup::spawn(&cmd.program, &cmd.args, env)?;
+        let piped = [(); 3].map(|()| std::process::Stdio::piped());
+        let mut p = ProcessGroup::spawn(&cmd.program, &cmd.args, env, piped)?;
         Ok(Self {
             stdin: p.child.stdin.take().map(|s| Box::new(s) as Writer),
             stdout: p.child.stdout.take().map(|s| Box::new(s) as Reader),

@@ -7,30 +7,29 @@
 //! task and result files, the embedded Python package), but not their processes: agent code
 //! cannot read the `agents` container's environment or memory through `/proc`.
 //!
-//! `moult agents` with `MOULT_AGENT_SANDBOX=<socket>` starts programs through the sandbox's Unix
-//! socket, four connections per program, each opened with one JSON line:
-//! `{"attach": ID, "stream": "stdin"|"stdout"|"stderr"}` for the program's three streams (their
-//! bytes are then copied as they are), and `{"spawn": ID, "program", "args", "env"}` for the
-//! control connection, on which the sandbox answers `{"pid": N}` (or `{"error": "..."}`) once the
-//! program started and `{"exit": {"code": N}}` or `{"exit": {"signal": N}}` when it ended. The
-//! program gets exactly `env`, runs in a process group of its own, and the whole group is killed
-//! when the control connection closes: the same lifetime a local child has (dropping it kills
-//! the group).
+//! `moult agents` with `MOULT_AGENT_SANDBOX=<socket>` starts each program over one connection to
+//! the sandbox's Unix socket: first one byte carrying three descriptors (`SCM_RIGHTS`), its ends
+//! of three socket pairs, which become the program's stdin, stdout and stderr (its bytes go
+//! straight between it and `moult agents`; nothing copies them), then one JSON line
+//! `{"program", "args", "env"}`. The sandbox answers `{"pid": N}` (or `{"error": "..."}`) once
+//! the program started and `{"exit": {"code": N}}` or `{"exit": {"signal": N}}` when it ended.
+//! The program gets exactly `env`, runs in a process group of its own, and the whole group is
+//! killed when the connection closes: the same lifetime a local child has (dropping it kills the
+//! group).
 
-use std::collections::HashMap;
-use std::io::ErrorKind;
+use std::io::{ErrorKind, IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{killpg, Signal};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interest};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::process::{Child, Command};
-use tokio::sync::Notify;
 
 use super::AgentError;
 
@@ -40,8 +39,8 @@ pub use moult_operator::children::SANDBOX_ENV;
 
 /// The longest first line of a connection.
 const HELLO_BYTES: u64 = 1 << 20;
-/// How long a spawn waits for its three streams, and an attached stream for its spawn.
-const PAIRING: Duration = Duration::from_secs(10);
+/// How long the sandbox waits for a connection's descriptors and first line.
+const HELLO_TIME: Duration = Duration::from_secs(10);
 /// How long `moult agents` waits for the sandbox to listen (its container may start later, or
 /// be restarting).
 const STARTUP: Duration = Duration::from_secs(60);
@@ -84,27 +83,12 @@ async fn connect(socket: &Path) -> std::io::Result<UnixStream> {
     }
 }
 
-/// What the control connection asks for.
+/// What a connection asks for, after its descriptors.
 #[derive(Debug, Serialize, Deserialize)]
 struct Spawn {
-    spawn: String,
     program: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Attach {
-    attach: String,
-    stream: Stream,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum Stream {
-    Stdin,
-    Stdout,
-    Stderr,
 }
 
 /// How a program ended.
@@ -174,12 +158,43 @@ async fn read_hello(conn: &mut BufReader<UnixStream>) -> std::io::Result<String>
     String::from_utf8(line).map_err(|_| std::io::Error::other("the first line is not UTF-8"))
 }
 
-/// Connects to the sandbox and says what the connection is for: the first line of each
-/// connection (see the module docs).
-async fn open(socket: &Path, hello: impl Serialize) -> std::io::Result<UnixStream> {
-    let mut conn = connect(socket).await?;
-    send_line(&mut conn, &hello).await?;
-    Ok(conn)
+/// Sends a program's three stream descriptors, carried by one byte.
+async fn send_streams(conn: &UnixStream, fds: [RawFd; 3]) -> std::io::Result<()> {
+    let rights = [ControlMessage::ScmRights(&fds)];
+    let byte = [IoSlice::new(b"S")];
+    conn.async_io(Interest::WRITABLE, || {
+        sendmsg::<()>(conn.as_raw_fd(), &byte, &rights, MsgFlags::empty(), None)
+            .map_err(std::io::Error::from)
+    })
+    .await
+    .map(drop)
+}
+
+/// Receives the three stream descriptors a connection starts with.
+#[allow(unsafe_code)]
+async fn receive_streams(conn: &UnixStream) -> std::io::Result<[OwnedFd; 3]> {
+    let fds = conn
+        .async_io(Interest::READABLE, || {
+            let (mut byte, mut space) = ([0u8; 1], nix::cmsg_space!([RawFd; 3]));
+            let mut iov = [IoSliceMut::new(&mut byte)];
+            let flags = MsgFlags::MSG_CMSG_CLOEXEC;
+            let msg = recvmsg::<()>(conn.as_raw_fd(), &mut iov, Some(&mut space), flags)?;
+            let mut fds = Vec::new();
+            for c in msg.cmsgs()? {
+                if let ControlMessageOwned::ScmRights(received) = c {
+                    fds.extend(received);
+                }
+            }
+            Ok(fds)
+        })
+        .await?;
+    // SAFETY: the kernel just made these descriptors for this process; nothing else owns them.
+    let fds: Vec<OwnedFd> = (fds.into_iter())
+        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+        .collect();
+    let count = fds.len();
+    fds.try_into()
+        .map_err(|_| std::io::Error::other(format!("{count} stream descriptors came, not 3")))
 }
 
 /// Writes `value` as one JSON line.
@@ -192,8 +207,8 @@ async fn send_line<T: Serialize>(
     conn.write_all(&line).await
 }
 
-/// A program started in the sandbox, from the agents' side: its streams, and the control
-/// connection whose closing (on drop) kills its process group.
+/// A program started in the sandbox, from the agents' side: its streams, and the connection
+/// whose closing (on drop) kills its process group.
 #[derive(Debug)]
 pub struct Sandboxed {
     control: BufReader<UnixStream>,
@@ -210,27 +225,29 @@ impl Sandboxed {
         args: &[String],
         env: Vec<(String, String)>,
     ) -> Result<Self, AgentError> {
-        let id = format!("{:032x}", rand::random::<u128>());
-        let attach = |stream| {
-            open(
-                socket,
-                Attach {
-                    attach: id.clone(),
-                    stream,
-                },
-            )
-        };
         let spawn = Spawn {
-            spawn: id.clone(),
             program: program.to_string(),
             args: args.to_vec(),
             env,
         };
         let connected = async {
-            let stdin = attach(Stream::Stdin).await?;
-            let stdout = attach(Stream::Stdout).await?;
-            let stderr = attach(Stream::Stderr).await?;
-            Ok(([stdin, stdout, stderr], open(socket, spawn).await?))
+            // Blocking sockets: the program's ends are its stdio as they are.
+            let pairs = [(); 3].map(|()| std::os::unix::net::UnixStream::pair());
+            let [a, b, c] = pairs;
+            let pairs = [a?, b?, c?];
+            let mut conn = connect(socket).await?;
+            send_streams(
+                &conn,
+                pairs.each_ref().map(|(_, theirs)| theirs.as_raw_fd()),
+            )
+            .await?;
+            send_line(&mut conn, &spawn).await?;
+            let ours = pairs.map(|(ours, _)| {
+                ours.set_nonblocking(true)?;
+                UnixStream::from_std(ours)
+            });
+            let [a, b, c] = ours;
+            Ok(([a?, b?, c?], conn))
         };
         let ([stdin, stdout, stderr], control) = connected.await.map_err(|e: std::io::Error| {
             AgentError::Crashed(format!(
@@ -270,66 +287,19 @@ impl Sandboxed {
     }
 }
 
-/// Connections waiting for their partners, by program id, with when each arrived.
-type Pending = HashMap<(String, Stream), (UnixStream, Instant)>;
-
 /// Serves the sandbox on `socket` until the process ends: starts the programs `moult agents`
 /// asks for (see the module docs).
 pub async fn serve(socket: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(socket);
     let (_folder, address) = addressable(socket)?;
     let listener = UnixListener::bind(address)?;
-    let pending = Arc::new(Mutex::new(Pending::new()));
-    let arrived = Arc::new(Notify::new());
     loop {
         let (conn, _) = listener.accept().await?;
-        let (pending, arrived) = (pending.clone(), arrived.clone());
-        tokio::spawn(async move {
-            let mut conn = BufReader::new(conn);
-            let Ok(hello) = read_hello(&mut conn).await else {
-                return;
-            };
-            if let Ok(attach) = serde_json::from_str::<Attach>(&hello) {
-                let mut p = pending.lock().expect("pending lock");
-                // Partners that never came are dropped with the next arrival.
-                p.retain(|_, (_, at)| at.elapsed() < PAIRING * 3);
-                p.insert(
-                    (attach.attach, attach.stream),
-                    (conn.into_inner(), Instant::now()),
-                );
-                drop(p);
-                arrived.notify_waiters();
-            } else if let Ok(spawn) = serde_json::from_str::<Spawn>(&hello) {
-                run(spawn, conn.into_inner(), &pending, &arrived).await;
-            }
-        });
+        tokio::spawn(run(conn));
     }
 }
 
-/// Takes the three streams of program `id`, waiting up to [`PAIRING`] for them.
-async fn streams_of(
-    id: &str,
-    pending: &Mutex<Pending>,
-    arrived: &Notify,
-) -> Option<[UnixStream; 3]> {
-    let deadline = tokio::time::Instant::now() + PAIRING;
-    loop {
-        let notified = arrived.notified();
-        {
-            let mut p = pending.lock().expect("pending lock");
-            let all = [Stream::Stdin, Stream::Stdout, Stream::Stderr];
-            if all.iter().all(|s| p.contains_key(&(id.to_string(), *s))) {
-                return Some(all.map(|s| p.remove(&(id.to_string(), s)).expect("present").0));
-            }
-        }
-        if tokio::time::timeout_at(deadline, notified).await.is_err() {
-            return None;
-        }
-    }
-}
-
-/// A program in a process group of its own (its pid is the group's id), its three streams
-/// piped: dropping it kills the whole group, whatever the program started, even once the program
+/// A program in a process group of its own (its pid is the group's id): dropping it kills the whole group, whatever the program started, even once the program
 /// itself has exited. Both sides start programs this way: `moult agents` without a sandbox, and
 /// the sandbox.
 #[derive(Debug)]
@@ -340,19 +310,20 @@ pub struct ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Starts `program` with exactly `env`.
+    /// Starts `program` with exactly `env` and `stdio` as its stdin, stdout and stderr.
     pub fn spawn(
         program: &str,
         args: &[String],
         env: Vec<(String, String)>,
+        [stdin, stdout, stderr]: [Stdio; 3],
     ) -> Result<Self, AgentError> {
         let child = Command::new(program)
             .args(args)
             .env_clear()
             .envs(env)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stdin(stdin)
+            .stdout(stdout)
+            .stderr(stderr)
             .process_group(0)
             .kill_on_drop(true)
             .spawn()
@@ -379,36 +350,28 @@ impl Drop for ProcessGroup {
     }
 }
 
-/// Copies `from` to `to` as the bytes come, in a task of its own, and closes `to` at the end.
-fn pump(
-    mut from: impl AsyncRead + Send + Unpin + 'static,
-    mut to: impl AsyncWrite + Send + Unpin + 'static,
-) {
-    tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut from, &mut to).await;
-        let _ = to.shutdown().await;
-    });
-}
-
-/// Runs one program for its control connection.
-async fn run(spawn: Spawn, mut control: UnixStream, pending: &Mutex<Pending>, arrived: &Notify) {
-    let started = match streams_of(&spawn.spawn, pending, arrived).await {
-        None => Err("the program's streams did not arrive".to_string()),
-        Some(streams) => ProcessGroup::spawn(&spawn.program, &spawn.args, spawn.env)
-            .map(|p| (p, streams))
-            .map_err(|e| e.to_string()),
+/// Runs one program for its connection.
+async fn run(conn: UnixStream) {
+    let hello = async {
+        let streams = receive_streams(&conn).await?;
+        let mut conn = BufReader::new(conn);
+        let spawn = serde_json::from_str::<Spawn>(&read_hello(&mut conn).await?)
+            .map_err(std::io::Error::other)?;
+        Ok::<_, std::io::Error>((streams, spawn, conn.into_inner()))
     };
-    let (mut p, [stdin, stdout, stderr]) = match started {
-        Ok(started) => started,
-        Err(error) => {
+    let Ok(Ok((streams, spawn, mut control))) = tokio::time::timeout(HELLO_TIME, hello).await
+    else {
+        return;
+    };
+    let streams = streams.map(Stdio::from);
+    let mut p = match ProcessGroup::spawn(&spawn.program, &spawn.args, spawn.env, streams) {
+        Ok(p) => p,
+        Err(e) => {
+            let error = e.to_string();
             let _ = send_line(&mut control, &Answer::Failed { error }).await;
             return;
         }
     };
-    // The streams' bytes, copied as they come; each copy ends with its stream.
-    pump(stdin, p.child.stdin.take().expect("piped"));
-    pump(p.child.stdout.take().expect("piped"), stdout);
-    pump(p.child.stderr.take().expect("piped"), stderr);
     let (mut control_read, mut control_write) = control.into_split();
     let mut closed = Box::pin(async move {
         // The agents' side sends nothing more: the read ends when it closes the connection.
