@@ -23,7 +23,7 @@ mod rules;
 
 pub use engine_flags::RESERVED_ENGINE_FLAGS;
 pub use network::{AgentEgressSpec, EgressPort, EgressTarget, Protocol};
-use rules::{claim_rule, resources_rule, DNS_SUBDOMAIN, LABEL_KEY, LABEL_VALUE};
+use rules::{claim_rule, limits_rule, resources_rule, DNS_SUBDOMAIN, LABEL_KEY, LABEL_VALUE};
 
 /// API group of every moult resource.
 pub const GROUP: &str = "moult.dev";
@@ -102,6 +102,9 @@ pub struct RLRunSpec {
     /// The trainer ranks.
     #[serde(default)]
     pub trainer: TrainerSpec,
+    /// The coordinator's pod.
+    #[serde(default)]
+    pub coordinator: CoordinatorSpec,
     /// Advantage estimator, loss, off-policy correction and optimizer.
     #[serde(default)]
     pub algorithm: AlgorithmSpec,
@@ -133,6 +136,18 @@ pub struct RLRunSpec {
     /// Training steps after which the run has succeeded.
     #[schemars(range(min = 1))]
     pub total_steps: u32,
+}
+
+/// The coordinator (router, rollout pool, weight-sync orchestration; one pod).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = resources_rule("coordinator.resources"))]
+#[x_kube(validation = limits_rule("coordinator.resources"))]
+pub struct CoordinatorSpec {
+    /// CPU, memory and ephemeral storage of the coordinator's container (limits default to 4
+    /// CPUs, 8Gi and 1Gi; docs/operator.md, "Resources").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
 }
 
 /// A Hugging Face checkpoint folder (`config.json`, tokenizer, safetensors).
@@ -174,6 +189,7 @@ pub enum AgentForm {
     "agent.form Env needs agent.env (a built-in environment) or agent.image (an external one)"
 ))]
 #[x_kube(validation = resources_rule("agent.resources"))]
+#[x_kube(validation = limits_rule("agent.resources"))]
 #[x_kube(validation = Rule::new("!has(self.timeout) || self.timeout.matches('^([0-9]+([.][0-9]+)?(ns|us|µs|ms|s|m|h))+$')").message(
     "agent.timeout must be a duration such as 90s, 10m or 1h30m"
 ))]
@@ -287,6 +303,7 @@ pub enum EngineBackend {
     Message::Expression(engine_flags::reserved_flags_message())
 ))]
 #[x_kube(validation = resources_rule("engines.resources"))]
+#[x_kube(validation = limits_rule("engines.resources"))]
 #[x_kube(validation = Rule::new(engine_flags::ENGINE_DTYPE_RULE).message(
     "engines.extraArgs --dtype must be auto, float32, bfloat16 or float16 (or float, half): moult sends weights to vLLM in that dtype (docs/vllm.md)"
 ))]
@@ -391,6 +408,7 @@ impl EnginesSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(validation = resources_rule("trainer.resources"))]
+#[x_kube(validation = limits_rule("trainer.resources"))]
 #[x_kube(validation = Rule::new("!has(self.computeDtype) || self.computeDtype != 'BFloat16' || ((self.nodes >= 2 || (has(self.gpusPerNode) && self.gpusPerNode >= 2)) && (!has(self.sharding) || self.sharding == 'Full'))").message(
     "trainer.computeDtype BFloat16 keeps float32 master weights in the shards of sharded weights: it needs two ranks or more (trainer.nodes × gpusPerNode) with sharding Full (docs/distributed.md)"
 ))]

@@ -7,7 +7,7 @@ mod support;
 
 use k8s_openapi::api::core::v1::{Container, PodSpec};
 use moult_operator::api::RLRun;
-use moult_operator::children::{desired, Children, Config, TMP_SIZE};
+use moult_operator::children::{desired, quantity, Children, Config, TMP_SIZE};
 use support::runs::run_kinds;
 
 fn build(run: &RLRun) -> Children {
@@ -101,6 +101,84 @@ fn every_container_of_every_kind_of_run_is_locked_down() {
             }
         }
     }
+}
+
+/// Every container has a CPU, a memory and an ephemeral-storage limit, none below its request
+/// (docs/operator.md, "Resources"): the spec's own, else the defaults.
+#[test]
+fn every_container_has_limits_and_none_is_below_its_request() {
+    let limit = |run: &RLRun, component: &str, container: &str, key: &str| {
+        let (_, p) = pods(build(run))
+            .into_iter()
+            .find(|(c, _)| *c == component)
+            .unwrap();
+        let c = containers(&p)
+            .find(|c| c.name == container)
+            .unwrap()
+            .clone();
+        c.resources.unwrap().limits.unwrap()[key].0.clone()
+    };
+    for (kind, run) in run_kinds() {
+        for (component, p) in pods(build(&run)) {
+            for c in containers(&p) {
+                let what = format!("{kind}: {component} container {}", c.name);
+                let r = c
+                    .resources
+                    .as_ref()
+                    .unwrap_or_else(|| panic!("{what}: no resources"));
+                let limits = r.limits.clone().unwrap_or_default();
+                for key in ["cpu", "memory", "ephemeral-storage"] {
+                    assert!(limits.contains_key(key), "{what}: no {key} limit");
+                }
+                for (key, request) in r.requests.iter().flatten() {
+                    let l = &limits[key].0;
+                    assert!(
+                        quantity(l) >= quantity(&request.0) && quantity(l).is_some(),
+                        "{what}: the {key} limit {l} is below its request {}",
+                        request.0
+                    );
+                }
+            }
+        }
+    }
+    let (_, run) = run_kinds().into_iter().next().unwrap();
+    assert_eq!(limit(&run, "agents", "sandbox", "memory"), "8Gi");
+    assert_eq!(limit(&run, "coordinator", "coordinator", "cpu"), "4");
+    // The spec's own limits stay, and a request above a default raises that limit.
+    let mut own = run.clone();
+    let quantities = |pairs: &[(&str, &str)]| {
+        Some(
+            pairs
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.to_string(),
+                        k8s_openapi::apimachinery::pkg::api::resource::Quantity(v.to_string()),
+                    )
+                })
+                .collect(),
+        )
+    };
+    own.spec.agent.resources = Some(k8s_openapi::api::core::v1::ResourceRequirements {
+        limits: quantities(&[("memory", "2Gi")]),
+        requests: quantities(&[("cpu", "6")]),
+        ..Default::default()
+    });
+    assert_eq!(limit(&own, "agents", "sandbox", "memory"), "2Gi");
+    assert_eq!(limit(&own, "agents", "sandbox", "cpu"), "6");
+    assert_eq!(limit(&own, "agents", "sandbox", "ephemeral-storage"), "8Gi");
+}
+
+#[test]
+fn quantities_compare_as_kubernetes_reads_them() {
+    let q = |s: &str| quantity(s).unwrap();
+    assert_eq!(q("500m"), 0.5);
+    assert_eq!(q("16Gi"), 16.0 * 1024.0 * 1024.0 * 1024.0);
+    assert_eq!(q("1e3"), 1000.0);
+    assert_eq!(q("2E"), 2e18);
+    assert_eq!(q("1.5G"), 1.5e9);
+    assert!(q("1Gi") > q("1G") && q("1Mi") < q("1G"));
+    assert_eq!(quantity("lots"), None);
 }
 
 #[test]

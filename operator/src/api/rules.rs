@@ -28,6 +28,21 @@ pub(crate) fn resources_rule(field: &str) -> Rule {
     )))
 }
 
+/// The rule that no limit of the `resources` of the struct it is on (`field`) is below its
+/// request: Kubernetes refuses such a pod, so the run would never start.
+pub(crate) fn limits_rule(field: &str) -> Rule {
+    let (limit, request) = (
+        "quantity(string(self.resources.limits[k]))",
+        "quantity(string(self.resources.requests[k]))",
+    );
+    Rule::new(format!(
+        "!has(self.resources) || !has(self.resources.limits) || !has(self.resources.requests) || self.resources.requests.all(k, !(k in self.resources.limits) || !isQuantity(string(self.resources.limits[k])) || !isQuantity(string(self.resources.requests[k])) || !{limit}.isLessThan({request}))"
+    ))
+    .message(Message::Message(format!(
+        "{field}: a limit is below its request; each limit must be at least the request of the same resource"
+    )))
+}
+
 /// The rule that `field` (the `claimName` of the struct it is on) names a PersistentVolumeClaim.
 pub(crate) fn claim_rule(field: &str) -> Rule {
     Rule::new(format!(

@@ -11,7 +11,7 @@ mod pods;
 mod workloads;
 
 pub use network::{default_dns, NetworkPolicies};
-pub use pods::TMP_SIZE;
+pub use pods::{quantity, DEFAULT_LIMITS, TMP_SIZE};
 pub use workloads::{vllm_args, EngineRole};
 
 use std::collections::BTreeMap;

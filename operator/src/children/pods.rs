@@ -45,6 +45,85 @@ pub const TMP_SIZE: [(&str, &str); 4] = [
     ("coordinator", "1Gi"),
     ("agents", "8Gi"),
 ];
+/// The CPU and memory limits of each container of a run, by container name, unless its
+/// component's `resources.limits` sets them (docs/operator.md, "Resources"). Generous (limits
+/// do not count for scheduling): they bound a runaway, so that no part of a run can take its
+/// node's memory or CPU. A container's ephemeral-storage limit is its pod's `/tmp` size
+/// ([`TMP_SIZE`]), 1Gi for the agents pod's `agent` and `install-moult` (agent code writes to
+/// `/tmp` from `sandbox`).
+pub const DEFAULT_LIMITS: [(&str, &str, &str); 6] = [
+    ("engine", "16", "128Gi"),
+    ("trainer", "32", "256Gi"),
+    ("coordinator", "4", "8Gi"),
+    ("agent", "2", "4Gi"),
+    ("sandbox", "4", "8Gi"),
+    ("install-moult", "1", "256Mi"),
+];
+
+/// `c` with a CPU, memory and ephemeral-storage limit each: its own, else its
+/// [`DEFAULT_LIMITS`] (raised to its request where that is larger: a limit is never below its
+/// request).
+fn bounded(c: &mut Container, tmp: &str) {
+    let (cpu, memory) = (DEFAULT_LIMITS.iter())
+        .find(|(name, ..)| *name == c.name)
+        .map_or(("1", "1Gi"), |(_, cpu, memory)| (*cpu, *memory));
+    let storage = match c.name.as_str() {
+        "agent" | "install-moult" => "1Gi",
+        _ => tmp,
+    };
+    let r = c
+        .resources
+        .get_or_insert_with(ResourceRequirements::default);
+    let requests = r.requests.clone().unwrap_or_default();
+    let limits = r.limits.get_or_insert_with(BTreeMap::new);
+    for (key, default) in [
+        ("cpu", cpu),
+        ("memory", memory),
+        ("ephemeral-storage", storage),
+    ] {
+        let limit = match requests.get(key) {
+            Some(request) if quantity(&request.0) > quantity(default) => request.0.clone(),
+            _ => default.to_string(),
+        };
+        limits.entry(key.to_string()).or_insert(Quantity(limit));
+    }
+}
+
+/// The value of a Kubernetes quantity (`500m`, `4`, `16Gi`, `1e3`), to compare two; `None` when
+/// it is not one (the CRD refuses those).
+pub fn quantity(q: &str) -> Option<f64> {
+    const SUFFIXES: [(&str, f64); 14] = [
+        ("Ki", 1024.0),
+        ("Mi", 1048576.0),
+        ("Gi", 1073741824.0),
+        ("Ti", 1099511627776.0),
+        ("Pi", 1125899906842624.0),
+        ("Ei", 1152921504606846976.0),
+        ("n", 1e-9),
+        ("u", 1e-6),
+        ("m", 1e-3),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("P", 1e15),
+    ];
+    let q = q.trim();
+    let (number, scale) = (SUFFIXES.iter())
+        .find_map(|(suffix, scale)| Some((q.strip_suffix(suffix)?, *scale)))
+        .unwrap_or((q, 1.0));
+    // `E` is exa as a suffix, an exponent inside a number (`1e3`, `2E6`).
+    let (number, scale) = match number.strip_suffix('E') {
+        Some(n) if !n.is_empty() => (n, 1e18),
+        _ => (number, scale),
+    };
+    number
+        .parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite())
+        .map(|v| v * scale)
+}
+
 /// `/dev/shm` of engines and trainer (memory-backed: it counts against the memory limit).
 pub const SHM_SIZE: &str = "16Gi";
 /// The agent pods' copy of the `moult` binary.
@@ -57,7 +136,17 @@ pub fn config_path() -> String {
 
 /// A pod template for `component`: labels, config hash, service account, security context,
 /// the config and token, placement. `gpu` pods get the GPU node selector and toleration.
-pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> PodTemplateSpec {
+pub(crate) fn template(
+    ctx: &Ctx,
+    component: &str,
+    gpu: bool,
+    mut spec: PodSpec,
+) -> PodTemplateSpec {
+    let tmp = tmp_size(ctx, component);
+    let init = spec.init_containers.iter_mut().flatten();
+    for c in spec.containers.iter_mut().chain(init) {
+        bounded(c, &tmp);
+    }
     let mut labels = ctx.labels(Some(component));
     let scheduling = &ctx.run.spec.scheduling;
     if let Some(queue) = &scheduling.queue_name {
@@ -86,7 +175,7 @@ pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> 
         }),
         ..Volume::default()
     });
-    volumes.push(empty_dir("tmp", None, &tmp_size(ctx, component)));
+    volumes.push(empty_dir("tmp", None, &tmp));
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(labels),
@@ -211,6 +300,7 @@ fn tmp_size(ctx: &Ctx, component: &str) -> String {
         "engine" => spec.engines.resources.as_ref(),
         "trainer" => spec.trainer.resources.as_ref(),
         "agents" => spec.agent.resources.as_ref(),
+        "coordinator" => spec.coordinator.resources.as_ref(),
         _ => None,
     };
     resources

@@ -590,7 +590,20 @@ fn agents_run_the_injected_moult_binary_in_the_users_image() {
         .map(|m| m.mount_path.as_str())
         .collect();
     assert_eq!(mounts, ["/tmp", "/opt/moult/bin"]);
-    assert_eq!(sandbox.resources, run.spec.agent.resources);
+    // The agent's resources are the sandbox's, with default limits where they set none
+    // (docs/operator.md, "Resources").
+    let (own, got) = (
+        run.spec.agent.resources.clone().unwrap_or_default(),
+        sandbox.resources.clone().unwrap(),
+    );
+    assert_eq!(got.requests, own.requests);
+    let limits = got.limits.unwrap();
+    for (key, value) in own.limits.iter().flatten() {
+        assert_eq!(limits.get(key), Some(value), "{key}");
+    }
+    assert!(["cpu", "memory", "ephemeral-storage"]
+        .iter()
+        .all(|k| limits.contains_key(*k)));
     let sandbox_env = a
         .env
         .iter()

@@ -472,6 +472,7 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
             COORDINATOR_PORT.to_string(),
         ],
     );
+    c.resources = ctx.run.spec.coordinator.resources.clone();
     let (data_volume, tasks_path) = dataset(ctx);
     let mut env_vars = vec![
         // The engines' Service: the coordinator follows its EndpointSlices.
