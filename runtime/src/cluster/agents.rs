@@ -9,18 +9,19 @@
 //! episodes are renewed every 5 s; a pod that is stopped (SIGTERM) leases nothing more and
 //! finishes and returns its running episodes for up to 25 s.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::FutureExt;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use serde_json::Value;
 
-use serde_json::{json, Value};
-
-use super::protocol::Lease;
+use super::protocol::{Lease, Leases};
 use super::{call, env_number, env_path, retry};
 use crate::agents::{AgentPool, EpisodeStatus, PoolOptions};
 use crate::config::{RunConfig, Sources};
@@ -66,12 +67,7 @@ pub async fn run(
     let cfg = RunConfig::from_sources(run, &sources)?;
     let concurrency = env_number("MOULT_CONCURRENCY", cfg.concurrency as u64, 1)? as usize;
     let coordinator = opts.coordinator.trim_end_matches('/').to_string();
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
-        .await
-        .map_err(|source| RunError::Start {
-            what: "binding 127.0.0.1".into(),
-            source,
-        })?;
+    let listener = super::bind("127.0.0.1:0", "binding 127.0.0.1".into()).await?;
     let agent = cfg
         .agent
         .clone()
@@ -86,9 +82,7 @@ pub async fn run(
     let model = (model_dir.as_path(), cfg.name.clone());
     // The loopback server stops when this function returns (its sender goes).
     let (_stop_loopback, stop) = tokio::sync::oneshot::channel::<()>();
-    let stop = async {
-        let _ = stop.await;
-    };
+    let stop = stop.map(drop);
     let pool = AgentPool::serve(&coordinator, model, agent, pool_opts, listener, stop)?;
     // This pod's `/metrics`: episodes finished, by status, and running.
     let finished = Family::<[(&'static str, &'static str); 1], Counter>::default();
@@ -108,9 +102,7 @@ pub async fn run(
     let http = super::coordinator_client();
     // The leases of the episodes running here, renewed every few seconds so that the coordinator
     // knows this pod is alive (and gives them to another pod soon after it is not).
-    let held = Arc::new(std::sync::Mutex::new(
-        std::collections::BTreeSet::<u64>::new(),
-    ));
+    let held = Arc::new(Mutex::new(BTreeSet::<u64>::new()));
     let renewer = {
         let (http, url, held) = (
             http.clone(),
@@ -124,9 +116,10 @@ pub async fn run(
                 if leases.is_empty() {
                     continue;
                 }
-                let renew = http.post(&url).json(&json!({ "leases": leases }));
+                let n = leases.len();
+                let renew = http.post(&url).json(&Leases { leases });
                 if let Err(e) = call::<Value>(&url, renew).await {
-                    tracing::warn!("renewing {} leases: {e}", leases.len());
+                    tracing::warn!("renewing {n} leases: {e}");
                 }
             }
         })

@@ -13,11 +13,13 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use moult_operator::api::CheckpointStatus;
 use prometheus_client::registry::Registry;
 use tch::Device;
 
-use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, Quarantined, Version};
-use super::{call, env_number, env_path, env_var, retry, CallError, Gauge};
+use super::protocol::{Commit, Hello, HelloReply, Quarantined, Version};
+use super::{call, env_number, env_path, env_var, mounted, retry, CallError, Gauge};
 use crate::config::{RunConfig, Sources};
 use crate::dist::Rendezvous;
 use crate::error::RunError;
@@ -154,8 +156,6 @@ impl Coordinator {
     }
 }
 
-/// Runs the trainer until the run's last step, then idles until `shutdown` (so that a pod
-/// restart policy does not start it over).
 /// A trainer pod of rank > 0: serves its health, joins rank 0, and trains as it commands until it
 /// says stop (then waits for shutdown) or is lost (then fails, and the pod starts again).
 async fn follow(
@@ -223,26 +223,22 @@ pub fn join(
     }
 }
 
+/// Runs the trainer until the run's last step, then idles until `shutdown` (so that a pod
+/// restart policy does not start it over).
 pub async fn run(
     opts: TrainerProcessOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let (manifest, config_dir) = super::manifest(&opts.config)?;
-    let model_dir =
-        env_path("MOULT_MODEL").unwrap_or_else(|| config_dir.join(&manifest.spec.model.path));
+    let beside = Sources::beside_manifest(&manifest, &config_dir);
     // The teacher of distillation, where the operator mounted it (a served teacher has engines
     // of its own: the trainer has nothing to load).
-    let teacher = manifest
-        .spec
-        .algorithm
-        .teacher
-        .as_ref()
-        .filter(|t| t.replicas.is_none())
-        .map(|t| env_path("MOULT_TEACHER").unwrap_or_else(|| config_dir.join(&t.path)));
+    let teacher = &manifest.spec.algorithm.teacher;
+    let served_teacher = teacher.as_ref().is_some_and(|t| t.replicas.is_some());
     let sources = Sources {
-        dir: config_dir,
-        model_dir: Some(model_dir),
-        teacher,
+        model_dir: mounted("MOULT_MODEL", beside.model_dir),
+        teacher: mounted("MOULT_TEACHER", beside.teacher.filter(|_| !served_teacher)),
+        dir: beside.dir,
         ..Sources::default()
     };
     let cfg = RunConfig::from_sources(manifest, &sources)?;
@@ -469,9 +465,10 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
         let (step, version) = (record.step, record.policy_version);
         self.gauges.busy.set(record.trainer_busy_fraction);
         self.gauges.engine_busy.set(record.engine_busy_fraction);
-        let checkpoint = checkpoint.map(|dir| CheckpointRef {
+        let checkpoint = checkpoint.map(|dir| CheckpointStatus {
             step,
             path: dir.display().to_string(),
+            time: Time(k8s_openapi::jiff::Timestamp::now()),
         });
         let commit = Commit {
             step,
