@@ -414,61 +414,31 @@ async fn prometheus(State(c): Shared) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     server::register_metrics(&c.router, &mut registry);
     let s = c.status();
-    for (name, help, value) in [
-        ("moult_step", "Training steps committed", s.step),
-        (
-            "moult_policy_version",
-            "Policy version the engines serve",
-            s.policy_version,
-        ),
-        (
-            "moult_episodes_waiting",
-            "Episodes waiting for an agent pod",
-            s.agents.episodes_waiting as u64,
-        ),
-        (
-            "moult_episodes_leased",
-            "Episodes an agent pod is running",
-            s.agents.episodes_leased as u64,
-        ),
-        (
-            "moult_leases_expired",
-            "Episodes run again because their agent pod went silent",
-            s.agents.leases_expired,
-        ),
-        (
-            "moult_groups_dropped_stale",
-            "Groups dropped for staleness",
-            s.rollout.dropped_stale,
-        ),
-        (
-            "moult_groups_dropped_failed",
-            "Groups dropped because an episode failed",
-            s.rollout.dropped_failed,
-        ),
-        (
-            "moult_groups_dropped_invalid",
-            "Groups dropped because an episode was malformed",
-            s.rollout.dropped_invalid,
-        ),
-        (
-            "moult_groups_filtered",
-            "Groups dynamic sampling dropped because every reward was equal",
-            s.rollout.groups_filtered,
-        ),
-        (
-            "moult_batches_quarantined",
-            "Batches the trainer could not learn from, set aside",
-            s.rollout.batches_quarantined,
-        ),
-        (
-            "moult_trainer_restarts",
-            "Times the trainer started again",
-            s.trainer_restarts,
-        ),
-    ] {
+    let (a, r) = (&s.agents, &s.rollout);
+    let mut gauge = |name, help, value: u64| {
         super::gauge(&mut registry, name, help).set(value as f64);
-    }
+    };
+    gauge("moult_step", "Training steps committed", s.step);
+    let help = "Policy version the engines serve";
+    gauge("moult_policy_version", help, s.policy_version);
+    let help = "Episodes waiting for an agent pod";
+    gauge("moult_episodes_waiting", help, a.episodes_waiting as u64);
+    let help = "Episodes an agent pod is running";
+    gauge("moult_episodes_leased", help, a.episodes_leased as u64);
+    let help = "Episodes run again because their agent pod went silent";
+    gauge("moult_leases_expired", help, a.leases_expired);
+    let help = "Groups dropped for staleness";
+    gauge("moult_groups_dropped_stale", help, r.dropped_stale);
+    let help = "Groups dropped because an episode failed";
+    gauge("moult_groups_dropped_failed", help, r.dropped_failed);
+    let help = "Groups dropped because an episode was malformed";
+    gauge("moult_groups_dropped_invalid", help, r.dropped_invalid);
+    let help = "Groups dynamic sampling dropped because every reward was equal";
+    gauge("moult_groups_filtered", help, r.groups_filtered);
+    let help = "Batches the trainer could not learn from, set aside";
+    gauge("moult_batches_quarantined", help, r.batches_quarantined);
+    let help = "Times the trainer started again";
+    gauge("moult_trainer_restarts", help, s.trainer_restarts);
     super::encode(&registry)
 }
 

@@ -41,20 +41,18 @@ struct Gauges {
 impl Gauges {
     fn register(registry: &mut Registry) -> Self {
         let mut gauge = |name, help| super::gauge(registry, name, help);
+        let step = gauge("moult_trainer_step", "Training steps done");
+        let help = "Version of the weights last published";
+        let version = gauge("moult_trainer_policy_version", help);
+        let help = "Fraction of the last step's wall-clock the trainer computed";
+        let busy = gauge("moult_trainer_busy_fraction", help);
+        let help = "Fraction of the last step's wall-clock the engines had work";
+        let engine_busy = gauge("moult_trainer_engine_busy_fraction", help);
         Self {
-            step: gauge("moult_trainer_step", "Training steps done"),
-            version: gauge(
-                "moult_trainer_policy_version",
-                "Version of the weights last published",
-            ),
-            busy: gauge(
-                "moult_trainer_busy_fraction",
-                "Fraction of the last step's wall-clock the trainer computed",
-            ),
-            engine_busy: gauge(
-                "moult_trainer_engine_busy_fraction",
-                "Fraction of the last step's wall-clock the engines had work",
-            ),
+            step,
+            version,
+            busy,
+            engine_busy,
         }
     }
 }
@@ -165,12 +163,8 @@ async fn follow(
 ) -> Result<(), RunError> {
     let rank = rendezvous.rank;
     let mut metrics = Registry::default();
-    super::gauge(
-        &mut metrics,
-        "moult_trainer_rank",
-        "This pod's trainer rank",
-    )
-    .set(rank as f64);
+    let help = "This pod's trainer rank";
+    super::gauge(&mut metrics, "moult_trainer_rank", help).set(rank as f64);
     let _health = super::serve_health(&opts.metrics_addr, metrics).await?;
     eprintln!(
         "moult trainer: rank {rank} of {} joins rank 0 at {}:{}",
