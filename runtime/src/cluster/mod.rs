@@ -33,6 +33,8 @@ use std::time::Duration;
 use futures::FutureExt;
 use moult_operator::api::RLRun;
 use prometheus_client::registry::Registry;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
@@ -127,13 +129,42 @@ where
 /// coordinator that answers nothing for this long is treated as down, and the call retried.
 pub(crate) const COORDINATOR_CALL_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// The HTTP client of agents and the trainer for their calls to the coordinator: this process's
-/// credential, and at most [`COORDINATOR_CALL_TIMEOUT`] per call.
-pub(crate) fn coordinator_client() -> reqwest::Client {
-    crate::auth::client_builder()
-        .timeout(COORDINATOR_CALL_TIMEOUT)
-        .build()
-        .expect("an HTTP client with default settings builds")
+/// The calls of agents and the trainer to the coordinator at `url`: this process's credential,
+/// and at most [`COORDINATOR_CALL_TIMEOUT`] per call.
+#[derive(Debug, Clone)]
+pub(crate) struct Coordinator {
+    http: reqwest::Client,
+    pub url: String,
+}
+
+impl Coordinator {
+    pub fn new(url: &str) -> Self {
+        let http = crate::auth::client_builder().timeout(COORDINATOR_CALL_TIMEOUT);
+        Self {
+            http: http
+                .build()
+                .expect("an HTTP client with default settings builds"),
+            url: url.trim_end_matches('/').to_string(),
+        }
+    }
+
+    /// `POST path` with `body`, once ([`call`]).
+    pub async fn send<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl Serialize,
+    ) -> Result<T, CallError> {
+        let url = format!("{}{path}", self.url);
+        call(&url, self.http.post(&url).json(body)).await
+    }
+
+    /// `POST path` with `body` until the coordinator takes it.
+    pub async fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> T {
+        retry(&format!("POST {}{path}", self.url), || {
+            self.send(path, body)
+        })
+        .await
+    }
 }
 
 /// A gauge of a role's `/metrics` (prometheus-client's, shared by its clones).
@@ -197,7 +228,7 @@ pub(crate) enum CallError {
 
 /// Sends `request` (to `url`), which must answer 2xx; its JSON answer, where an empty one (a 204,
 /// "nothing yet") reads as `null`.
-pub(crate) async fn call<T: serde::de::DeserializeOwned>(
+async fn call<T: DeserializeOwned>(
     url: &str,
     request: reqwest::RequestBuilder,
 ) -> Result<T, CallError> {

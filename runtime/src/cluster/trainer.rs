@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use moult_operator::api::CheckpointStatus;
 use prometheus_client::registry::Registry;
+use serde_json::Value;
 use tch::Device;
 
 use super::protocol::{Commit, Hello, HelloReply, Quarantined, Version};
-use super::{call, env_number, env_path, env_var, mounted, retry, CallError, Gauge};
+use super::{env_number, env_path, env_var, mounted, retry, CallError, Coordinator, Gauge};
 use crate::config::{RunConfig, Sources};
 use crate::dist::Rendezvous;
 use crate::error::RunError;
@@ -69,38 +70,22 @@ pub struct TrainerProcessOptions {
     pub device: Device,
 }
 
-/// Talks to the coordinator.
-struct Coordinator {
-    http: reqwest::Client,
-    url: String,
-}
-
+/// The trainer's calls to the coordinator beside the [`Steps`]' own.
 impl Coordinator {
-    async fn post<B: serde::Serialize, R: serde::de::DeserializeOwned>(
-        &self,
-        path: &str,
-        body: &B,
-    ) -> R {
+    /// `GET path`, once.
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, CallError> {
         let url = format!("{}{path}", self.url);
-        retry(&format!("POST {url}"), || {
-            call(&url, self.http.post(&url).json(body))
-        })
-        .await
-    }
-
-    /// `GET path`'s JSON answer, `None` when the coordinator does not answer it.
-    async fn get(&self, path: &str) -> Option<serde_json::Value> {
-        let url = format!("{}{path}", self.url);
-        call(&url, self.http.get(&url)).await.ok()
+        super::call(&url, self.http.get(&url)).await
     }
 
     /// The batch of `step`; `None` if the coordinator does not expect that step (it restarted):
     /// say hello again.
     async fn batch(&self, step: u64) -> Option<StepBatch> {
-        let url = format!("{}/v1/trainer/batch?step={step}", self.url);
+        let path = format!("/v1/trainer/batch?step={step}");
+        let url = format!("{}{path}", self.url);
         loop {
             let answer = retry(&format!("GET {url}"), || async {
-                match call(&url, self.http.get(&url)).await {
+                match self.get(&path).await {
                     Err(CallError::Status { status, body, .. })
                         if status == reqwest::StatusCode::CONFLICT =>
                     {
@@ -128,7 +113,7 @@ impl Coordinator {
     async fn engine_behind(&self) {
         loop {
             tokio::time::sleep(BEHIND_POLL).await;
-            let pool = self.get("/engines").await.unwrap_or_default();
+            let pool: Value = self.get("/engines").await.unwrap_or_default();
             let mut engines = pool["engines"].as_array().into_iter().flatten();
             if engines.any(|e| e["healthy"] == true && e["routable"] == false) {
                 return;
@@ -140,7 +125,7 @@ impl Coordinator {
     async fn engines(&self) -> usize {
         let mut logged = false;
         loop {
-            let world = self.get("/get_world_size").await;
+            let world = self.get::<Value>("/get_world_size").await.ok();
             match world.and_then(|v| v["world_size"].as_u64()) {
                 Some(n) if n > 0 => return n as usize,
                 _ if !logged => {
@@ -268,12 +253,7 @@ pub async fn run(
     if let Some(r) = rendezvous.clone().filter(|r| r.rank > 0) {
         return follow(r, &opts, shutdown).await;
     }
-    let coordinator = Coordinator {
-        http: super::coordinator_client(),
-        url: env_var("MOULT_COORDINATOR")?
-            .trim_end_matches('/')
-            .to_string(),
-    };
+    let coordinator = Coordinator::new(&env_var("MOULT_COORDINATOR")?);
     let pod_ip = std::env::var("POD_IP").unwrap_or_else(|_| "127.0.0.1".into());
     // Checkpoints and metrics of this run, on the checkpoint volume.
     let out = env_path("MOULT_CHECKPOINTS").map(|root| root.join(&cfg.name));
@@ -396,7 +376,7 @@ impl<S: std::future::Future<Output = ()>> CoordinatorSteps<'_, S> {
         if let Some(version) = reply.publish_as {
             learner.publish(version, false).await?;
             self.published = Some(version);
-            let _: serde_json::Value = self
+            let _: Value = self
                 .coordinator
                 .post("/v1/trainer/published", &Version { version })
                 .await;
@@ -470,7 +450,7 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
             record,
             checkpoint,
         };
-        let _: serde_json::Value = self.coordinator.post("/v1/trainer/commit", &commit).await;
+        let _: Value = self.coordinator.post("/v1/trainer/commit", &commit).await;
         self.gauges.step.set(step as f64);
         self.gauges.version.set(version as f64);
         self.published = Some(version);
@@ -482,7 +462,7 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
             step,
             error: error.to_string(),
         };
-        let _: serde_json::Value = self.coordinator.post("/v1/trainer/quarantine", &body).await;
+        let _: Value = self.coordinator.post("/v1/trainer/quarantine", &body).await;
         Ok(())
     }
 }
