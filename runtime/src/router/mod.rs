@@ -78,10 +78,7 @@ impl Router {
             .into_iter()
             .filter(|e| !exclude.iter().any(|x| x == e.url()))
             .collect();
-        if engines.is_empty() {
-            return None;
-        }
-        Some(engines[self.policy.pick(request, &engines)].clone())
+        (!engines.is_empty()).then(|| engines[self.policy.pick(request, &engines)].clone())
     }
 
     pub fn failovers(&self) -> u64 {
