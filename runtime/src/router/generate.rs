@@ -203,3 +203,89 @@ async fn run(router: &Router, req: RoutedRequest, tx: &EventSender) -> Result<()
         failed.push(engine.url().to_string());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use axum::response::IntoResponse;
+
+    use super::*;
+    use crate::router::{EnginePool, LeastOutstandingTokens};
+
+    /// Two tokens (5 and 6, version 0) in one chunk; then the finish when `finishes`, else the
+    /// stream closes as a dying engine's does.
+    const TOKENS: &str = r#"data: {"request_id":"r","choices":[{"token_ids":[5,6],"logprobs":{"content":[{"token_id":5,"logprob":-1.0},{"token_id":6,"logprob":-2.0}]},"finish_reason":null,"weight_versions":[{"version":0,"start":0,"end":2}]}]}"#;
+    const FINISH: &str = r#"data: {"request_id":"r","choices":[{"token_ids":[],"logprobs":{"content":[]},"finish_reason":"stop","weight_versions":[]}]}"#;
+
+    /// An engine that refuses its first `busy` generations with 429 (queue full), then streams
+    /// [`TOKENS`] (and [`FINISH`] when `finishes`); a router with it as its only engine.
+    async fn router_over_fake_engine(busy: usize, finishes: bool) -> Arc<Router> {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let generate = move || async move {
+            if calls.fetch_add(1, Ordering::Relaxed) < busy {
+                let refusal = r#"{"error":{"message":"the queue is full","code":429}}"#;
+                return (StatusCode::TOO_MANY_REQUESTS, refusal).into_response();
+            }
+            let finish = if finishes { FINISH } else { "" };
+            format!("{TOKENS}\n\n{finish}\n\n").into_response()
+        };
+        let app =
+            axum::Router::new().route("/inference/v1/generate", axum::routing::post(generate));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let pool = Arc::new(EnginePool::new(&[url]));
+        Arc::new(Router::new(pool, Box::new(LeastOutstandingTokens)))
+    }
+
+    async fn events(router: Arc<Router>, max_tokens: i64) -> Vec<Result<Generated, ApiError>> {
+        let mut params = Map::new();
+        params.insert("max_tokens".into(), Json::from(max_tokens));
+        let req = RoutedRequest {
+            request_id: "r".into(),
+            prompt: vec![1, 2, 3],
+            content_parts: Vec::new(),
+            params,
+            session: None,
+        };
+        let mut rx = start(router, req);
+        let mut out = Vec::new();
+        while let Some(event) = rx.recv().await {
+            out.push(event);
+        }
+        out
+    }
+
+    fn ids_and_finish(events: &[Result<Generated, ApiError>]) -> (Vec<i64>, Option<&str>) {
+        let mut ids = Vec::new();
+        let mut finish = None;
+        for event in events {
+            match event {
+                Ok(Generated::Token { id, .. }) => ids.push(*id),
+                Ok(Generated::Finished { reason, .. }) => finish = Some(reason.as_str()),
+                Err(e) => panic!("the request failed: {e}"),
+            }
+        }
+        (ids, finish)
+    }
+
+    #[tokio::test]
+    async fn an_engine_whose_queue_is_full_is_asked_again() {
+        let router = router_over_fake_engine(2, true).await;
+        let events = events(router, 2).await;
+        assert_eq!(ids_and_finish(&events), (vec![5, 6], Some("stop")));
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_dies_after_its_last_token_finishes_the_request() {
+        let router = router_over_fake_engine(0, false).await;
+        let events = events(router.clone(), 2).await;
+        assert_eq!(ids_and_finish(&events), (vec![5, 6], Some("length")));
+        assert_eq!(
+            router.failovers(),
+            0,
+            "nothing was left to continue elsewhere"
+        );
+    }
+}
