@@ -64,10 +64,8 @@ fn one_choice(request_id: String, choice: Choice, usage: Option<Usage>) -> Gener
 }
 
 fn unfinished() -> ApiError {
-    ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        "the generation ended without finishing",
-    )
+    let message = "the generation ended without finishing";
+    ApiError::new(StatusCode::BAD_GATEWAY, message)
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
