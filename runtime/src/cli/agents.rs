@@ -88,9 +88,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         bail!("give --engine, --model and --tasks (or --config and --coordinator in an agent pod)");
     };
     let agent = match (&args.agent, &args.agent_cmd, args.form.as_deref()) {
-        (Some(a), _, _) if a.starts_with("builtin:") => {
-            moult_runtime::agents::Agent::builtin(&a["builtin:".len()..])?
-        }
+        (Some(a), _, _) if a.starts_with("builtin:") => Agent::builtin(&a["builtin:".len()..])?,
         (Some(module), _, _) => {
             let cmd = AgentCommand::python(&args.python, module)?;
             match describe_python(&args.python, module).await?.as_str() {
@@ -163,8 +161,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 );
             }
         }
-        serde_json::to_writer(&mut out, &ep)?;
-        out.write_all(b"\n")?;
+        writeln!(out, "{}", serde_json::to_string(&ep)?)?;
         out.flush()?;
     }
     let _ = std::fs::remove_dir_all(&scratch_dir);

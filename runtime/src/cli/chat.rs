@@ -71,6 +71,5 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!("  OpenAI:    base_url=http://{addr}/s/SESSION/v1");
     println!("  Anthropic: base_url=http://{addr}/s/SESSION");
     let app = loopback::router(Arc::new(service), args.max_body_bytes);
-    moult_runtime::serve::serve(listener, app, super::shutdown_signal()).await?;
-    Ok(())
+    Ok(moult_runtime::serve::serve(listener, app, super::shutdown_signal()).await?)
 }

@@ -31,6 +31,5 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         poll: std::time::Duration::from_secs(20),
         lease_time: args.lease_time,
     };
-    coordinator::run(opts, super::shutdown_signal()).await?;
-    Ok(())
+    Ok(coordinator::run(opts, super::shutdown_signal()).await?)
 }

@@ -51,10 +51,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     use moult_runtime::engine::{http, EngineHandle, EngineOptions};
     use moult_runtime::model::{parse_dtype, CausalLm, ModelConfig};
     use tch::{Device, Kind};
-    let device = args
-        .device
-        .as_deref()
-        .map_or_else(|| Ok(Device::cuda_if_available()), super::parse_device)?;
+    let device = super::device(args.device.as_deref(), true)?;
     let cfg = ModelConfig::from_dir(&args.model)?;
     let kind = match args.dtype.as_str() {
         "auto" if device == Device::Cpu => Kind::Float,
@@ -75,10 +72,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| super::folder_name(&args.model));
     tracing::info!(model = %args.model.display(), ?kind, ?device, "loading");
     let started = std::time::Instant::now();
-    let model = {
-        let dir = args.model.clone();
-        tokio::task::spawn_blocking(move || CausalLm::load(&dir, kind, device)).await??
-    };
+    let model =
+        tokio::task::spawn_blocking(move || CausalLm::load(&args.model, kind, device)).await??;
     tracing::info!(seconds = started.elapsed().as_secs_f32(), "model loaded");
     let opts = EngineOptions {
         max_batch: args.max_batch,
@@ -102,10 +97,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let (handle, thread) = EngineHandle::spawn(model, name, opts);
     let listener = super::bind(&args.host, args.port).await?;
-    println!(
-        "moult engine listening on http://{}",
-        listener.local_addr()?
-    );
+    let addr = listener.local_addr()?;
+    println!("moult engine listening on http://{addr}");
     // The process ends with its engine thread: a server whose engine is gone would only answer
     // errors (docs/security.md).
     let died = tokio::task::spawn_blocking(move || thread.join());

@@ -26,48 +26,33 @@ pub fn log_filter(default: &str) -> tracing_subscriber::EnvFilter {
     tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into())
 }
 
-/// The device a `--device` flag names: cpu, cuda or cuda:N.
+/// The device a `--device` flag names (cpu, cuda or cuda:N); without one, CUDA when `gpu` asks
+/// for it (an engine, or a trainer whose manifest gives it GPUs) and one is here, else the CPU.
 #[cfg(feature = "torch")]
-pub fn parse_device(text: &str) -> anyhow::Result<Device> {
-    Ok(match text {
-        "cpu" => Device::Cpu,
-        "cuda" => Device::Cuda(0),
-        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+pub fn device(flag: Option<&str>, gpu: bool) -> anyhow::Result<Device> {
+    Ok(match flag {
+        None if gpu => Device::cuda_if_available(),
+        None | Some("cpu") => Device::Cpu,
+        Some("cuda") => Device::Cuda(0),
+        Some(other) => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
             Some(n) => Device::Cuda(n),
             None => anyhow::bail!("--device must be cpu, cuda or cuda:N; got `{other}`"),
         },
     })
 }
 
-/// The device of a run's trainer: what `--device` names, by default CUDA when the manifest's
-/// trainer has GPUs (`gpus_per_node`, only read when there is no `--device`) and one is here,
-/// else the CPU.
-#[cfg(feature = "torch")]
-pub fn trainer_device(
-    device: Option<&str>,
-    gpus_per_node: impl FnOnce() -> anyhow::Result<u32>,
-) -> anyhow::Result<Device> {
-    match device {
-        Some(d) => parse_device(d),
-        None if gpus_per_node()? > 0 => Ok(Device::cuda_if_available()),
-        None => Ok(Device::Cpu),
-    }
-}
-
 /// The local run config of the RLRun manifest at `path` (relative paths from its folder), and
-/// the trainer's device (`trainer_device`).
+/// the trainer's device (`--device`, by default CUDA when its trainer has GPUs).
 #[cfg(feature = "torch")]
 pub fn local_config(
     path: &Path,
-    device: Option<&str>,
+    flag: Option<&str>,
 ) -> anyhow::Result<(moult_runtime::config::RunConfig, Device)> {
     use moult_runtime::config;
     let manifest = config::read_manifest(path)?;
-    let dir = path.parent().unwrap_or(Path::new("."));
     let gpus = manifest.spec.trainer.gpus_per_node;
-    let cfg = config::RunConfig::new(manifest, dir)?;
-    let device = trainer_device(device, || Ok(gpus))?;
-    Ok((cfg, device))
+    let cfg = config::RunConfig::new(manifest, path.parent().unwrap_or(Path::new(".")))?;
+    Ok((cfg, device(flag, gpus > 0)?))
 }
 
 /// The name a model folder is served under by default: the folder's name.
@@ -89,9 +74,7 @@ pub async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let term = async {
         match signal(SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
+            Ok(mut s) => _ = s.recv().await,
             Err(_) => std::future::pending::<()>().await,
         }
     };

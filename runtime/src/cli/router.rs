@@ -51,6 +51,5 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         listener.local_addr()?,
         args.engines.len()
     );
-    server::serve(listener, router, super::shutdown_signal()).await?;
-    Ok(())
+    Ok(server::serve(listener, router, super::shutdown_signal()).await?)
 }

@@ -82,7 +82,7 @@ pub async fn run(args: Args, verbose: bool) -> anyhow::Result<()> {
     );
     let log = out.join("moult.log");
     let console = Console::new(cfg.total_steps, !args.quiet);
-    init_logging(&log, &console, verbose)?;
+    init_logging(&log, console.clone(), verbose)?;
     let summary = local::run(
         cfg,
         RunOptions {
@@ -142,12 +142,12 @@ pub async fn run(args: Args, verbose: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `moult run`'s log: all of it to `file`; to the console (through the status line) warnings
-/// only, unless `verbose` or RUST_LOG asks for more.
+/// `moult run`'s log: all of it to `file`; to the console (through the status line, by clones of
+/// `console`) warnings only, unless `verbose` or RUST_LOG asks for more.
 #[cfg(feature = "torch")]
 fn init_logging(
     file: &std::path::Path,
-    console: &moult_runtime::records::console::Console,
+    console: moult_runtime::records::console::Console,
     verbose: bool,
 ) -> anyhow::Result<()> {
     use anyhow::Context;
@@ -169,7 +169,7 @@ fn init_logging(
         )
         .with(
             fmt::layer()
-                .with_writer(console.writer())
+                .with_writer(move || console.clone())
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .with_filter(on_console),
         )

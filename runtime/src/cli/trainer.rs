@@ -19,14 +19,11 @@ pub struct Args {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     use moult_runtime::cluster::trainer::{self, TrainerProcessOptions};
     use moult_runtime::config::read_manifest;
-    let device = super::trainer_device(args.device.as_deref(), || {
-        Ok(read_manifest(&args.config)?.spec.trainer.gpus_per_node)
-    })?;
+    let gpus = read_manifest(&args.config)?.spec.trainer.gpus_per_node;
     let opts = TrainerProcessOptions {
+        device: super::device(args.device.as_deref(), gpus > 0)?,
         config: args.config,
         metrics_addr: args.metrics_addr,
-        device,
     };
-    trainer::run(opts, super::shutdown_signal()).await?;
-    Ok(())
+    Ok(trainer::run(opts, super::shutdown_signal()).await?)
 }

@@ -16,7 +16,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     use moult_runtime::trainer::ranks;
     // Started by a rank 0 on this machine: go when it goes.
     let _ = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL);
-    let device = super::parse_device(&args.device)?;
+    let device = super::device(Some(args.device.as_str()), false)?;
     let rendezvous = Rendezvous::from_env()?
         .context("MOULT_TRAINER_WORLD_SIZE must be above 1 for a trainer rank")?;
     let group = moult_runtime::cluster::trainer::join(&rendezvous, device)?;

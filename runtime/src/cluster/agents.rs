@@ -9,19 +9,20 @@
 //! episodes are renewed every 5 s; a pod that is stopped (SIGTERM) leases nothing more and
 //! finishes and returns its running episodes for up to 25 s.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::FutureExt;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use serde_json::Value;
 
-use serde_json::{json, Value};
-
-use super::protocol::Lease;
-use super::{call, env_number, env_path, retry};
+use super::protocol::{Lease, Leases};
+use super::{env_number, env_path, retry, Coordinator};
 use crate::agents::{AgentPool, EpisodeStatus, PoolOptions};
 use crate::config::{RunConfig, Sources};
 use crate::error::RunError;
@@ -65,13 +66,8 @@ pub async fn run(
     };
     let cfg = RunConfig::from_sources(run, &sources)?;
     let concurrency = env_number("MOULT_CONCURRENCY", cfg.concurrency as u64, 1)? as usize;
-    let coordinator = opts.coordinator.trim_end_matches('/').to_string();
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
-        .await
-        .map_err(|source| RunError::Start {
-            what: "binding 127.0.0.1".into(),
-            source,
-        })?;
+    let coordinator = Coordinator::new(&opts.coordinator);
+    let listener = super::bind("127.0.0.1:0", "binding 127.0.0.1".into()).await?;
     let agent = cfg
         .agent
         .clone()
@@ -86,10 +82,8 @@ pub async fn run(
     let model = (model_dir.as_path(), cfg.name.clone());
     // The loopback server stops when this function returns (its sender goes).
     let (_stop_loopback, stop) = tokio::sync::oneshot::channel::<()>();
-    let stop = async {
-        let _ = stop.await;
-    };
-    let pool = AgentPool::serve(&coordinator, model, agent, pool_opts, listener, stop)?;
+    let stop = stop.map(drop);
+    let pool = AgentPool::serve(&coordinator.url, model, agent, pool_opts, listener, stop)?;
     // This pod's `/metrics`: episodes finished, by status, and running.
     let finished = Family::<[(&'static str, &'static str); 1], Counter>::default();
     let running = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
@@ -100,23 +94,17 @@ pub async fn run(
     registry.register("moult_agents_running", help, running.clone());
     let _health = super::serve_health(&opts.metrics_addr, registry).await?;
     eprintln!(
-        "moult agents: {} episodes at once for {}, loopback {}, coordinator {coordinator}",
+        "moult agents: {} episodes at once for {}, loopback {}, coordinator {}",
         concurrency,
         cfg.name,
-        pool.loopback_url()
+        pool.loopback_url(),
+        coordinator.url
     );
-    let http = super::coordinator_client();
     // The leases of the episodes running here, renewed every few seconds so that the coordinator
     // knows this pod is alive (and gives them to another pod soon after it is not).
-    let held = Arc::new(std::sync::Mutex::new(
-        std::collections::BTreeSet::<u64>::new(),
-    ));
+    let held = Arc::new(Mutex::new(BTreeSet::<u64>::new()));
     let renewer = {
-        let (http, url, held) = (
-            http.clone(),
-            format!("{coordinator}/v1/agents/renew"),
-            held.clone(),
-        );
+        let (coordinator, held) = (coordinator.clone(), held.clone());
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(RENEW_EVERY).await;
@@ -124,9 +112,10 @@ pub async fn run(
                 if leases.is_empty() {
                     continue;
                 }
-                let renew = http.post(&url).json(&json!({ "leases": leases }));
-                if let Err(e) = call::<Value>(&url, renew).await {
-                    tracing::warn!("renewing {} leases: {e}", leases.len());
+                let n = leases.len();
+                let renew = Leases { leases };
+                if let Err(e) = coordinator.send::<Value>("/v1/agents/renew", &renew).await {
+                    tracing::warn!("renewing {n} leases: {e}");
                 }
             }
         })
@@ -134,18 +123,13 @@ pub async fn run(
     let draining = tokio::sync::watch::channel(false);
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
-        let (pool, http, coordinator, held) = (
-            pool.clone(),
-            http.clone(),
-            coordinator.clone(),
-            held.clone(),
-        );
+        let (pool, coordinator, held) = (pool.clone(), coordinator.clone(), held.clone());
         let (finished, running) = (finished.clone(), running.clone());
         let mut draining = draining.1.clone();
         workers.spawn(async move {
             loop {
                 let lease = tokio::select! {
-                    lease = next_lease(&http, &coordinator) => lease,
+                    lease = next_lease(&coordinator) => lease,
                     _ = draining.wait_for(|d| *d) => return,
                 };
                 held.lock().expect("lease set").insert(lease.lease);
@@ -157,9 +141,9 @@ pub async fn run(
                     EpisodeStatus::Failed => "failed",
                 };
                 finished.get_or_create(&[("status", status)]).inc();
-                let url = format!("{coordinator}/v1/agents/episodes/{}", lease.lease);
+                let path = format!("/v1/agents/episodes/{}", lease.lease);
                 let answer: Value = retry(&format!("returning episode {}", lease.index), || {
-                    call(&url, http.post(&url).json(&episode))
+                    coordinator.send(&path, &episode)
                 })
                 .await;
                 held.lock().expect("lease set").remove(&lease.lease);
@@ -197,11 +181,9 @@ pub async fn run(
 }
 
 /// Leases the next episode, waiting (and retrying) as long as it takes.
-async fn next_lease(http: &reqwest::Client, coordinator: &str) -> Lease {
-    let url = format!("{coordinator}/v1/agents/lease");
+async fn next_lease(coordinator: &Coordinator) -> Lease {
     loop {
-        let lease = retry(&format!("POST {url}"), || call(&url, http.post(&url))).await;
-        if let Some(lease) = lease {
+        if let Some(lease) = coordinator.post("/v1/agents/lease", &()).await {
             return lease;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -10,6 +10,7 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use axum::extract::{DefaultBodyLimit, Path as UrlPath, Query, State};
@@ -17,17 +18,15 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use moult_operator::api::{CheckpointStatus, Phase};
+use moult_operator::api::{Phase, RLRunStatus};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
 use super::protocol::{
-    CheckpointRef, Commit, CoordinatorStatus, Episode, Hello, HelloReply, Quarantined, Version,
+    Commit, CoordinatorStatus, Episode, Hello, HelloReply, Leases, Quarantined, Version,
 };
 use super::remote::RemoteAgents;
-use super::status::Report;
 use crate::config::{RunConfig, Sources};
 use crate::engine::ApiError;
 use crate::error::RunError;
@@ -80,36 +79,19 @@ struct Coordinator {
     /// What `GET /v1/status` shows (kept apart from `train`, which a batch request holds while
     /// it waits).
     status: Mutex<CoordinatorStatus>,
-    reports: watch::Sender<Report>,
+    reports: watch::Sender<RLRunStatus>,
     poll: Duration,
     /// The seed of the task order (the trainer checkpoints it with each step).
     seed: u64,
     started: Instant,
-    /// Evaluations (`spec.eval`).
-    evals: Mutex<Evals>,
+    /// The step whose evaluation (`spec.eval`) is running; the newest finished one is the
+    /// status's.
+    eval_running: Mutex<Option<u64>>,
     /// The batch stages that run here (a served teacher over its engines, the judge of
     /// `spec.judge` over its engines, ...).
     stages: Vec<Box<dyn Stage>>,
     /// Wakes batch requests that wait for an evaluation or the stages.
     wake: tokio::sync::Notify,
-}
-
-/// The evaluations of this coordinator.
-#[derive(Debug, Default)]
-struct Evals {
-    /// The step whose evaluation is running.
-    running: Option<u64>,
-    /// The newest finished one.
-    last: Option<EvalResult>,
-}
-
-/// Whether a step's policy is evaluated before the next step's batch goes out.
-enum EvalGate {
-    /// No evaluation is due at that step.
-    NotDue,
-    Done(EvalResult),
-    /// Running (started now, or before).
-    Running,
 }
 
 type Shared = State<Arc<Coordinator>>;
@@ -135,16 +117,12 @@ async fn stage_batch(c: Arc<Coordinator>, mut batch: StepBatch) {
 /// "Not yet" (204) to a batch request, once an evaluation or the stages are done or `poll` has
 /// passed. Registered for the wake-up before `guard` (the training state's lock) goes, so a
 /// notification sent under that lock is not missed.
-async fn not_yet(
-    wake: &tokio::sync::Notify,
-    guard: tokio::sync::MutexGuard<'_, Train>,
-    poll: Duration,
-) -> Response {
-    let done = wake.notified();
+async fn not_yet(c: &Coordinator, guard: tokio::sync::MutexGuard<'_, Train>) -> Response {
+    let done = c.wake.notified();
     tokio::pin!(done);
     done.as_mut().enable();
     drop(guard);
-    let _ = tokio::time::timeout(poll, done).await;
+    let _ = tokio::time::timeout(c.poll, done).await;
     StatusCode::NO_CONTENT.into_response()
 }
 
@@ -173,21 +151,21 @@ impl Coordinator {
         }
     }
 
-    /// The evaluation of the policy of `step` (served now): done, running, or started here when
-    /// due and not started yet. The next step's batch waits for it.
-    fn eval_gate(self: &Arc<Self>, step: u64) -> EvalGate {
-        let Some(opts) = self.cfg.eval.clone() else {
-            return EvalGate::NotDue;
+    /// The evaluation of the policy of `step` (served now), when one is due: ready (`None`: none
+    /// is due), or pending (running; started here if it was not). The next step's batch waits
+    /// for it.
+    fn eval_gate(self: &Arc<Self>, step: u64) -> Poll<Option<EvalResult>> {
+        let total = self.cfg.total_steps;
+        let Some(opts) = self.cfg.eval.clone().filter(|e| e.due(step, total)) else {
+            return Poll::Ready(None);
         };
-        if !opts.due(step, self.cfg.total_steps) {
-            return EvalGate::NotDue;
+        let mut running = self.eval_running.lock().expect("eval lock");
+        let status = self.status.lock().expect("status lock");
+        if let Some(done) = status.eval.as_ref().filter(|e| e.step == step) {
+            return Poll::Ready(Some(done.clone()));
         }
-        let mut evals = self.evals.lock().expect("evals lock");
-        if let Some(done) = evals.last.as_ref().filter(|e| e.step == step) {
-            return EvalGate::Done(done.clone());
-        }
-        if evals.running != Some(step) {
-            evals.running = Some(step);
+        if *running != Some(step) {
+            *running = Some(step);
             let c = self.clone();
             tokio::spawn(async move {
                 let version = c.pool.version();
@@ -198,26 +176,26 @@ impl Coordinator {
                 c.evaluated(r);
             });
         }
-        EvalGate::Running
+        Poll::Pending
     }
 
     /// An evaluation finished: the status says so (and, after the last step, that the run
     /// succeeded); batch requests waiting for it go on.
     fn evaluated(&self, r: EvalResult) {
         eprintln!("{}", eval::line(&r));
-        self.status.lock().expect("status lock").eval = Some(r.clone());
         self.reports.send_modify(|report| {
-            report.metrics.eval_step = Some(r.step);
-            report.metrics.eval_reward = Some(round4(r.eval_reward_mean));
-            report.metrics.eval_pass_at_k = Some(round4(r.eval_pass_at_k));
-            let done = report.step >= self.cfg.total_steps;
+            let m = report.metrics.get_or_insert_default();
+            m.eval_step = Some(r.step);
+            m.eval_reward = Some(round4(r.eval_reward_mean));
+            m.eval_pass_at_k = Some(round4(r.eval_pass_at_k));
+            let done = report.step >= Some(self.cfg.total_steps);
             report.phase = done.then_some(Phase::Succeeded);
         });
-        {
-            let mut evals = self.evals.lock().expect("evals lock");
-            evals.running = None;
-            evals.last = Some(r);
-        }
+        // Under the lock `eval_gate` reads both with, so no evaluation starts twice.
+        let mut running = self.eval_running.lock().expect("eval lock");
+        self.status.lock().expect("status lock").eval = Some(r);
+        *running = None;
+        drop(running);
         self.wake.notify_waiters();
     }
 }
@@ -244,11 +222,6 @@ async fn episode(State(c): Shared, UrlPath(lease): UrlPath<u64>, body: String) -
     Json(json!({"accepted": c.agents.complete(lease, episode)})).into_response()
 }
 
-#[derive(Debug, Deserialize)]
-struct Leases {
-    leases: Vec<u64>,
-}
-
 async fn renew(State(c): Shared, Json(l): Json<Leases>) -> Response {
     Json(json!({"unknown": c.agents.renew(&l.leases)})).into_response()
 }
@@ -256,7 +229,6 @@ async fn renew(State(c): Shared, Json(l): Json<Leases>) -> Response {
 async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
     let mut t = c.train.lock().await;
     t.hellos += 1;
-    let mut status = c.status.lock().expect("status lock");
     if t.hellos > 1 {
         tracing::warn!(
             step = hello.step,
@@ -264,15 +236,14 @@ async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
             "the trainer restarted; it resumes from step {}",
             hello.step
         );
-        status.trainer_restarts += 1;
+        c.status.lock().expect("status lock").trainer_restarts += 1;
         // A trainer that keeps stopping on one batch sets it aside when it gets it again.
         if let Some(ready) = t.ready.as_mut() {
             ready.restarts += 1;
         }
     }
     t.committed = hello.step;
-    status.step = hello.step;
-    drop(status);
+    c.status.lock().expect("status lock").step = hello.step;
     c.pool.learn_limits(hello.limits);
     // The first hello this coordinator hears, from a trainer that has been training: this
     // coordinator restarted, and the trainer knows where the data stood.
@@ -308,20 +279,17 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
             "this coordinator has not heard the trainer's hello: POST /v1/trainer/hello first",
         );
     }
-    if q.step != t.committed + 1 {
-        return error(
-            StatusCode::CONFLICT,
-            format!(
-                "step {} is not next: {} steps are committed, ask for step {}",
-                q.step,
-                t.committed,
-                t.committed + 1
-            ),
+    let (step, committed) = (q.step, t.committed);
+    if step != committed + 1 {
+        let next = committed + 1;
+        let message = format!(
+            "step {step} is not next: {committed} steps are committed, ask for step {next}"
         );
+        return error(StatusCode::CONFLICT, message);
     }
     if t.scoring {
         // The batch is with the stages (a judge, a teacher).
-        return not_yet(&c.wake, guard, c.poll).await;
+        return not_yet(&c, guard).await;
     }
     if let Some(ready) = t.ready.as_mut() {
         // The same batch until its step is committed (a trainer that resumed from an older
@@ -330,10 +298,8 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
         return Json(&*ready).into_response();
     }
     // The policy the trainer would train on next is evaluated first, when due.
-    let eval = match c.eval_gate(q.step - 1) {
-        EvalGate::NotDue => None,
-        EvalGate::Done(r) => Some(r),
-        EvalGate::Running => return not_yet(&c.wake, guard, c.poll).await,
+    let Poll::Ready(eval) = c.eval_gate(q.step - 1) else {
+        return not_yet(&c, guard).await;
     };
     match tokio::time::timeout(
         c.poll,
@@ -357,7 +323,7 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     t.scoring = true;
     // It cannot notify before `guard` is dropped: it hands the batch back under the lock.
     tokio::spawn(stage_batch(c.clone(), batch));
-    not_yet(&c.wake, guard, c.poll).await
+    not_yet(&c, guard).await
 }
 
 async fn version(State(c): Shared) -> Response {
@@ -370,7 +336,7 @@ async fn version(State(c): Shared) -> Response {
 async fn published(State(c): Shared, Json(v): Json<Version>) -> Response {
     c.pool.set_version(v.version);
     c.reports
-        .send_modify(|report| report.policy_version = v.version);
+        .send_modify(|report| report.policy_version = Some(v.version));
     Json(json!({})).into_response()
 }
 
@@ -382,13 +348,9 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     }
     // A coordinator that started after the trainer (it restarted) takes the trainer's count.
     if commit.step != t.committed + 1 && t.hellos > 0 {
-        return error(
-            StatusCode::CONFLICT,
-            format!(
-                "step {} cannot be committed after step {}",
-                commit.step, t.committed
-            ),
-        );
+        let (step, committed) = (commit.step, t.committed);
+        let message = format!("step {step} cannot be committed after step {committed}");
+        return error(StatusCode::CONFLICT, message);
     }
     t.committed = commit.step;
     // Its groups are done with: their admission slots go back to generation.
@@ -401,25 +363,18 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
         let mut s = c.status.lock().expect("status lock");
         s.step = commit.step;
         s.reward = Some(r.reward_mean);
-        if commit.checkpoint.is_some() {
-            s.last_checkpoint.clone_from(&commit.checkpoint);
-        }
+        s.last_checkpoint = commit.checkpoint.clone().or(s.last_checkpoint.take());
     }
     // The new policy's evaluation starts now when due (the next batch waits for it).
-    let eval_running = matches!(c.eval_gate(commit.step), EvalGate::Running);
+    let eval_running = c.eval_gate(commit.step).is_pending();
     c.reports.send_modify(|report| {
-        report.step = commit.step;
-        report.policy_version = commit.version;
-        report.metrics.reward = Some(round4(r.reward_mean));
-        report.metrics.response_length = Some(round4(r.response_tokens_mean));
-        report.metrics.masked_fraction = Some(round4(r.masked_fraction));
-        if let Some(CheckpointRef { step, path }) = &commit.checkpoint {
-            report.last_checkpoint = Some(CheckpointStatus {
-                step: *step,
-                path: path.clone(),
-                time: Time(k8s_openapi::jiff::Timestamp::now()),
-            });
-        }
+        report.step = Some(commit.step);
+        report.policy_version = Some(commit.version);
+        let m = report.metrics.get_or_insert_default();
+        m.reward = Some(round4(r.reward_mean));
+        m.response_length = Some(round4(r.response_tokens_mean));
+        m.masked_fraction = Some(round4(r.masked_fraction));
+        report.last_checkpoint = commit.checkpoint.clone().or(report.last_checkpoint.take());
         // After the last step the run has succeeded, once the final evaluation (when due) is
         // done.
         let done = commit.step >= c.cfg.total_steps && !eval_running;
@@ -455,89 +410,36 @@ async fn status(State(c): Shared) -> Json<CoordinatorStatus> {
     Json(c.status())
 }
 
-async fn health() -> &'static str {
-    "ok"
-}
-
 async fn prometheus(State(c): Shared) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     server::register_metrics(&c.router, &mut registry);
     let s = c.status();
-    for (name, help, value) in [
-        ("moult_step", "Training steps committed", s.step),
-        (
-            "moult_policy_version",
-            "Policy version the engines serve",
-            s.policy_version,
-        ),
-        (
-            "moult_episodes_waiting",
-            "Episodes waiting for an agent pod",
-            s.agents.episodes_waiting as u64,
-        ),
-        (
-            "moult_episodes_leased",
-            "Episodes an agent pod is running",
-            s.agents.episodes_leased as u64,
-        ),
-        (
-            "moult_leases_expired",
-            "Episodes run again because their agent pod went silent",
-            s.agents.leases_expired,
-        ),
-        (
-            "moult_groups_dropped_stale",
-            "Groups dropped for staleness",
-            s.rollout.dropped_stale,
-        ),
-        (
-            "moult_groups_dropped_failed",
-            "Groups dropped because an episode failed",
-            s.rollout.dropped_failed,
-        ),
-        (
-            "moult_groups_dropped_invalid",
-            "Groups dropped because an episode was malformed",
-            s.rollout.dropped_invalid,
-        ),
-        (
-            "moult_groups_filtered",
-            "Groups dynamic sampling dropped because every reward was equal",
-            s.rollout.groups_filtered,
-        ),
-        (
-            "moult_batches_quarantined",
-            "Batches the trainer could not learn from, set aside",
-            s.rollout.batches_quarantined,
-        ),
-        (
-            "moult_trainer_restarts",
-            "Times the trainer started again",
-            s.trainer_restarts,
-        ),
-    ] {
+    let (a, r) = (&s.agents, &s.rollout);
+    let mut gauge = |name, help, value: u64| {
         super::gauge(&mut registry, name, help).set(value as f64);
-    }
+    };
+    gauge("moult_step", "Training steps committed", s.step);
+    let help = "Policy version the engines serve";
+    gauge("moult_policy_version", help, s.policy_version);
+    let help = "Episodes waiting for an agent pod";
+    gauge("moult_episodes_waiting", help, a.episodes_waiting as u64);
+    let help = "Episodes an agent pod is running";
+    gauge("moult_episodes_leased", help, a.episodes_leased as u64);
+    let help = "Episodes run again because their agent pod went silent";
+    gauge("moult_leases_expired", help, a.leases_expired);
+    let help = "Groups dropped for staleness";
+    gauge("moult_groups_dropped_stale", help, r.dropped_stale);
+    let help = "Groups dropped because an episode failed";
+    gauge("moult_groups_dropped_failed", help, r.dropped_failed);
+    let help = "Groups dropped because an episode was malformed";
+    gauge("moult_groups_dropped_invalid", help, r.dropped_invalid);
+    let help = "Groups dynamic sampling dropped because every reward was equal";
+    gauge("moult_groups_filtered", help, r.groups_filtered);
+    let help = "Batches the trainer could not learn from, set aside";
+    gauge("moult_batches_quarantined", help, r.batches_quarantined);
+    let help = "Times the trainer started again";
+    gauge("moult_trainer_restarts", help, s.trainer_restarts);
     super::encode(&registry)
-}
-
-/// The run's namespace: the manifest's, else the pod's (`POD_NAMESPACE`), else `default`.
-fn namespace(cfg: &RunConfig) -> String {
-    cfg.run
-        .metadata
-        .namespace
-        .clone()
-        .or_else(|| std::env::var("POD_NAMESPACE").ok())
-        .unwrap_or_else(|| "default".into())
-}
-
-/// A Kubernetes client from the pod's service account (or `KUBECONFIG`), if there is one.
-async fn kube_client() -> Option<kube::Client> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let client = kube::Client::try_default().await.inspect_err(|e| {
-        tracing::info!("no Kubernetes API ({e}): the RLRun's status will not be written");
-    });
-    client.ok()
 }
 
 /// The judge of `spec.judge` as the coordinator asks it: a router of its own over the judge's
@@ -553,9 +455,7 @@ async fn judge(
     let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
     let (pool, _) = engine_pool("MOULT_JUDGE_ENGINES", client, ns)?;
     let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
-        .await
-        .map_err(|e| setup(&e))?;
+    let listener = super::bind("127.0.0.1:0", "spec.judge: binding 127.0.0.1".into()).await?;
     let url = format!("http://{}", listener.local_addr().map_err(|e| setup(&e))?);
     tokio::spawn(server::serve(listener, router, std::future::pending()));
     let policy = super::env_path("MOULT_MODEL").ok_or_else(|| {
@@ -601,30 +501,31 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let (run, config_dir) = super::manifest(&opts.config)?;
-    let tasks = super::env_path("MOULT_TASKS")
-        .unwrap_or_else(|| config_dir.join(&run.spec.agent.dataset.path));
-    let eval_tasks = run.spec.eval.as_ref().map(|e| {
-        super::env_path("MOULT_EVAL_TASKS").unwrap_or_else(|| config_dir.join(&e.dataset.path))
-    });
     // Evaluation episodes queue for every agent pod's share at once.
     let agent_slots = run.spec.agent.replicas.max(1) as usize * run.spec.agent.concurrency as usize;
-    let judge_dir =
-        run.spec.judge.as_ref().map(|j| {
-            super::env_path("MOULT_JUDGE_MODEL").unwrap_or_else(|| config_dir.join(&j.path))
-        });
+    let beside = Sources::beside_manifest(&run, &config_dir);
     let sources = Sources {
-        dir: config_dir,
-        tasks: Some(tasks),
-        eval_tasks,
-        judge: judge_dir,
+        tasks: super::mounted("MOULT_TASKS", beside.tasks),
+        eval_tasks: super::mounted("MOULT_EVAL_TASKS", beside.eval_tasks),
+        judge: super::mounted("MOULT_JUDGE_MODEL", beside.judge),
+        dir: beside.dir,
         ..Sources::default()
     };
     let mut cfg = RunConfig::from_sources(run, &sources)?;
     if let Some(e) = &mut cfg.eval {
         e.concurrency = agent_slots;
     }
-    let client = kube_client().await;
-    let ns = namespace(&cfg);
+    // A Kubernetes client from the pod's service account (or `KUBECONFIG`), if there is one.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = kube::Client::try_default().await.inspect_err(|e| {
+        tracing::info!("no Kubernetes API ({e}): the RLRun's status will not be written");
+    });
+    let client = client.ok();
+    // The run's namespace: the manifest's, else the pod's (`POD_NAMESPACE`), else `default`.
+    let ns = cfg.run.metadata.namespace.clone();
+    let ns = ns
+        .or_else(|| std::env::var("POD_NAMESPACE").ok())
+        .unwrap_or_else(|| "default".into());
 
     // The router, over the engines of the Service (or a fixed list).
     let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns)?;
@@ -672,16 +573,16 @@ pub async fn run(
     // increase); the trainer tells it its step.
     let previous = match &client {
         Some(client) => super::status::read(client.clone(), &ns, &cfg.name).await,
-        None => Report::default(),
+        None => RLRunStatus::default(),
     };
-    if previous.policy_version > 0 {
+    let (issued, committed) = (previous.policy_version, previous.step);
+    let (issued, committed) = (issued.unwrap_or(0), committed.unwrap_or(0));
+    if issued > 0 {
         eprintln!(
-            "moult coordinator: the run's status says step {}, version {}: going on from there",
-            previous.step, previous.policy_version
+            "moult coordinator: the run's status says step {committed}, version {issued}: going on from there"
         );
     }
-    pool.set_version(previous.policy_version);
-    let (issued, committed) = (previous.policy_version, previous.step);
+    pool.set_version(issued);
     let (reports, report_rx) = watch::channel(previous);
     if let Some(client) = client {
         let name = cfg.name.clone();
@@ -710,7 +611,7 @@ pub async fn run(
         poll: opts.poll,
         seed: opts.seed,
         started: Instant::now(),
-        evals: Mutex::new(Evals::default()),
+        eval_running: Mutex::new(None),
         stages,
         wake: tokio::sync::Notify::new(),
         cfg,
@@ -719,7 +620,7 @@ pub async fn run(
         .layer(DefaultBodyLimit::max(ROUTER_BODY_LIMIT))
         .merge(
             axum::Router::new()
-                .route("/health", get(health))
+                .route("/health", get(|| async { "ok" }))
                 .route("/metrics", get(prometheus))
                 .route("/v1/status", get(status))
                 .route("/v1/agents/lease", post(lease))
@@ -738,12 +639,7 @@ pub async fn run(
                 .with_state(coordinator.clone()),
         );
     let addr = format!("{}:{}", opts.host, opts.port);
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .map_err(|source| RunError::Start {
-            what: format!("binding {addr}"),
-            source,
-        })?;
+    let listener = super::bind(&addr, format!("binding {addr}")).await?;
     // The address bound (a port of 0 picks one).
     let bound = listener
         .local_addr()

@@ -30,8 +30,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use moult_operator::api::RLRun;
 use prometheus_client::registry::Registry;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
 use crate::config::read_manifest;
@@ -39,15 +43,12 @@ use crate::error::RunError;
 
 /// A required environment variable; the error names it and who sets it.
 pub(crate) fn env_var(name: &str) -> Result<String, RunError> {
-    std::env::var(name)
-        .ok()
-        .filter(|v| !v.trim().is_empty())
-        .ok_or_else(|| {
-            RunError::Env {
-                name: name.into(),
-                problem: "is not set: the operator sets it in the pod spec (set it by hand to run this role outside a cluster)".into(),
-            }
-        })
+    let problem = "is not set: the operator sets it in the pod spec (set it by hand to run this role outside a cluster)";
+    let set = std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    set.ok_or_else(|| RunError::Env {
+        name: name.into(),
+        problem: problem.into(),
+    })
 }
 
 /// An optional path from the environment.
@@ -76,6 +77,18 @@ pub(crate) fn env_number(name: &str, default: u64, min: u64) -> Result<u64, RunE
             name: name.into(),
             problem: format!("must be a whole number{above}; got `{v}`"),
         })
+}
+
+/// `path` (beside the manifest), or where the operator mounted it: the path in the environment
+/// variable `name`.
+pub(crate) fn mounted(name: &str, path: Option<PathBuf>) -> Option<PathBuf> {
+    path.map(|p| env_path(name).unwrap_or(p))
+}
+
+/// A listener on `addr`; `what` names it in the error.
+pub(crate) async fn bind(addr: &str, what: String) -> Result<TcpListener, RunError> {
+    let bound = TcpListener::bind(addr).await;
+    bound.map_err(|source| RunError::Start { what, source })
 }
 
 /// The manifest at `config` and its folder.
@@ -116,13 +129,42 @@ where
 /// coordinator that answers nothing for this long is treated as down, and the call retried.
 pub(crate) const COORDINATOR_CALL_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// The HTTP client of agents and the trainer for their calls to the coordinator: this process's
-/// credential, and at most [`COORDINATOR_CALL_TIMEOUT`] per call.
-pub(crate) fn coordinator_client() -> reqwest::Client {
-    crate::auth::client_builder()
-        .timeout(COORDINATOR_CALL_TIMEOUT)
-        .build()
-        .expect("an HTTP client with default settings builds")
+/// The calls of agents and the trainer to the coordinator at `url`: this process's credential,
+/// and at most [`COORDINATOR_CALL_TIMEOUT`] per call.
+#[derive(Debug, Clone)]
+pub(crate) struct Coordinator {
+    http: reqwest::Client,
+    pub url: String,
+}
+
+impl Coordinator {
+    pub fn new(url: &str) -> Self {
+        let http = crate::auth::client_builder().timeout(COORDINATOR_CALL_TIMEOUT);
+        Self {
+            http: http
+                .build()
+                .expect("an HTTP client with default settings builds"),
+            url: url.trim_end_matches('/').to_string(),
+        }
+    }
+
+    /// `POST path` with `body`, once ([`call`]).
+    pub async fn send<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl Serialize,
+    ) -> Result<T, CallError> {
+        let url = format!("{}{path}", self.url);
+        call(&url, self.http.post(&url).json(body)).await
+    }
+
+    /// `POST path` with `body` until the coordinator takes it.
+    pub async fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> T {
+        retry(&format!("POST {}{path}", self.url), || {
+            self.send(path, body)
+        })
+        .await
+    }
 }
 
 /// A gauge of a role's `/metrics` (prometheus-client's, shared by its clones).
@@ -150,22 +192,14 @@ pub(crate) async fn serve_health(
     metrics: Registry,
 ) -> Result<oneshot::Sender<()>, RunError> {
     use axum::routing::get;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| RunError::Start {
-            what: format!("--metrics-addr {addr}"),
-            source,
-        })?;
+    let listener = bind(addr, format!("--metrics-addr {addr}")).await?;
     let metrics = Arc::new(metrics);
     let app = axum::Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(move || async move { encode(&metrics) }));
-    let (stop, stopped) = oneshot::channel();
-    let stopped = async {
-        let _ = stopped.await;
-    };
+    let (stop, stopped) = oneshot::channel::<()>();
     let app = crate::auth::protect(app);
-    tokio::spawn(async move { crate::serve::serve(listener, app, stopped).await });
+    tokio::spawn(crate::serve::serve(listener, app, stopped.map(drop)));
     Ok(stop)
 }
 
@@ -194,7 +228,7 @@ pub(crate) enum CallError {
 
 /// Sends `request` (to `url`), which must answer 2xx; its JSON answer, where an empty one (a 204,
 /// "nothing yet") reads as `null`.
-pub(crate) async fn call<T: serde::de::DeserializeOwned>(
+async fn call<T: DeserializeOwned>(
     url: &str,
     request: reqwest::RequestBuilder,
 ) -> Result<T, CallError> {

@@ -3,7 +3,7 @@
 //! | call | from | what |
 //! | --- | --- | --- |
 //! | `POST /v1/agents/lease` | agents | the next episode to run ([`Lease`]); 204 after a wait with none |
-//! | `POST /v1/agents/renew` | agents | `{"leases": [...]}` still running: they last another lease time; answers `{"unknown": [...]}` |
+//! | `POST /v1/agents/renew` | agents | the leases ([`Leases`]) still running: they last another lease time; answers `{"unknown": [...]}` |
 //! | `POST /v1/agents/episodes/{lease}` | agents | the finished [`Episode`]; `{"accepted": false}` for an expired lease |
 //! | `POST /v1/trainer/hello` | trainer | ([`Hello`]) the step it resumed at; answers the version to publish its weights as |
 //! | `GET /v1/trainer/batch?step=N` | trainer | the groups of step N ([`StepBatch`](crate::stages::StepBatch)); 204 while not ready; the same batch until N is committed; 409 if N is not next or no hello was heard yet (say hello again) |
@@ -16,6 +16,7 @@
 //! Policy versions are issued by the coordinator, one per publication, so they only increase even
 //! when a restarted trainer publishes its checkpoint's weights again.
 
+use moult_operator::api::CheckpointStatus;
 use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 
@@ -35,6 +36,12 @@ pub struct Lease {
     /// Sampling that replaces the agent's own in every turn (an evaluation episode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sampling: Option<SamplingOverride>,
+}
+
+/// The leases of the episodes an agent pod still runs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Leases {
+    pub leases: Vec<u64>,
 }
 
 /// What the trainer says when it starts.
@@ -66,20 +73,14 @@ pub struct Version {
     pub version: u64,
 }
 
-/// A checkpoint the trainer wrote.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct CheckpointRef {
-    pub step: u64,
-    pub path: String,
-}
-
 /// Step N is trained and published.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Commit {
     pub step: u64,
     pub version: u64,
     pub record: StepRecord,
-    pub checkpoint: Option<CheckpointRef>,
+    /// The checkpoint written after the step, if one was due, and when.
+    pub checkpoint: Option<CheckpointStatus>,
 }
 
 /// The trainer could not learn from the batch of `step` (docs/security.md, "Bad data").
@@ -109,7 +110,7 @@ pub struct CoordinatorStatus {
     pub total_steps: u64,
     pub policy_version: u64,
     pub reward: Option<f64>,
-    pub last_checkpoint: Option<CheckpointRef>,
+    pub last_checkpoint: Option<CheckpointStatus>,
     /// The data cursor: the next task to draw, and the epoch.
     pub data: RolloutState,
     pub rollout: RolloutStats,

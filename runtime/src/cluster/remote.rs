@@ -23,9 +23,8 @@ use crate::rollout::EpisodeRunner;
 
 #[derive(Debug)]
 struct Work {
-    index: usize,
-    task: Json,
-    sampling: Option<SamplingOverride>,
+    /// What an agent pod gets, under the lease number of its newest lease.
+    lease: Lease,
     reply: oneshot::Sender<Episode>,
 }
 
@@ -74,7 +73,7 @@ impl RemoteAgents {
             let (work, _) = q.leased.remove(&id).expect("listed above");
             tracing::warn!(
                 lease = id,
-                episode = work.index,
+                episode = work.lease.index,
                 "an agent did not return its episode in time: running it again"
             );
             q.expired += 1;
@@ -87,17 +86,13 @@ impl RemoteAgents {
         let mut q = self.queue.lock().expect("queue lock");
         let now = Instant::now();
         self.reap(&mut q, now);
-        while let Some(work) = q.waiting.pop_front() {
+        while let Some(mut work) = q.waiting.pop_front() {
             if work.reply.is_closed() {
                 continue; // its group was abandoned
             }
             q.next_lease += 1;
-            let lease = Lease {
-                lease: q.next_lease,
-                index: work.index,
-                task: work.task.clone(),
-                sampling: work.sampling,
-            };
+            work.lease.lease = q.next_lease;
+            let lease = work.lease.clone();
             q.leased.insert(lease.lease, (work, now + self.lease_time));
             return Some(lease);
         }
@@ -150,7 +145,7 @@ impl RemoteAgents {
             return false;
         };
         q.returned += 1;
-        episode.index = work.index;
+        episode.index = work.lease.index;
         let _ = work.reply.send(episode);
         true
     }
@@ -175,15 +170,15 @@ impl EpisodeRunner for RemoteAgents {
         sampling: Option<SamplingOverride>,
     ) -> BoxFuture<'_, Episode> {
         let (reply, answer) = oneshot::channel();
-        {
-            let mut q = self.queue.lock().expect("queue lock");
-            q.waiting.push_back(Work {
-                index,
-                task: task.clone(),
-                sampling,
-                reply,
-            });
-        }
+        let lease = Lease {
+            lease: 0,
+            index,
+            task: task.clone(),
+            sampling,
+        };
+        let mut q = self.queue.lock().expect("queue lock");
+        q.waiting.push_back(Work { lease, reply });
+        drop(q);
         self.ready.notify_one();
         Box::pin(async move {
             answer.await.unwrap_or_else(|_| Episode {

@@ -4,34 +4,22 @@
 //! server-side apply under the field manager `moult-coordinator`, with RBAC that allows only its
 //! own RLRun's status. Writes happen off the training path: the newest report replaces one not yet
 //! written, so a slow API server never holds up a step.
+//!
+//! A report is the operator's own [`RLRunStatus`] holding only the coordinator's fields (the rest
+//! unset, so not claimed): `Succeeded` as `phase` once the last step is committed (which the
+//! operator keeps), and the newest checkpoint with the time the trainer wrote it.
 
 use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, Resource};
-use moult_operator::api::{CheckpointStatus, Phase, RLRun, RunMetrics};
-use serde::Serialize;
+use moult_operator::api::{RLRun, RLRunStatus};
 use serde_json::json;
 use tokio::sync::watch;
 
 /// The field manager of the coordinator's status writes.
 pub const FIELD_MANAGER: &str = "moult-coordinator";
 
-/// One report of where the run stands: the coordinator's fields of the RLRun's status.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Report {
-    /// `Succeeded` once the last step is committed (which the operator keeps).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub phase: Option<Phase>,
-    pub policy_version: u64,
-    pub step: u64,
-    pub metrics: RunMetrics,
-    /// The newest checkpoint, and when the coordinator heard of it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub last_checkpoint: Option<CheckpointStatus>,
-}
-
 /// The status patch of `report`.
-pub fn patch_body(report: &Report) -> serde_json::Value {
+pub fn patch_body(report: &RLRunStatus) -> serde_json::Value {
     json!({
         "apiVersion": RLRun::api_version(&()),
         "kind": RLRun::kind(&()),
@@ -40,24 +28,22 @@ pub fn patch_body(report: &Report) -> serde_json::Value {
 }
 
 /// The coordinator's part of the RLRun's status as it stands (a coordinator that restarted goes
-/// on from it); empty if there is none or it cannot be read.
-pub async fn read(client: Client, namespace: &str, name: &str) -> Report {
+/// on from it), each of its fields set (zero, empty) where there is none or it cannot be read.
+pub async fn read(client: Client, namespace: &str, name: &str) -> RLRunStatus {
     let api: Api<RLRun> = Api::namespaced(client, namespace);
-    match api.get_status(name).await {
-        Ok(run) => {
-            let s = run.status.unwrap_or_default();
-            Report {
-                phase: None,
-                policy_version: s.policy_version.unwrap_or(0),
-                step: s.step.unwrap_or(0),
-                metrics: s.metrics.unwrap_or_default(),
-                last_checkpoint: s.last_checkpoint,
-            }
-        }
+    let s = match api.get_status(name).await {
+        Ok(run) => run.status.unwrap_or_default(),
         Err(e) => {
             tracing::warn!(run = %name, "reading the RLRun's status: {e}");
-            Report::default()
+            RLRunStatus::default()
         }
+    };
+    RLRunStatus {
+        policy_version: Some(s.policy_version.unwrap_or(0)),
+        step: Some(s.step.unwrap_or(0)),
+        metrics: Some(s.metrics.unwrap_or_default()),
+        last_checkpoint: s.last_checkpoint,
+        ..RLRunStatus::default()
     }
 }
 
@@ -67,7 +53,7 @@ pub async fn write_reports(
     client: Client,
     namespace: String,
     name: String,
-    mut reports: watch::Receiver<Report>,
+    mut reports: watch::Receiver<RLRunStatus>,
 ) {
     let api: Api<RLRun> = Api::namespaced(client, &namespace);
     let params = PatchParams::apply(FIELD_MANAGER).force();
@@ -87,20 +73,20 @@ pub async fn write_reports(
 mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use moult_operator::api::{CheckpointStatus, Phase, RunMetrics};
 
     #[test]
     fn the_patch_holds_only_the_coordinators_fields() {
-        let body = patch_body(&Report {
-            step: 3,
-            policy_version: 4,
-            metrics: RunMetrics {
+        let body = patch_body(&RLRunStatus {
+            step: Some(3),
+            policy_version: Some(4),
+            metrics: Some(RunMetrics {
                 reward: Some(0.5),
                 response_length: Some(12.0),
                 masked_fraction: None,
                 ..RunMetrics::default()
-            },
-            last_checkpoint: None,
-            phase: None,
+            }),
+            ..RLRunStatus::default()
         });
         assert_eq!(body["kind"], "RLRun");
         let status = body["status"].as_object().unwrap();
@@ -110,16 +96,17 @@ mod tests {
         assert!(status["metrics"].get("maskedFraction").is_none());
         // After the last step: the phase too, and the checkpoint.
         let time = Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH);
-        let done = patch_body(&Report {
-            step: 9,
-            policy_version: 9,
-            metrics: RunMetrics::default(),
+        let done = patch_body(&RLRunStatus {
+            step: Some(9),
+            policy_version: Some(9),
+            metrics: Some(RunMetrics::default()),
             last_checkpoint: Some(CheckpointStatus {
                 step: 9,
                 path: "/checkpoints/r/step-000009".into(),
                 time,
             }),
             phase: Some(Phase::Succeeded),
+            ..RLRunStatus::default()
         });
         assert_eq!(done["status"]["phase"], "Succeeded");
         assert_eq!(done["status"]["lastCheckpoint"]["step"], 9);

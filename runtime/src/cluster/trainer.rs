@@ -13,11 +13,14 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use moult_operator::api::CheckpointStatus;
 use prometheus_client::registry::Registry;
+use serde_json::Value;
 use tch::Device;
 
-use super::protocol::{CheckpointRef, Commit, Hello, HelloReply, Quarantined, Version};
-use super::{call, env_number, env_path, env_var, retry, CallError, Gauge};
+use super::protocol::{Commit, Hello, HelloReply, Quarantined, Version};
+use super::{env_number, env_path, env_var, mounted, retry, CallError, Coordinator, Gauge};
 use crate::config::{RunConfig, Sources};
 use crate::dist::Rendezvous;
 use crate::error::RunError;
@@ -39,20 +42,18 @@ struct Gauges {
 impl Gauges {
     fn register(registry: &mut Registry) -> Self {
         let mut gauge = |name, help| super::gauge(registry, name, help);
+        let step = gauge("moult_trainer_step", "Training steps done");
+        let help = "Version of the weights last published";
+        let version = gauge("moult_trainer_policy_version", help);
+        let help = "Fraction of the last step's wall-clock the trainer computed";
+        let busy = gauge("moult_trainer_busy_fraction", help);
+        let help = "Fraction of the last step's wall-clock the engines had work";
+        let engine_busy = gauge("moult_trainer_engine_busy_fraction", help);
         Self {
-            step: gauge("moult_trainer_step", "Training steps done"),
-            version: gauge(
-                "moult_trainer_policy_version",
-                "Version of the weights last published",
-            ),
-            busy: gauge(
-                "moult_trainer_busy_fraction",
-                "Fraction of the last step's wall-clock the trainer computed",
-            ),
-            engine_busy: gauge(
-                "moult_trainer_engine_busy_fraction",
-                "Fraction of the last step's wall-clock the engines had work",
-            ),
+            step,
+            version,
+            busy,
+            engine_busy,
         }
     }
 }
@@ -69,38 +70,22 @@ pub struct TrainerProcessOptions {
     pub device: Device,
 }
 
-/// Talks to the coordinator.
-struct Coordinator {
-    http: reqwest::Client,
-    url: String,
-}
-
+/// The trainer's calls to the coordinator beside the [`Steps`]' own.
 impl Coordinator {
-    async fn post<B: serde::Serialize, R: serde::de::DeserializeOwned>(
-        &self,
-        path: &str,
-        body: &B,
-    ) -> R {
+    /// `GET path`, once.
+    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, CallError> {
         let url = format!("{}{path}", self.url);
-        retry(&format!("POST {url}"), || {
-            call(&url, self.http.post(&url).json(body))
-        })
-        .await
-    }
-
-    /// `GET path`'s JSON answer, `None` when the coordinator does not answer it.
-    async fn get(&self, path: &str) -> Option<serde_json::Value> {
-        let url = format!("{}{path}", self.url);
-        call(&url, self.http.get(&url)).await.ok()
+        super::call(&url, self.http.get(&url)).await
     }
 
     /// The batch of `step`; `None` if the coordinator does not expect that step (it restarted):
     /// say hello again.
     async fn batch(&self, step: u64) -> Option<StepBatch> {
-        let url = format!("{}/v1/trainer/batch?step={step}", self.url);
+        let path = format!("/v1/trainer/batch?step={step}");
+        let url = format!("{}{path}", self.url);
         loop {
             let answer = retry(&format!("GET {url}"), || async {
-                match call(&url, self.http.get(&url)).await {
+                match self.get(&path).await {
                     Err(CallError::Status { status, body, .. })
                         if status == reqwest::StatusCode::CONFLICT =>
                     {
@@ -128,7 +113,7 @@ impl Coordinator {
     async fn engine_behind(&self) {
         loop {
             tokio::time::sleep(BEHIND_POLL).await;
-            let pool = self.get("/engines").await.unwrap_or_default();
+            let pool: Value = self.get("/engines").await.unwrap_or_default();
             let mut engines = pool["engines"].as_array().into_iter().flatten();
             if engines.any(|e| e["healthy"] == true && e["routable"] == false) {
                 return;
@@ -140,7 +125,7 @@ impl Coordinator {
     async fn engines(&self) -> usize {
         let mut logged = false;
         loop {
-            let world = self.get("/get_world_size").await;
+            let world = self.get::<Value>("/get_world_size").await.ok();
             match world.and_then(|v| v["world_size"].as_u64()) {
                 Some(n) if n > 0 => return n as usize,
                 _ if !logged => {
@@ -154,8 +139,6 @@ impl Coordinator {
     }
 }
 
-/// Runs the trainer until the run's last step, then idles until `shutdown` (so that a pod
-/// restart policy does not start it over).
 /// A trainer pod of rank > 0: serves its health, joins rank 0, and trains as it commands until it
 /// says stop (then waits for shutdown) or is lost (then fails, and the pod starts again).
 async fn follow(
@@ -165,12 +148,8 @@ async fn follow(
 ) -> Result<(), RunError> {
     let rank = rendezvous.rank;
     let mut metrics = Registry::default();
-    super::gauge(
-        &mut metrics,
-        "moult_trainer_rank",
-        "This pod's trainer rank",
-    )
-    .set(rank as f64);
+    let help = "This pod's trainer rank";
+    super::gauge(&mut metrics, "moult_trainer_rank", help).set(rank as f64);
     let _health = super::serve_health(&opts.metrics_addr, metrics).await?;
     eprintln!(
         "moult trainer: rank {rank} of {} joins rank 0 at {}:{}",
@@ -223,26 +202,22 @@ pub fn join(
     }
 }
 
+/// Runs the trainer until the run's last step, then idles until `shutdown` (so that a pod
+/// restart policy does not start it over).
 pub async fn run(
     opts: TrainerProcessOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), RunError> {
     let (manifest, config_dir) = super::manifest(&opts.config)?;
-    let model_dir =
-        env_path("MOULT_MODEL").unwrap_or_else(|| config_dir.join(&manifest.spec.model.path));
+    let beside = Sources::beside_manifest(&manifest, &config_dir);
     // The teacher of distillation, where the operator mounted it (a served teacher has engines
     // of its own: the trainer has nothing to load).
-    let teacher = manifest
-        .spec
-        .algorithm
-        .teacher
-        .as_ref()
-        .filter(|t| t.replicas.is_none())
-        .map(|t| env_path("MOULT_TEACHER").unwrap_or_else(|| config_dir.join(&t.path)));
+    let teacher = &manifest.spec.algorithm.teacher;
+    let served_teacher = teacher.as_ref().is_some_and(|t| t.replicas.is_some());
     let sources = Sources {
-        dir: config_dir,
-        model_dir: Some(model_dir),
-        teacher,
+        model_dir: mounted("MOULT_MODEL", beside.model_dir),
+        teacher: mounted("MOULT_TEACHER", beside.teacher.filter(|_| !served_teacher)),
+        dir: beside.dir,
         ..Sources::default()
     };
     let cfg = RunConfig::from_sources(manifest, &sources)?;
@@ -278,12 +253,7 @@ pub async fn run(
     if let Some(r) = rendezvous.clone().filter(|r| r.rank > 0) {
         return follow(r, &opts, shutdown).await;
     }
-    let coordinator = Coordinator {
-        http: super::coordinator_client(),
-        url: env_var("MOULT_COORDINATOR")?
-            .trim_end_matches('/')
-            .to_string(),
-    };
+    let coordinator = Coordinator::new(&env_var("MOULT_COORDINATOR")?);
     let pod_ip = std::env::var("POD_IP").unwrap_or_else(|_| "127.0.0.1".into());
     // Checkpoints and metrics of this run, on the checkpoint volume.
     let out = env_path("MOULT_CHECKPOINTS").map(|root| root.join(&cfg.name));
@@ -406,7 +376,7 @@ impl<S: std::future::Future<Output = ()>> CoordinatorSteps<'_, S> {
         if let Some(version) = reply.publish_as {
             learner.publish(version, false).await?;
             self.published = Some(version);
-            let _: serde_json::Value = self
+            let _: Value = self
                 .coordinator
                 .post("/v1/trainer/published", &Version { version })
                 .await;
@@ -469,9 +439,10 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
         let (step, version) = (record.step, record.policy_version);
         self.gauges.busy.set(record.trainer_busy_fraction);
         self.gauges.engine_busy.set(record.engine_busy_fraction);
-        let checkpoint = checkpoint.map(|dir| CheckpointRef {
+        let checkpoint = checkpoint.map(|dir| CheckpointStatus {
             step,
             path: dir.display().to_string(),
+            time: Time(k8s_openapi::jiff::Timestamp::now()),
         });
         let commit = Commit {
             step,
@@ -479,7 +450,7 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
             record,
             checkpoint,
         };
-        let _: serde_json::Value = self.coordinator.post("/v1/trainer/commit", &commit).await;
+        let _: Value = self.coordinator.post("/v1/trainer/commit", &commit).await;
         self.gauges.step.set(step as f64);
         self.gauges.version.set(version as f64);
         self.published = Some(version);
@@ -491,7 +462,7 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
             step,
             error: error.to_string(),
         };
-        let _: serde_json::Value = self.coordinator.post("/v1/trainer/quarantine", &body).await;
+        let _: Value = self.coordinator.post("/v1/trainer/quarantine", &body).await;
         Ok(())
     }
 }

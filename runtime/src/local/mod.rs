@@ -117,7 +117,21 @@ pub async fn run(
     if let Some(dir) = &opts.replay {
         learner.offline = true;
         learner.log_to(out)?;
-        let mut steps = ReplaySteps::open(dir, &cfg, console, progress)?;
+        let mut dumps = dump::steps(dir)?;
+        if (dumps.len() as u64) < cfg.total_steps {
+            console.line(&format!(
+                "moult run: {} holds {} steps: replaying those, not the {} the run asks for",
+                dir.display(),
+                dumps.len(),
+                cfg.total_steps
+            ));
+        }
+        dumps.truncate(cfg.total_steps as usize);
+        let mut steps = ReplaySteps {
+            dumps,
+            console,
+            progress,
+        };
         run_steps(&mut learner, &mut steps, &[]).await?;
         return summarize(&cfg, out, &learner, steps.progress);
     }
@@ -161,16 +175,8 @@ pub async fn run(
     };
     run_steps(&mut learner, &mut steps, &stages).await?;
     // The policy the run ends with, evaluated.
-    let progress = &mut steps.progress;
-    if let Some(e) = &cfg.eval {
-        let last = learner.evals().last().map(|r| r.step);
-        if !progress.interrupted && progress.step == cfg.total_steps && last != Some(progress.step)
-        {
-            tokio::select! {
-                r = evaluate(console, stack.agents.as_ref(), e, (progress.step, progress.version)) => learner.record_eval(r)?,
-                () = &mut steps.shutdown => progress.interrupted = true,
-            }
-        }
+    if steps.progress.step == cfg.total_steps {
+        steps.evaluate_if_due(&mut learner).await?;
     }
     console.phase("stopping");
     // Abandon the episodes in flight before the servers go, so they end quietly.
@@ -193,33 +199,44 @@ struct LocalSteps<'a, S> {
     shutdown: std::pin::Pin<&'a mut S>,
 }
 
+impl<S: std::future::Future<Output = ()>> LocalSteps<'_, S> {
+    /// The policy of the last step trained on the held-out tasks, when `spec.eval` says it is due
+    /// and it is not evaluated yet (generation for training goes on meanwhile; the trainer
+    /// waits). A shutdown interrupts it, and the run.
+    async fn evaluate_if_due(&mut self, learner: &mut Learner) -> Result<(), RunError> {
+        let (cfg, at) = (self.cfg, (self.progress.step, self.progress.version));
+        let due = cfg.eval.as_ref().filter(|e| e.due(at.0, cfg.total_steps));
+        let Some(e) = due.filter(|_| !learner.evals().iter().any(|r| r.step == at.0)) else {
+            return Ok(());
+        };
+        tokio::select! {
+            r = evaluate(self.console, self.agents, e, at) => learner.record_eval(r)?,
+            () = &mut self.shutdown => self.progress.interrupted = true,
+        }
+        Ok(())
+    }
+}
+
 impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
     async fn next(
         &mut self,
         step: u64,
         learner: &mut Learner,
     ) -> Result<Option<StepBatch>, RunError> {
-        let (cfg, console, pool) = (self.cfg, self.console, self.pool);
-        // The policy of the last step on the held-out tasks, when due (generation for training
-        // goes on meanwhile; the trainer waits).
-        if let Some(e) = cfg
-            .eval
-            .as_ref()
-            .filter(|e| e.due(step - 1, cfg.total_steps))
-        {
-            let at = (self.progress.step, self.progress.version);
-            tokio::select! {
-                r = evaluate(console, self.agents, e, at) => learner.record_eval(r)?,
-                () = &mut self.shutdown => return Ok(self.progress.interrupt()),
-            }
+        self.evaluate_if_due(learner).await?;
+        if self.progress.interrupted {
+            return Ok(None);
         }
-        let batch = next_batch(pool, &mut self.queue, &cfg.rollout);
+        let batch = next_batch(self.pool, &mut self.queue, &self.cfg.rollout);
         let groups = tokio::select! {
-            groups = watch_generation(console, pool, batch) => groups,
-            () = &mut self.shutdown => return Ok(self.progress.interrupt()),
+            groups = watch_generation(self.console, self.pool, batch) => groups,
+            () = &mut self.shutdown => {
+                self.progress.interrupted = true;
+                return Ok(None);
+            }
         };
         let groups = groups.ok_or_else(|| RunError::Setup("the rollout pool stopped".into()))?;
-        Ok(Some(StepBatch::drawn(step, groups, pool, self.seed)))
+        Ok(Some(StepBatch::drawn(step, groups, self.pool, self.seed)))
     }
 
     async fn version(&mut self, step: u64) -> u64 {
@@ -227,13 +244,10 @@ impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
     }
 
     async fn done(&mut self, trained: Trained, batch: StepBatch) -> Result<(), RunError> {
-        self.progress.trained(&trained);
-        self.pool.set_version(self.progress.version);
+        self.pool.set_version(trained.record.policy_version);
         drop(batch); // frees the groups' admission slots: generation goes on
-        let eta = self.progress.eta(self.cfg.total_steps);
-        let line = metrics::progress_line(&trained.record, self.cfg.total_steps, Some(eta));
-        self.console.line(&line);
-        self.console.set_step(self.progress.step);
+        self.progress
+            .trained(&trained, self.console, self.cfg.total_steps, true);
         Ok(())
     }
 
@@ -247,45 +261,15 @@ impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
 /// output folder left off), on the manifest's model and algorithm, without engines: the same
 /// data, so two algorithms, or two builds, can be compared step by step.
 struct ReplaySteps<'a> {
+    /// The dumped batches, as many as the run has steps.
     dumps: Vec<(u64, PathBuf)>,
-    total: u64,
     console: &'a Console,
     progress: Progress,
 }
 
-impl<'a> ReplaySteps<'a> {
-    fn open(
-        dir: &std::path::Path,
-        cfg: &RunConfig,
-        console: &'a Console,
-        progress: Progress,
-    ) -> Result<Self, RunError> {
-        let dumps = dump::steps(dir)?;
-        let total = cfg.total_steps.min(dumps.len() as u64);
-        if total < cfg.total_steps {
-            console.line(&format!(
-                "moult run: {} holds {} steps: replaying those, not the {} the run asks for",
-                dir.display(),
-                dumps.len(),
-                cfg.total_steps
-            ));
-        }
-        Ok(Self {
-            dumps,
-            total,
-            console,
-            progress,
-        })
-    }
-}
-
 impl Steps for ReplaySteps<'_> {
     async fn next(&mut self, step: u64, _: &mut Learner) -> Result<Option<StepBatch>, RunError> {
-        let Some((_, path)) = self
-            .dumps
-            .get(step as usize - 1)
-            .filter(|_| step <= self.total)
-        else {
+        let Some((_, path)) = self.dumps.get(step as usize - 1) else {
             return Ok(None);
         };
         self.console.phase("reading the dumped batch");
@@ -302,10 +286,8 @@ impl Steps for ReplaySteps<'_> {
     }
 
     async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<(), RunError> {
-        self.progress.trained(&trained);
-        let line = metrics::progress_line(&trained.record, self.total, None);
-        self.console.line(&line);
-        self.console.set_step(self.progress.step);
+        let total = self.dumps.len() as u64;
+        self.progress.trained(&trained, self.console, total, false);
         Ok(())
     }
 }
@@ -387,27 +369,19 @@ impl Progress {
         }
     }
 
-    /// After a step.
-    fn trained(&mut self, trained: &Trained) {
+    /// After a step of `total`: its progress line, with how long the steps left will take (at
+    /// the pace of those this process trained) when `eta`.
+    fn trained(&mut self, trained: &Trained, console: &Console, total: u64, eta: bool) {
         self.step = trained.record.step;
         self.version = trained.record.policy_version;
         if let Some(dir) = &trained.checkpoint {
             self.last_checkpoint = Some(dir.clone());
         }
-    }
-
-    /// The loop stops here, on a shutdown: no batch.
-    fn interrupt(&mut self) -> Option<StepBatch> {
-        self.interrupted = true;
-        None
-    }
-
-    /// How long the steps left will take at the pace of those this process trained.
-    fn eta(&self, total: u64) -> Duration {
-        let done = (self.step - self.first_step).max(1);
-        Duration::from_secs_f64(
-            self.started.elapsed().as_secs_f64() / done as f64 * (total - self.step) as f64,
-        )
+        let pace =
+            self.started.elapsed().as_secs_f64() / (self.step - self.first_step).max(1) as f64;
+        let eta = eta.then(|| Duration::from_secs_f64(pace * (total - self.step) as f64));
+        console.line(&metrics::progress_line(&trained.record, total, eta));
+        console.set_step(self.step);
     }
 }
 
@@ -418,19 +392,10 @@ fn summarize(
     learner: &Learner,
     progress: Progress,
 ) -> Result<Summary, RunError> {
-    let Progress {
-        first_step,
-        step,
-        version,
-        resumed_from,
-        last_checkpoint,
-        interrupted,
-        started,
-    } = progress;
     let records = learner.records();
     let trained: Vec<StepRecord> = records
         .iter()
-        .filter(|r| r.step > first_step)
+        .filter(|r| r.step > progress.first_step)
         .cloned()
         .collect();
     let svg = metrics::reward_svg(records, &format!("{}: reward per step", cfg.name));
@@ -438,20 +403,20 @@ fn summarize(
         .map_err(|e| RunError::file("writing", out.join("reward.svg"), e))?;
     let summary = Summary {
         name: cfg.name.clone(),
-        steps: step,
+        steps: progress.step,
         total_steps: cfg.total_steps,
-        policy_version: version,
+        policy_version: progress.version,
         first_reward: trained.first().map(|r| r.reward_mean),
         final_reward: metrics::recent_mean(records, 5, |r| Some(r.reward_mean)),
         first_agent_reward: trained.first().and_then(|r| r.agent_reward_mean),
         final_agent_reward: metrics::recent_mean(records, 5, |r| r.agent_reward_mean),
-        seconds: started.elapsed().as_secs_f64(),
+        seconds: progress.started.elapsed().as_secs_f64(),
         engine_busy_fraction: time_weighted(&trained, |r| r.engine_busy_fraction),
         trainer_busy_fraction: time_weighted(&trained, |r| r.trainer_busy_fraction),
         engine_paused_seconds: trained.iter().map(|r| r.engine_paused_seconds).sum(),
-        resumed_from,
-        last_checkpoint,
-        interrupted,
+        resumed_from: progress.resumed_from,
+        last_checkpoint: progress.last_checkpoint,
+        interrupted: progress.interrupted,
         first_eval: learner.evals().first().cloned(),
         last_eval: learner.evals().last().cloned(),
     };

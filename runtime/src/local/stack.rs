@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use super::vllm::VllmProcess;
 use crate::agents::{AgentPool, PoolOptions};
-use crate::config::{JudgeOptions, RunConfig};
+use crate::config::RunConfig;
 use crate::engine::{http, EngineHandle, EngineOptions};
 use crate::error::RunError;
 use crate::model::{CausalLm, ModelConfig};
@@ -46,16 +46,13 @@ impl Drop for Stack {
 }
 
 async fn bind() -> Result<(TcpListener, String), RunError> {
-    let bound = match TcpListener::bind(("127.0.0.1", 0)).await {
-        Ok(listener) => listener
-            .local_addr()
-            .map(|a| (listener, format!("http://{a}"))),
-        Err(e) => Err(e),
-    };
-    bound.map_err(|source| RunError::Start {
+    let start = |source| RunError::Start {
         what: "binding 127.0.0.1".into(),
         source,
-    })
+    };
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await.map_err(start)?;
+    let url = format!("http://{}", listener.local_addr().map_err(start)?);
+    Ok((listener, url))
 }
 
 async fn stopped(mut rx: watch::Receiver<bool>) {
@@ -91,19 +88,6 @@ async fn fixed_engine(
 ) -> Result<String, RunError> {
     let opts = EngineOptions::for_model(&ModelConfig::from_dir(model_dir)?, batch.clamp(1, 256));
     engine(model_dir, device, opts, stop).await
-}
-
-/// Starts the judge: a built-in engine on its model and a chat service with its tokenizer and
-/// template. `episodes`: how many replies a step judges at once (in one decoding batch).
-async fn judge(
-    opts: &JudgeOptions,
-    policy_dir: &Path,
-    episodes: usize,
-    device: Device,
-    stop: watch::Receiver<bool>,
-) -> Result<Judge, RunError> {
-    let url = fixed_engine(&opts.model_dir, episodes, device, stop).await?;
-    Judge::connect(&url, opts, policy_dir, episodes)
 }
 
 impl Stack {
@@ -174,7 +158,9 @@ impl Stack {
         let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
         let judge = match &cfg.judge {
             Some(opts) => {
-                Some(judge(opts, &cfg.model_dir, episodes, device, stop_rx.clone()).await?)
+                // Its own engine, and a chat service with its tokenizer and template.
+                let url = fixed_engine(&opts.model_dir, episodes, device, stop_rx.clone()).await?;
+                Some(Judge::connect(&url, opts, &cfg.model_dir, episodes)?)
             }
             None => None,
         };

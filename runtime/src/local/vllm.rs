@@ -151,21 +151,21 @@ impl VllmProcess {
                 tracing::info!(url = %self.url, "vLLM serves after {:.0?}", started.elapsed());
                 return Ok(());
             }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Err(RunError::Setup(format!(
-                    "vLLM exited ({status}) before serving; the end of {}:\n{}",
-                    self.log.display(),
-                    tail(&self.log, 20)
-                )));
-            }
-            if started.elapsed() > START_TIMEOUT {
-                return Err(RunError::Setup(format!(
-                    "vLLM did not serve within {START_TIMEOUT:?}; the end of {}:\n{}",
-                    self.log.display(),
-                    tail(&self.log, 20)
-                )));
-            }
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            let failed = match self.child.try_wait() {
+                Ok(Some(status)) => format!("vLLM exited ({status}) before serving"),
+                _ if started.elapsed() > START_TIMEOUT => {
+                    format!("vLLM did not serve within {START_TIMEOUT:?}")
+                }
+                _ => {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
+                }
+            };
+            let log = self.log.display();
+            let end = tail(&self.log, 20);
+            return Err(RunError::Setup(format!(
+                "{failed}; the end of {log}:\n{end}"
+            )));
         }
     }
 
@@ -196,7 +196,6 @@ impl Drop for VllmProcess {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        self.signal("-KILL");
-        let _ = self.child.wait();
+        self.kill();
     }
 }

@@ -6,7 +6,7 @@
 //! On a terminal the status line is a spinner redrawn in place; elsewhere (a pipe, CI) nothing is
 //! redrawn, and a phase that lasts long prints a "still ..." line every [`QUIET_NOTE_EVERY`].
 //! Everything that writes to stderr while the spinner is drawn goes through [`Console::line`] or
-//! [`Console::writer`], so lines never tear.
+//! a clone of the [`Console`] (a `Write`r), so lines never tear.
 
 use std::borrow::Cow;
 use std::io::Write;
@@ -117,10 +117,8 @@ impl Console {
     pub fn tick(&self) -> tokio::task::JoinHandle<()> {
         let console = self.clone();
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(Duration::from_millis(200));
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             loop {
-                every.tick().await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 console.refresh();
             }
         })
@@ -136,10 +134,9 @@ impl Console {
 
     /// Writes to stderr with the status line lifted out of the way.
     fn write_stderr(&self, bytes: &[u8]) {
+        // stderr is unbuffered: one `write_all` under its lock writes the whole text.
         let write = || {
-            let mut err = std::io::stderr().lock();
-            let _ = err.write_all(bytes);
-            let _ = err.flush();
+            let _ = std::io::stderr().lock().write_all(bytes);
         };
         if self.is_interactive() {
             self.bar.suspend(write);
@@ -152,14 +149,10 @@ impl Console {
     pub fn finish(&self) {
         self.bar.finish_and_clear();
     }
-
-    /// A writer for log lines (a `tracing` console layer) that does not tear the status line.
-    pub fn writer(&self) -> Console {
-        self.clone()
-    }
 }
 
-/// stderr for log lines while the console draws.
+/// stderr for log lines while the console draws: a `tracing` layer writing through clones of
+/// the console does not tear the status line.
 impl Write for Console {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.write_stderr(buf);
@@ -168,14 +161,6 @@ impl Write for Console {
 
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Console {
-    type Writer = Console;
-
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
     }
 }
 

@@ -18,7 +18,9 @@ fn one() -> usize {
 }
 
 /// One training step, as a line of `metrics.jsonl`.
+/// A field missing from a line (one an earlier version wrote) reads as its default.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct StepRecord {
     pub step: u64,
     /// The version the step produced (what engines serve after its weight sync).
@@ -85,27 +87,21 @@ pub struct StepRecord {
     pub dropped_stale: u64,
     pub dropped_failed: u64,
     /// Groups dropped because an episode was malformed (docs/security.md, "Bad data").
-    #[serde(default)]
     pub dropped_invalid: u64,
     /// Groups dynamic sampling dropped because every reward was equal (so far in the run).
-    #[serde(default)]
     pub groups_filtered: u64,
     /// Batches the trainer could not learn from, set aside in `<out>/quarantine/` (so far in the
     /// run; docs/security.md, "Bad data").
-    #[serde(default)]
     pub batches_quarantined: u64,
     /// Seconds since the run (this process) started.
     pub elapsed_seconds: f64,
     /// Fraction of the step's wall-clock in which the engines had work (requests in flight,
     /// not paused), over all engines (docs/run.md, "How busy engines and trainer were").
-    #[serde(default)]
     pub engine_busy_fraction: f64,
     /// Fraction of the step's wall-clock in which the trainer computed (advantages, the
     /// teacher's scores, the optimizer step).
-    #[serde(default)]
     pub trainer_busy_fraction: f64,
     /// Seconds of the step the engines sat paused for weight sync.
-    #[serde(default)]
     pub engine_paused_seconds: f64,
     /// The newest evaluation since the previous record (`spec.eval`; every evaluation is in
     /// `eval.jsonl`): the step whose policy it measured (the one before this step trained),

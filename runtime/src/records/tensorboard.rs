@@ -85,11 +85,9 @@ impl EventWriter {
         ));
         let file = std::fs::File::create(&path)?;
         let mut writer = Self { path, file };
-        writer.write(&Event {
-            wall_time: now(),
-            step: 0,
+        writer.write(Event {
             file_version: Some("brain.Event:2".into()),
-            summary: None,
+            ..Event::default()
         })?;
         Ok(writer)
     }
@@ -98,7 +96,9 @@ impl EventWriter {
         &self.path
     }
 
-    fn write(&mut self, event: &Event) -> std::io::Result<()> {
+    /// Writes `event`, stamped with the time now.
+    fn write(&mut self, mut event: Event) -> std::io::Result<()> {
+        event.wall_time = now();
         self.file.write_all(&record(&event.encode_to_vec()))?;
         self.file.flush()
     }
@@ -112,11 +112,10 @@ impl EventWriter {
                 simple_value: Some(*v as f32),
             })
             .collect();
-        self.write(&Event {
-            wall_time: now(),
+        self.write(Event {
             step: i64::try_from(step).unwrap_or(i64::MAX),
-            file_version: None,
             summary: Some(Summary { value }),
+            ..Event::default()
         })
     }
 }
@@ -124,25 +123,22 @@ impl EventWriter {
 /// The scalars of a `metrics.jsonl` record: every number under its field name, every number of
 /// a nested object under `field/key` (the staleness histogram: `staleness/1`), booleans as 0/1.
 pub fn scalars_of(record: &serde_json::Value) -> Vec<(String, f64)> {
-    fn walk(prefix: &str, v: &serde_json::Value, out: &mut Vec<(String, f64)>) {
+    fn walk(tag: String, v: &serde_json::Value, out: &mut Vec<(String, f64)>) {
         match v {
-            serde_json::Value::Number(n) => out.extend(n.as_f64().map(|x| (prefix.to_string(), x))),
-            serde_json::Value::Bool(b) => out.push((prefix.to_string(), f64::from(u8::from(*b)))),
+            serde_json::Value::Number(n) => out.extend(n.as_f64().map(|x| (tag, x))),
+            serde_json::Value::Bool(b) => out.push((tag, f64::from(u8::from(*b)))),
             serde_json::Value::Object(map) => {
                 for (k, v) in map {
-                    let tag = if prefix.is_empty() {
-                        k.clone()
-                    } else {
-                        format!("{prefix}/{k}")
-                    };
-                    walk(&tag, v, out);
+                    walk(format!("{tag}/{k}"), v, out);
                 }
             }
             _ => {}
         }
     }
     let mut out = Vec::new();
-    walk("", record, &mut out);
+    for (k, v) in record.as_object().into_iter().flatten() {
+        walk(k.clone(), v, &mut out);
+    }
     out.retain(|(tag, _)| tag != "step");
     out
 }

@@ -21,25 +21,9 @@ use futures::StreamExt;
 use serde_json::{Map, Value as Json};
 use tokio::sync::mpsc;
 
-use super::{RouteRequest, Router};
-use crate::engine::api::TokenLogprob;
+use super::{Engine, RouteRequest, Router};
 use crate::engine::client::{ContentPart, EngineError, Generated};
 use crate::engine::ApiError;
-
-/// What the router emits for a generation: tokens, numbered from the first generated one.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Routed {
-    Token {
-        index: usize,
-        logprob: TokenLogprob,
-        version: u64,
-    },
-    Finished {
-        reason: String,
-        routed_experts: Option<String>,
-        completion_tokens: usize,
-    },
-}
 
 /// One generation's request, as the client sent it.
 #[derive(Debug, Clone)]
@@ -53,6 +37,11 @@ pub struct RoutedRequest {
     pub session: Option<String>,
 }
 
+/// What the router emits for a generation: the engines' tokens as they sampled them, then the
+/// finish (of the engine that finished it), or an error.
+pub type Events = mpsc::Receiver<Result<Generated, ApiError>>;
+type EventSender = mpsc::Sender<Result<Generated, ApiError>>;
+
 /// Events buffered between an engine stream and a slow client.
 const ROUTED_BUFFER: usize = 64;
 
@@ -63,7 +52,7 @@ const ENGINE_POLL: Duration = Duration::from_millis(250);
 
 /// Runs `req` with failover; events arrive on the receiver. Dropping the receiver stops the
 /// engine request.
-pub fn start(router: Arc<Router>, req: RoutedRequest) -> mpsc::Receiver<Result<Routed, ApiError>> {
+pub fn start(router: Arc<Router>, req: RoutedRequest) -> Events {
     let (tx, rx) = mpsc::channel(ROUTED_BUFFER);
     tokio::spawn(async move {
         if let Err(e) = run(&router, req, &tx).await {
@@ -80,8 +69,8 @@ async fn pick_patiently(
     router: &Router,
     route: &RouteRequest<'_>,
     failed: &[String],
-    tx: &mpsc::Sender<Result<Routed, ApiError>>,
-) -> Option<Arc<super::Engine>> {
+    tx: &EventSender,
+) -> Option<Arc<Engine>> {
     let since = Instant::now();
     loop {
         if let Some(engine) = router.pick(route, failed) {
@@ -94,23 +83,35 @@ async fn pick_patiently(
     }
 }
 
-async fn run(
-    router: &Router,
-    req: RoutedRequest,
-    tx: &mpsc::Sender<Result<Routed, ApiError>>,
-) -> Result<(), ApiError> {
-    let max_tokens = req.params.get("max_tokens").and_then(Json::as_i64);
-    let min_tokens = req.params.get("min_tokens").and_then(Json::as_i64);
+/// An engine's refusal as the client's answer, with the engine's status (`fallback` when that
+/// is no HTTP status).
+fn refused(status: u16, message: String, fallback: StatusCode) -> ApiError {
+    ApiError::new(StatusCode::from_u16(status).unwrap_or(fallback), message)
+}
+
+async fn run(router: &Router, req: RoutedRequest, tx: &EventSender) -> Result<(), ApiError> {
+    let param = |name: &str| req.params.get(name).and_then(Json::as_i64);
+    let (max_tokens, min_tokens) = (param("max_tokens"), param("min_tokens"));
+    let route = RouteRequest {
+        session: req.session.as_deref(),
+        tokens: (req.prompt.len() + max_tokens.unwrap_or(0).max(0) as usize) as u64,
+    };
     let mut generated: Vec<i64> = Vec::new();
     let mut failed: Vec<String> = Vec::new();
     let mut busy_since: Option<Instant> = None;
     let mut backoff = Duration::from_millis(20);
     loop {
-        let tokens = (req.prompt.len() + max_tokens.unwrap_or(0).max(0) as usize) as u64;
-        let route = RouteRequest {
-            session: req.session.as_deref(),
-            tokens,
-        };
+        let done = generated.len() as i64;
+        if done > 0 && max_tokens.is_some_and(|m| done >= m) {
+            // The engine died after its last token but before its finish: nothing is left to
+            // generate, whether another engine is up or not.
+            let finished = Generated::Finished {
+                reason: "length".into(),
+                routed_experts: None,
+            };
+            let _ = tx.send(Ok(finished)).await;
+            return Ok(());
+        }
         let Some(engine) = pick_patiently(router, &route, &failed, tx).await else {
             return Err(ApiError::unavailable(if failed.is_empty() {
                 "no healthy engine".to_string()
@@ -121,32 +122,17 @@ async fn run(
                 )
             }));
         };
-        let _load = engine.track(tokens);
+        let _load = engine.track(route.tokens);
         let mut params = req.params.clone();
         let mut prompt = req.prompt.clone();
-        if !generated.is_empty() {
+        if done > 0 {
             router.failovers.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(request = %req.request_id, engine = %engine.url(), generated = generated.len(), "continuing on another engine");
+            tracing::warn!(request = %req.request_id, engine = %engine.url(), generated = done, "continuing on another engine");
             prompt.extend_from_slice(&generated);
-            if let Some(m) = max_tokens {
-                let left = m - generated.len() as i64;
-                if left <= 0 {
-                    let _ = tx
-                        .send(Ok(Routed::Finished {
-                            reason: "length".into(),
-                            routed_experts: None,
-                            completion_tokens: generated.len(),
-                        }))
-                        .await;
-                    return Ok(());
+            for (name, limit) in [("max_tokens", max_tokens), ("min_tokens", min_tokens)] {
+                if let Some(m) = limit {
+                    params.insert(name.into(), Json::from((m - done).max(0)));
                 }
-                params.insert("max_tokens".into(), Json::from(left));
-            }
-            if let Some(m) = min_tokens {
-                params.insert(
-                    "min_tokens".into(),
-                    Json::from((m - generated.len() as i64).max(0)),
-                );
             }
         }
         let stream = engine
@@ -161,12 +147,6 @@ async fn run(
             .await;
         let mut stream = match stream {
             Ok(s) => s,
-            Err(EngineError::Refused { status, message }) if status < 500 => {
-                return Err(ApiError::new(
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
-                    message,
-                ));
-            }
             Err(EngineError::Refused { status, message }) if status == 503 || status == 429 => {
                 // Refusing for now (paused in `wait` or `abort` mode, queue full): wait and ask
                 // again, as Retry-After says; a weight sync ends such pauses within seconds.
@@ -180,6 +160,9 @@ async fn run(
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 continue;
             }
+            Err(EngineError::Refused { status, message }) if status < 500 => {
+                return Err(refused(status, message, StatusCode::BAD_REQUEST));
+            }
             Err(e) => {
                 // Unreachable, or failing: take it out for this request and try the next one.
                 tracing::warn!(engine = %engine.url(), error = %e, "engine failed a request");
@@ -192,68 +175,117 @@ async fn run(
         };
         loop {
             match stream.next().await {
-                Some(Ok(Generated::Token {
-                    id,
-                    logprob,
-                    top,
-                    version,
-                })) => {
-                    let index = generated.len();
+                Some(Ok(token @ Generated::Token { id, .. })) => {
                     generated.push(id);
-                    let logprob = TokenLogprob {
-                        token_id: id,
-                        logprob,
-                        top_logprobs: top
-                            .into_iter()
-                            .map(|(token_id, logprob)| crate::engine::api::TopLogprob {
-                                token_id,
-                                logprob,
-                            })
-                            .collect(),
-                    };
-                    let event = Routed::Token {
-                        index,
-                        logprob,
-                        version,
-                    };
-                    if tx.send(Ok(event)).await.is_err() {
+                    if tx.send(Ok(token)).await.is_err() {
                         // The client went away; dropping the stream aborts the engine request.
                         return Ok(());
                     }
                 }
-                Some(Ok(Generated::Finished {
-                    reason,
-                    routed_experts,
-                })) => {
-                    let _ = tx
-                        .send(Ok(Routed::Finished {
-                            reason,
-                            routed_experts,
-                            completion_tokens: generated.len(),
-                        }))
-                        .await;
+                Some(Ok(finished)) => {
+                    let _ = tx.send(Ok(finished)).await;
                     return Ok(());
                 }
                 Some(Err(EngineError::Refused { status, message })) => {
-                    return Err(ApiError::new(
-                        StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
-                        message,
-                    ));
+                    return Err(refused(status, message, StatusCode::BAD_GATEWAY));
                 }
-                ended => {
-                    match ended {
-                        Some(Err(e)) => {
-                            tracing::warn!(engine = %engine.url(), error = %e, "engine died mid-generation");
-                        }
-                        _ => {
-                            tracing::warn!(engine = %engine.url(), "engine stream ended unfinished")
-                        }
-                    }
-                    engine.mark_down();
-                    failed.push(engine.url().to_string());
+                Some(Err(e)) => {
+                    tracing::warn!(engine = %engine.url(), error = %e, "engine died mid-generation");
+                    break;
+                }
+                None => {
+                    tracing::warn!(engine = %engine.url(), "engine stream ended unfinished");
                     break;
                 }
             }
         }
+        engine.mark_down();
+        failed.push(engine.url().to_string());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use axum::response::IntoResponse;
+
+    use super::*;
+    use crate::router::{EnginePool, LeastOutstandingTokens};
+
+    /// Two tokens (5 and 6, version 0) in one chunk; then the finish when `finishes`, else the
+    /// stream closes as a dying engine's does.
+    const TOKENS: &str = r#"data: {"request_id":"r","choices":[{"token_ids":[5,6],"logprobs":{"content":[{"token_id":5,"logprob":-1.0},{"token_id":6,"logprob":-2.0}]},"finish_reason":null,"weight_versions":[{"version":0,"start":0,"end":2}]}]}"#;
+    const FINISH: &str = r#"data: {"request_id":"r","choices":[{"token_ids":[],"logprobs":{"content":[]},"finish_reason":"stop","weight_versions":[]}]}"#;
+
+    /// An engine that refuses its first `busy` generations with 429 (queue full), then streams
+    /// [`TOKENS`] (and [`FINISH`] when `finishes`); a router with it as its only engine.
+    async fn router_over_fake_engine(busy: usize, finishes: bool) -> Arc<Router> {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let generate = move || async move {
+            if calls.fetch_add(1, Ordering::Relaxed) < busy {
+                let refusal = r#"{"error":{"message":"the queue is full","code":429}}"#;
+                return (StatusCode::TOO_MANY_REQUESTS, refusal).into_response();
+            }
+            let finish = if finishes { FINISH } else { "" };
+            format!("{TOKENS}\n\n{finish}\n\n").into_response()
+        };
+        let app =
+            axum::Router::new().route("/inference/v1/generate", axum::routing::post(generate));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let pool = Arc::new(EnginePool::new(&[url]));
+        Arc::new(Router::new(pool, Box::new(LeastOutstandingTokens)))
+    }
+
+    async fn events(router: Arc<Router>, max_tokens: i64) -> Vec<Result<Generated, ApiError>> {
+        let mut params = Map::new();
+        params.insert("max_tokens".into(), Json::from(max_tokens));
+        let req = RoutedRequest {
+            request_id: "r".into(),
+            prompt: vec![1, 2, 3],
+            content_parts: Vec::new(),
+            params,
+            session: None,
+        };
+        let mut rx = start(router, req);
+        let mut out = Vec::new();
+        while let Some(event) = rx.recv().await {
+            out.push(event);
+        }
+        out
+    }
+
+    fn ids_and_finish(events: &[Result<Generated, ApiError>]) -> (Vec<i64>, Option<&str>) {
+        let mut ids = Vec::new();
+        let mut finish = None;
+        for event in events {
+            match event {
+                Ok(Generated::Token { id, .. }) => ids.push(*id),
+                Ok(Generated::Finished { reason, .. }) => finish = Some(reason.as_str()),
+                Err(e) => panic!("the request failed: {e}"),
+            }
+        }
+        (ids, finish)
+    }
+
+    #[tokio::test]
+    async fn an_engine_whose_queue_is_full_is_asked_again() {
+        let router = router_over_fake_engine(2, true).await;
+        let events = events(router, 2).await;
+        assert_eq!(ids_and_finish(&events), (vec![5, 6], Some("stop")));
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_dies_after_its_last_token_finishes_the_request() {
+        let router = router_over_fake_engine(0, false).await;
+        let events = events(router.clone(), 2).await;
+        assert_eq!(ids_and_finish(&events), (vec![5, 6], Some("length")));
+        assert_eq!(
+            router.failovers(),
+            0,
+            "nothing was left to continue elsewhere"
+        );
     }
 }

@@ -30,10 +30,8 @@ pub const RUN_ENGINE_PATIENCE: Duration = Duration::from_secs(30 * 60);
 /// up to [`RUN_ENGINE_PATIENCE`] for an engine while none is up (engines still loading the model)
 /// instead of failing. Spawns the health checks: call it inside the runtime.
 pub fn for_run(pool: Arc<EnginePool>, backend: moult_operator::api::EngineBackend) -> Arc<Router> {
-    tokio::spawn(
-        pool.clone()
-            .check_health(HealthOptions::for_backend(backend)),
-    );
+    let health = HealthOptions::for_backend(backend);
+    tokio::spawn(pool.clone().check_health(health));
     let router = Router::new(pool, Box::new(ConsistentHash::default()));
     Arc::new(router.with_engine_patience(RUN_ENGINE_PATIENCE))
 }
@@ -78,10 +76,7 @@ impl Router {
             .into_iter()
             .filter(|e| !exclude.iter().any(|x| x == e.url()))
             .collect();
-        if engines.is_empty() {
-            return None;
-        }
-        Some(engines[self.policy.pick(request, &engines)].clone())
+        (!engines.is_empty()).then(|| engines[self.policy.pick(request, &engines)].clone())
     }
 
     pub fn failovers(&self) -> u64 {

@@ -11,8 +11,7 @@
 //! control calls, so the next weight sync reaches it, but no generation until it serves the
 //! current version. Routing only ever sees engines that are up and current.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -20,16 +19,11 @@ use serde::{Deserialize, Serialize};
 use crate::engine::api::reported_version;
 use crate::engine::client::EngineClient;
 
-/// One engine's state, shared by the pool and the requests it serves.
+/// One engine, shared by the pool and the requests it serves.
 #[derive(Debug)]
 pub struct Engine {
     pub client: EngineClient,
-    healthy: AtomicBool,
-    /// Consecutive failed probes.
-    failures: AtomicU64,
-    /// The weight version it serves, as last seen (-1: not known).
-    version: AtomicI64,
-    load: Mutex<Load>,
+    state: Mutex<EngineState>,
 }
 
 /// Time accumulated over the intervals in which something held.
@@ -52,27 +46,30 @@ impl Stopwatch {
         }
     }
 
-    fn running(&self) -> bool {
-        self.since.is_some()
-    }
-
     fn seconds(&self) -> f64 {
         (self.total + self.since.map_or(Duration::ZERO, |s| s.elapsed())).as_secs_f64()
     }
 }
 
-/// An engine's load: requests in flight and tokens outstanding (prompt plus the most they may
-/// still generate), and its busy clock, which runs while it has requests in flight and is not
-/// paused (requests held through a pause are in flight, but the engine does nothing with them).
+/// What the pool knows of an engine: its health, the weights it serves, and its load: requests
+/// in flight and tokens outstanding (prompt plus the most they may still generate), and its busy
+/// clock, which runs while it has requests in flight and is not paused (requests held through a
+/// pause are in flight, but the engine does nothing with them).
 #[derive(Debug, Default)]
-struct Load {
+struct EngineState {
+    /// Taken out (failed probes, or a request that could not reach it) until a probe succeeds.
+    down: bool,
+    /// Consecutive failed probes.
+    failures: u64,
+    /// The weight version it serves, as last seen.
+    version: Option<u64>,
     requests: u64,
     tokens: u64,
     paused: bool,
     busy: Stopwatch,
 }
 
-impl Load {
+impl EngineState {
     /// Starts or stops the busy clock as the state now says.
     fn settle(&mut self) {
         self.busy.set(self.requests > 0 && !self.paused);
@@ -80,32 +77,22 @@ impl Load {
 }
 
 impl Engine {
-    fn new(url: &str) -> Self {
-        Self {
-            client: EngineClient::new(url),
-            healthy: AtomicBool::new(true),
-            failures: AtomicU64::new(0),
-            version: AtomicI64::new(-1),
-            load: Mutex::default(),
-        }
-    }
-
-    fn load(&self) -> std::sync::MutexGuard<'_, Load> {
-        self.load.lock().expect("engine load lock")
+    fn state(&self) -> MutexGuard<'_, EngineState> {
+        self.state.lock().expect("engine state lock")
     }
 
     /// Seconds this engine has had requests in flight while not paused.
     pub fn busy_seconds(&self) -> f64 {
-        self.load().busy.seconds()
+        self.state().busy.seconds()
     }
 
     /// The weight version it serves, if known.
     pub fn version(&self) -> Option<u64> {
-        u64::try_from(self.version.load(Ordering::Relaxed)).ok()
+        self.state().version
     }
 
     pub fn set_version(&self, version: u64) {
-        self.version.store(version as i64, Ordering::Relaxed);
+        self.state().version = Some(version);
     }
 
     pub fn url(&self) -> &str {
@@ -113,26 +100,26 @@ impl Engine {
     }
 
     pub fn healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+        !self.state().down
     }
 
     /// Requests in flight on this engine.
     pub fn requests(&self) -> u64 {
-        self.load().requests
+        self.state().requests
     }
 
     /// Tokens outstanding (prompt plus the most it may still generate) on this engine.
     pub fn tokens(&self) -> u64 {
-        self.load().tokens
+        self.state().tokens
     }
 
     /// Counts a request's load until the guard drops.
     pub fn track(self: &Arc<Self>, tokens: u64) -> LoadGuard {
-        let mut load = self.load();
-        load.requests += 1;
-        load.tokens += tokens;
-        load.settle();
-        drop(load);
+        let mut state = self.state();
+        state.requests += 1;
+        state.tokens += tokens;
+        state.settle();
+        drop(state);
         LoadGuard {
             engine: self.clone(),
             tokens,
@@ -141,18 +128,23 @@ impl Engine {
 
     /// A request could not reach the engine: take it out until a probe succeeds.
     pub fn mark_down(&self) {
-        if self.healthy.swap(false, Ordering::Relaxed) {
+        if !std::mem::replace(&mut self.state().down, true) {
             tracing::warn!(engine = %self.url(), "engine down");
         }
     }
 
     fn probe_result(&self, ok: bool, failures_to_down: u64) {
+        let mut state = self.state();
         if ok {
-            self.failures.store(0, Ordering::Relaxed);
-            if !self.healthy.swap(true, Ordering::Relaxed) {
+            state.failures = 0;
+            if std::mem::take(&mut state.down) {
                 tracing::info!(engine = %self.url(), "engine back");
             }
-        } else if self.failures.fetch_add(1, Ordering::Relaxed) + 1 >= failures_to_down {
+            return;
+        }
+        state.failures += 1;
+        if state.failures >= failures_to_down {
+            drop(state);
             self.mark_down();
         }
     }
@@ -167,10 +159,10 @@ pub struct LoadGuard {
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        let mut load = self.engine.load();
-        load.requests -= 1;
-        load.tokens -= self.tokens;
-        load.settle();
+        let mut state = self.engine.state();
+        state.requests -= 1;
+        state.tokens -= self.tokens;
+        state.settle();
     }
 }
 
@@ -235,31 +227,22 @@ pub struct Activity {
     pub paused_seconds: f64,
 }
 
-/// When the pool was paused, and for how long in all.
+/// The pool's own clock and the weights it expects.
 #[derive(Debug, Default)]
-struct PauseClock {
-    watch: Stopwatch,
+struct PoolState {
+    /// Runs while the pool is paused.
+    paused: Stopwatch,
     /// Busy seconds of engines that left the pool.
     retired_busy: f64,
+    /// The version of the last weight update that went out (none yet: any version is current).
+    expected: Option<u64>,
 }
 
 /// The engines of a router.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct EnginePool {
     engines: RwLock<Vec<Arc<Engine>>>,
-    /// The version of the last weight update that went out (-1: none yet).
-    expected: AtomicI64,
-    paused: Mutex<PauseClock>,
-}
-
-impl Default for EnginePool {
-    fn default() -> Self {
-        Self {
-            engines: RwLock::default(),
-            expected: AtomicI64::new(-1),
-            paused: Mutex::default(),
-        }
-    }
+    state: Mutex<PoolState>,
 }
 
 impl EnginePool {
@@ -279,9 +262,12 @@ impl EnginePool {
             return false;
         }
         tracing::info!(engine = %url, "engine joined");
-        let engine = Engine::new(url);
+        let engine = Engine {
+            client: EngineClient::new(url),
+            state: Mutex::default(),
+        };
         // One that joins during a pause gets the pause too (the next resume reaches it).
-        engine.load().paused = self.pause_clock().watch.running();
+        engine.state().paused = self.state().paused.since.is_some();
         engines.push(Arc::new(engine));
         true
     }
@@ -294,36 +280,36 @@ impl EnginePool {
             return false;
         };
         let gone = engines.remove(i);
-        self.pause_clock().retired_busy += gone.busy_seconds();
+        self.state().retired_busy += gone.busy_seconds();
         tracing::info!(engine = %url, "engine left");
         true
     }
 
-    fn pause_clock(&self) -> std::sync::MutexGuard<'_, PauseClock> {
-        self.paused.lock().expect("pause clock lock")
+    fn state(&self) -> MutexGuard<'_, PoolState> {
+        self.state.lock().expect("pool state lock")
     }
 
     /// The engines were told to pause (`true`) or resume: their busy clocks stop or restart,
     /// and the pool's pause clock runs while paused.
     pub fn set_paused(&self, paused: bool) {
         // Not held while taking the engines' lock (`add` takes them in the other order).
-        self.pause_clock().watch.set(paused);
+        self.state().paused.set(paused);
         for e in self.all() {
-            let mut load = e.load();
-            load.paused = paused;
-            load.settle();
+            let mut state = e.state();
+            state.paused = paused;
+            state.settle();
         }
     }
 
     /// How busy the engines have been since the pool started.
     pub fn activity(&self) -> Activity {
         let engines = self.all();
-        let clock = self.pause_clock();
+        let state = self.state();
         Activity {
             engines: engines.len(),
-            busy_seconds: clock.retired_busy
+            busy_seconds: state.retired_busy
                 + engines.iter().map(|e| e.busy_seconds()).sum::<f64>(),
-            paused_seconds: clock.watch.seconds(),
+            paused_seconds: state.paused.seconds(),
         }
     }
 
@@ -339,23 +325,24 @@ impl EnginePool {
 
     /// A weight update to `version` reached `engines`.
     pub fn updated(&self, engines: &[Arc<Engine>], version: u64) {
-        self.expected.store(version as i64, Ordering::Relaxed);
+        self.state().expected = Some(version);
         for e in engines {
             e.set_version(version);
         }
     }
 
-    /// Whether `e` serves the version of the last weight update (any, before the first).
-    fn current(&self, e: &Engine) -> bool {
-        let expected = u64::try_from(self.expected.load(Ordering::Relaxed)).ok();
-        expected.is_none() || e.version() == expected
+    /// Whether `e` gets generation: up, and serving the version of the last weight update (any,
+    /// before the first).
+    fn is_routable(&self, e: &Engine) -> bool {
+        let expected = self.state().expected;
+        e.healthy() && (expected.is_none() || e.version() == expected)
     }
 
     /// The engines that are up and serve the current weights (generation goes to these).
     pub fn routable(&self) -> Vec<Arc<Engine>> {
         self.all()
             .into_iter()
-            .filter(|e| e.healthy() && self.current(e))
+            .filter(|e| self.is_routable(e))
             .collect()
     }
 
@@ -365,7 +352,7 @@ impl EnginePool {
             .map(|e| EngineStatus {
                 url: e.url().to_string(),
                 healthy: e.healthy(),
-                routable: e.healthy() && self.current(e),
+                routable: self.is_routable(e),
                 version: e.version(),
                 requests: e.requests(),
                 tokens: e.tokens(),
@@ -381,8 +368,8 @@ impl EnginePool {
             let health = get(e, "/health").send().await;
             let ok = health.is_ok_and(|r| r.status().is_success());
             e.probe_result(ok, opts.failures_to_down);
-            // An engine not known to serve the current weights: ask which it serves.
-            if ok && !self.current(e) {
+            // An engine up but not known to serve the current weights: ask which it serves.
+            if ok && !self.is_routable(e) {
                 let info = get(e, "/weight_info").send();
                 let info = async { info.await.ok()?.json::<serde_json::Value>().await.ok() };
                 if let Some(v) = info

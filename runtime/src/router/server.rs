@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, Method, StatusCode};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -30,10 +30,10 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::generate::{start, Routed, RoutedRequest};
-use super::Router;
-use crate::engine::api::{AbortRequest, Choice, GenerateResponse, Usage};
-use crate::engine::client::{ContentPart, GENERATE_BODY_LIMIT, SESSION_HEADER};
+use super::generate::{start, RoutedRequest};
+use super::{Engine, Router};
+use crate::engine::api::{AbortRequest, Choice, GenerateResponse, TokenLogprob, TopLogprob, Usage};
+use crate::engine::client::{ContentPart, Generated, GENERATE_BODY_LIMIT, SESSION_HEADER};
 use crate::engine::ApiError;
 
 /// `POST /inference/v1/generate` as the router reads it: the engine validates the rest.
@@ -64,10 +64,8 @@ fn one_choice(request_id: String, choice: Choice, usage: Option<Usage>) -> Gener
 }
 
 fn unfinished() -> ApiError {
-    ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        "the generation ended without finishing",
-    )
+    let message = "the generation ended without finishing";
+    ApiError::new(StatusCode::BAD_GATEWAY, message)
 }
 
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -113,7 +111,7 @@ async fn generate(
     if !body.stream {
         let mut choice = Choice::empty();
         while let Some(event) = rx.recv().await {
-            if let Some(usage) = add(&mut choice, event?, prompt_len) {
+            if let Some(usage) = add(&mut choice, event?, prompt_len, 0) {
                 return Ok(Json(one_choice(request_id, choice, Some(usage))).into_response());
             }
         }
@@ -123,19 +121,17 @@ async fn generate(
     // generation (its sender goes after the finish or an error), each of which ends in `[DONE]`.
     let first = rx.recv().await.ok_or_else(unfinished)??;
     let events = futures::stream::once(async { Ok(first) }).chain(ReceiverStream::new(rx));
+    // A chunk holds one token, whose version span counts from the first generated.
+    let mut sent = 0;
     let stream = events.flat_map(move |event| {
         let (data, last) = match event {
             Ok(event) => {
-                // A chunk holds one token, whose version span counts from the first generated.
-                let offset = match &event {
-                    Routed::Token { index, .. } => *index,
-                    Routed::Finished { .. } => 0,
-                };
                 let mut choice = Choice::empty();
-                let usage = add(&mut choice, event, prompt_len);
+                let usage = add(&mut choice, event, prompt_len, sent);
                 for span in &mut choice.weight_versions {
-                    (span.start, span.end) = (span.start + offset, span.end + offset);
+                    (span.start, span.end) = (span.start + sent, span.end + sent);
                 }
+                sent += choice.token_ids.len();
                 let last = usage.is_some();
                 let chunk = one_choice(request_id.clone(), choice, usage);
                 (serde_json::to_string(&chunk).expect("serializable"), last)
@@ -152,23 +148,34 @@ async fn generate(
     Ok(Sse::new(stream).into_response())
 }
 
-/// Adds a routed event to `choice`: a token, or the finish (then the usage is known).
-fn add(choice: &mut Choice, event: Routed, prompt_len: usize) -> Option<Usage> {
+/// Adds a routed event to `choice`: a token, or the finish (then the usage is known, counting
+/// `before` tokens sent in earlier chunks).
+fn add(choice: &mut Choice, event: Generated, prompt_len: usize, before: usize) -> Option<Usage> {
     match event {
-        Routed::Token {
-            logprob, version, ..
+        Generated::Token {
+            id,
+            logprob,
+            top,
+            version,
         } => {
+            let top_logprobs = (top.into_iter())
+                .map(|(token_id, logprob)| TopLogprob { token_id, logprob })
+                .collect();
+            let logprob = TokenLogprob {
+                token_id: id,
+                logprob,
+                top_logprobs,
+            };
             choice.push_token(logprob, version);
             None
         }
-        Routed::Finished {
+        Generated::Finished {
             reason,
             routed_experts,
-            completion_tokens,
         } => {
             choice.finish_reason = Some(reason);
             choice.routed_experts = routed_experts;
-            Some(Usage::new(prompt_len, completion_tokens))
+            Some(Usage::new(prompt_len, before + choice.token_ids.len()))
         }
     }
 }
@@ -176,7 +183,7 @@ fn add(choice: &mut Choice, event: Routed, prompt_len: usize) -> Option<Usage> {
 /// Sends the same call to every engine in `engines`; the answers in order, or an error naming
 /// the engines that failed.
 async fn fan_out(
-    engines: &[Arc<super::Engine>],
+    engines: &[Arc<Engine>],
     method: Method,
     path_and_query: &str,
     bodies: Vec<Option<Value>>,
@@ -200,25 +207,19 @@ async fn fan_out(
     });
     let results = futures::future::join_all(calls).await;
     let errors: Vec<String> = results.iter().filter_map(|r| r.clone().err()).collect();
-    if errors.is_empty() {
-        return Ok(results.into_iter().flatten().collect());
+    if !errors.is_empty() {
+        let (failed, all) = (errors.len(), engines.len());
+        let message = format!("{failed} of {all} engines failed: {}", errors.join("; "));
+        return Err(ApiError::new(StatusCode::BAD_GATEWAY, message));
     }
-    Err(ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        format!(
-            "{} of {} engines failed: {}",
-            errors.len(),
-            engines.len(),
-            errors.join("; ")
-        ),
-    ))
+    Ok(results.into_iter().flatten().collect())
 }
 
 /// A control call sent unchanged to every healthy engine; answers with the first engine's reply.
 async fn broadcast(
     State(router): State<Arc<Router>>,
     method: Method,
-    uri: axum::http::Uri,
+    uri: Uri,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let engines = router.pool.healthy();
@@ -255,10 +256,7 @@ fn router_http() -> reqwest::Client {
 }
 
 /// `GET path` of every healthy engine: the engines and their answers, in order.
-async fn get_all(
-    router: &Router,
-    path: &str,
-) -> Result<(Vec<Arc<super::Engine>>, Vec<Value>), ApiError> {
+async fn get_all(router: &Router, path: &str) -> Result<(Vec<Arc<Engine>>, Vec<Value>), ApiError> {
     let engines = router.pool.healthy();
     let answers = fan_out(&engines, Method::GET, path, vec![None; engines.len()]).await?;
     Ok((engines, answers))
@@ -268,11 +266,22 @@ fn world_size(answer: &Value) -> u64 {
     answer["world_size"].as_u64().unwrap_or(1)
 }
 
-async fn get_world_size(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
-    let (_, answers) = get_all(&router, "/get_world_size").await?;
-    Ok(Json(
-        json!({ "world_size": answers.iter().map(world_size).sum::<u64>() }),
-    ))
+/// A `GET` of every healthy engine, the answers combined: `/is_paused` (all paused),
+/// `/get_world_size` (the sum), `/weight_info` (each engine's).
+async fn gather(State(router): State<Arc<Router>>, uri: Uri) -> Result<Json<Value>, ApiError> {
+    let (engines, answers) = get_all(&router, uri.path()).await?;
+    Ok(Json(match uri.path() {
+        "/is_paused" => {
+            let all = answers.iter().all(|a| a["is_paused"] == Value::Bool(true));
+            json!({ "is_paused": all })
+        }
+        "/get_world_size" => json!({ "world_size": answers.iter().map(world_size).sum::<u64>() }),
+        _ => {
+            let per_engine = engines.iter().zip(answers);
+            let per_engine = per_engine.map(|(e, a)| json!({"url": e.url(), "weight_info": a}));
+            json!({ "engines": per_engine.collect::<Vec<_>>() })
+        }
+    }))
 }
 
 async fn init_weight_transfer(
@@ -296,34 +305,13 @@ async fn init_weight_transfer(
     Ok(Json(json!({"status": "ok", "engines": engines.len()})))
 }
 
-async fn is_paused(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
-    let (_, answers) = get_all(&router, "/is_paused").await?;
-    let all = answers.iter().all(|a| a["is_paused"] == Value::Bool(true));
-    Ok(Json(json!({ "is_paused": all })))
-}
-
-async fn weight_info(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
-    let (engines, answers) = get_all(&router, "/weight_info").await?;
-    let per_engine: Vec<Value> = engines
-        .iter()
-        .zip(answers)
-        .map(|(e, a)| json!({"url": e.url(), "weight_info": a}))
-        .collect();
-    Ok(Json(json!({ "engines": per_engine })))
-}
-
 async fn abort(State(router): State<Arc<Router>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let req: AbortRequest = parse(&body)?;
     let engines = router.pool.healthy();
     let bodies = vec![Some(json!({ "request_ids": req.request_ids })); engines.len()];
     // Aborting an id an engine does not know is fine; failures only mean the engine is gone.
-    let _ = fan_out(
-        &engines,
-        Method::POST,
-        "/inference/v1/abort_requests",
-        bodies,
-    )
-    .await;
+    let path = "/inference/v1/abort_requests";
+    let _ = fan_out(&engines, Method::POST, path, bodies).await;
     Ok(Json(json!({"status": "ok"})))
 }
 
@@ -415,27 +403,23 @@ async fn add_engine(
     State(router): State<Arc<Router>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let req: EngineUrl = parse(&body)?;
-    if !(req.url.starts_with("http://") || req.url.starts_with("https://")) {
-        return Err(ApiError::bad_request(format!(
-            "url must start with http:// or https://, got `{}`",
-            req.url
-        ))
-        .with_param("url"));
+    let EngineUrl { url } = parse(&body)?;
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        let message = format!("url must start with http:// or https://, got `{url}`");
+        return Err(ApiError::bad_request(message).with_param("url"));
     }
-    let added = router.pool.add(&req.url);
-    Ok(Json(json!({ "added": added })))
+    Ok(Json(json!({ "added": router.pool.add(&url) })))
 }
 
 async fn remove_engine(
     State(router): State<Arc<Router>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let req: EngineUrl = parse(&body)?;
-    if !router.pool.remove(&req.url) {
+    let EngineUrl { url } = parse(&body)?;
+    if !router.pool.remove(&url) {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
-            format!("no engine {}", req.url),
+            format!("no engine {url}"),
         ));
     }
     Ok(Json(json!({ "removed": true })))
@@ -443,12 +427,10 @@ async fn remove_engine(
 
 /// The router's routes.
 pub fn routes(router: Arc<Router>) -> axum::Router {
-    api_routes(router.clone()).merge(
-        axum::Router::new()
-            .route("/health", get(health))
-            .route("/metrics", get(metrics))
-            .with_state(router),
-    )
+    let own = axum::Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics));
+    api_routes(router.clone()).merge(own.with_state(router))
 }
 
 /// The router's routes but `/health` (which says whether any engine is routable) and `/metrics`:
@@ -470,9 +452,9 @@ pub fn api_routes(router: Arc<Router>) -> axum::Router {
         .route("/collective_rpc", post(broadcast))
         .route("/update_weight_version", post(broadcast))
         .route("/init_weight_transfer_engine", post(init_weight_transfer))
-        .route("/is_paused", get(is_paused))
-        .route("/get_world_size", get(get_world_size))
-        .route("/weight_info", get(weight_info))
+        .route("/is_paused", get(gather))
+        .route("/get_world_size", get(gather))
+        .route("/weight_info", get(gather))
         .route("/v1/models", get(models))
         .route(
             "/engines",

@@ -12,7 +12,7 @@
 //! (the judge is broken, and training on all-zero scores would only hide it); a cluster's
 //! coordinator asks again after a pause (the judge's engines may be starting or replaced).
 
-use std::sync::{Arc, LazyLock};
+use std::sync::LazyLock;
 
 use futures::future::BoxFuture;
 use regex::Regex;
@@ -23,12 +23,11 @@ use crate::config::judge::{fill_prompt, JudgeOptions};
 use crate::error::RunError;
 use crate::loopback::session::Segment;
 use crate::loopback::ChatService;
-use crate::rollout::Group;
 
 /// A judge ready to score: its chat service and the policy's tokenizer (to read replies).
 #[derive(Debug)]
 pub struct Judge {
-    service: Arc<ChatService>,
+    service: ChatService,
     policy_tokenizer: Tokenizer,
     opts: JudgeOptions,
 }
@@ -76,17 +75,11 @@ pub fn final_reply_ids(segments: &[Segment]) -> &[i64] {
     let Some(last) = segments.last() else {
         return &[];
     };
+    let mask = &last.loss_mask;
     // No sampled token: `end` 0, an empty reply.
-    let end = last
-        .loss_mask
-        .iter()
-        .rposition(|&m| m == 1)
-        .map_or(0, |i| i + 1);
-    let start = last.loss_mask[..end]
-        .iter()
-        .rposition(|&m| m != 1)
-        .map_or(0, |i| i + 1);
-    &last.token_ids[start..end]
+    let end = mask.iter().rposition(|&m| m == 1).map_or(0, |i| i + 1);
+    let start = mask[..end].iter().rposition(|&m| m != 1);
+    &last.token_ids[start.map_or(0, |i| i + 1)..end]
 }
 
 /// One episode's verdict.
@@ -116,7 +109,7 @@ impl Judge {
             crate::loopback::ServiceOptions::pool(episodes.max(1), "judge"),
         );
         Ok(Self {
-            service: Arc::new(service),
+            service,
             policy_tokenizer: Tokenizer::from_model_dir(policy_dir)
                 .map_err(|e| RunError::Setup(e.to_string()))?,
             opts: opts.clone(),
@@ -143,74 +136,18 @@ impl Judge {
         };
         // The judge's own trajectory is not trained on: drop the session either way.
         let _ = self.service.take(&session).await;
-        match answer {
-            Ok(answer) => {
-                let text = answer.choices[0].content.clone().unwrap_or_default();
-                match parse_score(&text) {
-                    Some(score) => Verdict::Score(score),
-                    None => {
-                        tracing::debug!(session, answer = text, "judge: no score in the answer");
-                        Verdict::Unparsed
-                    }
-                }
-            }
+        let text = match answer {
+            Ok(answer) => answer.choices[0].content.clone().unwrap_or_default(),
             Err(e) => {
                 tracing::warn!(session, error = %e, "judge: the request failed; scored 0");
-                Verdict::Failed
+                return Verdict::Failed;
             }
-        }
-    }
-
-    /// Judges every episode of `batch` concurrently and replaces each reward with
-    /// `agentWeight · reward + weight · score`. `step` makes the judge's session ids unique.
-    pub async fn score_batch(
-        &self,
-        batch: &mut [Group],
-        step: u64,
-    ) -> Result<JudgeStats, RunError> {
-        let started = std::time::Instant::now();
-        let mut asks = Vec::new();
-        for (g, group) in batch.iter().enumerate() {
-            for (e, episode) in group.episodes.iter().enumerate() {
-                let ids = final_reply_ids(&episode.segments);
-                let reply = self
-                    .policy_tokenizer
-                    .decode(ids, true)
-                    .map_err(|e| RunError::Setup(format!("judge: decoding a reply: {e}")))?;
-                let prompt = fill_prompt(&self.opts.prompt, &group.task, &reply)
-                    .map_err(|e| RunError::field("spec.judge.prompt", e))?;
-                asks.push(self.verdict(format!("judge-{step}-{g}-{e}"), prompt));
-            }
-        }
-        let verdicts = futures::future::join_all(asks).await;
-        let n = verdicts.len();
-        let count = |v: Verdict| verdicts.iter().filter(|&&w| w == v).count();
-        let mut stats = JudgeStats {
-            unparsed: count(Verdict::Unparsed),
-            failed: count(Verdict::Failed),
-            ..JudgeStats::default()
         };
-        if n > 0 && stats.failed == n {
-            // The batch is left as it was: it may be judged again (a judge that is starting).
-            return Err(RunError::Setup(format!(
-                "judge: all {n} requests of step {step} failed (see the warnings above)"
-            )));
-        }
-        let episodes = batch.iter_mut().flat_map(|g| g.episodes.iter_mut());
-        for (episode, verdict) in episodes.zip(verdicts) {
-            let score = if let Verdict::Score(s) = verdict {
-                s
-            } else {
-                0.0
-            };
-            stats.agent_reward_mean += episode.reward;
-            stats.judge_score_mean += score;
-            episode.reward = self.opts.agent_weight * episode.reward + self.opts.weight * score;
-        }
-        stats.agent_reward_mean /= n.max(1) as f64;
-        stats.judge_score_mean /= n.max(1) as f64;
-        stats.seconds = started.elapsed().as_secs_f64();
-        Ok(stats)
+        let Some(score) = parse_score(&text) else {
+            tracing::debug!(session, answer = text, "judge: no score in the answer");
+            return Verdict::Unparsed;
+        };
+        Verdict::Score(score)
     }
 }
 
@@ -219,9 +156,52 @@ impl Stage for Judge {
         "judging the batch"
     }
 
+    /// Judges every episode of the batch concurrently and replaces each reward with
+    /// `agentWeight · reward + weight · score`. The step makes the judge's session ids unique.
     fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>> {
         Box::pin(async move {
-            batch.judged = Some(self.score_batch(&mut batch.groups, batch.step).await?);
+            let (started, step) = (std::time::Instant::now(), batch.step);
+            let mut asks = Vec::new();
+            for (g, group) in batch.groups.iter().enumerate() {
+                for (e, episode) in group.episodes.iter().enumerate() {
+                    let ids = final_reply_ids(&episode.segments);
+                    let reply = self
+                        .policy_tokenizer
+                        .decode(ids, true)
+                        .map_err(|e| RunError::Setup(format!("judge: decoding a reply: {e}")))?;
+                    let prompt = fill_prompt(&self.opts.prompt, &group.task, &reply)
+                        .map_err(|e| RunError::field("spec.judge.prompt", e))?;
+                    asks.push(self.verdict(format!("judge-{step}-{g}-{e}"), prompt));
+                }
+            }
+            let verdicts = futures::future::join_all(asks).await;
+            let n = verdicts.len();
+            let count = |v: Verdict| verdicts.iter().filter(|&&w| w == v).count();
+            let mut stats = JudgeStats {
+                unparsed: count(Verdict::Unparsed),
+                failed: count(Verdict::Failed),
+                ..JudgeStats::default()
+            };
+            if n > 0 && stats.failed == n {
+                // The batch is left as it was: it may be judged again (a judge that is starting).
+                return Err(RunError::Setup(format!(
+                    "judge: all {n} requests of step {step} failed (see the warnings above)"
+                )));
+            }
+            let episodes = batch.groups.iter_mut().flat_map(|g| g.episodes.iter_mut());
+            for (episode, verdict) in episodes.zip(verdicts) {
+                let score = match verdict {
+                    Verdict::Score(s) => s,
+                    Verdict::Unparsed | Verdict::Failed => 0.0,
+                };
+                stats.agent_reward_mean += episode.reward;
+                stats.judge_score_mean += score;
+                episode.reward = self.opts.agent_weight * episode.reward + self.opts.weight * score;
+            }
+            stats.agent_reward_mean /= n.max(1) as f64;
+            stats.judge_score_mean /= n.max(1) as f64;
+            stats.seconds = started.elapsed().as_secs_f64();
+            batch.judged = Some(stats);
             Ok(())
         })
     }

@@ -27,7 +27,7 @@ use teacher::{Teacher, TeacherStats};
 
 /// The groups of one training step, and what is known about them (the coordinator hands this to
 /// the trainer pod as JSON; `moult run` passes it along in memory).
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct StepBatch {
     pub step: u64,
     pub groups: Vec<Group>,
@@ -69,10 +69,7 @@ impl StepBatch {
             rollout: pool.state(),
             stats: pool.stats(),
             seed,
-            eval: None,
-            judged: None,
-            taught: None,
-            restarts: 0,
+            ..Self::default()
         }
     }
 

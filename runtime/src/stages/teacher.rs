@@ -18,7 +18,7 @@ use futures::{StreamExt, TryStreamExt};
 use super::{Stage, StepBatch};
 use crate::engine::client::EngineError;
 use crate::error::RunError;
-use crate::rollout::{trained_segments, Group};
+use crate::rollout::trained_segments;
 use crate::router::{Engine, EnginePool};
 
 /// Tries per segment before the batch's scoring fails.
@@ -47,35 +47,6 @@ impl Teacher {
     /// A teacher over `pool`, whose health the caller keeps checked (the router's checker).
     pub fn new(pool: Arc<EnginePool>) -> Self {
         Self { pool }
-    }
-
-    /// Scores every segment with sampled tokens of `batch` (`step` makes request ids unique):
-    /// each gets `teacher_logprobs`. On failure no segment is changed.
-    pub async fn score_batch(
-        &self,
-        batch: &mut [Group],
-        step: u64,
-    ) -> Result<TeacherStats, RunError> {
-        let started = Instant::now();
-        let asks: Vec<_> = trained_segments(batch)
-            .map(|(g, e, s, seg)| {
-                let id = format!("teacher-{step}-{g}-{e}-{s}");
-                ((g, e, s), id, seg.token_ids.clone())
-            })
-            .collect();
-        let tokens = asks.iter().map(|(_, _, t)| t.len()).sum();
-        let scored: Vec<_> = futures::stream::iter(asks)
-            .map(|(at, id, tokens)| async move { self.score(&id, &tokens).await.map(|s| (at, s)) })
-            .buffer_unordered(IN_FLIGHT)
-            .try_collect()
-            .await?;
-        for ((g, e, s), logprobs) in scored {
-            batch[g].episodes[e].segments[s].teacher_logprobs = Some(logprobs);
-        }
-        Ok(TeacherStats {
-            tokens,
-            seconds: started.elapsed().as_secs_f64(),
-        })
     }
 
     /// One segment's scores from the least loaded teacher engine, trying others when one fails.
@@ -131,9 +102,33 @@ impl Stage for Teacher {
         "the teacher scores the batch"
     }
 
+    /// Scores every segment with sampled tokens of the batch (the step makes request ids
+    /// unique): each gets `teacher_logprobs`. On failure no segment is changed.
     fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>> {
         Box::pin(async move {
-            batch.taught = Some(self.score_batch(&mut batch.groups, batch.step).await?);
+            let started = Instant::now();
+            let asks: Vec<_> = trained_segments(&batch.groups)
+                .map(|(g, e, s, seg)| {
+                    let id = format!("teacher-{}-{g}-{e}-{s}", batch.step);
+                    ((g, e, s), id, seg.token_ids.clone())
+                })
+                .collect();
+            let tokens = asks.iter().map(|(_, _, t)| t.len()).sum();
+            let scored: Vec<_> =
+                futures::stream::iter(asks)
+                    .map(|(at, id, tokens)| async move {
+                        self.score(&id, &tokens).await.map(|s| (at, s))
+                    })
+                    .buffer_unordered(IN_FLIGHT)
+                    .try_collect()
+                    .await?;
+            for ((g, e, s), logprobs) in scored {
+                batch.groups[g].episodes[e].segments[s].teacher_logprobs = Some(logprobs);
+            }
+            batch.taught = Some(TeacherStats {
+                tokens,
+                seconds: started.elapsed().as_secs_f64(),
+            });
             Ok(())
         })
     }
