@@ -74,7 +74,7 @@ fn bounded(c: &mut Container, tmp: &str) {
     let r = c
         .resources
         .get_or_insert_with(ResourceRequirements::default);
-    let requests = r.requests.clone().unwrap_or_default();
+    let requests = r.requests.get_or_insert_with(BTreeMap::new);
     let limits = r.limits.get_or_insert_with(BTreeMap::new);
     for (key, default) in [
         ("cpu", cpu),
@@ -85,6 +85,13 @@ fn bounded(c: &mut Container, tmp: &str) {
             Some(request) if quantity(&request.0) > quantity(default) => request.0.clone(),
             _ => default.to_string(),
         };
+        // A limit without a request would become the request too (the API server copies it),
+        // and the pod would ask the scheduler for the whole default: an unset request is 0.
+        if !limits.contains_key(key) {
+            requests
+                .entry(key.to_string())
+                .or_insert(Quantity("0".into()));
+        }
         limits.entry(key.to_string()).or_insert(Quantity(limit));
     }
 }
