@@ -382,8 +382,10 @@ fn cluster_children_deleted_or_edited_by_hand_are_restored_and_follow_the_spec()
         "-p",
         r#"{"spec":{"engines":{"resources":null}}}"#,
     ]);
-    wait_until(T, "the engine CPU request to go", || {
-        ns.get("statefulset/r-engine", cpu).is_empty()
+    // Without the spec's request, the request is 0 again beside the default limit
+    // (docs/operator.md, "Resources").
+    wait_until(T, "the engine CPU request to go back to 0", || {
+        ns.get("statefulset/r-engine", cpu) == "0"
     });
     ns.kubectl(&[
         "label",
