@@ -165,7 +165,9 @@ fn mutation() -> impl Strategy<Value = Mutation> {
     let opt = |s: &'static str| proptest::option::of(text(s));
     prop_oneof![
         3 => name().prop_map(Mutation::Name),
-        1 => proptest::option::of("[0-9a-f-]{1,36}").prop_map(Mutation::Uid),
+        // The API server's UIDs are UUIDs (pods carry the run's as a label value).
+        1 => proptest::option::of("[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+            .prop_map(Mutation::Uid),
         2 => (count_i32(), count_i32(), count_u32(), count_u32(), count_u32(), count_u32(), proptest::option::of(count_u32()))
             .prop_map(|(engines, agents, concurrency, nodes, gpus_per_node, tp, gpus_per_engine)| Mutation::Counts {
                 engines, agents, concurrency, nodes, gpus_per_node, tp, gpus_per_engine,

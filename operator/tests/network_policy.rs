@@ -71,7 +71,7 @@ fn policies(c: &Children) -> Vec<NetworkPolicy> {
 fn the_policies_admit_and_refuse_what_the_documented_matrix_says_for_every_transport() {
     let m = matrix::documented();
     assert_eq!(m.destinations.len(), 9, "{:?}", m.destinations);
-    assert_eq!(m.rows.len(), 10);
+    assert_eq!(m.rows.len(), 11);
     let config = config();
     let mut wrong = Vec::new();
     for transport in [

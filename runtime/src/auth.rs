@@ -94,6 +94,50 @@ pub fn client() -> reqwest::Client {
         .expect("an HTTP client with default settings builds")
 }
 
+/// Why a call to a peer failed: it did not arrive, was refused, or answered other than expected.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("{url}: {source}")]
+    Send {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{url}: {status}: {body}")]
+    Status {
+        url: String,
+        status: reqwest::StatusCode,
+        body: String,
+    },
+    #[error("{url}: unexpected answer: {source}")]
+    Answer {
+        url: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Sends `request` (to `url`), which must answer 2xx; its JSON answer, where an empty one (a 204,
+/// "nothing yet") reads as `null`.
+pub(crate) async fn call<T: serde::de::DeserializeOwned>(
+    url: &str,
+    request: reqwest::RequestBuilder,
+) -> Result<T, CallError> {
+    let send = |source| CallError::Send {
+        url: url.to_string(),
+        source,
+    };
+    let r = request.send().await.map_err(send)?;
+    let status = r.status();
+    let body = r.text().await.map_err(send)?;
+    let url = url.to_string();
+    if !status.is_success() {
+        return Err(CallError::Status { url, status, body });
+    }
+    let json = if body.is_empty() { "null" } else { &body };
+    serde_json::from_str(json).map_err(|source| CallError::Answer { url, source })
+}
+
 /// Paths anyone may call: probes and metrics scrapes.
 fn open(path: &str) -> bool {
     matches!(path, "/health" | "/metrics")

@@ -74,8 +74,7 @@ impl Collectives for Solo {
         Ok(())
     }
     fn reduce_scatter(&self, out: &Tensor, input: &Tensor) -> Result<()> {
-        tch::no_grad(|| out.view(input.size().as_slice()).copy_(input));
-        Ok(())
+        self.all_gather(out, input)
     }
     fn all_reduce(&self, _: &Tensor, _: ReduceOp) -> Result<()> {
         Ok(())
@@ -116,39 +115,27 @@ impl Rendezvous {
     /// `MOULT_TRAINER_WORLD_SIZE`, or 1).
     pub fn from_env() -> Result<Option<Self>> {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-        let world = match var(ENV_WORLD) {
-            None => return Ok(None),
-            Some(w) => w
-                .parse::<usize>()
-                .map_err(|_| Error::Config(format!("{ENV_WORLD}={w}: not a positive integer")))?,
+        let bad = |name: &str, v: &str, want: &str| Error::Config(format!("{name}={v}: {want}"));
+        let Some(w) = var(ENV_WORLD) else {
+            return Ok(None);
         };
+        let world: usize = w
+            .parse()
+            .map_err(|_| bad(ENV_WORLD, &w, "not a whole number"))?;
         if world <= 1 {
             return Ok(None);
         }
-        let rank: usize = var(ENV_RANK)
-            .ok_or_else(|| Error::Config(format!("{ENV_WORLD}={world} but {ENV_RANK} is not set")))?
-            .parse()
-            .map_err(|_| Error::Config(format!("{ENV_RANK}: not a rank number")))?;
-        if rank >= world {
-            return Err(Error::Config(format!(
-                "{ENV_RANK}={rank} is not below {ENV_WORLD}={world}"
-            )));
-        }
-        let master = var(ENV_MASTER).ok_or_else(|| {
-            Error::Config(format!("{ENV_MASTER} (host:port of rank 0) is not set"))
-        })?;
-        let (host, port) = master
-            .rsplit_once(':')
+        let r = var(ENV_RANK).unwrap_or_default();
+        let rank = r.parse().ok().filter(|r| *r < world);
+        let rank = rank.ok_or_else(|| bad(ENV_RANK, &r, &format!("not a rank below {world}")))?;
+        let master = var(ENV_MASTER).unwrap_or_default();
+        let (host, port) = (master.rsplit_once(':'))
             .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
-            .ok_or_else(|| Error::Config(format!("{ENV_MASTER}={master}: expected host:port")))?;
-        let timeout = match var(ENV_TIMEOUT) {
-            None => Duration::from_secs(120),
-            Some(t) => {
-                Duration::from_secs_f64(t.parse::<f64>().ok().filter(|t| *t > 0.0).ok_or_else(
-                    || Error::Config(format!("{ENV_TIMEOUT}={t}: expected positive seconds")),
-                )?)
-            }
-        };
+            .ok_or_else(|| bad(ENV_MASTER, &master, "expected host:port of rank 0"))?;
+        let t = var(ENV_TIMEOUT).unwrap_or_else(|| "120".into());
+        let timeout = t.parse::<f64>().ok().filter(|t| *t > 0.0);
+        let timeout = timeout.ok_or_else(|| bad(ENV_TIMEOUT, &t, "expected positive seconds"))?;
+        let timeout = Duration::from_secs_f64(timeout);
         Ok(Some(Self {
             host,
             port,

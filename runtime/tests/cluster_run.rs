@@ -436,6 +436,27 @@ async fn cluster_run_trains_survives_restarts_and_scales() {
         "{evals}"
     );
 
+    // Engine discovery admits only the run's own engines (docs/security.md, "Credentials"): a
+    // bare pod with engine-0's labels copied (the Service selects it, so the run's own slice
+    // lists it) and a rogue EndpointSlice with the Service's label, both at a listener of the
+    // test's, get no request while the run goes on, so never see the token.
+    let rogue = Rogue::start(&ns).await;
+    let at = step_of(&status(&ns, RUN));
+    wait_status(
+        (&ns, RUN),
+        &kubelet,
+        Duration::from_secs(300),
+        "2 steps with a rogue engine about",
+        |s| step_of(s) >= at + 2,
+    );
+    let engines = router_engines(&http, &coordinator, &token).await;
+    assert!(
+        !engines.to_string().contains(&rogue.ip),
+        "the router took the rogue engine {}: {engines}",
+        rogue.ip
+    );
+    assert_eq!(rogue.finish(&ns), 0, "connections to the rogue engine");
+
     // kubectl scale: a third engine joins the router and gets work.
     ns.kubectl(&["scale", &format!("rlrun/{RUN}"), "--replicas=3"]);
     let third = format!("{RUN}-engine-2");
@@ -677,6 +698,93 @@ fn pod_ip_of(ns: &Namespace, component: &str) -> String {
 /// The name of a component's pod.
 fn pod_name_of(ns: &Namespace, component: &str) -> String {
     pod_field(ns, component, "metadata.name")
+}
+
+/// A pod that copies engine-0's labels (no container of it runs), a test listener at its IP on
+/// the engine port, and an EndpointSlice with the engine Service's label listing it: what
+/// engine discovery must never call.
+struct Rogue {
+    ip: String,
+    connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Rogue {
+    async fn start(ns: &Namespace) -> Rogue {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        let labels = ns.kubectl(&[
+            "get",
+            "pod",
+            &format!("{RUN}-engine-0"),
+            "-o",
+            "jsonpath={.metadata.labels}",
+        ]);
+        let labels: Value = serde_json::from_str(&labels).expect("labels");
+        let pod = serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "copycat", "labels": labels},
+            "spec": {"containers": [{"name": "rogue", "image": "rogue"}]},
+        });
+        ns.apply(&pod.to_string());
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let ip = loop {
+            let ip = pod_ip(ns, "copycat");
+            if !ip.is_empty() {
+                break ip;
+            }
+            assert!(Instant::now() < deadline, "the copycat pod got no IP");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        let uid = ns.kubectl(&["get", "pod", "copycat", "-o", "jsonpath={.metadata.uid}"]);
+        let listener = std::net::TcpListener::bind((ip.as_str(), 8000)).expect("rogue listener");
+        listener.set_nonblocking(true).unwrap();
+        let connections = std::sync::Arc::new(AtomicUsize::new(0));
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let (count, stopped) = (connections.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((conn, from)) => {
+                        println!("the rogue engine was called from {from}");
+                        count.fetch_add(1, Ordering::Relaxed);
+                        drop(conn);
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        });
+        let slice = serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "rogue",
+                "labels": {"kubernetes.io/service-name": format!("{RUN}-engine")},
+            },
+            "addressType": "IPv4",
+            "endpoints": [{
+                "addresses": [ip],
+                "conditions": {"ready": true},
+                "targetRef": {"kind": "Pod", "name": "copycat", "uid": uid.trim()},
+            }],
+            "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+        });
+        ns.apply(&slice.to_string());
+        Rogue {
+            ip,
+            connections,
+            stop,
+        }
+    }
+
+    /// Removes the pod and the slice; the connections the listener took.
+    fn finish(self, ns: &Namespace) -> usize {
+        use std::sync::atomic::Ordering;
+        ns.kubectl(&["delete", "endpointslice", "rogue", "--wait=false"]);
+        ns.kubectl(&["delete", "pod", "copycat", "--grace-period=0", "--force"]);
+        self.stop.store(true, Ordering::Relaxed);
+        self.connections.load(Ordering::Relaxed)
+    }
 }
 
 /// The router's engines (`GET /engines` on the coordinator).

@@ -323,3 +323,57 @@ async fn libtorch_requests_wait_for_an_engine_when_none_is_up() {
     a.kill().unwrap();
     a.wait().unwrap();
 }
+
+/// Two clients give their requests the same id: the engine knows each by a random id of the
+/// router's own (no clash), and an abort reaches only the request its caller started (the same
+/// session); one naming the id under no session or another session aborts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_an_abort_reaches_only_the_callers_own_request() {
+    let (mut a, a_url) = spawn_engine(&dense_model());
+    let (url, _router) = start_router(&[a_url], "least-tokens").await;
+    let client = reqwest::Client::new();
+    let generate = |session: &'static str| {
+        let body = json!({"request_id": "same", "token_ids": [1, 2, 3],
+            "sampling_params": {"max_tokens": 300, "ignore_eos": true}});
+        let request = (client.post(format!("{url}/inference/v1/generate")))
+            .header("x-moult-session", session)
+            .json(&body);
+        tokio::spawn(async move { request.send().await.unwrap().json::<Value>().await.unwrap() })
+    };
+    let (mine, theirs) = (generate("mine"), generate("theirs"));
+    for _ in 0..200 {
+        let engines: Value = common::get_json(&format!("{url}/engines")).await;
+        if engines["engines"][0]["requests"] == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let abort = |session: Option<&'static str>| {
+        let mut request = (client.post(format!("{url}/inference/v1/abort_requests")))
+            .json(&json!({"request_ids": ["same"]}));
+        if let Some(session) = session {
+            request = request.header("x-moult-session", session);
+        }
+        async move { assert_eq!(request.send().await.unwrap().status(), 200) }
+    };
+    abort(None).await;
+    abort(Some("someone")).await;
+    abort(Some("mine")).await;
+    let mine = tokio::time::timeout(Duration::from_secs(120), mine)
+        .await
+        .unwrap()
+        .unwrap();
+    let theirs = tokio::time::timeout(Duration::from_secs(120), theirs)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(mine["request_id"], "same", "answers carry the client's id");
+    assert_eq!(mine["choices"][0]["finish_reason"], "abort", "{mine}");
+    assert_eq!(theirs["choices"][0]["finish_reason"], "length", "{theirs}");
+    assert_eq!(
+        theirs["choices"][0]["token_ids"].as_array().unwrap().len(),
+        300
+    );
+    a.kill().unwrap();
+    a.wait().unwrap();
+}

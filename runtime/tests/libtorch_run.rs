@@ -711,7 +711,7 @@ fn libtorch_forged_episodes_before_the_trainer_starts_never_stop_it() {
                 (2, _) => forged(lease, vec![5, 6, 7], Some(image.clone())),
                 _ => forged(lease, vec![5, 6, 7], None),
             };
-            let path = format!("/v1/agents/episodes/{}", lease["lease"]);
+            let path = format!("/v1/agents/episodes/{}", lease["lease"].as_str().unwrap());
             let (_, answer) = post(&path, &episode);
             assert_eq!(answer["accepted"], true, "{answer}");
         }

@@ -56,7 +56,7 @@ pub(crate) fn service_account(ctx: &Ctx) -> ServiceAccount {
 }
 
 /// What the run's pods may do: read their own RLRun and write its status (the coordinator
-/// reports step, version and metrics), and find the engine endpoints.
+/// reports step, version and metrics), and find the engine endpoints and check they are the run's.
 pub(crate) fn role(ctx: &Ctx) -> Role {
     let own = Some(vec![ctx.name.clone()]);
     Role {
@@ -76,10 +76,30 @@ pub(crate) fn role(ctx: &Ctx) -> Role {
                 verbs: vec!["get".into(), "patch".into()],
                 ..PolicyRule::default()
             },
+            // Engine discovery trusts a slice only if the run's engine Service controls it, and
+            // an address only of a pod that the run's StatefulSet controls (docs/security.md).
             PolicyRule {
                 api_groups: Some(vec!["discovery.k8s.io".into()]),
                 resources: Some(vec!["endpointslices".into()]),
                 verbs: vec!["get".into(), "list".into(), "watch".into()],
+                ..PolicyRule::default()
+            },
+            PolicyRule {
+                api_groups: Some(vec![String::new()]),
+                resources: Some(vec!["pods".into()]),
+                verbs: vec!["get".into(), "list".into(), "watch".into()],
+                ..PolicyRule::default()
+            },
+            PolicyRule {
+                api_groups: Some(vec![String::new()]),
+                resources: Some(vec!["services".into()]),
+                verbs: vec!["get".into()],
+                ..PolicyRule::default()
+            },
+            PolicyRule {
+                api_groups: Some(vec!["apps".into()]),
+                resources: Some(vec!["statefulsets".into()]),
+                verbs: vec!["get".into()],
                 ..PolicyRule::default()
             },
         ]),

@@ -28,6 +28,10 @@ use crate::api::RLRun;
 
 /// Label holding the owning run's name, on every child and every pod.
 pub const RUN_LABEL: &str = "moult.dev/run";
+/// Label holding the owning RLRun's UID, on every pod the operator makes. The NetworkPolicies'
+/// peers require it besides the name labels, so a pod that copies a run's name labels is not a
+/// peer unless it also knows the run's UID (what labels cannot stop: docs/security.md).
+pub const RUN_UID_LABEL: &str = "moult.dev/run-uid";
 /// Label naming the role of a pod: engine, trainer, coordinator, agents.
 pub const COMPONENT_LABEL: &str = "moult.dev/component";
 /// Set on every child so that the operator watches only its own objects.

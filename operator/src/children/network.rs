@@ -23,7 +23,7 @@ use k8s_openapi::api::networking::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
-use super::{Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, WEIGHT_STREAM_PORT};
+use super::{Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, RUN_UID_LABEL, WEIGHT_STREAM_PORT};
 use crate::api::WeightTransport;
 
 /// The run's policies, each selecting the pods of one component (the judge's with
@@ -39,11 +39,13 @@ pub struct NetworkPolicies {
     pub teacher: Option<NetworkPolicy>,
 }
 
-/// The run's pods of `component`.
+/// The run's pods of `component`: its name labels and the run's UID.
 fn pods(ctx: &Ctx, component: &str) -> NetworkPolicyPeer {
+    let mut labels = ctx.selector(component);
+    labels.insert(RUN_UID_LABEL.into(), ctx.owner.uid.clone());
     NetworkPolicyPeer {
         pod_selector: Some(LabelSelector {
-            match_labels: Some(ctx.selector(component)),
+            match_labels: Some(labels),
             ..LabelSelector::default()
         }),
         ..NetworkPolicyPeer::default()

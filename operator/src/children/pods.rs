@@ -15,7 +15,10 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::access::CONFIG_FILE;
-use super::{name, service_account_name, Ctx, AGENT_TOKEN_KEY, CONFIG_HASH_ANNOTATION, TOKEN_KEY};
+use super::{
+    name, service_account_name, Ctx, AGENT_TOKEN_KEY, CONFIG_HASH_ANNOTATION, RUN_UID_LABEL,
+    TOKEN_KEY,
+};
 use crate::api::WeightTransport;
 
 /// Extended resource of NVIDIA's device plugin.
@@ -155,6 +158,7 @@ pub(crate) fn template(
         bounded(c, &tmp);
     }
     let mut labels = ctx.labels(Some(component));
+    labels.insert(RUN_UID_LABEL.into(), ctx.owner.uid.clone());
     let scheduling = &ctx.run.spec.scheduling;
     if let Some(queue) = &scheduling.queue_name {
         labels.insert("kueue.x-k8s.io/queue-name".into(), queue.clone());

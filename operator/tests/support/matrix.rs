@@ -135,6 +135,11 @@ pub fn source(name: &str, ours: &Children, other_run: &Children) -> Endpoint {
             NAMESPACE,
             pod_labels(other_run, "coordinator"),
         ),
+        "a pod of the namespace with a coordinator's copied labels" => {
+            let mut labels = pod_labels(ours, "coordinator");
+            labels.remove(moult_operator::children::RUN_UID_LABEL);
+            Endpoint::pod("copycat", "10.244.8.4", NAMESPACE, labels)
+        }
         "a pod of another namespace" => Endpoint::pod("team-b", "10.244.8.3", "team-b", notebook),
         "outside the cluster" => Endpoint::outside("internet", "203.0.113.7"),
         "the pod's node (probes)" => Endpoint::node("node", "192.0.2.1"),

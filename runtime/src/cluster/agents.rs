@@ -102,13 +102,13 @@ pub async fn run(
     );
     // The leases of the episodes running here, renewed every few seconds so that the coordinator
     // knows this pod is alive (and gives them to another pod soon after it is not).
-    let held = Arc::new(Mutex::new(BTreeSet::<u64>::new()));
+    let held = Arc::new(Mutex::new(BTreeSet::<String>::new()));
     let renewer = {
         let (coordinator, held) = (coordinator.clone(), held.clone());
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(RENEW_EVERY).await;
-                let leases: Vec<u64> = held.lock().expect("lease set").iter().copied().collect();
+                let leases: Vec<String> = held.lock().expect("lease set").iter().cloned().collect();
                 if leases.is_empty() {
                     continue;
                 }
@@ -132,7 +132,7 @@ pub async fn run(
                     lease = next_lease(&coordinator) => lease,
                     _ = draining.wait_for(|d| *d) => return,
                 };
-                held.lock().expect("lease set").insert(lease.lease);
+                held.lock().expect("lease set").insert(lease.lease.clone());
                 running.inc();
                 let episode = pool.episode(lease.index, lease.task, lease.sampling).await;
                 running.dec();

@@ -214,12 +214,12 @@ async fn lease(State(c): Shared) -> Response {
     }
 }
 
-async fn episode(State(c): Shared, UrlPath(lease): UrlPath<u64>, body: String) -> Response {
+async fn episode(State(c): Shared, UrlPath(lease): UrlPath<String>, body: String) -> Response {
     let episode: Episode = match serde_json::from_str(&body) {
         Ok(e) => e,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("not an episode: {e}")),
     };
-    Json(json!({"accepted": c.agents.complete(lease, episode)})).into_response()
+    Json(json!({"accepted": c.agents.complete(&lease, episode)})).into_response()
 }
 
 async fn renew(State(c): Shared, Json(l): Json<Leases>) -> Response {
@@ -415,30 +415,23 @@ async fn prometheus(State(c): Shared) -> String {
     server::register_metrics(&c.router, &mut registry);
     let s = c.status();
     let (a, r) = (&s.agents, &s.rollout);
-    let mut gauge = |name, help, value: u64| {
+    #[rustfmt::skip]
+    let gauges = [
+        ("moult_step", "Training steps committed", s.step),
+        ("moult_policy_version", "Policy version the engines serve", s.policy_version),
+        ("moult_episodes_waiting", "Episodes waiting for an agent pod", a.episodes_waiting as u64),
+        ("moult_episodes_leased", "Episodes an agent pod is running", a.episodes_leased as u64),
+        ("moult_leases_expired", "Episodes run again because their agent pod went silent", a.leases_expired),
+        ("moult_groups_dropped_stale", "Groups dropped for staleness", r.dropped_stale),
+        ("moult_groups_dropped_failed", "Groups dropped because an episode failed", r.dropped_failed),
+        ("moult_groups_dropped_invalid", "Groups dropped because an episode was malformed", r.dropped_invalid),
+        ("moult_groups_filtered", "Groups dynamic sampling dropped because every reward was equal", r.groups_filtered),
+        ("moult_batches_quarantined", "Batches the trainer could not learn from, set aside", r.batches_quarantined),
+        ("moult_trainer_restarts", "Times the trainer started again", s.trainer_restarts),
+    ];
+    for (name, help, value) in gauges {
         super::gauge(&mut registry, name, help).set(value as f64);
-    };
-    gauge("moult_step", "Training steps committed", s.step);
-    let help = "Policy version the engines serve";
-    gauge("moult_policy_version", help, s.policy_version);
-    let help = "Episodes waiting for an agent pod";
-    gauge("moult_episodes_waiting", help, a.episodes_waiting as u64);
-    let help = "Episodes an agent pod is running";
-    gauge("moult_episodes_leased", help, a.episodes_leased as u64);
-    let help = "Episodes run again because their agent pod went silent";
-    gauge("moult_leases_expired", help, a.leases_expired);
-    let help = "Groups dropped for staleness";
-    gauge("moult_groups_dropped_stale", help, r.dropped_stale);
-    let help = "Groups dropped because an episode failed";
-    gauge("moult_groups_dropped_failed", help, r.dropped_failed);
-    let help = "Groups dropped because an episode was malformed";
-    gauge("moult_groups_dropped_invalid", help, r.dropped_invalid);
-    let help = "Groups dynamic sampling dropped because every reward was equal";
-    gauge("moult_groups_filtered", help, r.groups_filtered);
-    let help = "Batches the trainer could not learn from, set aside";
-    gauge("moult_batches_quarantined", help, r.batches_quarantined);
-    let help = "Times the trainer started again";
-    gauge("moult_trainer_restarts", help, s.trainer_restarts);
+    }
     super::encode(&registry)
 }
 
@@ -453,7 +446,7 @@ async fn judge(
     ns: &str,
 ) -> Result<Judge, RunError> {
     let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
-    let (pool, _) = engine_pool("MOULT_JUDGE_ENGINES", client, ns)?;
+    let (pool, _) = engine_pool("MOULT_JUDGE_ENGINES", client, ns, &cfg.name)?;
     let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
     let listener = super::bind("127.0.0.1:0", "spec.judge: binding 127.0.0.1".into()).await?;
     let url = format!("http://{}", listener.local_addr().map_err(|e| setup(&e))?);
@@ -465,13 +458,14 @@ async fn judge(
     Judge::connect(&url, opts, &policy, episodes)
 }
 
-/// The engines the environment variable `variable` names: a Service, whose EndpointSlices the
-/// pool follows from now on (through the Kubernetes API), or a comma-separated list of URLs.
-/// Returns the pool and what the variable said.
+/// The engines the environment variable `variable` names: a Service of the run `run`, whose
+/// EndpointSlices the pool follows from now on (through the Kubernetes API), or a
+/// comma-separated list of URLs. Returns the pool and what the variable said.
 fn engine_pool(
     variable: &str,
     client: Option<kube::Client>,
     ns: &str,
+    run: &str,
 ) -> Result<(Arc<EnginePool>, String), RunError> {
     let engines = super::env_var(variable)?;
     let pool = Arc::new(EnginePool::default());
@@ -485,10 +479,12 @@ fn engine_pool(
                 "{variable} names the Service `{engines}`, whose EndpointSlices need the Kubernetes API (run in the pod, or set KUBECONFIG), or give engine URLs"
             ))
         })?;
+        let (ns, run, service) = (ns.to_string(), run.to_string(), engines.clone());
         tokio::spawn(super::discovery::follow(
             client,
-            ns.to_string(),
-            engines.clone(),
+            ns,
+            run,
+            service,
             pool.clone(),
         ));
     }
@@ -528,7 +524,7 @@ pub async fn run(
         .unwrap_or_else(|| "default".into());
 
     // The router, over the engines of the Service (or a fixed list).
-    let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns)?;
+    let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns, &cfg.name)?;
     let backend = cfg.run.spec.engines.backend;
     let router = crate::router::for_run(pool, backend);
     let judge = match &cfg.judge {
@@ -539,7 +535,7 @@ pub async fn run(
     // A served distillation teacher: its engines' Service (or URLs), health-checked.
     let teacher = match cfg.served_teacher {
         Some(_) => {
-            let (pool, _) = engine_pool("MOULT_TEACHER_ENGINES", client.clone(), &ns)?;
+            let (pool, _) = engine_pool("MOULT_TEACHER_ENGINES", client.clone(), &ns, &cfg.name)?;
             let health = crate::router::HealthOptions::for_backend(backend);
             tokio::spawn(pool.clone().check_health(health));
             Some(Teacher::new(pool))

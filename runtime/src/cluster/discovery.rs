@@ -7,46 +7,96 @@
 //! requests go there, and the requests it still runs finish there (its pod drains them before
 //! it exits) or fail over to another engine. `MOULT_ENGINES` may instead be a comma-separated
 //! list of URLs, for running the roles by hand without a cluster.
+//!
+//! Only the run's own objects count (docs/security.md, "Engine discovery"): a slice counts only
+//! if the engine Service controls it, and an endpoint only at the IP of a pod that the engines'
+//! StatefulSet controls, both controlled by the RLRun itself (checked by UID). A slice that copies
+//! the Service's label, or a pod that copies the engines' labels, never gets a request, and so
+//! never sees the run's token.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use futures::TryStreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
+use moult_operator::api::RLRun;
+use moult_operator::children::RUN_LABEL;
 
 use crate::router::EnginePool;
 
-/// The engine URLs a slice lists as ready (and not terminating).
-pub fn ready_urls(slice: &EndpointSlice, default_port: u16) -> BTreeSet<String> {
-    let port = slice
-        .ports
-        .iter()
-        .flatten()
-        .find(|p| p.name.as_deref() == Some("http"))
-        .or_else(|| slice.ports.iter().flatten().next())
-        .and_then(|p| p.port)
-        .map_or(default_port, |p| p as u16);
-    slice
-        .endpoints
-        .iter()
-        .flatten()
-        .filter(|e| {
+/// The UIDs of the run's own engine Service and engine StatefulSet.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Owners {
+    pub service: String,
+    pub workload: String,
+}
+
+/// The UID of the object's controller (its owner reference marked `controller`).
+pub fn controller(meta: &ObjectMeta) -> Option<&str> {
+    let mut owners = meta.owner_references.iter().flatten();
+    owners
+        .find(|o| o.controller == Some(true))
+        .map(|o| o.uid.as_str())
+}
+
+/// The engine URLs that the run's own slices list as ready (and not terminating), at the IPs of
+/// the run's own pods.
+pub fn ready_urls<'a>(
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    pods: impl IntoIterator<Item = &'a Pod>,
+    owners: &Owners,
+    default_port: u16,
+) -> BTreeSet<String> {
+    let pods: BTreeMap<&str, &Pod> = (pods.into_iter())
+        .filter(|p| controller(&p.metadata) == Some(owners.workload.as_str()))
+        .filter_map(|p| Some((p.metadata.uid.as_deref()?, p)))
+        .collect();
+    let ips = |p: &Pod| -> BTreeSet<String> {
+        let status = p.status.iter();
+        let ips = status.flat_map(|s| s.pod_ips.iter().flatten().map(|ip| ip.ip.clone()));
+        ips.chain(p.status.as_ref().and_then(|s| s.pod_ip.clone()))
+            .collect()
+    };
+    let mut urls = BTreeSet::new();
+    for slice in slices {
+        if controller(&slice.metadata) != Some(owners.service.as_str()) {
+            continue;
+        }
+        let ports = slice.ports.iter().flatten();
+        let port = (ports.clone().find(|p| p.name.as_deref() == Some("http")))
+            .or_else(|| slice.ports.iter().flatten().next())
+            .and_then(|p| p.port)
+            .map_or(default_port, |p| p as u16);
+        for e in slice.endpoints.iter().flatten() {
             let c = e.conditions.as_ref();
             // Unset `ready` means ready (the API's convention).
-            c.and_then(|c| c.ready).unwrap_or(true)
-                && !c.and_then(|c| c.terminating).unwrap_or(false)
-        })
-        .flat_map(|e| e.addresses.iter())
-        .map(|a| {
-            if a.contains(':') {
-                format!("http://[{a}]:{port}")
-            } else {
-                format!("http://{a}:{port}")
+            let ready = c.and_then(|c| c.ready).unwrap_or(true);
+            if !ready || c.and_then(|c| c.terminating).unwrap_or(false) {
+                continue;
             }
-        })
-        .collect()
+            let target = e
+                .target_ref
+                .as_ref()
+                .filter(|t| t.kind.as_deref() == Some("Pod"));
+            let Some(pod) = target.and_then(|t| pods.get(t.uid.as_deref()?)) else {
+                continue;
+            };
+            let ips = ips(pod);
+            for a in e.addresses.iter().filter(|a| ips.contains(*a)) {
+                urls.insert(if a.contains(':') {
+                    format!("http://[{a}]:{port}")
+                } else {
+                    format!("http://{a}:{port}")
+                });
+            }
+        }
+    }
+    urls
 }
 
 /// Makes the pool's membership `want`: adds the new, removes the gone.
@@ -61,28 +111,84 @@ pub fn reconcile(pool: &EnginePool, want: &BTreeSet<String>) {
     }
 }
 
-/// Follows the EndpointSlices of Service `service` in `namespace` into `pool`, forever
-/// (reconnecting after API errors). The slices are kept in a reflector's store (which swaps in a
-/// relisted set whole), and the pool follows the store after every event.
-pub async fn follow(client: Client, namespace: String, service: String, pool: Arc<EnginePool>) {
-    let api: Api<EndpointSlice> = Api::namespaced(client, &namespace);
-    let config =
-        watcher::Config::default().labels(&format!("kubernetes.io/service-name={service}"));
-    let (slices, writer) = reflector::store();
-    let mut events = std::pin::pin!(watcher::watcher(api, config).reflect(writer));
+/// The run's own engine Service and StatefulSet, both named `service`: each must be controlled by
+/// the RLRun `run`.
+async fn owners(client: &Client, ns: &str, run: &str, service: &str) -> Result<Owners, String> {
+    let uid = |meta: &ObjectMeta| meta.uid.clone().unwrap_or_default();
+    let get = |e: kube::Error| format!("reading the run's objects: {e}");
+    let rlrun = (Api::<RLRun>::namespaced(client.clone(), ns).get(run).await).map_err(get)?;
+    let svc = (Api::<Service>::namespaced(client.clone(), ns)
+        .get(service)
+        .await)
+        .map_err(get)?;
+    let sts = Api::<StatefulSet>::namespaced(client.clone(), ns);
+    let sts = sts.get(service).await.map_err(get)?;
+    let run_uid = uid(&rlrun.metadata);
+    for (kind, meta) in [("Service", &svc.metadata), ("StatefulSet", &sts.metadata)] {
+        if controller(meta) != Some(run_uid.as_str()) {
+            return Err(format!("the {kind} {service} is not the RLRun {run}'s own"));
+        }
+    }
+    Ok(Owners {
+        service: uid(&svc.metadata),
+        workload: uid(&sts.metadata),
+    })
+}
+
+/// Follows the EndpointSlices of the run's Service `service` in `namespace` into `pool`, forever
+/// (reconnecting after API errors), trusting only the run's own slices and pods. The slices and
+/// the run's pods are kept in reflectors' stores (which swap in a relisted set whole), and the
+/// pool follows them after every event.
+pub async fn follow(
+    client: Client,
+    namespace: String,
+    run: String,
+    service: String,
+    pool: Arc<EnginePool>,
+) {
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &namespace);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    let by = |label: String| watcher::Config::default().labels(&label);
+    let (slice_store, slice_writer) = reflector::store();
+    let (pod_store, pod_writer) = reflector::store();
+    let slice_events =
+        watcher::watcher(slices, by(format!("kubernetes.io/service-name={service}")));
+    let pod_events = watcher::watcher(pods, by(format!("{RUN_LABEL}={run}")));
+    let mut events = std::pin::pin!(futures::stream::select(
+        slice_events.reflect(slice_writer).map_ok(|_| ()),
+        pod_events.reflect(pod_writer).map_ok(|_| ()),
+    ));
+    let mut known: Option<Owners> = None;
     loop {
         match events.try_next().await {
-            Ok(Some(_)) => {
-                let want = slices
-                    .state()
-                    .iter()
-                    .flat_map(|s| ready_urls(s, 8000))
-                    .collect();
+            Ok(Some(())) => {
+                // The Service or StatefulSet may be new (deleted and made again): look them up
+                // until found, and again when none of the slices is theirs.
+                let slices = slice_store.state();
+                let theirs = |o: &Owners| {
+                    slices
+                        .iter()
+                        .any(|s| controller(&s.metadata) == Some(&o.service))
+                };
+                if !known.as_ref().is_some_and(theirs) {
+                    match owners(&client, &namespace, &run, &service).await {
+                        Ok(o) => known = Some(o),
+                        Err(e) => tracing::warn!(%service, "engine discovery: {e}"),
+                    }
+                }
+                let Some(o) = &known else { continue };
+                let pods = pod_store.state();
+                let want = ready_urls(
+                    slices.iter().map(|s| &**s),
+                    pods.iter().map(|p| &**p),
+                    o,
+                    8000,
+                );
                 reconcile(&pool, &want);
             }
             Ok(None) => return,
             Err(e) => {
-                tracing::warn!(%service, "watching the engines' EndpointSlices: {e}; retrying");
+                tracing::warn!(%service, "watching the engines' EndpointSlices and pods: {e}; retrying");
                 tokio::time::sleep(std::time::Duration::from_secs(2)).await;
             }
         }
@@ -92,9 +198,23 @@ pub async fn follow(client: Client, namespace: String, service: String, pool: Ar
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::{ObjectReference, PodIP, PodStatus};
     use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 
-    fn endpoint(ip: &str, ready: Option<bool>, terminating: Option<bool>) -> Endpoint {
+    fn owned_by(uid: &str, controller: bool) -> ObjectMeta {
+        ObjectMeta {
+            uid: Some(format!("{uid}-self")),
+            owner_references: Some(vec![OwnerReference {
+                uid: uid.into(),
+                controller: Some(controller),
+                ..OwnerReference::default()
+            }]),
+            ..ObjectMeta::default()
+        }
+    }
+
+    fn endpoint(ip: &str, pod: &str, ready: Option<bool>, terminating: Option<bool>) -> Endpoint {
         Endpoint {
             addresses: vec![ip.into()],
             conditions: Some(EndpointConditions {
@@ -102,28 +222,65 @@ mod tests {
                 terminating,
                 serving: None,
             }),
+            target_ref: Some(ObjectReference {
+                kind: Some("Pod".into()),
+                uid: Some(pod.into()),
+                ..ObjectReference::default()
+            }),
             ..Endpoint::default()
         }
     }
 
-    #[test]
-    fn ready_endpoints_join_and_terminating_ones_leave() {
-        let slice = EndpointSlice {
+    fn slice(controller: &str, endpoints: Vec<Endpoint>) -> EndpointSlice {
+        EndpointSlice {
             address_type: "IPv4".into(),
-            endpoints: Some(vec![
-                endpoint("10.0.0.1", Some(true), None),
-                endpoint("10.0.0.2", None, None),
-                endpoint("10.0.0.3", Some(false), None),
-                endpoint("10.0.0.4", Some(true), Some(true)),
-            ]),
+            endpoints: Some(endpoints),
             ports: Some(vec![EndpointPort {
                 name: Some("http".into()),
                 port: Some(8000),
                 ..EndpointPort::default()
             }]),
-            metadata: Default::default(),
-        };
-        let urls = ready_urls(&slice, 1);
+            metadata: owned_by(controller, true),
+        }
+    }
+
+    /// A pod with UID `uid` at `ip`, controlled by `controller`.
+    fn pod(uid: &str, ip: &str, controller: &str) -> Pod {
+        let mut metadata = owned_by(controller, true);
+        metadata.uid = Some(uid.into());
+        Pod {
+            metadata,
+            status: Some(PodStatus {
+                pod_ip: Some(ip.into()),
+                pod_ips: Some(vec![PodIP { ip: ip.into() }]),
+                ..PodStatus::default()
+            }),
+            ..Pod::default()
+        }
+    }
+
+    fn owners() -> Owners {
+        Owners {
+            service: "svc".into(),
+            workload: "sts".into(),
+        }
+    }
+
+    #[test]
+    fn ready_endpoints_join_and_terminating_ones_leave() {
+        let slice = slice(
+            "svc",
+            vec![
+                endpoint("10.0.0.1", "p1", Some(true), None),
+                endpoint("10.0.0.2", "p2", None, None),
+                endpoint("10.0.0.3", "p3", Some(false), None),
+                endpoint("10.0.0.4", "p4", Some(true), Some(true)),
+            ],
+        );
+        let pods: Vec<Pod> = (1..=4)
+            .map(|i| pod(&format!("p{i}"), &format!("10.0.0.{i}"), "sts"))
+            .collect();
+        let urls = ready_urls([&slice], &pods, &owners(), 1);
         assert_eq!(
             urls.iter().map(String::as_str).collect::<Vec<_>>(),
             ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
@@ -132,5 +289,51 @@ mod tests {
         reconcile(&pool, &urls);
         let now: Vec<String> = pool.all().iter().map(|e| e.url().to_string()).collect();
         assert_eq!(now, ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]);
+    }
+
+    #[test]
+    fn only_the_runs_own_slices_and_pods_count() {
+        let pods = [
+            pod("p1", "10.0.0.1", "sts"),
+            // Copied labels, its own controller (or none).
+            pod("rogue", "10.0.0.9", "someone-else"),
+            Pod {
+                metadata: ObjectMeta {
+                    uid: Some("bare".into()),
+                    ..ObjectMeta::default()
+                },
+                ..pod("bare", "10.0.0.8", "sts")
+            },
+        ];
+        let slices = [
+            slice(
+                "svc",
+                vec![
+                    endpoint("10.0.0.1", "p1", None, None),
+                    // The run's slice naming a pod that is not the run's.
+                    endpoint("10.0.0.9", "rogue", None, None),
+                    endpoint("10.0.0.8", "bare", None, None),
+                    // The run's pod, at an address that is not the pod's.
+                    endpoint("10.0.0.7", "p1", None, None),
+                ],
+            ),
+            // A slice with the Service's label that the Service does not control.
+            slice("forged", vec![endpoint("10.0.0.1", "p1", None, None)]),
+            EndpointSlice {
+                metadata: owned_by("svc", false),
+                ..slice("svc", vec![endpoint("10.0.0.9", "rogue", None, None)])
+            },
+        ];
+        let mut no_target = endpoint("10.0.0.1", "p1", None, None);
+        no_target.target_ref = None;
+        let urls = ready_urls(&slices, &pods, &owners(), 1);
+        assert_eq!(
+            urls.into_iter().collect::<Vec<_>>(),
+            ["http://10.0.0.1:8000"]
+        );
+        let untargeted = slice("svc", vec![no_target]);
+        assert!(ready_urls([&untargeted], &pods, &owners(), 1).is_empty());
+        // A forged slice alone gives nothing, even naming the run's own pod.
+        assert!(ready_urls([&slices[1]], &pods, &owners(), 1).is_empty());
     }
 }

@@ -38,6 +38,7 @@ use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
+use crate::auth::{call, CallError};
 use crate::config::read_manifest;
 use crate::error::RunError;
 
@@ -201,48 +202,4 @@ pub(crate) async fn serve_health(
     let app = crate::auth::protect(app);
     tokio::spawn(crate::serve::serve(listener, app, stopped.map(drop)));
     Ok(stop)
-}
-
-/// Why a call to a peer (the coordinator) failed; the caller retries it.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum CallError {
-    #[error("{url}: {source}")]
-    Send {
-        url: String,
-        #[source]
-        source: reqwest::Error,
-    },
-    #[error("{url}: {status}: {body}")]
-    Status {
-        url: String,
-        status: reqwest::StatusCode,
-        body: String,
-    },
-    #[error("{url}: unexpected answer: {source}")]
-    Answer {
-        url: String,
-        #[source]
-        source: serde_json::Error,
-    },
-}
-
-/// Sends `request` (to `url`), which must answer 2xx; its JSON answer, where an empty one (a 204,
-/// "nothing yet") reads as `null`.
-async fn call<T: DeserializeOwned>(
-    url: &str,
-    request: reqwest::RequestBuilder,
-) -> Result<T, CallError> {
-    let send = |source| CallError::Send {
-        url: url.to_string(),
-        source,
-    };
-    let r = request.send().await.map_err(send)?;
-    let status = r.status();
-    let body = r.text().await.map_err(send)?;
-    let url = url.to_string();
-    if !status.is_success() {
-        return Err(CallError::Status { url, status, body });
-    }
-    let json = if body.is_empty() { "null" } else { &body };
-    serde_json::from_str(json).map_err(|source| CallError::Answer { url, source })
 }

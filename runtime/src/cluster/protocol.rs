@@ -29,7 +29,8 @@ use crate::rollout::{EpisodeLimits, RolloutState, RolloutStats};
 /// An episode for an agent pod to run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Lease {
-    pub lease: u64,
+    /// The lease's id: 128 random bits in hex, so no other pod can guess it.
+    pub lease: String,
     /// The episode's index in the run (names its session).
     pub index: usize,
     pub task: Json,
@@ -41,7 +42,7 @@ pub struct Lease {
 /// The leases of the episodes an agent pod still runs.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Leases {
-    pub leases: Vec<u64>,
+    pub leases: Vec<String>,
 }
 
 /// What the trainer says when it starts.

@@ -3,9 +3,10 @@
 //!
 //! A lease lasts a short time (30 s by default) and the agent pod renews the leases of the episodes
 //! it runs every few seconds ([`RemoteAgents::renew`]); one that runs out (its pod died, or lost the
-//! coordinator) goes back to the front of the queue under a new lease number, and an answer that
-//! arrives later for the old number is ignored, so an episode is neither lost nor counted twice.
-//! Lease numbers start at random, so answers meant for a previous coordinator are ignored too.
+//! coordinator) goes back to the front of the queue under a new lease id, and an answer that
+//! arrives later for the old id is ignored, so an episode is neither lost nor counted twice.
+//! Lease ids are 128 random bits: no pod can guess another's lease to return or renew it, and
+//! answers meant for a previous coordinator are ignored too.
 //! An episode whose group was abandoned (the run ended) is skipped, not leased.
 
 use std::collections::{HashMap, VecDeque};
@@ -23,16 +24,15 @@ use crate::rollout::EpisodeRunner;
 
 #[derive(Debug)]
 struct Work {
-    /// What an agent pod gets, under the lease number of its newest lease.
+    /// What an agent pod gets, under the id of its newest lease.
     lease: Lease,
     reply: oneshot::Sender<Episode>,
 }
 
 #[derive(Debug, Default)]
 struct Queue {
-    next_lease: u64,
     waiting: VecDeque<Work>,
-    leased: HashMap<u64, (Work, Instant)>,
+    leased: HashMap<String, (Work, Instant)>,
     expired: u64,
     returned: u64,
     ignored: u64,
@@ -50,12 +50,7 @@ impl RemoteAgents {
     /// `lease_time`: how long a lease lasts unless its agent pod renews it.
     pub fn new(lease_time: Duration) -> Self {
         Self {
-            // Lease numbers start at random, so that an answer to a lease of a coordinator that
-            // restarted since never matches one of this coordinator's.
-            queue: Mutex::new(Queue {
-                next_lease: rand::random::<u64>() >> 2,
-                ..Queue::default()
-            }),
+            queue: Mutex::new(Queue::default()),
             ready: Notify::new(),
             lease_time,
         }
@@ -63,16 +58,14 @@ impl RemoteAgents {
 
     /// Moves leases that ran out back to the front of the queue.
     fn reap(&self, q: &mut Queue, now: Instant) {
-        let expired: Vec<u64> = q
-            .leased
-            .iter()
+        let expired: Vec<String> = (q.leased.iter())
             .filter(|(_, (_, deadline))| *deadline <= now)
-            .map(|(id, _)| *id)
+            .map(|(id, _)| id.clone())
             .collect();
         for id in expired {
             let (work, _) = q.leased.remove(&id).expect("listed above");
             tracing::warn!(
-                lease = id,
+                lease = %id,
                 episode = work.lease.index,
                 "an agent did not return its episode in time: running it again"
             );
@@ -90,10 +83,10 @@ impl RemoteAgents {
             if work.reply.is_closed() {
                 continue; // its group was abandoned
             }
-            q.next_lease += 1;
-            work.lease.lease = q.next_lease;
+            work.lease.lease = format!("{:032x}", rand::random::<u128>());
             let lease = work.lease.clone();
-            q.leased.insert(lease.lease, (work, now + self.lease_time));
+            q.leased
+                .insert(lease.lease.clone(), (work, now + self.lease_time));
             return Some(lease);
         }
         None
@@ -120,27 +113,27 @@ impl RemoteAgents {
 
     /// An agent pod still runs the episodes of `leases`: they last another lease time. Returns the
     /// leases it does not hold (any more): their episodes went to another pod, so it may stop them.
-    pub fn renew(&self, leases: &[u64]) -> Vec<u64> {
+    pub fn renew(&self, leases: &[String]) -> Vec<String> {
         let mut q = self.queue.lock().expect("queue lock");
         let deadline = Instant::now() + self.lease_time;
         leases
             .iter()
-            .filter(|id| match q.leased.get_mut(id) {
+            .filter(|id| match q.leased.get_mut(id.as_str()) {
                 Some((_, d)) => {
                     *d = deadline;
                     false
                 }
                 None => true,
             })
-            .copied()
+            .cloned()
             .collect()
     }
 
     /// An agent pod returns the episode of `lease`; false if the lease is unknown (it expired and
     /// went to another pod, or was answered already): the answer is ignored.
-    pub fn complete(&self, lease: u64, mut episode: Episode) -> bool {
+    pub fn complete(&self, lease: &str, mut episode: Episode) -> bool {
         let mut q = self.queue.lock().expect("queue lock");
-        let Some((work, _)) = q.leased.remove(&lease) else {
+        let Some((work, _)) = q.leased.remove(lease) else {
             q.ignored += 1;
             return false;
         };
@@ -171,7 +164,7 @@ impl EpisodeRunner for RemoteAgents {
     ) -> BoxFuture<'_, Episode> {
         let (reply, answer) = oneshot::channel();
         let lease = Lease {
-            lease: 0,
+            lease: String::new(),
             index,
             task: task.clone(),
             sampling,
@@ -240,9 +233,9 @@ mod tests {
             .expect("re-leased");
         assert_eq!((second.index, second.sampling), (7, Some(sampling)));
         assert_ne!(second.lease, first.lease);
-        assert!(!agents.complete(first.lease, finished(0.0)), "late answer");
-        assert!(agents.complete(second.lease, finished(1.0)));
-        assert!(!agents.complete(second.lease, finished(1.0)), "repeat");
+        assert!(!agents.complete(&first.lease, finished(0.0)), "late answer");
+        assert!(agents.complete(&second.lease, finished(1.0)));
+        assert!(!agents.complete(&second.lease, finished(1.0)), "repeat");
         let ep = episode.await.unwrap();
         assert_eq!((ep.index, ep.reward), (7, 1.0));
         let s = agents.stats();
@@ -261,12 +254,21 @@ mod tests {
         let lease = agents.lease(Duration::from_secs(2)).await.expect("work");
         for _ in 0..5 {
             tokio::time::sleep(Duration::from_millis(150)).await;
-            assert!(agents.renew(&[lease.lease]).is_empty());
+            assert!(agents.renew(std::slice::from_ref(&lease.lease)).is_empty());
         }
         // 750 ms after leasing, renewed: nobody else got it.
         assert!(agents.lease(Duration::from_millis(50)).await.is_none());
-        assert_eq!(agents.renew(&[lease.lease + 1]), [lease.lease + 1]);
-        assert!(agents.complete(lease.lease, finished(1.0)));
+        let guess = format!(
+            "{:032x}",
+            u128::from_str_radix(&lease.lease, 16).unwrap() + 1
+        );
+        assert_eq!(agents.renew(std::slice::from_ref(&guess)), [guess.clone()]);
+        assert!(
+            !agents.complete(&guess, finished(1.0)),
+            "a guessed lease returns nothing"
+        );
+        assert_eq!(lease.lease.len(), 32, "128 bits");
+        assert!(agents.complete(&lease.lease, finished(1.0)));
         assert_eq!(episode.await.unwrap().reward, 1.0);
         assert_eq!(agents.stats().leases_expired, 0);
     }

@@ -20,7 +20,8 @@ use serde_json::Value;
 use tch::Device;
 
 use super::protocol::{Commit, Hello, HelloReply, Quarantined, Version};
-use super::{env_number, env_path, env_var, mounted, retry, CallError, Coordinator, Gauge};
+use super::{env_number, env_path, env_var, mounted, retry, Coordinator, Gauge};
+use crate::auth::CallError;
 use crate::config::{RunConfig, Sources};
 use crate::dist::Rendezvous;
 use crate::error::RunError;
@@ -75,7 +76,7 @@ impl Coordinator {
     /// `GET path`, once.
     async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, CallError> {
         let url = format!("{}{path}", self.url);
-        super::call(&url, self.http.get(&url)).await
+        crate::auth::call(&url, self.http.get(&url)).await
     }
 
     /// The batch of `step`; `None` if the coordinator does not expect that step (it restarted):

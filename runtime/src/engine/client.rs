@@ -142,7 +142,7 @@ impl EngineClient {
             decoder: SseDecoder::default(),
             pending: VecDeque::new(),
             finished: false,
-            abort: Some((self.clone(), request_id)),
+            abort: Some((self.clone(), request_id, session.map(str::to_string))),
         })
     }
 
@@ -209,11 +209,16 @@ impl EngineClient {
         Ok(out)
     }
 
-    /// `POST /inference/v1/abort_requests`; failures are logged (the request may be gone already).
-    pub async fn abort(&self, request_ids: Vec<String>) {
+    /// `POST /inference/v1/abort_requests` of requests started under `session` (a router aborts
+    /// only those); failures are logged (the request may be gone already).
+    pub async fn abort(&self, request_ids: Vec<String>, session: Option<&str>) {
         let url = format!("{}/inference/v1/abort_requests", self.base);
         let body = serde_json::json!({ "request_ids": request_ids });
-        if let Err(e) = self.http.post(&url).json(&body).send().await {
+        let mut request = self.http.post(&url).json(&body);
+        if let Some(session) = session {
+            request = request.header(SESSION_HEADER, session);
+        }
+        if let Err(e) = request.send().await {
             tracing::debug!(error = %e, "abort_requests failed");
         }
     }
@@ -246,8 +251,8 @@ pub struct GenerationStream {
     pending: VecDeque<Result<Generated, EngineError>>,
     finished: bool,
     /// Sent `abort_requests` on drop unless the generation finished (with the id the engine
-    /// reports once it does: vLLM prefixes the id it was given).
-    abort: Option<(EngineClient, String)>,
+    /// reports once it does: vLLM prefixes the id it was given), under the request's session.
+    abort: Option<(EngineClient, String, Option<String>)>,
 }
 
 impl std::fmt::Debug for GenerationStream {
@@ -260,10 +265,10 @@ impl std::fmt::Debug for GenerationStream {
 
 impl Drop for GenerationStream {
     fn drop(&mut self) {
-        if let Some((client, id)) = self.abort.take() {
+        if let Some((client, id, session)) = self.abort.take() {
             let id = self.decoder.chunks.engine_request_id.take().unwrap_or(id);
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                rt.spawn(async move { client.abort(vec![id]).await });
+                rt.spawn(async move { client.abort(vec![id], session.as_deref()).await });
             }
         }
     }

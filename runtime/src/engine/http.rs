@@ -25,14 +25,14 @@ use super::api::{
 };
 use super::client::GENERATE_BODY_LIMIT;
 use super::core::{EngineHandle, Event, ModelInfo, PauseMode};
-use super::weights::{connect, BucketLayout, StagedUpdate};
+use super::weights::{connect, BucketLayout, StagedUpdate, WeightConnection};
 use crate::model::{dtype_name, ImageInput};
 use crate::serve::ApiError;
 
 /// The weight-transfer session: the data-plane connection and the tensors received so far.
 #[derive(Debug, Default)]
 struct Transfer {
-    stream: Option<tokio::net::TcpStream>,
+    stream: Option<WeightConnection>,
     updating: bool,
     staged: StagedUpdate,
 }

@@ -7,10 +7,13 @@
 //! token of `trainer`, both nonces and the rank, [`crate::auth`]); the engine checks it and
 //! answers its own proof (the same with `engine`), which the trainer checks. A peer without the
 //! token learns nothing it could replay and is refused at either end. For every `POST /update_weights`
-//! bucket the trainer sends `MOULTWT1`, the payload length as u64 LE, then the tensors' raw bytes
+//! bucket the trainer sends `MOULTWT2`, the payload length as u64 LE, the tensors' raw bytes
 //! concatenated in `names` order (the same packed stream the NCCL plane broadcasts), flushed in
-//! chunks of `packed_buffer_size_bytes`. The engine checks the length against the `update_info`
-//! it was given, so a desynchronised stream is detected rather than misread.
+//! chunks of `packed_buffer_size_bytes`, then the bucket's tag: HMAC-SHA256 of the bucket's number
+//! on this connection (u64 LE), its header and its bytes, keyed by the MAC of the run token, both
+//! nonces and the rank ([`DataKey`]). The engine checks the length against the `update_info` it
+//! was given, so a desynchronised stream is detected rather than misread, and the tag before it
+//! stages anything, so bytes changed, cut, replayed or reordered on the way fail the update.
 //!
 //! Updates are staged: buckets land in one byte buffer, and `finish_weight_update` copies them
 //! into the model between two engine steps, so a step never sees half a version. Both ends reuse
@@ -21,6 +24,8 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 use tch::{Device, Kind, Tensor};
 use tokio::io::AsyncReadExt;
 
@@ -33,7 +38,44 @@ pub const CHALLENGE_MAGIC: &[u8; 8] = b"MOULTTR2";
 /// What each side's proof is the MAC of, besides the nonces and the rank.
 const TRAINER_ROLE: &[u8] = b"moult weight stream trainer v2";
 const ENGINE_ROLE: &[u8] = b"moult weight stream engine v2";
+/// What the key of a connection's bucket tags is the MAC of, besides the nonces and the rank.
+const DATA_ROLE: &[u8] = b"moult weight stream data v2";
 const NONCE_BYTES: usize = 32;
+const TAG_BYTES: usize = 32;
+
+/// The key of one connection's bucket tags, and the number of the next bucket on it: both ends
+/// derive the key from the handshake (so it is new for every connection and never sent), and
+/// each bucket's tag covers its number, so no bucket can be replayed or moved.
+#[derive(Debug, Clone)]
+pub struct DataKey {
+    key: [u8; 32],
+    next: u64,
+}
+
+impl DataKey {
+    fn new(token: &str, engine_nonce: &[u8], trainer_nonce: &[u8], rank: u32) -> Self {
+        Self {
+            key: proof(token, DATA_ROLE, engine_nonce, trainer_nonce, rank),
+            next: 0,
+        }
+    }
+
+    /// The MAC of the next bucket, fed its number and `header` so far.
+    fn bucket(&mut self, header: &[u8]) -> Hmac<Sha256> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("a 32-byte key");
+        mac.update(&self.next.to_le_bytes());
+        mac.update(header);
+        self.next += 1;
+        mac
+    }
+}
+
+/// An engine's end of the weight stream: the connection and its [`DataKey`].
+#[derive(Debug)]
+pub struct WeightConnection {
+    stream: tokio::net::TcpStream,
+    key: DataKey,
+}
 
 /// One side's proof of the run token for one handshake: HMAC-SHA256 keyed by the token (empty
 /// where there is none: a local run on loopback) of its role, both nonces and the rank.
@@ -54,7 +96,7 @@ fn proof(
 fn run_token() -> String {
     crate::auth::token().unwrap_or_default().to_string()
 }
-pub const BUCKET_MAGIC: &[u8; 8] = b"MOULTWT1";
+pub const BUCKET_MAGIC: &[u8; 8] = b"MOULTWT2";
 
 /// The sender's default flush size (vLLM's packed broadcasts default to 1 GiB on GPUs; on a CPU
 /// socket a smaller chunk keeps memory flat at the same throughput).
@@ -187,11 +229,12 @@ impl WeightListener {
             stream.set_read_timeout(None)?;
             // A write that moves no bytes for this long (an engine that stopped reading) fails.
             stream.set_write_timeout(Some(self.stall_timeout))?;
-            ranked.push((rank, stream));
+            let key = DataKey::new(&self.token, engine_nonce, &trainer_nonce, rank);
+            ranked.push((rank, stream, key));
         }
-        ranked.sort_by_key(|(rank, _)| *rank);
+        ranked.sort_by_key(|(rank, ..)| *rank);
         Ok(TcpWeightSender {
-            conns: ranked.into_iter().map(|(_, s)| s).collect(),
+            conns: ranked.into_iter().map(|(_, s, k)| (s, k)).collect(),
             chunk: Vec::new(),
         })
     }
@@ -200,7 +243,7 @@ impl WeightListener {
 /// The trainer's end: accepted engine connections, ordered by rank.
 #[derive(Debug)]
 pub struct TcpWeightSender {
-    conns: Vec<TcpStream>,
+    conns: Vec<(TcpStream, DataKey)>,
     /// The packing buffer, reused across buckets.
     chunk: Vec<u8>,
 }
@@ -221,7 +264,14 @@ impl TcpWeightSender {
         let mut header = Vec::with_capacity(16);
         header.extend_from_slice(BUCKET_MAGIC);
         header.extend_from_slice(&(total as u64).to_le_bytes());
-        broadcast(&mut self.conns, &header)?;
+        let mut macs: Vec<_> = self
+            .conns
+            .iter_mut()
+            .map(|(_, k)| k.bucket(&header))
+            .collect();
+        for (conn, _) in &mut self.conns {
+            conn.write_all(&header)?;
+        }
         let mut chunk = std::mem::take(&mut self.chunk);
         chunk.clear();
         for (_, t) in tensors {
@@ -245,21 +295,41 @@ impl TcpWeightSender {
                     .copy_data_u8(&mut chunk[start..], n as usize * row_numel);
                 r += n;
                 if chunk.len() >= packed_buffer_bytes {
-                    broadcast(&mut self.conns, &chunk)?;
+                    broadcast(&mut self.conns, &mut macs, &chunk)?;
                     chunk.clear();
                 }
             }
         }
         if !chunk.is_empty() {
-            broadcast(&mut self.conns, &chunk)?;
+            broadcast(&mut self.conns, &mut macs, &chunk)?;
         }
         self.chunk = chunk;
+        for ((conn, _), mac) in self.conns.iter_mut().zip(macs) {
+            conn.write_all(&mac.finalize().into_bytes())?;
+        }
         Ok(())
     }
 }
 
-fn broadcast(conns: &mut [TcpStream], bytes: &[u8]) -> std::io::Result<()> {
-    for conn in conns {
+impl TcpWeightSender {
+    /// Writes `bytes` to every engine as they are: no header, no tag. What a peer on the path
+    /// that does not hold the run token could inject (the fuzz target of the weight stream).
+    pub fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        for (conn, _) in &mut self.conns {
+            conn.write_all(bytes)?;
+        }
+        Ok(())
+    }
+}
+
+/// Sends `bytes` to every engine, each connection's tag taking them in.
+fn broadcast(
+    conns: &mut [(TcpStream, DataKey)],
+    macs: &mut [Hmac<Sha256>],
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    for ((conn, _), mac) in conns.iter_mut().zip(macs) {
+        mac.update(bytes);
         conn.write_all(bytes)?;
     }
     Ok(())
@@ -267,15 +337,11 @@ fn broadcast(conns: &mut [TcpStream], bytes: &[u8]) -> std::io::Result<()> {
 
 /// The engine's end: connects to the trainer, announces its rank, and checks the trainer's proof
 /// of the run token before proving its own (each message within [`HANDSHAKE_TIMEOUT`]).
-pub async fn connect(addr: &str, rank: u32) -> std::io::Result<tokio::net::TcpStream> {
+pub async fn connect(addr: &str, rank: u32) -> std::io::Result<WeightConnection> {
     connect_with(addr, rank, &run_token()).await
 }
 
-async fn connect_with(
-    addr: &str,
-    rank: u32,
-    token: &str,
-) -> std::io::Result<tokio::net::TcpStream> {
+async fn connect_with(addr: &str, rank: u32, token: &str) -> std::io::Result<WeightConnection> {
     use tokio::io::AsyncWriteExt;
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
     stream.set_nodelay(true)?;
@@ -298,7 +364,8 @@ async fn connect_with(
     }
     let mine = proof(token, ENGINE_ROLE, &engine_nonce, trainer_nonce, rank);
     stream.write_all(&mine).await?;
-    Ok(stream)
+    let key = DataKey::new(token, &engine_nonce, trainer_nonce, rank);
+    Ok(WeightConnection { stream, key })
 }
 
 /// Fills `buf` from `stream`, failing when a read gets no bytes for `stall` or the stream ends.
@@ -482,23 +549,24 @@ impl StagedUpdate {
         Ok(())
     }
 
-    /// Reads one bucket from the stream (header, then payload) and stages it; fails when the
-    /// trainer sends nothing for [`STALL_TIMEOUT`].
+    /// Reads one bucket from the stream (header, payload, tag) and stages it once its tag holds;
+    /// fails when the trainer sends nothing for [`STALL_TIMEOUT`].
     pub async fn receive(
         &mut self,
         layout: &BucketLayout,
-        stream: &mut tokio::net::TcpStream,
+        conn: &mut WeightConnection,
     ) -> Result<(), String> {
-        self.receive_within(layout, stream, STALL_TIMEOUT).await
+        self.receive_within(layout, conn, STALL_TIMEOUT).await
     }
 
     /// [`Self::receive`] with another stall timeout (tests).
     pub async fn receive_within(
         &mut self,
         layout: &BucketLayout,
-        stream: &mut tokio::net::TcpStream,
+        conn: &mut WeightConnection,
         stall: Duration,
     ) -> Result<(), String> {
+        let WeightConnection { stream, key } = conn;
         let mut header = [0u8; 16];
         read_within(stream, &mut header, stall)
             .await
@@ -514,10 +582,21 @@ impl StagedUpdate {
             ));
         }
         let start = self.bytes.len();
-        self.bytes.resize(start + len, 0);
+        self.bytes.resize(start + len + TAG_BYTES, 0);
         if let Err(e) = read_within(stream, &mut self.bytes[start..], stall).await {
             self.bytes.truncate(start);
-            return Err(format!("reading {len} weight bytes: {e}"));
+            return Err(format!("reading {len} weight bytes and their tag: {e}"));
+        }
+        let bucket = key.next;
+        let mut mac = key.bucket(&header);
+        mac.update(&self.bytes[start..start + len]);
+        let tag_holds = mac.verify_slice(&self.bytes[start + len..]).is_ok();
+        self.bytes.truncate(start + len);
+        if !tag_holds {
+            self.bytes.truncate(start);
+            return Err(format!(
+                "bucket {bucket} of the weight stream failed its HMAC: its bytes were changed on the way, or its sender does not hold the run token (docs/security.md)"
+            ));
         }
         let mut offset = start;
         for (name, shape, kind) in &layout.entries {
@@ -588,7 +667,7 @@ mod tests {
     use super::*;
 
     /// One engine (rank 1) connected to a trainer's listener on loopback.
-    async fn plane() -> (tokio::net::TcpStream, TcpWeightSender) {
+    async fn plane() -> (WeightConnection, TcpWeightSender) {
         let listener = WeightListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let accept = std::thread::spawn(move || listener.accept(1).unwrap());
@@ -802,7 +881,7 @@ mod tests {
         let mut header = BUCKET_MAGIC.to_vec();
         header.extend_from_slice(&(layout.total_bytes() as u64).to_le_bytes());
         header.extend_from_slice(&[0u8; 10]);
-        sender.conns[0].write_all(&header).unwrap();
+        sender.conns[0].0.write_all(&header).unwrap();
         let started = Instant::now();
         let mut staged = StagedUpdate::default();
         let err = staged
@@ -822,6 +901,85 @@ mod tests {
         staged.receive(&layout, &mut stream).await.unwrap();
         send.join().unwrap();
         assert_eq!(staged.len(), 1);
-        let _ = stream.shutdown().await;
+        let _ = stream.stream.shutdown().await;
+    }
+
+    /// A bucket whose bytes changed on the way, one sent twice, and one tagged with a key made
+    /// from another token all fail their HMAC and stage nothing; an untouched one is staged.
+    #[tokio::test]
+    async fn a_bucket_whose_tag_fails_stages_nothing() {
+        use std::io::Read as _;
+        let sent = vec![(
+            "w".to_string(),
+            Tensor::randn([8, 8], (Kind::Float, Device::Cpu)),
+        )];
+        let shapes = vec![("w".to_string(), vec![8, 8])];
+        let layout = BucketLayout::new(&update_info(&sent), &shapes).unwrap();
+        // What the trainer sends for one bucket, captured from a real sender over a socket pair.
+        let bucket_bytes = |sender: &mut TcpWeightSender| {
+            let (a, mut b) = {
+                let l = TcpListener::bind("127.0.0.1:0").unwrap();
+                let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+                (a, l.accept().unwrap().0)
+            };
+            let real = std::mem::replace(&mut sender.conns[0].0, a);
+            let to_send = vec![("w".to_string(), sent[0].1.shallow_clone())];
+            sender.send_bucket(&to_send, 100).unwrap();
+            drop(std::mem::replace(&mut sender.conns[0].0, real));
+            let mut bytes = Vec::new();
+            b.read_to_end(&mut bytes).unwrap();
+            bytes
+        };
+        let stall = Duration::from_secs(5);
+        let (mut conn, mut sender) = plane().await;
+        let first = bucket_bytes(&mut sender);
+        assert_eq!(first.len(), 16 + 8 * 8 * 4 + TAG_BYTES);
+        for spoil in [20, first.len() - 1] {
+            let mut spoilt = first.clone();
+            spoilt[spoil] ^= 1;
+            let (mut conn, mut sender) = plane().await;
+            sender.conns[0].0.write_all(&spoilt).unwrap();
+            let mut staged = StagedUpdate::default();
+            let err = staged
+                .receive_within(&layout, &mut conn, stall)
+                .await
+                .unwrap_err();
+            assert!(
+                err.contains("bucket 0 of the weight stream failed its HMAC"),
+                "{err}"
+            );
+            assert!(
+                staged.is_empty() && staged.bytes.is_empty(),
+                "nothing staged"
+            );
+        }
+        // The untouched bucket is staged; the same bytes again (a replay) are not.
+        let mut staged = StagedUpdate::default();
+        sender.conns[0].0.write_all(&first).unwrap();
+        staged
+            .receive_within(&layout, &mut conn, stall)
+            .await
+            .unwrap();
+        sender.conns[0].0.write_all(&first).unwrap();
+        let err = staged
+            .receive_within(&layout, &mut conn, stall)
+            .await
+            .unwrap_err();
+        assert!(
+            err.contains("bucket 1 of the weight stream failed its HMAC"),
+            "{err}"
+        );
+        assert_eq!(staged.len(), 1, "the replayed bucket added nothing");
+
+        // A sender whose key comes from another token (it saw the handshake, not the token).
+        let (mut conn, mut sender) = plane().await;
+        sender.conns[0].1.key = proof("another token", DATA_ROLE, &[0; 32], &[0; 32], 1);
+        let forged = bucket_bytes(&mut sender);
+        sender.conns[0].0.write_all(&forged).unwrap();
+        let err = StagedUpdate::default()
+            .receive_within(&layout, &mut conn, stall)
+            .await
+            .unwrap_err();
+        assert!(err.contains("failed its HMAC"), "{err}");
     }
 }

@@ -28,6 +28,8 @@ use crate::engine::ApiError;
 /// One generation's request, as the client sent it.
 #[derive(Debug, Clone)]
 pub struct RoutedRequest {
+    /// The id the client gave (or the router made): what the client's answers carry and what
+    /// its aborts name. The engines know the request by an id of the router's own.
     pub request_id: String,
     pub prompt: Vec<i64>,
     /// The prompt's images; a continuation on another engine sends them again.
@@ -54,10 +56,22 @@ const ENGINE_POLL: Duration = Duration::from_millis(250);
 /// engine request.
 pub fn start(router: Arc<Router>, req: RoutedRequest) -> Events {
     let (tx, rx) = mpsc::channel(ROUTED_BUFFER);
+    let engine_id = Router::request_id();
+    let holder = (req.request_id.clone(), req.session.clone());
+    router
+        .running
+        .lock()
+        .expect("running lock")
+        .insert(engine_id.clone(), holder);
     tokio::spawn(async move {
-        if let Err(e) = run(&router, req, &tx).await {
+        if let Err(e) = run(&router, &engine_id, req, &tx).await {
             let _ = tx.send(Err(e)).await;
         }
+        router
+            .running
+            .lock()
+            .expect("running lock")
+            .remove(&engine_id);
     });
     rx
 }
@@ -89,7 +103,12 @@ fn refused(status: u16, message: String, fallback: StatusCode) -> ApiError {
     ApiError::new(StatusCode::from_u16(status).unwrap_or(fallback), message)
 }
 
-async fn run(router: &Router, req: RoutedRequest, tx: &EventSender) -> Result<(), ApiError> {
+async fn run(
+    router: &Router,
+    engine_id: &str,
+    req: RoutedRequest,
+    tx: &EventSender,
+) -> Result<(), ApiError> {
     let param = |name: &str| req.params.get(name).and_then(Json::as_i64);
     let (max_tokens, min_tokens) = (param("max_tokens"), param("min_tokens"));
     let route = RouteRequest {
@@ -138,7 +157,7 @@ async fn run(router: &Router, req: RoutedRequest, tx: &EventSender) -> Result<()
         let stream = engine
             .client
             .generate(
-                req.request_id.clone(),
+                engine_id.to_string(),
                 &prompt,
                 &req.content_parts,
                 &params,

@@ -14,8 +14,9 @@ pub mod policy;
 pub mod pool;
 pub mod server;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use policy::{ConsistentHash, LeastOutstandingTokens, RouteRequest, RoutingPolicy};
@@ -43,7 +44,10 @@ pub struct Router {
     policy: Box<dyn RoutingPolicy>,
     /// Requests continued on another engine after theirs failed.
     failovers: AtomicU64,
-    next_id: AtomicU64,
+    /// The generations running through the router, by the id the engines know them by (the
+    /// router's own, unguessable): the id their client gave and their session. An abort reaches
+    /// only those its caller started (docs/router.md).
+    running: Mutex<HashMap<String, (String, Option<String>)>>,
     /// How long a request waits for an engine when none is healthy (engines still loading, or
     /// all restarting) before it is refused with 503; zero refuses at once.
     engine_patience: Duration,
@@ -55,7 +59,7 @@ impl Router {
             pool,
             policy,
             failovers: AtomicU64::new(0),
-            next_id: AtomicU64::new(0),
+            running: Mutex::default(),
             engine_patience: Duration::ZERO,
         }
     }
@@ -83,7 +87,18 @@ impl Router {
         self.failovers.load(Ordering::Relaxed)
     }
 
-    fn request_id(&self) -> String {
-        format!("rt-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    /// A new request id: 128 random bits, so no client can name another's request.
+    fn request_id() -> String {
+        format!("rt-{:032x}", rand::random::<u128>())
+    }
+
+    /// The engines' ids of the running requests that a client gave one of `client_ids` and
+    /// started under `session`.
+    fn started_by(&self, client_ids: &[String], session: Option<&str>) -> Vec<String> {
+        let running = self.running.lock().expect("running lock");
+        (running.iter())
+            .filter(|(_, (id, s))| s.as_deref() == session && client_ids.contains(id))
+            .map(|(engine_id, _)| engine_id.clone())
+            .collect()
     }
 }

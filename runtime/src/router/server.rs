@@ -2,7 +2,8 @@
 //!
 //! - `POST /inference/v1/generate`: routed by the policy (session from the `x-moult-session`
 //!   header), with failover; streamed or not, in the engine's own shapes;
-//! - `POST /inference/v1/abort_requests`: sent to every engine;
+//! - `POST /inference/v1/abort_requests`: the running requests of those ids that the caller
+//!   started (the same `x-moult-session`, or none for both), sent to every engine;
 //! - `POST /pause`, `/resume`, `/start_weight_update`, `/update_weights`,
 //!   `/finish_weight_update`, and vLLM's `/collective_rpc` and `/update_weight_version` (an
 //!   update from a folder): fanned out to every healthy engine; the answer is an error (502,
@@ -68,6 +69,12 @@ fn unfinished() -> ApiError {
     ApiError::new(StatusCode::BAD_GATEWAY, message)
 }
 
+/// The `x-moult-session` a request was sent under.
+fn session(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(SESSION_HEADER)?.to_str().ok()?;
+    Some(value.to_string())
+}
+
 fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
 }
@@ -82,7 +89,7 @@ async fn generate(
     if body.token_ids.is_empty() {
         return Err(ApiError::bad_request("token_ids must not be empty").with_param("token_ids"));
     }
-    let request_id = body.request_id.unwrap_or_else(|| router.request_id());
+    let request_id = body.request_id.unwrap_or_else(Router::request_id);
     let prompt_len = body.token_ids.len();
     // Every routed token carries its logprob (the built-in engine always sends them; vLLM only
     // when asked): ask for them when the client did not (docs/router.md, "The engine API").
@@ -102,10 +109,7 @@ async fn generate(
         prompt: body.token_ids,
         content_parts: body.content_parts,
         params,
-        session: headers
-            .get(SESSION_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string),
+        session: session(&headers),
     };
     let mut rx = start(router, req);
     if !body.stream {
@@ -305,10 +309,18 @@ async fn init_weight_transfer(
     Ok(Json(json!({"status": "ok", "engines": engines.len()})))
 }
 
-async fn abort(State(router): State<Arc<Router>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn abort(
+    State(router): State<Arc<Router>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     let req: AbortRequest = parse(&body)?;
+    let ids = router.started_by(&req.request_ids, session(&headers).as_deref());
+    if ids.is_empty() {
+        return Ok(Json(json!({"status": "ok"})));
+    }
     let engines = router.pool.healthy();
-    let bodies = vec![Some(json!({ "request_ids": req.request_ids })); engines.len()];
+    let bodies = vec![Some(json!({ "request_ids": ids })); engines.len()];
     // Aborting an id an engine does not know is fine; failures only mean the engine is gone.
     let path = "/inference/v1/abort_requests";
     let _ = fan_out(&engines, Method::POST, path, bodies).await;

@@ -31,6 +31,8 @@ use std::time::{Duration, Instant};
 use reqwest::Method;
 use serde_json::{json, Value};
 
+use crate::auth::CallError;
+
 /// A cause of any kind, kept as the error's source.
 type Cause = Box<dyn std::error::Error + Send + Sync>;
 
@@ -84,16 +86,6 @@ impl SyncError {
     }
 }
 
-/// An engine-API call that failed: its URL, and why it did not arrive or the status and body of
-/// the refusal.
-#[derive(Debug, thiserror::Error)]
-pub enum CallError {
-    #[error("{0}: {1}")]
-    Unreachable(String, #[source] reqwest::Error),
-    #[error("{0}: {1} {2}")]
-    Refused(String, reqwest::StatusCode, String),
-}
-
 /// What one update cost.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct SyncReport {
@@ -137,8 +129,8 @@ impl Control {
         &self.target
     }
 
-    /// `method path` with an optional JSON body: the answer's JSON (`null` when it has none), or
-    /// the URL, status and body of a refusal.
+    /// `method path` with an optional JSON body: the answer's JSON (`null` when it has none or
+    /// is not JSON), or the URL, status and body of a refusal.
     pub async fn request(
         &self,
         method: Method,
@@ -150,14 +142,10 @@ impl Control {
         if let Some(body) = body {
             req = req.json(body);
         }
-        let unreachable = |e| CallError::Unreachable(url.clone(), e);
-        let r = req.send().await.map_err(unreachable)?;
-        let status = r.status();
-        let body = r.text().await.unwrap_or_default();
-        if !status.is_success() {
-            return Err(CallError::Refused(url, status, body));
+        match crate::auth::call(&url, req).await {
+            Err(CallError::Answer { .. }) => Ok(Value::Null),
+            answer => answer,
         }
-        Ok(serde_json::from_str(&body).unwrap_or(Value::Null))
     }
 
     /// `GET /<step>`, a failure named after `step`.

@@ -12,7 +12,8 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use super::nccl_handshake::{finish_body, NcclInitInfo, NcclSyncError, Step};
-use super::{CallError, Control};
+use super::Control;
+use crate::auth::CallError;
 use crate::engine::api::UpdateInfo;
 
 /// How long each kind of call may take.
@@ -117,8 +118,11 @@ impl EngineControl {
                 let url = self.url().into();
                 return Err(NcclSyncError::EngineTimeout { url, step, timeout });
             }
-            Ok(Err(CallError::Unreachable(_, e))) => format!("cannot reach the engine: {e}"),
-            Ok(Err(CallError::Refused(_, status, text))) => {
+            Ok(Err(CallError::Send { source, .. })) => format!("cannot reach the engine: {source}"),
+            Ok(Err(CallError::Answer { source, .. })) => format!("unreadable answer: {source}"),
+            Ok(Err(CallError::Status {
+                status, body: text, ..
+            })) => {
                 let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
                 let message = ["error", "detail", "message"]
                     .iter()
