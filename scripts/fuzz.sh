@@ -81,8 +81,8 @@ done
 wait
 
 status=0
-printf '\n| %-20s | %12s | %8s | %6s | %7s | %7s | %7s |\n' target executions "exec/s" cov ft corpus crashes
-printf '| %-20s | %12s | %8s | %6s | %7s | %7s | %7s |\n' --- ---: ---: ---: ---: ---: ---:
+printf '\n| %-20s | %12s | %8s | %6s | %7s | %7s | %7s | %5s |\n' target executions "exec/s" cov ft corpus crashes slow
+printf '| %-20s | %12s | %8s | %6s | %7s | %7s | %7s | %5s |\n' --- ---: ---: ---: ---: ---: ---: ---:
 for t in "${TARGETS[@]}"; do
   log="$WORK/logs/$t.log"
   execs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)"
@@ -91,10 +91,14 @@ for t in "${TARGETS[@]}"; do
   cov="$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")"
   ft="$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")"
   corpus="$(find "$WORK/corpus/$t" -type f | wc -l)"
-  crashes="$(find "$WORK/artifacts/$t" -type f -newer "$WORK/artifacts/$t/.started" | wc -l)"
+  # Crashes, leaks, timeouts and out-of-memory inputs fail the run; slow units (an input over 10
+  # seconds: a denial of service, or a loaded machine) are counted for a look.
+  found() { find "$WORK/artifacts/$t" -type f -newer "$WORK/artifacts/$t/.started" "$@" | wc -l; }
+  crashes="$(found ! -name 'slow-unit-*')"
+  slow="$(found -name 'slow-unit-*')"
   [ "$crashes" = 0 ] && [ -n "$execs" ] || status=1
-  printf '| %-20s | %12s | %8s | %6s | %7s | %7s | %7s |\n' "\`$t\`" "${execs:-?}" "${rate:-?}" \
-    "${cov:-?}" "${ft:-?}" "$corpus" "$crashes"
+  printf '| %-20s | %12s | %8s | %6s | %7s | %7s | %7s | %5s |\n' "\`$t\`" "${execs:-?}" "${rate:-?}" \
+    "${cov:-?}" "${ft:-?}" "$corpus" "$crashes" "$slow"
 done
 if [ "$status" != 0 ]; then
   echo "fuzz: a target crashed or did not run: its log is in $WORK/logs, its input in $WORK/artifacts" >&2

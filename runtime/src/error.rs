@@ -95,6 +95,15 @@ impl RunError {
         }
     }
 
+    /// Starting `what` (a server's port, a process) failed with the error it is given.
+    pub fn start(what: impl Into<String>) -> impl Fn(std::io::Error) -> Self {
+        let what = what.into();
+        move |source| Self::Start {
+            what: what.clone(),
+            source,
+        }
+    }
+
     /// Whether the batch being learned from is at fault (its data, not the trainer): it is set
     /// aside and the run goes on with the next.
     pub fn is_batch(&self) -> bool {

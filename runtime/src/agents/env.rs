@@ -134,11 +134,10 @@ pub async fn run_env_episode(
     for _ in 0..opts.max_turns {
         let request = ChatRequest {
             messages: messages.clone(),
-            tools: Vec::new(),
-            parse_tool_calls: false,
             sampling: opts.sampling.clone(),
             n: 1,
             template_kwargs: opts.template_kwargs.clone(),
+            ..ChatRequest::default()
         };
         let answer = service
             .turn(session, "call_", request, None)

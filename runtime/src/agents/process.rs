@@ -326,12 +326,9 @@ pub async fn run_chat_agent(
     // The task goes in a file (an environment variable's size is limited by the kernel), and in
     // `MOULT_TASK` too when it is small.
     let task_file = result_file.with_extension("task.json");
-    std::fs::write(&task_file, &task_text).map_err(|e| {
-        AgentError::Crashed(format!(
-            "cannot write the task to {}: {e}",
-            task_file.display()
-        ))
-    })?;
+    let file = task_file.display();
+    std::fs::write(&task_file, &task_text)
+        .map_err(|e| AgentError::Crashed(format!("cannot write the task to {file}: {e}")))?;
     let _task_file = RemoveOnDrop(task_file.clone());
     env.push(("MOULT_TASK_FILE".into(), task_file.display().to_string()));
     env.push((
@@ -351,11 +348,8 @@ pub async fn run_chat_agent(
         }
         return Err(AgentError::Crashed(format!("the agent {exit}: {why}")));
     }
-    let text = result.map_err(|_| {
-        AgentError::Crashed(
-            "the agent exited without writing its result to MOULT_RESULT_FILE".into(),
-        )
-    })?;
+    let unwritten = "the agent exited without writing its result to MOULT_RESULT_FILE";
+    let text = result.map_err(|_| AgentError::Crashed(unwritten.into()))?;
     let v: Json = serde_json::from_str(&text)
         .map_err(|e| AgentError::Crashed(format!("the agent's result is not JSON: {e}")))?;
     let reward = v["reward"].as_f64().ok_or_else(|| {

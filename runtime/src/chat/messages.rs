@@ -252,7 +252,7 @@ impl SamplingOverride {
 }
 
 /// The internal chat request both protocols map onto.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
     pub tools: Vec<Tool>,

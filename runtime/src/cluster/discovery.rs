@@ -111,22 +111,42 @@ pub fn reconcile(pool: &EnginePool, want: &BTreeSet<String>) {
     }
 }
 
+/// Why the run's own engine objects could not be told.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    #[error("reading the run's objects: {0}")]
+    Api(#[from] kube::Error),
+    #[error("the {kind} {name} is not the RLRun {run}'s own (another controller owns it)")]
+    NotTheRuns {
+        kind: &'static str,
+        name: String,
+        run: String,
+    },
+}
+
 /// The run's own engine Service and StatefulSet, both named `service`: each must be controlled by
 /// the RLRun `run`.
-async fn owners(client: &Client, ns: &str, run: &str, service: &str) -> Result<Owners, String> {
+async fn owners(
+    client: &Client,
+    ns: &str,
+    run: &str,
+    service: &str,
+) -> Result<Owners, DiscoveryError> {
     let uid = |meta: &ObjectMeta| meta.uid.clone().unwrap_or_default();
-    let get = |e: kube::Error| format!("reading the run's objects: {e}");
-    let rlrun = (Api::<RLRun>::namespaced(client.clone(), ns).get(run).await).map_err(get)?;
-    let svc = (Api::<Service>::namespaced(client.clone(), ns)
+    let rlrun = Api::<RLRun>::namespaced(client.clone(), ns)
+        .get(run)
+        .await?;
+    let svc = Api::<Service>::namespaced(client.clone(), ns)
         .get(service)
-        .await)
-        .map_err(get)?;
-    let sts = Api::<StatefulSet>::namespaced(client.clone(), ns);
-    let sts = sts.get(service).await.map_err(get)?;
+        .await?;
+    let sts = Api::<StatefulSet>::namespaced(client.clone(), ns)
+        .get(service)
+        .await?;
     let run_uid = uid(&rlrun.metadata);
     for (kind, meta) in [("Service", &svc.metadata), ("StatefulSet", &sts.metadata)] {
         if controller(meta) != Some(run_uid.as_str()) {
-            return Err(format!("the {kind} {service} is not the RLRun {run}'s own"));
+            let (name, run) = (service.to_string(), run.to_string());
+            return Err(DiscoveryError::NotTheRuns { kind, name, run });
         }
     }
     Ok(Owners {

@@ -41,10 +41,8 @@ pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>, R
         }
     }
     if tasks.is_empty() {
-        return Err(RunError::field(
-            &path_field,
-            format!("{} holds no tasks", path.display()),
-        ));
+        let why = format!("{} holds no tasks", path.display());
+        return Err(RunError::field(&path_field, why));
     }
     Ok(tasks)
 }
@@ -52,6 +50,7 @@ pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>, R
 /// The files `path` names: itself, the `.jsonl`/`.json`/`.parquet` files of a folder, or those
 /// its file name's one `*` matches; in name order.
 fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
+    let refuse = |why: String| RunError::field(field, why);
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     // A pattern's folder, and what comes before its `*` and after it; or a folder's task files.
     let (dir, pattern) = if let Some((pre, post)) = name.split_once('*') {
@@ -64,17 +63,10 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
     } else if path.is_file() {
         return Ok(vec![path.to_path_buf()]);
     } else {
-        return Err(RunError::field(
-            field,
-            format!("{} does not exist", path.display()),
-        ));
+        return Err(refuse(format!("{} does not exist", path.display())));
     };
-    let entries = std::fs::read_dir(dir).map_err(|e| {
-        RunError::field(
-            field,
-            format!("cannot read the folder {}: {e}", dir.display()),
-        )
-    })?;
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| refuse(format!("cannot read the folder {}: {e}", dir.display())))?;
     let mut found: Vec<PathBuf> = entries
         .flatten()
         .filter(|e| e.path().is_file())
@@ -92,10 +84,7 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
         .collect();
     found.sort();
     if found.is_empty() {
-        return Err(RunError::field(
-            field,
-            format!("no task files match {}", path.display()),
-        ));
+        return Err(refuse(format!("no task files match {}", path.display())));
     }
     Ok(found)
 }

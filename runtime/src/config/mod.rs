@@ -6,8 +6,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-#[cfg(feature = "torch")]
-use moult_operator::api::Aggregation as SpecAggregation;
 use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
 use serde_json::Value as Json;
 
@@ -19,21 +17,10 @@ pub use judge::JudgeOptions;
 use crate::agents::env::EnvLoopOptions;
 use crate::agents::process::AgentCommand;
 use crate::agents::Agent;
-#[cfg(feature = "torch")]
-use crate::algorithms::correction::Correction;
-#[cfg(feature = "torch")]
-use crate::algorithms::losses::Aggregation;
-use crate::chat::ChatSampling;
-use crate::chat::SamplingOverride;
+use crate::chat::{ChatSampling, SamplingOverride};
 use crate::error::RunError;
 use crate::rollout::eval::EvalOptions;
 use crate::rollout::RolloutOptions;
-#[cfg(feature = "torch")]
-use crate::trainer::optim::LrSchedule;
-#[cfg(feature = "torch")]
-use crate::trainer::step::LossConfig;
-#[cfg(feature = "torch")]
-use crate::trainer::train::TrainerOptions;
 
 /// Everything a local run needs, resolved from the manifest.
 #[derive(Debug, Clone)]
@@ -54,7 +41,7 @@ pub struct RunConfig {
     pub overlong: Option<Overlong>,
     /// The trainer's settings (only in builds that train).
     #[cfg(feature = "torch")]
-    pub trainer: TrainerOptions,
+    pub trainer: crate::trainer::train::TrainerOptions,
     /// Trainer ranks: `trainer.nodes × ranks_per_node`; `moult run` starts the ranks after the
     /// first as processes of this machine, a trainer pod its node's (docs/distributed.md).
     pub trainer_ranks: usize,
@@ -89,6 +76,30 @@ pub struct Overlong {
 }
 
 impl Overlong {
+    /// The shaping `spec.algorithm.overlong` asks for, checked (`None` without one).
+    fn of(spec: &moult_operator::api::RLRunSpec) -> Result<Option<Self>, RunError> {
+        let Some(o) = &spec.algorithm.overlong else {
+            return Ok(None);
+        };
+        let budget = episode_token_budget(spec);
+        let max_tokens = o.max_tokens.map_or(budget, |m| m as usize);
+        let buffer_tokens = o.buffer_tokens as usize;
+        if buffer_tokens == 0 || buffer_tokens > max_tokens {
+            let why = format!("{buffer_tokens} is not between 1 and maxTokens ({max_tokens}: the episode's token budget, rollout.maxTokens × rollout.maxTurns, unless overlong.maxTokens says otherwise)");
+            return Err(RunError::field("spec.algorithm.overlong.bufferTokens", why));
+        }
+        if !(o.factor.is_finite() && o.factor >= 0.0) {
+            let why = format!("{} is not a number of 0 or more", o.factor);
+            return Err(RunError::field("spec.algorithm.overlong.factor", why));
+        }
+        let factor = o.factor;
+        Ok(Some(Self {
+            max_tokens,
+            buffer_tokens,
+            factor,
+        }))
+    }
+
     /// The penalty (≤ 0) added to the reward of an episode of `len` sampled tokens:
     /// 0 for `len ≤ L_max − B`, `factor · (L_max − B − len) / B` up to L_max, −factor beyond.
     pub fn penalty(&self, len: usize) -> f64 {
@@ -235,10 +246,8 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
         [file] if is_python && file.ends_with(".py") => {
             let path = dir.join(file);
             if !path.is_file() {
-                return Err(RunError::field(
-                    "spec.agent.command",
-                    format!("{} does not exist", path.display()),
-                ));
+                let why = format!("{} does not exist", path.display());
+                return Err(RunError::field("spec.agent.command", why));
             }
             AgentCommand::python(program, &path.to_string_lossy())
         }
@@ -277,13 +286,9 @@ fn judge(
     let model_dir = model_folder(model_dir, "spec.judge.path")?;
     for field in judge::task_fields(&spec.prompt) {
         if let Some(i) = tasks.iter().position(|t| t.get(&field).is_none()) {
-            return Err(RunError::field(
-                "spec.judge.prompt",
-                format!(
-                    "it reads {{task.{field}}}, but task {} of spec.agent.dataset.path has no field `{field}`",
-                    i + 1
-                ),
-            ));
+            let task = i + 1;
+            let why = format!("it reads {{task.{field}}}, but task {task} of spec.agent.dataset.path has no field `{field}`");
+            return Err(RunError::field("spec.judge.prompt", why));
         }
     }
     Ok(Some(JudgeOptions {
@@ -348,26 +353,25 @@ pub struct Sources {
 impl Sources {
     /// Everything beside the manifest in `dir`: a local run.
     pub fn beside_manifest(run: &RLRun, dir: &Path) -> Self {
+        let spec = &run.spec;
         Self {
             dir: dir.to_path_buf(),
-            model_dir: Some(dir.join(&run.spec.model.path)),
-            tasks: Some(dir.join(&run.spec.agent.dataset.path)),
-            eval_tasks: run.spec.eval.as_ref().map(|e| dir.join(&e.dataset.path)),
+            model_dir: Some(dir.join(&spec.model.path)),
+            tasks: Some(dir.join(&spec.agent.dataset.path)),
+            eval_tasks: spec.eval.as_ref().map(|e| dir.join(&e.dataset.path)),
             agent: true,
-            teacher: run
-                .spec
-                .algorithm
-                .teacher
-                .as_ref()
-                .map(|t| dir.join(&t.path)),
-            judge: run.spec.judge.as_ref().map(|j| dir.join(&j.path)),
+            teacher: spec.algorithm.teacher.as_ref().map(|t| dir.join(&t.path)),
+            judge: spec.judge.as_ref().map(|j| dir.join(&j.path)),
         }
     }
 }
 
 /// The trainer's settings from the manifest: loss, IS correction, schedule, optimizer.
 #[cfg(feature = "torch")]
-fn trainer_options(run: &RLRun, total_steps: u64) -> TrainerOptions {
+fn trainer_options(run: &RLRun, total_steps: u64) -> crate::trainer::train::TrainerOptions {
+    use crate::algorithms::{correction::Correction, losses::Aggregation};
+    use crate::trainer::{optim::LrSchedule, step::LossConfig, train::TrainerOptions};
+    use moult_operator::api::Aggregation as SpecAggregation;
     let spec = &run.spec;
     let algo = &spec.algorithm;
     let opt = &algo.optimizer;
@@ -516,33 +520,7 @@ impl RunConfig {
             },
             partial_rollout: algo.partial_rollout,
             estimator: algo.estimator,
-            overlong: algo
-                .overlong
-                .as_ref()
-                .map(|o| -> Result<Overlong, RunError> {
-                    let max_tokens = o
-                        .max_tokens
-                        .map_or_else(|| episode_token_budget(spec), |m| m as usize);
-                    let buffer_tokens = o.buffer_tokens as usize;
-                    if buffer_tokens == 0 || buffer_tokens > max_tokens {
-                        return Err(RunError::field(
-                            "spec.algorithm.overlong.bufferTokens",
-                            format!("{buffer_tokens} is not between 1 and maxTokens ({max_tokens}: the episode's token budget, rollout.maxTokens × rollout.maxTurns, unless overlong.maxTokens says otherwise)"),
-                        ));
-                    }
-                    if !(o.factor.is_finite() && o.factor >= 0.0) {
-                        return Err(RunError::field(
-                            "spec.algorithm.overlong.factor",
-                            format!("{} is not a number of 0 or more", o.factor),
-                        ));
-                    }
-                    Ok(Overlong {
-                        max_tokens,
-                        buffer_tokens,
-                        factor: o.factor,
-                    })
-                })
-                .transpose()?,
+            overlong: Overlong::of(spec)?,
             #[cfg(feature = "torch")]
             trainer: trainer_options(&run, total_steps),
             trainer_ranks: (spec.trainer.nodes.max(1) * spec.trainer.gpus_per_node.max(1)) as usize,

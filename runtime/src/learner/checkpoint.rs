@@ -230,10 +230,8 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
 pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), RunError> {
     let (latest, config) = (dir.join("latest.json"), dir.join("config.json"));
     if !latest.is_file() && !config.is_file() {
-        return Err(RunError::Checkpoint(format!(
-            "{} is neither a model folder (no config.json) nor a checkpoint folder (no latest.json)",
-            dir.display()
-        )));
+        let why = format!("{} is neither a model folder (no config.json) nor a checkpoint folder (no latest.json)", dir.display());
+        return Err(RunError::Checkpoint(why));
     }
     if !latest.is_file() && !dir.join("moult.json").is_file() {
         return Ok((dir.to_path_buf(), None));
@@ -324,10 +322,8 @@ pub fn load_policy(
 pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
     let (dir, _) = checkpoint_at(src)?;
     if out.exists() {
-        return Err(RunError::Checkpoint(format!(
-            "{} exists; export writes a new folder",
-            out.display()
-        )));
+        let why = format!("{} exists; export writes a new folder", out.display());
+        return Err(RunError::Checkpoint(why));
     }
     let (weights, _) = load_tensors(&dir)?;
     let name = out

@@ -24,10 +24,7 @@ impl Followers {
     pub(super) fn start_all(world: usize, device: Device) -> Result<(Self, Rendezvous), RunError> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
-            .map_err(|source| RunError::Start {
-                what: "finding a port for the trainer ranks".into(),
-                source,
-            })?
+            .map_err(RunError::start("finding a port for the trainer ranks"))?
             .port();
         let rendezvous = Rendezvous {
             host: "127.0.0.1".into(),
@@ -50,10 +47,7 @@ impl Followers {
         let exe = std::env::var_os("MOULT_BIN")
             .map(PathBuf::from)
             .map_or_else(std::env::current_exe, Ok)
-            .map_err(|source| RunError::Start {
-                what: "finding the moult binary".into(),
-                source,
-            })?;
+            .map_err(RunError::start("finding the moult binary"))?;
         let device_of = |rank: usize| -> Result<String, RunError> {
             match device {
                 Device::Cpu => Ok("cpu".to_string()),
@@ -87,13 +81,10 @@ impl Followers {
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .spawn()
-                .map_err(|source| RunError::Start {
-                    what: format!(
-                        "starting trainer rank {rank} ({} trainer-rank)",
-                        exe.display()
-                    ),
-                    source,
-                })?;
+                .map_err(RunError::start(format!(
+                    "starting trainer rank {rank} ({} trainer-rank)",
+                    exe.display()
+                )))?;
             followers.children.push(child);
         }
         Ok(followers)

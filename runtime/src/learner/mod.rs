@@ -10,7 +10,6 @@ mod followers;
 pub mod samples;
 pub(crate) mod steps;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -338,9 +337,7 @@ impl Learner {
             }),
             None => window(),
         };
-        let staleness: BTreeMap<u64, usize> = staleness_histogram(&batch.groups, batch.version)
-            .into_iter()
-            .collect();
+        let staleness = staleness_histogram(&batch.groups, batch.version);
         let stale_tokens: usize = staleness.values().sum();
         let rewards: Vec<f64> = (batch.groups.iter())
             .flat_map(|g| g.episodes.iter().map(|e| e.reward))
@@ -434,11 +431,7 @@ impl Drop for Learner {
     fn drop(&mut self) {
         // Rank 0 of several: the other ranks stop (local ones' processes end as the followers
         // drop; trainer pods exit and their StatefulSet starts them again, to wait for rank 0).
-        if let Err(e) = self
-            .trainer
-            .as_ref()
-            .map_or(Ok(()), Trainer::stop_followers)
-        {
+        if let Some(Err(e)) = self.trainer.as_ref().map(Trainer::stop_followers) {
             tracing::warn!("stopping the other trainer ranks: {e}");
         }
     }
@@ -508,23 +501,15 @@ async fn load_teacher(
     device: Device,
 ) -> Result<Option<CausalLm>, RunError> {
     // A served teacher's engines score the batches before they get here.
-    let Some(dir) = cfg
-        .teacher_dir
-        .clone()
-        .filter(|_| cfg.served_teacher.is_none())
-    else {
+    let (Some(dir), None) = (cfg.teacher_dir.clone(), cfg.served_teacher) else {
         return Ok(None);
     };
     let student_vocab = student.model().config().vocab_size;
     let teacher = blocking(move || CausalLm::load(&dir, Kind::Float, device)).await??;
-    if teacher.config().vocab_size != student_vocab {
-        return Err(RunError::field(
-            "spec.algorithm.teacher.path",
-            format!(
-                "the teacher's vocabulary ({}) is not the student's ({student_vocab}): they must share a tokenizer",
-                teacher.config().vocab_size
-            ),
-        ));
+    let teacher_vocab = teacher.config().vocab_size;
+    if teacher_vocab != student_vocab {
+        let why = format!("the teacher's vocabulary ({teacher_vocab}) is not the student's ({student_vocab}): they must share a tokenizer");
+        return Err(RunError::field("spec.algorithm.teacher.path", why));
     }
     Ok(Some(teacher))
 }

@@ -17,6 +17,7 @@ use crate::loopback::Segment;
 use crate::model::{CausalLm, ImageInput, SeqInput};
 use crate::rollout::{trained_segments, Group};
 use crate::trainer::logprobs::token_logprobs;
+use crate::trainer::step::scored;
 use crate::trainer::train::Sample;
 use crate::vision::{ImageProcessorConfig, ProcessedImage};
 
@@ -82,15 +83,9 @@ pub fn distill(
 ) -> Result<f64, RunError> {
     let mut scores = Vec::with_capacity(samples.len());
     for chunk in samples.chunks(16) {
-        let seqs: Vec<SeqInput<'_>> = chunk
-            .iter()
-            .map(|s| SeqInput {
-                tokens: &s.tokens,
-                slot: None,
-                replay: None,
-                images: &s.images,
-            })
-            .collect();
+        // The teacher routes its own experts: none of the policy's routing is replayed.
+        let seqs = scored(chunk).into_iter();
+        let seqs: Vec<SeqInput<'_>> = seqs.map(|s| SeqInput { replay: None, ..s }).collect();
         let teacher_lp = tch::no_grad(|| token_logprobs(teacher, &seqs, temperature))?;
         for (i, s) in chunk.iter().enumerate() {
             let row: Vec<f32> = Vec::try_from(teacher_lp.get(i as i64))?;

@@ -22,8 +22,11 @@ pub(crate) trait Steps {
         learner: &mut Learner,
     ) -> Result<Option<StepBatch>, RunError>;
 
-    /// The policy version the weights of `step` are published as.
-    async fn version(&mut self, step: u64) -> u64;
+    /// The policy version the weights of `step` are published as: by default the step itself
+    /// (a cluster's coordinator numbers versions of its own).
+    async fn version(&mut self, step: u64) -> u64 {
+        step
+    }
 
     /// `step` is trained, published, recorded and (when due) checkpointed.
     async fn done(&mut self, step: Trained, batch: StepBatch) -> Result<(), RunError>;

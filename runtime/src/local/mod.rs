@@ -239,10 +239,6 @@ impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
         Ok(Some(StepBatch::drawn(step, groups, self.pool, self.seed)))
     }
 
-    async fn version(&mut self, step: u64) -> u64 {
-        step
-    }
-
     async fn done(&mut self, trained: Trained, batch: StepBatch) -> Result<(), RunError> {
         self.pool.set_version(trained.record.policy_version);
         drop(batch); // frees the groups' admission slots: generation goes on
@@ -281,10 +277,6 @@ impl Steps for ReplaySteps<'_> {
         }))
     }
 
-    async fn version(&mut self, step: u64) -> u64 {
-        step
-    }
-
     async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<(), RunError> {
         let total = self.dumps.len() as u64;
         self.progress.trained(&trained, self.console, total, false);
@@ -300,12 +292,8 @@ pub async fn evaluate_checkpoint(
     opts: &RunOptions,
     checkpoint: Option<&std::path::Path>,
 ) -> Result<EvalResult, RunError> {
-    let eval = cfg.eval.clone().ok_or_else(|| {
-        RunError::field(
-            "spec.eval",
-            "moult eval needs it (the held-out tasks and how to sample them; docs/run.md, \"Evaluation\")",
-        )
-    })?;
+    let why = "moult eval needs it (the held-out tasks and how to sample them; docs/run.md, \"Evaluation\")";
+    let eval = (cfg.eval.clone()).ok_or_else(|| RunError::field("spec.eval", why))?;
     let (step, version) = match checkpoint {
         Some(dir) => {
             let (dir, meta) = crate::learner::checkpoint::model_folder(dir)?;

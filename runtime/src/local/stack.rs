@@ -46,12 +46,9 @@ impl Drop for Stack {
 }
 
 async fn bind() -> Result<(TcpListener, String), RunError> {
-    let start = |source| RunError::Start {
-        what: "binding 127.0.0.1".into(),
-        source,
-    };
-    let listener = TcpListener::bind(("127.0.0.1", 0)).await.map_err(start)?;
-    let url = format!("http://{}", listener.local_addr().map_err(start)?);
+    let start = RunError::start("binding 127.0.0.1");
+    let listener = TcpListener::bind(("127.0.0.1", 0)).await.map_err(&start)?;
+    let url = format!("http://{}", listener.local_addr().map_err(&start)?);
     Ok((listener, url))
 }
 

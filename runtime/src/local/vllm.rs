@@ -39,10 +39,7 @@ pub fn free_port() -> Result<u16, RunError> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
-        .map_err(|source| RunError::Start {
-            what: "finding a free port for vLLM".into(),
-            source,
-        })
+        .map_err(RunError::start("finding a free port for vLLM"))
 }
 
 /// The last `n` lines of `path`.
@@ -161,11 +158,9 @@ impl VllmProcess {
                     continue;
                 }
             };
-            let log = self.log.display();
-            let end = tail(&self.log, 20);
-            return Err(RunError::Setup(format!(
-                "{failed}; the end of {log}:\n{end}"
-            )));
+            let (log, end) = (self.log.display(), tail(&self.log, 20));
+            let why = format!("{failed}; the end of {log}:\n{end}");
+            return Err(RunError::Setup(why));
         }
     }
 

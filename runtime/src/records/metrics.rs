@@ -282,14 +282,15 @@ pub fn reward_svg(records: &[StepRecord], title: &str) -> String {
     });
     let x = |s: f64| left + (s - x0) / (x1 - x0).max(1.0) * (w - left - right);
     let y = |v: f64| top + (hi - v) / (hi - lo).max(1e-9) * (h - top - bottom);
-    let point = |r: &StepRecord, v: f64| format!("{:.1},{:.1}", x(r.step as f64), y(v));
-    let upper = records
-        .iter()
-        .map(|r| point(r, r.reward_mean + r.reward_std));
-    let lower = records
-        .iter()
-        .rev()
-        .map(|r| point(r, r.reward_mean - r.reward_std));
+    // A record's point `k` standard deviations from its mean.
+    let point = |r: &StepRecord, k: f64| {
+        let v = r.reward_mean + k * r.reward_std;
+        format!("{:.1},{:.1}", x(r.step as f64), y(v))
+    };
+    let edge = |k: f64| records.iter().map(move |r| point(r, k));
+    // The band: its upper edge forward, its lower edge back.
+    let band: Vec<String> = edge(1.0).chain(edge(-1.0).rev()).collect();
+    let mean: Vec<String> = edge(0.0).collect();
     let mut svg = format!(
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">
 <rect width="100%" height="100%" fill="white"/>
@@ -299,19 +300,13 @@ pub fn reward_svg(records: &[StepRecord], title: &str) -> String {
 "##,
         tx = w / 2.0,
         title = title.replace('&', "&amp;").replace('<', "&lt;"),
-        band = upper.chain(lower).collect::<Vec<_>>().join(" "),
-        mean = records
-            .iter()
-            .map(|r| point(r, r.reward_mean))
-            .collect::<Vec<_>>()
-            .join(" "),
+        band = band.join(" "),
+        mean = mean.join(" "),
     );
     // Five ticks on each axis: a grid line and label per reward, a label per step.
     for k in 0..=4 {
-        let (v, s) = (
-            lo + (hi - lo) * k as f64 / 4.0,
-            x0 + (x1 - x0) * k as f64 / 4.0,
-        );
+        let v = lo + (hi - lo) * k as f64 / 4.0;
+        let s = x0 + (x1 - x0) * k as f64 / 4.0;
         svg += &format!(
             "<line x1=\"{left}\" x2=\"{:.1}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\" stroke=\"#ddd\"/><text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{v:.2}</text>\n<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{s:.0}</text>\n",
             w - right,

@@ -20,7 +20,7 @@
 //! - The **data cursor** (next task, epoch) is part of the state, so a restarted run continues
 //!   where it stopped ([`RolloutState`]).
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -163,18 +163,12 @@ pub fn trained_segments(
     batch: &[Group],
 ) -> impl Iterator<Item = (usize, usize, usize, &crate::loopback::Segment)> {
     batch.iter().enumerate().flat_map(|(g, group)| {
-        group
-            .episodes
-            .iter()
-            .enumerate()
-            .flat_map(move |(e, episode)| {
-                episode
-                    .segments
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, seg)| seg.sampled_tokens() > 0)
-                    .map(move |(s, seg)| (g, e, s, seg))
-            })
+        let episodes = group.episodes.iter().enumerate();
+        episodes.flat_map(move |(e, episode)| {
+            let segments = episode.segments.iter().enumerate();
+            let trained = segments.filter(|(_, seg)| seg.sampled_tokens() > 0);
+            trained.map(move |(s, seg)| (g, e, s, seg))
+        })
     })
 }
 
@@ -302,14 +296,11 @@ impl RolloutPool {
                 });
             }
         });
-        let driver = driver.abort_handle();
-        Ok((
-            Self {
-                shared: pool_shared,
-                driver,
-            },
-            rx,
-        ))
+        let pool = Self {
+            shared: pool_shared,
+            driver: driver.abort_handle(),
+        };
+        Ok((pool, rx))
     }
 
     /// Checks a finished group against failures, malformed episodes and the staleness bound.
@@ -363,11 +354,8 @@ impl RolloutPool {
 
     /// The trainer set a batch aside instead of learning from it (its groups are dropped).
     pub fn quarantined(&self) {
-        self.shared
-            .stats
-            .lock()
-            .expect("stats lock")
-            .batches_quarantined += 1;
+        let mut stats = self.shared.stats.lock().expect("stats lock");
+        stats.batches_quarantined += 1;
     }
 
     /// The engines now serve `version` (called after each weight sync).
@@ -422,10 +410,8 @@ pub async fn fill_batch(
         }
         // Groups taken earlier may have gone stale meanwhile, and groups admitted before the
         // policy's limits were known are checked against them now.
-        let (now, limits) = (
-            pool.version(),
-            *pool.shared.limits.lock().expect("limits lock"),
-        );
+        let now = pool.version();
+        let limits = *pool.shared.limits.lock().expect("limits lock");
         let before = batch.len();
         batch.retain(|g| !g.stale(now, opts.max_staleness));
         let stale = before - batch.len();
@@ -448,8 +434,8 @@ pub async fn fill_batch(
 }
 
 /// Tally of versions in a batch (for the staleness histogram the trainer reports).
-pub fn staleness_histogram(batch: &[Group], now: u64) -> HashMap<u64, usize> {
-    let mut h = HashMap::new();
+pub fn staleness_histogram(batch: &[Group], now: u64) -> BTreeMap<u64, usize> {
+    let mut h = BTreeMap::new();
     for v in batch.iter().flat_map(|g| token_versions(&g.episodes)) {
         *h.entry(now.saturating_sub(v)).or_insert(0) += 1;
     }

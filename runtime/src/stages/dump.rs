@@ -48,12 +48,9 @@ pub fn write(dir: &Path, batch: &StepBatch) -> Result<(), RunError> {
 /// The dumps in `dir`, by step: every `step-NNNNNN.json`, which must number 1, 2, 3, ... with
 /// no gap (a replay trains them in order, each on the weights the one before left).
 pub fn steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>, RunError> {
-    let entries = std::fs::read_dir(dir).map_err(|e| {
-        RunError::Setup(format!(
-            "--replay {}: {e} (a folder `moult run --dump-rollouts` wrote: <out>/rollouts)",
-            dir.display()
-        ))
-    })?;
+    let refuse = |why: String| RunError::Setup(format!("--replay {}: {why}", dir.display()));
+    let what = "a folder `moult run --dump-rollouts` wrote: <out>/rollouts";
+    let entries = std::fs::read_dir(dir).map_err(|e| refuse(format!("{e} ({what})")))?;
     let mut steps: Vec<(u64, PathBuf)> = entries
         .flatten()
         .filter_map(|e| {
@@ -68,18 +65,13 @@ pub fn steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>, RunError> {
         .collect();
     steps.sort();
     if steps.is_empty() {
-        return Err(RunError::Setup(format!(
-            "--replay {}: no step-NNNNNN.json in it (write them with `moult run --dump-rollouts`)",
-            dir.display()
-        )));
+        let why = "no step-NNNNNN.json in it (write them with `moult run --dump-rollouts`)";
+        return Err(refuse(why.into()));
     }
     for (i, (step, _)) in steps.iter().enumerate() {
         if *step != i as u64 + 1 {
-            return Err(RunError::Setup(format!(
-                "--replay {}: the dumps go from step {} to step {step}: each step trains on the weights the one before left, so none may be missing",
-                dir.display(),
-                i
-            )));
+            let why = format!("the dumps go from step {i} to step {step}: each step trains on the weights the one before left, so none may be missing");
+            return Err(refuse(why));
         }
     }
     Ok(steps)

@@ -120,15 +120,13 @@ impl Judge {
     async fn verdict(&self, session: String, prompt: String) -> Verdict {
         let request = ChatRequest {
             messages: vec![Message::text(Role::User, prompt)],
-            tools: Vec::new(),
-            parse_tool_calls: false,
             sampling: ChatSampling {
                 max_tokens: Some(self.opts.max_tokens),
                 temperature: Some(0.0),
                 ..ChatSampling::default()
             },
             n: 1,
-            template_kwargs: serde_json::Map::new(),
+            ..ChatRequest::default()
         };
         let answer = match self.service.open(&session, None) {
             Ok(()) => self.service.turn(&session, "call_", request, None).await,

@@ -114,14 +114,10 @@ impl Stage for Teacher {
                 })
                 .collect();
             let tokens = asks.iter().map(|(_, _, t)| t.len()).sum();
-            let scored: Vec<_> =
-                futures::stream::iter(asks)
-                    .map(|(at, id, tokens)| async move {
-                        self.score(&id, &tokens).await.map(|s| (at, s))
-                    })
-                    .buffer_unordered(IN_FLIGHT)
-                    .try_collect()
-                    .await?;
+            let scores = futures::stream::iter(asks).map(|(at, id, tokens)| async move {
+                self.score(&id, &tokens).await.map(|s| (at, s))
+            });
+            let scored: Vec<_> = scores.buffer_unordered(IN_FLIGHT).try_collect().await?;
             for ((g, e, s), logprobs) in scored {
                 batch.groups[g].episodes[e].segments[s].teacher_logprobs = Some(logprobs);
             }

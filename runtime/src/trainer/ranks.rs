@@ -231,11 +231,9 @@ impl Trainer {
                         tracing::warn!("a checkpoint shard was not written: {e}");
                     }
                 }
-                other => {
-                    return Err(
-                        Error::Config(format!("rank 0 sent an unknown command {other}")).into(),
-                    )
-                }
+                other => Err(Error::Config(format!(
+                    "rank 0 sent an unknown command {other}"
+                )))?,
             }
         }
     }

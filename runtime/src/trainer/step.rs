@@ -73,7 +73,7 @@ pub struct LossMetrics {
 pub type KlPenalty = (f64, Tensor);
 
 /// The sequences of `samples` to score, each from position 0 with its routing and images.
-pub(super) fn scored(samples: &[Sample]) -> Vec<SeqInput<'_>> {
+pub(crate) fn scored(samples: &[Sample]) -> Vec<SeqInput<'_>> {
     samples
         .iter()
         .map(|s| SeqInput {

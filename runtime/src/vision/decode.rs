@@ -26,14 +26,26 @@ impl RgbImage {
     }
 }
 
-/// Decodes PNG or JPEG bytes (the format is read from the bytes, not trusted from a media type).
+/// The most pixels an image may declare to be decoded: 8K UHD (7680 × 4320). A few hundred
+/// bytes of PNG or JPEG header can declare billions (a decompression bomb: seconds of CPU and
+/// hundreds of megabytes per request, found by fuzzing), and every vision model moult serves
+/// scales an image down to a few million pixels anyway.
+pub const MAX_PIXELS: u64 = 7680 * 4320;
+
+/// Decodes PNG or JPEG bytes (the format is read from the bytes, not trusted from a media type),
+/// refusing an image of more than [`MAX_PIXELS`] before decoding any of it.
 pub fn decode_image(bytes: &[u8]) -> Result<RgbImage> {
     let format = match image::guess_format(bytes) {
         Ok(format @ (image::ImageFormat::Png | image::ImageFormat::Jpeg)) => format,
         _ => return Err(VisionError::UnsupportedFormat),
     };
-    let decoded =
-        image::load_from_memory_with_format(bytes, format).map_err(VisionError::Decode)?;
+    let reader = || image::ImageReader::with_format(std::io::Cursor::new(bytes), format);
+    let (width, height) = reader().into_dimensions().map_err(VisionError::Decode)?;
+    if u64::from(width) * u64::from(height) > MAX_PIXELS {
+        let max = MAX_PIXELS;
+        return Err(VisionError::TooManyPixels { height, width, max });
+    }
+    let decoded = reader().decode().map_err(VisionError::Decode)?;
     let (width, height) = (decoded.width(), decoded.height());
     let pixels = match decoded {
         DynamicImage::ImageRgb8(im) => im.into_raw(),
@@ -135,5 +147,24 @@ mod tests {
         assert!(matches!(err, VisionError::UnsupportedFormat), "{err}");
         let err = decode_image(b"\x89PNG\r\n\x1a\ntruncated").unwrap_err();
         assert!(matches!(err, VisionError::Decode(_)), "{err}");
+    }
+
+    #[test]
+    fn an_image_declaring_more_than_8k_pixels_is_refused_before_decoding() {
+        // 770 bytes of JPEG declaring 1280x65535 pixels: 10 s and 250 MB to decode (fuzzing).
+        let bomb = include_bytes!("../../../fuzz/corpus/image_preprocess/finding-jpeg-bomb");
+        let err = decode_image(bomb).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                VisionError::TooManyPixels {
+                    height: 1280,
+                    width: 65535,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("1280x65535"), "{err}");
     }
 }

@@ -50,6 +50,11 @@ pub enum VisionError {
     UnsupportedFormat,
     #[error("cannot decode the image")]
     Decode(#[source] image::ImageError),
+    #[error(
+        "the image declares {height}x{width} pixels, more than the {max} moult decodes (8K UHD): \
+         scale it down before sending it (docs/vision.md)"
+    )]
+    TooManyPixels { height: u32, width: u32, max: u64 },
     #[error("unsupported pixel layout {layout} (PNG and JPEG decode to 8- or 16-bit channels)")]
     UnsupportedPixelLayout { layout: String },
     #[error("the image is empty ({height}x{width} pixels)")]

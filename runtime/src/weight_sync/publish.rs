@@ -93,11 +93,8 @@ impl Publisher {
                     "spec.engines.weightTransfer.claimName",
                     "the Filesystem transport needs a folder that the trainer and every engine share (MOULT_WEIGHTS_DIR, where the operator mounts the claim)".into(),
                 ))?;
-                Ok(Self::Filesystem(FolderPublisher::new(
-                    &opts.target,
-                    folder,
-                    opts.engine_kind,
-                )))
+                let publisher = FolderPublisher::new(&opts.target, folder, opts.engine_kind);
+                Ok(Self::Filesystem(publisher))
             }
             WeightTransport::Nccl => {
                 #[cfg(feature = "cuda")]
@@ -110,10 +107,8 @@ impl Publisher {
                 } else {
                     "NCCL (vLLM's default) needs a moult built with `--features cuda` (the runtime image is) and a trainer on a GPU; on CPU use transport Filesystem (docs/vllm.md)".into()
                 };
-                Err(SyncError::Manifest(
-                    "spec.engines.weightTransfer.transport",
-                    why,
-                ))
+                let field = "spec.engines.weightTransfer.transport";
+                Err(SyncError::Manifest(field, why))
             }
         }
     }
