@@ -55,7 +55,7 @@ def segment(length, sampled_from, experts=True):
     return seg
 
 
-def episode(segments, reward=1.0, status="Completed"):
+def episode(segments, reward=1.0, status="completed"):
     return json.dumps({
         "index": 0, "session": "s-1", "task": {"question": "2+2"}, "status": status,
         "reward": reward, "info": {}, "seconds": 0.5, "segments": segments,
@@ -67,7 +67,7 @@ def episodes():
     write("episode_forward", "two-segments", episode([segment(8, 3), segment(20, 10)], reward=0.0))
     write("episode_forward", "no-replay", episode([segment(6, 2, experts=False)]))
     write("episode_forward", "at-the-limit", episode([segment(40, 30)]))
-    write("episode_forward", "failed", episode([], status="Failed"))
+    write("episode_forward", "failed", episode([], status="failed"))
     write("episode_json", "one-turn", episode([segment(12, 5, experts=False)]))
     write("episode_json", "replay", episode([segment(9, 4)]))
 

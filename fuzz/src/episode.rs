@@ -2,6 +2,7 @@
 //! into the trainer's samples and the policy's forward and loss.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use moult_operator::api::LossKind;
 use moult_runtime::agents::{Episode, EpisodeStatus};
@@ -11,6 +12,13 @@ use moult_runtime::model::CausalLm;
 use moult_runtime::rollout::validate::{check, limits, EpisodeLimits};
 use moult_runtime::rollout::Group;
 use moult_runtime::trainer::step::{policy_loss, LossConfig};
+
+/// Inputs that went through the forward and the loss, and validated episodes that went through
+/// the JSON round trip: the replay test checks that the seeds reach that far, so a seed corpus
+/// gone stale (an input the current types no longer read) fails CI instead of fuzzing nothing
+/// but the parser.
+pub static FORWARDS: AtomicUsize = AtomicUsize::new(0);
+pub static ROUND_TRIPS: AtomicUsize = AtomicUsize::new(0);
 
 /// The policy version the engines serve, as far as the fuzzed rollout knows.
 const NOW: u64 = 3;
@@ -95,6 +103,7 @@ pub fn forward(data: &[u8]) {
             .unwrap_or_else(|e| panic!("a validated episode failed the forward: {e}"));
         let loss = loss.double_value(&[]);
         assert!(loss.is_finite(), "loss {loss} ({metrics:?})");
+        FORWARDS.fetch_add(1, Ordering::Relaxed);
     })
 }
 
@@ -121,4 +130,5 @@ pub fn json(data: &[u8]) {
         sent,
         "a validated episode changed on its way"
     );
+    ROUND_TRIPS.fetch_add(1, Ordering::Relaxed);
 }

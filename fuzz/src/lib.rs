@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 mod data;
-mod episode;
+pub mod episode;
 mod requests;
 mod sandbox;
 mod spec;

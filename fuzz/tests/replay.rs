@@ -30,4 +30,17 @@ fn every_corpus_input_passes_its_target() {
         println!("{name:<20} | {:>6}", files.len());
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // The episode seeds reach the trainer's forward and the network round trip, not only the
+    // parser (python fuzz/make_seeds.py writes them again when the types change).
+    use std::sync::atomic::Ordering;
+    let forwards = moult_fuzz::episode::FORWARDS.load(Ordering::Relaxed);
+    let round_trips = moult_fuzz::episode::ROUND_TRIPS.load(Ordering::Relaxed);
+    assert!(
+        forwards >= 3,
+        "{forwards} episode_forward seeds reached the forward"
+    );
+    assert!(
+        round_trips >= 2,
+        "{round_trips} episode_json seeds made the round trip"
+    );
 }

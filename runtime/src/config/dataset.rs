@@ -92,18 +92,19 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
 /// Every row of a Parquet file as a JSON object (column name → value).
 fn read_parquet(file: &Path, field: &str) -> Result<Vec<Json>, RunError> {
     let cannot = |e: &dyn std::fmt::Display| {
-        RunError::field(
-            field,
-            format!("{}: not a readable Parquet file: {e}", file.display()),
-        )
+        let why = format!("{}: not a readable Parquet file: {e}", file.display());
+        RunError::field(field, why)
     };
     let f = File::open(file)
         .map_err(|e| RunError::field(field, format!("cannot read {}: {e}", file.display())))?;
-    let reader = SerializedFileReader::new(f).map_err(|e| cannot(&e))?;
-    reader
-        .into_iter()
-        .map(|row| row.map(|r| r.to_json_value()).map_err(|e| cannot(&e)))
-        .collect()
+    // The parquet crate panics on some malformed files (found by fuzzing): a panic is an error
+    // naming the file, as any other unreadable file.
+    let read = std::panic::catch_unwind(|| {
+        let reader = SerializedFileReader::new(f).map_err(|e| cannot(&e))?;
+        let rows = reader.into_iter().map(|row| row.map(|r| r.to_json_value()));
+        rows.map(|row| row.map_err(|e| cannot(&e))).collect()
+    });
+    read.unwrap_or_else(|_| Err(cannot(&"the Parquet reader failed on its metadata")))
 }
 
 /// Why a row cannot become a task under `columns`.
