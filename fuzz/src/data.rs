@@ -56,7 +56,9 @@ pub fn tasks(data: &[u8]) {
         "columns": if mapped { serde_json::json!({"question": "problem", "answer": "solution"}) } else { serde_json::json!({}) },
     }))
     .expect("a dataset spec");
-    let Ok(tasks) = read(&spec, &file, "spec.agent.dataset") else {
+    // The reader turns the parquet crate's panics on malformed files into errors.
+    let read = crate::panics_caught_inside(|| read(&spec, &file, "spec.agent.dataset"));
+    let Ok(tasks) = read else {
         return;
     };
     assert!(!tasks.is_empty());

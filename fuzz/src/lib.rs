@@ -100,6 +100,18 @@ fn text(data: &[u8]) -> Option<&str> {
     std::str::from_utf8(data).ok()
 }
 
+/// Runs `f`, which catches some panics itself (`catch_unwind` around a dependency that panics on
+/// bad input), with a silent panic hook: libFuzzer's hook would abort on the caught panic before
+/// `f` could turn it into an error. A panic that `f` does not catch still fails the target: it
+/// unwinds into libFuzzer's driver, which aborts.
+fn panics_caught_inside<T>(f: impl FnOnce() -> T) -> T {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    std::panic::set_hook(hook);
+    out.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
+
 /// One current-thread runtime per thread, for the targets that drive async code.
 fn block_on<F: std::future::Future>(f: F) -> F::Output {
     thread_local! {

@@ -7,8 +7,8 @@
 //!
 //! `cargo bench -p moult-runtime --bench engine` (after `source scripts/env.sh`);
 //! `-- --quick` runs the tiny model only, `-- --large` the Qwen3-0.6B-shaped one only, `-- --llama`
-//! a Llama 3.2-1B-shaped one, `-- --gemma` a Gemma 3-1B-shaped one (docs/models.md). Documented
-//! in docs/benchmarks.md.
+//! a Llama 3.2-1B-shaped one, `-- --gemma` a Gemma 3-1B-shaped one (docs/models.md), `-- --weights`
+//! the weight update of the Qwen3-0.6B-shaped one alone. Documented in docs/benchmarks.md.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -366,6 +366,10 @@ fn main() {
         .unwrap();
     let (tiny, qwen) = models();
     println!("cores: {}\n", cores());
+    if args.iter().any(|a| a == "--weights") {
+        weight_update_table(&rt, &[("Qwen3-0.6B shape", &qwen)]);
+        return;
+    }
 
     println!(
         "## Throughput (tokens/s, T=1): end to end, and decode only (after every first token)\n"
@@ -397,15 +401,23 @@ fn main() {
         latency(&rt, label, model);
     }
 
+    let mut updated: Vec<(&str, &Path)> = Vec::new();
+    if tiny_on {
+        updated.push(("tiny", &tiny));
+    }
+    if large_on {
+        updated.push(("Qwen3-0.6B shape", &qwen));
+    }
+    weight_update_table(&rt, &updated);
+}
+
+fn weight_update_table(rt: &tokio::runtime::Runtime, models: &[(&str, &Path)]) {
     println!("\n## Weight update over TCP (f32, all weights, one engine, 256 MiB buckets)\n");
     println!(
         "| model | GB | first update s | next update s | TCP GB/s | memcpy GB/s | TCP / memcpy | HMAC GB/s | one HMAC pass / next update |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    if tiny_on {
-        weight_update(&rt, "tiny", &tiny);
-    }
-    if large_on {
-        weight_update(&rt, "Qwen3-0.6B shape", &qwen);
+    for (label, model) in models {
+        weight_update(rt, label, model);
     }
 }
