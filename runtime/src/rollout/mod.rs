@@ -350,6 +350,7 @@ impl RolloutPool {
         let mut limits = self.shared.limits.lock().expect("limits lock");
         limits.vocab_size = learned.vocab_size.or(limits.vocab_size);
         limits.max_positions = learned.max_positions.or(limits.max_positions);
+        limits.experts = learned.experts.or(limits.experts);
     }
 
     /// The trainer set a batch aside instead of learning from it (its groups are dropped).

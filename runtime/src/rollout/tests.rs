@@ -210,6 +210,7 @@ async fn groups_admitted_before_the_limits_were_known_are_checked_when_drawn() {
     pool.learn_limits(EpisodeLimits {
         vocab_size: Some(1000),
         max_positions: None,
+        experts: None,
     });
     for _ in 0..2 {
         let batch = next_batch(&pool, &mut queue, &o).await.unwrap();

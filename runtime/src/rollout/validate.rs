@@ -29,6 +29,10 @@ pub struct EpisodeLimits {
     /// unchecked when unknown.
     #[serde(default)]
     pub max_positions: Option<usize>,
+    /// Replayed routing names experts below this (the policy's `num_experts`); unchecked when
+    /// unknown or the policy has none.
+    #[serde(default)]
+    pub experts: Option<usize>,
 }
 
 /// The policy's limits from `<model_dir>/config.json` (`vocab_size` and
@@ -47,6 +51,7 @@ pub fn limits(model_dir: &Path) -> EpisodeLimits {
     EpisodeLimits {
         vocab_size: read("vocab_size"),
         max_positions: read("max_position_embeddings"),
+        experts: read("num_experts").or_else(|| read("num_local_experts")),
     }
 }
 
@@ -101,6 +106,9 @@ pub enum BadSegment {
     RoutedGap { next: usize, start: usize },
     #[error("routed experts at {start}: {why}")]
     RoutedData { start: usize, why: String },
+    /// At `.0`, expert `.1` of a policy of `.2` experts.
+    #[error("routed experts at {0} name expert {1}; the policy has {2}")]
+    RoutedExpert(usize, u16, usize),
     #[error("routed experts at {start} are [{}, {}] per token, earlier chunks {earlier:?}", .layout[0], .layout[1])]
     RoutedLayout {
         start: usize,
@@ -182,12 +190,13 @@ fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), Ba
             mask => return Err(BadSegment::LossMask { mask, at }),
         }
     }
-    check_routed_experts(s)
+    check_routed_experts(s, limits.experts)
 }
 
 /// Routing chunks tile positions `0..` contiguously, each a well-formed `[rows, layers, top_k]`
-/// array of one layout, covering the segment or all of it but its last token.
-fn check_routed_experts(s: &Segment) -> Result<(), BadSegment> {
+/// array of one layout of ids below `experts`, covering the segment or all of it but its last
+/// token.
+fn check_routed_experts(s: &Segment, experts: Option<usize>) -> Result<(), BadSegment> {
     if s.routed_experts.is_empty() {
         return Ok(());
     }
@@ -198,8 +207,13 @@ fn check_routed_experts(s: &Segment) -> Result<(), BadSegment> {
         if start != next {
             return Err(BadSegment::RoutedGap { next, start });
         }
-        let (shape, _) = decode_routed_experts(&chunk.data)
+        let (shape, ids) = decode_routed_experts(&chunk.data)
             .map_err(|why| BadSegment::RoutedData { start, why })?;
+        // Found by fuzzing: an id past the experts passed, and failed the trainer's forward.
+        let outside = experts.and_then(|n| Some((*ids.iter().find(|&&e| e as usize >= n)?, n)));
+        if let Some((expert, experts)) = outside {
+            return Err(BadSegment::RoutedExpert(start, expert, experts));
+        }
         let layout = [shape[1], shape[2]];
         if *earlier.get_or_insert(layout) != layout {
             return Err(BadSegment::RoutedLayout {
@@ -255,6 +269,7 @@ mod tests {
     const LIMITS: EpisodeLimits = EpisodeLimits {
         vocab_size: Some(100),
         max_positions: Some(64),
+        experts: Some(8),
     };
 
     fn verdict(s: Segment) -> Result<(), String> {
@@ -279,6 +294,14 @@ mod tests {
             std::fs::write(dir.join("config.json"), config).unwrap();
             let l = limits(&dir);
             assert_eq!((l.vocab_size, l.max_positions), want, "{config}");
+        }
+        for (config, experts) in [
+            (r#"{"num_experts": 8}"#, Some(8)),
+            (r#"{"num_local_experts": 4}"#, Some(4)),
+            (r#"{"vocab_size": 100}"#, None),
+        ] {
+            std::fs::write(dir.join("config.json"), config).unwrap();
+            assert_eq!(limits(&dir).experts, experts, "{config}");
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -402,6 +425,15 @@ mod tests {
             data: "not base64!".into(),
         };
         assert!(with(vec![garbage]).unwrap_err().contains("not base64"));
+        // Found by fuzzing: an expert id past the policy's experts failed the forward.
+        let mut ids = vec![1; 4 * 3 * 2];
+        ids[7] = 8;
+        let past = RoutedExperts {
+            start: 0,
+            data: encode_routed_experts(&ids, 4, 3, 2, 9),
+        };
+        let err = with(vec![past]).unwrap_err();
+        assert!(err.contains("name expert 8; the policy has 8"), "{err}");
     }
 
     #[test]

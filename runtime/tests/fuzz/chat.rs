@@ -365,6 +365,7 @@ fn run(case: Case) -> Result<(), TestCaseError> {
         let limits = EpisodeLimits {
             vocab_size: Some(tok.vocab_size()),
             max_positions: None,
+            experts: None,
         };
         prop_assert_eq!(validate(&episode, &limits, tag), Ok(()));
         // The agent's next request: the reply it kept, treated as this case says.

@@ -246,6 +246,7 @@ fn run(case: Case) -> Result<(), TestCaseError> {
     let limits = EpisodeLimits {
         vocab_size: case.vocab,
         max_positions: None,
+        experts: None,
     };
     // As the rollout does: a group with a failed or malformed episode never reaches the trainer.
     if episodes.iter().any(|e| e.status == EpisodeStatus::Failed)
