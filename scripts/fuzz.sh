@@ -2,8 +2,10 @@
 # The coverage-guided fuzz targets (docs/security.md, "Fuzzing"): each runs under libFuzzer
 # (cargo-fuzz, nightly Rust) for SECONDS (default 60), starting from its seed corpus
 # `fuzz/corpus/<target>/` and a working corpus kept outside the repository, then one table:
-# executions, coverage (libFuzzer's `cov` edges and `ft` features), the working corpus and the
-# crashes, each crash's input left in the artifacts folder. Extra arguments select targets by name.
+# executions, coverage (libFuzzer's `cov` edges and `ft` features), the working corpus, the
+# crashes (a crash, leak, timeout or out-of-memory input: the script fails) and the slow units
+# (an input over 10 seconds), each one's input left in the artifacts folder. Extra arguments
+# select targets by name.
 #
 #   bash scripts/fuzz.sh 600                    # every target for 10 minutes (2.5 hours)
 #   MOULT_FUZZ_JOBS=2 bash scripts/fuzz.sh 600  # two at a time
