@@ -67,9 +67,9 @@ pub fn ready_urls<'a>(
         if controller(&slice.metadata) != Some(owners.service.as_str()) {
             continue;
         }
-        let ports = slice.ports.iter().flatten();
+        let mut ports = slice.ports.iter().flatten();
         let port = (ports.clone().find(|p| p.name.as_deref() == Some("http")))
-            .or_else(|| slice.ports.iter().flatten().next())
+            .or_else(|| ports.next())
             .and_then(|p| p.port)
             .map_or(default_port, |p| p as u16);
         for e in slice.endpoints.iter().flatten() {

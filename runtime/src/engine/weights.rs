@@ -60,11 +60,10 @@ impl DataKey {
         }
     }
 
-    /// The MAC of the next bucket, fed its number and `header` so far.
-    fn bucket(&mut self, header: &[u8]) -> Hmac<Sha256> {
+    /// The MAC of the next bucket, fed its number so far (then its header and bytes).
+    fn bucket(&mut self) -> Hmac<Sha256> {
         let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("a 32-byte key");
         mac.update(&self.next.to_le_bytes());
-        mac.update(header);
         self.next += 1;
         mac
     }
@@ -264,14 +263,8 @@ impl TcpWeightSender {
         let mut header = Vec::with_capacity(16);
         header.extend_from_slice(BUCKET_MAGIC);
         header.extend_from_slice(&(total as u64).to_le_bytes());
-        let mut macs: Vec<_> = self
-            .conns
-            .iter_mut()
-            .map(|(_, k)| k.bucket(&header))
-            .collect();
-        for (conn, _) in &mut self.conns {
-            conn.write_all(&header)?;
-        }
+        let mut macs: Vec<_> = self.conns.iter_mut().map(|(_, k)| k.bucket()).collect();
+        broadcast(&mut self.conns, &mut macs, &header)?;
         let mut chunk = std::mem::take(&mut self.chunk);
         chunk.clear();
         for (_, t) in tensors {
@@ -309,9 +302,7 @@ impl TcpWeightSender {
         }
         Ok(())
     }
-}
 
-impl TcpWeightSender {
     /// Writes `bytes` to every engine as they are: no header, no tag. What a peer on the path
     /// that does not hold the run token could inject (the fuzz target of the weight stream).
     pub fn send_raw(&mut self, bytes: &[u8]) -> std::io::Result<()> {
@@ -588,7 +579,8 @@ impl StagedUpdate {
             return Err(format!("reading {len} weight bytes and their tag: {e}"));
         }
         let bucket = key.next;
-        let mut mac = key.bucket(&header);
+        let mut mac = key.bucket();
+        mac.update(&header);
         mac.update(&self.bytes[start..start + len]);
         let tag_holds = mac.verify_slice(&self.bytes[start + len..]).is_ok();
         self.bytes.truncate(start + len);
