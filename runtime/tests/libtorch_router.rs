@@ -330,7 +330,7 @@ async fn libtorch_requests_wait_for_an_engine_when_none_is_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn libtorch_an_abort_reaches_only_the_callers_own_request() {
     let (mut a, a_url) = spawn_engine(&dense_model());
-    let (url, _router) = start_router(&[a_url], "least-tokens").await;
+    let (url, _router) = start_router(std::slice::from_ref(&a_url), "least-tokens").await;
     let client = reqwest::Client::new();
     let generate = |session: &'static str| {
         let body = json!({"request_id": "same", "token_ids": [1, 2, 3],
@@ -340,14 +340,21 @@ async fn libtorch_an_abort_reaches_only_the_callers_own_request() {
             .json(&body);
         tokio::spawn(async move { request.send().await.unwrap().json::<Value>().await.unwrap() })
     };
+    // The engine is paused (`keep`) while the aborts arrive, so neither request can finish
+    // first however fast this machine generates: both wait in the engine's queue.
+    let control = |path: &'static str| {
+        let request = client.post(format!("{url}{path}"));
+        async move { assert_eq!(request.send().await.unwrap().status(), 200, "{path}") }
+    };
+    control("/pause?mode=keep").await;
     let (mine, theirs) = (generate("mine"), generate("theirs"));
-    for _ in 0..200 {
-        let engines: Value = common::get_json(&format!("{url}/engines")).await;
-        if engines["engines"][0]["requests"] == 2 {
+    for _ in 0..600 {
+        if metric(&a_url, "vllm:num_requests_waiting", "").await == 2.0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    assert_eq!(metric(&a_url, "vllm:num_requests_waiting", "").await, 2.0);
     let abort = |session: Option<&'static str>| {
         let mut request = (client.post(format!("{url}/inference/v1/abort_requests")))
             .json(&json!({"request_ids": ["same"]}));
@@ -359,6 +366,7 @@ async fn libtorch_an_abort_reaches_only_the_callers_own_request() {
     abort(None).await;
     abort(Some("someone")).await;
     abort(Some("mine")).await;
+    control("/resume").await;
     let mine = tokio::time::timeout(Duration::from_secs(120), mine)
         .await
         .unwrap()
