@@ -211,7 +211,7 @@ fn every_container_writes_only_to_size_limited_emptydirs_where_home_and_caches_p
                     dirs.iter().any(|d| home.starts_with(d)),
                     "{kind}: {component}: HOME {home} is not writable ({dirs:?})"
                 );
-                if component == "engine" && vllm {
+                if component == "engine" && c.name == "engine" && vllm {
                     for var in [
                         "HF_HOME",
                         "XDG_CACHE_HOME",

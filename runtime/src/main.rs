@@ -24,6 +24,9 @@ struct Cli {
 enum Command {
     /// Serve a model with the built-in engine behind vLLM's token-in/token-out API.
     Engine(cli::engine::Args),
+    /// Check the run token in front of an engine that checks none itself (vLLM in an engine pod
+    /// listens on the pod's loopback, and this on the pod's address; docs/security.md).
+    EngineFront(cli::engine_front::Args),
     /// Serve the loopback server (OpenAI and Anthropic chat on exact tokens) against a running
     /// engine, so an agent can be tried by hand; `GET /s/{session}/trajectory` shows what a
     /// session recorded.
@@ -92,6 +95,7 @@ fn main() -> anyhow::Result<()> {
         Command::Agents(args) => runtime.block_on(cli::agents::run(args)),
         Command::Sandbox(args) => runtime.block_on(cli::sandbox::run(args)),
         Command::Router(args) => runtime.block_on(cli::router::run(args)),
+        Command::EngineFront(args) => runtime.block_on(cli::engine_front::run(args)),
         Command::Coordinator(args) => runtime.block_on(cli::coordinator::run(args)),
         #[cfg(feature = "torch")]
         Command::Engine(args) => runtime.block_on(cli::engine::run(args)),

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use support::kubelet::{Kubelet, KubeletOptions};
 use support::{cluster, repository, Namespace, Operator, ROOT};
@@ -924,6 +924,7 @@ async fn cluster_run_with_vllm_engine_pods_trains_replaces_and_scales() {
         "http://{}:8080",
         pod_field_of(&ns, VLLM_RUN, "coordinator", "status.podIP")
     );
+    engine_pod_answers_only_its_run(&http, &ns, &token).await;
 
     // A killed vLLM engine whose pod is deleted is replaced, and the run goes on.
     let victim = format!("{VLLM_RUN}-engine-0");
@@ -981,6 +982,66 @@ async fn cluster_run_with_vllm_engine_pods_trains_replaces_and_scales() {
     kubelet.shutdown().await;
     drop(operator);
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A vLLM engine pod's port (what `kubectl port-forward` or any pod reaches) is its front's: 401
+/// without the run token on every route but `/health` and `/metrics`, vLLM's answers with it;
+/// vLLM's own port is on the pod's loopback, out of reach.
+async fn engine_pod_answers_only_its_run(http: &reqwest::Client, ns: &Namespace, token: &str) {
+    let ip = pod_field_of(ns, VLLM_RUN, "engine", "status.podIP");
+    let engine = format!("http://{ip}:8000");
+    let generate = json!({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}});
+    for (method, path) in [
+        ("POST", "/pause"),
+        ("POST", "/collective_rpc"),
+        ("POST", "/update_weights"),
+        ("POST", "/inference/v1/generate"),
+        ("GET", "/v1/models"),
+        ("GET", "/is_paused"),
+    ] {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let r = (http.request(method, format!("{engine}{path}")))
+            .json(&generate)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "{path} without the run token");
+        let wrong = (http.get(format!("{engine}{path}")))
+            .header(TOKEN_HEADER, "Bearer not-the-token")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(wrong.status(), 401, "{path} with another token");
+    }
+    for open in ["/health", "/metrics"] {
+        let r = http.get(format!("{engine}{open}")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{open} is open to probes and scrapes");
+    }
+    let bearer = format!("Bearer {token}");
+    let models = get_json(http, &format!("{engine}/v1/models"), token).await;
+    assert_eq!(models["data"][0]["id"], VLLM_RUN, "{models}");
+    let paused = get_json(http, &format!("{engine}/is_paused"), token).await;
+    assert!(paused["is_paused"].is_boolean(), "{paused}");
+    let r = (http.post(format!("{engine}/inference/v1/generate")))
+        .header(TOKEN_HEADER, &bearer)
+        .json(&generate)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "generate with the run token");
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(
+        answer["choices"][0]["token_ids"].as_array().unwrap().len(),
+        2,
+        "{answer}"
+    );
+    // vLLM itself is not on the pod's address.
+    let direct = http.get(format!("http://{ip}:8001/v1/models")).send().await;
+    assert!(
+        direct.is_err(),
+        "vLLM answers on the pod's address: {direct:?}"
+    );
+    println!("vLLM engine pod: 401 without the run token, vLLM's answers with it");
 }
 
 const JUDGE_RUN: &str = "judged";

@@ -409,3 +409,155 @@ async fn hostile_agent(
         assert_eq!(grandparent, sandbox_pid, "{stat}");
     }
 }
+
+/// `moult engine-front` (what a vLLM engine pod exposes, docs/security.md) in front of a server
+/// that echoes what reached it: 401 without the run token on every route but `/health` and
+/// `/metrics`; with it, requests pass unchanged but for the token, and streams pass as they come.
+#[tokio::test]
+async fn libtorch_cli_engine_front_lets_only_the_run_token_through() {
+    use axum::body::{Body, Bytes};
+    use axum::http::{HeaderMap, Method, Uri};
+    use futures::StreamExt;
+    use std::sync::{Arc, Mutex};
+
+    // Without the run token the front would check nothing: it refuses to start.
+    let out = (moult().args([
+        "engine-front",
+        "--upstream",
+        "http://127.0.0.1:1",
+        "--port",
+        "0",
+    ]))
+    .env_remove("MOULT_TOKEN")
+    .output()
+    .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("MOULT_TOKEN is not set"), "{err}");
+
+    // The upstream: `/stream` sends one chunk, then the rest once the test says so; every other
+    // route echoes the request.
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let released = Arc::new(Mutex::new(Some(released)));
+    let echo = move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+        let released = released.clone();
+        async move {
+            if uri.path() == "/stream" {
+                let rest = released.lock().unwrap().take().unwrap();
+                let first = futures::stream::once(async { Ok::<_, std::io::Error>("first;") });
+                let last = futures::stream::once(async move {
+                    let _ = rest.await;
+                    Ok("last")
+                });
+                return Body::from_stream(first.chain(last));
+            }
+            let answer = serde_json::json!({
+                "method": method.as_str(),
+                "path": uri.path(),
+                "query": uri.query(),
+                "authorization": headers.get("authorization").map(|h| h.to_str().unwrap()),
+                "custom": headers.get("x-moult-session").map(|h| h.to_str().unwrap()),
+                "body": String::from_utf8_lossy(&body),
+            });
+            Body::from(answer.to_string())
+        }
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let app = axum::Router::new().fallback(echo);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let start = |upstream: &str| {
+        use std::io::{BufRead, BufReader};
+        let mut child = (moult().args(["engine-front", "--upstream", upstream, "--port", "0"]))
+            .env("MOULT_TOKEN", "s3cret")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let line = lines.next().unwrap().unwrap();
+        std::thread::spawn(move || for _ in lines {});
+        let url = line.split(' ').nth(4).unwrap().to_string();
+        assert!(url.starts_with("http://"), "{line}");
+        (child, url)
+    };
+    let (mut front, url) = start(&upstream);
+    let http = reqwest::Client::new();
+    for (method, path) in [
+        (Method::POST, "/pause"),
+        (Method::POST, "/collective_rpc"),
+        (Method::POST, "/update_weights"),
+        (Method::POST, "/inference/v1/generate"),
+        (Method::GET, "/v1/models"),
+    ] {
+        for authorization in [None, Some("Bearer s3cre"), Some("s3cret")] {
+            let mut request = http.request(method.clone(), format!("{url}{path}"));
+            if let Some(a) = authorization {
+                request = request.header("authorization", a);
+            }
+            let r = request.body("{}").send().await.unwrap();
+            assert_eq!(r.status(), 401, "{path} with {authorization:?}");
+        }
+    }
+    for open in ["/health", "/metrics"] {
+        let v: serde_json::Value = common::get_json(&format!("{url}{open}")).await;
+        assert_eq!(v["path"], open);
+    }
+    let v: serde_json::Value = (http.post(format!("{url}/collective_rpc?timeout=5")))
+        .header("authorization", "Bearer s3cret")
+        .header("x-moult-session", "s1")
+        .body(r#"{"method":"reload_weights"}"#)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["method"], "POST");
+    assert_eq!(v["path"], "/collective_rpc");
+    assert_eq!(v["query"], "timeout=5");
+    assert_eq!(v["body"], r#"{"method":"reload_weights"}"#);
+    assert_eq!(v["custom"], "s1", "other headers pass");
+    assert_eq!(
+        v["authorization"],
+        serde_json::Value::Null,
+        "the token does not"
+    );
+
+    // A stream's first chunk arrives while the upstream still holds the rest.
+    let r = (http.get(format!("{url}/stream")))
+        .header("authorization", "Bearer s3cret")
+        .send()
+        .await
+        .unwrap();
+    let mut chunks = r.bytes_stream();
+    let first = tokio::time::timeout(std::time::Duration::from_secs(60), chunks.next())
+        .await
+        .expect("the first chunk passes before the stream ends");
+    assert_eq!(first.unwrap().unwrap(), "first;");
+    release.send(()).unwrap();
+    let mut rest = Vec::new();
+    while let Some(chunk) = chunks.next().await {
+        rest.extend_from_slice(&chunk.unwrap());
+    }
+    assert_eq!(rest, b"last");
+    front.kill().unwrap();
+    front.wait().unwrap();
+
+    // An upstream that is down: 502, saying so.
+    let (mut front, url) = start("http://127.0.0.1:1");
+    let r = (http.get(format!("{url}/v1/models")))
+        .header("authorization", "Bearer s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    let text = r.text().await.unwrap();
+    assert!(
+        text.contains("the engine behind this front did not answer"),
+        "{text}"
+    );
+    front.kill().unwrap();
+    front.wait().unwrap();
+}

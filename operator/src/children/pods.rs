@@ -53,9 +53,10 @@ pub const TMP_SIZE: [(&str, &str); 4] = [
 /// do not count for scheduling): they bound a runaway, so that no part of a run can take its
 /// node's memory or CPU. A container's ephemeral-storage limit is its pod's `/tmp` size
 /// ([`TMP_SIZE`]), 1Gi for the agents pod's `agent` and `install-moult` (agent code writes to
-/// `/tmp` from `sandbox`).
-pub const DEFAULT_LIMITS: [(&str, &str, &str); 6] = [
+/// `/tmp` from `sandbox`) and for a vLLM pod's `engine-front`, which writes nothing.
+pub const DEFAULT_LIMITS: [(&str, &str, &str); 7] = [
     ("engine", "16", "128Gi"),
+    ("engine-front", "2", "1Gi"),
     ("trainer", "32", "256Gi"),
     ("coordinator", "4", "8Gi"),
     ("agent", "2", "4Gi"),
@@ -71,7 +72,7 @@ fn bounded(c: &mut Container, tmp: &str) {
         .find(|(name, ..)| *name == c.name)
         .map_or(("1", "1Gi"), |(_, cpu, memory)| (*cpu, *memory));
     let storage = match c.name.as_str() {
-        "agent" | "install-moult" => "1Gi",
+        "agent" | "install-moult" | "engine-front" => "1Gi",
         _ => tmp,
     };
     let r = c

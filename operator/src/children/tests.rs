@@ -1,4 +1,5 @@
 use k8s_openapi::api::core::v1::{Container, PodSpec};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::*;
 use crate::api::{EngineBackend, RLRun};
@@ -80,11 +81,51 @@ fn vllm_engines_get_the_flags_and_gpus_moult_needs() {
     assert_eq!(flag("--logprobs-mode"), Some("processed_logprobs"));
     assert_eq!(flag("--tensor-parallel-size"), Some("2"));
     assert_eq!(flag("--max-model-len"), Some("8192"));
-    assert_eq!(flag("--host"), Some("0.0.0.0"));
+    // vLLM checks no credential: it listens on the pod's loopback, and the pod's port is the
+    // front's, which checks the run token (and has no GPU).
+    assert_eq!(flag("--host"), Some("127.0.0.1"));
+    assert_eq!(flag("--port"), Some("8001"));
+    assert_eq!(e.ports, None, "vLLM's port is not the pod's");
+    let front = &p.containers[1];
+    assert_eq!(front.name, "engine-front");
+    assert_eq!(
+        args(front),
+        [
+            "engine-front",
+            "--upstream",
+            "http://127.0.0.1:8001",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8000"
+        ]
+    );
+    assert_eq!(front.ports.as_ref().unwrap()[0].container_port, 8000);
+    let front_env = front.env.as_ref().unwrap();
+    assert!(front_env.iter().any(|v| v.name == "MOULT_TOKEN"));
+    let front_limits = front.resources.as_ref().unwrap().limits.as_ref().unwrap();
+    assert!(!front_limits.contains_key("nvidia.com/gpu"));
+    assert_eq!(front_limits["memory"].0, "1Gi");
+    let probe = e
+        .readiness_probe
+        .as_ref()
+        .unwrap()
+        .http_get
+        .as_ref()
+        .unwrap();
+    assert_eq!(
+        probe.port,
+        IntOrString::Int(8000),
+        "probes reach vLLM through the front"
+    );
     let env = e.env.as_ref().unwrap();
     assert!(env
         .iter()
         .any(|v| v.name == "VLLM_SERVER_DEV_MODE" && v.value.as_deref() == Some("1")));
+    assert!(
+        !env.iter().any(|v| v.name.contains("TOKEN")),
+        "vLLM holds no credential"
+    );
     let limits = e.resources.as_ref().unwrap().limits.as_ref().unwrap();
     assert_eq!(limits["nvidia.com/gpu"].0, "2");
     assert_eq!(
@@ -529,7 +570,10 @@ fn agent_pods_hold_the_agent_credential_alone_and_no_api_credential() {
         ("agents", c.agents.spec.template),
     ] {
         let p = t.spec.unwrap();
-        let main = &p.containers[0];
+        // A vLLM pod's run token is its front's.
+        let main = (p.containers.iter())
+            .find(|c| c.name == "engine-front")
+            .unwrap_or(&p.containers[0]);
         let (run, agent) = (
             secret_key(main, "MOULT_TOKEN"),
             secret_key(main, "MOULT_AGENT_TOKEN"),

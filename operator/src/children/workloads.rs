@@ -200,13 +200,14 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
     let component = role.component();
     // The trainer sends weights to the policy's engines only (the weight transport's volume).
     let weight_updates = role == EngineRole::Policy;
-    let (image, command, args, mut env_vars) = match e.backend {
+    let (image, command, args, env_vars) = match e.backend {
         EngineBackend::Vllm => {
+            // vLLM checks no credential: it listens on the pod's loopback, behind the front.
             let args = vllm_args(
                 spec,
                 &model_path,
-                "0.0.0.0",
-                ENGINE_PORT as u16,
+                "127.0.0.1",
+                VLLM_LOOPBACK_PORT,
                 &ctx.name,
                 role,
             );
@@ -214,9 +215,11 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
                 .image
                 .clone()
                 .unwrap_or_else(|| ctx.config.images.vllm.clone());
+            // No credential: vLLM needs none, and it runs the model's own code.
             let mut env_vars = vec![
                 // Dev mode serves /pause, /resume and the weight-transfer endpoints.
                 env("VLLM_SERVER_DEV_MODE", "1"),
+                env("HOME", "/tmp"),
             ];
             // The root filesystem is read-only: every cache vLLM and the libraries under it
             // write goes to /tmp (HOME is /tmp too, for those that follow it).
@@ -243,13 +246,22 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
                 .image
                 .clone()
                 .unwrap_or_else(|| ctx.config.images.runtime.clone());
-            (image, vec!["moult".to_string()], args, Vec::new())
+            (
+                image,
+                vec!["moult".to_string()],
+                args,
+                moult_env(ctx, Credential::Run),
+            )
         }
     };
-    env_vars.extend(moult_env(ctx, Credential::Run));
     let mut c = container("engine", &image, command, args);
     c.env = Some(env_vars);
-    c.ports = container_port(ENGINE_PORT);
+    let mut containers = Vec::new();
+    if e.backend == EngineBackend::Vllm {
+        containers.push(engine_front(ctx));
+    } else {
+        c.ports = container_port(ENGINE_PORT);
+    }
     c.resources = resources(e.resources.as_ref(), e.gpus());
     c.readiness_probe = Some(http_probe("/health", ENGINE_PORT, 5));
     // Both servers answer /health only once the model is loaded (up to 30 minutes for a large
@@ -274,8 +286,9 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
         volumes.push(v);
         mounts.push(m);
     }
+    containers.insert(0, c);
     let pod = PodSpec {
-        containers: vec![c],
+        containers,
         volumes: Some(volumes),
         ..PodSpec::default()
     };
@@ -292,6 +305,28 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
         },
         ..StatefulSet::default()
     }
+}
+
+/// Where a vLLM engine listens in its pod: on the loopback, reached only through its front.
+pub const VLLM_LOOPBACK_PORT: u16 = 8001;
+
+/// The run-token check in front of a vLLM engine (`moult engine-front`, docs/security.md): what
+/// the pod exposes on the engine port. Probes reach vLLM's `/health` through it.
+fn engine_front(ctx: &Ctx) -> Container {
+    let args = vec![
+        "engine-front".to_string(),
+        "--upstream".into(),
+        format!("http://127.0.0.1:{VLLM_LOOPBACK_PORT}"),
+        "--host".into(),
+        "0.0.0.0".into(),
+        "--port".into(),
+        ENGINE_PORT.to_string(),
+    ];
+    let image = &ctx.config.images.runtime;
+    let mut c = container("engine-front", image, vec!["moult".into()], args);
+    c.env = Some(moult_env(ctx, Credential::Run));
+    c.ports = container_port(ENGINE_PORT);
+    c
 }
 
 /// The command-line arguments of a vLLM engine (after `vllm serve`) on `model_path`, listening

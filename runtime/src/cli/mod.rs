@@ -7,6 +7,7 @@ pub mod agents;
 pub mod chat;
 pub mod coordinator;
 pub mod engine;
+pub mod engine_front;
 pub mod eval;
 pub mod export;
 pub mod router;

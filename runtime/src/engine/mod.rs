@@ -7,11 +7,13 @@
 //! - [`api`] holds the wire shapes and request validation; [`client`] is the other side: a
 //!   client of this API (the built-in engine, vLLM or the router), for the loopback server and
 //!   the router.
+//! - [`front`] is the run-token check in front of an engine that has none (vLLM in its pod).
 
 pub mod api;
 pub mod client;
 #[cfg(feature = "torch")]
 pub mod core;
+pub mod front;
 #[cfg(feature = "torch")]
 pub mod http;
 #[cfg(feature = "torch")]

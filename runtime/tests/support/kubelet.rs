@@ -31,7 +31,9 @@
 //! - **Network**: pod IPs are local addresses (`scripts/test-cluster.sh` routes KWOK's
 //!   10.244.0.0/16 to loopback), but there is no kube-proxy and no DNS. `0.0.0.0` in args and env
 //!   values becomes the pod's IP, so each process binds its own address and the EndpointSlices
-//!   the API server keeps are real. `http://<svc>:`, `http://<svc>.<ns>.svc:` and
+//!   the API server keeps are real; `127.0.0.1` becomes the pod's own loopback address (`127.`
+//!   and the last three parts of its IP), so containers of one pod meet there (a vLLM engine
+//!   behind its front) and those of two pods do not. `http://<svc>:`, `http://<svc>.<ns>.svc:` and
 //!   `http://<svc>.<ns>.svc.cluster.local:` (and `https://`) become `http://<ip>:`, the IP of a
 //!   Running, non-terminating pod the Service selects (ClusterIPs route nowhere); pod DNS names
 //!   `<hostname>.<subdomain>.<ns>.svc[.cluster.local]` (StatefulSet pods) become that pod's IP.

@@ -65,8 +65,11 @@ pub(super) async fn prepare(
         };
         let mounts = mounts(c, &volumes);
         let image = &shared.opts.image;
+        let loopback = pod_loopback(ip);
         let mut local = |text: &str| {
-            let text = rewrite_paths(text, &mounts, image).replace("0.0.0.0", ip);
+            let text = rewrite_paths(text, &mounts, image)
+                .replace("0.0.0.0", ip)
+                .replace("127.0.0.1", &loopback);
             network.rewrite(&text, &mut pending)
         };
         let program = match shared.opts.binaries.get(first) {
@@ -94,6 +97,13 @@ pub(super) async fn prepare(
         });
     }
     Ok((launches, pending))
+}
+
+/// The pod's own loopback address: `127.` and the last three parts of its IP (all of 127/8 is
+/// this machine's loopback), so that two pods' loopback servers never share an address.
+fn pod_loopback(ip: &str) -> String {
+    let parts: Vec<&str> = ip.split('.').collect();
+    format!("127.{}", parts[parts.len().saturating_sub(3)..].join("."))
 }
 
 /// The local folder of every volume of the pod that has one.
@@ -688,6 +698,12 @@ mod tests {
         for (text, want) in cases {
             assert_eq!(rewrite_paths(text, &mounts, &image), want, "{text}");
         }
+    }
+
+    #[test]
+    fn each_pod_has_a_loopback_address_of_its_own() {
+        assert_eq!(pod_loopback("10.244.0.5"), "127.244.0.5");
+        assert_ne!(pod_loopback("10.244.1.5"), pod_loopback("10.244.0.5"));
     }
 
     #[test]
