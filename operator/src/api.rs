@@ -148,6 +148,44 @@ pub struct CoordinatorSpec {
     /// CPUs, 8Gi and 1Gi; docs/operator.md, "Resources").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
+    /// What the agent pods together (they share one credential) may hold at once on the
+    /// coordinator; beyond it they are answered 429 and retry (docs/security.md, "Holders and
+    /// rates"). Each default scales with the agent sessions, `agent.replicas × agent.concurrency`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_limits: Option<AgentLimitsSpec>,
+}
+
+/// `coordinator.agentLimits`: each unset one takes its default.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentLimitsSpec {
+    /// Requests open at once, each on a connection of its own [default: 8 × sessions + 64].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub requests: Option<u32>,
+    /// Generations at once (`/inference/v1/generate`) [default: 4 × sessions].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000000))]
+    pub generations: Option<u32>,
+    /// MiB of episode bodies being received at once [default: 2048]; at least 256, the most one
+    /// episode may be.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "episodeMiB")]
+    #[schemars(range(min = 256, max = 1048576))]
+    pub episode_mib: Option<u32>,
+}
+
+impl AgentLimitsSpec {
+    /// The limits of a run whose agent pods hold `sessions` sessions in all: (requests,
+    /// generations, episode bytes).
+    pub fn resolve(self, sessions: u64) -> (u64, u64, u64) {
+        let or = |v: Option<u32>, default: u64| v.map_or(default, u64::from);
+        (
+            or(self.requests, 8 * sessions + 64),
+            or(self.generations, 4 * sessions),
+            or(self.episode_mib, 2048) << 20,
+        )
+    }
 }
 
 /// A Hugging Face checkpoint folder (`config.json`, tokenizer, safetensors).

@@ -12,7 +12,8 @@
 //! proofs with [`same_secret`]). Without either variable (a local run on loopback) nothing is
 //! checked.
 
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use axum::extract::Request;
 use axum::http::{header, HeaderValue, StatusCode};
@@ -216,18 +217,124 @@ fn decide(
     ))
 }
 
-async fn check(policy: Policy, request: Request, next: Next) -> Response {
+/// What the holders of the agent credential may have open at once on the coordinator, and the
+/// requests refused for each ([`Limit`]); beyond a limit a request is answered 429
+/// (docs/security.md, "Holders and rates").
+#[derive(Debug, Default)]
+pub struct AgentGate {
+    most: [u64; 3],
+    held: [AtomicU64; 3],
+    refused: [AtomicU64; 3],
+}
+
+/// The limits of an [`AgentGate`], by index.
+#[derive(Debug, Clone, Copy)]
+pub enum Limit {
+    Requests,
+    Generations,
+    EpisodeBytes,
+}
+
+impl AgentGate {
+    /// At most `requests` open, `generations` generating and `episode_bytes` of episode bodies.
+    pub fn new(requests: u64, generations: u64, episode_bytes: u64) -> Arc<Self> {
+        let most = [requests, generations, episode_bytes];
+        Arc::new(Self {
+            most,
+            ..Self::default()
+        })
+    }
+
+    /// The requests refused for `limit`.
+    pub fn refused(&self, limit: Limit) -> u64 {
+        self.refused[limit as usize].load(Ordering::Relaxed)
+    }
+
+    /// `amount` more of `limit`, held until the [`Hold`] drops; or the refusal, counted.
+    fn take(self: &Arc<Self>, limit: Limit, amount: u64) -> Result<Hold, (StatusCode, String)> {
+        let (i, most) = (limit as usize, self.most[limit as usize]);
+        let before = self.held[i].fetch_add(amount, Ordering::AcqRel);
+        let hold = Hold(self.clone(), i, amount);
+        if before + amount <= most {
+            return Ok(hold);
+        }
+        self.refused[i].fetch_add(1, Ordering::Relaxed);
+        let what = [
+            "requests open",
+            "generations",
+            "bytes of episodes being received",
+        ][i];
+        let field = ["requests", "generations", "episodeMiB"][i];
+        let message = format!(
+            "the agent pods have {before} {what} at once, and {amount} more would pass the most \
+             they may have, {most} (spec.coordinator.agentLimits.{field}); retry later"
+        );
+        Err((StatusCode::TOO_MANY_REQUESTS, message))
+    }
+
+    /// What an agent's `request` holds while it is served.
+    fn admit(self: &Arc<Self>, request: &Request) -> Result<Vec<Hold>, (StatusCode, String)> {
+        let mut holds = vec![self.take(Limit::Requests, 1)?];
+        let path = request.uri().path();
+        if path == "/inference/v1/generate" {
+            holds.push(self.take(Limit::Generations, 1)?);
+        } else if path.starts_with("/v1/agents/episodes/") {
+            // A body of unknown length may be as large as every byte allowed.
+            let length = (request.headers().get(header::CONTENT_LENGTH))
+                .and_then(|v| v.to_str().ok()?.parse().ok());
+            let bytes = length.unwrap_or(self.most[Limit::EpisodeBytes as usize]);
+            holds.push(self.take(Limit::EpisodeBytes, bytes)?);
+        }
+        Ok(holds)
+    }
+}
+
+/// A share of an [`AgentGate`]'s limit, given back when dropped.
+#[derive(Debug)]
+struct Hold(Arc<AgentGate>, usize, u64);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.0.held[self.1].fetch_sub(self.2, Ordering::AcqRel);
+    }
+}
+
+async fn check(
+    policy: Policy,
+    gate: Option<Arc<AgentGate>>,
+    request: Request,
+    next: Next,
+) -> Response {
     let Some(run) = token() else {
         return next.run(request).await;
     };
+    let authorization = request.headers().get(header::AUTHORIZATION);
+    let path = request.uri().path();
     let refusal = decide(
         policy,
         run,
         agent_token(),
         request.method().as_str(),
-        request.uri().path(),
-        request.headers().get(header::AUTHORIZATION),
+        path,
+        authorization,
     );
+    // Served, and neither open nor the run token's: the agent credential's.
+    let agent = !open(path) && !authorized(authorization, run);
+    let refusal = match (refusal, gate.filter(|_| agent)) {
+        (None, Some(gate)) => match gate.admit(&request) {
+            // The holds last until the answer is sent (a stream's last chunk).
+            Ok(holds) => {
+                let response = next.run(request).await;
+                return response.map(|body| {
+                    use futures::StreamExt;
+                    let sent = body.into_data_stream().inspect(move |_| _ = &holds);
+                    axum::body::Body::from_stream(sent)
+                });
+            }
+            Err(refusal) => Some(refusal),
+        },
+        (refusal, _) => refusal,
+    };
     match refusal {
         None => next.run(request).await,
         Some((status, message)) => {
@@ -244,14 +351,16 @@ async fn check(policy: Policy, request: Request, next: Next) -> Response {
 
 /// `routes` with the run-token check in front (a no-op in a process without the run token).
 pub fn protect(routes: axum::Router) -> axum::Router {
-    routes.layer(axum::middleware::from_fn(|r, n| check(Policy::Run, r, n)))
+    routes.layer(axum::middleware::from_fn(|r, n| {
+        check(Policy::Run, None, r, n)
+    }))
 }
 
-/// [`protect`], with the agent credential accepted on [`AGENT_ROUTES`]: the coordinator's
-/// server.
-pub fn protect_for_agents(routes: axum::Router) -> axum::Router {
-    routes.layer(axum::middleware::from_fn(|r, n| {
-        check(Policy::RunAndAgents, r, n)
+/// [`protect`], with the agent credential accepted on [`AGENT_ROUTES`] within `gate`'s limits:
+/// the coordinator's server.
+pub fn protect_for_agents(routes: axum::Router, gate: Arc<AgentGate>) -> axum::Router {
+    routes.layer(axum::middleware::from_fn(move |r, n| {
+        check(Policy::RunAndAgents, Some(gate.clone()), r, n)
     }))
 }
 
@@ -268,6 +377,53 @@ mod tests {
         assert!(!authorized(Some(&h("Basic s3cret")), "s3cret"));
         assert!(!authorized(None, "s3cret"));
         assert!(open("/health") && open("/metrics") && !open("/pause"));
+    }
+
+    #[test]
+    fn the_agent_gate_refuses_past_each_limit_and_counts_it() {
+        let gate = AgentGate::new(3, 1, 100);
+        let request = |path: &str, length: Option<u64>| {
+            let mut r = Request::post(path);
+            if let Some(n) = length {
+                r = r.header(header::CONTENT_LENGTH, n);
+            }
+            r.body(axum::body::Body::empty()).unwrap()
+        };
+        let status = |r: Result<Vec<Hold>, (StatusCode, String)>| r.err().map(|e| e.0);
+        let generating = gate
+            .admit(&request("/inference/v1/generate", None))
+            .unwrap();
+        // One generation at most: the second is refused, and holds nothing after.
+        let refused = gate.admit(&request("/inference/v1/generate", None));
+        assert_eq!(status(refused), Some(StatusCode::TOO_MANY_REQUESTS));
+        assert_eq!(gate.refused(Limit::Generations), 1);
+        let sixty = gate
+            .admit(&request("/v1/agents/episodes/l1", Some(60)))
+            .unwrap();
+        let (_, message) = gate
+            .admit(&request("/v1/agents/episodes/l2", Some(41)))
+            .unwrap_err();
+        assert!(message.contains("have 60 bytes of episodes"), "{message}");
+        assert!(
+            message.contains("spec.coordinator.agentLimits.episodeMiB"),
+            "{message}"
+        );
+        // A body of unknown length needs the whole allowance.
+        let unknown = gate.admit(&request("/v1/agents/episodes/l3", None));
+        assert_eq!(status(unknown), Some(StatusCode::TOO_MANY_REQUESTS));
+        assert_eq!(gate.refused(Limit::EpisodeBytes), 2);
+        // Two requests open (a generation, an episode); the third is the last one allowed.
+        let lease = gate.admit(&request("/v1/agents/lease", None)).unwrap();
+        let (_, message) = gate.admit(&request("/v1/agents/renew", None)).unwrap_err();
+        assert!(message.contains("3 requests open"), "{message}");
+        assert_eq!(gate.refused(Limit::Requests), 1);
+        // Holds go back when dropped: everything is allowed again.
+        drop((generating, sixty, lease));
+        assert!(gate.held.iter().all(|h| h.load(Ordering::Relaxed) == 0));
+        gate.admit(&request("/inference/v1/generate", None))
+            .unwrap();
+        gate.admit(&request("/v1/agents/episodes/l4", None))
+            .unwrap();
     }
 
     #[test]

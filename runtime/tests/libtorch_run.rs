@@ -629,6 +629,8 @@ fn libtorch_forged_episodes_before_the_trainer_starts_never_stop_it() {
     let manifest = edited_recipe(&root, |run| {
         run["spec"]["totalSteps"] = 4.into();
         run["spec"].as_object_mut().unwrap().remove("eval");
+        // As many generations as the agent pod has sessions (64), the most an honest one needs.
+        run["spec"]["coordinator"] = serde_json::json!({"agentLimits": {"generations": 64}});
     });
     let model = recipe().parent().unwrap().join("model");
     let arg = |s: &str| std::ffi::OsString::from(s);
@@ -716,6 +718,52 @@ fn libtorch_forged_episodes_before_the_trainer_starts_never_stop_it() {
             assert_eq!(answer["accepted"], true, "{answer}");
         }
     }
+    // The agent credential may hold 64 generations at once: with the engine paused (so none
+    // finishes), 64 are taken, the 65th is answered 429, and the count says so.
+    let control = |path: &str| call(http.post(format!("{url}{path}")).bearer_auth(ROLES_TOKEN));
+    assert!(control("/pause?mode=keep").0.is_success());
+    let generate = || {
+        let body =
+            serde_json::json!({"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}});
+        let request = (http.post(format!("{url}/inference/v1/generate")))
+            .bearer_auth(&agent)
+            .json(&body);
+        rt.spawn(async move { request.send().await.unwrap().status() })
+    };
+    let held: Vec<_> = (0..64).map(|_| generate()).collect();
+    // Once the router has them all (each passed the gate), one more is refused.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (_, engines) = call(http.get(format!("{url}/engines")).bearer_auth(ROLES_TOKEN));
+        if engines["engines"][0]["requests"] == 64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "64 generations never reached the router: {engines}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // (Were it let through, it would wait for the paused engine: the timeout fails the test.)
+    let (status, refusal) = call(
+        (http.post(format!("{url}/inference/v1/generate")))
+            .timeout(Duration::from_secs(30))
+            .bearer_auth(&agent)
+            .json(&serde_json::json!({"token_ids": [5], "sampling_params": {"max_tokens": 1}})),
+    );
+    assert_eq!(status, 429, "{refusal}");
+    let message = refusal["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        message.contains("spec.coordinator.agentLimits.generations"),
+        "{refusal}"
+    );
+    assert!(control("/resume").0.is_success());
+    for generation in held {
+        assert_eq!(rt.block_on(generation).unwrap(), 200);
+    }
     let checkpoints = root.join("checkpoints");
     let (mut trainer, _) = spawn_role(
         &[
@@ -767,6 +815,11 @@ fn libtorch_forged_episodes_before_the_trainer_starts_never_stop_it() {
         let _ = child.wait();
     }
     assert_eq!(status["trainer_restarts"], 0, "{status}");
+    assert_eq!(
+        status["agents_refused"],
+        serde_json::json!([0, 1, 0]),
+        "{status}"
+    );
     let rollout = &status["rollout"];
     assert!(
         rollout["dropped_invalid"].as_u64().unwrap() >= 2,

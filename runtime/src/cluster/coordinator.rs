@@ -27,6 +27,7 @@ use super::protocol::{
     Commit, CoordinatorStatus, Episode, Hello, HelloReply, Leases, Quarantined, Version,
 };
 use super::remote::RemoteAgents;
+use crate::auth::{AgentGate, Limit};
 use crate::config::{RunConfig, Sources};
 use crate::engine::ApiError;
 use crate::error::RunError;
@@ -75,6 +76,8 @@ struct Coordinator {
     pool: RolloutPool,
     agents: Arc<RemoteAgents>,
     router: Arc<Router>,
+    /// What the agent pods may hold at once here, and what they were refused.
+    gate: Arc<AgentGate>,
     train: tokio::sync::Mutex<Train>,
     /// What `GET /v1/status` shows (kept apart from `train`, which a batch request holds while
     /// it waits).
@@ -147,6 +150,8 @@ impl Coordinator {
             policy_version: self.pool.version(),
             data: self.pool.state(),
             agents: self.agents.stats(),
+            agents_refused: [Limit::Requests, Limit::Generations, Limit::EpisodeBytes]
+                .map(|l| self.gate.refused(l)),
             ..self.status.lock().expect("status lock").clone()
         }
     }
@@ -428,6 +433,9 @@ async fn prometheus(State(c): Shared) -> String {
         ("moult_groups_filtered", "Groups dynamic sampling dropped because every reward was equal", r.groups_filtered),
         ("moult_batches_quarantined", "Batches the trainer could not learn from, set aside", r.batches_quarantined),
         ("moult_trainer_restarts", "Times the trainer started again", s.trainer_restarts),
+        ("moult_agent_requests_refused", "Agent requests refused: too many open", s.agents_refused[0]),
+        ("moult_agent_generations_refused", "Agent generations refused: too many at once", s.agents_refused[1]),
+        ("moult_agent_episodes_refused", "Agent episodes refused: too many bytes at once", s.agents_refused[2]),
     ];
     for (name, help, value) in gauges {
         super::gauge(&mut registry, name, help).set(value as f64);
@@ -585,10 +593,15 @@ pub async fn run(
         tokio::spawn(super::status::write_reports(client, ns, name, report_rx));
     }
     let total_steps = cfg.total_steps;
+    let spec = &cfg.run.spec;
+    let sessions = spec.agent.replicas.max(1) as u64 * u64::from(spec.agent.concurrency);
+    let limits = spec.coordinator.agent_limits.unwrap_or_default();
+    let (requests, generations, episode_bytes) = limits.resolve(sessions);
     let coordinator = Arc::new(Coordinator {
         pool: pool.clone(),
         agents,
         router: router.clone(),
+        gate: AgentGate::new(requests, generations, episode_bytes),
         train: tokio::sync::Mutex::new(Train {
             queue,
             committed,
@@ -646,8 +659,8 @@ pub async fn run(
         total_steps,
         coordinator.cfg.tasks.len()
     );
-    let served =
-        crate::serve::serve(listener, crate::auth::protect_for_agents(app), shutdown).await;
+    let app = crate::auth::protect_for_agents(app, coordinator.gate.clone());
+    let served = crate::serve::serve(listener, app, shutdown).await;
     pool.stop();
     served.map_err(|e| RunError::Start {
         what: format!("serving {addr}"),

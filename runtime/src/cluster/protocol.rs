@@ -122,4 +122,8 @@ pub struct CoordinatorStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalResult>,
     pub trainer_restarts: u64,
+    /// Agent requests answered 429, by limit of `spec.coordinator.agentLimits`: requests open,
+    /// generations, episode bytes.
+    #[serde(default)]
+    pub agents_refused: [u64; 3],
 }

@@ -152,6 +152,7 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
         (t.image.is_some(), "trainer.image"),
         (t.resources.is_some(), "trainer.resources"),
         (spec.coordinator.resources.is_some(), "coordinator.resources"),
+        (spec.coordinator.agent_limits.is_some(), "coordinator.agentLimits"),
         (
             algo.teacher.as_ref().is_some_and(|t| t.claim_name.is_some()),
             "algorithm.teacher.claimName (the teacher is read from algorithm.teacher.path here)",
