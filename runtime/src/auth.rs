@@ -253,11 +253,11 @@ impl AgentGate {
     /// `amount` more of `limit`, held until the [`Hold`] drops; or the refusal, counted.
     fn take(self: &Arc<Self>, limit: Limit, amount: u64) -> Result<Hold, (StatusCode, String)> {
         let (i, most) = (limit as usize, self.most[limit as usize]);
-        let before = self.held[i].fetch_add(amount, Ordering::AcqRel);
-        let hold = Hold(self.clone(), i, amount);
-        if before + amount <= most {
-            return Ok(hold);
-        }
+        let more = |held: u64| held.checked_add(amount).filter(|&n| n <= most);
+        let Err(before) = self.held[i].fetch_update(Ordering::AcqRel, Ordering::Acquire, more)
+        else {
+            return Ok(Hold(self.clone(), i, amount));
+        };
         self.refused[i].fetch_add(1, Ordering::Relaxed);
         let what = [
             "requests open",
@@ -424,6 +424,10 @@ mod tests {
             .unwrap();
         gate.admit(&request("/v1/agents/episodes/l4", None))
             .unwrap();
+        // A length that would overflow the count is refused like any other too large.
+        let huge = gate.admit(&request("/v1/agents/episodes/l5", Some(u64::MAX)));
+        assert_eq!(status(huge), Some(StatusCode::TOO_MANY_REQUESTS));
+        assert!(gate.held.iter().all(|h| h.load(Ordering::Relaxed) == 0));
     }
 
     #[test]
