@@ -23,7 +23,7 @@ use serde_json::Value;
 
 use super::protocol::{Lease, Leases};
 use super::{env_number, env_path, retry, Coordinator};
-use crate::agents::{AgentPool, EpisodeStatus, PoolOptions};
+use crate::agents::{AgentPool, EpisodeStatus};
 use crate::config::{RunConfig, Sources};
 use crate::error::RunError;
 
@@ -54,10 +54,7 @@ pub async fn run(
     }
     let model_dir = env_path("MOULT_MODEL").unwrap_or_else(|| PathBuf::from(&run.spec.model.path));
     // The agent's relative paths are the image's: from the working directory.
-    let dir = std::env::current_dir().map_err(|source| RunError::Start {
-        what: "the working directory".into(),
-        source,
-    })?;
+    let dir = std::env::current_dir().map_err(RunError::start("the working directory"))?;
     let sources = Sources {
         dir,
         model_dir: Some(model_dir.clone()),
@@ -68,17 +65,8 @@ pub async fn run(
     let concurrency = env_number("MOULT_CONCURRENCY", cfg.concurrency as u64, 1)? as usize;
     let coordinator = Coordinator::new(&opts.coordinator);
     let listener = super::bind("127.0.0.1:0", "binding 127.0.0.1".into()).await?;
-    let agent = cfg
-        .agent
-        .clone()
-        .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?;
-    let pool_opts = PoolOptions {
-        concurrency,
-        timeout: cfg.episode_timeout,
-        loopback_url: String::new(),
-        env_loop: cfg.env_loop.clone(),
-        scratch_dir: std::env::temp_dir().join(format!("moult-agents-{}", std::process::id())),
-    };
+    let scratch_dir = std::env::temp_dir().join(format!("moult-agents-{}", std::process::id()));
+    let (agent, pool_opts) = cfg.agent_pool(concurrency, scratch_dir)?;
     let model = (model_dir.as_path(), cfg.name.clone());
     // The loopback server stops when this function returns (its sender goes).
     let (_stop_loopback, stop) = tokio::sync::oneshot::channel::<()>();

@@ -43,18 +43,14 @@ struct Gauges {
 impl Gauges {
     fn register(registry: &mut Registry) -> Self {
         let mut gauge = |name, help| super::gauge(registry, name, help);
-        let step = gauge("moult_trainer_step", "Training steps done");
-        let help = "Version of the weights last published";
-        let version = gauge("moult_trainer_policy_version", help);
-        let help = "Fraction of the last step's wall-clock the trainer computed";
-        let busy = gauge("moult_trainer_busy_fraction", help);
-        let help = "Fraction of the last step's wall-clock the engines had work";
-        let engine_busy = gauge("moult_trainer_engine_busy_fraction", help);
+        let version = "Version of the weights last published";
+        let busy = "Fraction of the last step's wall-clock the trainer computed";
+        let engine_busy = "Fraction of the last step's wall-clock the engines had work";
         Self {
-            step,
-            version,
-            busy,
-            engine_busy,
+            step: gauge("moult_trainer_step", "Training steps done"),
+            version: gauge("moult_trainer_policy_version", version),
+            busy: gauge("moult_trainer_busy_fraction", busy),
+            engine_busy: gauge("moult_trainer_engine_busy_fraction", engine_busy),
         }
     }
 }

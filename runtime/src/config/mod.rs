@@ -16,7 +16,7 @@ pub use judge::JudgeOptions;
 
 use crate::agents::env::EnvLoopOptions;
 use crate::agents::process::AgentCommand;
-use crate::agents::Agent;
+use crate::agents::{Agent, PoolOptions};
 use crate::chat::{ChatSampling, SamplingOverride};
 use crate::error::RunError;
 use crate::rollout::eval::EvalOptions;
@@ -92,11 +92,10 @@ impl Overlong {
             let why = format!("{} is not a number of 0 or more", o.factor);
             return Err(RunError::field("spec.algorithm.overlong.factor", why));
         }
-        let factor = o.factor;
         Ok(Some(Self {
             max_tokens,
             buffer_tokens,
-            factor,
+            factor: o.factor,
         }))
     }
 
@@ -443,6 +442,25 @@ impl RunConfig {
         }
         let sources = Sources::beside_manifest(&run, dir);
         Self::from_sources(run, &sources)
+    }
+
+    /// The agent and the settings of a pool running `concurrency` of its episodes at once, with
+    /// their scratch files in `scratch_dir` (the loopback address is the pool's to set).
+    pub fn agent_pool(
+        &self,
+        concurrency: usize,
+        scratch_dir: PathBuf,
+    ) -> Result<(Agent, PoolOptions), RunError> {
+        let agent = (self.agent.clone())
+            .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?;
+        let opts = PoolOptions {
+            concurrency,
+            timeout: self.episode_timeout,
+            loopback_url: String::new(),
+            env_loop: self.env_loop.clone(),
+            scratch_dir,
+        };
+        Ok((agent, opts))
     }
 
     /// The settings of `run` for a process that has the files `sources` names (a pod of a cluster

@@ -12,7 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::vllm::VllmProcess;
-use crate::agents::{AgentPool, PoolOptions};
+use crate::agents::AgentPool;
 use crate::config::RunConfig;
 use crate::engine::{http, EngineHandle, EngineOptions};
 use crate::error::RunError;
@@ -168,15 +168,7 @@ impl Stack {
             }
             _ => None,
         };
-        let agent = (cfg.agent.clone())
-            .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?;
-        let opts = PoolOptions {
-            concurrency: cfg.concurrency,
-            timeout: cfg.episode_timeout,
-            loopback_url: String::new(),
-            env_loop: cfg.env_loop.clone(),
-            scratch_dir: scratch.to_path_buf(),
-        };
+        let (agent, opts) = cfg.agent_pool(cfg.concurrency, scratch.to_path_buf())?;
         let model = (cfg.model_dir.as_path(), cfg.name.clone());
         let (listener, _) = bind().await?;
         let shutdown = stopped(stop_rx.clone());

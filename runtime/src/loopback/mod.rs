@@ -133,17 +133,12 @@ impl<'a> At<'a> {
 
 /// `value` of `param` as a count, if it is at least `min` (and at most `max`).
 fn bounded(param: &str, value: i64, min: i64, max: Option<i64>) -> Result<usize, InvalidRequest> {
-    match max {
-        _ if value >= min && max.is_none_or(|max| value <= max) => Ok(value as usize),
-        Some(max) => Err(invalid(
-            param,
-            format!("{param} must be between {min} and {max}, got {value}"),
-        )),
-        None => Err(invalid(
-            param,
-            format!("{param} must be at least {min}, got {value}"),
-        )),
-    }
+    let message = match max {
+        _ if value >= min && max.is_none_or(|max| value <= max) => return Ok(value as usize),
+        Some(max) => format!("{param} must be between {min} and {max}, got {value}"),
+        None => format!("{param} must be at least {min}, got {value}"),
+    };
+    Err(invalid(param, message))
 }
 
 /// A field's refusal, for the adapters' field-by-field checks.

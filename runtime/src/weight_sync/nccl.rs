@@ -345,13 +345,8 @@ fn bucket_plan<T: DeviceTensor>(
 
 /// Opens the device's primary context and mints the unique id.
 fn open(ordinal: usize) -> Result<(Arc<CudaContext>, UniqueId), NcclSyncError> {
-    let ctx = CudaContext::new(ordinal).map_err(|e| {
-        cuda_error(
-            Step::COMM_INIT,
-            &format!("opening CUDA device {ordinal}"),
-            e,
-        )
-    })?;
+    let opening = format!("opening CUDA device {ordinal}");
+    let ctx = CudaContext::new(ordinal).map_err(|e| cuda_error(Step::COMM_INIT, &opening, e))?;
     let id = cudarc::nccl::Id::new()
         .map_err(|e| NcclSyncError::nccl(Step::COMM_INIT, format!("ncclGetUniqueId: {:?}", e.0)))?;
     Ok((ctx, UniqueId(id.internal().map(|c| c as u8))))
@@ -622,10 +617,9 @@ impl Device {
         if self.pack.as_ref().is_none_or(|p| p.len() < bytes) {
             // Drop the old one first so both never sit in GPU memory together.
             self.pack = None;
-            self.pack =
-                Some(self.stream.alloc_zeros::<u8>(bytes).map_err(|e| {
-                    cuda_error(Step::BROADCAST, "allocating the packing buffer", e)
-                })?);
+            let what = "allocating the packing buffer";
+            let pack = self.stream.alloc_zeros::<u8>(bytes);
+            self.pack = Some(pack.map_err(|e| cuda_error(Step::BROADCAST, what, e))?);
         }
         let pack = self.pack.as_ref().expect("just set");
         let (ptr, _record) = pack.device_ptr(&self.stream);
@@ -727,11 +721,8 @@ impl NcclPublisher {
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
         let urls = self.engines().await?;
-        if self
-            .sender
-            .as_ref()
-            .is_none_or(|(connected, _)| *connected != urls)
-        {
+        let current = self.sender.as_ref().is_some_and(|(to, _)| *to == urls);
+        if !current {
             self.sender = None;
             let config = NcclSenderConfig::default();
             let new = NcclWeightSender::connect(self.ordinal, &urls, config)
