@@ -175,16 +175,18 @@ pub struct AgentLimitsSpec {
     pub episode_mib: Option<u32>,
 }
 
-impl AgentLimitsSpec {
-    /// The limits of a run whose agent pods hold `sessions` sessions in all: (requests,
-    /// generations, episode bytes).
-    pub fn resolve(self, sessions: u64) -> (u64, u64, u64) {
+impl RLRunSpec {
+    /// `coordinator.agentLimits` with the defaults filled in from the agent sessions
+    /// (`agent.replicas × agent.concurrency`): requests, generations, episode bytes.
+    pub fn agent_limits(&self) -> [u64; 3] {
+        let sessions = self.agent.replicas.max(1) as u64 * u64::from(self.agent.concurrency);
+        let limits = self.coordinator.agent_limits.unwrap_or_default();
         let or = |v: Option<u32>, default: u64| v.map_or(default, u64::from);
-        (
-            or(self.requests, 8 * sessions + 64),
-            or(self.generations, 4 * sessions),
-            or(self.episode_mib, 2048) << 20,
-        )
+        [
+            or(limits.requests, 8 * sessions + 64),
+            or(limits.generations, 4 * sessions),
+            or(limits.episode_mib, 2048) << 20,
+        ]
     }
 }
 

@@ -236,9 +236,8 @@ pub enum Limit {
 }
 
 impl AgentGate {
-    /// At most `requests` open, `generations` generating and `episode_bytes` of episode bodies.
-    pub fn new(requests: u64, generations: u64, episode_bytes: u64) -> Arc<Self> {
-        let most = [requests, generations, episode_bytes];
+    /// At most `most[limit]` of each [`Limit`]: requests open, generations, episode bytes.
+    pub fn new(most: [u64; 3]) -> Arc<Self> {
         Arc::new(Self {
             most,
             ..Self::default()
@@ -381,7 +380,7 @@ mod tests {
 
     #[test]
     fn the_agent_gate_refuses_past_each_limit_and_counts_it() {
-        let gate = AgentGate::new(3, 1, 100);
+        let gate = AgentGate::new([3, 1, 100]);
         let request = |path: &str, length: Option<u64>| {
             let mut r = Request::post(path);
             if let Some(n) = length {

@@ -215,3 +215,47 @@ mod optimizer_defaults {
         assert_eq!(parse("{maxGradNorm: 0}").clip_norm(), None);
     }
 }
+
+mod agent_limits_tests {
+    use crate::api::*;
+
+    fn run(agent: &str, coordinator: &str) -> RLRun {
+        let yaml = format!(
+            "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: limited, namespace: local}}
+spec:
+  model: {{path: /models/policy}}
+  agent: {{env: successor, dataset: {{path: tasks.jsonl}}, {agent}}}
+  coordinator: {coordinator}
+  totalSteps: 1
+"
+        );
+        serde_yaml_ng::from_str(&yaml).unwrap()
+    }
+
+    #[test]
+    fn agent_limits_scale_with_the_sessions_unless_set() {
+        // 4 pods of 16 sessions: 64 sessions.
+        let r = run("replicas: 4, concurrency: 16", "{}");
+        assert_eq!(r.spec.agent_limits(), [8 * 64 + 64, 4 * 64, 2048 << 20]);
+        // No agent pods yet (scaled to 0): the limits of one.
+        let r = run("replicas: 0, concurrency: 16", "{}");
+        assert_eq!(r.spec.agent_limits(), [8 * 16 + 64, 4 * 16, 2048 << 20]);
+        let r = run(
+            "concurrency: 8",
+            "{agentLimits: {generations: 3, episodeMiB: 300}}",
+        );
+        assert_eq!(r.spec.agent_limits(), [8 * 8 + 64, 3, 300 << 20]);
+        assert_eq!(r.validate(), Ok(()));
+        // Less than one episode's most is refused, naming the field.
+        let r = run("concurrency: 8", "{agentLimits: {episodeMiB: 100}}");
+        let errors = r.validate().unwrap_err();
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.contains("spec.coordinator.agentLimits.episodeMiB")),
+            "{errors:?}"
+        );
+    }
+}

@@ -593,15 +593,11 @@ pub async fn run(
         tokio::spawn(super::status::write_reports(client, ns, name, report_rx));
     }
     let total_steps = cfg.total_steps;
-    let spec = &cfg.run.spec;
-    let sessions = spec.agent.replicas.max(1) as u64 * u64::from(spec.agent.concurrency);
-    let limits = spec.coordinator.agent_limits.unwrap_or_default();
-    let (requests, generations, episode_bytes) = limits.resolve(sessions);
     let coordinator = Arc::new(Coordinator {
         pool: pool.clone(),
         agents,
         router: router.clone(),
-        gate: AgentGate::new(requests, generations, episode_bytes),
+        gate: AgentGate::new(cfg.run.spec.agent_limits()),
         train: tokio::sync::Mutex::new(Train {
             queue,
             committed,

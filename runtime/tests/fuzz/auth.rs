@@ -67,7 +67,7 @@ fn apps() -> Apps {
         server::api_routes(state.clone())
             .merge(coordinator_routes())
             .route_layer(from_fn(report)),
-        moult_runtime::auth::AgentGate::new(1 << 40, 1 << 40, 1 << 50),
+        moult_runtime::auth::AgentGate::new([1 << 40, 1 << 40, 1 << 50]),
     );
     let router = moult_runtime::auth::protect(server::routes(state).route_layer(from_fn(report)));
     drop(_guard);
