@@ -990,7 +990,8 @@ async fn cluster_run_with_vllm_engine_pods_trains_replaces_and_scales() {
 async fn engine_pod_answers_only_its_run(http: &reqwest::Client, ns: &Namespace, token: &str) {
     let ip = pod_field_of(ns, VLLM_RUN, "engine", "status.podIP");
     let engine = format!("http://{ip}:8000");
-    let generate = json!({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}});
+    let generate =
+        json!({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "ignore_eos": true}});
     for (method, path) in [
         ("POST", "/pause"),
         ("POST", "/collective_rpc"),
