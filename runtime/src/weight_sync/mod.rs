@@ -103,7 +103,7 @@ impl SyncReport {
         self.buckets += 1;
         self.bytes += bucket
             .iter()
-            .map(|(_, t)| stream::bytes_of(t))
+            .map(|(_, t)| crate::trainer::bytes_of(t))
             .sum::<usize>();
     }
 }
