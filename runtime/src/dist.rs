@@ -174,17 +174,18 @@ impl Rendezvous {
             })
             .map_err(|e| Error::Config(format!("starting the rendezvous thread: {e}")))?;
         rx.recv_timeout(self.timeout + Duration::from_secs(10))
-            .unwrap_or_else(|_| {
-                Err(Error::Collective {
-                    rank: self.rank,
-                    world: self.world,
-                    op: "rendezvous",
-                    message: format!(
-                        "no group at {}:{} within {:?}",
-                        self.host, self.port, self.timeout
-                    ),
-                })
-            })
+            .unwrap_or_else(|_| Err(self.failed("no group at", "")))
+    }
+
+    /// This rank's rendezvous failed: `before` rank 0's address and the timeout, `after` them.
+    fn failed(&self, before: &str, after: &str) -> Error {
+        let (host, port, timeout) = (&self.host, self.port, self.timeout);
+        Error::Collective {
+            rank: self.rank,
+            world: self.world,
+            op: "rendezvous",
+            message: format!("{before} {host}:{port} within {timeout:?}{after}"),
+        }
     }
 }
 
@@ -319,18 +320,7 @@ mod c10d {
                 )
             };
             if handle.is_null() {
-                return Err(Error::Collective {
-                    rank: r.rank,
-                    world: r.world,
-                    op: "rendezvous",
-                    message: format!(
-                        "at {}:{} within {:?}: {}",
-                        r.host,
-                        r.port,
-                        r.timeout,
-                        take_message(err)
-                    ),
-                });
+                return Err(r.failed("at", &format!(": {}", take_message(err))));
             }
             let handle = Arc::new(Handle(handle));
             let stop = Arc::new(AtomicBool::new(false));

@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use super::{masked_mean, masked_sum};
+use super::masked_mean;
 
 /// How per-token losses become one number.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,10 +72,7 @@ pub fn gspo(
     eps_high: f64,
 ) -> Tensor {
     let s = masked_mean(&(logp - logp_old), mask).exp();
-    let c = masked_sum(&coef.detach(), mask)
-        / mask
-            .sum_dim_intlist([-1i64].as_slice(), false, mask.kind())
-            .clamp_min(1.0);
+    let c = masked_mean(&coef.detach(), mask);
     clipped_surrogate(&s, advantages, eps_low, eps_high) * c
 }
 

@@ -13,11 +13,7 @@ pub struct Args {
 #[cfg(feature = "torch")]
 pub fn run(args: Args) -> anyhow::Result<()> {
     let from = moult_runtime::learner::checkpoint::export(&args.checkpoint, &args.out)?;
-    eprintln!(
-        "moult export: {} -> {} (serve it with `moult engine --model {}`)",
-        from.display(),
-        args.out.display(),
-        args.out.display()
-    );
+    let (from, out) = (from.display(), args.out.display());
+    eprintln!("moult export: {from} -> {out} (serve it with `moult engine --model {out}`)");
     Ok(())
 }

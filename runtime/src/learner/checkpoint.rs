@@ -308,11 +308,8 @@ pub fn load_policy(
         let cfg = ModelConfig::from_dir(dir)?;
         (CausalLm::from_weights(cfg, weights, kind, device)?, moments)
     };
-    let to = |t: Tensor| t.to_device(device);
-    Ok((
-        model,
-        moments.into_iter().map(|(m, v)| (to(m), to(v))).collect(),
-    ))
+    let to = |(m, v): (Tensor, Tensor)| (m.to_device(device), v.to_device(device));
+    Ok((model, moments.into_iter().map(to).collect()))
 }
 
 /// Writes the policy of a checkpoint (`src`: a `step-N` folder, or a checkpoint root for its

@@ -13,3 +13,10 @@ pub mod ranks;
 mod shard;
 pub mod step;
 pub mod train;
+
+use tch::Tensor;
+
+/// The bytes a tensor's values take.
+pub fn bytes_of(t: &Tensor) -> usize {
+    t.numel() * t.kind().elt_size_in_bytes()
+}

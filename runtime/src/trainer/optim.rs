@@ -5,6 +5,8 @@
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
+use super::bytes_of;
+
 /// AdamW (Loshchilov & Hutter 2019), as `torch.optim.AdamW` computes it:
 /// `θ ← θ − lr·λ·θ`; `m ← β1 m + (1 − β1) g`; `v ← β2 v + (1 − β2) g²`;
 /// `θ ← θ − lr · (m / (1 − β1^t)) / (sqrt(v / (1 − β2^t)) + ε)`.
@@ -43,7 +45,7 @@ impl AdamW {
     pub fn state_bytes(&self) -> usize {
         self.state
             .iter()
-            .map(|(m, v)| (m.numel() + v.numel()) * m.kind().elt_size_in_bytes())
+            .map(|(m, v)| bytes_of(m) + bytes_of(v))
             .sum()
     }
 
@@ -56,11 +58,7 @@ impl AdamW {
 
     /// One update of `params` (each with `.grad()` filled) at learning rate `lr`.
     pub fn step(&mut self, params: &[Tensor], lr: f64) {
-        let grads: Vec<Option<Tensor>> = params
-            .iter()
-            .map(|p| Some(p.grad()).filter(Tensor::defined))
-            .collect();
-        self.step_with(params, &grads, lr);
+        self.step_with(params, &grads(params), lr);
     }
 
     /// One update of `params` with the given gradients; a tensor without one (`None`: no token
@@ -100,6 +98,12 @@ impl AdamW {
             }
         });
     }
+}
+
+/// Each tensor's gradient; `None` where it has none (no loss reached it).
+pub(super) fn grads(params: &[Tensor]) -> Vec<Option<Tensor>> {
+    let grad = |p: &Tensor| Some(p.grad()).filter(Tensor::defined);
+    params.iter().map(grad).collect()
 }
 
 /// Scales every gradient so their global L2 norm is at most `max_norm`; returns the norm before

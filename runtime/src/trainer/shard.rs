@@ -26,7 +26,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use super::optim::AdamW;
+use super::bytes_of;
+use super::optim::{grads, AdamW};
 use crate::dist::{Collectives, ReduceOp, Result};
 use crate::model::NamedSlice;
 
@@ -296,11 +297,7 @@ impl Shards {
 
     /// Runs the collective `f`, counting its seconds.
     pub(super) fn timed<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        let started = Instant::now();
-        let out = f();
-        self.seconds
-            .set(self.seconds.get() + started.elapsed().as_secs_f64());
-        out
+        add_seconds(&self.seconds, f)
     }
 
     /// `Full`: keeps this rank's shards of `params` and frees the whole tensors (once, when the
@@ -364,11 +361,8 @@ impl Shards {
     ) -> Result<ShardGrad> {
         let mut acc = self.new_grad();
         for u in 0..self.units.len() {
-            let grads: Vec<Option<Tensor>> = params[self.units[u].tensors.clone()]
-                .iter()
-                .map(|p| Some(p.grad()).filter(Tensor::defined))
-                .collect();
-            self.reduce_unit(u, &grads, &mut acc, group)?;
+            let unit = &params[self.units[u].tensors.clone()];
+            self.reduce_unit(u, &grads(unit), &mut acc, group)?;
         }
         Ok(acc)
     }
@@ -445,7 +439,7 @@ impl Shards {
     /// the weights (else the whole weights are the model's).
     pub(super) fn state_bytes(&self) -> usize {
         let own = self.own.as_ref();
-        self.optimizer.state_bytes() + own.map_or(0, |o| o.numel() * o.kind().elt_size_in_bytes())
+        self.optimizer.state_bytes() + own.map_or(0, bytes_of)
     }
 
     /// Every rank's shard of unit `u`'s weights into every rank's tensors of it: with `Full`,
@@ -463,10 +457,7 @@ impl Shards {
             Some(own) => own.narrow(0, at, len).to_kind(compute),
             None => self.state_of(|_, p| piece_of(params, p)).narrow(0, at, len),
         };
-        let started = Instant::now();
-        let full = self.all_gather(u, &shard, group)?;
-        self.gathering
-            .set(self.gathering.get() + started.elapsed().as_secs_f64());
+        let full = add_seconds(&self.gathering, || self.all_gather(u, &shard, group))?;
         tch::no_grad(|| {
             for (t, whole) in unit.tensors.clone().zip(split(&full, &unit.shapes)) {
                 let mut p = params[t].shallow_clone();
@@ -607,6 +598,14 @@ impl Shards {
             .collect();
         self.optimizer.restore(steps, pieces);
     }
+}
+
+/// Runs `f`, adding the seconds it took to `total`.
+fn add_seconds<T>(total: &Cell<f64>, f: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let out = f();
+    total.set(total.get() + started.elapsed().as_secs_f64());
+    out
 }
 
 /// The slice of `params` a piece updates (a view: writes reach the weights).

@@ -15,6 +15,7 @@ use std::time::Instant;
 use serde::Serialize;
 use tch::Tensor;
 
+use super::bytes_of;
 use super::logprobs::token_logprobs;
 use super::optim::{clip_grad_norm, AdamW, LrSchedule};
 use super::shard::{ShardGrad, Shards};
@@ -242,15 +243,11 @@ impl Trainer {
     /// rank; with several its shard of the moments and the whole weights, or with sharded
     /// weights its shards of both.
     pub fn state_bytes(&self) -> usize {
-        let whole = || {
-            self.params
-                .iter()
-                .map(|p| p.numel() * p.kind().elt_size_in_bytes())
-        };
+        let whole: usize = self.params.iter().map(bytes_of).sum();
         match &self.shards {
             Some(shards) if shards.full() => shards.state_bytes(),
-            Some(shards) => shards.state_bytes() + whole().sum::<usize>(),
-            None => self.optimizer.state_bytes() + whole().sum::<usize>(),
+            Some(shards) => shards.state_bytes() + whole,
+            None => self.optimizer.state_bytes() + whole,
         }
     }
 

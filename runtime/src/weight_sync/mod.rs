@@ -32,6 +32,7 @@ use reqwest::Method;
 use serde_json::{json, Value};
 
 use crate::auth::CallError;
+use crate::trainer::bytes_of;
 
 /// A cause of any kind, kept as the error's source.
 type Cause = Box<dyn std::error::Error + Send + Sync>;
@@ -101,10 +102,7 @@ impl SyncReport {
     /// Counts one bucket sent (or written).
     fn count(&mut self, bucket: &[(String, tch::Tensor)]) {
         self.buckets += 1;
-        self.bytes += bucket
-            .iter()
-            .map(|(_, t)| stream::bytes_of(t))
-            .sum::<usize>();
+        self.bytes += bucket.iter().map(|(_, t)| bytes_of(t)).sum::<usize>();
     }
 }
 

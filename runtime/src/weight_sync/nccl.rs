@@ -137,7 +137,7 @@ unsafe impl DeviceTensor for tch::Tensor {
             shape: self.size(),
             ordinal: Some(ordinal),
             ptr: self.data_ptr() as u64,
-            len: super::stream::bytes_of(self),
+            len: crate::trainer::bytes_of(self),
         })
     }
 }

@@ -8,6 +8,7 @@ use tch::Tensor;
 use tokio::sync::mpsc;
 
 use super::SyncError;
+use crate::trainer::bytes_of;
 
 /// A bucket of tensors: shallow copies, so they can move to the sending thread.
 pub type Bucket = Vec<(String, Tensor)>;
@@ -29,11 +30,6 @@ pub fn buckets(tensors: &[(String, Tensor)], bucket_bytes: usize) -> Vec<Bucket>
             .push((name.clone(), t.shallow_clone()));
     }
     out
-}
-
-/// The bytes a tensor's values take.
-pub fn bytes_of(t: &Tensor) -> usize {
-    t.numel() * t.kind().elt_size_in_bytes()
 }
 
 /// The receiving end: what a transport reads one update's buckets from. Each message is a
