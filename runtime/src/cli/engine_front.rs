@@ -15,10 +15,9 @@ pub struct Args {
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let routes = moult_runtime::engine::front::routes(&args.upstream)?;
     let listener = super::bind(&args.host, args.port).await?;
-    let address = listener.local_addr()?;
     println!(
-        "moult engine-front listening on http://{address} for {}",
-        args.upstream
+        "moult engine-front listening on http://{}",
+        listener.local_addr()?
     );
     Ok(moult_runtime::serve::serve(listener, routes, super::shutdown_signal()).await?)
 }
