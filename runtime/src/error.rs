@@ -95,6 +95,12 @@ impl RunError {
         }
     }
 
+    /// The environment variable `name` is missing or malformed: `problem` says which.
+    pub fn env(name: &str, problem: impl Into<String>) -> Self {
+        let (name, problem) = (name.into(), problem.into());
+        Self::Env { name, problem }
+    }
+
     /// Starting `what` (a server's port, a process) failed with the error it is given.
     pub fn start(what: impl Into<String>) -> impl Fn(std::io::Error) -> Self {
         let what = what.into();

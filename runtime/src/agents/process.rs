@@ -61,29 +61,14 @@ pub fn python_package_dir() -> Result<&'static Path, AgentError> {
 /// Variables of moult's own environment that agent programs get (all others are withheld: the
 /// run's credentials above all): what finding programs, libraries, locales and certificates
 /// needs. Names listed in `MOULT_AGENT_PASS_ENV` (comma-separated) are passed too.
+#[rustfmt::skip]
 const PASSED_ENV: [&str; 22] = [
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "SHELL",
-    "LANG",
-    "LANGUAGE",
-    "TZ",
-    "TERM",
-    "TMPDIR",
-    "LD_LIBRARY_PATH",
-    "VIRTUAL_ENV",
-    "CONDA_PREFIX",
-    "SSL_CERT_FILE",
-    "SSL_CERT_DIR",
-    "REQUESTS_CA_BUNDLE",
-    "CURL_CA_BUNDLE",
-    "HF_HOME",
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "NO_PROXY",
-    "no_proxy",
+    // Programs, libraries and locales.
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
+    "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX",
+    // Certificates, models and proxies.
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "NO_PROXY", "no_proxy",
 ];
 /// Prefixes of passed variables: locales, and Python's own settings.
 const PASSED_PREFIXES: [&str; 2] = ["LC_", "PYTHON"];

@@ -138,9 +138,8 @@ impl Message {
     }
 
     pub fn text(role: Role, content: impl Into<String>) -> Self {
-        let content = Some(content.into());
         Self {
-            content,
+            content: Some(content.into()),
             ..Self::new(role)
         }
     }

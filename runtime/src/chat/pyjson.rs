@@ -82,8 +82,7 @@ fn python_number(n: &serde_json::Number) -> String {
     if (-4..16).contains(&exp) {
         format!("{f:?}")
     } else {
-        let sign = if exp < 0 { "-" } else { "+" };
-        format!("{mantissa}e{sign}{:02}", exp.abs())
+        format!("{mantissa}e{exp:+03}")
     }
 }
 

@@ -83,10 +83,8 @@ fn strftime(secs: i64, format: &str) -> String {
     use std::fmt::Write as _;
     let time = chrono::DateTime::from_timestamp(secs, 0).unwrap_or_default();
     let mut out = String::new();
-    match write!(out, "{}", time.format(format)) {
-        Ok(()) => out,
-        Err(_) => format.to_string(),
-    }
+    let written = write!(out, "{}", time.format(format));
+    written.map_or_else(|_| format.to_string(), |()| out)
 }
 
 /// transformers fills `reasoning_content` (and `thinking`) from whichever reasoning field a

@@ -93,8 +93,7 @@ impl ToolCallParser for Hermes {
             return NoTools.parse(text);
         };
         let (mut calls, mut rest) = (Vec::new(), &text[first..]);
-        while let Some(start) = rest.find(START) {
-            let body = &rest[start + START.len()..];
+        while let Some((_, body)) = rest.split_once(START) {
             // Cut off by max_tokens: parse what is there.
             let (body, next) = body.split_once(END).unwrap_or((body, ""));
             let value = serde_json::from_str(body.trim()).ok();
@@ -137,8 +136,7 @@ fn json_values(text: &str, separator: char) -> Option<Vec<Json>> {
     let mut rest = text.trim();
     while !rest.is_empty() {
         let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<Json>();
-        let value = stream.next()?.ok()?;
-        values.push(value);
+        values.push(stream.next()?.ok()?);
         rest = rest[stream.byte_offset()..].trim_start();
         rest = rest.strip_prefix(separator).unwrap_or(rest).trim_start();
     }
@@ -355,8 +353,7 @@ impl PyParser<'_> {
         if let Ok(i) = text.parse::<i64>() {
             return Some(Json::from(i));
         }
-        let f: f64 = text.parse().ok()?;
-        serde_json::Number::from_f64(f).map(Json::Number)
+        serde_json::Number::from_f64(text.parse().ok()?).map(Json::Number)
     }
 
     /// A single- or double-quoted string with Python's escapes.

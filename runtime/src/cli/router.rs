@@ -28,11 +28,9 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let policy = policy::by_name(&args.policy).with_context(|| {
-        format!(
-            "--policy must be consistent-hash or least-tokens; got `{}`",
-            args.policy
-        )
+    let name = &args.policy;
+    let policy = policy::by_name(name).with_context(|| {
+        format!("--policy must be consistent-hash or least-tokens; got `{name}`")
     })?;
     for url in &args.engines {
         if !(url.starts_with("http://") || url.starts_with("https://")) {

@@ -488,13 +488,8 @@ fn engine_pool(
             ))
         })?;
         let (ns, run, service) = (ns.to_string(), run.to_string(), engines.clone());
-        tokio::spawn(super::discovery::follow(
-            client,
-            ns,
-            run,
-            service,
-            pool.clone(),
-        ));
+        let follow = super::discovery::follow(client, ns, run, service, pool.clone());
+        tokio::spawn(follow);
     }
     Ok((pool, engines))
 }
@@ -550,17 +545,13 @@ pub async fn run(
         }
         None => None,
     };
-    let stages = stages::ordered(
-        &cfg.run.spec,
-        stages::Parts {
-            teacher,
-            judge,
-            ..stages::Parts::default()
-        },
-    )
-    .into_iter()
-    .filter(|s| !s.on_trainer())
-    .collect();
+    // The coordinator's stages: those that need the run's engines (the trainer dumps).
+    let parts = stages::Parts {
+        teacher,
+        judge,
+        ..stages::Parts::default()
+    };
+    let stages = stages::ordered(&cfg.run.spec, parts);
 
     // The rollout pool over the agent pods.
     let agents = Arc::new(RemoteAgents::new(opts.lease_time));
@@ -658,8 +649,5 @@ pub async fn run(
     let app = crate::auth::protect_for_agents(app, coordinator.gate.clone());
     let served = crate::serve::serve(listener, app, shutdown).await;
     pool.stop();
-    served.map_err(|e| RunError::Start {
-        what: format!("serving {addr}"),
-        source: e,
-    })
+    served.map_err(RunError::start(format!("serving {addr}")))
 }

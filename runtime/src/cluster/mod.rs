@@ -46,10 +46,7 @@ use crate::error::RunError;
 pub(crate) fn env_var(name: &str) -> Result<String, RunError> {
     let problem = "is not set: the operator sets it in the pod spec (set it by hand to run this role outside a cluster)";
     let set = std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    set.ok_or_else(|| RunError::Env {
-        name: name.into(),
-        problem: problem.into(),
-    })
+    set.ok_or_else(|| RunError::env(name, problem))
 }
 
 /// An optional path from the environment.
@@ -65,19 +62,11 @@ pub(crate) fn env_number(name: &str, default: u64, min: u64) -> Result<u64, RunE
     if v.trim().is_empty() {
         return Ok(default);
     }
-    let above = if min > 0 {
-        format!(" above {}", min - 1)
-    } else {
-        String::new()
-    };
-    v.trim()
-        .parse()
-        .ok()
-        .filter(|n| *n >= min)
-        .ok_or_else(|| RunError::Env {
-            name: name.into(),
-            problem: format!("must be a whole number{above}; got `{v}`"),
-        })
+    let above = (min > 0).then(|| format!(" above {}", min - 1));
+    let above = above.unwrap_or_default();
+    let problem = format!("must be a whole number{above}; got `{v}`");
+    let n = v.trim().parse().ok().filter(|n| *n >= min);
+    n.ok_or_else(|| RunError::env(name, problem))
 }
 
 /// `path` (beside the manifest), or where the operator mounted it: the path in the environment
@@ -94,9 +83,7 @@ pub(crate) async fn bind(addr: &str, what: String) -> Result<TcpListener, RunErr
 
 /// The manifest at `config` and its folder.
 pub(crate) fn manifest(config: &Path) -> Result<(RLRun, PathBuf), RunError> {
-    let dir = config
-        .parent()
-        .map_or_else(|| PathBuf::from("."), PathBuf::from);
+    let dir = config.parent().map_or(PathBuf::from("."), PathBuf::from);
     Ok((read_manifest(config)?, dir))
 }
 
@@ -161,10 +148,8 @@ impl Coordinator {
 
     /// `POST path` with `body` until the coordinator takes it.
     pub async fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> T {
-        retry(&format!("POST {}{path}", self.url), || {
-            self.send(path, body)
-        })
-        .await
+        let what = format!("POST {}{path}", self.url);
+        retry(&what, || self.send(path, body)).await
     }
 }
 

@@ -228,12 +228,8 @@ pub async fn run(
     let rendezvous = if world > 1 {
         Some(Rendezvous {
             host: env_var("MASTER_ADDR")?,
-            port: u16::try_from(env_number("MASTER_PORT", 29500, 0)?).map_err(|_| {
-                RunError::Env {
-                    name: "MASTER_PORT".into(),
-                    problem: "must be a port number".into(),
-                }
-            })?,
+            port: u16::try_from(env_number("MASTER_PORT", 29500, 0)?)
+                .map_err(|_| RunError::env("MASTER_PORT", "must be a port number"))?,
             rank: pod * per_pod,
             world,
             timeout: Duration::from_secs(env_number("MOULT_TRAINER_TIMEOUT_SECONDS", 120, 0)?),
@@ -284,11 +280,10 @@ pub async fn run(
 
     let engines = coordinator.engines().await;
     let engines_spec = &cfg.run.spec.engines;
+    let dtype = crate::model::ModelConfig::from_dir(&cfg.model_dir)?.dtype;
     let publish = PublishOptions::new(
         engines_spec,
-        crate::model::ModelConfig::from_dir(&cfg.model_dir)?
-            .dtype
-            .as_deref(),
+        dtype.as_deref(),
         coordinator.url.clone(),
         opts.device,
         (pod_ip, moult_operator::children::WEIGHT_STREAM_PORT as u16),
@@ -314,16 +309,14 @@ pub async fn run(
     if let Some(out) = &out {
         learner.log_to(out)?;
     }
-    let stages: Vec<_> = stages::ordered(
+    // The trainer's stages: those that need its volume.
+    let stages = stages::ordered(
         &cfg.run.spec,
         stages::Parts {
             dumps: out.as_deref().map(stages::dump::folder),
             ..stages::Parts::default()
         },
-    )
-    .into_iter()
-    .filter(|s| s.on_trainer())
-    .collect();
+    );
     let mut steps = CoordinatorSteps {
         coordinator: &coordinator,
         limits: cfg.rollout.limits,

@@ -217,8 +217,7 @@ pub fn read_manifest(path: &Path) -> Result<RLRun, RunError> {
         found = Some(run);
     }
     let run = found.ok_or_else(|| manifest("no document has `kind: RLRun`".into()))?;
-    run.validate()
-        .map_err(|errors| manifest(errors.join("; ")))?;
+    run.validate().map_err(|e| manifest(e.join("; ")))?;
     Ok(run)
 }
 

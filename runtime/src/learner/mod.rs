@@ -34,9 +34,7 @@ pub(crate) use followers::Followers;
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, RunError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(RunError::Thread)
+    Ok(tokio::task::spawn_blocking(f).await?)
 }
 
 /// The training side of a run.

@@ -22,6 +22,7 @@ use crate::learner::checkpoint::CheckpointMeta;
 use crate::learner::steps::{run_steps, Steps, Trained};
 use crate::learner::Learner;
 use crate::records::console::Console;
+use crate::records::files::write_atomic;
 use crate::records::metrics::{self, StepRecord};
 use crate::rollout::eval::{self, EvalOptions, EvalResult};
 use crate::rollout::{next_batch, EpisodeRunner, RolloutPool, RolloutState};
@@ -137,9 +138,8 @@ pub async fn run(
     }
     console.phase("starting engines and agents");
     let mut stack = stack::Stack::start(&cfg, opts.device, &out.join("scratch"), console).await?;
-    learner
-        .connect(&stack.publish_options(&cfg, out, opts.device)?)
-        .await?;
+    let publish = stack.publish_options(&cfg, out, opts.device)?;
+    learner.connect(&publish).await?;
     if resume.is_some() {
         // The engines loaded the original model: bring them to the checkpoint's version.
         learner.publish(progress.version, false).await?;
@@ -387,8 +387,7 @@ fn summarize(
         .cloned()
         .collect();
     let svg = metrics::reward_svg(records, &format!("{}: reward per step", cfg.name));
-    std::fs::write(out.join("reward.svg"), svg)
-        .map_err(|e| RunError::file("writing", out.join("reward.svg"), e))?;
+    write_atomic(&out.join("reward.svg"), svg.as_bytes())?;
     let summary = Summary {
         name: cfg.name.clone(),
         steps: progress.step,
@@ -408,10 +407,8 @@ fn summarize(
         first_eval: learner.evals().first().cloned(),
         last_eval: learner.evals().last().cloned(),
     };
-    crate::records::files::write_atomic(
-        &out.join("summary.json"),
-        &serde_json::to_vec_pretty(&summary).expect("summary serializes"),
-    )?;
+    let json = serde_json::to_vec_pretty(&summary).expect("summary serializes");
+    write_atomic(&out.join("summary.json"), &json)?;
     Ok(summary)
 }
 

@@ -108,14 +108,12 @@ fn push_messages(m: &At, out: &mut Vec<Message>) -> Result<(), InvalidRequest> {
     let mut parts = Vec::new();
     for b in content.items() {
         let kind = b.key("type");
-        let name = kind
-            .str()
-            .ok_or_else(|| b.refuse("a content block needs a `type`"))?;
+        let untyped = || b.refuse("a content block needs a `type`");
+        let name = kind.str().ok_or_else(untyped)?;
         match (name, role) {
             ("text", _) => {
                 let t = b.string("text", "a text block needs a string `text`")?;
-                let text = assistant.content.get_or_insert_with(String::new);
-                text.push_str(&t);
+                assistant.content.get_or_insert_default().push_str(&t);
                 parts.push(Part::Text { text: t });
             }
             ("image", Role::User) => parts.push(Part::Image {

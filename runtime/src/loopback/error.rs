@@ -57,10 +57,8 @@ impl LoopbackError {
     }
 
     pub fn param(&self) -> Option<&str> {
-        match self {
-            Self::Invalid(e) => e.param.as_deref(),
-            _ => None,
-        }
+        let Self::Invalid(e) = self else { return None };
+        e.param.as_deref()
     }
 
     /// This error as an OpenAI API error.
@@ -90,9 +88,8 @@ impl LoopbackError {
             503 | 529 => "overloaded_error",
             _ => "api_error",
         };
-        let message = self
-            .param()
-            .map_or(self.to_string(), |p| format!("{p}: {self}"));
+        let with_param = |p| format!("{p}: {self}");
+        let message = self.param().map_or(self.to_string(), with_param);
         let body = json!({"type": "error", "error": {"type": kind, "message": message}});
         (status, Json(body)).into_response()
     }

@@ -122,8 +122,7 @@ impl<'a> At<'a> {
     /// The string field `key` of this object, or a refusal of it with `message`.
     fn string(&self, key: &str, message: &str) -> Result<String, InvalidRequest> {
         let at = self.key(key);
-        let string = at.str().map(str::to_string);
-        string.ok_or_else(|| at.refuse(message))
+        Ok(at.str().ok_or_else(|| at.refuse(message))?.to_string())
     }
 
     fn refuse(&self, message: impl Into<String>) -> InvalidRequest {
@@ -188,9 +187,8 @@ async fn respond<P: Protocol>(
     let opening = stream::iter(answer.open(&service));
     // The content as it comes, then the last frames. A client that goes away drops this stream
     // and the turn's event receiver with it, which cancels the turn.
-    let state = (rx, Some(turn), answer, service);
     let rest = stream::unfold(
-        state,
+        (rx, Some(turn), answer, service),
         |(mut rx, mut turn, mut answer, service)| async move {
             let frames = match rx.recv().await {
                 Some(ev) => answer.content(&service, ev),

@@ -85,25 +85,19 @@ fn with_content(role: Role, content: &At) -> Result<Message, InvalidRequest> {
     }
     let parts = content.items().map(|part| {
         let kind = part.key("type");
-        Ok(match kind.str() {
-            Some("text") => Part::Text {
+        match kind.str() {
+            Some("text") => Ok(Part::Text {
                 text: part.string("text", "a text part needs a string `text`")?,
-            },
-            Some("image_url") if role == Role::User => Part::Image {
+            }),
+            Some("image_url") if role == Role::User => Ok(Part::Image {
                 image: image_url(&part.key("image_url"))?,
-            },
-            Some("image_url") => {
-                return Err(kind.refuse("images are accepted in user messages only"));
-            }
-            Some(other) => {
-                return Err(kind.refuse(format!(
-                    "content parts of type `{other}` are not supported: only `text` and `image_url`"
-                )))
-            }
-            None => {
-                return Err(part.refuse("a content part needs a `type` (`text` or `image_url`)"))
-            }
-        })
+            }),
+            Some("image_url") => Err(kind.refuse("images are accepted in user messages only")),
+            Some(other) => Err(kind.refuse(format!(
+                "content parts of type `{other}` are not supported: only `text` and `image_url`"
+            ))),
+            None => Err(part.refuse("a content part needs a `type` (`text` or `image_url`)")),
+        }
     });
     Ok(Message::with_parts(role, parts.collect::<Result<_, _>>()?))
 }
@@ -226,10 +220,8 @@ impl CompletionRequest {
                 stop.ok_or_else(|| invalid("stop", message))?
             }
             Some(_) => {
-                return Err(invalid(
-                    "stop",
-                    "stop must be a string or an array of strings",
-                ))
+                let message = "stop must be a string or an array of strings";
+                return Err(invalid("stop", message));
             }
         };
         if stop.len() > 4 {

@@ -152,9 +152,8 @@ impl ImageInputs {
             return Ok(None);
         }
         let config = ImageProcessorConfig::from_model_dir(dir)?;
-        let placeholder = tokenizer.token_id(IMAGE_PLACEHOLDER);
-        let placeholder =
-            placeholder.ok_or_else(|| ModelDirError::NoImagePlaceholder(dir.into()))?;
+        let missing = || ModelDirError::NoImagePlaceholder(dir.into());
+        let placeholder = tokenizer.token_id(IMAGE_PLACEHOLDER).ok_or_else(missing)?;
         Ok(Some(Self {
             config,
             placeholder,
@@ -366,11 +365,6 @@ impl ChatService {
             self.encode_with_images(text, images)
         })?;
         let image = |i: &SegmentImage| ContentPart::image(&i.image.data_url);
-        let parser: &dyn ToolCallParser = if req.parse_tool_calls {
-            self.tool_parser.as_ref()
-        } else {
-            &NoTools
-        };
         let sampling = &req.sampling;
         let ctx = SampleContext {
             session: session_id,
@@ -386,7 +380,11 @@ impl ChatService {
                 routed_experts_prompt_start: plan.routed_experts_start(),
             },
             stop: &sampling.stop,
-            parser,
+            parser: if req.parse_tool_calls {
+                self.tool_parser.as_ref()
+            } else {
+                &NoTools
+            },
             id_prefix,
             events,
             cancelled: &slot.cancelled,

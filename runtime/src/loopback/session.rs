@@ -265,9 +265,8 @@ impl Session {
 
     /// All segments, sealed first, then the open candidates.
     fn all(&self) -> impl Iterator<Item = &Segment> {
-        self.sealed
-            .iter()
-            .chain(self.open.iter().map(|o| &o.segment))
+        let open = self.open.iter().map(|o| &o.segment);
+        self.sealed.iter().chain(open)
     }
 
     pub fn segments(&self) -> Vec<Segment> {

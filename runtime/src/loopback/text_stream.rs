@@ -52,8 +52,7 @@ impl<'a> TextStream<'a> {
         let (stops, text) = (self.stops, &self.text);
         // Only a stop string that ends in the new piece can be new.
         let from = before.saturating_sub(stops.iter().map(String::len).max().unwrap_or(0));
-        let from = (0..=from).rev().find(|&i| text.is_char_boundary(i));
-        let from = from.unwrap_or(0);
+        let from = (0..=from).rfind(|&i| text.is_char_boundary(i)).unwrap_or(0);
         let found = |s: &'a String| Some((from + text[from..].find(s.as_str())?, s));
         if let Some((at, stop)) = stops.iter().filter_map(found).min_by_key(|(at, _)| *at) {
             self.text.truncate(at);

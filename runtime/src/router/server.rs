@@ -429,10 +429,8 @@ async fn remove_engine(
 ) -> Result<Json<Value>, ApiError> {
     let EngineUrl { url } = parse(&body)?;
     if !router.pool.remove(&url) {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("no engine {url}"),
-        ));
+        let message = format!("no engine {url}");
+        return Err(ApiError::new(StatusCode::NOT_FOUND, message));
     }
     Ok(Json(json!({ "removed": true })))
 }

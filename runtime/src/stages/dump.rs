@@ -23,10 +23,6 @@ impl Stage for Dump {
     fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>> {
         Box::pin(async move { write(&self.0, batch) })
     }
-
-    fn on_trainer(&self) -> bool {
-        true
-    }
 }
 
 /// The folder of a run's dumps under its output folder.

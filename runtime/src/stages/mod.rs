@@ -4,9 +4,10 @@
 //! as it will be trained on ([`dump`]). Adding a stage is one file here and one line in
 //! [`ordered`] (docs/extending.md, "A new batch stage").
 //!
-//! `moult run` applies the whole list. On a cluster the coordinator applies the stages that need
-//! the run's engines or data, before it hands the batch out, and the trainer those that need its
-//! volume ([`Stage::on_trainer`]), so every stage runs once per step in both modes.
+//! `moult run` applies the whole list. On a cluster each process builds the list of the parts it
+//! has, so every stage runs once per step in both modes: the coordinator, before it hands the
+//! batch out, the stages that need the run's engines (teacher, judge); the trainer those that need
+//! its volume (the dump).
 
 pub mod dump;
 pub mod judge;
@@ -93,11 +94,6 @@ pub trait Stage: Send + Sync + std::fmt::Debug {
     fn phase(&self) -> &'static str;
 
     fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>>;
-
-    /// Runs in the trainer's process (it needs the trainer's volume), not the coordinator's.
-    fn on_trainer(&self) -> bool {
-        false
-    }
 }
 
 /// What a process has for the stages; a stage is in the list when its part is here.

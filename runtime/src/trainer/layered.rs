@@ -144,10 +144,8 @@ impl Trainer {
             let grads = f.head_backward(&head_params, cfg.temperature, &dpicked);
             Ok(Some((metrics, grads)))
         })?;
-        let (metrics, mut grads) = match head {
-            Some((m, g)) => (Some(m), g),
-            None => (None, nones(head_params.len() + 1)),
-        };
+        let (metrics, grads) = head.unzip();
+        let mut grads = grads.unwrap_or_else(|| nones(head_params.len() + 1));
         // `None` on an idle pass. A micro-batch with no target rows (every sequence one token
         // long) has a zero gradient.
         let dh = grads.remove(0);
@@ -157,10 +155,8 @@ impl Trainer {
             self.shards().reduce_unit(u, &g, acc, self.group.as_ref())?;
         }
         // The layers, from the top, each recomputed from its input; then the embedding.
-        let (stages, mut saved) = match forwarded {
-            Some(f) => (Some(f.stages), f.saved),
-            None => (None, Vec::new()),
-        };
+        let (stages, mut saved) =
+            forwarded.map_or((None, Vec::new()), |f| (Some(f.stages), f.saved));
         let s = || stages.as_ref().expect("a forward ran");
         for l in (0..self.layers()).rev() {
             let (x, routing) = saved.pop().unzip();
@@ -193,12 +189,10 @@ impl Trainer {
             };
             let root = (forward(x.as_ref())? * g).sum(g.kind());
             let inputs: Vec<&Tensor> = x.iter().chain(&params).collect();
-            Ok(Some(Tensor::run_backward(&[root], &inputs, false, false)))
+            let grads = Tensor::run_backward(&[root], &inputs, false, false);
+            Ok(Some(grads.into_iter().map(defined).collect()))
         })?;
-        let mut grads: Vec<Option<Tensor>> = match grads {
-            Some(g) => g.into_iter().map(defined).collect(),
-            None => nones(x.iter().count() + params.len()),
-        };
+        let mut grads = grads.unwrap_or_else(|| nones(x.iter().count() + params.len()));
         let dx = x.map(|_| grads.remove(0));
         self.shards()
             .reduce_unit(u, &grads, acc, self.group.as_ref())?;

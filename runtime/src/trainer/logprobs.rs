@@ -30,12 +30,8 @@ pub fn token_logprobs_and_entropy(
 ) -> crate::model::Result<(Tensor, Option<Tensor>)> {
     let logits = model.forward(seqs, None, LogitsFor::All)?.logits;
     let targets = Targets::new(seqs, logits.device());
-    let (picked, entropy) = picked(
-        &logits.index_select(0, &targets.rows),
-        &targets.next,
-        temperature,
-        with_entropy,
-    );
+    let rows = logits.index_select(0, &targets.rows);
+    let (picked, entropy) = picked(&rows, &targets.next, temperature, with_entropy);
     Ok((targets.padded(&picked), entropy.map(|h| targets.padded(&h))))
 }
 

@@ -109,11 +109,7 @@ pub(super) fn grads(params: &[Tensor]) -> Vec<Option<Tensor>> {
 /// Scales every gradient so their global L2 norm is at most `max_norm`; returns the norm before
 /// clipping (the `grad_norm` metric).
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
-    let grads: Vec<Tensor> = params
-        .iter()
-        .map(Tensor::grad)
-        .filter(Tensor::defined)
-        .collect();
+    let grads: Vec<Tensor> = grads(params).into_iter().flatten().collect();
     let squares: f64 = grads
         .iter()
         .map(|g| g.norm().double_value(&[]).powi(2))

@@ -438,8 +438,7 @@ impl Shards {
     /// Bytes this rank keeps between steps: its shards' moments and, with `Full`, its shards of
     /// the weights (else the whole weights are the model's).
     pub(super) fn state_bytes(&self) -> usize {
-        let own = self.own.as_ref();
-        self.optimizer.state_bytes() + own.map_or(0, bytes_of)
+        self.optimizer.state_bytes() + self.own.as_ref().map_or(0, bytes_of)
     }
 
     /// Every rank's shard of unit `u`'s weights into every rank's tensors of it: with `Full`,

@@ -95,13 +95,8 @@ pub fn policy_loss(
 ) -> crate::model::Result<(Tensor, LossMetrics)> {
     let seqs = scored(samples);
     let (logp, entropy) = token_logprobs_and_entropy(model, &seqs, cfg.temperature, true)?;
-    Ok(loss_of(
-        &logp,
-        &entropy.expect("asked for"),
-        samples,
-        cfg,
-        kl,
-    ))
+    let entropy = entropy.expect("asked for");
+    Ok(loss_of(&logp, &entropy, samples, cfg, kl))
 }
 
 /// The loss of `samples` from their logprobs under the policy `logp` (with gradient; detached,

@@ -264,10 +264,8 @@ impl Trainer {
     /// Sharded weights: keeps this rank's shards and frees the whole tensors (once every rank
     /// holds the same weights).
     pub(super) fn shard_weights(&mut self) {
-        if let Some(shards) = self.shards.as_mut() {
-            if self.opts.sharding == Sharding::Full {
-                shards.shard_weights(&self.params);
-            }
+        if let (Some(shards), Sharding::Full) = (self.shards.as_mut(), self.opts.sharding) {
+            shards.shard_weights(&self.params);
         }
     }
 

@@ -721,11 +721,9 @@ impl NcclPublisher {
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
         let urls = self.engines().await?;
-        let current = self.sender.as_ref().is_some_and(|(to, _)| *to == urls);
-        if !current {
+        if self.sender.as_ref().is_none_or(|(to, _)| *to != urls) {
             self.sender = None;
-            let config = NcclSenderConfig::default();
-            let new = NcclWeightSender::connect(self.ordinal, &urls, config)
+            let new = NcclWeightSender::connect(self.ordinal, &urls, NcclSenderConfig::default())
                 .await
                 .map_err(SyncError::at("connect"))?;
             self.sender = Some((urls, new));

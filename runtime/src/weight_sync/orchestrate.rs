@@ -87,9 +87,7 @@ impl WeightSync {
         version: u64,
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
-        let Some((bind, advertise, ranks)) = self.plane.clone() else {
-            return Err(SyncError::NotConnected);
-        };
+        let (bind, advertise, ranks) = self.plane.clone().ok_or(SyncError::NotConnected)?;
         // Engines joined or left (or a failed transfer dropped the stream): connect again.
         if self.sender.is_none() || self.world_size().await? != ranks {
             self.connect_tcp(&bind, &advertise).await?;
@@ -107,14 +105,11 @@ impl WeightSync {
         // The built-in engine stages a transfer and swaps only at its finish: after a failed
         // one it still holds the previous weights whole, so resuming is safe.
         let resumed = self.control.resume().await;
-        let paused = paused_at.elapsed();
-        let sent = transferred?;
+        let mut report = transferred?;
+        report.paused = paused_at.elapsed();
+        report.transfer = transfer;
         resumed?;
-        Ok(SyncReport {
-            paused,
-            transfer,
-            ..sent
-        })
+        Ok(report)
     }
 
     /// Start, each bucket as it comes, finish (only once the stream ended whole); what was sent.
@@ -138,17 +133,14 @@ impl WeightSync {
     }
 
     async fn send_bucket(&mut self, bucket: Bucket) -> Result<(), SyncError> {
-        let info = update_info(&bucket);
+        let body = json!({"update_info": update_info(&bucket)});
         let mut sender = self.sender.take().ok_or(SyncError::NotConnected)?;
         let flush = self.packed_buffer_bytes;
         let send = tokio::task::spawn_blocking(move || {
             let result = sender.send_bucket(&bucket, flush);
             (sender, result)
         });
-        let told = self
-            .control
-            .post("update_weights", json!({"update_info": info}))
-            .await;
+        let told = self.control.post("update_weights", body).await;
         let (sender, sent) = send.await.map_err(SyncError::at("send"))?;
         // A stream that failed mid-bucket is desynchronised: reconnect before the next update.
         if sent.is_ok() && told.is_ok() {
