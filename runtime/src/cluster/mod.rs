@@ -64,9 +64,8 @@ pub(crate) fn env_number(name: &str, default: u64, min: u64) -> Result<u64, RunE
     }
     let above = (min > 0).then(|| format!(" above {}", min - 1));
     let above = above.unwrap_or_default();
-    let problem = format!("must be a whole number{above}; got `{v}`");
     let n = v.trim().parse().ok().filter(|n| *n >= min);
-    n.ok_or_else(|| RunError::env(name, problem))
+    n.ok_or_else(|| RunError::env(name, format!("must be a whole number{above}; got `{v}`")))
 }
 
 /// `path` (beside the manifest), or where the operator mounted it: the path in the environment
@@ -78,7 +77,7 @@ pub(crate) fn mounted(name: &str, path: Option<PathBuf>) -> Option<PathBuf> {
 /// A listener on `addr`; `what` names it in the error.
 pub(crate) async fn bind(addr: &str, what: String) -> Result<TcpListener, RunError> {
     let bound = TcpListener::bind(addr).await;
-    bound.map_err(|source| RunError::Start { what, source })
+    bound.map_err(RunError::start(what))
 }
 
 /// The manifest at `config` and its folder.
