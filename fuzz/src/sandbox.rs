@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use moult_runtime::agents::sandbox::Sandboxed;
+use moult_jail::sandbox::Sandboxed;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 
@@ -36,7 +36,9 @@ pub fn client(data: &[u8]) {
                 conn
             };
             let agents = async {
-                let mut started = Sandboxed::spawn(path, "true", &[], Vec::new()).await.ok()?;
+                let mut started = Sandboxed::spawn(path, "true", &[], Vec::new(), None)
+                    .await
+                    .ok()?;
                 started.wait().await.ok()
             };
             let run = async { tokio::join!(sandbox, agents) };

@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{ResourceRequirements, Toleration};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::core::Duration;
 use kube::{CustomResource, KubeSchema};
@@ -276,6 +277,52 @@ pub struct AgentSpec {
     /// edits a repository baked into it.
     #[serde(default = "yes")]
     pub read_only_root_filesystem: bool,
+    /// How agent programs are kept apart: `Episode` (the default) starts every episode's program
+    /// in a jail of its own, `Process` only in a process group of its own, the weaker guarantee
+    /// (docs/security.md#episodes).
+    #[serde(default)]
+    pub isolation: Isolation,
+    /// Limits of every episode's jail (`isolation: Episode`); docs/agents.md#limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<EpisodeLimits>,
+}
+
+/// How agent programs are kept apart (docs/security.md#episodes).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum Isolation {
+    /// A fresh jail per episode: its own processes, scratch, network and limits.
+    #[default]
+    Episode,
+    /// A process group per episode, in the agent's container (or this machine) as it is.
+    Process,
+}
+
+/// The limits of an episode's jail; each one that ends an episode is named in its failure.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("(!has(self.memory) || isQuantity(string(self.memory))) && (!has(self.fileSize) || isQuantity(string(self.fileSize))) && (!has(self.scratch) || isQuantity(string(self.scratch)))").message(Message::Message("spec.agent.limits: memory, fileSize and scratch are sizes in bytes, as quantities (512Mi, 2Gi)".into())))]
+pub struct EpisodeLimits {
+    /// CPU seconds of each process (default 600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub cpu_seconds: Option<u32>,
+    /// Address space of each process (default 8Gi).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<Quantity>,
+    /// Processes and threads in the jail (default 512).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub processes: Option<u32>,
+    /// Largest file a process may write (default 1Gi).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file_size: Option<Quantity>,
+    /// Size of the jail's scratch `/tmp` (default 1Gi).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scratch: Option<Quantity>,
+    /// Open files of each process (default 4096).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 16))]
+    pub open_files: Option<u32>,
 }
 
 /// Tasks: JSON lines, or Parquet files as Hugging Face datasets store them (docs/run.md,

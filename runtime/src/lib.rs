@@ -15,7 +15,6 @@ pub mod config;
 pub mod dist;
 pub mod engine;
 pub mod error;
-pub mod init;
 #[cfg(feature = "torch")]
 pub mod learner;
 #[cfg(feature = "torch")]

@@ -69,8 +69,10 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Started to make an episode's jail, make it and run the agent program in it.
+    moult_jail::run_if_asked();
     // As a container's PID 1, supervise a second `moult` and reap what is orphaned.
-    if let Some(code) = moult_runtime::init::supervise_if_first()? {
+    if let Some(code) = moult_jail::init::supervise_if_first()? {
         std::process::exit(code);
     }
     let cli = Cli::parse();

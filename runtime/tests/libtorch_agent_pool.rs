@@ -45,6 +45,8 @@ fn options(url: &str, timeout: Duration, scratch: &str) -> PoolOptions {
             ..EnvLoopOptions::default()
         },
         scratch_dir: std::env::temp_dir().join(format!("{scratch}-{}", std::process::id())),
+        // The pool's own tests: jails are tested through `moult agents` (tests/libtorch_cli.rs).
+        jail: None,
     }
 }
 
@@ -52,7 +54,7 @@ async fn python_agent(file: &str) -> Agent {
     let py = python().display().to_string();
     let path = agent_file(file);
     let cmd = AgentCommand::python(&py, &path).unwrap();
-    match describe_python(&py, &path).await.unwrap().as_str() {
+    match describe_python(&py, &path, None).await.unwrap().as_str() {
         "chat" => Agent::Chat(cmd),
         "env" => Agent::ExternalEnv(cmd),
         other => panic!("unknown form {other}"),

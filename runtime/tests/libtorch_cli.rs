@@ -195,7 +195,8 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
     assert_eq!(episode["reward"], 2.0);
     assert_eq!(episode["segments"].as_array().unwrap().len(), 2);
 
-    hostile_agent(&engine_url, &model, &dir, None).await;
+    hostile_agent(&engine_url, &model, &dir, None, "process").await;
+    hostile_agent(&engine_url, &model, &dir, None, "episode").await;
     // The same through a sandbox, as a cluster's agent pod runs agent code: in a second process
     // that holds no credential, started by `moult sandbox`.
     let socket = dir.join("sandbox.sock");
@@ -211,7 +212,16 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
     while !socket.exists() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    hostile_agent(&engine_url, &model, &dir, Some((&socket, sandbox.id()))).await;
+    for isolation in ["process", "episode"] {
+        hostile_agent(
+            &engine_url,
+            &model,
+            &dir,
+            Some((&socket, sandbox.id())),
+            isolation,
+        )
+        .await;
+    }
     // SIGTERM goes on to the supervised sandbox, and both end.
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(sandbox.id() as i32),
@@ -284,13 +294,14 @@ async fn libtorch_cli_router_routes_to_its_engines() {
 }
 
 /// Runs `tests/python/agents/hostile_agent.py` for one episode under `moult agents` (as a PID 1
-/// would, `MOULT_INIT=1`), directly or through the sandbox `(socket, pid)`, and checks what
-/// it found.
+/// would, `MOULT_INIT=1`), directly or through the sandbox `(socket, pid)`, in a jail of its
+/// own or a process group (`isolation`), and checks what it found.
 async fn hostile_agent(
     engine_url: &str,
     model: &std::path::Path,
     dir: &std::path::Path,
     sandbox: Option<(&std::path::Path, u32)>,
+    isolation: &str,
 ) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     // Agent code is untrusted: it gets no credential from moult's environment (not even one
@@ -321,6 +332,7 @@ async fn hostile_agent(
         .arg(common::python())
         .arg("--out")
         .arg(&hostile_out)
+        .args(["--isolation", isolation])
         .env("MOULT_TOKEN", "run-secret")
         .env("MOULT_AGENT_TOKEN", "agent-secret")
         .env("MOULT_AGENT_PASS_ENV", "MOULT_TOKEN, PASSED_ON")
@@ -370,6 +382,30 @@ async fn hostile_agent(
     assert_eq!(info["forged_status"], 404, "{info}");
     assert_eq!(info["task_in_env"], false);
     assert_eq!(info["task_len"], 200_000);
+    // Nothing the episode started is left on this machine, in either isolation.
+    let session = format!("MOULT_SESSION_ID={}", episode["session"].as_str().unwrap());
+    let of_the_episode = || {
+        let pids = std::fs::read_dir("/proc").unwrap().flatten();
+        pids.filter(|p| {
+            std::fs::read(p.path().join("environ"))
+                .is_ok_and(|e| e.split(|b| *b == 0).any(|v| v == session.as_bytes()))
+        })
+        .count()
+    };
+    for _ in 0..100 {
+        if of_the_episode() == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(of_the_episode(), 0, "a process outlived its episode");
+    if isolation == "episode" {
+        // The agent is its jail's second process; the jail's first adopted and reaped the orphan.
+        assert_eq!(info["parent_pid"], 1, "{info}");
+        assert_eq!(info["escaped_parent"], 1, "{info}");
+        assert_eq!(info["escaped_state"], "reaped", "{info}");
+        return;
+    }
     let leftover = info["leftover_pid"].as_u64().unwrap();
     let gone = || {
         std::fs::read_to_string(format!("/proc/{leftover}/stat")).map_or(true, |stat| {

@@ -13,7 +13,6 @@
 
 pub mod env;
 pub mod process;
-pub mod sandbox;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -22,6 +21,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 use tokio::sync::{mpsc, Semaphore};
+
+use moult_jail::Jail;
 
 use crate::chat::SamplingOverride;
 use crate::loopback::{self, ChatService, Segment, ServiceOptions};
@@ -42,7 +43,7 @@ pub enum AgentError {
     /// Generating the model's reply failed.
     #[error("model: {0}")]
     Model(String),
-    #[error("timed out after {0:?}")]
+    #[error("timed out after {0:?} (agent.timeout)")]
     TimedOut(Duration),
     /// The policy's tokenizer or chat template could not be read.
     #[error("{0}")]
@@ -86,6 +87,9 @@ pub struct PoolOptions {
     pub env_loop: EnvLoopOptions,
     /// Where ChatAgents write their results.
     pub scratch_dir: PathBuf,
+    /// The jail each episode's program starts in (`agent.isolation: Episode`); `None`: a process
+    /// group (docs/security.md#episodes).
+    pub jail: Option<Jail>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -135,6 +139,8 @@ impl AgentPool {
         }
         if let Agent::BuiltinEnv(name) = &agent {
             env::builtin(name)?;
+        } else if let (Some(jail), None) = (&opts.jail, process::sandbox()) {
+            jail.probe().map_err(|why| AgentError::Config(format!("agent.isolation is `Episode`, but {why}: set `agent.isolation: Process` (`moult agents --isolation process`) to run agent programs without a jail of their own (docs/security.md#episodes)")))?;
         }
         std::fs::create_dir_all(&opts.scratch_dir).map_err(|e| {
             AgentError::Config(format!("cannot create {}: {e}", opts.scratch_dir.display()))
@@ -269,13 +275,14 @@ impl AgentPool {
                 let idle = self.idle_envs.lock().expect("idle envs lock").pop();
                 let mut env = match idle {
                     Some(env) => env,
-                    None => ExternalEnv::spawn(cmd).await?,
+                    None => ExternalEnv::spawn(cmd, self.jail(task, None)).await?,
                 };
                 // An error or a timeout drops (kills) the process here; only a completed episode
                 // hands it back.
                 let out = run_env_episode(&self.service, session, &mut env, task, env_loop).await?;
                 let mut idle = self.idle_envs.lock().expect("idle envs lock");
-                if idle.len() < self.opts.concurrency {
+                // A jailed process serves one episode: the next one gets a fresh jail.
+                if idle.len() < self.opts.concurrency && self.opts.jail.is_none() {
                     idle.push(env);
                 }
                 Ok(out)
@@ -296,9 +303,30 @@ impl AgentPool {
                     ("ANTHROPIC_API_KEY", "moult".into()),
                 ];
                 let vars = vars.map(|(k, v)| (k.to_string(), v)).to_vec();
-                let result_file = self.opts.scratch_dir.join(format!("{session}.json"));
-                run_chat_agent(cmd, vars, task, &result_file).await
+                let dir = self.opts.scratch_dir.join(session);
+                let jail = self.jail(task, Some(&dir));
+                run_chat_agent(cmd, vars, task, &dir, jail.as_ref()).await
             }
         }
+    }
+
+    /// The jail of an episode of `task`, when the pool jails them: it may write `writable` and
+    /// reach the loopback server and the ports the task lists in `ports`.
+    fn jail(&self, task: &Json, writable: Option<&Path>) -> Option<Jail> {
+        let mut jail = self.opts.jail.clone()?;
+        jail.writable.extend(writable.map(Path::to_path_buf));
+        let loopback = self
+            .opts
+            .loopback_url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse::<u16>().ok());
+        let listed = task["ports"].as_array().into_iter().flatten();
+        jail.ports.extend(
+            loopback
+                .into_iter()
+                .chain(listed.filter_map(|p| p.as_u64()?.try_into().ok())),
+        );
+        Some(jail)
     }
 }

@@ -4,11 +4,13 @@
 //! installed besides Python and the agent's own dependencies).
 //!
 //! Agent code is untrusted (docs/security.md): every child starts with a cleared environment
-//! ([`agent_environment`]: no credential, only what programs need to run), in a process group of
-//! its own ([`ProcessGroup`]), and the whole group is killed when its episode is dropped
-//! (timeout, pool shutdown) or its process has answered, so nothing an agent started outlives it. Its stderr's tail is kept
-//! for the failure reason. An external env process may serve many episodes: each `reset` starts
-//! the next one; its answers are read a bounded line at a time.
+//! ([`agent_environment`]: no credential, only what programs need to run), as a
+//! [`moult_jail::sandbox::Program`]: in a jail of its own per episode (`agent.isolation:
+//! Episode`) or a process group (`Process`), killed whole when its episode is dropped (timeout,
+//! pool shutdown) or its process has answered, so nothing an agent started outlives it. Its
+//! stderr's tail is kept for the failure reason. An external env process may serve many episodes
+//! when it is not jailed: each `reset` starts the next one; its answers are read a bounded line at
+//! a time.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,9 +19,12 @@ use futures::future::BoxFuture;
 use serde_json::Value as Json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
+use moult_jail::sandbox::{Exit, Program, Reader, Writer};
+use moult_jail::Jail;
+
 use super::env::{Env, Observation, StepResult};
-use super::sandbox::{self, Exit, ProcessGroup, Sandboxed};
 use super::AgentError;
+use moult_operator::children::SANDBOX_ENV;
 
 const PACKAGE: [(&str, &str); 3] = [
     (
@@ -99,82 +104,50 @@ pub fn agent_environment(vars: impl Iterator<Item = (String, String)>) -> Vec<(S
         .collect()
 }
 
-type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
-type Writer = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
-
-/// An agent program in a process group of its own, killed whole when this is dropped. It runs as
-/// a child of this process, or in the agent pod's sandbox container where `MOULT_AGENT_SANDBOX`
-/// names one ([`super::sandbox`]), with the same streams and lifetime.
-struct Group {
-    running: Running,
-    stdin: Option<Writer>,
-    stdout: Option<Reader>,
-    stderr: Option<Reader>,
+/// Starts `cmd` with `extra` variables on top of its environment, its three streams piped, in
+/// `jail` when there is one, in the agent pod's sandbox container where `MOULT_AGENT_SANDBOX`
+/// names one.
+async fn start(
+    cmd: &AgentCommand,
+    extra: Vec<(String, String)>,
+    jail: Option<&Jail>,
+) -> Result<Program, AgentError> {
+    let mut env = agent_environment(std::env::vars());
+    env.extend(cmd.env.iter().cloned().chain(extra));
+    let started = Program::start(sandbox(), &cmd.program, &cmd.args, env, jail).await;
+    started.map_err(|e| AgentError::Crashed(e.to_string()))
 }
 
-enum Running {
-    Local(ProcessGroup),
-    /// Closing the control connection (dropping this) kills the group in the sandbox.
-    Sandboxed(Sandboxed),
+/// Runs `cmd` to its end with `extra` variables and `input` on its stdin; whatever it started
+/// dies with it. Its stdout and stderr are kept (their tails).
+async fn run(
+    cmd: &AgentCommand,
+    extra: Vec<(String, String)>,
+    input: String,
+    jail: Option<&Jail>,
+) -> Result<(Exit, Tail, Tail), AgentError> {
+    let mut program = start(cmd, extra, jail).await?;
+    if let Some(mut stdin) = program.stdin.take() {
+        // The program may not read its stdin: written aside (an input larger than the pipe's
+        // buffer would block here otherwise), and a closed pipe is not an error.
+        tokio::spawn(async move {
+            let _ = stdin.write_all(input.as_bytes()).await;
+        });
+    }
+    let stdout = Tail::keep(program.stdout.take());
+    let stderr = Tail::keep(program.stderr.take());
+    let exit = program.wait().await;
+    let exit = exit.map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}")))?;
+    Ok((exit, stdout, stderr))
 }
 
-impl Group {
-    /// Starts `cmd` with `extra` variables on top of its environment, its three streams piped.
-    async fn spawn(cmd: &AgentCommand, extra: Vec<(String, String)>) -> Result<Self, AgentError> {
-        let mut env = agent_environment(std::env::vars());
-        env.extend(cmd.env.iter().cloned().chain(extra));
-        if let Some(socket) = sandbox::socket() {
-            let mut p = Sandboxed::spawn(socket, &cmd.program, &cmd.args, env).await?;
-            return Ok(Self {
-                stdin: p.stdin.take().map(|s| Box::new(s) as Writer),
-                stdout: p.stdout.take().map(|s| Box::new(s) as Reader),
-                stderr: p.stderr.take().map(|s| Box::new(s) as Reader),
-                running: Running::Sandboxed(p),
-            });
-        }
-        let piped = [(); 3].map(|()| std::process::Stdio::piped());
-        let mut p = ProcessGroup::spawn(&cmd.program, &cmd.args, env, piped)?;
-        Ok(Self {
-            stdin: p.child.stdin.take().map(|s| Box::new(s) as Writer),
-            stdout: p.child.stdout.take().map(|s| Box::new(s) as Reader),
-            stderr: p.child.stderr.take().map(|s| Box::new(s) as Reader),
-            running: Running::Local(p),
-        })
-    }
-
-    /// Waits for the program (not what it started) to end.
-    async fn wait(&mut self) -> Result<Exit, AgentError> {
-        match &mut self.running {
-            Running::Local(p) => p
-                .child
-                .wait()
-                .await
-                .map(Exit::of)
-                .map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}"))),
-            Running::Sandboxed(p) => p.wait().await,
-        }
-    }
-
-    /// Runs `cmd` to its end with `extra` variables and `input` on its stdin; whatever it
-    /// started dies with it. Its stdout and stderr are kept (their tails).
-    async fn run(
-        cmd: &AgentCommand,
-        extra: Vec<(String, String)>,
-        input: String,
-    ) -> Result<(Exit, Tail, Tail), AgentError> {
-        let mut group = Self::spawn(cmd, extra).await?;
-        if let Some(mut stdin) = group.stdin.take() {
-            // The program may not read its stdin: written aside (an input larger than the pipe's
-            // buffer would block here otherwise), and a closed pipe is not an error.
-            tokio::spawn(async move {
-                let _ = stdin.write_all(input.as_bytes()).await;
-            });
-        }
-        let stdout = Tail::keep(group.stdout.take());
-        let stderr = Tail::keep(group.stderr.take());
-        let exit = group.wait().await?;
-        Ok((exit, stdout, stderr))
-    }
+/// The socket of the sandbox agent programs start in, when this process has one.
+pub fn sandbox() -> Option<&'static Path> {
+    static SOCKET: OnceLock<Option<PathBuf>> = OnceLock::new();
+    let socket = || std::env::var_os(SANDBOX_ENV).filter(|s| !s.is_empty());
+    SOCKET
+        .get_or_init(|| socket().map(PathBuf::from))
+        .as_deref()
 }
 
 /// How to start an agent program.
@@ -216,11 +189,15 @@ impl AgentCommand {
     }
 }
 
-/// Asks a Python agent module which form it is (`chat` or `env`).
-pub async fn describe_python(python: &str, module: &str) -> Result<String, AgentError> {
+/// Asks a Python agent module which form it is (`chat` or `env`), in `jail` if there is one.
+pub async fn describe_python(
+    python: &str,
+    module: &str,
+    jail: Option<&Jail>,
+) -> Result<String, AgentError> {
     let mut cmd = AgentCommand::python(python, module)?;
     cmd.args[2] = "describe".into();
-    let (exit, stdout, stderr) = Group::run(&cmd, Vec::new(), String::new())
+    let (exit, stdout, stderr) = run(&cmd, Vec::new(), String::new(), jail)
         .await
         .map_err(|e| AgentError::Config(format!("cannot run `{python}`: {e}")))?;
     // The streams end with the program; their last bytes may still be on their way.
@@ -236,13 +213,23 @@ pub async fn describe_python(python: &str, module: &str) -> Result<String, Agent
 /// The largest task also given in `MOULT_TASK` (larger ones only in `MOULT_TASK_FILE`).
 const TASK_ENV_BYTES: usize = 64 << 10;
 
-/// Removes a file when dropped (the episode's task file, however the episode ends).
+/// Removes a folder when dropped (the episode's task and result files, however it ends).
 struct RemoveOnDrop(PathBuf);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Why a program's end failed its episode: how it ended, the limit of `jail` that its signal or
+/// its last words (`why`, the end of its stderr) point to, and those words.
+fn ended(what: &str, how: &str, signal: Option<i32>, jail: Option<&Jail>, why: &str) -> String {
+    let limit = jail.and_then(|j| j.limits.hit(signal, why));
+    let limit = limit
+        .map(|l| format!(" at the limit {l}"))
+        .unwrap_or_default();
+    format!("the {what} {how}{limit}: {why}")
 }
 
 /// The longest line an env process may answer with (an observation, as JSON).
@@ -297,24 +284,26 @@ impl Tail {
     }
 }
 
-/// Runs one ChatAgent episode: the program gets the loopback base URLs, the session id and the
-/// task in its environment (and the task on stdin), and writes `{"reward", "info"}` to
-/// `MOULT_RESULT_FILE`; its reward and info.
+/// Runs one ChatAgent episode, in `jail` if there is one: the program gets the loopback base
+/// URLs, the session id and the task in its environment (and the task on stdin), and writes
+/// `{"reward", "info"}` to `MOULT_RESULT_FILE`, in the folder `dir` made for the episode; its
+/// reward and info.
 pub async fn run_chat_agent(
     cmd: &AgentCommand,
     mut env: Vec<(String, String)>,
     task: &Json,
-    result_file: &Path,
+    dir: &Path,
+    jail: Option<&Jail>,
 ) -> Result<(f64, serde_json::Map<String, Json>), AgentError> {
-    let _ = std::fs::remove_file(result_file);
+    let (result_file, task_file) = (dir.join("result.json"), dir.join("task.json"));
     let task_text = task.to_string();
     // The task goes in a file (an environment variable's size is limited by the kernel), and in
     // `MOULT_TASK` too when it is small.
-    let task_file = result_file.with_extension("task.json");
     let file = task_file.display();
-    std::fs::write(&task_file, &task_text)
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&task_file, &task_text))
         .map_err(|e| AgentError::Crashed(format!("cannot write the task to {file}: {e}")))?;
-    let _task_file = RemoveOnDrop(task_file.clone());
+    let _dir = RemoveOnDrop(dir.to_path_buf());
     env.push(("MOULT_TASK_FILE".into(), task_file.display().to_string()));
     env.push((
         "MOULT_RESULT_FILE".into(),
@@ -323,15 +312,20 @@ pub async fn run_chat_agent(
     if task_text.len() <= TASK_ENV_BYTES {
         env.push(("MOULT_TASK".into(), task_text.clone()));
     }
-    let (exit, stdout, stderr) = Group::run(cmd, env, format!("{task_text}\n")).await?;
+    let (exit, stdout, stderr) = run(cmd, env, format!("{task_text}\n"), jail).await?;
     let result = std::fs::read_to_string(result_file);
-    let _ = std::fs::remove_file(result_file);
     if !exit.success() {
         let mut why = stderr.finished().await;
         if why.is_empty() {
             why = stdout.finished().await;
         }
-        return Err(AgentError::Crashed(format!("the agent {exit}: {why}")));
+        return Err(AgentError::Crashed(ended(
+            "agent",
+            &exit.to_string(),
+            exit.signal(),
+            jail,
+            &why,
+        )));
     }
     let unwritten = "the agent exited without writing its result to MOULT_RESULT_FILE";
     let text = result.map_err(|_| AgentError::Crashed(unwritten.into()))?;
@@ -349,8 +343,9 @@ pub async fn run_chat_agent(
 /// one after another: each `reset` starts a new one.
 pub struct ExternalEnv {
     cmd: AgentCommand,
+    jail: Option<Jail>,
     /// Held for its drop: the process group dies with the env.
-    _child: Group,
+    _child: Program,
     stdin: Writer,
     stdout: BufReader<Reader>,
     stderr: Tail,
@@ -368,13 +363,15 @@ impl std::fmt::Debug for ExternalEnv {
 }
 
 impl ExternalEnv {
-    pub async fn spawn(cmd: &AgentCommand) -> Result<Self, AgentError> {
-        let mut group = Group::spawn(cmd, Vec::new()).await?;
+    /// Starts `cmd`, in `jail` if there is one (then the process serves one episode).
+    pub async fn spawn(cmd: &AgentCommand, jail: Option<Jail>) -> Result<Self, AgentError> {
+        let mut group = start(cmd, Vec::new(), jail.as_ref()).await?;
         let stdin = group.stdin.take().expect("piped");
         let stdout = BufReader::new(group.stdout.take().expect("piped"));
         let stderr = Tail::keep(group.stderr.take());
         Ok(Self {
             cmd: cmd.clone(),
+            jail,
             _child: group,
             stdin,
             stdout,
@@ -385,7 +382,8 @@ impl ExternalEnv {
 
     async fn call(&mut self, request: Json) -> Result<Json, AgentError> {
         let gone = |this: &Self, what: &str| {
-            AgentError::Crashed(format!("the env process {what}: {}", this.stderr.text()))
+            let why = this.stderr.text();
+            AgentError::Crashed(ended("env process", what, None, this.jail.as_ref(), &why))
         };
         let line = format!("{request}\n");
         if self.stdin.write_all(line.as_bytes()).await.is_err() {
@@ -431,7 +429,7 @@ impl Env for ExternalEnv {
             let v = match self.call(request.clone()).await {
                 // A program written to serve one episode may have exited after it: start afresh.
                 Err(AgentError::Crashed(_)) if self.episodes > 0 => {
-                    *self = Self::spawn(&self.cmd).await?;
+                    *self = Self::spawn(&self.cmd, self.jail.clone()).await?;
                     self.call(request).await?
                 }
                 answer => answer?,

@@ -72,6 +72,10 @@ pub struct Args {
     /// The loopback server's port on 127.0.0.1 (0 picks a free one).
     #[arg(long, default_value_t = 0)]
     port: u16,
+    /// `episode`: every episode's program in a jail of its own; `process`: in a process group
+    /// only, the weaker guarantee (docs/security.md#episodes).
+    #[arg(long, default_value = "episode", value_parser = ["episode", "process"])]
+    isolation: String,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -87,11 +91,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let (Some(engine), Some(model), Some(tasks)) = (&args.engine, &args.model, &args.tasks) else {
         bail!("give --engine, --model and --tasks (or --config and --coordinator in an agent pod)");
     };
+    let jail = (args.isolation == "episode").then(moult_jail::Jail::default);
     let agent = match (&args.agent, &args.agent_cmd, args.form.as_deref()) {
         (Some(a), _, _) if a.starts_with("builtin:") => Agent::builtin(&a["builtin:".len()..])?,
         (Some(module), _, _) => {
             let cmd = AgentCommand::python(&args.python, module)?;
-            match describe_python(&args.python, module).await?.as_str() {
+            match describe_python(&args.python, module, jail.as_ref())
+                .await?
+                .as_str()
+            {
                 "chat" => Agent::Chat(cmd),
                 "env" => Agent::ExternalEnv(cmd),
                 other => bail!("{module}: AgentRunner has unknown form `{other}`"),
@@ -123,6 +131,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 ..EnvLoopOptions::default()
             },
             scratch_dir: scratch_dir.clone(),
+            jail,
         },
         listener,
         std::future::pending(),

@@ -14,7 +14,7 @@ pub struct Args {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     eprintln!("moult sandbox listening on {}", args.socket.display());
-    moult_runtime::agents::sandbox::serve(&args.socket)
+    moult_jail::sandbox::serve(&args.socket)
         .await
         .with_context(|| format!("serving the agent sandbox on {}", args.socket.display()))
 }

@@ -6,7 +6,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use moult_operator::api::{AgentForm, EngineBackend, Estimator, RLRun, WeightTransport};
+use moult_jail::{Jail, Limits};
+use moult_operator::api::{
+    AgentForm, AgentSpec, EngineBackend, Estimator, Isolation, RLRun, WeightTransport,
+};
 use serde_json::Value as Json;
 
 pub mod dataset;
@@ -33,6 +36,8 @@ pub struct RunConfig {
     pub agent: Option<Agent>,
     pub concurrency: usize,
     pub episode_timeout: Duration,
+    /// The jail of every episode's program (`agent.isolation`, `agent.limits`).
+    pub jail: Option<Jail>,
     pub env_loop: EnvLoopOptions,
     pub rollout: RolloutOptions,
     pub partial_rollout: bool,
@@ -219,6 +224,35 @@ pub fn read_manifest(path: &Path) -> Result<RLRun, RunError> {
     let run = found.ok_or_else(|| manifest("no document has `kind: RLRun`".into()))?;
     run.validate().map_err(|e| manifest(e.join("; ")))?;
     Ok(run)
+}
+
+/// The jail of every episode's program: `agent.limits` over the defaults, `None` for
+/// `agent.isolation: Process`.
+fn jail(agent: &AgentSpec) -> Result<Option<Jail>, RunError> {
+    let (set, mut l) = (agent.limits.clone().unwrap_or_default(), Limits::default());
+    let sizes = [
+        (set.memory, "memory", &mut l.memory_bytes),
+        (set.file_size, "fileSize", &mut l.file_size_bytes),
+        (set.scratch, "scratch", &mut l.scratch_bytes),
+    ];
+    for (q, field, to) in sizes.into_iter().filter_map(|(q, f, to)| Some((q?, f, to))) {
+        let bytes = moult_operator::children::quantity(&q.0).filter(|b| *b >= 1.0);
+        let why = "a size in bytes, as a quantity (512Mi, 2Gi)";
+        *to =
+            bytes.ok_or_else(|| RunError::field(format!("spec.agent.limits.{field}"), why))? as u64;
+    }
+    for (n, to) in [
+        (set.cpu_seconds, &mut l.cpu_seconds),
+        (set.processes, &mut l.processes),
+        (set.open_files, &mut l.open_files),
+    ] {
+        *to = n.map_or(*to, u64::from);
+    }
+    let jail = Jail {
+        limits: l,
+        ..Jail::default()
+    };
+    Ok((agent.isolation == Isolation::Episode).then_some(jail))
 }
 
 /// The agent the manifest names. A `command` whose program is Python and whose first argument is
@@ -458,6 +492,7 @@ impl RunConfig {
             loopback_url: String::new(),
             env_loop: self.env_loop.clone(),
             scratch_dir,
+            jail: self.jail.clone(),
         };
         Ok((agent, opts))
     }
@@ -516,6 +551,7 @@ impl RunConfig {
                 .agent
                 .timeout
                 .map_or(Duration::from_secs(600), Duration::from),
+            jail: jail(&spec.agent)?,
             env_loop: EnvLoopOptions {
                 max_turns: spec.rollout.max_turns as usize,
                 sampling: ChatSampling {

@@ -31,11 +31,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader, Interes
 use tokio::net::{UnixListener, UnixStream};
 use tokio::process::{Child, Command};
 
-use super::AgentError;
-
-/// The environment variable that makes `moult agents` start agent programs in the sandbox
-/// listening on this socket (the operator sets it in agent pods).
-pub use moult_operator::children::SANDBOX_ENV;
+use crate::{Guard, Jail};
 
 /// The longest first line of a connection.
 const HELLO_BYTES: u64 = 1 << 20;
@@ -89,6 +85,9 @@ struct Spawn {
     program: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// The jail to start the program in (docs/security.md#episodes).
+    #[serde(default)]
+    jail: Option<Jail>,
 }
 
 /// How a program ended.
@@ -102,6 +101,13 @@ pub enum Exit {
 impl Exit {
     pub fn success(self) -> bool {
         self == Exit::Code(0)
+    }
+
+    pub fn signal(self) -> Option<i32> {
+        match self {
+            Exit::Signal(s) => Some(s),
+            Exit::Code(_) => None,
+        }
     }
 
     pub fn of(status: std::process::ExitStatus) -> Self {
@@ -130,18 +136,6 @@ enum Answer {
     Started { pid: u32 },
     Failed { error: String },
     Ended { exit: Exit },
-}
-
-/// The socket of the sandbox agent programs start in, when this process has one.
-pub fn socket() -> Option<&'static Path> {
-    static SOCKET: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
-    SOCKET
-        .get_or_init(|| {
-            std::env::var_os(SANDBOX_ENV)
-                .filter(|s| !s.is_empty())
-                .map(PathBuf::from)
-        })
-        .as_deref()
 }
 
 /// A connection's first line (or the control connection's next one).
@@ -218,17 +212,19 @@ pub struct Sandboxed {
 }
 
 impl Sandboxed {
-    /// Starts `program` with exactly `env` in the sandbox at `socket`.
+    /// Starts `program` with exactly `env` in the sandbox at `socket`, in `jail` if there is one.
     pub async fn spawn(
         socket: &Path,
         program: &str,
         args: &[String],
         env: Vec<(String, String)>,
-    ) -> Result<Self, AgentError> {
+        jail: Option<&Jail>,
+    ) -> std::io::Result<Self> {
         let spawn = Spawn {
             program: program.to_string(),
             args: args.to_vec(),
             env,
+            jail: jail.cloned(),
         };
         let connected = async {
             // Blocking sockets: the program's ends are its stdio as they are.
@@ -250,15 +246,15 @@ impl Sandboxed {
             Ok(([a?, b?, c?], conn))
         };
         let ([stdin, stdout, stderr], control) = connected.await.map_err(|e: std::io::Error| {
-            AgentError::Crashed(format!(
-                "cannot reach the agent sandbox at {} ({SANDBOX_ENV}): {e}",
+            std::io::Error::other(format!(
+                "cannot reach the agent sandbox at {}: {e}",
                 socket.display()
             ))
         })?;
         let mut control = BufReader::new(control);
         let answer = read_hello(&mut control)
             .await
-            .map_err(|e| AgentError::Crashed(format!("the agent sandbox did not answer: {e}")))?;
+            .map_err(|e| std::io::Error::other(format!("the agent sandbox did not answer: {e}")))?;
         match serde_json::from_str::<Answer>(&answer) {
             Ok(Answer::Started { .. }) => Ok(Self {
                 control,
@@ -266,21 +262,21 @@ impl Sandboxed {
                 stdout: Some(stdout),
                 stderr: Some(stderr),
             }),
-            Ok(Answer::Failed { error }) => Err(AgentError::Crashed(error)),
-            _ => Err(AgentError::Crashed(format!(
+            Ok(Answer::Failed { error }) => Err(std::io::Error::other(error)),
+            _ => Err(std::io::Error::other(format!(
                 "the agent sandbox answered {answer:?}"
             ))),
         }
     }
 
     /// Waits for the program to end.
-    pub async fn wait(&mut self) -> Result<Exit, AgentError> {
+    pub async fn wait(&mut self) -> std::io::Result<Exit> {
         let line = read_hello(&mut self.control).await.map_err(|e| {
-            AgentError::Crashed(format!("lost the agent sandbox while waiting: {e}"))
+            std::io::Error::other(format!("lost the agent sandbox while waiting: {e}"))
         })?;
         match serde_json::from_str::<Answer>(&line) {
             Ok(Answer::Ended { exit }) => Ok(exit),
-            _ => Err(AgentError::Crashed(format!(
+            _ => Err(std::io::Error::other(format!(
                 "the agent sandbox answered {line:?}"
             ))),
         }
@@ -307,31 +303,45 @@ pub struct ProcessGroup {
     pub child: Child,
     /// Kept from the start: `Child::id` forgets the pid once the child has been waited for.
     group: Option<Pid>,
+    /// The relays of the program's jail, when it has one.
+    _jail: Option<Guard>,
 }
 
 impl ProcessGroup {
-    /// Starts `program` with exactly `env` and `stdio` as its stdin, stdout and stderr.
+    /// Starts `program` with exactly `env` and `stdio` as its stdin, stdout and stderr, in
+    /// `jail` if there is one.
     pub fn spawn(
         program: &str,
         args: &[String],
         env: Vec<(String, String)>,
         [stdin, stdout, stderr]: [Stdio; 3],
-    ) -> Result<Self, AgentError> {
-        let child = Command::new(program)
+        jail: Option<&Jail>,
+    ) -> std::io::Result<Self> {
+        let cannot = |e: std::io::Error| {
+            std::io::Error::new(e.kind(), format!("cannot start `{program}`: {e}"))
+        };
+        let wrapped = jail.map(|j| j.wrap(program, args, env.clone())).transpose();
+        let wrapped = wrapped.map_err(cannot)?;
+        let (exe, args, env) = match &wrapped {
+            Some(w) => (w.program.as_os_str(), &w.args[..], &w.env),
+            None => (program.as_ref(), args, &env),
+        };
+        let child = Command::new(exe)
             .args(args)
             .env_clear()
-            .envs(env)
+            .envs(env.iter().cloned())
             .stdin(stdin)
             .stdout(stdout)
             .stderr(stderr)
             .process_group(0)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| AgentError::Crashed(format!("cannot start `{program}`: {e}")))?;
+            .map_err(cannot)?;
         let group = child.id().and_then(|p| i32::try_from(p).ok());
         Ok(Self {
             child,
             group: group.map(Pid::from_raw),
+            _jail: wrapped.map(|w| w.guard),
         })
     }
 
@@ -350,6 +360,64 @@ impl Drop for ProcessGroup {
     }
 }
 
+/// A program's stream, wherever it runs.
+pub type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
+pub type Writer = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
+
+/// An untrusted program in a process group of its own, killed whole when this is dropped: a
+/// child of this process, or started in the sandbox (when there is a socket) with the same
+/// streams and lifetime.
+pub struct Program {
+    running: Running,
+    pub stdin: Option<Writer>,
+    pub stdout: Option<Reader>,
+    pub stderr: Option<Reader>,
+}
+
+enum Running {
+    Local(ProcessGroup),
+    /// Closing the control connection (dropping this) kills the group in the sandbox.
+    Sandboxed(Sandboxed),
+}
+
+impl Program {
+    /// Starts `program` with exactly `env`, its three streams piped, in the sandbox at `socket`
+    /// if there is one, in `jail` if there is one.
+    pub async fn start(
+        socket: Option<&Path>,
+        program: &str,
+        args: &[String],
+        env: Vec<(String, String)>,
+        jail: Option<&Jail>,
+    ) -> std::io::Result<Self> {
+        if let Some(socket) = socket {
+            let mut p = Sandboxed::spawn(socket, program, args, env, jail).await?;
+            return Ok(Self {
+                stdin: p.stdin.take().map(|s| Box::new(s) as Writer),
+                stdout: p.stdout.take().map(|s| Box::new(s) as Reader),
+                stderr: p.stderr.take().map(|s| Box::new(s) as Reader),
+                running: Running::Sandboxed(p),
+            });
+        }
+        let piped = [(); 3].map(|()| Stdio::piped());
+        let mut p = ProcessGroup::spawn(program, args, env, piped, jail)?;
+        Ok(Self {
+            stdin: p.child.stdin.take().map(|s| Box::new(s) as Writer),
+            stdout: p.child.stdout.take().map(|s| Box::new(s) as Reader),
+            stderr: p.child.stderr.take().map(|s| Box::new(s) as Reader),
+            running: Running::Local(p),
+        })
+    }
+
+    /// Waits for the program (not what it started) to end.
+    pub async fn wait(&mut self) -> std::io::Result<Exit> {
+        match &mut self.running {
+            Running::Local(p) => p.child.wait().await.map(Exit::of),
+            Running::Sandboxed(p) => p.wait().await,
+        }
+    }
+}
+
 /// Runs one program for its connection.
 async fn run(conn: UnixStream) {
     let hello = async {
@@ -364,7 +432,8 @@ async fn run(conn: UnixStream) {
         return;
     };
     let streams = streams.map(Stdio::from);
-    let mut p = match ProcessGroup::spawn(&spawn.program, &spawn.args, spawn.env, streams) {
+    let jail = spawn.jail.as_ref();
+    let mut p = match ProcessGroup::spawn(&spawn.program, &spawn.args, spawn.env, streams, jail) {
         Ok(p) => p,
         Err(e) => {
             let error = e.to_string();
@@ -440,6 +509,7 @@ mod tests {
             "/bin/sh",
             &["-c".into(), script],
             vec![("ONLY".into(), "this".into())],
+            None,
         )
         .await
         .unwrap();
@@ -472,7 +542,7 @@ mod tests {
         assert!(!alive(), "the leftover died with its connection");
 
         // A program that cannot start is an error naming it.
-        let err = Sandboxed::spawn(&socket, "/nonexistent/agent", &[], Vec::new())
+        let err = Sandboxed::spawn(&socket, "/nonexistent/agent", &[], Vec::new(), None)
             .await
             .unwrap_err();
         assert!(
@@ -497,7 +567,7 @@ mod tests {
         assert!(socket.as_os_str().len() > 108, "{}", socket.display());
         let client = tokio::spawn({
             let socket = socket.clone();
-            async move { Sandboxed::spawn(&socket, "/bin/echo", &["hi".into()], Vec::new()).await }
+            async move { Sandboxed::spawn(&socket, "/bin/echo", &["hi".into()], Vec::new(), None).await }
         });
         tokio::time::sleep(Duration::from_millis(500)).await;
         let server = serving(&socket);

@@ -1,0 +1,346 @@
+//! How moult keeps the processes of untrusted code: a fresh jail for every agent episode
+//! (docs/security.md, "Episodes"), agent programs in process groups of their own or in an agent
+//! pod's sandbox container ([`sandbox`]), and `moult` as a container's first process ([`init`]).
+//!
+//! Agent code is untrusted: a program written by a model in training may loop, fork, fill the
+//! disk, probe the network or leave a daemon behind. [`Jail::wrap`] turns a command line into one
+//! that runs it in a jail of its own, made by the `moult` binary itself (no helper to install in
+//! an agent image): `moult` started with `MOULT_JAIL` set ([`run_if_asked`]) creates new user,
+//! mount, PID, network, IPC and UTS namespaces, and then
+//!
+//! - the whole filesystem is read-only, with a fresh, size-limited tmpfs over `/tmp` (and
+//!   `$TMPDIR`, and `/dev/shm`): the episode's scratch, gone with the jail. What the command
+//!   needs from under `/tmp` (its working directory, the files and folders its arguments and
+//!   `PYTHONPATH` name, moult's Python package) is put back read-only, and the folders the
+//!   caller names writable (the episode's task and result files);
+//! - `/proc` is the jail's own: it shows only the jail's processes;
+//! - the network is a loopback interface of its own: nothing is reachable but the ports the
+//!   caller relays ([`Jail::ports`]), each forwarded to the same port on the caller's 127.0.0.1
+//!   through a Unix socket;
+//! - the command runs as the jail's process 2 under a reaper (process 1): when the command ends,
+//!   process 1 exits and the kernel kills everything left in the jail, daemons included; killing
+//!   the jail's outer process (the episode's timeout) does the same;
+//! - the command and all it starts get the [`Limits`] as resource limits: CPU time, address
+//!   space, processes, file size and open files. [`Limits::hit`] names the one that ended a
+//!   program when its exit says so.
+//!
+//! What this needs of the kernel (unprivileged user namespaces, Linux 5.12 or newer) and of a
+//! container is in docs/security.md; where it is missing the jail's process exits with status
+//! [`SETUP_FAILED`] and says why on stderr.
+
+pub mod init;
+mod inside;
+pub mod sandbox;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::copy_bidirectional;
+use tokio::net::{TcpStream, UnixListener};
+use tokio::task::JoinHandle;
+
+pub use inside::run_if_asked;
+
+/// The environment variable that carries a jail's plan to the `moult` that makes it.
+pub const JAIL_ENV: &str = "MOULT_JAIL";
+
+/// The exit status of a jail that could not be made (its stderr says why).
+pub const SETUP_FAILED: i32 = 125;
+
+/// Resource limits of everything an episode's program starts (`agent.limits`, docs/agents.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Limits {
+    /// CPU seconds of each process (`RLIMIT_CPU`; SIGXCPU, then SIGKILL a second later).
+    pub cpu_seconds: u64,
+    /// Address space of each process, in bytes (`RLIMIT_AS`; allocations past it fail).
+    pub memory_bytes: u64,
+    /// Processes and threads in the jail (`RLIMIT_NPROC` in the jail's user namespace).
+    pub processes: u64,
+    /// Largest file a process may write, in bytes (`RLIMIT_FSIZE`).
+    pub file_size_bytes: u64,
+    /// Size of each scratch tmpfs (`/tmp`, `/dev/shm`), in bytes.
+    pub scratch_bytes: u64,
+    /// Open files of each process (`RLIMIT_NOFILE`).
+    pub open_files: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            cpu_seconds: 600,
+            memory_bytes: 8 << 30,
+            processes: 512,
+            file_size_bytes: 1 << 30,
+            scratch_bytes: 1 << 30,
+            open_files: 4096,
+        }
+    }
+}
+
+impl Limits {
+    /// The limit a program's end points to, named as the manifest's field: `signal` is the signal
+    /// that killed it, `stderr` the end of what it wrote. `None` when nothing points to a limit.
+    pub fn hit(&self, signal: Option<i32>, stderr: &str) -> Option<String> {
+        let limit = match signal {
+            Some(libc::SIGXCPU) => ("cpuSeconds", self.cpu_seconds.to_string()),
+            Some(libc::SIGXFSZ) => ("fileSize", bytes(self.file_size_bytes)),
+            _ if stderr.contains("MemoryError") || stderr.contains("Cannot allocate memory") => {
+                ("memory", bytes(self.memory_bytes))
+            }
+            _ if stderr.contains("File too large") => ("fileSize", bytes(self.file_size_bytes)),
+            _ if stderr.contains("No space left on device") => {
+                ("scratch", bytes(self.scratch_bytes))
+            }
+            _ if stderr.contains("Resource temporarily unavailable") => {
+                ("processes", self.processes.to_string())
+            }
+            _ => return None,
+        };
+        Some(format!("agent.limits.{} = {}", limit.0, limit.1))
+    }
+}
+
+/// `n` bytes as the largest binary unit that divides it (`512Mi`, `1Gi`).
+fn bytes(n: u64) -> String {
+    let units = [(40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")];
+    match units
+        .iter()
+        .find(|(shift, _)| n != 0 && n % (1 << shift) == 0)
+    {
+        Some((shift, unit)) => format!("{}{unit}", n >> shift),
+        None => n.to_string(),
+    }
+}
+
+/// What a jail holds besides the command: its limits, the folders it may write, the extra ones
+/// it may read from under `/tmp`, and the ports of the caller's 127.0.0.1 it may reach.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Jail {
+    pub limits: Limits,
+    /// Folders the program may write (bound at their own paths).
+    #[serde(default)]
+    pub writable: Vec<PathBuf>,
+    /// Folders or files the program may read although they are under a scratch path.
+    #[serde(default)]
+    pub readable: Vec<PathBuf>,
+    /// Ports of 127.0.0.1 the program may connect to (relayed to the caller's 127.0.0.1).
+    #[serde(default)]
+    pub ports: Vec<u16>,
+}
+
+/// The plan `moult` reads from [`JAIL_ENV`] to make a jail.
+#[derive(Debug, Serialize, Deserialize)]
+struct Plan {
+    limits: Limits,
+    writable: Vec<PathBuf>,
+    readable: Vec<PathBuf>,
+    scratch: Vec<PathBuf>,
+    /// Each port, and the Unix socket of the caller's relay to it.
+    relays: Vec<(u16, PathBuf)>,
+    cwd: PathBuf,
+    /// The jail's own pids cgroup, for a jail made by root (see [`pids_cgroup`]).
+    pids_cgroup: Option<PathBuf>,
+    /// The program's own values of the variables this binary needs to start (its libraries'
+    /// folder), which the jail's `moult` gets as this process has them.
+    restore: Vec<(String, Option<String>)>,
+}
+
+/// What this binary needs of its environment to start (a build linked to libtorch).
+const LOADER_VARS: [&str; 1] = ["LD_LIBRARY_PATH"];
+
+/// A jailed command line, and what must live as long as the program: the relays of its ports
+/// and their folder (stopped and removed when this is dropped).
+#[derive(Debug)]
+pub struct Wrapped {
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub guard: Guard,
+}
+
+/// The relays of a jail's ports and their sockets' folder, stopped and removed on drop.
+#[derive(Debug)]
+pub struct Guard {
+    dir: PathBuf,
+    relays: Vec<JoinHandle<()>>,
+    cgroup: Option<PathBuf>,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.relays.iter().for_each(JoinHandle::abort);
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if let Some(cgroup) = self.cgroup.take() {
+            // Removable once the killed jail's last process is gone.
+            std::thread::spawn(move || {
+                for _ in 0..100 {
+                    if std::fs::remove_dir(&cgroup).is_ok() || !cgroup.exists() {
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+            });
+        }
+    }
+}
+
+/// Where a jail made by root gets a pids cgroup of its own, named `name`: `RLIMIT_NPROC` binds
+/// no process of root's, so a root jail's processes are counted by the pids controller of cgroup
+/// v1 instead, where it is mounted and writable. `None` for other users, or where there is none
+/// (docs/security.md#episodes says what that leaves).
+fn pids_cgroup(name: &str) -> Option<PathBuf> {
+    if !nix::unistd::getuid().is_root() {
+        return None;
+    }
+    let root = Path::new("/sys/fs/cgroup/pids");
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let own = own
+        .lines()
+        .find_map(|l| l.split_once(":pids:").map(|(_, p)| p.to_string()))?;
+    let parent = root.join(own.trim_start_matches('/'));
+    nix::unistd::access(&parent, nix::unistd::AccessFlags::W_OK).ok()?;
+    // The empty cgroups of processes that ended before their guards could remove them.
+    for entry in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let owner = name
+            .strip_prefix("moult-jail-")
+            .and_then(|n| n.split('-').next());
+        if owner.is_some_and(|pid| !Path::new("/proc").join(pid).exists()) {
+            let _ = std::fs::remove_dir(entry.path());
+        }
+    }
+    Some(parent.join(name))
+}
+
+/// The paths a jail covers with a fresh tmpfs: `/tmp`, and `$TMPDIR` when it is elsewhere.
+fn scratch_paths() -> Vec<PathBuf> {
+    let mut paths = vec![PathBuf::from("/tmp")];
+    let tmp = std::env::temp_dir();
+    if !tmp.starts_with("/tmp") && tmp.is_absolute() {
+        paths.push(tmp);
+    }
+    paths
+}
+
+impl Jail {
+    /// `program args` with `env`, jailed: a command line that starts this process's own binary
+    /// with the jail's plan, and the relays of [`Jail::ports`] (needs a Tokio runtime).
+    pub fn wrap(
+        &self,
+        program: &str,
+        args: &[String],
+        env: Vec<(String, String)>,
+    ) -> std::io::Result<Wrapped> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let exe = std::env::current_exe()?;
+        let cwd = std::env::current_dir()?;
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("moult-jail-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let pids_cgroup = pids_cgroup(&format!("moult-jail-{}-{n}", std::process::id()));
+        let mut guard = Guard {
+            dir: dir.clone(),
+            relays: Vec::new(),
+            cgroup: pids_cgroup.clone(),
+        };
+        let mut relays = Vec::new();
+        for &port in &self.ports {
+            let socket = dir.join(format!("{port}.sock"));
+            let listener = UnixListener::bind(&socket)?;
+            guard.relays.push(tokio::spawn(relay_out(listener, port)));
+            relays.push((port, socket));
+        }
+        let scratch = scratch_paths();
+        let named = std::iter::once(Path::new(program))
+            .chain(args.iter().map(Path::new))
+            .chain(
+                env.iter()
+                    .filter(|(k, _)| k == "PYTHONPATH")
+                    .flat_map(|(_, v)| v.split(':').map(Path::new)),
+            )
+            .filter(|p| p.is_absolute() && p.exists())
+            .map(Path::to_path_buf);
+        let mut readable: Vec<PathBuf> = (self.readable.iter().cloned())
+            .chain([cwd.clone(), dir.clone()])
+            .chain(named)
+            .filter(|p| scratch.iter().any(|s| p.starts_with(s)))
+            .collect();
+        // Outermost first, and nothing inside a folder already kept.
+        readable.sort();
+        readable.dedup_by(|inner, outer| inner.starts_with(&*outer));
+        let mut env = env;
+        let mut restore = Vec::new();
+        for (var, ours) in LOADER_VARS.map(|v| (v, std::env::var(v))) {
+            let theirs = env
+                .iter()
+                .position(|(k, _)| k == var)
+                .map(|i| env.remove(i).1);
+            if let Ok(ours) = ours {
+                env.push((var.to_string(), ours));
+                restore.push((var.to_string(), theirs));
+            } else if let Some(theirs) = theirs {
+                env.push((var.to_string(), theirs));
+            }
+        }
+        let plan = Plan {
+            restore,
+            limits: self.limits,
+            writable: self.writable.clone(),
+            readable,
+            scratch,
+            relays,
+            cwd,
+            pids_cgroup,
+        };
+        let plan = serde_json::to_string(&plan).map_err(std::io::Error::other)?;
+        // The program's variables are the jail's `moult`'s, less the plan and what it restores.
+        env.push((JAIL_ENV.to_string(), plan));
+        Ok(Wrapped {
+            program: exe,
+            args: std::iter::once(program.to_string())
+                .chain(args.iter().cloned())
+                .collect(),
+            env,
+            guard,
+        })
+    }
+}
+
+impl Jail {
+    /// Whether a jail can be made here (tried with `true`): `Err` says why not.
+    pub fn probe(&self) -> Result<(), String> {
+        let empty = Jail {
+            ports: Vec::new(),
+            writable: Vec::new(),
+            ..self.clone()
+        };
+        let path = std::env::var("PATH").unwrap_or_default();
+        let wrapped = empty.wrap("true", &[], vec![("PATH".into(), path)]);
+        let wrapped = wrapped.map_err(|e| format!("no jail can be made here ({e})"))?;
+        let out = std::process::Command::new(&wrapped.program)
+            .args(&wrapped.args)
+            .env_clear()
+            .envs(wrapped.env)
+            .output()
+            .map_err(|e| format!("no jail can be made here ({e})"))?;
+        match out.status.success() {
+            true => Ok(()),
+            false => Err(String::from_utf8_lossy(&out.stderr)
+                .trim()
+                .replace("moult jail: ", "")),
+        }
+    }
+}
+
+/// Forwards each connection to a relay's Unix socket to `port` on this machine's 127.0.0.1.
+async fn relay_out(listener: UnixListener, port: u16) {
+    while let Ok((mut inner, _)) = listener.accept().await {
+        tokio::spawn(async move {
+            if let Ok(mut outer) = TcpStream::connect(("127.0.0.1", port)).await {
+                let _ = copy_bidirectional(&mut inner, &mut outer).await;
+            }
+        });
+    }
+}
