@@ -1,6 +1,7 @@
 //! How moult keeps the processes of untrusted code: a fresh jail for every agent episode
-//! (docs/security.md, "Episodes"), agent programs in process groups of their own or in an agent
-//! pod's sandbox container ([`sandbox`]), and `moult` as a container's first process ([`init`]).
+//! (docs/security.md, "Episodes"), agent programs with a cleared environment, in process groups
+//! of their own or in an agent pod's sandbox container ([`program`], [`sandbox`]), and `moult`
+//! as a container's first process ([`init`]).
 //!
 //! Agent code is untrusted: a program written by a model in training may loop, fork, fill the
 //! disk, probe the network or leave a daemon behind. [`Jail::wrap`] turns a command line into one
@@ -30,6 +31,7 @@
 
 pub mod init;
 mod inside;
+pub mod program;
 pub mod sandbox;
 
 use std::path::{Path, PathBuf};

@@ -360,64 +360,6 @@ impl Drop for ProcessGroup {
     }
 }
 
-/// A program's stream, wherever it runs.
-pub type Reader = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
-pub type Writer = Box<dyn tokio::io::AsyncWrite + Send + Unpin>;
-
-/// An untrusted program in a process group of its own, killed whole when this is dropped: a
-/// child of this process, or started in the sandbox (when there is a socket) with the same
-/// streams and lifetime.
-pub struct Program {
-    running: Running,
-    pub stdin: Option<Writer>,
-    pub stdout: Option<Reader>,
-    pub stderr: Option<Reader>,
-}
-
-enum Running {
-    Local(ProcessGroup),
-    /// Closing the control connection (dropping this) kills the group in the sandbox.
-    Sandboxed(Sandboxed),
-}
-
-impl Program {
-    /// Starts `program` with exactly `env`, its three streams piped, in the sandbox at `socket`
-    /// if there is one, in `jail` if there is one.
-    pub async fn start(
-        socket: Option<&Path>,
-        program: &str,
-        args: &[String],
-        env: Vec<(String, String)>,
-        jail: Option<&Jail>,
-    ) -> std::io::Result<Self> {
-        if let Some(socket) = socket {
-            let mut p = Sandboxed::spawn(socket, program, args, env, jail).await?;
-            return Ok(Self {
-                stdin: p.stdin.take().map(|s| Box::new(s) as Writer),
-                stdout: p.stdout.take().map(|s| Box::new(s) as Reader),
-                stderr: p.stderr.take().map(|s| Box::new(s) as Reader),
-                running: Running::Sandboxed(p),
-            });
-        }
-        let piped = [(); 3].map(|()| Stdio::piped());
-        let mut p = ProcessGroup::spawn(program, args, env, piped, jail)?;
-        Ok(Self {
-            stdin: p.child.stdin.take().map(|s| Box::new(s) as Writer),
-            stdout: p.child.stdout.take().map(|s| Box::new(s) as Reader),
-            stderr: p.child.stderr.take().map(|s| Box::new(s) as Reader),
-            running: Running::Local(p),
-        })
-    }
-
-    /// Waits for the program (not what it started) to end.
-    pub async fn wait(&mut self) -> std::io::Result<Exit> {
-        match &mut self.running {
-            Running::Local(p) => p.child.wait().await.map(Exit::of),
-            Running::Sandboxed(p) => p.wait().await,
-        }
-    }
-}
-
 /// Runs one program for its connection.
 async fn run(conn: UnixStream) {
     let hello = async {

@@ -4,22 +4,22 @@
 //! installed besides Python and the agent's own dependencies).
 //!
 //! Agent code is untrusted (docs/security.md): every child starts with a cleared environment
-//! ([`agent_environment`]: no credential, only what programs need to run), as a
-//! [`moult_jail::sandbox::Program`]: in a jail of its own per episode (`agent.isolation:
-//! Episode`) or a process group (`Process`), killed whole when its episode is dropped (timeout,
-//! pool shutdown) or its process has answered, so nothing an agent started outlives it. Its
-//! stderr's tail is kept for the failure reason. An external env process may serve many episodes
-//! when it is not jailed: each `reset` starts the next one; its answers are read a bounded line at
-//! a time.
+//! (no credential, only what programs need to run), as a [`moult_jail::program::Program`]: in a
+//! jail of its own per episode (`agent.isolation: Episode`) or a process group (`Process`),
+//! killed whole when its episode is dropped (timeout, pool shutdown) or its process has answered,
+//! so nothing an agent started outlives it. Its stderr's tail is kept for the failure reason. An
+//! external env process may serve many episodes when it is not jailed: each `reset` starts the
+//! next one; its answers are read a bounded line at a time.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use futures::future::BoxFuture;
 use serde_json::Value as Json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
-use moult_jail::sandbox::{Exit, Program, Reader, Writer};
+use moult_jail::program::{self, Program, Reader, Tail, Writer};
+use moult_jail::sandbox::Exit;
 use moult_jail::Jail;
 
 use super::env::{Env, Observation, StepResult};
@@ -63,82 +63,30 @@ pub fn python_package_dir() -> Result<&'static Path, AgentError> {
     Ok(DIR.get_or_init(|| dir))
 }
 
-/// Variables of moult's own environment that agent programs get (all others are withheld: the
-/// run's credentials above all): what finding programs, libraries, locales and certificates
-/// needs. Names listed in `MOULT_AGENT_PASS_ENV` (comma-separated) are passed too.
-#[rustfmt::skip]
-const PASSED_ENV: [&str; 22] = [
-    // Programs, libraries and locales.
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
-    "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX",
-    // Certificates, models and proxies.
-    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
-    "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "NO_PROXY", "no_proxy",
-];
-/// Prefixes of passed variables: locales, and Python's own settings.
-const PASSED_PREFIXES: [&str; 2] = ["LC_", "PYTHON"];
-/// The variable that names more variables to pass.
-pub const PASS_ENV_VAR: &str = "MOULT_AGENT_PASS_ENV";
-
-/// The environment an agent program starts with, from `vars` (this process's environment):
-/// [`PASSED_ENV`], [`PASSED_PREFIXES`] and what [`PASS_ENV_VAR`] names, never a credential.
-pub fn agent_environment(vars: impl Iterator<Item = (String, String)>) -> Vec<(String, String)> {
-    let vars: Vec<(String, String)> = vars.collect();
-    let extra: Vec<String> = vars
-        .iter()
-        .find(|(k, _)| k == PASS_ENV_VAR)
-        .map(|(_, v)| {
-            v.split(',')
-                .map(|n| n.trim().to_string())
-                .filter(|n| !n.is_empty())
-                .collect()
-        })
-        .unwrap_or_default();
-    vars.into_iter()
-        .filter(|(k, _)| {
-            !crate::auth::CREDENTIAL_ENVS.contains(&k.as_str())
-                && (PASSED_ENV.contains(&k.as_str())
-                    || PASSED_PREFIXES.iter().any(|p| k.starts_with(p))
-                    || extra.contains(k))
-        })
-        .collect()
-}
-
-/// Starts `cmd` with `extra` variables on top of its environment, its three streams piped, in
-/// `jail` when there is one, in the agent pod's sandbox container where `MOULT_AGENT_SANDBOX`
-/// names one.
+/// Starts `cmd` with a cleared environment ([`program::environment`]: never a credential), its
+/// own variables and `extra`, its three streams piped, in `jail` when there is one, in the agent
+/// pod's sandbox container where `MOULT_AGENT_SANDBOX` names one.
 async fn start(
     cmd: &AgentCommand,
     extra: Vec<(String, String)>,
     jail: Option<&Jail>,
 ) -> Result<Program, AgentError> {
-    let mut env = agent_environment(std::env::vars());
+    let mut env = program::environment(std::env::vars(), &crate::auth::CREDENTIAL_ENVS);
     env.extend(cmd.env.iter().cloned().chain(extra));
     let started = Program::start(sandbox(), &cmd.program, &cmd.args, env, jail).await;
     started.map_err(|e| AgentError::Crashed(e.to_string()))
 }
 
-/// Runs `cmd` to its end with `extra` variables and `input` on its stdin; whatever it started
-/// dies with it. Its stdout and stderr are kept (their tails).
+/// Runs `cmd` (started as [`start`] does) to its end with `input` on its stdin; whatever it
+/// started dies with it. Its stdout's and stderr's tails are kept.
 async fn run(
     cmd: &AgentCommand,
     extra: Vec<(String, String)>,
     input: String,
     jail: Option<&Jail>,
 ) -> Result<(Exit, Tail, Tail), AgentError> {
-    let mut program = start(cmd, extra, jail).await?;
-    if let Some(mut stdin) = program.stdin.take() {
-        // The program may not read its stdin: written aside (an input larger than the pipe's
-        // buffer would block here otherwise), and a closed pipe is not an error.
-        tokio::spawn(async move {
-            let _ = stdin.write_all(input.as_bytes()).await;
-        });
-    }
-    let stdout = Tail::keep(program.stdout.take());
-    let stderr = Tail::keep(program.stderr.take());
-    let exit = program.wait().await;
-    let exit = exit.map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}")))?;
-    Ok((exit, stdout, stderr))
+    let ran = start(cmd, extra, jail).await?.run(input).await;
+    ran.map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}")))
 }
 
 /// The socket of the sandbox agent programs start in, when this process has one.
@@ -225,64 +173,14 @@ impl Drop for RemoveOnDrop {
 /// Why a program's end failed its episode: how it ended, the limit of `jail` that its signal or
 /// its last words (`why`, the end of its stderr) point to, and those words.
 fn ended(what: &str, how: &str, signal: Option<i32>, jail: Option<&Jail>, why: &str) -> String {
-    let limit = jail.and_then(|j| j.limits.hit(signal, why));
-    let limit = limit
-        .map(|l| format!(" at the limit {l}"))
-        .unwrap_or_default();
-    format!("the {what} {how}{limit}: {why}")
+    match jail.and_then(|j| j.limits.hit(signal, why)) {
+        Some(limit) => format!("the {what} {how} at the limit {limit}: {why}"),
+        None => format!("the {what} {how}: {why}"),
+    }
 }
 
 /// The longest line an env process may answer with (an observation, as JSON).
 const ENV_LINE_BYTES: usize = 16 << 20;
-
-/// The last bytes a child wrote to a pipe (bounded: a chatty agent costs no more than this).
-const TAIL_BYTES: usize = 4096;
-
-/// The last [`TAIL_BYTES`] a program wrote to one of its streams, read as they come.
-#[derive(Debug)]
-struct Tail {
-    bytes: Arc<Mutex<Vec<u8>>>,
-    reader: tokio::task::JoinHandle<()>,
-}
-
-/// How long the rest of a stream may take to arrive once its program has ended.
-const TAIL_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
-
-impl Tail {
-    fn keep(pipe: Option<Reader>) -> Self {
-        let bytes = Arc::new(Mutex::new(Vec::new()));
-        let sink = bytes.clone();
-        let reader = tokio::spawn(async move {
-            let Some(mut pipe) = pipe else { return };
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = pipe.read(&mut buf).await {
-                if n == 0 {
-                    break;
-                }
-                let mut t = sink.lock().expect("tail lock");
-                t.extend_from_slice(&buf[..n]);
-                if t.len() > TAIL_BYTES {
-                    let cut = t.len() - TAIL_BYTES;
-                    t.drain(..cut);
-                }
-            }
-        });
-        Self { bytes, reader }
-    }
-
-    /// What has arrived so far.
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.bytes.lock().expect("tail lock"))
-            .trim()
-            .to_string()
-    }
-
-    /// Everything, once the stream has ended (or [`TAIL_GRACE`] after the call).
-    async fn finished(mut self) -> String {
-        let _ = tokio::time::timeout(TAIL_GRACE, &mut self.reader).await;
-        self.text()
-    }
-}
 
 /// Runs one ChatAgent episode, in `jail` if there is one: the program gets the loopback base
 /// URLs, the session id and the task in its environment (and the task on stdin), and writes
@@ -304,11 +202,11 @@ pub async fn run_chat_agent(
         .and_then(|()| std::fs::write(&task_file, &task_text))
         .map_err(|e| AgentError::Crashed(format!("cannot write the task to {file}: {e}")))?;
     let _dir = RemoveOnDrop(dir.to_path_buf());
-    env.push(("MOULT_TASK_FILE".into(), task_file.display().to_string()));
-    env.push((
-        "MOULT_RESULT_FILE".into(),
-        result_file.display().to_string(),
-    ));
+    let files = [
+        ("MOULT_TASK_FILE", &task_file),
+        ("MOULT_RESULT_FILE", &result_file),
+    ];
+    env.extend(files.map(|(var, file)| (var.to_string(), file.display().to_string())));
     if task_text.len() <= TASK_ENV_BYTES {
         env.push(("MOULT_TASK".into(), task_text.clone()));
     }
@@ -425,7 +323,7 @@ impl Env for ExternalEnv {
         Box::pin(async move {
             let request = serde_json::json!({"method": "reset", "task": task});
             // A failure's reason quotes this episode's stderr, not an earlier one's.
-            self.stderr.bytes.lock().expect("tail lock").clear();
+            self.stderr.clear();
             let v = match self.call(request.clone()).await {
                 // A program written to serve one episode may have exited after it: start afresh.
                 Err(AgentError::Crashed(_)) if self.episodes > 0 => {
@@ -454,31 +352,5 @@ impl Env for ExternalEnv {
             serde_json::from_value(v.clone())
                 .map_err(|e| AgentError::Env(format!("step answered {v}: {e}")))
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn agents_get_a_cleared_environment_without_credentials() {
-        let vars = [
-            ("PATH", "/usr/bin"),
-            ("LC_ALL", "C.UTF-8"),
-            ("PYTHONPATH", "/x"),
-            ("MOULT_TOKEN", "run-secret"),
-            ("MOULT_AGENT_TOKEN", "agent-secret"),
-            ("KUBECONFIG", "/k"),
-            ("AWS_SECRET_ACCESS_KEY", "s"),
-            ("SERPAPI_KEY", "k"),
-            // Naming a credential does not pass it.
-            (PASS_ENV_VAR, "SERPAPI_KEY, MOULT_TOKEN,,MOULT_AGENT_TOKEN"),
-        ]
-        .map(|(k, v)| (k.to_string(), v.to_string()));
-        let env = agent_environment(vars.into_iter());
-        let names: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();
-        assert_eq!(names, ["PATH", "LC_ALL", "PYTHONPATH", "SERPAPI_KEY"]);
-        assert!(agent_environment(std::iter::empty()).is_empty());
     }
 }

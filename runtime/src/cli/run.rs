@@ -61,23 +61,23 @@ pub async fn run(args: Args, verbose: bool) -> anyhow::Result<()> {
         cfg = cfg.synchronous();
     }
     tch::manual_seed(args.seed as i64);
-    let out = args.out.unwrap_or_else(|| local::default_out(&cfg.name));
+    let out = args
+        .out
+        .unwrap_or_else(|| PathBuf::from("runs").join(&cfg.name));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let on = match device {
+        Device::Cpu => "CPU".to_string(),
+        other => format!("{other:?}"),
+    };
+    let mode = if args.sync {
+        "synchronous"
+    } else {
+        "asynchronous"
+    };
+    let (name, steps, tasks) = (&cfg.name, cfg.total_steps, cfg.tasks.len());
     eprintln!(
-        "moult run: {} ({} steps, {} tasks, {} engine(s), {}, {} mode) -> {}",
-        cfg.name,
-        cfg.total_steps,
-        cfg.tasks.len(),
+        "moult run: {name} ({steps} steps, {tasks} tasks, {} engine(s), {on}, {mode} mode) -> {}",
         cfg.engines,
-        match device {
-            Device::Cpu => "CPU".to_string(),
-            other => format!("{other:?}"),
-        },
-        if args.sync {
-            "synchronous"
-        } else {
-            "asynchronous"
-        },
         out.display()
     );
     let log = out.join("moult.log");

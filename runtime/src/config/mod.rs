@@ -127,6 +127,7 @@ pub fn episode_token_budget(spec: &moult_operator::api::RLRunSpec) -> usize {
 /// The fields `spec` sets that only a cluster run acts on (pods, images, claims, scheduling),
 /// each with what a local run does instead: `moult run` names them rather than ignore them
 /// silently (docs/spec-fields.md has every field).
+#[rustfmt::skip]
 pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'static str> {
     let (a, e, t, s) = (&spec.agent, &spec.engines, &spec.trainer, &spec.scheduling);
     let algo = &spec.algorithm;
@@ -138,49 +139,22 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
         (a.egress.is_some(), "agent.egress"),
         (!a.read_only_root_filesystem, "agent.readOnlyRootFilesystem"),
         (a.dataset.claim_name.is_some(), "agent.dataset.claimName (tasks are read from agent.dataset.path here)"),
-        (
-            spec.eval.as_ref().is_some_and(|e| e.dataset.claim_name.is_some()),
-            "eval.dataset.claimName (held-out tasks are read from eval.dataset.path here)",
-        ),
-        (
-            e.backend == EngineBackend::Builtin && !e.extra_args.is_empty(),
-            "engines.extraArgs (moult engine's flags on a cluster; the built-in engines here take their defaults)",
-        ),
+        (spec.eval.as_ref().is_some_and(|e| e.dataset.claim_name.is_some()), "eval.dataset.claimName (held-out tasks are read from eval.dataset.path here)"),
+        (e.backend == EngineBackend::Builtin && !e.extra_args.is_empty(), "engines.extraArgs (moult engine's flags on a cluster; the built-in engines here take their defaults)"),
         (e.image.is_some(), "engines.image"),
         (e.gpus_per_engine.is_some(), "engines.gpusPerEngine"),
         (e.resources.is_some(), "engines.resources"),
-        (
-            e.weight_transfer.as_ref().is_some_and(|w| w.claim_name.is_some()),
-            "engines.weightTransfer.claimName (the Filesystem transport writes under <out>/weights here)",
-        ),
+        (e.weight_transfer.as_ref().is_some_and(|w| w.claim_name.is_some()), "engines.weightTransfer.claimName (the Filesystem transport writes under <out>/weights here)"),
         (t.image.is_some(), "trainer.image"),
         (t.resources.is_some(), "trainer.resources"),
         (spec.coordinator.resources.is_some(), "coordinator.resources"),
         (spec.coordinator.agent_limits.is_some(), "coordinator.agentLimits"),
-        (
-            algo.teacher.as_ref().is_some_and(|t| t.claim_name.is_some()),
-            "algorithm.teacher.claimName (the teacher is read from algorithm.teacher.path here)",
-        ),
-        (
-            spec.judge.as_ref().is_some_and(|j| j.claim_name.is_some()),
-            "judge.claimName (the judge is read from judge.path here)",
-        ),
-        (
-            spec.judge.as_ref().is_some_and(|j| j.replicas != 1),
-            "judge.replicas (one judge engine here)",
-        ),
-        (
-            algo.teacher.as_ref().and_then(|t| t.replicas).is_some_and(|r| r != 1),
-            "algorithm.teacher.replicas (one teacher engine here)",
-        ),
+        (algo.teacher.as_ref().is_some_and(|t| t.claim_name.is_some()), "algorithm.teacher.claimName (the teacher is read from algorithm.teacher.path here)"),
+        (spec.judge.as_ref().is_some_and(|j| j.claim_name.is_some()), "judge.claimName (the judge is read from judge.path here)"),
+        (spec.judge.as_ref().is_some_and(|j| j.replicas != 1), "judge.replicas (one judge engine here)"),
+        (algo.teacher.as_ref().and_then(|t| t.replicas).is_some_and(|r| r != 1), "algorithm.teacher.replicas (one teacher engine here)"),
         (spec.checkpoint.is_some(), "checkpoint.claimName (checkpoints go to <out>/checkpoints here)"),
-        (
-            !s.node_selector.is_empty()
-                || !s.tolerations.is_empty()
-                || s.priority_class_name.is_some()
-                || s.queue_name.is_some(),
-            "scheduling",
-        ),
+        (!s.node_selector.is_empty() || !s.tolerations.is_empty() || s.priority_class_name.is_some() || s.queue_name.is_some(), "scheduling"),
         (spec.suspend, "suspend"),
     ]
     .into_iter()

@@ -142,12 +142,10 @@ impl Learner {
     /// What a process resuming from a checkpoint says ("resuming NAME from DIR (step S, ...)").
     pub fn resume_note(&self) -> Option<String> {
         let (dir, meta) = self.resume.as_ref()?;
+        let (name, dir) = (&self.cfg.name, dir.display());
         Some(format!(
-            "resuming {} from {} (step {}, version {})",
-            self.cfg.name,
-            dir.display(),
-            meta.step,
-            meta.policy_version
+            "resuming {name} from {dir} (step {}, version {})",
+            meta.step, meta.policy_version
         ))
     }
 

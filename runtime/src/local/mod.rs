@@ -442,11 +442,6 @@ async fn watch_generation<T>(
     }
 }
 
-/// `<out>` of a run by default: `runs/<name>`.
-pub fn default_out(name: &str) -> PathBuf {
-    std::path::Path::new("runs").join(name)
-}
-
 /// Aborts a background task when dropped: a task that lives exactly as long as its owner (a
 /// run's status line).
 struct AbortOnDrop(tokio::task::JoinHandle<()>);

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
 use tch::Device;
 
 use crate::config::RunConfig;
@@ -166,24 +168,20 @@ impl VllmProcess {
 
     /// SIGKILL to the whole group, as an OOM kill or a lost node would end it.
     pub fn kill(&mut self) {
-        self.signal("-KILL");
+        self.signal(Signal::SIGKILL);
         let _ = self.child.wait();
     }
 
-    /// Sends `signal` (`-TERM`, `-KILL`) to the process group this child leads. `--` matters:
-    /// procps' kill reads `-TERM -PGID` without it as a signal to every process.
-    fn signal(&self, signal: &str) {
-        let _ = Command::new("kill")
-            .args([signal, "--", &format!("-{}", self.child.id())])
-            .stderr(Stdio::null())
-            .status();
+    /// Sends `signal` to the process group this child leads.
+    fn signal(&self, signal: Signal) {
+        let _ = killpg(Pid::from_raw(self.child.id() as i32), signal);
     }
 }
 
 impl Drop for VllmProcess {
     fn drop(&mut self) {
         // The API server and the engine-core processes it started: the whole group.
-        self.signal("-TERM");
+        self.signal(Signal::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(15);
         while Instant::now() < deadline {
             if matches!(self.child.try_wait(), Ok(Some(_))) {
