@@ -202,11 +202,11 @@ pub async fn run_chat_agent(
         .and_then(|()| std::fs::write(&task_file, &task_text))
         .map_err(|e| AgentError::Crashed(format!("cannot write the task to {file}: {e}")))?;
     let _dir = RemoveOnDrop(dir.to_path_buf());
-    let files = [
-        ("MOULT_TASK_FILE", &task_file),
-        ("MOULT_RESULT_FILE", &result_file),
-    ];
-    env.extend(files.map(|(var, file)| (var.to_string(), file.display().to_string())));
+    env.push(("MOULT_TASK_FILE".into(), task_file.display().to_string()));
+    env.push((
+        "MOULT_RESULT_FILE".into(),
+        result_file.display().to_string(),
+    ));
     if task_text.len() <= TASK_ENV_BYTES {
         env.push(("MOULT_TASK".into(), task_text.clone()));
     }

@@ -58,20 +58,12 @@ pub fn start(router: Arc<Router>, req: RoutedRequest) -> Events {
     let (tx, rx) = mpsc::channel(ROUTED_BUFFER);
     let engine_id = Router::request_id();
     let holder = (req.request_id.clone(), req.session.clone());
-    router
-        .running
-        .lock()
-        .expect("running lock")
-        .insert(engine_id.clone(), holder);
+    (router.running.lock().expect("running lock")).insert(engine_id.clone(), holder);
     tokio::spawn(async move {
         if let Err(e) = run(&router, &engine_id, req, &tx).await {
             let _ = tx.send(Err(e)).await;
         }
-        router
-            .running
-            .lock()
-            .expect("running lock")
-            .remove(&engine_id);
+        (router.running.lock().expect("running lock")).remove(&engine_id);
     });
     rx
 }
