@@ -42,8 +42,10 @@ struct MountAttr {
 }
 
 /// When this process was started to make a jail ([`JAIL_ENV`] is set): makes it, runs the
-/// program its arguments name in it, and exits as the program did. Otherwise returns.
+/// program its arguments name in it, and exits as the program did. When it was started by
+/// `moult.sandbox.run` ([`crate::once`]): runs the program there and exits. Otherwise returns.
 pub fn run_if_asked() {
+    crate::once::run_if_asked();
     let Some(plan) = std::env::var_os(JAIL_ENV) else {
         return;
     };

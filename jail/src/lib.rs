@@ -31,6 +31,7 @@
 
 pub mod init;
 mod inside;
+pub mod once;
 pub mod program;
 pub mod sandbox;
 
@@ -85,7 +86,13 @@ impl Limits {
     /// The limit a program's end points to, named as the manifest's field: `signal` is the signal
     /// that killed it, `stderr` the end of what it wrote. `None` when nothing points to a limit.
     pub fn hit(&self, signal: Option<i32>, stderr: &str) -> Option<String> {
-        let limit = match signal {
+        let (field, value) = self.hit_field(signal, stderr)?;
+        Some(format!("agent.limits.{field} = {value}"))
+    }
+
+    /// [`Limits::hit`] as the limit's field name (`cpuSeconds`) and value (`600`).
+    pub fn hit_field(&self, signal: Option<i32>, stderr: &str) -> Option<(&'static str, String)> {
+        Some(match signal {
             Some(libc::SIGXCPU) => ("cpuSeconds", self.cpu_seconds.to_string()),
             Some(libc::SIGXFSZ) => ("fileSize", bytes(self.file_size_bytes)),
             _ if stderr.contains("MemoryError") || stderr.contains("Cannot allocate memory") => {
@@ -99,8 +106,7 @@ impl Limits {
                 ("processes", self.processes.to_string())
             }
             _ => return None,
-        };
-        Some(format!("agent.limits.{} = {}", limit.0, limit.1))
+        })
     }
 }
 
@@ -255,7 +261,9 @@ impl Jail {
             relays.push((port, socket));
         }
         let scratch = scratch_paths();
-        let named = std::iter::once(Path::new(program))
+        // This binary too: a program may start it (`moult.sandbox.run`, docs/agents.md).
+        let named = [Path::new(program), &exe]
+            .into_iter()
             .chain(args.iter().map(Path::new))
             .chain(
                 env.iter()

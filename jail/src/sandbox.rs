@@ -33,6 +33,9 @@ use tokio::process::{Child, Command};
 
 use crate::{Guard, Jail};
 
+/// The variable that gives every program the path of this binary (`moult.sandbox.run` starts it).
+pub const BIN_ENV: &str = "MOULT_BIN";
+
 /// The longest first line of a connection.
 const HELLO_BYTES: u64 = 1 << 20;
 /// How long the sandbox waits for a connection's descriptors and first line.
@@ -308,18 +311,22 @@ pub struct ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Starts `program` with exactly `env` and `stdio` as its stdin, stdout and stderr, in
-    /// `jail` if there is one.
+    /// Starts `program` with exactly `env` (and [`BIN_ENV`]) and `stdio` as its stdin, stdout
+    /// and stderr, in `jail` if there is one.
     pub fn spawn(
         program: &str,
         args: &[String],
-        env: Vec<(String, String)>,
+        mut env: Vec<(String, String)>,
         [stdin, stdout, stderr]: [Stdio; 3],
         jail: Option<&Jail>,
     ) -> std::io::Result<Self> {
         let cannot = |e: std::io::Error| {
             std::io::Error::new(e.kind(), format!("cannot start `{program}`: {e}"))
         };
+        // Where `moult.sandbox.run` finds this binary.
+        env.retain(|(k, _)| k != BIN_ENV);
+        let exe = std::env::current_exe().map_err(cannot)?;
+        env.push((BIN_ENV.into(), exe.to_string_lossy().into_owned()));
         let wrapped = jail.map(|j| j.wrap(program, args, env.clone())).transpose();
         let wrapped = wrapped.map_err(cannot)?;
         let (exe, args, env) = match &wrapped {

@@ -337,6 +337,31 @@ async fn credentials_stay_outside() {
     );
 }
 
+/// `moult.sandbox.run` of the Python SDK, with this binary as its `moult`: the checks of
+/// `sandbox_run.py` (code runs and is contained; jails nest).
+async fn python_sandbox_run_is_contained() {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = tokio::process::Command::new(python)
+        .arg(here.join("tests/sandbox_run.py"))
+        .env("MOULT_BIN", std::env::current_exe().unwrap())
+        .env("PYTHONPATH", here.join("../runtime/python"))
+        .output()
+        .await
+        .expect("python runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    print!("{stdout}");
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("ok ")).count(),
+        10,
+        "{stdout}"
+    );
+}
+
 /// One test: a function that makes its future.
 type Test = fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>;
 
@@ -350,7 +375,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let tests: [(&str, Test); 10] = [
+    let tests: [(&str, Test); 11] = [
         ("runs_and_reports_its_exit", || {
             Box::pin(runs_and_reports_its_exit())
         }),
@@ -381,6 +406,9 @@ fn main() {
         }),
         ("credentials_stay_outside", || {
             Box::pin(credentials_stay_outside())
+        }),
+        ("python_sandbox_run_is_contained", || {
+            Box::pin(python_sandbox_run_is_contained())
         }),
     ];
     let mut failed = Vec::new();

@@ -285,6 +285,11 @@ pub struct AgentSpec {
     /// Limits of every episode's jail (`isolation: Episode`); docs/agents.md#limits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<EpisodeLimits>,
+    /// RuntimeClass of the agent pods: a sandboxed runtime such as gVisor (`runsc`) or Kata
+    /// Containers that the cluster's admin installed (docs/security.md#in-a-pod).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub runtime_class_name: Option<String>,
 }
 
 /// How agent programs are kept apart (docs/security.md#episodes).

@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use moult_jail::sandbox::Program;
+use moult_jail::program::Program;
 use moult_jail::Jail;
 use moult_runtime::agents::env::Env;
 use moult_runtime::agents::process::{AgentCommand, ExternalEnv};

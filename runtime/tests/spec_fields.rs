@@ -99,6 +99,7 @@ spec:
     resources: {limits: {cpu: 2}}
     egress: {to: [{cidr: 10.0.0.0/8}]}
     readOnlyRootFilesystem: false
+    runtimeClassName: gvisor
     dataset: {path: tasks.jsonl, claimName: data}
   eval: {dataset: {path: held-out.jsonl, claimName: data}}
   engines:

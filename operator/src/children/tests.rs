@@ -759,6 +759,20 @@ fn queue_name_and_priority_class_reach_every_pod() {
 }
 
 #[test]
+fn the_runtime_class_reaches_the_agent_pods_alone() {
+    let mut run = example_run();
+    let agents = build(&run).agents.spec.template.spec.unwrap();
+    assert_eq!(agents.runtime_class_name, None);
+    run.spec.agent.runtime_class_name = Some("gvisor".into());
+    let c = build(&run);
+    let agents = c.agents.spec.template.spec.unwrap();
+    assert_eq!(agents.runtime_class_name.as_deref(), Some("gvisor"));
+    for t in [c.engines.spec.template, c.trainer.spec.template] {
+        assert_eq!(t.spec.unwrap().runtime_class_name, None);
+    }
+}
+
+#[test]
 fn a_run_without_uid_is_refused_not_built_without_owner() {
     let mut run = example_run();
     run.metadata.uid = None;

@@ -664,6 +664,7 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
         init_containers: Some(vec![init]),
         containers: vec![c, sandbox(&image, &moult, a)],
         volumes: Some(volumes),
+        runtime_class_name: a.runtime_class_name.clone(),
         ..PodSpec::default()
     };
     Deployment {

@@ -31,7 +31,7 @@ import dataclasses
 import io
 import os
 
-__all__ = ["ChatAgent", "Context", "Env", "Image", "Result", "Step"]
+__all__ = ["ChatAgent", "Context", "Env", "Image", "Result", "Step", "sandbox"]
 
 
 @dataclasses.dataclass
@@ -142,3 +142,7 @@ class Env:
 
     def step(self, action):  # pragma: no cover - the user's code
         raise NotImplementedError("an Env implements step(action)")
+
+
+# `moult.sandbox.run`: model-written code in a fresh sandbox of its own (docs/agents.md).
+from . import sandbox  # noqa: E402

@@ -26,7 +26,7 @@ use super::env::{Env, Observation, StepResult};
 use super::AgentError;
 use moult_operator::children::SANDBOX_ENV;
 
-const PACKAGE: [(&str, &str); 3] = [
+const PACKAGE: [(&str, &str); 4] = [
     (
         "__init__.py",
         include_str!("../../python/moult/__init__.py"),
@@ -34,6 +34,7 @@ const PACKAGE: [(&str, &str); 3] = [
     ("runner.py", include_str!("../../python/moult/runner.py")),
     // The built-in `math` env (docs/agents.md), run as `python3 -m moult.runner run moult.math`.
     ("math.py", include_str!("../../python/moult/math.py")),
+    ("sandbox.py", include_str!("../../python/moult/sandbox.py")),
 ];
 
 /// The folder to put on `PYTHONPATH` for `import moult`.
