@@ -56,7 +56,10 @@ def anthropic_session():
                 ],
             }
         )
-        r = client.messages.create(model="tiny", messages=messages, max_tokens=6)  # temperature 1 by default
+        # Greedy (temperature 0, which this SDK takes only in the body): the Messages API has no
+        # seed, and a sampled reply cut at max_tokens inside a character does not come back as
+        # the same tokens, so its next turn starts a new segment (rightly; the test would flake).
+        r = client.messages.create(model="tiny", messages=messages, max_tokens=6, extra_body={"temperature": 0.0})
         reply = "".join(b.text for b in r.content if b.type == "text")
         replies.append(reply)
         messages.append({"role": "assistant", "content": reply})
