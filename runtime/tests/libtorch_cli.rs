@@ -382,6 +382,10 @@ async fn hostile_agent(
     assert_eq!(info["forged_status"], 404, "{info}");
     assert_eq!(info["task_in_env"], false);
     assert_eq!(info["task_len"], 200_000);
+    // `moult.sandbox.run` from the agent: a jail of its own (nested in the episode's), made by the
+    // `moult` that started the agent (MOULT_BIN), with no network and none of the agent's variables.
+    assert_eq!(info["sandboxed"][0], true, "{info}");
+    assert_eq!(info["sandboxed"][1], "unreachable None", "{info}");
     // Nothing the episode started is left on this machine, in either isolation.
     let session = format!("MOULT_SESSION_ID={}", episode["session"].as_str().unwrap());
     let of_the_episode = || {

@@ -1,6 +1,7 @@
 """A ChatAgent that does what untrusted agent code might: looks for credentials in its environment,
 starts a process meant to outlive its episode, double-forks a process out of its process group
-(an orphan that exits soon), and calls the loopback server under a session that is not its own.
+(an orphan that exits soon), calls the loopback server under a session that is not its own, and
+runs "model-written" code with `moult.sandbox.run` that tries to reach the loopback server.
 It reports what it found in `info` (the test checks it)."""
 
 import json
@@ -66,6 +67,19 @@ class AgentRunner(moult.ChatAgent):
         time.sleep(1.0)
         after = stat_of(escaped)
         forged = ctx.openai_base_url.replace(ctx.session_id, "forged-session")
+        # Code the model wrote, run as a tool would: in a sandbox of its own (inside the
+        # episode's jail, where there is one), it reaches neither the loopback server nor the
+        # episode's variables.
+        code = (
+            "import os, urllib.request\n"
+            "try:\n"
+            f"    urllib.request.urlopen({ctx.openai_base_url + '/models'!r}, timeout=2)\n"
+            "    reached = 'reached'\n"
+            "except OSError:\n"
+            "    reached = 'unreachable'\n"
+            "print(reached, os.environ.get('MOULT_SESSION_ID'))\n"
+        )
+        sandboxed = moult.sandbox.run(code, timeout=60)
         return moult.Result(
             reward=1.0,
             info={
@@ -80,6 +94,7 @@ class AgentRunner(moult.ChatAgent):
                     {"model": ctx.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
                 ),
                 "task_in_env": "MOULT_TASK" in os.environ,
+                "sandboxed": [sandboxed.ok, sandboxed.stdout.strip(), sandboxed.stderr[-500:]],
                 "task_len": len(task["padding"]),
             },
         )
