@@ -5,8 +5,9 @@
 //!
 //! Agent code is untrusted: a program written by a model in training may loop, fork, fill the
 //! disk, probe the network or leave a daemon behind. [`Jail::wrap`] turns a command line into one
-//! that runs it in a jail of its own, made by the `moult` binary itself (no helper to install in
-//! an agent image): `moult` started with `MOULT_JAIL` set ([`run_if_asked`]) creates new user,
+//! that runs it in a jail of its own, made by [`maker`]: `moult-jail` (this crate's small binary,
+//! built and installed beside `moult`), or `moult` itself where it is alone (an agent image gets
+//! only `moult`). Either, started with `MOULT_JAIL` set ([`run_if_asked`]), creates new user,
 //! mount, PID, network, IPC and UTS namespaces, and then
 //!
 //! - the whole filesystem is read-only, with a fresh, size-limited tmpfs over `/tmp` (and
@@ -47,6 +48,25 @@ pub use inside::run_if_asked;
 
 /// The environment variable that carries a jail's plan to the `moult` that makes it.
 pub const JAIL_ENV: &str = "MOULT_JAIL";
+
+/// Names the binary that makes jails, overriding where [`maker`] looks.
+pub const MAKER_ENV: &str = "MOULT_JAIL_BIN";
+
+/// The binary that makes jails: [`MAKER_ENV`]'s, else `moult-jail` beside this process's own
+/// binary (or beside cargo's `deps/` folder, for tests and benchmarks), else this binary, which
+/// makes them as well but, linked to libtorch, takes ~0.4 s to start where `moult-jail` takes a
+/// millisecond (docs/benchmarks.md, "Episodes").
+pub fn maker() -> std::io::Result<PathBuf> {
+    if let Some(named) = std::env::var_os(MAKER_ENV) {
+        return Ok(named.into());
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().unwrap_or(Path::new("/"));
+    let cargo = dir.parent().filter(|_| dir.ends_with("deps"));
+    let beside = [Some(dir), cargo].into_iter().flatten();
+    let found = beside.map(|d| d.join("moult-jail")).find(|p| p.is_file());
+    Ok(found.unwrap_or(exe))
+}
 
 /// The exit status of a jail that could not be made (its stderr says why).
 pub const SETUP_FAILED: i32 = 125;
@@ -233,8 +253,8 @@ fn scratch_paths() -> Vec<PathBuf> {
 }
 
 impl Jail {
-    /// `program args` with `env`, jailed: a command line that starts this process's own binary
-    /// with the jail's plan, and the relays of [`Jail::ports`] (needs a Tokio runtime).
+    /// `program args` with `env`, jailed: a command line that starts the [`maker`] with the
+    /// jail's plan, and the relays of [`Jail::ports`] (needs a Tokio runtime).
     pub fn wrap(
         &self,
         program: &str,
@@ -242,7 +262,7 @@ impl Jail {
         env: Vec<(String, String)>,
     ) -> std::io::Result<Wrapped> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
-        let exe = std::env::current_exe()?;
+        let exe = maker()?;
         let cwd = std::env::current_dir()?;
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("moult-jail-{}-{n}", std::process::id()));
@@ -261,7 +281,7 @@ impl Jail {
             relays.push((port, socket));
         }
         let scratch = scratch_paths();
-        // This binary too: a program may start it (`moult.sandbox.run`, docs/agents.md).
+        // The maker too: a program may start it (`moult.sandbox.run`, docs/agents.md).
         let named = [Path::new(program), &exe]
             .into_iter()
             .chain(args.iter().map(Path::new))
@@ -337,10 +357,37 @@ impl Jail {
             .map_err(|e| format!("no jail can be made here ({e})"))?;
         match out.status.success() {
             true => Ok(()),
-            false => Err(String::from_utf8_lossy(&out.stderr)
-                .trim()
-                .replace("moult jail: ", "")),
+            false => Err(format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stderr)
+                    .trim()
+                    .replace("moult jail: ", ""),
+                hint().map(|h| format!("; {h}")).unwrap_or_default()
+            )),
         }
+    }
+}
+
+/// What on this machine most likely keeps a jail from being made, when something known does
+/// (docs/security.md#episodes, "What it needs", says what to do about each).
+fn hint() -> Option<&'static str> {
+    let read = |path: &str| std::fs::read_to_string(path).map(|s| s.trim().to_string());
+    let seccomp = read("/proc/self/status").ok().is_some_and(|s| {
+        s.lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["Seccomp:", "2"])
+    });
+    if read("/proc/sys/user/max_user_namespaces").is_ok_and(|v| v == "0") {
+        Some("user namespaces are turned off here (sysctl user.max_user_namespaces = 0)")
+    } else if read("/proc/sys/kernel/unprivileged_userns_clone").is_ok_and(|v| v == "0") {
+        Some("unprivileged user namespaces are turned off here (sysctl kernel.unprivileged_userns_clone = 0)")
+    } else if read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns").is_ok_and(|v| v == "1")
+        && !nix::unistd::getuid().is_root()
+    {
+        Some("AppArmor keeps unprivileged user namespaces from mounting here (sysctl kernel.apparmor_restrict_unprivileged_userns = 1, Ubuntu 23.10 and later) unless a profile allows moult-jail")
+    } else if seccomp {
+        Some("this process runs under a seccomp filter, as a container's default profile is, which refuses new namespaces")
+    } else {
+        None
     }
 }
 

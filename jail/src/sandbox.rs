@@ -33,7 +33,8 @@ use tokio::process::{Child, Command};
 
 use crate::{Guard, Jail};
 
-/// The variable that gives every program the path of this binary (`moult.sandbox.run` starts it).
+/// The variable that gives every program the path of the binary that makes jails ([`crate::maker`];
+/// `moult.sandbox.run` starts it).
 pub const BIN_ENV: &str = "MOULT_BIN";
 
 /// The longest first line of a connection.
@@ -323,9 +324,9 @@ impl ProcessGroup {
         let cannot = |e: std::io::Error| {
             std::io::Error::new(e.kind(), format!("cannot start `{program}`: {e}"))
         };
-        // Where `moult.sandbox.run` finds this binary.
+        // Where `moult.sandbox.run` finds the binary that makes its jails.
         env.retain(|(k, _)| k != BIN_ENV);
-        let exe = std::env::current_exe().map_err(cannot)?;
+        let exe = crate::maker().map_err(cannot)?;
         env.push((BIN_ENV.into(), exe.to_string_lossy().into_owned()));
         let wrapped = jail.map(|j| j.wrap(program, args, env.clone())).transpose();
         let wrapped = wrapped.map_err(cannot)?;

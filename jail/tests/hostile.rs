@@ -370,6 +370,8 @@ fn main() {
     // A credential of this process, which no jail may see.
     std::env::set_var("MOULT_TEST_SECRET", "s3cret");
     std::env::set_var("LD_LIBRARY_PATH", "/nonexistent/lib");
+    // This binary makes the jails, as built now: never a `moult-jail` of another build.
+    std::env::set_var(moult_jail::MAKER_ENV, std::env::current_exe().unwrap());
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let filter: Vec<String> = std::env::args()
         .skip(1)

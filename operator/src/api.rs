@@ -277,8 +277,8 @@ pub struct AgentSpec {
     /// edits a repository baked into it.
     #[serde(default = "yes")]
     pub read_only_root_filesystem: bool,
-    /// How agent programs are kept apart: `Episode` starts every episode's program in a jail of
-    /// its own, `Process` (the default) only in a process group of its own, the weaker guarantee
+    /// How agent programs are kept apart: `Episode` (the default) starts every episode's program
+    /// in a jail of its own, `Process` only in a process group of its own, the weaker guarantee
     /// (docs/security.md#episodes).
     #[serde(default)]
     pub isolation: Isolation,
@@ -296,10 +296,9 @@ pub struct AgentSpec {
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub enum Isolation {
     /// A fresh jail per episode: its own processes, scratch, network and limits.
-    Episode,
-    /// A process group per episode, in the agent's container (or this machine) as it is (the
-    /// default until a jail costs less: docs/benchmarks.md#episodes-the-cost-of-a-jail).
     #[default]
+    Episode,
+    /// A process group per episode, in the agent's container (or this machine) as it is.
     Process,
 }
 

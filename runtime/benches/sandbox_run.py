@@ -1,8 +1,8 @@
 """What a `moult.sandbox.run` call costs: each call against the same program started directly,
 measured in one invocation (docs/benchmarks.md, "Episodes: the cost of a jail"). Run from the
-repository root, with the `moult` to measure:
+repository root, with the jail maker to measure (`moult-jail`, or `moult`):
 
-    MOULT_BIN=$CARGO_TARGET_DIR/release/moult PYTHONPATH=runtime/python python3 runtime/benches/sandbox_run.py
+    MOULT_BIN=$CARGO_TARGET_DIR/release/moult-jail PYTHONPATH=runtime/python python3 runtime/benches/sandbox_run.py
 """
 
 import statistics

@@ -6,7 +6,11 @@ use crate::api::{EngineBackend, RLRun};
 
 /// The RLRun of the cluster example, as the API server would hand it over.
 pub(crate) fn example_run() -> RLRun {
-    let text = include_str!("../../../examples/cluster/gsm8k-grpo.yaml");
+    run_of(include_str!("../../../examples/cluster/gsm8k-grpo.yaml"))
+}
+
+/// The RLRun of a manifest's documents, as the API server would hand it over.
+fn run_of(text: &str) -> RLRun {
     let doc = text
         .split("\n---\n")
         .find(|d| d.contains("kind: RLRun"))
@@ -770,6 +774,31 @@ fn the_runtime_class_reaches_the_agent_pods_alone() {
     for t in [c.engines.spec.template, c.trainer.spec.template] {
         assert_eq!(t.spec.unwrap().runtime_class_name, None);
     }
+}
+
+/// The code recipe at GPU scale (examples/code/rlrun-cluster.yaml) is a valid run whose agent
+/// pods alone run under its RuntimeClass, with a jail per episode and the manifest's limits.
+#[test]
+fn the_code_recipes_cluster_manifest_builds_sandboxed_agents() {
+    let run = run_of(include_str!("../../../examples/code/rlrun-cluster.yaml"));
+    assert_eq!(run.validate(), Ok(()));
+    assert_eq!(run.spec.agent.isolation, crate::api::Isolation::Episode);
+    let c = build(&run);
+    let agents = c.agents.spec.template.spec.unwrap();
+    assert_eq!(agents.runtime_class_name.as_deref(), Some("gvisor"));
+    for t in [c.engines.spec.template, c.trainer.spec.template] {
+        assert_eq!(t.spec.unwrap().runtime_class_name, None);
+    }
+    // The agent pods read the run's spec, limits included, from its ConfigMap.
+    let data = c.config.data.unwrap_or_default();
+    let spec: serde_json::Value =
+        serde_yaml_ng::from_str(data.values().next().expect("the spec")).unwrap();
+    let limits = &spec["spec"]["agent"]["limits"];
+    assert_eq!(
+        (&limits["cpuSeconds"], &limits["memory"]),
+        (&120.into(), &"4Gi".into()),
+        "{spec}"
+    );
 }
 
 #[test]

@@ -26,7 +26,6 @@ each model reply until `terminated` or `truncated`::
             return moult.Step(observation="Again." if not won else "", reward=float(won), terminated=won)
 """
 
-import base64
 import dataclasses
 import io
 import os
@@ -91,6 +90,8 @@ class Image:
         return cls(data=buf.getvalue(), media_type="image/png")
 
     def to_json(self):
+        import base64  # here, not at the top: it costs every episode's Python start
+
         return {"type": "image", "media_type": self.media_type, "data": base64.b64encode(self.data).decode("ascii")}
 
 
@@ -144,5 +145,12 @@ class Env:
         raise NotImplementedError("an Env implements step(action)")
 
 
-# `moult.sandbox.run`: model-written code in a fresh sandbox of its own (docs/agents.md).
-from . import sandbox  # noqa: E402
+def __getattr__(name):
+    # `moult.sandbox.run`: model-written code in a fresh sandbox of its own (docs/agents.md).
+    # Imported when first used: every episode's program starts Python anew, and most never run
+    # code (docs/benchmarks.md, "Episodes").
+    if name == "sandbox":
+        import importlib
+
+        return importlib.import_module(".sandbox", __name__)
+    raise AttributeError(f"module 'moult' has no attribute {name!r}")

@@ -9,8 +9,8 @@ Envs and ChatAgents call it to execute what the model writes, for example as a t
     result.stdout        # '45\\n'
     result.ok            # exited with status 0 within its time
 
-Each call gets its own jail, made by the `moult` binary (`MOULT_BIN`, which moult sets for every
-agent program, else `moult` on the `PATH`): new PID, mount, network and user namespaces, the
+Each call gets its own jail, made by moult's jail maker (`MOULT_BIN`, which moult sets for every
+agent program, else `moult-jail` or `moult` on the `PATH`): new PID, mount, network and user namespaces, the
 whole filesystem read-only but for its own working folder (which starts with `files` in it), a
 fresh tmpfs on /tmp, no network at all (not even the episode's loopback server), the resource
 `limits` named as `agent.limits` names them, and `timeout` seconds of wall clock. Everything the
@@ -102,9 +102,9 @@ def _limits(limits):
 
 
 def _binary():
-    found = os.environ.get("MOULT_BIN") or shutil.which("moult")
+    found = os.environ.get("MOULT_BIN") or shutil.which("moult-jail") or shutil.which("moult")
     if not found:
-        raise RuntimeError("moult.sandbox.run needs the moult binary: set MOULT_BIN to its path or put it on the PATH (moult sets MOULT_BIN for agent programs)")
+        raise RuntimeError("moult.sandbox.run needs moult-jail or moult: set MOULT_BIN to its path or put it on the PATH (moult sets MOULT_BIN for agent programs)")
     return found
 
 

@@ -74,7 +74,7 @@ pub struct Args {
     port: u16,
     /// `episode`: every episode's program in a jail of its own; `process`: in a process group
     /// only, the weaker guarantee (docs/security.md#episodes).
-    #[arg(long, default_value = "process", value_parser = ["episode", "process"])]
+    #[arg(long, default_value = "episode", value_parser = ["episode", "process"])]
     isolation: String,
 }
 
