@@ -24,7 +24,7 @@ use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{fork, getgid, getuid, setsid, ForkResult, Pid};
 use tokio::io::{copy_bidirectional, AsyncReadExt};
 
-use super::{Limits, Plan, JAIL_ENV, SETUP_FAILED};
+use super::{Limits, Plan, JAIL_ENV, OUT_OF_MEMORY, SETUP_FAILED};
 
 const OPEN_TREE_CLONE: u32 = 1;
 const AT_RECURSIVE: u32 = 0x8000;
@@ -68,19 +68,26 @@ pub fn run_if_asked() {
 /// Makes the namespaces, the mounts and the loopback interface, and listens on the relayed ports.
 fn make(plan: &Plan) -> Result<Vec<(TcpListener, PathBuf)>, String> {
     let (uid, gid) = (getuid(), getgid());
-    if let Some(cgroup) = &plan.pids_cgroup {
+    for cgroup in &plan.cgroups {
         // Before the namespaces: this process, and so everything the jail will hold, joins it.
-        let max = (plan.limits.processes + 2).to_string();
+        // Memory and swap together where swap is accounted (memsw), so swap cannot stretch it.
+        let limits = match cgroup.starts_with("/sys/fs/cgroup/memory") {
+            true => vec![
+                ("memory.limit_in_bytes", plan.limits.memory_bytes),
+                ("memory.memsw.limit_in_bytes", plan.limits.memory_bytes),
+            ],
+            false => vec![("pids.max", plan.limits.processes + 2)],
+        };
+        let cannot = |e| format!("cannot make the jail's cgroup {}: {e}", cgroup.display());
+        std::fs::create_dir_all(cgroup).map_err(cannot)?;
+        for (file, max) in limits {
+            let path = cgroup.join(file);
+            if path.exists() {
+                std::fs::write(path, max.to_string()).map_err(cannot)?;
+            }
+        }
         let pid = std::process::id().to_string();
-        std::fs::create_dir_all(cgroup)
-            .and_then(|()| std::fs::write(cgroup.join("pids.max"), max))
-            .and_then(|()| std::fs::write(cgroup.join("cgroup.procs"), pid))
-            .map_err(|e| {
-                format!(
-                    "cannot make the jail's pids cgroup {}: {e}",
-                    cgroup.display()
-                )
-            })?;
+        std::fs::write(cgroup.join("cgroup.procs"), pid).map_err(cannot)?;
     }
     let new = CloneFlags::CLONE_NEWUSER
         | CloneFlags::CLONE_NEWNS
@@ -174,6 +181,17 @@ fn keep(
     });
     drop(runtime);
     let status = waitpid(first, None);
+    let memory = plan
+        .cgroups
+        .iter()
+        .find(|c| c.starts_with("/sys/fs/cgroup/memory"));
+    let control = memory.and_then(|c| std::fs::read_to_string(c.join("memory.oom_control")).ok());
+    let killed = control
+        .as_deref()
+        .and_then(|c| c.lines().find_map(|l| l.strip_prefix("oom_kill ")));
+    if killed.is_some_and(|n| n.trim() != "0") {
+        eprintln!("{OUT_OF_MEMORY}: the jail's processes together reached its memory limit");
+    }
     match (report.as_slice(), status) {
         ([b'c', code @ ..], _) => std::process::exit(number(code)),
         ([b's', signal @ ..], _) => die_by(number(signal)),

@@ -68,6 +68,10 @@ pub fn maker() -> std::io::Result<PathBuf> {
     Ok(found.unwrap_or(exe))
 }
 
+/// What a jail says on stderr when the kernel killed one of its processes because all of them
+/// together reached the memory limit (its memory cgroup, [`cgroups`]).
+const OUT_OF_MEMORY: &str = "moult jail: out of memory";
+
 /// The exit status of a jail that could not be made (its stderr says why).
 pub const SETUP_FAILED: i32 = 125;
 
@@ -115,7 +119,10 @@ impl Limits {
         Some(match signal {
             Some(libc::SIGXCPU) => ("cpuSeconds", self.cpu_seconds.to_string()),
             Some(libc::SIGXFSZ) => ("fileSize", bytes(self.file_size_bytes)),
-            _ if stderr.contains("MemoryError") || stderr.contains("Cannot allocate memory") => {
+            _ if stderr.contains("MemoryError")
+                || stderr.contains("Cannot allocate memory")
+                || stderr.contains(OUT_OF_MEMORY) =>
+            {
                 ("memory", bytes(self.memory_bytes))
             }
             _ if stderr.contains("File too large") => ("fileSize", bytes(self.file_size_bytes)),
@@ -168,8 +175,8 @@ struct Plan {
     /// Each port, and the Unix socket of the caller's relay to it.
     relays: Vec<(u16, PathBuf)>,
     cwd: PathBuf,
-    /// The jail's own pids cgroup, for a jail made by root (see [`pids_cgroup`]).
-    pids_cgroup: Option<PathBuf>,
+    /// The jail's own cgroups, for a jail made by root (see [`cgroups`]).
+    cgroups: Vec<PathBuf>,
     /// The program's own values of the variables this binary needs to start (its libraries'
     /// folder), which the jail's `moult` gets as this process has them.
     restore: Vec<(String, Option<String>)>,
@@ -193,18 +200,20 @@ pub struct Wrapped {
 pub struct Guard {
     dir: PathBuf,
     relays: Vec<JoinHandle<()>>,
-    cgroup: Option<PathBuf>,
+    cgroups: Vec<PathBuf>,
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
         self.relays.iter().for_each(JoinHandle::abort);
         let _ = std::fs::remove_dir_all(&self.dir);
-        if let Some(cgroup) = self.cgroup.take() {
+        let mut cgroups = std::mem::take(&mut self.cgroups);
+        if !cgroups.is_empty() {
             // Removable once the killed jail's last process is gone.
             std::thread::spawn(move || {
                 for _ in 0..100 {
-                    if std::fs::remove_dir(&cgroup).is_ok() || !cgroup.exists() {
+                    cgroups.retain(|c| std::fs::remove_dir(c).is_err() && c.exists());
+                    if cgroups.is_empty() {
                         return;
                     }
                     std::thread::sleep(std::time::Duration::from_millis(50));
@@ -214,32 +223,43 @@ impl Drop for Guard {
     }
 }
 
-/// Where a jail made by root gets a pids cgroup of its own, named `name`: `RLIMIT_NPROC` binds
-/// no process of root's, so a root jail's processes are counted by the pids controller of cgroup
-/// v1 instead, where it is mounted and writable. `None` for other users, or where there is none
-/// (docs/security.md#episodes says what that leaves).
-fn pids_cgroup(name: &str) -> Option<PathBuf> {
+/// The cgroups a jail made by root gets of its own, named `name`, in each cgroup v1 controller
+/// that is mounted and writable here: `pids` (`RLIMIT_NPROC` binds no process of root's, so a
+/// root jail's processes are counted here instead) and `memory` (the memory of all the jail's
+/// processes together, where `RLIMIT_AS` bounds each one's address space). None for other users,
+/// or where there are none (docs/security.md#episodes says what that leaves).
+fn cgroups(name: &str) -> Vec<PathBuf> {
     if !nix::unistd::getuid().is_root() {
-        return None;
+        return Vec::new();
     }
-    let root = Path::new("/sys/fs/cgroup/pids");
-    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let own = own
-        .lines()
-        .find_map(|l| l.split_once(":pids:").map(|(_, p)| p.to_string()))?;
-    let parent = root.join(own.trim_start_matches('/'));
-    nix::unistd::access(&parent, nix::unistd::AccessFlags::W_OK).ok()?;
-    // The empty cgroups of processes that ended before their guards could remove them.
-    for entry in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let owner = name
-            .strip_prefix("moult-jail-")
-            .and_then(|n| n.split('-').next());
-        if owner.is_some_and(|pid| !Path::new("/proc").join(pid).exists()) {
-            let _ = std::fs::remove_dir(entry.path());
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut made = Vec::new();
+    for controller in ["pids", "memory"] {
+        let Some(own) = (own.lines()).find_map(|l| {
+            l.split_once(&format!(":{controller}:"))
+                .map(|(_, p)| p.to_string())
+        }) else {
+            continue;
+        };
+        let parent = Path::new("/sys/fs/cgroup")
+            .join(controller)
+            .join(own.trim_start_matches('/'));
+        if nix::unistd::access(&parent, nix::unistd::AccessFlags::W_OK).is_err() {
+            continue;
         }
+        // The empty cgroups of processes that ended before their guards could remove them.
+        for entry in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let owner = name
+                .strip_prefix("moult-jail-")
+                .and_then(|n| n.split('-').next());
+            if owner.is_some_and(|pid| !Path::new("/proc").join(pid).exists()) {
+                let _ = std::fs::remove_dir(entry.path());
+            }
+        }
+        made.push(parent.join(name));
     }
-    Some(parent.join(name))
+    made
 }
 
 /// The paths a jail covers with a fresh tmpfs: `/tmp`, and `$TMPDIR` when it is elsewhere.
@@ -267,11 +287,11 @@ impl Jail {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("moult-jail-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
-        let pids_cgroup = pids_cgroup(&format!("moult-jail-{}-{n}", std::process::id()));
+        let cgroups = cgroups(&format!("moult-jail-{}-{n}", std::process::id()));
         let mut guard = Guard {
             dir: dir.clone(),
             relays: Vec::new(),
-            cgroup: pids_cgroup.clone(),
+            cgroups: cgroups.clone(),
         };
         let mut relays = Vec::new();
         for &port in &self.ports {
@@ -322,7 +342,7 @@ impl Jail {
             scratch,
             relays,
             cwd,
-            pids_cgroup,
+            cgroups,
         };
         let plan = serde_json::to_string(&plan).map_err(std::io::Error::other)?;
         // The program's variables are the jail's `moult`'s, less the plan and what it restores.

@@ -155,6 +155,47 @@ async fn a_memory_hog_is_refused_and_named() {
     );
 }
 
+/// Processes that each stay within the address-space limit but together hold more than it: where
+/// the jail has a memory cgroup (a jail made by root, with cgroup v1's memory controller
+/// writable), the kernel kills one of them and the failure names the limit.
+async fn processes_that_together_hog_memory_meet_the_jails_memory_limit() {
+    let memory = std::path::Path::new("/sys/fs/cgroup/memory");
+    let writable = nix::unistd::access(memory, nix::unistd::AccessFlags::W_OK).is_ok();
+    if !nix::unistd::getuid().is_root() || !writable {
+        println!("    (no memory cgroup for this user here: each process's address space is the bound, docs/security.md#still-open)");
+        return;
+    }
+    let limits = Limits {
+        memory_bytes: 256 << 20,
+        ..Limits::default()
+    };
+    let jail = Jail {
+        limits,
+        ..Jail::default()
+    };
+    // Four processes of 150 MiB each, every page written.
+    let script = "python3 -c '
+import os, sys, time
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        x = bytearray(b\"x\") * (150 << 20)
+        time.sleep(3)
+        os._exit(0)
+    kids.append(pid)
+sys.exit(any(os.waitpid(k, 0)[1] for k in kids))
+'";
+    let ran = jailed(&jail, script, WALL).await;
+    assert!(!ran.status.success(), "{}", ran.stderr);
+    assert_eq!(
+        limits.hit(ran.signal(), &ran.stderr).as_deref(),
+        Some("agent.limits.memory = 256Mi"),
+        "{}",
+        ran.stderr
+    );
+}
+
 async fn an_infinite_loop_meets_the_cpu_limit_and_is_named() {
     let limits = Limits {
         cpu_seconds: 1,
@@ -377,7 +418,7 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let tests: [(&str, Test); 11] = [
+    let tests: [(&str, Test); 12] = [
         ("runs_and_reports_its_exit", || {
             Box::pin(runs_and_reports_its_exit())
         }),
@@ -391,6 +432,10 @@ fn main() {
         ("a_memory_hog_is_refused_and_named", || {
             Box::pin(a_memory_hog_is_refused_and_named())
         }),
+        (
+            "processes_that_together_hog_memory_meet_the_jails_memory_limit",
+            || Box::pin(processes_that_together_hog_memory_meet_the_jails_memory_limit()),
+        ),
         ("an_infinite_loop_meets_the_cpu_limit_and_is_named", || {
             Box::pin(an_infinite_loop_meets_the_cpu_limit_and_is_named())
         }),
