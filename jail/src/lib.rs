@@ -359,31 +359,42 @@ impl Jail {
 }
 
 impl Jail {
-    /// Whether a jail can be made here (tried with `true`): `Err` says why not.
-    pub fn probe(&self) -> Result<(), String> {
+    /// Whether a jail can be made where programs start: here, or by the sandbox at `socket` (an
+    /// agent pod's, [`sandbox`]). Tried with `true`, on a thread of its own (it blocks for the
+    /// few milliseconds that takes); `Err` says why not.
+    pub fn probe(&self, socket: Option<&Path>) -> Result<(), String> {
         let empty = Jail {
             ports: Vec::new(),
             writable: Vec::new(),
             ..self.clone()
         };
-        let path = std::env::var("PATH").unwrap_or_default();
-        let wrapped = empty.wrap("true", &[], vec![("PATH".into(), path)]);
-        let wrapped = wrapped.map_err(|e| format!("no jail can be made here ({e})"))?;
-        let out = std::process::Command::new(&wrapped.program)
-            .args(&wrapped.args)
-            .env_clear()
-            .envs(wrapped.env)
-            .output()
-            .map_err(|e| format!("no jail can be made here ({e})"))?;
-        match out.status.success() {
-            true => Ok(()),
-            false => Err(format!(
+        let env = vec![("PATH".into(), std::env::var("PATH").unwrap_or_default())];
+        let tried = std::thread::scope(|s| {
+            s.spawn(|| -> std::io::Result<(sandbox::Exit, String)> {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                runtime.block_on(async {
+                    let p = program::Program::start(socket, "true", &[], env, Some(&empty));
+                    let mut p = p.await?;
+                    let mut stderr = String::new();
+                    if let Some(mut pipe) = p.stderr.take() {
+                        tokio::io::AsyncReadExt::read_to_string(&mut pipe, &mut stderr).await?;
+                    }
+                    Ok((p.wait().await?, stderr))
+                })
+            })
+            .join()
+        });
+        match tried {
+            Ok(Ok((exit, _))) if exit.success() => Ok(()),
+            Ok(Ok((_, stderr))) => Err(format!(
                 "{}{}",
-                String::from_utf8_lossy(&out.stderr)
-                    .trim()
-                    .replace("moult jail: ", ""),
+                stderr.trim().replace("moult jail: ", ""),
                 hint().map(|h| format!("; {h}")).unwrap_or_default()
             )),
+            Ok(Err(e)) => Err(format!("no jail can be made here ({e})")),
+            Err(_) => Err("no jail can be made here (its probe panicked)".into()),
         }
     }
 }

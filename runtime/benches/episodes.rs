@@ -55,7 +55,7 @@ fn main() {
     let cmd = AgentCommand::python(&python, &env_py).unwrap();
     let jail = Jail::default();
     runtime.block_on(async {
-        if let Err(why) = jail.probe() {
+        if let Err(why) = jail.probe(None) {
             eprintln!("episodes: no jail can be made here: {why}");
             std::process::exit(1);
         }

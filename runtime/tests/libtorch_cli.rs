@@ -222,6 +222,49 @@ async fn libtorch_cli_chat_and_agents_against_an_engine() {
         )
         .await;
     }
+    // A sandbox that cannot make jails (as a container whose seccomp profile refuses new
+    // namespaces): `moult agents` refuses at its start, with the sandbox's reason, rather than
+    // failing every episode.
+    let refusing = dir.join("refusing-maker");
+    std::fs::write(
+        &refusing,
+        "#!/bin/sh\necho \"moult jail: cannot create the episode's namespaces (EPERM: Operation not permitted)\" >&2\nexit 125\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &refusing,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let refusing_socket = dir.join("refusing.sock");
+    let mut refusing_sandbox = moult()
+        .args(["sandbox", "--socket"])
+        .arg(&refusing_socket)
+        .env(moult_jail::MAKER_ENV, &refusing)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    while !refusing_socket.exists() {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let refused = moult()
+        .env("MOULT_AGENT_SANDBOX", &refusing_socket)
+        .args(["agents", "--engine", &engine_url, "--model"])
+        .arg(&model)
+        // A command (a Python module would fail first, where its form is asked in a jail).
+        .args(["--agent-cmd", "true", "--form", "env", "--tasks"])
+        .arg(root.join("examples/agents/say_hi_tasks.jsonl"))
+        .args(["--isolation", "episode"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{said}");
+    assert!(
+        said.contains("agent.isolation is `Episode`, but cannot create the episode's namespaces"),
+        "{said}"
+    );
+    refusing_sandbox.kill().unwrap();
+    refusing_sandbox.wait().unwrap();
     // SIGTERM goes on to the supervised sandbox, and both end.
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(sandbox.id() as i32),

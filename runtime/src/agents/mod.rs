@@ -139,8 +139,8 @@ impl AgentPool {
         }
         if let Agent::BuiltinEnv(name) = &agent {
             env::builtin(name)?;
-        } else if let (Some(jail), None) = (&opts.jail, process::sandbox()) {
-            jail.probe().map_err(|why| AgentError::Config(format!("agent.isolation is `Episode`, but {why}: set `agent.isolation: Process` (`moult agents --isolation process`) to run agent programs without a jail of their own (docs/security.md#episodes)")))?;
+        } else if let Some(jail) = &opts.jail {
+            jail.probe(process::sandbox()).map_err(|why| AgentError::Config(format!("agent.isolation is `Episode`, but {why}: set `agent.isolation: Process` (`moult agents --isolation process`) to run agent programs without a jail of their own (docs/security.md#episodes)")))?;
         }
         std::fs::create_dir_all(&opts.scratch_dir).map_err(|e| {
             AgentError::Config(format!("cannot create {}: {e}", opts.scratch_dir.display()))
