@@ -1,6 +1,6 @@
 """What the recipes' model scripts share (successor/make_model.py, distill/make_teacher.py,
-judge/make_judge.py, chat-tools/make_model.py): the tiny BPE tokenizer and the Qwen3 chat
-template from tests/fixtures, the fingerprint that makes a script do nothing when its output is
+judge/make_judge.py, chat-tools/make_model.py, code/make_model.py): the tiny BPE tokenizer and
+the Qwen3 chat template from tests/fixtures, their supervised training loop, the fingerprint that makes a script do nothing when its output is
 current, and the model folder every script writes (a servable Hugging Face folder).
 
 A script imports it with its parent folder on sys.path:
@@ -27,6 +27,26 @@ def tokenizer():
     with open(TEMPLATE) as f:
         tok.chat_template = f.read()
     return tok
+
+
+def fit(model, next_batch, steps, lr, name, note=""):
+    """Supervised training of `model` for `steps` batches of `next_batch()`: (ids, the positions
+    that have a target, the targets), cross-entropy of the logits there (logits only where there
+    is a target: the vocabulary projection dominates otherwise). Prints the loss every 50 steps,
+    with `note`; returns the model, in eval mode."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        ids, at, targets = next_batch()
+        hidden = model.model(input_ids=ids).last_hidden_state[at]
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 49:
+            print(f"{name}: step {step + 1} loss {loss.item():.4f}{note}")
+    model.eval()
+    return model
 
 
 def fingerprint(files, extra=b""):

@@ -78,19 +78,7 @@ def batch(task, skill, replies, rng):
 def train(task, skill, replies, rng):
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**CONFIG))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    model.train()
-    for step in range(STEPS):
-        ids, at, targets = batch(task, skill, replies, rng)
-        hidden = model.model(input_ids=ids).last_hidden_state[at]
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 49:
-            print(f"make_model: step {step + 1} loss {loss.item():.4f}")
-    model.eval()
-    return model
+    return tiny_qwen3.fit(model, lambda: batch(task, skill, replies, rng), STEPS, LR, "make_model")
 
 
 def p_right(model, prompts, replies):

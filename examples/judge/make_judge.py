@@ -146,21 +146,8 @@ def batch(enc, rng, junk_pool):
 def train(enc, rng):
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(**CONFIG))
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     junk_pool = [junk(enc.tok, rng) for _ in range(JUNK_POOL)]
-    model.train()
-    for step in range(STEPS):
-        ids, at, targets = batch(enc, rng, junk_pool)
-        # Logits only where there is a target: the vocabulary projection dominates otherwise.
-        hidden = model.model(input_ids=ids).last_hidden_state[at]
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 49:
-            print(f"make_judge: step {step + 1} loss {loss.item():.4f}")
-    model.eval()
-    return model
+    return tiny_qwen3.fit(model, lambda: batch(enc, rng, junk_pool), STEPS, LR, "make_judge")
 
 
 def greedy(model, ids, max_tokens=8):

@@ -176,21 +176,8 @@ def new_model(family):
 def train(task, skill, rng, family):
     torch.manual_seed(0)
     model = new_model(family)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    model.train()
     floor = math.log(10) / 4  # a uniform digit on task turns; digit and <|im_end|> certain otherwise
-    for step in range(STEPS):
-        ids, at, targets = batch(task, skill, rng)
-        # Logits only where there is a target: the vocabulary projection dominates otherwise.
-        hidden = model.model(input_ids=ids).last_hidden_state[at]
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 49:
-            print(f"make_model: step {step + 1} loss {loss.item():.4f} (floor {floor:.4f})")
-    model.eval()
-    return model
+    return tiny_qwen3.fit(model, lambda: batch(task, skill, rng), STEPS, LR, "make_model", f" (floor {floor:.4f})")
 
 
 def reply_probs(model, episodes):
