@@ -26,22 +26,55 @@ each model reply until `terminated` or `truncated`::
             return moult.Step(observation="Again." if not won else "", reward=float(won), terminated=won)
 """
 
-import dataclasses
 import io
 import os
 
 __all__ = ["ChatAgent", "Context", "Env", "Image", "Result", "Step", "sandbox"]
 
+_REQUIRED = object()
 
-@dataclasses.dataclass
-class Context:
-    """Where an episode's agent talks to the model."""
 
-    session_id: str
-    openai_base_url: str
-    anthropic_base_url: str
-    api_key: str
-    model: str
+class _Record:
+    """Named fields with defaults, given by position or keyword, with equality and a repr (what
+    `dataclasses` would give, without its import: every episode's program starts Python anew, and
+    that import is a fifth of its start; docs/benchmarks.md, "Episodes"). `_fields` lists
+    (name, default); a `dict` default is a fresh dict per object."""
+
+    _fields = ()
+    __hash__ = None
+
+    def __init__(self, *args, **kwargs):
+        names = [name for name, _ in self._fields]
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__}() takes at most {len(names)} positional arguments")
+        unknown = sorted(set(kwargs) - set(names))
+        twice = sorted(set(kwargs) & set(names[: len(args)]))
+        if unknown or twice:
+            what = f"no field {unknown[0]!r}" if unknown else f"two values for {twice[0]!r}"
+            raise TypeError(f"{type(self).__name__}() got {what}")
+        given = dict(zip(names, args), **kwargs)
+        for name, default in self._fields:
+            if name not in given and default is _REQUIRED:
+                raise TypeError(f"{type(self).__name__}() is missing {name!r}")
+            value = given.get(name, default)
+            setattr(self, name, dict(value) if value is default and isinstance(default, dict) else value)
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(getattr(self, n) == getattr(other, n) for n, _ in self._fields)
+
+    def __repr__(self):
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n, _ in self._fields)
+        return f"{type(self).__name__}({fields})"
+
+
+class Context(_Record):
+    """Where an episode's agent talks to the model: `session_id`, `openai_base_url`,
+    `anthropic_base_url`, `api_key`, `model`."""
+
+    _fields = (("session_id", _REQUIRED), ("openai_base_url", _REQUIRED), ("anthropic_base_url", _REQUIRED),
+               ("api_key", _REQUIRED), ("model", _REQUIRED))
 
     @classmethod
     def from_environ(cls):
@@ -55,25 +88,21 @@ class Context:
         )
 
 
-@dataclasses.dataclass
-class Result:
-    """What a ChatAgent episode returns (a bare float is the reward)."""
+class Result(_Record):
+    """What a ChatAgent episode returns (a bare float is the reward): `reward`, `info` (a dict)."""
 
-    reward: float
-    info: dict = dataclasses.field(default_factory=dict)
+    _fields = (("reward", _REQUIRED), ("info", {}))
 
 
-@dataclasses.dataclass
-class Image:
+class Image(_Record):
     """An image in an observation, for a vision-language policy (docs/vision.md): PNG or JPEG
-    bytes. An observation is a string, or a list of strings and images in the order the model
-    sees them::
+    bytes (`data`, `media_type`). An observation is a string, or a list of strings and images in
+    the order the model sees them::
 
         return moult.Step(observation=["Here is the figure:", moult.Image.from_file("fig.png"), "What is x?"])
     """
 
-    data: bytes
-    media_type: str = "image/png"
+    _fields = (("data", _REQUIRED), ("media_type", "image/png"))
 
     @classmethod
     def from_file(cls, path):
@@ -112,16 +141,13 @@ def observation_json(observation):
     return str(observation)
 
 
-@dataclasses.dataclass
-class Step:
-    """What `Env.step` returns (a dict with these keys works too). `observation` is a string, or a
-    list of strings and `moult.Image`s."""
+class Step(_Record):
+    """What `Env.step` returns (a dict with these keys works too): `observation` (a string, or a
+    list of strings and `moult.Image`s), `reward` (0.0), `terminated` and `truncated` (False),
+    `info` (a dict)."""
 
-    observation: object
-    reward: float = 0.0
-    terminated: bool = False
-    truncated: bool = False
-    info: dict = dataclasses.field(default_factory=dict)
+    _fields = (("observation", _REQUIRED), ("reward", 0.0), ("terminated", False), ("truncated", False),
+               ("info", {}))
 
 
 class ChatAgent:

@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import sys
-import traceback
 
 import moult
 
@@ -63,7 +62,7 @@ def run_chat(agent):
 
 def step_json(step):
     if isinstance(step, moult.Step):
-        # Not dataclasses.asdict: it would copy images' bytes into dicts.
+        # Field by field: images stay moult.Image until observation_json.
         step = dict(step.__dict__)
     if not isinstance(step, dict) or "observation" not in step:
         raise TypeError(f"step() returned {step!r}: return moult.Step or a dict with `observation`")
@@ -94,6 +93,8 @@ def serve_env(agent):
             else:
                 answer = {"error": f"unknown method {method!r}"}
         except Exception:  # noqa: BLE001 - reported to the pool as the episode's failure
+            import traceback  # here: every episode's Python start pays for what is imported at the top
+
             answer = {"error": traceback.format_exc()}
         out.write(json.dumps(answer) + "\n")
         out.flush()
