@@ -455,7 +455,7 @@ async fn judge(
 ) -> Result<Judge, RunError> {
     let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
     let (pool, _) = engine_pool("MOULT_JUDGE_ENGINES", client, ns, &cfg.name)?;
-    let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
+    let router = crate::router::for_run(pool);
     let listener = super::bind("127.0.0.1:0", "spec.judge: binding 127.0.0.1".into()).await?;
     let url = format!("http://{}", listener.local_addr().map_err(|e| setup(&e))?);
     tokio::spawn(server::serve(listener, router, std::future::pending()));
@@ -528,8 +528,7 @@ pub async fn run(
 
     // The router, over the engines of the Service (or a fixed list).
     let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns, &cfg.name)?;
-    let backend = cfg.run.spec.engines.backend;
-    let router = crate::router::for_run(pool, backend);
+    let router = crate::router::for_run(pool);
     let judge = match &cfg.judge {
         Some(opts) => Some(judge(&cfg, opts, client.clone(), &ns).await?),
         None => None,
@@ -539,8 +538,7 @@ pub async fn run(
     let teacher = match cfg.served_teacher {
         Some(_) => {
             let (pool, _) = engine_pool("MOULT_TEACHER_ENGINES", client.clone(), &ns, &cfg.name)?;
-            let health = crate::router::HealthOptions::for_backend(backend);
-            tokio::spawn(pool.clone().check_health(health));
+            tokio::spawn(pool.clone().check_health(Default::default()));
             Some(Teacher::new(pool))
         }
         None => None,

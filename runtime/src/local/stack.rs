@@ -147,7 +147,7 @@ impl Stack {
             }
         }
         let pool = Arc::new(EnginePool::new(&urls));
-        let router = crate::router::for_run(pool, cfg.run.spec.engines.backend);
+        let router = crate::router::for_run(pool);
         let (listener, router_url) = bind().await?;
         tokio::spawn(server::serve(listener, router, stopped(stop_rx.clone())));
 

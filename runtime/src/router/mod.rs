@@ -27,12 +27,11 @@ pub use pool::{Activity, Engine, EnginePool, HealthOptions};
 pub const RUN_ENGINE_PATIENCE: Duration = Duration::from_secs(30 * 60);
 
 /// The router of a run (the coordinator's, `moult run`'s) over `pool`: sessions stick to an
-/// engine (consistent hash), engines are health-checked as `backend`'s need, and requests wait
+/// engine (consistent hash), engines are health-checked, and requests wait
 /// up to [`RUN_ENGINE_PATIENCE`] for an engine while none is up (engines still loading the model)
 /// instead of failing. Spawns the health checks: call it inside the runtime.
-pub fn for_run(pool: Arc<EnginePool>, backend: moult_operator::api::EngineBackend) -> Arc<Router> {
-    let health = HealthOptions::for_backend(backend);
-    tokio::spawn(pool.clone().check_health(health));
+pub fn for_run(pool: Arc<EnginePool>) -> Arc<Router> {
+    tokio::spawn(pool.clone().check_health(HealthOptions::default()));
     let router = Router::new(pool, Box::new(ConsistentHash::default()));
     Arc::new(router.with_engine_patience(RUN_ENGINE_PATIENCE))
 }

@@ -187,28 +187,16 @@ pub struct HealthOptions {
     pub failures_to_down: u64,
 }
 
-impl HealthOptions {
-    /// The probes for `backend`'s engines: vLLM answers `/health` from its API server process,
-    /// which a busy machine (a CPU shared with the trainer and agents) can hold up for seconds,
-    /// so it gets a longer timeout and one more failure before it is marked down.
-    pub fn for_backend(backend: moult_operator::api::EngineBackend) -> Self {
-        match backend {
-            moult_operator::api::EngineBackend::Builtin => Self::default(),
-            moult_operator::api::EngineBackend::Vllm => Self {
-                timeout: Duration::from_secs(10),
-                failures_to_down: 3,
-                ..Self::default()
-            },
-        }
-    }
-}
-
+/// A busy machine (a CPU shared with the trainer, the agents and other runs) can hold an engine's
+/// `/health` up for seconds, vLLM's and the built-in one's alike (a run died of it with five
+/// recipes on 2 cores): an engine is marked down after three probes of 10 s fail. One that is
+/// gone fails its probes at once (connection refused), so it is out within three intervals.
 impl Default for HealthOptions {
     fn default() -> Self {
         Self {
             interval: Duration::from_secs(2),
-            timeout: Duration::from_secs(2),
-            failures_to_down: 2,
+            timeout: Duration::from_secs(10),
+            failures_to_down: 3,
         }
     }
 }
