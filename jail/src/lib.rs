@@ -229,11 +229,20 @@ impl Drop for Guard {
 /// processes together, where `RLIMIT_AS` bounds each one's address space). None for other users,
 /// or where there are none (docs/security.md#episodes says what that leaves).
 fn cgroups(name: &str) -> Vec<PathBuf> {
+    static PARENTS: std::sync::OnceLock<Vec<PathBuf>> = std::sync::OnceLock::new();
+    let parents = PARENTS.get_or_init(cgroup_parents);
+    parents.iter().map(|parent| parent.join(name)).collect()
+}
+
+/// This process's own cgroups that a jail's may be made in (see [`cgroups`]), found once per
+/// process, when the empty cgroups of processes that ended before their guards could remove
+/// them are swept too.
+fn cgroup_parents() -> Vec<PathBuf> {
     if !nix::unistd::getuid().is_root() {
         return Vec::new();
     }
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    let mut made = Vec::new();
+    let mut parents = Vec::new();
     for controller in ["pids", "memory"] {
         let Some(own) = (own.lines()).find_map(|l| {
             l.split_once(&format!(":{controller}:"))
@@ -247,7 +256,6 @@ fn cgroups(name: &str) -> Vec<PathBuf> {
         if nix::unistd::access(&parent, nix::unistd::AccessFlags::W_OK).is_err() {
             continue;
         }
-        // The empty cgroups of processes that ended before their guards could remove them.
         for entry in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             let owner = name
@@ -257,9 +265,9 @@ fn cgroups(name: &str) -> Vec<PathBuf> {
                 let _ = std::fs::remove_dir(entry.path());
             }
         }
-        made.push(parent.join(name));
+        parents.push(parent);
     }
-    made
+    parents
 }
 
 /// The paths a jail covers with a fresh tmpfs: `/tmp`, and `$TMPDIR` when it is elsewhere.
