@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane on loopback for the operator's cluster tests: etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler and KWOK (fake nodes whose pods run),
-# all built from Go modules by scripts/cluster-build.sh. No docker, no kubelet.
+# all built from Go modules by scripts/cluster-build.sh, and kubernetes-sigs/agent-sandbox's
+# controller and CRDs (scripts/agent-sandbox-build.sh). No docker, no kubelet.
 #
 #   bash scripts/test-cluster.sh up     # build if needed, start, wait until nodes are Ready
 #   bash scripts/test-cluster.sh down   # stop everything this script started
@@ -16,7 +17,7 @@ DIR="${MOULT_CLUSTER_DIR:-$HOME/.cache/moult/test-cluster}"
 PORT="${MOULT_CLUSTER_PORT:-26443}"
 ETCD_PORT=$((PORT + 1))
 ETCD_PEER_PORT=$((PORT + 2))
-COMPONENTS=(kwok kube-scheduler kube-controller-manager kube-apiserver etcd)
+COMPONENTS=(agent-sandbox-controller kwok kube-scheduler kube-controller-manager kube-apiserver etcd)
 
 log() { echo "test-cluster: $*" >&2; }
 
@@ -80,7 +81,9 @@ EOF
 
 launch() {
   local name="$1"; shift
-  "$BIN/$name" "$@" >"$DIR/$name.log" 2>&1 &
+  local bin="$BIN"
+  [ "$name" = agent-sandbox-controller ] && bin="$SANDBOX_BIN"
+  "$bin/$name" "$@" >"$DIR/$name.log" 2>&1 &
   echo $! > "$DIR/$name.pid"
 }
 
@@ -113,6 +116,7 @@ pod_network() {
 
 up() {
   BIN="$(bash "$ROOT/scripts/cluster-build.sh" | tail -n 1)"
+  SANDBOX_BIN="$(bash "$ROOT/scripts/agent-sandbox-build.sh" | tail -n 1)"
   mkdir -p "$DIR"
   stop
   for p in "$PORT" "$ETCD_PORT" "$ETCD_PEER_PORT"; do
@@ -154,6 +158,12 @@ up() {
   wait_for "nodes Ready" 240 "${k[@]}" wait --for=condition=Ready node --all --timeout=1s
   # Pods need their namespace's default ServiceAccount, which the controller-manager creates.
   wait_for "the default ServiceAccount" 240 "${k[@]}" get serviceaccount default -n default
+  # kubernetes-sigs/agent-sandbox, for runs with spec.agent.sandbox: its CRDs and its controller
+  # with the extensions (SandboxTemplate, SandboxClaim, SandboxWarmPool).
+  "${k[@]}" apply --server-side -f "$SANDBOX_BIN/crds" >/dev/null
+  "${k[@]}" wait --for condition=established --timeout=60s -f "$SANDBOX_BIN/crds" >/dev/null
+  KUBECONFIG="$DIR/kubeconfig" launch agent-sandbox-controller --extensions --leader-elect=false \
+    --metrics-bind-address 0 --health-probe-bind-address 0
   log "up in $(( $(date +%s) - start ))s: $("${k[@]}" get nodes --no-headers | wc -l) nodes Ready; KUBECONFIG=$DIR/kubeconfig"
   print_env
 }

@@ -29,26 +29,26 @@ const STDERR_TAIL: u64 = 4096;
 /// What to run the program with (its arguments are `moult`'s).
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct Request {
+pub struct Request {
     /// The program's environment, exactly.
-    env: Vec<(String, String)>,
-    limits: Limits,
+    pub env: Vec<(String, String)>,
+    pub limits: Limits,
     /// The folder the program may write.
-    dir: PathBuf,
-    stdout: PathBuf,
-    stderr: PathBuf,
+    pub dir: PathBuf,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
     /// Seconds of wall clock before the jail is killed.
-    timeout: f64,
+    pub timeout: f64,
 }
 
 /// How the program ended: `exit` is `None` when it ran out of time.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-struct Report {
-    exit: Option<Exit>,
-    timed_out: bool,
+pub struct Report {
+    pub exit: Option<Exit>,
+    pub timed_out: bool,
     /// The limit that ended it (`limits.cpuSeconds = 10`), as [`Limits::hit_field`] reads it.
-    limit: Option<String>,
+    pub limit: Option<String>,
 }
 
 /// When this process was started by `moult.sandbox.run` ([`ONCE_ENV`] is set): runs the program
@@ -71,7 +71,7 @@ pub(crate) fn run_if_asked() {
         .enable_all()
         .build();
     let runtime = runtime.unwrap_or_else(|e| fail(format!("cannot start: {e}")));
-    match runtime.block_on(run(request, program, args)) {
+    match runtime.block_on(run(request, program, args, Stdio::inherit(), true)) {
         Ok(report) => {
             println!(
                 "{}",
@@ -83,7 +83,16 @@ pub(crate) fn run_if_asked() {
     }
 }
 
-async fn run(request: Request, program: &str, args: &[String]) -> std::io::Result<Report> {
+/// Runs `program` as `request` says, in a jail of its own when `jailed` (else in a process group
+/// of its own, whose limits are the caller's: the timeout alone is applied), and reports how it
+/// ended. Its working folder is this process's.
+pub async fn run(
+    request: Request,
+    program: &str,
+    args: &[String],
+    stdin: Stdio,
+    jailed: bool,
+) -> std::io::Result<Report> {
     let jail = Jail {
         limits: request.limits,
         writable: vec![request.dir.clone()],
@@ -94,8 +103,9 @@ async fn run(request: Request, program: &str, args: &[String]) -> std::io::Resul
         .create(true)
         .truncate(true)
         .open(&request.stderr)?;
-    let stdio = [Stdio::inherit(), stdout.into(), stderr.try_clone()?.into()];
-    let mut group = ProcessGroup::spawn(program, args, request.env, stdio, Some(&jail))?;
+    let stdio = [stdin, stdout.into(), stderr.try_clone()?.into()];
+    let jail = jailed.then_some(&jail);
+    let mut group = ProcessGroup::spawn(program, args, request.env, stdio, jail)?;
     let timeout = Duration::try_from_secs_f64(request.timeout).unwrap_or(Duration::ZERO);
     let exit = match tokio::time::timeout(timeout, group.child.wait()).await {
         Ok(status) => Some(Exit::of(status?)),

@@ -114,6 +114,13 @@ impl Exit {
         }
     }
 
+    pub fn code(self) -> Option<i32> {
+        match self {
+            Exit::Code(c) => Some(c),
+            Exit::Signal(_) => None,
+        }
+    }
+
     pub fn of(status: std::process::ExitStatus) -> Self {
         use std::os::unix::process::ExitStatusExt;
         match (status.code(), status.signal()) {

@@ -47,6 +47,7 @@ fn options(url: &str, timeout: Duration, scratch: &str) -> PoolOptions {
         scratch_dir: std::env::temp_dir().join(format!("{scratch}-{}", std::process::id())),
         // The pool's own tests: jails are tested through `moult agents` (tests/libtorch_cli.rs).
         jail: None,
+        sandboxes: None,
     }
 }
 

@@ -56,6 +56,7 @@ async fn libtorch_rollout_streams_fresh_groups_across_updates_and_scaling() {
                 scratch_dir: std::env::temp_dir()
                     .join(format!("moult-rollout-{}", std::process::id())),
                 jail: None,
+                sandboxes: None,
             },
         )
         .unwrap(),

@@ -9,7 +9,11 @@ Envs and ChatAgents call it to execute what the model writes, for example as a t
     result.stdout        # '45\\n'
     result.ok            # exited with status 0 within its time
 
-Each call gets its own jail, made by moult's jail maker (`MOULT_BIN`, which moult sets for every
+On a cluster run with `spec.agent.sandbox`, calls go to the episode's own sandbox pod instead
+(`MOULT_SANDBOX_URL`, which moult sets): the task's image, a jail per call there too, and one
+working folder that the episode's calls share (docs/security.md, "Sandbox pods").
+
+Elsewhere, each call gets its own jail, made by moult's jail maker (`MOULT_BIN`, which moult sets for every
 agent program, else `moult-jail` or `moult` on the `PATH`): new PID, mount, network and user namespaces, the
 whole filesystem read-only but for its own working folder (which starts with `files` in it), a
 fresh tmpfs on /tmp, no network at all (not even the episode's loopback server), the resource
@@ -147,6 +151,9 @@ def run(code=None, *, argv=None, files=None, stdin=None, timeout=10.0, limits=No
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a number of seconds above 0; got {timeout!r}")
     jail_limits = _limits(limits)
+    if os.environ.get("MOULT_SANDBOX_URL"):
+        return _remote(code, argv, files, stdin, timeout, jail_limits, env, python,
+                       max_output, max_files_bytes)
     moult = _binary()
     work = tempfile.mkdtemp(prefix="moult-sandbox-")
     streams = tempfile.mkdtemp(prefix="moult-sandbox-out-")
@@ -203,3 +210,46 @@ def run(code=None, *, argv=None, files=None, stdin=None, timeout=10.0, limits=No
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(streams, ignore_errors=True)
+
+
+def _remote(code, argv, files, stdin, timeout, limits, env, python, max_output, max_files_bytes):
+    """The call, run by the episode's sandbox pod (its answer has `Result`'s fields)."""
+    import base64
+    import urllib.error
+    import urllib.request
+
+    given = dict(files or {})
+    if code is not None:
+        given.setdefault("main.py", code)
+        argv = [python or "python3", "main.py"]
+    for name in given:
+        if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
+            raise ValueError(f"files: {name!r} must be a relative path inside the sandbox's folder")
+    as_bytes = lambda v: v.encode() if isinstance(v, str) else bytes(v or b"")
+    program_env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+    program_env.update(env or {})
+    body = json.dumps({
+        "argv": [str(a) for a in argv],
+        "files": {k: base64.b64encode(as_bytes(v)).decode() for k, v in given.items()},
+        "stdin": base64.b64encode(as_bytes(stdin)).decode(),
+        "timeout": float(timeout),
+        "limits": limits,
+        "env": sorted(program_env.items()),
+        "maxOutput": int(max_output),
+        "maxFilesBytes": int(max_files_bytes),
+    }).encode()
+    request = urllib.request.Request(os.environ["MOULT_SANDBOX_URL"], data=body, method="POST", headers={
+        "Authorization": "Bearer " + os.environ.get("MOULT_SANDBOX_TOKEN", ""),
+        "Content-Type": "application/json",
+    })
+    try:
+        # A pod may first have to be claimed (a cold one started): minutes, not seconds.
+        with urllib.request.urlopen(request, timeout=float(timeout) + 330) as answer:
+            got = json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        why = e.read().decode("utf-8", "replace").strip()
+        raise RuntimeError(f"the episode's sandbox pod could not run the call ({e.code}): {why}") from None
+    return Result(stdout=got["stdout"], stderr=got["stderr"], exit_code=got.get("exitCode"),
+                  signal=got.get("signal"), timed_out=got["timedOut"], limit=got.get("limit"),
+                  files={k: base64.b64decode(v) for k, v in got["files"].items()},
+                  truncated=got["truncated"])

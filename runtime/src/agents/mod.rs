@@ -90,6 +90,9 @@ pub struct PoolOptions {
     /// The jail each episode's program starts in (`agent.isolation: Episode`); `None`: a process
     /// group (docs/security.md#episodes).
     pub jail: Option<Jail>,
+    /// Where episodes' `moult.sandbox.run` calls go on a cluster with `spec.agent.sandbox`: a
+    /// sandbox pod each (docs/security.md#sandbox-pods); `None`: a jail of their own here.
+    pub sandboxes: Option<Arc<moult_sandbox_pods::Proxy>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -266,6 +269,10 @@ impl AgentPool {
         task: &Json,
     ) -> Result<(f64, Map<String, Json>), AgentError> {
         let env_loop = &self.opts.env_loop;
+        // The episode's sandbox pod, released when this returns.
+        let lease = (self.opts.sandboxes.as_ref())
+            .map(|proxy| proxy.lease(task["image"].as_str().map(String::from)));
+        let sandbox = lease.as_ref().map(|l| l.env()).unwrap_or_default();
         match &self.agent {
             Agent::BuiltinEnv(name) => {
                 let mut env = env::builtin(name)?;
@@ -275,14 +282,16 @@ impl AgentPool {
                 let idle = self.idle_envs.lock().expect("idle envs lock").pop();
                 let mut env = match idle {
                     Some(env) => env,
-                    None => ExternalEnv::spawn(cmd, self.jail(task, None)).await?,
+                    None => ExternalEnv::spawn(cmd, sandbox, self.jail(task, None)).await?,
                 };
                 // An error or a timeout drops (kills) the process here; only a completed episode
                 // hands it back.
                 let out = run_env_episode(&self.service, session, &mut env, task, env_loop).await?;
                 let mut idle = self.idle_envs.lock().expect("idle envs lock");
-                // A jailed process serves one episode: the next one gets a fresh jail.
-                if idle.len() < self.opts.concurrency && self.opts.jail.is_none() {
+                // A jailed process serves one episode: the next one gets a fresh jail (and a
+                // fresh sandbox pod).
+                let fresh = self.opts.jail.is_some() || lease.is_some();
+                if idle.len() < self.opts.concurrency && !fresh {
                     idle.push(env);
                 }
                 Ok(out)
@@ -302,10 +311,11 @@ impl AgentPool {
                     ("ANTHROPIC_BASE_URL", anthropic),
                     ("ANTHROPIC_API_KEY", "moult".into()),
                 ];
-                let vars = vars.map(|(k, v)| (k.to_string(), v)).to_vec();
+                let vars = vars.map(|(k, v)| (k.to_string(), v)).into_iter();
+                let vars = vars.chain(sandbox);
                 let dir = self.opts.scratch_dir.join(session);
                 let jail = self.jail(task, Some(&dir));
-                run_chat_agent(cmd, vars, task, &dir, jail.as_ref()).await
+                run_chat_agent(cmd, vars.collect(), task, &dir, jail.as_ref()).await
             }
         }
     }
@@ -322,9 +332,9 @@ impl AgentPool {
             .next()
             .and_then(|p| p.parse::<u16>().ok());
         let listed = task["ports"].as_array().into_iter().flatten();
+        let sandboxes = self.opts.sandboxes.as_ref().and_then(|p| p.local_port());
         jail.ports.extend(
-            loopback
-                .into_iter()
+            (loopback.into_iter().chain(sandboxes))
                 .chain(listed.filter_map(|p| p.as_u64()?.try_into().ok())),
         );
         Some(jail)

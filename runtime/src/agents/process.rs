@@ -242,6 +242,7 @@ pub async fn run_chat_agent(
 /// one after another: each `reset` starts a new one.
 pub struct ExternalEnv {
     cmd: AgentCommand,
+    vars: Vec<(String, String)>,
     jail: Option<Jail>,
     /// Held for its drop: the process group dies with the env.
     _child: Program,
@@ -262,14 +263,20 @@ impl std::fmt::Debug for ExternalEnv {
 }
 
 impl ExternalEnv {
-    /// Starts `cmd`, in `jail` if there is one (then the process serves one episode).
-    pub async fn spawn(cmd: &AgentCommand, jail: Option<Jail>) -> Result<Self, AgentError> {
-        let mut group = start(cmd, Vec::new(), jail.as_ref()).await?;
+    /// Starts `cmd` with `vars` too, in `jail` if there is one (then the process serves one
+    /// episode).
+    pub async fn spawn(
+        cmd: &AgentCommand,
+        vars: Vec<(String, String)>,
+        jail: Option<Jail>,
+    ) -> Result<Self, AgentError> {
+        let mut group = start(cmd, vars.clone(), jail.as_ref()).await?;
         let stdin = group.stdin.take().expect("piped");
         let stdout = BufReader::new(group.stdout.take().expect("piped"));
         let stderr = Tail::keep(group.stderr.take());
         Ok(Self {
             cmd: cmd.clone(),
+            vars,
             jail,
             _child: group,
             stdin,
@@ -328,7 +335,7 @@ impl Env for ExternalEnv {
             let v = match self.call(request.clone()).await {
                 // A program written to serve one episode may have exited after it: start afresh.
                 Err(AgentError::Crashed(_)) if self.episodes > 0 => {
-                    *self = Self::spawn(&self.cmd, self.jail.clone()).await?;
+                    *self = Self::spawn(&self.cmd, self.vars.clone(), self.jail.clone()).await?;
                     self.call(request).await?
                 }
                 answer => answer?,

@@ -132,6 +132,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             },
             scratch_dir: scratch_dir.clone(),
             jail,
+            sandboxes: None,
         },
         listener,
         std::future::pending(),

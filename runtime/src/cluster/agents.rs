@@ -66,7 +66,16 @@ pub async fn run(
     let coordinator = Coordinator::new(&opts.coordinator);
     let listener = super::bind("127.0.0.1:0", "binding 127.0.0.1".into()).await?;
     let scratch_dir = std::env::temp_dir().join(format!("moult-agents-{}", std::process::id()));
-    let (agent, pool_opts) = cfg.agent_pool(concurrency, scratch_dir)?;
+    let (agent, mut pool_opts) = cfg.agent_pool(concurrency, scratch_dir)?;
+    // Model-written code in sandbox pods (spec.agent.sandbox), through a proxy on 127.0.0.1.
+    let key = crate::auth::agent_token().unwrap_or_default();
+    if let Some((proxy, listener)) = (moult_sandbox_pods::from_env(key).await)
+        .map_err(|e| RunError::Setup(format!("spec.agent.sandbox: {e}")))?
+    {
+        let app = proxy.clone().router();
+        tokio::spawn(crate::serve::serve(listener, app, std::future::pending()));
+        pool_opts.sandboxes = Some(proxy);
+    }
     let model = (model_dir.as_path(), cfg.name.clone());
     // The loopback server stops when this function returns (its sender goes).
     let (_stop_loopback, stop) = tokio::sync::oneshot::channel::<()>();

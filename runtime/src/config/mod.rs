@@ -468,6 +468,7 @@ impl RunConfig {
             env_loop: self.env_loop.clone(),
             scratch_dir,
             jail: self.jail.clone(),
+            sandboxes: None,
         };
         Ok((agent, opts))
     }
