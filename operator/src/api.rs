@@ -290,6 +290,31 @@ pub struct AgentSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub runtime_class_name: Option<String>,
+    /// Run the code a model writes (`moult.sandbox.run` calls) in a pod of its own per episode,
+    /// from kubernetes-sigs/agent-sandbox, which the cluster's admin installed
+    /// (docs/security.md#sandbox-pods). Without it, each call gets a jail in the agent pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<AgentSandboxSpec>,
+}
+
+/// Sandbox pods for model-written code, one per episode (docs/security.md#sandbox-pods).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentSandboxSpec {
+    /// Image of the sandbox pods, such as a task's repository and its tools (default: the
+    /// agent's image). A task with an `image` field gets a pod of that image instead, made for
+    /// its episode rather than taken from the warm pool. `moult` is copied in, so any image works.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 1024))]
+    pub image: Option<String>,
+    /// Sandbox pods kept started and waiting for an episode (default: as many as the run's
+    /// episodes at once, agent replicas times concurrency).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 10000))]
+    pub warm_pool: Option<i32>,
+    /// CPU and memory of each sandbox pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
 }
 
 /// How agent programs are kept apart (docs/security.md#episodes).

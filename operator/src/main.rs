@@ -65,6 +65,11 @@ struct Args {
     /// the run when absent.
     #[arg(long, env = "MOULT_METRICS_FROM")]
     metrics_from: Option<String>,
+    /// Where agent pods of runs with `spec.agent.sandbox` reach the Kubernetes API server (to
+    /// claim sandbox pods), as a NetworkPolicy egress rule in JSON; when absent, the addresses
+    /// and ports of the `default/kubernetes` Service's endpoints, read at start.
+    #[arg(long, env = "MOULT_AGENT_API_SERVER")]
+    agent_api_server: Option<String>,
 }
 
 #[tokio::main]
@@ -101,6 +106,13 @@ async fn main() -> anyhow::Result<()> {
             .context("--metrics-from must be a JSON list of NetworkPolicy peers")?,
         None => Vec::new(),
     };
+    let api_server = match &args.agent_api_server {
+        Some(json) => Some(
+            serde_json::from_str(json)
+                .context("--agent-api-server must be a NetworkPolicy egress rule in JSON")?,
+        ),
+        None => controller::api_server_egress(&client).await,
+    };
     let settings = Settings {
         namespaces: args
             .namespaces
@@ -116,6 +128,7 @@ async fn main() -> anyhow::Result<()> {
             },
             dns,
             metrics_from,
+            api_server,
         },
         concurrency: args.concurrency,
         resync: positive(args.resync, "--resync")?,

@@ -102,13 +102,14 @@ impl Claims {
             }],
         });
         let (kind, spec) = match image {
-            None => (
-                "SandboxClaim",
-                json!({"warmPoolRef": {"name": self.pool}}),
-            ),
+            None => ("SandboxClaim", json!({"warmPoolRef": {"name": self.pool}})),
             Some(image) => ("Sandbox", self.template_with(image).await?),
         };
-        let (group, version) = if kind == "Sandbox" { CORE_GROUP } else { EXTENSIONS_GROUP };
+        let (group, version) = if kind == "Sandbox" {
+            CORE_GROUP
+        } else {
+            EXTENSIONS_GROUP
+        };
         let object: DynamicObject = serde_json::from_value(json!({
             "apiVersion": format!("{group}/{version}"),
             "kind": kind,
@@ -164,7 +165,9 @@ impl Claims {
                 .map_err(|e| ClaimError::Api(format!("reading {}", claimed.what), e))?;
             let status = &object.data["status"];
             // A claim reports its sandbox's addresses under `sandbox`, a sandbox its own.
-            let ips = status["sandbox"]["podIPs"].as_array().or(status["podIPs"].as_array());
+            let ips = status["sandbox"]["podIPs"]
+                .as_array()
+                .or(status["podIPs"].as_array());
             let ip = ips.and_then(|ips| ips.first()?.as_str()?.parse::<IpAddr>().ok());
             let conditions = status["conditions"].as_array().into_iter().flatten();
             let ready = conditions
@@ -174,11 +177,19 @@ impl Claims {
                 return Ok(ip);
             }
             if let Some(c) = conditions.clone().find(|c| c["type"] == "Ready") {
-                last = format!("{}: {}", c["reason"].as_str().unwrap_or(""), c["message"].as_str().unwrap_or(""));
+                last = format!(
+                    "{}: {}",
+                    c["reason"].as_str().unwrap_or(""),
+                    c["message"].as_str().unwrap_or("")
+                );
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        Err(ClaimError::NotReady(claimed.what.clone(), self.patience, last))
+        Err(ClaimError::NotReady(
+            claimed.what.clone(),
+            self.patience,
+            last,
+        ))
     }
 
     /// Deletes what an earlier process of this pod claimed (a restarted container's episodes
@@ -187,7 +198,10 @@ impl Claims {
         let selector = format!("{AGENT_POD_LABEL}={}", self.owner.name);
         let list = kube::api::ListParams::default().labels(&selector);
         for kind in ["SandboxClaim", "Sandbox"] {
-            (self.api(kind).delete_collection(&DeleteParams::background(), &list).await)
+            (self
+                .api(kind)
+                .delete_collection(&DeleteParams::background(), &list)
+                .await)
                 .map_err(|e| ClaimError::Api(format!("deleting this pod's {kind}s"), e))?;
         }
         Ok(())
@@ -195,7 +209,10 @@ impl Claims {
 
     /// Deletes the claim or sandbox, and so its pod. Failures are logged: the run goes on.
     pub async fn release(&self, claimed: &Claimed) {
-        let deleted = self.api(claimed.kind).delete(&claimed.name, &DeleteParams::background()).await;
+        let deleted = self
+            .api(claimed.kind)
+            .delete(&claimed.name, &DeleteParams::background())
+            .await;
         if let Err(e) = deleted {
             tracing::warn!("releasing {}: {e}", claimed.what);
         }

@@ -40,8 +40,14 @@ pub async fn from_env(key: &str) -> Result<Option<(Arc<Proxy>, TcpListener)>, St
     };
     let listener = TcpListener::bind("127.0.0.1:0").await;
     let listener = listener.map_err(|e| format!("binding 127.0.0.1 for sandbox pods: {e}"))?;
-    let url = format!("http://{}", listener.local_addr().map_err(|e| e.to_string())?);
-    let var = |name: &str| std::env::var(name).map_err(|_| format!("{POOL_ENV} is set but {name} is not (the operator sets both)"));
+    let url = format!(
+        "http://{}",
+        listener.local_addr().map_err(|e| e.to_string())?
+    );
+    let var = |name: &str| {
+        std::env::var(name)
+            .map_err(|_| format!("{POOL_ENV} is set but {name} is not (the operator sets both)"))
+    };
     let owner = claims::Owner {
         name: var(POD_NAME_ENV)?,
         uid: var(POD_UID_ENV)?,

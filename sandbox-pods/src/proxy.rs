@@ -78,7 +78,10 @@ impl Proxy {
             image,
             ..Slot::default()
         });
-        self.slots.lock().expect("slots").insert(token.clone(), slot);
+        self.slots
+            .lock()
+            .expect("slots")
+            .insert(token.clone(), slot);
         Lease {
             proxy: self.clone(),
             token,
@@ -127,22 +130,51 @@ impl Drop for Lease {
     }
 }
 
-async fn forward(State(proxy): State<Arc<Proxy>>, headers: HeaderMap, body: bytes::Bytes) -> Response {
+async fn forward(
+    State(proxy): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    body: bytes::Bytes,
+) -> Response {
     let token = headers.get("authorization").and_then(|v| v.to_str().ok());
     let token = token.and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
     let slot = proxy.slots.lock().expect("slots").get(token).cloned();
     let Some(slot) = slot else {
-        return (StatusCode::UNAUTHORIZED, format!("no running episode has this token ({TOKEN_ENV})")).into_response();
+        return (
+            StatusCode::UNAUTHORIZED,
+            format!("no running episode has this token ({TOKEN_ENV})"),
+        )
+            .into_response();
     };
     let pod = match proxy.pod(&slot).await {
         Ok(pod) => pod,
-        Err(why) => return (StatusCode::SERVICE_UNAVAILABLE, format!("no sandbox pod for this episode: {why}")).into_response(),
+        Err(why) => {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("no sandbox pod for this episode: {why}"),
+            )
+                .into_response()
+        }
     };
-    let url = format!("http://{}/run", std::net::SocketAddr::new(pod.address, proxy.port));
-    let sent = proxy.http.post(&url).bearer_auth(&proxy.key).body(body).send().await;
+    let url = format!(
+        "http://{}/run",
+        std::net::SocketAddr::new(pod.address, proxy.port)
+    );
+    let sent = proxy
+        .http
+        .post(&url)
+        .bearer_auth(&proxy.key)
+        .body(body)
+        .send()
+        .await;
     let answer = match sent {
         Ok(answer) => answer,
-        Err(e) => return (StatusCode::BAD_GATEWAY, format!("{} ({url}): {e}", pod.what)).into_response(),
+        Err(e) => {
+            return (
+                StatusCode::BAD_GATEWAY,
+                format!("{} ({url}): {e}", pod.what),
+            )
+                .into_response()
+        }
     };
     let status = StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     match answer.bytes().await {

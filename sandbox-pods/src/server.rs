@@ -149,11 +149,13 @@ impl Server {
         let _one = self.one.lock().await;
         for (name, content) in &request.files {
             let path = inside(&self.workspace, name).ok_or_else(|| {
-                CallError::Invalid(format!("files: {name:?} must be a relative path inside the sandbox's folder"))
+                CallError::Invalid(format!(
+                    "files: {name:?} must be a relative path inside the sandbox's folder"
+                ))
             })?;
-            let bytes = BASE64.decode(content).map_err(|e| {
-                CallError::Invalid(format!("files: {name:?} is not base64: {e}"))
-            })?;
+            let bytes = BASE64
+                .decode(content)
+                .map_err(|e| CallError::Invalid(format!("files: {name:?} is not base64: {e}")))?;
             if let Some(parent) = path.parent() {
                 std::fs::create_dir_all(parent)?;
             }
@@ -210,13 +212,23 @@ impl Server {
     }
 }
 
-async fn run(State(server): State<Arc<Server>>, headers: HeaderMap, body: bytes::Bytes) -> Response {
+async fn run(
+    State(server): State<Arc<Server>>,
+    headers: HeaderMap,
+    body: bytes::Bytes,
+) -> Response {
     if !server.authorized(&headers) {
-        return (StatusCode::UNAUTHORIZED, "this sandbox answers its run's agents only").into_response();
+        return (
+            StatusCode::UNAUTHORIZED,
+            "this sandbox answers its run's agents only",
+        )
+            .into_response();
     }
     let request: RunRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
-        Err(e) => return (StatusCode::BAD_REQUEST, format!("not a run request: {e}")).into_response(),
+        Err(e) => {
+            return (StatusCode::BAD_REQUEST, format!("not a run request: {e}")).into_response()
+        }
     };
     match server.call(request).await {
         Ok(result) => Json(result).into_response(),
@@ -244,7 +256,10 @@ fn snapshot(root: &Path) -> BTreeMap<String, (usize, std::time::SystemTime)> {
             if meta.is_dir() {
                 folders.push(entry.path());
             } else if meta.is_file() {
-                let name = entry.path().strip_prefix(root).map(|p| p.display().to_string());
+                let name = entry
+                    .path()
+                    .strip_prefix(root)
+                    .map(|p| p.display().to_string());
                 let modified = meta.modified().unwrap_or(std::time::UNIX_EPOCH);
                 if let Ok(name) = name {
                     seen.insert(name, (meta.len() as usize, modified));

@@ -17,7 +17,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- /* What the operator needs, and nothing more: read RLRuns and write their status; manage the
 kinds of objects a run owns; read the runs' pods (why a run is stuck: docs/operator.md); publish
-events. The Roles it creates for runs grant only verbs it holds itself (Kubernetes refuses
+events; agent-sandbox's objects for runs that use it. The Roles it creates for runs grant only verbs it holds itself (Kubernetes refuses
 privilege escalation), hence the endpointslices rule. The same rules go in a ClusterRole, or in
 a Role in each of watchNamespaces. */ -}}
 {{- define "moult-operator.rules" -}}
@@ -48,4 +48,15 @@ a Role in each of watchNamespaces. */ -}}
 - apiGroups: [events.k8s.io]
   resources: [events]
   verbs: [create, patch]
+{{- /* kubernetes-sigs/agent-sandbox, for runs with spec.agent.sandbox: the run's template and
+warm pool, and what the Role of its agent pods grants them (claims, sandboxes). */}}
+- apiGroups: [extensions.agents.x-k8s.io]
+  resources: [sandboxtemplates, sandboxwarmpools]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [extensions.agents.x-k8s.io]
+  resources: [sandboxclaims]
+  verbs: [create, get, list, delete, deletecollection]
+- apiGroups: [agents.x-k8s.io]
+  resources: [sandboxes]
+  verbs: [create, get, list, delete, deletecollection]
 {{- end -}}

@@ -8,6 +8,7 @@
 mod access;
 mod network;
 mod pods;
+mod sandbox;
 mod workloads;
 
 pub use network::{default_dns, NetworkPolicies};
@@ -74,6 +75,9 @@ pub struct Config {
     /// Who may scrape `/metrics` on the coordinator's and the engines' API ports (Prometheus);
     /// nobody outside the run when empty. (The trainer's and agents' metrics ports admit anyone.)
     pub metrics_from: Vec<NetworkPolicyPeer>,
+    /// Where agent pods of runs with `spec.agent.sandbox` reach the API server
+    /// ([`crate::controller::api_server_egress`] unless the operator's flag says).
+    pub api_server: Option<NetworkPolicyEgressRule>,
 }
 
 impl Default for Config {
@@ -82,6 +86,7 @@ impl Default for Config {
             images: Images::default(),
             dns: default_dns(),
             metrics_from: Vec::new(),
+            api_server: None,
         }
     }
 }
@@ -139,6 +144,20 @@ pub struct Children {
     /// With a served distillation teacher: its engines and their Service.
     pub teacher_service: Option<Service>,
     pub teacher: Option<StatefulSet>,
+    /// With `spec.agent.sandbox`: the sandbox pods' template and warm pool, and the agent pods'
+    /// own access (docs/security.md#sandbox-pods).
+    pub sandbox: Option<SandboxChildren>,
+}
+
+/// What `spec.agent.sandbox` adds to a run.
+#[derive(Clone, Debug, Default)]
+pub struct SandboxChildren {
+    /// agent-sandbox's `SandboxTemplate` and `SandboxWarmPool` (not k8s-openapi types).
+    pub template: serde_json::Value,
+    pub warm_pool: serde_json::Value,
+    pub account: ServiceAccount,
+    pub role: Role,
+    pub role_binding: RoleBinding,
 }
 
 /// One child in the form the controller applies: its kind and its JSON (with apiVersion/kind).
@@ -161,11 +180,14 @@ pub enum ChildKind {
     Service,
     StatefulSet,
     Deployment,
+    /// kubernetes-sigs/agent-sandbox's kinds, on clusters that have it.
+    SandboxTemplate,
+    SandboxWarmPool,
 }
 
 impl ChildKind {
     /// In the order they are applied: what pods need exists before the pods.
-    pub const ALL: [ChildKind; 9] = [
+    pub const ALL: [ChildKind; 11] = [
         ChildKind::ConfigMap,
         ChildKind::Secret,
         ChildKind::ServiceAccount,
@@ -175,7 +197,17 @@ impl ChildKind {
         ChildKind::Service,
         ChildKind::StatefulSet,
         ChildKind::Deployment,
+        ChildKind::SandboxTemplate,
+        ChildKind::SandboxWarmPool,
     ];
+
+    /// Whether the kind is a custom resource of another project, which a cluster may not have.
+    pub fn optional(self) -> bool {
+        matches!(
+            self,
+            ChildKind::SandboxTemplate | ChildKind::SandboxWarmPool
+        )
+    }
 }
 
 impl Children {
@@ -185,6 +217,10 @@ impl Children {
             let mut object = serde_json::to_value(k).expect("k8s-openapi objects serialize");
             object["apiVersion"] = K::api_version(&()).into();
             object["kind"] = K::kind(&()).into();
+            json_child(kind, object)
+        }
+        /// `object` with apiVersion and kind, and the hash of what is applied.
+        fn json_child(kind: ChildKind, mut object: serde_json::Value) -> Child {
             let hash = format!(
                 "{:016x}",
                 fnv1a(&serde_json::to_vec(&object).expect("JSON serializes"))
@@ -196,9 +232,10 @@ impl Children {
                 .entry("annotations")
                 .or_insert_with(|| serde_json::json!({}));
             annotations[APPLIED_HASH_ANNOTATION] = hash.into();
+            let name = object["metadata"]["name"].as_str().unwrap_or_default();
             Child {
                 kind,
-                name: k.meta().name.clone().unwrap_or_default(),
+                name: name.to_string(),
                 object,
             }
         }
@@ -238,6 +275,13 @@ impl Children {
         if let Some(teacher) = &self.teacher {
             list.push(child(ChildKind::StatefulSet, teacher));
         }
+        if let Some(sandbox) = self.sandbox {
+            list.push(child(ChildKind::ServiceAccount, &sandbox.account));
+            list.push(child(ChildKind::Role, &sandbox.role));
+            list.push(child(ChildKind::RoleBinding, &sandbox.role_binding));
+            list.push(json_child(ChildKind::SandboxTemplate, sandbox.template));
+            list.push(json_child(ChildKind::SandboxWarmPool, sandbox.warm_pool));
+        }
         // In apply order: what pods need exists before the pods.
         list.sort_by_key(|c| c.kind);
         list
@@ -266,6 +310,7 @@ pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, In
         judge: workloads::judge(&ctx),
         teacher_service: workloads::teacher_service(&ctx),
         teacher: workloads::teacher_engines(&ctx),
+        sandbox: sandbox::children(&ctx, token),
         config,
     })
 }

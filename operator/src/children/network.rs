@@ -40,7 +40,7 @@ pub struct NetworkPolicies {
 }
 
 /// The run's pods of `component`: its name labels and the run's UID.
-fn pods(ctx: &Ctx, component: &str) -> NetworkPolicyPeer {
+pub(crate) fn pods(ctx: &Ctx, component: &str) -> NetworkPolicyPeer {
     let mut labels = ctx.selector(component);
     labels.insert(RUN_UID_LABEL.into(), ctx.owner.uid.clone());
     NetworkPolicyPeer {
@@ -190,6 +190,14 @@ fn agent_egress(ctx: &Ctx) -> Vec<NetworkPolicyEgressRule> {
             ports: Some(vec![tcp(COORDINATOR_PORT)]),
         },
     ];
+    if ctx.run.spec.agent.sandbox.is_some() {
+        // Their sandbox pods, and the API server, where they claim them.
+        rules.push(NetworkPolicyEgressRule {
+            to: Some(vec![pods(ctx, "sandbox")]),
+            ports: Some(vec![tcp(super::sandbox::SANDBOX_PORT)]),
+        });
+        rules.extend(ctx.config.api_server.clone());
+    }
     for target in &spec.to {
         let ports: Vec<NetworkPolicyPort> = target
             .ports

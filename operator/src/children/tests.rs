@@ -769,10 +769,10 @@ fn the_runtime_class_reaches_the_agent_pods_alone() {
     assert_eq!(agents.runtime_class_name, None);
     run.spec.agent.runtime_class_name = Some("gvisor".into());
     let c = build(&run);
-    let agents = c.agents.spec.template.spec.unwrap();
+    let agents = c.agents.spec.template.clone().spec.unwrap();
     assert_eq!(agents.runtime_class_name.as_deref(), Some("gvisor"));
-    for t in [c.engines.spec.template, c.trainer.spec.template] {
-        assert_eq!(t.spec.unwrap().runtime_class_name, None);
+    for t in [&c.engines.spec.template, &c.trainer.spec.template] {
+        assert_eq!(t.spec.as_ref().unwrap().runtime_class_name, None);
     }
 }
 
@@ -784,11 +784,102 @@ fn the_code_recipes_cluster_manifest_builds_sandboxed_agents() {
     assert_eq!(run.validate(), Ok(()));
     assert_eq!(run.spec.agent.isolation, crate::api::Isolation::Episode);
     let c = build(&run);
-    let agents = c.agents.spec.template.spec.unwrap();
+    let agents = c.agents.spec.template.clone().spec.unwrap();
     assert_eq!(agents.runtime_class_name.as_deref(), Some("gvisor"));
-    for t in [c.engines.spec.template, c.trainer.spec.template] {
-        assert_eq!(t.spec.unwrap().runtime_class_name, None);
+    for t in [&c.engines.spec.template, &c.trainer.spec.template] {
+        assert_eq!(t.spec.as_ref().unwrap().runtime_class_name, None);
     }
+    // A sandbox pod per episode: the template runs `moult sandbox --serve` in the sandbox image,
+    // under the same RuntimeClass, knowing only the hash of the agents' key.
+    let sandbox = c
+        .sandbox
+        .clone()
+        .expect("spec.agent.sandbox makes sandbox children");
+    let t = &sandbox.template;
+    assert_eq!(t["kind"], "SandboxTemplate");
+    let pod = &t["spec"]["podTemplate"]["spec"];
+    assert_eq!(pod["runtimeClassName"], "gvisor");
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    let container = &pod["containers"][0];
+    assert_eq!(container["image"], "python:3.13-slim");
+    let args: Vec<&str> = container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .collect();
+    assert_eq!(
+        args,
+        [
+            "sandbox",
+            "--serve",
+            "0.0.0.0:7070",
+            "--isolation",
+            "episode"
+        ]
+    );
+    let env = container["env"].to_string();
+    let agent_credential = crate::credentials::agent_credential("secret-token");
+    assert!(
+        env.contains(&super::sandbox::verifier(&agent_credential)),
+        "{env}"
+    );
+    assert!(
+        !env.contains(&agent_credential) && !env.contains("secretKeyRef"),
+        "{env}"
+    );
+    assert_eq!(t["spec"]["networkPolicy"]["egress"], serde_json::json!([]));
+    let from = &t["spec"]["networkPolicy"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"];
+    assert_eq!(from[COMPONENT_LABEL], "agents");
+    assert_eq!(sandbox.warm_pool["spec"]["replicas"], 64);
+    assert_eq!(
+        sandbox.warm_pool["spec"]["sandboxTemplateRef"]["name"],
+        "code-sandbox"
+    );
+    // The agent pods claim them with an API credential of their own, in the agent container
+    // alone: agent code, in the sandbox container, gets none.
+    assert_eq!(agents.service_account_name.as_deref(), Some("code-agents"));
+    assert_eq!(agents.automount_service_account_token, Some(false));
+    let mounted = |c: &Container| {
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "api-credential")
+    };
+    assert!(mounted(&agents.containers[0]) && !mounted(&agents.containers[1]));
+    let agent_env: Vec<&str> = agents.containers[0]
+        .env
+        .iter()
+        .flatten()
+        .map(|e| e.name.as_str())
+        .collect();
+    assert!(agent_env.contains(&"MOULT_SANDBOX_POOL") && agent_env.contains(&"MOULT_POD_UID"));
+    let rules = sandbox.role.rules.clone().unwrap_or_default();
+    let resources: Vec<&str> = rules
+        .iter()
+        .flat_map(|r| r.resources.iter().flatten())
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        resources,
+        ["sandboxclaims", "sandboxes", "sandboxtemplates"]
+    );
+    // Agent pods reach their sandbox pods; the children list applies the template before the pool.
+    let egress = serde_json::to_value(&c.network_policies.agents)
+        .unwrap()
+        .to_string();
+    assert!(
+        egress.contains("\"sandbox\"") && egress.contains("7070"),
+        "{egress}"
+    );
+    let kinds: Vec<ChildKind> = c.clone().into_list().iter().map(|c| c.kind).collect();
+    let at = |k| kinds.iter().position(|x| *x == k).unwrap();
+    assert!(at(ChildKind::SandboxTemplate) < at(ChildKind::SandboxWarmPool));
+    // Suspended, no sandbox pod waits.
+    let mut suspended = run.clone();
+    suspended.spec.suspend = true;
+    let warm = build(&suspended).sandbox.unwrap().warm_pool;
+    assert_eq!(warm["spec"]["replicas"], 0);
     // The agent pods read the run's spec, limits included, from its ConfigMap.
     let data = c.config.data.unwrap_or_default();
     let spec: serde_json::Value =

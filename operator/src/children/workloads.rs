@@ -27,7 +27,7 @@ use super::{
 use crate::api::{AgentForm, AgentSpec, EngineBackend, RLRunSpec, WeightTransport};
 
 /// Where the init container puts the `moult` binary in agent pods.
-const MOULT_BIN_DIR: &str = "/opt/moult/bin";
+pub(crate) const MOULT_BIN_DIR: &str = "/opt/moult/bin";
 
 /// Where vLLM's engine pods keep what they write (all under the `/tmp` emptyDir, their `HOME`):
 /// Hugging Face downloads, vLLM's own cache (torch.compile artifacts), Triton's kernels,
@@ -593,6 +593,20 @@ fn sandbox(image: &str, moult: &str, a: &AgentSpec) -> Container {
     c
 }
 
+/// The init container that copies `moult` (to `moult`, on the `moult-bin` volume) into a pod of
+/// any image: agent pods and sandbox pods.
+pub(crate) fn install_moult(ctx: &Ctx, moult: &str) -> Container {
+    Container {
+        name: "install-moult".into(),
+        image: Some(ctx.config.images.init.clone()),
+        command: Some(vec!["cp".into(), "/moult".into(), moult.into()]),
+        security_context: Some(locked_down(true)),
+        volume_mounts: Some(vec![mount("moult-bin", MOULT_BIN_DIR, false)]),
+        termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.into()),
+        ..Container::default()
+    }
+}
+
 pub(crate) fn agents(ctx: &Ctx) -> Deployment {
     let spec = &ctx.run.spec;
     let a = &spec.agent;
@@ -651,28 +665,23 @@ pub(crate) fn agents(ctx: &Ctx) -> Deployment {
         volumes.push(v);
         mounts.push(m);
     }
-    let init = Container {
-        name: "install-moult".into(),
-        image: Some(ctx.config.images.init.clone()),
-        command: Some(vec!["cp".into(), "/moult".into(), moult.clone()]),
-        security_context: Some(locked_down(true)),
-        volume_mounts: Some(vec![mount("moult-bin", MOULT_BIN_DIR, false)]),
-        termination_message_policy: Some(TERMINATION_MESSAGE_POLICY.into()),
-        ..Container::default()
-    };
-    let pod = PodSpec {
-        init_containers: Some(vec![init]),
-        containers: vec![c, sandbox(&image, &moult, a)],
+    let mut pod = PodSpec {
+        init_containers: Some(vec![install_moult(ctx, &moult)]),
         volumes: Some(volumes),
         runtime_class_name: a.runtime_class_name.clone(),
         ..PodSpec::default()
     };
+    pod.containers = vec![c, sandbox(&image, &moult, a)];
+    let mut template = template(ctx, "agents", false, pod);
+    if let (Some(_), Some(pod)) = (&a.sandbox, template.spec.as_mut()) {
+        super::sandbox::claim_from(ctx, pod);
+    }
     Deployment {
         metadata: ctx.meta("agents", Some("agents")),
         spec: DeploymentSpec {
             replicas: Some(ctx.replicas(a.replicas)),
             selector: selector(ctx, "agents"),
-            template: template(ctx, "agents", false, pod),
+            template,
             ..DeploymentSpec::default()
         },
         ..Deployment::default()

@@ -25,6 +25,7 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions,
 };
+use kube::core::GroupVersionKind;
 use kube::{Client, Resource};
 use serde_json::Value;
 
@@ -48,7 +49,21 @@ pub fn api_resource(kind: ChildKind) -> ApiResource {
         ChildKind::Service => ar::<Service>(),
         ChildKind::StatefulSet => ar::<StatefulSet>(),
         ChildKind::Deployment => ar::<Deployment>(),
+        ChildKind::SandboxTemplate | ChildKind::SandboxWarmPool => {
+            let (group, version) = ("extensions.agents.x-k8s.io", "v1beta1");
+            let kind = format!("{kind:?}");
+            let plural = format!("{}s", kind.to_lowercase());
+            ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk(group, version, &kind),
+                &plural,
+            )
+        }
     }
+}
+
+/// What a run with `spec.agent.sandbox` says where the cluster lacks agent-sandbox.
+pub fn missing_kind(kind: ChildKind) -> String {
+    format!("spec.agent.sandbox needs kubernetes-sigs/agent-sandbox with its extensions, and this cluster does not serve {kind:?} (extensions.agents.x-k8s.io/v1beta1): install agent-sandbox, or remove spec.agent.sandbox to run model-written code in jails of the agent pods (docs/security.md#sandbox-pods)")
 }
 
 /// The run's children that exist, by kind and name.
@@ -120,10 +135,14 @@ pub async fn list(client: &Client, namespace: &str, run: &str, uid: &str) -> Res
             Api::namespaced_with(client.clone(), namespace, &api_resource(kind));
         let lp = &lp;
         async move {
-            let items = api
-                .list(lp)
-                .await
-                .context(|| format!("listing the {kind:?}s of {namespace}/{run}"))?;
+            let items = match api.list(lp).await {
+                Ok(list) => list.items,
+                // A kind of another project that this cluster does not have: nothing to list.
+                Err(kube::Error::Api(e)) if e.code == 404 && kind.optional() => Vec::new(),
+                Err(e) => {
+                    return Err(e).context(|| format!("listing the {kind:?}s of {namespace}/{run}"))
+                }
+            };
             Ok::<_, crate::error::Error>((kind, items))
         }
     });
@@ -188,10 +207,12 @@ pub async fn sync(
             async move {
                 let object = match held {
                     Some(o) => Some(o),
-                    None => api
-                        .get_opt(&key.1)
-                        .await
-                        .context(|| format!("looking for {:?} {namespace}/{}", key.0, key.1))?,
+                    None => match api.get_opt(&key.1).await {
+                        // Not served: applying it says so.
+                        Err(kube::Error::Api(e)) if e.code == 404 && key.0.optional() => None,
+                        found => found
+                            .context(|| format!("looking for {:?} {namespace}/{}", key.0, key.1))?,
+                    },
                 };
                 Ok::<_, crate::error::Error>(object.map(|o| (key.0, o)))
             }
@@ -227,7 +248,7 @@ pub async fn sync(
         }
         let wave = match child.kind {
             ChildKind::RoleBinding => 1,
-            ChildKind::StatefulSet | ChildKind::Deployment => 2,
+            ChildKind::StatefulSet | ChildKind::Deployment | ChildKind::SandboxWarmPool => 2,
             _ => 0,
         };
         waves[wave].push(child);
@@ -257,6 +278,9 @@ pub async fn sync(
                 Err(kube::Error::Api(e)) if e.code == 422 || e.code == 400 => {
                     out.refused
                         .get_or_insert_with(|| format!("{kind:?} {name}: {}", e.message));
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 && kind.optional() => {
+                    out.refused.get_or_insert_with(|| missing_kind(kind));
                 }
                 Err(source) => {
                     first_error = first_error.or(Some(crate::error::Error::Kube {

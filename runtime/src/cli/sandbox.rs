@@ -33,7 +33,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         return (moult_jail::sandbox::serve(&socket).await)
             .with_context(|| format!("serving the agent sandbox on {}", socket.display()));
     };
-    let verifier = std::env::var(VERIFIER_ENV).with_context(|| format!("--serve needs {VERIFIER_ENV}"))?;
+    let verifier =
+        std::env::var(VERIFIER_ENV).with_context(|| format!("--serve needs {VERIFIER_ENV}"))?;
     let jailed = args.isolation == "episode";
     let streams = std::env::temp_dir().join("moult-sandbox-streams");
     let server = Server::new(&verifier, args.workspace, streams, jailed);
@@ -43,7 +44,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             bail!("this sandbox pod cannot make jails: {why}; set spec.agent.isolation: Process to run its calls in process groups (docs/security.md#sandbox-pods)");
         }
     }
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
     eprintln!("moult sandbox serving on {addr}");
     moult_runtime::serve::serve(listener, server.router(), std::future::pending()).await?;
     Ok(())
