@@ -1357,3 +1357,84 @@ impl RecipeRun {
         let _ = std::fs::remove_dir_all(&self.root);
     }
 }
+
+const CODE_RUN: &str = "code";
+
+/// The code recipe (examples/code) as a cluster run whose model-written code runs in sandbox
+/// pods of kubernetes-sigs/agent-sandbox (`spec.agent.sandbox`), whose controller runs beside
+/// the test control plane: a small warm pool, eight episodes at once.
+fn sandboxed_run_yaml() -> String {
+    let r = Path::new(ROOT).join("examples/code");
+    let r = r.display();
+    format!(
+        r#"apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata:
+  name: {CODE_RUN}
+spec:
+  model: {{path: {r}/model}}
+  agent:
+    form: Env
+    image: local
+    command: [python, {r}/env.py]
+    concurrency: 8
+    timeout: 2m
+    dataset: {{path: {r}/tasks.jsonl}}
+    sandbox: {{warmPool: 4}}
+  engines: {{backend: Builtin, replicas: 1}}
+  trainer: {{gpusPerNode: 0}}
+  algorithm:
+    estimator: GRPO
+    groupSize: 8
+    batchSize: 8
+    maxStaleness: 1
+    optimizer: {{learningRate: 1.0e-3, maxGradNorm: 1.0}}
+  rollout: {{maxTokens: 6, temperature: 1.0, maxTurns: 1}}
+  checkpoint: {{claimName: checkpoints, intervalSteps: 100}}
+  totalSteps: 500
+"#
+    )
+}
+
+/// `spec.agent.sandbox` on a cluster with agent-sandbox: the operator makes the run's
+/// SandboxTemplate and SandboxWarmPool; each episode's `moult.sandbox.run` claims a pod of the
+/// pool, runs there (a `moult sandbox --serve` process of the test kubelet), and the claim is
+/// deleted when the episode ends; the run trains on the rewards those pods' runs earn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_with_sandbox_pods_claims_one_per_episode_and_releases_it() {
+    let run = RecipeRun::start(
+        "cluster-sandbox",
+        "examples/code/make_model.py",
+        "examples/code/model",
+        &sandboxed_run_yaml(),
+        CODE_RUN,
+    )
+    .await;
+    let uid = run.ns.kubectl(&["get", "rlrun", CODE_RUN, "-o", "jsonpath={.metadata.uid}"]);
+    for kind in ["sandboxtemplate", "sandboxwarmpool"] {
+        let owner = run.ns.kubectl(&[
+            "get",
+            kind,
+            "code-sandbox",
+            "-o",
+            "jsonpath={.metadata.ownerReferences[0].uid}",
+        ]);
+        assert_eq!(owner, uid, "the run owns its {kind}");
+    }
+    // Three steps of 64 episodes each claimed a pod and gave it back: what is claimed now is
+    // at most the episodes running.
+    let log = run.kubelet.logs_tail("code-agents", 100_000);
+    let claimed = log.matches("claimed SandboxClaim/").count();
+    let released = log.matches("released SandboxClaim/").count();
+    assert!(claimed >= 2 * 64, "{claimed} claims in the agents' log:\n{log}");
+    assert!(released + 8 >= claimed, "{claimed} claimed, {released} released:\n{log}");
+    let live = run.ns.kubectl(&["get", "sandboxclaims", "-o", "name"]);
+    assert!(live.lines().count() <= 8, "claims left: {live}");
+    // The rewards came from the sandbox pods' runs of the model's code.
+    let records = run.records();
+    let best = records.iter().filter_map(|r| r["reward_mean"].as_f64()).fold(0.0, f64::max);
+    assert!(best > 0.0, "no episode passed a test: {records:?}");
+    println!("sandboxed run: {claimed} claims, {released} released, best step reward {best:.3}");
+    run.finish().await;
+}

@@ -100,7 +100,9 @@ impl Proxy {
         let mut claimed = slot.claimed.lock().await;
         if claimed.is_none() {
             let made = self.claims.claim(slot.image.as_deref()).await;
-            *claimed = Some(made.map_err(|e| e.to_string())?);
+            let made = made.map_err(|e| e.to_string())?;
+            tracing::info!("claimed {} ({}) for an episode", made.what, made.address);
+            *claimed = Some(made);
         }
         Ok(claimed.clone().expect("claimed above"))
     }
@@ -124,6 +126,7 @@ impl Drop for Lease {
             runtime.spawn(async move {
                 if let Some(claimed) = slot.claimed.lock().await.take() {
                     proxy.claims.release(&claimed).await;
+                    tracing::info!("released {}: its episode ended", claimed.what);
                 }
             });
         }

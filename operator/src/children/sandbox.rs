@@ -74,7 +74,8 @@ pub(crate) fn sandbox_template(ctx: &Ctx, s: &AgentSandboxSpec, agent_credential
         Isolation::Episode => "episode",
         Isolation::Process => "process",
     };
-    let args = ["sandbox", "--serve", &format!("0.0.0.0:{SANDBOX_PORT}")];
+    let serve = format!("0.0.0.0:{SANDBOX_PORT}");
+    let args = ["sandbox", "--serve", &serve, "--workspace", "/tmp/workspace"];
     let args = (args.iter().map(|s| s.to_string()))
         .chain(["--isolation".into(), isolation.into()])
         .collect();

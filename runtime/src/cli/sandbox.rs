@@ -36,7 +36,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let verifier =
         std::env::var(VERIFIER_ENV).with_context(|| format!("--serve needs {VERIFIER_ENV}"))?;
     let jailed = args.isolation == "episode";
-    let streams = std::env::temp_dir().join("moult-sandbox-streams");
+    // Beside the workspace, out of the calls' reach.
+    let streams = args.workspace.with_file_name(".moult-sandbox-streams");
     let server = Server::new(&verifier, args.workspace, streams, jailed);
     let server = Arc::new(server.map_err(anyhow::Error::msg)?);
     if jailed {

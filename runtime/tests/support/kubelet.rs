@@ -43,7 +43,9 @@
 //! - **Identity**: with [`KubeletOptions::kubeconfig`] (the admin's, for the server and CA), each
 //!   pod gets `<pod dir>/kubeconfig` that authenticates as its ServiceAccount with a token bound
 //!   to the pod (TokenRequest), as `KUBECONFIG`: a process that makes its client with kube's
-//!   `Client::try_default()` acts with the pod's RBAC, as it would in-cluster.
+//!   `Client::try_default()` acts with the pod's RBAC, as it would in-cluster. A pod with
+//!   `automountServiceAccountToken: false` gives it only to the containers that mount a
+//!   projected volume of its token.
 //! - **Lifecycle**: each container is a process group of its own, and signals go to the group.
 //!   restartPolicy Always: a process that exits is started again after a backoff (1 s, doubling
 //!   to 8 s; back to 1 s after 10 s of running) while its pod lives. When the pod is deleted

@@ -81,8 +81,11 @@ pub(super) async fn prepare(
             .chain(c.args.iter().flatten())
             .map(|a| local(&expand(a, &vars)))
             .collect();
-        let mut env: Vec<(String, String)> = kubeconfig
-            .iter()
+        // A pod that does not mount its token everywhere gives it to the containers that mount a
+        // projected ServiceAccount token.
+        let automount = pod.spec.as_ref().and_then(|s| s.automount_service_account_token);
+        let credential = automount != Some(false) || mounts_token(pod, c);
+        let mut env: Vec<(String, String)> = (kubeconfig.iter().filter(|_| credential))
             .map(|k| ("KUBECONFIG".to_string(), k.display().to_string()))
             .collect();
         env.extend(shared.opts.env.iter().cloned());
@@ -415,7 +418,21 @@ fn rewrite_paths(text: &str, mounts: &[(String, PathBuf)], image: &[PathBuf]) ->
     out
 }
 
-/// The pod's `KUBECONFIG`: its ServiceAccount, with a token bound to the pod.
+/// Whether container `c` mounts a projected volume holding the pod's ServiceAccount token.
+fn mounts_token(pod: &Pod, c: &k8s_openapi::api::core::v1::Container) -> bool {
+    let volumes = pod.spec.as_ref().and_then(|s| s.volumes.as_ref());
+    let tokens: Vec<&str> = (volumes.into_iter().flatten())
+        .filter(|v| {
+            let sources = v.projected.as_ref().and_then(|p| p.sources.as_ref());
+            sources.into_iter().flatten().any(|s| s.service_account_token.is_some())
+        })
+        .map(|v| v.name.as_str())
+        .collect();
+    (c.volume_mounts.iter().flatten()).any(|m| tokens.contains(&m.name.as_str()))
+}
+
+/// The pod's `KUBECONFIG`: its ServiceAccount, with a token bound to the pod (for every
+/// container, or those that mount a projected token where the pod does not automount it).
 async fn identity(shared: &Shared, pod: &Pod, dir: &Path) -> Result<Option<PathBuf>, Problem> {
     let Some(admin) = &shared.opts.kubeconfig else {
         return Ok(None);
@@ -423,7 +440,8 @@ async fn identity(shared: &Shared, pod: &Pod, dir: &Path) -> Result<Option<PathB
     let Some(spec) = &pod.spec else {
         return Ok(None);
     };
-    if spec.automount_service_account_token == Some(false) {
+    let projected = (spec.containers.iter()).any(|c| mounts_token(pod, c));
+    if spec.automount_service_account_token == Some(false) && !projected {
         return Ok(None);
     }
     let account = spec.service_account_name.as_deref().unwrap_or("default");
