@@ -41,9 +41,7 @@ async fn run_true(jail: Option<&Jail>) {
 
 /// The successor env started and reset to its first observation.
 async fn first_observation(cmd: &AgentCommand, jail: Option<&Jail>) {
-    let mut env = ExternalEnv::spawn(cmd, Vec::new(), jail.cloned())
-        .await
-        .unwrap();
+    let mut env = ExternalEnv::spawn(cmd, jail.cloned()).await.unwrap();
     env.reset(&json!({"numbers": [3, 7, 1]})).await.unwrap();
 }
 

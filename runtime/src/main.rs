@@ -38,7 +38,7 @@ enum Command {
     /// Start agent programs for `moult agents` in a container that holds no credential (the
     /// sandbox container of a cluster run's agent pods; docs/security.md): `moult agents` with
     /// MOULT_AGENT_SANDBOX=SOCKET starts every agent program here instead of as its own child.
-    Sandbox(cli::sandbox::Args),
+    Sandbox(moult_sandbox_pods::cli::Args),
     /// The coordinator of a cluster run (in its pod): the router over the engines of the run's
     /// Service, the rollout pool over the agent pods, the trainer's batches and the RLRun status.
     Coordinator(cli::coordinator::Args),
@@ -95,7 +95,9 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Chat(args) => runtime.block_on(cli::chat::run(args)),
         Command::Agents(args) => runtime.block_on(cli::agents::run(args)),
-        Command::Sandbox(args) => runtime.block_on(cli::sandbox::run(args)),
+        Command::Sandbox(args) => runtime.block_on(moult_sandbox_pods::cli::run(args, |l, app| {
+            moult_runtime::serve::serve(l, app, std::future::pending())
+        })),
         Command::Router(args) => runtime.block_on(cli::router::run(args)),
         Command::EngineFront(args) => runtime.block_on(cli::engine_front::run(args)),
         Command::Coordinator(args) => runtime.block_on(cli::coordinator::run(args)),

@@ -1411,7 +1411,9 @@ async fn cluster_run_with_sandbox_pods_claims_one_per_episode_and_releases_it() 
         CODE_RUN,
     )
     .await;
-    let uid = run.ns.kubectl(&["get", "rlrun", CODE_RUN, "-o", "jsonpath={.metadata.uid}"]);
+    let uid = run
+        .ns
+        .kubectl(&["get", "rlrun", CODE_RUN, "-o", "jsonpath={.metadata.uid}"]);
     for kind in ["sandboxtemplate", "sandboxwarmpool"] {
         let owner = run.ns.kubectl(&[
             "get",
@@ -1427,13 +1429,22 @@ async fn cluster_run_with_sandbox_pods_claims_one_per_episode_and_releases_it() 
     let log = run.kubelet.logs_tail("code-agents", 100_000);
     let claimed = log.matches("claimed SandboxClaim/").count();
     let released = log.matches("released SandboxClaim/").count();
-    assert!(claimed >= 2 * 64, "{claimed} claims in the agents' log:\n{log}");
-    assert!(released + 8 >= claimed, "{claimed} claimed, {released} released:\n{log}");
+    assert!(
+        claimed >= 2 * 64,
+        "{claimed} claims in the agents' log:\n{log}"
+    );
+    assert!(
+        released + 8 >= claimed,
+        "{claimed} claimed, {released} released:\n{log}"
+    );
     let live = run.ns.kubectl(&["get", "sandboxclaims", "-o", "name"]);
     assert!(live.lines().count() <= 8, "claims left: {live}");
     // The rewards came from the sandbox pods' runs of the model's code.
     let records = run.records();
-    let best = records.iter().filter_map(|r| r["reward_mean"].as_f64()).fold(0.0, f64::max);
+    let best = records
+        .iter()
+        .filter_map(|r| r["reward_mean"].as_f64())
+        .fold(0.0, f64::max);
     assert!(best > 0.0, "no episode passed a test: {records:?}");
     println!("sandboxed run: {claimed} claims, {released} released, best step reward {best:.3}");
     run.finish().await;

@@ -163,7 +163,7 @@ async fn the_count_env_runs_over_the_env_protocol() {
     std::fs::write(&file, block("env")).unwrap();
     let python = common::python().to_string_lossy().into_owned();
     let cmd = AgentCommand::python(&python, &file.display().to_string()).unwrap();
-    let mut env = ExternalEnv::spawn(&cmd, Vec::new(), None).await.unwrap();
+    let mut env = ExternalEnv::spawn(&cmd, None).await.unwrap();
     let task = json!({"word": "moult"});
     let prompt = env.reset(&task).await.unwrap().text();
     assert!(prompt.contains("'moult'"), "{prompt}");

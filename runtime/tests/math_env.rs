@@ -40,7 +40,7 @@ async fn agent_env_math_runs_the_embedded_module_and_checks_equivalence() {
     assert_eq!(cmd.program, "python3");
     assert_eq!(cmd.args, ["-m", "moult.runner", "run", "moult.math"]);
     cmd.program = common::python().to_string_lossy().into_owned();
-    let mut env = ExternalEnv::spawn(&cmd, Vec::new(), None).await.unwrap();
+    let mut env = ExternalEnv::spawn(&cmd, None).await.unwrap();
     let task = json!({"question": "Half of 3?", "answer": "It is 3/2.\n#### 1.5"});
     let prompt = env.reset(&task).await.unwrap().text();
     assert!(
@@ -86,7 +86,7 @@ class AgentRunner(moult.Env):
         moult_runtime::agents::process::AgentCommand::python("python3", module.to_str().unwrap())
             .unwrap();
     cmd.program = common::python().to_string_lossy().into_owned();
-    let mut env = ExternalEnv::spawn(&cmd, Vec::new(), None).await.unwrap();
+    let mut env = ExternalEnv::spawn(&cmd, None).await.unwrap();
     let first = env.reset(&json!({})).await.unwrap().into_message().unwrap();
     assert_eq!(first.content.as_deref(), Some("Figure:What is x?"));
     let images: Vec<_> = first.images().collect();

@@ -63,13 +63,10 @@ impl Proxy {
         })
     }
 
-    /// The port of 127.0.0.1 that episodes' jails must reach.
-    pub fn local_port(&self) -> Option<u16> {
-        self.url.rsplit(':').next()?.parse().ok()
-    }
-
-    /// A lease for one episode, whose sandbox pod runs `image` (the template's when `None`).
-    pub fn lease(self: &Arc<Self>, image: Option<String>) -> Lease {
+    /// A lease for one episode of `task`, whose sandbox pod runs the task's `image` (else the
+    /// template's).
+    pub fn lease(self: &Arc<Self>, task: &serde_json::Value) -> Lease {
+        let image = task["image"].as_str().map(String::from);
         let token: String = (rand::thread_rng().sample_iter(rand::distributions::Alphanumeric))
             .take(32)
             .map(char::from)

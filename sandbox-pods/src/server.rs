@@ -34,6 +34,29 @@ pub const VERIFIER_ENV: &str = "MOULT_SANDBOX_VERIFIER";
 /// The largest request body: the files a call puts in the workspace travel in it.
 pub const MAX_BODY_BYTES: usize = 64 << 20;
 
+/// A server for `moult sandbox --serve ADDR`: its calls share `workspace` and run in jails
+/// when `jailed` (this pod must be able to make them, or it says why); the key's hash is in
+/// [`VERIFIER_ENV`].
+pub async fn bind(
+    addr: std::net::SocketAddr,
+    workspace: PathBuf,
+    jailed: bool,
+) -> Result<(Arc<Server>, tokio::net::TcpListener), String> {
+    let verifier =
+        std::env::var(VERIFIER_ENV).map_err(|_| format!("--serve needs {VERIFIER_ENV}"))?;
+    if jailed {
+        moult_jail::Jail::default().probe(None).map_err(|why| format!("this sandbox pod cannot make jails: {why}; set spec.agent.isolation: Process to run its calls in process groups (docs/security.md#sandbox-pods)"))?;
+    }
+    // Beside the workspace, out of the calls' reach.
+    let streams = workspace.with_file_name(".moult-sandbox-streams");
+    let server = Arc::new(Server::new(&verifier, workspace, streams, jailed)?);
+    let listener = tokio::net::TcpListener::bind(addr).await;
+    Ok((
+        server,
+        listener.map_err(|e| format!("binding {addr}: {e}"))?,
+    ))
+}
+
 /// One `moult.sandbox.run` call, as the SDK sends it (docs/agents.md).
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -75,7 +75,13 @@ pub(crate) fn sandbox_template(ctx: &Ctx, s: &AgentSandboxSpec, agent_credential
         Isolation::Process => "process",
     };
     let serve = format!("0.0.0.0:{SANDBOX_PORT}");
-    let args = ["sandbox", "--serve", &serve, "--workspace", "/tmp/workspace"];
+    let args = [
+        "sandbox",
+        "--serve",
+        &serve,
+        "--workspace",
+        "/tmp/workspace",
+    ];
     let args = (args.iter().map(|s| s.to_string()))
         .chain(["--isolation".into(), isolation.into()])
         .collect();

@@ -506,28 +506,6 @@ async fn report_malformed(invalid: &InvalidObject, ctx: &Ctx) -> Result<Action> 
     Ok(Action::await_change())
 }
 
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::backoff;
-
-    #[test]
-    fn event_notes_fit_the_api_servers_kilobyte() {
-        assert_eq!(super::note("short"), "short");
-        let long = "é".repeat(2000);
-        let n = super::note(&long);
-        assert!(n.len() <= 1000 && n.ends_with('…'), "{}", n.len());
-    }
-
-    #[test]
-    fn backoff_doubles_from_one_second_to_five_minutes() {
-        let delays: Vec<u64> = (1..=11).map(|n| backoff(n).as_secs()).collect();
-        assert_eq!(delays, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
-        assert_eq!(backoff(u32::MAX), Duration::from_secs(300));
-    }
-}
-
 /// The API server's addresses and ports, from the `default/kubernetes` Service's EndpointSlices:
 /// NetworkPolicies see a connection's destination after the Service's address is translated.
 /// `None` (logged) when they cannot be read.
@@ -573,4 +551,26 @@ pub async fn api_server_egress(
         to: Some(to),
         ports: (!ports.is_empty()).then_some(ports),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::backoff;
+
+    #[test]
+    fn event_notes_fit_the_api_servers_kilobyte() {
+        assert_eq!(super::note("short"), "short");
+        let long = "é".repeat(2000);
+        let n = super::note(&long);
+        assert!(n.len() <= 1000 && n.ends_with('…'), "{}", n.len());
+    }
+
+    #[test]
+    fn backoff_doubles_from_one_second_to_five_minutes() {
+        let delays: Vec<u64> = (1..=11).map(|n| backoff(n).as_secs()).collect();
+        assert_eq!(delays, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]);
+        assert_eq!(backoff(u32::MAX), Duration::from_secs(300));
+    }
 }

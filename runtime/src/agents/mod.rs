@@ -76,7 +76,7 @@ impl Agent {
 }
 
 /// Settings of an agent pool.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct PoolOptions {
     /// Episodes running at once.
     pub concurrency: usize,
@@ -172,7 +172,10 @@ impl AgentPool {
         // Sessions of running episodes, plus those closing.
         let sessions = ServiceOptions::pool(opts.concurrency * 2, name);
         let service = Arc::new(ChatService::from_model_dir(engine, model_dir, sessions)?);
-        opts.loopback_url = format!("http://{}", listener.local_addr()?);
+        let addr = listener.local_addr()?;
+        opts.loopback_url = format!("http://{addr}");
+        // Episodes' jails may reach the loopback server.
+        opts.jail.iter_mut().for_each(|j| j.ports.push(addr.port()));
         let app = loopback::router(service.clone(), loopback::DEFAULT_MAX_BODY_BYTES);
         tokio::spawn(crate::serve::serve(listener, app, shutdown));
         Ok(Arc::new(Self::new(service, agent, opts)?))
@@ -270,9 +273,7 @@ impl AgentPool {
     ) -> Result<(f64, Map<String, Json>), AgentError> {
         let env_loop = &self.opts.env_loop;
         // The episode's sandbox pod, released when this returns.
-        let lease = (self.opts.sandboxes.as_ref())
-            .map(|proxy| proxy.lease(task["image"].as_str().map(String::from)));
-        let sandbox = lease.as_ref().map(|l| l.env()).unwrap_or_default();
+        let (pod, pod_vars) = moult_sandbox_pods::lease(self.opts.sandboxes.as_ref(), task);
         match &self.agent {
             Agent::BuiltinEnv(name) => {
                 let mut env = env::builtin(name)?;
@@ -282,7 +283,9 @@ impl AgentPool {
                 let idle = self.idle_envs.lock().expect("idle envs lock").pop();
                 let mut env = match idle {
                     Some(env) => env,
-                    None => ExternalEnv::spawn(cmd, sandbox, self.jail(task, None)).await?,
+                    None => {
+                        ExternalEnv::spawn(&cmd.with_env(pod_vars), self.jail(task, None)).await?
+                    }
                 };
                 // An error or a timeout drops (kills) the process here; only a completed episode
                 // hands it back.
@@ -290,8 +293,7 @@ impl AgentPool {
                 let mut idle = self.idle_envs.lock().expect("idle envs lock");
                 // A jailed process serves one episode: the next one gets a fresh jail (and a
                 // fresh sandbox pod).
-                let fresh = self.opts.jail.is_some() || lease.is_some();
-                if idle.len() < self.opts.concurrency && !fresh {
+                if idle.len() < self.opts.concurrency && self.opts.jail.is_none() && pod.is_none() {
                     idle.push(env);
                 }
                 Ok(out)
@@ -311,8 +313,10 @@ impl AgentPool {
                     ("ANTHROPIC_BASE_URL", anthropic),
                     ("ANTHROPIC_API_KEY", "moult".into()),
                 ];
-                let vars = vars.map(|(k, v)| (k.to_string(), v)).into_iter();
-                let vars = vars.chain(sandbox);
+                let vars = vars
+                    .map(|(k, v)| (k.to_string(), v))
+                    .into_iter()
+                    .chain(pod_vars);
                 let dir = self.opts.scratch_dir.join(session);
                 let jail = self.jail(task, Some(&dir));
                 run_chat_agent(cmd, vars.collect(), task, &dir, jail.as_ref()).await
@@ -321,22 +325,14 @@ impl AgentPool {
     }
 
     /// The jail of an episode of `task`, when the pool jails them: it may write `writable` and
-    /// reach the loopback server and the ports the task lists in `ports`.
+    /// reach the pool's ports (the loopback server's, the sandbox pods' proxy's) and those the
+    /// task lists in `ports`.
     fn jail(&self, task: &Json, writable: Option<&Path>) -> Option<Jail> {
         let mut jail = self.opts.jail.clone()?;
         jail.writable.extend(writable.map(Path::to_path_buf));
-        let loopback = self
-            .opts
-            .loopback_url
-            .rsplit(':')
-            .next()
-            .and_then(|p| p.parse::<u16>().ok());
         let listed = task["ports"].as_array().into_iter().flatten();
-        let sandboxes = self.opts.sandboxes.as_ref().and_then(|p| p.local_port());
-        jail.ports.extend(
-            (loopback.into_iter().chain(sandboxes))
-                .chain(listed.filter_map(|p| p.as_u64()?.try_into().ok())),
-        );
+        jail.ports
+            .extend(listed.filter_map(|p| u16::try_from(p.as_u64()?).ok()));
         Some(jail)
     }
 }

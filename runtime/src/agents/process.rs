@@ -108,6 +108,15 @@ pub struct AgentCommand {
 }
 
 impl AgentCommand {
+    /// This command with `vars` added to its environment.
+    pub fn with_env(&self, vars: Vec<(String, String)>) -> Self {
+        let env = [self.env.clone(), vars].concat();
+        Self {
+            env,
+            ..self.clone()
+        }
+    }
+
     /// `python -m moult.runner run PATH` for a Python module exporting `AgentRunner`.
     pub fn python(python: &str, module: &str) -> Result<Self, AgentError> {
         let package = python_package_dir()?;
@@ -242,7 +251,6 @@ pub async fn run_chat_agent(
 /// one after another: each `reset` starts a new one.
 pub struct ExternalEnv {
     cmd: AgentCommand,
-    vars: Vec<(String, String)>,
     jail: Option<Jail>,
     /// Held for its drop: the process group dies with the env.
     _child: Program,
@@ -263,20 +271,14 @@ impl std::fmt::Debug for ExternalEnv {
 }
 
 impl ExternalEnv {
-    /// Starts `cmd` with `vars` too, in `jail` if there is one (then the process serves one
-    /// episode).
-    pub async fn spawn(
-        cmd: &AgentCommand,
-        vars: Vec<(String, String)>,
-        jail: Option<Jail>,
-    ) -> Result<Self, AgentError> {
-        let mut group = start(cmd, vars.clone(), jail.as_ref()).await?;
+    /// Starts `cmd`, in `jail` if there is one (then the process serves one episode).
+    pub async fn spawn(cmd: &AgentCommand, jail: Option<Jail>) -> Result<Self, AgentError> {
+        let mut group = start(cmd, Vec::new(), jail.as_ref()).await?;
         let stdin = group.stdin.take().expect("piped");
         let stdout = BufReader::new(group.stdout.take().expect("piped"));
         let stderr = Tail::keep(group.stderr.take());
         Ok(Self {
             cmd: cmd.clone(),
-            vars,
             jail,
             _child: group,
             stdin,
@@ -335,7 +337,7 @@ impl Env for ExternalEnv {
             let v = match self.call(request.clone()).await {
                 // A program written to serve one episode may have exited after it: start afresh.
                 Err(AgentError::Crashed(_)) if self.episodes > 0 => {
-                    *self = Self::spawn(&self.cmd, self.vars.clone(), self.jail.clone()).await?;
+                    *self = Self::spawn(&self.cmd, self.jail.clone()).await?;
                     self.call(request).await?
                 }
                 answer => answer?,

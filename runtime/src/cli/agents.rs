@@ -119,7 +119,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         PoolOptions {
             concurrency: args.concurrency,
             timeout: args.timeout,
-            loopback_url: String::new(),
             env_loop: EnvLoopOptions {
                 max_turns: args.max_turns,
                 sampling: ChatSampling {
@@ -132,7 +131,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             },
             scratch_dir: scratch_dir.clone(),
             jail,
-            sandboxes: None,
+            ..PoolOptions::default()
         },
         listener,
         std::future::pending(),

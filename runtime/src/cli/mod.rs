@@ -12,7 +12,6 @@ pub mod eval;
 pub mod export;
 pub mod router;
 pub mod run;
-pub mod sandbox;
 pub mod trainer;
 pub mod trainer_rank;
 

@@ -14,6 +14,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use std::future::pending;
+
 use futures::FutureExt;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -68,14 +70,10 @@ pub async fn run(
     let scratch_dir = std::env::temp_dir().join(format!("moult-agents-{}", std::process::id()));
     let (agent, mut pool_opts) = cfg.agent_pool(concurrency, scratch_dir)?;
     // Model-written code in sandbox pods (spec.agent.sandbox), through a proxy on 127.0.0.1.
-    let key = crate::auth::agent_token().unwrap_or_default();
-    if let Some((proxy, listener)) = (moult_sandbox_pods::from_env(key).await)
-        .map_err(|e| RunError::Setup(format!("spec.agent.sandbox: {e}")))?
-    {
-        let app = proxy.clone().router();
-        tokio::spawn(crate::serve::serve(listener, app, std::future::pending()));
-        pool_opts.sandboxes = Some(proxy);
-    }
+    let serve = |listener, app| drop(tokio::spawn(crate::serve::serve(listener, app, pending())));
+    let jail = pool_opts.jail.as_mut();
+    let sandboxes = moult_sandbox_pods::from_env(crate::auth::agent_token(), serve, jail).await;
+    pool_opts.sandboxes = sandboxes.map_err(RunError::Setup)?;
     let model = (model_dir.as_path(), cfg.name.clone());
     // The loopback server stops when this function returns (its sender goes).
     let (_stop_loopback, stop) = tokio::sync::oneshot::channel::<()>();

@@ -464,11 +464,10 @@ impl RunConfig {
         let opts = PoolOptions {
             concurrency,
             timeout: self.episode_timeout,
-            loopback_url: String::new(),
             env_loop: self.env_loop.clone(),
             scratch_dir,
             jail: self.jail.clone(),
-            sandboxes: None,
+            ..PoolOptions::default()
         };
         Ok((agent, opts))
     }

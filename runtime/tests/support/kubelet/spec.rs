@@ -83,7 +83,10 @@ pub(super) async fn prepare(
             .collect();
         // A pod that does not mount its token everywhere gives it to the containers that mount a
         // projected ServiceAccount token.
-        let automount = pod.spec.as_ref().and_then(|s| s.automount_service_account_token);
+        let automount = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.automount_service_account_token);
         let credential = automount != Some(false) || mounts_token(pod, c);
         let mut env: Vec<(String, String)> = (kubeconfig.iter().filter(|_| credential))
             .map(|k| ("KUBECONFIG".to_string(), k.display().to_string()))
@@ -424,7 +427,10 @@ fn mounts_token(pod: &Pod, c: &k8s_openapi::api::core::v1::Container) -> bool {
     let tokens: Vec<&str> = (volumes.into_iter().flatten())
         .filter(|v| {
             let sources = v.projected.as_ref().and_then(|p| p.sources.as_ref());
-            sources.into_iter().flatten().any(|s| s.service_account_token.is_some())
+            sources
+                .into_iter()
+                .flatten()
+                .any(|s| s.service_account_token.is_some())
         })
         .map(|v| v.name.as_str())
         .collect();

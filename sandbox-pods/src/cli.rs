@@ -1,13 +1,12 @@
 //! `moult sandbox`: start agent programs for `moult agents` in a container that holds no
 //! credential (`--socket`), or run an episode's model-written code in a sandbox pod of its own
-//! (`--serve`, docs/security.md#sandbox-pods).
+//! (`--serve`, docs/security.md#sandbox-pods). `moult`'s main dispatches here.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use anyhow::{bail, Context};
-use moult_sandbox_pods::server::{Server, VERIFIER_ENV};
+use anyhow::Context;
+use tokio::net::TcpListener;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -26,29 +25,25 @@ pub struct Args {
     isolation: String,
 }
 
-pub async fn run(args: Args) -> anyhow::Result<()> {
+/// Runs `moult sandbox`; `serve` serves a router on a listener until the process ends (moult's
+/// HTTP server, with its timeouts).
+pub async fn run<F>(
+    args: Args,
+    serve: impl FnOnce(TcpListener, axum::Router) -> F,
+) -> anyhow::Result<()>
+where
+    F: std::future::Future<Output = std::io::Result<()>>,
+{
     let Some(addr) = args.serve else {
         let socket = args.socket.expect("clap requires --socket without --serve");
         eprintln!("moult sandbox listening on {}", socket.display());
         return (moult_jail::sandbox::serve(&socket).await)
             .with_context(|| format!("serving the agent sandbox on {}", socket.display()));
     };
-    let verifier =
-        std::env::var(VERIFIER_ENV).with_context(|| format!("--serve needs {VERIFIER_ENV}"))?;
     let jailed = args.isolation == "episode";
-    // Beside the workspace, out of the calls' reach.
-    let streams = args.workspace.with_file_name(".moult-sandbox-streams");
-    let server = Server::new(&verifier, args.workspace, streams, jailed);
-    let server = Arc::new(server.map_err(anyhow::Error::msg)?);
-    if jailed {
-        if let Err(why) = moult_jail::Jail::default().probe(None) {
-            bail!("this sandbox pod cannot make jails: {why}; set spec.agent.isolation: Process to run its calls in process groups (docs/security.md#sandbox-pods)");
-        }
-    }
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr}"))?;
+    let bound = crate::server::bind(addr, args.workspace, jailed).await;
+    let (server, listener) = bound.map_err(anyhow::Error::msg)?;
     eprintln!("moult sandbox serving on {addr}");
-    moult_runtime::serve::serve(listener, server.router(), std::future::pending()).await?;
+    serve(listener, server.router()).await?;
     Ok(())
 }
