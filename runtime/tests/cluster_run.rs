@@ -1362,10 +1362,22 @@ const CODE_RUN: &str = "code";
 
 /// The code recipe (examples/code) as a cluster run whose model-written code runs in sandbox
 /// pods of kubernetes-sigs/agent-sandbox (`spec.agent.sandbox`), whose controller runs beside
-/// the test control plane: a small warm pool, eight episodes at once.
+/// the test control plane: a small warm pool, eight episodes at once. Every fourth task names an
+/// image of its own (its episodes get a pod made for them, not one of the pool).
 fn sandboxed_run_yaml() -> String {
     let r = Path::new(ROOT).join("examples/code");
-    let r = r.display();
+    // Not under /tmp, which the test kubelet maps to each pod's own.
+    let tasks = Path::new(env!("CARGO_TARGET_TMPDIR")).join("sandboxed-tasks.jsonl");
+    let text = std::fs::read_to_string(r.join("tasks.jsonl")).unwrap();
+    let lines = text.lines().enumerate().map(|(i, line)| {
+        let mut task: Value = serde_json::from_str(line).unwrap();
+        if i % 4 == 0 {
+            task["image"] = "python:3.13-slim".into();
+        }
+        format!("{task}\n")
+    });
+    std::fs::write(&tasks, lines.collect::<String>()).unwrap();
+    let (r, tasks) = (r.display(), tasks.display());
     format!(
         r#"apiVersion: moult.dev/v1alpha1
 kind: RLRun
@@ -1379,7 +1391,7 @@ spec:
     command: [python, {r}/env.py]
     concurrency: 8
     timeout: 2m
-    dataset: {{path: {r}/tasks.jsonl}}
+    dataset: {{path: {tasks}}}
     sandbox: {{warmPool: 4}}
   engines: {{backend: Builtin, replicas: 1}}
   trainer: {{gpusPerNode: 0}}
@@ -1437,8 +1449,22 @@ async fn cluster_run_with_sandbox_pods_claims_one_per_episode_and_releases_it() 
         released + 8 >= claimed,
         "{claimed} claimed, {released} released:\n{log}"
     );
-    let live = run.ns.kubectl(&["get", "sandboxclaims", "-o", "name"]);
+    let live = run.ns.kubectl(&[
+        "get",
+        "sandboxclaims,sandboxes",
+        "-l",
+        "moult.dev/agent-pod",
+        "-o",
+        "name",
+    ]);
     assert!(live.lines().count() <= 8, "claims left: {live}");
+    // Tasks with an image of their own got a Sandbox made for them, and gave it back too.
+    let made = log.matches("claimed Sandbox/").count();
+    let gone = log.matches("released Sandbox/").count();
+    assert!(
+        made >= 16 && gone + 8 >= made,
+        "{made} sandboxes made, {gone} released"
+    );
     // The rewards came from the sandbox pods' runs of the model's code.
     let records = run.records();
     let best = records
@@ -1446,6 +1472,22 @@ async fn cluster_run_with_sandbox_pods_claims_one_per_episode_and_releases_it() 
         .filter_map(|r| r["reward_mean"].as_f64())
         .fold(0.0, f64::max);
     assert!(best > 0.0, "no episode passed a test: {records:?}");
-    println!("sandboxed run: {claimed} claims, {released} released, best step reward {best:.3}");
+    // How long an episode waited for its pod, from the agents' log (docs/benchmarks.md).
+    let waits = |kind: &str| {
+        let mut ms: Vec<u64> = (log.lines())
+            .filter(|l| l.contains(&format!("claimed {kind}/")))
+            .filter_map(|l| l.rsplit(" in ").next()?.strip_suffix(" ms")?.parse().ok())
+            .collect();
+        ms.sort_unstable();
+        (
+            ms.get(ms.len() / 2).copied(),
+            ms.get(ms.len() * 9 / 10).copied(),
+        )
+    };
+    println!(
+        "sandboxed run: {claimed} claims ({released} released), {made} sandboxes of a task's image ({gone} released), best step reward {best:.3}; claim wait median/p90 {:?} ms, task-image sandbox {:?} ms",
+        waits("SandboxClaim"),
+        waits("Sandbox")
+    );
     run.finish().await;
 }

@@ -96,9 +96,15 @@ impl Proxy {
     async fn pod(&self, slot: &Slot) -> Result<Claimed, String> {
         let mut claimed = slot.claimed.lock().await;
         if claimed.is_none() {
+            let started = std::time::Instant::now();
             let made = self.claims.claim(slot.image.as_deref()).await;
             let made = made.map_err(|e| e.to_string())?;
-            tracing::info!("claimed {} ({}) for an episode", made.what, made.address);
+            let ms = started.elapsed().as_millis();
+            tracing::info!(
+                "claimed {} ({}) for an episode in {ms} ms",
+                made.what,
+                made.address
+            );
             *claimed = Some(made);
         }
         Ok(claimed.clone().expect("claimed above"))
