@@ -1491,3 +1491,101 @@ async fn cluster_run_with_sandbox_pods_claims_one_per_episode_and_releases_it() 
     );
     run.finish().await;
 }
+
+const HOSTILE_RUN: &str = "hostile";
+
+/// A run whose agent is hostile (tests/python/agents/hostile_env.py): every episode first looks
+/// for what earlier ones left, then does one hostile thing, in turn over the tasks: a `setsid`
+/// daemon, a fork bomb, a memory hog, an endless loop, a disk filler, writes to moult's package,
+/// its own code and /tmp, connections to the run's ports and outside, reads of credentials.
+fn hostile_run_yaml() -> String {
+    let successor = recipe();
+    let kinds = [
+        "daemon", "forkbomb", "memory", "loop", "disk", "tamper", "probe", "secrets",
+    ];
+    let tasks = Path::new(env!("CARGO_TARGET_TMPDIR")).join("hostile-tasks.jsonl");
+    let lines: String = (0..64)
+        .map(|i| format!("{}\n", json!({"kind": kinds[i % kinds.len()]})))
+        .collect();
+    std::fs::write(&tasks, lines).unwrap();
+    let env = Path::new(ROOT).join("tests/python/agents/hostile_env.py");
+    let (successor, tasks, env) = (successor.display(), tasks.display(), env.display());
+    format!(
+        r#"apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata:
+  name: {HOSTILE_RUN}
+spec:
+  model: {{path: {successor}/model}}
+  agent:
+    form: Env
+    image: local
+    command: [python, {env}]
+    concurrency: 8
+    timeout: 1m
+    isolation: Episode
+    limits: {{cpuSeconds: 5, memory: 1Gi, processes: 64, fileSize: 16Mi, scratch: 32Mi}}
+    dataset: {{path: {tasks}}}
+  engines: {{backend: Builtin, replicas: 1}}
+  trainer: {{gpusPerNode: 0}}
+  algorithm:
+    estimator: GRPO
+    groupSize: 4
+    batchSize: 4
+    maxStaleness: 1
+    optimizer: {{learningRate: 1.0e-3, maxGradNorm: 1.0}}
+  rollout: {{maxTokens: 4, temperature: 1.0, maxTurns: 1}}
+  checkpoint: {{claimName: checkpoints, intervalSteps: 100}}
+  totalSteps: 500
+"#
+    )
+}
+
+/// Hostile agent code on the agent-pod path: each episode's program runs in a jail made in the
+/// agent pod's `sandbox` container. Episodes that hit a limit fail and their groups are dropped;
+/// the run goes on, and every episode that completed found nothing of the others and got nothing
+/// out of its jail (reward 1 at every step); the daemons die with their episodes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_with_hostile_agent_code_contains_every_episode_and_goes_on() {
+    let run = RecipeRun::start(
+        "cluster-hostile",
+        "examples/successor/make_model.py",
+        "examples/successor/model",
+        &hostile_run_yaml(),
+        HOSTILE_RUN,
+    )
+    .await;
+    // The episodes that hit a limit failed and said which; the run went on without them.
+    let started = Instant::now();
+    let log = loop {
+        let log = run.kubelet.logs_tail("hostile-coordinator", 100_000);
+        if log.contains("limits.cpuSeconds") || started.elapsed() > Duration::from_secs(180) {
+            break log;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    };
+    assert!(
+        log.contains("limits.cpuSeconds"),
+        "no episode failed at its CPU limit:\n{log}"
+    );
+    let records = run.records();
+    for r in &records {
+        assert_eq!(
+            r["reward_mean"], 1.0,
+            "an episode saw another's traces or got out: {r}"
+        );
+    }
+    // No daemon outlived its episode: at most the episodes running hold one.
+    let daemons = std::process::Command::new("pgrep")
+        .args(["-f", "hostile-daemon"])
+        .output()
+        .unwrap();
+    let alive = String::from_utf8_lossy(&daemons.stdout).lines().count();
+    assert!(alive <= 8, "{alive} daemons alive");
+    println!(
+        "hostile run: {} steps, every one at reward 1; {alive} daemons alive",
+        records.len()
+    );
+    run.finish().await;
+}

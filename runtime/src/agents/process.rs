@@ -253,7 +253,7 @@ pub struct ExternalEnv {
     cmd: AgentCommand,
     jail: Option<Jail>,
     /// Held for its drop: the process group dies with the env.
-    _child: Program,
+    child: Program,
     stdin: Writer,
     stdout: BufReader<Reader>,
     stderr: Tail,
@@ -280,7 +280,7 @@ impl ExternalEnv {
         Ok(Self {
             cmd: cmd.clone(),
             jail,
-            _child: group,
+            child: group,
             stdin,
             stdout,
             stderr,
@@ -288,14 +288,19 @@ impl ExternalEnv {
         })
     }
 
+    /// Why the process stopped answering: how it ended (waited for a moment), with the limit
+    /// that ended it.
+    async fn gone(&mut self, what: &str) -> AgentError {
+        let exit = tokio::time::timeout(std::time::Duration::from_secs(1), self.child.wait());
+        let signal = exit.await.ok().and_then(Result::ok).and_then(Exit::signal);
+        let why = self.stderr.text();
+        AgentError::Crashed(ended("env process", what, signal, self.jail.as_ref(), &why))
+    }
+
     async fn call(&mut self, request: Json) -> Result<Json, AgentError> {
-        let gone = |this: &Self, what: &str| {
-            let why = this.stderr.text();
-            AgentError::Crashed(ended("env process", what, None, this.jail.as_ref(), &why))
-        };
         let line = format!("{request}\n");
         if self.stdin.write_all(line.as_bytes()).await.is_err() {
-            return Err(gone(self, "closed its input"));
+            return Err(self.gone("closed its input").await);
         }
         let _ = self.stdin.flush().await;
         let mut answer = Vec::new();
@@ -304,7 +309,7 @@ impl ExternalEnv {
             .read_until(b'\n', &mut answer)
             .await
         {
-            Ok(0) | Err(_) => return Err(gone(self, "exited")),
+            Ok(0) | Err(_) => return Err(self.gone("exited").await),
             Ok(_) if answer.len() > ENV_LINE_BYTES => {
                 return Err(AgentError::Env(format!(
                     "the env answered with a line over {} MiB",
