@@ -239,11 +239,8 @@ pub async fn run_chat_agent(
     let text = result.map_err(|_| AgentError::Crashed(unwritten.into()))?;
     let v: Json = serde_json::from_str(&text)
         .map_err(|e| AgentError::Crashed(format!("the agent's result is not JSON: {e}")))?;
-    let reward = v["reward"].as_f64().ok_or_else(|| {
-        AgentError::Crashed(format!(
-            "the agent's result has no numeric `reward`: {text}"
-        ))
-    })?;
+    let no_reward = || format!("the agent's result has no numeric `reward`: {text}");
+    let reward = (v["reward"].as_f64()).ok_or_else(|| AgentError::Crashed(no_reward()))?;
     Ok((reward, v["info"].as_object().cloned().unwrap_or_default()))
 }
 
