@@ -92,22 +92,25 @@ impl Proxy {
             .with_state(self)
     }
 
-    /// The episode's pod, claimed now if this is its first call.
-    async fn pod(&self, slot: &Slot) -> Result<Claimed, String> {
-        let mut claimed = slot.claimed.lock().await;
-        if claimed.is_none() {
-            let started = std::time::Instant::now();
-            let made = self.claims.claim(slot.image.as_deref()).await;
-            let made = made.map_err(|e| e.to_string())?;
-            let ms = started.elapsed().as_millis();
-            tracing::info!(
-                "claimed {} ({}) for an episode in {ms} ms",
-                made.what,
-                made.address
-            );
-            *claimed = Some(made);
-        }
-        Ok(claimed.clone().expect("claimed above"))
+    /// The episode's pod, claimed now if this is its first call. The claim is made by a task
+    /// of its own, so a call given up half-way (its episode ended) still leaves the claim in
+    /// the slot, where the lease's end finds and releases it.
+    async fn pod(self: &Arc<Self>, slot: Arc<Slot>) -> Result<Claimed, String> {
+        let proxy = self.clone();
+        let claim = tokio::spawn(async move {
+            let mut claimed = slot.claimed.lock().await;
+            if claimed.is_none() {
+                let started = std::time::Instant::now();
+                let made = proxy.claims.claim(slot.image.as_deref()).await;
+                let made = made.map_err(|e| e.to_string())?;
+                let ms = started.elapsed().as_millis();
+                let (what, address) = (&made.what, made.address);
+                tracing::info!("claimed {what} ({address}) for an episode in {ms} ms");
+                *claimed = Some(made);
+            }
+            Ok(claimed.clone().expect("claimed above"))
+        });
+        claim.await.map_err(|e| format!("claiming a pod: {e}"))?
     }
 }
 
@@ -151,7 +154,7 @@ async fn forward(
         )
             .into_response();
     };
-    let pod = match proxy.pod(&slot).await {
+    let pod = match proxy.pod(slot).await {
         Ok(pod) => pod,
         Err(why) => {
             return (
@@ -183,8 +186,10 @@ async fn forward(
         }
     };
     let status = StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let kind = answer.headers().get("content-type").cloned();
+    let kind = kind.unwrap_or(axum::http::HeaderValue::from_static("text/plain"));
     match answer.bytes().await {
-        Ok(bytes) => (status, [("content-type", "application/json")], bytes).into_response(),
+        Ok(bytes) => (status, [("content-type", kind)], bytes).into_response(),
         Err(e) => (StatusCode::BAD_GATEWAY, format!("{}: {e}", pod.what)).into_response(),
     }
 }
