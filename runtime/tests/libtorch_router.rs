@@ -283,11 +283,15 @@ async fn libtorch_requests_wait_for_an_engine_when_none_is_up() {
             .await
             .unwrap()
     };
-    // Without patience, no engine means 503 at once.
+    // Without patience, no engine means 503 at once (a control call's too).
     let (impatient, _r) = start_router(&[], "consistent-hash").await;
-    let r = generate(impatient).await;
+    let r = generate(impatient.clone()).await;
     assert_eq!(r.status(), 503);
     assert!(r.text().await.unwrap().contains("no healthy engine"));
+    let r = reqwest::get(format!("{impatient}/get_world_size"))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
 
     // With patience, a request sent before any engine is up waits for the first to join.
     let (url, _router) = common::start_router_with(
@@ -298,8 +302,12 @@ async fn libtorch_requests_wait_for_an_engine_when_none_is_up() {
     )
     .await;
     let waiting = tokio::spawn(generate(url.clone()));
+    // A weight sync's control call waits the same way.
+    let world = format!("{url}/get_world_size");
+    let control = tokio::spawn(async move { reqwest::get(world).await.unwrap() });
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(!waiting.is_finished(), "the request did not wait");
+    assert!(!control.is_finished(), "the control call did not wait");
     let (mut a, a_url) = spawn_engine(&dense_model());
     let r = reqwest::Client::new()
         .post(format!("{url}/engines"))
@@ -320,6 +328,12 @@ async fn libtorch_requests_wait_for_an_engine_when_none_is_up() {
         "{v}"
     );
     assert_eq!(success_count(&a_url).await, 1.0);
+    let r = tokio::time::timeout(Duration::from_secs(120), control)
+        .await
+        .unwrap()
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["world_size"], 1, "{v}");
     a.kill().unwrap();
     a.wait().unwrap();
 }

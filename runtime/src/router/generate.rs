@@ -21,7 +21,7 @@ use futures::StreamExt;
 use serde_json::{Map, Value as Json};
 use tokio::sync::mpsc;
 
-use super::{Engine, RouteRequest, Router};
+use super::{RouteRequest, Router};
 use crate::engine::client::{ContentPart, EngineError, Generated};
 use crate::engine::ApiError;
 
@@ -49,8 +49,6 @@ const ROUTED_BUFFER: usize = 64;
 
 /// How long a request waits while every engine refuses it for now (503/429) before it fails.
 const BUSY_PATIENCE: Duration = Duration::from_secs(120);
-/// How often a request waiting for a healthy engine looks again.
-const ENGINE_POLL: Duration = Duration::from_millis(250);
 
 /// Runs `req` with failover; events arrive on the receiver. Dropping the receiver stops the
 /// engine request.
@@ -66,27 +64,6 @@ pub fn start(router: Arc<Router>, req: RoutedRequest) -> Events {
         (router.running.lock().expect("running lock")).remove(&engine_id);
     });
     rx
-}
-
-/// The engine for `route`; when none is healthy, polls for one for up to the router's
-/// engine patience (engines still loading, or all restarting), so that such a gap delays the
-/// request instead of failing it. None when the patience ran out or the client went away.
-async fn pick_patiently(
-    router: &Router,
-    route: &RouteRequest<'_>,
-    failed: &[String],
-    tx: &EventSender,
-) -> Option<Arc<Engine>> {
-    let since = Instant::now();
-    loop {
-        if let Some(engine) = router.pick(route, failed) {
-            return Some(engine);
-        }
-        if since.elapsed() >= router.engine_patience || tx.is_closed() {
-            return None;
-        }
-        tokio::time::sleep(ENGINE_POLL).await;
-    }
 }
 
 /// An engine's refusal as the client's answer, with the engine's status (`fallback` when that
@@ -123,7 +100,9 @@ async fn run(
             let _ = tx.send(Ok(finished)).await;
             return Ok(());
         }
-        let Some(engine) = pick_patiently(router, &route, &failed, tx).await else {
+        // None healthy: the request waits for one (`Router::wait_for`).
+        let engine = router.wait_for(|| router.pick(&route, &failed), || tx.is_closed());
+        let Some(engine) = engine.await else {
             return Err(ApiError::unavailable(if failed.is_empty() {
                 "no healthy engine".to_string()
             } else {

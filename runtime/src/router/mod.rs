@@ -70,6 +70,20 @@ impl Router {
         self
     }
 
+    /// What `get` finds, looking again every quarter second for up to the engine patience
+    /// while it finds nothing (engines still loading, or all down for a moment), unless
+    /// `gone` says the caller left.
+    async fn wait_for<T>(&self, get: impl Fn() -> Option<T>, gone: impl Fn() -> bool) -> Option<T> {
+        let since = std::time::Instant::now();
+        loop {
+            match get() {
+                None if since.elapsed() < self.engine_patience && !gone() => {}
+                found => return found,
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
     /// The engine for `request` among those up and current, skipping `exclude` (engines that
     /// already failed it).
     pub fn pick(&self, request: &RouteRequest<'_>, exclude: &[String]) -> Option<Arc<Engine>> {

@@ -226,7 +226,7 @@ async fn broadcast(
     uri: Uri,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let engines = router.pool.healthy();
+    let engines = healthy(&router).await;
     let body: Option<Value> = (!body.is_empty()).then(|| parse(&body)).transpose()?;
     let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     // The version engines serve once the call succeeded: the NCCL/TCP transports finish with it,
@@ -259,9 +259,16 @@ fn router_http() -> reqwest::Client {
     HTTP.get_or_init(crate::auth::client).clone()
 }
 
+/// The healthy engines; while there are none, a control call waits for one as a generation
+/// does (an engine too busy for its health checks for a while comes back).
+async fn healthy(router: &Router) -> Vec<Arc<Engine>> {
+    let some = || Some(router.pool.healthy()).filter(|e| !e.is_empty());
+    router.wait_for(some, || false).await.unwrap_or_default()
+}
+
 /// `GET path` of every healthy engine: the engines and their answers, in order.
 async fn get_all(router: &Router, path: &str) -> Result<(Vec<Arc<Engine>>, Vec<Value>), ApiError> {
-    let engines = router.pool.healthy();
+    let engines = healthy(router).await;
     let answers = fan_out(&engines, Method::GET, path, vec![None; engines.len()]).await?;
     Ok((engines, answers))
 }
