@@ -814,6 +814,8 @@ fn the_code_recipes_cluster_manifest_builds_sandboxed_agents() {
             "sandbox",
             "--serve",
             "0.0.0.0:7070",
+            "--workspace",
+            "/tmp/workspace",
             "--isolation",
             "episode"
         ]
