@@ -7,12 +7,13 @@ use std::time::{Duration, Instant};
 
 use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
+use moult_operator::children;
 use serde_json::{json, Value as Json};
 
 /// The group and version of `Sandbox`.
-pub const CORE_GROUP: (&str, &str) = ("agents.x-k8s.io", "v1beta1");
+const CORE_GROUP: (&str, &str) = (children::CORE_GROUP, children::VERSION);
 /// The group and version of `SandboxTemplate`, `SandboxClaim` and `SandboxWarmPool`.
-pub const EXTENSIONS_GROUP: (&str, &str) = ("extensions.agents.x-k8s.io", "v1beta1");
+const EXTENSIONS_GROUP: (&str, &str) = (children::EXTENSIONS_GROUP, children::VERSION);
 /// The container of a sandbox pod that runs `moult sandbox --serve` (and whose image a task's
 /// `image` replaces).
 pub const CONTAINER: &str = "sandbox";

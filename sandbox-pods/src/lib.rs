@@ -24,14 +24,10 @@ use tokio::net::TcpListener;
 
 pub use proxy::{Lease, Proxy};
 
-/// The port sandbox pods serve on.
-pub const PORT: u16 = 7070;
+use moult_operator::children::{POD_NAME_ENV, POD_UID_ENV, POOL_ENV};
 
-/// The variables that tell `moult agents` the run has sandbox pods: the warm pool's (and
-/// template's) name, and this pod's name and UID (the owner of its claims).
-pub const POOL_ENV: &str = "MOULT_SANDBOX_POOL";
-pub const POD_NAME_ENV: &str = "MOULT_POD_NAME";
-pub const POD_UID_ENV: &str = "MOULT_POD_UID";
+/// The port sandbox pods serve on (the operator's template says so).
+pub const PORT: u16 = moult_operator::children::SANDBOX_PORT as u16;
 
 /// A lease of an episode of `task` on `proxy`'s sandbox pods, if there is a proxy, and the
 /// variables of the episode's program (none without).

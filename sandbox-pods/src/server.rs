@@ -28,8 +28,7 @@ use sha2::{Digest, Sha256};
 use moult_jail::once;
 use moult_jail::Limits;
 
-/// The variable that gives the server the SHA-256 (hex) of the key callers present.
-pub const VERIFIER_ENV: &str = "MOULT_SANDBOX_VERIFIER";
+pub use moult_operator::children::VERIFIER_ENV;
 
 /// The largest request body: the files a call puts in the workspace travel in it.
 pub const MAX_BODY_BYTES: usize = 64 << 20;

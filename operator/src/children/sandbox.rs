@@ -19,14 +19,21 @@ use super::workloads::{install_moult, MOULT_BIN_DIR};
 use super::{name, Ctx};
 use crate::api::{AgentSandboxSpec, Isolation};
 
-/// The port sandbox pods serve `moult.sandbox.run` calls on (moult-sandbox-pods' `PORT`).
+// What the operator and the runtime's sandbox pods (`sandbox-pods/`) agree on.
+/// The port sandbox pods serve `moult.sandbox.run` calls on.
 pub const SANDBOX_PORT: i32 = 7070;
-/// agent-sandbox's API groups and version.
-pub const EXTENSIONS_API: &str = "extensions.agents.x-k8s.io/v1beta1";
+/// agent-sandbox's API groups (`Sandbox`; the extensions) and their version.
 pub const CORE_GROUP: &str = "agents.x-k8s.io";
 pub const EXTENSIONS_GROUP: &str = "extensions.agents.x-k8s.io";
-/// The variables of an agent pod whose run has sandbox pods (moult-sandbox-pods reads them).
+pub const VERSION: &str = "v1beta1";
+const EXTENSIONS_API: &str = "extensions.agents.x-k8s.io/v1beta1";
+/// The variables of an agent pod whose run has sandbox pods: the warm pool's (and template's)
+/// name, and the pod's name and UID (the owner of its claims).
 pub const POOL_ENV: &str = "MOULT_SANDBOX_POOL";
+pub const POD_NAME_ENV: &str = "MOULT_POD_NAME";
+pub const POD_UID_ENV: &str = "MOULT_POD_UID";
+/// The variable that gives a sandbox pod the SHA-256 (hex) of the key its callers present.
+pub const VERIFIER_ENV: &str = "MOULT_SANDBOX_VERIFIER";
 /// Where a pod's ServiceAccount token is mounted (what Kubernetes clients read in a pod).
 const TOKEN_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
@@ -89,7 +96,7 @@ pub(crate) fn sandbox_template(ctx: &Ctx, s: &AgentSandboxSpec, agent_credential
     c.security_context = Some(locked_down(a.read_only_root_filesystem));
     c.env = Some(vec![
         env("HOME", "/tmp"),
-        env("MOULT_SANDBOX_VERIFIER", &verifier(agent_credential)),
+        env(VERIFIER_ENV, &verifier(agent_credential)),
     ]);
     c.resources = s.resources.clone();
     c.volume_mounts = Some(vec![
@@ -246,7 +253,7 @@ pub(crate) fn claim_from(ctx: &Ctx, pod: &mut PodSpec) {
     ));
     (agent.env.get_or_insert_with(Vec::new)).extend([
         env(POOL_ENV, &sandbox_name(ctx)),
-        super::pods::field_env("MOULT_POD_NAME", "metadata.name"),
-        super::pods::field_env("MOULT_POD_UID", "metadata.uid"),
+        super::pods::field_env(POD_NAME_ENV, "metadata.name"),
+        super::pods::field_env(POD_UID_ENV, "metadata.uid"),
     ]);
 }

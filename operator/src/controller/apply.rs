@@ -29,7 +29,7 @@ use kube::core::GroupVersionKind;
 use kube::{Client, Resource};
 use serde_json::Value;
 
-use crate::children::{Child, ChildKind, MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL};
+use crate::children::{self, Child, ChildKind, MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL};
 use crate::error::{Context, Result};
 
 /// The field manager of every write the operator makes.
@@ -50,7 +50,7 @@ pub fn api_resource(kind: ChildKind) -> ApiResource {
         ChildKind::StatefulSet => ar::<StatefulSet>(),
         ChildKind::Deployment => ar::<Deployment>(),
         ChildKind::SandboxTemplate | ChildKind::SandboxWarmPool => {
-            let (group, version) = ("extensions.agents.x-k8s.io", "v1beta1");
+            let (group, version) = (children::EXTENSIONS_GROUP, children::VERSION);
             let kind = format!("{kind:?}");
             let plural = format!("{}s", kind.to_lowercase());
             ApiResource::from_gvk_with_plural(
