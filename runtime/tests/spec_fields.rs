@@ -100,6 +100,7 @@ spec:
     egress: {to: [{cidr: 10.0.0.0/8}]}
     readOnlyRootFilesystem: false
     runtimeClassName: gvisor
+    sandbox: {image: "python:3.13-slim", warmPool: 8}
     dataset: {path: tasks.jsonl, claimName: data}
   eval: {dataset: {path: held-out.jsonl, claimName: data}}
   engines:

@@ -138,6 +138,7 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
         (a.resources.is_some(), "agent.resources"),
         (a.egress.is_some(), "agent.egress"),
         (a.runtime_class_name.is_some(), "agent.runtimeClassName (agent programs run on this machine)"),
+        (a.sandbox.is_some(), "agent.sandbox (every moult.sandbox.run call gets a jail on this machine)"),
         (!a.read_only_root_filesystem, "agent.readOnlyRootFilesystem"),
         (a.dataset.claim_name.is_some(), "agent.dataset.claimName (tasks are read from agent.dataset.path here)"),
         (spec.eval.as_ref().is_some_and(|e| e.dataset.claim_name.is_some()), "eval.dataset.claimName (held-out tasks are read from eval.dataset.path here)"),
