@@ -23,7 +23,8 @@ use axum::{Json, Router};
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+
+use moult_operator::children::verifier;
 
 use moult_jail::once;
 use moult_jail::Limits;
@@ -107,7 +108,8 @@ enum CallError {
 /// A sandbox pod's server.
 #[derive(Debug)]
 pub struct Server {
-    verifier: [u8; 32],
+    /// The hex SHA-256 of the key callers present, as the operator writes it.
+    verifier: String,
     workspace: PathBuf,
     /// Where each call's stdin, stdout and stderr are kept (outside the workspace).
     streams: PathBuf,
@@ -126,13 +128,11 @@ impl Server {
         streams: PathBuf,
         jailed: bool,
     ) -> Result<Self, String> {
-        let bytes = (0..verifier.len().min(64))
-            .step_by(2)
-            .filter_map(|i| u8::from_str_radix(verifier.get(i..i + 2)?, 16).ok())
-            .collect::<Vec<u8>>();
-        let verifier = <[u8; 32]>::try_from(bytes).map_err(|_| {
-            format!("{VERIFIER_ENV} must be the SHA-256 of the agents' key, 64 hex digits")
-        })?;
+        if verifier.len() != 64 || !verifier.bytes().all(|b| b.is_ascii_hexdigit()) {
+            let wanted = "must be the SHA-256 of the agents' key, 64 hex digits";
+            return Err(format!("{VERIFIER_ENV} {wanted}"));
+        }
+        let verifier = verifier.to_ascii_lowercase();
         for dir in [&workspace, &streams] {
             std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         }
@@ -158,7 +158,7 @@ impl Server {
     fn authorized(&self, headers: &HeaderMap) -> bool {
         let key = headers.get("authorization").and_then(|v| v.to_str().ok());
         let key = key.and_then(|v| v.strip_prefix("Bearer "));
-        key.is_some_and(|k| Sha256::digest(k.as_bytes()).as_slice() == self.verifier)
+        key.is_some_and(|k| verifier(k) == self.verifier)
     }
 
     async fn call(&self, request: RunRequest) -> Result<RunResult, CallError> {

@@ -10,7 +10,6 @@ use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine;
 use moult_jail::Limits;
 use moult_sandbox_pods::server::{RunRequest, RunResult, Server};
-use sha2::{Digest, Sha256};
 
 fn request(argv: &[&str], files: &[(&str, &str)]) -> RunRequest {
     RunRequest {
@@ -31,9 +30,7 @@ fn request(argv: &[&str], files: &[(&str, &str)]) -> RunRequest {
 async fn the_server_runs_its_episodes_calls_for_the_key_it_knows_and_no_other() {
     let root = std::env::temp_dir().join(format!("moult-sandbox-server-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
-    let verifier: String = (Sha256::digest(b"the-key").iter())
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let verifier = moult_operator::children::verifier("the-key");
     let server = Server::new(
         &verifier,
         root.join("workspace"),

@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::ByteString;
 
-use super::{service_account_name, Ctx, InvalidSpec, AGENT_TOKEN_KEY, TOKEN_KEY};
+use super::{Ctx, InvalidSpec, AGENT_TOKEN_KEY, TOKEN_KEY};
 use crate::api::GROUP;
 
 /// File name of the run config inside the ConfigMap (mounted at `/etc/moult`).
@@ -48,9 +48,14 @@ pub(crate) fn token_secret(ctx: &Ctx, token: &str) -> Secret {
 }
 
 pub(crate) fn service_account(ctx: &Ctx) -> ServiceAccount {
+    account(ctx, "moult", true)
+}
+
+/// The ServiceAccount `<run>-<suffix>`; `automount`: whether pods mount its token by default.
+pub(crate) fn account(ctx: &Ctx, suffix: &str, automount: bool) -> ServiceAccount {
     ServiceAccount {
-        metadata: ctx.meta("moult", None),
-        automount_service_account_token: Some(true),
+        metadata: ctx.meta(suffix, None),
+        automount_service_account_token: Some(automount),
         ..ServiceAccount::default()
     }
 }
@@ -107,16 +112,22 @@ pub(crate) fn role(ctx: &Ctx) -> Role {
 }
 
 pub(crate) fn role_binding(ctx: &Ctx) -> RoleBinding {
+    binding(ctx, "moult")
+}
+
+/// Binds the Role `<run>-<suffix>` to the ServiceAccount of the same name.
+pub(crate) fn binding(ctx: &Ctx, suffix: &str) -> RoleBinding {
+    let name = super::name(&ctx.name, suffix);
     RoleBinding {
-        metadata: ctx.meta("moult", None),
+        metadata: ctx.meta(suffix, None),
         role_ref: RoleRef {
             api_group: Some("rbac.authorization.k8s.io".into()),
             kind: "Role".into(),
-            name: service_account_name(&ctx.name),
+            name: name.clone(),
         },
         subjects: Some(vec![Subject {
             kind: "ServiceAccount".into(),
-            name: service_account_name(&ctx.name),
+            name,
             namespace: Some(ctx.namespace.clone()),
             ..Subject::default()
         }]),

@@ -11,11 +11,11 @@ mod pods;
 mod sandbox;
 mod workloads;
 
-pub use network::{default_dns, NetworkPolicies};
+pub use network::{default_dns, egress_to, NetworkPolicies};
 pub use pods::{quantity, DEFAULT_LIMITS, TMP_SIZE};
 pub use sandbox::{
-    CORE_GROUP, EXTENSIONS_GROUP, POD_NAME_ENV, POD_UID_ENV, POOL_ENV, SANDBOX_PORT, VERIFIER_ENV,
-    VERSION,
+    verifier, CORE_GROUP, EXTENSIONS_GROUP, POD_NAME_ENV, POD_UID_ENV, POOL_ENV, SANDBOX_PORT,
+    VERIFIER_ENV, VERSION,
 };
 pub use workloads::{vllm_args, EngineRole};
 

@@ -245,3 +245,30 @@ pub fn default_dns() -> NetworkPolicyEgressRule {
         ]),
     }
 }
+
+/// An egress rule to the addresses and ports of `slices` (the API server's, for agent pods that
+/// claim sandbox pods); `None` when they hold no address.
+pub fn egress_to(
+    slices: &[k8s_openapi::api::discovery::v1::EndpointSlice],
+) -> Option<NetworkPolicyEgressRule> {
+    let addresses = slices
+        .iter()
+        .flat_map(|s| s.endpoints.iter().flatten().flat_map(|e| &e.addresses));
+    let to: Vec<NetworkPolicyPeer> = addresses
+        .map(|address| NetworkPolicyPeer {
+            ip_block: Some(IPBlock {
+                cidr: format!("{address}/{}", if address.contains(':') { 128 } else { 32 }),
+                except: None,
+            }),
+            ..NetworkPolicyPeer::default()
+        })
+        .collect();
+    let ports = slices
+        .iter()
+        .flat_map(|s| s.ports.iter().flatten().filter_map(|p| p.port));
+    let ports: Vec<NetworkPolicyPort> = ports.map(tcp).collect();
+    (!to.is_empty()).then_some(NetworkPolicyEgressRule {
+        to: Some(to),
+        ports: (!ports.is_empty()).then_some(ports),
+    })
+}

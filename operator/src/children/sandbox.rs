@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{
     KeyToPath, PodSpec, ProjectedVolumeSource, ServiceAccount, ServiceAccountTokenProjection,
     Volume, VolumeProjection,
 };
-use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding};
 use serde_json::{json, Value as Json};
 use sha2::{Digest, Sha256};
 
@@ -62,7 +62,7 @@ pub(crate) fn agents_account(ctx: &Ctx) -> String {
 
 /// The hex SHA-256 of the agent credential: sandbox pods check callers against it and so hold
 /// no credential themselves.
-pub(crate) fn verifier(agent_credential: &str) -> String {
+pub fn verifier(agent_credential: &str) -> String {
     Sha256::digest(agent_credential.as_bytes())
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -174,25 +174,8 @@ pub(crate) fn agents_access(ctx: &Ctx) -> (ServiceAccount, Role, RoleBinding) {
             template,
         ]),
     };
-    let binding = RoleBinding {
-        metadata: ctx.meta("agents", None),
-        role_ref: RoleRef {
-            api_group: Some("rbac.authorization.k8s.io".into()),
-            kind: "Role".into(),
-            name: agents_account(ctx),
-        },
-        subjects: Some(vec![Subject {
-            kind: "ServiceAccount".into(),
-            name: agents_account(ctx),
-            namespace: Some(ctx.namespace.clone()),
-            ..Subject::default()
-        }]),
-    };
-    let account = ServiceAccount {
-        metadata: ctx.meta("agents", None),
-        automount_service_account_token: Some(false),
-        ..ServiceAccount::default()
-    };
+    let binding = super::access::binding(ctx, "agents");
+    let account = super::access::account(ctx, "agents", false);
     (account, role, binding)
 }
 

@@ -1143,3 +1143,24 @@ fn rollout_dumps_need_the_checkpoint_claim_they_are_written_to() {
         "{err}"
     );
 }
+
+#[test]
+fn agent_pods_reach_the_api_server_at_its_endpoints_addresses() {
+    let slice: k8s_openapi::api::discovery::v1::EndpointSlice =
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "kubernetes"},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": ["172.18.0.2", "172.18.0.3"]}],
+            "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
+        }))
+        .unwrap();
+    let rule = serde_json::to_value(egress_to(&[slice]).expect("a rule")).unwrap();
+    assert_eq!(
+        rule,
+        serde_json::json!({
+            "to": [{"ipBlock": {"cidr": "172.18.0.2/32"}}, {"ipBlock": {"cidr": "172.18.0.3/32"}}],
+            "ports": [{"port": 6443, "protocol": "TCP"}],
+        })
+    );
+    assert_eq!(egress_to(&[]), None);
+}

@@ -513,44 +513,15 @@ pub async fn api_server_egress(
     client: &kube::Client,
 ) -> Option<k8s_openapi::api::networking::v1::NetworkPolicyEgressRule> {
     use k8s_openapi::api::discovery::v1::EndpointSlice;
-    use k8s_openapi::api::networking::v1::{IPBlock, NetworkPolicyPeer, NetworkPolicyPort};
-    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client.clone(), "default");
     let lp = kube::api::ListParams::default().labels("kubernetes.io/service-name=kubernetes");
-    let slices = match api.list(&lp).await {
-        Ok(list) => list.items,
+    match api.list(&lp).await {
+        Ok(list) => children::egress_to(&list.items),
         Err(e) => {
             tracing::warn!("the API server's endpoints could not be read ({e}): agent pods of runs with spec.agent.sandbox may not reach it where NetworkPolicies are enforced; set --agent-api-server");
-            return None;
+            None
         }
-    };
-    let mut to = Vec::new();
-    let mut ports = Vec::new();
-    for slice in &slices {
-        for address in slice.endpoints.iter().flatten().flat_map(|e| &e.addresses) {
-            let bits = if address.contains(':') { 128 } else { 32 };
-            to.push(NetworkPolicyPeer {
-                ip_block: Some(IPBlock {
-                    cidr: format!("{address}/{bits}"),
-                    except: None,
-                }),
-                ..NetworkPolicyPeer::default()
-            });
-        }
-        ports.extend(
-            (slice.ports.iter().flatten())
-                .filter_map(|p| p.port)
-                .map(|port| NetworkPolicyPort {
-                    port: Some(IntOrString::Int(port)),
-                    protocol: Some("TCP".into()),
-                    ..NetworkPolicyPort::default()
-                }),
-        );
     }
-    (!to.is_empty()).then_some(k8s_openapi::api::networking::v1::NetworkPolicyEgressRule {
-        to: Some(to),
-        ports: (!ports.is_empty()).then_some(ports),
-    })
 }
 
 #[cfg(test)]
