@@ -151,28 +151,32 @@ def run(code=None, *, argv=None, files=None, stdin=None, timeout=10.0, limits=No
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a number of seconds above 0; got {timeout!r}")
     jail_limits = _limits(limits)
-    if os.environ.get("MOULT_SANDBOX_URL"):
-        return _remote(code, argv, files, stdin, timeout, jail_limits, env, python,
-                       max_output, max_files_bytes)
+    # In the episode's sandbox pod (a cluster run with spec.agent.sandbox), or here.
+    remote = bool(os.environ.get("MOULT_SANDBOX_URL"))
+    given = dict(files or {})
+    if code is not None:
+        given.setdefault("main.py", code)
+        argv = [python or ("python3" if remote else sys.executable), "main.py"]
+    for name in given:
+        plain = os.path.normpath(name)
+        if os.path.isabs(name) or plain == "." or plain.split(os.sep)[0] == "..":
+            raise ValueError(f"files: {name!r} must be a relative path inside the sandbox's folder")
+    program_env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if remote:
+        return _remote(argv, given, stdin, timeout, jail_limits, program_env, max_output,
+                       max_files_bytes)
     moult = _binary()
     work = tempfile.mkdtemp(prefix="moult-sandbox-")
     streams = tempfile.mkdtemp(prefix="moult-sandbox-out-")
     try:
-        given = dict(files or {})
-        if code is not None:
-            given.setdefault("main.py", code)
-            argv = [python or sys.executable, "main.py"]
         for name, content in given.items():
-            path = os.path.normpath(os.path.join(work, name))
-            if os.path.isabs(name) or not path.startswith(work + os.sep):
-                raise ValueError(f"files: {name!r} must be a relative path inside the sandbox's folder")
+            path = os.path.join(work, os.path.normpath(name))
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
                 f.write(content.encode() if isinstance(content, str) else bytes(content))
         before = _snapshot(work)
         program_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work,
-                       "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-        program_env.update(env or {})
+                       "LANG": "C.UTF-8", **program_env}
         request = {
             "env": sorted(program_env.items()),
             "limits": jail_limits,
@@ -212,22 +216,13 @@ def run(code=None, *, argv=None, files=None, stdin=None, timeout=10.0, limits=No
         shutil.rmtree(streams, ignore_errors=True)
 
 
-def _remote(code, argv, files, stdin, timeout, limits, env, python, max_output, max_files_bytes):
+def _remote(argv, given, stdin, timeout, limits, program_env, max_output, max_files_bytes):
     """The call, run by the episode's sandbox pod (its answer has `Result`'s fields)."""
     import base64
     import urllib.error
     import urllib.request
 
-    given = dict(files or {})
-    if code is not None:
-        given.setdefault("main.py", code)
-        argv = [python or "python3", "main.py"]
-    for name in given:
-        if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
-            raise ValueError(f"files: {name!r} must be a relative path inside the sandbox's folder")
     as_bytes = lambda v: v.encode() if isinstance(v, str) else bytes(v or b"")
-    program_env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
-    program_env.update(env or {})
     body = json.dumps({
         "argv": [str(a) for a in argv],
         "files": {k: base64.b64encode(as_bytes(v)).decode() for k, v in given.items()},
