@@ -69,6 +69,13 @@ pub const GROUP: &str = "moult.dev";
         priority = "1"
     ),
     printcolumn(
+        name = "GPU-Hours",
+        type_ = "number",
+        description = "GPU-hours the run's pods used while they ran",
+        json_path = ".status.usage.gpuHours",
+        priority = "1"
+    ),
+    printcolumn(
         name = "Message",
         type_ = "string",
         description = "the Ready condition's message: per component, what keeps it from ready",
@@ -573,6 +580,19 @@ pub struct TrainerSpec {
     /// (several ranks with `sharding: Full` only; docs/distributed.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute_dtype: Option<TrainerDtype>,
+    /// Seconds a trainer pod has, from SIGTERM (a suspend, a preemption, a node drain), to
+    /// finish or abandon its step and checkpoint the last step it trained before it is killed
+    /// (120 when unset; docs/operator.md, "Stopping, suspending, preempting").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 10, max = 86400))]
+    pub termination_grace_period_seconds: Option<u32>,
+}
+
+impl TrainerSpec {
+    /// The trainer pods' `terminationGracePeriodSeconds`.
+    pub fn grace_seconds(&self) -> u32 {
+        self.termination_grace_period_seconds.unwrap_or(120)
+    }
 }
 
 /// A trainer's compute dtype.
@@ -604,6 +624,7 @@ impl Default for TrainerSpec {
             sharding: None,
             micro_batch_tokens: None,
             compute_dtype: None,
+            termination_grace_period_seconds: None,
             freeze_vision_tower: false,
         }
     }
@@ -1154,6 +1175,37 @@ pub struct RLRunStatus {
     pub metrics: Option<RunMetrics>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_checkpoint: Option<CheckpointStatus>,
+    /// What the run's pods used while they ran (docs/operator.md, "What a run costs").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// What a run's pods used: GPU- and CPU-seconds of the pods that ran, not of those asked for,
+/// brought up to date at each reconcile (every pod change, and every minute while pods run).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    /// GPU-hours of every role, as `kubectl get rlrun -o wide` prints them.
+    pub gpu_hours: f64,
+    /// By role: engines, trainer, coordinator, agents, and judge or teacher engines.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub roles: BTreeMap<String, RoleUsage>,
+    /// When the totals were brought up to date.
+    pub observed_at: Time,
+}
+
+/// One role's usage.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RoleUsage {
+    /// GPUs × seconds its pods ran (their `nvidia.com/gpu` or other `*/gpu` limits).
+    pub gpu_seconds: f64,
+    /// CPUs × seconds its pods ran (their CPU requests, else limits).
+    pub cpu_seconds: f64,
+    /// GPUs of its pods running at `observedAt`.
+    pub gpus: f64,
+    /// CPUs of its pods running at `observedAt`.
+    pub cpus: f64,
 }
 
 /// Engine pods as the scale subresource reports them.

@@ -23,7 +23,12 @@ use tower::ServiceExt;
 /// How long a client has to send a request's headers.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Serves `app` on `listener` until `shutdown` resolves, then lets running requests finish.
+/// How long a server that stops lets its running requests finish (a generation waiting for an
+/// engine that is gone would hold it for as long as its patience).
+pub const DRAIN_FOR: Duration = Duration::from_secs(10);
+
+/// Serves `app` on `listener` until `shutdown` resolves, then lets running requests finish for
+/// up to [`DRAIN_FOR`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
@@ -71,7 +76,12 @@ pub async fn serve_with(
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    if tokio::time::timeout(DRAIN_FOR, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("requests still running {DRAIN_FOR:?} after the stop: closed");
+    }
     Ok(())
 }
 

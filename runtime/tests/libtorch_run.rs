@@ -593,6 +593,83 @@ fn spawn_role(
 
 const ROLES_TOKEN: &str = "forged-episodes-test-token";
 
+fn arg(s: &str) -> std::ffi::OsString {
+    std::ffi::OsString::from(s)
+}
+
+/// The recipe's model.
+fn model() -> PathBuf {
+    recipe().parent().unwrap().join("model")
+}
+
+/// `moult engine` on the recipe's model, logging to `<root>/engine.log`; its URL.
+fn spawn_engine(root: &Path) -> (std::process::Child, String) {
+    let model = model();
+    let args = [
+        arg("engine"),
+        arg("--model"),
+        model.into(),
+        arg("--port"),
+        arg("0"),
+    ];
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    spawn_role(&args, &[], root.join("engine.log"), Some("listening on "))
+}
+
+/// `moult coordinator` of `manifest` in front of the engine at `engine`; its URL.
+fn spawn_coordinator(root: &Path, manifest: &Path, engine: &str) -> (std::process::Child, String) {
+    let args = [
+        arg("coordinator"),
+        arg("--config"),
+        manifest.into(),
+        arg("--host"),
+        arg("127.0.0.1"),
+        arg("--port"),
+        arg("0"),
+        arg("--lease-time"),
+        arg("10s"),
+    ];
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let engines = [("MOULT_ENGINES", Path::new(engine))];
+    let (child, url) = spawn_role(
+        &args,
+        &engines,
+        root.join("coordinator.log"),
+        Some(" tasks) on "),
+    );
+    assert!(
+        url.starts_with("http://127.0.0.1:"),
+        "the coordinator's URL: {url:?}"
+    );
+    (child, url)
+}
+
+/// `moult trainer` or `moult agents` of `manifest` for the coordinator at `url` (the trainer with
+/// its checkpoints under `<root>/checkpoints`), logging to `<root>/<log>`; a role has
+/// `MOULT_STOP_SECONDS=60` to stop on its own.
+fn spawn_worker(
+    role: &str,
+    root: &Path,
+    manifest: &Path,
+    url: &str,
+    log: &str,
+) -> std::process::Child {
+    let mut args = vec![arg(role), arg("--config"), manifest.into()];
+    if role == "agents" {
+        args.extend([arg("--coordinator"), arg(url)]);
+    }
+    args.extend([arg("--metrics-addr"), arg("127.0.0.1:0")]);
+    let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+    let (model, checkpoints) = (model(), root.join("checkpoints"));
+    let env = [
+        ("MOULT_MODEL", model.as_path()),
+        ("MOULT_COORDINATOR", Path::new(url)),
+        ("MOULT_CHECKPOINTS", &checkpoints),
+        ("MOULT_STOP_SECONDS", Path::new("60")),
+    ];
+    spawn_role(&args, &env, root.join(log), None).0
+}
+
 /// A forged episode of a lease: one segment of `prompt` tokens (0 loss mask) then two sampled
 /// ones, with `image` as the segment's image when given.
 fn forged(lease: &Value, prompt: Vec<i64>, image: Option<Value>) -> Value {
@@ -632,41 +709,8 @@ fn libtorch_forged_episodes_before_the_trainer_starts_never_stop_it() {
         // As many generations as the agent pod has sessions (64), the most an honest one needs.
         run["spec"]["coordinator"] = serde_json::json!({"agentLimits": {"generations": 64}});
     });
-    let model = recipe().parent().unwrap().join("model");
-    let arg = |s: &str| std::ffi::OsString::from(s);
-    let (mut engine, engine_url) = spawn_role(
-        &[
-            arg("engine").as_ref(),
-            arg("--model").as_ref(),
-            model.as_os_str(),
-            arg("--port").as_ref(),
-            arg("0").as_ref(),
-        ],
-        &[],
-        root.join("engine.log"),
-        Some("listening on "),
-    );
-    let engines = PathBuf::from(&engine_url);
-    let (mut coordinator, url) = spawn_role(
-        &[
-            arg("coordinator").as_ref(),
-            arg("--config").as_ref(),
-            manifest.as_os_str(),
-            arg("--host").as_ref(),
-            arg("127.0.0.1").as_ref(),
-            arg("--port").as_ref(),
-            arg("0").as_ref(),
-            arg("--lease-time").as_ref(),
-            arg("10s").as_ref(),
-        ],
-        &[("MOULT_ENGINES", &engines)],
-        root.join("coordinator.log"),
-        Some(" tasks) on "),
-    );
-    assert!(
-        url.starts_with("http://127.0.0.1:"),
-        "the coordinator's URL: {url:?}"
-    );
+    let (mut engine, engine_url) = spawn_engine(&root);
+    let (mut coordinator, url) = spawn_coordinator(&root, &manifest, &engine_url);
     let agent = moult_operator::credentials::agent_credential(ROLES_TOKEN);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let http = reqwest::Client::new();
@@ -764,38 +808,9 @@ fn libtorch_forged_episodes_before_the_trainer_starts_never_stop_it() {
     for generation in held {
         assert_eq!(rt.block_on(generation).unwrap(), 200);
     }
-    let checkpoints = root.join("checkpoints");
-    let (mut trainer, _) = spawn_role(
-        &[
-            arg("trainer").as_ref(),
-            arg("--config").as_ref(),
-            manifest.as_os_str(),
-            arg("--metrics-addr").as_ref(),
-            arg("127.0.0.1:0").as_ref(),
-        ],
-        &[
-            ("MOULT_MODEL", &model),
-            ("MOULT_COORDINATOR", Path::new(&url)),
-            ("MOULT_CHECKPOINTS", &checkpoints),
-        ],
-        root.join("trainer.log"),
-        None,
-    );
-    let (mut agents, _) = spawn_role(
-        &[
-            arg("agents").as_ref(),
-            arg("--config").as_ref(),
-            manifest.as_os_str(),
-            arg("--coordinator").as_ref(),
-            arg(&url).as_ref(),
-            arg("--metrics-addr").as_ref(),
-            arg("127.0.0.1:0").as_ref(),
-        ],
-        &[("MOULT_MODEL", &model)],
-        root.join("agents.log"),
-        None,
-    );
-    let out = checkpoints.join("successor");
+    let mut trainer = spawn_worker("trainer", &root, &manifest, &url, "trainer.log");
+    let mut agents = spawn_worker("agents", &root, &manifest, &url, "agents.log");
+    let out = root.join("checkpoints/successor");
     let deadline = Instant::now() + Duration::from_secs(600);
     while metrics(&out).len() < 4 {
         let log = std::fs::read_to_string(root.join("trainer.log")).unwrap_or_default();
@@ -835,6 +850,136 @@ fn libtorch_forged_episodes_before_the_trainer_starts_never_stop_it() {
         file.contains("not a vision-language model"),
         "{}",
         &file[..file.len().min(400)]
+    );
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Sends SIGTERM to `child` and waits for it to exit on its own (before its 60 s of grace end:
+/// a forced exit is status 143); the seconds it took.
+fn stop(child: &mut std::process::Child, what: &str, log: &Path) -> f64 {
+    use nix::sys::signal::{kill, Signal};
+    let started = Instant::now();
+    kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        Signal::SIGTERM,
+    )
+    .unwrap();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            assert!(
+                status.success(),
+                "{what} exited with {status} on SIGTERM:\n{log}"
+            );
+            let seconds = started.elapsed().as_secs_f64();
+            eprintln!("{what}: exited {seconds:.1} s after SIGTERM");
+            return seconds;
+        }
+        let log = std::fs::read_to_string(log).unwrap_or_default();
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{what} still runs 60 s after SIGTERM:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The cluster roles as processes. SIGTERM reaches the trainer as it finishes a step (as a
+/// suspend, a preemption or a node drain sends it): it checkpoints the last step it trained and
+/// exits within its grace, though no interval checkpoint was due; started again, it resumes at
+/// the step after that one, and the run trains every step once. Then each role exits on SIGTERM
+/// whatever it waits for: the engine, the coordinator, agents leasing from a coordinator that is
+/// gone, and a trainer waiting for one.
+#[test]
+fn libtorch_roles_stop_on_sigterm_and_the_trainer_resumes_at_the_next_step() {
+    let root = out_dir("sigterm");
+    let total = 6;
+    let manifest = edited_recipe(&root, |run| {
+        run["spec"]["totalSteps"] = total.into();
+        run["spec"].as_object_mut().unwrap().remove("eval");
+        run["spec"]["checkpoint"] = serde_json::json!({"claimName": "c", "intervalSteps": 100});
+    });
+    let (mut engine, engine_url) = spawn_engine(&root);
+    let (mut coordinator, url) = spawn_coordinator(&root, &manifest, &engine_url);
+    let mut trainer = spawn_worker("trainer", &root, &manifest, &url, "trainer.log");
+    let mut agents = spawn_worker("agents", &root, &manifest, &url, "agents.log");
+    let out = root.join("checkpoints/successor");
+    let wait_for_steps = |trainer: &mut std::process::Child, log: &str, steps: usize| {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while metrics(&out).len() < steps {
+            let log = std::fs::read_to_string(root.join(log)).unwrap_or_default();
+            assert!(
+                trainer.try_wait().unwrap().is_none(),
+                "the trainer stopped:\n{log}"
+            );
+            assert!(Instant::now() < deadline, "no progress:\n{log}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    wait_for_steps(&mut trainer, "trainer.log", 2);
+    stop(&mut trainer, "the trainer", &root.join("trainer.log"));
+    let trained = metrics(&out).len() as u64;
+    let latest: Value =
+        serde_json::from_slice(&std::fs::read(out.join("checkpoints/latest.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        latest["step"], trained,
+        "the checkpoint is of the last step trained"
+    );
+
+    let mut trainer = spawn_worker("trainer", &root, &manifest, &url, "trainer-2.log");
+    wait_for_steps(&mut trainer, "trainer-2.log", total as usize);
+    let log = std::fs::read_to_string(root.join("trainer-2.log")).unwrap();
+    assert!(
+        log.contains(&format!("from step {trained} of {total}")),
+        "{log}"
+    );
+    let steps: Vec<u64> = metrics(&out)
+        .iter()
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=total).collect::<Vec<_>>(), "each step once");
+    let status: Value = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let status = reqwest::Client::new()
+            .get(format!("{url}/v1/status"))
+            .bearer_auth(ROLES_TOKEN);
+        status.send().await.unwrap().json().await.unwrap()
+    });
+    assert_eq!(status["trainer_restarts"], 1, "{status}");
+
+    // Each role exits on SIGTERM, whatever it waits for.
+    stop(
+        &mut trainer,
+        "a finished trainer",
+        &root.join("trainer-2.log"),
+    );
+    stop(&mut engine, "the engine", &root.join("engine.log"));
+    stop(
+        &mut coordinator,
+        "the coordinator",
+        &root.join("coordinator.log"),
+    );
+    let mut waiting = spawn_worker("trainer", &root, &manifest, &url, "trainer-3.log");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !std::fs::read_to_string(root.join("trainer-3.log"))
+        .unwrap_or_default()
+        .contains("waiting for engines")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the trainer never waited for the coordinator"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop(
+        &mut waiting,
+        "a trainer waiting for a coordinator that is gone",
+        &root.join("trainer-3.log"),
+    );
+    stop(
+        &mut agents,
+        "agents leasing from a coordinator that is gone",
+        &root.join("agents.log"),
     );
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -1164,3 +1164,17 @@ fn agent_pods_reach_the_api_server_at_its_endpoints_addresses() {
     );
     assert_eq!(egress_to(&[]), None);
 }
+
+#[test]
+fn trainer_pods_have_the_spec_grace_and_stop_a_little_before_it_ends() {
+    let mut run = example_run();
+    for (set, grace) in [(None, 120), (Some(600), 600)] {
+        run.spec.trainer.termination_grace_period_seconds = set;
+        let template = Some(build(&run).trainer.spec.template);
+        let pod = pod(&template);
+        assert_eq!(pod.termination_grace_period_seconds, Some(grace));
+        let env = main_container(pod).env.clone().unwrap();
+        let stop = env.iter().find(|v| v.name == "MOULT_STOP_SECONDS").unwrap();
+        assert_eq!(stop.value, Some((grace - 5).to_string()));
+    }
+}

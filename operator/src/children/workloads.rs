@@ -438,6 +438,10 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
         // On-policy distillation: the trainer scores samples with the teacher.
         env_vars.push(env("MOULT_TEACHER", path));
     }
+    // A stopped trainer checkpoints its last step within its grace, and exits a little before
+    // it ends rather than be killed (docs/operator.md, "Stopping, suspending, preempting").
+    let grace = t.grace_seconds();
+    env_vars.push(env("MOULT_STOP_SECONDS", &(grace - 5).to_string()));
     env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);
     c.ports = Some(vec![
@@ -470,6 +474,7 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
         containers: vec![c],
         volumes: Some(volumes),
         subdomain: Some(trainer_svc.clone()),
+        termination_grace_period_seconds: Some(grace.into()),
         ..PodSpec::default()
     };
     StatefulSet {

@@ -23,7 +23,7 @@ use prometheus_client::registry::Registry;
 
 use super::causes::Reason;
 use super::status::Component;
-use crate::api::Phase;
+use crate::api::{Phase, Usage};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WriteLabels {
@@ -51,6 +51,17 @@ pub struct ComponentLabels {
     /// engines, trainer, coordinator or agents.
     pub component: String,
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoleLabels {
+    pub namespace: String,
+    pub run: String,
+    /// engines, trainer, coordinator, agents, judge or teacher.
+    pub role: String,
+}
+
+/// A gauge of seconds.
+type Seconds = Gauge<f64, std::sync::atomic::AtomicU64>;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BlockedLabels {
@@ -85,6 +96,9 @@ pub struct Metrics {
     pub desired_pods: Family<ComponentLabels, Gauge>,
     /// 1 for the cause that keeps a component from ready, 0 for the other causes.
     pub blocked: Family<BlockedLabels, Gauge>,
+    /// A run's `status.usage`, per role.
+    pub gpu_seconds: Family<RoleLabels, Seconds>,
+    pub cpu_seconds: Family<RoleLabels, Seconds>,
     /// Runs (namespace, name) with series, and the components each has series for (engines,
     /// trainer, judge, teacher, ...), to drop those of deleted runs and removed components.
     runs: Mutex<HashMap<(String, String), BTreeSet<&'static str>>>,
@@ -103,6 +117,18 @@ impl Default for Metrics {
         let ready_pods = Family::<ComponentLabels, Gauge>::default();
         let desired_pods = Family::<ComponentLabels, Gauge>::default();
         let blocked = Family::<BlockedLabels, Gauge>::default();
+        let gpu_seconds = Family::<RoleLabels, Seconds>::default();
+        let cpu_seconds = Family::<RoleLabels, Seconds>::default();
+        registry.register(
+            "run_gpu_seconds",
+            "GPUs × seconds the pods of each role of each RLRun ran (status.usage)",
+            gpu_seconds.clone(),
+        );
+        registry.register(
+            "run_cpu_seconds",
+            "CPUs (requested) × seconds the pods of each role of each RLRun ran (status.usage)",
+            cpu_seconds.clone(),
+        );
         registry.register(
             "run_phase",
             "1 for the phase each RLRun is in, 0 for the others",
@@ -149,6 +175,8 @@ impl Default for Metrics {
             ready_pods,
             desired_pods,
             blocked,
+            gpu_seconds,
+            cpu_seconds,
             runs: Mutex::new(HashMap::new()),
             ready: AtomicBool::new(false),
         }
@@ -162,14 +190,24 @@ impl Metrics {
             .inc_by(n as u64);
     }
 
-    /// Sets the gauges of one run from its phase and components.
+    /// Sets the gauges of one run from its phase, components and usage.
     pub fn observe_run(
         &self,
         namespace: &str,
         run: &str,
         phase: Option<Phase>,
         components: &[Component],
+        usage: Option<&Usage>,
     ) {
+        for (role, used) in usage.iter().flat_map(|u| &u.roles) {
+            let labels = RoleLabels {
+                namespace: namespace.into(),
+                run: run.into(),
+                role: role.clone(),
+            };
+            self.gpu_seconds.get_or_create(&labels).set(used.gpu_seconds);
+            self.cpu_seconds.get_or_create(&labels).set(used.cpu_seconds);
+        }
         let now: BTreeSet<&'static str> = components.iter().map(|c| c.name).collect();
         let before = self
             .runs
@@ -232,6 +270,15 @@ impl Metrics {
             }
             for component in components.iter() {
                 self.remove_component(namespace, run, component);
+            }
+            for role in super::usage::ROLES {
+                let labels = RoleLabels {
+                    namespace: namespace.clone(),
+                    run: run.clone(),
+                    role: role.into(),
+                };
+                self.gpu_seconds.remove(&labels);
+                self.cpu_seconds.remove(&labels);
             }
             false
         });
@@ -328,6 +375,7 @@ mod tests {
                 component("judge", 0, Some(Reason::ImagePullFailed)),
                 component("teacher", 2, None),
             ],
+            None,
         );
         let text = m.encode();
         for line in [
@@ -350,7 +398,27 @@ mod tests {
             "r",
             Some(Phase::Running),
             &[component("trainer", 2, None), component("teacher", 2, None)],
+            Some(&crate::api::Usage {
+                gpu_hours: 1.0,
+                roles: [("trainer".to_string(), crate::api::RoleUsage {
+                    gpu_seconds: 3600.0,
+                    cpu_seconds: 7200.0,
+                    gpus: 1.0,
+                    cpus: 2.0,
+                })]
+                .into(),
+                observed_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ),
+            }),
         );
+        let text = m.encode();
+        for line in [
+            "moult_operator_run_gpu_seconds{namespace=\"ns\",run=\"r\",role=\"trainer\"} 3600.0",
+            "moult_operator_run_cpu_seconds{namespace=\"ns\",run=\"r\",role=\"trainer\"} 7200.0",
+        ] {
+            assert!(text.contains(line), "{line} in:\n{text}");
+        }
         assert!(
             !m.encode().contains("component=\"judge\""),
             "{}",

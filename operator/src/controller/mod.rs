@@ -15,6 +15,7 @@ pub mod causes;
 pub mod leader;
 pub mod metrics;
 pub mod status;
+pub mod usage;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -247,9 +248,12 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
     };
     let now = Time(Timestamp::now());
     let workloads = workloads(&current, run, pods(ctx, &ns, &name).await?);
-    let new = status::compute(run, &workloads, refusal.as_ref(), &now);
+    let mut new = status::compute(run, &workloads, refusal.as_ref(), &now);
+    let used = run.status.as_ref().and_then(|s| s.usage.as_ref());
+    new.usage = Some(usage::advance(used, &workloads.pods, &now));
     observe(ctx, &ns, &name, &new, &workloads);
-    if status::changed(run.status.as_ref(), &new) {
+    let usage_due = usage::due(used, new.usage.as_ref().expect("just set"));
+    if status::changed(run.status.as_ref(), &new) || usage_due {
         patch_status(run, &new, ctx).await?;
         announce(run, &new, ctx).await;
     }
@@ -257,7 +261,12 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         // The objects in the way are not watched (they are not the run's): look again soon.
         return Ok(Action::requeue(CONFLICT_RECHECK));
     }
-    Ok(Action::requeue(ctx.settings.resync))
+    // While pods run, their usage is brought up to date every minute.
+    let mut roles = new.usage.iter().flat_map(|u| u.roles.values());
+    match roles.any(|r| r.gpus > 0.0 || r.cpus > 0.0) {
+        true => Ok(Action::requeue(ctx.settings.resync.min(usage::WRITE_EVERY))),
+        false => Ok(Action::requeue(ctx.settings.resync)),
+    }
 }
 
 /// How often a run whose children's names are taken looks again (a few reads each time).
@@ -284,7 +293,7 @@ fn observe(ctx: &Ctx, ns: &str, run: &str, new: &RLRunStatus, workloads: &Worklo
         .collect();
     ctx.metrics.retain_runs(&existing);
     ctx.metrics
-        .observe_run(ns, run, new.phase, &status::components(workloads));
+        .observe_run(ns, run, new.phase, &status::components(workloads), new.usage.as_ref());
 }
 
 fn existing_token(live: &Live, run: &str) -> Option<String> {

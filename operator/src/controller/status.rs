@@ -6,8 +6,8 @@
 //! and has a pod that will not become ready by waiting ([`causes`]: unschedulable, image pull,
 //! crash loop, OOM kill) makes the run Degraded with that cause as the conditions' reason and,
 //! per component, in their message. The operator owns `phase`,
-//! `conditions`, `observedGeneration` and `engines`; the coordinator owns the rest, and this
-//! module never touches it.
+//! `conditions`, `observedGeneration`, `engines` and `usage` ([`super::usage`]); the coordinator
+//! owns the rest, and this module never touches it.
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::Pod;

@@ -79,6 +79,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let stop = super::role_stop()?.cancelled_owned();
     if let (Some(config), Some(coordinator)) = (args.config, args.coordinator) {
         let opts = AgentsProcessOptions {
             config,
@@ -86,7 +87,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             command: args.command,
             metrics_addr: args.metrics_addr,
         };
-        return Ok(moult_runtime::cluster::agents::run(opts, super::shutdown_signal()).await?);
+        return Ok(moult_runtime::cluster::agents::run(opts, stop).await?);
     }
     let (Some(engine), Some(model), Some(tasks)) = (&args.engine, &args.model, &args.tasks) else {
         bail!("give --engine, --model and --tasks (or --config and --coordinator in an agent pod)");

@@ -40,6 +40,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let stop = super::role_stop()?.cancelled_owned();
     for (flag, value) in [
         ("--max-sessions", args.max_sessions),
         ("--max-turns", args.max_turns),
@@ -71,5 +72,5 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     println!("  OpenAI:    base_url=http://{addr}/s/SESSION/v1");
     println!("  Anthropic: base_url=http://{addr}/s/SESSION");
     let app = loopback::router(Arc::new(service), args.max_body_bytes);
-    Ok(moult_runtime::serve::serve(listener, app, super::shutdown_signal()).await?)
+    Ok(moult_runtime::serve::serve(listener, app, stop).await?)
 }

@@ -23,6 +23,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let stop = super::role_stop()?.cancelled_owned();
     let opts = CoordinatorOptions {
         config: args.config,
         host: args.host,
@@ -31,5 +32,5 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         poll: std::time::Duration::from_secs(20),
         lease_time: args.lease_time,
     };
-    Ok(coordinator::run(opts, super::shutdown_signal()).await?)
+    Ok(coordinator::run(opts, stop).await?)
 }

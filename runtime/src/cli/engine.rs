@@ -47,6 +47,7 @@ pub struct Args {
 
 #[cfg(feature = "torch")]
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let stop = super::role_stop()?.cancelled_owned();
     use anyhow::{bail, Context};
     use moult_runtime::engine::{http, EngineHandle, EngineOptions};
     use moult_runtime::model::{parse_dtype, CausalLm, ModelConfig};
@@ -104,7 +105,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let died = tokio::task::spawn_blocking(move || thread.join());
     let shutdown = async move {
         tokio::select! {
-            () = super::shutdown_signal() => {}
+            () = stop => {}
             _ = died => {}
         }
     };

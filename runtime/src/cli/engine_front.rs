@@ -13,11 +13,12 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let stop = super::role_stop()?.cancelled_owned();
     let routes = moult_runtime::engine::front::routes(&args.upstream)?;
     let listener = super::bind(&args.host, args.port).await?;
     println!(
         "moult engine-front listening on http://{}",
         listener.local_addr()?
     );
-    Ok(moult_runtime::serve::serve(listener, routes, super::shutdown_signal()).await?)
+    Ok(moult_runtime::serve::serve(listener, routes, stop).await?)
 }

@@ -1,6 +1,6 @@
 //! The `moult` subcommands, one module each: its arguments (`Args`) and what it does (`run`).
 //! `main.rs` only parses and dispatches; what several subcommands share is here once: the
-//! device flag, the shutdown signal, the default served model name, the log filter and the
+//! device flag, the stop signal, the default served model name, the log filter and the
 //! local run config of `moult run` and `moult eval`.
 
 pub mod agents;
@@ -16,10 +16,12 @@ pub mod trainer;
 pub mod trainer_rank;
 
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::Context;
 #[cfg(feature = "torch")]
 use tch::Device;
+use tokio_util::sync::CancellationToken;
 
 /// What the log keeps: RUST_LOG, else `default` and up.
 pub fn log_filter(default: &str) -> tracing_subscriber::EnvFilter {
@@ -69,17 +71,34 @@ pub async fn bind(host: &str, port: u16) -> anyhow::Result<tokio::net::TcpListen
         .with_context(|| format!("binding {addr}"))
 }
 
-/// Ctrl-C or SIGTERM: the servers drain their connections and return.
-pub async fn shutdown_signal() {
+/// The process's stop (docs/operator.md, "Stopping, suspending, preempting"), watched from this
+/// call on: cancelled at the first SIGTERM or Ctrl-C. The role then has `grace` to end on its
+/// own (servers drain, agents return their episodes, a trainer checkpoints the last step it
+/// trained); after that, or at a second signal, the process exits whatever it waits for.
+pub fn stop_signal(grace: Option<Duration>) -> CancellationToken {
     use tokio::signal::unix::{signal, SignalKind};
-    let term = async {
-        match signal(SignalKind::terminate()) {
-            Ok(mut s) => _ = s.recv().await,
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! { _ = tokio::signal::ctrl_c() => {}, () = term => {} }
-    tracing::info!("shutting down: draining connections");
+    let mut term = signal(SignalKind::terminate()).expect("a runtime with signals");
+    let mut int = signal(SignalKind::interrupt()).expect("a runtime with signals");
+    let stop = CancellationToken::new();
+    let token = stop.clone();
+    tokio::spawn(async move {
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tracing::info!("stopping (SIGTERM or Ctrl-C)");
+        token.cancel();
+        let late = tokio::time::sleep(grace.unwrap_or(Duration::MAX));
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {}, () = late => {} }
+        eprintln!("moult: still running {grace:?} after the stop, or stopped again: exiting now");
+        std::process::exit(143);
+    });
+    stop
+}
+
+/// The stop of a role with `MOULT_STOP_SECONDS` of grace (the operator sets it a little under the
+/// pod's `terminationGracePeriodSeconds`), else 20 s.
+pub fn role_stop() -> anyhow::Result<CancellationToken> {
+    let seconds = std::env::var("MOULT_STOP_SECONDS").map_or(Ok(20), |v| v.trim().parse());
+    let seconds = seconds.context("MOULT_STOP_SECONDS must be a whole number of seconds")?;
+    Ok(stop_signal(Some(Duration::from_secs(seconds))))
 }
 
 /// `moult` built without libtorch (`--no-default-features`: the agent pods' build) has the roles

@@ -28,6 +28,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let stop = super::role_stop()?.cancelled_owned();
     let name = &args.policy;
     let policy = policy::by_name(name).with_context(|| {
         format!("--policy must be consistent-hash or least-tokens; got `{name}`")
@@ -49,5 +50,5 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         listener.local_addr()?,
         args.engines.len()
     );
-    Ok(server::serve(listener, router, super::shutdown_signal()).await?)
+    Ok(server::serve(listener, router, stop).await?)
 }

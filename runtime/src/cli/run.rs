@@ -43,6 +43,8 @@ pub struct Args {
 
 #[cfg(feature = "torch")]
 pub async fn run(args: Args, verbose: bool) -> anyhow::Result<()> {
+    // Ctrl-C stops at the next step (with a checkpoint of the last one); a second exits at once.
+    let stop = super::stop_signal(None);
     use anyhow::{ensure, Context};
     use moult_runtime::local::{self, RunOptions};
     use moult_runtime::records::console::Console;
@@ -93,7 +95,7 @@ pub async fn run(args: Args, verbose: bool) -> anyhow::Result<()> {
             dump_rollouts: args.dump_rollouts,
             replay: args.replay,
         },
-        super::shutdown_signal(),
+        stop,
     )
     .await;
     console.finish();

@@ -17,6 +17,7 @@ pub struct Args {
 
 #[cfg(feature = "torch")]
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    let stop = super::role_stop()?;
     use moult_runtime::cluster::trainer::{self, TrainerProcessOptions};
     use moult_runtime::config::read_manifest;
     let gpus = read_manifest(&args.config)?.spec.trainer.gpus_per_node;
@@ -25,5 +26,5 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         config: args.config,
         metrics_addr: args.metrics_addr,
     };
-    Ok(trainer::run(opts, super::shutdown_signal()).await?)
+    Ok(trainer::run(opts, stop).await?)
 }

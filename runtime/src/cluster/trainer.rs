@@ -6,8 +6,9 @@
 //! `POD_IP`, the shared folder at `MOULT_WEIGHTS_DIR`, or NCCL), writes `metrics.jsonl` and
 //! checkpoints beside its checkpoints; then it commits the step.
 //!
-//! A killed trainer loses at most the steps since its last checkpoint: restarted, it loads that
-//! checkpoint, publishes those weights under a new version (versions only increase), and trains
+//! A stopped trainer (SIGTERM: a suspend, a preemption, a drain) checkpoints the last step it
+//! trained before it exits; a killed one loses at most the steps since its last checkpoint.
+//! Restarted, it loads the newest checkpoint, publishes those weights under a new version (versions only increase), and trains
 //! on. Every call to the coordinator is retried until it answers.
 
 use std::path::PathBuf;
@@ -18,6 +19,7 @@ use moult_operator::api::CheckpointStatus;
 use prometheus_client::registry::Registry;
 use serde_json::Value;
 use tch::Device;
+use tokio_util::sync::CancellationToken;
 
 use super::protocol::{Commit, Hello, HelloReply, Quarantined, Version};
 use super::{env_number, env_path, env_var, mounted, retry, Coordinator, Gauge};
@@ -137,11 +139,11 @@ impl Coordinator {
 }
 
 /// A trainer pod of rank > 0: serves its health, joins rank 0, and trains as it commands until it
-/// says stop (then waits for shutdown) or is lost (then fails, and the pod starts again).
+/// says stop (then waits for `stop`) or is lost (then fails, and the pod starts again).
 async fn follow(
     rendezvous: Rendezvous,
     opts: &TrainerProcessOptions,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: CancellationToken,
 ) -> Result<(), RunError> {
     let rank = rendezvous.rank;
     let mut metrics = Registry::default();
@@ -163,7 +165,7 @@ async fn follow(
             let steps = done.map_err(|e| RunError::Setup(format!("trainer rank {rank}: {e}")))??;
             eprintln!("moult trainer: rank {rank}: rank 0 stopped the trainer at step {steps}");
         }
-        () = shutdown => {}
+        () = stop.cancelled() => {}
     }
     Ok(())
 }
@@ -199,12 +201,10 @@ pub fn join(
     }
 }
 
-/// Runs the trainer until the run's last step, then idles until `shutdown` (so that a pod
-/// restart policy does not start it over).
-pub async fn run(
-    opts: TrainerProcessOptions,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), RunError> {
+/// Runs the trainer until the run's last step, then idles until `stop` (so that a pod restart
+/// policy does not start it over). Stopped earlier, it checkpoints the last step it trained
+/// ([`run_steps`]) and returns.
+pub async fn run(opts: TrainerProcessOptions, stop: CancellationToken) -> Result<(), RunError> {
     let (manifest, config_dir) = super::manifest(&opts.config)?;
     let beside = Sources::beside_manifest(&manifest, &config_dir);
     // The teacher of distillation, where the operator mounted it (a served teacher has engines
@@ -244,7 +244,7 @@ pub async fn run(
         .map(|r| Followers::start(r, r.rank + 1..r.rank + per_pod, opts.device))
         .transpose()?;
     if let Some(r) = rendezvous.clone().filter(|r| r.rank > 0) {
-        return follow(r, &opts, shutdown).await;
+        return follow(r, &opts, stop).await;
     }
     let coordinator = Coordinator::new(&env_var("MOULT_COORDINATOR")?);
     let pod_ip = std::env::var("POD_IP").unwrap_or_else(|_| "127.0.0.1".into());
@@ -254,7 +254,6 @@ pub async fn run(
     let mut metrics = Registry::default();
     let gauges = Gauges::register(&mut metrics);
     let _health = super::serve_health(&opts.metrics_addr, metrics).await?;
-    tokio::pin!(shutdown);
 
     let mut learner = Learner::load(
         cfg.clone(),
@@ -264,6 +263,7 @@ pub async fn run(
         rendezvous,
     )
     .await?;
+    learner.stop = stop.clone();
     if let Some(note) = learner.resume_note() {
         eprintln!("moult trainer: {note}");
     }
@@ -278,7 +278,10 @@ pub async fn run(
         coordinator.url
     );
 
-    let engines = coordinator.engines().await;
+    let engines = tokio::select! {
+        engines = coordinator.engines() => engines,
+        () = stop.cancelled() => return Ok(()),
+    };
     let engines_spec = &cfg.run.spec.engines;
     let dtype = crate::model::ModelConfig::from_dir(&cfg.model_dir)?.dtype;
     let publish = PublishOptions::new(
@@ -297,7 +300,10 @@ pub async fn run(
             Err(e) if e.is_manifest() => return Err(e),
             Err(e) => {
                 tracing::warn!("connecting the weight path: {e}; retrying in {wait:?}");
-                tokio::time::sleep(wait).await;
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = stop.cancelled() => return Ok(()),
+                }
                 wait = (wait * 2).min(Duration::from_secs(10));
             }
         }
@@ -324,7 +330,7 @@ pub async fn run(
         published: None,
         data: learner.resumed().map(|(_, m)| m.rollout),
         gauges: &gauges,
-        shutdown: shutdown.as_mut(),
+        stop: &stop,
     };
     run_steps(&mut learner, &mut steps, &stages).await?;
     if learner.step() < cfg.total_steps {
@@ -334,7 +340,7 @@ pub async fn run(
         "moult trainer: {} finished its {} steps",
         cfg.name, cfg.total_steps
     );
-    shutdown.await;
+    stop.cancelled().await;
     Ok(())
 }
 
@@ -343,7 +349,7 @@ pub async fn run(
 /// trainer says hello: its step and data cursor; the answer may ask it to publish its weights
 /// under a new version (a resumed trainer). While it waits, an engine that missed the last
 /// update (a replaced pod, a scale-up) is sent the current weights again.
-struct CoordinatorSteps<'a, S> {
+struct CoordinatorSteps<'a> {
     coordinator: &'a Coordinator,
     limits: EpisodeLimits,
     hello_needed: bool,
@@ -352,22 +358,44 @@ struct CoordinatorSteps<'a, S> {
     /// Where the data stood at the last batch (or the checkpoint), for a coordinator that restarts.
     data: Option<RolloutState>,
     gauges: &'a Gauges,
-    shutdown: std::pin::Pin<&'a mut S>,
+    stop: &'a CancellationToken,
 }
 
-impl<S: std::future::Future<Output = ()>> CoordinatorSteps<'_, S> {
+/// How long a stopping trainer keeps trying a call to the coordinator (which may be gone too).
+const STOPPING_CALLS: Duration = Duration::from_secs(5);
+
+impl CoordinatorSteps<'_> {
+    /// `POST path` until the coordinator takes it, or until [`STOPPING_CALLS`] after a stop.
+    async fn post<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl serde::Serialize,
+    ) -> Option<T> {
+        let stopped = async {
+            self.stop.cancelled().await;
+            tokio::time::sleep(STOPPING_CALLS).await;
+        };
+        tokio::select! {
+            answer = self.coordinator.post(path, body) => Some(answer),
+            () = stopped => None,
+        }
+    }
+
     async fn hello(&mut self, step: u64, learner: &mut Learner) -> Result<(), RunError> {
         let hello = Hello {
             step,
             rollout: self.data,
             limits: self.limits,
         };
-        let reply: HelloReply = self.coordinator.post("/v1/trainer/hello", &hello).await;
+        let Some(reply) = self.post::<HelloReply>("/v1/trainer/hello", &hello).await else {
+            return Ok(());
+        };
         if let Some(version) = reply.publish_as {
-            learner.publish(version, false).await?;
+            if learner.publish(version, false).await?.is_none() {
+                return Ok(()); // stopped
+            }
             self.published = Some(version);
-            let _: Value = self
-                .coordinator
+            let _: Option<Value> = self
                 .post("/v1/trainer/published", &Version { version })
                 .await;
             self.gauges.version.set(version as f64);
@@ -380,7 +408,7 @@ impl<S: std::future::Future<Output = ()>> CoordinatorSteps<'_, S> {
     }
 }
 
-impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
+impl Steps for CoordinatorSteps<'_> {
     async fn next(
         &mut self,
         step: u64,
@@ -397,14 +425,15 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
                 () = self.coordinator.engine_behind(), if self.published.is_some() => {
                     let version = self.published.expect("checked by the guard");
                     match learner.publish(version, false).await {
-                        Ok(_) => eprintln!(
+                        Ok(None) => {}
+                        Ok(Some(_)) => eprintln!(
                             "moult trainer: an engine that joined after version {version} has it now"
                         ),
                         Err(e) => tracing::warn!(version, "bringing a new engine up to date: {e}"),
                     }
                     continue;
                 }
-                () = &mut self.shutdown => return Ok(None),
+                () = self.stop.cancelled() => return Ok(None),
             };
             let Some(mut batch) = batch else {
                 self.hello_needed = true;
@@ -440,7 +469,7 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
             record,
             checkpoint,
         };
-        let _: Value = self.coordinator.post("/v1/trainer/commit", &commit).await;
+        let _: Option<Value> = self.post("/v1/trainer/commit", &commit).await;
         self.gauges.step.set(step as f64);
         self.gauges.version.set(version as f64);
         self.published = Some(version);
@@ -452,7 +481,7 @@ impl<S: std::future::Future<Output = ()>> Steps for CoordinatorSteps<'_, S> {
             step,
             error: error.to_string(),
         };
-        let _: Value = self.coordinator.post("/v1/trainer/quarantine", &body).await;
+        let _: Option<Value> = self.post("/v1/trainer/quarantine", &body).await;
         Ok(())
     }
 }

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tch::{Device, Kind};
+use tokio_util::sync::CancellationToken;
 
 use crate::config::RunConfig;
 use crate::dist::Rendezvous;
@@ -63,6 +64,13 @@ pub(crate) struct Learner {
     activity: Option<ActivityReader>,
     /// The newest evaluation not yet in a step record: the next record carries it.
     pending_eval: Option<EvalResult>,
+    /// The run's stop (SIGTERM, Ctrl-C): the step under way is finished without publishing, and
+    /// the last step trained is checkpointed ([`Learner::checkpoint_on_stop`]).
+    pub stop: CancellationToken,
+    /// The version the engines last got from this learner (the checkpoint's, at first).
+    pub version: u64,
+    /// What a checkpoint of the last step trained says, and whether one is written.
+    last: Option<(CheckpointMeta, bool)>,
 }
 
 /// Reads how busy the engines have been from the router's `GET /engines`.
@@ -114,6 +122,7 @@ impl Learner {
         let resume = resume.flatten();
         let (trainer, followers) = load_trainer(&cfg, resume.as_ref(), device, rendezvous).await?;
         let teacher = load_teacher(&cfg, &trainer, device).await?;
+        let meta = resume.as_ref().map(|(_, m)| *m);
         Ok(Self {
             step: resume.as_ref().map_or(0, |(_, m)| m.step),
             cfg,
@@ -131,6 +140,9 @@ impl Learner {
             offline: false,
             activity: None,
             pending_eval: None,
+            stop: CancellationToken::new(),
+            version: meta.map_or(0, |m| m.policy_version),
+            last: meta.map(|m| (m, true)),
         })
     }
 
@@ -222,11 +234,12 @@ impl Learner {
             .expect("the trainer is back from its compute thread")
     }
 
-    /// Publishes the current weights as `version` (pause `keep` with `partial_rollout`), trying
-    /// [`publish_tries`](Self::publish_tries) times; returns the seconds it took.
-    pub async fn publish(&mut self, version: u64, partial_rollout: bool) -> Result<f64, RunError> {
+    /// Publishes the current weights as `version` (pause `keep` with `partial` rollout), trying
+    /// [`publish_tries`](Self::publish_tries) times; returns the seconds it took, or `None` when
+    /// the run stopped before the engines had them.
+    pub async fn publish(&mut self, version: u64, partial: bool) -> Result<Option<f64>, RunError> {
         if self.offline {
-            return Ok(0.0);
+            return Ok(Some(0.0));
         }
         let started = Instant::now();
         let mut tries = 0;
@@ -237,17 +250,24 @@ impl Learner {
                 .ok_or_else(|| RunError::Setup("the weight path is not connected".into()))?;
             let trainer = self.trainer.take().expect("the trainer is here");
             let (trainer, gathered, sent) = publisher
-                .publish_trainer(trainer, version, partial_rollout)
+                .publish_trainer(trainer, version, partial, &self.stop)
                 .await;
             self.trainer = Some(trainer);
             // A lost rank ends the run (the trainer cannot go on); a failed send is tried again.
             gathered.map_err(crate::model::Error::from)?;
             match sent {
-                Ok(_) => return Ok(started.elapsed().as_secs_f64()),
+                Ok(_) => {
+                    self.version = version;
+                    return Ok(Some(started.elapsed().as_secs_f64()));
+                }
+                Err(_) if self.stop.is_cancelled() => return Ok(None),
                 Err(e) if tries + 1 < self.publish_tries => {
                     tries += 1;
                     tracing::warn!(version, tries, "publishing the weights: {e}; trying again");
-                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_secs(2)) => {}
+                        () = self.stop.cancelled() => return Ok(None),
+                    }
                 }
                 Err(e) => return Err(e.into()),
             }
@@ -397,29 +417,42 @@ impl Learner {
         Ok(record)
     }
 
-    /// A checkpoint of the step just recorded, when one is due (every `checkpoint.intervalSteps`
-    /// and after the last step) and the run keeps checkpoints.
+    /// A checkpoint of the step just recorded, when one is due (every `checkpoint.intervalSteps`,
+    /// after the last step, and when the run is stopping) and the run keeps checkpoints.
     pub async fn checkpoint_if_due(
         &mut self,
         batch: &StepBatch,
         version: u64,
     ) -> Result<Option<PathBuf>, RunError> {
         let step = self.step;
-        let due = (self.cfg.checkpoint_every)
-            .is_some_and(|every| step % every == 0 || step == self.cfg.total_steps);
-        let Some(root) = self.ckpt_root.clone().filter(|_| due) else {
-            return Ok(None);
-        };
-        self.console.phase("saving a checkpoint");
         let meta = CheckpointMeta {
             step,
             policy_version: version,
             rollout: batch.rollout,
             seed: batch.seed,
         };
+        self.last = Some((meta, false));
+        let due = (self.cfg.checkpoint_every)
+            .is_some_and(|every| step % every == 0 || step == self.cfg.total_steps);
+        match due || self.stop.is_cancelled() {
+            true => self.checkpoint_on_stop().await,
+            false => Ok(None),
+        }
+    }
+
+    /// A checkpoint of the last step trained, unless it has one (or the run keeps none): a run
+    /// that stops resumes at the step after it, not at the last interval checkpoint.
+    pub async fn checkpoint_on_stop(&mut self) -> Result<Option<PathBuf>, RunError> {
+        let keeps = self.cfg.checkpoint_every.and(self.ckpt_root.clone());
+        let (Some(root), Some((meta, false))) = (keeps, self.last) else {
+            return Ok(None);
+        };
+        self.console.phase("saving a checkpoint");
         let model_dir = self.cfg.model_dir.clone();
         let saved = self.on_trainer(move |t| checkpoint::save(&root, &model_dir, t, &meta));
-        Ok(Some(saved.await??))
+        let dir = saved.await??;
+        self.last = Some((meta, true));
+        Ok(Some(dir))
     }
 }
 

@@ -3,6 +3,12 @@
 //! and a cluster's trainer pod is where batches come from, who numbers versions and where a
 //! finished step is reported: a [`Steps`] of each mode (`local`, `cluster`, and a replay of
 //! dumped batches).
+//!
+//! A stop ([`Learner::stop`]: SIGTERM, Ctrl-C) ends the loop without losing a trained step: while
+//! it waits for a batch or runs the batch stages, the step is abandoned; while it learns, the
+//! step is finished but not published (the engines may be gone). Either way the last step trained
+//! is checkpointed, and a resumed run goes on at the step after it (docs/operator.md, "Stopping,
+//! suspending, preempting").
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -62,14 +68,28 @@ pub(crate) async fn run_steps(
     while learner.step < learner.cfg.total_steps {
         let started = Instant::now();
         let step = learner.step + 1;
-        // 1. A batch of finished groups (generated while the previous step trained).
+        // 1. A batch of finished groups (generated while the previous step trained); none when
+        // the run stops (it keeps the last step it trained).
         let Some(mut batch) = steps.next(step, learner).await? else {
+            learner.checkpoint_on_stop().await?;
             return Ok(());
         };
-        // 2. The batch stages, in order: a teacher's scores, a judge's rewards, a dump, ...
-        for stage in stages {
-            learner.console.phase(stage.phase());
-            stage.apply(&mut batch).await?;
+        // 2. The batch stages, in order: a teacher's scores, a judge's rewards, a dump, ...; a
+        // stop abandons the step.
+        let staged = async {
+            for stage in stages {
+                learner.console.phase(stage.phase());
+                stage.apply(&mut batch).await?;
+            }
+            Ok::<_, RunError>(())
+        };
+        let stopped = tokio::select! {
+            staged = staged => staged.map(|()| false)?,
+            () = learner.stop.cancelled() => true,
+        };
+        if stopped {
+            learner.checkpoint_on_stop().await?;
+            return Ok(());
         }
         // 3. Advantages, samples, one optimizer step; a batch the trainer cannot learn from (or
         // that stopped trainers before) is set aside, and the step drawn again.
@@ -87,12 +107,20 @@ pub(crate) async fn run_steps(
             learned => learned?,
         };
         quarantined = 0;
-        // 4. The new weights to the engines (pause, transfer, resume) under the next version.
-        let version = steps.version(step).await;
-        let sync = learner
-            .publish(version, learner.cfg.partial_rollout)
-            .await?;
-        // 5. The step's record (metrics.jsonl, TensorBoard), then a checkpoint when one is due.
+        // 4. The new weights to the engines (pause, transfer, resume) under the next version; a
+        // run that is stopping keeps them for its checkpoint instead (the engines may be gone).
+        let version = tokio::select! {
+            biased;
+            () = learner.stop.cancelled() => None,
+            version = steps.version(step) => Some(version),
+        };
+        let published = match version {
+            Some(v) => (learner.publish(v, learner.cfg.partial_rollout).await?).map(|s| (v, s)),
+            None => None,
+        };
+        let (version, sync) = published.unwrap_or((learner.version, 0.0));
+        // 5. The step's record (metrics.jsonl, TensorBoard), then a checkpoint when one is due
+        // (or the run is stopping).
         let record = learner
             .record(&batch, learned, version, sync, started)
             .await?;

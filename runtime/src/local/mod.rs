@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tch::Device;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::{ordered, RunConfig};
 use crate::error::RunError;
@@ -79,11 +80,11 @@ pub struct Summary {
 }
 
 /// Runs `cfg` to its `totalSteps` (resuming from the newest checkpoint under
-/// `<out>/checkpoints`), or until `shutdown` resolves.
+/// `<out>/checkpoints`), or until `stop` (then with a checkpoint of the last step trained).
 pub async fn run(
     cfg: RunConfig,
     opts: RunOptions,
-    shutdown: impl std::future::Future<Output = ()>,
+    stop: CancellationToken,
 ) -> Result<Summary, RunError> {
     let started = Instant::now();
     let out = &opts.out;
@@ -95,6 +96,7 @@ pub async fn run(
     let checkpoints = Some(out.join("checkpoints"));
     let mut learner =
         Learner::load(cfg.clone(), checkpoints, opts.device, console.clone(), None).await?;
+    learner.stop = stop.clone();
     let cluster_only = crate::config::cluster_only_fields(&cfg.run.spec);
     if !cluster_only.is_empty() {
         console.line(&format!(
@@ -162,7 +164,6 @@ pub async fn run(
             dump_rollouts: opts.dump_rollouts,
         },
     );
-    tokio::pin!(shutdown);
     let mut steps = LocalSteps {
         cfg: &cfg,
         console,
@@ -171,9 +172,10 @@ pub async fn run(
         queue,
         seed,
         progress,
-        shutdown: shutdown.as_mut(),
+        stop: &stop,
     };
     run_steps(&mut learner, &mut steps, &stages).await?;
+    steps.progress.interrupted |= stop.is_cancelled();
     // The policy the run ends with, evaluated.
     if steps.progress.step == cfg.total_steps {
         steps.evaluate_if_due(&mut learner).await?;
@@ -188,7 +190,7 @@ pub async fn run(
 
 /// `moult run`'s batches: the rollout pool's, generated while the step before trained; with
 /// `spec.eval`, each evaluation that is due before them.
-struct LocalSteps<'a, S> {
+struct LocalSteps<'a> {
     cfg: &'a RunConfig,
     console: &'a Console,
     agents: &'a dyn EpisodeRunner,
@@ -196,10 +198,10 @@ struct LocalSteps<'a, S> {
     queue: tokio::sync::mpsc::Receiver<crate::rollout::Group>,
     seed: u64,
     progress: Progress,
-    shutdown: std::pin::Pin<&'a mut S>,
+    stop: &'a CancellationToken,
 }
 
-impl<S: std::future::Future<Output = ()>> LocalSteps<'_, S> {
+impl LocalSteps<'_> {
     /// The policy of the last step trained on the held-out tasks, when `spec.eval` says it is due
     /// and it is not evaluated yet (generation for training goes on meanwhile; the trainer
     /// waits). A shutdown interrupts it, and the run.
@@ -211,13 +213,13 @@ impl<S: std::future::Future<Output = ()>> LocalSteps<'_, S> {
         };
         tokio::select! {
             r = evaluate(self.console, self.agents, e, at) => learner.record_eval(r)?,
-            () = &mut self.shutdown => self.progress.interrupted = true,
+            () = self.stop.cancelled() => self.progress.interrupted = true,
         }
         Ok(())
     }
 }
 
-impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
+impl Steps for LocalSteps<'_> {
     async fn next(
         &mut self,
         step: u64,
@@ -230,7 +232,7 @@ impl<S: std::future::Future<Output = ()>> Steps for LocalSteps<'_, S> {
         let batch = next_batch(self.pool, &mut self.queue, &self.cfg.rollout);
         let groups = tokio::select! {
             groups = watch_generation(self.console, self.pool, batch) => groups,
-            () = &mut self.shutdown => {
+            () = self.stop.cancelled() => {
                 self.progress.interrupted = true;
                 return Ok(None);
             }

@@ -60,6 +60,10 @@ pub enum SyncError {
     },
     #[error("weight sync, gather: the trainer stopped before it had gathered every weight (its log says why)")]
     Gather,
+    #[error(
+        "weight sync: the run is stopping (SIGTERM or Ctrl-C); the weights stay with the trainer"
+    )]
+    Stopped,
     #[error("weight sync, engines: no engine is up behind the router")]
     NoEngines,
     #[error("weight sync: the data plane is not connected (call connect_tcp first)")]

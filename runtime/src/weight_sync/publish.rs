@@ -14,6 +14,7 @@ use std::path::PathBuf;
 
 use moult_operator::api::{EngineBackend, EnginesSpec, WeightTransport};
 use tch::{Device, Kind};
+use tokio_util::sync::CancellationToken;
 
 use super::folder::FolderPublisher;
 #[cfg(feature = "cuda")]
@@ -123,6 +124,7 @@ impl Publisher {
         trainer: Trainer,
         version: u64,
         partial_rollout: bool,
+        stop: &CancellationToken,
     ) -> (
         Trainer,
         crate::dist::Result<()>,
@@ -140,7 +142,12 @@ impl Publisher {
             }
             (trainer, gathered)
         });
-        let sent = self.update_stream(stream, version, partial_rollout).await;
+        // A stop leaves the update where it is (the engines may be gone): the gather finishes,
+        // its buckets unread, and the trainer comes back.
+        let sent = tokio::select! {
+            sent = self.update_stream(stream, version, partial_rollout) => sent,
+            () = stop.cancelled() => Err(SyncError::Stopped),
+        };
         match gather.await {
             Ok((trainer, gathered)) => (trainer, gathered, sent),
             // The gather thread panicked: the trainer is gone with it.
