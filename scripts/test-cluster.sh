@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane on loopback for the operator's cluster tests: etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler and KWOK (fake nodes whose pods run),
-# all built from Go modules by scripts/cluster-build.sh, and kubernetes-sigs/agent-sandbox's
-# controller and CRDs (scripts/agent-sandbox-build.sh). No docker, no kubelet.
+# all built from Go modules by scripts/cluster-build.sh, and kubernetes-sigs/agent-sandbox's and
+# Kueue's controllers and CRDs (scripts/controller-build.sh). No docker, no kubelet. Kueue runs
+# without its webhooks (the API server cannot reach them), and needs root like the pod network:
+# its manager reads a metrics certificate from /etc/kueue/metrics/certs.
 #
 #   bash scripts/test-cluster.sh up     # build if needed, start, wait until nodes are Ready
 #   bash scripts/test-cluster.sh down   # stop everything this script started
@@ -10,14 +12,15 @@
 #
 # State (certificates, etcd data, logs, kubeconfig, pids) lives in MOULT_CLUSTER_DIR (default
 # ~/.cache/moult/test-cluster); `up` starts from a fresh etcd. Ports: MOULT_CLUSTER_PORT (the
-# apiserver, default 26443) and the two after it (etcd client and peer).
+# apiserver, default 26443) and the four after it (etcd client and peer, Kueue's health and
+# webhook servers).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${MOULT_CLUSTER_DIR:-$HOME/.cache/moult/test-cluster}"
 PORT="${MOULT_CLUSTER_PORT:-26443}"
 ETCD_PORT=$((PORT + 1))
 ETCD_PEER_PORT=$((PORT + 2))
-COMPONENTS=(agent-sandbox-controller kwok kube-scheduler kube-controller-manager kube-apiserver etcd)
+COMPONENTS=(kueue agent-sandbox-controller kwok kube-scheduler kube-controller-manager kube-apiserver etcd)
 
 log() { echo "test-cluster: $*" >&2; }
 
@@ -83,6 +86,7 @@ launch() {
   local name="$1"; shift
   local bin="$BIN"
   [ "$name" = agent-sandbox-controller ] && bin="$SANDBOX_BIN"
+  [ "$name" = kueue ] && bin="$KUEUE_BIN"
   "$bin/$name" "$@" >"$DIR/$name.log" 2>&1 &
   echo $! > "$DIR/$name.pid"
 }
@@ -116,7 +120,8 @@ pod_network() {
 
 up() {
   BIN="$(bash "$ROOT/scripts/cluster-build.sh" | tail -n 1)"
-  SANDBOX_BIN="$(bash "$ROOT/scripts/agent-sandbox-build.sh" | tail -n 1)"
+  SANDBOX_BIN="$(bash "$ROOT/scripts/controller-build.sh" agent-sandbox | tail -n 1)"
+  KUEUE_BIN="$(bash "$ROOT/scripts/controller-build.sh" kueue | tail -n 1)"
   mkdir -p "$DIR"
   stop
   for p in "$PORT" "$ETCD_PORT" "$ETCD_PEER_PORT"; do
@@ -164,8 +169,42 @@ up() {
   "${k[@]}" wait --for condition=established --timeout=60s -f "$SANDBOX_BIN/crds" >/dev/null
   KUBECONFIG="$DIR/kubeconfig" launch agent-sandbox-controller --extensions --leader-elect=false \
     --metrics-bind-address 0 --health-probe-bind-address 0
+  start_kueue "${k[@]}"
   log "up in $(( $(date +%s) - start ))s: $("${k[@]}" get nodes --no-headers | wc -l) nodes Ready; KUBECONFIG=$DIR/kubeconfig"
   print_env
+}
+
+# Whether http://127.0.0.1:PORT/PATH answers 200 (bash alone: no curl needed).
+http_ok() {
+  exec 3<>"/dev/tcp/127.0.0.1/$1" || return 1
+  printf 'GET %s HTTP/1.0\r\n\r\n' "$2" >&3
+  head -n 1 <&3 | grep -q ' 200 '
+}
+
+# Kueue, for runs with a queue: its CRDs and its manager, with no webhooks registered (nothing
+# calls them), its certificates self-signed, leader election and the visibility server off.
+start_kueue() {
+  "$@" apply --server-side -f "$KUEUE_BIN/crds" >/dev/null
+  "$@" wait --for condition=established --timeout=60s -f "$KUEUE_BIN/crds" >/dev/null
+  "$@" create namespace kueue-system >/dev/null 2>&1 || true
+  local certs="$DIR/kueue-certs"
+  if [ ! -f "$certs/tls.crt" ]; then
+    mkdir -p "$certs"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -keyout "$certs/tls.key" \
+      -out "$certs/tls.crt" -subj "/CN=kueue" 2>/dev/null
+  fi
+  if ! mkdir -p /etc/kueue/metrics/certs 2>/dev/null || ! cp "$certs"/tls.* /etc/kueue/metrics/certs/ 2>/dev/null; then
+    log "could not write /etc/kueue/metrics/certs (needs root): Kueue does not start, and the Kueue test cannot run"
+    return 0
+  fi
+  printf '%s\n' "apiVersion: config.kueue.x-k8s.io/v1beta2" "kind: Configuration" \
+    "namespace: kueue-system" "manageJobsWithoutQueueName: false" \
+    "internalCertManagement: {enable: false}" "leaderElection: {leaderElect: false}" \
+    "health: {healthProbeBindAddress: \"127.0.0.1:$((PORT + 3))\"}" "metrics: {bindAddress: \"0\"}" \
+    "webhook: {port: $((PORT + 4)), host: 127.0.0.1, certDir: $certs}" \
+    "integrations: {frameworks: [batch/job]}" > "$DIR/kueue.yaml"
+  KUBECONFIG="$DIR/kubeconfig" launch kueue --config "$DIR/kueue.yaml" --feature-gates VisibilityOnDemand=false
+  wait_for "Kueue" 120 http_ok "$((PORT + 3))" /readyz
 }
 
 print_env() {

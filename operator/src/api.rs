@@ -1111,7 +1111,7 @@ pub struct CheckpointSpec {
     "scheduling.priorityClassName must name a PriorityClass (lowercase letters, digits, '-' and '.') other than the system- ones, which are for the cluster's own components"
 ))]
 #[x_kube(validation = Rule::new(format!("!has(self.queueName) || (size(self.queueName) <= 63 && self.queueName.matches('{LABEL_VALUE}'))")).message(
-    "scheduling.queueName becomes a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+    "scheduling.queueName names a Kueue LocalQueue: at most 63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
 ))]
 pub struct SchedulingSpec {
     /// Node labels every GPU pod (engines, trainer) requires.
@@ -1126,7 +1126,9 @@ pub struct SchedulingSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub priority_class_name: Option<String>,
-    /// Kueue LocalQueue; set as the `kueue.x-k8s.io/queue-name` label on the pods.
+    /// Kueue LocalQueue the run waits in, as one Kueue Workload with a pod set per role: nothing
+    /// starts until Kueue admits it (docs/operator.md, "Kueue"). The RLRun's
+    /// `kueue.x-k8s.io/queue-name` label does the same.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 63))]
     pub queue_name: Option<String>,
@@ -1143,6 +1145,11 @@ pub enum Phase {
     Degraded,
     /// `spec.suspend` is set: everything scaled to zero, state kept.
     Suspended,
+    /// Waiting for Kueue to admit the run's Workload: no pod started (docs/operator.md, "Kueue").
+    Queued,
+    /// Kueue evicted the run's Workload (a preemption, ...): its pods stopped, the trainer
+    /// checkpointed, and it waits to be admitted again.
+    Preempted,
     /// Reached `totalSteps` (reported by the coordinator).
     Succeeded,
     /// The run cannot proceed (reported by the coordinator), or its spec cannot be turned into
@@ -1150,7 +1157,7 @@ pub enum Phase {
     Failed,
 }
 
-/// Observed state; the operator owns phase, conditions and engines, the coordinator owns
+/// Observed state; the operator owns phase, conditions, engines and usage, the coordinator owns
 /// policy version, step, metrics and checkpoint.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
 #[serde(rename_all = "camelCase")]

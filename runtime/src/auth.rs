@@ -150,12 +150,10 @@ fn agent_route(method: &str, path: &str) -> bool {
         *m == method
             && match p.strip_suffix('/') {
                 // One more segment, and a plain one: no `..` or empty segment to walk elsewhere.
-                Some(prefix) => path
-                    .strip_prefix(prefix)
-                    .and_then(|rest| rest.strip_prefix('/'))
-                    .is_some_and(|id| {
-                        !id.is_empty() && !id.contains('/') && id != ".." && id != "."
-                    }),
+                Some(prefix) => {
+                    let id = path.strip_prefix(prefix).and_then(|r| r.strip_prefix('/'));
+                    id.is_some_and(|id| !matches!(id, "" | "." | "..") && !id.contains('/'))
+                }
                 None => path == *p,
             }
     })
@@ -163,13 +161,8 @@ fn agent_route(method: &str, path: &str) -> bool {
 
 /// Whether `header` (an `Authorization` value) carries `token`, compared in constant time.
 fn authorized(header: Option<&HeaderValue>, token: &str) -> bool {
-    let Some(given) = header
-        .and_then(|h| h.to_str().ok())
-        .and_then(|h| h.strip_prefix("Bearer "))
-    else {
-        return false;
-    };
-    same_secret(given.trim().as_bytes(), token.as_bytes())
+    let given = header.and_then(|h| h.to_str().ok()?.strip_prefix("Bearer "));
+    given.is_some_and(|given| same_secret(given.trim().as_bytes(), token.as_bytes()))
 }
 
 /// Whether two secrets (or proofs of one) are equal, compared in constant time.

@@ -1589,3 +1589,415 @@ async fn cluster_run_with_hostile_agent_code_contains_every_episode_and_goes_on(
     );
     run.finish().await;
 }
+
+const SUSPEND_RUN: &str = "suspended";
+
+/// The successor recipe with CPU requests (what `status.usage` counts), one engine, no evaluation,
+/// and checkpoints only every 100 steps: the checkpoint a suspend resumes from is the one the
+/// trainer writes when it stops.
+fn suspend_run_yaml() -> String {
+    small_run_yaml(SUSPEND_RUN)
+}
+
+/// The successor recipe as run `name` with CPU requests (what `status.usage` counts), one engine
+/// (one GPU), no evaluation, and checkpoints only every 100 steps (so that the checkpoint a run
+/// resumes from is the one its trainer writes when it stops).
+fn small_run_yaml(name: &str) -> String {
+    let mut yaml = run_yaml();
+    for (from, to) in [
+        (format!("name: {RUN}"), format!("name: {name}")),
+        (
+            "replicas: 2}".into(),
+            "replicas: 1, resources: {requests: {cpu: 500m}}}".into(),
+        ),
+        (
+            "dumpRollouts: true}".into(),
+            "resources: {requests: {cpu: \"1\"}}}".into(),
+        ),
+        (
+            "claimName: checkpoints, intervalSteps: 2".into(),
+            "claimName: checkpoints, intervalSteps: 100".into(),
+        ),
+    ] {
+        assert!(yaml.contains(&from), "{from} in the recipe's run");
+        yaml = yaml.replace(&from, &to);
+    }
+    yaml.lines()
+        .filter(|l| !l.starts_with("  eval:"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `spec.suspend: true` stops every pod of a run that has trained some steps; the trainer
+/// checkpoints the last step it trained as it stops, though no interval checkpoint is due; the
+/// status says Suspended, and `status.usage` stays flat. `suspend: false` resumes the run at the
+/// step after that one: every step in metrics.jsonl once, none lost, and usage grows again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_suspended_and_resumed_trains_every_step_once_and_counts_no_usage_meanwhile() {
+    let run = RecipeRun::start(
+        "cluster-suspend",
+        "examples/successor/make_model.py",
+        "examples/successor/model",
+        &suspend_run_yaml(),
+        SUSPEND_RUN,
+    )
+    .await;
+    let (ns, kubelet) = (&run.ns, &run.kubelet);
+    let cpu_seconds = |s: &Value, role: &str| {
+        s["usage"]["roles"][role]["cpuSeconds"]
+            .as_f64()
+            .unwrap_or(0.0)
+    };
+    let s = wait_status(
+        (ns, SUSPEND_RUN),
+        kubelet,
+        Duration::from_secs(150),
+        "usage of the trainer",
+        |s| cpu_seconds(s, "trainer") > 0.0,
+    );
+    assert_eq!(s["usage"]["roles"]["trainer"]["cpus"], 1.0, "{s}");
+    assert_eq!(s["usage"]["roles"]["engines"]["cpus"], 0.5, "{s}");
+    let wide = ns.kubectl(&["get", "rlrun", SUSPEND_RUN, "-o", "wide"]);
+    assert!(wide.contains("GPU-HOURS"), "{wide}");
+    println!("$ kubectl get rlrun {SUSPEND_RUN} -o wide\n{wide}");
+
+    ns.kubectl(&[
+        "patch",
+        "rlrun",
+        SUSPEND_RUN,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"suspend":true}}"#,
+    ]);
+    let suspended = wait_status(
+        (ns, SUSPEND_RUN),
+        kubelet,
+        Duration::from_secs(120),
+        "a suspended run",
+        |s| s["phase"] == "Suspended" && s["usage"]["roles"]["trainer"]["cpus"] == 0.0,
+    );
+    let selector = format!("moult.dev/run={SUSPEND_RUN}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ns
+        .kubectl(&["get", "pods", "-l", &selector, "-o", "name"])
+        .trim()
+        .is_empty()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "pods still there while suspended"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let conditions = suspended["conditions"].as_array().unwrap();
+    let condition = conditions
+        .iter()
+        .find(|c| c["type"] == "Suspended")
+        .unwrap();
+    assert_eq!(condition["status"], "True", "{suspended}");
+    assert!(condition["lastTransitionTime"].is_string(), "{suspended}");
+    let trained = run.records().len() as u64;
+    let latest = run
+        .checkpoints
+        .join(SUSPEND_RUN)
+        .join("checkpoints/latest.json");
+    let latest: Value = serde_json::from_slice(&std::fs::read(latest).unwrap()).unwrap();
+    assert_eq!(
+        latest["step"], trained,
+        "the trainer checkpointed the last step it trained"
+    );
+    // Nothing runs: usage stays as it was, whatever the operator reconciles meanwhile.
+    let before = status(ns, SUSPEND_RUN)["usage"]["roles"].clone();
+    std::thread::sleep(Duration::from_secs(5));
+    ns.kubectl(&[
+        "annotate",
+        "rlrun",
+        SUSPEND_RUN,
+        "--overwrite",
+        "moult.dev/test=reconcile",
+    ]);
+    std::thread::sleep(Duration::from_secs(5));
+    let after = status(ns, SUSPEND_RUN)["usage"]["roles"].clone();
+    assert_eq!(before, after, "usage while suspended");
+    for args in [
+        vec!["get", "rlrun", SUSPEND_RUN, "-o", "wide"],
+        vec![
+            "get",
+            "rlrun",
+            SUSPEND_RUN,
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Suspended\")]}",
+        ],
+        vec![
+            "get",
+            "rlrun",
+            SUSPEND_RUN,
+            "-o",
+            "jsonpath={.status.usage}",
+        ],
+    ] {
+        println!("$ kubectl {}\n{}", args.join(" "), ns.kubectl(&args));
+    }
+
+    ns.kubectl(&[
+        "patch",
+        "rlrun",
+        SUSPEND_RUN,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"suspend":false}}"#,
+    ]);
+    let resumed = wait_status(
+        (ns, SUSPEND_RUN),
+        kubelet,
+        Duration::from_secs(300),
+        "two steps after the resume",
+        |s| {
+            step_of(s) >= trained + 2
+                && cpu_seconds(s, "trainer") > cpu_seconds(&suspended, "trainer")
+        },
+    );
+    let steps: Vec<u64> = run
+        .records()
+        .iter()
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        steps,
+        (1..=steps.len() as u64).collect::<Vec<_>>(),
+        "every step once, none lost"
+    );
+    println!(
+        "suspended after step {trained}, resumed to step {}; trainer CPU-seconds {:.0} then {:.0}",
+        step_of(&resumed),
+        cpu_seconds(&suspended, "trainer"),
+        cpu_seconds(&resumed, "trainer"),
+    );
+    run.finish().await;
+}
+
+/// Kueue's objects for namespace `ns`: a ClusterQueue for it alone whose one GPU fits one run
+/// (its engine), CPU and memory aplenty, preempting lower priorities; GPUs on the flavor of the
+/// GPU pool (its node label, a toleration of its taint), the rest on a flavor of any node; the
+/// namespace's LocalQueue `runs`; and two PriorityClasses, `low` and `high`.
+fn kueue_objects(ns: &str, low: &str, high: &str) -> String {
+    format!(
+        r#"apiVersion: kueue.x-k8s.io/v1beta2
+kind: ResourceFlavor
+metadata: {{name: {ns}-gpu}}
+spec:
+  nodeLabels: {{moult.dev/test-pool: gpu}}
+  tolerations: [{{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}}]
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: ResourceFlavor
+metadata: {{name: {ns}-any}}
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: ClusterQueue
+metadata: {{name: {ns}}}
+spec:
+  namespaceSelector: {{matchLabels: {{kubernetes.io/metadata.name: {ns}}}}}
+  preemption: {{withinClusterQueue: LowerPriority}}
+  resourceGroups:
+  - coveredResources: [nvidia.com/gpu]
+    flavors:
+    - name: {ns}-gpu
+      resources: [{{name: nvidia.com/gpu, nominalQuota: 1}}]
+  - coveredResources: [cpu, memory]
+    flavors:
+    - name: {ns}-any
+      resources: [{{name: cpu, nominalQuota: 64}}, {{name: memory, nominalQuota: 512Gi}}]
+---
+apiVersion: kueue.x-k8s.io/v1beta2
+kind: LocalQueue
+metadata: {{name: runs, namespace: {ns}}}
+spec: {{clusterQueue: {ns}}}
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {{name: {low}}}
+value: 100
+---
+apiVersion: scheduling.k8s.io/v1
+kind: PriorityClass
+metadata: {{name: {high}}}
+value: 1000
+"#
+    )
+}
+
+/// The step records the trainer of `run` wrote to the checkpoint claim.
+fn records_of(checkpoints: &Path, run: &str) -> Vec<Value> {
+    let metrics =
+        std::fs::read_to_string(checkpoints.join(run).join("metrics.jsonl")).unwrap_or_default();
+    metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The names of the pods of `run`.
+fn pods_of(ns: &Namespace, run: &str) -> String {
+    ns.kubectl(&[
+        "get",
+        "pods",
+        "-l",
+        &format!("moult.dev/run={run}"),
+        "-o",
+        "name",
+    ])
+    .trim()
+    .to_string()
+}
+
+/// Runs in a Kueue queue (Kueue built from its Go module, its manager beside the test control
+/// plane): the first, of low priority, is admitted and trains; a second of the same priority
+/// waits as one unit, with no pod and Kueue's reason in its status; a run of high priority
+/// preempts the first, whose trainer checkpoints the last step it trained as its pods stop and
+/// whose status says Preempted; once the high one is gone, the first is admitted again and goes
+/// on at the next step, every step in its metrics.jsonl once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_run_in_a_kueue_queue_waits_as_one_is_preempted_and_resumes_where_it_stopped() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    ensure_model();
+    cluster();
+    let ns = Namespace::new("cluster-kueue");
+    let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
+    let _ = std::fs::remove_dir_all(&root);
+    let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
+    let operator = Operator::start(&ns, "kueue");
+    let claims = BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]);
+    let kubelet = start_kubelet(&ns, &root, claims, BTreeMap::new(), Vec::new()).await;
+    let (low, high) = (format!("{}-low", ns.name), format!("{}-high", ns.name));
+    ns.apply(&kueue_objects(&ns.name, &low, &high));
+    let queued = |name: &str, class: &str| {
+        let scheduling =
+            format!("\n  scheduling: {{queueName: runs, priorityClassName: {class}}}\n");
+        small_run_yaml(name) + &scheduling
+    };
+    ns.apply(&queued("first", &low));
+    wait_status(
+        (&ns, "first"),
+        &kubelet,
+        Duration::from_secs(300),
+        "3 steps of the first run",
+        |s| step_of(s) >= 3,
+    );
+
+    // A second run waits for the first's GPU, as one: no pod of it at all.
+    ns.apply(&queued("second", &low));
+    let ready_reason = |s: &Value| {
+        let ready = s["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["type"] == "Ready");
+        ready.map(|c| {
+            (
+                c["reason"].as_str().unwrap_or_default().to_string(),
+                c["message"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+    };
+    let second = wait_status(
+        (&ns, "second"),
+        &kubelet,
+        Duration::from_secs(60),
+        "the second run queued",
+        |s| {
+            s["phase"] == "Queued"
+                && ready_reason(s).is_some_and(|(_, m)| m.contains("insufficient"))
+        },
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(pods_of(&ns, "second"), "", "a queued run has no pod");
+    println!(
+        "$ kubectl get rlrun second -o wide\n{}",
+        ns.kubectl(&["get", "rlrun", "second", "-o", "wide"])
+    );
+    println!("second: {:?}", ready_reason(&second));
+    println!(
+        "$ kubectl get workloads\n{}",
+        ns.kubectl(&["get", "workloads"])
+    );
+    ns.kubectl(&["delete", "rlrun", "second", "--wait=false"]);
+
+    // A run of high priority preempts the first: its pods stop, its trainer checkpoints.
+    ns.apply(&queued("urgent", &high));
+    let preempted = wait_status(
+        (&ns, "first"),
+        &kubelet,
+        Duration::from_secs(120),
+        "the first run preempted",
+        |s| s["phase"] == "Preempted",
+    );
+    let (reason, message) = ready_reason(&preempted).unwrap();
+    assert_eq!(reason, "Preempted", "{preempted}");
+    assert!(message.contains("Kueue evicted"), "{message}");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !pods_of(&ns, "first").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the first run's pods still there: {}",
+            pods_of(&ns, "first")
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let trained = records_of(&checkpoints, "first").len() as u64;
+    let latest = checkpoints.join("first/checkpoints/latest.json");
+    let latest: Value = serde_json::from_slice(&std::fs::read(latest).unwrap()).unwrap();
+    assert_eq!(
+        latest["step"], trained,
+        "the first run's trainer checkpointed the last step it trained"
+    );
+    wait_status(
+        (&ns, "urgent"),
+        &kubelet,
+        Duration::from_secs(300),
+        "a step of the urgent run",
+        |s| step_of(s) >= 1,
+    );
+    for args in [vec!["get", "rlrun", "-o", "wide"], vec!["get", "workloads"]] {
+        println!("$ kubectl {}\n{}", args.join(" "), ns.kubectl(&args));
+    }
+
+    // The urgent run gone, the first is admitted again and goes on at the next step.
+    ns.kubectl(&["delete", "rlrun", "urgent", "--wait=false"]);
+    let resumed = wait_status(
+        (&ns, "first"),
+        &kubelet,
+        Duration::from_secs(300),
+        "the first run resumed",
+        |s| step_of(s) >= trained + 2,
+    );
+    assert_eq!(resumed["phase"], "Running", "{resumed}");
+    let steps: Vec<u64> = records_of(&checkpoints, "first")
+        .iter()
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        steps,
+        (1..=steps.len() as u64).collect::<Vec<_>>(),
+        "every step once, none lost"
+    );
+    println!(
+        "preempted after step {trained}; resumed to step {}",
+        step_of(&resumed)
+    );
+    ns.kubectl(&["delete", "rlrun", "first", "--wait=false"]);
+    kubelet.shutdown().await;
+    drop(operator);
+    for object in [
+        format!("clusterqueue/{}", ns.name),
+        format!("resourceflavor/{}-gpu", ns.name),
+        format!("resourceflavor/{}-any", ns.name),
+        format!("priorityclass/{low}"),
+        format!("priorityclass/{high}"),
+    ] {
+        ns.kubectl(&["delete", &object, "--wait=false"]);
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -292,7 +292,8 @@ fn publish_from_ranks(model: &Path, setup: Setup, group: Box<dyn Collectives>, t
         })
         .await
         .unwrap();
-        let (trainer, gathered, sent) = publisher.publish_trainer(trainer, 1, true).await;
+        let never = tokio_util::sync::CancellationToken::new();
+        let (trainer, gathered, sent) = publisher.publish_trainer(trainer, 1, true, &never).await;
         gathered.unwrap();
         let report = sent.unwrap();
         let body = serde_json::json!({"token_ids": &batch(5)[0].tokens[..6], "stream": true,

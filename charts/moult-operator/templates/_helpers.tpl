@@ -59,4 +59,12 @@ warm pool, and what the Role of its agent pods grants them (claims, sandboxes). 
 - apiGroups: [agents.x-k8s.io]
   resources: [sandboxes]
   verbs: [create, get, list, delete, deletecollection]
+{{- /* Kueue, for runs with a queue: the run's Workload, and the status writes Kueue leaves to a
+Workload's owner (quota given back after an eviction, finished). */}}
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [get, update, patch]
 {{- end -}}

@@ -6,11 +6,15 @@
 //! found by label, and pods carry [`COMPONENT_LABEL`] too.
 
 mod access;
+mod kueue;
 mod network;
 mod pods;
 mod sandbox;
 mod workloads;
 
+pub use kueue::{
+    queue_name, Placement, GROUP as KUEUE_GROUP, QUEUE_LABEL, VERSION as KUEUE_VERSION,
+};
 pub use network::{default_dns, egress_to, NetworkPolicies};
 pub use pods::{quantity, DEFAULT_LIMITS, TMP_SIZE};
 pub use sandbox::{
@@ -151,6 +155,9 @@ pub struct Children {
     /// With `spec.agent.sandbox`: the sandbox pods' template and warm pool, and the agent pods'
     /// own access (docs/security.md#sandbox-pods).
     pub sandbox: Option<SandboxChildren>,
+    /// With a queue (`spec.scheduling.queueName`): the run's Kueue `Workload` (docs/operator.md,
+    /// "Kueue").
+    pub workload: Option<serde_json::Value>,
 }
 
 /// What `spec.agent.sandbox` adds to a run.
@@ -187,11 +194,13 @@ pub enum ChildKind {
     /// kubernetes-sigs/agent-sandbox's kinds, on clusters that have it.
     SandboxTemplate,
     SandboxWarmPool,
+    /// Kueue's, on clusters that have it.
+    Workload,
 }
 
 impl ChildKind {
     /// In the order they are applied: what pods need exists before the pods.
-    pub const ALL: [ChildKind; 11] = [
+    pub const ALL: [ChildKind; 12] = [
         ChildKind::ConfigMap,
         ChildKind::Secret,
         ChildKind::ServiceAccount,
@@ -203,13 +212,14 @@ impl ChildKind {
         ChildKind::Deployment,
         ChildKind::SandboxTemplate,
         ChildKind::SandboxWarmPool,
+        ChildKind::Workload,
     ];
 
     /// Whether the kind is a custom resource of another project, which a cluster may not have.
     pub fn optional(self) -> bool {
         matches!(
             self,
-            ChildKind::SandboxTemplate | ChildKind::SandboxWarmPool
+            ChildKind::SandboxTemplate | ChildKind::SandboxWarmPool | ChildKind::Workload
         )
     }
 }
@@ -286,6 +296,9 @@ impl Children {
             list.push(json_child(ChildKind::SandboxTemplate, sandbox.template));
             list.push(json_child(ChildKind::SandboxWarmPool, sandbox.warm_pool));
         }
+        if let Some(workload) = self.workload {
+            list.push(json_child(ChildKind::Workload, workload));
+        }
         // In apply order: what pods need exists before the pods.
         list.sort_by_key(|c| c.kind);
         list
@@ -297,7 +310,7 @@ impl Children {
 pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, InvalidSpec> {
     let ctx = Ctx::new(run, config)?;
     let config = access::config_map(&ctx)?;
-    Ok(Children {
+    let mut children = Children {
         token: access::token_secret(&ctx, token),
         service_account: access::service_account(&ctx),
         role: access::role(&ctx),
@@ -316,7 +329,10 @@ pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, In
         teacher: workloads::teacher_engines(&ctx),
         sandbox: sandbox::children(&ctx, token),
         config,
-    })
+        workload: None,
+    };
+    children.workload = kueue::workload(&ctx, &children);
+    Ok(children)
 }
 
 /// The component labels of the engine pools `run` has besides the policy's: `judge` with

@@ -161,9 +161,6 @@ pub(crate) fn template(
     let mut labels = ctx.labels(Some(component));
     labels.insert(RUN_UID_LABEL.into(), ctx.owner.uid.clone());
     let scheduling = &ctx.run.spec.scheduling;
-    if let Some(queue) = &scheduling.queue_name {
-        labels.insert("kueue.x-k8s.io/queue-name".into(), queue.clone());
-    }
     let mut tolerations = scheduling.tolerations.clone();
     if gpu
         && !tolerations

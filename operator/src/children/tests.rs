@@ -1,4 +1,4 @@
-use k8s_openapi::api::core::v1::{Container, PodSpec};
+use k8s_openapi::api::core::v1::{Container, PodSpec, Toleration};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use super::*;
@@ -745,21 +745,115 @@ fn the_role_reaches_only_its_own_run() {
 }
 
 #[test]
-fn queue_name_and_priority_class_reach_every_pod() {
+fn a_queue_makes_one_kueue_workload_of_every_role_and_the_priority_class_reaches_every_pod() {
     let mut run = example_run();
+    assert!(build(&run).workload.is_none(), "no queue, no Workload");
     run.spec.scheduling.queue_name = Some("team-a".into());
     run.spec.scheduling.priority_class_name = Some("rl-batch".into());
     let c = build(&run);
-    for t in [c.engines.spec.template, c.agents.spec.template] {
-        assert_eq!(
-            t.metadata.unwrap().labels.unwrap()["kueue.x-k8s.io/queue-name"],
-            "team-a"
+    for t in [&c.engines.spec.template, &c.agents.spec.template] {
+        let labels = t.metadata.clone().unwrap().labels.unwrap();
+        assert!(
+            !labels.contains_key(super::QUEUE_LABEL),
+            "pods are not Kueue's one by one"
         );
-        assert_eq!(
-            t.spec.unwrap().priority_class_name.as_deref(),
-            Some("rl-batch")
-        );
+        let spec = t.spec.as_ref().unwrap();
+        assert_eq!(spec.priority_class_name.as_deref(), Some("rl-batch"));
     }
+    let w = c.workload.clone().unwrap();
+    assert_eq!(w["apiVersion"], "kueue.x-k8s.io/v1beta2");
+    assert_eq!(w["spec"]["queueName"], "team-a");
+    assert_eq!(w["spec"]["active"], true);
+    let name = c.workload_name().unwrap();
+    assert!(
+        name.starts_with(&format!("{}-kueue-", run.name_any())),
+        "{name}"
+    );
+    let sets = w["spec"]["podSets"].as_array().unwrap();
+    let counts: Vec<(&str, i64)> = sets
+        .iter()
+        .map(|p| (p["name"].as_str().unwrap(), p["count"].as_i64().unwrap()))
+        .collect();
+    let spec = &run.spec;
+    let expected = [
+        ("engines", spec.engines.replicas.into()),
+        ("trainer", spec.trainer.nodes.into()),
+        ("coordinator", 1),
+        ("agents", spec.agent.replicas.into()),
+    ];
+    assert_eq!(counts, expected);
+    // What Kueue admits by, and nothing else: the engines' GPUs, not their arguments.
+    let engine = &sets[0]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        engine["resources"]["limits"]["nvidia.com/gpu"],
+        c.engines.spec.template.spec.as_ref().unwrap().containers[0]
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref()
+            .unwrap()["nvidia.com/gpu"]
+            .0
+            .as_str()
+    );
+    assert!(
+        engine.get("args").is_none() && engine.get("image").is_none(),
+        "{engine}"
+    );
+    // The same run with another image keeps its Workload; more engines make a new one (Kueue
+    // does not let an admitted Workload's pod sets change).
+    let mut other = run.clone();
+    other.spec.engines.image = Some("engine:2".into());
+    assert_eq!(build(&other).workload_name().unwrap(), name);
+    other.spec.engines.replicas += 1;
+    assert_ne!(build(&other).workload_name().unwrap(), name);
+    // Suspended: the Workload gives its quota back.
+    other.spec.suspend = true;
+    assert_eq!(build(&other).workload.unwrap()["spec"]["active"], false);
+    // Kueue's own label on the run works as the field does.
+    let mut labelled = example_run();
+    labelled.metadata.labels =
+        Some([(super::QUEUE_LABEL.to_string(), "team-b".to_string())].into());
+    assert_eq!(
+        build(&labelled).workload.unwrap()["spec"]["queueName"],
+        "team-b"
+    );
+}
+
+#[test]
+fn a_queued_run_has_no_pods_and_an_admitted_one_goes_where_its_flavors_say() {
+    let mut run = example_run();
+    run.spec.scheduling.queue_name = Some("team-a".into());
+    let mut held = build(&run);
+    held.hold();
+    assert_eq!(held.engines.spec.replicas, Some(0));
+    assert_eq!(held.trainer.spec.replicas, Some(0));
+    assert_eq!(held.coordinator.spec.replicas, Some(0));
+    assert_eq!(held.agents.spec.replicas, Some(0));
+    let mut placed = build(&run);
+    let toleration = Toleration {
+        key: Some("pool".into()),
+        operator: Some("Exists".into()),
+        ..Toleration::default()
+    };
+    let gpu = super::Placement {
+        node_labels: [("pool".to_string(), "a100".to_string())].into(),
+        tolerations: vec![toleration.clone()],
+    };
+    placed.place(&[("engines".to_string(), gpu)].into());
+    let engines = placed.engines.spec.template.spec.as_ref().unwrap();
+    assert_eq!(engines.node_selector.as_ref().unwrap()["pool"], "a100");
+    assert!(engines.tolerations.as_ref().unwrap().contains(&toleration));
+    let agents = placed.agents.spec.template.spec.as_ref().unwrap();
+    assert!(agents
+        .node_selector
+        .as_ref()
+        .is_none_or(|s| !s.contains_key("pool")));
+    assert_eq!(
+        placed.engines.spec.replicas,
+        build(&run).engines.spec.replicas,
+        "admitted: as many as the spec says"
+    );
 }
 
 #[test]

@@ -49,8 +49,11 @@ pub fn api_resource(kind: ChildKind) -> ApiResource {
         ChildKind::Service => ar::<Service>(),
         ChildKind::StatefulSet => ar::<StatefulSet>(),
         ChildKind::Deployment => ar::<Deployment>(),
-        ChildKind::SandboxTemplate | ChildKind::SandboxWarmPool => {
-            let (group, version) = (children::EXTENSIONS_GROUP, children::VERSION);
+        ChildKind::SandboxTemplate | ChildKind::SandboxWarmPool | ChildKind::Workload => {
+            let (group, version) = match kind {
+                ChildKind::Workload => (children::KUEUE_GROUP, children::KUEUE_VERSION),
+                _ => (children::EXTENSIONS_GROUP, children::VERSION),
+            };
             let kind = format!("{kind:?}");
             let plural = format!("{}s", kind.to_lowercase());
             ApiResource::from_gvk_with_plural(
@@ -61,8 +64,12 @@ pub fn api_resource(kind: ChildKind) -> ApiResource {
     }
 }
 
-/// What a run with `spec.agent.sandbox` says where the cluster lacks agent-sandbox.
+/// What a run with `spec.agent.sandbox` (or a queue) says where the cluster lacks agent-sandbox
+/// (or Kueue).
 pub fn missing_kind(kind: ChildKind) -> String {
+    if kind == ChildKind::Workload {
+        return format!("spec.scheduling.queueName (or the label {}) needs Kueue, and this cluster does not serve its Workload ({}/{}): install Kueue, or remove the queue to run without it (docs/operator.md#kueue)", children::QUEUE_LABEL, children::KUEUE_GROUP, children::KUEUE_VERSION);
+    }
     format!("spec.agent.sandbox needs kubernetes-sigs/agent-sandbox with its extensions, and this cluster does not serve {kind:?} (extensions.agents.x-k8s.io/v1beta1): install agent-sandbox, or remove spec.agent.sandbox to run model-written code in jails of the agent pods (docs/security.md#sandbox-pods)")
 }
 

@@ -72,11 +72,13 @@ pub struct BlockedLabels {
     pub reason: String,
 }
 
-const PHASES: [Phase; 6] = [
+const PHASES: [Phase; 8] = [
     Phase::Pending,
     Phase::Running,
     Phase::Degraded,
     Phase::Suspended,
+    Phase::Queued,
+    Phase::Preempted,
     Phase::Succeeded,
     Phase::Failed,
 ];
@@ -205,8 +207,12 @@ impl Metrics {
                 run: run.into(),
                 role: role.clone(),
             };
-            self.gpu_seconds.get_or_create(&labels).set(used.gpu_seconds);
-            self.cpu_seconds.get_or_create(&labels).set(used.cpu_seconds);
+            self.gpu_seconds
+                .get_or_create(&labels)
+                .set(used.gpu_seconds);
+            self.cpu_seconds
+                .get_or_create(&labels)
+                .set(used.cpu_seconds);
         }
         let now: BTreeSet<&'static str> = components.iter().map(|c| c.name).collect();
         let before = self
@@ -400,12 +406,15 @@ mod tests {
             &[component("trainer", 2, None), component("teacher", 2, None)],
             Some(&crate::api::Usage {
                 gpu_hours: 1.0,
-                roles: [("trainer".to_string(), crate::api::RoleUsage {
-                    gpu_seconds: 3600.0,
-                    cpu_seconds: 7200.0,
-                    gpus: 1.0,
-                    cpus: 2.0,
-                })]
+                roles: [(
+                    "trainer".to_string(),
+                    crate::api::RoleUsage {
+                        gpu_seconds: 3600.0,
+                        cpu_seconds: 7200.0,
+                        gpus: 1.0,
+                        cpus: 2.0,
+                    },
+                )]
                 .into(),
                 observed_at: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                     k8s_openapi::jiff::Timestamp::UNIX_EPOCH,

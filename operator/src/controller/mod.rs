@@ -12,6 +12,7 @@
 
 pub mod apply;
 pub mod causes;
+pub mod kueue;
 pub mod leader;
 pub mod metrics;
 pub mod status;
@@ -104,9 +105,13 @@ pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, iden
     metrics
         .ready
         .store(true, std::sync::atomic::Ordering::Relaxed);
+    let queued = kueue::served(&client).await;
+    if queued {
+        tracing::info!("Kueue serves Workloads here: watching those of the runs");
+    }
     let running = controllers
         .into_iter()
-        .map(|(controller, ns)| watch(controller, &client, ns, ctx.clone()));
+        .map(|(controller, ns)| watch(controller, &client, ns, ctx.clone(), queued));
     futures::future::join_all(running).await;
 }
 
@@ -116,6 +121,7 @@ async fn watch(
     client: &Client,
     owned: Option<String>,
     ctx: Arc<Ctx>,
+    queued: bool,
 ) {
     fn owned_api<K>(client: &Client, ns: &Option<String>) -> Api<K>
     where
@@ -128,6 +134,18 @@ async fn watch(
     }
     let ours = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
     let concurrency = ctx.settings.concurrency;
+    // Kueue's Workloads of the runs, on a cluster that has Kueue.
+    let controller = match queued {
+        true => {
+            let ar = kueue::api_resource("Workload");
+            let api = match &owned {
+                Some(ns) => Api::<DynamicObject>::namespaced_with(client.clone(), ns, &ar),
+                None => Api::all_with(client.clone(), &ar),
+            };
+            controller.owns_with(api, ar, ours.clone())
+        }
+        false => controller,
+    };
     controller
         // Pods belong to StatefulSets and ReplicaSets, not to the run: found by its label.
         .watches(owned_api::<Pod>(client, &owned), ours.clone(), |pod| {
@@ -223,8 +241,9 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
     let name = run.name_any();
     let listed = apply::list(&ctx.client, &ns, &name, &uid).await?;
     let token = existing_token(&listed.owned, &name).unwrap_or_else(new_token);
-    let (current, refusal) = match children::desired(run, &ctx.settings.children, &token) {
-        Ok(desired) => {
+    let (current, refusal, queue) = match children::desired(run, &ctx.settings.children, &token) {
+        Ok(mut desired) => {
+            let queue = admit(ctx, run, &mut desired, &listed.owned).await?;
             let synced = apply::sync(&ctx.client, &ns, &uid, desired.into_list(), listed).await?;
             ctx.metrics.write("apply", synced.applied.len());
             ctx.metrics.write("delete", synced.deleted.len());
@@ -242,12 +261,16 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
                     ))
                 })
             };
-            (synced.current, refusal)
+            (synced.current, refusal, queue)
         }
-        Err(why) => (listed.owned, Some(Refusal::InvalidSpec(why.0))),
+        Err(why) => (listed.owned, Some(Refusal::InvalidSpec(why.0)), None),
     };
     let now = Time(Timestamp::now());
-    let workloads = workloads(&current, run, pods(ctx, &ns, &name).await?);
+    let mut workloads = workloads(&current, run, pods(ctx, &ns, &name).await?);
+    if let Some(q) = &queue {
+        owe_kueue(ctx, run, q, &current, &workloads, &now).await?;
+    }
+    workloads.queue = queue;
     let mut new = status::compute(run, &workloads, refusal.as_ref(), &now);
     let used = run.status.as_ref().and_then(|s| s.usage.as_ref());
     new.usage = Some(usage::advance(used, &workloads.pods, &now));
@@ -266,6 +289,61 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
     match roles.any(|r| r.gpus > 0.0 || r.cpus > 0.0) {
         true => Ok(Action::requeue(ctx.settings.resync.min(usage::WRITE_EVERY))),
         false => Ok(Action::requeue(ctx.settings.resync)),
+    }
+}
+
+/// Kueue's say in the run's children (docs/operator.md, "Kueue"): the Workload carries the run's
+/// priority; until Kueue admits it the run has no pods, and admitted, its pods go where the
+/// flavors say. What Kueue says of the Workload (waiting, when it does not exist yet).
+async fn admit(
+    ctx: &Ctx,
+    run: &RLRun,
+    desired: &mut children::Children,
+    live: &Live,
+) -> Result<Option<kueue::Queued>> {
+    let Some(name) = desired.workload_name() else {
+        return Ok(None);
+    };
+    let class = run.spec.scheduling.priority_class_name.as_deref();
+    if let (Some(w), Some(class)) = (desired.workload.as_mut(), class) {
+        if let Some(value) = kueue::priority(&ctx.client, class).await? {
+            kueue::with_priority(w, class, value);
+        }
+    }
+    let queue = live
+        .get(&(ChildKind::Workload, name.clone()))
+        .map(kueue::observe);
+    match queue.as_ref().filter(|q| q.admitted) {
+        Some(q) => desired.place(&kueue::placement(&ctx.client, q).await?),
+        None => desired.hold(),
+    }
+    Ok(Some(queue.unwrap_or(kueue::Queued {
+        name,
+        ..Default::default()
+    })))
+}
+
+/// What Kueue leaves to the owner of a Workload: an evicted one's quota given back once the
+/// run's pods are gone, and a finished run's Workload marked finished.
+async fn owe_kueue(
+    ctx: &Ctx,
+    run: &RLRun,
+    q: &kueue::Queued,
+    current: &Live,
+    w: &Workloads,
+    now: &Time,
+) -> Result<()> {
+    let Some(live) = current.get(&(ChildKind::Workload, q.name.clone())) else {
+        return Ok(());
+    };
+    let succeeded = run.status.as_ref().and_then(|s| s.phase) == Some(Phase::Succeeded);
+    match &q.evicted {
+        Some(evicted) if q.reserved && w.pods.is_empty() => {
+            tracing::info!(run = %run.name_any(), reason = %evicted.reason, "the run's pods are gone: giving its Workload's quota back to Kueue");
+            kueue::release(&ctx.client, live.clone(), evicted, now).await
+        }
+        _ if succeeded && !q.finished => kueue::finish(&ctx.client, live.clone(), now).await,
+        _ => Ok(()),
     }
 }
 
@@ -292,8 +370,13 @@ fn observe(ctx: &Ctx, ns: &str, run: &str, new: &RLRunStatus, workloads: &Worklo
         .map(|r| key(r.meta()))
         .collect();
     ctx.metrics.retain_runs(&existing);
-    ctx.metrics
-        .observe_run(ns, run, new.phase, &status::components(workloads), new.usage.as_ref());
+    ctx.metrics.observe_run(
+        ns,
+        run,
+        new.phase,
+        &status::components(workloads),
+        new.usage.as_ref(),
+    );
 }
 
 fn existing_token(live: &Live, run: &str) -> Option<String> {
@@ -354,6 +437,7 @@ fn workloads(current: &Live, rl_run: &RLRun, pods: Vec<Pod>) -> Workloads {
             })
             .collect(),
         pods,
+        queue: None,
     }
 }
 

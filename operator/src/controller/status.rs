@@ -15,6 +15,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::ResourceExt;
 
 use super::causes::{self, Cause};
+use super::kueue::Queued;
 use crate::api::{EngineStatus, Phase, RLRun, RLRunStatus};
 use crate::children::engine_selector;
 
@@ -29,6 +30,8 @@ pub struct Workloads {
     /// `teacher` with a served teacher), by component label, each as last seen.
     pub scorers: Vec<(&'static str, Option<StatefulSet>)>,
     pub pods: Vec<Pod>,
+    /// The run's Kueue Workload, for a run with a queue.
+    pub queue: Option<Queued>,
 }
 
 /// One component as the status and the metrics report it.
@@ -246,6 +249,14 @@ pub fn compute(run: &RLRun, w: &Workloads, refusal: Option<&Refusal>, now: &Time
                 cond("Degraded", false, "Suspended", "spec.suspend is set"),
                 cond("Suspended", true, "Suspended", &msg),
             )
+        } else if let Some((phase, reason, msg)) = queued(w.queue.as_ref(), w) {
+            (
+                phase,
+                cond("Ready", false, reason, &msg),
+                cond("Progressing", false, reason, &msg),
+                cond("Degraded", false, reason, &msg),
+                cond("Suspended", true, reason, &msg),
+            )
         } else if all_settled {
             let msg = format!(
                 "{} engines, trainer, coordinator and agents are ready",
@@ -315,6 +326,38 @@ pub fn compute(run: &RLRun, w: &Workloads, refusal: Option<&Refusal>, now: &Time
         }),
         ..RLRunStatus::default()
     }
+}
+
+/// A run Kueue holds: Queued while its Workload waits for quota (with Kueue's message), Preempted
+/// once evicted (with Kueue's reason and message) until Kueue admits it again.
+fn queued<'a>(q: Option<&'a Queued>, w: &Workloads) -> Option<(Phase, &'a str, String)> {
+    let q = q.filter(|q| !q.admitted)?;
+    let pods = w.pods.len();
+    let stopping = if pods > 0 {
+        format!("; stopping {pods} pods")
+    } else {
+        String::new()
+    };
+    Some(match &q.evicted {
+        Some(e) => {
+            let msg = format!(
+                "Kueue evicted the Workload {}: {}{stopping}",
+                q.name, e.message
+            );
+            (Phase::Preempted, e.reason.as_str(), msg)
+        }
+        None => {
+            let why = q
+                .waiting
+                .as_deref()
+                .unwrap_or("Kueue has not looked at it yet");
+            let msg = format!(
+                "waiting for Kueue to admit the Workload {}: {why}{stopping}",
+                q.name
+            );
+            (Phase::Queued, "Queued", msg)
+        }
+    })
 }
 
 /// True when `new` (the operator's fields) differs from what `old` holds: a status write is
@@ -413,6 +456,7 @@ mod tests {
                 .into_iter()
                 .collect(),
             pods: Vec::new(),
+            queue: None,
         }
     }
 
@@ -521,6 +565,61 @@ mod tests {
         assert_eq!(condition(&s, "Suspended").status, "True");
         assert_eq!(condition(&s, "Ready").status, "False");
         assert_eq!(s.engines.unwrap().ready, "0/0");
+    }
+
+    #[test]
+    fn a_run_kueue_holds_is_queued_with_kueues_reason_then_preempted_until_admitted() {
+        let r = run();
+        let mut w = workloads(&r, |_, _| 0);
+        let waiting = "couldn't assign flavors to pod set engines: insufficient quota for nvidia.com/gpu in flavor gpu, 1 more needed";
+        w.queue = Some(Queued {
+            name: "r-kueue-1".into(),
+            waiting: Some(waiting.into()),
+            ..Queued::default()
+        });
+        let s = compute(&r, &w, None, &now());
+        assert_eq!(s.phase, Some(Phase::Queued));
+        let ready = condition(&s, "Ready");
+        assert_eq!(ready.reason, "Queued");
+        assert!(ready.message.contains(waiting), "{}", ready.message);
+        assert_eq!(condition(&s, "Suspended").status, "True");
+        let evicted = Condition {
+            type_: "Evicted".into(),
+            status: "True".into(),
+            reason: "Preempted".into(),
+            message:
+                "Preempted to accommodate a workload due to prioritization in the ClusterQueue"
+                    .into(),
+            observed_generation: None,
+            last_transition_time: now(),
+        };
+        w.queue = Some(Queued {
+            name: "r-kueue-1".into(),
+            reserved: true,
+            evicted: Some(evicted),
+            ..Queued::default()
+        });
+        let s = compute(&r, &w, None, &now());
+        assert_eq!(s.phase, Some(Phase::Preempted));
+        assert_eq!(condition(&s, "Ready").reason, "Preempted");
+        assert!(condition(&s, "Ready").message.contains("prioritization"));
+        // Admitted again: the run's own readiness says the rest.
+        w.queue = Some(Queued {
+            admitted: true,
+            reserved: true,
+            ..Queued::default()
+        });
+        let all_ready = workloads(&r, |_, want| want);
+        let s = compute(
+            &r,
+            &Workloads {
+                queue: w.queue.clone(),
+                ..all_ready
+            },
+            None,
+            &now(),
+        );
+        assert_eq!(s.phase, Some(Phase::Running));
     }
 
     #[test]

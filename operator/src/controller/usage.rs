@@ -15,11 +15,18 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 
-use crate::api::{RoleUsage, Usage};
+use crate::api::Usage;
 use crate::children::COMPONENT_LABEL;
 
 /// The roles usage is counted for (pods' component labels; the engines' pods say `engine`).
-pub const ROLES: [&str; 6] = ["engines", "trainer", "coordinator", "agents", "judge", "teacher"];
+pub const ROLES: [&str; 6] = [
+    "engines",
+    "trainer",
+    "coordinator",
+    "agents",
+    "judge",
+    "teacher",
+];
 
 /// How old the written totals may grow while the same pods run before they are written again.
 pub const WRITE_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
@@ -29,7 +36,11 @@ pub const WRITE_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 pub fn advance(old: Option<&Usage>, pods: &[Pod], now: &Time) -> Usage {
     let mut roles = old.map(|u| u.roles.clone()).unwrap_or_default();
     if let Some(old) = old {
-        let seconds = now.0.duration_since(old.observed_at.0).as_secs_f64().max(0.0);
+        let seconds = now
+            .0
+            .duration_since(old.observed_at.0)
+            .as_secs_f64()
+            .max(0.0);
         for role in roles.values_mut() {
             role.gpu_seconds += role.gpus * seconds;
             role.cpu_seconds += role.cpus * seconds;
@@ -44,7 +55,7 @@ pub fn advance(old: Option<&Usage>, pods: &[Pod], now: &Time) -> Usage {
         };
         let role = if role == "engine" { "engines" } else { role };
         let (gpus, cpus) = requested(pod);
-        let role = roles.entry(role.into()).or_insert_with(RoleUsage::default);
+        let role = roles.entry(role.into()).or_default();
         role.gpus += gpus;
         role.cpus += cpus;
     }
@@ -62,7 +73,9 @@ pub fn due(old: Option<&Usage>, new: &Usage) -> bool {
     let Some(old) = old else { return true };
     let rates = |u: &Usage| -> BTreeMap<String, (f64, f64)> {
         let running = u.roles.iter().filter(|(_, r)| r.gpus > 0.0 || r.cpus > 0.0);
-        running.map(|(k, r)| (k.clone(), (r.gpus, r.cpus))).collect()
+        running
+            .map(|(k, r)| (k.clone(), (r.gpus, r.cpus)))
+            .collect()
     };
     let age = new.observed_at.0.duration_since(old.observed_at.0);
     let stale = age.as_secs_f64() >= WRITE_EVERY.as_secs_f64() && !rates(new).is_empty();
@@ -81,8 +94,13 @@ fn requested(pod: &Pod) -> (f64, f64) {
     for r in containers.filter_map(|c| c.resources.as_ref()) {
         let (requests, limits) = (r.requests.as_ref(), r.limits.as_ref());
         let gpus = limits.iter().flat_map(|l| l.iter());
-        total.0 += gpus.filter(|(k, _)| k.ends_with("/gpu")).map(|(_, q)| amount(q)).sum::<f64>();
-        let cpu = requests.and_then(|r| r.get("cpu")).or(limits.and_then(|l| l.get("cpu")));
+        total.0 += gpus
+            .filter(|(k, _)| k.ends_with("/gpu"))
+            .map(|(_, q)| amount(q))
+            .sum::<f64>();
+        let cpu = requests
+            .and_then(|r| r.get("cpu"))
+            .or(limits.and_then(|l| l.get("cpu")));
         total.1 += cpu.map_or(0.0, amount);
     }
     total
@@ -127,10 +145,17 @@ mod tests {
         let trainer = pod("trainer", "Running", "4", Some("2"));
         let engine = pod("engine", "Running", "500m", Some("1"));
         let waiting = pod("engine", "Pending", "500m", Some("1"));
-        let first = advance(None, &[trainer.clone(), engine.clone(), waiting.clone()], &at(0));
+        let first = advance(
+            None,
+            &[trainer.clone(), engine.clone(), waiting.clone()],
+            &at(0),
+        );
         assert_eq!(first.gpu_hours, 0.0);
         assert_eq!(first.roles["trainer"].gpus, 2.0);
-        assert_eq!(first.roles["engines"].gpus, 1.0, "a pending pod counts nothing");
+        assert_eq!(
+            first.roles["engines"].gpus, 1.0,
+            "a pending pod counts nothing"
+        );
         assert_eq!(first.roles["engines"].cpus, 0.5);
         // An hour later the trainer is gone (suspended): the hour counts, then nothing.
         let second = advance(Some(&first), &[engine], &at(3600));
@@ -140,11 +165,17 @@ mod tests {
         assert_eq!(second.gpu_hours, 3.0);
         assert!(due(Some(&first), &second), "what runs changed");
         let third = advance(Some(&second), &[], &at(7200));
-        assert_eq!(third.roles["trainer"].gpu_seconds, 7200.0, "flat while gone");
+        assert_eq!(
+            third.roles["trainer"].gpu_seconds, 7200.0,
+            "flat while gone"
+        );
         assert_eq!(third.roles["engines"].gpu_seconds, 7200.0);
         let fourth = advance(Some(&third), &[], &at(90_000));
         assert_eq!(fourth.roles, third.roles, "a suspended run uses nothing");
-        assert!(!due(Some(&third), &fourth), "nothing runs: nothing to write");
+        assert!(
+            !due(Some(&third), &fourth),
+            "nothing runs: nothing to write"
+        );
     }
 
     #[test]
@@ -154,6 +185,9 @@ mod tests {
         assert!(due(None, &first));
         assert!(!due(Some(&first), &advance(Some(&first), &pods, &at(59))));
         assert!(due(Some(&first), &advance(Some(&first), &pods, &at(60))));
-        assert_eq!(advance(Some(&first), &pods, &at(60)).roles["agents"].cpu_seconds, 60.0);
+        assert_eq!(
+            advance(Some(&first), &pods, &at(60)).roles["agents"].cpu_seconds,
+            60.0
+        );
     }
 }

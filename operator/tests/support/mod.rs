@@ -439,7 +439,7 @@ pub fn invalid_cases(base: &str) -> Vec<Invalid> {
         case(agent("resources: {requests: {cpu: 1500m}, limits: {cpu: 1}}"), "spec.agent", "agent.resources: a limit is below its request", Cel),
         case(spec("coordinator: {resources: {requests: {cpu: 2}, limits: {cpu: 500m}}}"), "spec.coordinator", "coordinator.resources: a limit is below its request", Cel),
         case(spec("scheduling: {priorityClassName: system-node-critical}"), "spec.scheduling", "scheduling.priorityClassName must name a PriorityClass", Cel),
-        case(spec("scheduling: {queueName: team a}"), "spec.scheduling", "scheduling.queueName becomes a label value", Cel),
+        case(spec("scheduling: {queueName: team a}"), "spec.scheduling", "scheduling.queueName names a Kueue LocalQueue", Cel),
         case(spec("scheduling: {nodeSelector: {'gpu type': a100}}"), "spec.scheduling", "scheduling.nodeSelector must map label keys", Cel),
         case(base.replace("name: bad", "name: 9lives"), "", "RLRun names start with a lowercase letter", Cel),
         case(base.replace("model: {path: Qwen/Qwen3-0.6B}", &format!("model: {{path: {}}}", "q".repeat(4097))), "spec.model.path", "spec.model.path: Too long: may not be more than 4096 bytes", Schema),

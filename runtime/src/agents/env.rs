@@ -56,18 +56,13 @@ impl Observation {
             Self::Text(text) => return Ok(Message::text(Role::User, text)),
             Self::Parts(parts) => parts,
         };
-        let parts = parts
-            .into_iter()
-            .enumerate()
-            .map(|(i, p)| match p {
-                ObservationPart::Text { text } => Ok(Part::Text { text }),
-                ObservationPart::Image { media_type, data } => {
-                    Image::from_base64(&media_type, &data)
-                        .map(|image| Part::Image { image })
-                        .map_err(|e| AgentError::Env(format!("observation part {i}: {e}")))
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let parts = parts.into_iter().enumerate().map(|(i, p)| match p {
+            ObservationPart::Text { text } => Ok(Part::Text { text }),
+            ObservationPart::Image { media_type, data } => Image::from_base64(&media_type, &data)
+                .map(|image| Part::Image { image })
+                .map_err(|e| AgentError::Env(format!("observation part {i}: {e}"))),
+        });
+        let parts = parts.collect::<Result<_, _>>()?;
         Ok(Message::with_parts(Role::User, parts))
     }
 }
@@ -139,10 +134,8 @@ pub async fn run_env_episode(
             template_kwargs: opts.template_kwargs.clone(),
             ..ChatRequest::default()
         };
-        let answer = service
-            .turn(session, "call_", request, None)
-            .await
-            .map_err(|e| AgentError::Model(e.to_string()))?;
+        let answer = service.turn(session, "call_", request, None).await;
+        let answer = answer.map_err(|e| AgentError::Model(e.to_string()))?;
         let reply = answer.choices[0].content.clone().unwrap_or_default();
         let step = env.step(&reply).await?;
         reward += step.reward;
@@ -184,11 +177,9 @@ pub struct Repeat {
 impl Env for Repeat {
     fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation, AgentError>> {
         Box::pin(async move {
-            self.word = task
-                .get("word")
-                .and_then(Json::as_str)
-                .ok_or_else(|| AgentError::Env("repeat: the task needs a string `word`".into()))?
-                .to_string();
+            let word = task.get("word").and_then(Json::as_str);
+            let missing = || AgentError::Env("repeat: the task needs a string `word`".into());
+            self.word = word.ok_or_else(missing)?.to_string();
             self.tries = task.get("tries").and_then(Json::as_u64).unwrap_or(3) as usize;
             self.left = self.tries;
             Ok(format!("Say the word {}.", self.word).into())

@@ -195,8 +195,7 @@ impl AgentPool {
             for (index, task) in tasks.into_iter().enumerate() {
                 // In task order: each episode starts once a slot is free, and holds it.
                 let slot = self.slot().await;
-                let pool = self.clone();
-                let tx = tx.clone();
+                let (pool, tx) = (self.clone(), tx.clone());
                 tokio::spawn(async move {
                     let episode = pool.episode_in(slot, index, task, None).await;
                     let _ = tx.send(episode).await;
@@ -207,11 +206,9 @@ impl AgentPool {
     }
 
     async fn slot(&self) -> tokio::sync::OwnedSemaphorePermit {
-        self.slots
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the pool's semaphore is never closed")
+        let slots = self.slots.clone();
+        let permit = slots.acquire_owned().await;
+        permit.expect("the pool's semaphore is never closed")
     }
 
     /// Runs one episode to its end, whatever happens to the agent; with `sampling`, every turn
@@ -313,10 +310,8 @@ impl AgentPool {
                     ("ANTHROPIC_BASE_URL", anthropic),
                     ("ANTHROPIC_API_KEY", "moult".into()),
                 ];
-                let vars = vars
-                    .map(|(k, v)| (k.to_string(), v))
-                    .into_iter()
-                    .chain(pod_vars);
+                let vars = vars.map(|(k, v)| (k.to_string(), v));
+                let vars = vars.into_iter().chain(pod_vars);
                 let dir = self.opts.scratch_dir.join(session);
                 let jail = self.jail(task, Some(&dir));
                 run_chat_agent(cmd, vars.collect(), task, &dir, jail.as_ref()).await

@@ -213,10 +213,8 @@ pub async fn run_chat_agent(
         .map_err(|e| AgentError::Crashed(format!("cannot write the task to {file}: {e}")))?;
     let _dir = RemoveOnDrop(dir.to_path_buf());
     env.push(("MOULT_TASK_FILE".into(), task_file.display().to_string()));
-    env.push((
-        "MOULT_RESULT_FILE".into(),
-        result_file.display().to_string(),
-    ));
+    let result_path = result_file.display().to_string();
+    env.push(("MOULT_RESULT_FILE".into(), result_path));
     if task_text.len() <= TASK_ENV_BYTES {
         env.push(("MOULT_TASK".into(), task_text.clone()));
     }
@@ -227,13 +225,8 @@ pub async fn run_chat_agent(
         if why.is_empty() {
             why = stdout.finished().await;
         }
-        return Err(AgentError::Crashed(ended(
-            "agent",
-            &exit.to_string(),
-            exit.signal(),
-            jail,
-            &why,
-        )));
+        let why = ended("agent", &exit.to_string(), exit.signal(), jail, &why);
+        return Err(AgentError::Crashed(why));
     }
     let unwritten = "the agent exited without writing its result to MOULT_RESULT_FILE";
     let text = result.map_err(|_| AgentError::Crashed(unwritten.into()))?;
@@ -308,10 +301,9 @@ impl ExternalEnv {
         {
             Ok(0) | Err(_) => return Err(self.gone("exited").await),
             Ok(_) if answer.len() > ENV_LINE_BYTES => {
-                return Err(AgentError::Env(format!(
-                    "the env answered with a line over {} MiB",
-                    ENV_LINE_BYTES >> 20
-                )))
+                let mib = ENV_LINE_BYTES >> 20;
+                let message = format!("the env answered with a line over {mib} MiB");
+                return Err(AgentError::Env(message));
             }
             Ok(_) => {}
         }
@@ -358,9 +350,8 @@ impl Env for ExternalEnv {
 
     fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult, AgentError>> {
         Box::pin(async move {
-            let v = self
-                .call(serde_json::json!({"method": "step", "action": action}))
-                .await?;
+            let step = serde_json::json!({"method": "step", "action": action});
+            let v = self.call(step).await?;
             serde_json::from_value(v.clone())
                 .map_err(|e| AgentError::Env(format!("step answered {v}: {e}")))
         })

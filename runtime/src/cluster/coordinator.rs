@@ -247,6 +247,8 @@ async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
             ready.restarts += 1;
         }
     }
+    // A batch of a step the trainer trained but could not commit (it stopped) is spent.
+    t.ready = t.ready.take().filter(|b| b.step > hello.step);
     t.committed = hello.step;
     c.status.lock().expect("status lock").step = hello.step;
     c.pool.learn_limits(hello.limits);

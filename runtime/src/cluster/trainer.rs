@@ -14,9 +14,11 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use moult_operator::api::CheckpointStatus;
 use prometheus_client::registry::Registry;
+use serde::{de::DeserializeOwned, Serialize};
 use serde_json::Value;
 use tch::Device;
 use tokio_util::sync::CancellationToken;
@@ -72,7 +74,7 @@ pub struct TrainerProcessOptions {
 /// The trainer's calls to the coordinator beside the [`Steps`]' own.
 impl Coordinator {
     /// `GET path`, once.
-    async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, CallError> {
+    async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, CallError> {
         let url = format!("{}{path}", self.url);
         crate::auth::call(&url, self.http.get(&url)).await
     }
@@ -366,15 +368,11 @@ const STOPPING_CALLS: Duration = Duration::from_secs(5);
 
 impl CoordinatorSteps<'_> {
     /// `POST path` until the coordinator takes it, or until [`STOPPING_CALLS`] after a stop.
-    async fn post<T: serde::de::DeserializeOwned>(
-        &self,
-        path: &str,
-        body: &impl serde::Serialize,
-    ) -> Option<T> {
-        let stopped = async {
-            self.stop.cancelled().await;
-            tokio::time::sleep(STOPPING_CALLS).await;
-        };
+    async fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Option<T> {
+        let stopped = self
+            .stop
+            .cancelled()
+            .then(|()| tokio::time::sleep(STOPPING_CALLS));
         tokio::select! {
             answer = self.coordinator.post(path, body) => Some(answer),
             () = stopped => None,
@@ -387,10 +385,8 @@ impl CoordinatorSteps<'_> {
             rollout: self.data,
             limits: self.limits,
         };
-        let Some(reply) = self.post::<HelloReply>("/v1/trainer/hello", &hello).await else {
-            return Ok(());
-        };
-        if let Some(version) = reply.publish_as {
+        let reply: Option<HelloReply> = self.post("/v1/trainer/hello", &hello).await;
+        if let Some(version) = reply.and_then(|r| r.publish_as) {
             if learner.publish(version, false).await?.is_none() {
                 return Ok(()); // stopped
             }

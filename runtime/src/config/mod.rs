@@ -149,6 +149,7 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
         (e.weight_transfer.as_ref().is_some_and(|w| w.claim_name.is_some()), "engines.weightTransfer.claimName (the Filesystem transport writes under <out>/weights here)"),
         (t.image.is_some(), "trainer.image"),
         (t.resources.is_some(), "trainer.resources"),
+        (t.termination_grace_period_seconds.is_some(), "trainer.terminationGracePeriodSeconds (Ctrl-C checkpoints the last step trained; a second exits at once)"),
         (spec.coordinator.resources.is_some(), "coordinator.resources"),
         (spec.coordinator.agent_limits.is_some(), "coordinator.agentLimits"),
         (algo.teacher.as_ref().is_some_and(|t| t.claim_name.is_some()), "algorithm.teacher.claimName (the teacher is read from algorithm.teacher.path here)"),
@@ -322,20 +323,16 @@ pub fn ordered(tasks: &[Json], seed: u64) -> Vec<Json> {
 /// Tasks, one JSON value per line of `path` (blank lines skipped); errors name `field`, the
 /// manifest field or command-line flag that gave the path.
 pub fn read_jsonl(path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
+    let file = path.display();
     let text = std::fs::read_to_string(path)
-        .map_err(|e| RunError::field(field, format!("cannot read {}: {e}", path.display())))?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| {
-            serde_json::from_str(l).map_err(|e| {
-                RunError::field(
-                    field,
-                    format!("{}:{}: not a JSON value: {e}", path.display(), i + 1),
-                )
-            })
-        })
-        .collect()
+        .map_err(|e| RunError::field(field, format!("cannot read {file}: {e}")))?;
+    let lines = text.lines().enumerate();
+    let lines = lines.filter(|(_, l)| !l.trim().is_empty());
+    let values = lines.map(|(i, l)| {
+        let why = |e| format!("{file}:{}: not a JSON value: {e}", i + 1);
+        serde_json::from_str(l).map_err(|e| RunError::field(field, why(e)))
+    });
+    values.collect()
 }
 
 /// Where a process finds the files a manifest names.

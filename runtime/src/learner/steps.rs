@@ -71,8 +71,7 @@ pub(crate) async fn run_steps(
         // 1. A batch of finished groups (generated while the previous step trained); none when
         // the run stops (it keeps the last step it trained).
         let Some(mut batch) = steps.next(step, learner).await? else {
-            learner.checkpoint_on_stop().await?;
-            return Ok(());
+            return learner.checkpoint_on_stop().await.map(drop);
         };
         // 2. The batch stages, in order: a teacher's scores, a judge's rewards, a dump, ...; a
         // stop abandons the step.
@@ -83,13 +82,9 @@ pub(crate) async fn run_steps(
             }
             Ok::<_, RunError>(())
         };
-        let stopped = tokio::select! {
-            staged = staged => staged.map(|()| false)?,
-            () = learner.stop.cancelled() => true,
-        };
-        if stopped {
-            learner.checkpoint_on_stop().await?;
-            return Ok(());
+        tokio::select! {
+            staged = staged => staged?,
+            () = learner.stop.cancelled() => return learner.checkpoint_on_stop().await.map(drop),
         }
         // 3. Advantages, samples, one optimizer step; a batch the trainer cannot learn from (or
         // that stopped trainers before) is set aside, and the step drawn again.

@@ -175,7 +175,6 @@ pub async fn run(
         stop: &stop,
     };
     run_steps(&mut learner, &mut steps, &stages).await?;
-    steps.progress.interrupted |= stop.is_cancelled();
     // The policy the run ends with, evaluated.
     if steps.progress.step == cfg.total_steps {
         steps.evaluate_if_due(&mut learner).await?;
@@ -213,7 +212,7 @@ impl LocalSteps<'_> {
         };
         tokio::select! {
             r = evaluate(self.console, self.agents, e, at) => learner.record_eval(r)?,
-            () = self.stop.cancelled() => self.progress.interrupted = true,
+            () = self.stop.cancelled() => {}
         }
         Ok(())
     }
@@ -226,16 +225,13 @@ impl Steps for LocalSteps<'_> {
         learner: &mut Learner,
     ) -> Result<Option<StepBatch>, RunError> {
         self.evaluate_if_due(learner).await?;
-        if self.progress.interrupted {
+        if self.stop.is_cancelled() {
             return Ok(None);
         }
         let batch = next_batch(self.pool, &mut self.queue, &self.cfg.rollout);
         let groups = tokio::select! {
             groups = watch_generation(self.console, self.pool, batch) => groups,
-            () = self.stop.cancelled() => {
-                self.progress.interrupted = true;
-                return Ok(None);
-            }
+            () = self.stop.cancelled() => return Ok(None),
         };
         let groups = groups.ok_or_else(|| RunError::Setup("the rollout pool stopped".into()))?;
         Ok(Some(StepBatch::drawn(step, groups, self.pool, self.seed)))
@@ -341,7 +337,6 @@ struct Progress {
     version: u64,
     resumed_from: Option<u64>,
     last_checkpoint: Option<PathBuf>,
-    interrupted: bool,
     started: Instant,
 }
 
@@ -354,7 +349,6 @@ impl Progress {
             version,
             resumed_from: resume.map(|(_, m)| m.step),
             last_checkpoint: resume.map(|(d, _)| d.clone()),
-            interrupted: false,
             started,
         }
     }
@@ -405,7 +399,7 @@ fn summarize(
         engine_paused_seconds: trained.iter().map(|r| r.engine_paused_seconds).sum(),
         resumed_from: progress.resumed_from,
         last_checkpoint: progress.last_checkpoint,
-        interrupted: progress.interrupted,
+        interrupted: learner.stop.is_cancelled(),
         first_eval: learner.evals().first().cloned(),
         last_eval: learner.evals().last().cloned(),
     };

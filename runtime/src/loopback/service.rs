@@ -278,13 +278,10 @@ impl ChatService {
     ) -> Result<Arc<SessionSlot>, LoopbackError> {
         if let Some(idle) = self.opts.session_idle {
             // Sessions nobody used for `idle` are dropped, with any turn of theirs still running.
-            sessions.retain(|_, s| {
-                let keep = s.idle() < idle;
-                if !keep {
-                    s.cancelled.store(true, Ordering::Relaxed);
-                }
-                keep
-            });
+            for s in sessions.values().filter(|s| s.idle() >= idle) {
+                s.cancelled.store(true, Ordering::Relaxed);
+            }
+            sessions.retain(|_, s| !s.cancelled.load(Ordering::Relaxed));
         }
         if sessions.len() >= self.opts.max_sessions {
             return Err(LoopbackError::TooManySessions(self.opts.max_sessions));

@@ -35,6 +35,16 @@ struct Phase {
     notes: u32,
 }
 
+impl Phase {
+    fn new(what: Cow<'static, str>) -> Self {
+        Phase {
+            what,
+            since: Instant::now(),
+            notes: 0,
+        }
+    }
+}
+
 impl Console {
     /// A console for a run of `total` steps; `show: false` prints progress lines and the status
     /// line nowhere (warnings still go to stderr).
@@ -45,20 +55,10 @@ impl Console {
             ProgressDrawTarget::hidden()
         };
         let bar = ProgressBar::with_draw_target(Some(total), target);
-        bar.set_style(
-            ProgressStyle::with_template("{spinner} step {pos}/{len} · {msg}")
-                .expect("the template is valid"),
-        );
-        let phase = Phase {
-            what: "setting up".into(),
-            since: Instant::now(),
-            notes: 0,
-        };
-        let console = Console {
-            bar,
-            show,
-            phase: Arc::new(Mutex::new(phase)),
-        };
+        let style = ProgressStyle::with_template("{spinner} step {pos}/{len} · {msg}");
+        bar.set_style(style.expect("the template is valid"));
+        let phase = Arc::new(Mutex::new(Phase::new("setting up".into())));
+        let console = Console { bar, show, phase };
         console.refresh();
         console
     }
@@ -75,11 +75,7 @@ impl Console {
 
     /// The run is now doing `what` (e.g. "training"); the status line shows it with its age.
     pub fn phase(&self, what: impl Into<Cow<'static, str>>) {
-        *self.phase.lock().expect("console lock") = Phase {
-            what: what.into(),
-            since: Instant::now(),
-            notes: 0,
-        };
+        *self.phase.lock().expect("console lock") = Phase::new(what.into());
         self.refresh();
     }
 
@@ -97,19 +93,14 @@ impl Console {
     /// when the phase has lasted another [`QUIET_NOTE_EVERY`]. Called by [`Console::tick`].
     pub fn refresh(&self) {
         let mut p = self.phase.lock().expect("console lock");
-        let age = p.since.elapsed();
+        let (age, step) = (p.since.elapsed(), self.bar.position() + 1);
+        let secs = age.as_secs_f64();
         if self.is_interactive() {
-            self.bar
-                .set_message(format!("{} ({:.0}s)", p.what, age.as_secs_f64()));
+            self.bar.set_message(format!("{} ({secs:.0}s)", p.what));
             self.bar.tick();
         } else if self.show && age >= QUIET_NOTE_EVERY * (p.notes + 1) {
             p.notes += 1;
-            let step = self.bar.position() + 1;
-            eprintln!(
-                "moult run: step {step}: still {} ({:.0}s)",
-                p.what,
-                age.as_secs_f64()
-            );
+            eprintln!("moult run: step {step}: still {} ({secs:.0}s)", p.what);
         }
     }
 

@@ -189,10 +189,8 @@ impl MetricsLog {
         scalars.retain(|(tag, _)| tag.starts_with("eval_") == eval);
         if let Some(tb) = &mut self.tensorboard {
             if let Err(e) = tb.scalars(step, &scalars) {
-                tracing::warn!(
-                    "writing {}: {e}; no more TensorBoard events",
-                    tb.path().display()
-                );
+                let path = tb.path().display();
+                tracing::warn!("writing {path}: {e}; no more TensorBoard events");
                 self.tensorboard = None;
             }
         }

@@ -105,16 +105,15 @@ impl EventWriter {
 
     /// Writes `scalars` (tag, value) as one event of `step`.
     pub fn scalars(&mut self, step: u64, scalars: &[(String, f64)]) -> std::io::Result<()> {
-        let value = scalars
-            .iter()
-            .map(|(tag, v)| SummaryValue {
-                tag: tag.clone(),
-                simple_value: Some(*v as f32),
-            })
-            .collect();
+        let value = scalars.iter().map(|(tag, v)| SummaryValue {
+            tag: tag.clone(),
+            simple_value: Some(*v as f32),
+        });
         self.write(Event {
             step: i64::try_from(step).unwrap_or(i64::MAX),
-            summary: Some(Summary { value }),
+            summary: Some(Summary {
+                value: value.collect(),
+            }),
             ..Event::default()
         })
     }

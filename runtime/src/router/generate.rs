@@ -103,14 +103,12 @@ async fn run(
         // None healthy: the request waits for one (`Router::wait_for`).
         let engine = router.wait_for(|| router.pick(&route, &failed), || tx.is_closed());
         let Some(engine) = engine.await else {
-            return Err(ApiError::unavailable(if failed.is_empty() {
-                "no healthy engine".to_string()
-            } else {
-                format!(
-                    "no healthy engine left to continue the request (failed: {})",
-                    failed.join(", ")
-                )
-            }));
+            let failed = failed.join(", ");
+            let message = match failed.as_str() {
+                "" => "no healthy engine".to_string(),
+                _ => format!("no healthy engine left to continue the request (failed: {failed})"),
+            };
+            return Err(ApiError::unavailable(message));
         };
         let _load = engine.track(route.tokens);
         let mut params = req.params.clone();
@@ -125,17 +123,9 @@ async fn run(
                 }
             }
         }
-        let stream = engine
-            .client
-            .generate(
-                engine_id.to_string(),
-                &prompt,
-                &req.content_parts,
-                &params,
-                req.session.as_deref(),
-            )
-            .await;
-        let mut stream = match stream {
+        let (client, parts, session) = (&engine.client, &req.content_parts, req.session.as_deref());
+        let stream = client.generate(engine_id.to_string(), &prompt, parts, &params, session);
+        let mut stream = match stream.await {
             Ok(s) => s,
             Err(EngineError::Refused { status, message }) if status == 503 || status == 429 => {
                 // Refusing for now (paused in `wait` or `abort` mode, queue full): wait and ask

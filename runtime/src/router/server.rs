@@ -302,17 +302,14 @@ async fn init_weight_transfer(
     let body: Value = parse(&body)?;
     let mut offset = body["init_info"]["rank_offset"].as_u64().unwrap_or(1);
     let (engines, sizes) = get_all(&router, "/get_world_size").await?;
-    let bodies = sizes
-        .iter()
-        .map(|size| {
-            let mut b = body.clone();
-            b["init_info"]["rank_offset"] = json!(offset);
-            offset += world_size(size);
-            Some(b)
-        })
-        .collect();
+    let bodies = sizes.iter().map(|size| {
+        let mut b = body.clone();
+        b["init_info"]["rank_offset"] = json!(offset);
+        offset += world_size(size);
+        Some(b)
+    });
     let path = "/init_weight_transfer_engine";
-    fan_out(&engines, Method::POST, path, bodies).await?;
+    fan_out(&engines, Method::POST, path, bodies.collect()).await?;
     Ok(Json(json!({"status": "ok", "engines": engines.len()})))
 }
 

@@ -55,18 +55,17 @@ pub fn parse_score(answer: &str) -> Option<f64> {
         Regex::new(r"[0-9]+(\.[0-9]+)?|\.[0-9]+|[A-Za-z]+").expect("the pattern is valid")
     });
     let answer = answer.rsplit_once("</think>").map_or(answer, |(_, a)| a);
-    TOKEN
-        .find_iter(answer)
-        .find_map(|m| match m.as_str().to_ascii_lowercase().as_str() {
-            "yes" => Some(1.0),
-            "no" => Some(0.0),
-            word if word.starts_with(|c: char| c.is_ascii_alphabetic()) => None,
-            number => {
-                let value: f64 = number.parse().ok()?;
-                let negative = answer[..m.start()].ends_with('-');
-                Some(if negative { -value } else { value }.clamp(0.0, 1.0))
-            }
-        })
+    let mut tokens = TOKEN.find_iter(answer);
+    tokens.find_map(|m| match m.as_str().to_ascii_lowercase().as_str() {
+        "yes" => Some(1.0),
+        "no" => Some(0.0),
+        word if word.starts_with(|c: char| c.is_ascii_alphabetic()) => None,
+        number => {
+            let value: f64 = number.parse().ok()?;
+            let negative = answer[..m.start()].ends_with('-');
+            Some(if negative { -value } else { value }.clamp(0.0, 1.0))
+        }
+    })
 }
 
 /// The token ids of the episode's final reply: the last run of sampled tokens (loss mask 1) of

@@ -111,18 +111,14 @@ pub struct Parts {
 /// sampled, the judge the replies, and the dump writes the batch as the trainer will see it.
 /// A stage with a spec field reads it from `spec`.
 pub fn ordered(spec: &RLRunSpec, parts: Parts) -> Vec<Box<dyn Stage>> {
-    let mut stages: Vec<Box<dyn Stage>> = Vec::new();
-    if let Some(teacher) = parts.teacher {
-        stages.push(Box::new(teacher));
-    }
-    if let Some(judge) = parts.judge {
-        stages.push(Box::new(judge));
-    }
     let dump = parts.dump_rollouts || spec.trainer.dump_rollouts;
-    if let Some(dir) = parts.dumps.filter(|_| dump) {
-        stages.push(Box::new(dump::Dump(dir)));
-    }
-    stages
+    let dumps = parts.dumps.filter(|_| dump);
+    let stages: [Option<Box<dyn Stage>>; 3] = [
+        parts.teacher.map(|teacher| Box::new(teacher) as _),
+        parts.judge.map(|judge| Box::new(judge) as _),
+        dumps.map(|dir| Box::new(dump::Dump(dir)) as _),
+    ];
+    stages.into_iter().flatten().collect()
 }
 
 /// Applies `stages` to `batch`, in order.

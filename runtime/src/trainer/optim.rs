@@ -66,10 +66,8 @@ impl AdamW {
     pub fn step_with(&mut self, params: &[Tensor], grads: &[Option<Tensor>], lr: f64) {
         assert_eq!(params.len(), grads.len(), "one gradient slot per parameter");
         if self.state.is_empty() {
-            self.state = params
-                .iter()
-                .map(|p| (p.zeros_like(), p.zeros_like()))
-                .collect();
+            let zeros = |p: &Tensor| (p.zeros_like(), p.zeros_like());
+            self.state = params.iter().map(zeros).collect();
         }
         assert_eq!(
             self.state.len(),
@@ -110,10 +108,8 @@ pub(super) fn grads(params: &[Tensor]) -> Vec<Option<Tensor>> {
 /// clipping (the `grad_norm` metric).
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     let grads: Vec<Tensor> = grads(params).into_iter().flatten().collect();
-    let squares: f64 = grads
-        .iter()
-        .map(|g| g.norm().double_value(&[]).powi(2))
-        .sum();
+    let square = |g: &Tensor| g.norm().double_value(&[]).powi(2);
+    let squares: f64 = grads.iter().map(square).sum();
     let norm = squares.sqrt();
     if norm > max_norm && norm > 0.0 {
         tch::no_grad(|| {

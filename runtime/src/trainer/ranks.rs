@@ -192,10 +192,9 @@ impl Trainer {
         let failed = Tensor::from_slice(&[f32::from(u8::from(mine.is_err()))]);
         self.group.all_reduce(&failed, ReduceOp::Max)?;
         if mine.is_ok() && failed.double_value(&[0]) > 0.0 {
-            return Err(crate::model::Error::Input(
-                "another trainer rank could not write its checkpoint shard (its log says why)"
-                    .into(),
-            ));
+            let why =
+                "another trainer rank could not write its checkpoint shard (its log says why)";
+            return Err(crate::model::Error::Input(why.into()));
         }
         mine
     }
