@@ -6,6 +6,10 @@
 //!     cargo build --release -p moult-operator --bin moult-operator --example cluster_bench
 //!     target/release/examples/cluster_bench [100]
 //!
+//! Each count is measured twice: as plain runs, and as runs in a Kueue queue (a ClusterQueue with
+//! quota for all of them), which adds a Workload per run and Kueue's admission to the loop (the
+//! test control plane runs Kueue beside it).
+//!
 //! Runs are CPU-only (built-in engine, CPU trainer), one pod per component, and tolerate the GPU
 //! taint, so that 100 of them (400 pods) fit on the six fake nodes; KWOK makes pods Running at once, so the times measure the
 //! operator and the control plane, not image pulls.
@@ -22,8 +26,8 @@ use moult_operator::api::{Phase, RLRun};
 
 const CHILDREN_PER_RUN: usize = 16;
 
-fn run_manifest(name: &str) -> serde_json::Value {
-    serde_json::json!({
+fn run_manifest(name: &str, queued: bool) -> serde_json::Value {
+    let mut run = serde_json::json!({
         "apiVersion": "moult.dev/v1alpha1", "kind": "RLRun",
         "metadata": {"name": name},
         "spec": {
@@ -35,7 +39,50 @@ fn run_manifest(name: &str) -> serde_json::Value {
             "scheduling": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
             "totalSteps": 10
         }
-    })
+    });
+    if queued {
+        run["spec"]["scheduling"]["queueName"] = "runs".into();
+    }
+    run
+}
+
+/// A ResourceFlavor, a ClusterQueue for namespace `ns` alone with quota for every run, and its
+/// LocalQueue `runs`.
+async fn queue(client: &Client, ns: &str) {
+    let objects = [
+        (
+            "ResourceFlavor",
+            serde_json::json!({"metadata": {"name": ns}}),
+        ),
+        (
+            "ClusterQueue",
+            serde_json::json!({"metadata": {"name": ns}, "spec": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+            "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [{"name": ns, "resources": [
+                {"name": "cpu", "nominalQuota": 100000}, {"name": "memory", "nominalQuota": "100Ti"}]}]}]}}),
+        ),
+        (
+            "LocalQueue",
+            serde_json::json!({"metadata": {"name": "runs", "namespace": ns}, "spec": {"clusterQueue": ns}}),
+        ),
+    ];
+    for (kind, mut object) in objects {
+        object["apiVersion"] = "kueue.x-k8s.io/v1beta2".into();
+        object["kind"] = kind.into();
+        let gvk = kube::api::GroupVersionKind::gvk("kueue.x-k8s.io", "v1beta2", kind);
+        let ar = kube::api::ApiResource::from_gvk_with_plural(
+            &gvk,
+            &format!("{}s", kind.to_lowercase()),
+        );
+        let api: Api<kube::api::DynamicObject> = match kind {
+            "LocalQueue" => Api::namespaced_with(client.clone(), ns, &ar),
+            _ => Api::all_with(client.clone(), &ar),
+        };
+        let object: kube::api::DynamicObject = serde_json::from_value(object).unwrap();
+        api.create(&PostParams::default(), &object)
+            .await
+            .unwrap_or_else(|e| panic!("{kind}: {e} (is Kueue on the test control plane?)"));
+    }
 }
 
 fn kubeconfig() -> (std::path::PathBuf, String) {
@@ -120,6 +167,7 @@ fn rss_mib(pid: u32) -> f64 {
 
 struct Row {
     runs: usize,
+    queued: bool,
     children: Duration,
     running: Duration,
     writes: f64,
@@ -128,8 +176,12 @@ struct Row {
     rss: f64,
 }
 
-async fn bench(client: &Client, kc: &std::path::Path, runs: usize) -> Row {
-    let ns = format!("bench-{runs}-{}", std::process::id());
+async fn bench(client: &Client, kc: &std::path::Path, runs: usize, queued: bool) -> Row {
+    let ns = format!(
+        "bench-{runs}{}-{}",
+        if queued { "-kueue" } else { "" },
+        std::process::id()
+    );
     let nss: Api<Namespace> = Api::all(client.clone());
     nss.create(
         &PostParams::default(),
@@ -141,6 +193,9 @@ async fn bench(client: &Client, kc: &std::path::Path, runs: usize) -> Row {
     let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(client.clone(), &ns);
     while sas.get_opt("default").await.unwrap().is_none() {
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if queued {
+        queue(client, &ns).await;
     }
     let log = std::env::temp_dir().join(format!("{ns}.log"));
     let mut op = operator(kc, &ns, &log);
@@ -154,14 +209,14 @@ async fn bench(client: &Client, kc: &std::path::Path, runs: usize) -> Row {
             api.patch(
                 &name,
                 &PatchParams::apply("bench"),
-                &Patch::Apply(run_manifest(&name)),
+                &Patch::Apply(run_manifest(&name, queued)),
             )
             .await
             .unwrap();
         }
     }))
     .await;
-    let kinds = [
+    let mut kinds = vec![
         "configmaps",
         "secrets",
         "serviceaccounts",
@@ -172,13 +227,16 @@ async fn bench(client: &Client, kc: &std::path::Path, runs: usize) -> Row {
         "statefulsets",
         "deployments",
     ];
+    if queued {
+        kinds.push("workloads");
+    }
     let mut children_at = None;
     let running_at;
     loop {
         if children_at.is_none() {
             let mut n = 0;
-            for k in kinds {
-                let ar = match k {
+            for k in &kinds {
+                let ar = match *k {
                     "configmaps" => {
                         kube::api::ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&())
                     }
@@ -203,9 +261,13 @@ async fn bench(client: &Client, kc: &std::path::Path, runs: usize) -> Row {
                     "statefulsets" => {
                         kube::api::ApiResource::erase::<k8s_openapi::api::apps::v1::StatefulSet>(&())
                     }
-                    _ => {
+                    "deployments" => {
                         kube::api::ApiResource::erase::<k8s_openapi::api::apps::v1::Deployment>(&())
                     }
+                    _ => kube::api::ApiResource::from_gvk_with_plural(
+                        &kube::api::GroupVersionKind::gvk("kueue.x-k8s.io", "v1beta2", "Workload"),
+                        "workloads",
+                    ),
                 };
                 let dynamic: Api<kube::api::DynamicObject> =
                     Api::namespaced_with(client.clone(), &ns, &ar);
@@ -219,7 +281,7 @@ async fn bench(client: &Client, kc: &std::path::Path, runs: usize) -> Row {
                     .items
                     .len();
             }
-            if n == runs * CHILDREN_PER_RUN {
+            if n == runs * (CHILDREN_PER_RUN + usize::from(queued)) {
                 children_at = Some(started.elapsed());
             }
         }
@@ -270,8 +332,20 @@ async fn bench(client: &Client, kc: &std::path::Path, runs: usize) -> Row {
     let _ = op2.kill();
     let _ = op2.wait();
     let _ = nss.delete(&ns, &DeleteParams::default()).await;
+    if queued {
+        for (kind, plural) in [
+            ("ClusterQueue", "clusterqueues"),
+            ("ResourceFlavor", "resourceflavors"),
+        ] {
+            let gvk = kube::api::GroupVersionKind::gvk("kueue.x-k8s.io", "v1beta2", kind);
+            let ar = kube::api::ApiResource::from_gvk_with_plural(&gvk, plural);
+            let api: Api<kube::api::DynamicObject> = Api::all_with(client.clone(), &ar);
+            let _ = api.delete(&ns, &DeleteParams::default()).await;
+        }
+    }
     Row {
         runs,
+        queued,
         children: children_at.unwrap(),
         running: running_at,
         writes,
@@ -298,14 +372,17 @@ async fn main() {
     let client = Client::try_from(config).unwrap();
     let mut rows = Vec::new();
     for runs in [1, max] {
-        rows.push(bench(&client, &kc, runs).await);
+        for queued in [false, true] {
+            rows.push(bench(&client, &kc, runs, queued).await);
+        }
     }
-    println!("| RLRuns applied at once | all children created | all Running | API writes (per run) | reconciles | writes after restart | operator RSS |");
-    println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| RLRuns applied at once | Kueue | all children created | all Running | API writes (per run) | reconciles | writes after restart | operator RSS |");
+    println!("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in rows {
         println!(
-            "| {} | {:.2} s | {:.2} s | {} ({:.1}) | {} | {} | {:.0} MiB |",
+            "| {} | {} | {:.2} s | {:.2} s | {} ({:.1}) | {} | {} | {:.0} MiB |",
             r.runs,
+            if r.queued { "yes" } else { "no" },
             r.children.as_secs_f64(),
             r.running.as_secs_f64(),
             r.writes,

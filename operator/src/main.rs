@@ -70,6 +70,18 @@ struct Args {
     /// and ports of the `default/kubernetes` Service's endpoints, read at start.
     #[arg(long, env = "MOULT_AGENT_API_SERVER")]
     agent_api_server: Option<String>,
+    /// Give every run a PodDisruptionBudget with `maxUnavailable: 0` for its trainer and one for
+    /// its coordinator, so that drains and autoscaler scale-downs do not evict them mid-run
+    /// (docs/operator.md, "Disruption budgets"). `--disruption-budgets` alone means true.
+    #[arg(
+        long,
+        env = "MOULT_DISRUPTION_BUDGETS",
+        default_value_t = false,
+        num_args = 0..=1,
+        default_missing_value = "true",
+        action = clap::ArgAction::Set
+    )]
+    disruption_budgets: bool,
 }
 
 #[tokio::main]
@@ -129,6 +141,7 @@ async fn main() -> anyhow::Result<()> {
             dns,
             metrics_from,
             api_server,
+            disruption_budgets: args.disruption_budgets,
         },
         concurrency: args.concurrency,
         resync: positive(args.resync, "--resync")?,

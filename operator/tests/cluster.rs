@@ -511,6 +511,92 @@ fn cluster_suspend_stops_every_pod_and_resume_keeps_the_runs_state() {
     );
 }
 
+/// Asks the API server to evict `pod` (what `kubectl drain` does); the refusal's message, or
+/// `None` when the pod was evicted.
+fn evict(ns: &Namespace, pod: &str) -> Option<String> {
+    let body = serde_json::json!({
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": pod, "namespace": ns.name},
+    });
+    let path = std::env::temp_dir().join(format!("moult-eviction-{}-{pod}.json", ns.name));
+    std::fs::write(&path, body.to_string()).unwrap();
+    let out = ns.try_kubectl(&[
+        "create",
+        "--raw",
+        &format!("/api/v1/namespaces/{}/pods/{pod}/eviction", ns.name),
+        "-f",
+        path.to_str().unwrap(),
+    ]);
+    let _ = std::fs::remove_file(&path);
+    (!out.status.success()).then(|| String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_disruption_budgets_keep_drains_off_the_trainer_and_coordinator_and_go_with_the_flag() {
+    let ns = Namespace::new("pdb");
+    let mut op = Operator::start_with(&ns, "a", &["--disruption-budgets"]);
+    assert!(ns.apply(&small_run("r", 1)).status.success());
+    wait_phase(&ns, "r", "Running");
+    let uid = ns.get("rlrun/r", "{.metadata.uid}");
+    for role in ["trainer", "coordinator"] {
+        let pdb = format!("pdb/r-{role}");
+        assert_eq!(ns.get(&pdb, "{.metadata.ownerReferences[0].uid}"), uid);
+        assert_eq!(
+            ns.get(&pdb, "{.metadata.ownerReferences[0].controller}"),
+            "true"
+        );
+        assert_eq!(ns.get(&pdb, "{.spec.maxUnavailable}"), "0");
+        assert_eq!(
+            ns.get(&pdb, "{.spec.unhealthyPodEvictionPolicy}"),
+            "AlwaysAllow"
+        );
+        assert_eq!(
+            ns.get(&pdb, "{.spec.selector.matchLabels}"),
+            format!(r#"{{"moult.dev/component":"{role}","moult.dev/run":"r"}}"#)
+        );
+        // The disruption controller finds the role's one pod, healthy, and allows no eviction.
+        wait_until(T, &format!("{pdb} to hold its pod"), || {
+            ns.get(
+                &pdb,
+                "{.status.expectedPods}/{.status.currentHealthy}/{.status.disruptionsAllowed}",
+            ) == "1/1/0"
+        });
+    }
+    // A drain's eviction of the coordinator or a trainer rank is refused; of an agent pod, not.
+    for role in ["coordinator", "trainer"] {
+        let pod = ns.kubectl(&[
+            "get",
+            "pods",
+            "-l",
+            &format!("moult.dev/run=r,moult.dev/component={role}"),
+            "-o",
+            "jsonpath={.items[0].metadata.name}",
+        ]);
+        let refused = evict(&ns, &pod).unwrap_or_else(|| panic!("{pod} was evicted"));
+        assert!(refused.contains("disruption budget"), "{refused}");
+    }
+    let agent = ns.kubectl(&[
+        "get",
+        "pods",
+        "-l",
+        "moult.dev/run=r,moult.dev/component=agents",
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
+    ]);
+    assert_eq!(evict(&ns, &agent), None, "agent pods have no budget");
+    // An operator started without the flag deletes the budgets (they are orphans now).
+    op.terminate();
+    let _op = Operator::start(&ns, "b");
+    wait_until(T, "the budgets to be deleted", || {
+        ns.kubectl(&["get", "pdb", "-l", "moult.dev/run=r", "-o", "name"])
+            .trim()
+            .is_empty()
+    });
+    assert_eq!(phase(&ns, "r"), "Running");
+}
+
 #[test]
 #[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
 fn cluster_deleting_the_run_garbage_collects_everything_it_owned() {

@@ -110,7 +110,7 @@ spec:
     gpusPerEngine: 1
     resources: {limits: {cpu: 2}}
     weightTransfer: {transport: Filesystem, claimName: weights}
-  trainer: {image: trainer:1, resources: {limits: {cpu: 2}}}
+  trainer: {image: trainer:1, resources: {limits: {cpu: 2}}, terminationGracePeriodSeconds: 300}
   coordinator: {resources: {limits: {memory: 16Gi}}, agentLimits: {generations: 8}}
   algorithm: {teacher: {path: teacher, claimName: teachers, replicas: 2}}
   judge: {path: judge, claimName: judges, replicas: 2, prompt: "Is {response} right?"}

@@ -33,6 +33,10 @@ a Role in each of watchNamespaces. */ -}}
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
+{{- /* A StatefulSet's FailedCreate events: why it could not create a pod (a ResourceQuota). */}}
+- apiGroups: [""]
+  resources: [events]
+  verbs: [get, list]
 - apiGroups: [apps]
   resources: [statefulsets, deployments]
   verbs: [get, list, watch, create, patch, update, delete]
@@ -41,6 +45,11 @@ a Role in each of watchNamespaces. */ -}}
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, update, delete]
+{{- /* Runs' PodDisruptionBudgets (--disruption-budgets): listed and watched even when off, so
+that the budgets of an earlier start with it on are deleted. */}}
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]

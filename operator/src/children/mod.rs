@@ -1,4 +1,5 @@
-//! The objects one RLRun owns, computed from its spec alone (pure functions, no client).
+//! The objects one RLRun owns, computed from its spec alone (pure functions, no client; only
+//! the disruption budgets also ask whether the run has succeeded).
 //!
 //! [`desired`] returns every child with its labels and owner reference; the controller
 //! server-side-applies them and deletes the objects it owns that are no longer in the list. Names
@@ -6,12 +7,14 @@
 //! found by label, and pods carry [`COMPONENT_LABEL`] too.
 
 mod access;
+mod disruption;
 mod kueue;
 mod network;
 mod pods;
 mod sandbox;
 mod workloads;
 
+pub use disruption::{PROTECTED_ROLES, UNHEALTHY_POD_EVICTION_POLICY};
 pub use kueue::{
     queue_name, Placement, GROUP as KUEUE_GROUP, QUEUE_LABEL, VERSION as KUEUE_VERSION,
 };
@@ -28,6 +31,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::{NetworkPolicyEgressRule, NetworkPolicyPeer};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
@@ -72,8 +76,8 @@ pub const SANDBOX_SOCKET: &str = "/tmp/moult-sandbox.sock";
 /// The variable that points `moult agents` at that socket.
 pub const SANDBOX_ENV: &str = "MOULT_AGENT_SANDBOX";
 
-/// What the operator's flags decide for every run: images, and the cluster's network facts its
-/// NetworkPolicies need.
+/// What the operator's flags decide for every run: images, the cluster's network facts its
+/// NetworkPolicies need, and whether runs get disruption budgets.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Config {
     pub images: Images,
@@ -86,6 +90,9 @@ pub struct Config {
     /// Where agent pods of runs with `spec.agent.sandbox` reach the API server
     /// ([`crate::controller::api_server_egress`] unless the operator's flag says).
     pub api_server: Option<NetworkPolicyEgressRule>,
+    /// A PodDisruptionBudget with `maxUnavailable: 0` for each run's trainer and coordinator
+    /// (`--disruption-budgets`; docs/operator.md, "Disruption budgets").
+    pub disruption_budgets: bool,
 }
 
 impl Default for Config {
@@ -95,6 +102,7 @@ impl Default for Config {
             dns: default_dns(),
             metrics_from: Vec::new(),
             api_server: None,
+            disruption_budgets: false,
         }
     }
 }
@@ -158,6 +166,9 @@ pub struct Children {
     /// With a queue (`spec.scheduling.queueName`): the run's Kueue `Workload` (docs/operator.md,
     /// "Kueue").
     pub workload: Option<serde_json::Value>,
+    /// With the operator's `--disruption-budgets`: the trainer's and the coordinator's
+    /// PodDisruptionBudgets (none once the run has succeeded).
+    pub disruption_budgets: Vec<PodDisruptionBudget>,
 }
 
 /// What `spec.agent.sandbox` adds to a run.
@@ -189,6 +200,9 @@ pub enum ChildKind {
     RoleBinding,
     NetworkPolicy,
     Service,
+    /// With the operator's `--disruption-budgets` (before the workloads: their pods are
+    /// protected from the start).
+    PodDisruptionBudget,
     StatefulSet,
     Deployment,
     /// kubernetes-sigs/agent-sandbox's kinds, on clusters that have it.
@@ -200,7 +214,7 @@ pub enum ChildKind {
 
 impl ChildKind {
     /// In the order they are applied: what pods need exists before the pods.
-    pub const ALL: [ChildKind; 12] = [
+    pub const ALL: [ChildKind; 13] = [
         ChildKind::ConfigMap,
         ChildKind::Secret,
         ChildKind::ServiceAccount,
@@ -208,6 +222,7 @@ impl ChildKind {
         ChildKind::RoleBinding,
         ChildKind::NetworkPolicy,
         ChildKind::Service,
+        ChildKind::PodDisruptionBudget,
         ChildKind::StatefulSet,
         ChildKind::Deployment,
         ChildKind::SandboxTemplate,
@@ -299,6 +314,9 @@ impl Children {
         if let Some(workload) = self.workload {
             list.push(json_child(ChildKind::Workload, workload));
         }
+        for budget in &self.disruption_budgets {
+            list.push(child(ChildKind::PodDisruptionBudget, budget));
+        }
         // In apply order: what pods need exists before the pods.
         list.sort_by_key(|c| c.kind);
         list
@@ -330,6 +348,7 @@ pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, In
         sandbox: sandbox::children(&ctx, token),
         config,
         workload: None,
+        disruption_budgets: disruption::budgets(&ctx),
     };
     children.workload = kueue::workload(&ctx, &children);
     Ok(children)

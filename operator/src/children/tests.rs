@@ -1272,3 +1272,85 @@ fn trainer_pods_have_the_spec_grace_and_stop_a_little_before_it_ends() {
         assert_eq!(stop.value, Some((grace - 5).to_string()));
     }
 }
+
+#[test]
+fn disruption_budgets_guard_the_trainer_and_the_coordinator_only_when_the_operator_asks() {
+    let mut run = example_run();
+    let budgets = |c: &Children| -> Vec<Child> {
+        c.clone()
+            .into_list()
+            .into_iter()
+            .filter(|x| x.kind == ChildKind::PodDisruptionBudget)
+            .collect()
+    };
+    // Off by default: no budget at all.
+    let off = build(&run);
+    assert!(off.disruption_budgets.is_empty());
+    assert!(budgets(&off).is_empty());
+
+    let config = Config {
+        disruption_budgets: true,
+        ..Config::default()
+    };
+    let on = desired(&run, &config, "secret-token").expect("the example builds");
+    let list = budgets(&on);
+    let names: Vec<&str> = list.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(names, ["gsm8k-grpo-trainer", "gsm8k-grpo-coordinator"]);
+    let workloads = [
+        (
+            "trainer",
+            &on.trainer.spec.selector,
+            &on.trainer.spec.template,
+        ),
+        (
+            "coordinator",
+            &on.coordinator.spec.selector,
+            &on.coordinator.spec.template,
+        ),
+    ];
+    for (b, (role, selector, template)) in list.iter().zip(workloads) {
+        let o = &b.object;
+        assert_eq!(o["apiVersion"], "policy/v1");
+        assert_eq!(o["kind"], "PodDisruptionBudget");
+        assert_eq!(o["spec"]["maxUnavailable"], 0, "{role}: no eviction at all");
+        assert!(o["spec"]["minAvailable"].is_null(), "{role}");
+        assert_eq!(o["spec"]["unhealthyPodEvictionPolicy"], "AlwaysAllow");
+        // The workload's own selector, which its pods carry.
+        assert_eq!(
+            o["spec"]["selector"],
+            serde_json::to_value(selector).unwrap(),
+            "{role}"
+        );
+        let matched = o["spec"]["selector"]["matchLabels"].as_object().unwrap();
+        assert_eq!(matched[COMPONENT_LABEL], role);
+        assert_eq!(matched[RUN_LABEL], "gsm8k-grpo");
+        let pod_labels = template.metadata.as_ref().unwrap().labels.as_ref().unwrap();
+        for (k, v) in matched {
+            assert_eq!(pod_labels.get(k).map(String::as_str), v.as_str(), "{k}");
+        }
+        let owner = &o["metadata"]["ownerReferences"][0];
+        assert_eq!(owner["kind"], "RLRun");
+        assert_eq!(owner["controller"], true);
+        assert_eq!(owner["uid"], "0b1c6a52-5d1e-4f2a-9a55-7f3a1f6c1e01");
+        assert_eq!(o["metadata"]["labels"][MANAGED_BY_LABEL], MANAGED_BY);
+        assert_eq!(o["metadata"]["labels"][RUN_LABEL], "gsm8k-grpo");
+    }
+    // Applied before the workloads whose pods they protect; listed for orphans like every kind.
+    let kinds: Vec<ChildKind> = on.clone().into_list().iter().map(|c| c.kind).collect();
+    let at = |k| kinds.iter().position(|x| *x == k).unwrap();
+    assert!(at(ChildKind::PodDisruptionBudget) < at(ChildKind::StatefulSet));
+    assert!(ChildKind::ALL.contains(&ChildKind::PodDisruptionBudget));
+    // Suspended: the budgets stay, with no pod to hold.
+    run.spec.suspend = true;
+    let suspended = desired(&run, &config, "secret-token").unwrap();
+    assert_eq!(suspended.disruption_budgets, on.disruption_budgets);
+    assert_eq!(suspended.trainer.spec.replicas, Some(0));
+    // Succeeded: none, so that the finished run's pods do not block drains.
+    run.spec.suspend = false;
+    run.status = Some(crate::api::RLRunStatus {
+        phase: Some(crate::api::Phase::Succeeded),
+        ..Default::default()
+    });
+    let done = desired(&run, &config, "secret-token").unwrap();
+    assert!(done.disruption_budgets.is_empty());
+}

@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, Preconditions,
@@ -47,6 +48,7 @@ pub fn api_resource(kind: ChildKind) -> ApiResource {
         ChildKind::RoleBinding => ar::<RoleBinding>(),
         ChildKind::NetworkPolicy => ar::<NetworkPolicy>(),
         ChildKind::Service => ar::<Service>(),
+        ChildKind::PodDisruptionBudget => ar::<PodDisruptionBudget>(),
         ChildKind::StatefulSet => ar::<StatefulSet>(),
         ChildKind::Deployment => ar::<Deployment>(),
         ChildKind::SandboxTemplate | ChildKind::SandboxWarmPool | ChildKind::Workload => {

@@ -30,6 +30,10 @@ pub enum Reason {
     OOMKilled,
     /// The container exited with an error (and is restarted with back-off).
     CrashLoopBackOff,
+    /// The namespace's ResourceQuota refused to let the pod be created.
+    QuotaExceeded,
+    /// The API server refused to create the pod for another reason (an admission policy).
+    PodRefused,
 }
 
 impl Reason {
@@ -40,15 +44,19 @@ impl Reason {
             Reason::ContainerCannotStart => "ContainerCannotStart",
             Reason::OOMKilled => "OOMKilled",
             Reason::CrashLoopBackOff => "CrashLoopBackOff",
+            Reason::QuotaExceeded => "QuotaExceeded",
+            Reason::PodRefused => "PodRefused",
         }
     }
 
-    pub const ALL: [Reason; 5] = [
+    pub const ALL: [Reason; 7] = [
         Reason::Unschedulable,
         Reason::ImagePullFailed,
         Reason::ContainerCannotStart,
         Reason::OOMKilled,
         Reason::CrashLoopBackOff,
+        Reason::QuotaExceeded,
+        Reason::PodRefused,
     ];
 }
 
@@ -70,6 +78,26 @@ impl std::fmt::Display for Cause {
             self.pod,
             self.message
         )
+    }
+}
+
+/// Why a workload's controller could not create a pod, from what it reported (a ReplicaSet's
+/// `ReplicaFailure` condition, a StatefulSet's `FailedCreate` event): a ResourceQuota, or another
+/// refusal of the API server.
+pub fn refused(message: &str) -> Cause {
+    let reason = match message.contains("exceeded quota") {
+        true => Reason::QuotaExceeded,
+        false => Reason::PodRefused,
+    };
+    // `... pods "r-engine-0" is forbidden: exceeded quota: ...`
+    let pod = message
+        .split("pods \"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next());
+    Cause {
+        reason,
+        pod: pod.unwrap_or("(not created)").into(),
+        message: one_line(message),
     }
 }
 
@@ -195,6 +223,23 @@ mod tests {
             "status": status,
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn a_pod_the_quota_refused_is_its_components_cause() {
+        let quota = "create Pod r-engine-0 in StatefulSet r-engine failed error: pods \"r-engine-0\" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=8, limited: requests.nvidia.com/gpu=8";
+        let cause = refused(quota);
+        assert_eq!(
+            (cause.reason, cause.pod.as_str()),
+            (Reason::QuotaExceeded, "r-engine-0")
+        );
+        assert!(cause
+            .message
+            .ends_with("limited: requests.nvidia.com/gpu=8"));
+        assert_eq!(
+            refused("admission webhook denied the request").reason,
+            Reason::PodRefused
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! operator.md, "Metrics"): enough to alert on a run that is stuck. A run's series go when the
 //! run is gone (at the next reconcile of any run).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -60,6 +60,9 @@ pub struct RoleLabels {
     pub role: String,
 }
 
+/// A series' labels, as names and values.
+type LabelSet = Vec<(String, String)>;
+
 /// A gauge of seconds.
 type Seconds = Gauge<f64, std::sync::atomic::AtomicU64>;
 
@@ -106,6 +109,12 @@ pub struct Metrics {
     runs: Mutex<HashMap<(String, String), BTreeSet<&'static str>>>,
     /// Set once the controller runs; `/readyz` answers 200 from then on.
     pub ready: AtomicBool,
+    /// 1 per run, with the run's labels as `label_<key>` (as kube-state-metrics gives objects'
+    /// labels), so that usage sums by team: `... * on(namespace, run) group_left(label_team)
+    /// moult_operator_run_labels`.
+    pub run_labels: Family<LabelSet, Gauge>,
+    /// Each run's label series, to drop when its labels change or it goes.
+    labelled: Mutex<HashMap<(String, String), LabelSet>>,
 }
 
 impl Default for Metrics {
@@ -121,6 +130,12 @@ impl Default for Metrics {
         let blocked = Family::<BlockedLabels, Gauge>::default();
         let gpu_seconds = Family::<RoleLabels, Seconds>::default();
         let cpu_seconds = Family::<RoleLabels, Seconds>::default();
+        let run_labels = Family::<LabelSet, Gauge>::default();
+        registry.register(
+            "run_labels",
+            "1 for each RLRun, with its labels as label_<key>",
+            run_labels.clone(),
+        );
         registry.register(
             "run_gpu_seconds",
             "GPUs × seconds the pods of each role of each RLRun ran (status.usage)",
@@ -181,6 +196,8 @@ impl Default for Metrics {
             cpu_seconds,
             runs: Mutex::new(HashMap::new()),
             ready: AtomicBool::new(false),
+            run_labels,
+            labelled: Mutex::new(HashMap::new()),
         }
     }
 }
@@ -259,9 +276,44 @@ impl Metrics {
         }
     }
 
+    /// The run's labels series: `labels` as `label_<key>` (other characters than letters and
+    /// digits made `_`).
+    pub fn label_run(&self, namespace: &str, run: &str, labels: &BTreeMap<String, String>) {
+        let series =
+            [("namespace", namespace), ("run", run)].map(|(k, v)| (k.to_string(), v.to_string()));
+        let labels = labels.iter().map(|(k, v)| {
+            let key: String = k
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            (format!("label_{key}"), v.clone())
+        });
+        let series: LabelSet = series.into_iter().chain(labels).collect();
+        let key = (namespace.to_string(), run.to_string());
+        let old = self
+            .labelled
+            .lock()
+            .expect("not poisoned")
+            .insert(key, series.clone());
+        if let Some(old) = old.filter(|old| *old != series) {
+            self.run_labels.remove(&old);
+        }
+        self.run_labels.get_or_create(&series).set(1);
+    }
+
     /// Drops the series of runs not among `existing` ("namespace/name" keys), of every
     /// component they had.
     pub fn retain_runs(&self, existing: &[String]) {
+        self.labelled
+            .lock()
+            .expect("not poisoned")
+            .retain(|(namespace, run), series| {
+                let keep = existing.contains(&format!("{namespace}/{run}"));
+                if !keep {
+                    self.run_labels.remove(series);
+                }
+                keep
+            });
         let mut runs = self.runs.lock().expect("not poisoned");
         runs.retain(|(namespace, run), components| {
             if existing.contains(&format!("{namespace}/{run}")) {
@@ -437,6 +489,23 @@ mod tests {
             !m.encode().contains("component=\"engines\""),
             "{}",
             m.encode()
+        );
+        let team = [
+            ("team".to_string(), "rl".to_string()),
+            ("app.kubernetes.io/part-of".to_string(), "x".to_string()),
+        ];
+        m.label_run("ns", "r", &team.into());
+        let text = m.encode();
+        let line = "moult_operator_run_labels{namespace=\"ns\",run=\"r\",label_app_kubernetes_io_part_of=\"x\",label_team=\"rl\"} 1";
+        assert!(text.contains(line), "{line} in:\n{text}");
+        m.label_run(
+            "ns",
+            "r",
+            &[("team".to_string(), "infra".to_string())].into(),
+        );
+        assert!(
+            !m.encode().contains("label_team=\"rl\""),
+            "a changed label takes its old series away"
         );
         m.retain_runs(&["ns/r".into()]);
         assert!(m.encode().contains("run=\"r\""));

@@ -18,14 +18,14 @@ pub mod metrics;
 pub mod status;
 pub mod usage;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, ObjectReference, Pod, Secret, Service, ServiceAccount,
+    ConfigMap, Event as CoreEvent, ObjectReference, Pod, Secret, Service, ServiceAccount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -34,7 +34,7 @@ use kube::core::error_boundary::{DeserializeGuard, InvalidObject};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::runtime::watcher;
+use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Client, Resource, ResourceExt};
 use rand::RngCore;
 use serde_json::json;
@@ -70,6 +70,25 @@ pub struct Ctx {
     failures: Mutex<HashMap<String, u32>>,
     /// The runs that exist (each controller's cache): per-run metrics of the others are dropped.
     runs: Vec<Store<DeserializeGuard<RLRun>>>,
+    /// The runs' pods, per scope, from watch caches (kube-runtime reflectors): a reconcile reads
+    /// them without asking the API server.
+    pods: Vec<Store<Pod>>,
+}
+
+/// The API of `K` in namespace `ns`, or in all namespaces.
+fn scoped<K>(client: &Client, ns: &Option<String>) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    match ns {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// The operator's objects only (its pods and children carry the managed-by label).
+fn ours() -> watcher::Config {
+    watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"))
 }
 
 /// Runs the controller until shutdown (SIGTERM/SIGINT): one for every namespace, or one per
@@ -94,6 +113,24 @@ pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, iden
         controller: FIELD_MANAGER.into(),
         instance: Some(identity.into()),
     };
+    // The runs' pods, watched into a cache per scope, complete before the first reconcile (a
+    // reconcile that saw no pods would count no usage and give a Kueue Workload's quota back).
+    let mut pods = Vec::new();
+    for (_, ns) in &controllers {
+        let (store, writer) = kube::runtime::reflector::store::<Pod>();
+        let stream = kube::runtime::reflector(writer, watcher(scoped(&client, ns), ours()));
+        tokio::spawn(
+            stream
+                .default_backoff()
+                .for_each(|_| futures::future::ready(())),
+        );
+        pods.push(store);
+    }
+    for store in &pods {
+        if store.wait_until_ready().await.is_err() {
+            tracing::error!("the pod watch stopped before its first list");
+        }
+    }
     let ctx = Arc::new(Ctx {
         recorder: Recorder::new(client.clone(), reporter),
         client: client.clone(),
@@ -101,6 +138,7 @@ pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, iden
         failures: Mutex::new(HashMap::new()),
         settings: settings.clone(),
         runs: controllers.iter().map(|(c, _)| c.store()).collect(),
+        pods,
     });
     metrics
         .ready
@@ -123,16 +161,7 @@ async fn watch(
     ctx: Arc<Ctx>,
     queued: bool,
 ) {
-    fn owned_api<K>(client: &Client, ns: &Option<String>) -> Api<K>
-    where
-        K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
-    {
-        match ns {
-            Some(ns) => Api::namespaced(client.clone(), ns),
-            None => Api::all(client.clone()),
-        }
-    }
-    let ours = watcher::Config::default().labels(&format!("{MANAGED_BY_LABEL}={MANAGED_BY}"));
+    let ours = ours();
     let concurrency = ctx.settings.concurrency;
     // Kueue's Workloads of the runs, on a cluster that has Kueue.
     let controller = match queued {
@@ -148,27 +177,31 @@ async fn watch(
     };
     controller
         // Pods belong to StatefulSets and ReplicaSets, not to the run: found by its label.
-        .watches(owned_api::<Pod>(client, &owned), ours.clone(), |pod| {
+        .watches(scoped::<Pod>(client, &owned), ours.clone(), |pod| {
             let run = pod.labels().get(RUN_LABEL)?.clone();
             let ns = pod.namespace()?;
             Some(ObjectRef::<DeserializeGuard<RLRun>>::new(&run).within(&ns))
         })
-        .owns(owned_api::<StatefulSet>(client, &owned), ours.clone())
-        .owns(owned_api::<Deployment>(client, &owned), ours.clone())
-        .owns(owned_api::<Service>(client, &owned), ours.clone())
-        .owns(owned_api::<ConfigMap>(client, &owned), ours.clone())
-        .owns(owned_api::<Secret>(client, &owned), ours.clone())
-        .owns(owned_api::<ServiceAccount>(client, &owned), ours.clone())
+        .owns(scoped::<StatefulSet>(client, &owned), ours.clone())
+        .owns(scoped::<Deployment>(client, &owned), ours.clone())
+        .owns(scoped::<Service>(client, &owned), ours.clone())
+        .owns(scoped::<ConfigMap>(client, &owned), ours.clone())
+        .owns(scoped::<Secret>(client, &owned), ours.clone())
+        .owns(scoped::<ServiceAccount>(client, &owned), ours.clone())
         .owns(
-            owned_api::<k8s_openapi::api::rbac::v1::Role>(client, &owned),
+            scoped::<k8s_openapi::api::rbac::v1::Role>(client, &owned),
             ours.clone(),
         )
         .owns(
-            owned_api::<k8s_openapi::api::rbac::v1::RoleBinding>(client, &owned),
+            scoped::<k8s_openapi::api::rbac::v1::RoleBinding>(client, &owned),
             ours.clone(),
         )
         .owns(
-            owned_api::<k8s_openapi::api::networking::v1::NetworkPolicy>(client, &owned),
+            scoped::<k8s_openapi::api::policy::v1::PodDisruptionBudget>(client, &owned),
+            ours.clone(),
+        )
+        .owns(
+            scoped::<k8s_openapi::api::networking::v1::NetworkPolicy>(client, &owned),
             ours,
         )
         .with_config(ControllerConfig::default().concurrency(concurrency))
@@ -266,15 +299,16 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         Err(why) => (listed.owned, Some(Refusal::InvalidSpec(why.0)), None),
     };
     let now = Time(Timestamp::now());
-    let mut workloads = workloads(&current, run, pods(ctx, &ns, &name).await?);
+    let mut workloads = workloads(&current, run, pods(ctx, &ns, &name));
     if let Some(q) = &queue {
         owe_kueue(ctx, run, q, &current, &workloads, &now).await?;
     }
     workloads.queue = queue;
+    workloads.refused = refusals(ctx, &ns, &workloads).await?;
     let mut new = status::compute(run, &workloads, refusal.as_ref(), &now);
     let used = run.status.as_ref().and_then(|s| s.usage.as_ref());
     new.usage = Some(usage::advance(used, &workloads.pods, &now));
-    observe(ctx, &ns, &name, &new, &workloads);
+    observe(ctx, run, &new, &workloads);
     let usage_due = usage::due(used, new.usage.as_ref().expect("just set"));
     if status::changed(run.status.as_ref(), &new) || usage_due {
         patch_status(run, &new, ctx).await?;
@@ -351,18 +385,18 @@ async fn owe_kueue(
 const CONFLICT_RECHECK: Duration = Duration::from_secs(10);
 
 /// The run's pods (where the causes of a component that is not ready are read).
-async fn pods(ctx: &Ctx, ns: &str, run: &str) -> Result<Vec<Pod>> {
-    let api: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
-    let selector = format!("{RUN_LABEL}={run},{MANAGED_BY_LABEL}={MANAGED_BY}");
-    Ok(api
-        .list(&ListParams::default().labels(&selector))
-        .await
-        .context(|| format!("listing the pods of {ns}/{run}"))?
-        .items)
+fn pods(ctx: &Ctx, ns: &str, run: &str) -> Vec<Pod> {
+    let all = ctx.pods.iter().flat_map(|store| store.state());
+    let ours = |p: &Pod| {
+        p.namespace().as_deref() == Some(ns) && p.labels().get(RUN_LABEL).is_some_and(|r| r == run)
+    };
+    all.filter(|p| ours(p)).map(|p| (*p).clone()).collect()
 }
 
 /// The run's gauges from its new status, and none for runs that are gone.
-fn observe(ctx: &Ctx, ns: &str, run: &str, new: &RLRunStatus, workloads: &Workloads) {
+fn observe(ctx: &Ctx, rl_run: &RLRun, new: &RLRunStatus, workloads: &Workloads) {
+    let (ns, run) = (&rl_run.namespace().unwrap_or_default(), &rl_run.name_any());
+    let run_labels = rl_run.metadata.labels.clone().unwrap_or_default();
     let existing: Vec<String> = ctx
         .runs
         .iter()
@@ -370,6 +404,7 @@ fn observe(ctx: &Ctx, ns: &str, run: &str, new: &RLRunStatus, workloads: &Worklo
         .map(|r| key(r.meta()))
         .collect();
     ctx.metrics.retain_runs(&existing);
+    ctx.metrics.label_run(ns, run, &run_labels);
     ctx.metrics.observe_run(
         ns,
         run,
@@ -438,7 +473,58 @@ fn workloads(current: &Live, rl_run: &RLRun, pods: Vec<Pod>) -> Workloads {
             .collect(),
         pods,
         queue: None,
+        refused: BTreeMap::new(),
     }
+}
+
+/// How old a FailedCreate event may be to say why a StatefulSet lacks pods.
+const REFUSAL_FRESH: i64 = 300;
+
+/// Why the run's workloads could not create pods (a ResourceQuota, an admission policy), for the
+/// components with fewer pods than they want: a Deployment's `ReplicaFailure` condition, a
+/// StatefulSet's newest `FailedCreate` event of the last minutes.
+async fn refusals(ctx: &Ctx, ns: &str, w: &Workloads) -> Result<BTreeMap<&'static str, String>> {
+    let mut out = BTreeMap::new();
+    for (name, d) in [("coordinator", &w.coordinator), ("agents", &w.agents)] {
+        let conditions = d
+            .iter()
+            .flat_map(|d| d.status.iter().flat_map(|s| s.conditions.iter().flatten()));
+        let mut failures = conditions.filter(|c| {
+            c.type_.as_deref() == Some("ReplicaFailure") && c.status.as_deref() == Some("True")
+        });
+        if let Some(message) = failures.next().and_then(|c| c.message.clone()) {
+            out.insert(name, message);
+        }
+    }
+    let scorers = w.scorers.iter().map(|(name, s)| (*name, s));
+    for (name, s) in [("engines", &w.engines), ("trainer", &w.trainer)]
+        .into_iter()
+        .chain(scorers)
+    {
+        let Some(s) = s.as_ref().filter(|s| {
+            s.status.as_ref().map_or(0, |st| st.replicas) < s.spec.replicas.unwrap_or(1)
+        }) else {
+            continue;
+        };
+        let api: Api<CoreEvent> = Api::namespaced(ctx.client.clone(), ns);
+        let fields = format!(
+            "involvedObject.kind=StatefulSet,involvedObject.name={},reason=FailedCreate",
+            s.name_any()
+        );
+        let events = api.list(&ListParams::default().fields(&fields)).await;
+        let events = events
+            .context(|| format!("listing the events of StatefulSet {ns}/{}", s.name_any()))?;
+        let now = Timestamp::now();
+        let fresh = events
+            .items
+            .into_iter()
+            .filter_map(|e| Some((e.last_timestamp?.0, e.message?)));
+        let fresh = fresh.filter(|(at, _)| now.duration_since(*at).as_secs() < REFUSAL_FRESH);
+        if let Some((_, message)) = fresh.max_by_key(|(at, _)| *at) {
+            out.insert(name, message);
+        }
+    }
+    Ok(out)
 }
 
 /// Server-side applies the operator's status fields (the coordinator's stay untouched).

@@ -32,6 +32,9 @@ pub struct Workloads {
     pub pods: Vec<Pod>,
     /// The run's Kueue Workload, for a run with a queue.
     pub queue: Option<Queued>,
+    /// Why the controller of a component (by name: engines, trainer, ...) could not create a pod,
+    /// as it last reported ([`causes::refused`]).
+    pub refused: std::collections::BTreeMap<&'static str, String>,
 }
 
 /// One component as the status and the metrics report it.
@@ -58,9 +61,17 @@ pub fn components(w: &Workloads) -> Vec<Component> {
         ready: r.ready,
         pods: r.pods,
         settled: r.settled,
+        // The pods' own cause, else why pods are missing (a ResourceQuota).
         cause: (!r.settled)
             .then(|| causes::first(&w.pods, pod_label))
-            .flatten(),
+            .flatten()
+            .or_else(|| {
+                let missing = !r.settled && r.pods < r.desired;
+                w.refused
+                    .get(name)
+                    .filter(|_| missing)
+                    .map(|m| causes::refused(m))
+            }),
     };
     [
         component("engines", "engine", statefulset(w.engines.as_ref())),
@@ -457,7 +468,26 @@ mod tests {
                 .collect(),
             pods: Vec::new(),
             queue: None,
+            refused: Default::default(),
         }
+    }
+
+    #[test]
+    fn pods_a_quota_refused_are_the_components_cause() {
+        let r = run();
+        let mut w = workloads(&r, |_, _| 0);
+        if let Some(s) = w.engines.as_mut().and_then(|s| s.status.as_mut()) {
+            s.replicas = 0;
+        }
+        let quota = "pods \"r-engine-0\" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1";
+        w.refused.insert("engines", quota.into());
+        let engines = components(&w)
+            .into_iter()
+            .find(|c| c.name == "engines")
+            .unwrap();
+        assert_eq!(engines.cause.unwrap().reason, causes::Reason::QuotaExceeded);
+        let s = compute(&r, &w, None, &now());
+        assert_eq!(condition(&s, "Ready").reason, "QuotaExceeded");
     }
 
     /// A pod of `component` that the scheduler cannot place.
