@@ -1065,3 +1065,26 @@ fn cluster_a_container_that_exits_with_an_error_puts_its_error_in_the_condition(
     assert!(!condition(&ns, "r", "Ready", "message").contains(error));
     a_fresh_operator_writes_nothing(&ns, &mut op, "r");
 }
+
+/// A ResourceQuota that leaves no GPU for the run: the StatefulSets cannot create their pods,
+/// and the run's status says so (QuotaExceeded, with the quota's words) instead of waiting
+/// without a reason; raising the quota lets the pods come and the run reach Running.
+#[test]
+#[ignore = "cluster: needs the test control plane (bash scripts/test-cluster.sh up)"]
+fn cluster_a_quota_that_refuses_the_pods_is_the_runs_reason() {
+    let ns = Namespace::new("quota");
+    let quota = |gpus: u32| {
+        format!("apiVersion: v1\nkind: ResourceQuota\nmetadata: {{name: gpus}}\nspec: {{hard: {{requests.nvidia.com/gpu: \"{gpus}\"}}}}\n")
+    };
+    assert!(ns.apply(&quota(0)).status.success());
+    let _op = Operator::start(&ns, "a");
+    assert!(ns.apply(&small_run("r", 1)).status.success());
+    wait_until(T, "the quota as the run's reason", || {
+        condition(&ns, "r", "Ready", "reason") == "QuotaExceeded"
+    });
+    let message = condition(&ns, "r", "Ready", "message");
+    assert!(message.contains("exceeded quota: gpus"), "{message}");
+    assert_eq!(phase(&ns, "r"), "Pending");
+    assert!(ns.apply(&quota(64)).status.success());
+    wait_phase(&ns, "r", "Running");
+}

@@ -36,7 +36,7 @@ a Role in each of watchNamespaces. */ -}}
 {{- /* A StatefulSet's FailedCreate events: why it could not create a pod (a ResourceQuota). */}}
 - apiGroups: [""]
   resources: [events]
-  verbs: [get, list]
+  verbs: [get, list, watch]
 - apiGroups: [apps]
   resources: [statefulsets, deployments]
   verbs: [get, list, watch, create, patch, update, delete]

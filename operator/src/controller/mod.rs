@@ -29,7 +29,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
 use kube::core::error_boundary::{DeserializeGuard, InvalidObject};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -73,6 +73,8 @@ pub struct Ctx {
     /// The runs' pods, per scope, from watch caches (kube-runtime reflectors): a reconcile reads
     /// them without asking the API server.
     pods: Vec<Store<Pod>>,
+    /// `FailedCreate` events, per scope, from watch caches: why a StatefulSet lacks pods.
+    refusals: Vec<Store<CoreEvent>>,
 }
 
 /// The API of `K` in namespace `ns`, or in all namespaces.
@@ -84,6 +86,28 @@ where
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     }
+}
+
+/// A watch cache of what `api` lists with `config` (a kube-runtime reflector), once complete
+/// (a reconcile that saw no pods would count no usage and give a Kueue Workload's quota back).
+async fn cache<K>(api: Api<K>, config: watcher::Config) -> Store<K>
+where
+    K: Resource<DynamicType = ()> + Clone + std::fmt::Debug + serde::de::DeserializeOwned,
+    K: Send + Sync + 'static,
+{
+    let (store, writer) = kube::runtime::reflector::store::<K>();
+    // Without managed fields, which are most of an object's size and never read here.
+    let watch = watcher(api, config).modify(|o| o.managed_fields_mut().clear());
+    let stream = kube::runtime::reflector(writer, watch);
+    tokio::spawn(
+        stream
+            .default_backoff()
+            .for_each(|_| futures::future::ready(())),
+    );
+    if store.wait_until_ready().await.is_err() {
+        tracing::error!("a watch stopped before its first list");
+    }
+    store
 }
 
 /// The operator's objects only (its pods and children carry the managed-by label).
@@ -113,23 +137,12 @@ pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, iden
         controller: FIELD_MANAGER.into(),
         instance: Some(identity.into()),
     };
-    // The runs' pods, watched into a cache per scope, complete before the first reconcile (a
-    // reconcile that saw no pods would count no usage and give a Kueue Workload's quota back).
-    let mut pods = Vec::new();
+    // The runs' pods and the FailedCreate events, each watched into a cache per scope.
+    let (mut pods, mut refusals) = (Vec::new(), Vec::new());
     for (_, ns) in &controllers {
-        let (store, writer) = kube::runtime::reflector::store::<Pod>();
-        let stream = kube::runtime::reflector(writer, watcher(scoped(&client, ns), ours()));
-        tokio::spawn(
-            stream
-                .default_backoff()
-                .for_each(|_| futures::future::ready(())),
-        );
-        pods.push(store);
-    }
-    for store in &pods {
-        if store.wait_until_ready().await.is_err() {
-            tracing::error!("the pod watch stopped before its first list");
-        }
+        pods.push(cache(scoped(&client, ns), ours()).await);
+        let failed = watcher::Config::default().fields("reason=FailedCreate");
+        refusals.push(cache(scoped(&client, ns), failed).await);
     }
     let ctx = Arc::new(Ctx {
         recorder: Recorder::new(client.clone(), reporter),
@@ -139,6 +152,7 @@ pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, iden
         settings: settings.clone(),
         runs: controllers.iter().map(|(c, _)| c.store()).collect(),
         pods,
+        refusals,
     });
     metrics
         .ready
@@ -304,7 +318,7 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         owe_kueue(ctx, run, q, &current, &workloads, &now).await?;
     }
     workloads.queue = queue;
-    workloads.refused = refusals(ctx, &ns, &workloads).await?;
+    workloads.refused = refusals(ctx, &ns, &workloads);
     let mut new = status::compute(run, &workloads, refusal.as_ref(), &now);
     let used = run.status.as_ref().and_then(|s| s.usage.as_ref());
     new.usage = Some(usage::advance(used, &workloads.pods, &now));
@@ -482,8 +496,8 @@ const REFUSAL_FRESH: i64 = 300;
 
 /// Why the run's workloads could not create pods (a ResourceQuota, an admission policy), for the
 /// components with fewer pods than they want: a Deployment's `ReplicaFailure` condition, a
-/// StatefulSet's newest `FailedCreate` event of the last minutes.
-async fn refusals(ctx: &Ctx, ns: &str, w: &Workloads) -> Result<BTreeMap<&'static str, String>> {
+/// StatefulSet's newest `FailedCreate` event of the last minutes (from the events cache).
+fn refusals(ctx: &Ctx, ns: &str, w: &Workloads) -> BTreeMap<&'static str, String> {
     let mut out = BTreeMap::new();
     for (name, d) in [("coordinator", &w.coordinator), ("agents", &w.agents)] {
         let conditions = d
@@ -496,6 +510,12 @@ async fn refusals(ctx: &Ctx, ns: &str, w: &Workloads) -> Result<BTreeMap<&'stati
             out.insert(name, message);
         }
     }
+    let now = Timestamp::now();
+    let events: Vec<_> = ctx
+        .refusals
+        .iter()
+        .flat_map(|store| store.state())
+        .collect();
     let scorers = w.scorers.iter().map(|(name, s)| (*name, s));
     for (name, s) in [("engines", &w.engines), ("trainer", &w.trainer)]
         .into_iter()
@@ -506,25 +526,20 @@ async fn refusals(ctx: &Ctx, ns: &str, w: &Workloads) -> Result<BTreeMap<&'stati
         }) else {
             continue;
         };
-        let api: Api<CoreEvent> = Api::namespaced(ctx.client.clone(), ns);
-        let fields = format!(
-            "involvedObject.kind=StatefulSet,involvedObject.name={},reason=FailedCreate",
-            s.name_any()
-        );
-        let events = api.list(&ListParams::default().fields(&fields)).await;
-        let events = events
-            .context(|| format!("listing the events of StatefulSet {ns}/{}", s.name_any()))?;
-        let now = Timestamp::now();
-        let fresh = events
-            .items
-            .into_iter()
-            .filter_map(|e| Some((e.last_timestamp?.0, e.message?)));
+        let about = |e: &CoreEvent| {
+            let o = &e.involved_object;
+            o.kind.as_deref() == Some("StatefulSet")
+                && o.namespace.as_deref() == Some(ns)
+                && o.name == s.metadata.name
+        };
+        let fresh = events.iter().filter(|e| about(e));
+        let fresh = fresh.filter_map(|e| Some((e.last_timestamp.as_ref()?.0, e.message.as_ref()?)));
         let fresh = fresh.filter(|(at, _)| now.duration_since(*at).as_secs() < REFUSAL_FRESH);
         if let Some((_, message)) = fresh.max_by_key(|(at, _)| *at) {
-            out.insert(name, message);
+            out.insert(name, message.clone());
         }
     }
-    Ok(out)
+    out
 }
 
 /// Server-side applies the operator's status fields (the coordinator's stay untouched).
