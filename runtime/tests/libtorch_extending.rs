@@ -90,7 +90,10 @@ fn the_lines_the_page_says_to_edit_next_to_exist() {
     let step = read("runtime/src/trainer/step.rs");
     assert!(step.contains("match cfg.kind") && step.contains("LossKind::Cispo"));
     let stages = read("runtime/src/stages/mod.rs");
-    assert!(stages.contains("pub fn ordered(") && stages.contains("stages.push(Box::new("));
+    assert!(
+        stages.contains("pub fn ordered(")
+            && stages.contains("let stages: [Option<Box<dyn Stage>>;")
+    );
     let api = read("operator/src/api.rs");
     for item in [
         "pub enum Estimator",
