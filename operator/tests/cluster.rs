@@ -915,7 +915,7 @@ fn cluster_a_run_whose_model_claim_is_missing_says_so_and_proceeds_once_it_exist
     // `kubectl get rlr -o wide` shows why.
     let table = ns.kubectl(&["get", "rlr", "-o", "wide"]);
     let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
-    assert_eq!(header[8..], ["REASON", "MESSAGE"], "{table}");
+    assert_eq!(header[8..], ["REASON", "GPU-HOURS", "MESSAGE"], "{table}");
     let row = table.lines().nth(1).unwrap();
     assert!(
         row.contains("Unschedulable") && row.contains(missing),
