@@ -1697,16 +1697,7 @@ async fn cluster_run_suspended_and_resumed_trains_every_step_once_and_counts_no_
         .unwrap();
     assert_eq!(condition["status"], "True", "{suspended}");
     assert!(condition["lastTransitionTime"].is_string(), "{suspended}");
-    let trained = run.records().len() as u64;
-    let latest = run
-        .checkpoints
-        .join(SUSPEND_RUN)
-        .join("checkpoints/latest.json");
-    let latest: Value = serde_json::from_slice(&std::fs::read(latest).unwrap()).unwrap();
-    assert_eq!(
-        latest["step"], trained,
-        "the trainer checkpointed the last step it trained"
-    );
+    let trained = stop_checkpoint(&run.checkpoints, SUSPEND_RUN, kubelet);
     // Nothing runs: usage stays as it was, whatever the operator reconciles meanwhile.
     let before = status(ns, SUSPEND_RUN)["usage"]["roles"].clone();
     std::thread::sleep(Duration::from_secs(5));
@@ -1828,6 +1819,29 @@ value: 1000
     )
 }
 
+/// The step of the checkpoint the stopped trainer of `run` wrote: the last step it trained (as
+/// many as its records), waited for while the process may still be writing it (its pod can be
+/// gone from the API server before its process ends).
+fn stop_checkpoint(checkpoints: &Path, run: &str, kubelet: &Kubelet) -> u64 {
+    let latest = checkpoints.join(run).join("checkpoints/latest.json");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let trained = records_of(checkpoints, run).len() as u64;
+        let step = std::fs::read(&latest)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+        if step.as_ref().is_some_and(|l| l["step"] == trained) {
+            return trained;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the trainer of {run} did not checkpoint the last step it trained ({trained}): latest.json {step:?}\n{}",
+            kubelet.logs_tail(&format!("{run}-trainer"), 30)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// The step records the trainer of `run` wrote to the checkpoint claim.
 fn records_of(checkpoints: &Path, run: &str) -> Vec<Value> {
     let metrics =
@@ -1946,13 +1960,7 @@ async fn cluster_run_in_a_kueue_queue_waits_as_one_is_preempted_and_resumes_wher
         );
         std::thread::sleep(Duration::from_millis(500));
     }
-    let trained = records_of(&checkpoints, "first").len() as u64;
-    let latest = checkpoints.join("first/checkpoints/latest.json");
-    let latest: Value = serde_json::from_slice(&std::fs::read(latest).unwrap()).unwrap();
-    assert_eq!(
-        latest["step"], trained,
-        "the first run's trainer checkpointed the last step it trained"
-    );
+    let trained = stop_checkpoint(&checkpoints, "first", &kubelet);
     wait_status(
         (&ns, "urgent"),
         &kubelet,
