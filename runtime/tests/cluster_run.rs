@@ -1662,14 +1662,7 @@ async fn cluster_run_suspended_and_resumed_trains_every_step_once_and_counts_no_
     assert!(wide.contains("GPU-HOURS"), "{wide}");
     println!("$ kubectl get rlrun {SUSPEND_RUN} -o wide\n{wide}");
 
-    ns.kubectl(&[
-        "patch",
-        "rlrun",
-        SUSPEND_RUN,
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"suspend":true}}"#,
-    ]);
+    set_suspend(ns, SUSPEND_RUN, true);
     let suspended = wait_status(
         (ns, SUSPEND_RUN),
         kubelet,
@@ -1731,14 +1724,7 @@ async fn cluster_run_suspended_and_resumed_trains_every_step_once_and_counts_no_
         println!("$ kubectl {}\n{}", args.join(" "), ns.kubectl(&args));
     }
 
-    ns.kubectl(&[
-        "patch",
-        "rlrun",
-        SUSPEND_RUN,
-        "--type=merge",
-        "-p",
-        r#"{"spec":{"suspend":false}}"#,
-    ]);
+    set_suspend(ns, SUSPEND_RUN, false);
     let resumed = wait_status(
         (ns, SUSPEND_RUN),
         kubelet,
@@ -1817,6 +1803,12 @@ metadata: {{name: {high}}}
 value: 1000
 "#
     )
+}
+
+/// `kubectl patch` of `run`'s `spec.suspend`.
+fn set_suspend(ns: &Namespace, run: &str, suspend: bool) {
+    let patch = format!(r#"{{"spec":{{"suspend":{suspend}}}}}"#);
+    ns.kubectl(&["patch", "rlrun", run, "--type=merge", "-p", &patch]);
 }
 
 /// The step of the checkpoint the stopped trainer of `run` wrote: the last step it trained (as
