@@ -23,6 +23,7 @@ use super::config::ModelConfig;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
 use super::loader::{load_safetensors_dir, WeightTaker};
+use super::lora::{self, Adapter, LoraConfig, Part};
 use super::mlp::gated_mlp;
 use super::moe::{Expert, SparseMoe};
 use super::rope::{Rope, RopeAt};
@@ -130,6 +131,82 @@ impl Layer {
             .chain(self.o_proj.tensors())
             .chain(mlp)
     }
+
+    /// The linears an adapter may target, in a fixed order: q/k/v, o, then the MLP's (each
+    /// expert's in turn), each with the modules it stacks as (name, `in`, rows), `p` being the
+    /// layer's name prefix (`model.layers.3`).
+    fn adaptable(
+        &mut self,
+        p: &str,
+        c: &ModelConfig,
+    ) -> Vec<(&mut Linear, Vec<(String, i64, i64)>)> {
+        let (h, d) = (c.hidden_size as i64, c.head_dim as i64);
+        let (q, kv) = (
+            c.num_attention_heads as i64 * d,
+            c.num_key_value_heads as i64 * d,
+        );
+        let gated = |q: &str, i: i64| {
+            [
+                vec![
+                    (format!("{q}.gate_proj"), h, i),
+                    (format!("{q}.up_proj"), h, i),
+                ],
+                vec![(format!("{q}.down_proj"), i, h)],
+            ]
+        };
+        let a = format!("{p}.self_attn");
+        let mut out = vec![
+            (
+                &mut self.qkv_proj,
+                vec![
+                    (format!("{a}.q_proj"), h, q),
+                    (format!("{a}.k_proj"), h, kv),
+                    (format!("{a}.v_proj"), h, kv),
+                ],
+            ),
+            (&mut self.o_proj, vec![(format!("{a}.o_proj"), q, h)]),
+        ];
+        match &mut self.mlp {
+            Mlp::Dense {
+                gate_up_proj,
+                down_proj,
+            } => {
+                let [gu, down] = gated(&format!("{p}.mlp"), c.intermediate_size as i64);
+                out.extend([(gate_up_proj, gu), (down_proj, down)]);
+            }
+            Mlp::Sparse(moe) => {
+                let i = c.moe.as_ref().map_or(0, |m| m.moe_intermediate_size as i64);
+                for (e, expert) in moe.experts.iter_mut().enumerate() {
+                    let [gu, down] = gated(&format!("{p}.mlp.experts.{e}"), i);
+                    out.extend([
+                        (&mut expert.gate_up_proj, gu),
+                        (&mut expert.down_proj, down),
+                    ]);
+                }
+            }
+        }
+        out
+    }
+
+    /// The adapters' tensors of this layer, in [`Layer::adaptable`] order.
+    fn adapter_tensors(&self) -> impl Iterator<Item = &Tensor> {
+        let mlp: Vec<&Linear> = match &self.mlp {
+            Mlp::Dense {
+                gate_up_proj,
+                down_proj,
+            } => vec![gate_up_proj, down_proj],
+            Mlp::Sparse(moe) => moe
+                .experts
+                .iter()
+                .flat_map(|e| [&e.gate_up_proj, &e.down_proj])
+                .collect(),
+        };
+        [&self.qkv_proj, &self.o_proj]
+            .into_iter()
+            .chain(mlp)
+            .filter_map(|l| l.adapter.as_ref())
+            .flat_map(Adapter::tensors)
+    }
 }
 
 /// Where a checkpoint-named weight lies in [`CausalLm::trainable`] ([`CausalLm::named_slices`]).
@@ -165,6 +242,8 @@ pub struct CausalLm {
     vision_frozen: bool,
     /// The model folder's `preprocessor_config.json`, for a vision-language model that has one.
     image_processor: Option<ImageProcessorConfig>,
+    /// The LoRA adapter every forward adds ([`CausalLm::attach_lora`]).
+    lora: Option<LoraConfig>,
     kind: Kind,
     device: Device,
 }
@@ -185,7 +264,22 @@ impl CausalLm {
     /// Loads `config.json` and the safetensors weights of a model folder.
     /// A vision-language model also reads the folder's `preprocessor_config.json` when there
     /// is one ([`CausalLm::image_processor`]).
+    /// A LoRA adapter folder (`adapter_config.json`, docs/lora.md) loads its base model and
+    /// attaches the adapter ([`CausalLm::attach_lora`]).
     pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
+        if lora::is_adapter(dir) {
+            let (config, base, weights) = lora::read_adapter(dir, kind, device)?;
+            if lora::is_adapter(&base) {
+                let message = "names another adapter as its base model".into();
+                return Err(Error::Checkpoint {
+                    path: base,
+                    message,
+                });
+            }
+            let mut model = Self::load(&base, kind, device)?;
+            model.attach_lora(&config, Some(weights), 0)?;
+            return Ok(model);
+        }
         let cfg = ModelConfig::from_dir(dir)?;
         let weights = load_safetensors_dir(dir, kind, device)?;
         let mut model = Self::from_weights(cfg, weights, kind, device)?;
@@ -343,9 +437,91 @@ impl CausalLm {
             vision,
             vision_frozen: false,
             image_processor: None,
+            lora: None,
             kind,
             device,
         })
+    }
+
+    /// Adds a LoRA adapter to every module `config` targets (docs/lora.md): `weights` by PEFT
+    /// name (every targeted module's `A` and `B`, nothing else), or a new adapter from `seed`
+    /// (PEFT's initialisation: the model computes as before). From then on the model *is* its
+    /// adapter: [`CausalLm::params`], [`CausalLm::trainable`] and the names of
+    /// [`CausalLm::named_slices`] are the adapter's tensors, under PEFT's names, and the base
+    /// weights stay as they are, frozen and shared. Vision towers are not adapted.
+    pub fn attach_lora(
+        &mut self,
+        config: &LoraConfig,
+        weights: Option<BTreeMap<String, Tensor>>,
+        seed: u64,
+    ) -> Result<()> {
+        config.check()?;
+        if self.lora.is_some() {
+            return Err(Error::Config("the model already has a LoRA adapter".into()));
+        }
+        let (r, scale, kind, device) = (config.rank, config.scale(), self.kind, self.device);
+        let mut targeted = Vec::new();
+        let mut linears = Vec::new();
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            for (linear, modules) in layer.adaptable(&format!("model.layers.{l}"), &self.cfg) {
+                let mut start = 0;
+                let mut parts = Vec::new();
+                for (module, fan_in, rows) in modules {
+                    if config.targets(&module) {
+                        targeted.push((module.clone(), fan_in, rows));
+                        parts.push((module, start, fan_in, rows));
+                    }
+                    start += rows;
+                }
+                linears.push((linear, parts));
+            }
+        }
+        // As in PEFT, a targeted module an adapter file has no tensors for is not adapted.
+        let weights = match weights {
+            Some(w) => {
+                let has = |m: &String| {
+                    w.contains_key(&lora::peft_name(m, 'A'))
+                        || w.contains_key(&lora::peft_name(m, 'B'))
+                };
+                for (_, parts) in &mut linears {
+                    parts.retain(|(module, ..)| has(module));
+                }
+                w
+            }
+            None => lora::init(config, &targeted, seed, kind, device),
+        };
+        let mut w = WeightTaker::new(weights);
+        for (linear, parts) in linears.into_iter().filter(|(_, p)| !p.is_empty()) {
+            let parts = parts
+                .into_iter()
+                .map(|(module, start, fan_in, rows)| {
+                    let a = w.take(
+                        &lora::peft_name(&module, 'A'),
+                        &[r as usize, fan_in as usize],
+                    )?;
+                    let b = w.take(&lora::peft_name(&module, 'B'), &[rows as usize, r as usize])?;
+                    Ok(Part { start, rows, a, b })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            linear.adapter = Some(Adapter { parts, scale });
+        }
+        if let Some(extra) = w.map.keys().next() {
+            return Err(Error::Weight {
+                name: extra.clone(),
+                message: format!(
+                    "is in the adapter but names no module of the model its target_modules ({}) select",
+                    config.targets.join(", ")
+                ),
+            });
+        }
+        self.params = w.taken;
+        self.lora = Some(config.clone());
+        Ok(())
+    }
+
+    /// The LoRA adapter the model computes with, if any ([`CausalLm::attach_lora`]).
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -378,7 +554,16 @@ impl CausalLm {
     /// projections appear as their stacks (the checkpoint names of [`CausalLm::params`] are
     /// views into them), a tied LM head once. A vision tower's tensors come last, frozen or not
     /// ([`CausalLm::freeze_vision`]).
+    /// With a LoRA adapter, the adapter's tensors only (each layer's in turn).
     pub fn trainable(&self) -> Vec<Tensor> {
+        if self.lora.is_some() {
+            return self
+                .layers
+                .iter()
+                .flat_map(Layer::adapter_tensors)
+                .map(Tensor::shallow_clone)
+                .collect();
+        }
         let mut out = vec![self.embed_tokens.shallow_clone(), self.norm.shallow_clone()];
         for l in &self.layers {
             out.extend(l.tensors().map(Tensor::shallow_clone));
@@ -394,8 +579,21 @@ impl CausalLm {
 
     /// [`CausalLm::trainable`] in groups, as ranges of its indices: the embedding, the final
     /// norm, each decoder layer in order, the LM head when it is not tied to the embedding, then
-    /// the vision tower, whole, as one unit ([`CausalLm::vision_unit`]).
+    /// the vision tower, whole, as one unit ([`CausalLm::vision_unit`]). With a LoRA adapter,
+    /// each layer's adapter tensors.
     pub fn trainable_units(&self) -> Vec<std::ops::Range<usize>> {
+        if self.lora.is_some() {
+            let mut at = 0;
+            return self
+                .layers
+                .iter()
+                .map(|l| {
+                    let n = l.adapter_tensors().count();
+                    at += n;
+                    at - n..at
+                })
+                .collect();
+        }
         let mut units = vec![0..1, 1..2];
         let mut at = 2;
         for l in &self.layers {

@@ -7,14 +7,19 @@
 //! ([`super::CausalLm::pack_for_inference`]); the dense weight stays the source of truth (it
 //! is what checkpoints name and weight updates write), and the packed copy is refreshed after
 //! every update. With gradients required, the dense path is always used.
+//!
+//! A LoRA adapter on the layer (`super::lora`) adds its low-rank output to either path.
 
 use tch::Tensor;
+
+use super::lora::Adapter;
 
 #[derive(Debug)]
 pub(crate) struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
     packed: Option<Tensor>,
+    pub adapter: Option<Adapter>,
 }
 
 impl Linear {
@@ -27,10 +32,22 @@ impl Linear {
             weight,
             bias,
             packed: None,
+            adapter: None,
         }
     }
 
     pub fn forward(&self, x: &Tensor) -> Tensor {
+        let y = self.forward_base(x);
+        match &self.adapter {
+            Some(adapter) => {
+                let out = y.size()[1];
+                y + adapter.delta(x, out)
+            }
+            None => y,
+        }
+    }
+
+    fn forward_base(&self, x: &Tensor) -> Tensor {
         match &self.packed {
             Some(packed) if !x.requires_grad() => {
                 let y = x

@@ -44,9 +44,11 @@ fn kind_of(dtype: Dtype) -> Option<Kind> {
 
 /// The checkpoint files of a model folder, in a stable order.
 fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let single = dir.join("model.safetensors");
-    if single.is_file() {
-        return Ok(vec![single]);
+    // A LoRA adapter folder's one file (super::lora) is read the same way.
+    for single in ["model.safetensors", super::lora::WEIGHTS_FILE].map(|f| dir.join(f)) {
+        if single.is_file() {
+            return Ok(vec![single]);
+        }
     }
     let index_path = dir.join("model.safetensors.index.json");
     let text = std::fs::read_to_string(&index_path).map_err(|_| Error::Checkpoint {

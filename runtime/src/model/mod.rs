@@ -13,6 +13,7 @@ mod decoder;
 mod kv_cache;
 mod linear;
 mod loader;
+pub mod lora;
 mod mlp;
 mod moe;
 mod rope;

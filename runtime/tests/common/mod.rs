@@ -71,6 +71,17 @@ pub fn tiny_models() -> &'static Path {
     DIR.get_or_init(|| made_by("make_tiny_models.py", &[]))
 }
 
+/// LoRA adapters in PEFT's layout for the tiny models, with PEFT's logits
+/// (`tests/python/make_lora_adapters.py`): `dense/` (on [`dense_model`]), `moe-2d/` (on
+/// [`moe_model`]).
+pub fn lora_adapters() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let tiny = tiny_models().to_string_lossy().into_owned();
+        made_by_with("make_lora_adapters.py", &["make_tiny_models.py"], &[&tiny])
+    })
+}
+
 /// [`chat_model`] with attention heads of 32 dimensions, which vLLM's CPU build serves.
 pub fn chat_model_hd32() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
