@@ -99,6 +99,12 @@ pub const GROUP: &str = "moult.dev";
 #[x_kube(validation = Rule::new("self.engines.backend != 'vLLM' || (has(self.engines.weightTransfer) && self.engines.weightTransfer.transport != 'Nccl') || self.trainer.gpusPerNode > 0").message(
     "engines.weightTransfer.transport Nccl (vLLM's default) sends weights from the trainer's GPU: give trainer.gpusPerNode, or set engines.weightTransfer.transport Filesystem for a CPU trainer (docs/weight-sync.md)"
 ))]
+#[x_kube(validation = Rule::new("!has(self.model.lora) || self.engines.backend == 'Builtin'").message(
+    "model.lora: vLLM engines do not serve moult's LoRA runs yet; use engines.backend Builtin (docs/lora.md)"
+))]
+#[x_kube(validation = Rule::new("!has(self.model.lora) || !has(self.trainer.computeDtype) || self.trainer.computeDtype != 'BFloat16'").message(
+    "model.lora: the trainer computes LoRA runs in float32 (trainer.computeDtype BFloat16 gathers sharded full weights, which a LoRA run never shards; docs/lora.md)"
+))]
 pub struct RLRunSpec {
     /// The model to train (and to serve on the engines).
     pub model: ModelSpec,
@@ -214,6 +220,74 @@ pub struct ModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 16777216))]
     pub max_model_len: Option<u32>,
+    /// Train a LoRA adapter of the model instead of all its weights: the base stays frozen and
+    /// shared, and only the adapter is trained, checkpointed (in PEFT's layout) and sent to the
+    /// engines (docs/lora.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSpec>,
+}
+
+/// A LoRA adapter: `W x + (alpha / rank) · B A x` on each targeted projection (docs/lora.md).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(self.alpha) || self.alpha > 0.0").message(
+    "model.lora.alpha must be positive"
+))]
+#[x_kube(validation = Rule::new("self.dropout >= 0.0 && self.dropout < 1.0").message(
+    "model.lora.dropout is a probability below 1 (0 for none)"
+))]
+pub struct LoraSpec {
+    /// The rank `r` of every adapted projection (vLLM serves ranks up to 512).
+    #[schemars(range(min = 1, max = 512))]
+    pub rank: u32,
+    /// The adapter's output is scaled by `alpha / rank`; twice the rank when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alpha: Option<f64>,
+    /// Dropout on the adapter's input in the trainer's forward (PEFT's `lora_dropout`); 0 (the
+    /// default) for none. Engines sample without it, so with dropout the trainer's logprobs
+    /// differ from the engines' by its noise (docs/lora.md).
+    #[serde(default)]
+    pub dropout: f64,
+    /// The projections adapted in every decoder layer, MoE experts' included; all seven when
+    /// unset.
+    #[serde(default = "LoraTarget::all")]
+    #[schemars(length(min = 1, max = 7))]
+    pub target_modules: Vec<LoraTarget>,
+}
+
+impl LoraSpec {
+    /// `alpha`, or its default (twice the rank).
+    pub fn alpha(&self) -> f64 {
+        self.alpha.unwrap_or(2.0 * f64::from(self.rank))
+    }
+}
+
+/// A projection of a decoder layer a LoRA adapter may target (Hugging Face's module names).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LoraTarget {
+    QProj,
+    KProj,
+    VProj,
+    OProj,
+    GateProj,
+    UpProj,
+    DownProj,
+}
+
+impl LoraTarget {
+    pub fn all() -> Vec<Self> {
+        use LoraTarget::*;
+        vec![QProj, KProj, VProj, OProj, GateProj, UpProj, DownProj]
+    }
+
+    /// The module name (`q_proj`).
+    pub fn name(self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default()
+    }
 }
 
 /// How an agent is written (docs/agents.md).

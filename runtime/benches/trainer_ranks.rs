@@ -67,6 +67,7 @@ fn options() -> TrainerOptions {
         sharding,
         bf16_compute: false,
         freeze_vision: false,
+        lora: None,
     }
 }
 

@@ -82,6 +82,7 @@ fn all_targets(rank: i64) -> LoraConfig {
         rank,
         alpha: 2.0 * rank as f64,
         rslora: false,
+        dropout: 0.0,
         targets: TARGETS.map(String::from).into(),
     }
 }

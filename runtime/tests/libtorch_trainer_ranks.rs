@@ -38,8 +38,14 @@ const ENV_MARKER: &str = "MOULT_TEST_RANK_MARKER";
 const ENV_SHARDING: &str = "MOULT_TEST_RANK_SHARDING";
 
 fn options() -> TrainerOptions {
-    let given = std::env::var(ENV_SHARDING).unwrap_or_default();
-    let sharding = match given.as_str() {
+    options_for(&std::env::var(ENV_SHARDING).unwrap_or_default())
+}
+
+/// The options of `given` sharding: `optimizer`, `full`, `full-bf16`, or `lora` (a LoRA adapter
+/// of rank 4 on every projection, with `sharding: Full` asked for: the trainer shards the
+/// optimizer state only).
+fn options_for(given: &str) -> TrainerOptions {
+    let sharding = match given {
         "optimizer" => Sharding::Optimizer,
         _ => Sharding::Full,
     };
@@ -69,6 +75,13 @@ fn options() -> TrainerOptions {
         // `full-bf16`: sharded weights gathered as bfloat16.
         bf16_compute: given == "full-bf16",
         freeze_vision: false,
+        lora: (given == "lora").then(|| moult_runtime::model::lora::LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            rslora: false,
+            dropout: 0.0,
+            targets: moult_runtime::model::lora::TARGETS.map(String::from).into(),
+        }),
     }
 }
 
@@ -449,16 +462,18 @@ fn compare(
     (worst, Vec::<f64>::try_from(&got["stats"]).unwrap())
 }
 
-fn check(test: &str, model: &Path) {
-    let mut one = Trainer::new(load(model), None, options()).unwrap();
+fn check(test: &str, model: &Path, cases: &[(usize, &str)]) {
+    let mut one = Trainer::new(load(model), None, options_for(cases[0].1)).unwrap();
     let Trained {
         weights,
         moments,
         stats,
     } = train(&mut one);
     assert_eq!(moments.len(), one.model().trainable().len());
-    // Sharded weights with 2, 3 (uneven shards) and 4 ranks; sharded optimizer state alone with 3.
-    for (world, sharding) in [(2, "full"), (3, "full"), (4, "full"), (3, "optimizer")] {
+    if cases[0].1 == "lora" {
+        assert!(weights.iter().all(|(n, _)| n.contains(".lora_")), "adapter only");
+    }
+    for &(world, sharding) in cases {
         let file = run_ranks(test, model, world, sharding);
         let (worst, theirs) = compare(&file, &weights, &moments);
         for (s, &(loss, norm)) in stats.iter().enumerate() {
@@ -489,7 +504,24 @@ fn libtorch_sharded_ranks_train_the_dense_model_as_one_rank_does() {
     check(
         "libtorch_sharded_ranks_train_the_dense_model_as_one_rank_does",
         &common::dense_model(),
+        SHARDED,
     );
+}
+
+/// Sharded weights with 2, 3 (uneven shards) and 4 ranks; sharded optimizer state alone with 3.
+const SHARDED: &[(usize, &str)] = &[(2, "full"), (3, "full"), (4, "full"), (3, "optimizer")];
+
+/// A LoRA adapter trained on 2 and 3 ranks is the one one rank trains (docs/lora.md): the
+/// adapter replicated, its optimizer state sharded; only the adapter's tensors are the weights.
+#[test]
+fn libtorch_ranks_train_a_lora_adapter_as_one_rank_does() {
+    if as_rank() {
+        return;
+    }
+    for model in [common::dense_model(), common::moe_model()] {
+        let test = "libtorch_ranks_train_a_lora_adapter_as_one_rank_does";
+        check(test, &model, &[(2, "lora"), (3, "lora")]);
+    }
 }
 
 #[test]
@@ -500,6 +532,7 @@ fn libtorch_sharded_ranks_train_the_moe_model_as_one_rank_does() {
     check(
         "libtorch_sharded_ranks_train_the_moe_model_as_one_rank_does",
         &common::moe_model(),
+        SHARDED,
     );
 }
 

@@ -236,6 +236,7 @@ fn tiny_trainer() -> moult_runtime::trainer::train::Trainer {
         sharding: Default::default(),
         bf16_compute: false,
         freeze_vision: false,
+        lora: None,
     };
     Trainer::new(model, None, opts).unwrap()
 }

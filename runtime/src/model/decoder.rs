@@ -460,6 +460,7 @@ impl CausalLm {
             return Err(Error::Config("the model already has a LoRA adapter".into()));
         }
         let (r, scale, kind, device) = (config.rank, config.scale(), self.kind, self.device);
+        let dropout = config.dropout;
         let mut targeted = Vec::new();
         let mut linears = Vec::new();
         for (l, layer) in self.layers.iter_mut().enumerate() {
@@ -503,7 +504,11 @@ impl CausalLm {
                     Ok(Part { start, rows, a, b })
                 })
                 .collect::<Result<Vec<_>>>()?;
-            linear.adapter = Some(Adapter { parts, scale });
+            linear.adapter = Some(Adapter {
+                parts,
+                scale,
+                dropout,
+            });
         }
         if let Some(extra) = w.map.keys().next() {
             return Err(Error::Weight {

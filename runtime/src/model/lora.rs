@@ -47,6 +47,10 @@ pub struct LoraConfig {
     /// `use_rslora`: scale by `alpha / √r` instead of `alpha / r`.
     #[serde(default)]
     pub rslora: bool,
+    /// `lora_dropout`: the probability of dropping an input of `A` in a forward that computes
+    /// gradients (the trainer's), as PEFT's train mode; never at inference.
+    #[serde(default)]
+    pub dropout: f64,
     /// `target_modules`: names of [`TARGETS`]; a module is targeted when its name ends with one.
     pub targets: Vec<String>,
 }
@@ -70,6 +74,9 @@ impl LoraConfig {
         }
         if !(self.alpha.is_finite() && self.alpha > 0.0) {
             return bad(format!("alpha must be positive, got {}", self.alpha));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad(format!("dropout must be in [0, 1), got {}", self.dropout));
         }
         if self.targets.is_empty() {
             return bad(format!(
@@ -103,7 +110,7 @@ impl LoraConfig {
             "revision": null,
             "r": self.rank,
             "lora_alpha": self.alpha,
-            "lora_dropout": 0.0,
+            "lora_dropout": self.dropout,
             "use_rslora": self.rslora,
             "use_dora": false,
             "bias": "none",
@@ -165,6 +172,7 @@ impl LoraConfig {
             rslora: field("use_rslora")
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false),
+            dropout: field("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0),
             targets,
         };
         config.check().map_err(|e| bad(e.to_string()))?;
@@ -238,11 +246,12 @@ pub(crate) struct Part {
     pub b: Tensor,
 }
 
-/// A linear's adapter: its parts in row order, and the scale `s`.
+/// A linear's adapter: its parts in row order, the scale `s` and the dropout.
 #[derive(Debug)]
 pub(crate) struct Adapter {
     pub parts: Vec<Part>,
     pub scale: f64,
+    pub dropout: f64,
 }
 
 impl Adapter {
@@ -255,7 +264,12 @@ impl Adapter {
             if p.start > at {
                 pieces.push(x.new_zeros([n, p.start - at], (x.kind(), x.device())));
             }
-            pieces.push(x.matmul(&p.a.tr()).matmul(&p.b.tr()));
+            let mut xa = x.matmul(&p.a.tr());
+            // Dropout only where gradients flow (the trainer's forward), as PEFT's train mode.
+            if self.dropout > 0.0 && xa.requires_grad() {
+                xa = x.dropout(self.dropout, true).matmul(&p.a.tr());
+            }
+            pieces.push(xa.matmul(&p.b.tr()));
             at = p.start + p.rows;
         }
         if out > at {

@@ -24,7 +24,7 @@ pub use super::step::Sample;
 use super::step::{policy_loss, scored, LossConfig, LossKind, LossMetrics};
 use crate::algorithms::losses::Aggregation;
 use crate::dist::{Collectives, ReduceOp, Solo};
-use crate::model::{CausalLm, NamedSlice};
+use crate::model::{lora::LoraConfig, CausalLm, NamedSlice};
 
 /// A trainer that cannot be built as asked, or a checkpoint that does not fit it.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +42,8 @@ pub enum TrainerError {
     /// A checkpoint's optimizer moments: for how many tensors, and how many the model has.
     #[error("the checkpoint has optimizer moments for {0} tensors, the model {1}")]
     Moments(usize, usize),
+    #[error(transparent)]
+    Model(#[from] crate::model::Error),
 }
 
 /// How the trainer trains.
@@ -67,6 +69,12 @@ pub struct TrainerOptions {
     /// A vision-language policy's vision tower stays as it is (no gradient, no update).
     #[serde(default)]
     pub freeze_vision: bool,
+    /// Train this LoRA adapter of the model, the base frozen (docs/lora.md): a new one unless
+    /// the model comes with one (a checkpoint). Several ranks then shard only the optimizer
+    /// state (`Sharding::Optimizer`), whatever `sharding` says: the adapter is small, the frozen
+    /// base is what a rank could not shard anyway.
+    #[serde(default)]
+    pub lora: Option<LoraConfig>,
 }
 
 /// What one step did (the step's metrics).
@@ -171,9 +179,15 @@ impl Trainer {
     pub(super) fn with_group(
         mut model: CausalLm,
         reference: Option<CausalLm>,
-        opts: TrainerOptions,
+        mut opts: TrainerOptions,
         group: Box<dyn Collectives>,
     ) -> Result<Self, TrainerError> {
+        if let (Some(lora), None) = (&opts.lora, model.lora()) {
+            model.attach_lora(lora, None, 0)?;
+        }
+        if opts.lora.is_some() {
+            opts.sharding = Sharding::Optimizer;
+        }
         if opts.kl_coef > 0.0 && reference.is_none() {
             return Err(TrainerError::NoReference);
         }
