@@ -57,8 +57,9 @@ fn mean(xs: &[f64]) -> f64 {
 
 /// Runs a manifest of the main recipe (examples/successor) for 40 steps and checks that it
 /// learns: the reward rises from the base policy's chance level, and engine and trainer agree on
-/// the first step's tokens (|log ρ| < 1e-4). Returns the step records.
-fn learns_the_main_recipe(manifest: &Path, label: &str) -> Vec<Value> {
+/// the first step's tokens (|log ρ| < 1e-4). `inspect` sees the run's output folder before it
+/// is removed. Returns the step records.
+fn learns_the_main_recipe(manifest: &Path, label: &str, inspect: impl FnOnce(&Path)) -> Vec<Value> {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "recipe-{}-{}",
         label.replace(' ', "-"),
@@ -93,8 +94,53 @@ fn learns_the_main_recipe(manifest: &Path, label: &str) -> Vec<Value> {
         log_rho < 1e-4,
         "engine and trainer disagree on step 1: |log ρ| {log_rho}"
     );
+    inspect(&out);
     let _ = std::fs::remove_dir_all(&out);
     records
+}
+
+/// The main recipe training a LoRA adapter of rank 8 (examples/successor/rlrun-lora.yaml,
+/// docs/lora.md) learns as the full-weight run does, and engine and trainer agree on step 1
+/// (the engine computes with the adapter the trainer trains). Its checkpoints are PEFT adapter
+/// folders (no `model.safetensors`), holding adapter tensors only, naming the base model's
+/// folder, and a run resumes from them.
+#[test]
+fn libtorch_lora_adapter_learns_the_main_recipe() {
+    recipe("successor");
+    let dir = repo().join("examples/successor");
+    let manifest = dir.join("rlrun-lora.yaml");
+    learns_the_main_recipe(&manifest, "lora adapter", |out| {
+        let step = out.join("checkpoints/step-000040");
+        assert!(!step.join("model.safetensors").exists());
+        let config: Value =
+            serde_json::from_slice(&std::fs::read(step.join("adapter_config.json")).unwrap())
+                .unwrap();
+        assert_eq!(config["r"], 8);
+        assert_eq!(config["lora_alpha"], 16.0);
+        let base = std::fs::canonicalize(dir.join("model")).unwrap();
+        assert_eq!(
+            config["base_model_name_or_path"],
+            base.to_string_lossy().as_ref()
+        );
+        let tensors =
+            tch::Tensor::read_safetensors(step.join("adapter_model.safetensors")).unwrap();
+        // 2 layers x 7 projections x (A, B).
+        assert_eq!(tensors.len(), 28);
+        assert!(tensors.iter().all(|(n, _)| n.contains(".lora_")));
+        // Resumed for 2 more steps from the adapter checkpoint.
+        let status = common::moult()
+            .arg("run")
+            .arg(&manifest)
+            .args(["--out".as_ref(), out.as_os_str()])
+            .args(["--steps", "42", "--seed", "1", "--quiet"])
+            .status()
+            .unwrap();
+        assert!(status.success(), "the LoRA run resumes from its checkpoint");
+        let records = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let last: Value = serde_json::from_str(records.lines().last().unwrap()).unwrap();
+        assert_eq!(last["step"], 42);
+        assert!(last["reward_mean"].as_f64().unwrap() >= 0.6, "{last}");
+    });
 }
 
 /// A ChatAgent in Python with the openai SDK calls tools through the loopback server; GRPO
@@ -261,7 +307,7 @@ fn libtorch_llama_policy_learns_the_main_recipe() {
         config.contains("LlamaForCausalLM") && config.contains("llama3"),
         "{config}"
     );
-    learns_the_main_recipe(&dir.join("rlrun-llama.yaml"), "llama policy");
+    learns_the_main_recipe(&dir.join("rlrun-llama.yaml"), "llama policy", |_| {});
 }
 
 /// The main recipe with two trainer ranks (`trainer.nodes: 2`, docs/distributed.md): `moult run`
@@ -279,7 +325,7 @@ fn libtorch_two_trainer_ranks_learn_the_main_recipe() {
         text.replace("    gpusPerNode: 0\n", "    nodes: 2\n    gpusPerNode: 0\n"),
     )
     .unwrap();
-    let records = learns_the_main_recipe(&two, "two trainer ranks");
+    let records = learns_the_main_recipe(&two, "two trainer ranks", |_| {});
     let _ = std::fs::remove_file(&two);
     for r in &records {
         assert_eq!(r["trainer_world_size"], 2, "{r}");

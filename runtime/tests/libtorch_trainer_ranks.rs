@@ -471,7 +471,10 @@ fn check(test: &str, model: &Path, cases: &[(usize, &str)]) {
     } = train(&mut one);
     assert_eq!(moments.len(), one.model().trainable().len());
     if cases[0].1 == "lora" {
-        assert!(weights.iter().all(|(n, _)| n.contains(".lora_")), "adapter only");
+        assert!(
+            weights.iter().all(|(n, _)| n.contains(".lora_")),
+            "adapter only"
+        );
     }
     for &(world, sharding) in cases {
         let file = run_ranks(test, model, world, sharding);

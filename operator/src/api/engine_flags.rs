@@ -18,6 +18,8 @@ pub const RESERVED_ENGINE_FLAGS: &[&str] = &[
     "--weight-transfer-config",
     "--max-model-len",
     "--enable-return-routed-experts",
+    // `moult engine`'s adapter of a LoRA run (docs/lora.md).
+    "--lora",
 ];
 
 /// The flag part of an extra argument `a`, as vLLM's parser reads it: before `=value` and a

@@ -162,6 +162,26 @@ fn routing_replay_asks_vllm_for_routed_experts() {
     .contains(&"--enable-return-routed-experts"));
 }
 
+/// A LoRA run's engines get the adapter's shape (`moult engine --lora`, docs/lora.md), as
+/// the runtime's `LoraConfig` reads it; a served teacher's engines do not.
+#[test]
+fn a_lora_runs_builtin_engines_serve_its_adapter() {
+    let mut run = example_run();
+    run.spec.engines.backend = EngineBackend::Builtin;
+    run.spec.engines.tensor_parallel_size = 1;
+    run.spec.model.lora = Some(serde_json::from_value(serde_json::json!({"rank": 8})).unwrap());
+    let c = build(&run);
+    let p = pod(&Some(c.engines.spec.template)).clone();
+    let a = args(main_container(&p));
+    let at = a.iter().position(|x| *x == "--lora").expect("--lora");
+    let value: serde_json::Value = serde_json::from_str(a[at + 1]).unwrap();
+    assert_eq!(
+        value,
+        serde_json::json!({"rank": 8, "alpha": 16.0, "dropout": 0.0, "targets":
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
+    );
+}
+
 #[test]
 fn the_builtin_engine_runs_moult_engine_without_gpus() {
     let mut run = example_run();

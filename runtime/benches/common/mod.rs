@@ -157,6 +157,7 @@ pub async fn start_engine(model: &std::path::Path, threads: usize) -> String {
         eos_token_ids: cfg.eos_token_ids.clone(),
         threads: Some(threads),
         packed_weights: None,
+        lora: None,
     };
     let (handle, _thread) = EngineHandle::spawn(m, "bench".into(), opts);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -43,6 +43,10 @@ pub struct Args {
     /// The name reported by /v1/models and in metrics labels [default: the model folder's name].
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Serve with a new LoRA adapter of this shape, which weight updates then write (a LoRA
+    /// run's engines; docs/lora.md), as JSON: {"rank":8,"alpha":16,"targets":["q_proj",...]}.
+    #[arg(long, value_parser = |s: &str| serde_json::from_str::<moult_runtime::model::lora::LoraConfig>(s))]
+    lora: Option<moult_runtime::model::lora::LoraConfig>,
 }
 
 #[cfg(feature = "torch")]
@@ -73,8 +77,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| super::folder_name(&args.model));
     tracing::info!(model = %args.model.display(), ?kind, ?device, "loading");
     let started = std::time::Instant::now();
-    let model =
-        tokio::task::spawn_blocking(move || CausalLm::load(&args.model, kind, device)).await??;
+    let (dir, lora) = (args.model.clone(), args.lora.clone());
+    let load = move || CausalLm::load_lora(&dir, lora.as_ref(), kind, device);
+    let model = tokio::task::spawn_blocking(load).await??;
     tracing::info!(seconds = started.elapsed().as_secs_f32(), "model loaded");
     let opts = EngineOptions {
         max_batch: args.max_batch,
@@ -90,6 +95,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "off" => Some(false),
             other => bail!("--packed-weights must be auto, on or off; got `{other}`"),
         },
+        lora: args.lora,
     };
     if args.enable_return_routed_experts && cfg.moe.is_none() {
         tracing::warn!(

@@ -9,6 +9,10 @@
 //!   ([`CheckpointMeta`]);
 //! - `latest.json`: which step folder is the newest complete one.
 //!
+//! A LoRA run's `step-NNNNNN/` holds its adapter in PEFT's layout instead of `model.safetensors`
+//! (`adapter_model.safetensors`, `adapter_config.json` naming the base model's folder;
+//! docs/lora.md): PEFT, vLLM and moult load it onto the base model.
+//!
 //! A trainer of several ranks whose weights are sharded (`sharding: Full`) writes no
 //! `model.safetensors` or `optimizer.safetensors`: each rank writes its shards, with no gather,
 //! to `shards/rank-R-of-N.safetensors`, and rank 0 writes `shards/layout.json`
@@ -30,7 +34,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::error::RunError;
-use crate::model::{CausalLm, ModelConfig};
+use crate::model::{lora, CausalLm, ModelConfig};
 use crate::records::files::{io, sync_dir, sync_file, write_atomic};
 use crate::rollout::RolloutState;
 use crate::trainer::ranks::SHARDS;
@@ -113,7 +117,10 @@ fn fill(
         sync_dir(&tmp.join(SHARDS))?;
     } else {
         let weights = trainer.weights().map_err(crate::model::Error::from)?;
-        write_tensors(&tmp.join("model.safetensors"), &weights)?;
+        match trainer.model().lora() {
+            Some(config) => lora::write_adapter(tmp, config, model_dir, &weights)?,
+            None => write_tensors(&tmp.join("model.safetensors"), &weights)?,
+        }
         let moments: Vec<(String, Tensor)> = trainer
             .moments()
             .map_err(crate::model::Error::from)?
@@ -318,6 +325,13 @@ pub fn load_policy(
 /// yet; it appears complete or not at all.
 pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
     let (dir, _) = checkpoint_at(src)?;
+    if lora::is_adapter(&dir) {
+        let why = "is a LoRA adapter, which PEFT, vLLM and `moult engine --model` load as it is";
+        return Err(RunError::Checkpoint(format!(
+            "{} {why} (docs/lora.md)",
+            dir.display()
+        )));
+    }
     if out.exists() {
         let why = format!("{} exists; export writes a new folder", out.display());
         return Err(RunError::Checkpoint(why));
@@ -342,6 +356,9 @@ fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
         Some(layout) => (0..layout.world)
             .map(|rank| dir.join(SHARDS).join(layout.file_name(rank)))
             .collect(),
+        None if lora::is_adapter(dir) => {
+            vec![lora::WEIGHTS_FILE.into(), "optimizer.safetensors".into()]
+        }
         None => ["model.safetensors", "optimizer.safetensors"]
             .map(PathBuf::from)
             .into(),

@@ -63,9 +63,9 @@ async fn engine(
     opts: EngineOptions,
     stop: watch::Receiver<bool>,
 ) -> Result<String, RunError> {
-    let dir = model_dir.to_path_buf();
-    let model =
-        tokio::task::spawn_blocking(move || CausalLm::load(&dir, Kind::Float, device)).await??;
+    let (dir, lora) = (model_dir.to_path_buf(), opts.lora.clone());
+    let load = move || CausalLm::load_lora(&dir, lora.as_ref(), Kind::Float, device);
+    let model = tokio::task::spawn_blocking(load).await??;
     let name = model_dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
@@ -128,6 +128,7 @@ impl Stack {
             max_model_len: (cfg.run.spec.model.max_model_len)
                 .map_or(model_cfg.max_position_embeddings, |n| n as usize),
             return_routed_experts: cfg.routing_replay && model_cfg.moe.is_some(),
+            lora: cfg.trainer.lora.clone(),
             // Every running episode's turn fits in one decoding batch.
             ..EngineOptions::for_model(&model_cfg, cfg.concurrency.clamp(1, 256))
         };

@@ -267,6 +267,22 @@ impl CausalLm {
     /// A LoRA adapter folder (`adapter_config.json`, docs/lora.md) loads its base model and
     /// attaches the adapter ([`CausalLm::attach_lora`]).
     pub fn load(dir: &Path, kind: Kind, device: Device) -> Result<Self> {
+        Self::load_lora(dir, None, kind, device)
+    }
+
+    /// [`CausalLm::load`], with a new LoRA adapter of shape `lora` attached (from seed 0) when
+    /// the folder brings none.
+    pub fn load_lora(
+        dir: &Path,
+        lora: Option<&LoraConfig>,
+        kind: Kind,
+        device: Device,
+    ) -> Result<Self> {
+        if let Some(config) = lora.filter(|_| !lora::is_adapter(dir)) {
+            let mut model = Self::load(dir, kind, device)?;
+            model.attach_lora(config, None, 0)?;
+            return Ok(model);
+        }
         if lora::is_adapter(dir) {
             let (config, base, weights) = lora::read_adapter(dir, kind, device)?;
             if lora::is_adapter(&base) {

@@ -172,7 +172,9 @@ impl LoraConfig {
             rslora: field("use_rslora")
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false),
-            dropout: field("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0),
+            dropout: field("lora_dropout")
+                .and_then(|v| v.as_f64())
+                .unwrap_or(0.0),
             targets,
         };
         config.check().map_err(|e| bad(e.to_string()))?;
@@ -230,6 +232,7 @@ pub fn write_adapter(
     weights: &[(String, Tensor)],
 ) -> Result<()> {
     let path = dir.join(CONFIG_FILE);
+    let base = std::fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
     let json = config.to_peft(&base.to_string_lossy());
     let text = serde_json::to_string_pretty(&json).expect("plain data serializes");
     std::fs::write(&path, text).map_err(|source| Error::Io { path, source })?;

@@ -205,6 +205,7 @@ pub fn engine_options() -> EngineOptions {
         threads: Some(1),
         // The packed path is the engine's on real models: test it (the trainer path is dense).
         packed_weights: Some(true),
+        lora: None,
     }
 }
 
