@@ -51,6 +51,11 @@ struct Vllm;
 
 impl Vllm {
     async fn start(model: &Path, name: &str) -> VllmProcess {
+        Self::start_with(model, name, &[]).await
+    }
+
+    /// [`Vllm::start`] with `extra` flags after the operator's.
+    async fn start_with(model: &Path, name: &str, extra: &[&str]) -> VllmProcess {
         let port = free_port().unwrap();
         let log = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("vllm-{name}.log"));
         let args: Vec<String> = [
@@ -74,6 +79,7 @@ impl Vllm {
             "2048",
         ]
         .iter()
+        .chain(extra)
         .map(|s| s.to_string())
         .collect();
         let started = Instant::now();
@@ -127,9 +133,14 @@ async fn generate(
 
 /// vLLM's own non-streaming answer, straight from the engine.
 async fn direct(url: &str, prompt: &[i64], sampling: &Value) -> Value {
+    direct_with(url, prompt, sampling, None).await
+}
+
+/// [`direct`] naming the served `model` (a LoRA adapter's name serves the adapter).
+async fn direct_with(url: &str, prompt: &[i64], sampling: &Value, model: Option<&str>) -> Value {
     let r = reqwest::Client::new()
         .post(format!("{url}/inference/v1/generate"))
-        .json(&json!({"token_ids": prompt, "sampling_params": sampling}))
+        .json(&json!({"token_ids": prompt, "sampling_params": sampling, "model": model}))
         .send()
         .await
         .unwrap();
@@ -252,12 +263,21 @@ async fn vllm_through_the_router_gives_vllms_own_tokens_logprobs_and_versions() 
 /// vLLM's samples of a few prompts: `(prompt + output, prompt length, behaviour logprobs,
 /// routed experts)`.
 async fn vllm_samples(url: &str, temperature: f64) -> Vec<(Vec<i64>, usize, Vec<f32>, Value)> {
+    vllm_samples_of(url, temperature, None).await
+}
+
+/// [`vllm_samples`] of the served `model` (a LoRA adapter's name).
+async fn vllm_samples_of(
+    url: &str,
+    temperature: f64,
+    model: Option<&str>,
+) -> Vec<(Vec<i64>, usize, Vec<f32>, Value)> {
     let mut out = Vec::new();
     for i in 0..4i64 {
         let prompt: Vec<i64> = (0..(5 + 3 * i)).map(|j| (i * 97 + j * 13) % 2000).collect();
         let sampling = json!({"max_tokens": 16 + 4 * i, "temperature": temperature,
             "logprobs": 0, "seed": i, "ignore_eos": true});
-        let v = direct(url, &prompt, &sampling).await;
+        let v = direct_with(url, &prompt, &sampling, model).await;
         let c = &v["choices"][0];
         let ids: Vec<i64> = serde_json::from_value(c["token_ids"].clone()).unwrap();
         let lps: Vec<f32> = c["logprobs"]["content"]
@@ -356,6 +376,65 @@ async fn vllm_sampled_tokens_recompute_to_vllms_logprobs_in_moults_trainer() {
             "{name}: vLLM's prompt logprobs and moult's trainer disagree by {gap}"
         );
     }
+}
+
+/// vLLM's CPU build serves a LoRA adapter as moult writes it (PEFT's layout, a checkpoint's
+/// `step-N/`; docs/lora.md): the tokens it samples with the adapter recompute in moult's
+/// trainer, with the same adapter, to vLLM's logprobs; without naming the adapter vLLM serves
+/// the base, which the adapter moves far from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_serves_a_lora_adapter_moult_wrote_with_moults_logprobs() {
+    use moult_runtime::model::lora::{self, LoraConfig, TARGETS};
+    use moult_runtime::model::CausalLm;
+    let dir = vllm_models().join("qwen3-tiny");
+    let adapter = Path::new(env!("CARGO_TARGET_TMPDIR")).join("vllm-lora-adapter");
+    let _ = std::fs::remove_dir_all(&adapter);
+    std::fs::create_dir_all(&adapter).unwrap();
+    let config = LoraConfig {
+        rank: 8,
+        alpha: 16.0,
+        rslora: false,
+        dropout: 0.0,
+        targets: TARGETS.map(String::from).into(),
+    };
+    let mut model = CausalLm::load(&dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    model.attach_lora(&config, None, 1).unwrap();
+    // A trained adapter's B is not zero.
+    tch::manual_seed(3);
+    let weights: Vec<(String, tch::Tensor)> = tch::no_grad(|| {
+        (model.params().iter())
+            .map(|(n, t)| (n.clone(), t.randn_like() * 0.2 / 8f64.sqrt()))
+            .collect()
+    });
+    lora::write_adapter(&adapter, &config, &dir, &weights).unwrap();
+    let module = format!("moult-lora={}", adapter.display());
+    let flags = [
+        "--enable-lora",
+        "--max-loras",
+        "1",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        &module,
+    ];
+    let vllm = Vllm::start_with(&dir, "lora", &flags).await;
+    let temperature = 0.8;
+    let with = vllm_samples_of(&vllm.url, temperature, Some("moult-lora")).await;
+    let base = vllm_samples(&vllm.url, temperature).await;
+    drop(vllm);
+    let gap = largest_gap(&adapter, &with, temperature);
+    println!("LoRA adapter: largest |moult − vLLM| logprob gap {gap:.2e}");
+    assert!(
+        gap < 1e-4,
+        "moult and vLLM disagree with the adapter by {gap}"
+    );
+    let gap = largest_gap(&dir, &base, temperature);
+    assert!(
+        gap < 1e-4,
+        "vLLM serves the base without the adapter's name: {gap}"
+    );
+    let moved = largest_gap(&dir, &with, temperature);
+    assert!(moved > 1e-2, "the adapter moves the logprobs ({moved})");
 }
 
 /// The other families moult implements (docs/models.md) served by vLLM: the tokens it samples
