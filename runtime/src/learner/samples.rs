@@ -11,10 +11,10 @@ use tch::Tensor;
 use crate::agents::Episode;
 use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
 use crate::config::Overlong;
-use crate::engine::npy::decode_routed_experts;
 use crate::error::RunError;
 use crate::loopback::Segment;
 use crate::model::{CausalLm, ImageInput, SeqInput};
+use crate::rollout::validate::routed_experts;
 use crate::rollout::{trained_segments, Group};
 use crate::trainer::logprobs::token_logprobs;
 use crate::trainer::step::scored;
@@ -152,32 +152,23 @@ fn teacher_advantages(
 /// tile positions `0..tokens-1` (the last token was never fed to the model; its row repeats the
 /// one before, and no loss reads it).
 pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
-    if segment.routed_experts.is_empty() {
+    let chunks = routed_experts(segment, None).map_err(|e| RunError::Batch(e.to_string()))?;
+    if chunks.is_empty() {
         return Ok(None);
     }
-    let mut rows = Vec::new();
-    let mut next = 0usize;
-    for chunk in &segment.routed_experts {
-        if chunk.start != next {
-            return Err(RunError::Batch(format!(
-                "routed experts cover positions from {next} but a chunk starts at {}",
-                chunk.start
-            )));
-        }
-        let (shape, ids) = decode_routed_experts(&chunk.data).map_err(RunError::Batch)?;
-        let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
-        rows.push(Tensor::from_slice(&ids).view(shape.map(|d| d as i64)));
-        next += shape[0];
-    }
-    let mut t = Tensor::cat(&rows, 0);
-    let len = segment.token_ids.len();
-    if next > 0 && next + 1 == len {
-        let last = t.get(next as i64 - 1).unsqueeze(0);
-        t = Tensor::cat(&[t, last], 0);
-    } else if next != len {
-        return Err(RunError::Batch(format!(
-            "routed experts cover {next} positions of a {len}-token segment"
-        )));
+    let rows: Vec<Tensor> = (chunks.into_iter())
+        .map(|(shape, ids)| {
+            let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
+            Tensor::from_slice(&ids).view(shape.map(|d| d as i64))
+        })
+        .collect();
+    let t = Tensor::cat(&rows, 0);
+    // Checked: the chunks cover the segment, or all of it but its last token, whose row is then
+    // a copy of the one before.
+    let covered = t.size()[0];
+    if covered < segment.token_ids.len() as i64 {
+        let last = t.get(covered - 1).unsqueeze(0);
+        return Ok(Some(Tensor::cat(&[t, last], 0)));
     }
     Ok(Some(t))
 }

@@ -190,18 +190,23 @@ fn check_segment(s: &Segment, limits: &EpisodeLimits, now: u64) -> Result<(), Ba
             mask => return Err(BadSegment::LossMask { mask, at }),
         }
     }
-    check_routed_experts(s, limits.experts)
+    routed_experts(s, limits.experts).map(drop)
 }
 
-/// Routing chunks tile positions `0..` contiguously, each a well-formed `[rows, layers, top_k]`
-/// array of one layout of ids below `experts`, covering the segment or all of it but its last
-/// token.
-fn check_routed_experts(s: &Segment, experts: Option<usize>) -> Result<(), BadSegment> {
+/// A `[rows, layers, top_k]` routing chunk, decoded: its shape and expert ids.
+pub type RoutedChunk = ([usize; 3], Vec<u16>);
+
+/// The segment's routing chunks, decoded, once they are checked: they tile positions `0..`
+/// contiguously, each a well-formed `[rows, layers, top_k]` array of one layout of ids below
+/// `experts`, covering the segment or all of it but its last token. The trainer's routing replay
+/// reads them from here too.
+pub fn routed_experts(s: &Segment, experts: Option<usize>) -> Result<Vec<RoutedChunk>, BadSegment> {
     if s.routed_experts.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let mut next = 0usize;
     let mut earlier: Option<[usize; 2]> = None;
+    let mut chunks = Vec::with_capacity(s.routed_experts.len());
     for chunk in &s.routed_experts {
         let start = chunk.start;
         if start != next {
@@ -223,6 +228,7 @@ fn check_routed_experts(s: &Segment, experts: Option<usize>) -> Result<(), BadSe
             });
         }
         next = next.saturating_add(shape[0]);
+        chunks.push((shape, ids));
     }
     let len = s.token_ids.len();
     // All but the last position needs at least one: the last row is a copy of the one before
@@ -230,7 +236,7 @@ fn check_routed_experts(s: &Segment, experts: Option<usize>) -> Result<(), BadSe
     if next != len && !(next > 0 && next.saturating_add(1) == len) {
         return Err(BadSegment::RoutedCoverage { covered: next, len });
     }
-    Ok(())
+    Ok(chunks)
 }
 
 #[cfg(test)]
