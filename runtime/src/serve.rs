@@ -155,6 +155,14 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// `registry` as Prometheus text: what each server's `GET /metrics` answers.
+pub fn metrics_text(registry: &prometheus_client::registry::Registry) -> String {
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, registry)
+        .expect("writing to a String cannot fail");
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Instant;

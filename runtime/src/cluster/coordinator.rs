@@ -442,7 +442,7 @@ async fn prometheus(State(c): Shared) -> String {
     for (name, help, value) in gauges {
         super::gauge(&mut registry, name, help).set(value as f64);
     }
-    super::encode(&registry)
+    crate::serve::metrics_text(&registry)
 }
 
 /// The judge of `spec.judge` as the coordinator asks it: a router of its own over the judge's

@@ -162,14 +162,6 @@ pub(crate) fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge {
     gauge
 }
 
-/// `registry` as Prometheus text.
-pub(crate) fn encode(registry: &Registry) -> String {
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, registry)
-        .expect("writing to a String cannot fail");
-    text
-}
-
 /// The `/health` and `/metrics` server of a role that serves nothing else (trainer, agents); it
 /// stops when the returned sender is dropped.
 pub(crate) async fn serve_health(
@@ -181,7 +173,10 @@ pub(crate) async fn serve_health(
     let metrics = Arc::new(metrics);
     let app = axum::Router::new()
         .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(move || async move { encode(&metrics) }));
+        .route(
+            "/metrics",
+            get(move || async move { crate::serve::metrics_text(&metrics) }),
+        );
     let (stop, stopped) = oneshot::channel::<()>();
     let app = crate::auth::protect(app);
     tokio::spawn(crate::serve::serve(listener, app, stopped.map(drop)));

@@ -349,10 +349,7 @@ async fn models(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiErr
 async fn metrics(State(router): State<Arc<Router>>) -> String {
     let mut registry = prometheus_client::registry::Registry::default();
     register_metrics(&router, &mut registry);
-    let mut text = String::new();
-    prometheus_client::encoding::text::encode(&mut text, &registry)
-        .expect("writing to a String cannot fail");
-    text
+    crate::serve::metrics_text(&registry)
 }
 
 /// The router's metrics (engines, health, load, failovers), added to `registry`.
