@@ -492,10 +492,7 @@ async fn load_trainer(
     if cfg.trainer_ranks > 1 {
         let (followers, rendezvous) = match rendezvous {
             Some(r) => (None, r),
-            None => {
-                let (f, r) = Followers::start_all(cfg.trainer_ranks, device)?;
-                (Some(f), r)
-            }
+            None => Followers::start_all(cfg.trainer_ranks, device).map(|(f, r)| (Some(f), r))?,
         };
         let setup = Setup {
             model_dir: cfg.model_dir.clone(),
