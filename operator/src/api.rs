@@ -260,6 +260,18 @@ impl LoraSpec {
     pub fn alpha(&self) -> f64 {
         self.alpha.unwrap_or(2.0 * f64::from(self.rank))
     }
+
+    /// The adapter's shape as the runtime's `model::lora::LoraConfig` reads it (the value of
+    /// `moult engine --lora`): defaults filled in, modules by name.
+    pub fn adapter(&self) -> serde_json::Value {
+        let targets: Vec<String> = self.target_modules.iter().map(|t| t.name()).collect();
+        serde_json::json!({
+            "rank": self.rank,
+            "alpha": self.alpha(),
+            "dropout": self.dropout,
+            "targets": targets,
+        })
+    }
 }
 
 /// A projection of a decoder layer a LoRA adapter may target (Hugging Face's module names).

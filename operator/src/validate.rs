@@ -131,7 +131,7 @@ fn hint(key: &str, known: &[&str], path: &str) -> String {
 }
 
 /// The schema keywords the API server checks beyond types (serde has checked the types):
-/// minimum, maximum, minLength, maxLength, maxItems, maxProperties and enum, recursively.
+/// minimum, maximum, minLength, maxLength, minItems, maxItems, maxProperties and enum, recursively.
 fn schema_errors(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
     let number = |key: &str| schema.get(key).and_then(Value::as_f64);
     if let Some(v) = value.as_f64() {
@@ -190,6 +190,13 @@ fn schema_errors(schema: &Value, value: &Value, path: &str, errors: &mut Vec<Str
             }
         }
         Value::Array(items) => {
+            if let Some(min) = number("minItems").filter(|min| (items.len() as f64) < *min) {
+                errors.push(format!(
+                    "{path}: Invalid value: {}: {path} in body should have at least {} items",
+                    items.len(),
+                    show(min)
+                ));
+            }
             if let Some(max) = number("maxItems").filter(|max| items.len() as f64 > *max) {
                 errors.push(format!(
                     "{path}: Too many: {}: must have at most {} items",
@@ -288,12 +295,12 @@ spec:
         let mut typo = value("");
         typo["metadata"]["nmae"] = "x".into();
         typo["sepc"] = Value::Null;
-        typo["spec"]["model"]["lora"] = serde_json::json!({"rank": 8});
+        typo["spec"]["model"]["adapter"] = serde_json::json!({"rank": 8});
         assert_eq!(
             RLRun::unknown_fields(&typo),
             [
                 "metadata.nmae: unknown field; did you mean name?",
-                "spec.model.lora: unknown field; spec.model has: claimName, maxModelLen, path",
+                "spec.model.adapter: unknown field; spec.model has: claimName, lora, maxModelLen, path",
                 "sepc: unknown field; did you mean spec?"
             ]
         );

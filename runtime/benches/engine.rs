@@ -119,7 +119,6 @@ fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHan
         eos_token_ids: vec![],
         threads: None,
         packed_weights: None,
-        lora: None,
     };
     EngineHandle::spawn(m, "bench".into(), opts)
 }

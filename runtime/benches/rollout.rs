@@ -9,8 +9,11 @@
 //!    in-memory copy of the same bytes, for a model of Qwen3-0.6B's width, over the TCP stream
 //!    and through a folder (the Filesystem transport).
 //!
+//! 3. LoRA: a LoRA run's update (the adapter's tensors only) against the whole model's, over TCP.
+//!
 //! `cargo bench -p moult-runtime --bench rollout` (after `source scripts/env.sh`); `-- --quick`
-//! runs part 1 only, `-- --weight-sync` part 2 only. Documented in docs/benchmarks.md.
+//! runs part 1 only, `-- --weight-sync` part 2 only, `-- --lora-sync` part 3 (only by name: the
+//! parts before leave too much memory in use). Documented in docs/benchmarks.md.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -36,7 +39,7 @@ use serde_json::{json, Value};
 use tch::Tensor;
 
 mod common;
-use common::{qwen3_width_model, start_engine, tiny_model};
+use common::{qwen3_width_model, start_engine, start_engine_lora, tiny_model};
 
 /// One "episode": a single generation through the router, its length drawn from the task.
 struct Generate {
@@ -330,6 +333,75 @@ async fn weight_sync_rate() {
     println!();
 }
 
+/// A LoRA run's update (docs/lora.md): the adapter's tensors alone over the TCP data plane to
+/// one engine serving it, vs the whole model's, in the same invocation.
+async fn lora_sync(model: &std::path::Path) {
+    use moult_runtime::model::lora::{LoraConfig, TARGETS};
+    println!("### LoRA adapters vs full weights (TCP via router, 1 engine)\n");
+    println!("| weights | MB per update | whole update (ms) | paused per update (ms) | bytes vs full | paused vs full |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    let (mut full_paused, mut full_bytes) = (None, 0);
+    for rank in [None, Some(8), Some(32)] {
+        let lora = rank.map(|rank| LoraConfig {
+            rank,
+            alpha: 2.0 * rank as f64,
+            rslora: false,
+            dropout: 0.0,
+            targets: TARGETS.map(String::from).into(),
+        });
+        let mut trainer = CausalLm::load(model, tch::Kind::Float, tch::Device::Cpu).unwrap();
+        if let Some(l) = &lora {
+            trainer.attach_lora(l, None, 0).unwrap();
+        }
+        let weights: Vec<(String, Tensor)> = (trainer.params().iter())
+            .map(|(n, t)| (n.clone(), t.detach().copy()))
+            .collect();
+        let bytes: usize = weights.iter().map(|(_, t)| t.numel() * 4).sum();
+        let engine = start_engine_lora(model, 1, lora).await;
+        let pool = Arc::new(EnginePool::new(&[engine]));
+        let router = Arc::new(Router::new(pool, policy::by_name("least-tokens").unwrap()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(server::serve(listener, router, std::future::pending()));
+        let mut sync = Publisher::connect(&PublishOptions {
+            target: url,
+            transport: WeightTransport::Tcp,
+            device: tch::Device::Cpu,
+            host: "127.0.0.1".into(),
+            port: 0,
+            folder: None,
+            engine_kind: tch::Kind::Float,
+        })
+        .await
+        .unwrap();
+        let whole = || WeightStream::whole(&weights);
+        sync.update_stream(whole(), 1, true).await.unwrap(); // warm-up (buffers)
+        let (mut took, mut paused) = (0.0, 0.0);
+        for v in 2..5 {
+            let started = Instant::now();
+            let r = sync.update_stream(whole(), v, true).await.unwrap();
+            took += started.elapsed().as_secs_f64() / 3.0;
+            paused += r.paused.as_secs_f64() / 3.0;
+        }
+        let base = *full_paused.get_or_insert(paused);
+        if rank.is_none() {
+            full_bytes = bytes;
+        }
+        let label = rank.map_or("full model".to_string(), |r| {
+            format!("LoRA rank {r}, 7 projections")
+        });
+        println!(
+            "| {label} | {:.1} | {:.1} | {:.1} | {:.4}x | {:.4}x |",
+            bytes as f64 / 1e6,
+            took * 1e3,
+            paused * 1e3,
+            bytes as f64 / full_bytes as f64,
+            paused / base
+        );
+    }
+    println!();
+}
+
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     println!(
@@ -342,10 +414,14 @@ fn main() {
         .build()
         .unwrap();
     let sync_only = std::env::args().any(|a| a == "--weight-sync");
-    if !sync_only {
+    let lora_only = std::env::args().any(|a| a == "--lora-sync");
+    if lora_only {
+        // Alone: the part before leaves its engines' memory in use.
+        rt.block_on(lora_sync(&qwen3_width_model(4)));
+    } else if !sync_only {
         rt.block_on(utilisation());
     }
-    if !quick {
+    if !quick && !lora_only {
         rt.block_on(weight_sync_rate());
     }
     // Dropping the servers drops the engine handles, which ends the engine threads before the

@@ -64,7 +64,8 @@ enum Command {
     Eval(cli::eval::Args),
     /// Write a checkpoint's policy as a model folder engines serve (`model.safetensors` with
     /// whole tensors, the config and tokenizer files): for a checkpoint that trainer ranks wrote
-    /// in shards, or to take a policy out of a run's checkpoints.
+    /// in shards, to take a policy out of a run's checkpoints, or to merge a LoRA run's adapter
+    /// into its base model.
     Export(cli::export::Args),
 }
 

@@ -141,7 +141,7 @@ fn libtorch_lora_adapter_moult_writes_loads_in_peft() {
             for (n, t) in model.params() {
                 // PEFT drops a MoE model's dense-MLP adapters (make_lora_adapters.py): zero.
                 let scale = if dense_mlp(n) { 0.0 } else { 0.1 };
-                let _ = t.shallow_clone().copy_(&(t.randn_like() * scale));
+                t.shallow_clone().copy_(&(t.randn_like() * scale));
             }
         });
         let out = std::env::temp_dir().join(format!("moult-lora-{name}-{}", std::process::id()));

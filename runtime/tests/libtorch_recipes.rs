@@ -127,6 +127,38 @@ fn libtorch_lora_adapter_learns_the_main_recipe() {
         // 2 layers x 7 projections x (A, B).
         assert_eq!(tensors.len(), 28);
         assert!(tensors.iter().all(|(n, _)| n.contains(".lora_")));
+        // `moult export` merges the adapter into the base: the folder computes what base and
+        // adapter compute.
+        let merged = out.join("merged");
+        let status = common::moult()
+            .args(["export".as_ref(), step.as_os_str(), merged.as_os_str()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "moult export of a LoRA checkpoint");
+        assert!(
+            merged.join("model.safetensors").is_file()
+                && !merged.join("adapter_config.json").exists()
+        );
+        let logits = |dir: &Path| {
+            use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
+            let model = CausalLm::load(dir, tch::Kind::Float, tch::Device::Cpu).unwrap();
+            let tokens = [5, 17, 99, 300, 1001, 7];
+            let seq = SeqInput {
+                tokens: &tokens,
+                slot: None,
+                replay: None,
+                images: &[],
+            };
+            tch::no_grad(|| model.forward(&[seq], None, LogitsFor::All).unwrap().logits)
+        };
+        let gap = (logits(&step) - logits(&merged))
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(
+            gap < 1e-4,
+            "the merged export computes the adapter's logits ({gap})"
+        );
         // Resumed for 2 more steps from the adapter checkpoint.
         let status = common::moult()
             .arg("run")

@@ -259,3 +259,99 @@ spec:
         );
     }
 }
+
+mod lora_tests {
+    use crate::api::*;
+
+    fn run(lora: &str, engines: &str, trainer: &str) -> RLRun {
+        let yaml = format!(
+            "apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata: {{name: lora, namespace: local}}
+spec:
+  model: {{path: /models/policy, lora: {lora}}}
+  agent: {{env: successor, dataset: {{path: tasks.jsonl}}}}
+  engines: {engines}
+  trainer: {trainer}
+  totalSteps: 1
+"
+        );
+        serde_yaml_ng::from_str(&yaml).unwrap()
+    }
+
+    #[test]
+    fn a_lora_adapter_defaults_to_every_projection_and_twice_the_rank() {
+        let r = run("{rank: 16}", "{backend: Builtin}", "{}");
+        assert_eq!(r.validate(), Ok(()));
+        let lora = r.spec.model.lora.unwrap();
+        assert_eq!(lora.alpha(), 32.0);
+        assert_eq!(lora.dropout, 0.0);
+        let names: Vec<String> = lora.target_modules.iter().map(|t| t.name()).collect();
+        assert_eq!(
+            names,
+            [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj"
+            ]
+        );
+    }
+
+    #[test]
+    fn what_a_lora_run_cannot_do_is_refused_naming_the_field() {
+        for (lora, engines, trainer, message) in [
+            (
+                "{rank: 0}",
+                "{backend: Builtin}",
+                "{}",
+                "spec.model.lora.rank",
+            ),
+            (
+                "{rank: 8, alpha: 0}",
+                "{backend: Builtin}",
+                "{}",
+                "model.lora.alpha must be positive",
+            ),
+            (
+                "{rank: 8, dropout: 1}",
+                "{backend: Builtin}",
+                "{}",
+                "model.lora.dropout is a probability",
+            ),
+            (
+                "{rank: 8, targetModules: []}",
+                "{backend: Builtin}",
+                "{}",
+                "spec.model.lora.targetModules",
+            ),
+            (
+                "{rank: 8}",
+                "{backend: vLLM, weightTransfer: {transport: Filesystem, claimName: w}}",
+                "{}",
+                "model.lora: vLLM engines do not serve moult's LoRA runs yet",
+            ),
+            (
+                "{rank: 8}",
+                "{backend: Builtin}",
+                "{nodes: 2, computeDtype: BFloat16}",
+                "model.lora: the trainer computes LoRA runs in float32",
+            ),
+        ] {
+            let errors = run(lora, engines, trainer).validate().expect_err(lora);
+            assert!(
+                errors.iter().any(|e| e.contains(message)),
+                "{lora}: {errors:?}"
+            );
+        }
+        // A module the schema does not know is refused by the parser, naming the accepted ones.
+        let yaml = "{rank: 8, targetModules: [lm_head]}";
+        let err = serde_yaml_ng::from_str::<LoraSpec>(yaml)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("q_proj") && err.contains("lm_head"), "{err}");
+    }
+}

@@ -243,7 +243,7 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
             ];
             // A LoRA run's engines serve the base with the adapter weight updates write.
             if let Some(lora) = spec.model.lora.as_ref().filter(|_| weight_updates) {
-                args.extend(["--lora".into(), lora_flag(lora)]);
+                args.extend(["--lora".into(), lora.adapter().to_string()]);
             }
             args.extend(e.extra_args.iter().cloned());
             let image = e
@@ -309,18 +309,6 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
         },
         ..StatefulSet::default()
     }
-}
-
-/// `moult engine --lora`'s value for `lora`: the adapter's shape as JSON (docs/lora.md).
-pub fn lora_flag(lora: &crate::api::LoraSpec) -> String {
-    let targets: Vec<String> = lora.target_modules.iter().map(|t| t.name()).collect();
-    serde_json::json!({
-        "rank": lora.rank,
-        "alpha": lora.alpha(),
-        "dropout": lora.dropout,
-        "targets": targets,
-    })
-    .to_string()
 }
 
 /// Where a vLLM engine listens in its pod: on the loopback, reached only through its front.

@@ -144,10 +144,24 @@ pub fn qwen3_width_model(layers: usize) -> std::path::PathBuf {
 
 /// Starts a built-in engine in this process on an ephemeral port; its URL.
 pub async fn start_engine(model: &std::path::Path, threads: usize) -> String {
+    start_engine_lora(model, threads, None).await
+}
+
+/// [`start_engine`] serving a new LoRA adapter of shape `lora` (a LoRA run's engine).
+pub async fn start_engine_lora(
+    model: &std::path::Path,
+    threads: usize,
+    lora: Option<moult_runtime::model::lora::LoraConfig>,
+) -> String {
     use moult_runtime::engine::{http, EngineHandle, EngineOptions};
     let cfg = moult_runtime::model::ModelConfig::from_dir(model).unwrap();
-    let m =
-        moult_runtime::model::CausalLm::load(model, tch::Kind::Float, tch::Device::Cpu).unwrap();
+    let m = moult_runtime::model::CausalLm::load_lora(
+        model,
+        lora.as_ref(),
+        tch::Kind::Float,
+        tch::Device::Cpu,
+    )
+    .unwrap();
     let opts = EngineOptions {
         max_batch: 64,
         max_model_len: 2048,
@@ -157,7 +171,6 @@ pub async fn start_engine(model: &std::path::Path, threads: usize) -> String {
         eos_token_ids: cfg.eos_token_ids.clone(),
         threads: Some(threads),
         packed_weights: None,
-        lora: None,
     };
     let (handle, _thread) = EngineHandle::spawn(m, "bench".into(), opts);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -77,7 +77,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| super::folder_name(&args.model));
     tracing::info!(model = %args.model.display(), ?kind, ?device, "loading");
     let started = std::time::Instant::now();
-    let (dir, lora) = (args.model.clone(), args.lora.clone());
+    let (dir, lora) = (args.model.clone(), args.lora);
     let load = move || CausalLm::load_lora(&dir, lora.as_ref(), kind, device);
     let model = tokio::task::spawn_blocking(load).await??;
     tracing::info!(seconds = started.elapsed().as_secs_f32(), "model loaded");
@@ -95,7 +95,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "off" => Some(false),
             other => bail!("--packed-weights must be auto, on or off; got `{other}`"),
         },
-        lora: args.lora,
     };
     if args.enable_return_routed_experts && cfg.moe.is_none() {
         tracing::warn!(

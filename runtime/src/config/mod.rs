@@ -421,17 +421,7 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> crate::trainer::train::Trai
         bf16_compute: spec.trainer.compute_dtype
             == Some(moult_operator::api::TrainerDtype::BFloat16),
         freeze_vision: spec.trainer.freeze_vision_tower,
-        lora: spec
-            .model
-            .lora
-            .as_ref()
-            .map(|l| crate::model::lora::LoraConfig {
-                rank: l.rank.into(),
-                alpha: l.alpha(),
-                rslora: false,
-                dropout: l.dropout,
-                targets: l.target_modules.iter().map(|t| t.name()).collect(),
-            }),
+        lora: spec.model.lora.as_ref().map(Into::into),
     }
 }
 

@@ -58,10 +58,6 @@ pub struct EngineOptions {
     pub threads: Option<usize>,
     /// Keep oneDNN-packed weights for the matmuls (CPU); `None`: for all but small models.
     pub packed_weights: Option<bool>,
-    /// Serve the model with a LoRA adapter of this shape, new (computing the base model) until
-    /// weight updates write it: a LoRA run's engines (docs/lora.md). Its tensors are then the
-    /// weights updates name.
-    pub lora: Option<crate::model::lora::LoraConfig>,
 }
 
 impl EngineOptions {
@@ -78,7 +74,6 @@ impl EngineOptions {
             eos_token_ids: cfg.eos_token_ids.clone(),
             threads: None,
             packed_weights: None,
-            lora: None,
         }
     }
 }

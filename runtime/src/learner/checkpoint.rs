@@ -117,10 +117,7 @@ fn fill(
         sync_dir(&tmp.join(SHARDS))?;
     } else {
         let weights = trainer.weights().map_err(crate::model::Error::from)?;
-        match trainer.model().lora() {
-            Some(config) => lora::write_adapter(tmp, config, model_dir, &weights)?,
-            None => write_tensors(&tmp.join("model.safetensors"), &weights)?,
-        }
+        lora::write_weights(tmp, trainer.model(), model_dir, &weights)?;
         let moments: Vec<(String, Tensor)> = trainer
             .moments()
             .map_err(crate::model::Error::from)?
@@ -290,8 +287,7 @@ fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T, RunError>
 /// the checkpoint in `dir`, whole, however many ranks wrote it.
 fn load_tensors(dir: &Path) -> Result<Whole, RunError> {
     let Some(layout) = sharded(dir)? else {
-        let weights = read_tensors(&dir.join("model.safetensors"))?;
-        return Ok((weights, load_moments(dir)?));
+        return Ok((lora::merged_weights(dir)?, load_moments(dir)?));
     };
     let files = (0..layout.world)
         .map(|rank| read_tensors(&dir.join(SHARDS).join(layout.file_name(rank))))
@@ -321,17 +317,10 @@ pub fn load_policy(
 
 /// Writes the policy of a checkpoint (`src`: a `step-N` folder, or a checkpoint root for its
 /// newest) to `out` as a model folder engines serve: `model.safetensors` with whole tensors and
-/// the model's config and tokenizer files. Returns the checkpoint's folder. `out` must not exist
+/// the model's config and tokenizer files; a LoRA run's, with its adapter merged into the base. Returns the checkpoint's folder. `out` must not exist
 /// yet; it appears complete or not at all.
 pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
     let (dir, _) = checkpoint_at(src)?;
-    if lora::is_adapter(&dir) {
-        let why = "is a LoRA adapter, which PEFT, vLLM and `moult engine --model` load as it is";
-        return Err(RunError::Checkpoint(format!(
-            "{} {why} (docs/lora.md)",
-            dir.display()
-        )));
-    }
     if out.exists() {
         let why = format!("{} exists; export writes a new folder", out.display());
         return Err(RunError::Checkpoint(why));
@@ -356,10 +345,7 @@ fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
         Some(layout) => (0..layout.world)
             .map(|rank| dir.join(SHARDS).join(layout.file_name(rank)))
             .collect(),
-        None if lora::is_adapter(dir) => {
-            vec![lora::WEIGHTS_FILE.into(), "optimizer.safetensors".into()]
-        }
-        None => ["model.safetensors", "optimizer.safetensors"]
+        None => [lora::weights_file(dir), "optimizer.safetensors"]
             .map(PathBuf::from)
             .into(),
     };

@@ -16,7 +16,7 @@ use crate::agents::AgentPool;
 use crate::config::RunConfig;
 use crate::engine::{http, EngineHandle, EngineOptions};
 use crate::error::RunError;
-use crate::model::{CausalLm, ModelConfig};
+use crate::model::{lora::LoraConfig, CausalLm, ModelConfig};
 use crate::records::console::Console;
 use crate::router::{server, EnginePool};
 use crate::stages::judge::Judge;
@@ -58,12 +58,12 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 
 /// Starts one built-in engine on `model_dir`.
 async fn engine(
-    model_dir: &Path,
+    (model_dir, lora): (&Path, Option<&LoraConfig>),
     device: Device,
     opts: EngineOptions,
     stop: watch::Receiver<bool>,
 ) -> Result<String, RunError> {
-    let (dir, lora) = (model_dir.to_path_buf(), opts.lora.clone());
+    let (dir, lora) = (model_dir.to_path_buf(), lora.cloned());
     let load = move || CausalLm::load_lora(&dir, lora.as_ref(), Kind::Float, device);
     let model = tokio::task::spawn_blocking(load).await??;
     let name = model_dir
@@ -84,7 +84,7 @@ async fn fixed_engine(
     stop: watch::Receiver<bool>,
 ) -> Result<String, RunError> {
     let opts = EngineOptions::for_model(&ModelConfig::from_dir(model_dir)?, batch.clamp(1, 256));
-    engine(model_dir, device, opts, stop).await
+    engine((model_dir, None), device, opts, stop).await
 }
 
 impl Stack {
@@ -128,16 +128,17 @@ impl Stack {
             max_model_len: (cfg.run.spec.model.max_model_len)
                 .map_or(model_cfg.max_position_embeddings, |n| n as usize),
             return_routed_experts: cfg.routing_replay && model_cfg.moe.is_some(),
-            lora: cfg.trainer.lora.clone(),
             // Every running episode's turn fits in one decoding batch.
             ..EngineOptions::for_model(&model_cfg, cfg.concurrency.clamp(1, 256))
         };
+        // The policy's engines serve a LoRA run's adapter (docs/lora.md).
+        let policy = (cfg.model_dir.as_path(), cfg.trainer.lora.as_ref());
         let mut urls = Vec::new();
         let mut vllm = Vec::new();
         for index in 0..cfg.engines {
             match cfg.run.spec.engines.backend {
                 EngineBackend::Builtin => {
-                    urls.push(engine(&cfg.model_dir, device, opts.clone(), stop_rx.clone()).await?);
+                    urls.push(engine(policy, device, opts.clone(), stop_rx.clone()).await?);
                 }
                 EngineBackend::Vllm => {
                     let logs = scratch.parent().unwrap_or(scratch);

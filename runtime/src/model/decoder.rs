@@ -135,11 +135,7 @@ impl Layer {
     /// The linears an adapter may target, in a fixed order: q/k/v, o, then the MLP's (each
     /// expert's in turn), each with the modules it stacks as (name, `in`, rows), `p` being the
     /// layer's name prefix (`model.layers.3`).
-    fn adaptable(
-        &mut self,
-        p: &str,
-        c: &ModelConfig,
-    ) -> Vec<(&mut Linear, Vec<(String, i64, i64)>)> {
+    fn adaptable(&mut self, p: &str, c: &ModelConfig) -> Vec<(&mut Linear, Vec<lora::Module>)> {
         let (h, d) = (c.hidden_size as i64, c.head_dim as i64);
         let (q, kv) = (
             c.num_attention_heads as i64 * d,
@@ -704,7 +700,12 @@ impl CausalLm {
     }
 
     /// Re-packs the packed weights from the dense ones (after a weight update), in place.
+    /// With a LoRA adapter the updates write the adapter only, and the base stays packed as
+    /// it is.
     pub fn refresh_packed(&mut self) {
+        if self.lora.is_some() {
+            return;
+        }
         for linear in self.dense_linears() {
             linear.refresh();
         }

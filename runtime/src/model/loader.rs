@@ -42,10 +42,13 @@ fn kind_of(dtype: Dtype) -> Option<Kind> {
     }
 }
 
+/// The weights file of a LoRA adapter's folder (PEFT's name; `super::lora`).
+pub(super) const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+
 /// The checkpoint files of a model folder, in a stable order.
 fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>> {
     // A LoRA adapter folder's one file (super::lora) is read the same way.
-    for single in ["model.safetensors", super::lora::WEIGHTS_FILE].map(|f| dir.join(f)) {
+    for single in ["model.safetensors", ADAPTER_WEIGHTS].map(|f| dir.join(f)) {
         if single.is_file() {
             return Ok(vec![single]);
         }

@@ -35,7 +35,7 @@ pub const TARGETS: [&str; 7] = [
 
 /// The adapter's file names in a folder, PEFT's.
 pub const CONFIG_FILE: &str = "adapter_config.json";
-pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+pub const WEIGHTS_FILE: &str = super::loader::ADAPTER_WEIGHTS;
 
 /// An adapter's shape: PEFT's `LoraConfig` fields moult reads and writes.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -182,6 +182,13 @@ impl LoraConfig {
     }
 }
 
+/// A run's `spec.model.lora`, defaults filled in (the operator's `moult engine --lora` value).
+impl From<&moult_operator::api::LoraSpec> for LoraConfig {
+    fn from(spec: &moult_operator::api::LoraSpec) -> Self {
+        serde_json::from_value(spec.adapter()).expect("LoraSpec::adapter is a LoraConfig")
+    }
+}
+
 /// The name PEFT saves module `module`'s `A` (`which = 'A'`) or `B` under.
 pub fn peft_name(module: &str, which: char) -> String {
     format!("base_model.model.{module}.lora_{which}.weight")
@@ -223,6 +230,58 @@ pub fn read_adapter(
     Ok((config, dir.join(base), weights))
 }
 
+/// Writes the weights `weights` of `model` into the folder `dir`: `model.safetensors`, or for a
+/// model with a LoRA adapter the adapter's two files, naming `base` as its base model.
+pub fn write_weights(
+    dir: &Path,
+    model: &super::CausalLm,
+    base: &Path,
+    weights: &[(String, Tensor)],
+) -> Result<()> {
+    match model.lora() {
+        Some(config) => write_adapter(dir, config, base, weights),
+        None => Ok(Tensor::write_safetensors(
+            weights,
+            dir.join("model.safetensors"),
+        )?),
+    }
+}
+
+/// The weights of the model folder `dir` by checkpoint name, in float32 on the CPU: its
+/// `model.safetensors`, or for an adapter folder its base model's with the adapter merged in
+/// (`W + s·B A` on each adapted module).
+pub fn merged_weights(dir: &Path) -> Result<Vec<(String, Tensor)>> {
+    if !is_adapter(dir) {
+        return Ok(Tensor::read_safetensors(dir.join("model.safetensors"))?);
+    }
+    let (config, base, adapter) = read_adapter(dir, Kind::Float, Device::Cpu)?;
+    let mut weights = load_safetensors_dir(&base, Kind::Float, Device::Cpu)?;
+    for (name, a) in &adapter {
+        let Some(module) = name.strip_suffix(".lora_A.weight") else {
+            continue;
+        };
+        let missing = |name: String| Error::Weight {
+            message: "is missing: the adapter and its base model do not match".into(),
+            name,
+        };
+        let b = adapter.get(&format!("{module}.lora_B.weight"));
+        let b = b.ok_or_else(|| missing(format!("{module}.lora_B.weight")))?;
+        let key = format!("{}.weight", module.trim_start_matches("base_model.model."));
+        let w = weights.get_mut(&key).ok_or_else(|| missing(key.clone()))?;
+        *w = &*w + b.matmul(a) * config.scale();
+    }
+    Ok(weights.into_iter().collect())
+}
+
+/// The weights file of the model folder `dir`: the adapter's when it holds one.
+pub fn weights_file(dir: &Path) -> &'static str {
+    if is_adapter(dir) {
+        WEIGHTS_FILE
+    } else {
+        "model.safetensors"
+    }
+}
+
 /// Writes an adapter folder's two files into `dir`: `config` as PEFT's `adapter_config.json`
 /// for the base model folder `base`, and `weights` (PEFT names) as `adapter_model.safetensors`.
 pub fn write_adapter(
@@ -239,6 +298,10 @@ pub fn write_adapter(
     Tensor::write_safetensors(weights, dir.join(WEIGHTS_FILE))?;
     Ok(())
 }
+
+/// A module an adapter may target: its name (`model.layers.0.self_attn.q_proj`), its input
+/// size and its rows of the output.
+pub(crate) type Module = (String, i64, i64);
 
 /// One targeted module's part of a (possibly stacked) linear: its rows of the output, `A`, `B`.
 #[derive(Debug)]
@@ -296,7 +359,7 @@ impl Adapter {
 /// initialisation from `seed`: `A ~ U(±1/√in)`, `B = 0`.
 pub(crate) fn init(
     config: &LoraConfig,
-    modules: &[(String, i64, i64)],
+    modules: &[Module],
     seed: u64,
     kind: Kind,
     device: Device,

@@ -185,6 +185,7 @@ impl Trainer {
         if let (Some(lora), None) = (&opts.lora, model.lora()) {
             model.attach_lora(lora, None, 0)?;
         }
+        // LoRA: the adapter replicated, its optimizer state sharded (docs/lora.md).
         if opts.lora.is_some() {
             opts.sharding = Sharding::Optimizer;
         }

@@ -205,7 +205,6 @@ pub fn engine_options() -> EngineOptions {
         threads: Some(1),
         // The packed path is the engine's on real models: test it (the trainer path is dense).
         packed_weights: Some(true),
-        lora: None,
     }
 }
 
