@@ -251,6 +251,16 @@ async fn utilisation() {
     println!();
 }
 
+/// A router (least-tokens) in front of `engines`, serving on a loopback port: its URL.
+async fn serve_router(engines: &[String]) -> String {
+    let pool = Arc::new(EnginePool::new(engines));
+    let router = Arc::new(Router::new(pool, policy::by_name("least-tokens").unwrap()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(server::serve(listener, router, std::future::pending()));
+    url
+}
+
 async fn weight_sync_rate() {
     let model = qwen3_width_model(4);
     println!("## Weight sync, Qwen3-0.6B width with 4 layers (float32)\n");
@@ -288,11 +298,7 @@ async fn weight_sync_rate() {
             for _ in 0..engines {
                 urls.push(start_engine(&model, 1).await);
             }
-            let pool = Arc::new(EnginePool::new(&urls));
-            let router = Arc::new(Router::new(pool, policy::by_name("least-tokens").unwrap()));
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let url = format!("http://{}", listener.local_addr().unwrap());
-            tokio::spawn(server::serve(listener, router, std::future::pending()));
+            let url = serve_router(&urls).await;
             let mut sync = Publisher::connect(&PublishOptions {
                 target: url,
                 transport,
@@ -358,11 +364,7 @@ async fn lora_sync(model: &std::path::Path) {
             .collect();
         let bytes: usize = weights.iter().map(|(_, t)| t.numel() * 4).sum();
         let engine = start_engine_lora(model, 1, lora).await;
-        let pool = Arc::new(EnginePool::new(&[engine]));
-        let router = Arc::new(Router::new(pool, policy::by_name("least-tokens").unwrap()));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(server::serve(listener, router, std::future::pending()));
+        let url = serve_router(&[engine]).await;
         let mut sync = Publisher::connect(&PublishOptions {
             target: url,
             transport: WeightTransport::Tcp,

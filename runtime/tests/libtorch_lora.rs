@@ -8,7 +8,7 @@ mod common;
 use std::path::Path;
 
 use moult_runtime::model::lora::{self, LoraConfig, TARGETS};
-use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
+use moult_runtime::model::CausalLm;
 use tch::{Device, Kind, Tensor};
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -20,17 +20,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
 
 /// Full packed forward of the prompts, split back per prompt.
 fn logits(model: &CausalLm, prompts: &[Vec<i64>]) -> Vec<Tensor> {
-    let seqs: Vec<SeqInput> = (prompts.iter())
-        .map(|p| SeqInput {
-            tokens: p,
-            slot: None,
-            replay: None,
-            images: &[],
-        })
-        .collect();
-    let out = tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All)).unwrap();
-    let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
-    out.logits.split_with_sizes(&lens, 0)
+    common::full_logits(model, prompts).0
 }
 
 /// The prompts and logits of a `reference.safetensors`.

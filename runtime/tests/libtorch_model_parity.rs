@@ -13,22 +13,6 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
         .double_value(&[])
 }
 
-/// Full (no cache) packed forward of several prompts at once, split back per prompt.
-fn full_logits(model: &CausalLm, prompts: &[Vec<i64>]) -> (Vec<Tensor>, Option<Tensor>) {
-    let seqs: Vec<SeqInput> = prompts
-        .iter()
-        .map(|p| SeqInput {
-            tokens: p,
-            slot: None,
-            replay: None,
-            images: &[],
-        })
-        .collect();
-    let out = tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All)).unwrap();
-    let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
-    (out.logits.split_with_sizes(&lens, 0), out.routed_experts)
-}
-
 fn check_parity(dir: &std::path::Path, packed: bool) {
     let mut model = CausalLm::load(dir, Kind::Float, Device::Cpu).unwrap();
     if packed {
@@ -43,7 +27,7 @@ fn check_parity(dir: &std::path::Path, packed: bool) {
         "reference has prompts of several lengths"
     );
     let prompts: Vec<Vec<i64>> = reference.iter().map(|r| r.0.clone()).collect();
-    let (logits, routed) = full_logits(&model, &prompts);
+    let (logits, routed) = common::full_logits(&model, &prompts);
     let mut offset = 0;
     for (i, (prompt, hf_logits, hf_experts)) in reference.iter().enumerate() {
         let diff = max_abs_diff(&logits[i], hf_logits);
@@ -95,7 +79,7 @@ fn check_kv_cache(dir: &std::path::Path) {
         .filter(|p| p.len() > 4)
         .collect();
     assert!(prompts.len() >= 3);
-    let (full, _) = full_logits(&model, &prompts);
+    let (full, _) = common::full_logits(&model, &prompts);
     // Capacity 2: the cache must grow while in use.
     let mut cache = model.new_cache(2);
     let mut slots: Vec<Option<usize>> = prompts.iter().map(|_| Some(cache.alloc())).collect();
@@ -233,8 +217,8 @@ fn libtorch_bf16_runs_close_to_f32() {
     let f32_model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
     let bf16_model = CausalLm::load(&dir, Kind::BFloat16, Device::Cpu).unwrap();
     let prompt = common::reference(&dir).pop().unwrap().0;
-    let (a, _) = full_logits(&f32_model, std::slice::from_ref(&prompt));
-    let (b, _) = full_logits(&bf16_model, std::slice::from_ref(&prompt));
+    let (a, _) = common::full_logits(&f32_model, std::slice::from_ref(&prompt));
+    let (b, _) = common::full_logits(&bf16_model, std::slice::from_ref(&prompt));
     assert_eq!(b[0].kind(), Kind::BFloat16);
     let scale = a[0].abs().max().double_value(&[]);
     let diff = max_abs_diff(&a[0], &b[0]);

@@ -9,10 +9,8 @@ reference.safetensors with `prompt_i` and `logits_i` as make_tiny_models.py writ
 - `dense`: qwen3-tiny with an adapter that PEFT made (get_peft_model) on some of the seven
   projections (q, v, o, up, down: k and gate are left out, so stacks are only partly adapted);
 - `moe-2d`: qwen3-moe-tiny with an adapter written here in the per-expert layout
-  (`mlp.experts.E.gate_proj.lora_A.weight`), the one moult writes, which PEFT converts on load;
-- `moe-3d`: qwen3-moe-tiny with an adapter PEFT made on transformers 5's fused experts (its own
-  layout: `mlp.experts.base_layer.lora_A.weight` for gate_up, `mlp.experts.lora_A.weight` for
-  down), with rsLoRA scaling.
+  (`mlp.experts.E.gate_proj.lora_A.weight`), the one moult writes, which PEFT converts on load
+  (PEFT itself makes only its fused-expert layout on transformers 5, which moult does not read).
 Every adapter has B != 0 (PEFT starts B at zero, which would hide a wrong forward).
 
 The second form loads an adapter moult wrote onto MODEL_DIR with PEFT and saves the logits of the
@@ -64,17 +62,6 @@ def dense(out_root, tiny):
     randomize_lora(peft_model, 11)
     peft_model.eval()
     save(os.path.join(out_root, "dense"), model_dir, peft_model, prompts(model_dir))
-
-
-def moe_3d(out_root, tiny):
-    model_dir = os.path.join(tiny, "qwen3-moe-tiny")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    cfg = LoraConfig(r=4, lora_alpha=8, use_rslora=True, target_modules=targets)
-    peft_model = get_peft_model(model, cfg)
-    randomize_lora(peft_model, 12)
-    peft_model.eval()
-    save(os.path.join(out_root, "moe-3d"), model_dir, peft_model, prompts(model_dir))
 
 
 def moe_2d(out_root, tiny):
@@ -141,7 +128,6 @@ def main():
     torch.manual_seed(0)
     dense(out_root, tiny)
     moe_2d(out_root, tiny)
-    moe_3d(out_root, tiny)
 
 
 if __name__ == "__main__":

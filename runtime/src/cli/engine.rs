@@ -45,8 +45,8 @@ pub struct Args {
     served_model_name: Option<String>,
     /// Serve with a new LoRA adapter of this shape, which weight updates then write (a LoRA
     /// run's engines; docs/lora.md), as JSON: {"rank":8,"alpha":16,"targets":["q_proj",...]}.
-    #[arg(long, value_parser = |s: &str| serde_json::from_str::<moult_runtime::model::lora::LoraConfig>(s))]
-    lora: Option<moult_runtime::model::lora::LoraConfig>,
+    #[arg(long)]
+    lora: Option<String>,
 }
 
 #[cfg(feature = "torch")]
@@ -77,8 +77,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .unwrap_or_else(|| super::folder_name(&args.model));
     tracing::info!(model = %args.model.display(), ?kind, ?device, "loading");
     let started = std::time::Instant::now();
-    let (dir, lora) = (args.model.clone(), args.lora);
-    let load = move || CausalLm::load_lora(&dir, lora.as_ref(), kind, device);
+    let lora = (args.lora.as_deref().map(serde_json::from_str).transpose()).context("--lora")?;
+    let load = move || CausalLm::load_lora(&args.model, lora.as_ref(), kind, device);
     let model = tokio::task::spawn_blocking(load).await??;
     tracing::info!(seconds = started.elapsed().as_secs_f32(), "model loaded");
     let opts = EngineOptions {

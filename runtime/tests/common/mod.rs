@@ -184,6 +184,26 @@ pub fn reference(model_dir: &Path) -> Vec<(Vec<i64>, tch::Tensor, Option<tch::Te
         .collect()
 }
 
+/// Full (no cache) packed forward of several prompts at once, split back per prompt, with the
+/// routed experts of a MoE model.
+pub fn full_logits(
+    model: &CausalLm,
+    prompts: &[Vec<i64>],
+) -> (Vec<tch::Tensor>, Option<tch::Tensor>) {
+    let seqs: Vec<SeqInput> = prompts
+        .iter()
+        .map(|p| SeqInput {
+            tokens: p,
+            slot: None,
+            replay: None,
+            images: &[],
+        })
+        .collect();
+    let out = tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All)).unwrap();
+    let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
+    (out.logits.split_with_sizes(&lens, 0), out.routed_experts)
+}
+
 use moult_runtime::engine::sampling::{processed_logprob, SamplingParams};
 use moult_runtime::engine::{http, EngineHandle, EngineOptions};
 use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
