@@ -5,10 +5,11 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use moult_runtime::model::lora::{self, LoraConfig, TARGETS};
-use moult_runtime::model::CausalLm;
+use moult_runtime::model::{CausalLm, LogitsFor, SeqInput};
 use tch::{Device, Kind, Tensor};
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -211,4 +212,156 @@ fn libtorch_lora_refuses_what_it_does_not_compute() {
         err.contains("lora_A.weight") && err.contains("[4, 64]"),
         "{err}"
     );
+}
+
+/// A model with random adapter tensors of shape `config` (as training leaves them), by PEFT name.
+fn random_adapter(
+    dir: &Path,
+    config: &LoraConfig,
+    seed: i64,
+) -> (CausalLm, BTreeMap<String, Tensor>) {
+    let mut model = CausalLm::load(dir, Kind::Float, Device::Cpu).unwrap();
+    model.attach_lora(config, None, seed as u64).unwrap();
+    tch::manual_seed(seed);
+    tch::no_grad(|| {
+        for t in model.params().values() {
+            t.shallow_clone().copy_(&(t.randn_like() * 0.1));
+        }
+    });
+    let weights = (model.params().iter())
+        .map(|(n, t)| (n.clone(), t.copy()))
+        .collect();
+    (model, weights)
+}
+
+/// Several adapters in one forward (the engine's batches, docs/lora.md): a packed batch mixing
+/// the base, a PEFT adapter and a moult one (different targets and ranks) computes for each
+/// sequence what it computes alone with its adapter, without a cache and through the engine's
+/// KV cache in ragged chunks (prefill, a multi-token continuation, single-token decodes); with
+/// oneDNN-packed weights too. A slot dropped is refused by name.
+#[test]
+fn libtorch_lora_several_adapters_share_one_forward() {
+    for (dir, peft) in [
+        (common::dense_model(), "dense"),
+        (common::moe_model(), "moe-2d"),
+    ] {
+        let peft_dir = common::lora_adapters().join(peft);
+        let only_attention = LoraConfig {
+            targets: vec!["q_proj".into(), "o_proj".into(), "down_proj".into()],
+            ..all_targets(8)
+        };
+        let (second, second_weights) = random_adapter(&dir, &only_attention, 21);
+        let alone = [
+            CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap(),
+            CausalLm::load(&peft_dir, Kind::Float, Device::Cpu).unwrap(),
+            second,
+        ];
+        for packed in [false, true] {
+            let mut model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
+            let (config, _, weights) =
+                lora::read_adapter(&peft_dir, Kind::Float, Device::Cpu).unwrap();
+            model.load_adapter(1, &config, weights).unwrap();
+            model
+                .load_adapter(
+                    2,
+                    &only_attention,
+                    second_weights
+                        .iter()
+                        .map(|(n, t)| (n.clone(), t.copy()))
+                        .collect(),
+                )
+                .unwrap();
+            if packed {
+                assert!(model.pack_for_inference());
+            }
+            let prompts: Vec<Vec<i64>> = (0..5)
+                .map(|i| {
+                    (0..(6 + 3 * i))
+                        .map(|j| (i * 211 + j * 37) % 2000)
+                        .collect()
+                })
+                .collect();
+            // Which model each prompt runs on: 0 base, 1 and 2 the adapters' slots.
+            let which = [0usize, 1, 2, 1, 0];
+            let adapters: Vec<Option<usize>> =
+                which.iter().map(|&w| (w > 0).then_some(w)).collect();
+            let expected: Vec<Tensor> = (prompts.iter().zip(which))
+                .map(|(p, w)| {
+                    common::full_logits(&alone[w], std::slice::from_ref(p))
+                        .0
+                        .remove(0)
+                })
+                .collect();
+            // No cache: one forward of all five.
+            let seqs: Vec<SeqInput> = (prompts.iter())
+                .map(|p| SeqInput {
+                    tokens: p,
+                    slot: None,
+                    replay: None,
+                    images: &[],
+                })
+                .collect();
+            let out =
+                tch::no_grad(|| model.forward_adapters(&seqs, &adapters, None, LogitsFor::All))
+                    .unwrap();
+            let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
+            for (i, got) in out.logits.split_with_sizes(&lens, 0).iter().enumerate() {
+                let diff = max_abs_diff(got, &expected[i]);
+                assert!(
+                    diff < 1e-4,
+                    "{peft} packed {packed}: prompt {i} on {} differs by {diff:e}",
+                    which[i]
+                );
+            }
+            // The KV cache in ragged chunks.
+            let mut cache = model.new_cache(4);
+            let slots: Vec<usize> = prompts.iter().map(|_| cache.alloc()).collect();
+            let mut fed = vec![0usize; prompts.len()];
+            for step in 0.. {
+                let (mut seqs, mut chosen, mut parts) = (Vec::new(), Vec::new(), Vec::new());
+                for (i, prompt) in prompts.iter().enumerate() {
+                    let chunk = match step {
+                        0 => 2 + i,
+                        1 => 3,
+                        _ => 1,
+                    }
+                    .min(prompt.len() - fed[i]);
+                    if chunk == 0 {
+                        continue;
+                    }
+                    seqs.push(SeqInput {
+                        tokens: &prompt[fed[i]..fed[i] + chunk],
+                        slot: Some(slots[i]),
+                        replay: None,
+                        images: &[],
+                    });
+                    chosen.push(adapters[i]);
+                    parts.push((i, chunk));
+                }
+                if seqs.is_empty() {
+                    break;
+                }
+                let out = tch::no_grad(|| {
+                    model.forward_adapters(&seqs, &chosen, Some(&mut cache), LogitsFor::All)
+                })
+                .unwrap();
+                let mut row = 0;
+                for (i, chunk) in parts {
+                    let got = out.logits.narrow(0, row, chunk as i64);
+                    let want = expected[i].narrow(0, fed[i] as i64, chunk as i64);
+                    let diff = max_abs_diff(&got, &want);
+                    assert!(diff < 1e-4, "{peft} packed {packed}, cached step {step}: prompt {i} differs by {diff:e}");
+                    row += chunk as i64;
+                    fed[i] += chunk;
+                }
+            }
+            // A dropped slot holds nothing: asking for it is refused.
+            model.drop_adapter(2);
+            let err = model
+                .forward_adapters(&seqs[..1], &[Some(2)], None, LogitsFor::All)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("adapter slot 2 holds no adapter"), "{err}");
+        }
+    }
 }

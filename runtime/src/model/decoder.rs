@@ -23,7 +23,7 @@ use super::config::ModelConfig;
 use super::kv_cache::KvCache;
 use super::linear::Linear;
 use super::loader::{load_safetensors_dir, WeightTaker};
-use super::lora::{self, Adapter, LoraConfig, Part};
+use super::lora::{self, Adapter, LoraConfig, Part, Rows};
 use super::mlp::gated_mlp;
 use super::moe::{Expert, SparseMoe};
 use super::rope::{Rope, RopeAt};
@@ -200,7 +200,7 @@ impl Layer {
         [&self.qkv_proj, &self.o_proj]
             .into_iter()
             .chain(mlp)
-            .filter_map(|l| l.adapter.as_ref())
+            .filter_map(|l| l.adapters.first().and_then(Option::as_ref))
             .flat_map(Adapter::tensors)
     }
 }
@@ -238,8 +238,10 @@ pub struct CausalLm {
     vision_frozen: bool,
     /// The model folder's `preprocessor_config.json`, for a vision-language model that has one.
     image_processor: Option<ImageProcessorConfig>,
-    /// The LoRA adapter every forward adds ([`CausalLm::attach_lora`]).
+    /// The LoRA adapter every forward adds ([`CausalLm::attach_lora`]), slot 0.
     lora: Option<LoraConfig>,
+    /// Adapters served beside it, by slot ([`CausalLm::load_adapter`]).
+    loaded: BTreeMap<usize, LoraConfig>,
     kind: Kind,
     device: Device,
 }
@@ -450,6 +452,7 @@ impl CausalLm {
             vision_frozen: false,
             image_processor: None,
             lora: None,
+            loaded: BTreeMap::new(),
             kind,
             device,
         })
@@ -467,10 +470,53 @@ impl CausalLm {
         weights: Option<BTreeMap<String, Tensor>>,
         seed: u64,
     ) -> Result<()> {
-        config.check()?;
         if self.lora.is_some() {
             return Err(Error::Config("the model already has a LoRA adapter".into()));
         }
+        self.params = self.install(0, config, weights, seed)?;
+        self.lora = Some(config.clone());
+        Ok(())
+    }
+
+    /// Serves the adapter `weights` (PEFT names) of shape `config` in slot `slot` (1 and up;
+    /// slot 0 is the model's own, [`CausalLm::attach_lora`]), beside the model's weights: a
+    /// sequence asks for it by slot ([`CausalLm::forward_adapters`]). Replaces what the slot
+    /// held. Nothing is installed when the adapter does not fit the model.
+    pub fn load_adapter(
+        &mut self,
+        slot: usize,
+        config: &LoraConfig,
+        weights: BTreeMap<String, Tensor>,
+    ) -> Result<()> {
+        if slot == 0 {
+            return Err(Error::Config("adapter slot 0 is the model's own".into()));
+        }
+        self.install(slot, config, Some(weights), 0)?;
+        self.loaded.insert(slot, config.clone());
+        Ok(())
+    }
+
+    /// Empties slot `slot` ([`CausalLm::load_adapter`]).
+    pub fn drop_adapter(&mut self, slot: usize) {
+        for layer in &mut self.layers {
+            for (linear, _) in layer.adaptable("", &self.cfg) {
+                linear.set_adapter(slot, None);
+            }
+        }
+        self.loaded.remove(&slot);
+    }
+
+    /// Puts an adapter in slot `slot` of every linear `config` targets: `weights` by PEFT name
+    /// (every tensor used, shapes checked), or a new one from `seed`. Returns the adapter's
+    /// tensors by name. On an error no linear has changed.
+    fn install(
+        &mut self,
+        slot: usize,
+        config: &LoraConfig,
+        weights: Option<BTreeMap<String, Tensor>>,
+        seed: u64,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        config.check()?;
         let (r, scale, kind, device) = (config.rank, config.scale(), self.kind, self.device);
         let dropout = config.dropout;
         let mut targeted = Vec::new();
@@ -504,7 +550,8 @@ impl CausalLm {
             None => lora::init(config, &targeted, seed, kind, device),
         };
         let mut w = WeightTaker::new(weights);
-        for (linear, parts) in linears.into_iter().filter(|(_, p)| !p.is_empty()) {
+        let mut adapters = Vec::new();
+        for (linear, parts) in linears {
             let parts = parts
                 .into_iter()
                 .map(|(module, start, fan_in, rows)| {
@@ -516,11 +563,12 @@ impl CausalLm {
                     Ok(Part { start, rows, a, b })
                 })
                 .collect::<Result<Vec<_>>>()?;
-            linear.adapter = Some(Adapter {
+            let adapter = (!parts.is_empty()).then_some(Adapter {
                 parts,
                 scale,
                 dropout,
             });
+            adapters.push((linear, adapter));
         }
         if let Some(extra) = w.map.keys().next() {
             return Err(Error::Weight {
@@ -531,9 +579,10 @@ impl CausalLm {
                 ),
             });
         }
-        self.params = w.taken;
-        self.lora = Some(config.clone());
-        Ok(())
+        for (linear, adapter) in adapters {
+            linear.set_adapter(slot, adapter);
+        }
+        Ok(w.taken)
     }
 
     /// The LoRA adapter the model computes with, if any ([`CausalLm::attach_lora`]).
@@ -746,10 +795,24 @@ impl CausalLm {
     pub fn forward(
         &self,
         seqs: &[SeqInput<'_>],
+        cache: Option<&mut KvCache>,
+        logits_for: LogitsFor<'_>,
+    ) -> Result<ForwardOutput> {
+        self.forward_adapters(seqs, &[], cache, logits_for)
+    }
+
+    /// [`CausalLm::forward`], each sequence with the adapter `adapters` gives it: `Some(slot)`
+    /// a slot of [`CausalLm::load_adapter`], `None` (or an empty `adapters`) the model's own
+    /// (its attached adapter, or the base). One forward computes them all: each adapter adds
+    /// its output on its sequences' rows.
+    pub fn forward_adapters(
+        &self,
+        seqs: &[SeqInput<'_>],
+        adapters: &[Option<usize>],
         mut cache: Option<&mut KvCache>,
         logits_for: LogitsFor<'_>,
     ) -> Result<ForwardOutput> {
-        let packed = self.pack(seqs, cache.as_deref())?;
+        let packed = self.pack(seqs, adapters, cache.as_deref())?;
         let batch = match cache.as_deref_mut() {
             Some(cache) => {
                 cache.reserve(
@@ -809,7 +872,7 @@ impl CausalLm {
 
     /// The trainer's forward (no cache), one stage at a time: see [`Stages`].
     pub fn stages(&self, seqs: &[SeqInput<'_>]) -> Result<Stages<'_>> {
-        let packed = self.pack(seqs, None)?;
+        let packed = self.pack(seqs, &[], None)?;
         let ropes = self.ropes(&packed);
         Ok(Stages {
             model: self,
@@ -819,8 +882,31 @@ impl CausalLm {
     }
 
     /// Checks a batch and lays it out packed.
-    fn pack(&self, seqs: &[SeqInput<'_>], cache: Option<&KvCache>) -> Result<Packed> {
+    fn pack(
+        &self,
+        seqs: &[SeqInput<'_>],
+        adapters: &[Option<usize>],
+        cache: Option<&KvCache>,
+    ) -> Result<Packed> {
         let c = &self.cfg;
+        if !adapters.is_empty() && adapters.len() != seqs.len() {
+            return Err(Error::Input(format!(
+                "{} adapters for {} sequences",
+                adapters.len(),
+                seqs.len()
+            )));
+        }
+        if let Some(slot) = adapters
+            .iter()
+            .flatten()
+            .find(|s| !self.loaded.contains_key(s))
+        {
+            return Err(Error::Input(format!(
+                "adapter slot {slot} holds no adapter"
+            )));
+        }
+        let own = self.lora.as_ref().map(|_| 0);
+        let mut adapter_rows = Vec::new();
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut token_slots = Vec::new();
@@ -877,6 +963,8 @@ impl CausalLm {
             ids.extend_from_slice(seq.tokens);
             positions.extend((past..past + n).map(|p| p as i64));
             token_slots.extend(std::iter::repeat_n(seq.slot.unwrap_or(0) as i64, n));
+            let adapter = adapters.get(spans.len() - 1).copied().flatten().or(own);
+            adapter_rows.extend(std::iter::repeat_n(adapter, n));
             last_rows.push(ids.len() as i64 - 1);
         }
         let replay = self.packed_replay(seqs, ids.len())?;
@@ -890,6 +978,7 @@ impl CausalLm {
             replay,
             mrope,
             images,
+            adapters: Rows::new(adapter_rows, self.device),
         })
     }
 
@@ -954,8 +1043,9 @@ impl CausalLm {
                 cache,
                 batch,
                 &packed.spans,
+                &packed.adapters,
             ),
-            None => self.attention_uncached(layer, &x, rope, &packed.spans),
+            None => self.attention_uncached(layer, &x, rope, &packed.spans, &packed.adapters),
         };
         let attn = match &layer.attn_out_norm {
             Some(w) => self.rms(&attn, w),
@@ -967,9 +1057,12 @@ impl CausalLm {
             Mlp::Dense {
                 gate_up_proj,
                 down_proj,
-            } => (gated_mlp(&x, gate_up_proj, down_proj, c.activation), None),
+            } => {
+                let out = gated_mlp(&x, gate_up_proj, down_proj, c.activation, &packed.adapters);
+                (out, None)
+            }
             Mlp::Sparse(moe) => {
-                let (out, experts) = moe.forward(&x, replay)?;
+                let (out, experts) = moe.forward(&x, replay, &packed.adapters)?;
                 (out, Some(experts))
             }
         };
@@ -1036,6 +1129,8 @@ struct Packed {
     mrope: Option<Tensor>,
     /// The image placeholders among the tokens, to fill with the vision tower's output.
     images: Vec<multimodal::PackedImage>,
+    /// Each row's LoRA adapter.
+    adapters: Rows,
 }
 
 impl Packed {

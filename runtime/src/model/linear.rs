@@ -12,14 +12,15 @@
 
 use tch::Tensor;
 
-use super::lora::Adapter;
+use super::lora::{Adapter, Rows};
 
 #[derive(Debug)]
 pub(crate) struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,
     packed: Option<Tensor>,
-    pub adapter: Option<Adapter>,
+    /// LoRA adapters by slot (slot 0: the model's own, `CausalLm::attach_lora`).
+    pub adapters: Vec<Option<Adapter>>,
 }
 
 impl Linear {
@@ -32,22 +33,28 @@ impl Linear {
             weight,
             bias,
             packed: None,
-            adapter: None,
+            adapters: Vec::new(),
         }
     }
 
+    /// The base output, plus each adapter's on the rows `rows` gives it.
+    pub fn forward_rows(&self, x: &Tensor, rows: &Rows) -> Tensor {
+        let mut y = self.forward(x);
+        for (slot, idx) in rows.groups() {
+            let Some(Some(adapter)) = self.adapters.get(*slot) else {
+                continue;
+            };
+            let out = y.size()[1];
+            y = match idx {
+                None => y + adapter.delta(x, out),
+                Some(idx) => y.index_add(0, idx, &adapter.delta(&x.index_select(0, idx), out)),
+            };
+        }
+        y
+    }
+
+    /// `x Wᵀ (+ b)`, without adapters.
     pub fn forward(&self, x: &Tensor) -> Tensor {
-        let y = self.forward_base(x);
-        match &self.adapter {
-            Some(adapter) => {
-                let out = y.size()[1];
-                y + adapter.delta(x, out)
-            }
-            None => y,
-        }
-    }
-
-    fn forward_base(&self, x: &Tensor) -> Tensor {
         match &self.packed {
             Some(packed) if !x.requires_grad() => {
                 let y = x
@@ -62,6 +69,14 @@ impl Linear {
             }
             _ => x.linear(&self.weight, self.bias.as_ref()),
         }
+    }
+
+    /// Puts `adapter` in slot `slot` (`None` empties it).
+    pub fn set_adapter(&mut self, slot: usize, adapter: Option<Adapter>) {
+        if self.adapters.len() <= slot {
+            self.adapters.resize_with(slot + 1, || None);
+        }
+        self.adapters[slot] = adapter;
     }
 
     /// The weight, then the bias if there is one: what an optimizer updates.

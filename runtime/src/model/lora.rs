@@ -299,6 +299,53 @@ pub fn write_adapter(
     Ok(())
 }
 
+/// Which adapter each row of a packed batch computes with: several adapters share one forward,
+/// each adding its output to its own rows (docs/lora.md, "Several adapters in one engine").
+#[derive(Debug, Default)]
+pub(crate) struct Rows {
+    /// Per row: the adapter's slot, `None` for the base alone.
+    per_row: Vec<Option<usize>>,
+    /// Per slot in use: its rows, `None` when it has every row.
+    groups: Vec<(usize, Option<Tensor>)>,
+}
+
+impl Rows {
+    pub fn new(per_row: Vec<Option<usize>>, device: Device) -> Self {
+        let mut by_slot: BTreeMap<usize, Vec<i64>> = BTreeMap::new();
+        for (row, slot) in per_row.iter().enumerate() {
+            if let Some(slot) = slot {
+                by_slot.entry(*slot).or_default().push(row as i64);
+            }
+        }
+        let groups = (by_slot.into_iter())
+            .map(|(slot, rows)| {
+                let all = rows.len() == per_row.len();
+                (
+                    slot,
+                    (!all).then(|| Tensor::from_slice(&rows).to_device(device)),
+                )
+            })
+            .collect();
+        Self { per_row, groups }
+    }
+
+    /// The rows `rows` of this batch, in that order (the tokens routed to an expert).
+    pub fn subset(&self, rows: &[i64], device: Device) -> Self {
+        if self.groups.is_empty() {
+            return Self::default();
+        }
+        Self::new(
+            rows.iter().map(|&r| self.per_row[r as usize]).collect(),
+            device,
+        )
+    }
+
+    /// The slots in use, each with its rows (`None`: every row).
+    pub fn groups(&self) -> &[(usize, Option<Tensor>)] {
+        &self.groups
+    }
+}
+
 /// A module an adapter may target: its name (`model.layers.0.self_attn.q_proj`), its input
 /// size and its rows of the output.
 pub(crate) type Module = (String, i64, i64);

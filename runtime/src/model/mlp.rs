@@ -4,6 +4,7 @@
 use tch::Tensor;
 
 use super::linear::Linear;
+use super::lora::Rows;
 
 /// The MLP's gate activation (`hidden_act` / `hidden_activation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,9 +33,15 @@ impl Activation {
 }
 
 /// `down(act(gate(x)) ⊙ up(x))` (SwiGLU, or GeGLU for Gemma), with `gate` and `up` stacked in
-/// `gate_up`.
-pub(super) fn gated_mlp(x: &Tensor, gate_up: &Linear, down: &Linear, act: Activation) -> Tensor {
-    let gu = gate_up.forward(x);
+/// `gate_up`; each row with the adapter `rows` gives it.
+pub(super) fn gated_mlp(
+    x: &Tensor,
+    gate_up: &Linear,
+    down: &Linear,
+    act: Activation,
+    rows: &Rows,
+) -> Tensor {
+    let gu = gate_up.forward_rows(x, rows);
     let i = gu.size()[1] / 2;
     let gate = gu.narrow(1, 0, i);
     let gate = match act {
@@ -42,5 +49,5 @@ pub(super) fn gated_mlp(x: &Tensor, gate_up: &Linear, down: &Linear, act: Activa
         Activation::GeluTanh => gate.gelu("tanh"),
         Activation::Gelu => gate.gelu("none"),
     };
-    down.forward(&(gate * gu.narrow(1, i, i)))
+    down.forward_rows(&(gate * gu.narrow(1, i, i)), rows)
 }

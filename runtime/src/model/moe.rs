@@ -13,6 +13,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::linear::Linear;
+use super::lora::Rows;
 use super::mlp::{gated_mlp, Activation};
 use super::{Error, Result};
 
@@ -24,8 +25,14 @@ pub(crate) struct Expert {
 }
 
 impl Expert {
-    fn forward(&self, x: &Tensor) -> Tensor {
-        gated_mlp(x, &self.gate_up_proj, &self.down_proj, Activation::Silu)
+    fn forward(&self, x: &Tensor, rows: &Rows) -> Tensor {
+        gated_mlp(
+            x,
+            &self.gate_up_proj,
+            &self.down_proj,
+            Activation::Silu,
+            rows,
+        )
     }
 }
 
@@ -40,7 +47,13 @@ pub(crate) struct SparseMoe {
 impl SparseMoe {
     /// `x: [tokens, hidden]`; `replay: [tokens, top_k]` expert ids. Returns the block output and
     /// the expert ids used, `[tokens, top_k]` int64 (sorted by gate probability when routed here).
-    pub fn forward(&self, x: &Tensor, replay: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    /// Each token's adapter is the one `rows` gives it.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        replay: Option<&Tensor>,
+        rows: &Rows,
+    ) -> Result<(Tensor, Tensor)> {
         let tokens = x.size()[0];
         let num_experts = self.experts.len() as i64;
         let logits = x.linear::<Tensor>(&self.gate, None);
@@ -87,7 +100,7 @@ impl SparseMoe {
             }
             let tok = Tensor::from_slice(toks).to_device(x.device());
             let slot = Tensor::from_slice(slots).to_device(x.device());
-            let y = expert.forward(&x.index_select(0, &tok))
+            let y = expert.forward(&x.index_select(0, &tok), &rows.subset(toks, x.device()))
                 * weights.index_select(0, &slot).unsqueeze(-1);
             out = out.index_add(0, &tok, &y);
         }

@@ -10,17 +10,24 @@ use tch::{Device, Kind, Tensor};
 
 use super::{CausalLm, Layer};
 use crate::model::kv_cache::KvCache;
+use crate::model::lora::Rows;
 use crate::model::rope::RopeAt;
 
 impl CausalLm {
-    fn qkv(&self, layer: &Layer, x: &Tensor, rope: &RopeAt) -> (Tensor, Tensor, Tensor) {
+    fn qkv(
+        &self,
+        layer: &Layer,
+        x: &Tensor,
+        rope: &RopeAt,
+        rows: &Rows,
+    ) -> (Tensor, Tensor, Tensor) {
         let c = &self.cfg;
         let (heads, kv_heads) = (c.num_attention_heads as i64, c.num_key_value_heads as i64);
-        let qkv =
-            layer
-                .qkv_proj
-                .forward(x)
-                .view([x.size()[0], heads + 2 * kv_heads, c.head_dim as i64]);
+        let qkv = layer.qkv_proj.forward_rows(x, rows).view([
+            x.size()[0],
+            heads + 2 * kv_heads,
+            c.head_dim as i64,
+        ]);
         // Qwen3 and Gemma 3 normalise each head's queries and keys; the other families do not.
         let norm = |x: Tensor, w: &Option<Tensor>| match w {
             Some(w) => self.rms(&x, w),
@@ -82,8 +89,9 @@ impl CausalLm {
         x: &Tensor,
         rope: &RopeAt,
         spans: &[Span],
+        rows: &Rows,
     ) -> Tensor {
-        let (q, k, v) = self.qkv(layer, x, rope);
+        let (q, k, v) = self.qkv(layer, x, rope, rows);
         let outs: Vec<Tensor> = spans
             .iter()
             .map(|s| {
@@ -91,7 +99,7 @@ impl CausalLm {
                 self.attend(&part(&q), &part(&k), &part(&v), s.n, 0, layer.window)
             })
             .collect();
-        layer.o_proj.forward(&Tensor::cat(&outs, 0))
+        layer.o_proj.forward_rows(&Tensor::cat(&outs, 0), rows)
     }
 
     /// The engine's path: write the new keys/values into the cache, then one batched attention
@@ -107,6 +115,7 @@ impl CausalLm {
         cache: &mut KvCache,
         batch: &CachedBatch,
         spans: &[Span],
+        rows: &Rows,
     ) -> Tensor {
         let c = &self.cfg;
         let (heads, kv_heads, d) = (
@@ -114,7 +123,7 @@ impl CausalLm {
             c.num_key_value_heads as i64,
             c.head_dim as i64,
         );
-        let (q, k, v) = self.qkv(layer, x, rope);
+        let (q, k, v) = self.qkv(layer, x, rope, rows);
         cache.write(l, &batch.token_slots, positions, &k, &v);
         // Every used slot takes part in the decode attention (slots are compact). The query heads
         // sharing a KV head become that head's query rows, so grouped-query attention needs no
@@ -145,7 +154,9 @@ impl CausalLm {
         };
         if let Some(decode) = batch.decode.as_ref().filter(|d| d.identity) {
             // The steady state: every sequence decodes, packed in slot order.
-            return layer.o_proj.forward(&decode_attention(decode, &q));
+            return layer
+                .o_proj
+                .forward_rows(&decode_attention(decode, &q), rows);
         }
         let mut out = Tensor::zeros([x.size()[0], heads * d], (x.kind(), self.device));
         if let Some(decode) = &batch.decode {
@@ -171,7 +182,7 @@ impl CausalLm {
                 layer.window,
             ));
         }
-        layer.o_proj.forward(&out)
+        layer.o_proj.forward_rows(&out, rows)
     }
 }
 

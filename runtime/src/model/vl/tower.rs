@@ -255,6 +255,7 @@ impl VisionTower {
             &block.gate_up_proj,
             &block.down_proj,
             c.activation,
+            &crate::model::lora::Rows::default(),
         );
         x + mlp
     }
