@@ -1031,3 +1031,236 @@ async fn libtorch_prompt_logprobs_are_the_full_forwards_across_prefill_chunks() 
         "{v}"
     );
 }
+
+/// `POST {url}{path}` with `body`: the status and the body as text.
+async fn post_text(url: &str, path: &str, body: Value) -> (u16, String) {
+    let resp = client()
+        .post(format!("{url}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}
+
+/// LoRA adapters loaded at run time, vLLM's way (docs/lora.md): `/v1/load_lora_adapter` of a
+/// PEFT folder (one PEFT made, one moult wrote), requests naming them in `model` mixed in the
+/// same batches with requests for the model itself, each token's logprob the one the trainer's
+/// forward with that adapter gives; `/v1/models` lists them; unknown names, duplicates and bad
+/// folders are refused naming the field; an unloaded adapter is no longer served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libtorch_engine_serves_lora_adapters_loaded_at_run_time_in_shared_batches() {
+    use moult_runtime::model::lora::{self, LoraConfig};
+    let dir = common::dense_model();
+    let engine = common::start_engine(&dir, common::engine_options()).await;
+    let peft = common::lora_adapters().join("dense");
+    // An adapter moult writes, with a trained-looking B, on other projections and rank.
+    let mine = std::env::temp_dir().join(format!("moult-engine-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&mine);
+    std::fs::create_dir_all(&mine).unwrap();
+    let config = LoraConfig {
+        rank: 8,
+        alpha: 8.0,
+        rslora: false,
+        dropout: 0.0,
+        targets: vec!["k_proj".into(), "gate_proj".into(), "down_proj".into()],
+    };
+    let mut model = CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap();
+    model.attach_lora(&config, None, 4).unwrap();
+    tch::manual_seed(4);
+    let weights: Vec<(String, Tensor)> = tch::no_grad(|| {
+        (model.params().iter())
+            .map(|(n, t)| (n.clone(), t.randn_like() * 0.2))
+            .collect()
+    });
+    lora::write_adapter(&mine, &config, &dir, &weights).unwrap();
+    for (name, path) in [("peft", &peft), ("mine", &mine)] {
+        let body = json!({"lora_name": name, "lora_path": path});
+        let (status, text) = post_text(&engine.url, "/v1/load_lora_adapter", body).await;
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(
+            text,
+            format!("Success: LoRA adapter '{name}' added successfully.")
+        );
+    }
+    let body = json!({"lora_name": "peft", "lora_path": peft});
+    let (status, text) = post_text(&engine.url, "/v1/load_lora_adapter", body).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains("has already been loaded") && text.contains("lora_name"),
+        "{text}"
+    );
+    let body = json!({"lora_name": "x", "lora_path": "/nonexistent"});
+    let (status, text) = post_text(&engine.url, "/v1/load_lora_adapter", body).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("lora_path"), "{text}");
+    let models: Value = client()
+        .get(format!("{}/v1/models", engine.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = (models["data"].as_array().unwrap().iter())
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["tiny", "mine", "peft"]);
+    assert_eq!(models["data"][1]["parent"], "tiny");
+
+    let references = [
+        (
+            None,
+            CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap(),
+        ),
+        (
+            Some("peft"),
+            CausalLm::load(&peft, Kind::Float, Device::Cpu).unwrap(),
+        ),
+        (
+            Some("mine"),
+            CausalLm::load(&mine, Kind::Float, Device::Cpu).unwrap(),
+        ),
+        (
+            Some("tiny"),
+            CausalLm::load(&dir, Kind::Float, Device::Cpu).unwrap(),
+        ),
+    ];
+    let futures = (0..8).map(|i| {
+        let model = references[i % references.len()].0;
+        let body = json!({
+            "token_ids": prompt(i as i64, 4 + 5 * i),
+            "model": model,
+            "sampling_params": {"max_tokens": 16, "temperature": 1.0, "seed": i, "ignore_eos": true},
+        });
+        let url = engine.url.clone();
+        async move { (i, generate(&url, body).await) }
+    });
+    for (i, resp) in futures::future::join_all(futures).await {
+        let (name, reference) = &references[i % references.len()];
+        let choice = &resp.choices[0];
+        let engine_lp: Vec<f32> = choice.logprobs.content.iter().map(|c| c.logprob).collect();
+        let reference_lp = common::reference_logprobs(
+            reference,
+            &prompt(i as i64, 4 + 5 * i),
+            &choice.token_ids,
+            &params(1.0, None, 1.0),
+            None,
+        );
+        assert_close(
+            &engine_lp,
+            &reference_lp,
+            1e-4,
+            &format!("request {i} on {name:?}"),
+        );
+        if name.is_some_and(|n| n != "tiny") {
+            // The adapter is what computed them: the base gives other logprobs.
+            let base = common::reference_logprobs(
+                &references[0].1,
+                &prompt(i as i64, 4 + 5 * i),
+                &choice.token_ids,
+                &params(1.0, None, 1.0),
+                None,
+            );
+            let moved = (engine_lp.iter().zip(&base)).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                moved > 1e-3,
+                "request {i}: the adapter changes the logprobs ({moved})"
+            );
+        }
+    }
+    // Unloaded while a request runs with it: the request finishes with it, then it is gone.
+    let (status, _) = post(&format!("{}/pause?mode=keep", engine.url), json!({})).await;
+    assert_eq!(status, 200);
+    let body = json!({"token_ids": prompt(5, 7), "model": "mine",
+        "sampling_params": {"max_tokens": 12, "temperature": 1.0, "seed": 5, "ignore_eos": true}});
+    let url = engine.url.clone();
+    let held = tokio::spawn(async move { generate(&url, body).await });
+    // The request reaches the paused engine and waits there.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, text) = post_text(
+        &engine.url,
+        "/v1/unload_lora_adapter",
+        json!({"lora_name": "mine"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let (status, _) = post(&format!("{}/resume", engine.url), json!({})).await;
+    assert_eq!(status, 200);
+    let resp = held.await.unwrap();
+    let lp: Vec<f32> = resp.choices[0]
+        .logprobs
+        .content
+        .iter()
+        .map(|c| c.logprob)
+        .collect();
+    let want = common::reference_logprobs(
+        &references[2].1,
+        &prompt(5, 7),
+        &resp.choices[0].token_ids,
+        &params(1.0, None, 1.0),
+        None,
+    );
+    assert_close(&lp, &want, 1e-4, "finished after its adapter was unloaded");
+    let body = json!({"token_ids": [1, 2, 3], "model": "mine"});
+    assert_eq!(
+        post(&format!("{}/inference/v1/generate", engine.url), body)
+            .await
+            .0,
+        404
+    );
+    let body = json!({"token_ids": [1, 2, 3], "model": "nope"});
+    let (status, v) = post(&format!("{}/inference/v1/generate", engine.url), body).await;
+    assert_eq!(status, 404, "{v}");
+    assert!(
+        v.to_string().contains("The model `nope` does not exist."),
+        "{v}"
+    );
+    let (status, text) = post_text(
+        &engine.url,
+        "/v1/unload_lora_adapter",
+        json!({"lora_name": "peft"}),
+    )
+    .await;
+    assert_eq!(
+        (status, text.as_str()),
+        (200, "Success: LoRA adapter 'peft' removed successfully.")
+    );
+    let body = json!({"token_ids": [1, 2, 3], "model": "peft"});
+    let (status, _) = post(&format!("{}/inference/v1/generate", engine.url), body).await;
+    assert_eq!(status, 404);
+    let (status, text) = post_text(
+        &engine.url,
+        "/v1/unload_lora_adapter",
+        json!({"lora_name": "peft"}),
+    )
+    .await;
+    assert_eq!(status, 404, "{text}");
+    assert!(text.contains("cannot be found"), "{text}");
+    // Loaded again under the same name: a free slot, served as before.
+    let body = json!({"lora_name": "peft", "lora_path": peft});
+    assert_eq!(
+        post_text(&engine.url, "/v1/load_lora_adapter", body)
+            .await
+            .0,
+        200
+    );
+    let body = json!({"token_ids": prompt(3, 9), "model": "peft",
+        "sampling_params": {"max_tokens": 6, "temperature": 1.0, "seed": 3}});
+    let resp = generate(&engine.url, body).await;
+    let lp: Vec<f32> = resp.choices[0]
+        .logprobs
+        .content
+        .iter()
+        .map(|c| c.logprob)
+        .collect();
+    let want = common::reference_logprobs(
+        &references[1].1,
+        &prompt(3, 9),
+        &resp.choices[0].token_ids,
+        &params(1.0, None, 1.0),
+        None,
+    );
+    assert_close(&lp, &want, 1e-4, "reloaded");
+    let _ = std::fs::remove_dir_all(&mine);
+}

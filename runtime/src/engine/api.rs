@@ -59,7 +59,8 @@ pub struct GenerateRequest {
     pub sampling_params: SamplingParamsJson,
     #[serde(default)]
     pub stream: bool,
-    /// Accepted for compatibility with clients that always send it; one model is served.
+    /// The served model's name (or none) for the model itself, or the name of a LoRA adapter
+    /// the engine serves (`/v1/load_lora_adapter`), as vLLM takes it (docs/lora.md).
     pub model: Option<String>,
     /// The prompt's images, in prompt order (vLLM's raw multimodal input):
     /// `{"type": "image_url", "url": "data:image/png;base64,..."}`; `token_ids` already hold
@@ -107,6 +108,8 @@ pub struct ValidRequest {
     pub routed_experts_prompt_start: usize,
     /// Checked against the model by the HTTP layer, which decodes them.
     pub content_parts: Vec<ContentPart>,
+    /// Resolved by the HTTP layer against the served name and the adapters.
+    pub model: Option<String>,
 }
 
 fn bad(param: &str, message: String) -> ApiError {
@@ -283,6 +286,7 @@ impl GenerateRequest {
             stream: self.stream,
             routed_experts_prompt_start,
             content_parts: self.content_parts.unwrap_or_default(),
+            model: self.model,
         })
     }
 }

@@ -15,18 +15,24 @@
 //! - Pause: `keep` freezes the batch (new requests queue); `wait` stops admitting new requests and
 //!   pauses once in-flight ones finish; `abort` ends in-flight ones with their partial output.
 //!   While paused by `wait`/`abort`, new requests are refused with a retryable 503.
+//! - LoRA adapters (docs/lora.md): any number served beside the model, loaded and unloaded at
+//!   run time by name; a request names its adapter and joins the same batches as every other
+//!   (each adapter adds its output on its own rows of one forward). An adapter unloaded while
+//!   requests run with it stays until they finish; new requests can no longer name it.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::http::StatusCode;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 use tokio::sync::{mpsc, oneshot};
 
 use super::api::{FinishReason, TokenLogprob};
 use super::metrics::EngineMetrics;
 use super::sampling::SamplingParams;
 use super::weights::StagedUpdate;
+use crate::model::lora::LoraConfig;
 use crate::model::{CausalLm, ImageInput};
 use crate::serve::ApiError;
 
@@ -154,6 +160,9 @@ pub struct Job {
     /// whole request, since every step's positions depend on them and a recompute (after a
     /// weight update) encodes them again.
     pub images: Vec<ImageInput>,
+    /// The LoRA adapter's slot the request runs with (`model` naming a loaded adapter;
+    /// docs/lora.md); `None` for the served model itself.
+    pub adapter: Option<usize>,
     /// Unbounded, yet bounded in practice: a request produces at most `max_tokens + 1` events,
     /// and the engine thread must never block on a slow client.
     pub events: mpsc::UnboundedSender<Event>,
@@ -170,6 +179,18 @@ enum Command {
         version: u64,
         done: oneshot::Sender<(StagedUpdate, Result<(), String>)>,
     },
+    /// Serves a LoRA adapter under `name` from the next step on.
+    LoadAdapter {
+        name: String,
+        config: LoraConfig,
+        weights: BTreeMap<String, Tensor>,
+        done: oneshot::Sender<Result<(), ApiError>>,
+    },
+    /// Stops serving the adapter `name`; its requests in flight finish with it first.
+    UnloadAdapter {
+        name: String,
+        done: oneshot::Sender<Result<(), ApiError>>,
+    },
 }
 
 /// State shared with the HTTP layer for cheap reads.
@@ -179,6 +200,8 @@ pub struct EngineStatus {
     /// Set while paused or draining by `wait`/`abort`: new requests are refused.
     pub refusing: AtomicBool,
     pub weight_version: AtomicU64,
+    /// The LoRA adapters served, by name: their slots (docs/lora.md).
+    pub adapters: std::sync::Mutex<BTreeMap<String, usize>>,
 }
 
 /// The async side's handle on the engine thread.
@@ -285,7 +308,14 @@ impl EngineHandle {
         params: SamplingParams,
         routed_experts_prompt_start: usize,
     ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
-        self.generate_with_images(id, prompt, Vec::new(), params, routed_experts_prompt_start)
+        self.generate_with_images(
+            id,
+            prompt,
+            Vec::new(),
+            params,
+            routed_experts_prompt_start,
+            None,
+        )
     }
 
     /// [`EngineHandle::generate`] of a prompt with images, placed at their placeholders
@@ -297,6 +327,7 @@ impl EngineHandle {
         images: Vec<ImageInput>,
         params: SamplingParams,
         routed_experts_prompt_start: usize,
+        adapter: Option<usize>,
     ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         if self.status.refusing.load(Ordering::Acquire) {
             return Err(ApiError::unavailable(
@@ -310,9 +341,45 @@ impl EngineHandle {
             params,
             routed_experts_prompt_start,
             images,
+            adapter,
             events,
         }))?;
         Ok(rx)
+    }
+
+    /// The slot of the LoRA adapter served as `name`, if one is.
+    pub fn adapter(&self, name: &str) -> Option<usize> {
+        self.status
+            .adapters
+            .lock()
+            .expect("adapters")
+            .get(name)
+            .copied()
+    }
+
+    /// Serves the adapter `weights` (PEFT names) of shape `config` as `name` (docs/lora.md):
+    /// requests naming it in `model` run with it, in the same batches as every other.
+    pub async fn load_adapter(
+        &self,
+        name: String,
+        config: LoraConfig,
+        weights: BTreeMap<String, Tensor>,
+    ) -> Result<(), ApiError> {
+        let (done, wait) = oneshot::channel();
+        self.send(Command::LoadAdapter {
+            name,
+            config,
+            weights,
+            done,
+        })?;
+        wait.await.map_err(|_| closed())?
+    }
+
+    /// Stops serving the adapter `name` to new requests; those in flight finish with it.
+    pub async fn unload_adapter(&self, name: String) -> Result<(), ApiError> {
+        let (done, wait) = oneshot::channel();
+        self.send(Command::UnloadAdapter { name, done })?;
+        wait.await.map_err(|_| closed())?
     }
 
     pub fn abort(&self, request_ids: Vec<String>) -> Result<(), ApiError> {

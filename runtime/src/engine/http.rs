@@ -76,6 +76,8 @@ pub fn router(engine: EngineHandle) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .fallback(|uri: axum::http::Uri| async move {
             ApiError::new(StatusCode::NOT_FOUND, format!("no route for {uri}"))
         })
@@ -146,6 +148,15 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
     let id = req
         .request_id
         .unwrap_or_else(|| format!("gen-{}", state.next_id.fetch_add(1, Ordering::Relaxed)));
+    // A LoRA adapter by name, or the served model (its name, or none), as vLLM resolves it.
+    let adapter = match req.model.as_deref() {
+        None => None,
+        Some(name) if name == info.name => None,
+        Some(name) => Some(state.engine.adapter(name).ok_or_else(|| {
+            let msg = format!("The model `{name}` does not exist.");
+            ApiError::new(StatusCode::NOT_FOUND, msg).with_param("model")
+        })?),
+    };
     let (prompt, images) = images_of(info, req.prompt, req.content_parts).await?;
     if prompt.len() >= info.max_model_len {
         return Err(ApiError::bad_request(format!(
@@ -169,6 +180,7 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
         images,
         req.params,
         req.routed_experts_prompt_start,
+        adapter,
     )?;
     // The first event says whether the engine accepted the request.
     let first = rx.recv().await.ok_or_else(engine_gone)?;
@@ -655,9 +667,80 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, ApiErro
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let info = &state.engine.info;
-    Json(
-        json!({"object": "list", "data": [{"id": info.name, "object": "model", "max_model_len": info.max_model_len}]}),
-    )
+    let mut data =
+        vec![json!({"id": info.name, "object": "model", "max_model_len": info.max_model_len})];
+    let adapters = state
+        .engine
+        .status
+        .adapters
+        .lock()
+        .expect("adapters")
+        .clone();
+    data.extend(adapters.keys().map(|name| {
+        json!({"id": name, "object": "model", "parent": info.name, "max_model_len": info.max_model_len})
+    }));
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// `POST /v1/load_lora_adapter`'s body, vLLM's (docs/lora.md).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadLora {
+    lora_name: String,
+    lora_path: std::path::PathBuf,
+    /// vLLM's; replacing an adapter in place is not done here (a new name per version is).
+    #[serde(default)]
+    load_inplace: bool,
+}
+
+/// `POST /v1/load_lora_adapter`: reads the PEFT adapter folder `lora_path` (which the engine's
+/// host must hold) and serves it as `lora_name`, as vLLM does with runtime LoRA updating.
+async fn load_lora_adapter(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: LoadLora = parse(&body)?;
+    if req.load_inplace {
+        let msg = "load_inplace is not supported: load each version under a new name";
+        return Err(ApiError::bad_request(msg).with_param("load_inplace"));
+    }
+    if req.lora_name.is_empty() || req.lora_name == state.engine.info.name {
+        let msg = "lora_name must be a new name, not empty and not the served model's";
+        return Err(ApiError::bad_request(msg).with_param("lora_name"));
+    }
+    let (kind, device) = (state.engine.info.kind, state.engine.info.device);
+    let path = req.lora_path.clone();
+    let read = move || crate::model::lora::read_adapter(&path, kind, device);
+    let (config, _, weights) = tokio::task::spawn_blocking(read)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::bad_request(e.to_string()).with_param("lora_path"))?;
+    let name = req.lora_name;
+    state
+        .engine
+        .load_adapter(name.clone(), config, weights)
+        .await?;
+    tracing::info!(adapter = %name, path = %req.lora_path.display(), "LoRA adapter loaded");
+    Ok(format!("Success: LoRA adapter '{name}' added successfully.").into_response())
+}
+
+/// `POST /v1/unload_lora_adapter`'s body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UnloadLora {
+    lora_name: String,
+}
+
+/// `POST /v1/unload_lora_adapter`: new requests can no longer name it; those in flight finish
+/// with it.
+async fn unload_lora_adapter(
+    State(state): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let UnloadLora { lora_name } = parse(&body)?;
+    state.engine.unload_adapter(lora_name.clone()).await?;
+    tracing::info!(adapter = %lora_name, "LoRA adapter unloaded");
+    Ok(format!("Success: LoRA adapter '{lora_name}' removed successfully.").into_response())
 }
 
 #[cfg(test)]

@@ -1,14 +1,14 @@
 //! The engine thread's loop: admission, one packed forward per step, sampling, pause states and
 //! weight swaps (the contract is in the parent module's documentation).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::http::StatusCode;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Command, EngineOptions, EngineStatus, Event, Job, PauseMode};
@@ -17,6 +17,7 @@ use crate::engine::metrics::EngineMetrics;
 use crate::engine::npy::encode_routed_experts;
 use crate::engine::sampling::sample;
 use crate::engine::weights::StagedUpdate;
+use crate::model::lora::LoraConfig;
 use crate::model::{CausalLm, KvCache, LogitsFor, SeqInput};
 use crate::serve::ApiError;
 
@@ -122,6 +123,9 @@ pub(super) struct Engine {
     cache: KvCache,
     pause: PauseState,
     version: u64,
+    /// Slots of LoRA adapters unloaded while requests still ran with them: dropped once none
+    /// does.
+    unloading: Vec<usize>,
 }
 
 impl Engine {
@@ -145,6 +149,7 @@ impl Engine {
             cache,
             pause: PauseState::Running,
             version: 0,
+            unloading: Vec::new(),
         }
     }
 
@@ -189,6 +194,9 @@ impl Engine {
                 }
             }
             self.check_drained();
+            if !self.unloading.is_empty() {
+                self.drop_unused_adapters();
+            }
             self.publish();
         }
         tracing::info!("engine thread exiting: every handle was dropped");
@@ -239,7 +247,67 @@ impl Engine {
                 let result = self.apply_weights(&update, version);
                 let _ = done.send((update, result));
             }
+            Command::LoadAdapter {
+                name,
+                config,
+                weights,
+                done,
+            } => {
+                let _ = done.send(self.load_adapter(name, &config, weights));
+            }
+            Command::UnloadAdapter { name, done } => {
+                let removed = self.status.adapters.lock().expect("adapters").remove(&name);
+                let _ = done.send(match removed {
+                    Some(slot) => {
+                        self.unloading.push(slot);
+                        self.drop_unused_adapters();
+                        Ok(())
+                    }
+                    None => Err(ApiError::new(
+                        StatusCode::NOT_FOUND,
+                        format!("The lora adapter '{name}' cannot be found."),
+                    )
+                    .with_param("lora_name")),
+                });
+            }
         }
+    }
+
+    /// Serves an adapter as `name` in a slot no adapter (loaded or unloading) holds.
+    fn load_adapter(
+        &mut self,
+        name: String,
+        config: &LoraConfig,
+        weights: BTreeMap<String, Tensor>,
+    ) -> Result<(), ApiError> {
+        let mut names = self.status.adapters.lock().expect("adapters");
+        if names.contains_key(&name) {
+            let msg = format!("The lora adapter '{name}' has already been loaded.");
+            return Err(ApiError::bad_request(msg).with_param("lora_name"));
+        }
+        let taken =
+            |slot: &usize| names.values().any(|s| s == slot) || self.unloading.contains(slot);
+        let slot = (1..).find(|s| !taken(s)).expect("a free slot");
+        self.model
+            .load_adapter(slot, config, weights)
+            .map_err(|e| ApiError::bad_request(e.to_string()).with_param("lora_path"))?;
+        names.insert(name, slot);
+        Ok(())
+    }
+
+    /// Drops the unloaded adapters no request runs with any more.
+    fn drop_unused_adapters(&mut self) {
+        let used = |slot: usize| {
+            (self.running.iter().map(|s| &s.job))
+                .chain(&self.waiting)
+                .any(|j| j.adapter == Some(slot))
+        };
+        let (drop, keep): (Vec<usize>, Vec<usize>) =
+            self.unloading.iter().partition(|&&slot| !used(slot));
+        for slot in drop {
+            self.model.drop_adapter(slot);
+        }
+        self.unloading = keep;
     }
 
     fn enter_pause(&mut self, mode: PauseMode, done: oneshot::Sender<()>) {
@@ -293,6 +361,18 @@ impl Engine {
                 job,
                 ApiError::new(StatusCode::CONFLICT, msg).with_param("request_id"),
             );
+        }
+        // Its adapter was unloaded between the request's check and here.
+        if let Some(slot) = job.adapter {
+            let names = self.status.adapters.lock().expect("adapters");
+            if !names.values().any(|&s| s == slot) {
+                drop(names);
+                let msg = "the request's LoRA adapter was unloaded".to_string();
+                return refuse(
+                    job,
+                    ApiError::new(StatusCode::NOT_FOUND, msg).with_param("model"),
+                );
+            }
         }
         if self.waiting.len() >= self.opts.max_waiting {
             let msg = format!(
@@ -500,9 +580,14 @@ impl Engine {
         } else {
             LogitsFor::Rows(&rows)
         };
+        // Each sequence's LoRA adapter (`None`: the served model itself).
+        let adapters: Vec<Option<usize>> = (self.running.iter().zip(&plan))
+            .filter(|(_, &n)| n > 0)
+            .map(|(s, _)| s.job.adapter)
+            .collect();
         let out = tch::no_grad(|| {
             self.model
-                .forward(&inputs, Some(&mut self.cache), logits_for)
+                .forward_adapters(&inputs, &adapters, Some(&mut self.cache), logits_for)
         })?;
         drop(inputs);
         let mut scores = if targets.is_empty() {
