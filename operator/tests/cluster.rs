@@ -284,9 +284,9 @@ fn cluster_unknown_fields_are_refused_by_the_api_server_as_moult_run_refuses_the
         ),
         (
             "Qwen3-0.6B}",
-            "Qwen3-0.6B, lora: {rank: 8}}",
-            "spec.model.lora",
-            "spec.model has: claimName, maxModelLen, path",
+            "Qwen3-0.6B, adapter: {rank: 8}}",
+            "spec.model.adapter",
+            "spec.model has: claimName, lora, maxModelLen, path",
         ),
     ] {
         let yaml = base.replacen(from, to, 1);

@@ -109,7 +109,7 @@ fn libtorch_lora_adapter_learns_the_main_recipe() {
     recipe("successor");
     let dir = repo().join("examples/successor");
     let manifest = dir.join("rlrun-lora.yaml");
-    learns_the_main_recipe(&manifest, "lora adapter", |out| {
+    let records = learns_the_main_recipe(&manifest, "lora adapter", |out| {
         let step = out.join("checkpoints/step-000040");
         assert!(!step.join("model.safetensors").exists());
         let config: Value =
@@ -173,6 +173,13 @@ fn libtorch_lora_adapter_learns_the_main_recipe() {
         assert_eq!(last["step"], 42);
         assert!(last["reward_mean"].as_f64().unwrap() >= 0.6, "{last}");
     });
+    // Across adapter updates (partial rollout: in-flight requests recomputed under each new
+    // adapter), the engine's tokens of the policy being trained are the trainer's.
+    for r in &records {
+        let on_policy = r["staleness"].as_object().unwrap().keys().all(|k| k == "0");
+        let log_rho = r["mean_abs_log_rho"].as_f64().unwrap();
+        assert!(log_rho < if on_policy { 1e-4 } else { 1.5 }, "{r}");
+    }
 }
 
 /// A ChatAgent in Python with the openai SDK calls tools through the loopback server; GRPO

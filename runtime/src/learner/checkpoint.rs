@@ -316,9 +316,9 @@ pub fn load_policy(
 }
 
 /// Writes the policy of a checkpoint (`src`: a `step-N` folder, or a checkpoint root for its
-/// newest) to `out` as a model folder engines serve: `model.safetensors` with whole tensors and
-/// the model's config and tokenizer files; a LoRA run's, with its adapter merged into the base. Returns the checkpoint's folder. `out` must not exist
-/// yet; it appears complete or not at all.
+/// newest) to `out` as a model folder engines serve: `model.safetensors` with whole tensors (a
+/// LoRA run's adapter merged into its base) and the model's config and tokenizer files. Returns
+/// the checkpoint's folder. `out` must not exist yet; it appears complete or not at all.
 pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
     let (dir, _) = checkpoint_at(src)?;
     if out.exists() {
