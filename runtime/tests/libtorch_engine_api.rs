@@ -1043,6 +1043,22 @@ async fn post_text(url: &str, path: &str, body: Value) -> (u16, String) {
     (resp.status().as_u16(), resp.text().await.unwrap())
 }
 
+/// The engine's logprobs of `resp`'s tokens against `reference`'s (the trainer's forward, at
+/// temperature 1) after `prompt`, within 1e-4.
+fn check_against(resp: &GenerateResponse, reference: &CausalLm, prompt: &[i64], what: &str) {
+    let lp: Vec<f32> = (resp.choices[0].logprobs.content.iter())
+        .map(|c| c.logprob)
+        .collect();
+    let want = common::reference_logprobs(
+        reference,
+        prompt,
+        &resp.choices[0].token_ids,
+        &params(1.0, None, 1.0),
+        None,
+    );
+    assert_close(&lp, &want, 1e-4, what);
+}
+
 /// LoRA adapters loaded at run time, vLLM's way (docs/lora.md): `/v1/load_lora_adapter` of a
 /// PEFT folder (one PEFT made, one moult wrote), requests naming them in `model` mixed in the
 /// same batches with requests for the model itself, each token's logprob the one the trainer's
@@ -1188,20 +1204,8 @@ async fn libtorch_engine_serves_lora_adapters_loaded_at_run_time_in_shared_batch
     let (status, _) = post(&format!("{}/resume", engine.url), json!({})).await;
     assert_eq!(status, 200);
     let resp = held.await.unwrap();
-    let lp: Vec<f32> = resp.choices[0]
-        .logprobs
-        .content
-        .iter()
-        .map(|c| c.logprob)
-        .collect();
-    let want = common::reference_logprobs(
-        &references[2].1,
-        &prompt(5, 7),
-        &resp.choices[0].token_ids,
-        &params(1.0, None, 1.0),
-        None,
-    );
-    assert_close(&lp, &want, 1e-4, "finished after its adapter was unloaded");
+    let what = "finished after its adapter was unloaded";
+    check_against(&resp, &references[2].1, &prompt(5, 7), what);
     let body = json!({"token_ids": [1, 2, 3], "model": "mine"});
     assert_eq!(
         post(&format!("{}/inference/v1/generate", engine.url), body)
@@ -1248,19 +1252,6 @@ async fn libtorch_engine_serves_lora_adapters_loaded_at_run_time_in_shared_batch
     let body = json!({"token_ids": prompt(3, 9), "model": "peft",
         "sampling_params": {"max_tokens": 6, "temperature": 1.0, "seed": 3}});
     let resp = generate(&engine.url, body).await;
-    let lp: Vec<f32> = resp.choices[0]
-        .logprobs
-        .content
-        .iter()
-        .map(|c| c.logprob)
-        .collect();
-    let want = common::reference_logprobs(
-        &references[1].1,
-        &prompt(3, 9),
-        &resp.choices[0].token_ids,
-        &params(1.0, None, 1.0),
-        None,
-    );
-    assert_close(&lp, &want, 1e-4, "reloaded");
+    check_against(&resp, &references[1].1, &prompt(3, 9), "reloaded");
     let _ = std::fs::remove_dir_all(&mine);
 }
