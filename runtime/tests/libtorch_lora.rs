@@ -293,19 +293,8 @@ fn libtorch_lora_several_adapters_share_one_forward() {
                 })
                 .collect();
             // No cache: one forward of all five.
-            let seqs: Vec<SeqInput> = (prompts.iter())
-                .map(|p| SeqInput {
-                    tokens: p,
-                    slot: None,
-                    replay: None,
-                    images: &[],
-                })
-                .collect();
-            let out =
-                tch::no_grad(|| model.forward_adapters(&seqs, &adapters, None, LogitsFor::All))
-                    .unwrap();
-            let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
-            for (i, got) in out.logits.split_with_sizes(&lens, 0).iter().enumerate() {
+            let (mixed, _) = common::full_logits_with(&model, &prompts, &adapters);
+            for (i, got) in mixed.iter().enumerate() {
                 let diff = max_abs_diff(got, &expected[i]);
                 assert!(
                     diff < 1e-4,
@@ -357,8 +346,14 @@ fn libtorch_lora_several_adapters_share_one_forward() {
             }
             // A dropped slot holds nothing: asking for it is refused.
             model.drop_adapter(2);
+            let first = SeqInput {
+                tokens: &prompts[0],
+                slot: None,
+                replay: None,
+                images: &[],
+            };
             let err = model
-                .forward_adapters(&seqs[..1], &[Some(2)], None, LogitsFor::All)
+                .forward_adapters(&[first], &[Some(2)], None, LogitsFor::All)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("adapter slot 2 holds no adapter"), "{err}");

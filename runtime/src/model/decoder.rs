@@ -526,7 +526,7 @@ impl CausalLm {
                 let mut start = 0;
                 let mut parts = Vec::new();
                 for (module, fan_in, rows) in modules {
-                    if config.targets(&module) {
+                    if config.adapts(&module) {
                         targeted.push((module.clone(), fan_in, rows));
                         parts.push((module, start, fan_in, rows));
                     }

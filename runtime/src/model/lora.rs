@@ -95,7 +95,7 @@ impl LoraConfig {
 
     /// Whether the module named `module` (`model.layers.0.self_attn.q_proj`) is targeted, as
     /// PEFT matches a list of target names.
-    pub fn targets(&self, module: &str) -> bool {
+    pub fn adapts(&self, module: &str) -> bool {
         let last = module.rsplit('.').next().unwrap_or(module);
         self.targets.iter().any(|t| t == last)
     }

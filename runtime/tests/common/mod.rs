@@ -190,6 +190,16 @@ pub fn full_logits(
     model: &CausalLm,
     prompts: &[Vec<i64>],
 ) -> (Vec<tch::Tensor>, Option<tch::Tensor>) {
+    full_logits_with(model, prompts, &[])
+}
+
+/// [`full_logits`], each prompt with the LoRA adapter `adapters` gives it
+/// (`CausalLm::forward_adapters`; empty: the model's own).
+pub fn full_logits_with(
+    model: &CausalLm,
+    prompts: &[Vec<i64>],
+    adapters: &[Option<usize>],
+) -> (Vec<tch::Tensor>, Option<tch::Tensor>) {
     let seqs: Vec<SeqInput> = prompts
         .iter()
         .map(|p| SeqInput {
@@ -199,7 +209,8 @@ pub fn full_logits(
             images: &[],
         })
         .collect();
-    let out = tch::no_grad(|| model.forward(&seqs, None, LogitsFor::All)).unwrap();
+    let out = tch::no_grad(|| model.forward_adapters(&seqs, adapters, None, LogitsFor::All));
+    let out = out.unwrap();
     let lens: Vec<i64> = prompts.iter().map(|p| p.len() as i64).collect();
     (out.logits.split_with_sizes(&lens, 0), out.routed_experts)
 }
