@@ -57,7 +57,7 @@ phase "the agent-pod build of moult (no libtorch)" agent_build
 phase "docs: relative links and anchors" python3 scripts/check-docs.py
 # A ratchet on the RL path's size (docs/architecture.md): lower it as the path shrinks, never
 # raise it; the budget is 15,000.
-phase "the RL path's size" python3 scripts/rl_lines.py --budget 15000
+phase "the RL path's size" python3 scripts/rl_lines.py --budget 14969
 phase "cargo test" cargo test --workspace
 control_plane() {
   wait "$CP_PID" || { cat "$CP_LOG" >&2; echo "test: the control-plane build failed" >&2; return 1; }

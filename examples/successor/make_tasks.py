@@ -1,6 +1,9 @@
 """Writes the successor tasks: `python make_tasks.py > tasks.jsonl` (seeded, so the file is the
 same every time), and with `--eval`, the held-out tasks of `spec.eval`: `python make_tasks.py
---eval > eval.jsonl`, digit triples that are not among the training tasks."""
+--eval > eval.jsonl`, digit triples that are not among the training tasks. With `--down`, the
+same digits as tasks of the predecessor task (`"direction": "down"`, env.py):
+`python make_tasks.py --down > tasks-down.jsonl`, `python make_tasks.py --eval --down >
+eval-down.jsonl`."""
 
 import json
 import random
@@ -28,5 +31,8 @@ def held_out():
     return tasks
 
 
-for numbers in held_out() if "--eval" in sys.argv[1:] else training():
-    print(json.dumps({"numbers": numbers}))
+args = sys.argv[1:]
+if any(a not in ("--eval", "--down") for a in args):
+    raise SystemExit("usage: python make_tasks.py [--eval] [--down]")
+for numbers in held_out() if "--eval" in args else training():
+    print(json.dumps({"numbers": numbers, "direction": "down"} if "--down" in args else {"numbers": numbers}))

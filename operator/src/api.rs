@@ -20,10 +20,12 @@ use serde::{Deserialize, Serialize};
 
 mod engine_flags;
 mod network;
+mod pool;
 mod rules;
 
 pub use engine_flags::RESERVED_ENGINE_FLAGS;
 pub use network::{AgentEgressSpec, EgressPort, EgressTarget, Protocol};
+pub use pool::{EnginePool, EnginePoolSpec, EnginePoolStatus, PoolRef, PoolRun, RunPoolStatus};
 use rules::{claim_rule, limits_rule, resources_rule, DNS_SUBDOMAIN, LABEL_KEY, LABEL_VALUE};
 
 /// API group of every moult resource.
@@ -96,14 +98,17 @@ pub const GROUP: &str = "moult.dev";
 #[x_kube(validation = Rule::new("!has(self.judge) || self.algorithm.estimator != 'OnPolicyDistillation'").message(
     "algorithm.estimator OnPolicyDistillation takes its advantages from the teacher, not from rewards: remove judge or pick GRPO, RLOO or REINFORCE++"
 ))]
-#[x_kube(validation = Rule::new("self.engines.backend != 'vLLM' || (has(self.engines.weightTransfer) && self.engines.weightTransfer.transport != 'Nccl') || self.trainer.gpusPerNode > 0").message(
+#[x_kube(validation = Rule::new("has(self.engines.poolRef) || self.engines.backend != 'vLLM' || (has(self.engines.weightTransfer) && self.engines.weightTransfer.transport != 'Nccl') || self.trainer.gpusPerNode > 0").message(
     "engines.weightTransfer.transport Nccl (vLLM's default) sends weights from the trainer's GPU: give trainer.gpusPerNode, or set engines.weightTransfer.transport Filesystem for a CPU trainer (docs/weight-sync.md)"
 ))]
-#[x_kube(validation = Rule::new("!has(self.model.lora) || self.engines.backend == 'Builtin'").message(
-    "model.lora: vLLM engines do not serve moult's LoRA runs yet; use engines.backend Builtin (docs/lora.md)"
+#[x_kube(validation = Rule::new("!has(self.model.lora) || self.engines.backend == 'Builtin' || has(self.engines.poolRef) || (has(self.engines.weightTransfer) && self.engines.weightTransfer.transport == 'Filesystem')").message(
+    "model.lora with vLLM engines: each adapter version reaches vLLM as a folder it loads: set engines.weightTransfer.transport Filesystem (with a claimName on a cluster), or use engines.backend Builtin (docs/lora.md)"
 ))]
 #[x_kube(validation = Rule::new("!has(self.model.lora) || !has(self.trainer.computeDtype) || self.trainer.computeDtype != 'BFloat16'").message(
     "model.lora: the trainer computes LoRA runs in float32 (trainer.computeDtype BFloat16 gathers sharded full weights, which a LoRA run never shards; docs/lora.md)"
+))]
+#[x_kube(validation = Rule::new("!has(self.engines.poolRef) || has(self.model.lora)").message(
+    "engines.poolRef: a run on an EnginePool trains a LoRA adapter of the pool's base model: set model.lora"
 ))]
 pub struct RLRunSpec {
     /// The model to train (and to serve on the engines).
@@ -201,6 +206,23 @@ impl RLRunSpec {
             or(limits.generations, 4 * sessions),
             or(limits.episode_mib, 2048) << 20,
         ]
+    }
+
+    /// Whether each policy version reaches the engines as a new LoRA adapter, `<run>-v<N>`,
+    /// loaded beside the others (docs/lora.md): a LoRA run on an EnginePool or on vLLM engines.
+    /// A LoRA run's own built-in engines are updated in place instead, as a full-weight run's.
+    pub fn versioned_adapters(&self) -> bool {
+        let e = &self.engines;
+        self.model.lora.is_some() && (e.pool_ref.is_some() || e.backend == EngineBackend::Vllm)
+    }
+
+    /// vLLM's `--max-lora-rank` for a LoRA run's adapters: the smallest rank vLLM takes that
+    /// holds the run's (vLLM takes 1, 8, 16, 32, 64, 128, 256, 320 and 512).
+    pub fn vllm_lora_rank(&self) -> Option<u32> {
+        let rank = self.model.lora.as_ref()?.rank;
+        [1, 8, 16, 32, 64, 128, 256, 320, 512]
+            .into_iter()
+            .find(|&r| r >= rank)
     }
 }
 
@@ -514,6 +536,9 @@ pub enum EngineBackend {
 ))]
 #[x_kube(validation = resources_rule("engines.resources"))]
 #[x_kube(validation = limits_rule("engines.resources"))]
+#[x_kube(validation = Rule::new("!has(self.poolRef) || (self.replicas == 1 && !has(self.weightTransfer))").message(
+    "engines.poolRef: a run on an EnginePool has no engines of its own: leave engines.replicas unset (scale the pool: kubectl scale enginepool/NAME) and remove engines.weightTransfer (the adapter goes to the pool's engines; docs/lora.md)"
+))]
 #[x_kube(validation = Rule::new(engine_flags::ENGINE_DTYPE_RULE).message(
     "engines.extraArgs --dtype must be auto, float32, bfloat16 or float16 (or float, half): moult sends weights to vLLM in that dtype (docs/vllm.md)"
 ))]
@@ -549,6 +574,13 @@ pub struct EnginesSpec {
     /// the built-in engine when absent (docs/weight-sync.md, "Weight transports").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub weight_transfer: Option<WeightTransferSpec>,
+    /// Serve the run from the built-in engines of this EnginePool (in the run's namespace)
+    /// instead of engines of its own: a LoRA run (`model.lora`) on the pool's base model
+    /// (docs/operator.md, "Engine pools"). `replicas` and `weightTransfer` are then not set;
+    /// `backend`, `image`, `tensorParallelSize`, `gpusPerEngine`, `extraArgs` and `resources`
+    /// shape only the run's judge and served-teacher engines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_ref: Option<PoolRef>,
 }
 
 /// How the trainer's weights travel to the engines.
@@ -593,6 +625,7 @@ impl Default for EnginesSpec {
             extra_args: Vec::new(),
             resources: None,
             weight_transfer: None,
+            pool_ref: None,
         }
     }
 }
@@ -604,10 +637,11 @@ impl EnginesSpec {
     }
 
     /// The weight transport the run uses: the spec's, or the backend's own (NCCL for vLLM, the
-    /// TCP stream for the built-in engine).
+    /// TCP stream for the built-in engine, which an EnginePool's engines are).
     pub fn transport(&self) -> WeightTransport {
         match (&self.weight_transfer, self.backend) {
             (Some(w), _) => w.transport,
+            (None, _) if self.pool_ref.is_some() => WeightTransport::Tcp,
             (None, EngineBackend::Vllm) => WeightTransport::Nccl,
             (None, EngineBackend::Builtin) => WeightTransport::Tcp,
         }
@@ -1271,6 +1305,10 @@ pub struct RLRunStatus {
     /// What the run's pods used while they ran (docs/operator.md, "What a run costs").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,
+    /// The EnginePool of a run with `spec.engines.poolRef`: its name (the operator's) and the
+    /// run's share of its engine time (the coordinator's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<RunPoolStatus>,
 }
 
 /// What a run's pods used: GPU- and CPU-seconds of the pods that ran, not of those asked for,

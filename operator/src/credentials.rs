@@ -22,6 +22,30 @@ pub fn agent_credential(run_token: &str) -> String {
         .collect()
 }
 
+/// What a run's pool credential is the MAC of, before the run's name.
+const POOL_LABEL: &[u8] = b"moult pool run credential v1\0";
+
+/// The credential run `run` presents to the engines of an `EnginePool` whose token is
+/// `pool_token`: `<run>.<64 hex digits>` (docs/lora.md, "Isolation"). The engines check it
+/// without a list of runs ([`pool_run`]); a run cannot derive another run's credential, nor the
+/// pool token, from its own.
+pub fn pool_credential(pool_token: &str, run: &str) -> String {
+    let mac = mac(pool_token, &[POOL_LABEL, run.as_bytes()]);
+    format!(
+        "{run}.{}",
+        mac.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    )
+}
+
+/// The run a pool credential belongs to, if `credential` is one the pool token made.
+pub fn pool_run<'a>(pool_token: &str, credential: &'a str) -> Option<&'a str> {
+    let (run, _) = credential.rsplit_once('.')?;
+    let expected = pool_credential(pool_token, run);
+    let same = expected.len() == credential.len()
+        && (expected.bytes().zip(credential.bytes())).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0;
+    (same && !run.is_empty()).then_some(run)
+}
+
 /// HMAC-SHA256 keyed by the run token (trimmed, as the Secret's value is read) of `parts`
 /// concatenated: the agent credential, and the proofs of the weight stream's handshake.
 pub fn mac(run_token: &str, parts: &[&[u8]]) -> [u8; 32] {
@@ -46,6 +70,27 @@ mod tests {
         assert_ne!(agent_credential("s3cret2"), PYTHON_S3CRET);
         assert_eq!(agent_credential("s3cret").len(), 64);
     }
+
+    #[test]
+    fn a_pool_credential_names_its_run_and_opens_only_it() {
+        // hmac.new(b"pool", b"moult pool run credential v1\0" + b"run-a", hashlib.sha256).hexdigest()
+        let a = pool_credential("pool", "run-a");
+        assert_eq!(a, format!("run-a.{PYTHON_POOL_RUN_A}"));
+        assert_eq!(pool_run("pool", &a), Some("run-a"));
+        assert_eq!(
+            pool_run("pool\n", &a),
+            Some("run-a"),
+            "the Secret's value is trimmed"
+        );
+        assert_eq!(pool_run("other", &a), None, "another pool's credential");
+        let forged = a.replacen("run-a", "run-b", 1);
+        assert_eq!(pool_run("pool", &forged), None, "renamed to another run");
+        assert_eq!(pool_run("pool", "run-a"), None);
+        assert_eq!(pool_run("pool", &pool_credential("pool", "")), None);
+    }
+
+    const PYTHON_POOL_RUN_A: &str =
+        "5300ff7d9dfea16150b3c379f7e4ccf1da8fd3b29f49a6de9b1762d8025ba82a";
 
     const PYTHON_S3CRET: &str = "d478a5f7a6768b33bb0c74befddd46ade50bac8e39aea1faf4b5e86f48677d81";
 }

@@ -142,6 +142,8 @@ async fn main() -> anyhow::Result<()> {
             metrics_from,
             api_server,
             disruption_budgets: args.disruption_budgets,
+            // The operator's pods, in the namespace of its Lease (its own, in the Helm chart).
+            operator: Some(children::operator_pods(&args.lease_namespace)),
         },
         concurrency: args.concurrency,
         resync: positive(args.resync, "--resync")?,

@@ -1,4 +1,4 @@
-//! `RLRun::validate`: what the API server would refuse, checked where there is no API server
+//! `RLRun::validate` (and `EnginePool::validate`): what the API server would refuse, checked where there is no API server
 //! (`moult run`, and every pod of a cluster run reading its manifest), so that a spec is judged
 //! by one set of rules in both places.
 //!
@@ -9,27 +9,14 @@
 
 use serde_json::Value;
 
-use crate::api::RLRun;
+use crate::api::{EnginePool, RLRun};
 
 impl RLRun {
     /// The CRD's schema and CEL rules evaluated here, with the API server's messages: what
     /// `kubectl apply` would refuse, for a manifest that never meets an API server. Each error
     /// names the field path.
     pub fn validate(&self) -> Result<(), Vec<String>> {
-        let object = serde_json::to_value(self).expect("an RLRun serializes");
-        let mut errors = Vec::new();
-        if let Some(spec) = object.get("spec") {
-            let schema = &crate::rlrun_schema()["properties"]["spec"];
-            schema_errors(schema, spec, "spec", &mut errors);
-        }
-        if let Err(cel) = kube::core::cel::validate_cel(self) {
-            errors.extend(cel.into_iter().map(|e| e.to_string()));
-        }
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(errors)
-        }
+        validate(self, crate::rlrun_schema())
     }
 
     /// The fields of a manifest (the YAML document as a value, before serde drops what it does
@@ -38,8 +25,80 @@ impl RLRun {
     /// and the nearest known field, or the fields its object has when none is near.
     pub fn unknown_fields(manifest: &Value) -> Vec<String> {
         let mut errors = Vec::new();
-        unknown_fields(crate::rlrun_schema(), manifest, "", &mut errors);
+        unknown_fields(crate::rlrun_schema(), manifest, "", "an RLRun", &mut errors);
         errors
+    }
+}
+
+impl EnginePool {
+    /// The EnginePool CRD's schema and CEL rules evaluated here, as [`RLRun::validate`] does.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        validate(self, crate::pool_schema())
+    }
+
+    /// The fields of a manifest that the EnginePool schema does not have, as
+    /// [`RLRun::unknown_fields`] names them.
+    pub fn unknown_fields(manifest: &Value) -> Vec<String> {
+        let mut errors = Vec::new();
+        unknown_fields(
+            crate::pool_schema(),
+            manifest,
+            "",
+            "an EnginePool",
+            &mut errors,
+        );
+        errors
+    }
+}
+
+/// A kind of manifest read where there is no API server (`moult run`, `moult pool`, the pods of a
+/// cluster run), checked as the API server checks it.
+pub trait Manifest: serde::de::DeserializeOwned {
+    /// Its `kind`.
+    const KIND: &'static str;
+    /// [`RLRun::validate`], [`EnginePool::validate`].
+    fn check(&self) -> Result<(), Vec<String>>;
+    /// [`RLRun::unknown_fields`], [`EnginePool::unknown_fields`].
+    fn unknown(manifest: &Value) -> Vec<String>;
+}
+
+impl Manifest for RLRun {
+    const KIND: &'static str = "RLRun";
+    fn check(&self) -> Result<(), Vec<String>> {
+        self.validate()
+    }
+    fn unknown(manifest: &Value) -> Vec<String> {
+        Self::unknown_fields(manifest)
+    }
+}
+
+impl Manifest for EnginePool {
+    const KIND: &'static str = "EnginePool";
+    fn check(&self) -> Result<(), Vec<String>> {
+        self.validate()
+    }
+    fn unknown(manifest: &Value) -> Vec<String> {
+        Self::unknown_fields(manifest)
+    }
+}
+
+/// `object`'s spec against `schema` (its CRD's), then its CEL rules.
+fn validate<K>(object: &K, schema: &Value) -> Result<(), Vec<String>>
+where
+    K: kube::CustomResourceExt + serde::Serialize,
+{
+    let value = serde_json::to_value(object).expect("a custom resource serializes");
+    let mut errors = Vec::new();
+    if let Some(spec) = value.get("spec") {
+        schema_errors(&schema["properties"]["spec"], spec, "spec", &mut errors);
+    }
+    if let Err(cel) = kube::core::cel::validate_cel(object) {
+        errors.extend(cel.into_iter().map(|e| e.to_string()));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors)
     }
 }
 
@@ -63,7 +122,8 @@ const OBJECT_META: &[&str] = &[
     "uid",
 ];
 
-fn unknown_fields(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
+/// `kind` names the root object in a hint ("an RLRun has: ...").
+fn unknown_fields(schema: &Value, value: &Value, path: &str, kind: &str, errors: &mut Vec<String>) {
     match value {
         Value::Object(fields) => {
             let properties = schema.get("properties").and_then(Value::as_object);
@@ -88,11 +148,12 @@ fn unknown_fields(schema: &Value, value: &Value, path: &str, errors: &mut Vec<St
                 match field_schema(schema, key) {
                     // The status is the operator's to write; the API server drops it.
                     _ if at == "status" => {}
-                    Some(sub) => unknown_fields(sub, v, &at, errors),
-                    None if at == "metadata" => unknown_fields(&Value::Null, v, &at, errors),
-                    None if !open && !known.contains(&key.as_str()) => {
-                        errors.push(format!("{at}: unknown field; {}", hint(key, &known, path)))
-                    }
+                    Some(sub) => unknown_fields(sub, v, &at, kind, errors),
+                    None if at == "metadata" => unknown_fields(&Value::Null, v, &at, kind, errors),
+                    None if !open && !known.contains(&key.as_str()) => errors.push(format!(
+                        "{at}: unknown field; {}",
+                        hint(key, &known, path, kind)
+                    )),
                     None => {}
                 }
             }
@@ -100,7 +161,7 @@ fn unknown_fields(schema: &Value, value: &Value, path: &str, errors: &mut Vec<St
         Value::Array(items) => {
             if let Some(sub) = schema.get("items") {
                 for (i, v) in items.iter().enumerate() {
-                    unknown_fields(sub, v, &format!("{path}[{i}]"), errors);
+                    unknown_fields(sub, v, &format!("{path}[{i}]"), kind, errors);
                 }
             }
         }
@@ -116,7 +177,7 @@ fn field_schema<'a>(schema: &'a Value, key: &str) -> Option<&'a Value> {
 
 /// "did you mean maxTokens?" for the known field nearest to `key` (a few edits away, case
 /// aside), else the object's known fields.
-fn hint(key: &str, known: &[&str], path: &str) -> String {
+fn hint(key: &str, known: &[&str], path: &str, kind: &str) -> String {
     let distance = |k: &str| strsim::levenshtein(&key.to_lowercase(), &k.to_lowercase());
     let nearest = known
         .iter()
@@ -125,7 +186,7 @@ fn hint(key: &str, known: &[&str], path: &str) -> String {
         .min();
     match nearest {
         Some((_, k)) => format!("did you mean {k}?"),
-        None if path.is_empty() => format!("an RLRun has: {}", known.join(", ")),
+        None if path.is_empty() => format!("{kind} has: {}", known.join(", ")),
         None => format!("{path} has: {}", known.join(", ")),
     }
 }

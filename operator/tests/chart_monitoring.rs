@@ -1087,7 +1087,8 @@ fn run_pods() -> Vec<(String, BTreeMap<String, String>, Vec<Value>)> {
         let mut templates = vec![
             (
                 "engine",
-                serde_json::to_value(&engines.spec.template).unwrap(),
+                serde_json::to_value(&engines.expect("a run of its own engines").spec.template)
+                    .unwrap(),
             ),
             (
                 "trainer",

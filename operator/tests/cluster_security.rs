@@ -61,10 +61,12 @@ fn cluster_network_policies_are_accepted_as_built_and_keep_to_the_matrix() {
     assert_eq!(run.spec.engines.transport(), WeightTransport::Nccl);
     let built = desired(&run, &test_config(true), "t").unwrap();
     let p = &built.network_policies;
-    for (live, built) in live
-        .iter()
-        .zip([&p.engine, &p.trainer, &p.coordinator, &p.agents])
-    {
+    for (live, built) in live.iter().zip([
+        p.engine.as_ref().unwrap(),
+        &p.trainer,
+        &p.coordinator,
+        &p.agents,
+    ]) {
         let name = live.metadata.name.clone().unwrap();
         assert_eq!(
             serde_json::to_value(&live.spec).unwrap(),
@@ -93,7 +95,7 @@ fn cluster_network_policies_are_accepted_as_built_and_keep_to_the_matrix() {
         .collect();
     let o = &other.network_policies;
     policies.extend([
-        o.engine.clone(),
+        o.engine.clone().unwrap(),
         o.trainer.clone(),
         o.coordinator.clone(),
         o.agents.clone(),

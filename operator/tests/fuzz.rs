@@ -487,7 +487,7 @@ fn children_ok(run: &RLRun, c: Children) -> Result<(), String> {
     let name = run.metadata.name.clone().unwrap_or_default();
     let writable = !run.spec.agent.read_only_root_filesystem;
     for (what, t) in [
-        ("engine", &c.engines.spec.template),
+        ("engine", &c.engines.as_ref().unwrap().spec.template),
         ("trainer", &c.trainer.spec.template),
         ("coordinator", &c.coordinator.spec.template),
         ("agents", &c.agents.spec.template),
@@ -495,7 +495,7 @@ fn children_ok(run: &RLRun, c: Children) -> Result<(), String> {
         template_ok(t, what, writable)?;
     }
     for np in [
-        &c.network_policies.engine,
+        c.network_policies.engine.as_ref().unwrap(),
         &c.network_policies.trainer,
         &c.network_policies.coordinator,
         &c.network_policies.agents,

@@ -17,7 +17,7 @@ fn build(run: &RLRun) -> Children {
 /// The pods of a run: component and pod spec.
 fn pods(c: Children) -> Vec<(&'static str, PodSpec)> {
     vec![
-        ("engine", c.engines.spec.template.spec.unwrap()),
+        ("engine", c.engines.unwrap().spec.template.spec.unwrap()),
         ("trainer", c.trainer.spec.template.spec.unwrap()),
         ("coordinator", c.coordinator.spec.template.spec.unwrap()),
         ("agents", c.agents.spec.template.spec.unwrap()),

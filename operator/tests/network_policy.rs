@@ -59,12 +59,8 @@ fn other_run(run: &RLRun, config: &Config) -> Children {
 
 fn policies(c: &Children) -> Vec<NetworkPolicy> {
     let p = &c.network_policies;
-    vec![
-        p.engine.clone(),
-        p.trainer.clone(),
-        p.coordinator.clone(),
-        p.agents.clone(),
-    ]
+    let own = [p.trainer.clone(), p.coordinator.clone(), p.agents.clone()];
+    p.engine.iter().cloned().chain(own).collect()
 }
 
 #[test]
@@ -175,7 +171,7 @@ fn each_component_is_isolated_by_its_own_policy_and_no_other() {
     let run = run_with(WeightTransport::Nccl);
     let ours = build(&run, &config());
     for (component, policy) in [
-        ("engine", &ours.network_policies.engine),
+        ("engine", ours.network_policies.engine.as_ref().unwrap()),
         ("trainer", &ours.network_policies.trainer),
         ("coordinator", &ours.network_policies.coordinator),
         ("agents", &ours.network_policies.agents),

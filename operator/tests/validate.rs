@@ -5,7 +5,7 @@
 
 mod support;
 
-use moult_operator::api::RLRun;
+use moult_operator::api::{EnginePool, RLRun};
 use support::{invalid_cases, small_run};
 
 /// The manifest as the runtime reads it (`moult run`, every pod of a cluster run): serde names
@@ -62,12 +62,12 @@ fn every_kind_of_run_the_tests_build_is_a_valid_spec() {
     }
 }
 
-/// Every RLRun the repository ships (examples/*/*.yaml) and the manifests the tests build use only
+/// Every RLRun and EnginePool the repository ships (examples/*/*.yaml) and the manifests the tests build use only
 /// fields the schema has: `moult run` and the API server would refuse any other.
 #[test]
 fn the_shipped_manifests_have_no_unknown_fields() {
     let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
-    let mut seen = 0;
+    let (mut seen, mut pools) = (0, 0);
     for dir in std::fs::read_dir(examples).unwrap() {
         for file in std::fs::read_dir(dir.unwrap().path()).into_iter().flatten() {
             let path = file.unwrap().path();
@@ -82,10 +82,18 @@ fn the_shipped_manifests_have_no_unknown_fields() {
                     let unknown = RLRun::unknown_fields(&value);
                     assert!(unknown.is_empty(), "{}: {unknown:?}", path.display());
                 }
+                if value["kind"] == "EnginePool" {
+                    pools += 1;
+                    let unknown = EnginePool::unknown_fields(&value);
+                    assert!(unknown.is_empty(), "{}: {unknown:?}", path.display());
+                    let pool: EnginePool = serde_json::from_value(value.clone()).unwrap();
+                    assert_eq!(pool.validate(), Ok(()), "{}", path.display());
+                }
             }
         }
     }
     assert!(seen >= 9, "{seen} example manifests");
+    assert!(pools >= 1, "{pools} example EnginePools");
     for (kind, run) in support::runs::run_kinds() {
         let value = serde_json::to_value(&run).unwrap();
         assert_eq!(

@@ -35,7 +35,7 @@ fn example_run() -> RLRun {
 /// The engine container's command and arguments, as the operator makes them.
 fn engine_command(run: &RLRun) -> (Vec<String>, Vec<String>) {
     let children = desired(run, &Config::default(), "token").expect("the run builds");
-    let pod = children.engines.spec.template.spec.unwrap();
+    let pod = children.engines.unwrap().spec.template.spec.unwrap();
     let c = &pod.containers[0];
     (
         c.command.clone().unwrap_or_default(),
@@ -117,6 +117,35 @@ fn vllm_accepts_the_command_line_of_the_filesystem_transport_and_of_moult_run() 
     );
     if let Err(why) = vllm_accepts(&local) {
         panic!("vLLM refuses moult run's command line {local:?}: {why}");
+    }
+}
+
+/// A LoRA run on vLLM engines: LoRA on, two adapters at once (a version and the next while the
+/// run switches), the rank rounded up to one vLLM takes; vLLM's parser takes it.
+#[test]
+fn vllm_accepts_the_command_line_of_a_lora_run() {
+    use moult_operator::api::{LoraSpec, WeightTransferSpec, WeightTransport};
+    let mut run = example_run();
+    run.spec.engines.weight_transfer = Some(WeightTransferSpec {
+        transport: WeightTransport::Filesystem,
+        claim_name: Some("rl-weights".into()),
+    });
+    run.spec.model.lora =
+        Some(serde_json::from_value::<LoraSpec>(serde_json::json!({"rank": 12})).unwrap());
+    assert_eq!(run.validate(), Ok(()));
+    let (_, args) = engine_command(&run);
+    let after = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .map(|i| args[i + 1].as_str())
+    };
+    assert!(args.iter().any(|a| a == "--enable-lora"), "{args:?}");
+    assert_eq!(
+        (after("--max-loras"), after("--max-lora-rank")),
+        (Some("2"), Some("16"))
+    );
+    if let Err(why) = vllm_accepts(&args) {
+        panic!("vLLM refuses a LoRA run's command line {args:?}: {why}");
     }
 }
 

@@ -119,6 +119,7 @@ fn engine(model: &Path, max_batch: usize) -> (EngineHandle, std::thread::JoinHan
         eos_token_ids: vec![],
         threads: None,
         packed_weights: None,
+        pool: None,
     };
     EngineHandle::spawn(m, "bench".into(), opts)
 }

@@ -307,6 +307,7 @@ async fn weight_sync_rate() {
                 port: 0,
                 folder: Some(folder.clone()),
                 engine_kind: tch::Kind::Float,
+                pool: None,
             })
             .await
             .unwrap();
@@ -373,6 +374,7 @@ async fn lora_sync(model: &std::path::Path) {
             port: 0,
             folder: None,
             engine_kind: tch::Kind::Float,
+            pool: None,
         })
         .await
         .unwrap();

@@ -27,8 +27,12 @@ pub const TOKEN_ENV: &str = "MOULT_TOKEN";
 /// The environment variable that holds the agent credential (agent pods only).
 pub const AGENT_TOKEN_ENV: &str = "MOULT_AGENT_TOKEN";
 
+/// The environment variable that holds a run's credential on an EnginePool's engines (the
+/// operator sets it from the run's Secret).
+pub use moult_operator::children::POOL_CREDENTIAL_ENV;
+
 /// Every environment variable that holds a credential: agent code never inherits these.
-pub const CREDENTIAL_ENVS: [&str; 2] = [TOKEN_ENV, AGENT_TOKEN_ENV];
+pub const CREDENTIAL_ENVS: [&str; 3] = [TOKEN_ENV, AGENT_TOKEN_ENV, POOL_CREDENTIAL_ENV];
 
 /// The routes (method and path) the agent credential opens on the coordinator: what `moult
 /// agents` calls. A path ending in `/` takes one more segment (the lease id).
@@ -41,10 +45,8 @@ pub const AGENT_ROUTES: [(&str, &str); 5] = [
 ];
 
 fn read_env(name: &str) -> Option<String> {
-    std::env::var(name)
-        .ok()
-        .map(|t| t.trim().to_string())
-        .filter(|t| !t.is_empty())
+    let value = std::env::var(name).ok()?;
+    Some(value.trim().to_string()).filter(|t| !t.is_empty())
 }
 
 /// The run token, if this process has one (read once).
@@ -57,12 +59,11 @@ pub fn token() -> Option<&'static str> {
 /// given to an agent pod (read once).
 pub fn agent_token() -> Option<&'static str> {
     static AGENT: OnceLock<Option<String>> = OnceLock::new();
-    AGENT
-        .get_or_init(|| match token() {
-            Some(t) => Some(moult_operator::credentials::agent_credential(t)),
-            None => read_env(AGENT_TOKEN_ENV),
-        })
-        .as_deref()
+    let agent = AGENT.get_or_init(|| match token() {
+        Some(t) => Some(moult_operator::credentials::agent_credential(t)),
+        None => read_env(AGENT_TOKEN_ENV),
+    });
+    agent.as_deref()
 }
 
 /// What this process's HTTP clients send: the run token, or the agent credential in an agent pod.
@@ -70,14 +71,29 @@ fn client_credential() -> Option<&'static str> {
     token().or_else(agent_token)
 }
 
+/// A run's credential on its EnginePool's engines (docs/lora.md, "Engine pools"): the one `moult
+/// run` derived (set once, before any engine client is made), or `MOULT_POOL_CREDENTIAL`.
+pub static POOL_CREDENTIAL: OnceLock<Option<String>> = OnceLock::new();
+
+/// An HTTP client for engines: it sends the run's pool credential on an EnginePool, else this
+/// process's credential.
+pub fn engine_client() -> reqwest::Client {
+    let pool = POOL_CREDENTIAL.get_or_init(|| read_env(POOL_CREDENTIAL_ENV));
+    build(builder_with(pool.as_deref().or_else(client_credential)))
+}
+
 /// An HTTP client that sends this process's credential with every request (when there is one).
 pub fn client_builder() -> reqwest::ClientBuilder {
+    builder_with(client_credential())
+}
+
+fn builder_with(credential: Option<&str>) -> reqwest::ClientBuilder {
     // A peer that does not accept a connection in this long is down, not slow. (Requests have
     // no overall timeout here: generation streams and weight updates may rightly take minutes,
     // and are bounded by their callers, docs/security.md; clients whose calls are short set
     // one, as agents and the trainer do for the coordinator.)
     let builder = reqwest::Client::builder().connect_timeout(std::time::Duration::from_secs(10));
-    match client_credential().and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
+    match credential.and_then(|t| HeaderValue::from_str(&format!("Bearer {t}")).ok()) {
         Some(mut value) => {
             value.set_sensitive(true);
             let mut headers = reqwest::header::HeaderMap::new();
@@ -90,9 +106,12 @@ pub fn client_builder() -> reqwest::ClientBuilder {
 
 /// [`client_builder`] built.
 pub fn client() -> reqwest::Client {
-    client_builder()
-        .build()
-        .expect("an HTTP client with default settings builds")
+    build(client_builder())
+}
+
+/// The client of one of these builders (with a timeout or not): their settings always build.
+pub fn build(builder: reqwest::ClientBuilder) -> reqwest::Client {
+    (builder.build()).expect("an HTTP client with default settings builds")
 }
 
 /// Why a call to a peer failed: it did not arrive, was refused, or answered other than expected.
@@ -161,8 +180,12 @@ fn agent_route(method: &str, path: &str) -> bool {
 
 /// Whether `header` (an `Authorization` value) carries `token`, compared in constant time.
 fn authorized(header: Option<&HeaderValue>, token: &str) -> bool {
-    let given = header.and_then(|h| h.to_str().ok()?.strip_prefix("Bearer "));
-    given.is_some_and(|given| same_secret(given.trim().as_bytes(), token.as_bytes()))
+    bearer(header).is_some_and(|given| same_secret(given.trim().as_bytes(), token.as_bytes()))
+}
+
+/// The credential an `Authorization: Bearer <credential>` header carries.
+pub(crate) fn bearer(header: Option<&HeaderValue>) -> Option<&str> {
+    header?.to_str().ok()?.strip_prefix("Bearer ")
 }
 
 /// Whether two secrets (or proofs of one) are equal, compared in constant time.

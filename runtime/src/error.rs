@@ -63,6 +63,9 @@ pub enum RunError {
     Sync(crate::weight_sync::SyncError),
 }
 
+/// The run core's results: a [`RunError`] unless said otherwise.
+pub type Result<T, E = RunError> = std::result::Result<T, E>;
+
 #[cfg(feature = "torch")]
 impl From<crate::weight_sync::SyncError> for RunError {
     /// A manifest asking for what cannot work is the manifest's error; a weight path that could

@@ -62,6 +62,9 @@ enum Command {
     /// training, with engines and agents on this machine: a checkpoint (--checkpoint), or the
     /// manifest's model. Prints the result as JSON on stdout.
     Eval(cli::eval::Args),
+    /// Serve an EnginePool manifest's engines on this machine, for `moult run`s whose
+    /// `spec.engines.poolRef` names it (LoRA runs sharing one base model; docs/lora.md).
+    Pool(cli::pool::Args),
     /// Write a checkpoint's policy as a model folder engines serve (`model.safetensors` with
     /// whole tensors, the config and tokenizer files): for a checkpoint that trainer ranks wrote
     /// in shards, to take a policy out of a run's checkpoints, or to merge a LoRA run's adapter
@@ -102,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         Command::Router(args) => runtime.block_on(cli::router::run(args)),
         Command::EngineFront(args) => runtime.block_on(cli::engine_front::run(args)),
         Command::Coordinator(args) => runtime.block_on(cli::coordinator::run(args)),
+        Command::Pool(args) => runtime.block_on(cli::pool::run(args)),
         #[cfg(feature = "torch")]
         Command::Engine(args) => runtime.block_on(cli::engine::run(args)),
         #[cfg(feature = "torch")]

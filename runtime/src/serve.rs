@@ -76,10 +76,8 @@ pub async fn serve_with(
         });
     }
     drop(listener);
-    if tokio::time::timeout(DRAIN_FOR, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    let drained = tokio::time::timeout(DRAIN_FOR, graceful.shutdown()).await;
+    if drained.is_err() {
         tracing::warn!("requests still running {DRAIN_FOR:?} after the stop: closed");
     }
     Ok(())

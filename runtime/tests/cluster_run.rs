@@ -2001,3 +2001,225 @@ async fn cluster_run_in_a_kueue_queue_waits_as_one_is_preempted_and_resumes_wher
     }
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// The engine-pool recipe on the cluster (examples/successor/enginepool.yaml and its two runs,
+/// docs/lora.md, "Engine pools"): one EnginePool of one built-in engine on the two-task base, and
+/// two LoRA runs on it, one learning the successor task and one its reverse, 30 steps each.
+fn pool_yaml() -> String {
+    let r = recipe();
+    let r = r.display();
+    let run = |name: &str, tasks: &str| {
+        format!(
+            r#"---
+apiVersion: moult.dev/v1alpha1
+kind: RLRun
+metadata:
+  name: {name}
+spec:
+  model: {{path: {r}/model-pool, lora: {{rank: 8}}}}
+  agent:
+    form: Env
+    image: local
+    command: [python, {r}/env.py]
+    concurrency: 64
+    timeout: 1m
+    dataset: {{path: {r}/{tasks}}}
+  engines: {{poolRef: {{name: successor-pool}}}}
+  trainer: {{gpusPerNode: 0}}
+  algorithm:
+    estimator: GRPO
+    groupSize: 8
+    batchSize: 8
+    maxStaleness: 1
+    optimizer: {{learningRate: 3.0e-3, maxGradNorm: 1.0}}
+  rollout: {{maxTokens: 4, temperature: 1.0, maxTurns: 3}}
+  checkpoint: {{claimName: checkpoints, intervalSteps: 100}}
+  totalSteps: 30
+"#
+        )
+    };
+    format!(
+        r#"apiVersion: moult.dev/v1alpha1
+kind: EnginePool
+metadata:
+  name: successor-pool
+spec:
+  model: {{path: {r}/model-pool}}
+  engines: {{backend: Builtin, replicas: 1}}
+  maxAdapters: 8
+  maxRank: 8
+{}{}"#,
+        run("pool-up", "tasks.jsonl"),
+        run("pool-down", "tasks-down.jsonl")
+    )
+}
+
+/// The pool's status.
+fn pool_status(ns: &Namespace) -> Value {
+    let text = ns.kubectl(&["get", "enginepool", "successor-pool", "-o", "json"]);
+    serde_json::from_str(&text).expect("kubectl prints JSON")
+}
+
+/// The adapters the pool's engine serves, asked with the pool's token.
+async fn pool_adapters(http: &reqwest::Client, ns: &Namespace) -> Vec<String> {
+    let ip = pod_ip(ns, "successor-pool-engines-0");
+    let token = ns.kubectl(&[
+        "get",
+        "secret",
+        "successor-pool-pool",
+        "-o",
+        "jsonpath={.data.token}",
+    ]);
+    use base64::Engine as _;
+    let token = base64::engine::general_purpose::STANDARD
+        .decode(token.trim())
+        .unwrap();
+    let models = get_json(
+        http,
+        &format!("http://{ip}:8000/v1/models"),
+        std::str::from_utf8(&token).unwrap(),
+    )
+    .await;
+    (models["data"].as_array().into_iter().flatten())
+        .filter(|m| m.get("parent").is_some())
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Two LoRA runs on one EnginePool's built-in engine pod (docs/lora.md, "Engine pools"): both
+/// learn their own task at once (rewards rising), each run's status shows its share of the pool
+/// and the pool's status lists both; the engine holds each run's adapters (two versions at most);
+/// deleting a run unloads its adapters; deleting the pool while a run still names it leaves it
+/// Terminating, naming the run, which says PoolDeleting, until the run is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane: bash scripts/test-cluster.sh up"]
+async fn cluster_two_runs_on_one_engine_pool_learn_their_tasks_and_share_it() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = recipe();
+    let made = std::process::Command::new(
+        std::env::var("MOULT_PYTHON").unwrap_or_else(|_| "python3".into()),
+    )
+    .arg(dir.join("make_model.py"))
+    .arg(dir.join("model-pool"))
+    .arg("--both")
+    .status()
+    .expect("run make_model.py");
+    assert!(made.success(), "make_model.py --both failed");
+    cluster();
+    let ns = Namespace::new("cluster-pool");
+    let root = std::env::temp_dir().join(format!("moult-cluster-run-{}", ns.name));
+    let _ = std::fs::remove_dir_all(&root);
+    let checkpoints = ns.bound_claim("checkpoints", &root.join("claims/checkpoints"));
+    let operator = Operator::start(&ns, "pool");
+    let claims = BTreeMap::from([("checkpoints".to_string(), checkpoints.clone())]);
+    let kubelet = start_kubelet(&ns, &root, claims, BTreeMap::new(), Vec::new()).await;
+    ns.apply(&pool_yaml());
+    for run in ["pool-up", "pool-down"] {
+        wait_status(
+            (&ns, run),
+            &kubelet,
+            Duration::from_secs(900),
+            "30 steps",
+            |s| step_of(s) >= 30 && s["pool"]["share"].is_number(),
+        );
+    }
+    for run in ["pool-up", "pool-down"] {
+        let rewards: Vec<f64> = (records_of(&checkpoints, run).iter())
+            .map(|r| r["reward_mean"].as_f64().unwrap())
+            .collect();
+        let mean = |r: &[f64]| r.iter().sum::<f64>() / r.len() as f64;
+        let (first, last) = (mean(&rewards[..3]), mean(&rewards[rewards.len() - 3..]));
+        println!(
+            "{run}: reward {first:.2} -> {last:.2} in {} steps",
+            rewards.len()
+        );
+        assert!(
+            first <= 0.4 && last >= first + 0.3,
+            "{run} learns: {rewards:?}"
+        );
+        let s = status(&ns, run);
+        let share = s["pool"]["share"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&share), "{run}'s share: {s}");
+        assert_eq!(s["pool"]["name"], "successor-pool");
+    }
+    println!(
+        "$ kubectl get enginepool\n{}",
+        ns.kubectl(&["get", "enginepool", "-o", "wide"])
+    );
+    let runs: Vec<String> = (pool_status(&ns)["status"]["runs"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .map(|r| r["name"].as_str().unwrap().to_string())
+    .collect();
+    assert_eq!(runs, ["pool-down", "pool-up"]);
+    let http = reqwest::Client::new();
+    let adapters = pool_adapters(&http, &ns).await;
+    for run in ["pool-up", "pool-down"] {
+        let held = adapters
+            .iter()
+            .filter(|a| a.starts_with(&format!("{run}-v")))
+            .count();
+        assert!(
+            (1..=2).contains(&held),
+            "{run}'s adapters on the engine: {adapters:?}"
+        );
+    }
+
+    // A deleted run's adapters go from the engine.
+    ns.kubectl(&["delete", "rlrun", "pool-up", "--wait=false"]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let adapters = pool_adapters(&http, &ns).await;
+        if !adapters.iter().any(|a| a.starts_with("pool-up-v")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "pool-up's adapters stay: {adapters:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+
+    // A pool that a run still names is not deleted while it does.
+    ns.kubectl(&["delete", "enginepool", "successor-pool", "--wait=false"]);
+    std::thread::sleep(Duration::from_secs(5));
+    let pool = pool_status(&ns);
+    assert!(pool["metadata"]["deletionTimestamp"].is_string(), "{pool}");
+    let deleting = (pool["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten())
+    .find(|c| c["type"] == "Deleting")
+    .unwrap_or_else(|| panic!("a Deleting condition: {pool}"));
+    assert!(
+        deleting["message"].as_str().unwrap().contains("pool-down"),
+        "{deleting}"
+    );
+    wait_status(
+        (&ns, "pool-down"),
+        &kubelet,
+        Duration::from_secs(60),
+        "PoolDeleting",
+        |s| {
+            (s["conditions"].as_array().into_iter().flatten())
+                .any(|c| c["type"] == "Ready" && c["reason"] == "PoolDeleting")
+        },
+    );
+    ns.kubectl(&["delete", "rlrun", "pool-down", "--wait=false"]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !ns
+        .kubectl(&["get", "enginepool", "--ignore-not-found", "-o", "name"])
+        .trim()
+        .is_empty()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the pool stays once no run names it"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    kubelet.shutdown().await;
+    drop(operator);
+    let _ = std::fs::remove_dir_all(&root);
+}

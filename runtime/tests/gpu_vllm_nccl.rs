@@ -130,6 +130,7 @@ async fn nccl_updates_reach_a_real_vllm_on_one_gpu() {
         port: 0,
         folder: None,
         engine_kind: tch::Kind::Float,
+        pool: None,
     })
     .await
     .unwrap();

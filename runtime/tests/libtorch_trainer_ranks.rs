@@ -302,6 +302,7 @@ fn publish_from_ranks(model: &Path, setup: Setup, group: Box<dyn Collectives>, t
             port: 0,
             folder: Some(folder.clone()),
             engine_kind: Kind::Float,
+            pool: None,
         })
         .await
         .unwrap();

@@ -94,6 +94,7 @@ async fn updates_under_load(transport: WeightTransport) {
         port: 0,
         folder: Some(folder.clone()),
         engine_kind: tch::Kind::Float,
+        pool: None,
     })
     .await
     .unwrap();

@@ -15,7 +15,8 @@ app.kubernetes.io/name: moult-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
-{{- /* What the operator needs, and nothing more: read RLRuns and write their status; manage the
+{{- /* What the operator needs, and nothing more: read RLRuns and write their status; the same
+for EnginePools, with their finalizer; manage the
 kinds of objects a run owns; read the runs' pods (why a run is stuck: docs/operator.md); publish
 events; agent-sandbox's objects for runs that use it. The Roles it creates for runs grant only verbs it holds itself (Kubernetes refuses
 privilege escalation), hence the endpointslices rule. The same rules go in a ClusterRole, or in
@@ -27,6 +28,19 @@ a Role in each of watchNamespaces. */ -}}
 - apiGroups: [moult.dev]
   resources: [rlruns/status]
   verbs: [get, patch, update]
+{{- /* EnginePools (docs/operator.md, "Engine pools"): their status, and the finalizer a pool
+keeps while runs name it (patch on the pool; update on enginepools/finalizers where the
+OwnerReferencesPermissionEnforcement admission plugin asks for it to own the pool's children).
+enginepools/scale for HPAs and kubectl scale through the operator's own account. */}}
+- apiGroups: [moult.dev]
+  resources: [enginepools]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [moult.dev]
+  resources: [enginepools/status, enginepools/scale]
+  verbs: [get, patch, update]
+- apiGroups: [moult.dev]
+  resources: [enginepools/finalizers]
+  verbs: [update]
 - apiGroups: [""]
   resources: [configmaps, secrets, serviceaccounts, services]
   verbs: [get, list, watch, create, patch, update, delete]

@@ -20,6 +20,9 @@ pub const RESERVED_ENGINE_FLAGS: &[&str] = &[
     "--enable-return-routed-experts",
     // `moult engine`'s adapter of a LoRA run (docs/lora.md).
     "--lora",
+    // An EnginePool's engines: the adapters they hold and their largest rank.
+    "--pool-max-adapters",
+    "--max-lora-rank",
 ];
 
 /// The flag part of an extra argument `a`, as vLLM's parser reads it: before `=value` and a

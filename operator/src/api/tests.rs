@@ -330,9 +330,9 @@ spec:
             ),
             (
                 "{rank: 8}",
-                "{backend: vLLM, weightTransfer: {transport: Filesystem, claimName: w}}",
-                "{}",
-                "model.lora: vLLM engines do not serve moult's LoRA runs yet",
+                "{backend: vLLM, weightTransfer: {transport: Nccl}}",
+                "{gpusPerNode: 1}",
+                "model.lora with vLLM engines: each adapter version reaches vLLM as a folder it loads",
             ),
             (
                 "{rank: 8}",

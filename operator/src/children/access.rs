@@ -1,5 +1,5 @@
 //! The run's configuration and its access objects: the ConfigMap with the run config, the
-//! Secret with the internal token, and the ServiceAccount and Role its pods use (limited to this
+//! Secret with the internal token (and, on an EnginePool, the run's credential for it), and the ServiceAccount and Role its pods use (limited to this
 //! run). The NetworkPolicies are in `network.rs`.
 
 use std::collections::BTreeMap;
@@ -36,13 +36,21 @@ pub(crate) fn config_map(ctx: &Ctx) -> Result<ConfigMap, InvalidSpec> {
 /// it (which opens only what agents need, docs/security.md).
 pub(crate) fn token_secret(ctx: &Ctx, token: &str) -> Secret {
     let agent = crate::credentials::agent_credential(token);
+    let mut data = BTreeMap::from([
+        (TOKEN_KEY.to_string(), ByteString(token.as_bytes().to_vec())),
+        (AGENT_TOKEN_KEY.to_string(), ByteString(agent.into_bytes())),
+    ]);
+    if let Some(pool) = ctx.pool {
+        // The run's credential for its EnginePool's engines (never the pool token itself).
+        data.insert(
+            super::POOL_CREDENTIAL_KEY.to_string(),
+            ByteString(pool.credential.clone().into_bytes()),
+        );
+    }
     Secret {
         metadata: ctx.meta("token", None),
         type_: Some("Opaque".into()),
-        data: Some(BTreeMap::from([
-            (TOKEN_KEY.to_string(), ByteString(token.as_bytes().to_vec())),
-            (AGENT_TOKEN_KEY.to_string(), ByteString(agent.into_bytes())),
-        ])),
+        data: Some(data),
         ..Secret::default()
     }
 }
@@ -61,53 +69,67 @@ pub(crate) fn account(ctx: &Ctx, suffix: &str, automount: bool) -> ServiceAccoun
 }
 
 /// What the run's pods may do: read their own RLRun and write its status (the coordinator
-/// reports step, version and metrics), and find the engine endpoints and check they are the run's.
+/// reports step, version and metrics), and find the engine endpoints and check they are the run's
+/// (or, on an EnginePool, read the pool and check they are its).
 pub(crate) fn role(ctx: &Ctx) -> Role {
     let own = Some(vec![ctx.name.clone()]);
     Role {
         metadata: ctx.meta("moult", None),
-        rules: Some(vec![
-            PolicyRule {
+        rules: Some(
+            vec![
+                PolicyRule {
+                    api_groups: Some(vec![GROUP.into()]),
+                    resources: Some(vec!["rlruns".into()]),
+                    resource_names: own.clone(),
+                    verbs: vec!["get".into(), "watch".into()],
+                    ..PolicyRule::default()
+                },
+                PolicyRule {
+                    api_groups: Some(vec![GROUP.into()]),
+                    resources: Some(vec!["rlruns/status".into()]),
+                    resource_names: own,
+                    verbs: vec!["get".into(), "patch".into()],
+                    ..PolicyRule::default()
+                },
+                // Engine discovery trusts a slice only if the run's engine Service controls it, and
+                // an address only of a pod that the run's StatefulSet controls (docs/security.md).
+                PolicyRule {
+                    api_groups: Some(vec!["discovery.k8s.io".into()]),
+                    resources: Some(vec!["endpointslices".into()]),
+                    verbs: vec!["get".into(), "list".into(), "watch".into()],
+                    ..PolicyRule::default()
+                },
+                PolicyRule {
+                    api_groups: Some(vec![String::new()]),
+                    resources: Some(vec!["pods".into()]),
+                    verbs: vec!["get".into(), "list".into(), "watch".into()],
+                    ..PolicyRule::default()
+                },
+                PolicyRule {
+                    api_groups: Some(vec![String::new()]),
+                    resources: Some(vec!["services".into()]),
+                    verbs: vec!["get".into()],
+                    ..PolicyRule::default()
+                },
+                PolicyRule {
+                    api_groups: Some(vec!["apps".into()]),
+                    resources: Some(vec!["statefulsets".into()]),
+                    verbs: vec!["get".into()],
+                    ..PolicyRule::default()
+                },
+            ]
+            .into_iter()
+            // A run on an EnginePool reads its pool: engine discovery checks that the engines are
+            // the pool's (its UID), as it checks a run's own are the run's.
+            .chain(ctx.pool.map(|pool| PolicyRule {
                 api_groups: Some(vec![GROUP.into()]),
-                resources: Some(vec!["rlruns".into()]),
-                resource_names: own.clone(),
+                resources: Some(vec!["enginepools".into()]),
+                resource_names: Some(vec![pool.name.clone()]),
                 verbs: vec!["get".into(), "watch".into()],
                 ..PolicyRule::default()
-            },
-            PolicyRule {
-                api_groups: Some(vec![GROUP.into()]),
-                resources: Some(vec!["rlruns/status".into()]),
-                resource_names: own,
-                verbs: vec!["get".into(), "patch".into()],
-                ..PolicyRule::default()
-            },
-            // Engine discovery trusts a slice only if the run's engine Service controls it, and
-            // an address only of a pod that the run's StatefulSet controls (docs/security.md).
-            PolicyRule {
-                api_groups: Some(vec!["discovery.k8s.io".into()]),
-                resources: Some(vec!["endpointslices".into()]),
-                verbs: vec!["get".into(), "list".into(), "watch".into()],
-                ..PolicyRule::default()
-            },
-            PolicyRule {
-                api_groups: Some(vec![String::new()]),
-                resources: Some(vec!["pods".into()]),
-                verbs: vec!["get".into(), "list".into(), "watch".into()],
-                ..PolicyRule::default()
-            },
-            PolicyRule {
-                api_groups: Some(vec![String::new()]),
-                resources: Some(vec!["services".into()]),
-                verbs: vec!["get".into()],
-                ..PolicyRule::default()
-            },
-            PolicyRule {
-                api_groups: Some(vec!["apps".into()]),
-                resources: Some(vec!["statefulsets".into()]),
-                verbs: vec!["get".into()],
-                ..PolicyRule::default()
-            },
-        ]),
+            }))
+            .collect(),
+        ),
     }
 }
 

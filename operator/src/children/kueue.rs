@@ -53,7 +53,8 @@ pub(crate) fn workload(ctx: &Ctx, c: &Children) -> Option<Value> {
     let spec = &ctx.run.spec;
     let teacher = super::pods::served_teacher_replicas(spec);
     let engine_pools = [
-        ("engines", Some(spec.engines.replicas), Some(&c.engines)),
+        // A run on an EnginePool has no engines of its own to queue.
+        ("engines", Some(spec.engines.replicas), c.engines.as_ref()),
         ("trainer", Some(spec.trainer.nodes as i32), Some(&c.trainer)),
         (
             "judge",
@@ -133,7 +134,7 @@ impl Children {
 
     /// No pod of the run: its Workload waits for quota, or was evicted.
     pub fn hold(&mut self) {
-        let statefulsets = [Some(&mut self.engines), Some(&mut self.trainer)];
+        let statefulsets = [self.engines.as_mut(), Some(&mut self.trainer)];
         let scorers = [self.judge.as_mut(), self.teacher.as_mut()];
         for s in statefulsets.into_iter().chain(scorers).flatten() {
             s.spec.replicas = Some(0);
@@ -150,7 +151,7 @@ impl Children {
     pub fn place(&mut self, placement: &BTreeMap<String, Placement>) {
         let mut templates: Vec<(&str, &mut PodTemplateSpec)> = Vec::new();
         let statefulsets = [
-            ("engines", Some(&mut self.engines)),
+            ("engines", self.engines.as_mut()),
             ("trainer", Some(&mut self.trainer)),
         ];
         let scorers = [

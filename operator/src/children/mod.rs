@@ -11,6 +11,7 @@ mod disruption;
 mod kueue;
 mod network;
 mod pods;
+mod pool;
 mod sandbox;
 mod workloads;
 
@@ -20,6 +21,10 @@ pub use kueue::{
 };
 pub use network::{default_dns, egress_to, NetworkPolicies};
 pub use pods::{quantity, DEFAULT_LIMITS, TMP_SIZE};
+pub use pool::{
+    pool_desired, pool_engine_selector, pool_engines_url, pool_secret_name, OnPool, PoolChildren,
+    POOL_CREDENTIAL_ENV, POOL_CREDENTIAL_KEY, POOL_ENGINES_ENV, POOL_NAME_ENV,
+};
 pub use sandbox::{
     verifier, CORE_GROUP, EXTENSIONS_GROUP, POD_NAME_ENV, POD_UID_ENV, POOL_ENV, SANDBOX_PORT,
     VERIFIER_ENV, VERSION,
@@ -45,6 +50,15 @@ pub const RUN_LABEL: &str = "moult.dev/run";
 /// peers require it besides the name labels, so a pod that copies a run's name labels is not a
 /// peer unless it also knows the run's UID (what labels cannot stop: docs/security.md).
 pub const RUN_UID_LABEL: &str = "moult.dev/run-uid";
+/// Label holding the owning EnginePool's name, on every child of a pool and its engine pods (a
+/// pool's children carry no [`RUN_LABEL`]: no run's listing or selector ever takes them).
+pub const POOL_LABEL: &str = "moult.dev/pool";
+/// Label holding the owning EnginePool's UID, on its engine pods (as [`RUN_UID_LABEL`] on a
+/// run's).
+pub const POOL_UID_LABEL: &str = "moult.dev/pool-uid";
+/// Label holding the EnginePool's name on the coordinator and trainer pods of a run on it: the
+/// pool's NetworkPolicy admits them to its engines.
+pub const ON_POOL_LABEL: &str = "moult.dev/on-pool";
 /// Label naming the role of a pod: engine, trainer, coordinator, agents.
 pub const COMPONENT_LABEL: &str = "moult.dev/component";
 /// Set on every child so that the operator watches only its own objects.
@@ -93,6 +107,9 @@ pub struct Config {
     /// A PodDisruptionBudget with `maxUnavailable: 0` for each run's trainer and coordinator
     /// (`--disruption-budgets`; docs/operator.md, "Disruption budgets").
     pub disruption_budgets: bool,
+    /// The operator's own pods ([`operator_pods`] of its namespace), which an EnginePool's
+    /// NetworkPolicy admits to its engines beside the pool's runs; none when `None`.
+    pub operator: Option<NetworkPolicyPeer>,
 }
 
 impl Default for Config {
@@ -103,7 +120,22 @@ impl Default for Config {
             metrics_from: Vec::new(),
             api_server: None,
             disruption_budgets: false,
+            operator: None,
         }
+    }
+}
+
+/// The operator's pods as a NetworkPolicy peer: the pods labelled
+/// `app.kubernetes.io/name: moult-operator` (the Helm chart's) in `namespace`.
+pub fn operator_pods(namespace: &str) -> NetworkPolicyPeer {
+    let labels = |k: &str, v: &str| k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector {
+        match_labels: Some(BTreeMap::from([(k.to_string(), v.to_string())])),
+        ..Default::default()
+    };
+    NetworkPolicyPeer {
+        namespace_selector: Some(labels("kubernetes.io/metadata.name", namespace)),
+        pod_selector: Some(labels("app.kubernetes.io/name", "moult-operator")),
+        ..NetworkPolicyPeer::default()
     }
 }
 
@@ -147,8 +179,9 @@ pub struct Children {
     pub role: Role,
     pub role_binding: RoleBinding,
     pub network_policies: NetworkPolicies,
-    pub engine_service: Service,
-    pub engines: StatefulSet,
+    /// The run's own engines and their Service; none for a run on an EnginePool.
+    pub engine_service: Option<Service>,
+    pub engines: Option<StatefulSet>,
     pub trainer_service: Service,
     pub trainer: StatefulSet,
     pub coordinator_service: Service,
@@ -242,50 +275,42 @@ impl ChildKind {
 impl Children {
     /// The children as applyable JSON, in [`ChildKind::ALL`] order.
     pub fn into_list(self) -> Vec<Child> {
-        fn child<K: Resource<DynamicType = ()> + Serialize>(kind: ChildKind, k: &K) -> Child {
-            let mut object = serde_json::to_value(k).expect("k8s-openapi objects serialize");
-            object["apiVersion"] = K::api_version(&()).into();
-            object["kind"] = K::kind(&()).into();
-            json_child(kind, object)
-        }
-        /// `object` with apiVersion and kind, and the hash of what is applied.
-        fn json_child(kind: ChildKind, mut object: serde_json::Value) -> Child {
-            let hash = format!(
-                "{:016x}",
-                fnv1a(&serde_json::to_vec(&object).expect("JSON serializes"))
-            );
-            let meta = object["metadata"]
-                .as_object_mut()
-                .expect("objects have metadata");
-            let annotations = meta
-                .entry("annotations")
-                .or_insert_with(|| serde_json::json!({}));
-            annotations[APPLIED_HASH_ANNOTATION] = hash.into();
-            let name = object["metadata"]["name"].as_str().unwrap_or_default();
-            Child {
-                kind,
-                name: name.to_string(),
-                object,
-            }
-        }
-        let mut list = vec![
-            child(ChildKind::ConfigMap, &self.config),
-            child(ChildKind::Secret, &self.token),
-            child(ChildKind::ServiceAccount, &self.service_account),
-            child(ChildKind::Role, &self.role),
-            child(ChildKind::RoleBinding, &self.role_binding),
-            child(ChildKind::NetworkPolicy, &self.network_policies.engine),
-            child(ChildKind::NetworkPolicy, &self.network_policies.trainer),
-            child(ChildKind::NetworkPolicy, &self.network_policies.coordinator),
-            child(ChildKind::NetworkPolicy, &self.network_policies.agents),
-            child(ChildKind::Service, &self.engine_service),
-            child(ChildKind::Service, &self.trainer_service),
-            child(ChildKind::Service, &self.coordinator_service),
-            child(ChildKind::StatefulSet, &self.engines),
-            child(ChildKind::StatefulSet, &self.trainer),
-            child(ChildKind::Deployment, &self.coordinator),
-            child(ChildKind::Deployment, &self.agents),
-        ];
+        // The run's own engines (none on an EnginePool) in the places they always had: the API
+        // server refuses the first bad object, and says so in the run's condition.
+        let engine_policy =
+            (self.network_policies.engine.as_ref()).map(|p| child(ChildKind::NetworkPolicy, p));
+        let engine_service = (self.engine_service.as_ref()).map(|s| child(ChildKind::Service, s));
+        let engines = (self.engines.as_ref()).map(|e| child(ChildKind::StatefulSet, e));
+        let mut list: Vec<Child> = [
+            Some(child(ChildKind::ConfigMap, &self.config)),
+            Some(child(ChildKind::Secret, &self.token)),
+            Some(child(ChildKind::ServiceAccount, &self.service_account)),
+            Some(child(ChildKind::Role, &self.role)),
+            Some(child(ChildKind::RoleBinding, &self.role_binding)),
+            engine_policy,
+            Some(child(
+                ChildKind::NetworkPolicy,
+                &self.network_policies.trainer,
+            )),
+            Some(child(
+                ChildKind::NetworkPolicy,
+                &self.network_policies.coordinator,
+            )),
+            Some(child(
+                ChildKind::NetworkPolicy,
+                &self.network_policies.agents,
+            )),
+            engine_service,
+            Some(child(ChildKind::Service, &self.trainer_service)),
+            Some(child(ChildKind::Service, &self.coordinator_service)),
+            engines,
+            Some(child(ChildKind::StatefulSet, &self.trainer)),
+            Some(child(ChildKind::Deployment, &self.coordinator)),
+            Some(child(ChildKind::Deployment, &self.agents)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         if let Some(policy) = &self.network_policies.judge {
             list.push(child(ChildKind::NetworkPolicy, policy));
         }
@@ -323,10 +348,60 @@ impl Children {
     }
 }
 
+/// `k` as an applyable child: its JSON with apiVersion and kind, and the hash of what is applied.
+pub(crate) fn child<K: Resource<DynamicType = ()> + Serialize>(kind: ChildKind, k: &K) -> Child {
+    let mut object = serde_json::to_value(k).expect("k8s-openapi objects serialize");
+    object["apiVersion"] = K::api_version(&()).into();
+    object["kind"] = K::kind(&()).into();
+    json_child(kind, object)
+}
+
+/// `object` (with apiVersion and kind) as an applyable child, with the hash of what is applied.
+fn json_child(kind: ChildKind, mut object: serde_json::Value) -> Child {
+    let hash = format!(
+        "{:016x}",
+        fnv1a(&serde_json::to_vec(&object).expect("JSON serializes"))
+    );
+    let meta = object["metadata"]
+        .as_object_mut()
+        .expect("objects have metadata");
+    let annotations = meta
+        .entry("annotations")
+        .or_insert_with(|| serde_json::json!({}));
+    annotations[APPLIED_HASH_ANNOTATION] = hash.into();
+    let name = object["metadata"]["name"].as_str().unwrap_or_default();
+    Child {
+        kind,
+        name: name.to_string(),
+        object,
+    }
+}
+
 /// Everything `run` should own. `token` is the run's existing internal token (kept across
-/// reconciles); a new one is generated by the caller when the Secret does not exist yet.
+/// reconciles); a new one is generated by the caller when the Secret does not exist yet. A run
+/// on an EnginePool (`spec.engines.poolRef`) needs [`desired_on_pool`].
 pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, InvalidSpec> {
-    let ctx = Ctx::new(run, config)?;
+    desired_with(run, config, token, None)
+}
+
+/// Everything a run on the EnginePool `pool` should own: [`desired`]'s children without engines
+/// of its own, with the pool's address and the run's credential for it.
+pub fn desired_on_pool(
+    run: &RLRun,
+    config: &Config,
+    token: &str,
+    pool: &OnPool,
+) -> Result<Children, InvalidSpec> {
+    desired_with(run, config, token, Some(pool))
+}
+
+fn desired_with(
+    run: &RLRun,
+    config: &Config,
+    token: &str,
+    pool: Option<&OnPool>,
+) -> Result<Children, InvalidSpec> {
+    let ctx = Ctx::new(run, config, pool)?;
     let config = access::config_map(&ctx)?;
     let mut children = Children {
         token: access::token_secret(&ctx, token),
@@ -334,8 +409,8 @@ pub fn desired(run: &RLRun, config: &Config, token: &str) -> Result<Children, In
         role: access::role(&ctx),
         role_binding: access::role_binding(&ctx),
         network_policies: network::network_policies(&ctx),
-        engine_service: workloads::engine_service(&ctx),
-        engines: workloads::engines(&ctx),
+        engine_service: pool.is_none().then(|| workloads::engine_service(&ctx)),
+        engines: pool.is_none().then(|| workloads::engines(&ctx)),
         trainer_service: workloads::trainer_service(&ctx),
         trainer: workloads::trainer(&ctx),
         coordinator_service: workloads::coordinator_service(&ctx),
@@ -393,10 +468,16 @@ pub(crate) struct Ctx<'a> {
     pub config: &'a Config,
     /// Hash of the spec without replica counts and `suspend`.
     pub config_hash: String,
+    /// The EnginePool of a run with `spec.engines.poolRef`.
+    pub pool: Option<&'a OnPool>,
 }
 
 impl<'a> Ctx<'a> {
-    fn new(run: &'a RLRun, config: &'a Config) -> Result<Self, InvalidSpec> {
+    fn new(
+        run: &'a RLRun,
+        config: &'a Config,
+        pool: Option<&'a OnPool>,
+    ) -> Result<Self, InvalidSpec> {
         let owner = run
             .controller_owner_ref(&())
             .ok_or_else(|| InvalidSpec("the RLRun has no uid yet".into()))?;
@@ -416,6 +497,21 @@ impl<'a> Ctx<'a> {
                 ));
             }
         }
+        match (&run.spec.engines.pool_ref, pool) {
+            (Some(r), None) => {
+                return Err(InvalidSpec(format!(
+                    "spec.engines.poolRef: the EnginePool {} is not known here",
+                    r.name
+                )))
+            }
+            (None, Some(p)) => {
+                return Err(InvalidSpec(format!(
+                    "the run names no EnginePool, yet was given {}",
+                    p.name
+                )))
+            }
+            _ => {}
+        }
         let mut scaled = run.spec.clone();
         scaled.engines.replicas = 0;
         scaled.agent.replicas = 0;
@@ -428,6 +524,7 @@ impl<'a> Ctx<'a> {
             owner,
             config,
             config_hash: format!("{config_hash:016x}"),
+            pool,
         })
     }
 

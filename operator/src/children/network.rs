@@ -30,7 +30,8 @@ use crate::api::WeightTransport;
 /// `spec.judge`).
 #[derive(Clone, Debug, Default)]
 pub struct NetworkPolicies {
-    pub engine: NetworkPolicy,
+    /// The run's own engines' (none for a run on an EnginePool, whose policy is the pool's).
+    pub engine: Option<NetworkPolicy>,
     pub trainer: NetworkPolicy,
     pub coordinator: NetworkPolicy,
     pub agents: NetworkPolicy,
@@ -128,17 +129,20 @@ pub(crate) fn network_policies(ctx: &Ctx) -> NetworkPolicies {
         // Ranks rendezvous on MASTER_PORT and run NCCL between them.
         ingress(Some(vec![pods(ctx, "trainer")]), vec![every_tcp_port()]),
     ];
+    let engine_pods = pods(ctx, "engine");
     match transport {
+        // A run on an EnginePool uploads its adapter through its coordinator: no engine connects
+        // to its trainer.
+        _ if ctx.pool.is_some() => {}
         // Engines connect to the weight stream's listener.
         WeightTransport::Tcp => trainer.push(ingress(
-            Some(vec![pods(ctx, "engine")]),
+            Some(vec![engine_pods]),
             vec![tcp(WEIGHT_STREAM_PORT)],
         )),
         // NCCL connects both ways on ports of its own.
-        WeightTransport::Nccl => trainer.push(ingress(
-            Some(vec![pods(ctx, "engine")]),
-            vec![every_tcp_port()],
-        )),
+        WeightTransport::Nccl => {
+            trainer.push(ingress(Some(vec![engine_pods]), vec![every_tcp_port()]))
+        }
         WeightTransport::Filesystem => {}
     }
 
@@ -169,7 +173,10 @@ pub(crate) fn network_policies(ctx: &Ctx) -> NetworkPolicies {
     NetworkPolicies {
         judge,
         teacher,
-        engine: policy(ctx, "engine", engine, None),
+        engine: ctx
+            .pool
+            .is_none()
+            .then(|| policy(ctx, "engine", engine, None)),
         trainer: policy(ctx, "trainer", trainer, None),
         coordinator: policy(ctx, "coordinator", coordinator, None),
         agents: policy(ctx, "agents", agents_ingress, Some(agent_egress(ctx))),

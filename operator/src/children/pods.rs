@@ -16,10 +16,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::access::CONFIG_FILE;
 use super::{
-    name, service_account_name, Ctx, AGENT_TOKEN_KEY, CONFIG_HASH_ANNOTATION, RUN_UID_LABEL,
-    TOKEN_KEY,
+    name, service_account_name, Ctx, AGENT_TOKEN_KEY, CONFIG_HASH_ANNOTATION, ON_POOL_LABEL,
+    RUN_UID_LABEL, TOKEN_KEY,
 };
-use crate::api::WeightTransport;
+use crate::api::{SchedulingSpec, WeightTransport};
 
 /// Extended resource of NVIDIA's device plugin.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -147,20 +147,54 @@ pub fn config_path() -> String {
 
 /// A pod template for `component`: labels, config hash, service account, security context,
 /// the config and token, placement. `gpu` pods get the GPU node selector and toleration.
-pub(crate) fn template(
-    ctx: &Ctx,
-    component: &str,
-    gpu: bool,
-    mut spec: PodSpec,
-) -> PodTemplateSpec {
-    let tmp = tmp_size(ctx, component);
-    let init = spec.init_containers.iter_mut().flatten();
-    for c in spec.containers.iter_mut().chain(init) {
-        bounded(c, &tmp);
-    }
+pub(crate) fn template(ctx: &Ctx, component: &str, gpu: bool, spec: PodSpec) -> PodTemplateSpec {
     let mut labels = ctx.labels(Some(component));
     labels.insert(RUN_UID_LABEL.into(), ctx.owner.uid.clone());
-    let scheduling = &ctx.run.spec.scheduling;
+    if let Some(pool) = ctx
+        .pool
+        .filter(|_| matches!(component, "coordinator" | "trainer"))
+    {
+        // The pool's NetworkPolicy admits the pods of its runs that talk to its engines.
+        labels.insert(ON_POOL_LABEL.into(), pool.name.clone());
+    }
+    let owner = PodOwner {
+        labels,
+        config_hash: &ctx.config_hash,
+        service_account: Some(service_account_name(&ctx.name)),
+        config_map: Some(name(&ctx.name, "config")),
+        scheduling: &ctx.run.spec.scheduling,
+    };
+    pod_template(owner, component, gpu, &tmp_size(ctx, component), spec)
+}
+
+/// What a pod template takes from the object that owns its pods (a run, an EnginePool).
+pub(crate) struct PodOwner<'a> {
+    /// The pods' labels.
+    pub labels: BTreeMap<String, String>,
+    /// Hash of the owner's spec without replica counts: pods restart when it changes.
+    pub config_hash: &'a str,
+    /// The pods' ServiceAccount; the namespace's default (its token never mounted) when `None`.
+    pub service_account: Option<String>,
+    /// The ConfigMap mounted as the `config` volume, if the pods have one.
+    pub config_map: Option<String>,
+    pub scheduling: &'a SchedulingSpec,
+}
+
+/// A pod template for `component` of `owner`, with a `/tmp` of `tmp`: every container
+/// [`bounded`], locked down, placed by `owner.scheduling`; `gpu` pods get the GPU node selector
+/// and toleration.
+pub(crate) fn pod_template(
+    owner: PodOwner,
+    component: &str,
+    gpu: bool,
+    tmp: &str,
+    mut spec: PodSpec,
+) -> PodTemplateSpec {
+    let init = spec.init_containers.iter_mut().flatten();
+    for c in spec.containers.iter_mut().chain(init) {
+        bounded(c, tmp);
+    }
+    let scheduling = owner.scheduling;
     let mut tolerations = scheduling.tolerations.clone();
     if gpu
         && !tolerations
@@ -176,26 +210,28 @@ pub(crate) fn template(
         });
     }
     let mut volumes = spec.volumes.unwrap_or_default();
-    volumes.push(Volume {
-        name: "config".into(),
-        config_map: Some(ConfigMapVolumeSource {
-            name: name(&ctx.name, "config"),
-            ..Default::default()
-        }),
-        ..Volume::default()
-    });
-    volumes.push(empty_dir("tmp", None, &tmp));
+    if let Some(config_map) = owner.config_map {
+        volumes.push(Volume {
+            name: "config".into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: config_map,
+                ..Default::default()
+            }),
+            ..Volume::default()
+        });
+    }
+    volumes.push(empty_dir("tmp", None, tmp));
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
-            labels: Some(labels),
+            labels: Some(owner.labels),
             annotations: Some(BTreeMap::from([(
                 CONFIG_HASH_ANNOTATION.to_string(),
-                ctx.config_hash.clone(),
+                owner.config_hash.to_string(),
             )])),
             ..ObjectMeta::default()
         }),
         spec: Some(PodSpec {
-            service_account_name: Some(service_account_name(&ctx.name)),
+            service_account_name: owner.service_account,
             // Only the coordinator calls the API server (engine discovery, status); no other
             // pod, and above all no agent pod, holds an API credential.
             automount_service_account_token: Some(component == "coordinator"),
@@ -312,6 +348,11 @@ fn tmp_size(ctx: &Ctx, component: &str) -> String {
         "coordinator" => spec.coordinator.resources.as_ref(),
         _ => None,
     };
+    tmp_size_of(resources, component)
+}
+
+/// The size limit of a `/tmp` of `component` whose resources are `resources`.
+pub(crate) fn tmp_size_of(resources: Option<&ResourceRequirements>, component: &str) -> String {
     resources
         .and_then(|r| r.limits.as_ref())
         .and_then(|l| l.get("ephemeral-storage"))
@@ -517,6 +558,10 @@ pub(crate) fn weights(ctx: &Ctx, read_only: bool) -> Option<(Volume, VolumeMount
 }
 
 pub(crate) fn model(ctx: &Ctx) -> (Option<(Volume, VolumeMount)>, String) {
-    let m = &ctx.run.spec.model;
+    model_of(&ctx.run.spec.model)
+}
+
+/// [`model`] of a model spec (a run's, an EnginePool's).
+pub(crate) fn model_of(m: &crate::api::ModelSpec) -> (Option<(Volume, VolumeMount)>, String) {
     claimed(m.claim_name.as_deref(), &m.path, "model", MODEL_DIR)
 }

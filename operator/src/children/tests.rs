@@ -69,7 +69,7 @@ fn every_child_is_owned_by_the_run_as_controller_and_labelled() {
 #[test]
 fn vllm_engines_get_the_flags_and_gpus_moult_needs() {
     let c = build(&example_run());
-    let sts = &c.engines.spec;
+    let sts = &c.engines.clone().unwrap().spec;
     assert_eq!(sts.replicas, Some(4));
     assert_eq!(sts.pod_management_policy.as_deref(), Some("Parallel"));
     let p = pod(&Some(sts.template.clone())).clone();
@@ -152,12 +152,12 @@ fn vllm_engines_get_the_flags_and_gpus_moult_needs() {
 fn routing_replay_asks_vllm_for_routed_experts() {
     let mut run = example_run();
     assert!(!args(main_container(pod(&Some(
-        build(&run).engines.spec.template
+        build(&run).engines.clone().unwrap().spec.template
     ))))
     .contains(&"--enable-return-routed-experts"));
     run.spec.routing_replay = true;
     assert!(args(main_container(pod(&Some(
-        build(&run).engines.spec.template
+        build(&run).engines.clone().unwrap().spec.template
     ))))
     .contains(&"--enable-return-routed-experts"));
 }
@@ -171,7 +171,7 @@ fn a_lora_runs_builtin_engines_serve_its_adapter() {
     run.spec.engines.tensor_parallel_size = 1;
     run.spec.model.lora = Some(serde_json::from_value(serde_json::json!({"rank": 8})).unwrap());
     let c = build(&run);
-    let p = pod(&Some(c.engines.spec.template)).clone();
+    let p = pod(&Some(c.engines.clone().unwrap().spec.template)).clone();
     let a = args(main_container(&p));
     let at = a.iter().position(|x| *x == "--lora").expect("--lora");
     let value: serde_json::Value = serde_json::from_str(a[at + 1]).unwrap();
@@ -189,7 +189,7 @@ fn the_builtin_engine_runs_moult_engine_without_gpus() {
     run.spec.engines.tensor_parallel_size = 1;
     run.spec.engines.gpus_per_engine = Some(0);
     let c = build(&run);
-    let p = pod(&Some(c.engines.spec.template)).clone();
+    let p = pod(&Some(c.engines.clone().unwrap().spec.template)).clone();
     let e = main_container(&p);
     assert_eq!(e.command.as_deref(), Some(&["moult".to_string()][..]));
     assert_eq!(args(e)[..3], ["engine", "--model", "/models/Qwen3-8B"]);
@@ -514,7 +514,7 @@ fn a_served_teacher_gets_engines_of_its_own_and_the_trainer_no_teacher() {
         .iter()
         .any(|x| x.name == "gsm8k-grpo-teacher" && x.kind == ChildKind::StatefulSet));
     // The policy's engines keep their flags.
-    let engines = Some(build(&run).engines.spec.template);
+    let engines = Some(build(&run).engines.clone().unwrap().spec.template);
     let a = args(main_container(pod(&engines)));
     assert!(a.contains(&"--enable-return-routed-experts"), "{a:?}");
     let len = a.iter().position(|&x| x == "--max-model-len").unwrap();
@@ -550,7 +550,7 @@ fn every_pod_runs_as_the_runs_own_service_account_which_is_never_the_namespaces_
         "gsm8k-grpo-moult"
     );
     for t in [
-        c.engines.spec.template,
+        c.engines.clone().unwrap().spec.template,
         c.trainer.spec.template,
         c.coordinator.spec.template,
         c.agents.spec.template,
@@ -588,7 +588,7 @@ fn agent_pods_hold_the_agent_credential_alone_and_no_api_credential() {
         crate::credentials::agent_credential("secret-token").into_bytes()
     );
     for (component, t) in [
-        ("engines", c.engines.spec.template),
+        ("engines", c.engines.clone().unwrap().spec.template),
         ("trainer", c.trainer.spec.template),
         ("coordinator", c.coordinator.spec.template),
         ("agents", c.agents.spec.template),
@@ -700,7 +700,7 @@ fn suspend_scales_every_workload_to_zero_and_keeps_the_rest() {
     let running = build(&run);
     run.spec.suspend = true;
     let suspended = build(&run);
-    assert_eq!(suspended.engines.spec.replicas, Some(0));
+    assert_eq!(suspended.engines.clone().unwrap().spec.replicas, Some(0));
     assert_eq!(suspended.trainer.spec.replicas, Some(0));
     assert_eq!(suspended.coordinator.spec.replicas, Some(0));
     assert_eq!(suspended.agents.spec.replicas, Some(0));
@@ -720,6 +720,8 @@ fn scaling_engines_does_not_restart_pods_but_changing_the_algorithm_does() {
     let mut run = example_run();
     let hash = |c: &Children| {
         c.engines
+            .as_ref()
+            .unwrap()
             .spec
             .template
             .metadata
@@ -771,7 +773,10 @@ fn a_queue_makes_one_kueue_workload_of_every_role_and_the_priority_class_reaches
     run.spec.scheduling.queue_name = Some("team-a".into());
     run.spec.scheduling.priority_class_name = Some("rl-batch".into());
     let c = build(&run);
-    for t in [&c.engines.spec.template, &c.agents.spec.template] {
+    for t in [
+        &c.engines.clone().unwrap().spec.template,
+        &c.agents.spec.template,
+    ] {
         let labels = t.metadata.clone().unwrap().labels.unwrap();
         assert!(
             !labels.contains_key(super::QUEUE_LABEL),
@@ -806,7 +811,15 @@ fn a_queue_makes_one_kueue_workload_of_every_role_and_the_priority_class_reaches
     let engine = &sets[0]["template"]["spec"]["containers"][0];
     assert_eq!(
         engine["resources"]["limits"]["nvidia.com/gpu"],
-        c.engines.spec.template.spec.as_ref().unwrap().containers[0]
+        c.engines
+            .clone()
+            .unwrap()
+            .spec
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .containers[0]
             .resources
             .as_ref()
             .unwrap()
@@ -846,7 +859,7 @@ fn a_queued_run_has_no_pods_and_an_admitted_one_goes_where_its_flavors_say() {
     run.spec.scheduling.queue_name = Some("team-a".into());
     let mut held = build(&run);
     held.hold();
-    assert_eq!(held.engines.spec.replicas, Some(0));
+    assert_eq!(held.engines.clone().unwrap().spec.replicas, Some(0));
     assert_eq!(held.trainer.spec.replicas, Some(0));
     assert_eq!(held.coordinator.spec.replicas, Some(0));
     assert_eq!(held.agents.spec.replicas, Some(0));
@@ -861,7 +874,15 @@ fn a_queued_run_has_no_pods_and_an_admitted_one_goes_where_its_flavors_say() {
         tolerations: vec![toleration.clone()],
     };
     placed.place(&[("engines".to_string(), gpu)].into());
-    let engines = placed.engines.spec.template.spec.as_ref().unwrap();
+    let engines = placed
+        .engines
+        .as_ref()
+        .unwrap()
+        .spec
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
     assert_eq!(engines.node_selector.as_ref().unwrap()["pool"], "a100");
     assert!(engines.tolerations.as_ref().unwrap().contains(&toleration));
     let agents = placed.agents.spec.template.spec.as_ref().unwrap();
@@ -870,8 +891,8 @@ fn a_queued_run_has_no_pods_and_an_admitted_one_goes_where_its_flavors_say() {
         .as_ref()
         .is_none_or(|s| !s.contains_key("pool")));
     assert_eq!(
-        placed.engines.spec.replicas,
-        build(&run).engines.spec.replicas,
+        placed.engines.clone().unwrap().spec.replicas,
+        build(&run).engines.clone().unwrap().spec.replicas,
         "admitted: as many as the spec says"
     );
 }
@@ -885,7 +906,10 @@ fn the_runtime_class_reaches_the_agent_pods_alone() {
     let c = build(&run);
     let agents = c.agents.spec.template.clone().spec.unwrap();
     assert_eq!(agents.runtime_class_name.as_deref(), Some("gvisor"));
-    for t in [&c.engines.spec.template, &c.trainer.spec.template] {
+    for t in [
+        &c.engines.clone().unwrap().spec.template,
+        &c.trainer.spec.template,
+    ] {
         assert_eq!(t.spec.as_ref().unwrap().runtime_class_name, None);
     }
 }
@@ -900,7 +924,10 @@ fn the_code_recipes_cluster_manifest_builds_sandboxed_agents() {
     let c = build(&run);
     let agents = c.agents.spec.template.clone().spec.unwrap();
     assert_eq!(agents.runtime_class_name.as_deref(), Some("gvisor"));
-    for t in [&c.engines.spec.template, &c.trainer.spec.template] {
+    for t in [
+        &c.engines.clone().unwrap().spec.template,
+        &c.trainer.spec.template,
+    ] {
         assert_eq!(t.spec.as_ref().unwrap().runtime_class_name, None);
     }
     // A sandbox pod per episode: the template runs `moult sandbox --serve` in the sandbox image,
@@ -1055,7 +1082,7 @@ fn the_filesystem_transport_mounts_its_claim_in_trainer_and_engines() {
     let mut run = example_run();
     // NCCL (vLLM's default) needs vLLM's weight-transfer engine; nothing is mounted.
     let nccl = build(&run);
-    let e = pod(&Some(nccl.engines.spec.template.clone())).clone();
+    let e = pod(&Some(nccl.engines.clone().unwrap().spec.template.clone())).clone();
     assert!(args(main_container(&e)).contains(&"--weight-transfer-config"));
     assert!(!mounts(main_container(&e)).iter().any(|m| m.0 == "weights"));
 
@@ -1064,7 +1091,7 @@ fn the_filesystem_transport_mounts_its_claim_in_trainer_and_engines() {
         claim_name: Some("rl-weights".into()),
     });
     let c = build(&run);
-    let e = pod(&Some(c.engines.spec.template.clone())).clone();
+    let e = pod(&Some(c.engines.clone().unwrap().spec.template.clone())).clone();
     let t = pod(&Some(c.trainer.spec.template.clone())).clone();
     // Engines reload from the folder through /collective_rpc: no NCCL transfer engine.
     assert!(!args(main_container(&e)).contains(&"--weight-transfer-config"));
@@ -1103,7 +1130,7 @@ fn the_filesystem_transport_mounts_its_claim_in_trainer_and_engines() {
 fn every_container_reports_its_last_log_lines_when_it_fails() {
     let c = build(&example_run());
     for t in [
-        c.engines.spec.template,
+        c.engines.clone().unwrap().spec.template,
         c.trainer.spec.template,
         c.coordinator.spec.template,
         c.agents.spec.template,
@@ -1141,7 +1168,14 @@ fn every_flag_moult_sets_on_an_engine_is_refused_in_extra_args() {
     builtin.spec.engines.backend = EngineBackend::Builtin;
     builtin.spec.engines.tensor_parallel_size = 1;
     builtin.spec.engines.weight_transfer = None;
-    let engine = build(&builtin).engines.spec.template.spec.unwrap();
+    let engine = build(&builtin)
+        .engines
+        .clone()
+        .unwrap()
+        .spec
+        .template
+        .spec
+        .unwrap();
     set.extend(
         args(&engine.containers[0])
             .into_iter()
@@ -1219,7 +1253,14 @@ fn engines_are_restarted_when_their_health_fails_after_a_long_load() {
     ] {
         let mut run = example_run();
         run.spec.engines.backend = backend;
-        let p = build(&run).engines.spec.template.spec.unwrap();
+        let p = build(&run)
+            .engines
+            .clone()
+            .unwrap()
+            .spec
+            .template
+            .spec
+            .unwrap();
         let c = &p.containers[0];
         let path = |probe: &Option<k8s_openapi::api::core::v1::Probe>| {
             probe
@@ -1373,4 +1414,26 @@ fn disruption_budgets_guard_the_trainer_and_the_coordinator_only_when_the_operat
     });
     let done = desired(&run, &config, "secret-token").unwrap();
     assert!(done.disruption_budgets.is_empty());
+}
+
+/// The EnginePool and the two RLRuns of the pool example, as the API server would hand them over.
+pub(crate) fn pool_example() -> (crate::api::EnginePool, Vec<RLRun>) {
+    let text = include_str!("../../../examples/cluster/lora-pool.yaml");
+    let mut pool = None;
+    let mut runs = Vec::new();
+    for (i, doc) in text.split("\n---\n").enumerate() {
+        let uid = format!("7c1d2e3f-0000-4000-8000-00000000000{i}");
+        if doc.contains("kind: EnginePool") {
+            let mut p: crate::api::EnginePool = serde_yaml_ng::from_str(doc).unwrap();
+            p.metadata.namespace = Some("research".into());
+            p.metadata.uid = Some(uid);
+            pool = Some(p);
+        } else if doc.contains("kind: RLRun") {
+            let mut r: RLRun = serde_yaml_ng::from_str(doc).unwrap();
+            r.metadata.namespace = Some("research".into());
+            r.metadata.uid = Some(uid);
+            runs.push(r);
+        }
+    }
+    (pool.expect("the example has an EnginePool"), runs)
 }

@@ -24,7 +24,7 @@ use super::{
     name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, SANDBOX_ENV, SANDBOX_SOCKET,
     TRAINER_RENDEZVOUS_PORT, WEIGHT_STREAM_PORT,
 };
-use crate::api::{AgentForm, AgentSpec, EngineBackend, RLRunSpec, WeightTransport};
+use crate::api::{AgentForm, AgentSpec, EngineBackend, EnginesSpec, RLRunSpec, WeightTransport};
 
 /// Where the init container puts the `moult` binary in agent pods.
 pub(crate) const MOULT_BIN_DIR: &str = "/opt/moult/bin";
@@ -219,6 +219,8 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
             let mut env_vars = vec![
                 // Dev mode serves /pause, /resume and the weight-transfer endpoints.
                 env("VLLM_SERVER_DEV_MODE", "1"),
+                // A LoRA run's adapters are loaded as the run goes (docs/lora.md).
+                env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),
                 env("HOME", "/tmp"),
             ];
             // The root filesystem is read-only: every cache vLLM and the libraries under it
@@ -260,10 +262,34 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
     };
     let mut c = container("engine", &image, command, args);
     c.env = Some(env_vars);
-    let mut containers = Vec::new();
-    if e.backend == EngineBackend::Vllm {
-        containers.push(engine_front(ctx));
-    } else {
+    let front = (e.backend == EngineBackend::Vllm).then(|| engine_front(ctx));
+    let volumes = [model_volume, weights(ctx, true).filter(|_| weight_updates)];
+    let pod = engine_pod(e, c, front, volumes.into_iter().flatten());
+    StatefulSet {
+        metadata: ctx.meta(component, Some(component)),
+        spec: StatefulSetSpec {
+            replicas: Some(ctx.replicas(replicas)),
+            service_name: Some(name(&ctx.name, component)),
+            // Engines are independent: scale up and down all at once.
+            pod_management_policy: Some("Parallel".into()),
+            selector: selector(ctx, component),
+            template: template(ctx, component, e.gpus() > 0, pod),
+            ..StatefulSetSpec::default()
+        },
+        ..StatefulSet::default()
+    }
+}
+
+/// An engine pod: the engine container `c` with `e`'s resources and GPUs, its probes,
+/// `/dev/shm` and `volumes` mounted, and the token check in front of a vLLM engine (`front`,
+/// which then holds the engine port). Shared by a run's engines and an EnginePool's.
+pub(crate) fn engine_pod(
+    e: &EnginesSpec,
+    mut c: Container,
+    front: Option<Container>,
+    volumes: impl IntoIterator<Item = (Volume, VolumeMount)>,
+) -> PodSpec {
+    if front.is_none() {
         c.ports = container_port(ENGINE_PORT);
     }
     c.resources = resources(e.resources.as_ref(), e.gpus());
@@ -278,36 +304,18 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
         failure_threshold: Some(3),
         ..http_probe("/health", ENGINE_PORT, 10)
     });
-    let mut volumes = vec![empty_dir("dshm", Some("Memory"), SHM_SIZE)];
+    let mut pod_volumes = vec![empty_dir("dshm", Some("Memory"), SHM_SIZE)];
     let mounts = c.volume_mounts.get_or_insert_with(Vec::new);
     // NCCL and vLLM's tensor-parallel workers share memory through /dev/shm.
     mounts.push(mount("dshm", "/dev/shm", false));
-    if let Some((v, m)) = model_volume {
-        volumes.push(v);
+    for (v, m) in volumes {
+        pod_volumes.push(v);
         mounts.push(m);
     }
-    if let Some((v, m)) = weights(ctx, true).filter(|_| weight_updates) {
-        volumes.push(v);
-        mounts.push(m);
-    }
-    containers.insert(0, c);
-    let pod = PodSpec {
-        containers,
-        volumes: Some(volumes),
+    PodSpec {
+        containers: std::iter::once(c).chain(front).collect(),
+        volumes: Some(pod_volumes),
         ..PodSpec::default()
-    };
-    StatefulSet {
-        metadata: ctx.meta(component, Some(component)),
-        spec: StatefulSetSpec {
-            replicas: Some(ctx.replicas(replicas)),
-            service_name: Some(name(&ctx.name, component)),
-            // Engines are independent: scale up and down all at once.
-            pod_management_policy: Some("Parallel".into()),
-            selector: selector(ctx, component),
-            template: template(ctx, component, e.gpus() > 0, pod),
-            ..StatefulSetSpec::default()
-        },
-        ..StatefulSet::default()
     }
 }
 
@@ -378,6 +386,14 @@ pub fn vllm_args(
     if spec.routing_replay && role == EngineRole::Policy {
         args.push("--enable-return-routed-experts".into());
     }
+    if let (Some(rank), EngineRole::Policy) = (spec.vllm_lora_rank(), role) {
+        // A LoRA run loads each version as a new adapter at run time (with
+        // VLLM_ALLOW_RUNTIME_LORA_UPDATING) and holds two while it switches (docs/lora.md).
+        args.extend(
+            ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4"].map(String::from),
+        );
+        args.extend(["--max-lora-rank".into(), rank.to_string()]);
+    }
     args.extend(e.extra_args.iter().cloned());
     args
 }
@@ -446,6 +462,10 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
     // it ends rather than be killed (docs/operator.md, "Stopping, suspending, preempting").
     let grace = t.grace_seconds();
     env_vars.push(env("MOULT_STOP_SECONDS", &(grace - 5).to_string()));
+    if let Some(pool) = ctx.pool {
+        // The trainer sends the adapter to the pool's engines, as the run.
+        env_vars.extend(super::pool::run_env(pool, &name(&ctx.name, "token")));
+    }
     env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);
     c.ports = Some(vec![
@@ -518,9 +538,13 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
     );
     c.resources = ctx.run.spec.coordinator.resources.clone();
     let (data_volume, tasks_path) = dataset(ctx);
+    // The engines' Service: the coordinator follows its EndpointSlices (the pool's, on a pool).
+    let engines = match ctx.pool {
+        Some(pool) => name(&pool.name, "engines"),
+        None => name(&ctx.name, "engine"),
+    };
     let mut env_vars = vec![
-        // The engines' Service: the coordinator follows its EndpointSlices.
-        env("MOULT_ENGINES", &name(&ctx.name, "engine")),
+        env("MOULT_ENGINES", &engines),
         // The coordinator draws the tasks (it owns the data cursor).
         env("MOULT_TASKS", &tasks_path),
     ];
@@ -546,6 +570,10 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
     // EndpointSlices) before the trainer gets it.
     if served_teacher(ctx).is_some() {
         env_vars.push(env("MOULT_TEACHER_ENGINES", &name(&ctx.name, "teacher")));
+    }
+    if let Some(pool) = ctx.pool {
+        // It routes the run's generations to the pool's engines, as the run.
+        env_vars.extend(super::pool::run_env(pool, &name(&ctx.name, "token")));
     }
     env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);

@@ -136,10 +136,21 @@ impl std::fmt::Display for Conflict {
 /// Lists every child of `run` (by label) in `namespace`, split by whether the run whose uid is
 /// `uid` controls it.
 pub async fn list(client: &Client, namespace: &str, run: &str, uid: &str) -> Result<Listed> {
-    let lp = ListParams::default().labels(&format!(
-        "{RUN_LABEL}={run},{MANAGED_BY_LABEL}={MANAGED_BY}"
-    ));
-    let lists = ChildKind::ALL.map(|kind| {
+    list_labelled(client, namespace, (RUN_LABEL, run), uid, &ChildKind::ALL).await
+}
+
+/// Lists the objects of `kinds` in `namespace` labelled `label` (the owner's name label and its
+/// name: a run's, an EnginePool's), split by whether the owner whose uid is `uid` controls them.
+pub async fn list_labelled(
+    client: &Client,
+    namespace: &str,
+    (label, run): (&str, &str),
+    uid: &str,
+    kinds: &[ChildKind],
+) -> Result<Listed> {
+    let lp =
+        ListParams::default().labels(&format!("{label}={run},{MANAGED_BY_LABEL}={MANAGED_BY}"));
+    let lists = kinds.iter().map(|&kind| {
         let api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), namespace, &api_resource(kind));
         let lp = &lp;

@@ -1,5 +1,8 @@
 //! The RLRun controller: reconcile = compute the desired children → server-side apply what
 //! differs → delete orphans by label → patch status when it changed → events on transitions.
+//! Beside it, the EnginePool controller ([`pool`]), whose pools runs name in
+//! `spec.engines.poolRef`: each watches the other's objects, so a run reacts to its pool and a
+//! pool to the runs on it.
 //!
 //! RLRuns are watched through [`DeserializeGuard`], so one that does not parse is reported in
 //! its status and events and skipped; it never stalls the watch. The operator watches every
@@ -15,6 +18,7 @@ pub mod causes;
 pub mod kueue;
 pub mod leader;
 pub mod metrics;
+pub mod pool;
 pub mod status;
 pub mod usage;
 
@@ -43,7 +47,7 @@ use self::apply::{Live, FIELD_MANAGER};
 use self::metrics::{Metrics, ResultLabels};
 use self::status::Refusal;
 use self::status::Workloads;
-use crate::api::{Phase, RLRun, RLRunStatus};
+use crate::api::{EnginePool, Phase, RLRun, RLRunStatus};
 use crate::children::{self, ChildKind, MANAGED_BY, MANAGED_BY_LABEL, RUN_LABEL, TOKEN_KEY};
 use crate::error::{Context as _, Error, Result};
 
@@ -161,10 +165,66 @@ pub async fn run(client: Client, settings: Settings, metrics: Arc<Metrics>, iden
     if queued {
         tracing::info!("Kueue serves Workloads here: watching those of the runs");
     }
+    let pooled = pool::served(&client).await;
+    if !pooled {
+        tracing::warn!("the EnginePool CRD is not installed (helm upgrade does not update CRDs: kubectl apply --server-side -f crds/enginepool.yaml): runs naming a pool wait with PoolNotFound");
+    }
+    let pools = controllers
+        .iter()
+        .filter(|_| pooled)
+        .map(|(_, ns)| watch_pools(&client, ns.clone(), ctx.clone()))
+        .collect::<Vec<_>>();
     let running = controllers
         .into_iter()
-        .map(|(controller, ns)| watch(controller, &client, ns, ctx.clone(), queued));
-    futures::future::join_all(running).await;
+        .map(|(controller, ns)| watch(controller, &client, ns, ctx.clone(), queued, pooled));
+    futures::future::join(
+        futures::future::join_all(running),
+        futures::future::join_all(pools),
+    )
+    .await;
+}
+
+/// The EnginePools of one namespace (or all): their children, their engine pods, and the runs
+/// that name them (a run that comes or goes changes the pool's status and finalizer).
+async fn watch_pools(client: &Client, owned: Option<String>, ctx: Arc<Ctx>) {
+    let pools = match &owned {
+        Some(ns) => Api::<DeserializeGuard<EnginePool>>::namespaced(client.clone(), ns),
+        None => Api::<DeserializeGuard<EnginePool>>::all(client.clone()),
+    };
+    let runs = match &owned {
+        Some(ns) => Api::<DeserializeGuard<RLRun>>::namespaced(client.clone(), ns),
+        None => Api::<DeserializeGuard<RLRun>>::all(client.clone()),
+    };
+    let ours = ours();
+    let concurrency = ctx.settings.concurrency;
+    Controller::new(pools, watcher::Config::default())
+        .watches(runs, watcher::Config::default(), |guard| {
+            let run = guard.0.ok()?;
+            let pool = run.spec.engines.pool_ref.as_ref()?.name.clone();
+            let ns = run.namespace()?;
+            Some(ObjectRef::<DeserializeGuard<EnginePool>>::new(&pool).within(&ns))
+        })
+        .watches(scoped::<Pod>(client, &owned), ours.clone(), |pod| {
+            let pool = pod.labels().get(children::POOL_LABEL)?.clone();
+            let ns = pod.namespace()?;
+            Some(ObjectRef::<DeserializeGuard<EnginePool>>::new(&pool).within(&ns))
+        })
+        .owns(scoped::<StatefulSet>(client, &owned), ours.clone())
+        .owns(scoped::<Service>(client, &owned), ours.clone())
+        .owns(scoped::<Secret>(client, &owned), ours.clone())
+        .owns(
+            scoped::<k8s_openapi::api::networking::v1::NetworkPolicy>(client, &owned),
+            ours,
+        )
+        .with_config(ControllerConfig::default().concurrency(concurrency))
+        .shutdown_on_signal()
+        .run(pool::reconcile, pool::error_policy, ctx)
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "reconcile of an EnginePool failed");
+            }
+        })
+        .await;
 }
 
 /// One controller: the runs of one namespace (or all), their children and their pods.
@@ -174,9 +234,33 @@ async fn watch(
     owned: Option<String>,
     ctx: Arc<Ctx>,
     queued: bool,
+    pooled: bool,
 ) {
     let ours = ours();
     let concurrency = ctx.settings.concurrency;
+    // A pool that comes, goes or changes: the runs that name it look again.
+    let controller = match pooled {
+        true => {
+            let runs = controller.store();
+            let pools = match &owned {
+                Some(ns) => Api::<DeserializeGuard<EnginePool>>::namespaced(client.clone(), ns),
+                None => Api::<DeserializeGuard<EnginePool>>::all(client.clone()),
+            };
+            controller.watches(pools, watcher::Config::default(), move |pool| {
+                let (name, ns) = (pool.name_any(), pool.namespace());
+                let on = |guard: &DeserializeGuard<RLRun>| {
+                    let run = guard.0.as_ref().ok()?;
+                    let named = run.spec.engines.pool_ref.as_ref()?.name == name;
+                    (named && run.namespace() == ns).then(|| ObjectRef::from_obj(guard))
+                };
+                runs.state()
+                    .iter()
+                    .filter_map(|g| on(g))
+                    .collect::<Vec<_>>()
+            })
+        }
+        false => controller,
+    };
     // Kueue's Workloads of the runs, on a cluster that has Kueue.
     let controller = match queued {
         true => {
@@ -287,9 +371,13 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
     let uid = run.uid().ok_or(Error::MissingMetadata("uid"))?;
     let name = run.name_any();
     let listed = apply::list(&ctx.client, &ns, &name, &uid).await?;
-    let token = existing_token(&listed.owned, &name).unwrap_or_else(new_token);
-    let (current, refusal, queue) = match children::desired(run, &ctx.settings.children, &token) {
-        Ok(mut desired) => {
+    let token =
+        existing_token(&listed.owned, &children::name(&name, "token")).unwrap_or_else(new_token);
+    let (desired, found) = desired_children(run, ctx, &token).await?;
+    let pool_issue = found.as_ref().and_then(|f| f.issue.clone());
+    let (current, refusal, queue) = match desired {
+        Ok(None) => (listed.owned, None, None),
+        Ok(Some(mut desired)) => {
             let queue = admit(ctx, run, &mut desired, &listed.owned).await?;
             let synced = apply::sync(&ctx.client, &ns, &uid, desired.into_list(), listed).await?;
             ctx.metrics.write("apply", synced.applied.len());
@@ -312,8 +400,17 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         }
         Err(why) => (listed.owned, Some(Refusal::InvalidSpec(why.0)), None),
     };
+    // What keeps the run from its pool, unless the run's own children were refused.
+    let refusal = refusal.or(pool_issue.map(|i| Refusal::Pool {
+        reason: i.reason,
+        message: i.message,
+    }));
     let now = Time(Timestamp::now());
     let mut workloads = workloads(&current, run, pods(ctx, &ns, &name));
+    if let Some(f) = found {
+        // The pool's engines are the run's.
+        workloads.engines = f.engines;
+    }
     if let Some(q) = &queue {
         owe_kueue(ctx, run, q, &current, &workloads, &now).await?;
     }
@@ -338,6 +435,29 @@ async fn reconcile_run(run: &RLRun, ctx: &Ctx) -> Result<Action> {
         true => Ok(Action::requeue(ctx.settings.resync.min(usage::WRITE_EVERY))),
         false => Ok(Action::requeue(ctx.settings.resync)),
     }
+}
+
+/// The run's children, and for a run on an EnginePool what it found of the pool: `None` while
+/// the run may not use its pool (then nothing of the run is applied, [`pool::Found::issue`] says
+/// why).
+async fn desired_children(
+    run: &RLRun,
+    ctx: &Ctx,
+    token: &str,
+) -> Result<(
+    Result<Option<children::Children>, children::InvalidSpec>,
+    Option<pool::Found>,
+)> {
+    let config = &ctx.settings.children;
+    let Some(r) = &run.spec.engines.pool_ref else {
+        return Ok((children::desired(run, config, token).map(Some), None));
+    };
+    let found = pool::find(&ctx.client, run, &r.name).await?;
+    let desired = match &found.on_pool {
+        Some(on_pool) => children::desired_on_pool(run, config, token, on_pool).map(Some),
+        None => Ok(None),
+    };
+    Ok((desired, Some(found)))
 }
 
 /// Kueue's say in the run's children (docs/operator.md, "Kueue"): the Workload carries the run's
@@ -428,8 +548,9 @@ fn observe(ctx: &Ctx, rl_run: &RLRun, new: &RLRunStatus, workloads: &Workloads) 
     );
 }
 
-fn existing_token(live: &Live, run: &str) -> Option<String> {
-    let secret = live.get(&(ChildKind::Secret, children::name(run, "token")))?;
+/// The token in the Secret `secret` among `live` (a run's `<run>-token`, a pool's `<pool>-pool`).
+fn existing_token(live: &Live, secret: &str) -> Option<String> {
+    let secret = live.get(&(ChildKind::Secret, secret.to_string()))?;
     let encoded = secret.data.get("data")?.get(TOKEN_KEY)?.as_str()?;
     use base64::Engine as _;
     let bytes = base64::engine::general_purpose::STANDARD
@@ -624,6 +745,7 @@ fn cause(status: &RLRunStatus) -> Option<(&str, &str)> {
         .find(|c| c.type_ == "Degraded" && c.status == "True")
         .filter(|c| {
             c.reason == status::OWNERSHIP_CONFLICT
+                || c.reason.starts_with("Pool")
                 || causes::Reason::ALL.iter().any(|r| r.as_str() == c.reason)
         })
         .map(|c| (c.reason.as_str(), c.message.as_str()))

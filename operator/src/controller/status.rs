@@ -16,8 +16,8 @@ use kube::ResourceExt;
 
 use super::causes::{self, Cause};
 use super::kueue::Queued;
-use crate::api::{EngineStatus, Phase, RLRun, RLRunStatus};
-use crate::children::engine_selector;
+use crate::api::{EngineStatus, Phase, RLRun, RLRunStatus, RunPoolStatus};
+use crate::children::{engine_selector, pool_engine_selector};
 
 /// The run's workloads as last seen (None: does not exist yet), and its pods.
 #[derive(Clone, Debug, Default)]
@@ -94,14 +94,14 @@ pub fn components(w: &Workloads) -> Vec<Component> {
 
 /// Desired and ready pods of one component.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Readiness {
-    desired: i32,
-    ready: i32,
-    pods: i32,
-    settled: bool,
+pub(super) struct Readiness {
+    pub desired: i32,
+    pub ready: i32,
+    pub pods: i32,
+    pub settled: bool,
 }
 
-fn statefulset(s: Option<&StatefulSet>) -> Readiness {
+pub(super) fn statefulset(s: Option<&StatefulSet>) -> Readiness {
     let Some(s) = s else {
         return Readiness {
             desired: 1,
@@ -161,6 +161,13 @@ pub enum Refusal {
     /// Objects the run does not control hold its children's names: nothing is applied or deleted
     /// until they are gone (or the run is renamed).
     OwnershipConflict(String),
+    /// The run's EnginePool keeps it from ready (`reason`: `PoolNotFound`, `PoolModelMismatch`,
+    /// ... of [`super::pool`]): nothing is applied or deleted until it may use the pool, except
+    /// while the pool is being deleted (it still serves the run then).
+    Pool {
+        reason: &'static str,
+        message: String,
+    },
 }
 
 impl Refusal {
@@ -207,17 +214,21 @@ pub fn compute(run: &RLRun, w: &Workloads, refusal: Option<&Refusal>, now: &Time
                 cond("Degraded", true, "InvalidSpec", why),
                 cond("Suspended", run.spec.suspend, "InvalidSpec", why),
             )
-        } else if let Some(Refusal::OwnershipConflict(why)) = refusal {
+        } else if let Some((reason, why)) = match refusal {
+            Some(Refusal::OwnershipConflict(why)) => Some((OWNERSHIP_CONFLICT, why)),
+            Some(Refusal::Pool { reason, message }) => Some((*reason, message)),
+            _ => None,
+        } {
             (
                 if was_running_here {
                     Phase::Degraded
                 } else {
                     Phase::Pending
                 },
-                cond("Ready", false, OWNERSHIP_CONFLICT, why),
-                cond("Progressing", false, OWNERSHIP_CONFLICT, why),
-                cond("Degraded", true, OWNERSHIP_CONFLICT, why),
-                cond("Suspended", run.spec.suspend, OWNERSHIP_CONFLICT, why),
+                cond("Ready", false, reason, why),
+                cond("Progressing", false, reason, why),
+                cond("Degraded", true, reason, why),
+                cond("Suspended", run.spec.suspend, reason, why),
             )
         } else if old.phase == Some(Phase::Succeeded) {
             (
@@ -320,10 +331,12 @@ pub fn compute(run: &RLRun, w: &Workloads, refusal: Option<&Refusal>, now: &Time
         .into_iter()
         .map(|c| stamp(c, &old.conditions, generation, now))
         .collect();
-    let desired_engines = if run.spec.suspend {
-        0
-    } else {
-        run.spec.engines.replicas
+    let pool = run.spec.engines.pool_ref.as_ref();
+    let desired_engines = match pool {
+        // The pool's engines, which its own spec scales.
+        Some(_) => engines.desired,
+        None if run.spec.suspend => 0,
+        None => run.spec.engines.replicas,
     };
     RLRunStatus {
         phase: Some(phase),
@@ -333,7 +346,14 @@ pub fn compute(run: &RLRun, w: &Workloads, refusal: Option<&Refusal>, now: &Time
             replicas: engines.pods,
             ready_replicas: engines.ready,
             ready: format!("{}/{desired_engines}", engines.ready),
-            selector: engine_selector(&name),
+            selector: match pool {
+                Some(p) => pool_engine_selector(&p.name),
+                None => engine_selector(&name),
+            },
+        }),
+        pool: pool.map(|p| RunPoolStatus {
+            name: p.name.clone(),
+            share: None,
         }),
         ..RLRunStatus::default()
     }
@@ -379,16 +399,22 @@ pub fn changed(old: Option<&RLRunStatus>, new: &RLRunStatus) -> bool {
         || old.conditions != new.conditions
         || old.observed_generation != new.observed_generation
         || old.engines != new.engines
+        || old.pool.as_ref().map(|p| &p.name) != new.pool.as_ref().map(|p| &p.name)
 }
 
-struct Cond<'a> {
+pub(super) struct Cond<'a> {
     type_: &'static str,
     status: bool,
     reason: &'a str,
     message: String,
 }
 
-fn cond<'a>(type_: &'static str, status: bool, reason: &'a str, message: &str) -> Cond<'a> {
+pub(super) fn cond<'a>(
+    type_: &'static str,
+    status: bool,
+    reason: &'a str,
+    message: &str,
+) -> Cond<'a> {
     Cond {
         type_,
         status,
@@ -398,7 +424,7 @@ fn cond<'a>(type_: &'static str, status: bool, reason: &'a str, message: &str) -
 }
 
 /// A Condition that keeps its last transition time while its status stays the same.
-fn stamp(c: Cond, old: &[Condition], generation: Option<i64>, now: &Time) -> Condition {
+pub(super) fn stamp(c: Cond, old: &[Condition], generation: Option<i64>, now: &Time) -> Condition {
     let status = if c.status { "True" } else { "False" }.to_string();
     let last_transition_time = old
         .iter()
@@ -457,7 +483,7 @@ mod tests {
             d
         };
         Workloads {
-            engines: Some(sts(c.engines, "engines")),
+            engines: Some(sts(c.engines.unwrap(), "engines")),
             trainer: Some(sts(c.trainer, "trainer")),
             coordinator: Some(dep(c.coordinator, "coordinator")),
             agents: Some(dep(c.agents, "agents")),

@@ -72,7 +72,7 @@ fn expected(cell: &str, transport: WeightTransport) -> Option<bool> {
 /// The labels of a component's pods, from its pod template.
 fn pod_labels(children: &Children, component: &str) -> Labels {
     let template = match component {
-        "engine" => &children.engines.spec.template,
+        "engine" => &children.engines.as_ref().unwrap().spec.template,
         "trainer" => &children.trainer.spec.template,
         "coordinator" => &children.coordinator.spec.template,
         "agents" => &children.agents.spec.template,

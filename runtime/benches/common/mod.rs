@@ -171,6 +171,7 @@ pub async fn start_engine_lora(
         eos_token_ids: cfg.eos_token_ids.clone(),
         threads: Some(threads),
         packed_weights: None,
+        pool: None,
     };
     let (handle, _thread) = EngineHandle::spawn(m, "bench".into(), opts);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

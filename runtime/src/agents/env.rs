@@ -6,7 +6,7 @@ use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
-use super::AgentError;
+use super::{AgentError, Result};
 use crate::chat::{ChatRequest, ChatSampling, Image, Message, Part, Role};
 use crate::loopback::ChatService;
 
@@ -51,7 +51,7 @@ impl Observation {
 
     /// The user message that shows it to the model; an image that is not a PNG or JPEG in base64
     /// is the env's error.
-    pub fn into_message(self) -> Result<Message, AgentError> {
+    pub fn into_message(self) -> Result<Message> {
         let parts = match self {
             Self::Text(text) => return Ok(Message::text(Role::User, text)),
             Self::Parts(parts) => parts,
@@ -84,8 +84,8 @@ pub struct StepResult {
 /// A Gymnasium-shaped environment: `reset(task) -> observation`, then `step(action)` with each
 /// model reply until `terminated` or `truncated`.
 pub trait Env: Send {
-    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation, AgentError>>;
-    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult, AgentError>>;
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation>>;
+    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult>>;
 }
 
 /// How the framework drives an `Env`.
@@ -120,7 +120,7 @@ pub async fn run_env_episode(
     env: &mut dyn Env,
     task: &Json,
     opts: &EnvLoopOptions,
-) -> Result<(f64, Map<String, Json>), AgentError> {
+) -> Result<(f64, Map<String, Json>)> {
     let first = env.reset(task).await?;
     let system = opts.system_prompt.iter();
     let mut messages: Vec<Message> = system.map(|s| Message::text(Role::System, s)).collect();
@@ -155,7 +155,7 @@ pub async fn run_env_episode(
 pub const BUILTIN: [&str; 2] = ["repeat", "math"];
 
 /// A built-in Rust environment by name.
-pub fn builtin(name: &str) -> Result<Box<dyn Env>, AgentError> {
+pub fn builtin(name: &str) -> Result<Box<dyn Env>> {
     match name {
         "repeat" => Ok(Box::new(Repeat::default())),
         other => Err(AgentError::Config(format!(
@@ -175,7 +175,7 @@ pub struct Repeat {
 }
 
 impl Env for Repeat {
-    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation, AgentError>> {
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation>> {
         Box::pin(async move {
             let word = task.get("word").and_then(Json::as_str);
             let missing = || AgentError::Env("repeat: the task needs a string `word`".into());
@@ -186,7 +186,7 @@ impl Env for Repeat {
         })
     }
 
-    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult, AgentError>> {
+    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult>> {
         Box::pin(async move {
             self.left = self.left.saturating_sub(1);
             let said = action.contains(&self.word);

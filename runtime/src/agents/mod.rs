@@ -53,6 +53,9 @@ pub enum AgentError {
     Loopback(#[from] std::io::Error),
 }
 
+/// The agents' results: an [`AgentError`] unless said otherwise.
+pub type Result<T, E = AgentError> = std::result::Result<T, E>;
+
 /// Which agent the pool runs.
 #[derive(Debug, Clone)]
 pub enum Agent {
@@ -67,7 +70,7 @@ pub enum Agent {
 impl Agent {
     /// The agent a built-in env's name stands for (`agent.env`, `builtin:NAME` on the command
     /// line): `math` runs through moult's Python runner, the others in-process.
-    pub fn builtin(name: &str) -> Result<Self, AgentError> {
+    pub fn builtin(name: &str) -> Result<Self> {
         match name {
             "math" => AgentCommand::python("python3", "moult.math").map(Agent::ExternalEnv),
             other => env::builtin(other).map(|_| Agent::BuiltinEnv(other.to_string())),
@@ -132,11 +135,7 @@ pub struct AgentPool {
 }
 
 impl AgentPool {
-    pub fn new(
-        service: Arc<ChatService>,
-        agent: Agent,
-        opts: PoolOptions,
-    ) -> Result<Self, AgentError> {
+    pub fn new(service: Arc<ChatService>, agent: Agent, opts: PoolOptions) -> Result<Self> {
         if opts.concurrency == 0 {
             return Err(AgentError::Config("concurrency must be at least 1".into()));
         }
@@ -168,7 +167,7 @@ impl AgentPool {
         mut opts: PoolOptions,
         listener: tokio::net::TcpListener,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    ) -> Result<Arc<Self>, AgentError> {
+    ) -> Result<Arc<Self>> {
         // Sessions of running episodes, plus those closing.
         let sessions = ServiceOptions::pool(opts.concurrency * 2, name);
         let service = Arc::new(ChatService::from_model_dir(engine, model_dir, sessions)?);
@@ -263,11 +262,7 @@ impl AgentPool {
         }
     }
 
-    async fn play(
-        &self,
-        session: &str,
-        task: &Json,
-    ) -> Result<(f64, Map<String, Json>), AgentError> {
+    async fn play(&self, session: &str, task: &Json) -> Result<(f64, Map<String, Json>)> {
         let env_loop = &self.opts.env_loop;
         // The episode's sandbox pod, released when this returns.
         let (pod, pod_vars) = moult_sandbox_pods::lease(self.opts.sandboxes.as_ref(), task);

@@ -23,7 +23,7 @@ use moult_jail::sandbox::Exit;
 use moult_jail::Jail;
 
 use super::env::{Env, Observation, StepResult};
-use super::AgentError;
+use super::{AgentError, Result};
 use moult_operator::children::SANDBOX_ENV;
 
 const PACKAGE: [(&str, &str); 4] = [
@@ -38,16 +38,14 @@ const PACKAGE: [(&str, &str); 4] = [
 ];
 
 /// The folder to put on `PYTHONPATH` for `import moult`.
-pub fn python_package_dir() -> Result<&'static Path, AgentError> {
+pub fn python_package_dir() -> Result<&'static Path> {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     if let Some(dir) = DIR.get() {
         return Ok(dir);
     }
-    let digest = PACKAGE.iter().fold(0xcbf29ce484222325u64, |h, (_, text)| {
-        text.bytes()
-            .fold(h, |h, b| (h ^ b as u64).wrapping_mul(0x100000001b3))
-    });
-    let dir = std::env::temp_dir().join(format!("moult-python-{digest:016x}"));
+    use sha2::Digest as _;
+    let digest = (PACKAGE.iter()).fold(sha2::Sha256::new(), |h, (_, text)| h.chain_update(text));
+    let dir = std::env::temp_dir().join(format!("moult-python-{:x}", digest.finalize()));
     let package = dir.join("moult");
     std::fs::create_dir_all(&package)
         .map_err(|e| AgentError::Config(format!("cannot create {}: {e}", package.display())))?;
@@ -71,7 +69,7 @@ async fn start(
     cmd: &AgentCommand,
     extra: Vec<(String, String)>,
     jail: Option<&Jail>,
-) -> Result<Program, AgentError> {
+) -> Result<Program> {
     let mut env = program::environment(std::env::vars(), &crate::auth::CREDENTIAL_ENVS);
     env.extend(cmd.env.iter().cloned().chain(extra));
     let started = Program::start(sandbox(), &cmd.program, &cmd.args, env, jail).await;
@@ -85,7 +83,7 @@ async fn run(
     extra: Vec<(String, String)>,
     input: String,
     jail: Option<&Jail>,
-) -> Result<(Exit, Tail, Tail), AgentError> {
+) -> Result<(Exit, Tail, Tail)> {
     let ran = start(cmd, extra, jail).await?.run(input).await;
     ran.map_err(|e| AgentError::Crashed(format!("waiting for the agent: {e}")))
 }
@@ -118,7 +116,7 @@ impl AgentCommand {
     }
 
     /// `python -m moult.runner run PATH` for a Python module exporting `AgentRunner`.
-    pub fn python(python: &str, module: &str) -> Result<Self, AgentError> {
+    pub fn python(python: &str, module: &str) -> Result<Self> {
         let package = python_package_dir()?;
         let mut path = package.display().to_string();
         if let Some(existing) = std::env::var_os("PYTHONPATH") {
@@ -134,10 +132,9 @@ impl AgentCommand {
     }
 
     /// A shell-free command line split on whitespace.
-    pub fn parse(line: &str) -> Result<Self, AgentError> {
+    pub fn parse(line: &str) -> Result<Self> {
         let mut parts = line.split_whitespace().map(str::to_string);
-        let program = parts
-            .next()
+        let program = (parts.next())
             .ok_or_else(|| AgentError::Config("the agent command is empty".into()))?;
         Ok(Self {
             program,
@@ -148,11 +145,7 @@ impl AgentCommand {
 }
 
 /// Asks a Python agent module which form it is (`chat` or `env`), in `jail` if there is one.
-pub async fn describe_python(
-    python: &str,
-    module: &str,
-    jail: Option<&Jail>,
-) -> Result<String, AgentError> {
+pub async fn describe_python(python: &str, module: &str, jail: Option<&Jail>) -> Result<String> {
     let mut cmd = AgentCommand::python(python, module)?;
     cmd.args[2] = "describe".into();
     let (exit, stdout, stderr) = run(&cmd, Vec::new(), String::new(), jail)
@@ -161,9 +154,8 @@ pub async fn describe_python(
     // The streams end with the program; their last bytes may still be on their way.
     let (out, err) = (stdout.finished().await, stderr.finished().await);
     if !exit.success() {
-        return Err(AgentError::Config(format!(
-            "the agent module {module} failed to load ({exit}): {err}"
-        )));
+        let why = format!("the agent module {module} failed to load ({exit}): {err}");
+        return Err(AgentError::Config(why));
     }
     Ok(out)
 }
@@ -202,7 +194,7 @@ pub async fn run_chat_agent(
     task: &Json,
     dir: &Path,
     jail: Option<&Jail>,
-) -> Result<(f64, serde_json::Map<String, Json>), AgentError> {
+) -> Result<(f64, serde_json::Map<String, Json>)> {
     let (result_file, task_file) = (dir.join("result.json"), dir.join("task.json"));
     let task_text = task.to_string();
     // The task goes in a file (an environment variable's size is limited by the kernel), and in
@@ -262,7 +254,7 @@ impl std::fmt::Debug for ExternalEnv {
 
 impl ExternalEnv {
     /// Starts `cmd`, in `jail` if there is one (then the process serves one episode).
-    pub async fn spawn(cmd: &AgentCommand, jail: Option<Jail>) -> Result<Self, AgentError> {
+    pub async fn spawn(cmd: &AgentCommand, jail: Option<Jail>) -> Result<Self> {
         let mut group = start(cmd, Vec::new(), jail.as_ref()).await?;
         let stdin = group.stdin.take().expect("piped");
         let stdout = BufReader::new(group.stdout.take().expect("piped"));
@@ -287,7 +279,7 @@ impl ExternalEnv {
         AgentError::Crashed(ended("env process", what, signal, self.jail.as_ref(), &why))
     }
 
-    async fn call(&mut self, request: Json) -> Result<Json, AgentError> {
+    async fn call(&mut self, request: Json) -> Result<Json> {
         let line = format!("{request}\n");
         if self.stdin.write_all(line.as_bytes()).await.is_err() {
             return Err(self.gone("closed its input").await);
@@ -314,16 +306,15 @@ impl ExternalEnv {
             ))
         })?;
         if let Some(err) = v.get("error") {
-            return Err(AgentError::Env(
-                err.as_str().map_or_else(|| err.to_string(), str::to_string),
-            ));
+            let message = err.as_str().map_or_else(|| err.to_string(), str::to_string);
+            return Err(AgentError::Env(message));
         }
         Ok(v)
     }
 }
 
 impl Env for ExternalEnv {
-    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation, AgentError>> {
+    fn reset<'a>(&'a mut self, task: &'a Json) -> BoxFuture<'a, Result<Observation>> {
         Box::pin(async move {
             let request = serde_json::json!({"method": "reset", "task": task});
             // A failure's reason quotes this episode's stderr, not an earlier one's.
@@ -348,7 +339,7 @@ impl Env for ExternalEnv {
         })
     }
 
-    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult, AgentError>> {
+    fn step<'a>(&'a mut self, action: &'a str) -> BoxFuture<'a, Result<StepResult>> {
         Box::pin(async move {
             let step = serde_json::json!({"method": "step", "action": action});
             let v = self.call(step).await?;

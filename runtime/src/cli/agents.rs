@@ -138,11 +138,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         std::future::pending(),
     )?;
     let total = tasks.len();
-    eprintln!(
-        "moult agents: {total} episodes, {} at once, loopback {}",
-        args.concurrency,
-        pool.loopback_url()
-    );
+    let (at_once, loopback) = (args.concurrency, pool.loopback_url());
+    eprintln!("moult agents: {total} episodes, {at_once} at once, loopback {loopback}");
     let mut out: Box<dyn Write> = match &args.out {
         Some(path) => Box::new(std::io::BufWriter::new(
             std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
@@ -164,11 +161,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             ),
             EpisodeStatus::Failed => {
                 failed += 1;
-                eprintln!(
-                    "[{done}/{total}] episode {} FAILED: {}",
-                    ep.index,
-                    ep.reason.as_deref().unwrap_or("")
-                );
+                let reason = ep.reason.as_deref().unwrap_or("");
+                eprintln!("[{done}/{total}] episode {} FAILED: {reason}", ep.index);
             }
         }
         writeln!(out, "{}", serde_json::to_string(&ep)?)?;

@@ -53,9 +53,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         &args.model,
         ServiceOptions {
             max_sessions: args.max_sessions,
-            model_name: args
-                .served_model_name
-                .unwrap_or_else(|| super::folder_name(&args.model)),
+            model_name: (args.served_model_name).unwrap_or_else(|| super::folder_name(&args.model)),
             registered_sessions: false,
             session_idle: (!args.session_idle.is_zero()).then_some(args.session_idle),
             max_turns: args.max_turns,
@@ -64,11 +62,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     )
     .map_err(anyhow::Error::msg)?;
     let listener = super::bind("127.0.0.1", args.port).await?;
-    let addr = listener.local_addr()?;
-    println!(
-        "moult chat listening on http://{addr} (engine {})",
-        args.engine
-    );
+    let (addr, engine) = (listener.local_addr()?, &args.engine);
+    println!("moult chat listening on http://{addr} (engine {engine})");
     println!("  OpenAI:    base_url=http://{addr}/s/SESSION/v1");
     println!("  Anthropic: base_url=http://{addr}/s/SESSION");
     let app = loopback::router(Arc::new(service), args.max_body_bytes);

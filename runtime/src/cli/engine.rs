@@ -47,13 +47,19 @@ pub struct Args {
     /// run's engines; docs/lora.md), as JSON: {"rank":8,"alpha":16,"targets":["q_proj",...]}.
     #[arg(long)]
     lora: Option<String>,
+    /// Serve as an engine of an `EnginePool`, holding at most this many adapters (docs/lora.md).
+    #[arg(long)]
+    pool_max_adapters: Option<usize>,
+    /// The largest adapter rank a pool engine takes.
+    #[arg(long, default_value_t = 64)]
+    max_lora_rank: i64,
 }
 
 #[cfg(feature = "torch")]
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let stop = super::role_stop()?.cancelled_owned();
     use anyhow::{bail, Context};
-    use moult_runtime::engine::{http, EngineHandle, EngineOptions};
+    use moult_runtime::engine::{http, pool::PoolLimits, EngineHandle, EngineOptions};
     use moult_runtime::model::{parse_dtype, CausalLm, ModelConfig};
     use tch::{Device, Kind};
     let device = super::device(args.device.as_deref(), true)?;
@@ -72,9 +78,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.max_batch == 0 || args.max_prefill_tokens == 0 || args.threads == Some(0) {
         bail!("--max-batch, --max-prefill-tokens and --threads must be at least 1");
     }
-    let name = args
-        .served_model_name
-        .unwrap_or_else(|| super::folder_name(&args.model));
+    let name = (args.served_model_name).unwrap_or_else(|| super::folder_name(&args.model));
     tracing::info!(model = %args.model.display(), ?kind, ?device, "loading");
     let started = std::time::Instant::now();
     let lora = (args.lora.as_deref().map(serde_json::from_str).transpose()).context("--lora")?;
@@ -95,6 +99,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "off" => Some(false),
             other => bail!("--packed-weights must be auto, on or off; got `{other}`"),
         },
+        pool: (args.pool_max_adapters).map(|max_adapters| PoolLimits {
+            max_adapters,
+            max_rank: args.max_lora_rank,
+        }),
     };
     if args.enable_return_routed_experts && cfg.moe.is_none() {
         tracing::warn!(

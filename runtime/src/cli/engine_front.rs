@@ -16,9 +16,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let stop = super::role_stop()?.cancelled_owned();
     let routes = moult_runtime::engine::front::routes(&args.upstream)?;
     let listener = super::bind(&args.host, args.port).await?;
-    println!(
-        "moult engine-front listening on http://{}",
-        listener.local_addr()?
-    );
+    let addr = listener.local_addr()?;
+    println!("moult engine-front listening on http://{addr}");
     Ok(moult_runtime::serve::serve(listener, routes, stop).await?)
 }

@@ -10,6 +10,7 @@ pub mod engine;
 pub mod engine_front;
 pub mod eval;
 pub mod export;
+pub mod pool;
 pub mod router;
 pub mod run;
 pub mod trainer;
@@ -51,7 +52,7 @@ pub fn local_config(
     flag: Option<&str>,
 ) -> anyhow::Result<(moult_runtime::config::RunConfig, Device)> {
     use moult_runtime::config;
-    let manifest = config::read_manifest(path)?;
+    let manifest: moult_operator::api::RLRun = config::read_manifest(path)?;
     let gpus = manifest.spec.trainer.gpus_per_node;
     let cfg = config::RunConfig::new(manifest, path.parent().unwrap_or(Path::new(".")))?;
     Ok((cfg, device(flag, gpus > 0)?))
@@ -59,8 +60,7 @@ pub fn local_config(
 
 /// The name a model folder is served under by default: the folder's name.
 pub fn folder_name(dir: &Path) -> String {
-    dir.file_name()
-        .map_or("model".into(), |n| n.to_string_lossy().into_owned())
+    (dir.file_name()).map_or("model".into(), |n| n.to_string_lossy().into_owned())
 }
 
 /// A listener on `host:port` (port 0 picks a free one).

@@ -45,10 +45,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }));
     let router = Arc::new(Router::new(pool, policy).with_engine_patience(args.engine_patience));
     let listener = super::bind(&args.host, args.port).await?;
-    println!(
-        "moult router listening on http://{} ({} engines)",
-        listener.local_addr()?,
-        args.engines.len()
-    );
+    let (addr, engines) = (listener.local_addr()?, args.engines.len());
+    println!("moult router listening on http://{addr} ({engines} engines)");
     Ok(server::serve(listener, router, stop).await?)
 }

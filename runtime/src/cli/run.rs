@@ -63,9 +63,7 @@ pub async fn run(args: Args, verbose: bool) -> anyhow::Result<()> {
         cfg = cfg.synchronous();
     }
     tch::manual_seed(args.seed as i64);
-    let out = args
-        .out
-        .unwrap_or_else(|| PathBuf::from("runs").join(&cfg.name));
+    let out = (args.out).unwrap_or_else(|| PathBuf::from("runs").join(&cfg.name));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let on = match device {
         Device::Cpu => "CPU".to_string(),
@@ -76,12 +74,9 @@ pub async fn run(args: Args, verbose: bool) -> anyhow::Result<()> {
     } else {
         "asynchronous"
     };
-    let (name, steps, tasks) = (&cfg.name, cfg.total_steps, cfg.tasks.len());
-    eprintln!(
-        "moult run: {name} ({steps} steps, {tasks} tasks, {} engine(s), {on}, {mode} mode) -> {}",
-        cfg.engines,
-        out.display()
-    );
+    let (name, steps, tasks, engines) = (&cfg.name, cfg.total_steps, cfg.tasks.len(), cfg.engines);
+    let dir = out.display();
+    eprintln!("moult run: {name} ({steps} steps, {tasks} tasks, {engines} engine(s), {on}, {mode} mode) -> {dir}");
     let log = out.join("moult.log");
     let console = Console::new(cfg.total_steps, !args.quiet);
     init_logging(&log, console.clone(), verbose)?;
@@ -103,17 +98,11 @@ pub async fn run(args: Args, verbose: bool) -> anyhow::Result<()> {
         eprintln!("moult run: failed; the full log is {}", log.display());
     })?;
     let reward = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.3}"));
-    eprintln!(
-        "moult run: {} {} at step {}/{} (version {}) after {:.0}s: reward {} -> {} (mean of the last 5 steps)",
-        summary.name,
-        if summary.interrupted { "stopped" } else { "finished" },
-        summary.steps,
-        summary.total_steps,
-        summary.policy_version,
-        summary.seconds,
-        reward(summary.first_reward),
-        reward(summary.final_reward),
-    );
+    let s = &summary;
+    let how = if s.interrupted { "stopped" } else { "finished" };
+    let (name, step, total, version) = (&s.name, s.steps, s.total_steps, s.policy_version);
+    let (seconds, from, to) = (s.seconds, reward(s.first_reward), reward(s.final_reward));
+    eprintln!("moult run: {name} {how} at step {step}/{total} (version {version}) after {seconds:.0}s: reward {from} -> {to} (mean of the last 5 steps)");
     if let (Some(first), Some(last)) = (&summary.first_eval, &summary.last_eval) {
         eprintln!(
             "  eval (held-out tasks): reward {:.3} at step {} -> {:.3} at step {}, pass@{} {:.3} -> {:.3} ({}/eval.jsonl)",

@@ -20,7 +20,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let stop = super::role_stop()?;
     use moult_runtime::cluster::trainer::{self, TrainerProcessOptions};
     use moult_runtime::config::read_manifest;
-    let gpus = read_manifest(&args.config)?.spec.trainer.gpus_per_node;
+    let gpus = read_manifest::<moult_operator::api::RLRun>(&args.config)?
+        .spec
+        .trainer
+        .gpus_per_node;
     let opts = TrainerProcessOptions {
         device: super::device(args.device.as_deref(), gpus > 0)?,
         config: args.config,

@@ -27,7 +27,7 @@ use super::protocol::{Lease, Leases};
 use super::{env_number, env_path, retry, Coordinator};
 use crate::agents::{AgentPool, EpisodeStatus};
 use crate::config::{RunConfig, Sources};
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 
 /// How often the leases of running episodes are renewed (well within the coordinator's lease time).
 const RENEW_EVERY: Duration = Duration::from_secs(5);
@@ -49,7 +49,7 @@ pub struct AgentsProcessOptions {
 pub async fn run(
     opts: AgentsProcessOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<(), RunError> {
+) -> Result<()> {
     let (mut run, _) = super::manifest(&opts.config)?;
     if !opts.command.is_empty() {
         run.spec.agent.command = opts.command.clone();
@@ -88,12 +88,9 @@ pub async fn run(
     let help = "Episodes running in this pod";
     registry.register("moult_agents_running", help, running.clone());
     let _health = super::serve_health(&opts.metrics_addr, registry).await?;
+    let (name, loopback, url) = (&cfg.name, pool.loopback_url(), &coordinator.url);
     eprintln!(
-        "moult agents: {} episodes at once for {}, loopback {}, coordinator {}",
-        concurrency,
-        cfg.name,
-        pool.loopback_url(),
-        coordinator.url
+        "moult agents: {concurrency} episodes at once for {name}, loopback {loopback}, coordinator {url}"
     );
     // The leases of the episodes running here, renewed every few seconds so that the coordinator
     // knows this pod is alive (and gives them to another pod soon after it is not).
@@ -136,17 +133,14 @@ pub async fn run(
                     EpisodeStatus::Failed => "failed",
                 };
                 finished.get_or_create(&[("status", status)]).inc();
-                let path = format!("/v1/agents/episodes/{}", lease.lease);
-                let answer: Value = retry(&format!("returning episode {}", lease.index), || {
-                    coordinator.send(&path, &episode)
-                })
-                .await;
+                let (path, index) = (format!("/v1/agents/episodes/{}", lease.lease), lease.index);
+                let what = format!("returning episode {index}");
+                let answer: Value = retry(&what, || coordinator.send(&path, &episode)).await;
                 held.lock().expect("lease set").remove(&lease.lease);
                 if answer["accepted"] == false {
                     tracing::warn!(
-                        episode = lease.index,
-                        "the coordinator had given episode {} to another pod (its lease expired)",
-                        lease.index
+                        episode = index,
+                        "the coordinator had given episode {index} to another pod (its lease expired)"
                     );
                 }
                 if *draining.borrow() {
@@ -159,10 +153,8 @@ pub async fn run(
     // Drain: lease nothing more, finish and return the episodes running (for a while; what is
     // still running then is abandoned, and its leases expire and go to other pods).
     let _ = draining.0.send(true);
-    eprintln!(
-        "moult agents: stopping; finishing {} running episodes",
-        running.get()
-    );
+    let n = running.get();
+    eprintln!("moult agents: stopping; finishing {n} running episodes");
     let drained = tokio::time::timeout(DRAIN_FOR, async {
         while workers.join_next().await.is_some() {}
     })

@@ -18,13 +18,14 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use moult_operator::api::{Phase, RLRunStatus};
+use moult_operator::api::{Phase, RLRunStatus, RunPoolStatus};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
+use super::discovery::Owner;
 use super::protocol::{
-    Commit, CoordinatorStatus, Episode, Hello, HelloReply, Leases, Quarantined, Version,
+    Commit, CoordinatorStatus, Episode, Hello, HelloReply, Lease, Leases, Quarantined, Version,
 };
 use super::remote::RemoteAgents;
 use crate::auth::{AgentGate, Limit};
@@ -212,11 +213,10 @@ const EPISODE_BODY_LIMIT: usize = 256 << 20;
 const ROUTER_BODY_LIMIT: usize = 32 << 20;
 const CONTROL_BODY_LIMIT: usize = 1 << 20;
 
-async fn lease(State(c): Shared) -> Response {
-    match c.agents.lease(c.poll).await {
-        Some(lease) => Json(lease).into_response(),
-        None => StatusCode::NO_CONTENT.into_response(),
-    }
+/// An episode to run, or "none yet" (204) after `poll`.
+async fn lease(State(c): Shared) -> Result<Json<Lease>, StatusCode> {
+    let lease = c.agents.lease(c.poll).await;
+    lease.map(Json).ok_or(StatusCode::NO_CONTENT)
 }
 
 async fn episode(State(c): Shared, UrlPath(lease): UrlPath<String>, body: String) -> Response {
@@ -263,7 +263,9 @@ async fn hello(State(c): Shared, Json(hello): Json<Hello>) -> Response {
     }
     // Weights other than the engines' (a checkpoint, or the model after updates went out) are
     // published under a new version, so versions only increase.
-    let publish_as = (t.issued > 0 || hello.step > 0).then(|| {
+    // A LoRA run on an EnginePool or vLLM publishes its adapter before it generates.
+    let adapters = c.cfg.run.spec.versioned_adapters();
+    let publish_as = (t.issued > 0 || hello.step > 0 || adapters).then(|| {
         t.issued += 1;
         t.issued
     });
@@ -281,10 +283,9 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     if t.hellos == 0 {
         // This coordinator (re)started after the trainer: it must hear the trainer's step and
         // data cursor first.
-        return error(
-            StatusCode::CONFLICT,
-            "this coordinator has not heard the trainer's hello: POST /v1/trainer/hello first",
-        );
+        let why =
+            "this coordinator has not heard the trainer's hello: POST /v1/trainer/hello first";
+        return error(StatusCode::CONFLICT, why);
     }
     let (step, committed) = (q.step, t.committed);
     if step != committed + 1 {
@@ -308,12 +309,8 @@ async fn batch(State(c): Shared, Query(q): Query<BatchQuery>) -> Response {
     let Poll::Ready(eval) = c.eval_gate(q.step - 1) else {
         return not_yet(&c, guard).await;
     };
-    match tokio::time::timeout(
-        c.poll,
-        fill_batch(&c.pool, &mut t.queue, &c.cfg.rollout, &mut t.pending),
-    )
-    .await
-    {
+    let filled = fill_batch(&c.pool, &mut t.queue, &c.cfg.rollout, &mut t.pending);
+    match tokio::time::timeout(c.poll, filled).await {
         Err(_) => return StatusCode::NO_CONTENT.into_response(),
         Ok(None) => return error(StatusCode::SERVICE_UNAVAILABLE, "the rollout pool stopped"),
         Ok(Some(())) => {}
@@ -374,6 +371,13 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     }
     // The new policy's evaluation starts now when due (the next batch waits for it).
     let eval_running = c.eval_gate(commit.step).is_pending();
+    // A run on an EnginePool: its share of the pool's engines (docs/lora.md, "Fair share").
+    let pool = c.cfg.run.spec.engines.pool_ref.as_ref();
+    let share = if pool.is_some() {
+        c.router.pool_share().await
+    } else {
+        None
+    };
     c.reports.send_modify(|report| {
         report.step = Some(commit.step);
         report.policy_version = Some(commit.version);
@@ -382,6 +386,10 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
         m.response_length = Some(round4(r.response_tokens_mean));
         m.masked_fraction = Some(round4(r.masked_fraction));
         report.last_checkpoint = commit.checkpoint.clone().or(report.last_checkpoint.take());
+        report.pool = pool.map(|p| RunPoolStatus {
+            name: p.name.clone(),
+            share: share.map(round4),
+        });
         // After the last step the run has succeeded, once the final evaluation (when due) is
         // done.
         let done = commit.step >= c.cfg.total_steps && !eval_running;
@@ -389,11 +397,8 @@ async fn commit(State(c): Shared, Json(commit): Json<Commit>) -> Response {
     });
     // The time left, from the mean step time so far (after the first step, which loads).
     let (done, total) = (commit.step, c.cfg.total_steps);
-    let eta = (done > 1).then(|| {
-        c.started
-            .elapsed()
-            .mul_f64(total.saturating_sub(done) as f64 / done as f64)
-    });
+    let left = total.saturating_sub(done) as f64 / done as f64;
+    let eta = (done > 1).then(|| c.started.elapsed().mul_f64(left));
     eprintln!("{}", metrics::progress_line(r, total, eta));
     Json(json!({"committed": commit.step})).into_response()
 }
@@ -456,7 +461,8 @@ async fn judge(
     ns: &str,
 ) -> Result<Judge, RunError> {
     let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
-    let (pool, _) = engine_pool("MOULT_JUDGE_ENGINES", client, ns, &cfg.name)?;
+    let run = Owner::Run(cfg.name.clone());
+    let (pool, _) = engine_pool("MOULT_JUDGE_ENGINES", client, ns, run)?;
     let router = crate::router::for_run(pool);
     let listener = super::bind("127.0.0.1:0", "spec.judge: binding 127.0.0.1".into()).await?;
     let url = format!("http://{}", listener.local_addr().map_err(|e| setup(&e))?);
@@ -468,14 +474,14 @@ async fn judge(
     Judge::connect(&url, opts, &policy, episodes)
 }
 
-/// The engines the environment variable `variable` names: a Service of the run `run`, whose
-/// EndpointSlices the pool follows from now on (through the Kubernetes API), or a
-/// comma-separated list of URLs. Returns the pool and what the variable said.
+/// The engines the environment variable `variable` names: a Service of `owner` (the run, or its
+/// EnginePool), whose EndpointSlices the pool follows from now on (through the Kubernetes API),
+/// or a comma-separated list of URLs. Returns the pool and what the variable said.
 fn engine_pool(
     variable: &str,
     client: Option<kube::Client>,
     ns: &str,
-    run: &str,
+    owner: Owner,
 ) -> Result<(Arc<EnginePool>, String), RunError> {
     let engines = super::env_var(variable)?;
     let pool = Arc::new(EnginePool::default());
@@ -489,8 +495,8 @@ fn engine_pool(
                 "{variable} names the Service `{engines}`, whose EndpointSlices need the Kubernetes API (run in the pod, or set KUBECONFIG), or give engine URLs"
             ))
         })?;
-        let (ns, run, service) = (ns.to_string(), run.to_string(), engines.clone());
-        let follow = super::discovery::follow(client, ns, run, service, pool.clone());
+        let (ns, service) = (ns.to_string(), engines.clone());
+        let follow = super::discovery::follow(client, ns, owner, service, pool.clone());
         tokio::spawn(follow);
     }
     Ok((pool, engines))
@@ -528,8 +534,16 @@ pub async fn run(
         .or_else(|| std::env::var("POD_NAMESPACE").ok())
         .unwrap_or_else(|| "default".into());
 
-    // The router, over the engines of the Service (or a fixed list).
-    let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns, &cfg.name)?;
+    // The router, over the engines of the Service (or a fixed list): the run's own, or its
+    // EnginePool's. A LoRA run on a pool or vLLM routes nothing until its first adapter is up.
+    let owner = match &cfg.run.spec.engines.pool_ref {
+        Some(pool) => Owner::Pool(pool.name.clone()),
+        None => Owner::Run(cfg.name.clone()),
+    };
+    let (pool, engines) = engine_pool("MOULT_ENGINES", client.clone(), &ns, owner)?;
+    if cfg.run.spec.versioned_adapters() {
+        pool.updated(&[], 1);
+    }
     let router = crate::router::for_run(pool);
     let judge = match &cfg.judge {
         Some(opts) => Some(judge(&cfg, opts, client.clone(), &ns).await?),
@@ -539,7 +553,8 @@ pub async fn run(
     // A served distillation teacher: its engines' Service (or URLs), health-checked.
     let teacher = match cfg.served_teacher {
         Some(_) => {
-            let (pool, _) = engine_pool("MOULT_TEACHER_ENGINES", client.clone(), &ns, &cfg.name)?;
+            let run = Owner::Run(cfg.name.clone());
+            let (pool, _) = engine_pool("MOULT_TEACHER_ENGINES", client.clone(), &ns, run)?;
             tokio::spawn(pool.clone().check_health(Default::default()));
             Some(Teacher::new(pool))
         }
@@ -556,13 +571,10 @@ pub async fn run(
     // The rollout pool over the agent pods.
     let agents = Arc::new(RemoteAgents::new(opts.lease_time));
     let dataset = Arc::new(crate::config::ordered(&cfg.tasks, opts.seed));
-    let (pool, queue) = RolloutPool::start(
-        agents.clone(),
-        dataset,
-        cfg.rollout.clone(),
-        RolloutState::default(),
-        0,
-    )?;
+    // The data from its start; a trainer that has been training says in its hello where it stood.
+    let cursor = RolloutState::default();
+    let (pool, queue) =
+        RolloutPool::start(agents.clone(), dataset, cfg.rollout.clone(), cursor, 0)?;
 
     // A coordinator that restarted goes on from what the run's status says (versions only
     // increase); the trainer tells it its step.
@@ -640,14 +652,13 @@ pub async fn run(
     let bound = listener
         .local_addr()
         .map_or(addr.clone(), |a| a.to_string());
+    let (name, tasks) = (&coordinator.cfg.name, coordinator.cfg.tasks.len());
     eprintln!(
-        "moult coordinator: {} ({} steps, {} tasks) on http://{bound}, engines from {engines}",
-        coordinator.cfg.name,
-        total_steps,
-        coordinator.cfg.tasks.len()
+        "moult coordinator: {name} ({total_steps} steps, {tasks} tasks) on http://{bound}, engines from {engines}"
     );
     let app = crate::auth::protect_for_agents(app, coordinator.gate.clone());
     let served = crate::serve::serve(listener, app, shutdown).await;
     pool.stop();
+    server::unload_adapters(&coordinator.router).await;
     served.map_err(RunError::start(format!("serving {addr}")))
 }

@@ -15,6 +15,7 @@
 //! never sees the run's token.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use futures::TryStreamExt;
@@ -24,8 +25,8 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
-use moult_operator::api::RLRun;
-use moult_operator::children::RUN_LABEL;
+use moult_operator::api::{self, RLRun};
+use moult_operator::children::{POOL_LABEL, RUN_LABEL};
 
 use crate::router::EnginePool;
 
@@ -79,21 +80,15 @@ pub fn ready_urls<'a>(
             if !ready || c.and_then(|c| c.terminating).unwrap_or(false) {
                 continue;
             }
-            let target = e
-                .target_ref
-                .as_ref()
-                .filter(|t| t.kind.as_deref() == Some("Pod"));
+            let target = (e.target_ref.as_ref()).filter(|t| t.kind.as_deref() == Some("Pod"));
             let Some(pod) = target.and_then(|t| pods.get(t.uid.as_deref()?)) else {
                 continue;
             };
             let ips = ips(pod);
-            for a in e.addresses.iter().filter(|a| ips.contains(*a)) {
-                urls.insert(if a.contains(':') {
-                    format!("http://[{a}]:{port}")
-                } else {
-                    format!("http://{a}:{port}")
-                });
-            }
+            let addrs = e.addresses.iter().filter(|a| ips.contains(*a));
+            let addrs = addrs.filter_map(|a| a.parse::<IpAddr>().ok());
+            // An IPv6 address's socket address is written in brackets.
+            urls.extend(addrs.map(|ip| format!("http://{}", SocketAddr::new(ip, port))));
         }
     }
     urls
@@ -116,37 +111,56 @@ pub fn reconcile(pool: &EnginePool, want: &BTreeSet<String>) {
 pub enum DiscoveryError {
     #[error("reading the run's objects: {0}")]
     Api(#[from] kube::Error),
-    #[error("the {kind} {name} is not the RLRun {run}'s own (another controller owns it)")]
-    NotTheRuns {
+    #[error("the {kind} {name} is not the {owner}'s own (another controller owns it)")]
+    NotOwned {
         kind: &'static str,
         name: String,
-        run: String,
+        owner: Owner,
     },
 }
 
-/// The run's own engine Service and StatefulSet, both named `service`: each must be controlled by
-/// the RLRun `run`.
+/// Whose engines a coordinator follows: its run's own, or its EnginePool's (a run on a pool,
+/// docs/lora.md), whose engine pods carry [`RUN_LABEL`] or [`POOL_LABEL`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Owner {
+    Run(String),
+    Pool(String),
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Run(run) => write!(f, "RLRun {run}"),
+            Self::Pool(pool) => write!(f, "EnginePool {pool}"),
+        }
+    }
+}
+
+/// The engine Service and StatefulSet, both named `service`: each must be controlled by `owner`.
 async fn owners(
     client: &Client,
     ns: &str,
-    run: &str,
+    owner: &Owner,
     service: &str,
 ) -> Result<Owners, DiscoveryError> {
     let uid = |meta: &ObjectMeta| meta.uid.clone().unwrap_or_default();
-    let rlrun = Api::<RLRun>::namespaced(client.clone(), ns)
-        .get(run)
-        .await?;
-    let svc = Api::<Service>::namespaced(client.clone(), ns)
-        .get(service)
-        .await?;
-    let sts = Api::<StatefulSet>::namespaced(client.clone(), ns)
-        .get(service)
-        .await?;
-    let run_uid = uid(&rlrun.metadata);
+    let owner_meta = match owner {
+        Owner::Run(run) => {
+            let api = Api::<RLRun>::namespaced(client.clone(), ns);
+            api.get(run).await?.metadata
+        }
+        Owner::Pool(pool) => {
+            let api = Api::<api::EnginePool>::namespaced(client.clone(), ns);
+            api.get(pool).await?.metadata
+        }
+    };
+    let svc: Service = Api::namespaced(client.clone(), ns).get(service).await?;
+    let sts: StatefulSet = Api::namespaced(client.clone(), ns).get(service).await?;
+    let owner_uid = uid(&owner_meta);
     for (kind, meta) in [("Service", &svc.metadata), ("StatefulSet", &sts.metadata)] {
-        if controller(meta) != Some(run_uid.as_str()) {
-            let (name, run) = (service.to_string(), run.to_string());
-            return Err(DiscoveryError::NotTheRuns { kind, name, run });
+        if controller(meta) != Some(owner_uid.as_str()) {
+            let (name, owner) = (service.to_string(), owner.clone());
+            return Err(DiscoveryError::NotOwned { kind, name, owner });
         }
     }
     Ok(Owners {
@@ -162,7 +176,7 @@ async fn owners(
 pub async fn follow(
     client: Client,
     namespace: String,
-    run: String,
+    owner: Owner,
     service: String,
     pool: Arc<EnginePool>,
 ) {
@@ -173,7 +187,11 @@ pub async fn follow(
     let (pod_store, pod_writer) = reflector::store();
     let slice_events =
         watcher::watcher(slices, by(format!("kubernetes.io/service-name={service}")));
-    let pod_events = watcher::watcher(pods, by(format!("{RUN_LABEL}={run}")));
+    let pod_label = match &owner {
+        Owner::Run(run) => format!("{RUN_LABEL}={run}"),
+        Owner::Pool(pool) => format!("{POOL_LABEL}={pool}"),
+    };
+    let pod_events = watcher::watcher(pods, by(pod_label));
     let mut events = std::pin::pin!(futures::stream::select(
         slice_events.reflect(slice_writer).map_ok(|_| ()),
         pod_events.reflect(pod_writer).map_ok(|_| ()),
@@ -191,19 +209,15 @@ pub async fn follow(
                         .any(|s| controller(&s.metadata) == Some(&o.service))
                 };
                 if !known.as_ref().is_some_and(theirs) {
-                    match owners(&client, &namespace, &run, &service).await {
+                    match owners(&client, &namespace, &owner, &service).await {
                         Ok(o) => known = Some(o),
                         Err(e) => tracing::warn!(%service, "engine discovery: {e}"),
                     }
                 }
                 let Some(o) = &known else { continue };
                 let pods = pod_store.state();
-                let want = ready_urls(
-                    slices.iter().map(|s| &**s),
-                    pods.iter().map(|p| &**p),
-                    o,
-                    8000,
-                );
+                let (slices, pods) = (slices.iter().map(|s| &**s), pods.iter().map(|p| &**p));
+                let want = ready_urls(slices, pods, o, 8000);
                 reconcile(&pool, &want);
             }
             Ok(None) => return,

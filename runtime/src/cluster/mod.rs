@@ -40,10 +40,10 @@ use tokio::sync::oneshot;
 
 use crate::auth::{call, CallError};
 use crate::config::read_manifest;
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 
 /// A required environment variable; the error names it and who sets it.
-pub(crate) fn env_var(name: &str) -> Result<String, RunError> {
+pub(crate) fn env_var(name: &str) -> Result<String> {
     let problem = "is not set: the operator sets it in the pod spec (set it by hand to run this role outside a cluster)";
     let set = std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     set.ok_or_else(|| RunError::env(name, problem))
@@ -57,7 +57,7 @@ pub(crate) fn env_path(name: &str) -> Option<PathBuf> {
 }
 
 /// A whole number of at least `min` from the environment; `default` when it is not set.
-pub(crate) fn env_number(name: &str, default: u64, min: u64) -> Result<u64, RunError> {
+pub(crate) fn env_number(name: &str, default: u64, min: u64) -> Result<u64> {
     let v = std::env::var(name).unwrap_or_default();
     if v.trim().is_empty() {
         return Ok(default);
@@ -75,13 +75,13 @@ pub(crate) fn mounted(name: &str, path: Option<PathBuf>) -> Option<PathBuf> {
 }
 
 /// A listener on `addr`; `what` names it in the error.
-pub(crate) async fn bind(addr: &str, what: String) -> Result<TcpListener, RunError> {
+pub(crate) async fn bind(addr: &str, what: String) -> Result<TcpListener> {
     let bound = TcpListener::bind(addr).await;
     bound.map_err(RunError::start(what))
 }
 
 /// The manifest at `config` and its folder.
-pub(crate) fn manifest(config: &Path) -> Result<(RLRun, PathBuf), RunError> {
+pub(crate) fn manifest(config: &Path) -> Result<(RLRun, PathBuf)> {
     let dir = config.parent().map_or(PathBuf::from("."), PathBuf::from);
     Ok((read_manifest(config)?, dir))
 }
@@ -127,12 +127,9 @@ pub(crate) struct Coordinator {
 impl Coordinator {
     pub fn new(url: &str) -> Self {
         let http = crate::auth::client_builder().timeout(COORDINATOR_CALL_TIMEOUT);
-        Self {
-            http: http
-                .build()
-                .expect("an HTTP client with default settings builds"),
-            url: url.trim_end_matches('/').to_string(),
-        }
+        let http = crate::auth::build(http);
+        let url = url.trim_end_matches('/').to_string();
+        Self { http, url }
     }
 
     /// `POST path` with `body`, once ([`call`]).
@@ -164,19 +161,14 @@ pub(crate) fn gauge(registry: &mut Registry, name: &str, help: &str) -> Gauge {
 
 /// The `/health` and `/metrics` server of a role that serves nothing else (trainer, agents); it
 /// stops when the returned sender is dropped.
-pub(crate) async fn serve_health(
-    addr: &str,
-    metrics: Registry,
-) -> Result<oneshot::Sender<()>, RunError> {
+pub(crate) async fn serve_health(addr: &str, metrics: Registry) -> Result<oneshot::Sender<()>> {
     use axum::routing::get;
     let listener = bind(addr, format!("--metrics-addr {addr}")).await?;
     let metrics = Arc::new(metrics);
+    let text = get(move || async move { crate::serve::metrics_text(&metrics) });
     let app = axum::Router::new()
         .route("/health", get(|| async { "ok" }))
-        .route(
-            "/metrics",
-            get(move || async move { crate::serve::metrics_text(&metrics) }),
-        );
+        .route("/metrics", text);
     let (stop, stopped) = oneshot::channel::<()>();
     let app = crate::auth::protect(app);
     tokio::spawn(crate::serve::serve(listener, app, stopped.map(drop)));

@@ -52,7 +52,6 @@ pub struct Hello {
     pub step: u64,
     /// Where the data stood at its last batch (or checkpoint): a coordinator that restarted
     /// (and so lost its cursor) continues from there.
-    #[serde(default)]
     pub rollout: Option<RolloutState>,
     /// The policy's vocabulary size and positions: the coordinator (which has no model folder)
     /// refuses episodes outside them from then on (docs/security.md, "Bad data").

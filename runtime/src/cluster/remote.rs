@@ -33,9 +33,8 @@ struct Work {
 struct Queue {
     waiting: VecDeque<Work>,
     leased: HashMap<String, (Work, Instant)>,
-    expired: u64,
-    returned: u64,
-    ignored: u64,
+    /// The counts of the status (its queue lengths are read when it is asked for).
+    counts: RemoteStats,
 }
 
 /// Episodes for agent pods to lease.
@@ -69,7 +68,7 @@ impl RemoteAgents {
                 episode = work.lease.index,
                 "an agent did not return its episode in time: running it again"
             );
-            q.expired += 1;
+            q.counts.leases_expired += 1;
             q.waiting.push_front(work);
             self.ready.notify_one();
         }
@@ -100,10 +99,9 @@ impl RemoteAgents {
             tokio::pin!(notified);
             notified.as_mut().enable();
             let now = tokio::time::Instant::now();
-            if let Some(lease) = self.try_lease() {
-                return Some(lease);
-            } else if now >= deadline {
-                return None;
+            let lease = self.try_lease();
+            if lease.is_some() || now >= deadline {
+                return lease;
             }
             // Wake up for new work, an expiring lease, or the end of the wait.
             let tick = deadline.min(now + Duration::from_secs(1));
@@ -116,8 +114,7 @@ impl RemoteAgents {
     pub fn renew(&self, leases: &[String]) -> Vec<String> {
         let mut q = self.queue.lock().expect("queue lock");
         let deadline = Instant::now() + self.lease_time;
-        leases
-            .iter()
+        (leases.iter())
             .filter(|id| match q.leased.get_mut(id.as_str()) {
                 Some((_, d)) => {
                     *d = deadline;
@@ -134,10 +131,10 @@ impl RemoteAgents {
     pub fn complete(&self, lease: &str, mut episode: Episode) -> bool {
         let mut q = self.queue.lock().expect("queue lock");
         let Some((work, _)) = q.leased.remove(lease) else {
-            q.ignored += 1;
+            q.counts.episodes_ignored += 1;
             return false;
         };
-        q.returned += 1;
+        q.counts.episodes_returned += 1;
         episode.index = work.lease.index;
         let _ = work.reply.send(episode);
         true
@@ -148,9 +145,7 @@ impl RemoteAgents {
         RemoteStats {
             episodes_waiting: q.waiting.len(),
             episodes_leased: q.leased.len(),
-            leases_expired: q.expired,
-            episodes_returned: q.returned,
-            episodes_ignored: q.ignored,
+            ..q.counts
         }
     }
 }

@@ -28,7 +28,7 @@ use super::{env_number, env_path, env_var, mounted, retry, Coordinator, Gauge};
 use crate::auth::CallError;
 use crate::config::{RunConfig, Sources};
 use crate::dist::Rendezvous;
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::learner::steps::{run_steps, Steps, Trained};
 use crate::learner::{Followers, Learner};
 use crate::records::console::Console;
@@ -146,28 +146,23 @@ async fn follow(
     rendezvous: Rendezvous,
     opts: &TrainerProcessOptions,
     stop: CancellationToken,
-) -> Result<(), RunError> {
+) -> Result<()> {
     let rank = rendezvous.rank;
     let mut metrics = Registry::default();
     let help = "This pod's trainer rank";
     super::gauge(&mut metrics, "moult_trainer_rank", help).set(rank as f64);
     let _health = super::serve_health(&opts.metrics_addr, metrics).await?;
-    eprintln!(
-        "moult trainer: rank {rank} of {} joins rank 0 at {}:{}",
-        rendezvous.world, rendezvous.host, rendezvous.port
-    );
+    let (world, host, port) = (rendezvous.world, &rendezvous.host, rendezvous.port);
+    eprintln!("moult trainer: rank {rank} of {world} joins rank 0 at {host}:{port}");
     let device = opts.device;
-    let followed = tokio::task::spawn_blocking(move || -> Result<u64, RunError> {
+    let followed = tokio::task::spawn_blocking(move || -> Result<u64> {
         let group = join(&rendezvous, device)?;
         let mut trainer = crate::trainer::ranks::follower(group, device)?;
         Ok(trainer.follow()?)
     });
-    tokio::select! {
-        done = followed => {
-            let steps = done.map_err(|e| RunError::Setup(format!("trainer rank {rank}: {e}")))??;
-            eprintln!("moult trainer: rank {rank}: rank 0 stopped the trainer at step {steps}");
-        }
-        () = stop.cancelled() => {}
+    if let Some(done) = stop.run_until_cancelled(followed).await {
+        let steps = done.map_err(|e| RunError::Setup(format!("trainer rank {rank}: {e}")))??;
+        eprintln!("moult trainer: rank {rank}: rank 0 stopped the trainer at step {steps}");
     }
     Ok(())
 }
@@ -176,10 +171,7 @@ async fn follow(
 /// still loading its model): a rank that starts again after a loss may first reach the rank 0
 /// that has not yet noticed (it fails at its next collective and starts again), so one attempt is
 /// short and the next follows.
-pub fn join(
-    rendezvous: &Rendezvous,
-    device: Device,
-) -> Result<Box<dyn crate::dist::Collectives>, RunError> {
+pub fn join(rendezvous: &Rendezvous, device: Device) -> Result<Box<dyn crate::dist::Collectives>> {
     const ATTEMPT: Duration = Duration::from_secs(30);
     let deadline = Instant::now() + Duration::from_secs(600).max(rendezvous.timeout);
     let attempt = Rendezvous {
@@ -206,7 +198,7 @@ pub fn join(
 /// Runs the trainer until the run's last step, then idles until `stop` (so that a pod restart
 /// policy does not start it over). Stopped earlier, it checkpoints the last step it trained
 /// ([`run_steps`]) and returns.
-pub async fn run(opts: TrainerProcessOptions, stop: CancellationToken) -> Result<(), RunError> {
+pub async fn run(opts: TrainerProcessOptions, stop: CancellationToken) -> Result<()> {
     let (manifest, config_dir) = super::manifest(&opts.config)?;
     let beside = Sources::beside_manifest(&manifest, &config_dir);
     // The teacher of distillation, where the operator mounted it (a served teacher has engines
@@ -240,8 +232,7 @@ pub async fn run(opts: TrainerProcessOptions, stop: CancellationToken) -> Result
         None
     };
     // This pod's other ranks, alive as long as this process.
-    let _node_ranks = rendezvous
-        .as_ref()
+    let _node_ranks = (rendezvous.as_ref())
         .filter(|_| per_pod > 1)
         .map(|r| Followers::start(r, r.rank + 1..r.rank + per_pod, opts.device))
         .transpose()?;
@@ -257,14 +248,10 @@ pub async fn run(opts: TrainerProcessOptions, stop: CancellationToken) -> Result
     let gauges = Gauges::register(&mut metrics);
     let _health = super::serve_health(&opts.metrics_addr, metrics).await?;
 
-    let mut learner = Learner::load(
-        cfg.clone(),
-        ckpt_root,
-        opts.device,
-        Console::hidden(),
-        rendezvous,
-    )
-    .await?;
+    // A pod's log gets lines, not a progress bar.
+    let console = Console::hidden();
+    let mut learner =
+        Learner::load(cfg.clone(), ckpt_root, opts.device, console, rendezvous).await?;
     learner.stop = stop.clone();
     if let Some(note) = learner.resume_note() {
         eprintln!("moult trainer: {note}");
@@ -272,22 +259,15 @@ pub async fn run(opts: TrainerProcessOptions, stop: CancellationToken) -> Result
     // The engines hold weights for as long as a cluster needs: keep trying while they come back.
     learner.publish_tries = 20;
     gauges.step.set(learner.step() as f64);
-    eprintln!(
-        "moult trainer: {} from step {} of {}; coordinator {}",
-        cfg.name,
-        learner.step(),
-        cfg.total_steps,
-        coordinator.url
-    );
+    let (name, step, total, url) = (&cfg.name, learner.step(), cfg.total_steps, &coordinator.url);
+    eprintln!("moult trainer: {name} from step {step} of {total}; coordinator {url}");
 
-    let engines = tokio::select! {
-        engines = coordinator.engines() => engines,
-        () = stop.cancelled() => return Ok(()),
+    let Some(engines) = stop.run_until_cancelled(coordinator.engines()).await else {
+        return Ok(());
     };
-    let engines_spec = &cfg.run.spec.engines;
     let dtype = crate::model::ModelConfig::from_dir(&cfg.model_dir)?.dtype;
     let publish = PublishOptions::new(
-        engines_spec,
+        &cfg.run,
         dtype.as_deref(),
         coordinator.url.clone(),
         opts.device,
@@ -310,21 +290,17 @@ pub async fn run(opts: TrainerProcessOptions, stop: CancellationToken) -> Result
             }
         }
     }
-    eprintln!(
-        "moult trainer: weights to {engines} {:?} engine(s) over {:?}",
-        engines_spec.backend, publish.transport
-    );
+    let (backend, transport) = (&cfg.run.spec.engines.backend, &publish.transport);
+    eprintln!("moult trainer: weights to {engines} {backend:?} engine(s) over {transport:?}");
     if let Some(out) = &out {
         learner.log_to(out)?;
     }
     // The trainer's stages: those that need its volume.
-    let stages = stages::ordered(
-        &cfg.run.spec,
-        stages::Parts {
-            dumps: out.as_deref().map(stages::dump::folder),
-            ..stages::Parts::default()
-        },
-    );
+    let parts = stages::Parts {
+        dumps: out.as_deref().map(stages::dump::folder),
+        ..stages::Parts::default()
+    };
+    let stages = stages::ordered(&cfg.run.spec, parts);
     let mut steps = CoordinatorSteps {
         coordinator: &coordinator,
         limits: cfg.rollout.limits,
@@ -335,13 +311,10 @@ pub async fn run(opts: TrainerProcessOptions, stop: CancellationToken) -> Result
         stop: &stop,
     };
     run_steps(&mut learner, &mut steps, &stages).await?;
-    if learner.step() < cfg.total_steps {
+    if learner.step() < total {
         return Ok(()); // shut down
     }
-    eprintln!(
-        "moult trainer: {} finished its {} steps",
-        cfg.name, cfg.total_steps
-    );
+    eprintln!("moult trainer: {name} finished its {total} steps");
     stop.cancelled().await;
     Ok(())
 }
@@ -369,17 +342,14 @@ const STOPPING_CALLS: Duration = Duration::from_secs(5);
 impl CoordinatorSteps<'_> {
     /// `POST path` until the coordinator takes it, or until [`STOPPING_CALLS`] after a stop.
     async fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Option<T> {
-        let stopped = self
-            .stop
-            .cancelled()
-            .then(|()| tokio::time::sleep(STOPPING_CALLS));
+        let stopped = (self.stop.cancelled()).then(|()| tokio::time::sleep(STOPPING_CALLS));
         tokio::select! {
             answer = self.coordinator.post(path, body) => Some(answer),
             () = stopped => None,
         }
     }
 
-    async fn hello(&mut self, step: u64, learner: &mut Learner) -> Result<(), RunError> {
+    async fn hello(&mut self, step: u64, learner: &mut Learner) -> Result<()> {
         let hello = Hello {
             step,
             rollout: self.data,
@@ -405,11 +375,7 @@ impl CoordinatorSteps<'_> {
 }
 
 impl Steps for CoordinatorSteps<'_> {
-    async fn next(
-        &mut self,
-        step: u64,
-        learner: &mut Learner,
-    ) -> Result<Option<StepBatch>, RunError> {
+    async fn next(&mut self, step: u64, learner: &mut Learner) -> Result<Option<StepBatch>> {
         loop {
             if self.hello_needed {
                 self.hello(step - 1, learner).await?;
@@ -449,7 +415,7 @@ impl Steps for CoordinatorSteps<'_> {
         version
     }
 
-    async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<(), RunError> {
+    async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<()> {
         let Trained { record, checkpoint } = trained;
         let (step, version) = (record.step, record.policy_version);
         self.gauges.busy.set(record.trainer_busy_fraction);
@@ -472,7 +438,7 @@ impl Steps for CoordinatorSteps<'_> {
         Ok(())
     }
 
-    async fn quarantined(&mut self, step: u64, error: RunError) -> Result<(), RunError> {
+    async fn quarantined(&mut self, step: u64, error: RunError) -> Result<()> {
         let body = Quarantined {
             step,
             error: error.to_string(),

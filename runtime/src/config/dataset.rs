@@ -12,11 +12,11 @@ use parquet::file::reader::SerializedFileReader;
 use serde_json::{Map, Value as Json};
 
 use super::read_jsonl;
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 
 /// The tasks of `spec`, whose path resolves to `path` here; errors name `field` (the manifest
 /// field that gave the path, `spec.agent.dataset` or `spec.eval.dataset`).
-pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
+pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>> {
     let path_field = format!("{field}.path");
     let files = files(path, &path_field)?;
     let mut tasks = Vec::new();
@@ -49,7 +49,7 @@ pub fn read(spec: &DatasetSpec, path: &Path, field: &str) -> Result<Vec<Json>, R
 
 /// The files `path` names: itself, the `.jsonl`/`.json`/`.parquet` files of a folder, or those
 /// its file name's one `*` matches; in name order.
-fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
+fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>> {
     let refuse = |why: String| RunError::field(field, why);
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
     // A pattern's folder, and what comes before its `*` and after it; or a folder's task files.
@@ -90,7 +90,7 @@ fn files(path: &Path, field: &str) -> Result<Vec<PathBuf>, RunError> {
 }
 
 /// Every row of a Parquet file as a JSON object (column name → value).
-fn read_parquet(file: &Path, field: &str) -> Result<Vec<Json>, RunError> {
+fn read_parquet(file: &Path, field: &str) -> Result<Vec<Json>> {
     let cannot = |e: &dyn std::fmt::Display| {
         let why = format!("{}: not a readable Parquet file: {e}", file.display());
         RunError::field(field, why)

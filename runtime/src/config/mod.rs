@@ -10,6 +10,7 @@ use moult_jail::{Jail, Limits};
 use moult_operator::api::{
     AgentForm, AgentSpec, EngineBackend, Estimator, Isolation, RLRun, WeightTransport,
 };
+use moult_operator::validate::Manifest;
 use serde_json::Value as Json;
 
 pub mod dataset;
@@ -21,7 +22,7 @@ use crate::agents::env::EnvLoopOptions;
 use crate::agents::process::AgentCommand;
 use crate::agents::{Agent, PoolOptions};
 use crate::chat::{ChatSampling, SamplingOverride};
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::rollout::eval::EvalOptions;
 use crate::rollout::RolloutOptions;
 
@@ -82,7 +83,7 @@ pub struct Overlong {
 
 impl Overlong {
     /// The shaping `spec.algorithm.overlong` asks for, checked (`None` without one).
-    fn of(spec: &moult_operator::api::RLRunSpec) -> Result<Option<Self>, RunError> {
+    fn of(spec: &moult_operator::api::RLRunSpec) -> Result<Option<Self>> {
         let Some(o) = &spec.algorithm.overlong else {
             return Ok(None);
         };
@@ -166,7 +167,7 @@ pub fn cluster_only_fields(spec: &moult_operator::api::RLRunSpec) -> Vec<&'stati
 }
 
 /// `dir`, checked to be a model folder (it has a `config.json`); a refusal names `field`.
-fn model_folder(dir: &Path, field: &str) -> Result<PathBuf, RunError> {
+fn model_folder(dir: &Path, field: &str) -> Result<PathBuf> {
     if !dir.join("config.json").is_file() {
         let why = format!("{} is not a model folder (no config.json)", dir.display());
         return Err(RunError::field(field, why));
@@ -174,9 +175,9 @@ fn model_folder(dir: &Path, field: &str) -> Result<PathBuf, RunError> {
     Ok(dir.to_path_buf())
 }
 
-/// Reads and checks an RLRun manifest (YAML, one document: the RLRun; other documents, such as
-/// PersistentVolumeClaims, are skipped).
-pub fn read_manifest(path: &Path) -> Result<RLRun, RunError> {
+/// Reads and checks an RLRun (or EnginePool) manifest (YAML, one document of that kind; other
+/// documents, such as PersistentVolumeClaims, are skipped).
+pub fn read_manifest<K: Manifest>(path: &Path) -> Result<K> {
     let text = std::fs::read_to_string(path).map_err(|e| RunError::file("cannot read", path, e))?;
     let manifest = |reason: String| RunError::Manifest {
         path: path.to_path_buf(),
@@ -186,26 +187,27 @@ pub fn read_manifest(path: &Path) -> Result<RLRun, RunError> {
     for doc in serde_yaml_ng::Deserializer::from_str(&text) {
         let value: serde_json::Value =
             serde::Deserialize::deserialize(doc).map_err(|e| manifest(format!("not YAML: {e}")))?;
-        if value.get("kind").and_then(Json::as_str) != Some("RLRun") {
+        if value.get("kind").and_then(Json::as_str) != Some(K::KIND) {
             continue;
         }
         // As strict as `kubectl apply`: a misspelt field is refused, not silently dropped.
-        let unknown = RLRun::unknown_fields(&value);
+        let unknown = K::unknown(&value);
         if !unknown.is_empty() {
             return Err(manifest(unknown.join("; ")));
         }
-        let run: RLRun = serde_path_to_error::deserialize(value)
+        let object: K = serde_path_to_error::deserialize(value)
             .map_err(|e| manifest(format!("{}: {}", e.path(), e.inner())))?;
-        found = Some(run);
+        found = Some(object);
     }
-    let run = found.ok_or_else(|| manifest("no document has `kind: RLRun`".into()))?;
-    run.validate().map_err(|e| manifest(e.join("; ")))?;
-    Ok(run)
+    let kind = K::KIND;
+    let object = found.ok_or_else(|| manifest(format!("no document has `kind: {kind}`")))?;
+    object.check().map_err(|e| manifest(e.join("; ")))?;
+    Ok(object)
 }
 
 /// The jail of every episode's program: `agent.limits` over the defaults, `None` for
 /// `agent.isolation: Process`.
-fn jail(agent: &AgentSpec) -> Result<Option<Jail>, RunError> {
+fn jail(agent: &AgentSpec) -> Result<Option<Jail>> {
     let (set, mut l) = (agent.limits.clone().unwrap_or_default(), Limits::default());
     let sizes = [
         (set.memory, "memory", &mut l.memory_bytes),
@@ -235,7 +237,7 @@ fn jail(agent: &AgentSpec) -> Result<Option<Jail>, RunError> {
 /// The agent the manifest names. A `command` whose program is Python and whose first argument is
 /// a `.py` file (or `-m module`) runs through moult's runner (`AgentRunner`), any other command as
 /// it is (speaking the Env JSON-lines protocol, or a ChatAgent program).
-fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
+fn agent(run: &RLRun, dir: &Path) -> Result<Agent> {
     let spec = &run.spec.agent;
     if let Some(env) = &spec.env {
         if spec.command.is_empty() {
@@ -243,10 +245,8 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
         }
     }
     let Some((program, args)) = spec.command.split_first() else {
-        return Err(RunError::field(
-            "spec.agent.command",
-            "a local run needs the agent's command (or agent.env for a built-in environment)",
-        ));
+        let why = "a local run needs the agent's command (or agent.env for a built-in environment)";
+        return Err(RunError::field("spec.agent.command", why));
     };
     let is_python = Path::new(program)
         .file_name()
@@ -285,11 +285,7 @@ fn agent(run: &RLRun, dir: &Path) -> Result<Agent, RunError> {
 
 /// The judge of `spec.judge`, whose model folder is `model_dir` here (`None`: this process does
 /// not judge): it exists, and every task has the fields its prompt reads.
-fn judge(
-    run: &RLRun,
-    model_dir: Option<&Path>,
-    tasks: &[Json],
-) -> Result<Option<JudgeOptions>, RunError> {
+fn judge(run: &RLRun, model_dir: Option<&Path>, tasks: &[Json]) -> Result<Option<JudgeOptions>> {
     let (Some(spec), Some(model_dir)) = (&run.spec.judge, model_dir) else {
         return Ok(None);
     };
@@ -322,7 +318,7 @@ pub fn ordered(tasks: &[Json], seed: u64) -> Vec<Json> {
 
 /// Tasks, one JSON value per line of `path` (blank lines skipped); errors name `field`, the
 /// manifest field or command-line flag that gave the path.
-pub fn read_jsonl(path: &Path, field: &str) -> Result<Vec<Json>, RunError> {
+pub fn read_jsonl(path: &Path, field: &str) -> Result<Vec<Json>> {
     let file = path.display();
     let text = std::fs::read_to_string(path)
         .map_err(|e| RunError::field(field, format!("cannot read {file}: {e}")))?;
@@ -427,24 +423,21 @@ fn trainer_options(run: &RLRun, total_steps: u64) -> crate::trainer::train::Trai
 
 impl RunConfig {
     /// The settings of a local run of `run`, whose manifest is in `dir`.
-    pub fn new(run: RLRun, dir: &Path) -> Result<Self, RunError> {
+    pub fn new(run: RLRun, dir: &Path) -> Result<Self> {
         let engines = &run.spec.engines;
         if engines.replicas < 1 {
             // A cluster run may be scaled to zero engines; a local one would wait forever.
-            return Err(RunError::field(
-                "spec.engines.replicas",
-                "a local run needs at least 1 engine",
-            ));
+            let why = "a local run needs at least 1 engine";
+            return Err(RunError::field("spec.engines.replicas", why));
         }
         if engines.backend == EngineBackend::Vllm
             && engines.transport() != WeightTransport::Filesystem
         {
             // Found out now rather than after a minute of starting vLLM.
+            let why = "moult run publishes to vLLM engines through the Filesystem transport (set weightTransfer: {transport: Filesystem}); NCCL from moult run is not built yet (docs/vllm.md)";
             return Err(RunError::field(
                 "spec.engines.weightTransfer.transport",
-                "moult run publishes to vLLM engines through the Filesystem transport (set \
-                 weightTransfer: {transport: Filesystem}); NCCL from moult run is not built yet \
-                 (docs/vllm.md)",
+                why,
             ));
         }
         let sources = Sources::beside_manifest(&run, dir);
@@ -457,7 +450,7 @@ impl RunConfig {
         &self,
         concurrency: usize,
         scratch_dir: PathBuf,
-    ) -> Result<(Agent, PoolOptions), RunError> {
+    ) -> Result<(Agent, PoolOptions)> {
         let agent = (self.agent.clone())
             .ok_or_else(|| RunError::Setup("the run config has no agent".into()))?;
         let opts = PoolOptions {
@@ -473,7 +466,7 @@ impl RunConfig {
 
     /// The settings of `run` for a process that has the files `sources` names (a pod of a cluster
     /// run has only its role's: the model, or the tasks). What it lacks is left empty.
-    pub fn from_sources(run: RLRun, sources: &Sources) -> Result<Self, RunError> {
+    pub fn from_sources(run: RLRun, sources: &Sources) -> Result<Self> {
         let spec = &run.spec;
         let dir = sources.dir.as_path();
         let name = run.metadata.name.clone().unwrap_or_else(|| "run".into());
@@ -521,10 +514,7 @@ impl RunConfig {
             tasks,
             agent: sources.agent.then(|| agent(&run, dir)).transpose()?,
             concurrency: spec.agent.concurrency.max(1) as usize,
-            episode_timeout: spec
-                .agent
-                .timeout
-                .map_or(Duration::from_secs(600), Duration::from),
+            episode_timeout: (spec.agent.timeout).map_or(Duration::from_secs(600), Duration::from),
             jail: jail(&spec.agent)?,
             env_loop: EnvLoopOptions {
                 max_turns: spec.rollout.max_turns as usize,
@@ -542,8 +532,7 @@ impl RunConfig {
                 max_staleness: u64::from(algo.max_staleness),
                 limits,
                 dynamic_sampling: algo.dynamic_sampling.as_ref().map(|d| {
-                    d.max_groups_per_step
-                        .map_or(4 * algo.batch_size as usize, |m| m as usize)
+                    (d.max_groups_per_step).map_or(4 * algo.batch_size as usize, |m| m as usize)
                 }),
             },
             partial_rollout: algo.partial_rollout,
@@ -590,7 +579,7 @@ mod tests {
     use super::*;
 
     /// `manifest` written to a file of its own and read as `moult run` and every pod read it.
-    fn read(name: &str, spec: &str) -> Result<RLRun, RunError> {
+    fn read(name: &str, spec: &str) -> Result<RLRun> {
         let path =
             std::env::temp_dir().join(format!("moult-config-{name}-{}.yaml", std::process::id()));
         std::fs::write(

@@ -64,12 +64,19 @@ struct GenerateBody<'a, S> {
     content_parts: &'a [ContentPart],
     sampling_params: &'a S,
     stream: bool,
+    /// The LoRA adapter to generate with, by name (vLLM's `model`); none: the served model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<&'a str>,
 }
 
 /// The largest generate request an engine (or a router in front of engines) takes: images travel
 /// inline as base64 data URLs (a 12-megapixel PNG is ~25 MiB); token ids alone stay far below
 /// axum's 2 MiB default.
 pub const GENERATE_BODY_LIMIT: usize = 64 << 20;
+
+/// The largest adapter `PUT /v1/adapters/{name}` takes (rank 512 on every projection of an 8B
+/// model in float32 is about 1.5 GB; a pool's `maxRank` bounds it further).
+pub const ADAPTER_BODY_LIMIT: usize = 2 << 30;
 
 /// The request header naming the session a generation belongs to (routers hash on it).
 pub const SESSION_HEADER: &str = "x-moult-session";
@@ -99,8 +106,18 @@ pub struct EngineClient {
 
 impl EngineClient {
     pub fn new(base_url: &str) -> Self {
+        Self::with(crate::auth::client(), base_url)
+    }
+
+    /// A client of an engine behind a router: it sends a run's pool credential on an EnginePool
+    /// ([`crate::auth::engine_client`]).
+    pub fn engine(base_url: &str) -> Self {
+        Self::with(crate::auth::engine_client(), base_url)
+    }
+
+    fn with(http: reqwest::Client, base_url: &str) -> Self {
         Self {
-            http: crate::auth::client(),
+            http,
             base: base_url.trim_end_matches('/').to_string(),
         }
     }
@@ -120,12 +137,27 @@ impl EngineClient {
         sampling: &S,
         session: Option<&str>,
     ) -> Result<GenerationStream, EngineError> {
+        self.generate_with(request_id, prompt, content_parts, sampling, session, None)
+            .await
+    }
+
+    /// [`EngineClient::generate`] with the LoRA adapter `model` (none: the served model).
+    pub async fn generate_with<S: Serialize>(
+        &self,
+        request_id: String,
+        prompt: &[i64],
+        content_parts: &[ContentPart],
+        sampling: &S,
+        session: Option<&str>,
+        model: Option<&str>,
+    ) -> Result<GenerationStream, EngineError> {
         let body = GenerateBody {
             request_id: &request_id,
             token_ids: prompt,
             content_parts,
             sampling_params: sampling,
             stream: true,
+            model,
         };
         let url = format!("{}/inference/v1/generate", self.base);
         let mut request = self.http.post(&url).json(&body);
@@ -166,6 +198,7 @@ impl EngineClient {
                 "detokenize": false,
             }),
             stream: false,
+            model: None,
         };
         let url = format!("{}/inference/v1/generate", self.base);
         let response = self

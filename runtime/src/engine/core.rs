@@ -30,6 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::api::{FinishReason, TokenLogprob};
 use super::metrics::EngineMetrics;
+use super::pool::{Fairness, PoolLimits};
 use super::sampling::SamplingParams;
 use super::weights::StagedUpdate;
 use crate::model::lora::LoraConfig;
@@ -64,6 +65,9 @@ pub struct EngineOptions {
     pub threads: Option<usize>,
     /// Keep oneDNN-packed weights for the matmuls (CPU); `None`: for all but small models.
     pub packed_weights: Option<bool>,
+    /// An engine of an `EnginePool`: runs' credentials accepted, adapters limited, batch slots
+    /// shared fairly (docs/lora.md, "Engine pools").
+    pub pool: Option<PoolLimits>,
 }
 
 impl EngineOptions {
@@ -80,6 +84,7 @@ impl EngineOptions {
             eos_token_ids: cfg.eos_token_ids.clone(),
             threads: None,
             packed_weights: None,
+            pool: None,
         }
     }
 }
@@ -99,6 +104,7 @@ pub struct ModelInfo {
     pub num_experts: Option<usize>,
     pub sparse_layers: usize,
     pub top_k: usize,
+    pub pool: Option<PoolLimits>,
 }
 
 /// What the HTTP layer needs to turn a request's images into the model's input.
@@ -149,6 +155,16 @@ pub enum Event {
     Failed(String),
 }
 
+/// The LoRA adapter a request runs with (`model` naming a loaded adapter; docs/lora.md).
+#[derive(Debug, Clone, Default)]
+pub struct AdapterUse {
+    /// Its slot; `None` for the served model itself.
+    pub slot: Option<usize>,
+    /// The pool run the request runs for, and the version of its adapter, which its tokens
+    /// carry (docs/lora.md, "Engine pools").
+    pub tenant: Option<(Arc<str>, u64)>,
+}
+
 /// A request handed to the engine.
 #[derive(Debug)]
 pub struct Job {
@@ -160,9 +176,8 @@ pub struct Job {
     /// whole request, since every step's positions depend on them and a recompute (after a
     /// weight update) encodes them again.
     pub images: Vec<ImageInput>,
-    /// The LoRA adapter's slot the request runs with (`model` naming a loaded adapter;
-    /// docs/lora.md); `None` for the served model itself.
-    pub adapter: Option<usize>,
+    /// The LoRA adapter the request runs with.
+    pub adapter: AdapterUse,
     /// Unbounded, yet bounded in practice: a request produces at most `max_tokens + 1` events,
     /// and the engine thread must never block on a slow client.
     pub events: mpsc::UnboundedSender<Event>,
@@ -202,6 +217,8 @@ pub struct EngineStatus {
     pub weight_version: AtomicU64,
     /// The LoRA adapters served, by name: their slots (docs/lora.md).
     pub adapters: std::sync::Mutex<BTreeMap<String, usize>>,
+    /// A pool engine's use by each run (docs/lora.md, "Engine pools").
+    pub fairness: std::sync::Mutex<Fairness>,
 }
 
 /// The async side's handle on the engine thread.
@@ -248,6 +265,7 @@ impl EngineHandle {
             num_experts: cfg.moe.as_ref().map(|m| m.num_experts),
             sparse_layers: cfg.num_sparse_layers(),
             top_k: cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok),
+            pool: opts.pool,
         };
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
         let status = Arc::new(EngineStatus::default());
@@ -314,7 +332,7 @@ impl EngineHandle {
             Vec::new(),
             params,
             routed_experts_prompt_start,
-            None,
+            AdapterUse::default(),
         )
     }
 
@@ -327,7 +345,7 @@ impl EngineHandle {
         images: Vec<ImageInput>,
         params: SamplingParams,
         routed_experts_prompt_start: usize,
-        adapter: Option<usize>,
+        adapter: AdapterUse,
     ) -> Result<mpsc::UnboundedReceiver<Event>, ApiError> {
         if self.status.refusing.load(Ordering::Acquire) {
             return Err(ApiError::unavailable(
@@ -345,6 +363,12 @@ impl EngineHandle {
             events,
         }))?;
         Ok(rx)
+    }
+
+    /// The names of the LoRA adapters served.
+    pub fn adapter_names(&self) -> Vec<String> {
+        let adapters = self.status.adapters.lock().expect("adapters");
+        adapters.keys().cloned().collect()
     }
 
     /// The slot of the LoRA adapter served as `name`, if one is.

@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use futures::Stream;
 use serde::de::DeserializeOwned;
@@ -23,8 +23,9 @@ use super::api::{
     GenerateResponse, InitWeightTransfer, Logprobs, UpdateWeightVersion, UpdateWeights, Usage,
     WeightVersionSpan,
 };
-use super::client::GENERATE_BODY_LIMIT;
-use super::core::{EngineHandle, Event, ModelInfo, PauseMode};
+use super::client::{ADAPTER_BODY_LIMIT, GENERATE_BODY_LIMIT};
+use super::core::{AdapterUse, EngineHandle, Event, ModelInfo, PauseMode};
+use super::pool::{adapter_version, own, version_of, Tenant};
 use super::weights::{connect, BucketLayout, StagedUpdate, WeightConnection};
 use crate::model::{dtype_name, ImageInput};
 use crate::serve::ApiError;
@@ -78,6 +79,11 @@ pub fn router(engine: EngineHandle) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/load_lora_adapter", post(load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
+        .route(
+            "/v1/adapters/{name}",
+            put(put_adapter).layer(DefaultBodyLimit::max(ADAPTER_BODY_LIMIT)),
+        )
+        .route("/v1/pool/share", get(pool_share))
         .fallback(|uri: axum::http::Uri| async move {
             ApiError::new(StatusCode::NOT_FOUND, format!("no route for {uri}"))
         })
@@ -100,7 +106,9 @@ pub async fn serve(
     engine: EngineHandle,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    crate::serve::serve(listener, crate::auth::protect(router(engine)), shutdown).await
+    let routes =
+        crate::auth::protect(router(engine)).layer(axum::middleware::from_fn(super::pool::gate));
+    crate::serve::serve(listener, routes, shutdown).await
 }
 
 /// Parses a JSON body; errors name the field path (`sampling_params.max_token`).
@@ -141,15 +149,24 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     })
 }
 
-async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
+async fn generate(
+    State(state): State<Arc<AppState>>,
+    tenant: Option<Extension<Tenant>>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     let info = &state.engine.info;
     let req: GenerateRequest = parse(&body)?;
     let req = req.validate(info.vocab_size, info.max_model_len)?;
     let id = req
         .request_id
         .unwrap_or_else(|| format!("gen-{}", state.next_id.fetch_add(1, Ordering::Relaxed)));
+    // A pool run generates with one of its own adapters, whose version its tokens carry.
+    let tenant = match tenant {
+        Some(Extension(t)) => Some((t.0.clone(), own(&t.0, req.model.as_deref(), "model")?)),
+        None => None,
+    };
     // A LoRA adapter by name, or the served model (its name, or none), as vLLM resolves it.
-    let adapter = match req.model.as_deref() {
+    let slot = match req.model.as_deref() {
         None => None,
         Some(name) if name == info.name => None,
         Some(name) => Some(state.engine.adapter(name).ok_or_else(|| {
@@ -157,6 +174,7 @@ async fn generate(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Res
             ApiError::new(StatusCode::NOT_FOUND, msg).with_param("model")
         })?),
     };
+    let adapter = AdapterUse { slot, tenant };
     let (prompt, images) = images_of(info, req.prompt, req.content_parts).await?;
     if prompt.len() >= info.max_model_len {
         return Err(ApiError::bad_request(format!(
@@ -637,15 +655,28 @@ async fn update_weight_version(
     ))
 }
 
-async fn weight_info(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+/// `GET /weight_info`: the weights and their version; for a pool run, the newest version of its
+/// adapter this engine serves (0 for none), so that a router sends its requests only to engines
+/// that hold its current adapter.
+async fn weight_info(
+    State(state): State<Arc<AppState>>,
+    tenant: Option<Extension<Tenant>>,
+) -> Json<serde_json::Value> {
     let info = &state.engine.info;
+    let version = match tenant {
+        Some(Extension(t)) => (state.engine.adapter_names().iter())
+            .filter_map(|name| version_of(&t.0, name))
+            .max()
+            .unwrap_or(0),
+        None => state.engine.status.weight_version.load(Ordering::Acquire),
+    };
     let params: Vec<_> = info
         .params
         .iter()
         .map(|(name, shape)| json!({"name": name, "shape": shape}))
         .collect();
     Json(json!({
-        "weight_version": state.engine.status.weight_version.load(Ordering::Acquire),
+        "weight_version": version,
         "dtype": dtype_name(info.kind),
         "params": params,
     }))
@@ -665,7 +696,11 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Result<Response, ApiErro
         .into_response())
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+/// `GET /v1/models`: the served model and its adapters (a pool run sees only its own).
+async fn models(
+    State(state): State<Arc<AppState>>,
+    tenant: Option<Extension<Tenant>>,
+) -> Json<serde_json::Value> {
     let info = &state.engine.info;
     let mut data =
         vec![json!({"id": info.name, "object": "model", "max_model_len": info.max_model_len})];
@@ -676,7 +711,12 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
         .lock()
         .expect("adapters")
         .clone();
-    data.extend(adapters.keys().map(|name| {
+    let seen = |name: &&String| {
+        tenant
+            .as_ref()
+            .is_none_or(|t| version_of(&t.0 .0, name).is_some())
+    };
+    data.extend(adapters.keys().filter(seen).map(|name| {
         json!({"id": name, "object": "model", "parent": info.name, "max_model_len": info.max_model_len})
     }));
     Json(json!({"object": "list", "data": data}))
@@ -724,6 +764,102 @@ async fn load_lora_adapter(
     Ok(format!("Success: LoRA adapter '{name}' added successfully.").into_response())
 }
 
+/// `PUT /v1/adapters/{name}`: serves the adapter in the body (one safetensors file, its PEFT
+/// `adapter_config.json` in the metadata: [`crate::model::lora::adapter_bytes`]) as `name`. A
+/// pool run may load only its own names (`<run>-v<N>`); loading its version `N` unloads its
+/// versions before `N - 1` (requests still running with them finish first), so a run holds at
+/// most two adapters while it switches (docs/lora.md, "Engine pools").
+async fn put_adapter(
+    State(state): State<Arc<AppState>>,
+    tenant: Option<Extension<Tenant>>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let engine = &state.engine;
+    let run = tenant.map(|Extension(t)| t.0);
+    if let Some(run) = &run {
+        let version = own(run, Some(&name), "name")?;
+        // An upload is activity: the run's adapters are not an idle run's.
+        engine
+            .status
+            .fairness
+            .lock()
+            .expect("fairness")
+            .charge(run, 0);
+        for old in engine.adapter_names() {
+            if version_of(run, &old).is_some_and(|v| v + 1 < version) {
+                // Already gone when another upload of the run unloaded it first.
+                let _ = engine.unload_adapter(old).await;
+            }
+        }
+    }
+    if name.is_empty() || name == engine.info.name {
+        let msg = "the adapter needs a new name, not the served model's";
+        return Err(ApiError::bad_request(msg).with_param("name"));
+    }
+    let (kind, device) = (engine.info.kind, engine.info.device);
+    let what = std::path::PathBuf::from(format!("PUT /v1/adapters/{name}"));
+    let read = move || crate::model::lora::adapter_from_bytes(&body, &what, kind, device);
+    let (config, weights) = tokio::task::spawn_blocking(read)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if let Some(limits) = engine.info.pool {
+        if config.rank > limits.max_rank {
+            let msg = format!(
+                "the adapter's rank is {}; this pool serves ranks up to {} (its maxRank)",
+                config.rank, limits.max_rank
+            );
+            return Err(ApiError::bad_request(msg));
+        }
+        if engine.adapter_names().len() >= limits.max_adapters {
+            unload_idle_run(engine, run.as_deref()).await;
+        }
+        let loaded = engine.adapter_names().len();
+        if loaded >= limits.max_adapters {
+            let msg = format!("this pool engine already serves {loaded} adapters, its maxAdapters; retry once a run's old versions are unloaded");
+            return Err(ApiError::new(StatusCode::TOO_MANY_REQUESTS, msg));
+        }
+    }
+    engine.load_adapter(name.clone(), config, weights).await?;
+    tracing::info!(adapter = %name, "LoRA adapter loaded");
+    Ok(format!("Success: LoRA adapter '{name}' added successfully.").into_response())
+}
+
+/// Unloads the adapters of the run (other than `uploader`) idle longest, if it has been idle
+/// long enough ([`super::pool::IDLE_SECS`]): room on a pool engine from a run that stopped
+/// without unloading its adapters.
+async fn unload_idle_run(engine: &EngineHandle, uploader: Option<&str>) {
+    let names = engine.adapter_names();
+    let run_of = |n: &str| adapter_version(n).map(|(run, _)| run.to_string());
+    let runs: Vec<String> = names.iter().filter_map(|n| run_of(n)).collect();
+    let others = (runs.iter().map(String::as_str)).filter(|r| Some(*r) != uploader);
+    let idle = engine
+        .status
+        .fairness
+        .lock()
+        .expect("fairness")
+        .idlest(others)
+        .map(str::to_string);
+    let Some(idle) = idle else {
+        return;
+    };
+    for name in names.iter().filter(|n| run_of(n).as_ref() == Some(&idle)) {
+        let _ = engine.unload_adapter(name.clone()).await;
+    }
+}
+
+/// `GET /v1/pool/share`: each run's tokens on this engine and its share of the recent ones (a
+/// pool run sees only its own).
+async fn pool_share(
+    State(state): State<Arc<AppState>>,
+    tenant: Option<Extension<Tenant>>,
+) -> Json<serde_json::Value> {
+    let fairness = state.engine.status.fairness.lock().expect("fairness");
+    let runs = fairness.shares(tenant.as_ref().map(|t| &*t.0 .0));
+    Json(json!({ "runs": runs }))
+}
+
 /// `POST /v1/unload_lora_adapter`'s body.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -735,9 +871,13 @@ struct UnloadLora {
 /// with it.
 async fn unload_lora_adapter(
     State(state): State<Arc<AppState>>,
+    tenant: Option<Extension<Tenant>>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let UnloadLora { lora_name } = parse(&body)?;
+    if let Some(Extension(t)) = &tenant {
+        own(&t.0, Some(&lora_name), "lora_name")?;
+    }
     state.engine.unload_adapter(lora_name.clone()).await?;
     tracing::info!(adapter = %lora_name, "LoRA adapter unloaded");
     Ok(format!("Success: LoRA adapter '{lora_name}' removed successfully.").into_response())
@@ -767,6 +907,7 @@ mod tests {
             num_experts: None,
             sparse_layers: 0,
             top_k: 0,
+            pool: None,
         });
         assert!(!engine.alive());
         let app = router(engine);

@@ -8,6 +8,8 @@
 //!   client of this API (the built-in engine, vLLM or the router), for the loopback server and
 //!   the router.
 //! - [`front`] is the run-token check in front of an engine that has none (vLLM in its pod).
+//! - [`pool`]: what an engine of an `EnginePool` adds: runs' credentials, their own adapters,
+//!   a fair share of batch slots (docs/lora.md, "Engine pools").
 
 pub mod api;
 pub mod client;
@@ -19,6 +21,7 @@ pub mod http;
 #[cfg(feature = "torch")]
 mod metrics;
 pub mod npy;
+pub mod pool;
 pub mod sampling;
 #[cfg(feature = "torch")]
 pub mod weights;

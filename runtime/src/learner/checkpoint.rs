@@ -33,9 +33,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::model::{lora, CausalLm, ModelConfig};
-use crate::records::files::{io, sync_dir, sync_file, write_atomic};
+use crate::records::files::{io, numbered, sync, write_atomic};
 use crate::rollout::RolloutState;
 use crate::trainer::ranks::SHARDS;
 use crate::trainer::train::{ShardLayout, Trainer, Whole};
@@ -83,7 +83,7 @@ pub fn save(
     model_dir: &Path,
     trainer: &Trainer,
     meta: &CheckpointMeta,
-) -> Result<PathBuf, RunError> {
+) -> Result<PathBuf> {
     std::fs::create_dir_all(root).map_err(|e| io("creating", root, e))?;
     let dir = step_dir(root, meta.step);
     let tmp = root.join(format!(".step-{:06}.tmp{}", meta.step, std::process::id()));
@@ -96,7 +96,7 @@ pub fn save(
         prune(root, newest.step, 1);
         write()?;
     }
-    sync_dir(root)?;
+    sync(root)?;
     let pointer = serde_json::json!({"step": meta.step, "path": dir.file_name().map(|n| n.to_string_lossy().into_owned())});
     write_atomic(&root.join("latest.json"), pointer.to_string().as_bytes())?;
     prune(root, meta.step, KEEP);
@@ -105,24 +105,16 @@ pub fn save(
 
 /// A checkpoint's files in `tmp`: the weights and moments (whole, or this rank's shards and
 /// the others'), the model's files and the metadata.
-fn fill(
-    tmp: &Path,
-    model_dir: &Path,
-    trainer: &Trainer,
-    meta: &CheckpointMeta,
-) -> Result<(), RunError> {
+fn fill(tmp: &Path, model_dir: &Path, trainer: &Trainer, meta: &CheckpointMeta) -> Result<()> {
     if trainer.weights_sharded() {
         let layout = trainer.save_shards(tmp)?;
         write_json(&tmp.join(SHARDS).join(LAYOUT), &layout)?;
-        sync_dir(&tmp.join(SHARDS))?;
+        sync(&tmp.join(SHARDS))?;
     } else {
         let weights = trainer.weights().map_err(crate::model::Error::from)?;
         lora::write_weights(tmp, trainer.model(), model_dir, &weights)?;
-        let moments: Vec<(String, Tensor)> = trainer
-            .moments()
-            .map_err(crate::model::Error::from)?
-            .into_iter()
-            .enumerate()
+        let moments = trainer.moments().map_err(crate::model::Error::from)?;
+        let moments: Vec<(String, Tensor)> = (moments.into_iter().enumerate())
             .flat_map(|(i, (m, v))| [(format!("m.{i}"), m), (format!("v.{i}"), v)])
             .collect();
         write_tensors(&tmp.join("optimizer.safetensors"), &moments)?;
@@ -133,11 +125,7 @@ fn fill(
 
 /// Fills the folder `tmp` with `fill`, syncs its files and itself, and renames it to `dest`
 /// (replacing it): `dest` appears complete or not at all. A failed write removes `tmp`.
-fn write_folder(
-    tmp: &Path,
-    dest: &Path,
-    fill: impl FnOnce(&Path) -> Result<(), RunError>,
-) -> Result<(), RunError> {
+fn write_folder(tmp: &Path, dest: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let _ = std::fs::remove_dir_all(tmp);
     let written = (|| {
         std::fs::create_dir_all(tmp).map_err(|e| io("creating", tmp, e))?;
@@ -146,10 +134,10 @@ fn write_folder(
             let path = entry.map_err(|e| io("listing", tmp, e))?.path();
             // The shard files are synced by the ranks that wrote them, their folder above.
             if path.is_file() {
-                sync_file(&path)?;
+                sync(&path)?;
             }
         }
-        sync_dir(tmp)?;
+        sync(tmp)?;
         let _ = std::fs::remove_dir_all(dest);
         std::fs::rename(tmp, dest).map_err(|e| io("renaming", tmp, e))
     })();
@@ -159,12 +147,12 @@ fn write_folder(
     written
 }
 
-fn write_tensors(file: &Path, tensors: &[(String, Tensor)]) -> Result<(), RunError> {
+fn write_tensors(file: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
     Tensor::write_safetensors(tensors, file).map_err(|e| io("writing", file, e))
 }
 
 /// Copies the [`MODEL_FILES`] `from` has into `to`.
-fn copy_model_files(from: &Path, to: &Path) -> Result<(), RunError> {
+fn copy_model_files(from: &Path, to: &Path) -> Result<()> {
     for name in MODEL_FILES {
         let src = from.join(name);
         if src.is_file() {
@@ -196,7 +184,7 @@ fn prune(root: &Path, latest: u64, keep: usize) {
 /// The newest complete checkpoint under `root`, if any: the one `latest.json` names, or, when
 /// that folder is gone or incomplete (deleted by hand, a disk that lost it), the newest complete
 /// `step-*` folder, with a warning.
-pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError> {
+pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>> {
     let pointer = root.join("latest.json");
     let text = match std::fs::read_to_string(&pointer) {
         Ok(t) => t,
@@ -221,17 +209,15 @@ pub fn latest(root: &Path) -> Result<Option<(PathBuf, CheckpointMeta)>, RunError
             root.display()
         )));
     };
-    tracing::warn!(
-        "{why}; resuming from {}, the newest complete checkpoint",
-        dir.display()
-    );
+    let shown = dir.display();
+    tracing::warn!("{why}; resuming from {shown}, the newest complete checkpoint");
     Ok(Some((dir, meta)))
 }
 
 /// The model folder `dir` names for serving, and its checkpoint metadata: a checkpoint folder
 /// (`step-N`), a checkpoint root (its newest complete checkpoint), or any model folder (no
 /// metadata).
-pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), RunError> {
+pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>)> {
     let (latest, config) = (dir.join("latest.json"), dir.join("config.json"));
     if !latest.is_file() && !config.is_file() {
         let why = format!("{} is neither a model folder (no config.json) nor a checkpoint folder (no latest.json)", dir.display());
@@ -243,19 +229,17 @@ pub fn model_folder(dir: &Path) -> Result<(PathBuf, Option<CheckpointMeta>), Run
     let (found, meta) = checkpoint_at(dir)?;
     // No engine loads shards as they are.
     if let Some(layout) = sharded(&found)? {
+        let (found, world, dir) = (found.display(), layout.world, dir.display());
         return Err(RunError::Checkpoint(format!(
-            "{} is a checkpoint written in shards by {} trainer ranks; `moult export {} OUT` \
-             writes a model folder engines serve (docs/distributed.md, \"Checkpoints\")",
-            found.display(),
-            layout.world,
-            dir.display()
+            "{found} is a checkpoint written in shards by {world} trainer ranks; `moult export \
+             {dir} OUT` writes a model folder engines serve (docs/distributed.md, \"Checkpoints\")"
         )));
     }
     Ok((found, Some(meta)))
 }
 
 /// The checkpoint `dir` names: a checkpoint root's newest complete one, or `dir` itself.
-fn checkpoint_at(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
+fn checkpoint_at(dir: &Path) -> Result<(PathBuf, CheckpointMeta)> {
     if dir.join("latest.json").is_file() {
         return latest(dir)?.ok_or_else(|| {
             RunError::Checkpoint(format!("no complete checkpoint under {}", dir.display()))
@@ -265,27 +249,24 @@ fn checkpoint_at(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
 }
 
 /// The layout of the sharded checkpoint in `dir`; `None` for a checkpoint of whole tensors.
-fn sharded(dir: &Path) -> Result<Option<ShardLayout>, RunError> {
+fn sharded(dir: &Path) -> Result<Option<ShardLayout>> {
     let file = dir.join(SHARDS).join(LAYOUT);
-    if !file.is_file() {
-        return Ok(None);
-    }
-    read_json(&file).map(Some)
+    file.is_file().then(|| read_json(&file)).transpose()
 }
 
-fn write_json(file: &Path, value: &impl Serialize) -> Result<(), RunError> {
+fn write_json(file: &Path, value: &impl Serialize) -> Result<()> {
     let json = serde_json::to_vec_pretty(value).expect("plain data serializes");
     std::fs::write(file, json).map_err(|e| io("writing", file, e))
 }
 
-fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T, RunError> {
+fn read_json<T: serde::de::DeserializeOwned>(file: &Path) -> Result<T> {
     let bytes = std::fs::read(file).map_err(|e| io("reading", file, e))?;
     serde_json::from_slice(&bytes).map_err(|e| io("parsing", file, e))
 }
 
 /// The weights by checkpoint name and the optimizer's moments (empty before the first step) of
 /// the checkpoint in `dir`, whole, however many ranks wrote it.
-fn load_tensors(dir: &Path) -> Result<Whole, RunError> {
+fn load_tensors(dir: &Path) -> Result<Whole> {
     let Some(layout) = sharded(dir)? else {
         return Ok((lora::merged_weights(dir)?, load_moments(dir)?));
     };
@@ -300,7 +281,7 @@ pub fn load_policy(
     dir: &Path,
     kind: tch::Kind,
     device: tch::Device,
-) -> Result<(CausalLm, Vec<(Tensor, Tensor)>), RunError> {
+) -> Result<(CausalLm, Vec<(Tensor, Tensor)>)> {
     let (model, moments) = if sharded(dir)?.is_none() {
         (CausalLm::load(dir, kind, device)?, load_moments(dir)?)
     } else {
@@ -319,7 +300,7 @@ pub fn load_policy(
 /// newest) to `out` as a model folder engines serve: `model.safetensors` with whole tensors (a
 /// LoRA run's adapter merged into its base) and the model's config and tokenizer files. Returns
 /// the checkpoint's folder. `out` must not exist yet; it appears complete or not at all.
-pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
+pub fn export(src: &Path, out: &Path) -> Result<PathBuf> {
     let (dir, _) = checkpoint_at(src)?;
     if out.exists() {
         let why = format!("{} exists; export writes a new folder", out.display());
@@ -339,7 +320,7 @@ pub fn export(src: &Path, out: &Path) -> Result<PathBuf, RunError> {
 
 /// The checkpoint in `dir` if it is complete (its metadata and its tensor files: the model's
 /// and the optimizer's, or every rank's shard file and their layout).
-fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
+fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta)> {
     // Joined to `dir`, an absolute path stays as it is.
     let files: Vec<PathBuf> = match sharded(dir)? {
         Some(layout) => (0..layout.world)
@@ -358,23 +339,12 @@ fn complete(dir: &Path) -> Result<(PathBuf, CheckpointMeta), RunError> {
 
 /// The steps of the `step-*` folders under `root`, ascending.
 fn step_folders(root: &Path) -> Vec<u64> {
-    let mut steps: Vec<u64> = std::fs::read_dir(root)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .strip_prefix("step-")
-                .and_then(|s| s.parse().ok())
-        })
-        .collect();
-    steps.sort_unstable();
-    steps
+    let folders = numbered(root, "step-", "").unwrap_or_default();
+    folders.into_iter().map(|(step, _)| step).collect()
 }
 
 /// The optimizer moments of the checkpoint in `dir`, in trainable-tensor order.
-fn load_moments(dir: &Path) -> Result<Vec<(Tensor, Tensor)>, RunError> {
+fn load_moments(dir: &Path) -> Result<Vec<(Tensor, Tensor)>> {
     let file = dir.join("optimizer.safetensors");
     let mut named: HashMap<String, Tensor> = read_tensors(&file)?.into_iter().collect();
     (0..named.len() / 2)
@@ -388,7 +358,7 @@ fn load_moments(dir: &Path) -> Result<Vec<(Tensor, Tensor)>, RunError> {
         .collect()
 }
 
-fn read_tensors(file: &Path) -> Result<Vec<(String, Tensor)>, RunError> {
+fn read_tensors(file: &Path) -> Result<Vec<(String, Tensor)>> {
     Tensor::read_safetensors(file).map_err(|e| io("reading", file, e))
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tch::Device;
 
 use crate::dist::{self, Rendezvous};
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 
 /// Trainer ranks as processes of this machine (`moult trainer-rank`), as torchrun starts a node's
 /// ranks: the ranks after the first for `moult run`, a trainer pod's ranks after its first on a
@@ -21,7 +21,7 @@ pub(crate) struct Followers {
 impl Followers {
     /// `moult run`: starts ranks 1..world on this machine; returns them and rank 0's rendezvous
     /// (it listens on a free port). On a GPU, rank r computes on the r-th GPU from rank 0's.
-    pub(super) fn start_all(world: usize, device: Device) -> Result<(Self, Rendezvous), RunError> {
+    pub(super) fn start_all(world: usize, device: Device) -> Result<(Self, Rendezvous)> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(RunError::start("finding a port for the trainer ranks"))?
@@ -43,22 +43,20 @@ impl Followers {
         at: &Rendezvous,
         ranks: std::ops::Range<usize>,
         device: Device,
-    ) -> Result<Self, RunError> {
+    ) -> Result<Self> {
         let exe = std::env::var_os("MOULT_BIN")
             .map(PathBuf::from)
             .map_or_else(std::env::current_exe, Ok)
             .map_err(RunError::start("finding the moult binary"))?;
-        let device_of = |rank: usize| -> Result<String, RunError> {
+        let device_of = |rank: usize| -> Result<String> {
             match device {
                 Device::Cpu => Ok("cpu".to_string()),
                 Device::Cuda(first) => {
                     let gpu = first + rank - at.rank;
                     let count = tch::Cuda::device_count().max(0) as usize;
                     if gpu >= count {
-                        return Err(RunError::field(
-                            "spec.trainer.gpusPerNode",
-                            format!("trainer rank {rank} computes on GPU {gpu}, and this machine has {count} (one rank per GPU; docs/distributed.md)"),
-                        ));
+                        let why = format!("trainer rank {rank} computes on GPU {gpu}, and this machine has {count} (one rank per GPU; docs/distributed.md)");
+                        return Err(RunError::field("spec.trainer.gpusPerNode", why));
                     }
                     Ok(format!("cuda:{gpu}"))
                 }
@@ -67,9 +65,7 @@ impl Followers {
                 ))),
             }
         };
-        let mut followers = Self {
-            children: Vec::new(),
-        };
+        let mut followers = Self { children: vec![] };
         for rank in ranks {
             let device = device_of(rank)?;
             let child = std::process::Command::new(&exe)

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::RunConfig;
 use crate::dist::Rendezvous;
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::model::CausalLm;
 use crate::records::console::Console;
 use crate::records::metrics::{MetricsLog, StepRecord};
@@ -32,9 +32,7 @@ use crate::weight_sync::publish::{PublishOptions, Publisher};
 use checkpoint::CheckpointMeta;
 pub(crate) use followers::Followers;
 
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, RunError> {
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
     Ok(tokio::task::spawn_blocking(f).await?)
 }
 
@@ -117,7 +115,7 @@ impl Learner {
         device: Device,
         console: Console,
         rendezvous: Option<Rendezvous>,
-    ) -> Result<Self, RunError> {
+    ) -> Result<Self> {
         let resume = ckpt_root.as_deref().map(checkpoint::latest).transpose()?;
         let resume = resume.flatten();
         let (trainer, followers) = load_trainer(&cfg, resume.as_ref(), device, rendezvous).await?;
@@ -167,7 +165,7 @@ impl Learner {
     }
 
     /// Opens the weight path to the engines.
-    pub async fn connect(&mut self, opts: &PublishOptions) -> Result<(), RunError> {
+    pub async fn connect(&mut self, opts: &PublishOptions) -> Result<()> {
         self.publisher = Some(Publisher::connect(opts).await?);
         let http = crate::auth::client();
         let url = format!("{}/engines", opts.target.trim_end_matches('/'));
@@ -182,7 +180,7 @@ impl Learner {
 
     /// Writes every step record to `<out>/metrics.jsonl` from now on, and batches set aside to
     /// `<out>/quarantine/`.
-    pub fn log_to(&mut self, out: &Path) -> Result<(), RunError> {
+    pub fn log_to(&mut self, out: &Path) -> Result<()> {
         std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", out, e))?;
         self.out = Some(out.to_path_buf());
         self.log = Some(MetricsLog::open(out, self.step)?);
@@ -201,7 +199,7 @@ impl Learner {
     /// Logs an evaluation (`eval.jsonl`, TensorBoard at its step); the next step record carries
     /// its numbers. An evaluation of a step already logged (a batch handed out again after a
     /// restart) is skipped.
-    pub fn record_eval(&mut self, eval: EvalResult) -> Result<(), RunError> {
+    pub fn record_eval(&mut self, eval: EvalResult) -> Result<()> {
         if self.evals().iter().any(|e| e.step == eval.step) {
             return Ok(());
         }
@@ -217,7 +215,7 @@ impl Learner {
     async fn on_trainer<T: Send + 'static>(
         &mut self,
         f: impl FnOnce(&mut Trainer) -> T + Send + 'static,
-    ) -> Result<T, RunError> {
+    ) -> Result<T> {
         let mut trainer = self.trainer.take().expect("the trainer is here");
         let (trainer, out) = blocking(move || {
             let out = f(&mut trainer);
@@ -229,24 +227,20 @@ impl Learner {
     }
 
     fn trainer(&self) -> &Trainer {
-        self.trainer
-            .as_ref()
-            .expect("the trainer is back from its compute thread")
+        (self.trainer.as_ref()).expect("the trainer is back from its compute thread")
     }
 
     /// Publishes the current weights as `version` (pause `keep` with `partial` rollout), trying
     /// [`publish_tries`](Self::publish_tries) times; returns the seconds it took, or `None` when
     /// the run stopped before the engines had them.
-    pub async fn publish(&mut self, version: u64, partial: bool) -> Result<Option<f64>, RunError> {
+    pub async fn publish(&mut self, version: u64, partial: bool) -> Result<Option<f64>> {
         if self.offline {
             return Ok(Some(0.0));
         }
         let started = Instant::now();
         let mut tries = 0;
         loop {
-            let publisher = self
-                .publisher
-                .as_mut()
+            let publisher = (self.publisher.as_mut())
                 .ok_or_else(|| RunError::Setup("the weight path is not connected".into()))?;
             let trainer = self.trainer.take().expect("the trainer is here");
             let (trainer, gathered, sent) = publisher
@@ -276,7 +270,7 @@ impl Learner {
 
     /// Sets `batch` aside: written with `error` to `<out>/quarantine/step-<N>-<ms>.json` (with an
     /// output folder), to be looked at later (docs/security.md, "Bad data").
-    pub fn quarantine(&self, batch: &StepBatch, error: &RunError) -> Result<(), RunError> {
+    pub fn quarantine(&self, batch: &StepBatch, error: &RunError) -> Result<()> {
         tracing::warn!(
             step = batch.step,
             "{error}: the batch is set aside, the step drawn again"
@@ -285,9 +279,7 @@ impl Learner {
             return Ok(());
         };
         std::fs::create_dir_all(&dir).map_err(|e| RunError::file("creating", &dir, e))?;
-        let ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis());
+        let ms = chrono::Utc::now().timestamp_millis();
         let body = serde_json::json!({"error": error.to_string(), "batch": batch});
         let text = serde_json::to_vec(&body).expect("a batch serialises");
         let path = dir.join(format!("step-{}-{ms}.json", batch.step));
@@ -296,7 +288,7 @@ impl Learner {
 
     /// Advantages, the exact token segments as samples, the teacher's scores (distillation) and
     /// one optimizer step on `groups`; the trainer and teacher move to a compute thread and back.
-    pub async fn learn(&mut self, groups: &[Group]) -> Result<Learned, RunError> {
+    pub async fn learn(&mut self, groups: &[Group]) -> Result<Learned> {
         self.console.phase("training");
         let (cfg, computing) = (&self.cfg, Instant::now());
         let (advantages, overlong_penalty_mean) =
@@ -342,7 +334,7 @@ impl Learner {
         version: u64,
         sync: f64,
         started: Instant,
-    ) -> Result<StepRecord, RunError> {
+    ) -> Result<StepRecord> {
         self.step += 1;
         // The engines' activity over the step; the trainer's busy time over the same window.
         let window = || (0.0, 0.0, started.elapsed().as_secs_f64());
@@ -362,6 +354,7 @@ impl Learner {
         let (advantage_mean, advantage_std) = samples::mean_std(&learned.advantages.concat());
         let (stats, rollout, step_seconds) = (&learned.stats, batch.stats, started.elapsed());
         let (judged, taught) = (batch.judged, batch.taught);
+        let eval = self.pending_eval.take();
         let record = StepRecord {
             step: self.step,
             policy_version: version,
@@ -408,9 +401,10 @@ impl Learner {
             engine_busy_fraction,
             trainer_busy_fraction: (learned.compute_seconds / window.max(1e-9)).clamp(0.0, 1.0),
             engine_paused_seconds,
-            ..StepRecord::default()
-        }
-        .with_eval(self.pending_eval.take().as_ref());
+            eval_step: eval.as_ref().map(|e| e.step),
+            eval_reward_mean: eval.as_ref().map(|e| e.eval_reward_mean),
+            eval_pass_at_k: eval.as_ref().map(|e| e.eval_pass_at_k),
+        };
         if let Some(log) = &mut self.log {
             log.push(record.clone())?;
         }
@@ -423,7 +417,7 @@ impl Learner {
         &mut self,
         batch: &StepBatch,
         version: u64,
-    ) -> Result<Option<PathBuf>, RunError> {
+    ) -> Result<Option<PathBuf>> {
         let step = self.step;
         let meta = CheckpointMeta {
             step,
@@ -442,7 +436,7 @@ impl Learner {
 
     /// A checkpoint of the last step trained, unless it has one (or the run keeps none): a run
     /// that stops resumes at the step after it, not at the last interval checkpoint.
-    pub async fn checkpoint_on_stop(&mut self) -> Result<Option<PathBuf>, RunError> {
+    pub async fn checkpoint_on_stop(&mut self) -> Result<Option<PathBuf>> {
         let keeps = self.cfg.checkpoint_every.and(self.ckpt_root.clone());
         let (Some(root), Some((meta, false))) = (keeps, self.last) else {
             return Ok(None);
@@ -474,12 +468,12 @@ async fn load_trainer(
     resume: Option<&(PathBuf, CheckpointMeta)>,
     device: Device,
     rendezvous: Option<Rendezvous>,
-) -> Result<(Trainer, Option<Followers>), RunError> {
+) -> Result<(Trainer, Option<Followers>)> {
     // A KL penalty is to the initial policy: the model folder's weights, frozen.
     let reference_dir = (cfg.trainer.kl_coef > 0.0).then(|| cfg.model_dir.clone());
     let (reference, model_dir) = (reference_dir.clone(), cfg.model_dir.clone());
     let resume = resume.map(|(d, meta)| (d.clone(), meta.step));
-    let (model, moments, reference) = blocking(move || -> Result<_, RunError> {
+    let (model, moments, reference) = blocking(move || -> Result<_> {
         let load = |dir: &Path| CausalLm::load(dir, Kind::Float, device);
         let (model, moments) = match resume {
             Some((dir, step)) => checkpoint::load_policy(&dir, Kind::Float, device)
@@ -500,7 +494,7 @@ async fn load_trainer(
             dtype: "float32".into(),
             options: cfg.trainer.clone(),
         };
-        let trainer = blocking(move || -> Result<Trainer, RunError> {
+        let trainer = blocking(move || -> Result<Trainer> {
             let group = rendezvous
                 .connect_on(device)
                 .map_err(|e| RunError::Setup(e.to_string()))?;
@@ -525,7 +519,7 @@ async fn load_teacher(
     cfg: &RunConfig,
     student: &Trainer,
     device: Device,
-) -> Result<Option<CausalLm>, RunError> {
+) -> Result<Option<CausalLm>> {
     // A served teacher's engines score the batches before they get here.
     let (Some(dir), None) = (cfg.teacher_dir.clone(), cfg.served_teacher) else {
         return Ok(None);
@@ -554,9 +548,5 @@ pub(crate) struct Learned {
 /// `x`, or 0 when it is NaN or infinite (a record holds JSON numbers only: a step whose update
 /// was skipped records 0).
 fn finite_or_zero(x: f64) -> f64 {
-    if x.is_finite() {
-        x
-    } else {
-        0.0
-    }
+    Some(x).filter(|x| x.is_finite()).unwrap_or(0.0)
 }

@@ -11,7 +11,7 @@ use tch::Tensor;
 use crate::agents::Episode;
 use crate::algorithms::advantages::{grpo, reinforce_pp, rloo};
 use crate::config::Overlong;
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::loopback::Segment;
 use crate::model::{CausalLm, ImageInput, SeqInput};
 use crate::rollout::validate::routed_experts;
@@ -43,19 +43,17 @@ pub fn advantages(
     estimator: Estimator,
     overlong: Option<&Overlong>,
     batch: &[Group],
-) -> Result<(Vec<Vec<f64>>, Option<f64>), RunError> {
+) -> Result<(Vec<Vec<f64>>, Option<f64>)> {
     let g = batch.first().map_or(0, |b| b.episodes.len());
     if batch.iter().any(|b| b.episodes.len() != g) {
-        return Err(RunError::Batch(
-            "groups of unequal size in one batch".into(),
-        ));
+        let why = "groups of unequal size in one batch";
+        return Err(RunError::Batch(why.into()));
     }
     let episodes = batch.iter().flat_map(|b| &b.episodes);
     let penalties: Vec<f64> = (episodes.clone())
         .map(|e| overlong.map_or(0.0, |o| o.penalty(sampled_tokens(e))))
         .collect();
-    let rewards: Vec<f64> = episodes
-        .zip(&penalties)
+    let rewards: Vec<f64> = (episodes.zip(&penalties))
         .map(|(e, p)| e.reward + p)
         .collect();
     let r = Tensor::from_slice(&rewards).view([batch.len() as i64, g as i64]);
@@ -76,11 +74,7 @@ pub fn advantages(
 /// the student's behaviour logprob, `A_t = log π_teacher(a_t) − log μ(a_t)`
 /// ([`crate::algorithms::advantages::distillation`]), scored by `teacher` at `temperature`.
 /// Returns the mean per-token reverse KL estimate `mean_t (log μ − log π_teacher)`.
-pub fn distill(
-    teacher: &CausalLm,
-    samples: &mut [Sample],
-    temperature: f64,
-) -> Result<f64, RunError> {
+pub fn distill(teacher: &CausalLm, samples: &mut [Sample], temperature: f64) -> Result<f64> {
     let mut scores = Vec::with_capacity(samples.len());
     for chunk in samples.chunks(16) {
         // The teacher routes its own experts: none of the policy's routing is replayed.
@@ -97,7 +91,7 @@ pub fn distill(
 
 /// [`distill`] with the scores a served teacher gave each segment of `batch` beforehand
 /// ([`crate::stages::teacher`]); `samples` are [`samples`] of the same batch.
-pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64, RunError> {
+pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64> {
     let mut segments = trained_segments(batch);
     let scores = (samples.iter())
         .map(|s| {
@@ -110,10 +104,9 @@ pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64, Ru
                 )
             })?;
             if scores.len() != s.tokens.len() {
+                let (scored, len) = (scores.len(), s.tokens.len());
                 return Err(RunError::Batch(format!(
-                    "distillation: the teacher scored {} tokens of a {}-token segment",
-                    scores.len(),
-                    s.tokens.len()
+                    "distillation: the teacher scored {scored} tokens of a {len}-token segment"
                 )));
             }
             Ok(scores)
@@ -124,25 +117,18 @@ pub fn distill_served(batch: &[Group], samples: &mut [Sample]) -> Result<f64, Ru
 
 /// Sets each sample's per-token advantages from the teacher's logprob of each of its tokens;
 /// returns the mean per-token reverse KL estimate over the samples.
-fn teacher_advantages(
-    samples: &mut [Sample],
-    teacher: &[impl AsRef<[f32]>],
-) -> Result<f64, RunError> {
+fn teacher_advantages(samples: &mut [Sample], teacher: &[impl AsRef<[f32]>]) -> Result<f64> {
     let (mut sum, mut count) = (0.0, 0);
     for (s, teacher) in samples.iter_mut().zip(teacher) {
         let mask = Tensor::from_slice(&s.loss_mask).to_kind(tch::Kind::Float);
-        let adv = crate::algorithms::advantages::distillation(
-            &Tensor::from_slice(teacher.as_ref()),
-            &Tensor::from_slice(&s.behaviour_logprobs),
-            &mask,
-        );
+        let teacher = Tensor::from_slice(teacher.as_ref());
+        let behaviour = Tensor::from_slice(&s.behaviour_logprobs);
+        let adv = crate::algorithms::advantages::distillation(&teacher, &behaviour, &mask);
         let adv: Vec<f32> = Vec::try_from(adv)?;
-        for (a, &m) in adv.iter().zip(&s.loss_mask) {
-            if m == 1 {
-                sum -= f64::from(*a);
-                count += 1;
-            }
+        for (a, _) in adv.iter().zip(&s.loss_mask).filter(|(_, &m)| m == 1) {
+            sum -= f64::from(*a);
         }
+        count += s.sampled();
         s.token_advantages = Some(adv);
     }
     Ok(sum / count.max(1) as f64)
@@ -151,7 +137,7 @@ fn teacher_advantages(
 /// The routing to replay for `segment`, `[tokens, sparse_layers, top_k]`: the engine's chunks
 /// tile positions `0..tokens-1` (the last token was never fed to the model; its row repeats the
 /// one before, and no loss reads it).
-pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>, RunError> {
+pub fn replay_tensor(segment: &Segment) -> Result<Option<Tensor>> {
     let chunks = routed_experts(segment, None).map_err(|e| RunError::Batch(e.to_string()))?;
     if chunks.is_empty() {
         return Ok(None);
@@ -180,7 +166,7 @@ fn segment_images(
     seg: &Segment,
     images: Option<&ImageProcessorConfig>,
     seen: &mut HashMap<String, Arc<ProcessedImage>>,
-) -> Result<Vec<ImageInput>, RunError> {
+) -> Result<Vec<ImageInput>> {
     if seg.images.is_empty() {
         return Ok(Vec::new());
     }
@@ -190,8 +176,7 @@ fn segment_images(
                 .into(),
         )
     })?;
-    seg.images
-        .iter()
+    (seg.images.iter())
         .map(|i| {
             let image = match seen.entry(i.image.sha256.clone()) {
                 Entry::Occupied(seen) => seen.get().clone(),
@@ -219,7 +204,7 @@ pub fn samples(
     advantages: &[Vec<f64>],
     routing_replay: bool,
     images: Option<&ImageProcessorConfig>,
-) -> Result<Vec<Sample>, RunError> {
+) -> Result<Vec<Sample>> {
     let mut seen = HashMap::new();
     trained_segments(batch)
         .map(|(g, e, _, seg)| {

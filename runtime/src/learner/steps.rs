@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::Learner;
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::records::metrics::StepRecord;
 use crate::stages::{Stage, StepBatch};
 
@@ -22,11 +22,7 @@ use crate::stages::{Stage, StepBatch};
 pub(crate) trait Steps {
     /// The batch of `step`, once there is one; `None` when the run stops here (shutdown, or no
     /// more data). It may publish through `learner` first (engines that need the current weights).
-    async fn next(
-        &mut self,
-        step: u64,
-        learner: &mut Learner,
-    ) -> Result<Option<StepBatch>, RunError>;
+    async fn next(&mut self, step: u64, learner: &mut Learner) -> Result<Option<StepBatch>>;
 
     /// The policy version the weights of `step` are published as: by default the step itself
     /// (a cluster's coordinator numbers versions of its own).
@@ -35,12 +31,12 @@ pub(crate) trait Steps {
     }
 
     /// `step` is trained, published, recorded and (when due) checkpointed.
-    async fn done(&mut self, step: Trained, batch: StepBatch) -> Result<(), RunError>;
+    async fn done(&mut self, step: Trained, batch: StepBatch) -> Result<()>;
 
     /// The batch of `step` was set aside (`error` says why): the next call to
     /// [`Steps::next`] draws the step's batch again. By default the run stops with `error` (a
     /// replay has no other batch for the step).
-    async fn quarantined(&mut self, step: u64, error: RunError) -> Result<(), RunError> {
+    async fn quarantined(&mut self, step: u64, error: RunError) -> Result<()> {
         let _ = step;
         Err(error)
     }
@@ -63,7 +59,7 @@ pub(crate) async fn run_steps(
     learner: &mut Learner,
     steps: &mut impl Steps,
     stages: &[Box<dyn Stage>],
-) -> Result<(), RunError> {
+) -> Result<()> {
     let mut quarantined = 0;
     while learner.step < learner.cfg.total_steps {
         let started = Instant::now();

@@ -18,7 +18,7 @@ use tch::Device;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{ordered, RunConfig};
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::learner::checkpoint::CheckpointMeta;
 use crate::learner::steps::{run_steps, Steps, Trained};
 use crate::learner::Learner;
@@ -81,11 +81,7 @@ pub struct Summary {
 
 /// Runs `cfg` to its `totalSteps` (resuming from the newest checkpoint under
 /// `<out>/checkpoints`), or until `stop` (then with a checkpoint of the last step trained).
-pub async fn run(
-    cfg: RunConfig,
-    opts: RunOptions,
-    stop: CancellationToken,
-) -> Result<Summary, RunError> {
+pub async fn run(cfg: RunConfig, opts: RunOptions, stop: CancellationToken) -> Result<Summary> {
     let started = Instant::now();
     let out = &opts.out;
     std::fs::create_dir_all(out).map_err(|e| RunError::file("creating", out, e))?;
@@ -121,13 +117,10 @@ pub async fn run(
         learner.offline = true;
         learner.log_to(out)?;
         let mut dumps = dump::steps(dir)?;
-        if (dumps.len() as u64) < cfg.total_steps {
-            console.line(&format!(
-                "moult run: {} holds {} steps: replaying those, not the {} the run asks for",
-                dir.display(),
-                dumps.len(),
-                cfg.total_steps
-            ));
+        let (held, total) = (dumps.len(), cfg.total_steps);
+        if (held as u64) < total {
+            let dir = dir.display();
+            console.line(&format!("moult run: {dir} holds {held} steps: replaying those, not the {total} the run asks for"));
         }
         dumps.truncate(cfg.total_steps as usize);
         let mut steps = ReplaySteps {
@@ -142,8 +135,9 @@ pub async fn run(
     let mut stack = stack::Stack::start(&cfg, opts.device, &out.join("scratch"), console).await?;
     let publish = stack.publish_options(&cfg, out, opts.device)?;
     learner.connect(&publish).await?;
-    if resume.is_some() {
-        // The engines loaded the original model: bring them to the checkpoint's version.
+    if resume.is_some() || cfg.run.spec.versioned_adapters() {
+        // The engines loaded the original model (and none of a LoRA run's adapters on a pool or
+        // vLLM): bring them to the checkpoint's version.
         learner.publish(progress.version, false).await?;
     }
     let dataset = Arc::new(ordered(&cfg.tasks, seed));
@@ -155,15 +149,13 @@ pub async fn run(
         progress.version,
     )?;
     learner.log_to(out)?;
-    let stages = stages::ordered(
-        &cfg.run.spec,
-        stages::Parts {
-            teacher: stack.teacher.take(),
-            judge: stack.judge.take(),
-            dumps: Some(dump::folder(out)),
-            dump_rollouts: opts.dump_rollouts,
-        },
-    );
+    let parts = stages::Parts {
+        teacher: stack.teacher.take(),
+        judge: stack.judge.take(),
+        dumps: Some(dump::folder(out)),
+        dump_rollouts: opts.dump_rollouts,
+    };
+    let stages = stages::ordered(&cfg.run.spec, parts);
     let mut steps = LocalSteps {
         cfg: &cfg,
         console,
@@ -204,7 +196,7 @@ impl LocalSteps<'_> {
     /// The policy of the last step trained on the held-out tasks, when `spec.eval` says it is due
     /// and it is not evaluated yet (generation for training goes on meanwhile; the trainer
     /// waits). A shutdown interrupts it, and the run.
-    async fn evaluate_if_due(&mut self, learner: &mut Learner) -> Result<(), RunError> {
+    async fn evaluate_if_due(&mut self, learner: &mut Learner) -> Result<()> {
         let (cfg, at) = (self.cfg, (self.progress.step, self.progress.version));
         let due = cfg.eval.as_ref().filter(|e| e.due(at.0, cfg.total_steps));
         let Some(e) = due.filter(|_| !learner.evals().iter().any(|r| r.step == at.0)) else {
@@ -219,11 +211,7 @@ impl LocalSteps<'_> {
 }
 
 impl Steps for LocalSteps<'_> {
-    async fn next(
-        &mut self,
-        step: u64,
-        learner: &mut Learner,
-    ) -> Result<Option<StepBatch>, RunError> {
+    async fn next(&mut self, step: u64, learner: &mut Learner) -> Result<Option<StepBatch>> {
         self.evaluate_if_due(learner).await?;
         if self.stop.is_cancelled() {
             return Ok(None);
@@ -237,15 +225,15 @@ impl Steps for LocalSteps<'_> {
         Ok(Some(StepBatch::drawn(step, groups, self.pool, self.seed)))
     }
 
-    async fn done(&mut self, trained: Trained, batch: StepBatch) -> Result<(), RunError> {
+    async fn done(&mut self, trained: Trained, batch: StepBatch) -> Result<()> {
         self.pool.set_version(trained.record.policy_version);
         drop(batch); // frees the groups' admission slots: generation goes on
-        self.progress
-            .trained(&trained, self.console, self.cfg.total_steps, true);
+        let total = self.cfg.total_steps;
+        self.progress.trained(&trained, self.console, total, true);
         Ok(())
     }
 
-    async fn quarantined(&mut self, _: u64, _: RunError) -> Result<(), RunError> {
+    async fn quarantined(&mut self, _: u64, _: RunError) -> Result<()> {
         self.pool.quarantined();
         Ok(())
     }
@@ -262,7 +250,7 @@ struct ReplaySteps<'a> {
 }
 
 impl Steps for ReplaySteps<'_> {
-    async fn next(&mut self, step: u64, _: &mut Learner) -> Result<Option<StepBatch>, RunError> {
+    async fn next(&mut self, step: u64, _: &mut Learner) -> Result<Option<StepBatch>> {
         let Some((_, path)) = self.dumps.get(step as usize - 1) else {
             return Ok(None);
         };
@@ -275,7 +263,7 @@ impl Steps for ReplaySteps<'_> {
         }))
     }
 
-    async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<(), RunError> {
+    async fn done(&mut self, trained: Trained, _: StepBatch) -> Result<()> {
         let total = self.dumps.len() as u64;
         self.progress.trained(&trained, self.console, total, false);
         Ok(())
@@ -289,14 +277,15 @@ pub async fn evaluate_checkpoint(
     mut cfg: RunConfig,
     opts: &RunOptions,
     checkpoint: Option<&std::path::Path>,
-) -> Result<EvalResult, RunError> {
+) -> Result<EvalResult> {
     let why = "moult eval needs it (the held-out tasks and how to sample them; docs/run.md, \"Evaluation\")";
     let eval = (cfg.eval.clone()).ok_or_else(|| RunError::field("spec.eval", why))?;
     let (step, version) = match checkpoint {
         Some(dir) => {
             let (dir, meta) = crate::learner::checkpoint::model_folder(dir)?;
+            let policy = dir.display();
             opts.console
-                .line(&format!("moult eval: the policy in {}", dir.display()));
+                .line(&format!("moult eval: the policy in {policy}"));
             cfg.model_dir = dir;
             meta.map_or((0, 0), |m| (m.step, m.policy_version))
         }
@@ -322,10 +311,9 @@ async fn evaluate(
     at: (u64, u64),
 ) -> EvalResult {
     console.phase("evaluating");
-    eval::evaluate(runner, opts, at, &|done, total| {
-        console.detail(format!("evaluating: {done}/{total} episodes"))
-    })
-    .await
+    let detail =
+        |done: usize, total: usize| console.detail(format!("evaluating: {done}/{total} episodes"));
+    eval::evaluate(runner, opts, at, &detail).await
 }
 
 /// Where a run's loop stands, for its summary.
@@ -375,7 +363,7 @@ fn summarize(
     out: &std::path::Path,
     learner: &Learner,
     progress: Progress,
-) -> Result<Summary, RunError> {
+) -> Result<Summary> {
     let records = learner.records();
     let trained: Vec<StepRecord> = records
         .iter()

@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use super::vllm::VllmProcess;
 use crate::agents::AgentPool;
 use crate::config::RunConfig;
+use crate::engine::pool::LocalPool;
 use crate::engine::{http, EngineHandle, EngineOptions};
 use crate::error::RunError;
 use crate::model::{lora::LoraConfig, CausalLm, ModelConfig};
@@ -29,6 +30,7 @@ use moult_operator::api::EngineBackend;
 pub struct Stack {
     /// The router's base URL: generation and weight updates go through it.
     pub router_url: String,
+    router: Arc<crate::router::Router>,
     pub agents: Arc<AgentPool>,
     /// The judge of LLM-as-judge rewards, when the run has one.
     pub judge: Option<Judge>,
@@ -43,6 +45,25 @@ impl Drop for Stack {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
     }
+}
+
+/// The engines of the EnginePool `name` running on this machine (`moult pool`), which this run
+/// then reaches with its pool credential (docs/lora.md, "Two runs on one pool").
+fn pool_engines(name: &str, cfg: &RunConfig) -> Result<Vec<String>, RunError> {
+    let Some(pool) = LocalPool::find(name) else {
+        let why = format!("no EnginePool `{name}` runs on this machine: start it with `moult pool MANIFEST` (docs/lora.md)");
+        return Err(RunError::field("spec.engines.poolRef.name", why));
+    };
+    if std::fs::canonicalize(&cfg.model_dir).ok().as_ref() != Some(&pool.model) {
+        let why = format!(
+            "the pool `{name}` serves {}; a run on it trains an adapter of that model",
+            pool.model.display()
+        );
+        return Err(RunError::field("spec.model.path", why));
+    }
+    let credential = moult_operator::credentials::pool_credential(&pool.token, &cfg.name);
+    let _ = crate::auth::POOL_CREDENTIAL.set(Some(credential));
+    Ok(pool.engines)
 }
 
 async fn bind() -> Result<(TcpListener, String), RunError> {
@@ -89,13 +110,15 @@ async fn fixed_engine(
 
 impl Stack {
     /// Ends the serving side in order: engines abort what they still run (so nothing waits on
-    /// a stream that will never finish), then every server stops.
+    /// a stream that will never finish), a run on an EnginePool unloads its adapters from the
+    /// pool's engines, then every server stops.
     pub async fn shutdown(self) {
         let _ = crate::auth::client()
             .post(format!("{}/pause?mode=abort", self.router_url))
             .timeout(std::time::Duration::from_secs(5))
             .send()
             .await;
+        server::unload_adapters(&self.router).await;
     }
 
     /// How the trainer publishes to these engines: through the router, over the run's
@@ -107,7 +130,7 @@ impl Stack {
         device: Device,
     ) -> Result<PublishOptions, RunError> {
         Ok(PublishOptions::new(
-            &cfg.run.spec.engines,
+            &cfg.run,
             ModelConfig::from_dir(&cfg.model_dir)?.dtype.as_deref(),
             self.router_url.clone(),
             device,
@@ -133,9 +156,13 @@ impl Stack {
         };
         // The policy's engines serve a LoRA run's adapter (docs/lora.md).
         let policy = (cfg.model_dir.as_path(), cfg.trainer.lora.as_ref());
-        let mut urls = Vec::new();
+        // A run on an EnginePool has no engines of its own.
+        let (mut urls, own) = match &cfg.run.spec.engines.pool_ref {
+            Some(pool) => (pool_engines(&pool.name, cfg)?, 0),
+            None => (Vec::new(), cfg.engines),
+        };
         let mut vllm = Vec::new();
-        for index in 0..cfg.engines {
+        for index in 0..own {
             match cfg.run.spec.engines.backend {
                 EngineBackend::Builtin => {
                     urls.push(engine(policy, device, opts.clone(), stop_rx.clone()).await?);
@@ -151,7 +178,8 @@ impl Stack {
         let pool = Arc::new(EnginePool::new(&urls));
         let router = crate::router::for_run(pool);
         let (listener, router_url) = bind().await?;
-        tokio::spawn(server::serve(listener, router, stopped(stop_rx.clone())));
+        let serve = server::serve(listener, router.clone(), stopped(stop_rx.clone()));
+        tokio::spawn(serve);
 
         // The judge and a served teacher take a step's episodes all at once.
         let episodes = cfg.rollout.batch_size * cfg.rollout.group_size;
@@ -177,6 +205,7 @@ impl Stack {
         let agents = AgentPool::serve(&router_url, model, agent, opts, listener, shutdown)?;
         Ok(Self {
             router_url,
+            router,
             agents,
             judge,
             teacher,

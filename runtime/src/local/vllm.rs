@@ -14,7 +14,7 @@ use nix::unistd::Pid;
 use tch::Device;
 
 use crate::config::RunConfig;
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::records::console::Console;
 
 /// How long vLLM may take to serve (it imports torch, loads the model, profiles memory).
@@ -37,7 +37,7 @@ pub struct VllmProcess {
 
 /// A free loopback port for [`VllmProcess::spawn`] (vLLM binds its own socket, so the port is
 /// only likely to stay free).
-pub fn free_port() -> Result<u16, RunError> {
+pub fn free_port() -> Result<u16> {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -60,7 +60,7 @@ impl VllmProcess {
         device: Device,
         logs: &Path,
         console: &Console,
-    ) -> Result<Self, RunError> {
+    ) -> Result<Self> {
         let port = free_port()?;
         let model = cfg.model_dir.display().to_string();
         let mut args = moult_operator::children::vllm_args(
@@ -92,7 +92,7 @@ impl VllmProcess {
         port: u16,
         log: &Path,
         cpu_threads: Option<usize>,
-    ) -> Result<Self, RunError> {
+    ) -> Result<Self> {
         use std::os::unix::process::CommandExt;
         let out = std::fs::File::create(log).map_err(|e| RunError::file("creating", log, e))?;
         let err = out
@@ -103,8 +103,9 @@ impl VllmProcess {
         command
             .args(["-m", "vllm.entrypoints.openai.api_server"])
             .args(args)
-            // Serves /pause, /resume and /collective_rpc.
+            // Serves /pause, /resume and /collective_rpc; and a LoRA run's adapters at run time.
             .env("VLLM_SERVER_DEV_MODE", "1")
+            .env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -137,7 +138,7 @@ impl VllmProcess {
         Ok(vllm)
     }
 
-    async fn wait_until_serving(&mut self) -> Result<(), RunError> {
+    async fn wait_until_serving(&mut self) -> Result<()> {
         let http = reqwest::Client::new();
         let started = Instant::now();
         loop {

@@ -3,7 +3,7 @@
 //! stream (as in `tests/fixtures/anthropic_sse/`).
 
 use axum::response::sse::Event as SseEvent;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
@@ -279,8 +279,20 @@ impl Protocol for Answer {
         Ok((req.into_chat()?, stream, Self { id, text_open }))
     }
 
+    /// `{"type": "error", "error": {type, message}}`.
     fn error(e: &LoopbackError) -> Response {
-        e.anthropic()
+        let status = e.status();
+        let kind = match status.as_u16() {
+            400 => "invalid_request_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        };
+        let message = e.param().map_or(e.to_string(), |p| format!("{p}: {e}"));
+        let body = json!({"type": "error", "error": {"type": kind, "message": message}});
+        (status, axum::Json(body)).into_response()
     }
 
     fn answer(&self, service: &ChatService, out: &TurnOutput) -> Json {

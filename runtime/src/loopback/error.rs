@@ -1,11 +1,8 @@
-//! The loopback server's errors, and their one conversion into each protocol's error shape:
-//! OpenAI `{"error": {message, type, param, code}}`, Anthropic
-//! `{"type": "error", "error": {type, message}}`.
+//! The loopback server's errors, with their HTTP status and the field they name; each protocol
+//! turns them into its own error shape once (`Protocol::error` of [`super::openai`] and
+//! [`super::anthropic`]).
 
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
-use serde_json::json;
 
 use crate::chat::{InvalidRequest, TemplateError, TokenizerError};
 use crate::engine::client::EngineError;
@@ -59,38 +56,5 @@ impl LoopbackError {
     pub fn param(&self) -> Option<&str> {
         let Self::Invalid(e) = self else { return None };
         e.param.as_deref()
-    }
-
-    /// This error as an OpenAI API error.
-    pub fn openai(&self) -> Response {
-        let status = self.status();
-        let kind = match status.as_u16() {
-            400 | 413 => "invalid_request_error",
-            404 => "not_found_error",
-            429 => "rate_limit_error",
-            503 => "service_unavailable",
-            _ => "server_error",
-        };
-        let (message, param) = (self.to_string(), self.param());
-        let body =
-            json!({"error": {"message": message, "type": kind, "param": param, "code": null}});
-        (status, Json(body)).into_response()
-    }
-
-    /// This error as an Anthropic API error.
-    pub fn anthropic(&self) -> Response {
-        let status = self.status();
-        let kind = match status.as_u16() {
-            400 => "invalid_request_error",
-            404 => "not_found_error",
-            413 => "request_too_large",
-            429 => "rate_limit_error",
-            503 | 529 => "overloaded_error",
-            _ => "api_error",
-        };
-        let with_param = |p| format!("{p}: {self}");
-        let message = self.param().map_or(self.to_string(), with_param);
-        let body = json!({"type": "error", "error": {"type": kind, "message": message}});
-        (status, Json(body)).into_response()
     }
 }

@@ -210,20 +210,20 @@ async fn trajectory(State(state): State<AppState>, Path(session): Path<String>) 
         Some((turns, segments)) => {
             Json(json!({"session": session, "turns": turns, "segments": segments})).into_response()
         }
-        None => LoopbackError::NotFound(format!("no session `{session}`")).openai(),
+        None => OpenAi::error(&LoopbackError::NotFound(format!("no session `{session}`"))),
     }
 }
 
 async fn delete_session(State(state): State<AppState>, Path(session): Path<String>) -> Response {
     match state.service.take(&session).await {
         Some(_) => StatusCode::NO_CONTENT.into_response(),
-        None => LoopbackError::NotFound(format!("no session `{session}`")).openai(),
+        None => OpenAi::error(&LoopbackError::NotFound(format!("no session `{session}`"))),
     }
 }
 
 async fn not_found(uri: axum::http::Uri) -> Response {
     let message = format!("no route {uri}: agents use /s/{{session}}/v1/chat/completions (OpenAI) or /s/{{session}}/v1/messages (Anthropic)");
-    LoopbackError::NotFound(message).openai()
+    OpenAi::error(&LoopbackError::NotFound(message))
 }
 
 /// The loopback server's routes, served with [`crate::serve::serve`].

@@ -2,10 +2,8 @@
 //! `openai` SDK reads: `chat.completion`, and `chat.completion.chunk` SSE frames ending in
 //! `data: [DONE]`.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use axum::response::sse::Event as SseEvent;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 
 use serde::Deserialize;
 use serde_json::{json, Map, Value as Json};
@@ -348,10 +346,9 @@ impl Protocol for Answer {
         let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage);
         let logprobs = req.logprobs.unwrap_or(false);
         let chat = req.into_chat()?;
-        let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH);
         let answer = Self {
             id: format!("chatcmpl-{}", random_id()),
-            created: since_epoch.map_or(0, |d| d.as_secs()),
+            created: chrono::Utc::now().timestamp().max(0) as u64,
             n: chat.n,
             logprobs,
             include_usage: include_usage.unwrap_or(false),
@@ -359,8 +356,20 @@ impl Protocol for Answer {
         Ok((chat, stream, answer))
     }
 
+    /// `{"error": {message, type, param, code}}`.
     fn error(e: &LoopbackError) -> Response {
-        e.openai()
+        let status = e.status();
+        let kind = match status.as_u16() {
+            400 | 413 => "invalid_request_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            503 => "service_unavailable",
+            _ => "server_error",
+        };
+        let (message, param) = (e.to_string(), e.param());
+        let body =
+            json!({"error": {"message": message, "type": kind, "param": param, "code": null}});
+        (status, axum::Json(body)).into_response()
     }
 
     fn answer(&self, service: &ChatService, out: &TurnOutput) -> Json {

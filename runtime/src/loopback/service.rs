@@ -251,10 +251,8 @@ impl ChatService {
             return Ok(s.clone());
         }
         if self.opts.registered_sessions {
-            return Err(LoopbackError::NotFound(format!(
-                "no session {id}: sessions are opened by the agent pool for an episode and end \
-                 with it"
-            )));
+            let why = format!("no session {id}: sessions are opened by the agent pool for an episode and end with it");
+            return Err(LoopbackError::NotFound(why));
         }
         self.insert(&mut sessions, id, None)
     }
@@ -428,8 +426,7 @@ impl ChatService {
             let Some(image) = images.get(spans.len()) else {
                 return refuse(&format!("the conversation renders more image placeholders than it has images ({n} images); text may not hold {IMAGE_PLACEHOLDER} itself"));
             };
-            let tokens = image
-                .bytes()
+            let tokens = (image.bytes())
                 .and_then(|b| crate::vision::placeholder_tokens_of(&b, &inputs.config))
                 .map_err(|e| InvalidRequest::new("messages", format!("an image: {e}")))?;
             spans.push(SegmentImage {

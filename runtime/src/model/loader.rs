@@ -93,26 +93,39 @@ pub fn load_safetensors_dir(
             path: path.clone(),
             source,
         })?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| Error::Checkpoint {
-            path: path.clone(),
-            message: format!("not a valid safetensors file: {e}"),
-        })?;
-        for (name, view) in st.tensors() {
-            let src_kind = kind_of(view.dtype()).ok_or_else(|| Error::Weight {
-                name: name.clone(),
-                message: format!(
-                    "dtype {:?} is not supported (float32, bfloat16, float16)",
-                    view.dtype()
-                ),
-            })?;
-            let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-            let tensor = Tensor::f_from_data_size(view.data(), &shape, src_kind)?
-                .f_to_kind(kind)?
-                .f_to_device(device)?;
-            out.insert(name, tensor);
-        }
+        tensors_from_bytes(&bytes, &path, kind, device, &mut out)?;
     }
     Ok(out)
+}
+
+/// Adds the tensors of the safetensors file `bytes` (read from `path`, named in errors) to
+/// `out`, converted to `kind` on `device`.
+pub(super) fn tensors_from_bytes(
+    bytes: &[u8],
+    path: &Path,
+    kind: Kind,
+    device: Device,
+    out: &mut BTreeMap<String, Tensor>,
+) -> Result<()> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| Error::Checkpoint {
+        path: path.into(),
+        message: format!("not a valid safetensors file: {e}"),
+    })?;
+    for (name, view) in st.tensors() {
+        let src_kind = kind_of(view.dtype()).ok_or_else(|| Error::Weight {
+            name: name.clone(),
+            message: format!(
+                "dtype {:?} is not supported (float32, bfloat16, float16)",
+                view.dtype()
+            ),
+        })?;
+        let shape: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        let tensor = Tensor::f_from_data_size(view.data(), &shape, src_kind)?
+            .f_to_kind(kind)?
+            .f_to_device(device)?;
+        out.insert(name, tensor);
+    }
+    Ok(())
 }
 
 /// Takes named weights out of the loaded map, checking each shape.

@@ -282,8 +282,9 @@ pub fn weights_file(dir: &Path) -> &'static str {
     }
 }
 
-/// Writes an adapter folder's two files into `dir`: `config` as PEFT's `adapter_config.json`
-/// for the base model folder `base`, and `weights` (PEFT names) as `adapter_model.safetensors`.
+/// Writes an adapter folder's two files into `dir` (made when missing): `config` as PEFT's
+/// `adapter_config.json` for the base model folder `base`, and `weights` (PEFT names) as
+/// `adapter_model.safetensors`.
 pub fn write_adapter(
     dir: &Path,
     config: &LoraConfig,
@@ -291,12 +292,73 @@ pub fn write_adapter(
     weights: &[(String, Tensor)],
 ) -> Result<()> {
     let path = dir.join(CONFIG_FILE);
+    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+        path: dir.into(),
+        source,
+    })?;
     let base = std::fs::canonicalize(base).unwrap_or_else(|_| base.to_path_buf());
     let json = config.to_peft(&base.to_string_lossy());
     let text = serde_json::to_string_pretty(&json).expect("plain data serializes");
     std::fs::write(&path, text).map_err(|source| Error::Io { path, source })?;
     Tensor::write_safetensors(weights, dir.join(WEIGHTS_FILE))?;
     Ok(())
+}
+
+/// The `__metadata__` key of an adapter sent as one safetensors file ([`adapter_bytes`]).
+const CONFIG_METADATA: &str = "adapter_config";
+
+/// An adapter as one safetensors file, its `adapter_config.json` (for the base `base`) in the
+/// file's metadata, its tensors in float32: what a run uploads to a pool's engines (docs/lora.md,
+/// "Engine pools").
+pub fn adapter_bytes(config: &LoraConfig, base: &str, weights: &[(String, Tensor)]) -> Vec<u8> {
+    let data: Vec<(String, Vec<u8>, Vec<usize>)> = (weights.iter())
+        .map(|(name, t)| {
+            let t = t.to_device(Device::Cpu).to_kind(Kind::Float).contiguous();
+            let values = Vec::<f32>::try_from(t.flatten(0, -1)).expect("a float tensor");
+            let shape = t.size().iter().map(|&d| d as usize).collect();
+            (
+                name.clone(),
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                shape,
+            )
+        })
+        .collect();
+    let views = data.iter().map(|(name, bytes, shape)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes);
+        (name.as_str(), view.expect("the shape fits the data"))
+    });
+    let metadata = [(
+        CONFIG_METADATA.to_string(),
+        config.to_peft(base).to_string(),
+    )];
+    safetensors::serialize(views, Some(metadata.into_iter().collect()))
+        .expect("float32 tensors serialize")
+}
+
+/// Reads [`adapter_bytes`]' file back: the adapter's shape, and its tensors in `kind` on
+/// `device` (errors name `what` as the file).
+pub fn adapter_from_bytes(
+    bytes: &[u8],
+    what: &Path,
+    kind: Kind,
+    device: Device,
+) -> Result<(LoraConfig, BTreeMap<String, Tensor>)> {
+    let bad = |message: String| Error::Checkpoint {
+        path: what.into(),
+        message,
+    };
+    let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes)
+        .map_err(|e| bad(format!("not a valid safetensors file: {e}")))?;
+    let config = (metadata.metadata().as_ref())
+        .and_then(|m| m.get(CONFIG_METADATA))
+        .ok_or_else(|| bad(format!("its metadata has no `{CONFIG_METADATA}`")))?;
+    let config =
+        serde_json::from_str(config).map_err(|e| bad(format!("{CONFIG_METADATA}: {e}")))?;
+    let config = LoraConfig::from_peft(&config, what)?;
+    let mut weights = BTreeMap::new();
+    super::loader::tensors_from_bytes(bytes, what, kind, device, &mut weights)?;
+    Ok((config, weights))
 }
 
 /// Which adapter each row of a packed batch computes with: several adapters share one forward,

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::rollout::eval::EvalResult;
 
 /// Records written before `trainer_world_size` existed were of one rank.
@@ -114,18 +114,6 @@ pub struct StepRecord {
     pub eval_pass_at_k: Option<f64>,
 }
 
-impl StepRecord {
-    /// The record with `eval`'s numbers.
-    pub fn with_eval(self, eval: Option<&EvalResult>) -> Self {
-        Self {
-            eval_step: eval.map(|e| e.step),
-            eval_reward_mean: eval.map(|e| e.eval_reward_mean),
-            eval_pass_at_k: eval.map(|e| e.eval_pass_at_k),
-            ..self
-        }
-    }
-}
-
 /// `metrics.jsonl`, appended one line per step, and the same numbers as TensorBoard events under
 /// `<out>/tensorboard/`.
 #[derive(Debug)]
@@ -142,7 +130,7 @@ pub struct MetricsLog {
 impl MetricsLog {
     /// Opens `<out>/metrics.jsonl`, keeping only steps up to `resume_step` (a resumed run trains
     /// the later ones again, so each step appears once).
-    pub fn open(out: &Path, resume_step: u64) -> Result<Self, RunError> {
+    pub fn open(out: &Path, resume_step: u64) -> Result<Self> {
         let path = out.join("metrics.jsonl");
         let records = keep_lines(&path, |r: &StepRecord| r.step <= resume_step)?;
         // The evaluation at `resume_step` is run again after the resume.
@@ -160,7 +148,7 @@ impl MetricsLog {
         })
     }
 
-    pub fn push(&mut self, record: StepRecord) -> Result<(), RunError> {
+    pub fn push(&mut self, record: StepRecord) -> Result<()> {
         self.append(false, record.step, &record)?;
         self.records.push(record);
         Ok(())
@@ -168,7 +156,7 @@ impl MetricsLog {
 
     /// Appends an evaluation to `eval.jsonl`, and its numbers to TensorBoard at the step it
     /// measured.
-    pub fn push_eval(&mut self, eval: EvalResult) -> Result<(), RunError> {
+    pub fn push_eval(&mut self, eval: EvalResult) -> Result<()> {
         self.append(true, eval.step, &eval)?;
         self.evals.push(eval);
         Ok(())
@@ -177,7 +165,7 @@ impl MetricsLog {
     /// Appends `item` to `eval.jsonl` (an evaluation) or `metrics.jsonl`, and its numbers to
     /// TensorBoard at `step`. A step record's `eval_` fields are left out there: TensorBoard has
     /// them at the step the evaluation measured, from `eval.jsonl`.
-    fn append(&mut self, eval: bool, step: u64, item: &impl Serialize) -> Result<(), RunError> {
+    fn append(&mut self, eval: bool, step: u64, item: &impl Serialize) -> Result<()> {
         let path = if eval { &self.eval_path } else { &self.path };
         std::fs::OpenOptions::new()
             .append(true)
@@ -211,7 +199,7 @@ impl MetricsLog {
 fn keep_lines<T: Serialize + DeserializeOwned>(
     path: &Path,
     keep: impl Fn(&T) -> bool,
-) -> Result<Vec<T>, RunError> {
+) -> Result<Vec<T>> {
     let items: Vec<T> = match std::fs::read_to_string(path) {
         Ok(text) => text
             .lines()

@@ -59,9 +59,7 @@ fn record(data: &[u8]) -> Vec<u8> {
 }
 
 fn now() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
+    chrono::Utc::now().timestamp_micros() as f64 / 1e6
 }
 
 /// One event file of a run (a process writes a file of its own; TensorBoard reads them all).
@@ -78,11 +76,8 @@ impl EventWriter {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "localhost".into());
-        let path = dir.join(format!(
-            "events.out.tfevents.{}.{host}.{}",
-            now() as u64,
-            std::process::id()
-        ));
+        let (secs, pid) = (now() as u64, std::process::id());
+        let path = dir.join(format!("events.out.tfevents.{secs}.{host}.{pid}"));
         let file = std::fs::File::create(&path)?;
         let mut writer = Self { path, file };
         writer.write(Event {

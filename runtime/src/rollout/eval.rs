@@ -108,8 +108,12 @@ pub async fn evaluate(
 
 /// The console line of an evaluation.
 pub fn line(r: &EvalResult) -> String {
+    let failed = match r.eval_failed {
+        0 => String::new(),
+        n => format!(" ({n} failed)"),
+    };
     format!(
-        "eval  step {:>4} | reward {:.3} | pass@{} {:.3} | pass@1 {:.3} | {} tasks, {} episodes{} | {:.1}s",
+        "eval  step {:>4} | reward {:.3} | pass@{} {:.3} | pass@1 {:.3} | {} tasks, {} episodes{failed} | {:.1}s",
         r.step,
         r.eval_reward_mean,
         r.eval_k,
@@ -117,11 +121,6 @@ pub fn line(r: &EvalResult) -> String {
         r.eval_pass_at_1,
         r.eval_tasks,
         r.eval_episodes,
-        if r.eval_failed > 0 {
-            format!(" ({} failed)", r.eval_failed)
-        } else {
-            String::new()
-        },
         r.eval_seconds,
     )
 }

@@ -185,8 +185,7 @@ pub fn oldest_version(episodes: &[Episode]) -> Option<u64> {
 
 /// The version of every sampled token of `episodes`.
 fn token_versions(episodes: &[Episode]) -> impl Iterator<Item = u64> + '_ {
-    episodes
-        .iter()
+    (episodes.iter())
         .flat_map(|e| e.segments.iter())
         .flat_map(|s| s.versions.iter().flatten())
         .copied()
@@ -271,10 +270,9 @@ impl RolloutPool {
                 let (runner, shared, tx, opts) =
                     (runner.clone(), shared.clone(), tx.clone(), opts.clone());
                 groups.spawn(async move {
-                    let episodes = futures::future::join_all(
-                        (0..opts.group_size).map(|k| runner.run(first + k, task.clone(), None)),
-                    )
-                    .await;
+                    let runs =
+                        (0..opts.group_size).map(|k| runner.run(first + k, task.clone(), None));
+                    let episodes = futures::future::join_all(runs).await;
                     if tx.is_closed() {
                         // The run is over: whatever happened to these episodes is moot.
                         return;

@@ -23,15 +23,12 @@ pub const MAX_REWARD: f64 = 1e12;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EpisodeLimits {
     /// Token ids must be below this (the policy's `vocab_size`); unchecked when unknown.
-    #[serde(default)]
     pub vocab_size: Option<usize>,
     /// A segment has at most this many tokens (the policy's `max_position_embeddings`);
     /// unchecked when unknown.
-    #[serde(default)]
     pub max_positions: Option<usize>,
     /// Replayed routing names experts below this (the policy's `num_experts`); unchecked when
     /// unknown or the policy has none.
-    #[serde(default)]
     pub experts: Option<usize>,
 }
 

@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 
 use super::{RouteRequest, Router};
 use crate::engine::client::{ContentPart, EngineError, Generated};
+use crate::engine::pool::adapter_version;
 use crate::engine::ApiError;
 
 /// One generation's request, as the client sent it.
@@ -88,6 +89,11 @@ async fn run(
     let mut failed: Vec<String> = Vec::new();
     let mut busy_since: Option<Instant> = None;
     let mut backoff = Duration::from_millis(20);
+    // A request runs to its end with the adapter it started with (a LoRA run on an EnginePool
+    // or on vLLM), whose version `<run>-v<N>` its tokens carry: vLLM knows only its own.
+    let model = router.model.lock().expect("model lock").clone();
+    let adapter = model.as_deref().and_then(adapter_version);
+    let adapter_version = adapter.map(|(_, version)| version);
     loop {
         let done = generated.len() as i64;
         if done > 0 && max_tokens.is_some_and(|m| done >= m) {
@@ -124,7 +130,8 @@ async fn run(
             }
         }
         let (client, parts, session) = (&engine.client, &req.content_parts, req.session.as_deref());
-        let stream = client.generate(engine_id.to_string(), &prompt, parts, &params, session);
+        let (id, model) = (engine_id.to_string(), model.as_deref());
+        let stream = client.generate_with(id, &prompt, parts, &params, session, model);
         let mut stream = match stream.await {
             Ok(s) => s,
             Err(EngineError::Refused { status, message }) if status == 503 || status == 429 => {
@@ -155,7 +162,10 @@ async fn run(
         };
         loop {
             match stream.next().await {
-                Some(Ok(token @ Generated::Token { id, .. })) => {
+                Some(Ok(mut token @ Generated::Token { id, .. })) => {
+                    if let Generated::Token { version, .. } = &mut token {
+                        *version = adapter_version.unwrap_or(*version);
+                    }
                     generated.push(id);
                     if tx.send(Ok(token)).await.is_err() {
                         // The client went away; dropping the stream aborts the engine request.

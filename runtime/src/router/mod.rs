@@ -50,6 +50,9 @@ pub struct Router {
     /// How long a request waits for an engine when none is healthy (engines still loading, or
     /// all restarting) before it is refused with 503; zero refuses at once.
     engine_patience: Duration,
+    /// The adapter a LoRA run's requests name on an EnginePool or vLLM (its newest version,
+    /// docs/lora.md); none: the engines' served model.
+    model: Mutex<Option<String>>,
 }
 
 impl Router {
@@ -60,6 +63,7 @@ impl Router {
             failovers: AtomicU64::new(0),
             running: Mutex::default(),
             engine_patience: Duration::ZERO,
+            model: Mutex::default(),
         }
     }
 
@@ -103,6 +107,30 @@ impl Router {
     /// A new request id: 128 random bits, so no client can name another's request.
     fn request_id() -> String {
         format!("rt-{:032x}", rand::random::<u128>())
+    }
+
+    /// A pool run's share of its EnginePool's engine time (docs/lora.md, "Fair share"): the
+    /// mean over the engines up of its share of each one's recent tokens; `None` when none
+    /// answers.
+    pub async fn pool_share(&self) -> Option<f64> {
+        let http = crate::auth::engine_client();
+        let shares = self.pool.routable().into_iter().map(|e| {
+            let get = http.get(format!("{}/v1/pool/share", e.url()));
+            let get = get.timeout(Duration::from_secs(5)).send();
+            async { get.await.ok()?.json::<serde_json::Value>().await.ok() }
+        });
+        let answers = futures::future::join_all(shares).await;
+        let shares: Vec<f64> = (answers.into_iter().flatten())
+            .filter_map(|a| a["runs"].as_object()?.values().next()?["share"].as_f64())
+            .collect();
+        (!shares.is_empty()).then(|| shares.iter().sum::<f64>() / shares.len() as f64)
+    }
+
+    /// The adapter a LoRA run's requests name, `<run>-v<N>` (docs/lora.md): the run and `N`.
+    fn adapter(&self) -> Option<(String, u64)> {
+        let model = self.model.lock().expect("model lock");
+        let name = model.as_deref()?;
+        crate::engine::pool::adapter_version(name).map(|(run, v)| (run.to_string(), v))
     }
 
     /// The engines' ids of the running requests that a client gave one of `client_ids` and

@@ -251,7 +251,7 @@ impl EnginePool {
         }
         tracing::info!(engine = %url, "engine joined");
         let engine = Engine {
-            client: EngineClient::new(url),
+            client: EngineClient::engine(url),
             state: Mutex::default(),
         };
         // One that joins during a pause gets the pause too (the next resume reaches it).
@@ -373,7 +373,7 @@ impl EnginePool {
 
     /// Probes forever, every `interval` (spawn it; it ends when the pool is dropped).
     pub async fn check_health(self: Arc<Self>, opts: HealthOptions) {
-        let http = crate::auth::client();
+        let http = crate::auth::engine_client();
         let weak = Arc::downgrade(&self);
         drop(self);
         loop {

@@ -24,7 +24,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::Json;
 use futures::StreamExt;
 use serde::Deserialize;
@@ -34,7 +34,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::generate::{start, RoutedRequest};
 use super::{Engine, Router};
 use crate::engine::api::{AbortRequest, Choice, GenerateResponse, TokenLogprob, TopLogprob, Usage};
-use crate::engine::client::{ContentPart, Generated, GENERATE_BODY_LIMIT, SESSION_HEADER};
+use crate::engine::client::{
+    ContentPart, Generated, ADAPTER_BODY_LIMIT, GENERATE_BODY_LIMIT, SESSION_HEADER,
+};
 use crate::engine::ApiError;
 
 /// `POST /inference/v1/generate` as the router reads it: the engine validates the rest.
@@ -184,23 +186,33 @@ fn add(choice: &mut Choice, event: Generated, prompt_len: usize, before: usize) 
     }
 }
 
+/// A body a call to the engines carries.
+#[derive(Debug, Clone)]
+enum Body {
+    None,
+    Json(Value),
+    Bytes(Bytes),
+}
+
 /// Sends the same call to every engine in `engines`; the answers in order, or an error naming
 /// the engines that failed.
 async fn fan_out(
     engines: &[Arc<Engine>],
     method: Method,
     path_and_query: &str,
-    bodies: Vec<Option<Value>>,
+    bodies: Vec<Body>,
 ) -> Result<Vec<Value>, ApiError> {
     if engines.is_empty() {
         return Err(ApiError::unavailable("no healthy engine"));
     }
     let calls = engines.iter().zip(bodies).map(|(e, body)| async {
         let url = format!("{}{}", e.url(), path_and_query);
-        let mut req = router_http().request(method.clone(), &url);
-        if let Some(body) = body {
-            req = req.json(&body);
-        }
+        let req = router_http().request(method.clone(), &url);
+        let req = match body {
+            Body::None => req,
+            Body::Json(body) => req.json(&body),
+            Body::Bytes(bytes) => req.body(bytes),
+        };
         let r = req.send().await.map_err(|err| format!("{url}: {err}"))?;
         let status = r.status();
         let text = r.text().await.unwrap_or_default();
@@ -217,6 +229,57 @@ async fn fan_out(
         return Err(ApiError::new(StatusCode::BAD_GATEWAY, message));
     }
     Ok(results.into_iter().flatten().collect())
+}
+
+/// A run's new adapter, `<run>-v<N>` (docs/lora.md): `PUT /v1/adapters/{name}` (the adapter in
+/// the body: an EnginePool's built-in engines) or vLLM's `POST /v1/load_lora_adapter` (a folder
+/// the engines read), sent to every healthy engine. Once all hold it the run's requests name it,
+/// and go only to engines that serve version `N`; version `N - 2` is unloaded (a run holds two
+/// while it switches; requests still running with it finish first).
+async fn new_adapter(
+    State(router): State<Arc<Router>>,
+    method: Method,
+    uri: Uri,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let engines = healthy(&router).await;
+    let (name, body) = match uri.path().strip_prefix("/v1/adapters/") {
+        Some(name) => (name.to_string(), Body::Bytes(body)),
+        None => {
+            let body: Value = parse(&body)?;
+            let name = body["lora_name"].as_str().unwrap_or_default().to_string();
+            (name, Body::Json(body))
+        }
+    };
+    fan_out(&engines, method, uri.path(), vec![body; engines.len()]).await?;
+    let (run, version) = crate::engine::pool::adapter_version(&name).unwrap_or_default();
+    router.pool.updated(&engines, version);
+    if let Some(old) = version.checked_sub(2) {
+        unload(&engines, &format!("{run}-v{old}")).await;
+    }
+    *router.model.lock().expect("model lock") = Some(name);
+    Ok(Json(json!({"status": "ok", "engines": engines.len()})))
+}
+
+/// Unloads the adapter `name` from `engines` (one already gone is no error).
+async fn unload(engines: &[Arc<Engine>], name: &str) {
+    let bodies = vec![Body::Json(json!({ "lora_name": name })); engines.len()];
+    let _ = fan_out(engines, Method::POST, "/v1/unload_lora_adapter", bodies).await;
+}
+
+/// Unloads a LoRA run's adapters on an EnginePool or vLLM (its newest version and the one
+/// before) as the run stops (docs/lora.md); nothing for any other run.
+pub async fn unload_adapters(router: &Router) {
+    let Some((run, version)) = router.adapter() else {
+        return;
+    };
+    let engines = router.pool.healthy();
+    for v in [Some(version), version.checked_sub(1)]
+        .into_iter()
+        .flatten()
+    {
+        unload(&engines, &format!("{run}-v{v}")).await;
+    }
 }
 
 /// A control call sent unchanged to every healthy engine; answers with the first engine's reply.
@@ -238,7 +301,7 @@ async fn broadcast(
     };
     let finished_version =
         field.and_then(|f| crate::engine::api::reported_version(&body.as_ref()?[f]));
-    let bodies = vec![body; engines.len()];
+    let bodies = vec![body.map_or(Body::None, Body::Json); engines.len()];
     let answers = fan_out(&engines, method, path, bodies).await?;
     // Engines have stopped generating once a pause answered (a `wait` pause answers when their
     // requests are done), and start again on resume.
@@ -256,7 +319,7 @@ async fn broadcast(
 
 fn router_http() -> reqwest::Client {
     static HTTP: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
-    HTTP.get_or_init(crate::auth::client).clone()
+    HTTP.get_or_init(crate::auth::engine_client).clone()
 }
 
 /// The healthy engines; while there are none, a control call waits for one as a generation
@@ -269,7 +332,7 @@ async fn healthy(router: &Router) -> Vec<Arc<Engine>> {
 /// `GET path` of every healthy engine: the engines and their answers, in order.
 async fn get_all(router: &Router, path: &str) -> Result<(Vec<Arc<Engine>>, Vec<Value>), ApiError> {
     let engines = healthy(router).await;
-    let answers = fan_out(&engines, Method::GET, path, vec![None; engines.len()]).await?;
+    let answers = fan_out(&engines, Method::GET, path, vec![Body::None; engines.len()]).await?;
     Ok((engines, answers))
 }
 
@@ -306,7 +369,7 @@ async fn init_weight_transfer(
         let mut b = body.clone();
         b["init_info"]["rank_offset"] = json!(offset);
         offset += world_size(size);
-        Some(b)
+        Body::Json(b)
     });
     let path = "/init_weight_transfer_engine";
     fan_out(&engines, Method::POST, path, bodies.collect()).await?;
@@ -324,7 +387,7 @@ async fn abort(
         return Ok(Json(json!({"status": "ok"})));
     }
     let engines = router.pool.healthy();
-    let bodies = vec![Some(json!({ "request_ids": ids })); engines.len()];
+    let bodies = vec![Body::Json(json!({ "request_ids": ids })); engines.len()];
     // Aborting an id an engine does not know is fine; failures only mean the engine is gone.
     let path = "/inference/v1/abort_requests";
     let _ = fan_out(&engines, Method::POST, path, bodies).await;
@@ -341,7 +404,7 @@ async fn health(State(router): State<Arc<Router>>) -> StatusCode {
 
 async fn models(State(router): State<Arc<Router>>) -> Result<Json<Value>, ApiError> {
     let first: Vec<_> = router.pool.routable().into_iter().take(1).collect();
-    let answers = fan_out(&first, Method::GET, "/v1/models", vec![None]).await?;
+    let answers = fan_out(&first, Method::GET, "/v1/models", vec![Body::None]).await?;
     Ok(Json(answers.into_iter().next().unwrap_or(Value::Null)))
 }
 
@@ -467,6 +530,11 @@ pub fn api_routes(router: Arc<Router>) -> axum::Router {
         .route("/get_world_size", get(gather))
         .route("/weight_info", get(gather))
         .route("/v1/models", get(models))
+        .route(
+            "/v1/adapters/{name}",
+            put(new_adapter).layer(DefaultBodyLimit::max(ADAPTER_BODY_LIMIT)),
+        )
+        .route("/v1/load_lora_adapter", post(new_adapter))
         .route(
             "/engines",
             get(list_engines).post(add_engine).delete(remove_engine),

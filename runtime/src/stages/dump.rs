@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use futures::future::BoxFuture;
 
 use super::{Stage, StepBatch};
-use crate::error::RunError;
-use crate::records::files::write_atomic;
+use crate::error::{Result, RunError};
+use crate::records::files::{numbered, write_atomic};
 
 /// The stage that writes each batch, as the trainer will see it, into this folder.
 #[derive(Debug)]
@@ -20,7 +20,7 @@ impl Stage for Dump {
         "writing the batch to the rollout dump"
     }
 
-    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>> {
+    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move { write(&self.0, batch) })
     }
 }
@@ -35,7 +35,7 @@ fn file_name(step: u64) -> String {
 }
 
 /// Writes `batch` to `<dir>/step-NNNNNN.json` (whole or not at all).
-pub fn write(dir: &Path, batch: &StepBatch) -> Result<(), RunError> {
+pub fn write(dir: &Path, batch: &StepBatch) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| RunError::file("creating", dir, e))?;
     let bytes = serde_json::to_vec(batch).expect("a batch serializes");
     write_atomic(&dir.join(file_name(batch.step)), &bytes)
@@ -43,23 +43,10 @@ pub fn write(dir: &Path, batch: &StepBatch) -> Result<(), RunError> {
 
 /// The dumps in `dir`, by step: every `step-NNNNNN.json`, which must number 1, 2, 3, ... with
 /// no gap (a replay trains them in order, each on the weights the one before left).
-pub fn steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>, RunError> {
+pub fn steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let refuse = |why: String| RunError::Setup(format!("--replay {}: {why}", dir.display()));
     let what = "a folder `moult run --dump-rollouts` wrote: <out>/rollouts";
-    let entries = std::fs::read_dir(dir).map_err(|e| refuse(format!("{e} ({what})")))?;
-    let mut steps: Vec<(u64, PathBuf)> = entries
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let step = name
-                .strip_prefix("step-")?
-                .strip_suffix(".json")?
-                .parse()
-                .ok()?;
-            Some((step, e.path()))
-        })
-        .collect();
-    steps.sort();
+    let steps = numbered(dir, "step-", ".json").map_err(|e| refuse(format!("{e} ({what})")))?;
     if steps.is_empty() {
         let why = "no step-NNNNNN.json in it (write them with `moult run --dump-rollouts`)";
         return Err(refuse(why.into()));
@@ -74,7 +61,7 @@ pub fn steps(dir: &Path) -> Result<Vec<(u64, PathBuf)>, RunError> {
 }
 
 /// Reads one dump back as the batch it was.
-pub fn read(path: &Path) -> Result<StepBatch, RunError> {
+pub fn read(path: &Path) -> Result<StepBatch> {
     let bytes = std::fs::read(path).map_err(|e| RunError::file("reading", path, e))?;
     serde_json::from_slice(&bytes)
         .map_err(|e| RunError::Setup(format!("{} is not a rollout dump: {e}", path.display())))

@@ -20,7 +20,7 @@ use regex::Regex;
 use super::{Stage, StepBatch};
 use crate::chat::{ChatRequest, ChatSampling, Message, Role, Tokenizer};
 use crate::config::judge::{fill_prompt, JudgeOptions};
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::loopback::session::Segment;
 use crate::loopback::ChatService;
 
@@ -98,15 +98,11 @@ impl Judge {
         opts: &JudgeOptions,
         policy_dir: &std::path::Path,
         episodes: usize,
-    ) -> Result<Self, RunError> {
-        let setup = |e: &dyn std::fmt::Display| RunError::Setup(format!("spec.judge: {e}"));
-        let service = ChatService::new(
-            crate::engine::client::EngineClient::new(engine_url),
-            Tokenizer::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
-            crate::chat::ChatTemplate::from_model_dir(&opts.model_dir).map_err(|e| setup(&e))?,
-            // One session per reply of a step, each taken as soon as it is answered.
-            crate::loopback::ServiceOptions::pool(episodes.max(1), "judge"),
-        );
+    ) -> Result<Self> {
+        // One session per reply of a step, each taken as soon as it is answered.
+        let sessions = crate::loopback::ServiceOptions::pool(episodes.max(1), "judge");
+        let service = ChatService::from_model_dir(engine_url, &opts.model_dir, sessions)
+            .map_err(|e| RunError::Setup(format!("spec.judge: {e}")))?;
         Ok(Self {
             service,
             policy_tokenizer: Tokenizer::from_model_dir(policy_dir)
@@ -155,16 +151,14 @@ impl Stage for Judge {
 
     /// Judges every episode of the batch concurrently and replaces each reward with
     /// `agentWeight · reward + weight · score`. The step makes the judge's session ids unique.
-    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>> {
+    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let (started, step) = (std::time::Instant::now(), batch.step);
             let mut asks = Vec::new();
             for (g, group) in batch.groups.iter().enumerate() {
                 for (e, episode) in group.episodes.iter().enumerate() {
                     let ids = final_reply_ids(&episode.segments);
-                    let reply = self
-                        .policy_tokenizer
-                        .decode(ids, true)
+                    let reply = (self.policy_tokenizer.decode(ids, true))
                         .map_err(|e| RunError::Setup(format!("judge: decoding a reply: {e}")))?;
                     let prompt = fill_prompt(&self.opts.prompt, &group.task, &reply)
                         .map_err(|e| RunError::field("spec.judge.prompt", e))?;

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use moult_operator::api::RLRunSpec;
 
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::rollout::eval::EvalResult;
 use crate::rollout::{Group, RolloutPool, RolloutState, RolloutStats};
 use judge::{Judge, JudgeStats};
@@ -43,15 +43,12 @@ pub struct StepBatch {
     #[serde(default)]
     pub seed: u64,
     /// The evaluation of the policy this step starts from (`spec.eval`), when one was due.
-    #[serde(default)]
     pub eval: Option<EvalResult>,
     /// With `spec.judge`: the judge's verdict on the batch (the groups' rewards hold its
     /// scores already).
-    #[serde(default)]
     pub judged: Option<JudgeStats>,
     /// With a served distillation teacher: how its engines scored the batch (every trained
     /// segment carries its scores).
-    #[serde(default)]
     pub taught: Option<TeacherStats>,
     /// Trainers that started again while they held this batch (handed out, never committed):
     /// a batch that keeps stopping the trainer is set aside ([`StepBatch::stops_trainers`]).
@@ -93,7 +90,7 @@ pub trait Stage: Send + Sync + std::fmt::Debug {
     /// What the run's status line says while the stage works ("judging the batch").
     fn phase(&self) -> &'static str;
 
-    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>>;
+    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<()>>;
 }
 
 /// What a process has for the stages; a stage is in the list when its part is here.
@@ -122,7 +119,7 @@ pub fn ordered(spec: &RLRunSpec, parts: Parts) -> Vec<Box<dyn Stage>> {
 }
 
 /// Applies `stages` to `batch`, in order.
-pub async fn apply(stages: &[Box<dyn Stage>], batch: &mut StepBatch) -> Result<(), RunError> {
+pub async fn apply(stages: &[Box<dyn Stage>], batch: &mut StepBatch) -> Result<()> {
     for stage in stages {
         stage.apply(batch).await?;
     }

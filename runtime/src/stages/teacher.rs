@@ -17,7 +17,7 @@ use futures::{StreamExt, TryStreamExt};
 
 use super::{Stage, StepBatch};
 use crate::engine::client::EngineError;
-use crate::error::RunError;
+use crate::error::{Result, RunError};
 use crate::rollout::trained_segments;
 use crate::router::{Engine, EnginePool};
 
@@ -50,7 +50,7 @@ impl Teacher {
     }
 
     /// One segment's scores from the least loaded teacher engine, trying others when one fails.
-    async fn score(&self, id: &str, tokens: &[i64]) -> Result<Vec<f32>, RunError> {
+    async fn score(&self, id: &str, tokens: &[i64]) -> Result<Vec<f32>> {
         let mut last = String::new();
         for attempt in 0..ATTEMPTS {
             let engine = self.engine().await?;
@@ -59,10 +59,9 @@ impl Teacher {
                 Ok(scores) => return Ok(scores),
                 Err(EngineError::Refused { status, message }) if (400..500).contains(&status) => {
                     // The same answer from any engine: the segment does not fit the teacher.
+                    let (url, len) = (engine.url(), tokens.len());
                     return Err(RunError::Setup(format!(
-                        "the teacher engine {} refused a {}-token segment ({status}): {message} (a served teacher's context must hold the student's longest segment plus one token: docs/run.md, \"On-policy distillation\")",
-                        engine.url(),
-                        tokens.len()
+                        "the teacher engine {url} refused a {len}-token segment ({status}): {message} (a served teacher's context must hold the student's longest segment plus one token: docs/run.md, \"On-policy distillation\")"
                     )));
                 }
                 Err(e) => {
@@ -80,7 +79,7 @@ impl Teacher {
     }
 
     /// The routable engine with the fewest tokens outstanding, waiting for one to come up.
-    async fn engine(&self) -> Result<Arc<Engine>, RunError> {
+    async fn engine(&self) -> Result<Arc<Engine>> {
         let since = Instant::now();
         loop {
             if let Some(e) = self.pool.routable().into_iter().min_by_key(|e| e.tokens()) {
@@ -104,7 +103,7 @@ impl Stage for Teacher {
 
     /// Scores every segment with sampled tokens of the batch (the step makes request ids
     /// unique): each gets `teacher_logprobs`. On failure no segment is changed.
-    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<(), RunError>> {
+    fn apply<'a>(&'a self, batch: &'a mut StepBatch) -> BoxFuture<'a, Result<()>> {
         Box::pin(async move {
             let started = Instant::now();
             let asks: Vec<_> = trained_segments(&batch.groups)

@@ -126,8 +126,7 @@ impl Trainer {
     ) -> Result<Option<LossMetrics>> {
         let forwarded = self.forward_layers(samples)?;
         let head_units = [NORM, self.head_unit()];
-        let head_params: Vec<Tensor> = head_units
-            .iter()
+        let head_params: Vec<Tensor> = (head_units.iter())
             .flat_map(|&u| self.unit_params(u))
             .collect();
         // The head: the loss, then its backward in chunks.

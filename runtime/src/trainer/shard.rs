@@ -78,14 +78,11 @@ impl ShardLayout {
     }
 
     /// The whole tensors from every rank's file (`files[rank]`: its tensors by name).
-    pub fn unshard(
-        &self,
-        files: Vec<Vec<(String, Tensor)>>,
-    ) -> std::result::Result<Whole, UnshardError> {
+    pub fn unshard(&self, files: Vec<Vec<(String, Tensor)>>) -> Result<Whole, UnshardError> {
         let files: Vec<HashMap<String, Tensor>> =
             files.into_iter().map(|f| f.into_iter().collect()).collect();
         // Unit `u`'s tensors `key` (`w`, `m` or `v`) flat: every rank's shard, in rank order.
-        let flat = |key: &str, unit: usize| -> std::result::Result<Tensor, UnshardError> {
+        let flat = |key: &str, unit: usize| -> Result<Tensor, UnshardError> {
             let (key, len) = (format!("{key}.{unit}"), self.units[unit].shard_len);
             let parts = (files.iter().enumerate())
                 .map(|(rank, f)| match f.get(&key) {
@@ -102,7 +99,7 @@ impl ShardLayout {
                         key: key.clone(),
                     }),
                 })
-                .collect::<std::result::Result<Vec<_>, _>>()?;
+                .collect::<Result<Vec<_>, _>>()?;
             Ok(Tensor::cat(&parts, 0))
         };
         let (mut tensors, mut moments) = (Vec::new(), Vec::new());
@@ -120,7 +117,7 @@ impl ShardLayout {
                     tensor: n.tensor,
                 }),
             })
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()?;
         Ok((weights, moments))
     }
 }
@@ -415,17 +412,13 @@ impl Shards {
         lr: f64,
         group: &dyn Collectives,
     ) -> Result<()> {
-        let views: Vec<Tensor> = self
-            .pieces
-            .iter()
+        let views: Vec<Tensor> = (self.pieces.iter())
             .map(|p| match &self.own {
                 Some(own) => own.narrow(0, p.at, p.len),
                 None => piece_of(params, p),
             })
             .collect();
-        let grads: Vec<Option<Tensor>> = self
-            .pieces
-            .iter()
+        let grads: Vec<Option<Tensor>> = (self.pieces.iter())
             .map(|p| g.reached[p.tensor].then(|| g.grad.narrow(0, p.at, p.len)))
             .collect();
         self.optimizer.step_with(&views, &grads, lr);
@@ -542,12 +535,8 @@ impl Shards {
             self.release(u, params);
             let unit = &self.units[u];
             let start = |n: &NamedSlice| unit.offsets[n.tensor - unit.tensors.start];
-            emit(
-                (names.iter())
-                    .filter(|n| unit.tensors.contains(&n.tensor))
-                    .map(|n| named(&full, start(n), n))
-                    .collect(),
-            );
+            let unit_names = names.iter().filter(|n| unit.tensors.contains(&n.tensor));
+            emit(unit_names.map(|n| named(&full, start(n), n)).collect());
         }
         Ok(())
     }

@@ -74,8 +74,7 @@ pub type KlPenalty = (f64, Tensor);
 
 /// The sequences of `samples` to score, each from position 0 with its routing and images.
 pub(crate) fn scored(samples: &[Sample]) -> Vec<SeqInput<'_>> {
-    samples
-        .iter()
+    (samples.iter())
         .map(|s| SeqInput {
             tokens: &s.tokens,
             slot: None,

@@ -73,7 +73,6 @@ pub struct TrainerOptions {
     /// the model comes with one (a checkpoint). Several ranks then shard only the optimizer
     /// state (`Sharding::Optimizer`), whatever `sharding` says: the adapter is small, the frozen
     /// base is what a rank could not shard anyway.
-    #[serde(default)]
     pub lora: Option<LoraConfig>,
 }
 
@@ -205,9 +204,7 @@ impl Trainer {
         if opts.bf16_compute && !full {
             return Err(TrainerError::UnshardedBf16);
         }
-        let params: Vec<Tensor> = model
-            .trainable()
-            .into_iter()
+        let params: Vec<Tensor> = (model.trainable().into_iter())
             .map(|t| t.set_requires_grad(true))
             .collect();
         let names = model.named_slices();

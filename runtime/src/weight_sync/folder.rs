@@ -18,7 +18,7 @@ use serde_json::json;
 use tch::{Device, Kind, Tensor};
 
 use super::stream::WeightStream;
-use super::{Control, SyncError, SyncReport};
+use super::{Control, Result, SyncError, SyncReport};
 
 /// How often a failed reload is tried again before the update fails.
 const RELOAD_TRIES: u64 = 3;
@@ -62,7 +62,7 @@ pub async fn write_version(
     version: u64,
     mut weights: WeightStream,
     kind: Kind,
-) -> Result<(PathBuf, SyncReport), SyncError> {
+) -> Result<(PathBuf, SyncReport)> {
     let root = root.to_path_buf();
     tokio::task::spawn_blocking(move || {
         let partial = root.join(format!(".v{version}.partial"));
@@ -144,7 +144,7 @@ impl FolderPublisher {
         weights: WeightStream,
         version: u64,
         partial_rollout: bool,
-    ) -> Result<SyncReport, SyncError> {
+    ) -> Result<SyncReport> {
         let started = Instant::now();
         let (dir, written) = write_version(&self.root, version, weights, self.kind).await?;
         let written_in = started.elapsed();
@@ -166,7 +166,7 @@ impl FolderPublisher {
     }
 
     /// `reload_weights` from `dir` on every engine, tried again on failure.
-    async fn reload(&self, dir: &Path) -> Result<(), SyncError> {
+    async fn reload(&self, dir: &Path) -> Result<()> {
         let body = json!({"method": "reload_weights",
             "kwargs": {"weights_path": dir.display().to_string()}});
         let mut tries = 1;

@@ -82,6 +82,9 @@ pub enum SyncError {
     Setup(Box<SyncError>),
 }
 
+/// Weight sync's results: a [`SyncError`] unless said otherwise.
+pub type Result<T, E = SyncError> = std::result::Result<T, E>;
+
 impl SyncError {
     /// `step` failed with the error it is given.
     pub(crate) fn at<E: std::error::Error + Send + Sync + 'static>(
@@ -151,13 +154,13 @@ impl Control {
     }
 
     /// `GET /<step>`, a failure named after `step`.
-    pub async fn get(&self, step: &'static str) -> Result<Value, SyncError> {
+    pub async fn get(&self, step: &'static str) -> Result<Value> {
         let answer = self.request(Method::GET, &format!("/{step}"), None).await;
         answer.map_err(|e| SyncError::Call(step, e))
     }
 
     /// `POST /<step>` with `body`, a failure named after `step`.
-    pub async fn post(&self, step: &'static str, body: Value) -> Result<Value, SyncError> {
+    pub async fn post(&self, step: &'static str, body: Value) -> Result<Value> {
         let path = format!("/{step}");
         let answer = self.request(Method::POST, &path, Some(&body)).await;
         answer.map_err(|e| SyncError::Call(step, e))
@@ -165,14 +168,14 @@ impl Control {
 
     /// Pauses every engine: `keep` freezes requests in flight (partial rollout), `wait` lets
     /// them finish under the old weights first.
-    pub async fn pause(&self, partial_rollout: bool) -> Result<(), SyncError> {
+    pub async fn pause(&self, partial_rollout: bool) -> Result<()> {
         let mode = if partial_rollout { "keep" } else { "wait" };
         let path = format!("/pause?mode={mode}");
         let answer = self.request(Method::POST, &path, None).await;
         answer.map(drop).map_err(|e| SyncError::Call("pause", e))
     }
 
-    pub async fn resume(&self) -> Result<(), SyncError> {
+    pub async fn resume(&self) -> Result<()> {
         let answer = self.request(Method::POST, "/resume", None).await;
         answer.map(drop).map_err(|e| SyncError::Call("resume", e))
     }
@@ -188,8 +191,8 @@ impl Control {
         &self,
         version: u64,
         partial_rollout: bool,
-        transfer: impl std::future::Future<Output = Result<SyncReport, SyncError>>,
-    ) -> Result<SyncReport, SyncError> {
+        transfer: impl std::future::Future<Output = Result<SyncReport>>,
+    ) -> Result<SyncReport> {
         let paused_at = Instant::now();
         self.pause(partial_rollout).await?;
         let started = Instant::now();

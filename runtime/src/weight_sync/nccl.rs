@@ -37,7 +37,7 @@ use tch::Kind;
 
 use super::nccl_control::{ControlTimeouts, EngineControl};
 use super::nccl_handshake::{
-    init_infos, BucketPlan, NcclSyncError, PackedWire, Step, TensorMeta, UniqueId, DTYPES,
+    init_infos, BucketPlan, NcclSyncError, PackedWire, Result, Step, TensorMeta, UniqueId, DTYPES,
 };
 use super::stream::WeightStream;
 use super::{Control, SyncError, SyncReport};
@@ -63,7 +63,7 @@ impl NcclSenderConfig {
 
 /// Whether this machine can run the NCCL data plane: libcuda and libnccl load and a GPU exists;
 /// the number of GPUs, or what is missing (GPU tests print it when they cannot run).
-pub fn nccl_available() -> Result<usize, NcclSyncError> {
+pub fn nccl_available() -> Result<usize> {
     let missing = |what: &str| Err(NcclSyncError::nccl(Step::COMM_INIT, what));
     // SAFETY: dlopen of the system's libcuda by its usual names; nothing is called yet.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
@@ -171,7 +171,7 @@ impl NcclWeightSender {
         device_ordinal: usize,
         engine_urls: &[String],
         config: NcclSenderConfig,
-    ) -> Result<Self, NcclSyncError> {
+    ) -> Result<Self> {
         config.wire.validate()?;
         nccl_available()?;
         let engines: Vec<EngineControl> = engine_urls
@@ -204,13 +204,13 @@ impl NcclWeightSender {
         self.world_size
     }
 
-    fn usable(&self) -> Result<(), NcclSyncError> {
+    fn usable(&self) -> Result<()> {
         let broken = |why: &String| NcclSyncError::Broken(why.clone());
         self.device.as_ref().map(drop).map_err(broken)
     }
 
     /// `POST /start_weight_update` on every engine.
-    pub async fn start_update(&mut self) -> Result<(), NcclSyncError> {
+    pub async fn start_update(&mut self) -> Result<()> {
         self.usable()?;
         let calls = self.engines.iter().map(EngineControl::start_update);
         fan_out(&AtomicBool::new(false), calls).await
@@ -219,10 +219,7 @@ impl NcclWeightSender {
     /// Sends one bucket: `POST /update_weights` with its `update_info` on every engine while rank
     /// 0 broadcasts its packed chunks. Returns once every engine has the bucket and the GPU is
     /// done reading the tensors.
-    pub async fn send_bucket<T: DeviceTensor>(
-        &mut self,
-        tensors: Vec<(String, T)>,
-    ) -> Result<(), NcclSyncError> {
+    pub async fn send_bucket<T: DeviceTensor>(&mut self, tensors: Vec<(String, T)>) -> Result<()> {
         self.usable()?;
         // Checked before any engine hears of the bucket.
         let (plan, ptrs) = bucket_plan(&tensors, self.ordinal, self.config.wire)?;
@@ -250,7 +247,7 @@ impl NcclWeightSender {
     }
 
     /// `POST /finish_weight_update {weight_version}` on every engine.
-    pub async fn finish_update(&mut self, weight_version: u64) -> Result<(), NcclSyncError> {
+    pub async fn finish_update(&mut self, weight_version: u64) -> Result<()> {
         self.usable()?;
         let calls = self.engines.iter().map(|e| e.finish_update(weight_version));
         fan_out(&AtomicBool::new(false), calls).await
@@ -259,12 +256,9 @@ impl NcclWeightSender {
 
 /// Runs `calls` concurrently; the first error raises `cancel` (so rank 0 stops waiting for a
 /// collective that engine will never join) and is returned.
-async fn fan_out<F>(
-    cancel: &AtomicBool,
-    calls: impl Iterator<Item = F>,
-) -> Result<(), NcclSyncError>
+async fn fan_out<F>(cancel: &AtomicBool, calls: impl Iterator<Item = F>) -> Result<()>
 where
-    F: Future<Output = Result<(), NcclSyncError>>,
+    F: Future<Output = Result<()>>,
 {
     futures::future::try_join_all(calls.map(|call| async {
         let result = call.await;
@@ -281,13 +275,13 @@ where
 /// with the `engines`' HTTP `calls`, which return only once their side of it is done. The first
 /// engine to fail raises the flag `gpu`'s waits poll, so rank 0 stops waiting for a peer that
 /// will not join and aborts the communicator.
-async fn collective<T: Send + 'static, F: Future<Output = Result<(), NcclSyncError>>>(
+async fn collective<T: Send + 'static, F: Future<Output = Result<()>>>(
     step: Step,
     timeout: Duration,
     engines: &[EngineControl],
-    gpu: impl FnOnce(&Deadline) -> Result<T, NcclSyncError> + Send + 'static,
+    gpu: impl FnOnce(&Deadline) -> Result<T> + Send + 'static,
     calls: impl Iterator<Item = F>,
-) -> Result<T, NcclSyncError> {
+) -> Result<T> {
     let urls: Vec<&str> = engines.iter().map(EngineControl::url).collect();
     let deadline = Deadline {
         at: Instant::now() + timeout,
@@ -311,7 +305,7 @@ fn bucket_plan<T: DeviceTensor>(
     tensors: &[(String, T)],
     ordinal: usize,
     wire: PackedWire,
-) -> Result<(BucketPlan, Vec<u64>), NcclSyncError> {
+) -> Result<(BucketPlan, Vec<u64>)> {
     let (mut metas, mut ptrs) = (Vec::new(), Vec::new());
     for (name, t) in tensors {
         let bad = |message: String| NcclSyncError::Tensor {
@@ -344,7 +338,7 @@ fn bucket_plan<T: DeviceTensor>(
 }
 
 /// Opens the device's primary context and mints the unique id.
-fn open(ordinal: usize) -> Result<(Arc<CudaContext>, UniqueId), NcclSyncError> {
+fn open(ordinal: usize) -> Result<(Arc<CudaContext>, UniqueId)> {
     let opening = format!("opening CUDA device {ordinal}");
     let ctx = CudaContext::new(ordinal).map_err(|e| cuda_error(Step::COMM_INIT, &opening, e))?;
     let id = cudarc::nccl::Id::new()
@@ -412,7 +406,7 @@ fn nonblocking_config() -> nccl_sys::ncclConfig_t {
 
 impl Comm {
     /// `ncclCommInitRankConfig`, non-blocking: returns at once; [`Comm::ready`] says when done.
-    fn start_init(id: &UniqueId, world_size: u32, rank: u32) -> Result<Self, NcclSyncError> {
+    fn start_init(id: &UniqueId, world_size: u32, rank: u32) -> Result<Self> {
         let mut config = nonblocking_config();
         let mut raw: nccl_sys::ncclComm_t = std::ptr::null_mut();
         let id = nccl_sys::ncclUniqueId {
@@ -433,7 +427,7 @@ impl Comm {
     }
 
     /// `Ok(true)` once the last call finished, `Ok(false)` while it is in progress.
-    fn ready(&self, step: Step) -> Result<bool, NcclSyncError> {
+    fn ready(&self, step: Step) -> Result<bool> {
         let mut state = nccl_sys::ncclResult_t::ncclSuccess;
         // SAFETY: `raw` is live; `state` is valid for the write.
         let status = unsafe { nccl_sys::ncclCommGetAsyncError(self.raw, &mut state) };
@@ -453,7 +447,7 @@ impl Comm {
         &self,
         step: Step,
         status: Result<nccl::NcclStatus, nccl::NcclError>,
-    ) -> Result<(), NcclSyncError> {
+    ) -> Result<()> {
         status
             .map(drop)
             .map_err(|e| NcclSyncError::nccl(step, describe(Some(self), e.0)))
@@ -499,7 +493,7 @@ impl Device {
         id: &UniqueId,
         world_size: u32,
         deadline: &Deadline,
-    ) -> Result<Self, NcclSyncError> {
+    ) -> Result<Self> {
         ctx.bind_to_thread()
             .map_err(|e| cuda_error(Step::COMM_INIT, "binding the CUDA context", e))?;
         let stream = ctx
@@ -518,7 +512,7 @@ impl Device {
     }
 
     /// One float32 element, all_reduce(SUM), as vLLM's `PyNcclCommunicator` does after init.
-    fn warm_up(&mut self, deadline: &Deadline) -> Result<(), NcclSyncError> {
+    fn warm_up(&mut self, deadline: &Deadline) -> Result<()> {
         let step = Step::WARM_UP;
         let mut one = self
             .stream
@@ -545,12 +539,7 @@ impl Device {
     }
 
     /// Broadcasts a bucket's chunks from rank 0, in order, reading each tensor at `ptrs`.
-    fn broadcast(
-        &mut self,
-        plan: &BucketPlan,
-        ptrs: &[u64],
-        deadline: &Deadline,
-    ) -> Result<(), NcclSyncError> {
+    fn broadcast(&mut self, plan: &BucketPlan, ptrs: &[u64], deadline: &Deadline) -> Result<()> {
         let step = Step::BROADCAST;
         self.ctx
             .bind_to_thread()
@@ -613,7 +602,7 @@ impl Device {
     }
 
     /// The packing buffer's address, grown to at least `bytes`.
-    fn pack_buffer(&mut self, bytes: usize) -> Result<u64, NcclSyncError> {
+    fn pack_buffer(&mut self, bytes: usize) -> Result<u64> {
         if self.pack.as_ref().is_none_or(|p| p.len() < bytes) {
             // Drop the old one first so both never sit in GPU memory together.
             self.pack = None;
@@ -627,7 +616,7 @@ impl Device {
     }
 
     /// Waits for everything queued on the stream.
-    fn wait_stream(&self, step: Step, deadline: &Deadline) -> Result<(), NcclSyncError> {
+    fn wait_stream(&self, step: Step, deadline: &Deadline) -> Result<()> {
         let event = self
             .stream
             .record_event(None)
@@ -647,16 +636,15 @@ fn wait(
     comm: &Comm,
     step: Step,
     deadline: &Deadline,
-    mut done: impl FnMut() -> Result<bool, NcclSyncError>,
-) -> Result<(), NcclSyncError> {
+    mut done: impl FnMut() -> Result<bool>,
+) -> Result<()> {
     loop {
         if comm.ready(step)? && done()? {
             return Ok(());
         }
         if deadline.cancel.load(Ordering::Acquire) {
-            return Err(NcclSyncError::Broken(format!(
-                "an engine failed during {step}"
-            )));
+            let why = format!("an engine failed during {step}");
+            return Err(NcclSyncError::Broken(why));
         }
         if Instant::now() >= deadline.at {
             let (timeout, engines) = (deadline.timeout, deadline.engines.clone());
@@ -863,7 +851,7 @@ mod tests {
         };
         let cancel = AtomicBool::new(false);
         let calls = vec![
-            Box::pin(std::future::pending::<Result<(), NcclSyncError>>())
+            Box::pin(std::future::pending::<Result<()>>())
                 as std::pin::Pin<Box<dyn Future<Output = _> + Send>>,
             Box::pin(async move { Err(refused()) }),
         ];

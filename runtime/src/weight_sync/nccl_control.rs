@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::nccl_handshake::{finish_body, NcclInitInfo, NcclSyncError, Step};
+use super::nccl_handshake::{finish_body, NcclInitInfo, NcclSyncError, Result, Step};
 use super::Control;
 use crate::auth::CallError;
 use crate::engine::api::UpdateInfo;
@@ -55,7 +55,7 @@ impl EngineControl {
     }
 
     /// `GET /get_world_size` → `{"world_size": n}` (tp · pp · dp in vLLM).
-    pub async fn world_size(&self) -> Result<u32, NcclSyncError> {
+    pub async fn world_size(&self) -> Result<u32> {
         let step = Step::GET_WORLD_SIZE;
         let body = self.call(step, None).await?;
         body.get("world_size")
@@ -67,12 +67,12 @@ impl EngineControl {
     /// `POST /init_weight_transfer_engine {init_info}`; returns once the engine's ranks joined
     /// the communicator and ran the warm-up all_reduce, so it must run concurrently with rank 0's
     /// own init.
-    pub async fn init(&self, init_info: &NcclInitInfo) -> Result<(), NcclSyncError> {
+    pub async fn init(&self, init_info: &NcclInitInfo) -> Result<()> {
         let body = json!({ "init_info": init_info });
         self.call(Step::INIT_TRANSFER, Some(body)).await.map(drop)
     }
 
-    pub async fn start_update(&self) -> Result<(), NcclSyncError> {
+    pub async fn start_update(&self) -> Result<()> {
         self.call(Step::START_UPDATE, Some(json!({})))
             .await
             .map(drop)
@@ -80,12 +80,12 @@ impl EngineControl {
 
     /// `POST /update_weights {update_info}`; returns once the bucket's broadcasts landed, so it
     /// must run concurrently with rank 0's broadcasts.
-    pub async fn update_weights(&self, update_info: &UpdateInfo) -> Result<(), NcclSyncError> {
+    pub async fn update_weights(&self, update_info: &UpdateInfo) -> Result<()> {
         let body = json!({ "update_info": update_info });
         self.call(Step::UPDATE_WEIGHTS, Some(body)).await.map(drop)
     }
 
-    pub async fn finish_update(&self, weight_version: u64) -> Result<(), NcclSyncError> {
+    pub async fn finish_update(&self, weight_version: u64) -> Result<()> {
         let body = finish_body(weight_version);
         self.call(Step::FINISH_UPDATE, Some(body)).await.map(drop)
     }
@@ -101,11 +101,8 @@ impl EngineControl {
     /// The request `step` names, with `body`, bounded by the timeout of its kind; a refusal
     /// carries the engine's own message (vLLM answers `{"error": ...}` or FastAPI's
     /// `{"detail": ...}`).
-    async fn call(&self, step: Step, body: Option<Value>) -> Result<Value, NcclSyncError> {
-        let (method, path) = step
-            .0
-            .split_once(' ')
-            .expect("an engine call's request line");
+    async fn call(&self, step: Step, body: Option<Value>) -> Result<Value> {
+        let (method, path) = (step.0.split_once(' ')).expect("an engine call's request line");
         let method = reqwest::Method::from_bytes(method.as_bytes()).expect("GET or POST");
         let timeout = match step {
             Step::INIT_TRANSFER | Step::UPDATE_WEIGHTS => self.timeouts.transfer,

@@ -102,6 +102,9 @@ pub enum NcclSyncError {
     Broken(String),
 }
 
+/// The NCCL data plane's results: an [`NcclSyncError`] unless said otherwise.
+pub type Result<T, E = NcclSyncError> = std::result::Result<T, E>;
+
 impl NcclSyncError {
     /// NCCL or CUDA failed at `step`.
     pub fn nccl(step: Step, message: impl Into<String>) -> Self {
@@ -137,7 +140,7 @@ impl UniqueId {
     }
 
     /// Decodes `nccl_unique_id_b64` as vLLM does (`b64decode(validate=True)`, 128 bytes).
-    pub fn from_b64(b64: &str) -> Result<Self, NcclSyncError> {
+    pub fn from_b64(b64: &str) -> Result<Self> {
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(b64)
             .map_err(|e| {
@@ -174,7 +177,7 @@ impl Default for PackedWire {
 }
 
 impl PackedWire {
-    pub fn validate(&self) -> Result<(), NcclSyncError> {
+    pub fn validate(&self) -> Result<()> {
         let sizes = [
             ("packed_buffer_size_bytes", self.buffer_size_bytes),
             ("packed_num_buffers", self.num_buffers.into()),
@@ -207,19 +210,17 @@ pub fn init_infos(
     id: &UniqueId,
     engine_world_sizes: &[u32],
     wire: PackedWire,
-) -> Result<Vec<NcclInitInfo>, NcclSyncError> {
+) -> Result<Vec<NcclInitInfo>> {
     if engine_world_sizes.is_empty() {
-        return Err(NcclSyncError::Invalid(
-            "the NCCL weight transfer needs at least one engine".into(),
-        ));
+        let why = "the NCCL weight transfer needs at least one engine";
+        return Err(NcclSyncError::Invalid(why.into()));
     }
     let mut rank_offsets = Vec::with_capacity(engine_world_sizes.len());
     let mut next: u32 = 1;
     for (i, &size) in engine_world_sizes.iter().enumerate() {
         if size == 0 {
-            return Err(NcclSyncError::Invalid(format!(
-                "engine {i} reports world_size 0; it must be at least 1"
-            )));
+            let why = format!("engine {i} reports world_size 0; it must be at least 1");
+            return Err(NcclSyncError::Invalid(why));
         }
         rank_offsets.push(next);
         next = next
@@ -268,7 +269,7 @@ pub struct TensorMeta {
 
 impl TensorMeta {
     /// Its raw bytes: elements × dtype size.
-    pub fn byte_len(&self) -> Result<usize, NcclSyncError> {
+    pub fn byte_len(&self) -> Result<usize> {
         let bad = |message: String| NcclSyncError::Tensor {
             name: self.name.clone(),
             message,
@@ -341,12 +342,11 @@ pub struct BucketPlan {
 }
 
 impl BucketPlan {
-    pub fn new(tensors: Vec<TensorMeta>, wire: PackedWire) -> Result<Self, NcclSyncError> {
+    pub fn new(tensors: Vec<TensorMeta>, wire: PackedWire) -> Result<Self> {
         wire.validate()?;
         if tensors.is_empty() {
-            return Err(NcclSyncError::Invalid(
-                "an update_weights bucket needs at least one tensor".into(),
-            ));
+            let why = "an update_weights bucket needs at least one tensor";
+            return Err(NcclSyncError::Invalid(why.into()));
         }
         let lens = tensors
             .iter()

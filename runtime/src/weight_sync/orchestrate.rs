@@ -17,7 +17,7 @@ use std::time::Instant;
 use serde_json::json;
 
 use super::stream::{Bucket, WeightStream};
-use super::{Control, SyncError, SyncReport};
+use super::{Control, Result, SyncError, SyncReport};
 use crate::engine::weights::{
     update_info, TcpWeightSender, WeightListener, DEFAULT_PACKED_BUFFER_BYTES,
 };
@@ -47,7 +47,7 @@ impl WeightSync {
         }
     }
 
-    async fn world_size(&self) -> Result<usize, SyncError> {
+    async fn world_size(&self) -> Result<usize> {
         let world = self.control.get("get_world_size").await?;
         Ok(world["world_size"].as_u64().unwrap_or(1) as usize)
     }
@@ -55,7 +55,7 @@ impl WeightSync {
     /// Opens the TCP data plane: listens on `bind` (`127.0.0.1:0`, `0.0.0.0:29500`), tells every
     /// engine to connect to `advertise:port`, and waits for all of them. [`update_stream`](Self::update_stream)
     /// connects again by itself when engines joined or left since.
-    pub async fn connect_tcp(&mut self, bind: &str, advertise: &str) -> Result<(), SyncError> {
+    pub async fn connect_tcp(&mut self, bind: &str, advertise: &str) -> Result<()> {
         self.sender = None;
         let engines = self.world_size().await?;
         let listen = |e| SyncError::Listen(bind.to_string(), e);
@@ -69,11 +69,8 @@ impl WeightSync {
         self.control
             .post("init_weight_transfer_engine", init)
             .await?;
-        let sender = accept
-            .await
-            .map_err(SyncError::at("accept"))?
-            .map_err(SyncError::at("accept"))?;
-        self.sender = Some(sender);
+        let accepted = accept.await.map_err(SyncError::at("accept"))?;
+        self.sender = Some(accepted.map_err(SyncError::at("accept"))?);
         self.plane = Some((bind.to_string(), advertise.to_string(), engines));
         Ok(())
     }
@@ -86,7 +83,7 @@ impl WeightSync {
         weights: WeightStream,
         version: u64,
         partial_rollout: bool,
-    ) -> Result<SyncReport, SyncError> {
+    ) -> Result<SyncReport> {
         let (bind, advertise, ranks) = self.plane.clone().ok_or(SyncError::NotConnected)?;
         // Engines joined or left (or a failed transfer dropped the stream): connect again.
         if self.sender.is_none() || self.world_size().await? != ranks {
@@ -113,11 +110,7 @@ impl WeightSync {
     }
 
     /// Start, each bucket as it comes, finish (only once the stream ended whole); what was sent.
-    async fn transfer(
-        &mut self,
-        mut weights: WeightStream,
-        version: u64,
-    ) -> Result<SyncReport, SyncError> {
+    async fn transfer(&mut self, mut weights: WeightStream, version: u64) -> Result<SyncReport> {
         self.control.post("start_weight_update", json!({})).await?;
         let mut sent = SyncReport::default();
         while let Some(pieces) = weights.next_split(self.bucket_bytes).await? {
@@ -132,7 +125,7 @@ impl WeightSync {
         Ok(sent)
     }
 
-    async fn send_bucket(&mut self, bucket: Bucket) -> Result<(), SyncError> {
+    async fn send_bucket(&mut self, bucket: Bucket) -> Result<()> {
         let body = json!({"update_info": update_info(&bucket)});
         let mut sender = self.sender.take().ok_or(SyncError::NotConnected)?;
         let flush = self.packed_buffer_bytes;

@@ -9,10 +9,13 @@
 //!   ([`FolderPublisher`]); vLLM (CPU or GPU) and the built-in engine.
 //! - [`WeightTransport::Nccl`]: NCCL from the trainer's GPU to vLLM engines (cargo feature
 //!   `cuda`; not yet run on a GPU from here, docs/vllm.md).
+//! - A run on an EnginePool ([`PoolAdapter`]) uploads its adapter as a new name per version;
+//!   the shared engines never pause (docs/lora.md, "Engine pools").
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
-use moult_operator::api::{EngineBackend, EnginesSpec, WeightTransport};
+use moult_operator::api::{EngineBackend, EnginesSpec, RLRun, WeightTransport};
 use tch::{Device, Kind};
 use tokio_util::sync::CancellationToken;
 
@@ -21,7 +24,8 @@ use super::folder::FolderPublisher;
 use super::nccl::NcclPublisher;
 use super::orchestrate::WeightSync;
 use super::stream::WeightStream;
-use super::{SyncError, SyncReport};
+use super::{Control, SyncError, SyncReport};
+use crate::model::lora::{self, LoraConfig};
 use crate::trainer::train::Trainer;
 
 /// Where and how a trainer publishes.
@@ -41,28 +45,104 @@ pub struct PublishOptions {
     pub folder: Option<PathBuf>,
     /// The dtype engines hold weights in (what the Filesystem and NCCL transports send).
     pub engine_kind: Kind,
+    /// A run on an EnginePool: its adapter's uploads, whatever the transport.
+    pub pool: Option<PoolAdapter>,
+}
+
+/// A LoRA run's adapter on an EnginePool or vLLM engines, published for version `N` as
+/// `<run>-v<N>` through the router, which loads it on every engine and then names it in the
+/// run's requests (docs/lora.md).
+#[derive(Debug, Clone)]
+pub struct PoolAdapter {
+    pub run: String,
+    pub lora: LoraConfig,
+    /// The base model, as the adapter's `base_model_name_or_path` names it.
+    pub base: String,
+    /// vLLM engines: the folder (every engine reads it under this path) each version is written
+    /// to as a PEFT folder and loaded from; none: uploaded in the request (built-in engines).
+    pub folder: Option<PathBuf>,
+}
+
+impl PoolAdapter {
+    async fn upload(
+        &self,
+        to: &Control,
+        mut weights: WeightStream,
+        version: u64,
+    ) -> Result<SyncReport, SyncError> {
+        let (started, mut report, mut tensors) =
+            (Instant::now(), SyncReport::default(), Vec::new());
+        while let Some(bucket) = weights.next().await? {
+            report.count(&bucket);
+            tensors.extend(bucket);
+        }
+        let name = format!("{}-v{version}", self.run);
+        let request = match &self.folder {
+            None => {
+                let bytes = lora::adapter_bytes(&self.lora, &self.base, &tensors);
+                to.http
+                    .put(format!("{}/v1/adapters/{name}", to.url()))
+                    .body(bytes)
+            }
+            Some(root) => {
+                let dir = root.join(&name);
+                let written =
+                    lora::write_adapter(&dir, &self.lora, Path::new(&self.base), &tensors);
+                let what = "writing the adapter";
+                written.map_err(|e| SyncError::Write {
+                    what,
+                    path: dir.clone(),
+                    source: e.into(),
+                })?;
+                // vLLM may read a version again while it holds it: the oldest of five goes.
+                if let Some(old) = version.checked_sub(4) {
+                    let _ = std::fs::remove_dir_all(root.join(format!("{}-v{old}", self.run)));
+                }
+                let body = serde_json::json!({"lora_name": name, "lora_path": dir});
+                to.http
+                    .post(format!("{}/v1/load_lora_adapter", to.url()))
+                    .json(&body)
+            }
+        };
+        let answer = crate::auth::call::<serde_json::Value>(to.url(), request).await;
+        answer.map_err(|e| SyncError::Call("load adapter", e))?;
+        report.transfer = started.elapsed();
+        Ok(report)
+    }
 }
 
 impl PublishOptions {
-    /// The weight path the manifest's `engines` ask for, through `target`, for a model stored in
-    /// `model_dtype`: TCP listens on `listen` (host, port), the Filesystem transport writes to
-    /// `folder`.
+    /// The weight path the manifest's `engines` ask for (a run on an EnginePool: its adapter's
+    /// uploads), through `target`, for a model stored in `model_dtype`: TCP listens on `listen`
+    /// (host, port), the Filesystem transport writes to `folder`.
     pub fn new(
-        engines: &EnginesSpec,
+        run: &RLRun,
         model_dtype: Option<&str>,
         target: String,
         device: Device,
         (host, port): (String, u16),
         folder: Option<PathBuf>,
     ) -> Result<Self, SyncError> {
+        let (engines, model) = (&run.spec.engines, &run.spec.model);
+        let lora = model
+            .lora
+            .as_ref()
+            .filter(|_| run.spec.versioned_adapters());
+        let on_vllm = engines.pool_ref.is_none() && engines.backend == EngineBackend::Vllm;
         Ok(Self {
             target,
             transport: engines.transport(),
             device,
             host,
             port,
-            folder,
+            folder: folder.clone(),
             engine_kind: engine_kind(engines, model_dtype)?,
+            pool: lora.map(|lora| PoolAdapter {
+                run: run.metadata.name.clone().unwrap_or_default(),
+                lora: lora.into(),
+                base: model.path.clone(),
+                folder: folder.filter(|_| on_vllm),
+            }),
         })
     }
 }
@@ -70,6 +150,7 @@ impl PublishOptions {
 /// The weight path of a trainer.
 #[derive(Debug)]
 pub enum Publisher {
+    Pool(Control, PoolAdapter),
     Tcp(WeightSync),
     Filesystem(FolderPublisher),
     #[cfg(feature = "cuda")]
@@ -81,6 +162,9 @@ impl Publisher {
     /// when the combination cannot work, [`SyncError::Setup`] when the engines could not be
     /// reached (worth trying again).
     pub async fn connect(opts: &PublishOptions) -> Result<Self, SyncError> {
+        if let Some(pool) = &opts.pool {
+            return Ok(Self::Pool(Control::new(&opts.target), pool.clone()));
+        }
         match opts.transport {
             WeightTransport::Tcp => {
                 let mut sync = WeightSync::new(&opts.target);
@@ -166,6 +250,7 @@ impl Publisher {
         partial_rollout: bool,
     ) -> Result<SyncReport, SyncError> {
         match self {
+            Self::Pool(control, pool) => pool.upload(control, weights, version).await,
             Self::Tcp(sync) => sync.update_stream(weights, version, partial_rollout).await,
             Self::Filesystem(folder) => folder.update(weights, version, partial_rollout).await,
             #[cfg(feature = "cuda")]
@@ -217,6 +302,7 @@ mod tests {
             port: 0,
             folder: None,
             engine_kind: Kind::Float,
+            pool: None,
         }
     }
 

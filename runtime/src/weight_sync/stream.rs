@@ -7,7 +7,7 @@
 use tch::Tensor;
 use tokio::sync::mpsc;
 
-use super::SyncError;
+use super::{Result, SyncError};
 use crate::trainer::bytes_of;
 
 /// A bucket of tensors: shallow copies, so they can move to the sending thread.
@@ -81,20 +81,17 @@ impl WeightStream {
     }
 
     /// The next bucket; `None` once every bucket came, an error if the producer stopped short.
-    pub async fn next(&mut self) -> Result<Option<Bucket>, SyncError> {
+    pub async fn next(&mut self) -> Result<Option<Bucket>> {
         self.rx.recv().await.ok_or(SyncError::Gather)
     }
 
     /// [`WeightStream::next`] from a blocking thread.
-    pub fn blocking_next(&mut self) -> Result<Option<Bucket>, SyncError> {
+    pub fn blocking_next(&mut self) -> Result<Option<Bucket>> {
         self.rx.blocking_recv().ok_or(SyncError::Gather)
     }
 
     /// The next bucket split into pieces of about `bucket_bytes`.
-    pub async fn next_split(
-        &mut self,
-        bucket_bytes: usize,
-    ) -> Result<Option<Vec<Bucket>>, SyncError> {
+    pub async fn next_split(&mut self, bucket_bytes: usize) -> Result<Option<Vec<Bucket>>> {
         Ok(self.next().await?.map(|b| buckets(&b, bucket_bytes)))
     }
 }

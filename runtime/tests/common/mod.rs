@@ -236,6 +236,7 @@ pub fn engine_options() -> EngineOptions {
         threads: Some(1),
         // The packed path is the engine's on real models: test it (the trainer path is dense).
         packed_weights: Some(true),
+        pool: None,
     }
 }
 
@@ -309,9 +310,19 @@ pub fn moult() -> Command {
 /// and the URL. Its stdout stays open (a thread drains it) so later prints never hit a closed
 /// pipe.
 pub fn spawn_moult(args: &[&std::ffi::OsStr], banner: &str) -> (std::process::Child, String) {
+    spawn_moult_with(args, &[], banner)
+}
+
+/// [`spawn_moult`] with the environment variables `env` set.
+pub fn spawn_moult_with(
+    args: &[&std::ffi::OsStr],
+    env: &[(&str, &str)],
+    banner: &str,
+) -> (std::process::Child, String) {
     use std::io::{BufRead, BufReader};
     let mut child = moult()
         .args(args)
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()

@@ -66,24 +66,22 @@ pub fn cluster() -> &'static Cluster {
             "the test control plane is not running; start it with `bash scripts/test-cluster.sh up` ({})",
             String::from_utf8_lossy(&ready.stderr)
         );
-        let crd = format!("{ROOT}/crds/rlrun.yaml");
-        let applied = c.kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &crd]);
-        assert!(
-            applied.status.success(),
-            "applying the CRD: {}",
-            String::from_utf8_lossy(&applied.stderr)
-        );
-        let est = c.kubectl(&[
-            "wait",
-            "--for=condition=Established",
-            "crd/rlruns.moult.dev",
-            "--timeout=30s",
-        ]);
-        assert!(
-            est.status.success(),
-            "the CRD is not established: {}",
-            String::from_utf8_lossy(&est.stderr)
-        );
+        for (file, crd) in [("rlrun", "rlruns"), ("enginepool", "enginepools")] {
+            let file = format!("{ROOT}/crds/{file}.yaml");
+            let applied = c.kubectl(&["apply", "--server-side", "--force-conflicts", "-f", &file]);
+            assert!(
+                applied.status.success(),
+                "applying the CRD: {}",
+                String::from_utf8_lossy(&applied.stderr)
+            );
+            let crd = format!("crd/{crd}.moult.dev");
+            let est = c.kubectl(&["wait", "--for=condition=Established", &crd, "--timeout=30s"]);
+            assert!(
+                est.status.success(),
+                "the CRD is not established: {}",
+                String::from_utf8_lossy(&est.stderr)
+            );
+        }
         c
     })
 }

@@ -295,12 +295,23 @@ impl Engine {
         Ok(())
     }
 
+    /// Counts `tokens` computed for `job`'s pool run, if it has one.
+    fn charge(&self, job: &Job, tokens: u64) {
+        if let Some((run, _)) = &job.adapter.tenant {
+            self.status
+                .fairness
+                .lock()
+                .expect("fairness")
+                .charge(run, tokens);
+        }
+    }
+
     /// Drops the unloaded adapters no request runs with any more.
     fn drop_unused_adapters(&mut self) {
         let used = |slot: usize| {
             (self.running.iter().map(|s| &s.job))
                 .chain(&self.waiting)
-                .any(|j| j.adapter == Some(slot))
+                .any(|j| j.adapter.slot == Some(slot))
         };
         let (drop, keep): (Vec<usize>, Vec<usize>) =
             self.unloading.iter().partition(|&&slot| !used(slot));
@@ -363,7 +374,7 @@ impl Engine {
             );
         }
         // Its adapter was unloaded between the request's check and here.
-        if let Some(slot) = job.adapter {
+        if let Some(slot) = job.adapter.slot {
             let names = self.status.adapters.lock().expect("adapters");
             if !names.values().any(|&s| s == slot) {
                 drop(names);
@@ -384,14 +395,27 @@ impl Engine {
         self.waiting.push_back(job);
     }
 
+    /// Starts waiting requests while the batch has room: in order, or on a pool engine, the
+    /// next request of the run with the least recent usage (docs/lora.md, "Engine pools").
     fn admit(&mut self) {
         while self.running.len() < self.opts.max_batch {
-            let Some(job) = self.waiting.pop_front() else {
+            let next = match self.opts.pool {
+                None => Some(0).filter(|_| !self.waiting.is_empty()),
+                Some(_) => {
+                    let runs = self
+                        .waiting
+                        .iter()
+                        .map(|j| j.adapter.tenant.as_ref().map(|t| &t.0));
+                    self.status.fairness.lock().expect("fairness").next(runs)
+                }
+            };
+            let Some(job) = next.and_then(|i| self.waiting.remove(i)) else {
                 break;
             };
             if job.events.is_closed() {
                 continue;
             }
+            self.charge(&job, job.prompt.len() as u64);
             self.metrics.prompt_tokens.inc_by(job.prompt.len() as u64);
             let rng = match job.params.seed {
                 Some(seed) => ChaCha8Rng::seed_from_u64(seed),
@@ -583,7 +607,7 @@ impl Engine {
         // Each sequence's LoRA adapter (`None`: the served model itself).
         let adapters: Vec<Option<usize>> = (self.running.iter().zip(&plan))
             .filter(|(_, &n)| n > 0)
-            .map(|(s, _)| s.job.adapter)
+            .map(|(s, _)| s.job.adapter.slot)
             .collect();
         let out = tch::no_grad(|| {
             self.model
@@ -673,6 +697,13 @@ impl Engine {
             };
             seq.tokens.push(s.token);
             self.metrics.generation_tokens.inc();
+            if let Some((run, _)) = &seq.job.adapter.tenant {
+                self.status
+                    .fairness
+                    .lock()
+                    .expect("fairness")
+                    .charge(run, 1);
+            }
             let logprob = TokenLogprob {
                 token_id: s.token,
                 logprob: s.logprob,
@@ -682,10 +713,14 @@ impl Engine {
                     .map(|(token_id, logprob)| TopLogprob { token_id, logprob })
                     .collect(),
             };
-            let _ = seq.job.events.send(Event::Token {
-                logprob,
-                version: self.version,
-            });
+            // A pool run's token carries its adapter's version (docs/lora.md, "Engine pools").
+            let version = seq
+                .job
+                .adapter
+                .tenant
+                .as_ref()
+                .map_or(self.version, |t| t.1);
+            let _ = seq.job.events.send(Event::Token { logprob, version });
             let out_len = seq.output_len();
             let stopped = out_len >= params.min_tokens
                 && (params.stop_token_ids.contains(&s.token)
