@@ -2153,6 +2153,9 @@ async fn cluster_two_runs_on_one_engine_pool_learn_their_tasks_and_share_it() {
     .map(|r| r["name"].as_str().unwrap().to_string())
     .collect();
     assert_eq!(runs, ["pool-down", "pool-up"]);
+    // `kubectl get` prints every run on the pool in its Runs column.
+    let table = ns.kubectl(&["get", "enginepool", "successor-pool"]);
+    assert!(table.contains("pool-down,pool-up"), "{table}");
     let http = reqwest::Client::new();
     let adapters = pool_adapters(&http, &ns).await;
     for run in ["pool-up", "pool-down"] {

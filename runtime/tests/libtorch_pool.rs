@@ -249,6 +249,54 @@ async fn libtorch_a_pool_run_uses_only_its_own_adapters() {
         share["runs"]["run-a"]["tokens"].as_u64().unwrap() >= 11,
         "{share}"
     );
+
+    // An abort with A's credential stops A's requests, never B's, even named by id: both wait
+    // in a paused engine, A aborts both ids, and only A's ends aborted.
+    let pool = Some(POOL_TOKEN);
+    let (status, text) = call(Method::POST, url("/pause?mode=keep"), pool, None).await;
+    assert_eq!(status, 200, "{text}");
+    let start = |id: &str, model: &str, cred: &str| {
+        let body = json!({"request_id": id, "token_ids": [1, 2, 3], "model": model,
+            "sampling_params": {"max_tokens": 3, "temperature": 1.0, "ignore_eos": true}});
+        let (url, cred) = (url("/inference/v1/generate"), cred.to_string());
+        tokio::spawn(async move {
+            let (status, text) = call(
+                Method::POST,
+                url,
+                Some(&cred),
+                Some(body.to_string().into()),
+            )
+            .await;
+            assert_eq!(status, 200, "{text}");
+            let resp: GenerateResponse = serde_json::from_str(&text).unwrap();
+            resp.choices[0].finish_reason.clone().unwrap()
+        })
+    };
+    let (on_a, on_b) = (
+        start("a-req", "run-a-v3", &a),
+        start("b-req", "run-b-v1", &b),
+    );
+    // Until both wait (the engine's gauge).
+    for _ in 0..200 {
+        let (_, text) = call(Method::GET, url("/metrics"), pool, None).await;
+        if text.lines().any(|l| l == "vllm:num_requests_waiting 2") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let ids = json!({"request_ids": ["a-req", "b-req"]}).to_string();
+    let (status, text) = call(
+        Method::POST,
+        url("/inference/v1/abort_requests"),
+        Some(&a),
+        Some(ids.into()),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = call(Method::POST, url("/resume"), pool, None).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(on_a.await.unwrap(), "abort", "A's own request is aborted");
+    assert_eq!(on_b.await.unwrap(), "length", "B's request runs to its end");
 }
 
 /// `moult pool`, stopped as Ctrl-C stops it (it stops its engines) when dropped.

@@ -46,7 +46,7 @@ use super::{EnginesSpec, ModelSpec};
         name = "Runs",
         type_ = "string",
         description = "the runs on the pool",
-        json_path = ".status.runs[*].name"
+        json_path = ".status.runNames"
     ),
     printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
     printcolumn(
@@ -123,6 +123,10 @@ pub struct EnginePoolStatus {
     /// The runs whose `spec.engines.poolRef` names the pool, by name.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub runs: Vec<PoolRun>,
+    /// The runs' names, comma-separated, as `kubectl get` prints them (a column shows one value
+    /// of a list only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_names: Option<String>,
     /// Ready, and Deleting while the pool waits for the runs that still name it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

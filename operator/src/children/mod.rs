@@ -22,8 +22,8 @@ pub use kueue::{
 pub use network::{default_dns, egress_to, NetworkPolicies};
 pub use pods::{quantity, DEFAULT_LIMITS, TMP_SIZE};
 pub use pool::{
-    pool_desired, pool_engine_selector, pool_engines_url, pool_secret_name, OnPool, PoolChildren,
-    POOL_CREDENTIAL_ENV, POOL_CREDENTIAL_KEY, POOL_ENGINES_ENV, POOL_NAME_ENV,
+    pool_desired, pool_engine_selector, pool_secret_name, OnPool, PoolChildren,
+    POOL_CREDENTIAL_ENV, POOL_CREDENTIAL_KEY,
 };
 pub use sandbox::{
     verifier, CORE_GROUP, EXTENSIONS_GROUP, POD_NAME_ENV, POD_UID_ENV, POOL_ENV, SANDBOX_PORT,

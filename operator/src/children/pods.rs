@@ -302,19 +302,24 @@ pub(crate) fn moult_env(ctx: &Ctx, credential: Credential) -> Vec<EnvVar> {
     vec![
         env("MOULT_CONFIG", &config_path()),
         env("HOME", "/tmp"),
-        EnvVar {
-            name: variable.into(),
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: name(&ctx.name, "token"),
-                    key: key.into(),
-                    optional: Some(false),
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        },
+        secret_env(variable, &name(&ctx.name, "token"), key),
     ]
+}
+
+/// The variable `variable` set from key `key` of the Secret `secret` (which must hold it).
+pub(crate) fn secret_env(variable: &str, secret: &str, key: &str) -> EnvVar {
+    EnvVar {
+        name: variable.into(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.into(),
+                key: key.into(),
+                optional: Some(false),
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
 }
 
 /// The security context of every container: non-root, no capabilities, no privilege

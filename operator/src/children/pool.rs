@@ -12,9 +12,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
-use k8s_openapi::api::core::v1::{
-    EnvVar, EnvVarSource, Secret, SecretKeySelector, Service, ServicePort, ServiceSpec,
-};
+use k8s_openapi::api::core::v1::{EnvVar, Secret, Service, ServicePort, ServiceSpec};
 use k8s_openapi::api::networking::v1::{
     NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
     NetworkPolicySpec,
@@ -24,8 +22,8 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use k8s_openapi::ByteString;
 use kube::{Resource, ResourceExt};
 
-use super::pods::{container, env, model_of, pod_template, tmp_size_of, PodOwner};
-use super::workloads::engine_pod;
+use super::pods::{env, model_of, pod_template, secret_env, tmp_size_of, PodOwner};
+use super::workloads::{builtin_engine, engine_pod};
 use super::{
     child, fnv1a, name, Child, ChildKind, Config, InvalidSpec, COMPONENT_LABEL, ENGINE_PORT,
     MANAGED_BY, MANAGED_BY_LABEL, ON_POOL_LABEL, POOL_LABEL, POOL_UID_LABEL, TOKEN_KEY,
@@ -34,10 +32,8 @@ use crate::api::{EngineBackend, EnginePool, SchedulingSpec};
 
 /// Key of a run's pool credential in the run's own Secret (`<run>-token`).
 pub const POOL_CREDENTIAL_KEY: &str = "pool-credential";
-/// The variables a run on a pool gets in its coordinator and trainer: the pool's name, its
-/// engines' address, and the run's credential for them.
-pub const POOL_NAME_ENV: &str = "MOULT_POOL";
-pub const POOL_ENGINES_ENV: &str = "MOULT_POOL_ENGINES";
+/// The variable holding a run's credential for its pool's engines, in its coordinator and trainer
+/// (they find the engines as a run finds its own, by the pool's labels).
 pub const POOL_CREDENTIAL_ENV: &str = "MOULT_POOL_CREDENTIAL";
 
 /// What a run on an EnginePool takes from it.
@@ -45,8 +41,6 @@ pub const POOL_CREDENTIAL_ENV: &str = "MOULT_POOL_CREDENTIAL";
 pub struct OnPool {
     /// The pool's name (in the run's namespace).
     pub name: String,
-    /// Its engines' address, [`pool_engines_url`].
-    pub engines: String,
     /// The run's credential, `credentials::pool_credential(pool token, run)`.
     pub credential: String,
 }
@@ -54,11 +48,9 @@ pub struct OnPool {
 impl OnPool {
     /// What the run `run` takes from `pool`, whose token is `pool_token`.
     pub fn new(pool: &EnginePool, pool_token: &str, run: &str) -> OnPool {
-        let name = pool.name_any();
         OnPool {
-            engines: pool_engines_url(&name, &pool.namespace().unwrap_or_default()),
+            name: pool.name_any(),
             credential: crate::credentials::pool_credential(pool_token, run),
-            name,
         }
     }
 }
@@ -72,12 +64,6 @@ pub fn pool_secret_name(pool: &str) -> String {
 const ENGINES: &str = "engines";
 /// The component label of a pool's engine pods, as of a run's.
 const COMPONENT: &str = "engine";
-
-/// Where the runs on pool `pool` in namespace `ns` reach its engines: the headless Service, whose
-/// name resolves to every ready engine.
-pub fn pool_engines_url(pool: &str, ns: &str) -> String {
-    format!("http://{}.{ns}.svc:{ENGINE_PORT}", name(pool, ENGINES))
-}
 
 /// The label selector of a pool's engine pods (the scale subresource's selector).
 pub fn pool_engine_selector(pool: &str) -> String {
@@ -232,50 +218,20 @@ fn engines(ctx: &PoolCtx) -> StatefulSet {
     let spec = &ctx.pool.spec;
     let e = &spec.engines;
     let (model_volume, model_path) = model_of(&spec.model);
-    let mut args = vec![
-        "engine".to_string(),
-        "--model".into(),
-        model_path,
-        "--host".into(),
-        "0.0.0.0".into(),
-        "--port".into(),
-        ENGINE_PORT.to_string(),
-        "--served-model-name".into(),
-        ctx.name.clone(),
-    ];
+    let mut flags = vec!["--served-model-name".into(), ctx.name.clone()];
     if let Some(len) = spec.model.max_model_len {
-        args.extend(["--max-model-len".into(), len.to_string()]);
+        flags.extend(["--max-model-len".into(), len.to_string()]);
     }
-    args.extend([
-        "--pool-max-adapters".into(),
-        spec.max_adapters.to_string(),
-        "--max-lora-rank".into(),
-        spec.max_rank.to_string(),
-    ]);
-    args.extend(e.extra_args.iter().cloned());
-    let image = e
-        .image
-        .clone()
-        .unwrap_or_else(|| ctx.config.images.runtime.clone());
-    let mut c = container("engine", &image, vec!["moult".into()], args);
+    flags.extend(["--pool-max-adapters".into(), spec.max_adapters.to_string()]);
+    flags.extend(["--max-lora-rank".into(), spec.max_rank.to_string()]);
+    let mut c = builtin_engine(e, ctx.config, model_path, flags);
     // No run config: the engine reads only its flags and the pool token.
     c.volume_mounts
         .get_or_insert_with(Vec::new)
         .retain(|m| m.name != "config");
     c.env = Some(vec![
         env("HOME", "/tmp"),
-        EnvVar {
-            name: "MOULT_TOKEN".into(),
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: pool_secret_name(&ctx.name),
-                    key: TOKEN_KEY.into(),
-                    optional: Some(false),
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        },
+        secret_env("MOULT_TOKEN", &pool_secret_name(&ctx.name), TOKEN_KEY),
     ]);
     let pod = engine_pod(e, c, None, model_volume);
     let mut labels = ctx.labels(Some(COMPONENT));
@@ -358,25 +314,10 @@ fn network_policy(ctx: &PoolCtx) -> NetworkPolicy {
     }
 }
 
-/// The variables of a run's coordinator and trainer on `pool`: its name, its engines' address,
-/// and the run's credential from the run's Secret (`secret`, key [`POOL_CREDENTIAL_KEY`]).
-pub(crate) fn run_env(pool: &OnPool, secret: &str) -> Vec<EnvVar> {
-    vec![
-        env(POOL_NAME_ENV, &pool.name),
-        env(POOL_ENGINES_ENV, &pool.engines),
-        EnvVar {
-            name: POOL_CREDENTIAL_ENV.into(),
-            value_from: Some(EnvVarSource {
-                secret_key_ref: Some(SecretKeySelector {
-                    name: secret.into(),
-                    key: POOL_CREDENTIAL_KEY.into(),
-                    optional: Some(false),
-                }),
-                ..EnvVarSource::default()
-            }),
-            ..EnvVar::default()
-        },
-    ]
+/// The variable of a run's coordinator and trainer on a pool: the run's credential from the run's
+/// Secret (`secret`, key [`POOL_CREDENTIAL_KEY`]).
+pub(crate) fn credential_env(secret: &str) -> EnvVar {
+    secret_env(POOL_CREDENTIAL_ENV, secret, POOL_CREDENTIAL_KEY)
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use super::pods::{
     Credential, CHECKPOINT_DIR, MOULT_BIN_SIZE, SHM_SIZE, TERMINATION_MESSAGE_POLICY, WEIGHTS_DIR,
 };
 use super::{
-    name, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, SANDBOX_ENV, SANDBOX_SOCKET,
+    name, Config, Ctx, COORDINATOR_PORT, ENGINE_PORT, METRICS_PORT, SANDBOX_ENV, SANDBOX_SOCKET,
     TRAINER_RENDEZVOUS_PORT, WEIGHT_STREAM_PORT,
 };
 use crate::api::{AgentForm, AgentSpec, EngineBackend, EnginesSpec, RLRunSpec, WeightTransport};
@@ -200,7 +200,7 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
     let component = role.component();
     // The trainer sends weights to the policy's engines only (the weight transport's volume).
     let weight_updates = role == EngineRole::Policy;
-    let (image, command, args, env_vars) = match e.backend {
+    let (mut c, env_vars) = match e.backend {
         EngineBackend::Vllm => {
             // vLLM checks no credential: it listens on the pod's loopback, behind the front.
             let args = vllm_args(
@@ -226,41 +226,17 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
             // The root filesystem is read-only: every cache vLLM and the libraries under it
             // write goes to /tmp (HOME is /tmp too, for those that follow it).
             env_vars.extend(VLLM_CACHES.iter().map(|(k, v)| env(k, v)));
-            (
-                image,
-                vec!["vllm".to_string(), "serve".to_string()],
-                args,
-                env_vars,
-            )
+            let command = vec!["vllm".to_string(), "serve".to_string()];
+            (container("engine", &image, command, args), env_vars)
         }
         EngineBackend::Builtin => {
-            let mut args = vec![
-                "engine".to_string(),
-                "--model".into(),
-                model_path,
-                "--host".into(),
-                "0.0.0.0".into(),
-                "--port".into(),
-                ENGINE_PORT.to_string(),
-            ];
             // A LoRA run's engines serve the base with the adapter weight updates write.
-            if let Some(lora) = spec.model.lora.as_ref().filter(|_| weight_updates) {
-                args.extend(["--lora".into(), lora.adapter().to_string()]);
-            }
-            args.extend(e.extra_args.iter().cloned());
-            let image = e
-                .image
-                .clone()
-                .unwrap_or_else(|| ctx.config.images.runtime.clone());
-            (
-                image,
-                vec!["moult".to_string()],
-                args,
-                moult_env(ctx, Credential::Run),
-            )
+            let lora = spec.model.lora.as_ref().filter(|_| weight_updates);
+            let flags = lora.map(|l| vec!["--lora".into(), l.adapter().to_string()]);
+            let c = builtin_engine(e, ctx.config, model_path, flags.unwrap_or_default());
+            (c, moult_env(ctx, Credential::Run))
         }
     };
-    let mut c = container("engine", &image, command, args);
     c.env = Some(env_vars);
     let front = (e.backend == EngineBackend::Vllm).then(|| engine_front(ctx));
     let volumes = [model_volume, weights(ctx, true).filter(|_| weight_updates)];
@@ -278,6 +254,24 @@ fn engine_pool(ctx: &Ctx, pool: EnginePool) -> StatefulSet {
         },
         ..StatefulSet::default()
     }
+}
+
+/// `moult engine` on `model_path`, listening on the engine port, with `flags` and then
+/// `engines.extraArgs`, in `engines.image` or the runtime image. Shared by a run's built-in
+/// engines and an EnginePool's.
+pub(crate) fn builtin_engine(
+    e: &EnginesSpec,
+    config: &Config,
+    model_path: String,
+    flags: Vec<String>,
+) -> Container {
+    let mut args = vec!["engine".to_string(), "--model".into(), model_path];
+    args.extend(["--host".into(), "0.0.0.0".into()]);
+    args.extend(["--port".into(), ENGINE_PORT.to_string()]);
+    args.extend(flags);
+    args.extend(e.extra_args.iter().cloned());
+    let image = e.image.as_ref().unwrap_or(&config.images.runtime);
+    container("engine", image, vec!["moult".into()], args)
 }
 
 /// An engine pod: the engine container `c` with `e`'s resources and GPUs, its probes,
@@ -462,9 +456,9 @@ pub(crate) fn trainer(ctx: &Ctx) -> StatefulSet {
     // it ends rather than be killed (docs/operator.md, "Stopping, suspending, preempting").
     let grace = t.grace_seconds();
     env_vars.push(env("MOULT_STOP_SECONDS", &(grace - 5).to_string()));
-    if let Some(pool) = ctx.pool {
+    if ctx.pool.is_some() {
         // The trainer sends the adapter to the pool's engines, as the run.
-        env_vars.extend(super::pool::run_env(pool, &name(&ctx.name, "token")));
+        env_vars.push(super::pool::credential_env(&name(&ctx.name, "token")));
     }
     env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);
@@ -571,9 +565,9 @@ pub(crate) fn coordinator(ctx: &Ctx) -> Deployment {
     if served_teacher(ctx).is_some() {
         env_vars.push(env("MOULT_TEACHER_ENGINES", &name(&ctx.name, "teacher")));
     }
-    if let Some(pool) = ctx.pool {
+    if ctx.pool.is_some() {
         // It routes the run's generations to the pool's engines, as the run.
-        env_vars.extend(super::pool::run_env(pool, &name(&ctx.name, "token")));
+        env_vars.push(super::pool::credential_env(&name(&ctx.name, "token")));
     }
     env_vars.extend(moult_env(ctx, Credential::Run));
     c.env = Some(env_vars);

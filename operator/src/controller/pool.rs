@@ -238,8 +238,9 @@ pub fn pool_status(
         cond("Ready", false, "EnginesNotReady", &msg)
     };
     let mut conditions = vec![ready];
+    let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
+    let run_names = (!names.is_empty()).then(|| names.join(","));
     if pool.meta().deletion_timestamp.is_some() {
-        let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
         conditions.push(if names.is_empty() {
             cond("Deleting", true, "NoRuns", "no run names the pool: it is being deleted")
         } else {
@@ -255,6 +256,7 @@ pub fn pool_status(
         ready: Some(format!("{}/{desired}", r.ready)),
         selector: Some(children::pool_engine_selector(&name)),
         runs,
+        run_names,
         conditions: conditions
             .into_iter()
             .map(|c| stamp(c, &old.conditions, generation, now))

@@ -185,7 +185,8 @@ pub struct Job {
 
 enum Command {
     Generate(Job),
-    Abort(Vec<String>),
+    /// The requests to abort, and the pool run whose they must be (none: anyone's).
+    Abort(Vec<String>, Option<Arc<str>>),
     Pause(PauseMode, oneshot::Sender<()>),
     Resume(oneshot::Sender<()>),
     /// Applies the update and hands the (emptied) buffer back for reuse.
@@ -406,8 +407,14 @@ impl EngineHandle {
         wait.await.map_err(|_| closed())?
     }
 
-    pub fn abort(&self, request_ids: Vec<String>) -> Result<(), ApiError> {
-        self.send(Command::Abort(request_ids))
+    /// Aborts the requests `request_ids`; with `tenant`, only those of that pool run (a run on
+    /// an EnginePool stops its own requests, never another's).
+    pub fn abort(
+        &self,
+        request_ids: Vec<String>,
+        tenant: Option<Arc<str>>,
+    ) -> Result<(), ApiError> {
+        self.send(Command::Abort(request_ids, tenant))
     }
 
     /// Pauses; returns once the pause took effect (for `wait`, once in-flight requests finished).

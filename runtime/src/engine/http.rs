@@ -450,10 +450,12 @@ fn stream_events(
 
 async fn abort_requests(
     State(state): State<Arc<AppState>>,
+    tenant: Option<Extension<Tenant>>,
     body: Bytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let req: AbortRequest = parse(&body)?;
-    state.engine.abort(req.request_ids)?;
+    let tenant = tenant.map(|Extension(Tenant(run))| run);
+    state.engine.abort(req.request_ids, tenant)?;
     Ok(Json(json!({})))
 }
 

@@ -163,10 +163,6 @@ fn pool_engines_are_built_in_engines_with_the_pools_adapter_flags() {
     let svc = c.service.spec.as_ref().unwrap();
     assert_eq!(svc.cluster_ip.as_deref(), Some("None"));
     assert_eq!(svc.selector.as_ref(), Some(&selector));
-    assert_eq!(
-        pool_engines_url("qwen3-8b", "research"),
-        "http://qwen3-8b-engines.research.svc:8000"
-    );
 }
 
 #[test]
@@ -298,13 +294,6 @@ fn a_runs_coordinator_and_trainer_get_the_pool_and_its_agents_do_not() {
     let trainer = c.trainer.spec.template.clone();
     for (role, t) in [("coordinator", &coordinator), ("trainer", &trainer)] {
         let container = &t.spec.as_ref().unwrap().containers[0];
-        let value = |n: &str| env_of(container, n).and_then(|e| e.value.clone());
-        assert_eq!(value(POOL_NAME_ENV).as_deref(), Some("qwen3-8b"), "{role}");
-        assert_eq!(
-            value(POOL_ENGINES_ENV).as_deref(),
-            Some("http://qwen3-8b-engines.research.svc:8000"),
-            "{role}"
-        );
         let credential = env_of(container, POOL_CREDENTIAL_ENV).unwrap();
         assert_eq!(
             secret_ref(credential),
@@ -319,9 +308,7 @@ fn a_runs_coordinator_and_trainer_get_the_pool_and_its_agents_do_not() {
     assert_eq!(engines.value.as_deref(), Some("qwen3-8b-engines"));
     let agents = c.agents.spec.template.clone();
     for container in &agents.spec.as_ref().unwrap().containers {
-        for name in [POOL_NAME_ENV, POOL_ENGINES_ENV, POOL_CREDENTIAL_ENV] {
-            assert!(env_of(container, name).is_none(), "{name}");
-        }
+        assert!(env_of(container, POOL_CREDENTIAL_ENV).is_none());
     }
     let labels = agents.metadata.unwrap().labels.unwrap();
     assert!(

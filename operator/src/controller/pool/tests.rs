@@ -32,7 +32,6 @@ fn a_run_takes_its_credential_from_an_existing_pool_with_its_model() {
     assert_eq!(issue, None);
     let on = on.unwrap();
     assert_eq!(on.name, "qwen3-8b");
-    assert_eq!(on.engines, "http://qwen3-8b-engines.research.svc:8000");
     assert_eq!(
         crate::credentials::pool_run("pool-token", &on.credential),
         Some("gsm8k-lora-a")
@@ -224,6 +223,8 @@ fn a_deleted_pool_names_the_runs_it_waits_for() {
         },
     ];
     let s = pool_status(&p, Some(&engines(2, 2)), &[], runs, None, &now());
+    // `kubectl get enginepools` prints every run, not the first of the list.
+    assert_eq!(s.run_names.as_deref(), Some("gsm8k-lora-a,gsm8k-lora-b"));
     let deleting = condition(&s, "Deleting").unwrap();
     assert_eq!(
         (deleting.status.as_str(), deleting.reason.as_str()),
@@ -238,6 +239,7 @@ fn a_deleted_pool_names_the_runs_it_waits_for() {
     );
     let s = pool_status(&p, Some(&engines(2, 2)), &[], vec![], None, &now());
     assert_eq!(condition(&s, "Deleting").unwrap().reason, "NoRuns");
+    assert_eq!(s.run_names, None);
 }
 
 #[test]

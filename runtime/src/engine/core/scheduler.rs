@@ -205,9 +205,16 @@ impl Engine {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Generate(job) => self.accept(job),
-            Command::Abort(ids) => {
+            Command::Abort(ids, tenant) => {
                 let ids: std::collections::HashSet<String> = ids.into_iter().collect();
-                self.finish_where(FinishReason::Abort, |id| ids.contains(id));
+                let ours = |job: &Job| match (&tenant, &job.adapter.tenant) {
+                    (None, _) => true,
+                    (Some(t), Some((run, _))) => run == t,
+                    (Some(_), None) => false,
+                };
+                self.finish_where(FinishReason::Abort, |job| {
+                    ids.contains(&job.id) && ours(job)
+                });
             }
             Command::Pause(mode, done) => match mode {
                 PauseMode::Keep => self.enter_pause(PauseMode::Keep, done),
@@ -463,11 +470,11 @@ impl Engine {
         }
     }
 
-    /// Ends every running or waiting request whose id matches, with its partial output.
-    fn finish_where(&mut self, reason: FinishReason, matches: impl Fn(&str) -> bool) {
+    /// Ends every running or waiting request that `matches`, with its partial output.
+    fn finish_where(&mut self, reason: FinishReason, matches: impl Fn(&Job) -> bool) {
         let mut i = 0;
         while i < self.running.len() {
-            if matches(&self.running[i].job.id) {
+            if matches(&self.running[i].job) {
                 let seq = self.remove(i);
                 self.finish(seq, reason);
             } else {
@@ -476,7 +483,7 @@ impl Engine {
         }
         let waiting = std::mem::take(&mut self.waiting);
         for job in waiting {
-            if matches(&job.id) {
+            if matches(&job) {
                 self.metrics.finished(reason);
                 let _ = job.events.send(Event::Finished {
                     reason,
