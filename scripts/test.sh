@@ -58,7 +58,26 @@ phase "docs: relative links and anchors" python3 scripts/check-docs.py
 # A ratchet on the RL path's size (docs/architecture.md): lower it as the path shrinks, never
 # raise it; the budget is 15,000.
 phase "the RL path's size" python3 scripts/rl_lines.py --budget 14969
-phase "cargo test" cargo test --workspace
+# The long tier: learning and end-to-end tests of minutes each, whose ground the tests that stay
+# also cover (docs/benchmarks.md, "The test command"). CI leaves them out to finish within its
+# time limit; MOULT_TESTS=all runs them too, as before changing what they cover.
+LONG_TESTS=(
+  libtorch_code_recipe_learns_to_pass_hidden_tests
+  libtorch_geometry_recipe_learns_to_read_the_figures
+  libtorch_distillation_from_a_served_teacher_is_exact_and_learns
+  libtorch_llama_policy_learns_the_main_recipe
+  libtorch_two_trainer_ranks_learn_the_main_recipe
+  cluster_run_with_vllm_engine_pods_trains_replaces_and_scales
+  cluster_run_with_a_judge_scores_every_batch_and_advances
+  cluster_run_with_a_served_teacher_distills_and_advances
+  cluster_run_with_two_trainer_ranks_trains_and_survives_a_killed_rank
+)
+SKIPS=()
+if [ "${MOULT_TESTS:-}" != all ]; then
+  for t in "${LONG_TESTS[@]}"; do SKIPS+=(--skip "$t"); done
+  echo "test: leaving out the long tier (${#LONG_TESTS[@]} tests; MOULT_TESTS=all runs them)"
+fi
+phase "cargo test" cargo test --workspace -- "${SKIPS[@]}"
 control_plane() {
   wait "$CP_PID" || { cat "$CP_LOG" >&2; echo "test: the control-plane build failed" >&2; return 1; }
   bash scripts/test-cluster.sh up >/dev/null
@@ -69,7 +88,8 @@ phase "operator cluster tests" \
   cargo test -p moult-operator --test cluster --test cluster_security --test chart_monitoring -- --ignored
 cluster_e2e() {
   cargo build -p moult-operator --bin moult-operator
-  cargo test -p moult-runtime --test cluster_kubelet --test cluster_run -- --ignored --test-threads 1
+  cargo test -p moult-runtime --test cluster_kubelet --test cluster_run -- --ignored --test-threads 1 \
+    "${SKIPS[@]}"
 }
 phase "cluster mode end to end (the operator's pods run as local processes of moult)" cluster_e2e
 phase "a copy of the tracked files alone runs the main job (README's first command)" \
