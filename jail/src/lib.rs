@@ -320,9 +320,11 @@ impl Jail {
             )
             .filter(|p| p.is_absolute() && p.exists())
             .map(Path::to_path_buf);
+        // Resolved (`..` and links): `runtime/../examples/env.py` is not inside `runtime/`.
         let mut readable: Vec<PathBuf> = (self.readable.iter().cloned())
             .chain([cwd.clone(), dir.clone()])
             .chain(named)
+            .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
             .filter(|p| scratch.iter().any(|s| p.starts_with(s)))
             .collect();
         // Outermost first, and nothing inside a folder already kept.

@@ -285,6 +285,17 @@ async fn kept_code_is_read_only_and_scratch_is_private() {
     assert!(!Path::new("/tmp/left-behind").exists());
     let ran = jailed(&jail, "cat /tmp/left-behind || echo gone", WALL).await;
     assert_eq!(ran.stdout, "gone");
+    // A file named through `..` from a kept folder (a test's cwd `runtime/`, its agent
+    // `runtime/../examples/env.py`, in a checkout under /tmp) is kept too.
+    let sibling = scratch_folder("sibling");
+    std::fs::write(sibling.join("env.py"), "print('env')\n").unwrap();
+    let through = (code.join("..").join(sibling.file_name().unwrap())).join("env.py");
+    let jail = Jail {
+        readable: vec![code.clone(), through.clone()],
+        ..Jail::default()
+    };
+    let ran = jailed(&jail, &format!("cat {}", through.display()), WALL).await;
+    assert_eq!(ran.stdout, "print('env')", "{}", ran.stderr);
 }
 
 async fn another_episode_is_out_of_sight() {
