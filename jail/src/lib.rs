@@ -320,11 +320,13 @@ impl Jail {
             )
             .filter(|p| p.is_absolute() && p.exists())
             .map(Path::to_path_buf);
-        // Resolved (`..` and links): `runtime/../examples/env.py` is not inside `runtime/`.
+        // Each as named (a link to outside the scratch, such as a virtualenv's python, is kept
+        // where it is named) and resolved (`runtime/../examples/env.py` is not inside `runtime/`).
         let mut readable: Vec<PathBuf> = (self.readable.iter().cloned())
             .chain([cwd.clone(), dir.clone()])
             .chain(named)
-            .map(|p| std::fs::canonicalize(&p).unwrap_or(p))
+            .flat_map(|p| [std::fs::canonicalize(&p).ok(), Some(p)])
+            .flatten()
             .filter(|p| scratch.iter().any(|s| p.starts_with(s)))
             .collect();
         // Outermost first, and nothing inside a folder already kept.
