@@ -70,7 +70,7 @@ pub struct Ctx {
     pub settings: Settings,
     pub metrics: Arc<Metrics>,
     recorder: Recorder,
-    /// Consecutive failures per run, for exponential backoff.
+    /// Consecutive failures per run or pool, for exponential backoff ([`Ctx::failed`]).
     failures: Mutex<HashMap<String, u32>>,
     /// The runs that exist (each controller's cache): per-run metrics of the others are dropped.
     runs: Vec<Store<DeserializeGuard<RLRun>>>,
@@ -338,10 +338,7 @@ async fn reconcile(guard: Arc<DeserializeGuard<RLRun>>, ctx: Arc<Ctx>) -> Result
         })
         .inc();
     if result.is_ok() {
-        ctx.failures
-            .lock()
-            .expect("not poisoned")
-            .remove(&key(guard.meta()));
+        ctx.succeeded(&key(guard.meta()));
     }
     result
 }
@@ -349,12 +346,25 @@ async fn reconcile(guard: Arc<DeserializeGuard<RLRun>>, ctx: Arc<Ctx>) -> Result
 /// Exponential backoff per run: 1 s, 2 s, 4 s, … up to 5 minutes.
 fn error_policy(guard: Arc<DeserializeGuard<RLRun>>, error: &Error, ctx: Arc<Ctx>) -> Action {
     let k = key(guard.meta());
-    let mut failures = ctx.failures.lock().expect("not poisoned");
-    let n = failures.entry(k.clone()).or_insert(0);
-    *n = n.saturating_add(1);
-    let delay = backoff(*n);
+    let delay = ctx.failed(&k);
     tracing::warn!(run = %k, error = %error, retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
+}
+
+impl Ctx {
+    /// Forgets the failures of the object with backoff key `key` (a run's or a pool's).
+    fn succeeded(&self, key: &str) {
+        self.failures.lock().expect("not poisoned").remove(key);
+    }
+
+    /// Counts one more failure of the object with backoff key `key`; how long to wait before
+    /// retrying it.
+    fn failed(&self, key: &str) -> Duration {
+        let mut failures = self.failures.lock().expect("not poisoned");
+        let n = failures.entry(key.to_string()).or_insert(0);
+        *n = n.saturating_add(1);
+        backoff(*n)
+    }
 }
 
 /// Delay before retrying a run that failed `failures` times in a row: 1 s doubling to 5 min.

@@ -288,10 +288,7 @@ pub(super) async fn reconcile(
         }
     };
     if result.is_ok() {
-        ctx.failures
-            .lock()
-            .expect("not poisoned")
-            .remove(&key(guard.meta()));
+        ctx.succeeded(&key(guard.meta()));
     }
     result
 }
@@ -308,10 +305,7 @@ pub(super) fn error_policy(
     ctx: Arc<Ctx>,
 ) -> Action {
     let k = key(guard.meta());
-    let mut failures = ctx.failures.lock().expect("not poisoned");
-    let n = failures.entry(k.clone()).or_insert(0);
-    *n = n.saturating_add(1);
-    let delay = super::backoff(*n);
+    let delay = ctx.failed(&k);
     tracing::warn!(pool = %k, error = %error, retry_in = ?delay, "reconcile failed");
     Action::requeue(delay)
 }
